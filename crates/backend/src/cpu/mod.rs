@@ -1,0 +1,300 @@
+//! The CPU backend: every op in `f32`, the reference every other backend is tested against.
+//!
+//! GEMMs go through the `gemm` crate; row-wise ops are parallel over rows with rayon. Nothing here
+//! trades accuracy for speed: statistics are accumulated in `f64` where a long sum would lose
+//! digits, so the CPU path tracks the float64 PyTorch reference to ~1e-6.
+
+mod attention;
+mod elementwise;
+mod matmul;
+mod norm;
+
+use tessera_core::{Error, Result, Weights};
+
+use crate::{
+    Activation, After, AttnSpec, Backend, Epilogue, Precision, QkvLayout, Role, RopeTable,
+    Segments, View, ViewMut,
+};
+
+/// The `f32` CPU backend.
+#[derive(Clone, Debug, Default)]
+pub struct CpuBackend {
+    _private: (),
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend { _private: () }
+    }
+}
+
+/// A CPU buffer: `f32` activations or `u32` indices.
+#[derive(Debug)]
+pub enum CpuBuf {
+    F32(Vec<f32>),
+    U32(Vec<u32>),
+}
+
+impl CpuBuf {
+    fn f32(&self) -> &[f32] {
+        match self {
+            CpuBuf::F32(v) => v,
+            CpuBuf::U32(_) => panic!("CPU backend: expected an f32 buffer, got an index buffer"),
+        }
+    }
+    fn f32_mut(&mut self) -> &mut [f32] {
+        match self {
+            CpuBuf::F32(v) => v,
+            CpuBuf::U32(_) => panic!("CPU backend: expected an f32 buffer, got an index buffer"),
+        }
+    }
+    fn u32(&self) -> &[u32] {
+        match self {
+            CpuBuf::U32(v) => v,
+            CpuBuf::F32(_) => panic!("CPU backend: expected an index buffer, got an f32 buffer"),
+        }
+    }
+}
+
+/// A weight matrix `[out, inner]`, row-major `f32`.
+pub struct CpuMat {
+    data: Vec<f32>,
+    out: usize,
+    inner: usize,
+}
+
+/// An embedding table left in the checkpoint's memory map, rows widened on lookup.
+pub struct CpuTable {
+    weights: Weights,
+    name: String,
+    dim: usize,
+    rows: usize,
+}
+
+/// Borrow the `f32` slice a view covers, after checking it lies inside the buffer.
+fn slice<'a>(v: &View<'a, CpuBackend>) -> &'a [f32] {
+    let data = v.buf.f32();
+    assert!(
+        v.end() <= data.len() && v.cols <= v.stride.max(v.cols),
+        "view out of bounds"
+    );
+    &data[v.offset..v.end()]
+}
+
+/// Split a mutable view into its rows (each `cols` long).
+fn rows_mut<'a>(
+    v: ViewMut<'a, CpuBackend>,
+) -> impl rayon::iter::IndexedParallelIterator<Item = &'a mut [f32]> {
+    use rayon::prelude::*;
+    let (offset, end, stride, cols) = (v.offset, v.end(), v.stride.max(1), v.cols);
+    let data = v.buf.f32_mut();
+    assert!(end <= data.len(), "view out of bounds");
+    data[offset..end]
+        .par_chunks_mut(stride)
+        .map(move |r| &mut r[..cols])
+}
+
+/// Iterate a view's rows.
+fn rows<'a>(
+    v: View<'a, CpuBackend>,
+) -> impl rayon::iter::IndexedParallelIterator<Item = &'a [f32]> {
+    use rayon::prelude::*;
+    let cols = v.cols;
+    slice(&v)
+        .par_chunks(v.stride.max(1))
+        .map(move |r| &r[..cols])
+}
+
+fn check_same_shape(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()> {
+    if a != b {
+        return Err(Error::backend(
+            op,
+            format!("shape mismatch: {}×{} vs {}×{}", a.0, a.1, b.0, b.1),
+        ));
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    type Buf = CpuBuf;
+    type Mat = CpuMat;
+    type Vector = Vec<f32>;
+    type Table = CpuTable;
+
+    fn describe(&self) -> String {
+        format!("cpu (f32, {} threads)", rayon::current_num_threads())
+    }
+
+    fn precision(&self) -> Precision {
+        Precision::F32
+    }
+
+    fn alloc(&self, len: usize, role: Role) -> Result<CpuBuf> {
+        Ok(match role {
+            Role::Index => CpuBuf::U32(vec![0; len]),
+            Role::Stream | Role::Compute => CpuBuf::F32(vec![0.0; len]),
+        })
+    }
+
+    fn write_f32(&self, dst: &mut CpuBuf, src: &[f32]) -> Result<()> {
+        let d = dst.f32_mut();
+        if src.len() > d.len() {
+            return Err(Error::backend("write_f32", "source longer than buffer"));
+        }
+        d[..src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn write_u32(&self, dst: &mut CpuBuf, src: &[u32]) -> Result<()> {
+        match dst {
+            CpuBuf::U32(d) if d.len() >= src.len() => {
+                d[..src.len()].copy_from_slice(src);
+                Ok(())
+            }
+            _ => Err(Error::backend(
+                "write_u32",
+                "not an index buffer of that length",
+            )),
+        }
+    }
+
+    fn read_f32(&self, src: View<'_, Self>) -> Result<Vec<f32>> {
+        use rayon::prelude::*;
+        Ok(rows(src).flat_map_iter(|r| r.iter().copied()).collect())
+    }
+
+    fn matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<CpuMat> {
+        let out: usize = parts.iter().map(|p| p.1).sum();
+        let mut data = Vec::with_capacity(out * inner);
+        for (values, rows) in parts {
+            if values.len() != rows * inner {
+                return Err(Error::backend(
+                    "matrix",
+                    format!("part has {} values, expected {rows}×{inner}", values.len()),
+                ));
+            }
+            data.extend_from_slice(values);
+        }
+        Ok(CpuMat { data, out, inner })
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+
+    fn table(&self, weights: &Weights, name: &str, shape: [usize; 2]) -> Result<CpuTable> {
+        weights.get(name, &shape)?;
+        Ok(CpuTable {
+            weights: weights.clone(),
+            name: name.to_string(),
+            rows: shape[0],
+            dim: shape[1],
+        })
+    }
+
+    fn embed(
+        &self,
+        table: &CpuTable,
+        ids: &CpuBuf,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        elementwise::embed(table, ids.u32(), scale, out)
+    }
+
+    fn matmul(
+        &self,
+        x: View<'_, Self>,
+        w: &CpuMat,
+        out: ViewMut<'_, Self>,
+        ep: Epilogue,
+    ) -> Result<()> {
+        matmul::matmul(x, w, out, ep)
+    }
+
+    fn rms_norm(
+        &self,
+        x: View<'_, Self>,
+        w: Option<&Vec<f32>>,
+        eps: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        norm::rms_norm(x, w.map(Vec::as_slice), eps, out)
+    }
+
+    fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
+        use rayon::prelude::*;
+        check_same_shape("cast", (x.rows, x.cols), (out.rows, out.cols))?;
+        rows_mut(out)
+            .zip(rows(x))
+            .for_each(|(o, r)| o.copy_from_slice(r));
+        Ok(())
+    }
+
+    fn residual_norm(
+        &self,
+        h: ViewMut<'_, Self>,
+        y: View<'_, Self>,
+        post: Option<&Vec<f32>>,
+        scale: f32,
+        after: After<'_, Self>,
+        eps: f32,
+    ) -> Result<()> {
+        norm::residual_norm(h, y, post.map(Vec::as_slice), scale, after, eps)
+    }
+
+    fn qkv_norm_rope(
+        &self,
+        qkv: ViewMut<'_, Self>,
+        layout: QkvLayout,
+        q_w: Option<&Vec<f32>>,
+        k_w: Option<&Vec<f32>>,
+        v_norm: bool,
+        eps: f32,
+        rope: Option<(&RopeTable<Self>, &CpuBuf)>,
+    ) -> Result<()> {
+        norm::qkv_norm_rope(
+            qkv,
+            layout,
+            q_w.map(Vec::as_slice),
+            k_w.map(Vec::as_slice),
+            v_norm,
+            eps,
+            rope.map(|(t, p)| (t, p.u32())),
+        )
+    }
+
+    fn attention(
+        &self,
+        q: View<'_, Self>,
+        k: View<'_, Self>,
+        v: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        spec: &AttnSpec,
+        segs: &Segments<Self>,
+    ) -> Result<()> {
+        attention::attention(q, k, v, out, spec, &segs.offsets)
+    }
+
+    fn gated(
+        &self,
+        gate: View<'_, Self>,
+        up: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        act: Activation,
+    ) -> Result<()> {
+        elementwise::gated(gate, up, out, act)
+    }
+
+    fn segment_mean(
+        &self,
+        x: View<'_, Self>,
+        segs: &Segments<Self>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        elementwise::segment_mean(x, &segs.offsets, out)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testutil;

@@ -1,0 +1,340 @@
+//! RMSNorm in its three shapes: plain rows, the fused sandwich residual step, and per-head norms
+//! of a packed q|k|v row followed by rotary embeddings.
+
+use rayon::prelude::*;
+use tessera_core::{Error, Result};
+
+use super::{CpuBackend, check_same_shape, rows, rows_mut};
+use crate::{After, QkvLayout, RopeStyle, RopeTable, View, ViewMut};
+
+/// `(mean(x²) + eps)^-½`, the sum taken in `f64`.
+#[inline]
+pub(super) fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    (1.0 / (ss / x.len() as f64 + eps as f64).sqrt()) as f32
+}
+
+#[inline]
+fn norm_into(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let inv = inv_rms(x, eps);
+    match w {
+        Some(w) => {
+            for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+                *o = v * inv * g;
+            }
+        }
+        None => {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = v * inv;
+            }
+        }
+    }
+}
+
+fn check_weight(op: &str, w: Option<&[f32]>, cols: usize) -> Result<()> {
+    match w {
+        Some(w) if w.len() != cols => Err(Error::backend(
+            op,
+            format!("weight has {} entries for rows of {cols}", w.len()),
+        )),
+        _ => Ok(()),
+    }
+}
+
+pub(super) fn rms_norm(
+    x: View<'_, CpuBackend>,
+    w: Option<&[f32]>,
+    eps: f32,
+    out: ViewMut<'_, CpuBackend>,
+) -> Result<()> {
+    check_same_shape("rms_norm", (x.rows, x.cols), (out.rows, out.cols))?;
+    check_weight("rms_norm", w, x.cols)?;
+    rows_mut(out)
+        .zip(rows(x))
+        .for_each(|(o, r)| norm_into(r, w, eps, o));
+    Ok(())
+}
+
+pub(super) fn residual_norm(
+    h: ViewMut<'_, CpuBackend>,
+    y: View<'_, CpuBackend>,
+    post: Option<&[f32]>,
+    scale: f32,
+    after: After<'_, CpuBackend>,
+    eps: f32,
+) -> Result<()> {
+    check_same_shape("residual_norm", (h.rows, h.cols), (y.rows, y.cols))?;
+    check_weight("residual_norm", post, h.cols)?;
+    let step = |hr: &mut [f32], yr: &[f32]| {
+        let inv = inv_rms(yr, eps);
+        for (j, (hv, &yv)) in hr.iter_mut().zip(yr).enumerate() {
+            let n = yv * inv * post.map_or(1.0, |w| w[j]);
+            *hv = (*hv + n) * scale;
+        }
+    };
+    let (next_w, out) = match after {
+        After::Nothing => {
+            rows_mut(h).zip(rows(y)).for_each(|(hr, yr)| step(hr, yr));
+            return Ok(());
+        }
+        After::Norm(w, out) => {
+            check_weight("residual_norm", Some(w.as_slice()), h.cols)?;
+            (Some(w.as_slice()), out)
+        }
+        After::Copy(out) => (None, out),
+    };
+    check_same_shape("residual_norm", (h.rows, h.cols), (out.rows, out.cols))?;
+    rows_mut(h)
+        .zip(rows(y))
+        .zip(rows_mut(out))
+        .for_each(|((hr, yr), o)| {
+            step(hr, yr);
+            match next_w {
+                Some(w) => norm_into(hr, Some(w), eps, o),
+                None => o.copy_from_slice(hr),
+            }
+        });
+    Ok(())
+}
+
+/// Rotate one head in place: pairs `(j, j + half)` by the angle of `(cos[j], sin[j])`.
+#[inline]
+fn rope_split_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    let (a, b) = x.split_at_mut(half);
+    for j in 0..half {
+        let (x1, x2) = (a[j], b[j]);
+        a[j] = x1 * cos[j] - x2 * sin[j];
+        b[j] = x2 * cos[j] + x1 * sin[j];
+    }
+}
+
+pub(super) fn qkv_norm_rope(
+    qkv: ViewMut<'_, CpuBackend>,
+    layout: QkvLayout,
+    q_w: Option<&[f32]>,
+    k_w: Option<&[f32]>,
+    v_norm: bool,
+    eps: f32,
+    rope: Option<(&RopeTable<CpuBackend>, &[u32])>,
+) -> Result<()> {
+    let hd = layout.head_dim;
+    if qkv.cols != layout.width() {
+        return Err(Error::backend(
+            "qkv_norm_rope",
+            format!(
+                "row of {} columns, layout needs {}",
+                qkv.cols,
+                layout.width()
+            ),
+        ));
+    }
+    check_weight("qkv_norm_rope", q_w, hd)?;
+    check_weight("qkv_norm_rope", k_w, hd)?;
+    let table = match rope {
+        Some((t, pos)) => {
+            if t.half * 2 != hd || t.style != RopeStyle::SplitHalf {
+                return Err(Error::backend(
+                    "qkv_norm_rope",
+                    format!("rope table of {} pairs for head_dim {hd}", t.half),
+                ));
+            }
+            if pos.len() < qkv.rows {
+                return Err(Error::backend("qkv_norm_rope", "fewer positions than rows"));
+            }
+            if let Some(&p) = pos[..qkv.rows].iter().max()
+                && p as usize >= t.len
+            {
+                return Err(Error::backend(
+                    "qkv_norm_rope",
+                    format!("position {p} beyond the rope table ({})", t.len),
+                ));
+            }
+            let data = t.buf.f32();
+            let (cos, sin) = data.split_at(t.len * t.half);
+            Some((cos, sin, t.half, pos))
+        }
+        None => None,
+    };
+    let (nq, nkv) = (layout.heads_q, layout.heads_kv);
+    rows_mut(qkv).enumerate().for_each_init(
+        || vec![0f32; hd],
+        |tmp, (r, row)| {
+            let angles = table.map(|(cos, sin, half, pos)| {
+                let p = pos[r] as usize;
+                (
+                    &cos[p * half..(p + 1) * half],
+                    &sin[p * half..(p + 1) * half],
+                )
+            });
+            for h in 0..nq + 2 * nkv {
+                let x = &mut row[h * hd..(h + 1) * hd];
+                let (w, rotate) = if h < nq {
+                    (q_w, true)
+                } else if h < nq + nkv {
+                    (k_w, true)
+                } else if v_norm {
+                    (None, false)
+                } else {
+                    continue;
+                };
+                tmp.copy_from_slice(x);
+                norm_into(tmp, w, eps, x);
+                if rotate && let Some((c, s)) = angles {
+                    rope_split_half(x, c, s);
+                }
+            }
+        },
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use crate::{After, Backend, QkvLayout, RopeStyle, RopeTable, View, ViewMut};
+
+    fn naive_norm(x: &[f32], w: Option<&[f32]>, eps: f64) -> Vec<f64> {
+        let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        x.iter()
+            .enumerate()
+            .map(|(j, &v)| v as f64 * inv * w.map_or(1.0, |w| w[j] as f64))
+            .collect()
+    }
+
+    #[test]
+    fn rms_norm_odd_widths() {
+        let be = cpu();
+        for &(rows, cols) in &[(1, 1), (3, 7), (5, 130), (33, 512)] {
+            let mut rng = Rng::new((rows * cols) as u64);
+            let x = rng.vec(rows * cols, 3.0);
+            let w = rng.vec(cols, 1.0);
+            let xb = buf(&be, &x);
+            let wv = be.vector(&w).unwrap();
+            let mut o = buf(&be, &vec![0.0; rows * cols]);
+            be.rms_norm(
+                View::new(&xb, rows, cols),
+                Some(&wv),
+                1e-6,
+                ViewMut::new(&mut o, rows, cols),
+            )
+            .unwrap();
+            let got = be.read_f32(View::new(&o, rows, cols)).unwrap();
+            for r in 0..rows {
+                let want = naive_norm(&x[r * cols..(r + 1) * cols], Some(&w), 1e-6);
+                for c in 0..cols {
+                    assert_close(got[r * cols + c], want[c], 1e-6, "rms_norm");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn residual_norm_with_and_without_next() {
+        let be = cpu();
+        let (rows, cols) = (7, 45);
+        let mut rng = Rng::new(7);
+        let h0 = rng.vec(rows * cols, 2.0);
+        let y = rng.vec(rows * cols, 2.0);
+        let pw = rng.vec(cols, 1.0);
+        let nw = rng.vec(cols, 1.0);
+        let (pwv, nwv) = (be.vector(&pw).unwrap(), be.vector(&nw).unwrap());
+        let yb = buf(&be, &y);
+        for with_next in [false, true] {
+            let mut hb = buf(&be, &h0);
+            let mut ob = buf(&be, &vec![0.0; rows * cols]);
+            let after = if with_next {
+                After::Norm(&nwv, ViewMut::new(&mut ob, rows, cols))
+            } else {
+                After::Nothing
+            };
+            be.residual_norm(
+                ViewMut::new(&mut hb, rows, cols),
+                View::new(&yb, rows, cols),
+                Some(&pwv),
+                0.75,
+                after,
+                1e-6,
+            )
+            .unwrap();
+            let h = be.read_f32(View::new(&hb, rows, cols)).unwrap();
+            let o = be.read_f32(View::new(&ob, rows, cols)).unwrap();
+            for r in 0..rows {
+                let n = naive_norm(&y[r * cols..(r + 1) * cols], Some(&pw), 1e-6);
+                let want_h: Vec<f64> = (0..cols)
+                    .map(|c| (h0[r * cols + c] as f64 + n[c]) * 0.75)
+                    .collect();
+                for c in 0..cols {
+                    assert_close(h[r * cols + c], want_h[c], 1e-6, "residual h");
+                }
+                if with_next {
+                    let hf: Vec<f32> = want_h.iter().map(|&v| v as f32).collect();
+                    let want_o = naive_norm(&hf, Some(&nw), 1e-6);
+                    for c in 0..cols {
+                        assert_close(o[r * cols + c], want_o[c], 1e-5, "residual next");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn qkv_norm_rope_matches_naive() {
+        let be = cpu();
+        let layout = QkvLayout {
+            heads_q: 3,
+            heads_kv: 1,
+            head_dim: 6,
+        };
+        let rows = 5;
+        let cols = layout.width();
+        let mut rng = Rng::new(11);
+        let x = rng.vec(rows * cols, 2.0);
+        let (qw, kw) = (rng.vec(6, 1.0), rng.vec(6, 1.0));
+        let inv_freq = [1.0f32, 0.1, 0.01];
+        let table = RopeTable::new(&be, &inv_freq, 40, RopeStyle::SplitHalf).unwrap();
+        let positions = [0u32, 1, 2, 37, 5];
+        let pos = ids(&be, &positions);
+        let mut xb = buf(&be, &x);
+        let (qv, kv) = (be.vector(&qw).unwrap(), be.vector(&kw).unwrap());
+        be.qkv_norm_rope(
+            ViewMut::new(&mut xb, rows, cols),
+            layout,
+            Some(&qv),
+            Some(&kv),
+            true,
+            1e-6,
+            Some((&table, &pos)),
+        )
+        .unwrap();
+        let got = be.read_f32(View::new(&xb, rows, cols)).unwrap();
+        for r in 0..rows {
+            for h in 0..5 {
+                let seg = &x[r * cols + h * 6..r * cols + (h + 1) * 6];
+                let w = match h {
+                    0..=2 => Some(qw.as_slice()),
+                    3 => Some(kw.as_slice()),
+                    _ => None,
+                };
+                let n = naive_norm(seg, w, 1e-6);
+                let want: Vec<f64> = if h < 4 {
+                    let p = positions[r] as f32;
+                    (0..6)
+                        .map(|j| {
+                            let f = inv_freq[j % 3];
+                            let a = (p * f) as f64;
+                            let rot = if j < 3 { -n[j + 3] } else { n[j - 3] };
+                            n[j] * a.cos() + rot * a.sin()
+                        })
+                        .collect()
+                } else {
+                    n
+                };
+                for j in 0..6 {
+                    assert_close(got[r * cols + h * 6 + j], want[j], 1e-5, "qkv_norm_rope");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! The op set every Tessera model is written against, and its implementations.
+//!
+//! Model code (crate `tessera-models`) is written once, generic over [`Backend`]; the CPU backend
+//! ([`cpu::CpuBackend`]) computes every op in `f32` and is the reference; faster backends
+//! implement the same ops and are tested op by op against it.
+//!
+//! Ops are deliberately coarse (fused norms, fused q|k|v, flash-style attention) so that a model
+//! stays one readable file per block type while a GPU backend can still run near the hardware's
+//! limit. Ops never allocate: they read and write caller-owned buffers through [`View`] /
+//! [`ViewMut`] (row-major 2-D windows with a row stride), so models keep their activations in a
+//! workspace sized once per shape.
+
+pub mod cpu;
+mod spec;
+mod view;
+
+pub use spec::{Activation, After, AttnSpec, Epilogue, QkvLayout, RopeStyle, Segments};
+pub use tessera_core::{Error, Result};
+pub use view::{View, ViewMut};
+
+/// Numeric precision of a backend's activations and GEMMs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// Everything in `f32`: the exact mode.
+    #[default]
+    F32,
+    /// bf16 weights and GEMM inputs, `f32` accumulation, residual stream and statistics.
+    Bf16,
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        })
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            _ => Err(Error::input(format!(
+                "unknown precision {s:?} (expected f32 or bf16)"
+            ))),
+        }
+    }
+}
+
+/// What an activation buffer holds; the backend chooses the element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Residual stream and other values kept in `f32` whatever the precision.
+    Stream,
+    /// GEMM inputs and attention operands: bf16 under [`Precision::Bf16`], else `f32`.
+    Compute,
+    /// Token ids, positions and segment offsets (`u32`).
+    Index,
+}
+
+/// One forward's worth of fused ops on one device.
+///
+/// Shapes are in elements. Matrices are row-major `[rows, cols]`; a weight matrix `W` is stored
+/// `[out, in]` as in the checkpoints, and `matmul` computes `x · Wᵀ`.
+pub trait Backend: Send + Sync {
+    /// An activation buffer.
+    type Buf: Send + Sync;
+    /// A weight matrix `[out, in]`, uploaded once; several matrices sharing an input may be
+    /// stacked along `out` (q|k|v, gate|up) so one GEMM computes them all.
+    type Mat: Send + Sync;
+    /// A parameter vector (norm weights), kept in `f32`.
+    type Vector: Send + Sync;
+    /// An embedding table read by row.
+    type Table: Send + Sync;
+
+    /// One line: device, precision.
+    fn describe(&self) -> String;
+    fn precision(&self) -> Precision;
+
+    // ---- memory -------------------------------------------------------------------------
+    fn alloc(&self, len: usize, role: Role) -> Result<Self::Buf>;
+    /// Copy `src` into the start of `dst` (converted to `dst`'s element type).
+    fn write_f32(&self, dst: &mut Self::Buf, src: &[f32]) -> Result<()>;
+    fn write_u32(&self, dst: &mut Self::Buf, src: &[u32]) -> Result<()>;
+    /// Read a view back as `f32`; waits for queued work.
+    fn read_f32(&self, src: View<'_, Self>) -> Result<Vec<f32>>
+    where
+        Self: Sized;
+
+    /// Upload weight matrices stacked along `out`: each part is `[out_i, inner]` row-major `f32`.
+    fn matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<Self::Mat>;
+    fn vector(&self, v: &[f32]) -> Result<Self::Vector>;
+    /// The embedding table `name` `[rows, dim]` of a checkpoint (the CPU keeps it memory-mapped
+    /// in its stored dtype and converts rows on lookup).
+    fn table(
+        &self,
+        weights: &tessera_core::Weights,
+        name: &str,
+        shape: [usize; 2],
+    ) -> Result<Self::Table>;
+    /// Segment offsets for packed sequences (see [`Segments`]).
+    fn segments(&self, lens: &[usize]) -> Result<Segments<Self>>
+    where
+        Self: Sized,
+    {
+        let mut offsets = Vec::with_capacity(lens.len() + 1);
+        let mut acc = 0u32;
+        offsets.push(0);
+        for &l in lens {
+            acc = acc
+                .checked_add(u32::try_from(l).map_err(|_| Error::input("sequence too long"))?)
+                .ok_or_else(|| Error::input("batch too long"))?;
+            offsets.push(acc);
+        }
+        let mut dev = self.alloc(offsets.len(), Role::Index)?;
+        self.write_u32(&mut dev, &offsets)?;
+        Ok(Segments { offsets, dev })
+    }
+
+    // ---- ops ----------------------------------------------------------------------------
+
+    /// `out[r] = table[ids[r]] · scale` for `out.rows` ids.
+    fn embed(
+        &self,
+        table: &Self::Table,
+        ids: &Self::Buf,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out = ep.alpha · x · wᵀ` for `w` `[out.cols, x.cols]`.
+    fn matmul(
+        &self,
+        x: View<'_, Self>,
+        w: &Self::Mat,
+        out: ViewMut<'_, Self>,
+        ep: Epilogue,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// Row-wise RMSNorm: `out = x · (mean(x²) + eps)^-½ · w` (no `w`: weightless).
+    fn rms_norm(
+        &self,
+        x: View<'_, Self>,
+        w: Option<&Self::Vector>,
+        eps: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out = x`, converted to `out`'s element type (a `Stream` value becoming a GEMM input).
+    fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()>
+    where
+        Self: Sized;
+
+    /// The sandwich-norm residual step, fused: `h = (h + N_post(y)) · scale`, then `after`
+    /// (the next block's pre-norm of `h`, or a copy of `h` as a GEMM input).
+    fn residual_norm(
+        &self,
+        h: ViewMut<'_, Self>,
+        y: View<'_, Self>,
+        post: Option<&Self::Vector>,
+        scale: f32,
+        after: After<'_, Self>,
+        eps: f32,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// In place on a packed `[tokens, q|k|v]` buffer: per-head RMSNorm of q and k (with weights
+    /// `[head_dim]`), of v when `v_norm` (weightless), then RoPE on q and k at `positions`.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_norm_rope(
+        &self,
+        qkv: ViewMut<'_, Self>,
+        layout: QkvLayout,
+        q_w: Option<&Self::Vector>,
+        k_w: Option<&Self::Vector>,
+        v_norm: bool,
+        eps: f32,
+        rope: Option<(&RopeTable<Self>, &Self::Buf)>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// Attention within each segment of a packed batch (no padding):
+    /// `out = softmax(scale · q kᵀ + mask) v` per head, K/V heads shared by groups of q heads.
+    fn attention(
+        &self,
+        q: View<'_, Self>,
+        k: View<'_, Self>,
+        v: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        spec: &AttnSpec,
+        segs: &Segments<Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out = act(gate) ⊙ up`.
+    fn gated(
+        &self,
+        gate: View<'_, Self>,
+        up: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        act: Activation,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out[s] = mean of x's rows in segment s`.
+    fn segment_mean(
+        &self,
+        x: View<'_, Self>,
+        segs: &Segments<Self>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+}
+
+/// Rotary-embedding angles for positions `0..len`: `cos` then `sin`, each `[len, half]`.
+pub struct RopeTable<B: Backend> {
+    pub buf: B::Buf,
+    pub len: usize,
+    /// Rotated pairs per head (`head_dim / 2` for a full rotation).
+    pub half: usize,
+    pub style: RopeStyle,
+}
+
+impl<B: Backend> RopeTable<B> {
+    /// Build the table for `inv_freq` (computed by the caller exactly as the reference does) and
+    /// positions `0..len`. The angle is `pos · inv_freq` rounded to `f32` like the reference's
+    /// `f32` product; its cosine and sine are then taken in `f64` and rounded once.
+    pub fn new(backend: &B, inv_freq: &[f32], len: usize, style: RopeStyle) -> Result<Self> {
+        let half = inv_freq.len();
+        let mut host = vec![0f32; 2 * len * half];
+        let (cos, sin) = host.split_at_mut(len * half);
+        for p in 0..len {
+            for (j, &f) in inv_freq.iter().enumerate() {
+                let angle = (p as f32 * f) as f64;
+                cos[p * half + j] = angle.cos() as f32;
+                sin[p * half + j] = angle.sin() as f32;
+            }
+        }
+        let mut buf = backend.alloc(host.len(), Role::Stream)?;
+        backend.write_f32(&mut buf, &host)?;
+        Ok(RopeTable {
+            buf,
+            len,
+            half,
+            style,
+        })
+    }
+}

@@ -1,0 +1,112 @@
+//! Small descriptors passed to ops, so launchers take a struct rather than a row of integers.
+
+use crate::{Backend, ViewMut};
+
+/// Extra work folded into a GEMM.
+#[derive(Clone, Copy, Debug)]
+pub struct Epilogue {
+    /// Multiplies the product.
+    pub alpha: f32,
+}
+
+impl Default for Epilogue {
+    fn default() -> Self {
+        Epilogue { alpha: 1.0 }
+    }
+}
+
+impl Epilogue {
+    pub fn scaled(alpha: f32) -> Self {
+        Epilogue { alpha }
+    }
+}
+
+/// Gate activations for `gated`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (`gelu_pytorch_tanh`).
+    GeluTanh,
+    /// `x·σ(x)`.
+    Silu,
+}
+
+/// How rotary embeddings pair a head's channels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Channel `j` pairs with `j + half` (`rotate_half`: Gemma, Qwen3).
+    SplitHalf,
+}
+
+/// The column layout of a packed q|k|v row: `heads_q` q heads, then `heads_kv` k heads, then
+/// `heads_kv` v heads, each `head_dim` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QkvLayout {
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+}
+
+impl QkvLayout {
+    pub fn q_cols(&self) -> usize {
+        self.heads_q * self.head_dim
+    }
+    pub fn kv_cols(&self) -> usize {
+        self.heads_kv * self.head_dim
+    }
+    pub fn width(&self) -> usize {
+        self.q_cols() + 2 * self.kv_cols()
+    }
+}
+
+/// Attention parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnSpec {
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    /// Multiplies `q·kᵀ` (1.0 for Gemma 4-style models, which norm q and k instead).
+    pub scale: f32,
+    /// Sliding window as an inclusive radius: key `j` is visible to query `i` iff `|i − j| ≤ w`.
+    pub window: Option<usize>,
+    /// Key `j` visible to query `i` only if `j ≤ i`.
+    pub causal: bool,
+}
+
+/// Packed sequences: segment `s` covers rows `offsets[s]..offsets[s + 1]`.
+pub struct Segments<B: Backend> {
+    /// Host copy (`len + 1` entries, starting at 0).
+    pub offsets: Vec<u32>,
+    /// Device copy of the same offsets.
+    pub dev: B::Buf,
+}
+
+impl<B: Backend> Segments<B> {
+    pub fn count(&self) -> usize {
+        self.offsets.len() - 1
+    }
+    pub fn total(&self) -> usize {
+        *self.offsets.last().unwrap_or(&0) as usize
+    }
+    pub fn max_len(&self) -> usize {
+        self.offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+    /// `(start, end)` row ranges.
+    pub fn ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.offsets
+            .windows(2)
+            .map(|w| (w[0] as usize, w[1] as usize))
+    }
+}
+
+/// What `residual_norm` writes besides the updated residual stream.
+pub enum After<'a, B: Backend> {
+    Nothing,
+    /// `out = N_w(h)`: the next block's pre-norm.
+    Norm(&'a B::Vector, ViewMut<'a, B>),
+    /// `out = h`, in `out`'s element type.
+    Copy(ViewMut<'a, B>),
+}

@@ -1,0 +1,102 @@
+//! The error type shared by every Tessera crate.
+//!
+//! Each variant carries what a user needs to fix the problem: the file, the tensor name or the
+//! config field, and what was expected. Messages are one line so the CLI can print them as-is.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: not found{hint}")]
+    MissingFile { path: PathBuf, hint: String },
+
+    #[error("model {spec:?} not found: {looked}")]
+    ModelNotFound { spec: String, looked: String },
+
+    #[error("{path}: invalid JSON: {message}")]
+    Json { path: PathBuf, message: String },
+
+    #[error("{path}: field `{field}`: {message}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+
+    #[error("{path}: not a valid safetensors file: {message}")]
+    Safetensors { path: PathBuf, message: String },
+
+    #[error("tensor `{name}` not found in {location}")]
+    MissingTensor { name: String, location: String },
+
+    #[error("tensor `{name}` in {path}: expected shape {expected:?}, found {found:?}")]
+    ShapeMismatch {
+        name: String,
+        path: PathBuf,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+
+    #[error("tensor `{name}` in {path}: unsupported dtype {dtype} (supported: BF16, F16, F32)")]
+    UnsupportedDtype {
+        name: String,
+        path: PathBuf,
+        dtype: String,
+    },
+
+    #[error("{path}: tokenizer: {message}")]
+    Tokenizer { path: PathBuf, message: String },
+
+    /// Bad user input (text, flags, sizes): the message says what and how to fix it.
+    #[error("{0}")]
+    Input(String),
+
+    /// The requested device cannot be used; the message says why.
+    #[error("{0}")]
+    Device(String),
+
+    /// A backend failed while running (driver error, out of memory, kernel compile failure).
+    #[error("{op}: {message}")]
+    Backend { op: String, message: String },
+}
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn config(
+        path: impl Into<PathBuf>,
+        field: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        Error::Config {
+            path: path.into(),
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn input(message: impl Into<String>) -> Self {
+        Error::Input(message.into())
+    }
+
+    pub fn backend(op: impl Into<String>, message: impl std::fmt::Display) -> Self {
+        Error::Backend {
+            op: op.into(),
+            message: message.to_string(),
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! Tessera core: what every model and backend shares and nothing device-specific.
+//!
+//! - [`error`]: the one error type, whose variants name the file, tensor or field at fault;
+//! - [`dtype`]: element types of checkpoint tensors and their conversion to `f32`;
+//! - [`weights`]: safetensors checkpoints (single, sharded, or embedded in the binary), read
+//!   through `mmap`, with shape checks by tensor name;
+//! - [`config`]: reading JSON configs with errors that name the file and field;
+//! - [`model_dir`]: turning `--model` (a folder or a Hugging Face repo id) into a folder.
+
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod model_dir;
+pub mod weights;
+
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use weights::{Tensor, Weights};

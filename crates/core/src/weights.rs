@@ -1,0 +1,424 @@
+//! Safetensors checkpoints: one file, a sharded set with `*.safetensors.index.json`, or bytes
+//! compiled into the binary.
+//!
+//! Files are memory-mapped and their headers validated once at open (a truncated or corrupt file
+//! fails here, naming the file). Tensors are looked up by their published names, optionally under
+//! a prefix ([`Weights::pp`]), and every typed read checks the shape so that a wrong checkpoint
+//! fails at load with the tensor's name rather than mid-forward.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+use serde::Deserialize;
+
+use crate::dtype::{DType, widen_into};
+use crate::error::{Error, Result};
+
+enum Bytes {
+    Mapped(Mmap),
+    Static(&'static [u8]),
+}
+
+impl Bytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Static(s) => s,
+        }
+    }
+}
+
+struct Entry {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    /// Absolute byte range within the file.
+    start: usize,
+    end: usize,
+}
+
+struct File1 {
+    path: PathBuf,
+    bytes: Bytes,
+    entries: HashMap<String, Entry>,
+}
+
+impl File1 {
+    fn parse(path: PathBuf, bytes: Bytes) -> Result<Self> {
+        let buf = bytes.as_slice();
+        let (header_len, meta) =
+            SafeTensors::read_metadata(buf).map_err(|e| Error::Safetensors {
+                path: path.clone(),
+                message: describe_st_error(&e, buf.len()),
+            })?;
+        let base = 8 + header_len;
+        let entries = meta
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| {
+                let entry = Entry {
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: base + info.data_offsets.0,
+                    end: base + info.data_offsets.1,
+                };
+                (name, entry)
+            })
+            .collect();
+        Ok(File1 {
+            path,
+            bytes,
+            entries,
+        })
+    }
+}
+
+fn describe_st_error(e: &safetensors::SafeTensorError, len: usize) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::MetadataIncompleteBuffer | E::InvalidHeaderLength | E::HeaderTooSmall => {
+            format!("truncated or corrupt ({len} bytes do not match the header): {e}")
+        }
+        _ => e.to_string(),
+    }
+}
+
+/// A set of safetensors files seen as one name → tensor map, possibly narrowed to a prefix.
+#[derive(Clone)]
+pub struct Weights {
+    files: Arc<Vec<File1>>,
+    /// Tensor name → index into `files`.
+    index: Arc<HashMap<String, usize>>,
+    prefix: String,
+    /// Where the weights came from, for error messages.
+    location: Arc<str>,
+}
+
+/// One tensor's raw little-endian bytes with its dtype and shape.
+pub struct Tensor<'a> {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub bytes: &'a [u8],
+    pub path: &'a Path,
+}
+
+impl Tensor<'_> {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The elements widened to `f32`.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.numel()];
+        widen_into(self.dtype, self.bytes, &mut out);
+        out
+    }
+
+    /// Widen elements `[start, start + out.len())` (row-major) into `out`.
+    pub fn read_f32_range(&self, start: usize, out: &mut [f32]) {
+        let s = self.dtype.size();
+        widen_into(
+            self.dtype,
+            &self.bytes[start * s..(start + out.len()) * s],
+            out,
+        );
+    }
+}
+
+#[derive(Deserialize)]
+struct ShardIndex {
+    weight_map: HashMap<String, String>,
+}
+
+impl Weights {
+    /// Open a single `.safetensors` file.
+    pub fn open_file(path: &Path) -> Result<Self> {
+        let f = map_file(path)?;
+        Self::from_files(vec![f], path.display().to_string())
+    }
+
+    /// Open the weights of a model folder: `{stem}.safetensors.index.json` (sharded) if present,
+    /// else `{stem}.safetensors`. The stem is `model` for transformers checkpoints and
+    /// `diffusion_pytorch_model` for diffusers components.
+    pub fn open_dir(dir: &Path, stem: &str) -> Result<Self> {
+        let index_path = dir.join(format!("{stem}.safetensors.index.json"));
+        if index_path.is_file() {
+            let index: ShardIndex = crate::config::read_json(&index_path)?;
+            let mut shard_names: Vec<&String> = index.weight_map.values().collect();
+            shard_names.sort();
+            shard_names.dedup();
+            let mut files = Vec::with_capacity(shard_names.len());
+            for name in shard_names {
+                let file = map_file(&dir.join(name))?;
+                files.push(file);
+            }
+            let w = Self::from_files(files, index_path.display().to_string())?;
+            // Every tensor the index promises must be in the shard it names.
+            for (tensor, shard) in &index.weight_map {
+                let Some(&fi) = w.index.get(tensor) else {
+                    return Err(Error::MissingTensor {
+                        name: tensor.clone(),
+                        location: dir.join(shard).display().to_string(),
+                    });
+                };
+                if w.files[fi].path.file_name() != Some(std::ffi::OsStr::new(shard)) {
+                    return Err(Error::Safetensors {
+                        path: index_path,
+                        message: format!("`{tensor}` is listed in {shard} but stored elsewhere"),
+                    });
+                }
+            }
+            return Ok(w);
+        }
+        let single = dir.join(format!("{stem}.safetensors"));
+        if single.is_file() {
+            return Self::open_file(&single);
+        }
+        Err(Error::MissingFile {
+            path: single,
+            hint: format!(" (nor {})", index_path.display()),
+        })
+    }
+
+    /// Weights compiled into the binary (the bundled miniature models).
+    pub fn from_static(label: &str, bytes: &'static [u8]) -> Result<Self> {
+        let f = File1::parse(PathBuf::from(label), Bytes::Static(bytes))?;
+        Self::from_files(vec![f], label.to_string())
+    }
+
+    fn from_files(files: Vec<File1>, location: String) -> Result<Self> {
+        let mut index = HashMap::new();
+        for (i, f) in files.iter().enumerate() {
+            for name in f.entries.keys() {
+                if let Some(prev) = index.insert(name.clone(), i) {
+                    return Err(Error::Safetensors {
+                        path: f.path.clone(),
+                        message: format!(
+                            "tensor `{name}` also appears in {}",
+                            files[prev].path.display()
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(Weights {
+            files: Arc::new(files),
+            index: Arc::new(index),
+            prefix: String::new(),
+            location: location.into(),
+        })
+    }
+
+    /// A view of the tensors under `prefix.` (joined with a dot, like the checkpoint names).
+    pub fn pp(&self, prefix: impl std::fmt::Display) -> Weights {
+        let mut w = self.clone();
+        w.prefix = if self.prefix.is_empty() {
+            prefix.to_string()
+        } else {
+            format!("{}.{prefix}", self.prefix)
+        };
+        w
+    }
+
+    fn full_name(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(&self.full_name(name))
+    }
+
+    /// Every tensor name in the checkpoint (not only under the prefix), sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.index.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Total stored bytes of all tensors.
+    pub fn total_bytes(&self) -> usize {
+        self.files
+            .iter()
+            .flat_map(|f| f.entries.values())
+            .map(|e| e.end - e.start)
+            .sum()
+    }
+
+    /// The dtype most tensors are stored in (for `tessera info`).
+    pub fn main_dtype(&self) -> Option<DType> {
+        let mut bytes_by: HashMap<String, usize> = HashMap::new();
+        for e in self.files.iter().flat_map(|f| f.entries.values()) {
+            *bytes_by.entry(format!("{:?}", e.dtype)).or_default() += e.end - e.start;
+        }
+        let (name, _) = bytes_by.into_iter().max_by_key(|(_, b)| *b)?;
+        match name.as_str() {
+            "BF16" => Some(DType::BF16),
+            "F16" => Some(DType::F16),
+            "F32" => Some(DType::F32),
+            _ => None,
+        }
+    }
+
+    /// The tensor `name` (under the prefix), any shape.
+    pub fn tensor(&self, name: &str) -> Result<Tensor<'_>> {
+        let full = self.full_name(name);
+        let Some(&fi) = self.index.get(&full) else {
+            return Err(Error::MissingTensor {
+                name: full,
+                location: self.location.to_string(),
+            });
+        };
+        let file = &self.files[fi];
+        let e = &file.entries[&full];
+        let dtype = DType::from_safetensors(e.dtype).ok_or_else(|| Error::UnsupportedDtype {
+            name: full.clone(),
+            path: file.path.clone(),
+            dtype: format!("{:?}", e.dtype),
+        })?;
+        Ok(Tensor {
+            name: full,
+            dtype,
+            shape: e.shape.clone(),
+            bytes: &file.bytes.as_slice()[e.start..e.end],
+            path: &file.path,
+        })
+    }
+
+    /// The tensor `name`, which must have exactly `shape`.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor<'_>> {
+        let t = self.tensor(name)?;
+        if t.shape != shape {
+            return Err(Error::ShapeMismatch {
+                name: t.name,
+                path: t.path.to_path_buf(),
+                expected: shape.to_vec(),
+                found: t.shape,
+            });
+        }
+        Ok(t)
+    }
+
+    /// The tensor `name` with exactly `shape`, widened to `f32`.
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        Ok(self.get(name, shape)?.to_f32())
+    }
+}
+
+fn map_file(path: &Path) -> Result<File1> {
+    let file = File::open(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            Error::MissingFile {
+                path: path.to_path_buf(),
+                hint: String::new(),
+            }
+        } else {
+            Error::io(path, e)
+        }
+    })?;
+    // SAFETY: the map is read-only and lives as long as `Weights`. Tessera never writes the file;
+    // another process truncating it while we run could fault, the usual caveat of mmap-based
+    // weight loading shared by every safetensors reader.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    File1::parse(path.to_path_buf(), Bytes::Mapped(map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn write_st(path: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
+        let bufs: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, _, d)| d.iter().flat_map(|v| v.to_le_bytes()).collect())
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+            .iter()
+            .zip(&bufs)
+            .map(|((n, s, _), b)| {
+                (
+                    n.to_string(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    #[test]
+    fn reads_prefixed_and_checks_shapes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("model.safetensors");
+        write_st(
+            &p,
+            &[("a.b.weight", vec![2, 3], vec![1., 2., 3., 4., 5., 6.])],
+        );
+        let w = Weights::open_dir(dir.path(), "model").unwrap();
+        assert_eq!(w.pp("a").pp("b").f32("weight", &[2, 3]).unwrap()[5], 6.0);
+        let err = w.pp("a.b").f32("weight", &[3, 2]).unwrap_err().to_string();
+        assert!(
+            err.contains("a.b.weight") && err.contains("[3, 2]"),
+            "{err}"
+        );
+        let err = w.f32("missing", &[1]).unwrap_err().to_string();
+        assert!(err.contains("`missing`"), "{err}");
+    }
+
+    #[test]
+    fn truncated_file_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("model.safetensors");
+        write_st(&p, &[("x", vec![4], vec![1., 2., 3., 4.])]);
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::File::create(&p)
+            .unwrap()
+            .write_all(&bytes[..bytes.len() - 3])
+            .unwrap();
+        let err = Weights::open_file(&p).err().unwrap().to_string();
+        assert!(err.contains("truncated"), "{err}");
+        assert!(err.contains("model.safetensors"), "{err}");
+    }
+
+    #[test]
+    fn sharded_index() {
+        let dir = tempfile::tempdir().unwrap();
+        write_st(
+            &dir.path().join("m-1.safetensors"),
+            &[("x", vec![1], vec![1.])],
+        );
+        write_st(
+            &dir.path().join("m-2.safetensors"),
+            &[("y", vec![1], vec![2.])],
+        );
+        std::fs::write(
+            dir.path().join("model.safetensors.index.json"),
+            r#"{"metadata":{},"weight_map":{"x":"m-1.safetensors","y":"m-2.safetensors"}}"#,
+        )
+        .unwrap();
+        let w = Weights::open_dir(dir.path(), "model").unwrap();
+        assert_eq!(w.f32("y", &[1]).unwrap(), vec![2.0]);
+        assert_eq!(w.names(), vec!["x", "y"]);
+    }
+
+    #[test]
+    fn missing_dir_names_both_layouts() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Weights::open_dir(dir.path(), "model")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("model.safetensors") && err.contains("index.json"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,466 @@
+//! The EmbeddingGemma 2 text encoder (spec: `shared/specs/egemma2.md` §1.3).
+//!
+//! Reference: `EmbeddingGemma2TextModel` in
+//! `transformers/models/embedding_gemma2/modeling_embedding_gemma2.py` (transformers 5.25.0).
+//!
+//! A bidirectional Gemma 4-style stack: embeddings × √hidden; projection-only per-layer inputs
+//! (PLE); per layer, sandwich-normed attention (q/k/v RMS-norms, RoPE, unscaled scores, sliding
+//! or full), a GELU-tanh gated MLP, the PLE gate, and a per-layer scalar; a final norm; the
+//! 768-wide head; mean over every token. Sequences are packed back to back with block-diagonal
+//! attention, so a packed member embeds exactly as it does alone.
+
+use tessera_backend::{
+    Activation, After, AttnSpec, Backend, Epilogue, QkvLayout, Role, RopeStyle, RopeTable, View,
+    ViewMut,
+};
+use tessera_core::{Error, Result, Weights};
+
+use super::config::{LayerType, TextConfig};
+
+struct Layer<B: Backend> {
+    kind: LayerType,
+    layout: QkvLayout,
+    intermediate: usize,
+    qkv: B::Mat,
+    q_norm: B::Vector,
+    k_norm: B::Vector,
+    o: B::Mat,
+    input_norm: B::Vector,
+    post_attn_norm: B::Vector,
+    pre_ff_norm: B::Vector,
+    post_ff_norm: B::Vector,
+    gate_up: B::Mat,
+    down: B::Mat,
+    ple_gate: B::Mat,
+    ple_proj: B::Mat,
+    ple_post_norm: B::Vector,
+    /// This layer's rows of the shared PLE projection `[ple_dim, hidden]`.
+    ple_in: B::Mat,
+    scalar: f32,
+}
+
+/// Activations for a pass of up to `rows` tokens and `segs` sequences, reused while they fit.
+struct Workspace<B: Backend> {
+    rows: usize,
+    segs: usize,
+    ids: B::Buf,
+    pos: B::Buf,
+    /// Residual stream `[T, H]` (f32).
+    h: B::Buf,
+    /// Input embeddings as a GEMM input `[T, H]`, kept for every layer's PLE slice.
+    x0: B::Buf,
+    /// Normed input of the current sub-block `[T, H]`.
+    a: B::Buf,
+    qkv: B::Buf,
+    attn: B::Buf,
+    /// Sub-block outputs before their post-norm `[T, H]`.
+    y: B::Buf,
+    gu: B::Buf,
+    g: B::Buf,
+    /// PLE: raw projection, normed per-layer input, gate pre-activation, gated product `[T, P]`.
+    ple_raw: B::Buf,
+    ple: B::Buf,
+    ple_gate: B::Buf,
+    ple_z: B::Buf,
+    /// Final-normed rows in f32 `[T, H]`, their per-sequence means, and those as a GEMM input.
+    fin: B::Buf,
+    pooled: B::Buf,
+    pooled_c: B::Buf,
+    out: B::Buf,
+}
+
+pub struct TextEncoder<B: Backend> {
+    cfg: TextConfig,
+    embed: B::Table,
+    ple_norm: B::Vector,
+    layers: Vec<Layer<B>>,
+    final_norm: B::Vector,
+    head: B::Mat,
+    rope_sliding: Option<RopeTable<B>>,
+    rope_full: Option<RopeTable<B>>,
+    ws: Option<Workspace<B>>,
+}
+
+fn vector<B: Backend>(be: &B, w: &Weights, name: &str, n: usize) -> Result<B::Vector> {
+    be.vector(&w.f32(name, &[n])?)
+}
+
+fn matrix<B: Backend>(be: &B, w: &Weights, name: &str, out: usize, inner: usize) -> Result<B::Mat> {
+    be.matrix(&[(&w.f32(name, &[out, inner])?, out)], inner)
+}
+
+/// `inv_freq[j] = 1 / θ^(2j/d)`, computed as the reference does: the exponent in f32, the power
+/// in f32 arithmetic of an f64 base (torch evaluates `base ** f32_tensor` in f32).
+pub fn default_inv_freq(theta: f64, head_dim: usize) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|j| {
+            let exponent = (2 * j) as f32 / head_dim as f32;
+            1.0f32 / (theta as f32).powf(exponent)
+        })
+        .collect()
+}
+
+impl<B: Backend> TextEncoder<B> {
+    /// Load from the checkpoint tensors under `language_model.`, checking every shape.
+    pub fn load(be: &B, cfg: &TextConfig, w: &Weights) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let p = cfg.ple_dim;
+        let n_layers = cfg.layers.len();
+        let embed = be.table(w, "embed_tokens.weight", [cfg.vocab_size, h])?;
+        let ple_w = w.f32("ple.per_layer_model_projection.weight", &[n_layers * p, h])?;
+        let ple_norm = vector(be, w, "ple.per_layer_projection_norm.weight", p)?;
+        let mut layers = Vec::with_capacity(n_layers);
+        for (i, lc) in cfg.layers.iter().enumerate() {
+            let lw = w.pp(format!("layers.{i}"));
+            let hd = lc.head_dim;
+            let layout = QkvLayout {
+                heads_q: cfg.num_heads,
+                heads_kv: lc.kv_heads,
+                head_dim: hd,
+            };
+            let (qc, kc) = (layout.q_cols(), layout.kv_cols());
+            let q = lw.f32("self_attn.q_proj.weight", &[qc, h])?;
+            let k = lw.f32("self_attn.k_proj.weight", &[kc, h])?;
+            let v = lw.f32("self_attn.v_proj.weight", &[kc, h])?;
+            let im = lc.intermediate_size;
+            let gate = lw.f32("mlp.gate_proj.weight", &[im, h])?;
+            let up = lw.f32("mlp.up_proj.weight", &[im, h])?;
+            let scalar = lw.f32("layer_scalar", &[1])?[0];
+            layers.push(Layer {
+                kind: lc.kind,
+                layout,
+                intermediate: im,
+                qkv: be.matrix(&[(&q, qc), (&k, kc), (&v, kc)], h)?,
+                q_norm: vector(be, &lw, "self_attn.q_norm.weight", hd)?,
+                k_norm: vector(be, &lw, "self_attn.k_norm.weight", hd)?,
+                o: matrix(be, &lw, "self_attn.o_proj.weight", h, qc)?,
+                input_norm: vector(be, &lw, "input_layernorm.weight", h)?,
+                post_attn_norm: vector(be, &lw, "post_attention_layernorm.weight", h)?,
+                pre_ff_norm: vector(be, &lw, "pre_feedforward_layernorm.weight", h)?,
+                post_ff_norm: vector(be, &lw, "post_feedforward_layernorm.weight", h)?,
+                gate_up: be.matrix(&[(&gate, im), (&up, im)], h)?,
+                down: matrix(be, &lw, "mlp.down_proj.weight", h, im)?,
+                ple_gate: matrix(be, &lw, "ple_block.per_layer_input_gate.weight", p, h)?,
+                ple_proj: matrix(be, &lw, "ple_block.per_layer_projection.weight", h, p)?,
+                ple_post_norm: vector(be, &lw, "ple_block.post_per_layer_input_norm.weight", h)?,
+                ple_in: be.matrix(&[(&ple_w[i * p * h..(i + 1) * p * h], p)], h)?,
+                scalar,
+            });
+        }
+        Ok(TextEncoder {
+            cfg: cfg.clone(),
+            embed,
+            ple_norm,
+            layers,
+            final_norm: vector(be, w, "norm.weight", h)?,
+            head: matrix(be, w, "embedding_projection.weight", cfg.embedding_dim, h)?,
+            rope_sliding: None,
+            rope_full: None,
+            ws: None,
+        })
+    }
+
+    pub fn config(&self) -> &TextConfig {
+        &self.cfg
+    }
+
+    /// Make the RoPE tables cover positions `0..len`, growing them in powers of two.
+    fn ensure_rope(&mut self, be: &B, len: usize) -> Result<()> {
+        for kind in [LayerType::Sliding, LayerType::Full] {
+            let Some(rc) = self.cfg.rope(kind).cloned() else {
+                continue;
+            };
+            let slot = match kind {
+                LayerType::Sliding => &mut self.rope_sliding,
+                LayerType::Full => &mut self.rope_full,
+            };
+            if slot.as_ref().is_none_or(|t| t.len < len) {
+                // Grow geometrically, never past the model's positions (forward checked `len`).
+                let want = len
+                    .next_power_of_two()
+                    .max(1024)
+                    .min(self.cfg.max_positions)
+                    .max(len);
+                let inv = default_inv_freq(rc.theta, rc.head_dim);
+                *slot = Some(RopeTable::new(be, &inv, want, RopeStyle::SplitHalf)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn ensure_workspace(&mut self, be: &B, rows: usize, segs: usize) -> Result<()> {
+        if self
+            .ws
+            .as_ref()
+            .is_some_and(|w| w.rows >= rows && w.segs >= segs)
+        {
+            return Ok(());
+        }
+        self.ws = None; // free the old one first
+        let c = &self.cfg;
+        let (h, p) = (c.hidden_size, c.ple_dim);
+        let qkv_w = self
+            .layers
+            .iter()
+            .map(|l| l.layout.width())
+            .max()
+            .unwrap_or(0);
+        let attn_w = self
+            .layers
+            .iter()
+            .map(|l| l.layout.q_cols())
+            .max()
+            .unwrap_or(0);
+        let im = self
+            .layers
+            .iter()
+            .map(|l| l.intermediate)
+            .max()
+            .unwrap_or(0);
+        let (s, e) = (Role::Stream, Role::Compute);
+        self.ws = Some(Workspace {
+            rows,
+            segs,
+            ids: be.alloc(rows, Role::Index)?,
+            pos: be.alloc(rows, Role::Index)?,
+            h: be.alloc(rows * h, s)?,
+            x0: be.alloc(rows * h, e)?,
+            a: be.alloc(rows * h, e)?,
+            qkv: be.alloc(rows * qkv_w, e)?,
+            attn: be.alloc(rows * attn_w, e)?,
+            y: be.alloc(rows * h, e)?,
+            gu: be.alloc(rows * 2 * im, e)?,
+            g: be.alloc(rows * im, e)?,
+            ple_raw: be.alloc(rows * p, e)?,
+            ple: be.alloc(rows * p, e)?,
+            ple_gate: be.alloc(rows * p, e)?,
+            ple_z: be.alloc(rows * p, e)?,
+            fin: be.alloc(rows * h, s)?,
+            pooled: be.alloc(segs * h, s)?,
+            pooled_c: be.alloc(segs * h, e)?,
+            out: be.alloc(segs * c.embedding_dim, s)?,
+        });
+        Ok(())
+    }
+
+    /// Embed packed sequences of token ids: for each, the mean over its tokens of the 768-wide
+    /// head output (not yet L2-normalised).
+    pub fn forward(&mut self, be: &B, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        let total: usize = lens.iter().sum();
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lens.contains(&0) {
+            return Err(Error::input("cannot embed an empty token sequence"));
+        }
+        if longest > self.cfg.max_positions {
+            return Err(Error::input(format!(
+                "input of {longest} tokens exceeds the model's {} positions (max_position_embeddings); pass --max-tokens to truncate",
+                self.cfg.max_positions
+            )));
+        }
+        if let Some(&bad) = seqs
+            .iter()
+            .flat_map(|s| s.iter())
+            .find(|&&id| id as usize >= self.cfg.vocab_size)
+        {
+            return Err(Error::input(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        self.ensure_rope(be, longest)?;
+        self.ensure_workspace(be, total, seqs.len())?;
+        let segs = be.segments(&lens)?;
+        let ids: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
+
+        let c = &self.cfg;
+        let (h, p, eps, t) = (c.hidden_size, c.ple_dim, c.rms_norm_eps, total);
+        let ws = self.ws.as_mut().expect("workspace allocated above");
+        be.write_u32(&mut ws.ids, &ids)?;
+        be.write_u32(&mut ws.pos, &pos)?;
+
+        // x0 = E[ids] · √H; h = x0; a = N_in0(h)
+        be.embed(
+            &self.embed,
+            &ws.ids,
+            (h as f32).sqrt(),
+            ViewMut::new(&mut ws.h, t, h),
+        )?;
+        be.cast(View::new(&ws.h, t, h), ViewMut::new(&mut ws.x0, t, h))?;
+        if let Some(l0) = self.layers.first() {
+            be.rms_norm(
+                View::new(&ws.h, t, h),
+                Some(&l0.input_norm),
+                eps,
+                ViewMut::new(&mut ws.a, t, h),
+            )?;
+        }
+        let ple_scale = (h as f32).powf(-0.5);
+        for (i, l) in self.layers.iter().enumerate() {
+            let lay = l.layout;
+            let (qc, kc, width) = (lay.q_cols(), lay.kv_cols(), lay.width());
+            // Attention.
+            be.matmul(
+                View::new(&ws.a, t, h),
+                &l.qkv,
+                ViewMut::new(&mut ws.qkv, t, width),
+                Epilogue::default(),
+            )?;
+            let rope = match l.kind {
+                LayerType::Sliding => self.rope_sliding.as_ref(),
+                LayerType::Full => self.rope_full.as_ref(),
+            }
+            .ok_or_else(|| Error::backend("text encoder", "rope table missing"))?;
+            be.qkv_norm_rope(
+                ViewMut::new(&mut ws.qkv, t, width),
+                lay,
+                Some(&l.q_norm),
+                Some(&l.k_norm),
+                true,
+                eps,
+                Some((rope, &ws.pos)),
+            )?;
+            let spec = AttnSpec {
+                heads_q: lay.heads_q,
+                heads_kv: lay.heads_kv,
+                head_dim: lay.head_dim,
+                scale: 1.0,
+                window: (l.kind == LayerType::Sliding).then_some(c.sliding_window),
+                causal: false,
+            };
+            let qkv = View::new(&ws.qkv, t, width);
+            be.attention(
+                qkv.cols(0, qc),
+                qkv.cols(qc, kc),
+                qkv.cols(qc + kc, kc),
+                ViewMut::new(&mut ws.attn, t, qc),
+                &spec,
+                &segs,
+            )?;
+            be.matmul(
+                View::new(&ws.attn, t, qc),
+                &l.o,
+                ViewMut::new(&mut ws.y, t, h),
+                Epilogue::default(),
+            )?;
+            be.residual_norm(
+                ViewMut::new(&mut ws.h, t, h),
+                View::new(&ws.y, t, h),
+                Some(&l.post_attn_norm),
+                1.0,
+                After::Norm(&l.pre_ff_norm, ViewMut::new(&mut ws.a, t, h)),
+                eps,
+            )?;
+            // MLP.
+            let im = l.intermediate;
+            be.matmul(
+                View::new(&ws.a, t, h),
+                &l.gate_up,
+                ViewMut::new(&mut ws.gu, t, 2 * im),
+                Epilogue::default(),
+            )?;
+            let gu = View::new(&ws.gu, t, 2 * im);
+            be.gated(
+                gu.cols(0, im),
+                gu.cols(im, im),
+                ViewMut::new(&mut ws.g, t, im),
+                Activation::GeluTanh,
+            )?;
+            be.matmul(
+                View::new(&ws.g, t, im),
+                &l.down,
+                ViewMut::new(&mut ws.y, t, h),
+                Epilogue::default(),
+            )?;
+            be.residual_norm(
+                ViewMut::new(&mut ws.h, t, h),
+                View::new(&ws.y, t, h),
+                Some(&l.post_ff_norm),
+                1.0,
+                After::Copy(ViewMut::new(&mut ws.a, t, h)),
+                eps,
+            )?;
+            // Per-layer input: P_i = N(x0 · W_iᵀ · H^-½), gated by gelu(h · W_gateᵀ).
+            be.matmul(
+                View::new(&ws.x0, t, h),
+                &l.ple_in,
+                ViewMut::new(&mut ws.ple_raw, t, p),
+                Epilogue::scaled(ple_scale),
+            )?;
+            be.rms_norm(
+                View::new(&ws.ple_raw, t, p),
+                Some(&self.ple_norm),
+                eps,
+                ViewMut::new(&mut ws.ple, t, p),
+            )?;
+            be.matmul(
+                View::new(&ws.a, t, h),
+                &l.ple_gate,
+                ViewMut::new(&mut ws.ple_gate, t, p),
+                Epilogue::default(),
+            )?;
+            be.gated(
+                View::new(&ws.ple_gate, t, p),
+                View::new(&ws.ple, t, p),
+                ViewMut::new(&mut ws.ple_z, t, p),
+                Activation::GeluTanh,
+            )?;
+            be.matmul(
+                View::new(&ws.ple_z, t, p),
+                &l.ple_proj,
+                ViewMut::new(&mut ws.y, t, h),
+                Epilogue::default(),
+            )?;
+            // h = (h + N(z)) · s, then the next layer's input norm (or the final norm, in f32).
+            let after = match self.layers.get(i + 1) {
+                Some(next) => After::Norm(&next.input_norm, ViewMut::new(&mut ws.a, t, h)),
+                None => After::Norm(&self.final_norm, ViewMut::new(&mut ws.fin, t, h)),
+            };
+            be.residual_norm(
+                ViewMut::new(&mut ws.h, t, h),
+                View::new(&ws.y, t, h),
+                Some(&l.ple_post_norm),
+                l.scalar,
+                after,
+                eps,
+            )?;
+        }
+        let n = seqs.len();
+        let e = c.embedding_dim;
+        // The head is linear and bias-free: mean then project equals project then mean.
+        be.segment_mean(
+            View::new(&ws.fin, t, h),
+            &segs,
+            ViewMut::new(&mut ws.pooled, n, h),
+        )?;
+        be.cast(
+            View::new(&ws.pooled, n, h),
+            ViewMut::new(&mut ws.pooled_c, n, h),
+        )?;
+        be.matmul(
+            View::new(&ws.pooled_c, n, h),
+            &self.head,
+            ViewMut::new(&mut ws.out, n, e),
+            Epilogue::default(),
+        )?;
+        let flat = be.read_f32(View::new(&ws.out, n, e))?;
+        Ok(flat.chunks(e).map(<[f32]>::to_vec).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_inv_freq;
+
+    #[test]
+    fn inv_freq_first_and_last() {
+        let f = default_inv_freq(10_000.0, 256);
+        assert_eq!(f.len(), 128);
+        assert_eq!(f[0], 1.0);
+        assert!((f[127] as f64 - 1.0 / 10_000f64.powf(254.0 / 256.0)).abs() < 1e-9);
+    }
+}

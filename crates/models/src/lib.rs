@@ -1,0 +1,12 @@
+//! Tessera's models, one folder per family, each written once against
+//! [`tessera_backend::Backend`] so the CPU reference and the GPU backends share one definition.
+//!
+//! - [`egemma2`]: EmbeddingGemma 2 text embeddings;
+//! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
+//! - [`files`]: a model's files, from a folder or compiled into the binary.
+
+pub mod egemma2;
+pub mod files;
+pub mod tokenize;
+
+pub use files::ModelFiles;

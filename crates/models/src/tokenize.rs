@@ -1,0 +1,131 @@
+//! Text tokenisation with the `tokenizers` crate from a model's `tokenizer.json`.
+//!
+//! `<bos>`/`<eos>` are added by a rule that works with both kinds of Gemma tokenizer files found
+//! in the wild: encode with the file's post-processor, then add `<bos>` only if the first id is
+//! not already `<bos>` and `<eos>` only if the last is not `<eos>`. Their ids come from the files
+//! (`tokenizer_config.json`'s `bos_token`/`eos_token` looked up in the vocabulary, else the model
+//! config's ids), never from constants.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use tessera_core::{Error, Result};
+
+use crate::files::ModelFiles;
+
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    pub bos_id: u32,
+    pub eos_id: u32,
+}
+
+/// `"<bos>"` or `{"content": "<bos>", ...}` in `tokenizer_config.json`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenSpec {
+    Plain(String),
+    Added { content: String },
+}
+
+impl TokenSpec {
+    fn content(&self) -> &str {
+        match self {
+            TokenSpec::Plain(s) => s,
+            TokenSpec::Added { content } => content,
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct TokenizerConfig {
+    bos_token: Option<TokenSpec>,
+    eos_token: Option<TokenSpec>,
+}
+
+impl TextTokenizer {
+    /// Load `tokenizer.json` (and `tokenizer_config.json` if present). `fallback_bos_eos` are the
+    /// model config's ids, used when the tokenizer files do not name the tokens.
+    pub fn load(files: &ModelFiles, fallback_bos_eos: (Option<u32>, Option<u32>)) -> Result<Self> {
+        let path = files.path("tokenizer.json");
+        let json = files.read("tokenizer.json")?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(json.as_bytes()).map_err(|e| Error::Tokenizer {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        let cfg_path = files.path("tokenizer_config.json");
+        let cfg: TokenizerConfig = match files.read_optional("tokenizer_config.json")? {
+            Some(text) => tessera_core::config::parse_json(&cfg_path, &text)?,
+            None => TokenizerConfig::default(),
+        };
+        let resolve =
+            |spec: &Option<TokenSpec>, fallback: Option<u32>, what: &str| -> Result<u32> {
+                if let Some(spec) = spec {
+                    return inner
+                        .token_to_id(spec.content())
+                        .ok_or_else(|| Error::Tokenizer {
+                            path: path.clone(),
+                            message: format!(
+                                "{what} token {:?} (from {}) is not in the vocabulary",
+                                spec.content(),
+                                cfg_path.display()
+                            ),
+                        });
+                }
+                fallback.ok_or_else(|| Error::Tokenizer {
+                    path: path.clone(),
+                    message: format!(
+                        "no {what} token: neither tokenizer_config.json nor config.json names it"
+                    ),
+                })
+            };
+        let bos_id = resolve(&cfg.bos_token, fallback_bos_eos.0, "bos")?;
+        let eos_id = resolve(&cfg.eos_token, fallback_bos_eos.1, "eos")?;
+        Ok(TextTokenizer {
+            inner,
+            path,
+            bos_id,
+            eos_id,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Token ids of `text` without any special tokens added.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// `[<bos>] ids(text) [<eos>]`, each added exactly once whatever the file's post-processor does.
+    pub fn encode_with_bos_eos(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })?;
+        let mut ids = enc.get_ids().to_vec();
+        if ids.first() != Some(&self.bos_id) {
+            ids.insert(0, self.bos_id);
+        }
+        if ids.len() < 2 || ids.last() != Some(&self.eos_id) {
+            ids.push(self.eos_id);
+        }
+        Ok(ids)
+    }
+}
