@@ -252,6 +252,15 @@ impl Weights {
             .sum()
     }
 
+    /// Total element count of all tensors.
+    pub fn total_params(&self) -> usize {
+        self.files
+            .iter()
+            .flat_map(|f| f.entries.values())
+            .map(|e| e.shape.iter().product::<usize>())
+            .sum()
+    }
+
     /// The dtype most tensors are stored in (for `tessera info`).
     pub fn main_dtype(&self) -> Option<DType> {
         let mut bytes_by: HashMap<String, usize> = HashMap::new();

@@ -32,7 +32,7 @@ pub(super) fn attention(
     let hd = spec.head_dim;
     let total = *offsets.last().unwrap_or(&0) as usize;
     let shapes_ok = spec.heads_kv > 0
-        && spec.heads_q % spec.heads_kv == 0
+        && spec.heads_q.is_multiple_of(spec.heads_kv)
         && q.cols == spec.heads_q * hd
         && out.cols == q.cols
         && k.cols == spec.heads_kv * hd
@@ -241,14 +241,69 @@ mod tests {
     #[test]
     fn packed_windowed_gqa_matches_naive() {
         let be = cpu();
-        let cases: &[(&[usize], usize, usize, usize, Option<usize>, bool)] = &[
-            (&[1], 1, 1, 4, None, false),
-            (&[5, 70, 3], 4, 2, 8, Some(3), false), // window cuts through segments
-            (&[130, 1, 67], 4, 1, 16, Some(64), false), // MQA, window edge at the block size
-            (&[9, 200], 2, 2, 5, None, true),       // causal, odd head dim
-            (&[150], 3, 3, 7, Some(0), false),      // window 0: each token sees itself
+        struct Case {
+            lens: &'static [usize],
+            hq: usize,
+            hkv: usize,
+            hd: usize,
+            window: Option<usize>,
+            causal: bool,
+        }
+        let cases = [
+            Case {
+                lens: &[1],
+                hq: 1,
+                hkv: 1,
+                hd: 4,
+                window: None,
+                causal: false,
+            },
+            // window cuts through segments
+            Case {
+                lens: &[5, 70, 3],
+                hq: 4,
+                hkv: 2,
+                hd: 8,
+                window: Some(3),
+                causal: false,
+            },
+            // MQA, window edge at the block size
+            Case {
+                lens: &[130, 1, 67],
+                hq: 4,
+                hkv: 1,
+                hd: 16,
+                window: Some(64),
+                causal: false,
+            },
+            // causal, odd head dim
+            Case {
+                lens: &[9, 200],
+                hq: 2,
+                hkv: 2,
+                hd: 5,
+                window: None,
+                causal: true,
+            },
+            // window 0: each token sees itself
+            Case {
+                lens: &[150],
+                hq: 3,
+                hkv: 3,
+                hd: 7,
+                window: Some(0),
+                causal: false,
+            },
         ];
-        for (ci, &(lens, hq, hkv, hd, window, causal)) in cases.iter().enumerate() {
+        for (ci, c) in cases.iter().enumerate() {
+            let Case {
+                lens,
+                hq,
+                hkv,
+                hd,
+                window,
+                causal,
+            } = *c;
             let spec = AttnSpec {
                 heads_q: hq,
                 heads_kv: hkv,

@@ -241,13 +241,13 @@ mod tests {
         let nw = rng.vec(cols, 1.0);
         let (pwv, nwv) = (be.vector(&pw).unwrap(), be.vector(&nw).unwrap());
         let yb = buf(&be, &y);
-        for with_next in [false, true] {
+        for mode in 0..3 {
             let mut hb = buf(&be, &h0);
             let mut ob = buf(&be, &vec![0.0; rows * cols]);
-            let after = if with_next {
-                After::Norm(&nwv, ViewMut::new(&mut ob, rows, cols))
-            } else {
-                After::Nothing
+            let after = match mode {
+                0 => After::Nothing,
+                1 => After::Norm(&nwv, ViewMut::new(&mut ob, rows, cols)),
+                _ => After::Copy(ViewMut::new(&mut ob, rows, cols)),
             };
             be.residual_norm(
                 ViewMut::new(&mut hb, rows, cols),
@@ -268,12 +268,14 @@ mod tests {
                 for c in 0..cols {
                     assert_close(h[r * cols + c], want_h[c], 1e-6, "residual h");
                 }
-                if with_next {
-                    let hf: Vec<f32> = want_h.iter().map(|&v| v as f32).collect();
-                    let want_o = naive_norm(&hf, Some(&nw), 1e-6);
-                    for c in 0..cols {
-                        assert_close(o[r * cols + c], want_o[c], 1e-5, "residual next");
-                    }
+                let hf: Vec<f32> = want_h.iter().map(|&v| v as f32).collect();
+                let want_o: Vec<f64> = match mode {
+                    0 => vec![0.0; cols],
+                    1 => naive_norm(&hf, Some(&nw), 1e-6),
+                    _ => want_h.clone(),
+                };
+                for c in 0..cols {
+                    assert_close(o[r * cols + c], want_o[c], 1e-5, "residual after");
                 }
             }
         }

@@ -1,0 +1,316 @@
+//! The `tessera` binary end to end: fixture reproduction and every bad input the issue lists.
+//! Each bad input must give exactly one line on stderr, a non-zero exit and no panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn mini() -> PathBuf {
+    root().join("crates/models/assets/egemma2-mini")
+}
+
+fn tessera(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .env_remove("TESSERA_MODEL")
+        .env("HF_HUB_CACHE", root().join("target/no-hf-cache"))
+        .output()
+        .expect("runs")
+}
+
+/// Exit non-zero with exactly one stderr line containing every `needle`.
+fn assert_fails_with(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "one line expected, got: {err}"
+    );
+    for n in needles {
+        assert!(err.contains(n), "stderr lacks {n:?}: {err}");
+    }
+}
+
+/// A copy of the miniature model to damage.
+fn copy_mini() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(mini()).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+#[derive(serde::Deserialize)]
+struct Fixture {
+    models: std::collections::BTreeMap<String, String>,
+    cases: Vec<Case>,
+}
+#[derive(serde::Deserialize)]
+struct Case {
+    name: String,
+    texts: Vec<String>,
+    prompt_name: Option<String>,
+    dim: Option<usize>,
+    expected: std::collections::BTreeMap<String, Vec<Vec<f64>>>,
+}
+
+#[test]
+fn embed_reproduces_the_fixture_vectors_from_a_model_folder() {
+    let fx: Fixture = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/fixtures/egemma2/cases.json")).unwrap(),
+    )
+    .unwrap();
+    for name in [
+        "sentence",
+        "prompt_query",
+        "matryoshka_16",
+        "packed_mixed_lengths",
+    ] {
+        let c = fx.cases.iter().find(|c| c.name == name).unwrap();
+        for (model, dir) in &fx.models {
+            let dir = root().join(dir);
+            let mut args = vec!["embed", "--model", dir.to_str().unwrap()];
+            for t in &c.texts {
+                args.extend(["--text", t]);
+            }
+            let dim = c.dim.map(|d| d.to_string());
+            if let Some(d) = &dim {
+                args.extend(["--dim", d]);
+            }
+            if let Some(p) = &c.prompt_name {
+                args.extend(["--prompt-name", p]);
+            }
+            let out = tessera(&args);
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            assert_eq!(lines.len(), c.texts.len());
+            for (line, want) in lines.iter().zip(&c.expected[model]) {
+                let got: Vec<f64> = line["embedding"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap())
+                    .collect();
+                let d = got
+                    .iter()
+                    .zip(want)
+                    .map(|(g, w)| (g - w).abs())
+                    .fold(0.0, f64::max);
+                assert_eq!(got.len(), want.len());
+                assert!(d <= 1e-5, "{model}/{name}: {d:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bundled_model_runs_without_model_and_says_so() {
+    let out = tessera(&["embed", "--text", "hello"]);
+    assert!(out.status.success());
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(line["model"].as_str().unwrap().contains("random weights"));
+    assert_eq!(line["embedding"].as_array().unwrap().len(), 48);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bundled"));
+}
+
+#[test]
+fn npy_output_and_text_file_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let texts = dir.path().join("in.jsonl");
+    std::fs::write(&texts, "\"alpha\"\n{\"text\": \"beta gamma\"}\n").unwrap();
+    let npy = dir.path().join("out.npy");
+    let out = tessera(&[
+        "embed",
+        "--text-file",
+        texts.to_str().unwrap(),
+        "--format",
+        "npy",
+        "--dim",
+        "16",
+        "-o",
+        npy.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&npy).unwrap();
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    assert!(
+        std::str::from_utf8(&bytes[10..10 + hlen])
+            .unwrap()
+            .contains("(2, 16)")
+    );
+    assert_eq!(bytes.len() - 10 - hlen, 2 * 16 * 4);
+}
+
+#[test]
+fn missing_model_dir() {
+    assert_fails_with(
+        &tessera(&["embed", "--model", "/no/such/model", "--text", "x"]),
+        &["/no/such/model", "no such folder"],
+    );
+}
+
+#[test]
+fn repo_id_not_in_cache_says_where_it_looked() {
+    assert_fails_with(
+        &tessera(&["embed", "--model", "google/embeddinggemma-2", "--text", "x"]),
+        &["models--google--embeddinggemma-2", "hf download"],
+    );
+}
+
+#[test]
+fn empty_model_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    assert_fails_with(
+        &tessera(&[
+            "embed",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--text",
+            "x",
+        ]),
+        &["is empty"],
+    );
+}
+
+#[test]
+fn config_without_needed_fields() {
+    let dir = copy_mini();
+    let path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["text_config"]
+        .as_object_mut()
+        .unwrap()
+        .remove("hidden_size");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    assert_fails_with(
+        &tessera(&[
+            "embed",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--text",
+            "x",
+        ]),
+        &["config.json", "hidden_size"],
+    );
+}
+
+#[test]
+fn tensor_of_the_wrong_shape() {
+    let dir = copy_mini();
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
+    let name = "language_model.layers.2.mlp.down_proj.weight";
+    let idx = tensors.iter().position(|(n, _)| n == name).unwrap();
+    let t = &tensors[idx].1;
+    let shape = t.shape().to_vec();
+    let data = t.data().to_vec();
+    let swapped = vec![shape[1], shape[0]];
+    let leaked: &'static [u8] = Box::leak(data.into_boxed_slice());
+    tensors[idx].1 = safetensors::tensor::TensorView::new(t.dtype(), swapped, leaked).unwrap();
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+    assert_fails_with(
+        &tessera(&[
+            "embed",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--text",
+            "x",
+        ]),
+        &[name, "expected shape [64, 96]", "found [96, 64]"],
+    );
+}
+
+#[test]
+fn truncated_safetensors() {
+    let dir = copy_mini();
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    assert_fails_with(
+        &tessera(&[
+            "embed",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--text",
+            "x",
+        ]),
+        &["model.safetensors", "truncated"],
+    );
+}
+
+#[test]
+fn empty_text() {
+    assert_fails_with(
+        &tessera(&["embed", "--text", "ok", "--text", ""]),
+        &["text 2 is empty"],
+    );
+}
+
+#[test]
+fn invalid_utf8_in_text_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.txt");
+    std::fs::write(&p, b"fine\nbad \xc3\x28 bytes\n").unwrap();
+    assert_fails_with(
+        &tessera(&["embed", "--text-file", p.to_str().unwrap()]),
+        &["t.txt", "line 2", "UTF-8"],
+    );
+}
+
+#[test]
+fn unknown_prompt_name_lists_the_known_ones() {
+    assert_fails_with(
+        &tessera(&["embed", "--text", "x", "--prompt-name", "search"]),
+        &["\"search\"", "query", "document"],
+    );
+}
+
+#[test]
+fn dim_larger_than_the_model() {
+    assert_fails_with(
+        &tessera(&["embed", "--text", "x", "--dim", "49"]),
+        &["--dim 49", "48"],
+    );
+}
+
+#[test]
+fn unwritable_output_fails_before_compute() {
+    assert_fails_with(
+        &tessera(&["embed", "--text", "x", "-o", "/no/such/dir/out.jsonl"]),
+        &["/no/such/dir/out.jsonl"],
+    );
+}
+
+#[test]
+fn info_describes_the_model() {
+    let out = tessera(&["info", "--model", mini().to_str().unwrap()]);
+    assert!(out.status.success());
+    let s = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        s.contains("6 layers (5 sliding")
+            && s.contains("48 dims")
+            && s.contains("runs on:     cpu"),
+        "{s}"
+    );
+}
