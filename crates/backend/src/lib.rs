@@ -14,7 +14,7 @@ pub mod cpu;
 mod spec;
 mod view;
 
-pub use spec::{Activation, After, AttnSpec, Epilogue, QkvLayout, RopeStyle, Segments};
+pub use spec::{Activation, After, AttnSpec, Epilogue, QkvLayout, RopeStyle, Segments, offsets_of};
 pub use tessera_core::{Error, Result};
 pub use view::{View, ViewMut};
 
@@ -101,23 +101,47 @@ pub trait Backend: Send + Sync {
         name: &str,
         shape: [usize; 2],
     ) -> Result<Self::Table>;
-    /// Segment offsets for packed sequences (see [`Segments`]).
+    /// Segment storage for up to `max_rows` rows in up to `max_segs` segments (see [`Segments`]).
+    fn alloc_segments(&self, max_rows: usize, max_segs: usize) -> Result<Segments<Self>>
+    where
+        Self: Sized,
+    {
+        Ok(Segments {
+            offsets: vec![0],
+            dev: self.alloc(max_segs + 1, Role::Index)?,
+            max_rows,
+            max_segs,
+            tiles: 0,
+        })
+    }
+
+    /// Refill `segs` for sequences of `lens` rows, packed back to back.
+    fn set_segments(&self, segs: &mut Segments<Self>, lens: &[usize]) -> Result<()>
+    where
+        Self: Sized,
+    {
+        let offsets = offsets_of(lens, segs.max_rows, segs.max_segs)?;
+        self.write_u32(&mut segs.dev, &offsets)?;
+        segs.offsets = offsets;
+        Ok(())
+    }
+
+    /// Segments sized exactly for `lens` (tests and one-off passes).
     fn segments(&self, lens: &[usize]) -> Result<Segments<Self>>
     where
         Self: Sized,
     {
-        let mut offsets = Vec::with_capacity(lens.len() + 1);
-        let mut acc = 0u32;
-        offsets.push(0);
-        for &l in lens {
-            acc = acc
-                .checked_add(u32::try_from(l).map_err(|_| Error::input("sequence too long"))?)
-                .ok_or_else(|| Error::input("batch too long"))?;
-            offsets.push(acc);
-        }
-        let mut dev = self.alloc(offsets.len(), Role::Index)?;
-        self.write_u32(&mut dev, &offsets)?;
-        Ok(Segments { offsets, dev })
+        let mut s = self.alloc_segments(lens.iter().sum(), lens.len())?;
+        self.set_segments(&mut s, lens)?;
+        Ok(s)
+    }
+
+    /// Run `work`, which only enqueues device work on buffers that stay where they are (no
+    /// allocation, no host reads). A backend may capture it into a graph under `key` and replay
+    /// that graph when the same key comes again; the default just runs it.
+    fn run_graph(&self, key: u64, work: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = key;
+        work()
     }
 
     // ---- ops ----------------------------------------------------------------------------

@@ -73,11 +73,19 @@ pub struct AttnSpec {
 }
 
 /// Packed sequences: segment `s` covers rows `offsets[s]..offsets[s + 1]`.
+///
+/// Allocated once for a capacity and refilled per pass, so its device copy stays at one address
+/// (work captured into a CUDA graph keeps pointing at it).
 pub struct Segments<B: Backend> {
-    /// Host copy (`len + 1` entries, starting at 0).
+    /// Host copy (`count + 1` entries, starting at 0).
     pub offsets: Vec<u32>,
-    /// Device copy of the same offsets.
+    /// Device copy of the offsets, followed by backend-specific work items (CUDA: query tiles).
     pub dev: B::Buf,
+    /// Capacity the device buffer was sized for.
+    pub max_rows: usize,
+    pub max_segs: usize,
+    /// Number of backend-specific work items stored after the offsets.
+    pub tiles: usize,
 }
 
 impl<B: Backend> Segments<B> {
@@ -100,6 +108,32 @@ impl<B: Backend> Segments<B> {
             .windows(2)
             .map(|w| (w[0] as usize, w[1] as usize))
     }
+}
+
+/// Offsets `[0, l0, l0 + l1, …]` of `lens`, checked against a capacity.
+pub fn offsets_of(
+    lens: &[usize],
+    max_rows: usize,
+    max_segs: usize,
+) -> tessera_core::Result<Vec<u32>> {
+    let total: usize = lens.iter().sum();
+    if lens.len() > max_segs || total > max_rows || total > u32::MAX as usize {
+        return Err(tessera_core::Error::backend(
+            "segments",
+            format!(
+                "{} segments of {total} rows exceed the capacity of {max_segs} segments / {max_rows} rows",
+                lens.len()
+            ),
+        ));
+    }
+    let mut offsets = Vec::with_capacity(lens.len() + 1);
+    let mut acc = 0u32;
+    offsets.push(0);
+    for &l in lens {
+        acc += l as u32;
+        offsets.push(acc);
+    }
+    Ok(offsets)
 }
 
 /// What `residual_norm` writes besides the updated residual stream.

@@ -64,6 +64,10 @@ pub enum Error {
     #[error("{0}")]
     Device(String),
 
+    /// The device ran out of memory; callers may retry with a smaller batch.
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+
     /// A backend failed while running (driver error, out of memory, kernel compile failure).
     #[error("{op}: {message}")]
     Backend { op: String, message: String },

@@ -10,8 +10,8 @@
 //! attention, so a packed member embeds exactly as it does alone.
 
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, Epilogue, QkvLayout, Role, RopeStyle, RopeTable, View,
-    ViewMut,
+    Activation, After, AttnSpec, Backend, Epilogue, QkvLayout, Role, RopeStyle, RopeTable,
+    Segments, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
@@ -42,7 +42,8 @@ struct Layer<B: Backend> {
 /// Activations for a pass of up to `rows` tokens and `segs` sequences, reused while they fit.
 struct Workspace<B: Backend> {
     rows: usize,
-    segs: usize,
+    max_segs: usize,
+    segs: Segments<B>,
     ids: B::Buf,
     pos: B::Buf,
     /// Residual stream `[T, H]` (f32).
@@ -79,6 +80,9 @@ pub struct TextEncoder<B: Backend> {
     rope_sliding: Option<RopeTable<B>>,
     rope_full: Option<RopeTable<B>>,
     ws: Option<Workspace<B>>,
+    /// Bumped whenever a buffer that device work points at is reallocated (workspace, RoPE
+    /// tables): part of the key under which the backend may replay captured work.
+    generation: u64,
 }
 
 fn vector<B: Backend>(be: &B, w: &Weights, name: &str, n: usize) -> Result<B::Vector> {
@@ -157,6 +161,7 @@ impl<B: Backend> TextEncoder<B> {
             rope_sliding: None,
             rope_full: None,
             ws: None,
+            generation: 0,
         })
     }
 
@@ -183,6 +188,7 @@ impl<B: Backend> TextEncoder<B> {
                     .max(len);
                 let inv = default_inv_freq(rc.theta, rc.head_dim);
                 *slot = Some(RopeTable::new(be, &inv, want, RopeStyle::SplitHalf)?);
+                self.generation += 1;
             }
         }
         Ok(())
@@ -192,7 +198,7 @@ impl<B: Backend> TextEncoder<B> {
         if self
             .ws
             .as_ref()
-            .is_some_and(|w| w.rows >= rows && w.segs >= segs)
+            .is_some_and(|w| w.rows >= rows && w.max_segs >= segs)
         {
             return Ok(());
         }
@@ -220,7 +226,8 @@ impl<B: Backend> TextEncoder<B> {
         let (s, e) = (Role::Stream, Role::Compute);
         self.ws = Some(Workspace {
             rows,
-            segs,
+            max_segs: segs,
+            segs: be.alloc_segments(rows, segs)?,
             ids: be.alloc(rows, Role::Index)?,
             pos: be.alloc(rows, Role::Index)?,
             h: be.alloc(rows * h, s)?,
@@ -273,16 +280,48 @@ impl<B: Backend> TextEncoder<B> {
         }
         self.ensure_rope(be, longest)?;
         self.ensure_workspace(be, total, seqs.len())?;
-        let segs = be.segments(&lens)?;
+        let Some(mut ws) = self.ws.take() else {
+            return Err(Error::backend(
+                "text encoder",
+                "workspace missing after allocation",
+            ));
+        };
+        let result = self.run(be, &mut ws, seqs, &lens);
+        self.ws = Some(ws);
+        result
+    }
+
+    /// Upload the batch, run the layers (as one replayable region), read the pooled vectors.
+    fn run(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        seqs: &[&[u32]],
+        lens: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
         let ids: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
         let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
-
-        let c = &self.cfg;
-        let (h, p, eps, t) = (c.hidden_size, c.ple_dim, c.rms_norm_eps, total);
-        let ws = self.ws.as_mut().expect("workspace allocated above");
+        be.set_segments(&mut ws.segs, lens)?;
         be.write_u32(&mut ws.ids, &ids)?;
         be.write_u32(&mut ws.pos, &pos)?;
+        let key = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (self.generation, lens).hash(&mut h);
+            h.finish()
+        };
+        let (t, n) = (ids.len(), seqs.len());
+        be.run_graph(key, &mut || self.layers_and_pool(be, ws, t, n))?;
+        let e = self.cfg.embedding_dim;
+        let flat = be.read_f32(View::new(&ws.out, n, e))?;
+        Ok(flat.chunks(e).map(<[f32]>::to_vec).collect())
+    }
 
+    /// Every device op of a forward, on `t` packed tokens of `n` sequences already uploaded.
+    fn layers_and_pool(&self, be: &B, ws: &mut Workspace<B>, t: usize, n: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (h, p, eps) = (c.hidden_size, c.ple_dim, c.rms_norm_eps);
+        let segs = &ws.segs;
         // x0 = E[ids] · √H; h = x0; a = N_in0(h)
         be.embed(
             &self.embed,
@@ -339,7 +378,7 @@ impl<B: Backend> TextEncoder<B> {
                 qkv.cols(qc + kc, kc),
                 ViewMut::new(&mut ws.attn, t, qc),
                 &spec,
-                &segs,
+                segs,
             )?;
             be.matmul(
                 View::new(&ws.attn, t, qc),
@@ -429,7 +468,6 @@ impl<B: Backend> TextEncoder<B> {
                 eps,
             )?;
         }
-        let n = seqs.len();
         let e = c.embedding_dim;
         // The head is linear and bias-free: mean then project equals project then mean.
         be.segment_mean(
@@ -447,8 +485,7 @@ impl<B: Backend> TextEncoder<B> {
             ViewMut::new(&mut ws.out, n, e),
             Epilogue::default(),
         )?;
-        let flat = be.read_f32(View::new(&ws.out, n, e))?;
-        Ok(flat.chunks(e).map(<[f32]>::to_vec).collect())
+        Ok(())
     }
 }
 

@@ -1,0 +1,234 @@
+//! Dense GEMMs through cuBLASLt: bf16 (or f32) operands, f32 accumulation, bf16 or f32 output.
+//!
+//! Row-major `out[m, n] = α · x[m, k] · w[n, k]ᵀ` is computed as the column-major product
+//! `outᵀ = op(W) · xᵀ` with `op = transpose` on the weight, so no operand is ever copied. Each
+//! distinct shape gets a plan (descriptors + the heuristic's algorithm) made once and cached.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::sys as lt;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use tessera_core::{Error, Result};
+
+use super::Elem;
+
+/// cuBLASLt scratch space; 32 MiB lets the heuristic pick split-K and stream-K kernels.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct PlanKey {
+    m: u64,
+    n: u64,
+    k: u64,
+    lda: i64,
+    ldb: i64,
+    ldd: i64,
+    ab: Elem,
+    d: Elem,
+}
+
+struct Plan {
+    desc: lt::cublasLtMatmulDesc_t,
+    a: lt::cublasLtMatrixLayout_t,
+    b: lt::cublasLtMatrixLayout_t,
+    d: lt::cublasLtMatrixLayout_t,
+    algo: lt::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created by cuBLASLt for this plan and is destroyed once.
+        unsafe {
+            lt::cublasLtMatrixLayoutDestroy(self.a);
+            lt::cublasLtMatrixLayoutDestroy(self.b);
+            lt::cublasLtMatrixLayoutDestroy(self.d);
+            lt::cublasLtMatmulDescDestroy(self.desc);
+        }
+    }
+}
+
+pub(super) struct Gemm {
+    handle: lt::cublasLtHandle_t,
+    _workspace: CudaSlice<u8>,
+    workspace_ptr: u64,
+    plans: Mutex<HashMap<PlanKey, Plan>>,
+}
+
+// SAFETY: the cuBLASLt handle and plan descriptors are plain handles that cuBLASLt allows to be
+// used from any thread; every use goes through `&self` methods that lock `plans` first, so no two
+// threads configure or launch through them at once.
+unsafe impl Send for Gemm {}
+unsafe impl Sync for Gemm {}
+
+fn check(op: &str, s: lt::cublasStatus_t) -> Result<()> {
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::backend(format!("cuBLASLt {op}"), format!("{s:?}")))
+    }
+}
+
+fn data_type(e: Elem) -> lt::cudaDataType {
+    match e {
+        Elem::Bf16 => lt::cudaDataType::CUDA_R_16BF,
+        Elem::F32 | Elem::U32 => lt::cudaDataType::CUDA_R_32F,
+    }
+}
+
+fn layout(e: Elem, rows: u64, cols: u64, ld: i64) -> Result<lt::cublasLtMatrixLayout_t> {
+    let mut l = std::ptr::null_mut();
+    // SAFETY: out-parameter only.
+    check("layout", unsafe { lt::cublasLtMatrixLayoutCreate(&mut l, data_type(e), rows, cols, ld) })?;
+    Ok(l)
+}
+
+/// Operands of one product (device pointers are byte addresses of the first element).
+pub(super) struct GemmArgs {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub x: u64,
+    pub x_stride: usize,
+    pub w: u64,
+    pub ab: Elem,
+    pub out: u64,
+    pub out_stride: usize,
+    pub out_elem: Elem,
+    pub alpha: f32,
+}
+
+impl Gemm {
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: out-parameter only.
+        check("create", unsafe { lt::cublasLtCreate(&mut handle) })?;
+        let workspace = stream
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(|e| Error::backend("cuBLASLt workspace", e))?;
+        let (ptr, _guard) = workspace.device_ptr(stream);
+        Ok(Gemm {
+            handle,
+            workspace_ptr: ptr,
+            _workspace: workspace,
+            plans: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn plan(&self, key: PlanKey) -> Result<Plan> {
+        let mut desc = std::ptr::null_mut();
+        // SAFETY: out-parameter only.
+        check("desc", unsafe {
+            lt::cublasLtMatmulDescCreate(&mut desc, lt::cublasComputeType_t::CUBLAS_COMPUTE_32F, lt::cudaDataType::CUDA_R_32F)
+        })?;
+        let set = |attr: lt::cublasLtMatmulDescAttributes_t, v: i32| {
+            // SAFETY: `desc` is live; the attribute is a 4-byte integer read from `v`.
+            check("desc attribute", unsafe {
+                lt::cublasLtMatmulDescSetAttribute(desc, attr, (&v as *const i32).cast(), 4)
+            })
+        };
+        set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, 1)?; // CUBLAS_OP_T
+        set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, 0)?; // CUBLAS_OP_N
+        // Column-major: A = W viewed as [k, n] (ld k), B = xᵀ as [k, m] (ld x_stride),
+        // D = outᵀ as [n, m] (ld out_stride).
+        let mut plan = Plan {
+            desc,
+            a: layout(key.ab, key.k, key.n, key.lda)?,
+            b: layout(key.ab, key.k, key.m, key.ldb)?,
+            d: layout(key.d, key.n, key.m, key.ldd)?,
+            // SAFETY: a plain-old-data struct, filled by the heuristic below before use.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        let mut pref = std::ptr::null_mut();
+        // SAFETY: out-parameter only.
+        check("preference", unsafe { lt::cublasLtMatmulPreferenceCreate(&mut pref) })?;
+        let ws = WORKSPACE_BYTES as u64;
+        // SAFETY: `pref` is live; the attribute is a u64 read from `ws`.
+        let r = unsafe {
+            lt::cublasLtMatmulPreferenceSetAttribute(
+                pref,
+                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const u64).cast(),
+                8,
+            )
+        };
+        let mut result: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let mut count = 0;
+        let heur = if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            // SAFETY: all descriptors are live; one result slot is provided.
+            unsafe {
+                lt::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, 1, &mut result, &mut count,
+                )
+            }
+        } else {
+            r
+        };
+        // SAFETY: `pref` was created above and is destroyed once.
+        unsafe { lt::cublasLtMatmulPreferenceDestroy(pref) };
+        check("heuristic", heur)?;
+        if count == 0 {
+            return Err(Error::backend(
+                "cuBLASLt heuristic",
+                format!("no algorithm for {key:?}"),
+            ));
+        }
+        plan.algo = result.algo;
+        Ok(plan)
+    }
+
+    /// Enqueue `out = α · x · wᵀ` on `stream`.
+    pub fn run(&self, stream: &CudaStream, a: &GemmArgs) -> Result<()> {
+        let key = PlanKey {
+            m: a.m as u64,
+            n: a.n as u64,
+            k: a.k as u64,
+            lda: a.k as i64,
+            ldb: a.x_stride as i64,
+            ldd: a.out_stride as i64,
+            ab: a.ab,
+            d: a.out_elem,
+        };
+        let mut plans = self.plans.lock().map_err(|_| Error::backend("gemm", "plan cache poisoned"))?;
+        if !plans.contains_key(&key) {
+            let p = self.plan(key)?;
+            plans.insert(key, p);
+        }
+        let p = &plans[&key];
+        let beta = 0f32;
+        // SAFETY: pointers address device buffers that the caller checked to cover the operand
+        // extents; the plan's layouts describe exactly those extents; the workspace is ours.
+        let s = unsafe {
+            lt::cublasLtMatmul(
+                self.handle,
+                p.desc,
+                (&a.alpha as *const f32).cast(),
+                a.w as *const c_void,
+                p.a,
+                a.x as *const c_void,
+                p.b,
+                (&beta as *const f32).cast(),
+                a.out as *const c_void,
+                p.d,
+                a.out as *mut c_void,
+                p.d,
+                &p.algo,
+                self.workspace_ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as lt::cudaStream_t,
+            )
+        };
+        check("matmul", s)
+    }
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.plans.lock() {
+            p.clear();
+        }
+        // SAFETY: the handle was created in `new` and is destroyed once, after its plans.
+        unsafe { lt::cublasLtDestroy(self.handle) };
+    }
+}

@@ -1,0 +1,103 @@
+//! The loaded kernel table: every function of every source is resolved when the backend opens,
+//! so a missing or misnamed kernel fails at start-up, not in the middle of a forward.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::Ptx;
+use tessera_core::{Error, Result};
+
+use super::nvrtc::{self, SOURCES};
+
+const DTYPES: [&str; 2] = ["f32", "bf16"];
+
+/// Head dims the tensor-core attention kernel is instantiated for.
+pub const FLASH_HEAD_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
+
+/// Dynamic shared memory of `flash_bf16_d{D}` (see `FlashCfg` in attention.cu: 64 query rows,
+/// BN key rows each for K and V, rows padded by 8 elements, plus the partial-score buffer when the
+/// head dimension is split across warps).
+pub fn flash_smem_bytes(d: usize) -> (u32, u32) {
+    let (wd, bn) = match d {
+        256 => (2, 64),
+        512 => (4, 32),
+        _ => (1, 64),
+    };
+    let tiles = (64 + 2 * bn) * (d + 8) * 2;
+    let scores = if wd > 1 { wd * 64 * bn * 4 } else { 0 };
+    ((tiles + scores) as u32, (128 * wd) as u32)
+}
+
+/// Every kernel name, per source file.
+pub fn names(source: &str) -> Vec<String> {
+    let pairs = |op: &str| -> Vec<String> {
+        DTYPES
+            .iter()
+            .flat_map(|a| DTYPES.iter().map(move |b| format!("{op}_{a}_{b}")))
+            .collect()
+    };
+    match source {
+        "norm.cu" => {
+            let mut v = pairs("rms_norm");
+            v.extend(pairs("residual_norm"));
+            v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_{d}")));
+            v
+        }
+        "elementwise.cu" => {
+            let mut v = vec!["embed_f32_f32".to_string(), "embed_bf16_f32".to_string()];
+            v.extend(pairs("cast"));
+            for act in ["gelu", "silu"] {
+                v.extend(DTYPES.iter().map(|d| format!("gated_{act}_{d}")));
+            }
+            v.extend(DTYPES.iter().map(|d| format!("segment_mean_{d}")));
+            v
+        }
+        "attention.cu" => {
+            let mut v: Vec<String> = FLASH_HEAD_DIMS.iter().map(|d| format!("flash_bf16_d{d}")).collect();
+            v.push("attn_rows_f32".to_string());
+            v
+        }
+        _ => Vec::new(),
+    }
+}
+
+pub struct Kernels {
+    funcs: HashMap<String, CudaFunction>,
+}
+
+impl Kernels {
+    /// Compile (or load from the cache) every source for `arch` and resolve every function.
+    pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Self> {
+        let mut funcs = HashMap::new();
+        for src in SOURCES {
+            let cubin = nvrtc::cubin(src, arch)?;
+            let module = ctx
+                .load_module(Ptx::from_binary(cubin))
+                .map_err(|e| Error::backend(format!("loading {}", src.name), e))?;
+            for name in names(src.name) {
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| Error::backend(format!("kernel {name} in {}", src.name), e))?;
+                funcs.insert(name, f);
+            }
+        }
+        for d in FLASH_HEAD_DIMS {
+            let (smem, _) = flash_smem_bytes(d);
+            funcs[&format!("flash_bf16_d{d}")]
+                .set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(|e| Error::backend(format!("flash_bf16_d{d}: {smem} B of shared memory"), e))?;
+        }
+        Ok(Kernels { funcs })
+    }
+
+    pub fn get(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| Error::backend("kernel lookup", format!("no kernel named {name}")))
+    }
+}

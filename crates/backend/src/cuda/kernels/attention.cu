@@ -1,0 +1,315 @@
+// Attention over packed segments. CPU reference: crates/backend/src/cpu/attention.rs.
+//
+// flash_bf16_d{D}: bf16 q/k/v, f32 accumulation and softmax statistics, tensor cores
+// (mma.m16n8k16). One CTA = one 64-row query tile of one head. Tiles never cross a segment; the
+// host lists them as (q0, q1, s0, s1): query rows [q0, q1) of the segment [s0, s1). The CTA walks
+// the keys its rows can see (the segment cut to the window) in blocks of BN with an online softmax.
+//
+// Warps: 4 along the query rows (16 rows each) × WD along the head dimension. With WD > 1 each
+// warp computes q·kᵀ over its slice of the head dimension, the partial scores are summed through
+// shared memory, and each warp then owns D/WD output columns — which keeps the accumulators of
+// 256- and 512-wide heads in registers.
+//
+// Pipelining: K and V tiles are separate cp.async groups; the next K loads while softmax and P·V
+// run, the next V while the next q·kᵀ runs.
+//
+// attn_rows_f32: the exact (f32) mode; one warp per (query row, head), scalar FMAs.
+
+template <int D> struct FlashCfg;
+template <> struct FlashCfg<16> { static constexpr int WD = 1, BN = 64; };
+template <> struct FlashCfg<32> { static constexpr int WD = 1, BN = 64; };
+template <> struct FlashCfg<64> { static constexpr int WD = 1, BN = 64; };
+template <> struct FlashCfg<128> { static constexpr int WD = 1, BN = 64; };
+template <> struct FlashCfg<256> { static constexpr int WD = 2, BN = 64; };
+template <> struct FlashCfg<512> { static constexpr int WD = 4, BN = 32; };
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Rows [r0, r0 + R) ∩ [lo, hi) of a head's [rows][D] slice → shared tile [R][PITCH]; rows outside
+// the range are zero-filled.
+template <int D, int R, int PITCH, int NT>
+__device__ __forceinline__ void load_rows(bf16* tile, const bf16* base, long stride, int r0, int lo, int hi) {
+    constexpr int CHUNKS = D / 8;
+    for (int i = threadIdx.x; i < R * CHUNKS; i += NT) {
+        const int row = i / CHUNKS, ch = i - row * CHUNKS;
+        const int gr = r0 + row;
+        const bool ok = gr >= lo && gr < hi;
+        const bf16* src = ok ? base + (long)gr * stride + ch * 8 : base;
+        cp_async16(smem_addr(tile + row * PITCH + ch * 8), src, ok);
+    }
+}
+
+template <int D, typename TO>
+__device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k, long ks,
+                                           const bf16* __restrict__ v, long vs, TO* __restrict__ o, long os,
+                                           const u32* __restrict__ tiles, int group, float scale_log2, int window,
+                                           int causal) {
+    constexpr int WD = FlashCfg<D>::WD, BN = FlashCfg<D>::BN;
+    constexpr int WM = 4, BM = 64, NT = 32 * WM * WD, PITCH = D + 8, DW = D / WD;
+    constexpr int NS = BN / 8;  // score n-tiles per warp
+    constexpr int NO = DW / 8;  // output n-tiles per warp
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* sQ = reinterpret_cast<bf16*>(smem);
+    bf16* sK = sQ + BM * PITCH;
+    bf16* sV = sK + BN * PITCH;
+    float* sS = reinterpret_cast<float*>(sV + BN * PITCH);
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = warp % WM, wd = warp / WM;
+    const u32* tl = tiles + 4 * blockIdx.x;
+    const int q0 = tl[0], q1 = tl[1], s0 = tl[2], s1 = tl[3];
+    const int h = blockIdx.y, g = h / group;
+    int k_lo = s0, k_hi = s1;
+    if (window >= 0) {
+        k_lo = max(s0, q0 - window);
+        k_hi = min(s1, q1 + window);
+    }
+    if (causal) k_hi = min(k_hi, q1);
+    const bf16* qb = q + (long)h * D;
+    const bf16* kb = k + (long)g * D;
+    const bf16* vb = v + (long)g * D;
+
+    load_rows<D, BM, PITCH, NT>(sQ, qb, qs, q0, q0, q1);
+    load_rows<D, BN, PITCH, NT>(sK, kb, ks, k_lo, k_lo, k_hi);
+    cp_commit();
+    load_rows<D, BN, PITCH, NT>(sV, vb, vs, k_lo, k_lo, k_hi);
+    cp_commit();
+
+    float oacc[NO][4];
+#pragma unroll
+    for (int i = 0; i < NO; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+    float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+    const int row_lo = q0 + 16 * wm + (lane >> 2), row_hi = row_lo + 8;
+    const int col_in = 2 * (lane & 3);
+
+    for (int kb0 = k_lo; kb0 < k_hi; kb0 += BN) {
+        cp_wait1();  // all but the newest group (this block's V) have landed: Q and K are ready
+        __syncthreads();
+        float s[NS][4];
+#pragma unroll
+        for (int i = 0; i < NS; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DW / 16; kk++) {
+            const int dcol = wd * DW + kk * 16;
+            u32 a0, a1, a2, a3;
+            ldsm_x4(a0, a1, a2, a3, smem_addr(sQ + (16 * wm + (lane & 15)) * PITCH + dcol + 8 * (lane >> 4)));
+#pragma unroll
+            for (int nt = 0; nt < NS; nt += 2) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3,
+                        smem_addr(sK + (nt * 8 + (lane & 7) + 8 * (lane >> 4)) * PITCH + dcol + 8 * ((lane >> 3) & 1)));
+                mma_bf16(s[nt], a0, a1, a2, a3, b0, b1);
+                mma_bf16(s[nt + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        if constexpr (WD > 1) {
+            float* mine = sS + (wd * BM + 16 * wm) * BN;
+#pragma unroll
+            for (int nt = 0; nt < NS; nt++) {
+                const int c = nt * 8 + col_in;
+                mine[(lane >> 2) * BN + c] = s[nt][0];
+                mine[(lane >> 2) * BN + c + 1] = s[nt][1];
+                mine[((lane >> 2) + 8) * BN + c] = s[nt][2];
+                mine[((lane >> 2) + 8) * BN + c + 1] = s[nt][3];
+            }
+            __syncthreads();
+#pragma unroll
+            for (int nt = 0; nt < NS; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int w = 0; w < WD; w++) {
+                const float* part = sS + (w * BM + 16 * wm) * BN;
+#pragma unroll
+                for (int nt = 0; nt < NS; nt++) {
+                    const int c = nt * 8 + col_in;
+                    s[nt][0] += part[(lane >> 2) * BN + c];
+                    s[nt][1] += part[(lane >> 2) * BN + c + 1];
+                    s[nt][2] += part[((lane >> 2) + 8) * BN + c];
+                    s[nt][3] += part[((lane >> 2) + 8) * BN + c + 1];
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with sK (and with sS for this block)
+        if (kb0 + BN < k_hi) load_rows<D, BN, PITCH, NT>(sK, kb, ks, kb0 + BN, k_lo, k_hi);
+        cp_commit();
+
+        // Mask, then the online softmax in base 2.
+        float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NS; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = e < 2 ? row_lo : row_hi;
+                const int j = kb0 + nt * 8 + col_in + (e & 1);
+                bool ok = j < k_hi && i < q1;
+                if (window >= 0) ok = ok && abs(i - j) <= window;
+                if (causal) ok = ok && j <= i;
+                s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
+            }
+            mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
+            mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+        const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+        // A row with nothing visible yet keeps base 0 so that exp2(-inf - base) = 0, never NaN.
+        const float base_lo = new_lo == NEG_INF ? 0.f : new_lo;
+        const float base_hi = new_hi == NEG_INF ? 0.f : new_hi;
+        const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);
+        m_lo = new_lo;
+        m_hi = new_hi;
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NS; nt++) {
+            s[nt][0] = exp2f(s[nt][0] - base_lo);
+            s[nt][1] = exp2f(s[nt][1] - base_lo);
+            s[nt][2] = exp2f(s[nt][2] - base_hi);
+            s[nt][3] = exp2f(s[nt][3] - base_hi);
+            sum_lo += s[nt][0] + s[nt][1];
+            sum_hi += s[nt][2] + s[nt][3];
+        }
+        l_lo = l_lo * alpha_lo + sum_lo;  // per-thread partial; the quad is summed at the end
+        l_hi = l_hi * alpha_hi + sum_hi;
+#pragma unroll
+        for (int i = 0; i < NO; i++) {
+            oacc[i][0] *= alpha_lo;
+            oacc[i][1] *= alpha_lo;
+            oacc[i][2] *= alpha_hi;
+            oacc[i][3] *= alpha_hi;
+        }
+
+        cp_wait1();  // all but the newest group (the next K): V is ready
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            const u32 a0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            const u32 a1 = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            const u32 a2 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            const u32 a3 = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int ot = 0; ot < NO; ot += 2) {
+                const int n0 = wd * DW + ot * 8;
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3,
+                          smem_addr(sV + (kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * PITCH + n0 + 8 * (lane >> 4)));
+                mma_bf16(oacc[ot], a0, a1, a2, a3, b0, b1);
+                mma_bf16(oacc[ot + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        __syncthreads();  // every warp is done with sV
+        if (kb0 + BN < k_hi) load_rows<D, BN, PITCH, NT>(sV, vb, vs, kb0 + BN, k_lo, k_hi);
+        cp_commit();
+    }
+
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f;
+    const float inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+#pragma unroll
+    for (int ot = 0; ot < NO; ot++) {
+        const long col = (long)h * D + wd * DW + ot * 8 + col_in;
+        if (row_lo < q1) {
+            o[(long)row_lo * os + col] = from_f<TO>(oacc[ot][0] * inv_lo);
+            o[(long)row_lo * os + col + 1] = from_f<TO>(oacc[ot][1] * inv_lo);
+        }
+        if (row_hi < q1) {
+            o[(long)row_hi * os + col] = from_f<TO>(oacc[ot][2] * inv_hi);
+            o[(long)row_hi * os + col + 1] = from_f<TO>(oacc[ot][3] * inv_hi);
+        }
+    }
+}
+
+#define FLASH(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128 * FlashCfg<D>::WD, 1)                                 \
+        flash_bf16_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
+                        const u32* tiles, int group, float scale_log2, int window, int causal) {           \
+        flash_impl<D, bf16>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal);        \
+    }
+FLASH(16)
+FLASH(32)
+FLASH(64)
+FLASH(128)
+FLASH(256)
+FLASH(512)
+
+// Exact mode: one warp per (query row, head); lane holds head channels lane, lane+32, … (D ≤ 512).
+extern "C" __global__ void attn_rows_f32(const float* q, long qs, const float* k, long ks, const float* v, long vs,
+                                         float* o, long os, const u32* offsets, int nseg, int rows, int hq,
+                                         int group, int D, float scale, int window, int causal) {
+    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (gw >= (long)rows * hq) return;
+    const int i = (int)(gw / hq), h = (int)(gw % hq), g = h / group;
+    int lo = 0, hi = nseg;  // the segment holding row i: offsets[lo] <= i < offsets[lo + 1]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if ((int)offsets[mid] <= i) lo = mid; else hi = mid;
+    }
+    int k_lo = offsets[lo], k_hi = offsets[lo + 1];
+    if (window >= 0) {
+        k_lo = max(k_lo, i - window);
+        k_hi = min(k_hi, i + window + 1);
+    }
+    if (causal) k_hi = min(k_hi, i + 1);
+    float qv[16], acc[16];
+    const float* qr = q + (long)i * qs + (long)h * D;
+#pragma unroll
+    for (int t = 0; t < 16; t++) {
+        const int c = lane + 32 * t;
+        qv[t] = c < D ? qr[c] : 0.f;
+        acc[t] = 0.f;
+    }
+    float m = NEG_INF, l = 0.f;
+    for (int j = k_lo; j < k_hi; j++) {
+        const float* kr = k + (long)j * ks + (long)g * D;
+        float d = 0.f;
+#pragma unroll
+        for (int t = 0; t < 16; t++) {
+            const int c = lane + 32 * t;
+            if (c < D) d += qv[t] * kr[c];
+        }
+        const float sc = warp_sum(d) * scale;
+        const float mn = fmaxf(m, sc);
+        const float a = expf(m - mn), p = expf(sc - mn);
+        l = l * a + p;
+        const float* vr = v + (long)j * vs + (long)g * D;
+#pragma unroll
+        for (int t = 0; t < 16; t++) {
+            const int c = lane + 32 * t;
+            if (c < D) acc[t] = acc[t] * a + p * vr[c];
+        }
+        m = mn;
+    }
+    float* orow = o + (long)i * os + (long)h * D;
+#pragma unroll
+    for (int t = 0; t < 16; t++) {
+        const int c = lane + 32 * t;
+        if (c < D) orow[c] = acc[t] / l;
+    }
+}

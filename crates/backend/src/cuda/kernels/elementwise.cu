@@ -1,0 +1,84 @@
+// Row gathers, conversions, gated activations and per-segment means. CPU references:
+// crates/backend/src/cpu/elementwise.rs and CpuBackend::cast.
+
+// out[r] = table[ids[r]] · scale. One block per row.
+template <typename TT, typename TO>
+__device__ __forceinline__ void embed_impl(const TT* table, int dim, const u32* ids, float scale, TO* out,
+                                           long os) {
+    const long r = blockIdx.x;
+    const TT* src = table + (long)ids[r] * dim;
+    TO* dst = out + r * os;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) dst[c] = from_f<TO>(to_f(src[c]) * scale);
+}
+
+// y = x, converted. One block per row.
+template <typename TI, typename TO>
+__device__ __forceinline__ void cast_impl(const TI* x, long xs, TO* y, long ys, int cols) {
+    const long r = blockIdx.x;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) y[r * ys + c] = from_f<TO>(to_f(x[r * xs + c]));
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// o = act(g) ⊙ u over rows × cols, grid-stride.
+template <typename TG, typename TU, typename TO, int ACT>
+__device__ __forceinline__ void gated_impl(const TG* g, long gs, const TU* u, long us, TO* o, long os, long rows,
+                                           int cols) {
+    const long n = rows * cols;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long r = i / cols;
+        const int c = (int)(i - r * cols);
+        const float gv = to_f(g[r * gs + c]);
+        const float a = ACT == 0 ? gelu_tanh(gv) : silu(gv);
+        o[r * os + c] = from_f<TO>(a * to_f(u[r * us + c]));
+    }
+}
+
+// out[s][c] = mean over the rows of segment s. Grid (segments, column blocks).
+template <typename T>
+__device__ __forceinline__ void segment_mean_impl(const T* x, long xs, const u32* offsets, float* out, long os,
+                                                  int cols) {
+    const int s = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    const u32 a = offsets[s], b = offsets[s + 1];
+    float acc = 0.f;
+    for (u32 r = a; r < b; r++) acc += to_f(x[(long)r * xs + c]);
+    out[(long)s * os + c] = b > a ? acc / (float)(b - a) : 0.f;
+}
+
+#define EMBED(TT, TO, NAME)                                                                               \
+    extern "C" __global__ void NAME(const TT* table, int dim, const u32* ids, float scale, TO* out, long os) { \
+        embed_impl<TT, TO>(table, dim, ids, scale, out, os);                                              \
+    }
+EMBED(float, float, embed_f32_f32)
+EMBED(bf16, float, embed_bf16_f32)
+
+#define CAST(TI, TO, NAME)                                                                                \
+    extern "C" __global__ void NAME(const TI* x, long xs, TO* y, long ys, int cols) {                     \
+        cast_impl<TI, TO>(x, xs, y, ys, cols);                                                            \
+    }
+CAST(float, float, cast_f32_f32)
+CAST(float, bf16, cast_f32_bf16)
+CAST(bf16, float, cast_bf16_f32)
+CAST(bf16, bf16, cast_bf16_bf16)
+
+#define GATED(TG, TU, TO, ACT, NAME)                                                                      \
+    extern "C" __global__ void NAME(const TG* g, long gs, const TU* u, long us, TO* o, long os, long rows,  \
+                                    int cols) {                                                           \
+        gated_impl<TG, TU, TO, ACT>(g, gs, u, us, o, os, rows, cols);                                     \
+    }
+GATED(float, float, float, 0, gated_gelu_f32)
+GATED(bf16, bf16, bf16, 0, gated_gelu_bf16)
+GATED(float, float, float, 1, gated_silu_f32)
+GATED(bf16, bf16, bf16, 1, gated_silu_bf16)
+
+#define SEGMENT_MEAN(T, NAME)                                                                             \
+    extern "C" __global__ void NAME(const T* x, long xs, const u32* offsets, float* out, long os, int cols) { \
+        segment_mean_impl<T>(x, xs, offsets, out, os, cols);                                              \
+    }
+SEGMENT_MEAN(float, segment_mean_f32)
+SEGMENT_MEAN(bf16, segment_mean_bf16)

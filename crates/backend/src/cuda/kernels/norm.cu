@@ -1,0 +1,150 @@
+// RMSNorm kernels. CPU references: crates/backend/src/cpu/norm.rs (rms_norm, residual_norm,
+// qkv_norm_rope). Statistics in f32; `1/sqrtf` rather than `rsqrtf` for accuracy.
+
+// out = x · (mean(x²) + eps)^-½ · w   (w may be null). One block per row.
+template <typename TI, typename TO>
+__device__ __forceinline__ void rms_norm_impl(const TI* x, long xs, const float* w, TO* out, long os,
+                                              int cols, float eps) {
+    __shared__ float sh[32];
+    const long r = blockIdx.x;
+    const TI* xr = x + r * xs;
+    TO* orow = out + r * os;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = to_f(xr[c]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float inv = 1.f / sqrtf(ss / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = to_f(xr[c]) * inv;
+        if (w) v *= w[c];
+        orow[c] = from_f<TO>(v);
+    }
+}
+
+// h = (h + N_post(y)) · scale; then mode 0: nothing, 1: out = N_next(h), 2: out = h.
+// One block per row; the row of h is staged in dynamic shared memory (cols floats).
+template <typename TY, typename TO>
+__device__ __forceinline__ void residual_norm_impl(float* h, long hs, const TY* y, long ys, const float* post,
+                                                   float scale, int mode, const float* next, TO* out, long os,
+                                                   int cols, float eps) {
+    extern __shared__ float row[];
+    __shared__ float sh[32];
+    const long r = blockIdx.x;
+    float* hr = h + r * hs;
+    const TY* yr = y + r * ys;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = to_f(yr[c]);
+        row[c] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float inv = 1.f / sqrtf(ss / cols + eps);
+    float ss2 = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float n = row[c] * inv;
+        if (post) n *= post[c];
+        const float hv = (hr[c] + n) * scale;
+        hr[c] = hv;
+        row[c] = hv;  // each thread re-reads only the entries it wrote
+        ss2 += hv * hv;
+    }
+    if (mode == 0) return;
+    TO* orow = out + r * os;
+    if (mode == 2) {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f<TO>(row[c]);
+        return;
+    }
+    ss2 = block_sum(ss2, sh);
+    const float inv2 = 1.f / sqrtf(ss2 / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f<TO>(row[c] * inv2 * next[c]);
+}
+
+// In place on packed q|k|v rows: per-head RMSNorm (q, k with weights; v weightless when v_norm),
+// then split-half RoPE on q and k. One warp per (row, head); head_dim ≤ 512, even.
+// rope: cos table [rope_len][half] followed by the sin table; null = no rotation.
+template <typename T>
+__device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
+                                                   const float* qw, const float* kw, int v_norm, float eps,
+                                                   const float* rope, int rope_len, const u32* pos) {
+    const int heads = hq + 2 * hkv;
+    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (gw >= (long)rows * heads) return;
+    const long r = gw / heads;
+    const int hh = (int)(gw % heads);
+    const bool is_v = hh >= hq + hkv;
+    if (is_v && !v_norm) return;
+    const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
+    T* x = qkv + r * stride + (long)hh * hd;
+    const int half = hd >> 1;
+    float a[8], b[8];
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        const int j = lane + 32 * t;
+        a[t] = 0.f;
+        b[t] = 0.f;
+        if (j < half) {
+            a[t] = to_f(x[j]);
+            b[t] = to_f(x[j + half]);
+            ss += a[t] * a[t] + b[t] * b[t];
+        }
+    }
+    ss = warp_sum(ss);
+    const float inv = 1.f / sqrtf(ss / hd + eps);
+    const bool rotate = !is_v && rope != nullptr;
+    const float* cs = rotate ? rope + (long)pos[r] * half : nullptr;
+    const float* sn = rotate ? rope + ((long)rope_len + pos[r]) * half : nullptr;
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        const int j = lane + 32 * t;
+        if (j < half) {
+            float x1 = a[t] * inv, x2 = b[t] * inv;
+            if (w) {
+                x1 *= w[j];
+                x2 *= w[j + half];
+            }
+            if (rotate) {
+                const float c = cs[j], s = sn[j];
+                const float y1 = x1 * c - x2 * s;
+                const float y2 = x2 * c + x1 * s;
+                x1 = y1;
+                x2 = y2;
+            }
+            x[j] = from_f<T>(x1);
+            x[j + half] = from_f<T>(x2);
+        }
+    }
+}
+
+#define RMS_NORM(TI, TO, NAME)                                                                           \
+    extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, int cols,      \
+                                    float eps) {                                                          \
+        rms_norm_impl<TI, TO>(x, xs, w, out, os, cols, eps);                                               \
+    }
+RMS_NORM(float, float, rms_norm_f32_f32)
+RMS_NORM(float, bf16, rms_norm_f32_bf16)
+RMS_NORM(bf16, float, rms_norm_bf16_f32)
+RMS_NORM(bf16, bf16, rms_norm_bf16_bf16)
+
+#define RESIDUAL_NORM(TY, TO, NAME)                                                                      \
+    extern "C" __global__ void NAME(float* h, long hs, const TY* y, long ys, const float* post, float scale, \
+                                    int mode, const float* next, TO* out, long os, int cols, float eps) {   \
+        residual_norm_impl<TY, TO>(h, hs, y, ys, post, scale, mode, next, out, os, cols, eps);           \
+    }
+RESIDUAL_NORM(float, float, residual_norm_f32_f32)
+RESIDUAL_NORM(float, bf16, residual_norm_f32_bf16)
+RESIDUAL_NORM(bf16, float, residual_norm_bf16_f32)
+RESIDUAL_NORM(bf16, bf16, residual_norm_bf16_bf16)
+
+#define QKV_NORM_ROPE(T, NAME)                                                                           \
+    extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
+                                    const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
+                                    const u32* pos) {                                                     \
+        qkv_norm_rope_impl<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len, pos);  \
+    }
+QKV_NORM_ROPE(float, qkv_norm_rope_f32)
+QKV_NORM_ROPE(bf16, qkv_norm_rope_bf16)
