@@ -11,9 +11,13 @@
 //! workspace sized once per shape.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 mod spec;
 mod view;
 
+pub use device::{AnyBackend, DeviceRequest};
 pub use spec::{Activation, After, AttnSpec, Epilogue, QkvLayout, RopeStyle, Segments, offsets_of};
 pub use tessera_core::{Error, Result};
 pub use view::{View, ViewMut};

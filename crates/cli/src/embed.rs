@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use tessera_backend::cpu::CpuBackend;
 use tessera_core::{Error, Result};
-use tessera_models::egemma2::{EmbeddingGemma2, TextOptions};
+use tessera_models::egemma2::{AnyEmbeddingGemma2, TextOptions};
+
+use crate::device::DeviceArgs;
 
 use crate::input::read_text_file;
 use crate::model::ModelChoice;
@@ -43,6 +44,8 @@ pub struct EmbedArgs {
     /// Write here instead of standard output.
     #[arg(long, short = 'o', value_name = "FILE")]
     out: Option<PathBuf>,
+    #[command(flatten)]
+    device: DeviceArgs,
 }
 
 pub fn run(args: EmbedArgs) -> Result<()> {
@@ -69,7 +72,7 @@ pub fn run(args: EmbedArgs) -> Result<()> {
         None => Box::new(std::io::stdout().lock()),
     };
     let choice = ModelChoice::egemma2(args.model.as_deref())?;
-    let mut model = EmbeddingGemma2::load(CpuBackend::new(), choice.files.clone())?;
+    let mut model = AnyEmbeddingGemma2::load(args.device.open()?, choice.files.clone())?;
     let opts = TextOptions {
         prompt_name: args.prompt_name,
         prompt: args.prompt,

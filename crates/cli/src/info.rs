@@ -1,10 +1,10 @@
 //! `tessera info`: what a model is and what it will run on.
 
 use clap::Args;
-use tessera_backend::{Backend, cpu::CpuBackend};
 use tessera_core::Result;
-use tessera_models::egemma2::{EmbeddingGemma2, config::LayerType};
+use tessera_models::egemma2::{AnyEmbeddingGemma2, config::LayerType};
 
+use crate::device::DeviceArgs;
 use crate::model::ModelChoice;
 
 #[derive(Args)]
@@ -12,12 +12,14 @@ pub struct InfoArgs {
     /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature model).
     #[arg(long, env = "TESSERA_MODEL")]
     model: Option<String>,
+    #[command(flatten)]
+    device: DeviceArgs,
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
     let choice = ModelChoice::egemma2(args.model.as_deref())?;
     let weights = choice.files.weights("model")?;
-    let model = EmbeddingGemma2::load(CpuBackend::new(), choice.files.clone())?;
+    let model = AnyEmbeddingGemma2::load(args.device.open()?, choice.files.clone())?;
     let t = &model.config().text;
     let n_full = t
         .layers
@@ -70,7 +72,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
             prompts.join(", ")
         }
     );
-    println!("runs on:     {}", model.backend().describe());
+    println!("runs on:     {}", model.describe());
     choice.note_if_bundled();
     Ok(())
 }

@@ -2,6 +2,8 @@
 //!
 //! Every failure is one line on stderr and a non-zero exit; usage errors exit with 2.
 
+mod bench;
+mod device;
 mod embed;
 mod info;
 mod input;
@@ -32,6 +34,8 @@ enum Command {
     Embed(embed::EmbedArgs),
     /// Describe a model and what it will run on.
     Info(info::InfoArgs),
+    /// Measure throughput and latency (see BENCHMARKS.md).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +56,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Embed(args) => embed::run(args),
         Command::Info(args) => info::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

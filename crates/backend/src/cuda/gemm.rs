@@ -80,7 +80,9 @@ fn data_type(e: Elem) -> lt::cudaDataType {
 fn layout(e: Elem, rows: u64, cols: u64, ld: i64) -> Result<lt::cublasLtMatrixLayout_t> {
     let mut l = std::ptr::null_mut();
     // SAFETY: out-parameter only.
-    check("layout", unsafe { lt::cublasLtMatrixLayoutCreate(&mut l, data_type(e), rows, cols, ld) })?;
+    check("layout", unsafe {
+        lt::cublasLtMatrixLayoutCreate(&mut l, data_type(e), rows, cols, ld)
+    })?;
     Ok(l)
 }
 
@@ -107,7 +109,7 @@ impl Gemm {
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
             .map_err(|e| Error::backend("cuBLASLt workspace", e))?;
-        let (ptr, _guard) = workspace.device_ptr(stream);
+        let ptr = workspace.device_ptr(stream).0;
         Ok(Gemm {
             handle,
             workspace_ptr: ptr,
@@ -120,7 +122,11 @@ impl Gemm {
         let mut desc = std::ptr::null_mut();
         // SAFETY: out-parameter only.
         check("desc", unsafe {
-            lt::cublasLtMatmulDescCreate(&mut desc, lt::cublasComputeType_t::CUBLAS_COMPUTE_32F, lt::cudaDataType::CUDA_R_32F)
+            lt::cublasLtMatmulDescCreate(
+                &mut desc,
+                lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                lt::cudaDataType::CUDA_R_32F,
+            )
         })?;
         let set = |attr: lt::cublasLtMatmulDescAttributes_t, v: i32| {
             // SAFETY: `desc` is live; the attribute is a 4-byte integer read from `v`.
@@ -128,8 +134,14 @@ impl Gemm {
                 lt::cublasLtMatmulDescSetAttribute(desc, attr, (&v as *const i32).cast(), 4)
             })
         };
-        set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, 1)?; // CUBLAS_OP_T
-        set(lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, 0)?; // CUBLAS_OP_N
+        set(
+            lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+            1,
+        )?; // CUBLAS_OP_T
+        set(
+            lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+            0,
+        )?; // CUBLAS_OP_N
         // Column-major: A = W viewed as [k, n] (ld k), B = xᵀ as [k, m] (ld x_stride),
         // D = outᵀ as [n, m] (ld out_stride).
         let mut plan = Plan {
@@ -142,7 +154,9 @@ impl Gemm {
         };
         let mut pref = std::ptr::null_mut();
         // SAFETY: out-parameter only.
-        check("preference", unsafe { lt::cublasLtMatmulPreferenceCreate(&mut pref) })?;
+        check("preference", unsafe {
+            lt::cublasLtMatmulPreferenceCreate(&mut pref)
+        })?;
         let ws = WORKSPACE_BYTES as u64;
         // SAFETY: `pref` is live; the attribute is a u64 read from `ws`.
         let r = unsafe {
@@ -159,7 +173,16 @@ impl Gemm {
             // SAFETY: all descriptors are live; one result slot is provided.
             unsafe {
                 lt::cublasLtMatmulAlgoGetHeuristic(
-                    self.handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, 1, &mut result, &mut count,
+                    self.handle,
+                    plan.desc,
+                    plan.a,
+                    plan.b,
+                    plan.d,
+                    plan.d,
+                    pref,
+                    1,
+                    &mut result,
+                    &mut count,
                 )
             }
         } else {
@@ -190,7 +213,10 @@ impl Gemm {
             ab: a.ab,
             d: a.out_elem,
         };
-        let mut plans = self.plans.lock().map_err(|_| Error::backend("gemm", "plan cache poisoned"))?;
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::backend("gemm", "plan cache poisoned"))?;
         if !plans.contains_key(&key) {
             let p = self.plan(key)?;
             plans.insert(key, p);

@@ -16,18 +16,30 @@ const DTYPES: [&str; 2] = ["f32", "bf16"];
 /// Head dims the tensor-core attention kernel is instantiated for.
 pub const FLASH_HEAD_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
 
-/// Dynamic shared memory of `flash_bf16_d{D}` (see `FlashCfg` in attention.cu: 64 query rows,
-/// BN key rows each for K and V, rows padded by 8 elements, plus the partial-score buffer when the
-/// head dimension is split across warps).
-pub fn flash_smem_bytes(d: usize) -> (u32, u32) {
-    let (wd, bn) = match d {
-        256 => (2, 64),
-        512 => (4, 32),
-        _ => (1, 64),
+/// Launch shape of `flash_bf16_d{D}`, mirroring `FlashCfg` in attention.cu.
+pub struct FlashConfig {
+    /// Dynamic shared memory: query rows, BN key rows each for K and V (rows padded by 8
+    /// elements), plus the partial-score buffer when the head dimension is split across warps.
+    pub smem: u32,
+    pub threads: u32,
+    /// CTAs per 64-row tile (grid z).
+    pub splits: u32,
+}
+
+pub fn flash_config(d: usize) -> FlashConfig {
+    let (wm, wd, bn) = match d {
+        256 => (4, 2, 64),
+        512 => (2, 4, 32),
+        _ => (4, 1, 64),
     };
-    let tiles = (64 + 2 * bn) * (d + 8) * 2;
-    let scores = if wd > 1 { wd * 64 * bn * 4 } else { 0 };
-    ((tiles + scores) as u32, (128 * wd) as u32)
+    let bm = 16 * wm;
+    let tiles = (bm + 2 * bn) * (d + 8) * 2;
+    let scores = if wd > 1 { wd * bm * bn * 4 } else { 0 };
+    FlashConfig {
+        smem: (tiles + scores) as u32,
+        threads: (32 * wm * wd) as u32,
+        splits: (64 / bm) as u32,
+    }
 }
 
 /// Every kernel name, per source file.
@@ -55,7 +67,10 @@ pub fn names(source: &str) -> Vec<String> {
             v
         }
         "attention.cu" => {
-            let mut v: Vec<String> = FLASH_HEAD_DIMS.iter().map(|d| format!("flash_bf16_d{d}")).collect();
+            let mut v: Vec<String> = FLASH_HEAD_DIMS
+                .iter()
+                .map(|d| format!("flash_bf16_d{d}"))
+                .collect();
             v.push("attn_rows_f32".to_string());
             v
         }
@@ -84,13 +99,15 @@ impl Kernels {
             }
         }
         for d in FLASH_HEAD_DIMS {
-            let (smem, _) = flash_smem_bytes(d);
+            let smem = flash_config(d).smem;
             funcs[&format!("flash_bf16_d{d}")]
                 .set_attribute(
                     CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem as i32,
                 )
-                .map_err(|e| Error::backend(format!("flash_bf16_d{d}: {smem} B of shared memory"), e))?;
+                .map_err(|e| {
+                    Error::backend(format!("flash_bf16_d{d}: {smem} B of shared memory"), e)
+                })?;
         }
         Ok(Kernels { funcs })
     }

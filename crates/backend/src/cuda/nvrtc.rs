@@ -116,7 +116,8 @@ pub fn compile(src: &Source, arch: &str, verbose: bool) -> Result<Compiled> {
         return Err(fail("nvrtcCreateProgram", r));
     }
     // SAFETY: `prog` was created above; `opt_ptrs` points at live NUL-terminated strings.
-    let compiled = unsafe { sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
+    let compiled =
+        unsafe { sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
     let log = program_log(prog);
     let result = if compiled != sys::nvrtcResult::NVRTC_SUCCESS {
         Err(Error::backend(
@@ -148,12 +149,16 @@ pub fn compile(src: &Source, arch: &str, verbose: bool) -> Result<Compiled> {
 fn program_log(prog: sys::nvrtcProgram) -> String {
     let mut size = 0usize;
     // SAFETY: `prog` is a live program; out-parameter only.
-    if unsafe { sys::nvrtcGetProgramLogSize(prog, &mut size) } != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+    if unsafe { sys::nvrtcGetProgramLogSize(prog, &mut size) } != sys::nvrtcResult::NVRTC_SUCCESS
+        || size == 0
+    {
         return String::new();
     }
     let mut buf = vec![0u8; size];
     // SAFETY: `buf` has the size NVRTC reported, including the terminating NUL.
-    if unsafe { sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr().cast()) } != sys::nvrtcResult::NVRTC_SUCCESS {
+    if unsafe { sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr().cast()) }
+        != sys::nvrtcResult::NVRTC_SUCCESS
+    {
         return String::new();
     }
     CStr::from_bytes_until_nul(&buf)
@@ -164,7 +169,11 @@ fn program_log(prog: sys::nvrtcProgram) -> String {
 /// `$TESSERA_CACHE_DIR/kernels`, else `$XDG_CACHE_HOME/tessera/kernels`, else
 /// `~/.cache/tessera/kernels`.
 fn cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     var("TESSERA_CACHE_DIR")
         .or_else(|| var("XDG_CACHE_HOME").map(|p| p.join("tessera")))
         .or_else(|| var("HOME").map(|p| p.join(".cache").join("tessera")))

@@ -139,6 +139,36 @@ pub struct Config {
 }
 
 impl TextConfig {
+    /// Model FLOPs of one forward over sequences of `lens` tokens: every GEMM (2 per
+    /// multiply-add) plus attention's two products over the visible key pairs. Norms and
+    /// elementwise work are not counted (the usual convention for MFU).
+    pub fn forward_flops(&self, lens: &[usize]) -> f64 {
+        let t: f64 = lens.iter().sum::<usize>() as f64;
+        let (h, p) = (self.hidden_size as f64, self.ple_dim as f64);
+        let mut flops = 0.0;
+        for l in &self.layers {
+            let (q, kv, im) = (
+                (self.num_heads * l.head_dim) as f64,
+                (l.kv_heads * l.head_dim) as f64,
+                l.intermediate_size as f64,
+            );
+            let macs_per_token = h * (q + 2.0 * kv) + q * h + h * 2.0 * im + im * h + 3.0 * h * p;
+            flops += 2.0 * t * macs_per_token;
+            let window = (l.kind == LayerType::Sliding).then_some(self.sliding_window);
+            let pairs: f64 = lens
+                .iter()
+                .map(|&n| match window {
+                    None => (n * n) as f64,
+                    Some(w) => (0..n)
+                        .map(|i| (i.min(w) + (n - 1 - i).min(w) + 1) as f64)
+                        .sum(),
+                })
+                .sum();
+            flops += 4.0 * (self.num_heads * l.head_dim) as f64 * pairs;
+        }
+        flops + 2.0 * lens.len() as f64 * h * self.embedding_dim as f64
+    }
+
     pub fn rope(&self, kind: LayerType) -> Option<&RopeConfig> {
         match kind {
             LayerType::Sliding => self.rope_sliding.as_ref(),

@@ -4,6 +4,7 @@
 //! `models/embedding_gemma2/modeling_embedding_gemma2.py` with sentence-transformers' pipeline
 //! (prompt prefix → tokenize with `<bos>`/`<eos>` → encoder → mean over all tokens → L2).
 
+mod any;
 pub mod config;
 pub mod prompts;
 pub mod text;
@@ -13,6 +14,7 @@ use tessera_core::{Error, Result};
 
 use crate::files::ModelFiles;
 use crate::tokenize::TextTokenizer;
+pub use any::AnyEmbeddingGemma2;
 pub use config::Config;
 pub use prompts::Prompts;
 use text::TextEncoder;
@@ -195,25 +197,38 @@ impl<B: Backend> EmbeddingGemma2<B> {
     }
 
     /// Embed token-id sequences, packed into passes of at most `pass_tokens` rows (a longer
-    /// sequence gets a pass of its own). Returns full-width L2-normalised vectors in input order.
-    /// `progress` is called with the number of sequences finished after each pass.
+    /// sequence gets a pass of its own; a pass that runs out of device memory is split). Returns
+    /// full-width L2-normalised vectors in input order. `progress` is called with the number of
+    /// sequences finished after each pass.
     pub fn embed_ids(
         &mut self,
         seqs: &[Vec<u32>],
         mut progress: impl FnMut(usize),
     ) -> Result<Vec<Vec<f32>>> {
         let mut out = Vec::with_capacity(seqs.len());
+        let mut budget = self.pass_tokens;
         let mut start = 0;
         while start < seqs.len() {
             let mut end = start;
             let mut rows = 0;
-            while end < seqs.len() && (end == start || rows + seqs[end].len() <= self.pass_tokens) {
+            while end < seqs.len() && (end == start || rows + seqs[end].len() <= budget) {
                 rows += seqs[end].len();
                 end += 1;
             }
             let batch: Vec<&[u32]> = seqs[start..end].iter().map(Vec::as_slice).collect();
-            for v in self.text.forward(&self.backend, &batch)? {
-                out.push(l2_normalize(v));
+            match self.text.forward(&self.backend, &batch) {
+                Ok(vectors) => out.extend(vectors.into_iter().map(l2_normalize)),
+                // Out of device memory: split the pass and try again, down to one input.
+                Err(Error::OutOfMemory(_)) if end - start > 1 => {
+                    budget = (rows / 2).max(1);
+                    continue;
+                }
+                Err(Error::OutOfMemory(m)) => {
+                    return Err(Error::OutOfMemory(format!(
+                        "{m} (one input of {rows} tokens does not fit; pass --max-tokens to shorten it)"
+                    )));
+                }
+                Err(e) => return Err(e),
             }
             progress(end - start);
             start = end;

@@ -1,11 +1,11 @@
 // Attention over packed segments. CPU reference: crates/backend/src/cpu/attention.rs.
 //
 // flash_bf16_d{D}: bf16 q/k/v, f32 accumulation and softmax statistics, tensor cores
-// (mma.m16n8k16). One CTA = one 64-row query tile of one head. Tiles never cross a segment; the
+// (mma.m16n8k16). One CTA = a 64-row query tile (or a part of it) of one head. Tiles never cross a segment; the
 // host lists them as (q0, q1, s0, s1): query rows [q0, q1) of the segment [s0, s1). The CTA walks
 // the keys its rows can see (the segment cut to the window) in blocks of BN with an online softmax.
 //
-// Warps: 4 along the query rows (16 rows each) × WD along the head dimension. With WD > 1 each
+// Warps: WM along the query rows (16 rows each) × WD along the head dimension. With WD > 1 each
 // warp computes q·kᵀ over its slice of the head dimension, the partial scores are summed through
 // shared memory, and each warp then owns D/WD output columns — which keeps the accumulators of
 // 256- and 512-wide heads in registers.
@@ -15,13 +15,17 @@
 //
 // attn_rows_f32: the exact (f32) mode; one warp per (query row, head), scalar FMAs.
 
+// WM warps along query rows (BM = 16·WM rows per CTA; a 64-row tile takes 64/BM CTAs along z),
+// WD warps along the head dimension, BN keys per block. Mirrored by `flash_config` in kernels.rs.
 template <int D> struct FlashCfg;
-template <> struct FlashCfg<16> { static constexpr int WD = 1, BN = 64; };
-template <> struct FlashCfg<32> { static constexpr int WD = 1, BN = 64; };
-template <> struct FlashCfg<64> { static constexpr int WD = 1, BN = 64; };
-template <> struct FlashCfg<128> { static constexpr int WD = 1, BN = 64; };
-template <> struct FlashCfg<256> { static constexpr int WD = 2, BN = 64; };
-template <> struct FlashCfg<512> { static constexpr int WD = 4, BN = 32; };
+template <> struct FlashCfg<16> { static constexpr int WM = 4, WD = 1, BN = 64; };
+template <> struct FlashCfg<32> { static constexpr int WM = 4, WD = 1, BN = 64; };
+template <> struct FlashCfg<64> { static constexpr int WM = 4, WD = 1, BN = 64; };
+template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64; };
+template <> struct FlashCfg<256> { static constexpr int WM = 4, WD = 2, BN = 64; };
+// 512-wide heads: 4 warps across the head keep 64 output columns each in registers; 2 warp rows
+// keep the CTA at 256 threads (255 registers each) so nothing spills.
+template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 4, BN = 32; };
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
@@ -67,8 +71,8 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
                                            const bf16* __restrict__ v, long vs, TO* __restrict__ o, long os,
                                            const u32* __restrict__ tiles, int group, float scale_log2, int window,
                                            int causal) {
-    constexpr int WD = FlashCfg<D>::WD, BN = FlashCfg<D>::BN;
-    constexpr int WM = 4, BM = 64, NT = 32 * WM * WD, PITCH = D + 8, DW = D / WD;
+    constexpr int WM = FlashCfg<D>::WM, WD = FlashCfg<D>::WD, BN = FlashCfg<D>::BN;
+    constexpr int BM = 16 * WM, NT = 32 * WM * WD, PITCH = D + 8, DW = D / WD;
     constexpr int NS = BN / 8;  // score n-tiles per warp
     constexpr int NO = DW / 8;  // output n-tiles per warp
     extern __shared__ __align__(16) unsigned char smem[];
@@ -80,7 +84,8 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp % WM, wd = warp / WM;
     const u32* tl = tiles + 4 * blockIdx.x;
-    const int q0 = tl[0], q1 = tl[1], s0 = tl[2], s1 = tl[3];
+    const int q0 = tl[0] + BM * blockIdx.z, q1 = min((int)tl[1], q0 + BM), s0 = tl[2], s1 = tl[3];
+    if (q0 >= q1) return;  // the tile's last rows, when it is shorter than 64
     const int h = blockIdx.y, g = h / group;
     int k_lo = s0, k_hi = s1;
     if (window >= 0) {
@@ -183,14 +188,20 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         m_lo = new_lo;
         m_hi = new_hi;
         float sum_lo = 0.f, sum_hi = 0.f;
+        // P as bf16 A-fragments right away: the score floats are dead before P·V starts.
+        u32 pa[BN / 16][4];
 #pragma unroll
-        for (int nt = 0; nt < NS; nt++) {
-            s[nt][0] = exp2f(s[nt][0] - base_lo);
-            s[nt][1] = exp2f(s[nt][1] - base_lo);
-            s[nt][2] = exp2f(s[nt][2] - base_hi);
-            s[nt][3] = exp2f(s[nt][3] - base_hi);
-            sum_lo += s[nt][0] + s[nt][1];
-            sum_hi += s[nt][2] + s[nt][3];
+        for (int kk = 0; kk < BN / 16; kk++) {
+            const float p0 = exp2f(s[2 * kk][0] - base_lo), p1 = exp2f(s[2 * kk][1] - base_lo);
+            const float p2 = exp2f(s[2 * kk][2] - base_hi), p3 = exp2f(s[2 * kk][3] - base_hi);
+            const float p4 = exp2f(s[2 * kk + 1][0] - base_lo), p5 = exp2f(s[2 * kk + 1][1] - base_lo);
+            const float p6 = exp2f(s[2 * kk + 1][2] - base_hi), p7 = exp2f(s[2 * kk + 1][3] - base_hi);
+            sum_lo += p0 + p1 + p4 + p5;
+            sum_hi += p2 + p3 + p6 + p7;
+            pa[kk][0] = pack_bf16x2(p0, p1);
+            pa[kk][1] = pack_bf16x2(p2, p3);
+            pa[kk][2] = pack_bf16x2(p4, p5);
+            pa[kk][3] = pack_bf16x2(p6, p7);
         }
         l_lo = l_lo * alpha_lo + sum_lo;  // per-thread partial; the quad is summed at the end
         l_hi = l_hi * alpha_hi + sum_hi;
@@ -206,18 +217,14 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
-            const u32 a0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-            const u32 a1 = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-            const u32 a2 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const u32 a3 = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int ot = 0; ot < NO; ot += 2) {
                 const int n0 = wd * DW + ot * 8;
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(b0, b1, b2, b3,
                           smem_addr(sV + (kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * PITCH + n0 + 8 * (lane >> 4)));
-                mma_bf16(oacc[ot], a0, a1, a2, a3, b0, b1);
-                mma_bf16(oacc[ot + 1], a0, a1, a2, a3, b2, b3);
+                mma_bf16(oacc[ot], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
+                mma_bf16(oacc[ot + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b2, b3);
             }
         }
         __syncthreads();  // every warp is done with sV
@@ -246,7 +253,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
 }
 
 #define FLASH(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128 * FlashCfg<D>::WD, 1)                                 \
+    extern "C" __global__ void __launch_bounds__(32 * FlashCfg<D>::WM * FlashCfg<D>::WD, 1)                                 \
         flash_bf16_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
                         const u32* tiles, int group, float scale_log2, int window, int causal) {           \
         flash_impl<D, bf16>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal);        \

@@ -1,0 +1,1055 @@
+//! The CUDA backend: the same ops as the CPU reference, fast.
+//!
+//! - Libraries are loaded at run time (cudarc `dynamic-loading`); [`open`] checks each one first,
+//!   because cudarc panics on a missing library.
+//! - Our kernels are CUDA C++ embedded in the binary and compiled by NVRTC for the device's arch
+//!   on first use ([`nvrtc`]); dense GEMMs go through cuBLASLt ([`gemm`]).
+//! - Precision [`Precision::Bf16`]: bf16 weights and GEMM inputs (`Role::Compute` buffers), f32
+//!   accumulation, f32 residual stream and statistics. [`Precision::F32`]: everything f32, the exact
+//!   mode for debugging.
+//! - One stream; no host synchronisation inside a forward; repeated shapes replay a CUDA graph.
+//! - `TESSERA_PROFILE=1` prints GPU milliseconds per op class after each forward (graphs off).
+
+mod gemm;
+pub mod kernels;
+pub mod nvrtc;
+mod profile;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUresult, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
+    PushKernelArg,
+};
+use tessera_core::dtype::to_bf16_bits;
+use tessera_core::{DType, Error, Result, Weights};
+
+use crate::{
+    Activation, After, AttnSpec, Backend, Epilogue, Precision, QkvLayout, Role, RopeStyle,
+    RopeTable, Segments, View, ViewMut, offsets_of,
+};
+use gemm::{Gemm, GemmArgs};
+use kernels::Kernels;
+use profile::Profiler;
+
+/// Element type of a device buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Elem {
+    F32,
+    Bf16,
+    U32,
+}
+
+impl Elem {
+    fn size(self) -> usize {
+        match self {
+            Elem::Bf16 => 2,
+            Elem::F32 | Elem::U32 => 4,
+        }
+    }
+    /// Suffix of kernel names.
+    fn tag(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::Bf16 => "bf16",
+            Elem::U32 => "u32",
+        }
+    }
+}
+
+/// Device memory with its element type.
+pub struct CudaBuf {
+    mem: CudaSlice<u8>,
+    ptr: u64,
+    len: usize,
+    elem: Elem,
+}
+
+impl CudaBuf {
+    pub fn elem(&self) -> Elem {
+        self.elem
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A weight matrix `[out, inner]` in the compute dtype.
+pub struct CudaMat {
+    buf: CudaBuf,
+    out: usize,
+    inner: usize,
+}
+
+/// An embedding table `[rows, dim]` in the compute dtype.
+pub struct CudaTable {
+    buf: CudaBuf,
+    rows: usize,
+    dim: usize,
+}
+
+/// A replayable graph. CUDA graph executables may be launched from any thread once created.
+struct Graph(CudaGraph);
+// SAFETY: the executable graph is only launched while holding the `graphs` mutex, on the
+// backend's own stream; CUDA permits launching it from any host thread.
+unsafe impl Send for Graph {}
+
+#[derive(Default)]
+struct Graphs {
+    ready: HashMap<u64, Graph>,
+    seen: HashSet<u64>,
+}
+
+/// Graphs kept at most; a workload with ever-new shapes must not grow memory without bound.
+const MAX_GRAPHS: usize = 64;
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    precision: Precision,
+    kernels: Kernels,
+    gemm: Gemm,
+    graphs: Mutex<Graphs>,
+    profiler: Option<Profiler>,
+    name: String,
+    arch: String,
+    sm_count: u32,
+}
+
+fn drv(op: &str) -> impl Fn(DriverError) -> Error + '_ {
+    move |e| {
+        if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            Error::OutOfMemory(op.to_string())
+        } else {
+            Error::backend(op, e)
+        }
+    }
+}
+
+/// Why CUDA cannot be used here, or `Ok` if the libraries Tessera needs can be loaded.
+pub fn check_libraries() -> Result<()> {
+    // SAFETY: these only probe whether each shared library can be loaded.
+    let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    if !driver {
+        return Err(Error::Device(
+            "no NVIDIA driver library (libcuda.so.1) found".into(),
+        ));
+    }
+    nvrtc::check_library()?;
+    // SAFETY: as above.
+    if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        return Err(Error::Device(
+            "libcublasLt (CUDA 13) not found: install the CUDA 13 toolkit or the nvidia-cublas wheel and put its lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Open CUDA device `ordinal` at `precision`: check the libraries, compile or load the kernels,
+/// create the cuBLASLt handle. Every failure is an [`Error::Device`] or [`Error::Backend`] with the
+/// reason; nothing panics (cudarc's internal panics are caught and reported).
+pub fn open(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
+    check_libraries()?;
+    match std::panic::catch_unwind(|| open_checked(ordinal, precision)) {
+        Ok(r) => r,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown failure".into());
+            Err(Error::Device(format!("CUDA initialisation failed: {msg}")))
+        }
+    }
+}
+
+fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
+    let count =
+        CudaContext::device_count().map_err(|e| Error::Device(format!("CUDA driver: {e}")))?;
+    if ordinal >= count.max(0) as usize {
+        return Err(Error::Device(if count == 0 {
+            "no CUDA device found".to_string()
+        } else {
+            format!("no CUDA device {ordinal} (found {count})")
+        }));
+    }
+    let ctx = CudaContext::new(ordinal)
+        .map_err(|e| Error::Device(format!("CUDA device {ordinal}: {e}")))?;
+    // SAFETY: Tessera uses one stream per backend and synchronises explicitly before every host
+    // read, so cudarc's per-buffer events are not needed; they would also break graph capture.
+    unsafe { ctx.disable_event_tracking() };
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(drv("compute capability"))?;
+    if major < 8 {
+        return Err(Error::Device(format!(
+            "CUDA device {ordinal} has compute capability {major}.{minor}; Tessera's kernels need 8.0 or newer"
+        )));
+    }
+    let arch = if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    };
+    // A non-default stream: the legacy default stream cannot be captured into graphs.
+    let stream = ctx.new_stream().map_err(drv("stream"))?;
+    let kernels = Kernels::load(&ctx, &arch)?;
+    let gemm = Gemm::new(&stream)?;
+    let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+    let sm_count = ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .unwrap_or(1) as u32;
+    let profiler = Profiler::from_env(&ctx)?;
+    Ok(CudaBackend {
+        ctx,
+        stream,
+        precision,
+        kernels,
+        gemm,
+        graphs: Mutex::new(Graphs::default()),
+        profiler,
+        name,
+        arch,
+        sm_count,
+    })
+}
+
+/// Byte address of a view's first element.
+fn addr(buf: &CudaBuf, offset: usize) -> u64 {
+    buf.ptr + (offset * buf.elem.size()) as u64
+}
+
+fn ptr_of(v: &View<'_, CudaBackend>) -> Result<u64> {
+    if v.end() > v.buf.len {
+        return Err(Error::backend(
+            "view",
+            format!("ends at {} in a buffer of {}", v.end(), v.buf.len),
+        ));
+    }
+    Ok(addr(v.buf, v.offset))
+}
+
+fn ptr_of_mut(v: &ViewMut<'_, CudaBackend>) -> Result<u64> {
+    ptr_of(&v.as_view())
+}
+
+fn same_shape(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()> {
+    if a != b {
+        return Err(Error::backend(
+            op,
+            format!("shape mismatch: {}×{} vs {}×{}", a.0, a.1, b.0, b.1),
+        ));
+    }
+    Ok(())
+}
+
+fn f(v: f32) -> u64 {
+    v.to_bits() as u64
+}
+fn i(v: i64) -> u64 {
+    v as u64
+}
+
+fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+fn row_block(cols: usize) -> u32 {
+    if cols <= 1024 { 128 } else { 256 }
+}
+
+impl CudaBackend {
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(drv("memory info"))
+    }
+
+    /// `cuda:N NAME (ARCH, PRECISION)`.
+    pub fn describe_device(&self) -> String {
+        self.describe()
+    }
+
+    /// TFLOP/s of a `size³` GEMM (`x · wᵀ`, operands in this backend's compute dtype, random
+    /// values), median of `iters` runs timed with events after warm-up.
+    pub fn bench_gemm(&self, size: usize, iters: usize) -> Result<f64> {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let random: Vec<f32> = (0..size * size)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        let mut x = self.alloc(size * size, Role::Compute)?;
+        self.write_f32(&mut x, &random)?;
+        let w = self.matrix(&[(&random, size)], size)?;
+        let mut out = self.alloc(size * size, Role::Compute)?;
+        let mut run = || {
+            self.matmul(
+                View::new(&x, size, size),
+                &w,
+                ViewMut::new(&mut out, size, size),
+                Epilogue::default(),
+            )
+        };
+        for _ in 0..3 {
+            run()?;
+        }
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let start = self.ctx.new_event(flags).map_err(drv("event"))?;
+            let end = self.ctx.new_event(flags).map_err(drv("event"))?;
+            start.record(&self.stream).map_err(drv("event"))?;
+            run()?;
+            end.record(&self.stream).map_err(drv("event"))?;
+            times.push(start.elapsed_ms(&end).map_err(drv("event"))? as f64);
+        }
+        times.sort_by(f64::total_cmp);
+        let ms = times[times.len() / 2];
+        Ok(2.0 * (size as f64).powi(3) / (ms / 1e3) / 1e12)
+    }
+
+    /// Wait for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(drv("synchronize"))
+    }
+
+    fn compute_elem(&self) -> Elem {
+        match self.precision {
+            Precision::Bf16 => Elem::Bf16,
+            Precision::F32 => Elem::F32,
+        }
+    }
+
+    /// Launch kernel `name`; every argument is passed as an 8-byte slot (pointers, `long`) of
+    /// which `int`/`float` parameters read the low 4 bytes (little-endian).
+    fn launch(&self, name: &str, config: LaunchConfig, args: &[u64]) -> Result<()> {
+        if config.grid_dim.0 == 0 || config.grid_dim.1 == 0 {
+            return Ok(());
+        }
+        let func = self.kernels.get(name)?;
+        let mut b = self.stream.launch_builder(func);
+        for a in args {
+            b.arg(a);
+        }
+        // SAFETY: `args` matches the kernel's parameter list (checked by the op wrappers, which
+        // own the only calls), every pointer addresses a live buffer whose extent was checked
+        // against the launch's index range, and the slots outlive the launch call.
+        unsafe { b.launch(config) }.map_err(drv(name))?;
+        Ok(())
+    }
+
+    /// Run `op` under the profiler's class `class` when profiling.
+    fn timed(&self, class: &'static str, op: impl FnOnce() -> Result<()>) -> Result<()> {
+        match &self.profiler {
+            Some(p) => p.time(&self.stream, class, op),
+            None => op(),
+        }
+    }
+
+    fn upload_bytes(&self, bytes: &[u8], elem: Elem, len: usize) -> Result<CudaBuf> {
+        let mut mem = self
+            .stream
+            .alloc_zeros::<u8>(bytes.len().max(1))
+            .map_err(drv("upload"))?;
+        self.stream
+            .memcpy_htod(bytes, &mut mem)
+            .map_err(drv("upload"))?;
+        let ptr = mem.device_ptr(&self.stream).0;
+        Ok(CudaBuf {
+            mem,
+            ptr,
+            len,
+            elem,
+        })
+    }
+
+    fn upload_f32_as(&self, values: &[f32], elem: Elem) -> Result<CudaBuf> {
+        let bytes: Vec<u8> = match elem {
+            Elem::Bf16 => to_bf16_bits(values)
+                .iter()
+                .flat_map(|b| b.to_le_bytes())
+                .collect(),
+            _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        self.upload_bytes(&bytes, elem, values.len())
+    }
+
+    fn write_bytes(&self, dst: &mut CudaBuf, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > dst.len * dst.elem.size() {
+            return Err(Error::backend("write", "source longer than the buffer"));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.mem.slice_mut(0..bytes.len());
+        self.stream
+            .memcpy_htod(bytes, &mut view)
+            .map_err(drv("write"))
+    }
+
+    fn check_flash_operand(v: &View<'_, Self>) -> Result<()> {
+        if v.buf.elem != Elem::Bf16 || v.offset % 8 != 0 || v.stride % 8 != 0 {
+            return Err(Error::backend(
+                "attention",
+                "bf16 attention needs bf16 operands at 16-byte-aligned rows",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Mat = CudaMat;
+    type Vector = CudaBuf;
+    type Table = CudaTable;
+
+    fn describe(&self) -> String {
+        format!(
+            "cuda:{} {} ({}, {})",
+            self.ctx.ordinal(),
+            self.name,
+            self.arch,
+            self.precision
+        )
+    }
+
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn alloc(&self, len: usize, role: Role) -> Result<CudaBuf> {
+        let elem = match role {
+            Role::Stream => Elem::F32,
+            Role::Compute => self.compute_elem(),
+            Role::Index => Elem::U32,
+        };
+        let bytes = (len * elem.size()).max(1);
+        let mem = self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
+            if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                Error::OutOfMemory(format!(
+                    "{:.1} MB for a {role:?} buffer",
+                    bytes as f64 / 1e6
+                ))
+            } else {
+                Error::backend("alloc", e)
+            }
+        })?;
+        let ptr = mem.device_ptr(&self.stream).0;
+        Ok(CudaBuf {
+            mem,
+            ptr,
+            len,
+            elem,
+        })
+    }
+
+    fn write_f32(&self, dst: &mut CudaBuf, src: &[f32]) -> Result<()> {
+        let bytes: Vec<u8> = match dst.elem {
+            Elem::Bf16 => to_bf16_bits(src)
+                .iter()
+                .flat_map(|b| b.to_le_bytes())
+                .collect(),
+            Elem::F32 => src.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Elem::U32 => return Err(Error::backend("write_f32", "index buffer")),
+        };
+        self.write_bytes(dst, &bytes)
+    }
+
+    fn write_u32(&self, dst: &mut CudaBuf, src: &[u32]) -> Result<()> {
+        if dst.elem != Elem::U32 {
+            return Err(Error::backend("write_u32", "not an index buffer"));
+        }
+        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.write_bytes(dst, &bytes)
+    }
+
+    fn read_f32(&self, src: View<'_, Self>) -> Result<Vec<f32>> {
+        ptr_of(&src)?; // bounds check
+        let size = src.buf.elem.size();
+        let (a, b) = (src.offset * size, src.end() * size);
+        let mut host = vec![0u8; b - a];
+        if b > a {
+            self.stream
+                .memcpy_dtoh(&src.buf.mem.slice(a..b), &mut host)
+                .map_err(drv("read"))?;
+        }
+        self.synchronize()?;
+        if let Some(p) = &self.profiler {
+            p.report()?;
+        }
+        let mut out = Vec::with_capacity(src.rows * src.cols);
+        for r in 0..src.rows {
+            let row = &host[r * src.stride * size..(r * src.stride + src.cols) * size];
+            match src.buf.elem {
+                Elem::F32 => out.extend(
+                    row.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                ),
+                Elem::Bf16 => out.extend(
+                    row.chunks_exact(2)
+                        .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
+                ),
+                Elem::U32 => out.extend(
+                    row.chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32),
+                ),
+            }
+        }
+        Ok(out)
+    }
+
+    fn matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<CudaMat> {
+        let out: usize = parts.iter().map(|p| p.1).sum();
+        let mut data = Vec::with_capacity(out * inner);
+        for (values, rows) in parts {
+            if values.len() != rows * inner {
+                return Err(Error::backend(
+                    "matrix",
+                    format!("part has {} values, expected {rows}×{inner}", values.len()),
+                ));
+            }
+            data.extend_from_slice(values);
+        }
+        let buf = self.upload_f32_as(&data, self.compute_elem())?;
+        Ok(CudaMat { buf, out, inner })
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<CudaBuf> {
+        self.upload_f32_as(v, Elem::F32)
+    }
+
+    fn table(&self, weights: &Weights, name: &str, shape: [usize; 2]) -> Result<CudaTable> {
+        let t = weights.get(name, &shape)?;
+        let buf = match (self.compute_elem(), t.dtype) {
+            // The checkpoint's bf16 bytes go up as they are.
+            (Elem::Bf16, DType::BF16) => self.upload_bytes(t.bytes, Elem::Bf16, t.numel())?,
+            (e, _) => self.upload_f32_as(&t.to_f32(), e)?,
+        };
+        Ok(CudaTable {
+            buf,
+            rows: shape[0],
+            dim: shape[1],
+        })
+    }
+
+    fn alloc_segments(&self, max_rows: usize, max_segs: usize) -> Result<Segments<Self>> {
+        let max_tiles = max_rows.div_ceil(64) + max_segs;
+        Ok(Segments {
+            offsets: vec![0],
+            dev: self.alloc(max_segs + 1 + 4 * max_tiles, Role::Index)?,
+            max_rows,
+            max_segs,
+            tiles: 0,
+        })
+    }
+
+    /// Offsets, then the 64-row query tiles `(q0, q1, s0, s1)` the flash kernel walks; the tiles
+    /// start at element `max_segs + 1`.
+    fn set_segments(&self, segs: &mut Segments<Self>, lens: &[usize]) -> Result<()> {
+        let offsets = offsets_of(lens, segs.max_rows, segs.max_segs)?;
+        let mut data = offsets.clone();
+        data.resize(segs.max_segs + 1, 0);
+        let mut tiles = 0;
+        for w in offsets.windows(2) {
+            let (s0, s1) = (w[0], w[1]);
+            let mut q0 = s0;
+            while q0 < s1 {
+                let q1 = (q0 + 64).min(s1);
+                data.extend_from_slice(&[q0, q1, s0, s1]);
+                tiles += 1;
+                q0 = q1;
+            }
+        }
+        self.write_u32(&mut segs.dev, &data)?;
+        segs.offsets = offsets;
+        segs.tiles = tiles;
+        Ok(())
+    }
+
+    fn run_graph(&self, key: u64, work: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if self.profiler.is_some() {
+            return work(); // events inside a graph would not time anything
+        }
+        let mut g = self
+            .graphs
+            .lock()
+            .map_err(|_| Error::backend("graphs", "lock poisoned"))?;
+        if let Some(graph) = g.ready.get(&key) {
+            return graph.0.launch().map_err(drv("graph launch"));
+        }
+        // First sight of a shape: run it directly; capture it the second time it comes.
+        if g.seen.insert(key) {
+            drop(g);
+            return work();
+        }
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("begin capture"))?;
+        let worked = work();
+        let captured = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        worked?;
+        let graph = captured
+            .map_err(drv("graph capture"))?
+            .ok_or_else(|| Error::backend("graph capture", "nothing was captured"))?;
+        graph.launch().map_err(drv("graph launch"))?;
+        if g.ready.len() >= MAX_GRAPHS {
+            g.ready.clear();
+        }
+        g.ready.insert(key, Graph(graph));
+        Ok(())
+    }
+
+    fn embed(
+        &self,
+        table: &CudaTable,
+        ids: &CudaBuf,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        if out.cols != table.dim
+            || ids.len < out.rows
+            || ids.elem != Elem::U32
+            || out.buf.elem != Elem::F32
+        {
+            return Err(Error::backend(
+                "embed",
+                format!(
+                    "{} ids into {}×{} (f32) from a table of width {}",
+                    ids.len, out.rows, out.cols, table.dim
+                ),
+            ));
+        }
+        let _ = table.rows; // ids are checked against the vocabulary by the model before upload
+        let name = format!("embed_{}_f32", table.buf.elem.tag());
+        let args = [
+            table.buf.ptr,
+            i(table.dim as i64),
+            ids.ptr,
+            f(scale),
+            ptr_of_mut(&out)?,
+            i(out.stride as i64),
+        ];
+        self.timed("elementwise", || {
+            self.launch(&name, cfg((out.rows as u32, 1), 128, 0), &args)
+        })
+    }
+
+    fn matmul(
+        &self,
+        x: View<'_, Self>,
+        w: &CudaMat,
+        out: ViewMut<'_, Self>,
+        ep: Epilogue,
+    ) -> Result<()> {
+        if x.cols != w.inner || out.rows != x.rows || out.cols != w.out {
+            return Err(Error::backend(
+                "matmul",
+                format!(
+                    "x {}×{} · wᵀ ({}×{}) → out {}×{}",
+                    x.rows, x.cols, w.out, w.inner, out.rows, out.cols
+                ),
+            ));
+        }
+        if x.buf.elem != w.buf.elem {
+            return Err(Error::backend(
+                "matmul",
+                format!("x is {:?} but the weight is {:?}", x.buf.elem, w.buf.elem),
+            ));
+        }
+        if x.rows == 0 || w.out == 0 {
+            return Ok(());
+        }
+        let args = GemmArgs {
+            m: x.rows,
+            n: w.out,
+            k: w.inner,
+            x: ptr_of(&x)?,
+            x_stride: x.stride,
+            w: w.buf.ptr,
+            ab: w.buf.elem,
+            out: ptr_of_mut(&out)?,
+            out_stride: out.stride,
+            out_elem: out.buf.elem,
+            alpha: ep.alpha,
+        };
+        self.timed("gemm", || self.gemm.run(&self.stream, &args))
+    }
+
+    fn rms_norm(
+        &self,
+        x: View<'_, Self>,
+        w: Option<&CudaBuf>,
+        eps: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        same_shape("rms_norm", (x.rows, x.cols), (out.rows, out.cols))?;
+        if w.is_some_and(|w| w.len != x.cols) {
+            return Err(Error::backend(
+                "rms_norm",
+                "weight length differs from the row width",
+            ));
+        }
+        let name = format!("rms_norm_{}_{}", x.buf.elem.tag(), out.buf.elem.tag());
+        let args = [
+            ptr_of(&x)?,
+            i(x.stride as i64),
+            w.map_or(0, |w| w.ptr),
+            ptr_of_mut(&out)?,
+            i(out.stride as i64),
+            i(x.cols as i64),
+            f(eps),
+        ];
+        self.timed("norm", || {
+            self.launch(&name, cfg((x.rows as u32, 1), row_block(x.cols), 0), &args)
+        })
+    }
+
+    fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
+        same_shape("cast", (x.rows, x.cols), (out.rows, out.cols))?;
+        let name = format!("cast_{}_{}", x.buf.elem.tag(), out.buf.elem.tag());
+        let args = [
+            ptr_of(&x)?,
+            i(x.stride as i64),
+            ptr_of_mut(&out)?,
+            i(out.stride as i64),
+            i(x.cols as i64),
+        ];
+        self.timed("elementwise", || {
+            self.launch(&name, cfg((x.rows as u32, 1), row_block(x.cols), 0), &args)
+        })
+    }
+
+    fn residual_norm(
+        &self,
+        h: ViewMut<'_, Self>,
+        y: View<'_, Self>,
+        post: Option<&CudaBuf>,
+        scale: f32,
+        after: After<'_, Self>,
+        eps: f32,
+    ) -> Result<()> {
+        same_shape("residual_norm", (h.rows, h.cols), (y.rows, y.cols))?;
+        if h.buf.elem != Elem::F32 {
+            return Err(Error::backend(
+                "residual_norm",
+                "the residual stream must be f32",
+            ));
+        }
+        let (mode, next, out) = match &after {
+            After::Nothing => (0, 0, None),
+            After::Norm(w, o) => {
+                if w.len != h.cols {
+                    return Err(Error::backend(
+                        "residual_norm",
+                        "next-norm weight length differs from the row width",
+                    ));
+                }
+                (1, w.ptr, Some(o))
+            }
+            After::Copy(o) => (2, 0, Some(o)),
+        };
+        if let Some(o) = out {
+            same_shape("residual_norm", (h.rows, h.cols), (o.rows, o.cols))?;
+        }
+        let out_tag = out.map_or("f32", |o| o.buf.elem.tag());
+        let (optr, ostride) = match out {
+            Some(o) => (ptr_of_mut(o)?, o.stride),
+            None => (0, 0),
+        };
+        let name = format!("residual_norm_{}_{}", y.buf.elem.tag(), out_tag);
+        let args = [
+            ptr_of_mut(&h)?,
+            i(h.stride as i64),
+            ptr_of(&y)?,
+            i(y.stride as i64),
+            post.map_or(0, |p| p.ptr),
+            f(scale),
+            i(mode),
+            next,
+            optr,
+            i(ostride as i64),
+            i(h.cols as i64),
+            f(eps),
+        ];
+        let smem = (h.cols * 4) as u32;
+        self.timed("norm", || {
+            self.launch(
+                &name,
+                cfg((h.rows as u32, 1), row_block(h.cols), smem),
+                &args,
+            )
+        })
+    }
+
+    fn qkv_norm_rope(
+        &self,
+        qkv: ViewMut<'_, Self>,
+        layout: QkvLayout,
+        q_w: Option<&CudaBuf>,
+        k_w: Option<&CudaBuf>,
+        v_norm: bool,
+        eps: f32,
+        rope: Option<(&RopeTable<Self>, &CudaBuf)>,
+    ) -> Result<()> {
+        let hd = layout.head_dim;
+        if qkv.cols != layout.width() || hd == 0 || hd % 2 != 0 || hd > 512 {
+            return Err(Error::backend(
+                "qkv_norm_rope",
+                format!(
+                    "{} columns for layout {layout:?} (head_dim even, ≤ 512)",
+                    qkv.cols
+                ),
+            ));
+        }
+        let (table, tlen, pos) = match rope {
+            Some((t, p)) => {
+                if t.half * 2 != hd || t.style != RopeStyle::SplitHalf || p.len < qkv.rows {
+                    return Err(Error::backend(
+                        "qkv_norm_rope",
+                        "rope table does not fit the heads",
+                    ));
+                }
+                (t.buf.ptr, t.len, p.ptr)
+            }
+            None => (0, 0, 0),
+        };
+        let name = format!("qkv_norm_rope_{}", qkv.buf.elem.tag());
+        let heads = layout.heads_q + 2 * layout.heads_kv;
+        let warps = (qkv.rows * heads) as u32;
+        let args = [
+            ptr_of_mut(&qkv)?,
+            i(qkv.stride as i64),
+            i(qkv.rows as i64),
+            i(layout.heads_q as i64),
+            i(layout.heads_kv as i64),
+            i(hd as i64),
+            q_w.map_or(0, |w| w.ptr),
+            k_w.map_or(0, |w| w.ptr),
+            i(v_norm as i64),
+            f(eps),
+            table,
+            i(tlen as i64),
+            pos,
+        ];
+        self.timed("norm", || {
+            self.launch(&name, cfg((warps.div_ceil(8), 1), 256, 0), &args)
+        })
+    }
+
+    fn attention(
+        &self,
+        q: View<'_, Self>,
+        k: View<'_, Self>,
+        v: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        spec: &AttnSpec,
+        segs: &Segments<Self>,
+    ) -> Result<()> {
+        let hd = spec.head_dim;
+        let total = segs.total();
+        let ok = spec.heads_kv > 0
+            && spec.heads_q % spec.heads_kv == 0
+            && q.cols == spec.heads_q * hd
+            && out.cols == q.cols
+            && k.cols == spec.heads_kv * hd
+            && v.cols == k.cols
+            && [q.rows, k.rows, v.rows, out.rows]
+                .iter()
+                .all(|&r| r == total);
+        if !ok {
+            return Err(Error::backend(
+                "attention",
+                format!("shapes do not match {spec:?} over {total} rows"),
+            ));
+        }
+        let window = spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i64);
+        let group = (spec.heads_q / spec.heads_kv) as i64;
+        let (qp, kp, vp, op) = (ptr_of(&q)?, ptr_of(&k)?, ptr_of(&v)?, ptr_of_mut(&out)?);
+        match self.precision {
+            Precision::Bf16 => {
+                for view in [&q, &k, &v] {
+                    Self::check_flash_operand(view)?;
+                }
+                if out.buf.elem != Elem::Bf16 {
+                    return Err(Error::backend(
+                        "attention",
+                        "bf16 attention writes a bf16 output",
+                    ));
+                }
+                if !kernels::FLASH_HEAD_DIMS.contains(&hd) {
+                    return Err(Error::backend(
+                        "attention",
+                        format!(
+                            "head_dim {hd} has no tensor-core kernel (supported: {:?})",
+                            kernels::FLASH_HEAD_DIMS
+                        ),
+                    ));
+                }
+                let fc = kernels::flash_config(hd);
+                let tiles = addr(&segs.dev, segs.max_segs + 1);
+                let args = [
+                    qp,
+                    i(q.stride as i64),
+                    kp,
+                    i(k.stride as i64),
+                    vp,
+                    i(v.stride as i64),
+                    op,
+                    i(out.stride as i64),
+                    tiles,
+                    i(group),
+                    f(spec.scale * std::f32::consts::LOG2_E),
+                    i(window),
+                    i(spec.causal as i64),
+                ];
+                let name = format!("flash_bf16_d{hd}");
+                let config = LaunchConfig {
+                    grid_dim: (segs.tiles as u32, spec.heads_q as u32, fc.splits),
+                    block_dim: (fc.threads, 1, 1),
+                    shared_mem_bytes: fc.smem,
+                };
+                self.timed("attention", || self.launch(&name, config, &args))
+            }
+            Precision::F32 => {
+                if [q.buf.elem, k.buf.elem, v.buf.elem, out.buf.elem]
+                    .iter()
+                    .any(|&e| e != Elem::F32)
+                    || hd > 512
+                {
+                    return Err(Error::backend(
+                        "attention",
+                        "f32 attention needs f32 operands and head_dim ≤ 512",
+                    ));
+                }
+                let warps = (total * spec.heads_q) as u32;
+                let args = [
+                    qp,
+                    i(q.stride as i64),
+                    kp,
+                    i(k.stride as i64),
+                    vp,
+                    i(v.stride as i64),
+                    op,
+                    i(out.stride as i64),
+                    segs.dev.ptr,
+                    i(segs.count() as i64),
+                    i(total as i64),
+                    i(spec.heads_q as i64),
+                    i(group),
+                    i(hd as i64),
+                    f(spec.scale),
+                    i(window),
+                    i(spec.causal as i64),
+                ];
+                self.timed("attention", || {
+                    self.launch("attn_rows_f32", cfg((warps.div_ceil(4), 1), 128, 0), &args)
+                })
+            }
+        }
+    }
+
+    fn gated(
+        &self,
+        gate: View<'_, Self>,
+        up: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        act: Activation,
+    ) -> Result<()> {
+        same_shape("gated", (gate.rows, gate.cols), (up.rows, up.cols))?;
+        same_shape("gated", (gate.rows, gate.cols), (out.rows, out.cols))?;
+        let e = gate.buf.elem;
+        if up.buf.elem != e || out.buf.elem != e {
+            return Err(Error::backend(
+                "gated",
+                "gate, up and out must share one element type",
+            ));
+        }
+        let name = format!(
+            "gated_{}_{}",
+            match act {
+                Activation::GeluTanh => "gelu",
+                Activation::Silu => "silu",
+            },
+            e.tag()
+        );
+        let n = gate.rows * gate.cols;
+        let blocks = n.div_ceil(256).min(self.sm_count as usize * 16).max(1) as u32;
+        let args = [
+            ptr_of(&gate)?,
+            i(gate.stride as i64),
+            ptr_of(&up)?,
+            i(up.stride as i64),
+            ptr_of_mut(&out)?,
+            i(out.stride as i64),
+            i(gate.rows as i64),
+            i(gate.cols as i64),
+        ];
+        if n == 0 {
+            return Ok(());
+        }
+        self.timed("elementwise", || {
+            self.launch(&name, cfg((blocks, 1), 256, 0), &args)
+        })
+    }
+
+    fn segment_mean(
+        &self,
+        x: View<'_, Self>,
+        segs: &Segments<Self>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        if out.rows != segs.count()
+            || out.cols != x.cols
+            || segs.total() != x.rows
+            || out.buf.elem != Elem::F32
+        {
+            return Err(Error::backend(
+                "segment_mean",
+                format!(
+                    "{} segments over {} rows into {}×{}",
+                    segs.count(),
+                    x.rows,
+                    out.rows,
+                    out.cols
+                ),
+            ));
+        }
+        let name = format!("segment_mean_{}", x.buf.elem.tag());
+        let args = [
+            ptr_of(&x)?,
+            i(x.stride as i64),
+            segs.dev.ptr,
+            ptr_of_mut(&out)?,
+            i(out.stride as i64),
+            i(x.cols as i64),
+        ];
+        let grid = (out.rows as u32, x.cols.div_ceil(128) as u32);
+        self.timed("pool", || self.launch(&name, cfg(grid, 128, 0), &args))
+    }
+}

@@ -1,0 +1,81 @@
+//! `TESSERA_PROFILE=1`: GPU milliseconds per op class, printed on stderr after each forward.
+//!
+//! Every op is bracketed by two timing events; at the next host read (the end of a forward) the
+//! elapsed times are summed per class. Graph replay is off while profiling, so every kernel is seen.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use tessera_core::{Error, Result};
+
+type Span = (&'static str, CudaEvent, CudaEvent);
+
+pub(super) struct Profiler {
+    ctx: Arc<CudaContext>,
+    spans: Mutex<Vec<Span>>,
+}
+
+fn err(e: impl std::fmt::Display) -> Error {
+    Error::backend("profiler", e)
+}
+
+impl Profiler {
+    /// A profiler when `TESSERA_PROFILE` is set to anything but `0` or empty.
+    pub fn from_env(ctx: &Arc<CudaContext>) -> Result<Option<Self>> {
+        let on = std::env::var("TESSERA_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0");
+        Ok(on.then(|| Profiler {
+            ctx: ctx.clone(),
+            spans: Mutex::new(Vec::new()),
+        }))
+    }
+
+    pub fn time(
+        &self,
+        stream: &CudaStream,
+        class: &'static str,
+        op: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let start = self
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(err)?;
+        let end = self
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(err)?;
+        start.record(stream).map_err(err)?;
+        op()?;
+        end.record(stream).map_err(err)?;
+        self.spans.lock().map_err(err)?.push((class, start, end));
+        Ok(())
+    }
+
+    /// Print and clear the spans recorded since the last report (the stream has been synchronised).
+    pub fn report(&self) -> Result<()> {
+        let spans = std::mem::take(&mut *self.spans.lock().map_err(err)?);
+        if spans.is_empty() {
+            return Ok(());
+        }
+        let mut by_class: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
+        for (class, s, e) in &spans {
+            let ms = s.elapsed_ms(e).map_err(err)? as f64;
+            let entry = by_class.entry(class).or_default();
+            entry.0 += ms;
+            entry.1 += 1;
+        }
+        let total: f64 = by_class.values().map(|v| v.0).sum();
+        let parts: Vec<String> = by_class
+            .iter()
+            .map(|(c, (ms, n))| {
+                format!(
+                    "{c} {ms:.3} ms ({n} ops, {:.0}%)",
+                    100.0 * ms / total.max(1e-9)
+                )
+            })
+            .collect();
+        eprintln!("profile: {} | total {total:.3} ms", parts.join(" | "));
+        Ok(())
+    }
+}

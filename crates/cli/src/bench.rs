@@ -1,0 +1,207 @@
+//! `tessera bench`: the measurements behind BENCHMARKS.md.
+//!
+//! `bench embed` runs the EmbeddingGemma 2 workloads of the CUDA issue on a model folder:
+//! W1 one short query end to end (tokenize → vector, median of 200), W2 one long document (median
+//! of 30), W3 8,192 documents of 256 tokens in the engine's best batching (random ids framed by
+//! `<bos>`/`<eos>`, as the reference script does), with model FLOPs and utilisation against a
+//! ceiling you pass (`--ceiling-tflops`, measured in the same run by `bench gemm` or torch).
+//! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data. One JSON line per
+//! measurement on stdout.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::{Args, Subcommand};
+use serde::Deserialize;
+use tessera_core::{Error, Result};
+use tessera_models::ModelFiles;
+use tessera_models::egemma2::{AnyEmbeddingGemma2, TextOptions};
+
+use crate::device::DeviceArgs;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(Subcommand)]
+enum What {
+    /// EmbeddingGemma 2 workloads W1–W3.
+    Embed(EmbedBench),
+    /// cuBLASLt bf16 GEMM rate on random data (the ceiling for utilisation figures).
+    Gemm(GemmBench),
+}
+
+#[derive(Args)]
+struct EmbedBench {
+    /// Model folder (a full-size checkpoint for meaningful numbers).
+    #[arg(long)]
+    model: PathBuf,
+    /// bench_inputs.json with "short" and "long" texts (from make_eg2_full.py).
+    #[arg(long)]
+    inputs: PathBuf,
+    /// Which workloads, comma-separated.
+    #[arg(long, default_value = "w1,w2,w3")]
+    workloads: String,
+    /// Documents in W3.
+    #[arg(long, default_value_t = 8192)]
+    w3_docs: usize,
+    /// Pass sizes (tokens) to try for W3; the best is reported.
+    #[arg(long, default_value = "16384,32768,65536")]
+    w3_pass_tokens: String,
+    /// The bf16 GEMM ceiling measured in the same run, for the utilisation figure.
+    #[arg(long)]
+    ceiling_tflops: Option<f64>,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+#[derive(Args)]
+struct GemmBench {
+    #[arg(long, default_value_t = 8192)]
+    size: usize,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+#[derive(Deserialize)]
+struct Inputs {
+    short: String,
+    long: String,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    match args.what {
+        What::Embed(b) => embed(b),
+        What::Gemm(b) => gemm(b),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn time_ms(n: usize, warm: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    for _ in 0..warm {
+        f()?;
+    }
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f()?;
+            Ok(t.elapsed().as_secs_f64() * 1e3)
+        })
+        .collect()
+}
+
+fn emit(v: serde_json::Value) {
+    println!("{v}");
+}
+
+fn embed(b: EmbedBench) -> Result<()> {
+    let inputs: Inputs = tessera_core::config::read_json(&b.inputs)?;
+    let mut model = AnyEmbeddingGemma2::load(b.device.open()?, ModelFiles::Dir(b.model.clone()))?;
+    let device = model.describe();
+    let opts = TextOptions::default();
+    let wanted: Vec<&str> = b.workloads.split(',').map(str::trim).collect();
+    if wanted.contains(&"w1") {
+        let tokens = model.tokenize(&inputs.short, &opts)?.len();
+        let ms = time_ms(200, 20, || {
+            model
+                .embed_texts(&[inputs.short.as_str()], &opts, None, |_| {})
+                .map(|_| ())
+        })?;
+        emit(
+            serde_json::json!({"name": "eg2_W1_query", "tokens": tokens, "median_ms": median(ms.clone()),
+            "best_ms": ms.iter().cloned().fold(f64::INFINITY, f64::min), "device": device}),
+        );
+    }
+    if wanted.contains(&"w2") {
+        let tokens = model.tokenize(&inputs.long, &opts)?.len();
+        let ms = time_ms(30, 3, || {
+            model
+                .embed_texts(&[inputs.long.as_str()], &opts, None, |_| {})
+                .map(|_| ())
+        })?;
+        let flops = model.config().text.forward_flops(&[tokens]);
+        let med = median(ms.clone());
+        emit(
+            serde_json::json!({"name": "eg2_W2_doc", "tokens": tokens, "median_ms": med,
+            "best_ms": ms.iter().cloned().fold(f64::INFINITY, f64::min), "tflops": flops / med / 1e9, "device": device}),
+        );
+    }
+    if wanted.contains(&"w3") {
+        let vocab = model.config().text.vocab_size as u64;
+        let (bos, eos) = (
+            model.config().text.bos_token_id.unwrap_or(2),
+            model.config().text.eos_token_id.unwrap_or(1),
+        );
+        // Random ids in [3, min(vocab, 250000)), <bos> first and <eos> last, as the reference.
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (3 + state % (vocab.min(250_000) - 3)) as u32
+        };
+        let docs: Vec<Vec<u32>> = (0..b.w3_docs)
+            .map(|_| {
+                let mut d: Vec<u32> = (0..256).map(|_| next()).collect();
+                d[0] = bos;
+                d[255] = eos;
+                d
+            })
+            .collect();
+        let lens = vec![256usize; docs.len()];
+        let flops = model.config().text.forward_flops(&lens);
+        let mut best: Option<(f64, usize)> = None;
+        for pass in b.w3_pass_tokens.split(',') {
+            let pass: usize = pass
+                .trim()
+                .parse()
+                .map_err(|_| Error::input(format!("bad pass size {pass:?}")))?;
+            model.set_pass_tokens(pass);
+            let ms = time_ms(3, 1, || model.embed_ids(&docs, |_| {}).map(|_| ()))?;
+            let med = median(ms);
+            let docs_per_s = docs.len() as f64 / (med / 1e3);
+            emit(
+                serde_json::json!({"name": "eg2_W3_docs256", "pass_tokens": pass, "docs": docs.len(), "seconds": med / 1e3,
+                "docs_per_s": docs_per_s, "tokens_per_s": docs_per_s * 256.0, "tflops": flops / med / 1e9, "device": device}),
+            );
+            if best.is_none_or(|(r, _)| docs_per_s > r) {
+                best = Some((docs_per_s, pass));
+            }
+        }
+        if let Some((rate, pass)) = best {
+            let tflops = flops / (docs.len() as f64 / rate) / 1e12;
+            emit(
+                serde_json::json!({"name": "eg2_W3_best", "pass_tokens": pass, "docs_per_s": rate, "tflops": tflops,
+                "mfu": b.ceiling_tflops.map(|c| tflops / c), "ceiling_tflops": b.ceiling_tflops, "device": device}),
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn gemm(b: GemmBench) -> Result<()> {
+    match b.device.open()? {
+        tessera_backend::AnyBackend::Cuda(be) => {
+            let tflops = be.bench_gemm(b.size, 20)?;
+            emit(
+                serde_json::json!({"name": "cublaslt_bf16_gemm", "size": b.size, "tflops": tflops, "device": be.describe_device()}),
+            );
+            Ok(())
+        }
+        tessera_backend::AnyBackend::Cpu(_) => Err(Error::input(
+            "bench gemm measures the CUDA GEMM ceiling: use --device cuda",
+        )),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gemm(_b: GemmBench) -> Result<()> {
+    Err(Error::input("this build has no CUDA support"))
+}

@@ -1,0 +1,25 @@
+//! `--device` and `--precision`, shared by every command that runs a model.
+
+use clap::Args;
+use tessera_backend::{AnyBackend, DeviceRequest, Precision};
+use tessera_core::Result;
+
+#[derive(Args, Clone, Debug)]
+pub struct DeviceArgs {
+    /// Where to run: auto (CUDA if usable, else the CPU, saying why), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = "TESSERA_DEVICE")]
+    device: String,
+    /// bf16 (CUDA default: bf16 weights and GEMM inputs, f32 accumulation and statistics) or f32
+    /// (exact mode; the CPU always runs f32).
+    #[arg(long, env = "TESSERA_PRECISION")]
+    precision: Option<String>,
+}
+
+impl DeviceArgs {
+    /// Open the backend; an `auto` choice of the CPU is explained in one line on stderr.
+    pub fn open(&self) -> Result<AnyBackend> {
+        let req: DeviceRequest = self.device.parse()?;
+        let precision: Option<Precision> = self.precision.as_deref().map(str::parse).transpose()?;
+        AnyBackend::open(req, precision, |note| eprintln!("note: {note}"))
+    }
+}
