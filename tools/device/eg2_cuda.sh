@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
-#   PARTS=parity,bench,ref (default all)   W3_DOCS=8192
+#   PARTS=parity,sens,bench,ref (default all)   W3_DOCS=8192
 # Writes logs and JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-parity,bench,ref}
+PARTS=${PARTS:-parity,sens,bench,ref}
 W3_DOCS=${W3_DOCS:-8192}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
@@ -27,17 +27,24 @@ if [[ $PARTS == *parity* ]]; then
   .dev/bin/egemma2_cuda --ignored --test-threads=1 --nocapture > "$OUT/egemma2_cuda.log" 2>&1; r=$?; status=$((status|r))
   grep -E "^test |test result|panicked|worst|documents of" "$OUT/egemma2_cuda.log" | tail -16
 fi
+if [[ $PARTS == *sens* ]]; then
+  echo "== rounding sensitivity of the full-size random model (vs torch float64)"
+  python3 tools/device/eg2_sensitivity.py $M $D/bench_inputs.json .dev/bin/tessera "$OUT/sensitivity.json" 2> "$OUT/sensitivity.err" \
+    || tail -5 "$OUT/sensitivity.err"
+fi
 if [[ $PARTS == *bench* ]]; then
   echo "== tessera bench"
   .dev/bin/tessera bench gemm --device cuda > "$OUT/tessera_bench.jsonl" 2>&1
   .dev/bin/tessera bench embed --device cuda --model $M --inputs $D/bench_inputs.json --w3-docs "$W3_DOCS" \
      >> "$OUT/tessera_bench.jsonl" 2> "$OUT/tessera_bench.err"
+  TESSERA_PROFILE=1 .dev/bin/tessera bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads w1 \
+     > /dev/null 2> "$OUT/profile_w1.txt"
   TESSERA_PROFILE=1 .dev/bin/tessera bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads w2 \
      > /dev/null 2> "$OUT/profile_w2.txt"
   TESSERA_PROFILE=1 .dev/bin/tessera bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads w3 \
      --w3-docs 256 --w3-pass-tokens 65536 > /dev/null 2> "$OUT/profile_w3.txt"
   cat "$OUT/tessera_bench.jsonl"; tail -3 "$OUT/tessera_bench.err"
-  tail -1 "$OUT/profile_w2.txt"; tail -1 "$OUT/profile_w3.txt"
+  tail -1 "$OUT/profile_w1.txt"; tail -1 "$OUT/profile_w2.txt"; tail -1 "$OUT/profile_w3.txt"
 fi
 if [[ $PARTS == *ref* ]]; then
   echo "== reference (transformers 5.25, bf16, sdpa)"

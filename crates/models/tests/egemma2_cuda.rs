@@ -11,9 +11,9 @@
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use tessera_backend::{Backend, Precision};
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda;
+use tessera_backend::{Backend, Precision};
 use tessera_core::Error;
 use tessera_models::ModelFiles;
 use tessera_models::egemma2::{EmbeddingGemma2, TextOptions};
@@ -57,7 +57,10 @@ fn check(what: &str, got: &[f32], want: &[f64], p: Precision, worst: &mut (f64, 
     worst.0 = worst.0.max(m);
     worst.1 = worst.1.min(cos);
     let (max_abs, min_cos) = bounds(p);
-    assert!(m <= max_abs && cos >= min_cos, "{what} ({p}): max abs {m:.3e} (≤ {max_abs:.0e}), cosine {cos:.7} (≥ {min_cos})");
+    assert!(
+        m <= max_abs && cos >= min_cos,
+        "{what} ({p}): max abs {m:.3e} (≤ {max_abs:.0e}), cosine {cos:.7} (≥ {min_cos})"
+    );
 }
 
 #[derive(Deserialize)]
@@ -79,21 +82,38 @@ struct Case {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fixtures_match_the_reference_on_cuda() {
-    let fx: Fixture =
-        serde_json::from_str(&std::fs::read_to_string(root().join("tests/fixtures/egemma2/cases.json")).unwrap()).unwrap();
+    let fx: Fixture = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/fixtures/egemma2/cases.json")).unwrap(),
+    )
+    .unwrap();
     for p in [Precision::F32, Precision::Bf16] {
         for (name, dir) in &fx.models {
             let mut model = cuda_model(&root().join(dir), p);
             let mut worst = (0.0, 1.0);
             for c in &fx.cases {
                 let texts: Vec<&str> = c.texts.iter().map(String::as_str).collect();
-                let opts = TextOptions { prompt_name: c.prompt_name.clone(), prompt: c.prompt.clone(), max_tokens: c.max_tokens };
+                let opts = TextOptions {
+                    prompt_name: c.prompt_name.clone(),
+                    prompt: c.prompt.clone(),
+                    max_tokens: c.max_tokens,
+                };
                 let got = model.embed_texts(&texts, &opts, c.dim, |_| {}).unwrap();
                 for (i, (g, w)) in got.iter().zip(&c.expected[name]).enumerate() {
-                    check(&format!("{name}/{} text {i}", c.name), &g.vector, w, p, &mut worst);
+                    check(
+                        &format!("{name}/{} text {i}", c.name),
+                        &g.vector,
+                        w,
+                        p,
+                        &mut worst,
+                    );
                 }
             }
-            eprintln!("fixtures {name} on {}: worst max abs {:.2e}, worst cosine {:.8}", model.backend().describe(), worst.0, worst.1);
+            eprintln!(
+                "fixtures {name} on {}: worst max abs {:.2e}, worst cosine {:.8}",
+                model.backend().describe(),
+                worst.0,
+                worst.1
+            );
         }
     }
 }
@@ -106,17 +126,27 @@ struct BenchInputs {
 }
 
 fn env_path(var: &str) -> PathBuf {
-    PathBuf::from(std::env::var_os(var).unwrap_or_else(|| panic!("set {var} (see the file's doc comment)")))
+    PathBuf::from(
+        std::env::var_os(var).unwrap_or_else(|| panic!("set {var} (see the file's doc comment)")),
+    )
 }
 
 #[test]
 #[ignore = "needs a CUDA device and a full-size model"]
 fn full_size_model_matches_the_cpu() {
     let dir = env_path("TESSERA_EG2_FULL");
-    let inputs: BenchInputs = serde_json::from_str(&std::fs::read_to_string(env_path("TESSERA_EG2_INPUTS")).unwrap()).unwrap();
+    let inputs: BenchInputs =
+        serde_json::from_str(&std::fs::read_to_string(env_path("TESSERA_EG2_INPUTS")).unwrap())
+            .unwrap();
     let opts = TextOptions::default();
-    let mut groups: Vec<(&str, Vec<&str>)> = vec![("query", vec![&inputs.short]), ("document", vec![&inputs.long])];
-    groups.push(("batch64 packed", inputs.batch64.iter().map(String::as_str).collect()));
+    let mut groups: Vec<(&str, Vec<&str>)> = vec![
+        ("query", vec![&inputs.short]),
+        ("document", vec![&inputs.long]),
+    ];
+    groups.push((
+        "batch64 packed",
+        inputs.batch64.iter().map(String::as_str).collect(),
+    ));
     let mut cpu = EmbeddingGemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.clone())).unwrap();
     let want: Vec<Vec<Vec<f64>>> = groups
         .iter()
@@ -136,11 +166,22 @@ fn full_size_model_matches_the_cpu() {
             for round in 0..3 {
                 let got = model.embed_texts(texts, &opts, None, |_| {}).unwrap();
                 for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                    check(&format!("full-size {name} text {i} round {round}"), &g.vector, w, p, &mut worst);
+                    check(
+                        &format!("full-size {name} text {i} round {round}"),
+                        &g.vector,
+                        w,
+                        p,
+                        &mut worst,
+                    );
                 }
             }
         }
-        eprintln!("full-size model on {}: worst max abs {:.2e}, worst cosine {:.8}", model.backend().describe(), worst.0, worst.1);
+        eprintln!(
+            "full-size model on {}: worst max abs {:.2e}, worst cosine {:.8}",
+            model.backend().describe(),
+            worst.0,
+            worst.1
+        );
     }
 }
 
@@ -151,7 +192,10 @@ fn too_long_input_is_refused_as_on_the_cpu() {
     let ids = vec![vec![5u32; 600]]; // the mini model has 512 positions
     let mut cpu = EmbeddingGemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.clone())).unwrap();
     let want = cpu.embed_ids(&ids, |_| {}).unwrap_err().to_string();
-    let got = cuda_model(&dir, Precision::Bf16).embed_ids(&ids, |_| {}).unwrap_err().to_string();
+    let got = cuda_model(&dir, Precision::Bf16)
+        .embed_ids(&ids, |_| {})
+        .unwrap_err()
+        .to_string();
     assert_eq!(got, want);
     assert!(got.contains("600 tokens") && got.contains("512"), "{got}");
 }
@@ -164,8 +208,18 @@ fn a_batch_too_large_for_the_device_is_split() {
     let (free, total) = model.backend().memory().unwrap();
     // Activations take ~34 KB per token: ask for a pass well beyond the free memory.
     let docs = (free / 34_000 / 256) * 5 / 4 + 1;
-    eprintln!("{docs} documents of 256 tokens; {:.1} of {:.1} GB free", free as f64 / 1e9, total as f64 / 1e9);
-    let seqs: Vec<Vec<u32>> = (0..docs).map(|i| (0..256).map(|j| 3 + ((i * 7919 + j * 104_729) % 200_000) as u32).collect()).collect();
+    eprintln!(
+        "{docs} documents of 256 tokens; {:.1} of {:.1} GB free",
+        free as f64 / 1e9,
+        total as f64 / 1e9
+    );
+    let seqs: Vec<Vec<u32>> = (0..docs)
+        .map(|i| {
+            (0..256)
+                .map(|j| 3 + ((i * 7919 + j * 104_729) % 200_000) as u32)
+                .collect()
+        })
+        .collect();
     model.pass_tokens = docs * 256;
     let mut passes = 0;
     let out = model.embed_ids(&seqs, |_| passes += 1).unwrap();
@@ -177,6 +231,9 @@ fn a_batch_too_large_for_the_device_is_split() {
     match model.embed_ids(&huge, |_| {}) {
         Err(Error::OutOfMemory(m)) => assert!(m.contains("does not fit"), "{m}"),
         Err(Error::Input(m)) => assert!(m.contains("exceeds"), "{m}"), // beyond max positions first
-        other => panic!("expected an out-of-memory error, got {:?}", other.map(|v| v.len())),
+        other => panic!(
+            "expected an out-of-memory error, got {:?}",
+            other.map(|v| v.len())
+        ),
     }
 }

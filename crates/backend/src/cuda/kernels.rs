@@ -28,8 +28,8 @@ pub struct FlashConfig {
 
 pub fn flash_config(d: usize) -> FlashConfig {
     let (wm, wd, bn) = match d {
-        256 => (4, 2, 64),
-        512 => (2, 4, 32),
+        256 => (4, 2, 16),
+        512 => (2, 4, 16),
         _ => (4, 1, 64),
     };
     let bm = 16 * wm;
@@ -54,6 +54,8 @@ pub fn names(source: &str) -> Vec<String> {
         "norm.cu" => {
             let mut v = pairs("rms_norm");
             v.extend(pairs("residual_norm"));
+            v.extend(pairs("rms_norm_warp"));
+            v.extend(pairs("residual_norm_warp"));
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_{d}")));
             v
         }
@@ -62,6 +64,7 @@ pub fn names(source: &str) -> Vec<String> {
             v.extend(pairs("cast"));
             for act in ["gelu", "silu"] {
                 v.extend(DTYPES.iter().map(|d| format!("gated_{act}_{d}")));
+                v.extend(DTYPES.iter().map(|d| format!("gated_vec_{act}_{d}")));
             }
             v.extend(DTYPES.iter().map(|d| format!("segment_mean_{d}")));
             v

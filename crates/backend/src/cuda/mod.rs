@@ -266,6 +266,9 @@ fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
     }
 }
 
+/// Rows up to this width are normalised one warp per row (32 values per lane in registers).
+const WARP_ROW_MAX: usize = 1024;
+
 fn row_block(cols: usize) -> u32 {
     if cols <= 1024 { 128 } else { 256 }
 }
@@ -715,12 +718,32 @@ impl Backend for CudaBackend {
                 "weight length differs from the row width",
             ));
         }
-        let name = format!("rms_norm_{}_{}", x.buf.elem.tag(), out.buf.elem.tag());
+        let (xp, op) = (ptr_of(&x)?, ptr_of_mut(&out)?);
+        let (xt, ot) = (x.buf.elem.tag(), out.buf.elem.tag());
+        let w = w.map_or(0, |w| w.ptr);
+        if x.cols <= WARP_ROW_MAX {
+            // One warp per row, the row in registers.
+            let name = format!("rms_norm_warp_{xt}_{ot}");
+            let args = [
+                xp,
+                i(x.stride as i64),
+                w,
+                op,
+                i(out.stride as i64),
+                i(x.rows as i64),
+                i(x.cols as i64),
+                f(eps),
+            ];
+            return self.timed("norm", || {
+                self.launch(&name, cfg(((x.rows as u32).div_ceil(8), 1), 256, 0), &args)
+            });
+        }
+        let name = format!("rms_norm_{xt}_{ot}");
         let args = [
-            ptr_of(&x)?,
+            xp,
             i(x.stride as i64),
-            w.map_or(0, |w| w.ptr),
-            ptr_of_mut(&out)?,
+            w,
+            op,
             i(out.stride as i64),
             i(x.cols as i64),
             f(eps),
@@ -782,8 +805,7 @@ impl Backend for CudaBackend {
             Some(o) => (ptr_of_mut(o)?, o.stride),
             None => (0, 0),
         };
-        let name = format!("residual_norm_{}_{}", y.buf.elem.tag(), out_tag);
-        let args = [
+        let common = [
             ptr_of_mut(&h)?,
             i(h.stride as i64),
             ptr_of(&y)?,
@@ -794,9 +816,18 @@ impl Backend for CudaBackend {
             next,
             optr,
             i(ostride as i64),
-            i(h.cols as i64),
-            f(eps),
         ];
+        if h.cols <= WARP_ROW_MAX {
+            let name = format!("residual_norm_warp_{}_{}", y.buf.elem.tag(), out_tag);
+            let mut args = common.to_vec();
+            args.extend([i(h.rows as i64), i(h.cols as i64), f(eps)]);
+            return self.timed("norm", || {
+                self.launch(&name, cfg(((h.rows as u32).div_ceil(8), 1), 256, 0), &args)
+            });
+        }
+        let name = format!("residual_norm_{}_{}", y.buf.elem.tag(), out_tag);
+        let mut args = common.to_vec();
+        args.extend([i(h.cols as i64), f(eps)]);
         let smem = (h.cols * 4) as u32;
         self.timed("norm", || {
             self.launch(
@@ -990,15 +1021,23 @@ impl Backend for CudaBackend {
                 "gate, up and out must share one element type",
             ));
         }
-        let name = format!(
-            "gated_{}_{}",
-            match act {
-                Activation::GeluTanh => "gelu",
-                Activation::Silu => "silu",
-            },
-            e.tag()
-        );
-        let n = gate.rows * gate.cols;
+        let act = match act {
+            Activation::GeluTanh => "gelu",
+            Activation::Silu => "silu",
+        };
+        // 16-byte vectors when every row start is 16-byte aligned and whole vectors tile a row.
+        let v = 16 / e.size();
+        let aligned = |off: usize, stride: usize| off % v == 0 && stride % v == 0;
+        let vec = gate.cols % v == 0
+            && aligned(gate.offset, gate.stride)
+            && aligned(up.offset, up.stride)
+            && aligned(out.offset, out.stride);
+        let name = if vec {
+            format!("gated_vec_{act}_{}", e.tag())
+        } else {
+            format!("gated_{act}_{}", e.tag())
+        };
+        let n = gate.rows * gate.cols / if vec { v } else { 1 };
         let blocks = n.div_ceil(256).min(self.sm_count as usize * 16).max(1) as u32;
         let args = [
             ptr_of(&gate)?,

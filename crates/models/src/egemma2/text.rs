@@ -34,8 +34,6 @@ struct Layer<B: Backend> {
     ple_gate: B::Mat,
     ple_proj: B::Mat,
     ple_post_norm: B::Vector,
-    /// This layer's rows of the shared PLE projection `[ple_dim, hidden]`.
-    ple_in: B::Mat,
     scalar: f32,
 }
 
@@ -48,17 +46,19 @@ struct Workspace<B: Backend> {
     pos: B::Buf,
     /// Residual stream `[T, H]` (f32).
     h: B::Buf,
-    /// Input embeddings as a GEMM input `[T, H]`, kept for every layer's PLE slice.
+    /// Input embeddings as a GEMM input `[T, H]`.
     x0: B::Buf,
     /// Normed input of the current sub-block `[T, H]`.
     a: B::Buf,
     qkv: B::Buf,
     attn: B::Buf,
-    /// Sub-block outputs before their post-norm `[T, H]`.
+    /// Sub-block outputs before their post-norm `[T, H]`, kept in f32: the norm rescales them
+    /// to unit size and they go straight into the residual stream.
     y: B::Buf,
     gu: B::Buf,
     g: B::Buf,
-    /// PLE: raw projection, normed per-layer input, gate pre-activation, gated product `[T, P]`.
+    /// PLE for all layers at once: raw projection and normed per-layer inputs `[T, L·P]`; then
+    /// per layer the gate pre-activation and the gated product `[T, P]`.
     ple_raw: B::Buf,
     ple: B::Buf,
     ple_gate: B::Buf,
@@ -73,6 +73,8 @@ struct Workspace<B: Backend> {
 pub struct TextEncoder<B: Backend> {
     cfg: TextConfig,
     embed: B::Table,
+    /// The shared PLE projection `[L·P, H]`: every layer's per-layer input in one GEMM.
+    ple_proj: B::Mat,
     ple_norm: B::Vector,
     layers: Vec<Layer<B>>,
     final_norm: B::Vector,
@@ -111,7 +113,13 @@ impl<B: Backend> TextEncoder<B> {
         let p = cfg.ple_dim;
         let n_layers = cfg.layers.len();
         let embed = be.table(w, "embed_tokens.weight", [cfg.vocab_size, h])?;
-        let ple_w = w.f32("ple.per_layer_model_projection.weight", &[n_layers * p, h])?;
+        let ple_proj = matrix(
+            be,
+            w,
+            "ple.per_layer_model_projection.weight",
+            n_layers * p,
+            h,
+        )?;
         let ple_norm = vector(be, w, "ple.per_layer_projection_norm.weight", p)?;
         let mut layers = Vec::with_capacity(n_layers);
         for (i, lc) in cfg.layers.iter().enumerate() {
@@ -147,13 +155,13 @@ impl<B: Backend> TextEncoder<B> {
                 ple_gate: matrix(be, &lw, "ple_block.per_layer_input_gate.weight", p, h)?,
                 ple_proj: matrix(be, &lw, "ple_block.per_layer_projection.weight", h, p)?,
                 ple_post_norm: vector(be, &lw, "ple_block.post_per_layer_input_norm.weight", h)?,
-                ple_in: be.matrix(&[(&ple_w[i * p * h..(i + 1) * p * h], p)], h)?,
                 scalar,
             });
         }
         Ok(TextEncoder {
             cfg: cfg.clone(),
             embed,
+            ple_proj,
             ple_norm,
             layers,
             final_norm: vector(be, w, "norm.weight", h)?,
@@ -224,6 +232,7 @@ impl<B: Backend> TextEncoder<B> {
             .max()
             .unwrap_or(0);
         let (s, e) = (Role::Stream, Role::Compute);
+        let nl = self.layers.len();
         self.ws = Some(Workspace {
             rows,
             max_segs: segs,
@@ -235,11 +244,11 @@ impl<B: Backend> TextEncoder<B> {
             a: be.alloc(rows * h, e)?,
             qkv: be.alloc(rows * qkv_w, e)?,
             attn: be.alloc(rows * attn_w, e)?,
-            y: be.alloc(rows * h, e)?,
+            y: be.alloc(rows * h, s)?,
             gu: be.alloc(rows * 2 * im, e)?,
             g: be.alloc(rows * im, e)?,
-            ple_raw: be.alloc(rows * p, e)?,
-            ple: be.alloc(rows * p, e)?,
+            ple_raw: be.alloc(rows * nl * p, e)?,
+            ple: be.alloc(rows * nl * p, e)?,
             ple_gate: be.alloc(rows * p, e)?,
             ple_z: be.alloc(rows * p, e)?,
             fin: be.alloc(rows * h, s)?,
@@ -338,7 +347,20 @@ impl<B: Backend> TextEncoder<B> {
                 ViewMut::new(&mut ws.a, t, h),
             )?;
         }
-        let ple_scale = (h as f32).powf(-0.5);
+        // Per-layer inputs of every layer: P = N(x0 · W_pmpᵀ · H^-½), normed per layer slice.
+        let nl = self.layers.len();
+        be.matmul(
+            View::new(&ws.x0, t, h),
+            &self.ple_proj,
+            ViewMut::new(&mut ws.ple_raw, t, nl * p),
+            Epilogue::scaled((h as f32).powf(-0.5)),
+        )?;
+        be.rms_norm(
+            View::new(&ws.ple_raw, t * nl, p),
+            Some(&self.ple_norm),
+            eps,
+            ViewMut::new(&mut ws.ple, t * nl, p),
+        )?;
         for (i, l) in self.layers.iter().enumerate() {
             let lay = l.layout;
             let (qc, kc, width) = (lay.q_cols(), lay.kv_cols(), lay.width());
@@ -423,19 +445,7 @@ impl<B: Backend> TextEncoder<B> {
                 After::Copy(ViewMut::new(&mut ws.a, t, h)),
                 eps,
             )?;
-            // Per-layer input: P_i = N(x0 · W_iᵀ · H^-½), gated by gelu(h · W_gateᵀ).
-            be.matmul(
-                View::new(&ws.x0, t, h),
-                &l.ple_in,
-                ViewMut::new(&mut ws.ple_raw, t, p),
-                Epilogue::scaled(ple_scale),
-            )?;
-            be.rms_norm(
-                View::new(&ws.ple_raw, t, p),
-                Some(&self.ple_norm),
-                eps,
-                ViewMut::new(&mut ws.ple, t, p),
-            )?;
+            // This layer's input P_i, gated by gelu(h · W_gateᵀ).
             be.matmul(
                 View::new(&ws.a, t, h),
                 &l.ple_gate,
@@ -444,7 +454,7 @@ impl<B: Backend> TextEncoder<B> {
             )?;
             be.gated(
                 View::new(&ws.ple_gate, t, p),
-                View::new(&ws.ple, t, p),
+                View::new(&ws.ple, t, nl * p).cols(i * p, p),
                 ViewMut::new(&mut ws.ple_z, t, p),
                 Activation::GeluTanh,
             )?;

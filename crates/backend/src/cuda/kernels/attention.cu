@@ -18,14 +18,15 @@
 // WM warps along query rows (BM = 16·WM rows per CTA; a 64-row tile takes 64/BM CTAs along z),
 // WD warps along the head dimension, BN keys per block. Mirrored by `flash_config` in kernels.rs.
 template <int D> struct FlashCfg;
-template <> struct FlashCfg<16> { static constexpr int WM = 4, WD = 1, BN = 64; };
-template <> struct FlashCfg<32> { static constexpr int WM = 4, WD = 1, BN = 64; };
-template <> struct FlashCfg<64> { static constexpr int WM = 4, WD = 1, BN = 64; };
-template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64; };
-template <> struct FlashCfg<256> { static constexpr int WM = 4, WD = 2, BN = 64; };
-// 512-wide heads: 4 warps across the head keep 64 output columns each in registers; 2 warp rows
-// keep the CTA at 256 threads (255 registers each) so nothing spills.
-template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 4, BN = 32; };
+template <> struct FlashCfg<16> { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 1; };
+template <> struct FlashCfg<32> { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 1; };
+template <> struct FlashCfg<64> { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 1; };
+template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 1; };
+// 256- and 512-wide heads: warps across the head keep 64 output columns each in registers; 256
+// threads and short key blocks keep two CTAs on a multiprocessor (≤ 128 registers, ≤ 113 KB of
+// shared memory each), so one CTA's loads overlap the other's tensor-core work.
+template <> struct FlashCfg<256> { static constexpr int WM = 4, WD = 2, BN = 16, MIN_CTAS = 2; };
+template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 4, BN = 16, MIN_CTAS = 2; };
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
@@ -253,7 +254,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
 }
 
 #define FLASH(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * FlashCfg<D>::WM * FlashCfg<D>::WD, 1)                                 \
+    extern "C" __global__ void __launch_bounds__(32 * FlashCfg<D>::WM * FlashCfg<D>::WD, FlashCfg<D>::MIN_CTAS)                                 \
         flash_bf16_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
                         const u32* tiles, int group, float scale_log2, int window, int causal) {           \
         flash_impl<D, bf16>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal);        \
