@@ -149,8 +149,19 @@ fn target_sizes_match_the_reference_at_every_budget() {
         let b = ImageBudget::new(c.budget).unwrap();
         let got = target_size(c.input[0], c.input[1], spec, b);
         match (&c.out, &c.error) {
-            (Some(out), None) => assert_eq!(got.unwrap(), (out[0], out[1]), "{:?} @ {}", c.input, c.budget),
-            (None, Some(e)) => assert!(got.is_err(), "{:?} @ {}: reference says {e}", c.input, c.budget),
+            (Some(out), None) => assert_eq!(
+                got.unwrap(),
+                (out[0], out[1]),
+                "{:?} @ {}",
+                c.input,
+                c.budget
+            ),
+            (None, Some(e)) => assert!(
+                got.is_err(),
+                "{:?} @ {}: reference says {e}",
+                c.input,
+                c.budget
+            ),
             _ => panic!("malformed size case"),
         }
     }
@@ -195,7 +206,10 @@ fn jpeg_decodes_within_a_few_levels_of_libjpeg_turbo() {
     let dir = root().join("tests/fixtures/egemma2/images");
     let ours = Image::open(&dir.join(&fx.jpeg.file)).unwrap();
     let pillow = Image::open(&dir.join(&fx.jpeg.pillow_decode)).unwrap();
-    assert_eq!((ours.width(), ours.height()), (pillow.width(), pillow.height()));
+    assert_eq!(
+        (ours.width(), ours.height()),
+        (pillow.width(), pillow.height())
+    );
     let diffs: Vec<u8> = ours
         .rgb()
         .iter()

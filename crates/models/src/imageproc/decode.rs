@@ -47,9 +47,7 @@ impl Image {
     /// Wrap RGB bytes (`[height, width, 3]`, row-major).
     pub fn from_rgb8(width: usize, height: usize, rgb: Vec<u8>) -> Result<Self> {
         if width == 0 || height == 0 {
-            return Err(Error::input(format!(
-                "zero-sized image ({width}×{height})"
-            )));
+            return Err(Error::input(format!("zero-sized image ({width}×{height})")));
         }
         check_pixels(width as u64, height as u64)?;
         if rgb.len() != width * height * 3 {
@@ -72,9 +70,9 @@ impl Image {
         let format = reader()?.format();
         let Some(&(format, name)) = FORMATS.iter().find(|(f, _)| Some(*f) == format) else {
             return Err(Error::input(match format {
-                Some(f) => format!(
-                    "unsupported image format {f:?} (supported: PNG, JPEG, WebP, GIF, BMP)"
-                ),
+                Some(f) => {
+                    format!("unsupported image format {f:?} (supported: PNG, JPEG, WebP, GIF, BMP)")
+                }
                 None => "not an image in a supported format (PNG, JPEG, WebP, GIF, BMP)".into(),
             }));
         };

@@ -163,7 +163,10 @@ mod tests {
                     .map(|&w| w as i32)
                     .sum();
                 let unit = 1i32 << ax.precision;
-                assert!((s - unit).abs() <= ax.taps as i32, "{i}→{o} at {x}: {s} vs {unit}");
+                assert!(
+                    (s - unit).abs() <= ax.taps as i32,
+                    "{i}→{o} at {x}: {s} vs {unit}"
+                );
             }
         }
     }
