@@ -56,7 +56,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
     );
     println!(
         "vision:      {}",
-        if model.config().has_vision {
+        if model.config().vision.is_some() {
             "in checkpoint (image embeddings: not yet supported)"
         } else {
             "no"

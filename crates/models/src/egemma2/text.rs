@@ -69,6 +69,14 @@ struct Workspace<B: Backend> {
     out: B::Buf,
 }
 
+/// Rows to put in place of the embeddings of some packed tokens (media soft tokens over their
+/// placeholders): row `i` of `rows` replaces packed row `at[i]`, before the per-layer inputs are
+/// computed, unscaled — as the reference's `masked_scatter` does.
+pub struct Merge<'a, B: Backend> {
+    pub rows: View<'a, B>,
+    pub at: &'a [u32],
+}
+
 pub struct TextEncoder<B: Backend> {
     cfg: TextConfig,
     embed: B::Table,
@@ -246,6 +254,17 @@ impl<B: Backend> TextEncoder<B> {
     /// Embed packed sequences of token ids: for each, the mean over its tokens of the 768-wide
     /// head output (not yet L2-normalised).
     pub fn forward(&mut self, be: &B, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        self.forward_merged(be, seqs, None)
+    }
+
+    /// [`forward`](Self::forward) with some token rows replaced by `merge` (the ids at those
+    /// rows are not looked up).
+    pub fn forward_merged(
+        &mut self,
+        be: &B,
+        seqs: &[&[u32]],
+        merge: Option<Merge<'_, B>>,
+    ) -> Result<Vec<Vec<f32>>> {
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         let total: usize = lens.iter().sum();
         let longest = lens.iter().copied().max().unwrap_or(0);
@@ -261,11 +280,29 @@ impl<B: Backend> TextEncoder<B> {
                 self.cfg.max_positions
             )));
         }
-        if let Some(&bad) = seqs
-            .iter()
-            .flat_map(|s| s.iter())
-            .find(|&&id| id as usize >= self.cfg.vocab_size)
-        {
+        let mut ids: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        if let Some(m) = &merge {
+            if m.at.len() != m.rows.rows || m.rows.cols != self.cfg.hidden_size {
+                return Err(Error::backend(
+                    "text encoder",
+                    format!(
+                        "{}×{} merged rows for {} places",
+                        m.rows.rows,
+                        m.rows.cols,
+                        m.at.len()
+                    ),
+                ));
+            }
+            // Replaced rows are overwritten after the lookup; give them a valid id, as the
+            // reference maps placeholders to <pad>.
+            for &r in m.at {
+                let slot = ids.get_mut(r as usize).ok_or_else(|| {
+                    Error::backend("text encoder", format!("merged row {r} beyond {total}"))
+                })?;
+                *slot = self.cfg.pad_token_id.unwrap_or(0);
+            }
+        }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
             return Err(Error::input(format!(
                 "token id {bad} is outside the vocabulary of {}",
                 self.cfg.vocab_size
@@ -274,7 +311,14 @@ impl<B: Backend> TextEncoder<B> {
         self.ensure_rope(be, longest)?;
         self.ensure_workspace(be, total, seqs.len())?;
         let segs = be.segments(&lens)?;
-        let ids: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        let merge_at = match &merge {
+            Some(m) if !m.at.is_empty() => {
+                let mut b = be.alloc(m.at.len(), Role::Index)?;
+                be.write_u32(&mut b, m.at)?;
+                Some(b)
+            }
+            _ => None,
+        };
         let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
 
         let c = &self.cfg;
@@ -290,6 +334,9 @@ impl<B: Backend> TextEncoder<B> {
             (h as f32).sqrt(),
             ViewMut::new(&mut ws.h, t, h),
         )?;
+        if let (Some(m), Some(at)) = (&merge, &merge_at) {
+            be.scatter_rows(m.rows, at, ViewMut::new(&mut ws.h, t, h))?;
+        }
         be.cast(View::new(&ws.h, t, h), ViewMut::new(&mut ws.x0, t, h))?;
         if let Some(l0) = self.layers.first() {
             be.rms_norm(
