@@ -194,7 +194,7 @@ impl<B: Backend> VisionEncoder<B> {
             if side > c.position_embedding_size {
                 return Err(Error::input(format!(
                     "image {}: a grid of {}×{} patches exceeds the vision tower's {} positions per \
-                     side (position_embedding_size); use a smaller image budget",
+                     side (position_embedding_size); use a smaller image budget or a less elongated image",
                     i + 1,
                     p.width,
                     p.height,
