@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Embed texts and images with EmbeddingGemma 2 (JSON lines or .npy out).
-    Embed(embed::EmbedArgs),
+    Embed(Box<embed::EmbedArgs>),
     /// Describe a model and what it will run on.
     Info(info::InfoArgs),
 }
@@ -52,7 +52,7 @@ fn main() -> ExitCode {
         }
     }
     let result = match cli.command {
-        Command::Embed(args) => embed::run(args, matches.subcommand_matches("embed")),
+        Command::Embed(args) => embed::run(*args, matches.subcommand_matches("embed")),
         Command::Info(args) => info::run(args),
     };
     match result {

@@ -202,9 +202,9 @@ mod tests {
         let img = Image::from_rgb8(w, h, rgb.clone()).unwrap();
         let p = patchify(&img, 2);
         assert_eq!((p.width, p.height, p.pixels.len()), (4, 2, 8 * 12));
-        // Patch (x=3, y=1), pixel (dy=1, dx=0), channel 2.
-        let idx = (4 + 3) * 12 + (2 + 0) * 3 + 2;
-        let v = rgb[(1 * 2 + 1) * w * 3 + (3 * 2) * 3 + 2];
+        let (px, py, dx, dy, c) = (3, 1, 0, 1, 2);
+        let idx = (py * 4 + px) * 12 + (dy * 2 + dx) * 3 + c;
+        let v = rgb[(py * 2 + dy) * w * 3 + (px * 2 + dx) * 3 + c];
         assert_eq!(p.pixels[idx], 2.0 * (v as f32 * RESCALE - 0.5));
         assert_eq!(p.positions().nth(7), Some((3, 1)));
     }
