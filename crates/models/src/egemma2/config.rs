@@ -569,8 +569,42 @@ mod tests {
                                      "11": {"head_dim": 512, "num_key_value_heads": 1}},
                 "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0
             },
-            "image_token_id": 258880
+            "image_token_id": 258880, "boi_token_id": 255999, "eoi_token_id": 258882,
+            "vision_config": {"model_type": "gemma4_vision", "head_dim": 64,
+                              "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}
         })
+    }
+
+    #[test]
+    fn vision_config_defaults_and_refusals() {
+        let c = Config::parse(Path::new("config.json"), &release_like().to_string()).unwrap();
+        let v = c.vision.unwrap();
+        assert_eq!(
+            (v.hidden_size, v.num_layers, v.kv_heads, v.patch_size),
+            (768, 16, 12, 16)
+        );
+        assert_eq!(v.position_embedding_size, 10240);
+        assert_eq!(c.image_tokens.unwrap().placeholder, 258880);
+        for (key, value) in [
+            ("use_clipped_linears", serde_json::json!(true)),
+            ("standardize", serde_json::json!(true)),
+            ("head_dim", serde_json::json!(30)),
+            (
+                "rope_parameters",
+                serde_json::json!({"rope_type": "default", "rope_theta": 1.0}),
+            ),
+        ] {
+            let mut j = release_like();
+            j["vision_config"][key] = value;
+            let e = Config::parse(Path::new("config.json"), &j.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("vision_config.{key}")), "{key}: {e}");
+        }
+        let mut j = release_like();
+        j.as_object_mut().unwrap().remove("boi_token_id");
+        let e = Config::parse(Path::new("config.json"), &j.to_string()).unwrap_err();
+        assert!(e.to_string().contains("boi_token_id"), "{e}");
     }
 
     #[test]

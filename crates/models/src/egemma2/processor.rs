@@ -115,3 +115,67 @@ impl ImageProcessor {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tower() -> VisionConfig {
+        VisionConfig {
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_layers: 1,
+            num_heads: 2,
+            kv_heads: 2,
+            head_dim: 16,
+            rms_norm_eps: 1e-6,
+            rope_theta: 100.0,
+            patch_size: 16,
+            pooling_kernel_size: 3,
+            position_embedding_size: 64,
+        }
+    }
+
+    fn load(json: &str) -> Result<ImageProcessor> {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("processor_config.json"), json).unwrap();
+        ImageProcessor::load(&ModelFiles::Dir(dir.path().to_path_buf()), &tower())
+    }
+
+    #[test]
+    fn release_values_and_defaults() {
+        let p = load(r#"{"image_processor": {"max_soft_tokens": 560, "patch_size": 16, "pooling_kernel_size": 3, "do_normalize": false, "image_mean": [0,0,0], "image_std": [1,1,1], "resample": 3, "rescale_factor": 0.00392156862745098}}"#).unwrap();
+        assert_eq!(p.default_budget.soft_tokens(), 560);
+        assert_eq!(p.spec, PatchSpec { patch: 16, pool: 3 });
+        let dir = tempfile::tempdir().unwrap();
+        let none = ImageProcessor::load(&ModelFiles::Dir(dir.path().to_path_buf()), &tower());
+        assert_eq!(none.unwrap().default_budget, ImageBudget::DEFAULT);
+    }
+
+    #[test]
+    fn unsupported_settings_name_their_field() {
+        for (json, field) in [
+            (r#"{"image_processor": {"patch_size": 14}}"#, "patch_size"),
+            (r#"{"image_processor": {"resample": 2}}"#, "resample"),
+            (
+                r#"{"image_processor": {"max_soft_tokens": 100}}"#,
+                "max_soft_tokens",
+            ),
+            (
+                r#"{"image_processor": {"do_normalize": true, "image_mean": [0.5, 0.5, 0.5]}}"#,
+                "do_normalize",
+            ),
+            (
+                r#"{"image_processor": {"rescale_factor": 0.5}}"#,
+                "rescale_factor",
+            ),
+            (r#"{"image_processor": {"do_resize": false}}"#, "do_resize"),
+        ] {
+            let e = load(json).unwrap_err().to_string();
+            assert!(
+                e.contains(field) && e.contains("processor_config.json"),
+                "{field}: {e}"
+            );
+        }
+    }
+}
