@@ -226,6 +226,24 @@ mod tests {
     }
 
     #[test]
+    fn sixteen_bit_files_convert_as_pillow_does() {
+        // Pillow keeps the high byte of 16-bit colour, and saturates 16-bit grey (`I;16`).
+        let vals: [u16; 4] = [0, 255, 1000, 40000];
+        let be: Vec<u8> = vals.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        let grey = Image::decode(&png(4, 1, image::ExtendedColorType::L16, &be)).unwrap();
+        let want: Vec<u8> = vals.iter().flat_map(|&v| [v.min(255) as u8; 3]).collect();
+        assert_eq!(grey.rgb(), &want[..]);
+        let rgb: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| [*v; 3])
+            .flat_map(|v| v.to_ne_bytes())
+            .collect();
+        let colour = Image::decode(&png(4, 1, image::ExtendedColorType::Rgb16, &rgb)).unwrap();
+        let want: Vec<u8> = vals.iter().flat_map(|&v| [(v >> 8) as u8; 3]).collect();
+        assert_eq!(colour.rgb(), &want[..]);
+    }
+
+    #[test]
     fn bad_inputs_are_refused_with_a_reason() {
         let e = |bytes: &[u8]| Image::decode(bytes).unwrap_err().to_string();
         assert!(e(b"hello, not an image").contains("not an image"));
