@@ -54,7 +54,7 @@ impl std::fmt::Display for DeviceRequest {
 pub enum AnyBackend {
     Cpu(CpuBackend),
     #[cfg(feature = "cuda")]
-    Cuda(CudaBackend),
+    Cuda(Box<CudaBackend>),
 }
 
 impl AnyBackend {
@@ -89,7 +89,7 @@ impl AnyBackend {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize, precision: Precision) -> Result<AnyBackend> {
-    crate::cuda::open(ordinal, precision).map(AnyBackend::Cuda)
+    crate::cuda::open(ordinal, precision).map(|b| AnyBackend::Cuda(Box::new(b)))
 }
 
 #[cfg(not(feature = "cuda"))]

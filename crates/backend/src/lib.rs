@@ -18,7 +18,9 @@ mod spec;
 mod view;
 
 pub use device::{AnyBackend, DeviceRequest};
-pub use spec::{Activation, After, AttnSpec, Epilogue, QkvLayout, RopeStyle, Segments, offsets_of};
+pub use spec::{
+    Activation, After, AttnSpec, Epilogue, Grids, QkvLayout, RopeStyle, Segments, offsets_of,
+};
 pub use tessera_core::{Error, Result};
 pub use view::{View, ViewMut};
 
@@ -252,9 +254,91 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>
     where
         Self: Sized;
+
+    // ---- vision -------------------------------------------------------------------------
+
+    /// An embedding table stored with leading axes, read as rows of its last axis: `shape`
+    /// (checked against the checkpoint) is seen as `[∏ shape[..n−1], shape[n−1]]`. For the
+    /// vision position table `[2, P, H]`: rows `0..P` are the x table, `P..2P` the y table.
+    fn table_nd(
+        &self,
+        weights: &tessera_core::Weights,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Self::Table>;
+
+    /// Learned 2-D positions, in place: `x[r] += table[pos[2r]] + table[axis_rows + pos[2r+1]]`
+    /// (the two table rows summed first), for `pos` holding `(x, y)` pairs, two `u32` per row.
+    /// Every `x` and `y` must be below `axis_rows`.
+    fn add_positions_2d(
+        &self,
+        table: &Self::Table,
+        axis_rows: usize,
+        pos: &Self::Buf,
+        x: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `k × k` average pooling of each image's patch grid (`k = grids.kernel`), times `scale`:
+    /// pooled cell `(cx, cy)` of image `i` is row `first_pooled_i + cy·(width_i/k) + cx` of
+    /// `out`, the mean of patches `(cx·k + dx, cy·k + dy)` for `dx, dy < k`, then `· scale`.
+    /// `x` has `grids.patches()` rows, `out` `grids.pooled()`.
+    fn avg_pool2d(
+        &self,
+        x: View<'_, Self>,
+        grids: &Grids<Self>,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `dst[rows[i]] = src[i]` for every row `i` of `src` (converted to `dst`'s element type);
+    /// the other rows of `dst` are untouched. Media soft tokens replace their placeholder rows.
+    fn scatter_rows(
+        &self,
+        src: View<'_, Self>,
+        rows: &Self::Buf,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// Grid descriptors for images of `dims` `(width, height)` patches pooled `kernel × kernel`.
+    fn grids(&self, dims: &[(usize, usize)], kernel: usize) -> Result<Grids<Self>>
+    where
+        Self: Sized,
+    {
+        if kernel == 0 {
+            return Err(Error::input("pooling kernel of 0"));
+        }
+        let mut host = Vec::with_capacity(dims.len() * 4);
+        let (mut first, mut pooled) = (0usize, 0usize);
+        for &(w, h) in dims {
+            if w % kernel != 0 || h % kernel != 0 {
+                return Err(Error::input(format!(
+                    "a {w}×{h} patch grid cannot be pooled {kernel}×{kernel}"
+                )));
+            }
+            for v in [first, w, h, pooled] {
+                host.push(u32::try_from(v).map_err(|_| Error::input("too many patches"))?);
+            }
+            first += w * h;
+            pooled += w * h / (kernel * kernel);
+        }
+        let mut dev = self.alloc(host.len().max(1), Role::Index)?;
+        self.write_u32(&mut dev, &host)?;
+        Ok(Grids {
+            dims: dims.to_vec(),
+            kernel,
+            dev,
+        })
+    }
 }
 
-/// Rotary-embedding angles for positions `0..len`: `cos` then `sin`, each `[len, half]`.
+/// Rotary-embedding angles for positions `0..len`: `cos` then `sin`, each `[len, half]`
+/// (for [`RopeStyle::Axial2d`], `half` is the pairs per axis, `head_dim / 4`).
 pub struct RopeTable<B: Backend> {
     pub buf: B::Buf,
     pub len: usize,

@@ -35,6 +35,11 @@ pub enum Activation {
 pub enum RopeStyle {
     /// Channel `j` pairs with `j + half` (`rotate_half`: Gemma, Qwen3).
     SplitHalf,
+    /// Axial 2-D (Gemma 4 vision): positions are `(x, y)` pairs, two `u32` per row. The first
+    /// half of each head rotates by x, the second half by y, each half split-half
+    /// (`rotate_half` within the half: channel `j` pairs with `j + head_dim/4`). The table holds
+    /// `head_dim/4` frequencies, shared by both axes.
+    Axial2d,
 }
 
 /// The column layout of a packed q|k|v row: `heads_q` q heads, then `heads_kv` k heads, then
@@ -143,4 +148,36 @@ pub enum After<'a, B: Backend> {
     Norm(&'a B::Vector, ViewMut<'a, B>),
     /// `out = h`, in `out`'s element type.
     Copy(ViewMut<'a, B>),
+}
+
+/// Images packed back to back, each a row-major grid of patches (patch `(x, y)` of image `i` is
+/// row `first_i + y·width_i + x`), for per-image pooling.
+pub struct Grids<B: Backend> {
+    /// Host copy: `(width, height)` of each image in patches.
+    pub dims: Vec<(usize, usize)>,
+    /// Side of the square pooling window; every width and height is a multiple of it.
+    pub kernel: usize,
+    /// Device copy: four `u32` per image: first patch row, width, height, first pooled row.
+    pub dev: B::Buf,
+}
+
+impl<B: Backend> Grids<B> {
+    /// `(first patch row, width, height, first pooled row)` of each image.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+        let k2 = self.kernel * self.kernel;
+        self.dims.iter().scan((0, 0), move |(p, o), &(w, h)| {
+            let item = (*p, w, h, *o);
+            *p += w * h;
+            *o += w * h / k2;
+            Some(item)
+        })
+    }
+    /// Patch rows in all images.
+    pub fn patches(&self) -> usize {
+        self.dims.iter().map(|&(w, h)| w * h).sum()
+    }
+    /// Pooled rows in all images.
+    pub fn pooled(&self) -> usize {
+        self.patches() / (self.kernel * self.kernel)
+    }
 }

@@ -132,16 +132,25 @@ fn ids<B: Backend>(be: &B, v: &[u32]) -> B::Buf {
 
 // ---- per-op runners, generic over the backend -------------------------------------------
 
-fn run_matmul<B: Backend>(
-    be: &B,
-    x: &[f32],
-    w: &[f32],
+/// `out = alpha · x · wᵀ` for x `[m, k]`, w `[n, k]`.
+struct MatmulCase<'a> {
+    x: &'a [f32],
+    w: &'a [f32],
     m: usize,
     k: usize,
     n: usize,
     alpha: f32,
-    out_role: Role,
-) -> Vec<f32> {
+}
+
+fn run_matmul<B: Backend>(be: &B, c: &MatmulCase<'_>, out_role: Role) -> Vec<f32> {
+    let MatmulCase {
+        x,
+        w,
+        m,
+        k,
+        n,
+        alpha,
+    } = *c;
     // x in columns 8.. of a wider buffer, out in columns 8.. of another (16-byte-aligned offsets).
     let xb = padded(be, Role::Compute, m, k + 16, 8, k, Some(x));
     let mat = be.matrix(&[(w, n)], k).unwrap();
@@ -173,9 +182,17 @@ fn matmul_matches_cpu() {
             let mut rng = Rng::new((m * 31 + k * 7 + n) as u64);
             let x = rng.vec(m * k, 1.0);
             let w = rng.vec(n * k, 1.0 / (k as f32).sqrt());
-            let want = run_matmul(&cpu, &x, &w, m, k, n, 0.75, Role::Stream);
+            let case = MatmulCase {
+                x: &x,
+                w: &w,
+                m,
+                k,
+                n,
+                alpha: 0.75,
+            };
+            let want = run_matmul(&cpu, &case, Role::Stream);
             for role in [Role::Stream, Role::Compute] {
-                let got = run_matmul(&g, &x, &w, m, k, n, 0.75, role);
+                let got = run_matmul(&g, &case, role);
                 compare(
                     &format!("matmul {p} {m}×{k}×{n} → {role:?}"),
                     &got,
@@ -187,17 +204,20 @@ fn matmul_matches_cpu() {
     }
 }
 
-fn run_norms<B: Backend>(
-    be: &B,
-    x: &[f32],
-    y: &[f32],
-    h0: &[f32],
-    w: &[f32],
-    w2: &[f32],
+/// Inputs of the norm ops: rows of `x` (rms_norm), `y` and `h0` (residual), weights `w`, `w2`.
+struct NormCase {
+    x: Vec<f32>,
+    y: Vec<f32>,
+    h0: Vec<f32>,
+    w: Vec<f32>,
+    w2: Vec<f32>,
     rows: usize,
     cols: usize,
-    mode: usize,
-) -> Vec<Vec<f32>> {
+}
+
+fn run_norms<B: Backend>(be: &B, c: &NormCase, mode: usize) -> Vec<Vec<f32>> {
+    let (x, y, h0, w, w2) = (&c.x, &c.y, &c.h0, &c.w, &c.w2);
+    let (rows, cols) = (c.rows, c.cols);
     let wv = be.vector(w).unwrap();
     let w2v = be.vector(w2).unwrap();
     let xb = padded(be, Role::Compute, rows, cols + 8, 8, cols, Some(x));
@@ -251,8 +271,17 @@ fn norms_match_cpu() {
                 );
                 let w: Vec<f32> = rng.vec(cols, 0.3).iter().map(|v| 1.0 + v).collect();
                 let w2: Vec<f32> = rng.vec(cols, 0.3).iter().map(|v| 1.0 + v).collect();
-                let want = run_norms(&cpu, &x, &y, &h0, &w, &w2, rows, cols, mode);
-                let got = run_norms(&g, &x, &y, &h0, &w, &w2, rows, cols, mode);
+                let case = NormCase {
+                    x,
+                    y,
+                    h0,
+                    w,
+                    w2,
+                    rows,
+                    cols,
+                };
+                let want = run_norms(&cpu, &case, mode);
+                let got = run_norms(&g, &case, mode);
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                     compare(
                         &format!("norm {p} {rows}×{cols} mode {mode} output {i}"),
@@ -358,7 +387,9 @@ fn run_attention<B: Backend>(be: &B, x: &[f32], lens: &[usize], spec: &AttnSpec)
 #[ignore = "needs a CUDA device"]
 fn attention_matches_cpu() {
     let cpu = CpuBackend::new();
-    let cases: Vec<(Vec<usize>, usize, usize, usize, Option<usize>, bool)> = vec![
+    // (segment lengths, q heads, kv heads, head dim, window, causal)
+    type Case = (Vec<usize>, usize, usize, usize, Option<usize>, bool);
+    let cases: Vec<Case> = vec![
         (vec![17], 4, 2, 256, Some(512), false), // W1 query, sliding layer
         (vec![17], 4, 1, 512, None, false),      // W1 query, full layer
         (vec![1100], 4, 2, 256, Some(512), false), // window narrower than the sequence

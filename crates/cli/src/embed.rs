@@ -1,17 +1,18 @@
-//! `tessera embed`: texts → EmbeddingGemma 2 vectors.
+//! `tessera embed`: texts and images → EmbeddingGemma 2 vectors.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{ArgMatches, Args};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tessera_core::{Error, Result};
-use tessera_models::egemma2::{AnyEmbeddingGemma2, TextOptions};
+use tessera_models::egemma2::{AnyEmbeddingGemma2, Embedding, Input, Part, TextOptions};
+use tessera_models::imageproc::{Image, ImageBudget};
 
 use crate::device::DeviceArgs;
 
-use crate::input::read_text_file;
+use crate::input::{read_path_list, read_text_file};
 use crate::model::ModelChoice;
 use crate::output::{Format, write_jsonl, write_npy};
 
@@ -26,6 +27,18 @@ pub struct EmbedArgs {
     /// A file of texts: one per line, or JSON lines (.jsonl: strings or {"text": ...}); `-` = stdin.
     #[arg(long, value_name = "FILE")]
     text_file: Option<PathBuf>,
+    /// An image to embed: PNG, JPEG, WebP, GIF (first frame) or BMP (repeatable).
+    #[arg(long = "image", value_name = "PATH")]
+    images: Vec<PathBuf>,
+    /// A file of image paths, one per line.
+    #[arg(long, value_name = "FILE")]
+    image_file: Option<PathBuf>,
+    /// Embed every --text and --image together as one input, in command-line order.
+    #[arg(long, conflicts_with_all = ["text_file", "image_file"])]
+    combine: bool,
+    /// Soft tokens per image: 70, 140, 280, 560 or 1120 (default: the model's processor_config.json, 280 for the release).
+    #[arg(long, value_name = "N")]
+    image_budget: Option<String>,
     /// A task prompt from the model's config_sentence_transformers.json (e.g. query, document).
     #[arg(long, conflicts_with = "prompt")]
     prompt_name: Option<String>,
@@ -48,14 +61,21 @@ pub struct EmbedArgs {
     device: DeviceArgs,
 }
 
-pub fn run(args: EmbedArgs) -> Result<()> {
-    let mut texts = args.texts;
+/// Images decoded per call, so a long image list never holds more than this many in memory.
+const IMAGES_PER_CALL: usize = 32;
+
+pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
+    let mut texts = args.texts.clone();
     if let Some(path) = &args.text_file {
         texts.extend(read_text_file(path)?);
     }
-    if texts.is_empty() {
+    let mut images = args.images.clone();
+    if let Some(path) = &args.image_file {
+        images.extend(read_path_list(path)?);
+    }
+    if texts.is_empty() && images.is_empty() {
         return Err(Error::input(
-            "nothing to embed: give --text and/or --text-file",
+            "nothing to embed: give --text, --text-file, --image and/or --image-file",
         ));
     }
     if let Some(i) = texts.iter().position(String::is_empty) {
@@ -64,6 +84,11 @@ pub fn run(args: EmbedArgs) -> Result<()> {
             i + 1
         )));
     }
+    let budget = args
+        .image_budget
+        .as_deref()
+        .map(str::parse::<ImageBudget>)
+        .transpose()?;
     // Open the output before any compute, so an unwritable path fails fast.
     let mut sink: Box<dyn Write> = match &args.out {
         Some(p) => Box::new(std::io::BufWriter::new(
@@ -74,25 +99,51 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     let choice = ModelChoice::egemma2(args.model.as_deref())?;
     let mut model = AnyEmbeddingGemma2::load(args.device.open()?, choice.files.clone())?;
     let opts = TextOptions {
-        prompt_name: args.prompt_name,
-        prompt: args.prompt,
+        prompt_name: args.prompt_name.clone(),
+        prompt: args.prompt.clone(),
         max_tokens: args.max_tokens,
     };
     model.check_dim(args.dim)?;
     model.prompt_prefix(&opts)?;
+    let budget = match (images.is_empty(), budget.or(model.default_image_budget())) {
+        (true, b) => b.unwrap_or(ImageBudget::DEFAULT),
+        (false, Some(b)) => b,
+        (false, None) => {
+            return Err(Error::input(format!(
+                "{} has no vision tower: it embeds text only",
+                choice.label
+            )));
+        }
+    };
 
-    let bar = ProgressBar::with_draw_target(Some(texts.len() as u64), ProgressDrawTarget::stderr());
+    let count = if args.combine {
+        1
+    } else {
+        texts.len() + images.len()
+    };
+    let what = if images.is_empty() { "texts" } else { "inputs" };
+    let bar = ProgressBar::with_draw_target(Some(count as u64), ProgressDrawTarget::stderr());
     bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} embedding {pos}/{len} texts [{elapsed_precise}, {per_sec}]",
-        )
+        ProgressStyle::with_template(&format!(
+            "{{spinner}} embedding {{pos}}/{{len}} {what} [{{elapsed_precise}}, {{per_sec}}]"
+        ))
         .map_err(|e| Error::input(e.to_string()))?,
     );
-    if texts.len() > 1 {
+    if count > 1 {
         bar.enable_steady_tick(Duration::from_millis(200));
     }
-    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-    let embeddings = model.embed_texts(&refs, &opts, args.dim, |n| bar.inc(n as u64))?;
+    let tick = |n: usize| bar.inc(n as u64);
+    let embeddings = if args.combine {
+        let parts = combined_parts(&args, matches)?;
+        model.embed_inputs(&[Input { parts }], &opts, budget, args.dim, tick)?
+    } else {
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let mut all = model.embed_texts(&refs, &opts, args.dim, tick)?;
+        all.extend(embed_images(
+            &mut model, &images, &opts, budget, args.dim, tick,
+        )?);
+        all
+    };
     bar.finish_and_clear();
 
     let write_err =
@@ -103,4 +154,58 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     }
     choice.note_if_bundled();
     Ok(())
+}
+
+/// One input per image, decoded a chunk at a time.
+fn embed_images(
+    model: &mut AnyEmbeddingGemma2,
+    paths: &[PathBuf],
+    opts: &TextOptions,
+    budget: ImageBudget,
+    dim: Option<usize>,
+    mut tick: impl FnMut(usize),
+) -> Result<Vec<Embedding>> {
+    let mut out = Vec::with_capacity(paths.len());
+    for chunk in paths.chunks(IMAGES_PER_CALL) {
+        let inputs = chunk
+            .iter()
+            .map(|p| Image::open(p).map(Input::image))
+            .collect::<Result<Vec<_>>>()?;
+        let got = match model.embed_inputs(&inputs, opts, budget, dim, &mut tick) {
+            Ok(got) => got,
+            // Name the file at fault rather than its place in the chunk.
+            Err(Error::Input(m)) => {
+                for (p, input) in chunk.iter().zip(&inputs) {
+                    if let Err(e) = model.input_ids(input, opts, budget) {
+                        return Err(Error::input(format!("{}: {e}", p.display())));
+                    }
+                }
+                return Err(Error::Input(m));
+            }
+            Err(e) => return Err(e),
+        };
+        out.extend(got);
+    }
+    Ok(out)
+}
+
+/// `--text` and `--image` values as parts, in the order they appear on the command line.
+fn combined_parts(args: &EmbedArgs, matches: Option<&ArgMatches>) -> Result<Vec<Part>> {
+    let index = |id: &str| -> Vec<usize> {
+        matches
+            .and_then(|m| m.indices_of(id))
+            .map(|i| i.collect())
+            .unwrap_or_default()
+    };
+    let mut order: Vec<(usize, Part)> = Vec::new();
+    let (ti, ii) = (index("texts"), index("images"));
+    for (i, t) in args.texts.iter().enumerate() {
+        order.push((ti.get(i).copied().unwrap_or(0), Part::Text(t.clone())));
+    }
+    for (i, p) in args.images.iter().enumerate() {
+        let at = ii.get(i).copied().unwrap_or(usize::MAX);
+        order.push((at, Part::Image(Image::open(p)?)));
+    }
+    order.sort_by_key(|(i, _)| *i);
+    Ok(order.into_iter().map(|(_, p)| p).collect())
 }

@@ -56,14 +56,19 @@ pub fn run(args: InfoArgs) -> Result<()> {
         "max tokens:  {} positions (no truncation unless --max-tokens)",
         t.max_positions
     );
-    println!(
-        "vision:      {}",
-        if model.config().has_vision {
-            "in checkpoint (image embeddings: not yet supported)"
-        } else {
-            "no"
-        }
-    );
+    let vision = match (&model.config().vision, model.default_image_budget()) {
+        (Some(v), Some(b)) => format!(
+            "{} layers, width {}, {}×{} patches pooled {}×{}; default image budget {b} soft tokens",
+            v.num_layers,
+            v.hidden_size,
+            v.patch_size,
+            v.patch_size,
+            v.pooling_kernel_size,
+            v.pooling_kernel_size
+        ),
+        _ => "no (text only)".to_string(),
+    };
+    println!("vision:      {vision}");
     println!(
         "prompts:     {}",
         if prompts.is_empty() {

@@ -1,4 +1,4 @@
-//! Texts from `--text` and `--text-file`.
+//! Texts from `--text` and `--text-file`, image paths from `--image-file`.
 //!
 //! A text file holds one text per line; a `.jsonl`/`.ndjson` file holds one JSON value per line,
 //! either a string or an object with a `"text"` field. `-` reads standard input (plain lines).
@@ -45,6 +45,28 @@ pub fn read_text_file(path: &Path) -> Result<Vec<String>> {
         texts.push(text);
     }
     Ok(texts)
+}
+
+/// An image list: one path per line (relative paths as given, from the working directory).
+pub fn read_path_list(path: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let text = String::from_utf8(text)
+        .map_err(|e| Error::input(format!("{}: not valid UTF-8 ({e})", path.display())))?;
+    text.lines()
+        .enumerate()
+        .map(|(i, line)| {
+            let line = line.trim_end_matches('\r');
+            if line.trim().is_empty() {
+                Err(Error::input(format!(
+                    "{}: line {} is empty (one image path per line)",
+                    path.display(),
+                    i + 1
+                )))
+            } else {
+                Ok(line.into())
+            }
+        })
+        .collect()
 }
 
 fn parse_json_line(line: &str) -> std::result::Result<String, String> {

@@ -12,7 +12,7 @@ mod output;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -30,8 +30,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Embed texts with EmbeddingGemma 2 (JSON lines or .npy out).
-    Embed(embed::EmbedArgs),
+    /// Embed texts and images with EmbeddingGemma 2 (JSON lines or .npy out).
+    Embed(Box<embed::EmbedArgs>),
     /// Describe a model and what it will run on.
     Info(info::InfoArgs),
     /// Measure throughput and latency (see BENCHMARKS.md).
@@ -39,7 +39,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Kept for `embed --combine`, which orders parts as they appear on the command line.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let Some(n) = cli.threads {
         if n == 0 {
             eprintln!("error: --threads must be at least 1");
@@ -54,7 +56,7 @@ fn main() -> ExitCode {
         }
     }
     let result = match cli.command {
-        Command::Embed(args) => embed::run(args),
+        Command::Embed(args) => embed::run(*args, matches.subcommand_matches("embed")),
         Command::Info(args) => info::run(args),
         Command::Bench(args) => bench::run(args),
     };

@@ -16,6 +16,9 @@ fn tessera(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(args)
         .env_remove("TESSERA_MODEL")
+        // Bad-input tests check for exactly one stderr line; `auto` would add its device note
+        // on machines without CUDA (that note has its own test).
+        .env("TESSERA_DEVICE", "cpu")
         .env("HF_HUB_CACHE", root().join("target/no-hf-cache"))
         .output()
         .expect("runs")
@@ -313,4 +316,280 @@ fn info_describes_the_model() {
             && s.contains("runs on:     cpu"),
         "{s}"
     );
+}
+
+// ---- images ---------------------------------------------------------------------------------
+
+fn images_dir() -> PathBuf {
+    root().join("tests/fixtures/egemma2/images")
+}
+
+fn image_path(name: &str) -> String {
+    images_dir().join(name).to_str().unwrap().to_string()
+}
+
+#[derive(serde::Deserialize)]
+struct VisionFixture {
+    cases: Vec<VisionCase>,
+}
+#[derive(serde::Deserialize)]
+struct VisionCase {
+    name: String,
+    parts: Vec<std::collections::BTreeMap<String, String>>,
+    expected: std::collections::BTreeMap<String, Vec<f64>>,
+}
+
+fn embeddings(out: &Output) -> Vec<Vec<f64>> {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone())
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+fn max_abs(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn embed_images_and_combined_inputs_reproduce_the_fixture() {
+    let fx: VisionFixture = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/fixtures/egemma2/vision_cases.json")).unwrap(),
+    )
+    .unwrap();
+    let case = |n: &str| fx.cases.iter().find(|c| c.name == n).unwrap();
+    let model = mini();
+    let model = model.to_str().unwrap();
+    // One input per image, from --image and an --image-file list.
+    let singles = ["image_rgb_100x100", "image_anim_64x64", "image_odd_33x47"];
+    let files: Vec<String> = singles
+        .iter()
+        .map(|n| image_path(&case(n).parts[0]["image"]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let list = dir.path().join("images.txt");
+    std::fs::write(&list, format!("{}\n{}\n", files[1], files[2])).unwrap();
+    let got = embeddings(&tessera(&[
+        "embed",
+        "--model",
+        model,
+        "--image",
+        &files[0],
+        "--image-file",
+        list.to_str().unwrap(),
+    ]));
+    assert_eq!(got.len(), 3);
+    for (g, n) in got.iter().zip(singles) {
+        assert!(max_abs(g, &case(n).expected["egemma2-mini"]) <= 1e-5, "{n}");
+    }
+    // --combine keeps command-line order: image then text, and text then image.
+    for (name, args) in [
+        (
+            "image_then_text",
+            ["--image", "rgba_75x57.png", "--text", "the quick brown fox"],
+        ),
+        (
+            "text_then_image",
+            [
+                "--text",
+                "a photo of ",
+                "--image",
+                "photo_120x160.pillow.png",
+            ],
+        ),
+    ] {
+        let mut argv = vec!["embed", "--model", model, "--combine"];
+        let paths: Vec<String> = args.iter().map(|a| image_path(a)).collect();
+        for (i, a) in args.iter().enumerate() {
+            argv.push(if a.ends_with(".png") { &paths[i] } else { a });
+        }
+        let got = embeddings(&tessera(&argv));
+        assert_eq!(got.len(), 1);
+        let d = max_abs(&got[0], &case(name).expected["egemma2-mini"]);
+        assert!(d <= 1e-5, "{name}: {d:e}");
+    }
+}
+
+#[test]
+fn corrupt_or_truncated_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("cut.png");
+    let bytes = std::fs::read(images_dir().join("rgb_100x100.png")).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 3]).unwrap();
+    assert_fails_with(
+        &tessera(&["embed", "--image", p.to_str().unwrap()]),
+        &["cut.png", "corrupt or truncated PNG"],
+    );
+}
+
+#[test]
+fn zero_sized_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("empty.gif");
+    // A GIF whose screen and only frame are 0×0.
+    let mut gif = b"GIF89a\0\0\0\0\0\0\0,\0\0\0\0\0\0\0\0\0".to_vec();
+    gif.extend(b"\x02\x02\x44\x01\x00;");
+    std::fs::write(&p, gif).unwrap();
+    assert_fails_with(
+        &tessera(&["embed", "--image", p.to_str().unwrap()]),
+        &["empty.gif", "zero-sized"],
+    );
+}
+
+#[test]
+fn unsupported_image_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiff = dir.path().join("scan.tif");
+    std::fs::write(&tiff, b"II*\0\x08\0\0\0\0\0\0\0").unwrap();
+    assert_fails_with(
+        &tessera(&["embed", "--image", tiff.to_str().unwrap()]),
+        &["scan.tif", "unsupported image format"],
+    );
+    let text = dir.path().join("notes.png");
+    std::fs::write(&text, "just some text").unwrap();
+    assert_fails_with(
+        &tessera(&["embed", "--image", text.to_str().unwrap()]),
+        &["notes.png", "not an image"],
+    );
+}
+
+#[test]
+fn image_over_the_pixel_limit_is_refused_from_its_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("huge.bmp");
+    // A 24-bit BMP header claiming 30000 × 30000 pixels, with no pixel data at all.
+    let mut b = b"BM".to_vec();
+    for v in [70u32, 0, 54, 40] {
+        b.extend(v.to_le_bytes());
+    }
+    b.extend(30000i32.to_le_bytes());
+    b.extend(30000i32.to_le_bytes());
+    b.extend(1u16.to_le_bytes());
+    b.extend(24u16.to_le_bytes());
+    b.extend([0u8; 40]);
+    std::fs::write(&p, b).unwrap();
+    assert_fails_with(
+        &tessera(&["embed", "--image", p.to_str().unwrap()]),
+        &["huge.bmp", "900000000 pixels", "limit of 89478485"],
+    );
+}
+
+#[test]
+fn image_budget_outside_the_allowed_set() {
+    assert_fails_with(
+        &tessera(&[
+            "embed",
+            "--image",
+            &image_path("rgb_100x100.png"),
+            "--image-budget",
+            "100",
+        ]),
+        &["image budget 100", "70, 140, 280, 560, 1120"],
+    );
+}
+
+#[test]
+fn image_too_elongated_for_the_position_table() {
+    assert_fails_with(
+        &tessera(&["embed", "--image", &image_path("wide_300x20.png")]),
+        &["wide_300x20.png", "position_embedding_size"],
+    );
+}
+
+#[test]
+fn missing_image_and_bad_image_list() {
+    assert_fails_with(
+        &tessera(&["embed", "--image", "/no/such/photo.jpg"]),
+        &["/no/such/photo.jpg"],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let list = dir.path().join("list.txt");
+    std::fs::write(&list, format!("{}\n\n", image_path("rgb_100x100.png"))).unwrap();
+    assert_fails_with(
+        &tessera(&["embed", "--image-file", list.to_str().unwrap()]),
+        &["list.txt", "line 2", "empty"],
+    );
+}
+
+#[test]
+fn images_with_a_text_only_model() {
+    let dir = copy_mini();
+    let path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["vision_config"] = serde_json::Value::Null;
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    assert_fails_with(
+        &tessera(&[
+            "embed",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--image",
+            &image_path("rgb_100x100.png"),
+        ]),
+        &["no vision tower"],
+    );
+}
+
+#[test]
+fn auto_device_says_why_it_runs_on_the_cpu_in_one_line() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["embed", "--text", "hello", "--device", "auto"])
+        .env_remove("TESSERA_MODEL")
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let notes: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("running on the CPU"))
+        .collect();
+    // With a usable GPU there is no note; without one, exactly one line that gives the reason.
+    assert!(notes.len() <= 1, "{err}");
+    if let Some(n) = notes.first() {
+        assert!(
+            n.trim_start_matches("note: running on the CPU:")
+                .trim()
+                .len()
+                > 10,
+            "no reason given: {n}"
+        );
+    }
+}
+
+#[test]
+fn explicit_cuda_without_a_gpu_is_a_clear_error_or_works() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["embed", "--text", "hello", "--device", "cuda"])
+        .env_remove("TESSERA_MODEL")
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    if !out.status.success() {
+        // No fallback when CUDA was asked for: one line naming what is missing.
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.starts_with("error:"), "{err}");
+    }
 }

@@ -1,12 +1,14 @@
 //! Tessera's models, one folder per family, each written once against
 //! [`tessera_backend::Backend`] so the CPU reference and the GPU backends share one definition.
 //!
-//! - [`egemma2`]: EmbeddingGemma 2 text embeddings;
+//! - [`egemma2`]: EmbeddingGemma 2 text, image and mixed embeddings;
+//! - [`imageproc`]: image decoding, the reference's resampler and patches;
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
 //! - [`files`]: a model's files, from a folder or compiled into the binary.
 
 pub mod egemma2;
 pub mod files;
+pub mod imageproc;
 pub mod tokenize;
 
 pub use files::ModelFiles;

@@ -98,6 +98,15 @@ impl TextTokenizer {
         self.inner.token_to_id(token)
     }
 
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The file this tokenizer came from, for messages.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
     /// Token ids of `text` without any special tokens added.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self

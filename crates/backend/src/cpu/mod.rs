@@ -8,11 +8,12 @@ mod attention;
 mod elementwise;
 mod matmul;
 mod norm;
+mod vision;
 
 use tessera_core::{Error, Result, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, Backend, Epilogue, Precision, QkvLayout, Role, RopeTable,
+    Activation, After, AttnSpec, Backend, Epilogue, Grids, Precision, QkvLayout, Role, RopeTable,
     Segments, View, ViewMut,
 };
 
@@ -293,6 +294,48 @@ impl Backend for CpuBackend {
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
         elementwise::segment_mean(x, &segs.offsets, out)
+    }
+
+    fn table_nd(&self, weights: &Weights, name: &str, shape: &[usize]) -> Result<CpuTable> {
+        let (&dim, lead) = shape
+            .split_last()
+            .ok_or_else(|| Error::backend("table_nd", format!("`{name}`: empty shape")))?;
+        weights.get(name, shape)?;
+        Ok(CpuTable {
+            weights: weights.clone(),
+            name: name.to_string(),
+            rows: lead.iter().product(),
+            dim,
+        })
+    }
+
+    fn add_positions_2d(
+        &self,
+        table: &CpuTable,
+        axis_rows: usize,
+        pos: &CpuBuf,
+        x: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        vision::add_positions_2d(table, axis_rows, pos.u32(), x)
+    }
+
+    fn avg_pool2d(
+        &self,
+        x: View<'_, Self>,
+        grids: &Grids<Self>,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        vision::avg_pool2d(x, grids, scale, out)
+    }
+
+    fn scatter_rows(
+        &self,
+        src: View<'_, Self>,
+        rows: &CpuBuf,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        vision::scatter_rows(src, rows.u32(), dst)
     }
 }
 

@@ -131,18 +131,26 @@ pub(super) fn qkv_norm_rope(
     }
     check_weight("qkv_norm_rope", q_w, hd)?;
     check_weight("qkv_norm_rope", k_w, hd)?;
+    // Positions per row: one, or an (x, y) pair for the axial 2-D style.
     let table = match rope {
         Some((t, pos)) => {
-            if t.half * 2 != hd || t.style != RopeStyle::SplitHalf {
+            let (per_row, pairs) = match t.style {
+                RopeStyle::SplitHalf => (1, hd / 2),
+                RopeStyle::Axial2d => (2, hd / 4),
+            };
+            if t.half != pairs || pairs * 2 * per_row != hd {
                 return Err(Error::backend(
                     "qkv_norm_rope",
-                    format!("rope table of {} pairs for head_dim {hd}", t.half),
+                    format!(
+                        "{:?} rope table of {} pairs for head_dim {hd}",
+                        t.style, t.half
+                    ),
                 ));
             }
-            if pos.len() < qkv.rows {
-                return Err(Error::backend("qkv_norm_rope", "fewer positions than rows"));
-            }
-            if let Some(&p) = pos[..qkv.rows].iter().max()
+            let pos = pos
+                .get(..per_row * qkv.rows)
+                .ok_or_else(|| Error::backend("qkv_norm_rope", "fewer positions than rows"))?;
+            if let Some(&p) = pos.iter().max()
                 && p as usize >= t.len
             {
                 return Err(Error::backend(
@@ -152,7 +160,7 @@ pub(super) fn qkv_norm_rope(
             }
             let data = t.buf.f32();
             let (cos, sin) = data.split_at(t.len * t.half);
-            Some((cos, sin, t.half, pos))
+            Some((cos, sin, t.half, pos, per_row))
         }
         None => None,
     };
@@ -160,12 +168,16 @@ pub(super) fn qkv_norm_rope(
     rows_mut(qkv).enumerate().for_each_init(
         || vec![0f32; hd],
         |tmp, (r, row)| {
-            let angles = table.map(|(cos, sin, half, pos)| {
-                let p = pos[r] as usize;
-                (
-                    &cos[p * half..(p + 1) * half],
-                    &sin[p * half..(p + 1) * half],
-                )
+            // (cos, sin) of each axis: one for split-half, (x, y) for axial 2-D.
+            let angles = table.map(|(cos, sin, half, pos, per_row)| {
+                let at = |i: usize| {
+                    let p = pos[r * per_row + i] as usize;
+                    (
+                        &cos[p * half..(p + 1) * half],
+                        &sin[p * half..(p + 1) * half],
+                    )
+                };
+                (at(0), (per_row == 2).then(|| at(1)))
             });
             for h in 0..nq + 2 * nkv {
                 let x = &mut row[h * hd..(h + 1) * hd];
@@ -180,8 +192,14 @@ pub(super) fn qkv_norm_rope(
                 };
                 tmp.copy_from_slice(x);
                 norm_into(tmp, w, eps, x);
-                if rotate && let Some((c, s)) = angles {
-                    rope_split_half(x, c, s);
+                match angles {
+                    Some(((c, s), None)) if rotate => rope_split_half(x, c, s),
+                    Some(((cx, sx), Some((cy, sy)))) if rotate => {
+                        let (a, b) = x.split_at_mut(hd / 2);
+                        rope_split_half(a, cx, sx);
+                        rope_split_half(b, cy, sy);
+                    }
+                    _ => {}
                 }
             }
         },
@@ -279,6 +297,87 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn axial_2d_rope_rotates_halves_by_x_then_y() {
+        let be = cpu();
+        // Two heads of 12: each half (6 channels) is three pairs (j, j + 3).
+        let layout = QkvLayout {
+            heads_q: 2,
+            heads_kv: 2,
+            head_dim: 12,
+        };
+        let rows = 3;
+        let cols = layout.width();
+        let mut rng = Rng::new(17);
+        let x = rng.vec(rows * cols, 2.0);
+        let (qw, kw) = (rng.vec(12, 1.0), rng.vec(12, 1.0));
+        let inv_freq = [1.0f32, 0.3, 0.01];
+        let table = RopeTable::new(&be, &inv_freq, 9, RopeStyle::Axial2d).unwrap();
+        let positions = [0u32, 0, 5, 2, 8, 7];
+        let pos = ids(&be, &positions);
+        let mut xb = buf(&be, &x);
+        let (qv, kv) = (be.vector(&qw).unwrap(), be.vector(&kw).unwrap());
+        be.qkv_norm_rope(
+            ViewMut::new(&mut xb, rows, cols),
+            layout,
+            Some(&qv),
+            Some(&kv),
+            true,
+            1e-6,
+            Some((&table, &pos)),
+        )
+        .unwrap();
+        let got = be.read_f32(View::new(&xb, rows, cols)).unwrap();
+        for r in 0..rows {
+            for h in 0..6 {
+                let seg = &x[r * cols + h * 12..r * cols + (h + 1) * 12];
+                let w = match h {
+                    0 | 1 => Some(qw.as_slice()),
+                    2 | 3 => Some(kw.as_slice()),
+                    _ => None,
+                };
+                let n = naive_norm(seg, w, 1e-6);
+                let want: Vec<f64> = if h < 4 {
+                    (0..12)
+                        .map(|j| {
+                            let (axis, k) = (j / 6, j % 6);
+                            let p = positions[2 * r + axis] as f32;
+                            let a = (p * inv_freq[k % 3]) as f64;
+                            let base = axis * 6;
+                            let rot = if k < 3 {
+                                -n[base + k + 3]
+                            } else {
+                                n[base + k - 3]
+                            };
+                            n[j] * a.cos() + rot * a.sin()
+                        })
+                        .collect()
+                } else {
+                    n
+                };
+                for j in 0..12 {
+                    assert_close(got[r * cols + h * 12 + j], want[j], 1e-5, "axial rope");
+                }
+            }
+        }
+        // A split-half table does not fit an axial head, nor positions beyond the table.
+        let wrong = RopeTable::new(&be, &inv_freq, 9, RopeStyle::SplitHalf).unwrap();
+        let run = |t: &RopeTable<_>, p: &[u32]| {
+            let mut xb = buf(&be, &x);
+            be.qkv_norm_rope(
+                ViewMut::new(&mut xb, 1, cols),
+                layout,
+                None,
+                None,
+                false,
+                1e-6,
+                Some((t, &ids(&be, p))),
+            )
+        };
+        assert!(run(&table, &[0, 9]).is_err());
+        assert!(run(&wrong, &[0, 0]).is_err());
     }
 
     #[test]

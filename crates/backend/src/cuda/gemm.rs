@@ -217,11 +217,10 @@ impl Gemm {
             .plans
             .lock()
             .map_err(|_| Error::backend("gemm", "plan cache poisoned"))?;
-        if !plans.contains_key(&key) {
-            let p = self.plan(key)?;
-            plans.insert(key, p);
-        }
-        let p = &plans[&key];
+        let p = match plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(key)?),
+        };
         let beta = 0f32;
         // SAFETY: pointers address device buffers that the caller checked to cover the operand
         // extents; the plan's layouts describe exactly those extents; the workspace is ours.

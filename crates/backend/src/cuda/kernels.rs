@@ -69,6 +69,12 @@ pub fn names(source: &str) -> Vec<String> {
             v.extend(DTYPES.iter().map(|d| format!("segment_mean_{d}")));
             v
         }
+        "vision.cu" => {
+            let mut v = pairs("add_positions_2d");
+            v.extend(pairs("avg_pool2d"));
+            v.extend(pairs("scatter_rows"));
+            v
+        }
         "attention.cu" => {
             let mut v: Vec<String> = FLASH_HEAD_DIMS
                 .iter()

@@ -27,7 +27,7 @@ use tessera_core::dtype::to_bf16_bits;
 use tessera_core::{DType, Error, Result, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, Backend, Epilogue, Precision, QkvLayout, Role, RopeStyle,
+    Activation, After, AttnSpec, Backend, Epilogue, Grids, Precision, QkvLayout, Role, RopeStyle,
     RopeTable, Segments, View, ViewMut, offsets_of,
 };
 use gemm::{Gemm, GemmArgs};
@@ -414,7 +414,7 @@ impl CudaBackend {
     }
 
     fn check_flash_operand(v: &View<'_, Self>) -> Result<()> {
-        if v.buf.elem != Elem::Bf16 || v.offset % 8 != 0 || v.stride % 8 != 0 {
+        if v.buf.elem != Elem::Bf16 || !v.offset.is_multiple_of(8) || !v.stride.is_multiple_of(8) {
             return Err(Error::backend(
                 "attention",
                 "bf16 attention needs bf16 operands at 16-byte-aligned rows",
@@ -546,17 +546,7 @@ impl Backend for CudaBackend {
     }
 
     fn table(&self, weights: &Weights, name: &str, shape: [usize; 2]) -> Result<CudaTable> {
-        let t = weights.get(name, &shape)?;
-        let buf = match (self.compute_elem(), t.dtype) {
-            // The checkpoint's bf16 bytes go up as they are.
-            (Elem::Bf16, DType::BF16) => self.upload_bytes(t.bytes, Elem::Bf16, t.numel())?,
-            (e, _) => self.upload_f32_as(&t.to_f32(), e)?,
-        };
-        Ok(CudaTable {
-            buf,
-            rows: shape[0],
-            dim: shape[1],
-        })
+        self.table_nd(weights, name, &shape)
     }
 
     fn alloc_segments(&self, max_rows: usize, max_segs: usize) -> Result<Segments<Self>> {
@@ -849,7 +839,7 @@ impl Backend for CudaBackend {
         rope: Option<(&RopeTable<Self>, &CudaBuf)>,
     ) -> Result<()> {
         let hd = layout.head_dim;
-        if qkv.cols != layout.width() || hd == 0 || hd % 2 != 0 || hd > 512 {
+        if qkv.cols != layout.width() || hd == 0 || !hd.is_multiple_of(2) || hd > 512 {
             return Err(Error::backend(
                 "qkv_norm_rope",
                 format!(
@@ -858,17 +848,21 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        let (table, tlen, pos) = match rope {
+        let (table, tlen, thalf, axial, pos) = match rope {
             Some((t, p)) => {
-                if t.half * 2 != hd || t.style != RopeStyle::SplitHalf || p.len < qkv.rows {
+                let (per_row, pairs) = match t.style {
+                    RopeStyle::SplitHalf => (1, hd / 2),
+                    RopeStyle::Axial2d => (2, hd / 4),
+                };
+                if t.half != pairs || pairs * 2 * per_row != hd || p.len < per_row * qkv.rows {
                     return Err(Error::backend(
                         "qkv_norm_rope",
                         "rope table does not fit the heads",
                     ));
                 }
-                (t.buf.ptr, t.len, p.ptr)
+                (t.buf.ptr, t.len, t.half, (per_row == 2) as i64, p.ptr)
             }
-            None => (0, 0, 0),
+            None => (0, 0, 0, 0, 0),
         };
         let name = format!("qkv_norm_rope_{}", qkv.buf.elem.tag());
         let heads = layout.heads_q + 2 * layout.heads_kv;
@@ -886,6 +880,8 @@ impl Backend for CudaBackend {
             f(eps),
             table,
             i(tlen as i64),
+            i(thalf as i64),
+            i(axial),
             pos,
         ];
         self.timed("norm", || {
@@ -905,7 +901,7 @@ impl Backend for CudaBackend {
         let hd = spec.head_dim;
         let total = segs.total();
         let ok = spec.heads_kv > 0
-            && spec.heads_q % spec.heads_kv == 0
+            && spec.heads_q.is_multiple_of(spec.heads_kv)
             && q.cols == spec.heads_q * hd
             && out.cols == q.cols
             && k.cols == spec.heads_kv * hd
@@ -1027,8 +1023,8 @@ impl Backend for CudaBackend {
         };
         // 16-byte vectors when every row start is 16-byte aligned and whole vectors tile a row.
         let v = 16 / e.size();
-        let aligned = |off: usize, stride: usize| off % v == 0 && stride % v == 0;
-        let vec = gate.cols % v == 0
+        let aligned = |off: usize, stride: usize| off.is_multiple_of(v) && stride.is_multiple_of(v);
+        let vec = gate.cols.is_multiple_of(v)
             && aligned(gate.offset, gate.stride)
             && aligned(up.offset, up.stride)
             && aligned(out.offset, out.stride);
@@ -1090,5 +1086,139 @@ impl Backend for CudaBackend {
         ];
         let grid = (out.rows as u32, x.cols.div_ceil(128) as u32);
         self.timed("pool", || self.launch(&name, cfg(grid, 128, 0), &args))
+    }
+
+    // ---- vision ----
+
+    fn table_nd(&self, weights: &Weights, name: &str, shape: &[usize]) -> Result<CudaTable> {
+        let t = weights.get(name, shape)?;
+        let dim = *shape
+            .last()
+            .ok_or_else(|| Error::backend("table", "empty shape"))?;
+        let rows = shape[..shape.len() - 1].iter().product();
+        let buf = match (self.compute_elem(), t.dtype) {
+            // The checkpoint's bf16 bytes go up as they are.
+            (Elem::Bf16, DType::BF16) => self.upload_bytes(t.bytes, Elem::Bf16, t.numel())?,
+            (e, _) => self.upload_f32_as(&t.to_f32(), e)?,
+        };
+        Ok(CudaTable { buf, rows, dim })
+    }
+
+    fn add_positions_2d(
+        &self,
+        table: &CudaTable,
+        axis_rows: usize,
+        pos: &CudaBuf,
+        x: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        if x.cols != table.dim
+            || 2 * axis_rows > table.rows
+            || pos.len < 2 * x.rows
+            || pos.elem != Elem::U32
+        {
+            return Err(Error::backend(
+                "add_positions_2d",
+                format!(
+                    "{} positions for {}×{} rows from a {}×{} table ({axis_rows} per axis)",
+                    pos.len / 2,
+                    x.rows,
+                    x.cols,
+                    table.rows,
+                    table.dim
+                ),
+            ));
+        }
+        let name = format!(
+            "add_positions_2d_{}_{}",
+            table.buf.elem.tag(),
+            x.buf.elem.tag()
+        );
+        let args = [
+            table.buf.ptr,
+            i(table.dim as i64),
+            i(axis_rows as i64),
+            pos.ptr,
+            ptr_of_mut(&x)?,
+            i(x.stride as i64),
+        ];
+        self.timed("elementwise", || {
+            self.launch(&name, cfg((x.rows as u32, 1), row_block(x.cols), 0), &args)
+        })
+    }
+
+    fn avg_pool2d(
+        &self,
+        x: View<'_, Self>,
+        grids: &Grids<Self>,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        let k = grids.kernel;
+        if k == 0
+            || x.rows != grids.patches()
+            || out.rows != grids.pooled()
+            || out.cols != x.cols
+            || grids
+                .dims
+                .iter()
+                .any(|&(w, h)| !w.is_multiple_of(k) || !h.is_multiple_of(k))
+        {
+            return Err(Error::backend(
+                "avg_pool2d",
+                format!(
+                    "{}×{} patches into {}×{} for grids {:?} pooled {k}×{k}",
+                    x.rows, x.cols, out.rows, out.cols, grids.dims
+                ),
+            ));
+        }
+        let name = format!("avg_pool2d_{}_{}", x.buf.elem.tag(), out.buf.elem.tag());
+        let args = [
+            ptr_of(&x)?,
+            i(x.stride as i64),
+            grids.dev.ptr,
+            i(grids.dims.len() as i64),
+            i(k as i64),
+            f(scale),
+            ptr_of_mut(&out)?,
+            i(out.stride as i64),
+            i(x.cols as i64),
+        ];
+        let grid = (out.rows as u32, x.cols.div_ceil(128) as u32);
+        self.timed("pool", || self.launch(&name, cfg(grid, 128, 0), &args))
+    }
+
+    fn scatter_rows(
+        &self,
+        src: View<'_, Self>,
+        rows: &CudaBuf,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        if src.cols != dst.cols || rows.len < src.rows || rows.elem != Elem::U32 {
+            return Err(Error::backend(
+                "scatter_rows",
+                format!(
+                    "{}×{} rows to {} places in {}×{}",
+                    src.rows, src.cols, rows.len, dst.rows, dst.cols
+                ),
+            ));
+        }
+        // Destination rows are checked on the host by the caller's contract; read them back
+        // would cost a synchronisation, so the kernel trusts `rows` (built by the model).
+        let name = format!("scatter_rows_{}_{}", src.buf.elem.tag(), dst.buf.elem.tag());
+        let args = [
+            ptr_of(&src)?,
+            i(src.stride as i64),
+            rows.ptr,
+            ptr_of_mut(&dst)?,
+            i(dst.stride as i64),
+            i(src.cols as i64),
+        ];
+        self.timed("elementwise", || {
+            self.launch(
+                &name,
+                cfg((src.rows as u32, 1), row_block(src.cols), 0),
+                &args,
+            )
+        })
     }
 }

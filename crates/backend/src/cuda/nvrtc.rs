@@ -30,6 +30,10 @@ pub const SOURCES: &[Source] = &[
         text: include_str!("kernels/elementwise.cu"),
     },
     Source {
+        name: "vision.cu",
+        text: include_str!("kernels/vision.cu"),
+    },
+    Source {
         name: "attention.cu",
         text: include_str!("kernels/attention.cu"),
     },

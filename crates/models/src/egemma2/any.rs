@@ -7,13 +7,14 @@ use tessera_backend::cuda::CudaBackend;
 use tessera_backend::{AnyBackend, Backend};
 use tessera_core::Result;
 
-use super::{Config, Embedding, EmbeddingGemma2, Prompts, TextOptions};
+use super::{Config, Embedding, EmbeddingGemma2, Input, Prompts, TextOptions};
 use crate::files::ModelFiles;
+use crate::imageproc::{Image, ImageBudget};
 
 pub enum AnyEmbeddingGemma2 {
-    Cpu(EmbeddingGemma2<CpuBackend>),
+    Cpu(Box<EmbeddingGemma2<CpuBackend>>),
     #[cfg(feature = "cuda")]
-    Cuda(EmbeddingGemma2<CudaBackend>),
+    Cuda(Box<EmbeddingGemma2<CudaBackend>>),
 }
 
 /// Run `$body` with `$m` bound to the model, whatever its backend.
@@ -30,9 +31,13 @@ macro_rules! with_model {
 impl AnyEmbeddingGemma2 {
     pub fn load(backend: AnyBackend, files: ModelFiles) -> Result<Self> {
         Ok(match backend {
-            AnyBackend::Cpu(b) => AnyEmbeddingGemma2::Cpu(EmbeddingGemma2::load(b, files)?),
+            AnyBackend::Cpu(b) => {
+                AnyEmbeddingGemma2::Cpu(Box::new(EmbeddingGemma2::load(b, files)?))
+            }
             #[cfg(feature = "cuda")]
-            AnyBackend::Cuda(b) => AnyEmbeddingGemma2::Cuda(EmbeddingGemma2::load(b, files)?),
+            AnyBackend::Cuda(b) => {
+                AnyEmbeddingGemma2::Cuda(Box::new(EmbeddingGemma2::load(*b, files)?))
+            }
         })
     }
 
@@ -79,5 +84,33 @@ impl AnyEmbeddingGemma2 {
         progress: impl FnMut(usize),
     ) -> Result<Vec<Embedding>> {
         with_model!(self, m => m.embed_texts(texts, opts, dim, progress))
+    }
+
+    pub fn supports_images(&self) -> bool {
+        with_model!(self, m => m.supports_images())
+    }
+    pub fn default_image_budget(&self) -> Option<ImageBudget> {
+        with_model!(self, m => m.default_image_budget())
+    }
+    pub fn input_ids(
+        &self,
+        input: &Input,
+        opts: &TextOptions,
+        budget: ImageBudget,
+    ) -> Result<Vec<u32>> {
+        with_model!(self, m => m.input_ids(input, opts, budget))
+    }
+    pub fn soft_tokens(&mut self, images: &[Image], budget: ImageBudget) -> Result<Vec<Vec<f32>>> {
+        with_model!(self, m => m.soft_tokens(images, budget))
+    }
+    pub fn embed_inputs(
+        &mut self,
+        inputs: &[Input],
+        opts: &TextOptions,
+        budget: ImageBudget,
+        dim: Option<usize>,
+        progress: impl FnMut(usize),
+    ) -> Result<Vec<Embedding>> {
+        with_model!(self, m => m.embed_inputs(inputs, opts, budget, dim, progress))
     }
 }

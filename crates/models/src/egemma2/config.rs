@@ -81,11 +81,84 @@ struct RawText {
 }
 
 #[derive(Deserialize)]
+struct RawAxialRope {
+    rope_type: String,
+    rope_theta: f64,
+}
+
+/// `vision_config` (`Gemma4VisionConfig`); omitted keys take the class defaults, which are the
+/// release values (a diff-serialised config leaves them out).
+#[derive(Deserialize)]
+struct RawVision {
+    model_type: Option<String>,
+    #[serde(default = "vision_defaults::hidden")]
+    hidden_size: usize,
+    #[serde(default = "vision_defaults::intermediate")]
+    intermediate_size: usize,
+    #[serde(default = "vision_defaults::layers")]
+    num_hidden_layers: usize,
+    #[serde(default = "vision_defaults::heads")]
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    #[serde(default = "default_vision_activation")]
+    hidden_activation: String,
+    #[serde(default = "default_vision_eps")]
+    rms_norm_eps: f64,
+    rope_parameters: Option<RawAxialRope>,
+    #[serde(default = "vision_defaults::pool")]
+    pooling_kernel_size: usize,
+    #[serde(default = "vision_defaults::patch")]
+    patch_size: usize,
+    #[serde(default = "vision_defaults::positions")]
+    position_embedding_size: usize,
+    #[serde(default)]
+    use_clipped_linears: bool,
+    #[serde(default)]
+    standardize: bool,
+    #[serde(default)]
+    attention_bias: Option<bool>,
+}
+
+mod vision_defaults {
+    pub fn hidden() -> usize {
+        768
+    }
+    pub fn intermediate() -> usize {
+        3072
+    }
+    pub fn layers() -> usize {
+        16
+    }
+    pub fn heads() -> usize {
+        12
+    }
+    pub fn pool() -> usize {
+        3
+    }
+    pub fn patch() -> usize {
+        16
+    }
+    pub fn positions() -> usize {
+        10240
+    }
+}
+
+fn default_vision_activation() -> String {
+    "gelu_pytorch_tanh".into()
+}
+fn default_vision_eps() -> f64 {
+    1e-6
+}
+
+#[derive(Deserialize)]
 struct RawConfig {
     model_type: Option<String>,
     text_config: Option<RawText>,
     #[serde(default)]
-    vision_config: Option<serde_json::Value>,
+    vision_config: Option<RawVision>,
+    boi_token_id: Option<u32>,
+    eoi_token_id: Option<u32>,
     image_token_id: Option<u32>,
     video_token_id: Option<u32>,
     audio_token_id: Option<u32>,
@@ -128,12 +201,43 @@ pub struct TextConfig {
     pub pad_token_id: Option<u32>,
 }
 
-/// The composite model's configuration (text now; vision and audio parts later).
+/// The vision tower's configuration (spec §2.2).
+#[derive(Clone, Debug, PartialEq)]
+pub struct VisionConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    /// Axial RoPE base (100 in the release).
+    pub rope_theta: f64,
+    pub patch_size: usize,
+    pub pooling_kernel_size: usize,
+    /// Rows per axis of the learned position table: the largest patch grid side.
+    pub position_embedding_size: usize,
+}
+
+/// Token ids that frame an image in the text sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImageTokens {
+    /// `<|image>`, before the soft tokens.
+    pub begin: u32,
+    /// `<|image|>`, one per soft token (its rows are overwritten).
+    pub placeholder: u32,
+    /// `<image|>`, after the soft tokens.
+    pub end: u32,
+}
+
+/// The composite model's configuration (text and vision; audio is not supported).
 #[derive(Clone, Debug)]
 pub struct Config {
     pub path: PathBuf,
     pub text: TextConfig,
-    pub has_vision: bool,
+    pub vision: Option<VisionConfig>,
+    /// Present when the config has a vision tower.
+    pub image_tokens: Option<ImageTokens>,
     /// Placeholder ids that must never appear in a text-only input.
     pub media_token_ids: Vec<u32>,
 }
@@ -365,13 +469,111 @@ impl Config {
             .into_iter()
             .flatten()
             .collect();
+        let vision = raw
+            .vision_config
+            .map(|v| parse_vision(v, &err))
+            .transpose()?;
+        let image_tokens = match &vision {
+            None => None,
+            Some(_) => {
+                let id = |v: Option<u32>, field: &str| {
+                    v.ok_or_else(|| err(field, "missing (needed with a vision_config)".into()))
+                };
+                Some(ImageTokens {
+                    begin: id(raw.boi_token_id, "boi_token_id")?,
+                    placeholder: id(raw.image_token_id, "image_token_id")?,
+                    end: id(raw.eoi_token_id, "eoi_token_id")?,
+                })
+            }
+        };
         Ok(Config {
             path: path.to_path_buf(),
             text,
-            has_vision: raw.vision_config.is_some_and(|v| !v.is_null()),
+            vision,
+            image_tokens,
             media_token_ids,
         })
     }
+}
+
+fn parse_vision(v: RawVision, err: &dyn Fn(&str, String) -> Error) -> Result<VisionConfig> {
+    let field = |f: &str| format!("vision_config.{f}");
+    if let Some(t) = v.model_type.as_deref()
+        && t != "gemma4_vision"
+    {
+        return Err(err(
+            &field("model_type"),
+            format!("{t:?} is not supported (expected \"gemma4_vision\")"),
+        ));
+    }
+    if v.hidden_activation != "gelu_pytorch_tanh" {
+        return Err(err(
+            &field("hidden_activation"),
+            format!(
+                "{:?} is not supported (only gelu_pytorch_tanh)",
+                v.hidden_activation
+            ),
+        ));
+    }
+    for (name, on) in [
+        ("use_clipped_linears", v.use_clipped_linears),
+        ("standardize", v.standardize),
+        ("attention_bias", v.attention_bias.unwrap_or(false)),
+    ] {
+        if on {
+            return Err(err(&field(name), "true is not supported".into()));
+        }
+    }
+    let rope_theta = match v.rope_parameters {
+        None => 100.0,
+        Some(r) if r.rope_type == "axial" => r.rope_theta,
+        Some(r) => {
+            return Err(err(
+                &field("rope_parameters.rope_type"),
+                format!("{:?} is not supported (only axial)", r.rope_type),
+            ));
+        }
+    };
+    // Gemma4VisionConfig's defaults for the keys its serialisation may omit.
+    let kv_heads = v.num_key_value_heads.unwrap_or(12);
+    let head_dim = v.head_dim.unwrap_or(64);
+    if kv_heads == 0 || !v.num_attention_heads.is_multiple_of(kv_heads) {
+        return Err(err(
+            &field("num_key_value_heads"),
+            format!(
+                "{kv_heads} does not divide num_attention_heads {}",
+                v.num_attention_heads
+            ),
+        ));
+    }
+    if head_dim == 0 || !head_dim.is_multiple_of(4) {
+        return Err(err(
+            &field("head_dim"),
+            format!("{head_dim} must be a positive multiple of 4 (axial 2-D RoPE)"),
+        ));
+    }
+    for (name, n) in [
+        ("patch_size", v.patch_size),
+        ("pooling_kernel_size", v.pooling_kernel_size),
+        ("position_embedding_size", v.position_embedding_size),
+    ] {
+        if n == 0 {
+            return Err(err(&field(name), "must be positive".into()));
+        }
+    }
+    Ok(VisionConfig {
+        hidden_size: v.hidden_size,
+        intermediate_size: v.intermediate_size,
+        num_layers: v.num_hidden_layers,
+        num_heads: v.num_attention_heads,
+        kv_heads,
+        head_dim,
+        rms_norm_eps: v.rms_norm_eps as f32,
+        rope_theta,
+        patch_size: v.patch_size,
+        pooling_kernel_size: v.pooling_kernel_size,
+        position_embedding_size: v.position_embedding_size,
+    })
 }
 
 #[cfg(test)]
@@ -397,8 +599,42 @@ mod tests {
                                      "11": {"head_dim": 512, "num_key_value_heads": 1}},
                 "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0
             },
-            "image_token_id": 258880
+            "image_token_id": 258880, "boi_token_id": 255999, "eoi_token_id": 258882,
+            "vision_config": {"model_type": "gemma4_vision", "head_dim": 64,
+                              "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}
         })
+    }
+
+    #[test]
+    fn vision_config_defaults_and_refusals() {
+        let c = Config::parse(Path::new("config.json"), &release_like().to_string()).unwrap();
+        let v = c.vision.unwrap();
+        assert_eq!(
+            (v.hidden_size, v.num_layers, v.kv_heads, v.patch_size),
+            (768, 16, 12, 16)
+        );
+        assert_eq!(v.position_embedding_size, 10240);
+        assert_eq!(c.image_tokens.unwrap().placeholder, 258880);
+        for (key, value) in [
+            ("use_clipped_linears", serde_json::json!(true)),
+            ("standardize", serde_json::json!(true)),
+            ("head_dim", serde_json::json!(30)),
+            (
+                "rope_parameters",
+                serde_json::json!({"rope_type": "default", "rope_theta": 1.0}),
+            ),
+        ] {
+            let mut j = release_like();
+            j["vision_config"][key] = value;
+            let e = Config::parse(Path::new("config.json"), &j.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("vision_config.{key}")), "{key}: {e}");
+        }
+        let mut j = release_like();
+        j.as_object_mut().unwrap().remove("boi_token_id");
+        let e = Config::parse(Path::new("config.json"), &j.to_string()).unwrap_err();
+        assert!(e.to_string().contains("boi_token_id"), "{e}");
     }
 
     #[test]

@@ -70,6 +70,14 @@ struct Workspace<B: Backend> {
     out: B::Buf,
 }
 
+/// Rows to put in place of the embeddings of some packed tokens (media soft tokens over their
+/// placeholders): row `i` of `rows` replaces packed row `at[i]`, before the per-layer inputs are
+/// computed, unscaled — as the reference's `masked_scatter` does.
+pub struct Merge<'a, B: Backend> {
+    pub rows: View<'a, B>,
+    pub at: &'a [u32],
+}
+
 pub struct TextEncoder<B: Backend> {
     cfg: TextConfig,
     embed: B::Table,
@@ -262,6 +270,17 @@ impl<B: Backend> TextEncoder<B> {
     /// Embed packed sequences of token ids: for each, the mean over its tokens of the 768-wide
     /// head output (not yet L2-normalised).
     pub fn forward(&mut self, be: &B, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        self.forward_merged(be, seqs, None)
+    }
+
+    /// [`forward`](Self::forward) with some token rows replaced by `merge` (the ids at those
+    /// rows are not looked up).
+    pub fn forward_merged(
+        &mut self,
+        be: &B,
+        seqs: &[&[u32]],
+        merge: Option<Merge<'_, B>>,
+    ) -> Result<Vec<Vec<f32>>> {
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         let total: usize = lens.iter().sum();
         let longest = lens.iter().copied().max().unwrap_or(0);
@@ -277,11 +296,29 @@ impl<B: Backend> TextEncoder<B> {
                 self.cfg.max_positions
             )));
         }
-        if let Some(&bad) = seqs
-            .iter()
-            .flat_map(|s| s.iter())
-            .find(|&&id| id as usize >= self.cfg.vocab_size)
-        {
+        let mut ids: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        if let Some(m) = &merge {
+            if m.at.len() != m.rows.rows || m.rows.cols != self.cfg.hidden_size {
+                return Err(Error::backend(
+                    "text encoder",
+                    format!(
+                        "{}×{} merged rows for {} places",
+                        m.rows.rows,
+                        m.rows.cols,
+                        m.at.len()
+                    ),
+                ));
+            }
+            // Replaced rows are overwritten after the lookup; give them a valid id, as the
+            // reference maps placeholders to <pad>.
+            for &r in m.at {
+                let slot = ids.get_mut(r as usize).ok_or_else(|| {
+                    Error::backend("text encoder", format!("merged row {r} beyond {total}"))
+                })?;
+                *slot = self.cfg.pad_token_id.unwrap_or(0);
+            }
+        }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
             return Err(Error::input(format!(
                 "token id {bad} is outside the vocabulary of {}",
                 self.cfg.vocab_size
@@ -295,23 +332,25 @@ impl<B: Backend> TextEncoder<B> {
                 "workspace missing after allocation",
             ));
         };
-        let result = self.run(be, &mut ws, seqs, &lens);
+        let result = self.run(be, &mut ws, &ids, &lens, merge);
         self.ws = Some(ws);
         result
     }
 
-    /// Upload the batch, run the layers (as one replayable region), read the pooled vectors.
+    /// Upload the batch, run the layers, read the pooled vectors. Text-only passes are one
+    /// replayable region (the backend may capture it as a graph); merged passes read soft tokens
+    /// from a caller's buffer that changes from call to call, so they run directly.
     fn run(
         &self,
         be: &B,
         ws: &mut Workspace<B>,
-        seqs: &[&[u32]],
+        ids: &[u32],
         lens: &[usize],
+        merge: Option<Merge<'_, B>>,
     ) -> Result<Vec<Vec<f32>>> {
-        let ids: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
         let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
         be.set_segments(&mut ws.segs, lens)?;
-        be.write_u32(&mut ws.ids, &ids)?;
+        be.write_u32(&mut ws.ids, ids)?;
         be.write_u32(&mut ws.pos, &pos)?;
         let key = {
             use std::hash::{Hash, Hasher};
@@ -319,15 +358,30 @@ impl<B: Backend> TextEncoder<B> {
             (self.generation, lens).hash(&mut h);
             h.finish()
         };
-        let (t, n) = (ids.len(), seqs.len());
-        be.run_graph(key, &mut || self.layers_and_pool(be, ws, t, n))?;
+        let (t, n) = (ids.len(), lens.len());
+        match &merge {
+            None => be.run_graph(key, &mut || self.layers_and_pool(be, ws, t, n, None))?,
+            Some(m) => {
+                let mut at = be.alloc(m.at.len(), Role::Index)?;
+                be.write_u32(&mut at, m.at)?;
+                self.layers_and_pool(be, ws, t, n, Some((m.rows, &at)))?;
+            }
+        }
         let e = self.cfg.embedding_dim;
         let flat = be.read_f32(View::new(&ws.out, n, e))?;
         Ok(flat.chunks(e).map(<[f32]>::to_vec).collect())
     }
 
     /// Every device op of a forward, on `t` packed tokens of `n` sequences already uploaded.
-    fn layers_and_pool(&self, be: &B, ws: &mut Workspace<B>, t: usize, n: usize) -> Result<()> {
+    /// `merge`: rows of soft tokens and the rows of `h` they replace (after the lookup).
+    fn layers_and_pool(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        t: usize,
+        n: usize,
+        merge: Option<(View<'_, B>, &B::Buf)>,
+    ) -> Result<()> {
         let c = &self.cfg;
         let (h, p, eps) = (c.hidden_size, c.ple_dim, c.rms_norm_eps);
         let segs = &ws.segs;
@@ -338,6 +392,9 @@ impl<B: Backend> TextEncoder<B> {
             (h as f32).sqrt(),
             ViewMut::new(&mut ws.h, t, h),
         )?;
+        if let Some((rows, at)) = merge {
+            be.scatter_rows(rows, at, ViewMut::new(&mut ws.h, t, h))?;
+        }
         be.cast(View::new(&ws.h, t, h), ViewMut::new(&mut ws.x0, t, h))?;
         if let Some(l0) = self.layers.first() {
             be.rms_norm(
@@ -482,7 +539,7 @@ impl<B: Backend> TextEncoder<B> {
         // The head is linear and bias-free: mean then project equals project then mean.
         be.segment_mean(
             View::new(&ws.fin, t, h),
-            &segs,
+            segs,
             ViewMut::new(&mut ws.pooled, n, h),
         )?;
         be.cast(

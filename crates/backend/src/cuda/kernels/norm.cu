@@ -63,12 +63,16 @@ __device__ __forceinline__ void residual_norm_impl(float* h, long hs, const TY* 
 }
 
 // In place on packed q|k|v rows: per-head RMSNorm (q, k with weights; v weightless when v_norm),
-// then split-half RoPE on q and k. One warp per (row, head); head_dim ≤ 512, even.
-// rope: cos table [rope_len][half] followed by the sin table; null = no rotation.
+// then RoPE on q and k. One warp per (row, head); head_dim ≤ 512, even.
+// rope: cos table [rope_len][tbl_half] followed by the sin table; null = no rotation.
+// axial = 0: split-half, pair j ↔ j + hd/2 at position pos[r].
+// axial = 1: 2-D, channels [0, hd/2) rotate by x = pos[2r], [hd/2, hd) by y = pos[2r+1]; within
+// each half, pair j ↔ j + hd/4 (tbl_half = hd/4).
 template <typename T>
 __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
                                                    const float* qw, const float* kw, int v_norm, float eps,
-                                                   const float* rope, int rope_len, const u32* pos) {
+                                                   const float* rope, int rope_len, int tbl_half, int axial,
+                                                   const u32* pos) {
     const int heads = hq + 2 * hkv;
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -79,7 +83,8 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
     if (is_v && !v_norm) return;
     const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
     T* x = qkv + r * stride + (long)hh * hd;
-    const int half = hd >> 1;
+    const int pairs = hd >> 1, quarter = hd >> 2;
+    // Pair j (of hd/2) joins channels c1 and c1 + span.
     float a[8], b[8];
     float ss = 0.f;
 #pragma unroll
@@ -87,35 +92,41 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
         const int j = lane + 32 * t;
         a[t] = 0.f;
         b[t] = 0.f;
-        if (j < half) {
-            a[t] = to_f(x[j]);
-            b[t] = to_f(x[j + half]);
+        if (j < pairs) {
+            const int c1 = axial ? (j / quarter) * pairs + j % quarter : j;
+            const int span = axial ? quarter : pairs;
+            a[t] = to_f(x[c1]);
+            b[t] = to_f(x[c1 + span]);
             ss += a[t] * a[t] + b[t] * b[t];
         }
     }
     ss = warp_sum(ss);
     const float inv = 1.f / sqrtf(ss / hd + eps);
     const bool rotate = !is_v && rope != nullptr;
-    const float* cs = rotate ? rope + (long)pos[r] * half : nullptr;
-    const float* sn = rotate ? rope + ((long)rope_len + pos[r]) * half : nullptr;
 #pragma unroll
     for (int t = 0; t < 8; t++) {
         const int j = lane + 32 * t;
-        if (j < half) {
+        if (j < pairs) {
+            const int axis = axial ? j / quarter : 0;
+            const int fi = axial ? j % quarter : j;
+            const int c1 = axial ? axis * pairs + fi : j;
+            const int span = axial ? quarter : pairs;
             float x1 = a[t] * inv, x2 = b[t] * inv;
             if (w) {
-                x1 *= w[j];
-                x2 *= w[j + half];
+                x1 *= w[c1];
+                x2 *= w[c1 + span];
             }
             if (rotate) {
-                const float c = cs[j], s = sn[j];
+                const long p = axial ? pos[2 * r + axis] : pos[r];
+                const float c = rope[p * tbl_half + fi];
+                const float s = rope[((long)rope_len + p) * tbl_half + fi];
                 const float y1 = x1 * c - x2 * s;
                 const float y2 = x2 * c + x1 * s;
                 x1 = y1;
                 x2 = y2;
             }
-            x[j] = from_f<T>(x1);
-            x[j + half] = from_f<T>(x2);
+            x[c1] = from_f<T>(x1);
+            x[c1 + span] = from_f<T>(x2);
         }
     }
 }
@@ -143,8 +154,9 @@ RESIDUAL_NORM(bf16, bf16, residual_norm_bf16_bf16)
 #define QKV_NORM_ROPE(T, NAME)                                                                           \
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
                                     const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
-                                    const u32* pos) {                                                     \
-        qkv_norm_rope_impl<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len, pos);  \
+                                    int tbl_half, int axial, const u32* pos) {                            \
+        qkv_norm_rope_impl<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len, tbl_half, \
+                              axial, pos);                                                                \
     }
 QKV_NORM_ROPE(float, qkv_norm_rope_f32)
 QKV_NORM_ROPE(bf16, qkv_norm_rope_bf16)
