@@ -109,6 +109,16 @@ fn rope_split_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// Rotate one head in place: the complex numbers `x[2j] + i·x[2j+1]` times `cos[j] + i·sin[j]`.
+#[inline]
+fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for ((p, &c), &s) in x.chunks_exact_mut(2).zip(cos).zip(sin) {
+        let (a, b) = (p[0], p[1]);
+        p[0] = a * c - b * s;
+        p[1] = a * s + b * c;
+    }
+}
+
 pub(super) fn qkv_norm_rope(
     qkv: ViewMut<'_, CpuBackend>,
     layout: QkvLayout,
@@ -133,7 +143,7 @@ pub(super) fn qkv_norm_rope(
     check_weight("qkv_norm_rope", k_w, hd)?;
     let table = match rope {
         Some((t, pos)) => {
-            if t.half * 2 != hd || t.style != RopeStyle::SplitHalf {
+            if t.half * 2 != hd {
                 return Err(Error::backend(
                     "qkv_norm_rope",
                     format!("rope table of {} pairs for head_dim {hd}", t.half),
@@ -152,7 +162,11 @@ pub(super) fn qkv_norm_rope(
             }
             let data = t.buf.f32();
             let (cos, sin) = data.split_at(t.len * t.half);
-            Some((cos, sin, t.half, pos))
+            let rotate: fn(&mut [f32], &[f32], &[f32]) = match t.style {
+                RopeStyle::SplitHalf => rope_split_half,
+                RopeStyle::Interleaved => rope_interleaved,
+            };
+            Some((cos, sin, t.half, pos, rotate))
         }
         None => None,
     };
@@ -160,11 +174,12 @@ pub(super) fn qkv_norm_rope(
     rows_mut(qkv).enumerate().for_each_init(
         || vec![0f32; hd],
         |tmp, (r, row)| {
-            let angles = table.map(|(cos, sin, half, pos)| {
+            let angles = table.map(|(cos, sin, half, pos, rotate)| {
                 let p = pos[r] as usize;
                 (
                     &cos[p * half..(p + 1) * half],
                     &sin[p * half..(p + 1) * half],
+                    rotate,
                 )
             });
             for h in 0..nq + 2 * nkv {
@@ -180,8 +195,8 @@ pub(super) fn qkv_norm_rope(
                 };
                 tmp.copy_from_slice(x);
                 norm_into(tmp, w, eps, x);
-                if rotate && let Some((c, s)) = angles {
-                    rope_split_half(x, c, s);
+                if rotate && let Some((c, s, rotate_head)) = angles {
+                    rotate_head(x, c, s);
                 }
             }
         },
@@ -274,6 +289,66 @@ mod tests {
                     for c in 0..cols {
                         assert_close(o[r * cols + c], want_o[c], 1e-5, "residual next");
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn interleaved_rope_from_explicit_angles_matches_complex_product() {
+        let be = cpu();
+        // MHA, 2 heads of 6 (3 complex pairs); q/k normed with weights, v untouched.
+        let layout = QkvLayout {
+            heads_q: 2,
+            heads_kv: 2,
+            head_dim: 6,
+        };
+        let (rows, cols) = (4, layout.width());
+        let mut rng = Rng::new(17);
+        let x = rng.vec(rows * cols, 2.0);
+        let (qw, kw) = (rng.vec(6, 1.0), rng.vec(6, 1.0));
+        // Table rows are tokens; positions pick rows out of order.
+        let table_rows = 5;
+        let angles: Vec<f32> = rng.vec(table_rows * 3, 40.0);
+        let table =
+            RopeTable::from_angles(&be, &angles, table_rows, 3, RopeStyle::Interleaved).unwrap();
+        let positions = [4u32, 0, 2, 2];
+        let pos = ids(&be, &positions);
+        let mut xb = buf(&be, &x);
+        let (qv, kv) = (be.vector(&qw).unwrap(), be.vector(&kw).unwrap());
+        be.qkv_norm_rope(
+            ViewMut::new(&mut xb, rows, cols),
+            layout,
+            Some(&qv),
+            Some(&kv),
+            false,
+            1e-5,
+            Some((&table, &pos)),
+        )
+        .unwrap();
+        let got = be.read_f32(View::new(&xb, rows, cols)).unwrap();
+        for r in 0..rows {
+            for h in 0..6 {
+                let seg = &x[r * cols + h * 6..r * cols + (h + 1) * 6];
+                let want: Vec<f64> = if h < 4 {
+                    let w = if h < 2 { &qw } else { &kw };
+                    let n = naive_norm(seg, Some(w), 1e-5);
+                    (0..6)
+                        .map(|j| {
+                            let a = angles[positions[r] as usize * 3 + j / 2] as f64;
+                            let (re, im) = (n[j & !1], n[j | 1]);
+                            if j % 2 == 0 {
+                                re * a.cos() - im * a.sin()
+                            } else {
+                                re * a.sin() + im * a.cos()
+                            }
+                        })
+                        .collect()
+                } else {
+                    seg.iter().map(|&v| v as f64).collect()
+                };
+                for j in 0..6 {
+                    assert_close(got[r * cols + h * 6 + j], want[j], 1e-5, "interleaved rope");
                 }
             }
         }
