@@ -2,11 +2,15 @@
 //! [`tessera_backend::Backend`] so the CPU reference and the GPU backends share one definition.
 //!
 //! - [`egemma2`]: EmbeddingGemma 2 text embeddings;
+//! - [`zimage`]: Z-Image-Turbo text-to-image;
+//! - [`qwen3`]: Qwen3 text models (Z-Image's caption encoder);
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
 //! - [`files`]: a model's files, from a folder or compiled into the binary.
 
 pub mod egemma2;
 pub mod files;
+pub mod qwen3;
 pub mod tokenize;
+pub mod zimage;
 
 pub use files::ModelFiles;
