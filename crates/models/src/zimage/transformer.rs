@@ -208,6 +208,8 @@ pub struct ZImageTransformer<B: Backend> {
     layers: Vec<Block<B>>,
     final_adaln: Linear<B>,
     final_linear: Linear<B>,
+    /// The sinusoid's frequencies ([`timestep_frequencies`] unless replaced).
+    t_freqs: Vec<f32>,
 }
 
 /// Block activations, sized once per prepared shape.
@@ -261,19 +263,30 @@ impl<B: Backend> Prepared<B> {
     }
 }
 
-/// The sinusoidal timestep features `[cos(τ·f) | sin(τ·f)]` of diffusers'
-/// `TimestepEmbedder.timestep_embedding`, `τ = t_model · t_scale`, `f_i = exp(−ln(10⁴)·i/128)`,
-/// each operation rounded to `f32` as torch does (cosine first).
-pub fn timestep_features(t_model: f32, t_scale: f32) -> Vec<f32> {
+/// The 128 frequencies of diffusers' `TimestepEmbedder.timestep_embedding`,
+/// `f_i = exp(−ln(10⁴) · i / 128)`: the exponent rounded to `f32` in torch's order, the
+/// exponential correctly rounded.
+///
+/// Measured: torch's CPU `exp` (Sleef, ≤ 1 ulp) rounds 3 of these 128 values (i = 13, 44, 119)
+/// one ulp the other way. Multiplied by τ ≈ 700 that moves those features by ~2e-5 and the
+/// modulations by ~3e-6 relative; parity tests substitute the reference's own table
+/// ([`ZImageTransformer::set_timestep_frequencies`]) to see the rest of the model at 1e-7.
+pub fn timestep_frequencies() -> Vec<f32> {
     let half = T_FREQ_DIM / 2;
-    let tau = t_model * t_scale;
     let k = -(MAX_PERIOD.ln()) as f32;
-    let args: Vec<f64> = (0..half)
+    (0..half)
         .map(|i| {
             let e = (k * i as f32) / half as f32;
-            (tau * ((e as f64).exp() as f32)) as f64
+            (e as f64).exp() as f32
         })
-        .collect();
+        .collect()
+}
+
+/// The sinusoidal timestep features `[cos(τ·f) | sin(τ·f)]`, `τ = t_model · t_scale` (cosine
+/// first), with `τ·f` rounded to `f32` as torch does.
+pub fn timestep_features(freqs: &[f32], t_model: f32, t_scale: f32) -> Vec<f32> {
+    let tau = t_model * t_scale;
+    let args: Vec<f64> = freqs.iter().map(|&f| (tau * f) as f64).collect();
     args.iter()
         .map(|a| a.cos() as f32)
         .chain(args.iter().map(|a| a.sin() as f32))
@@ -308,12 +321,27 @@ impl<B: Backend> ZImageTransformer<B> {
             layers: blocks("layers", cfg.n_layers, true)?,
             final_adaln: l.linear("all_final_layer.2-1.adaLN_modulation.1", d, a)?,
             final_linear: l.linear("all_final_layer.2-1.linear", cfg.patch_dim(), d)?,
+            t_freqs: timestep_frequencies(),
             cfg: cfg.clone(),
         })
     }
 
     pub fn config(&self) -> &TransformerConfig {
         &self.cfg
+    }
+
+    /// Replace the timestep sinusoid's 128 frequencies (see [`timestep_frequencies`] for why a
+    /// parity test wants the reference's own table).
+    pub fn set_timestep_frequencies(&mut self, freqs: Vec<f32>) -> Result<()> {
+        if freqs.len() != T_FREQ_DIM / 2 {
+            return Err(Error::input(format!(
+                "{} timestep frequencies; expected {}",
+                freqs.len(),
+                T_FREQ_DIM / 2
+            )));
+        }
+        self.t_freqs = freqs;
+        Ok(())
     }
 
     /// Prepare a generation: `caps` are the caption features of each item (`[L_i, cap_feat_dim]`,
@@ -351,7 +379,7 @@ impl<B: Backend> ZImageTransformer<B> {
         // Timestep embeddings and every modulation of every step.
         let feats: Vec<f32> = t_model
             .iter()
-            .flat_map(|&t| timestep_features(t, c.t_scale))
+            .flat_map(|&t| timestep_features(&self.t_freqs, t, c.t_scale))
             .collect();
         let mut tf = be.alloc(feats.len(), e)?;
         be.write_f32(&mut tf, &feats)?;
