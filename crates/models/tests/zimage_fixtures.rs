@@ -169,7 +169,8 @@ struct Worst {
 
 impl Worst {
     fn check(&mut self, what: &str, case: &str, err: f64, bound: f64) {
-        if !(err <= bound) {
+        // NaN fails too.
+        if err.is_nan() || err > bound {
             self.failures
                 .push(format!("{case}: {what} error {err:.3e} > {bound:.0e}"));
         }

@@ -32,7 +32,7 @@ pub(super) fn attention(
     let hd = spec.head_dim;
     let total = *offsets.last().unwrap_or(&0) as usize;
     let shapes_ok = spec.heads_kv > 0
-        && spec.heads_q % spec.heads_kv == 0
+        && spec.heads_q.is_multiple_of(spec.heads_kv)
         && q.cols == spec.heads_q * hd
         && out.cols == q.cols
         && k.cols == spec.heads_kv * hd
@@ -239,6 +239,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::type_complexity)] // the case table; main rewrites it as a struct
     fn packed_windowed_gqa_matches_naive() {
         let be = cpu();
         let cases: &[(&[usize], usize, usize, usize, Option<usize>, bool)] = &[

@@ -260,7 +260,7 @@ impl Config {
                     ),
                 ));
             }
-            if lc.head_dim == 0 || lc.head_dim % 2 != 0 {
+            if lc.head_dim == 0 || !lc.head_dim.is_multiple_of(2) {
                 return Err(err(
                     &format!("text_config (layer {i}) head_dim"),
                     format!("{} must be even and positive", lc.head_dim),
@@ -413,7 +413,8 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let cases: Vec<(Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+        let cases: Vec<(Edit, &str)> = vec![
             (
                 Box::new(|v| {
                     v["text_config"]

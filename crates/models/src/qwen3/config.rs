@@ -104,7 +104,7 @@ impl Qwen3Config {
             (None, None) => return Err(err("rope_theta", "missing (nor rope_parameters)".into())),
         };
         let heads_kv = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if heads_kv == 0 || raw.num_attention_heads % heads_kv != 0 {
+        if heads_kv == 0 || !raw.num_attention_heads.is_multiple_of(heads_kv) {
             return Err(err(
                 "num_key_value_heads",
                 format!(
@@ -113,7 +113,7 @@ impl Qwen3Config {
                 ),
             ));
         }
-        if raw.head_dim % 2 != 0 {
+        if !raw.head_dim.is_multiple_of(2) {
             return Err(err(
                 "head_dim",
                 format!("{} is odd; RoPE needs pairs", raw.head_dim),
@@ -176,9 +176,11 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("rope_scaling"), "{e}");
-        let e = Qwen3Config::parse(p, &BASE.replace("\"vocab_size\":10,", ""))
-            .unwrap_err()
-            .to_string();
+        let no_vocab = format!(
+            "{},\"rope_theta\":1.0}}",
+            BASE.replace("\"vocab_size\":10,", "")
+        );
+        let e = Qwen3Config::parse(p, &no_vocab).unwrap_err().to_string();
         assert!(e.contains("vocab_size"), "{e}");
     }
 }

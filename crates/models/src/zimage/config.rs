@@ -120,7 +120,7 @@ impl TransformerConfig {
                 "the Omni (SigLIP) variant is not supported".into(),
             ));
         }
-        if raw.n_heads == 0 || raw.dim % raw.n_heads != 0 {
+        if raw.n_heads == 0 || !raw.dim.is_multiple_of(raw.n_heads) {
             return Err(err(
                 "n_heads",
                 format!("{} does not divide dim {}", raw.n_heads, raw.dim),

@@ -770,7 +770,7 @@ impl<B: Backend> ZImageTransformer<B> {
             out.push(unpatchify(&rows, c.in_channels, (h, w)));
             off += it.seq_len();
         }
-        if let Some(t) = taps.as_deref_mut() {
+        if let Some(t) = taps {
             for (i, v) in out.iter().enumerate() {
                 t.values.insert(("v".into(), i), v.clone());
             }
