@@ -355,7 +355,7 @@ impl<B: Backend> ZImageTransformer<B> {
         mut taps: Option<&mut Taps>,
     ) -> Result<Prepared<B>> {
         let c = &self.cfg;
-        let (d, a, steps) = (c.dim, c.adaln_dim(), t_model.len());
+        let (d, steps) = (c.dim, t_model.len());
         if caps.is_empty() || steps == 0 {
             return Err(Error::input(
                 "a generation needs at least one caption and one step",
@@ -376,104 +376,7 @@ impl<B: Backend> ZImageTransformer<B> {
         let cap_rows: usize = items.iter().map(|i| i.cap_p).sum();
         let (s, e) = (Role::Stream, Role::Compute);
 
-        // Timestep embeddings and every modulation of every step.
-        let feats: Vec<f32> = t_model
-            .iter()
-            .flat_map(|&t| timestep_features(&self.t_freqs, t, c.t_scale))
-            .collect();
-        let mut tf = be.alloc(feats.len(), e)?;
-        be.write_f32(&mut tf, &feats)?;
-        let mut mid = be.alloc(steps * T_MID_DIM, e)?;
-        be.linear(
-            View::new(&tf, steps, T_FREQ_DIM),
-            &self.t_mlp0.w,
-            Some(&self.t_mlp0.b),
-            Some(Activation::Silu),
-            ViewMut::new(&mut mid, steps, T_MID_DIM),
-        )?;
-        let (mut temb, mut temb_silu) = (be.alloc(steps * a, e)?, be.alloc(steps * a, e)?);
-        let mid_v = View::new(&mid, steps, T_MID_DIM);
-        be.linear(
-            mid_v,
-            &self.t_mlp2.w,
-            Some(&self.t_mlp2.b),
-            None,
-            ViewMut::new(&mut temb, steps, a),
-        )?;
-        // The final layer reads SiLU(temb): the same tiny GEMM with a SiLU epilogue.
-        be.linear(
-            mid_v,
-            &self.t_mlp2.w,
-            Some(&self.t_mlp2.b),
-            Some(Activation::Silu),
-            ViewMut::new(&mut temb_silu, steps, a),
-        )?;
-        let mut mods = Vec::with_capacity(self.noise_refiner.len() + self.layers.len());
-        for b in self.noise_refiner.iter().chain(&self.layers) {
-            let ada = b
-                .adaln
-                .as_ref()
-                .ok_or_else(|| Error::backend("zimage", "modulated block without adaLN"))?;
-            let mut m = be.alloc(steps * 4 * d, e)?;
-            be.linear(
-                View::new(&temb, steps, a),
-                &ada.w,
-                Some(&ada.b),
-                None,
-                ViewMut::new(&mut m, steps, 4 * d),
-            )?;
-            mods.push(m);
-        }
-        let mut final_scale = be.alloc(steps * d, e)?;
-        be.linear(
-            View::new(&temb_silu, steps, a),
-            &self.final_adaln.w,
-            Some(&self.final_adaln.b),
-            None,
-            ViewMut::new(&mut final_scale, steps, d),
-        )?;
-        if taps.is_some() {
-            for (i, _) in items.iter().enumerate() {
-                for st in 0..steps {
-                    // Items share the step's modulation; taps are per item to match the fixture.
-                    let key = |n: &str| {
-                        if steps == 1 {
-                            n.to_string()
-                        } else {
-                            format!("{n}@{st}")
-                        }
-                    };
-                    Taps::put(
-                        &mut taps,
-                        be,
-                        &key("temb"),
-                        i,
-                        View::new(&temb, steps, a).rows(st, 1),
-                    )?;
-                    for (bi, m) in mods.iter().enumerate() {
-                        let name = if bi < self.noise_refiner.len() {
-                            format!("mod_nr{bi}")
-                        } else {
-                            format!("mod_l{}", bi - self.noise_refiner.len())
-                        };
-                        Taps::put(
-                            &mut taps,
-                            be,
-                            &key(&name),
-                            i,
-                            View::new(m, steps, 4 * d).rows(st, 1),
-                        )?;
-                    }
-                    Taps::put(
-                        &mut taps,
-                        be,
-                        &key("final_mod"),
-                        i,
-                        View::new(&final_scale, steps, d).rows(st, 1),
-                    )?;
-                }
-            }
-        }
+        let (mods, final_scale) = self.modulations(be, t_model, items.len(), &mut taps)?;
 
         // RoPE table over every item's joint rows, and which rows each stage reads.
         let freqs = axis_freqs(c);
@@ -546,7 +449,135 @@ impl<B: Backend> ZImageTransformer<B> {
             items,
         };
 
-        // Caption path: RMSNorm → linear per item, pad rows := cap_pad_token, context refiner.
+        self.caption_path(be, caps, &mut prep, &mut taps)?;
+        Ok(prep)
+    }
+
+    /// The timestep embedding of every step and, from it, every modulated block's raw adaLN
+    /// output `[steps, 4·dim]` (noise refiner, then main layers) and the final layer's raw scale
+    /// `[steps, dim]`.
+    fn modulations(
+        &self,
+        be: &B,
+        t_model: &[f32],
+        items: usize,
+        taps: &mut Option<&mut Taps>,
+    ) -> Result<(Vec<B::Buf>, B::Buf)> {
+        let c = &self.cfg;
+        let (d, a, steps, e) = (c.dim, c.adaln_dim(), t_model.len(), Role::Compute);
+        let feats: Vec<f32> = t_model
+            .iter()
+            .flat_map(|&t| timestep_features(&self.t_freqs, t, c.t_scale))
+            .collect();
+        let mut tf = be.alloc(feats.len(), e)?;
+        be.write_f32(&mut tf, &feats)?;
+        let mut mid = be.alloc(steps * T_MID_DIM, e)?;
+        be.linear(
+            View::new(&tf, steps, T_FREQ_DIM),
+            &self.t_mlp0.w,
+            Some(&self.t_mlp0.b),
+            Some(Activation::Silu),
+            ViewMut::new(&mut mid, steps, T_MID_DIM),
+        )?;
+        let (mut temb, mut temb_silu) = (be.alloc(steps * a, e)?, be.alloc(steps * a, e)?);
+        let mid_v = View::new(&mid, steps, T_MID_DIM);
+        be.linear(
+            mid_v,
+            &self.t_mlp2.w,
+            Some(&self.t_mlp2.b),
+            None,
+            ViewMut::new(&mut temb, steps, a),
+        )?;
+        // The final layer reads SiLU(temb): the same tiny GEMM with a SiLU epilogue.
+        be.linear(
+            mid_v,
+            &self.t_mlp2.w,
+            Some(&self.t_mlp2.b),
+            Some(Activation::Silu),
+            ViewMut::new(&mut temb_silu, steps, a),
+        )?;
+        let mut mods = Vec::with_capacity(self.noise_refiner.len() + self.layers.len());
+        for b in self.noise_refiner.iter().chain(&self.layers) {
+            let ada = b
+                .adaln
+                .as_ref()
+                .ok_or_else(|| Error::backend("zimage", "modulated block without adaLN"))?;
+            let mut m = be.alloc(steps * 4 * d, e)?;
+            be.linear(
+                View::new(&temb, steps, a),
+                &ada.w,
+                Some(&ada.b),
+                None,
+                ViewMut::new(&mut m, steps, 4 * d),
+            )?;
+            mods.push(m);
+        }
+        let mut final_scale = be.alloc(steps * d, e)?;
+        be.linear(
+            View::new(&temb_silu, steps, a),
+            &self.final_adaln.w,
+            Some(&self.final_adaln.b),
+            None,
+            ViewMut::new(&mut final_scale, steps, d),
+        )?;
+        if taps.is_some() {
+            for i in 0..items {
+                for st in 0..steps {
+                    // Items share the step's modulation; taps are per item to match the fixture.
+                    let key = |n: &str| {
+                        if steps == 1 {
+                            n.to_string()
+                        } else {
+                            format!("{n}@{st}")
+                        }
+                    };
+                    Taps::put(
+                        taps,
+                        be,
+                        &key("temb"),
+                        i,
+                        View::new(&temb, steps, a).rows(st, 1),
+                    )?;
+                    for (bi, m) in mods.iter().enumerate() {
+                        let name = if bi < self.noise_refiner.len() {
+                            format!("mod_nr{bi}")
+                        } else {
+                            format!("mod_l{}", bi - self.noise_refiner.len())
+                        };
+                        Taps::put(
+                            taps,
+                            be,
+                            &key(&name),
+                            i,
+                            View::new(m, steps, 4 * d).rows(st, 1),
+                        )?;
+                    }
+                    Taps::put(
+                        taps,
+                        be,
+                        &key("final_mod"),
+                        i,
+                        View::new(&final_scale, steps, d).rows(st, 1),
+                    )?;
+                }
+            }
+        }
+
+        Ok((mods, final_scale))
+    }
+
+    /// The caption rows of every item: RMSNorm → linear, pad rows := `cap_pad_token`, then the
+    /// unmodulated context-refiner blocks.
+    fn caption_path(
+        &self,
+        be: &B,
+        caps: &[View<'_, B>],
+        prep: &mut Prepared<B>,
+        taps: &mut Option<&mut Taps>,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let (d, e) = (c.dim, Role::Compute);
+        let cap_rows = prep.segs_cap.total();
         let widest_cap = caps.iter().map(|v| v.rows).max().unwrap_or(0);
         let mut normed = be.alloc(widest_cap * c.cap_feat_dim, e)?;
         let mut off = 0;
@@ -565,7 +596,7 @@ impl<B: Backend> ZImageTransformer<B> {
                 .rows(off + it.cap_len, it.cap_p - it.cap_len);
             be.embed(&self.cap_pad_token, &prep.zeros, 1.0, pad)?;
             Taps::put(
-                &mut taps,
+                taps,
                 be,
                 "cap_seq",
                 i,
@@ -581,7 +612,7 @@ impl<B: Backend> ZImageTransformer<B> {
                 pos_cap,
                 segs_cap,
                 ..
-            } = &mut prep;
+            } = &mut *prep;
             self.block(
                 be,
                 b,
@@ -595,11 +626,11 @@ impl<B: Backend> ZImageTransformer<B> {
             let mut off = 0;
             for (i, it) in prep.items.iter().enumerate() {
                 let v = View::new(&prep.cap, cap_rows, d).rows(off, it.cap_p);
-                Taps::put(&mut taps, be, &format!("cr{bi}_out"), i, v)?;
+                Taps::put(taps, be, &format!("cr{bi}_out"), i, v)?;
                 off += it.cap_p;
             }
         }
-        Ok(prep)
+        Ok(())
     }
 
     /// The velocity `v` of every item at `step` for `latent` `[in_channels, h, w]` (the sampler's
