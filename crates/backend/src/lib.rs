@@ -19,7 +19,8 @@ mod view;
 
 pub use device::{AnyBackend, DeviceRequest};
 pub use spec::{
-    Activation, After, AttnSpec, Epilogue, Grids, QkvLayout, RopeStyle, Segments, offsets_of,
+    Activation, After, AttnSpec, Conv2d, Epilogue, Grids, GroupNorm, NormKind, QkvLayout, Residual,
+    RopeStyle, RowNorm, Segments, offsets_of,
 };
 pub use tessera_core::{Error, Result};
 pub use view::{View, ViewMut};
@@ -335,6 +336,72 @@ pub trait Backend: Send + Sync {
             dev,
         })
     }
+
+    // ---- image generation (Z-Image) ----
+
+    /// A whole `nn.Linear`, optionally followed by an activation: `out = act(x · wᵀ + bias)` for
+    /// `w` `[out.cols, x.cols]` and `bias` `[out.cols]` broadcast over rows. Used where biases
+    /// exist (DiT embedders, adaLN, timestep MLP, VAE attention).
+    fn linear(
+        &self,
+        x: View<'_, Self>,
+        w: &Self::Mat,
+        bias: Option<&Self::Vector>,
+        act: Option<Activation>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// Row normalisation with adaLN modulation: `out = N(x) · w · (1 + scale)` (see [`RowNorm`];
+    /// statistics in at least `f32`).
+    fn norm(
+        &self,
+        x: View<'_, Self>,
+        norm: &RowNorm<'_, Self>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// The residual step of pre-norm and sandwich-norm blocks, fused:
+    /// `h += tanh(gate) · post(y)` (see [`Residual`]), then, if `next` is given,
+    /// `out = next(h)` — the following sub-block's (modulated) pre-norm.
+    fn residual_add(
+        &self,
+        h: ViewMut<'_, Self>,
+        y: View<'_, Self>,
+        res: &Residual<'_, Self>,
+        next: Option<(&RowNorm<'_, Self>, ViewMut<'_, Self>)>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out = conv(x) + bias` over one channels-last image (see [`Conv2d`] for the layouts):
+    /// `x` `[height · width, in]`, `w` `[out, k · k · in]`, `out` `[out_h · out_w, out]`.
+    fn conv2d(
+        &self,
+        x: View<'_, Self>,
+        w: &Self::Mat,
+        bias: &Self::Vector,
+        spec: &Conv2d,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out = act(GroupNorm(x) · weight + bias)` over one channels-last image `[pixels, channels]`
+    /// (see [`GroupNorm`]; statistics accumulated in at least `f32`).
+    fn group_norm(
+        &self,
+        x: View<'_, Self>,
+        weight: &Self::Vector,
+        bias: &Self::Vector,
+        spec: &GroupNorm,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
 }
 
 /// Rotary-embedding angles for positions `0..len`: `cos` then `sin`, each `[len, half]`
@@ -361,6 +428,40 @@ impl<B: Backend> RopeTable<B> {
                 cos[p * half + j] = angle.cos() as f32;
                 sin[p * half + j] = angle.sin() as f32;
             }
+        }
+        let mut buf = backend.alloc(host.len(), Role::Stream)?;
+        backend.write_f32(&mut buf, &host)?;
+        Ok(RopeTable {
+            buf,
+            len,
+            half,
+            style,
+        })
+    }
+
+    /// A table from explicit `f32` angles `[len, half]` (row `r`, pair `j`), for RoPEs whose
+    /// angle depends on more than one position (multi-axis: each pair's angle is computed from
+    /// its own axis's position by the caller). Cosine and sine are taken in `f64` and rounded once,
+    /// as in [`RopeTable::new`].
+    pub fn from_angles(
+        backend: &B,
+        angles: &[f32],
+        len: usize,
+        half: usize,
+        style: RopeStyle,
+    ) -> Result<Self> {
+        if angles.len() != len * half {
+            return Err(Error::backend(
+                "rope table",
+                format!("{} angles for {len} rows of {half} pairs", angles.len()),
+            ));
+        }
+        let mut host = vec![0f32; 2 * len * half];
+        let (cos, sin) = host.split_at_mut(len * half);
+        for ((c, s), &a) in cos.iter_mut().zip(sin.iter_mut()).zip(angles) {
+            let a = a as f64;
+            *c = a.cos() as f32;
+            *s = a.sin() as f32;
         }
         let mut buf = backend.alloc(host.len(), Role::Stream)?;
         backend.write_f32(&mut buf, &host)?;

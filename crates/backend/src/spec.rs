@@ -1,6 +1,6 @@
 //! Small descriptors passed to ops, so launchers take a struct rather than a row of integers.
 
-use crate::{Backend, ViewMut};
+use crate::{Backend, View, ViewMut};
 
 /// Extra work folded into a GEMM.
 #[derive(Clone, Copy, Debug)]
@@ -40,6 +40,10 @@ pub enum RopeStyle {
     /// (`rotate_half` within the half: channel `j` pairs with `j + head_dim/4`). The table holds
     /// `head_dim/4` frequencies, shared by both axes.
     Axial2d,
+    /// Channels `2j` and `2j + 1` form one complex number rotated by angle `j` (`view_as_complex`:
+    /// Z-Image, Qwen-Image). Multi-axis RoPE is this style with a table whose rows are tokens and
+    /// whose angle columns come from different position axes (see `RopeTable::from_angles`).
+    Interleaved,
 }
 
 /// The column layout of a packed q|k|v row: `heads_q` q heads, then `heads_kv` k heads, then
@@ -180,4 +184,111 @@ impl<B: Backend> Grids<B> {
     pub fn pooled(&self) -> usize {
         self.patches() / (self.kernel * self.kernel)
     }
+}
+
+// ---- image generation (Z-Image) ----
+
+/// Which statistic a [`RowNorm`] removes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    /// `x · (mean(x²) + eps)^-½`.
+    Rms,
+    /// `(x − mean(x)) · (var(x) + eps)^-½`, the biased variance (`nn.LayerNorm`).
+    Layer,
+}
+
+/// A per-row normalisation with an optional weight and an optional adaLN modulation:
+/// `N(x) · w · (1 + scale)`.
+pub struct RowNorm<'a, B: Backend> {
+    pub kind: NormKind,
+    /// Per-column weight (`None`: no affine weight).
+    pub weight: Option<&'a B::Vector>,
+    pub eps: f32,
+    /// One row `[1, cols]` of raw adaLN scales `s`, broadcast over all rows and applied as
+    /// `(1 + s)` — the form DiTs without shift terms use. `None`: no modulation.
+    pub scale: Option<View<'a, B>>,
+}
+
+impl<B: Backend> Clone for RowNorm<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for RowNorm<'_, B> {}
+
+impl<'a, B: Backend> RowNorm<'a, B> {
+    /// RMSNorm with a weight and no modulation.
+    pub fn rms(weight: &'a B::Vector, eps: f32) -> Self {
+        RowNorm {
+            kind: NormKind::Rms,
+            weight: Some(weight),
+            eps,
+            scale: None,
+        }
+    }
+
+    /// The same norm followed by `(1 + scale)`.
+    pub fn modulated(self, scale: View<'a, B>) -> Self {
+        RowNorm {
+            scale: Some(scale),
+            ..self
+        }
+    }
+}
+
+/// How `residual_add` folds a branch output `y` into the residual stream `h`:
+/// `h += tanh(gate) · post(y)`.
+pub struct Residual<'a, B: Backend> {
+    /// Normalise the branch output before adding it (the "sandwich" post-norm); `None` adds `y`
+    /// as is. Its `scale` must be `None`.
+    pub post: Option<RowNorm<'a, B>>,
+    /// One row `[1, cols]` of raw adaLN gates `g`, broadcast over all rows and applied as
+    /// `tanh(g)`. `None`: a gate of 1.
+    pub tanh_gate: Option<View<'a, B>>,
+}
+
+impl<B: Backend> Residual<'_, B> {
+    /// `h += y`.
+    pub fn plain() -> Self {
+        Residual {
+            post: None,
+            tanh_gate: None,
+        }
+    }
+}
+
+/// A "same" 2-D convolution (stride 1, zero padding `kernel / 2`) over one channels-last image
+/// stored as a `[height · width, channels]` view (row `y · width + x`).
+///
+/// The weight is a matrix `[out_channels, kernel · kernel · in_channels]` whose columns run over
+/// `(ky, kx, c_in)` with `c_in` fastest — PyTorch's `[out, in, kh, kw]` weight transposed to
+/// `[out, kh, kw, in]` at load — so that the convolution is an implicit GEMM over the input's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2d {
+    /// Input image size in pixels.
+    pub height: usize,
+    pub width: usize,
+    /// Square kernel side: 1 or an odd number.
+    pub kernel: usize,
+    /// Upsample the input 2× by nearest neighbour first (fused: the upsampled image is never
+    /// stored), so the output is `2·height × 2·width`. This is `Upsample2D`'s interpolate + conv.
+    pub upsample: bool,
+}
+
+impl Conv2d {
+    /// Output size in pixels.
+    pub fn out_size(&self) -> (usize, usize) {
+        let s = if self.upsample { 2 } else { 1 };
+        (self.height * s, self.width * s)
+    }
+}
+
+/// `nn.GroupNorm` over one channels-last image `[pixels, channels]`: statistics per group of
+/// `channels / groups` consecutive channels over all pixels, then the affine weight and bias,
+/// then an optional activation (the VAE's GroupNorm → SiLU pairs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupNorm {
+    pub groups: usize,
+    pub eps: f32,
+    pub act: Option<Activation>,
 }

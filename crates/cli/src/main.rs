@@ -5,6 +5,7 @@
 mod bench;
 mod device;
 mod embed;
+mod generate;
 mod info;
 mod input;
 mod model;
@@ -34,6 +35,8 @@ enum Command {
     Embed(Box<embed::EmbedArgs>),
     /// Describe a model and what it will run on.
     Info(info::InfoArgs),
+    /// Generate an image from a prompt with Z-Image (PNG out).
+    Generate(generate::GenerateArgs),
     /// Measure throughput and latency (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
 }
@@ -58,6 +61,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Embed(args) => embed::run(*args, matches.subcommand_matches("embed")),
         Command::Info(args) => info::run(args),
+        Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
     };
     match result {

@@ -3,12 +3,16 @@
 //!
 //! - [`egemma2`]: EmbeddingGemma 2 text, image and mixed embeddings;
 //! - [`imageproc`]: image decoding, the reference's resampler and patches;
+//! - [`zimage`]: Z-Image-Turbo text-to-image;
+//! - [`qwen3`]: Qwen3 text models (Z-Image's caption encoder);
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
 //! - [`files`]: a model's files, from a folder or compiled into the binary.
 
 pub mod egemma2;
 pub mod files;
 pub mod imageproc;
+pub mod qwen3;
 pub mod tokenize;
+pub mod zimage;
 
 pub use files::ModelFiles;

@@ -239,6 +239,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::type_complexity)] // the case table; main rewrites it as a struct
     fn packed_windowed_gqa_matches_naive() {
         let be = cpu();
         struct Case {

@@ -5,16 +5,20 @@
 //! digits, so the CPU path tracks the float64 PyTorch reference to ~1e-6.
 
 mod attention;
+mod conv;
 mod elementwise;
+mod group_norm;
+mod linear;
 mod matmul;
+mod modulate;
 mod norm;
 mod vision;
 
 use tessera_core::{Error, Result, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, Backend, Epilogue, Grids, Precision, QkvLayout, Role, RopeTable,
-    Segments, View, ViewMut,
+    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Precision, QkvLayout,
+    Residual, Role, RopeTable, RowNorm, Segments, View, ViewMut,
 };
 
 /// The `f32` CPU backend.
@@ -336,6 +340,60 @@ impl Backend for CpuBackend {
         dst: ViewMut<'_, Self>,
     ) -> Result<()> {
         vision::scatter_rows(src, rows.u32(), dst)
+    }
+
+    // ---- image generation (Z-Image) ----
+
+    fn linear(
+        &self,
+        x: View<'_, Self>,
+        w: &CpuMat,
+        bias: Option<&Vec<f32>>,
+        act: Option<Activation>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        linear::linear(x, w, bias.map(Vec::as_slice), act, out)
+    }
+
+    fn norm(
+        &self,
+        x: View<'_, Self>,
+        norm: &RowNorm<'_, Self>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        modulate::norm(x, norm, out)
+    }
+
+    fn residual_add(
+        &self,
+        h: ViewMut<'_, Self>,
+        y: View<'_, Self>,
+        res: &Residual<'_, Self>,
+        next: Option<(&RowNorm<'_, Self>, ViewMut<'_, Self>)>,
+    ) -> Result<()> {
+        modulate::residual_add(h, y, res, next)
+    }
+
+    fn conv2d(
+        &self,
+        x: View<'_, Self>,
+        w: &CpuMat,
+        bias: &Vec<f32>,
+        spec: &Conv2d,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        conv::conv2d(x, w, bias, spec, out)
+    }
+
+    fn group_norm(
+        &self,
+        x: View<'_, Self>,
+        weight: &Vec<f32>,
+        bias: &Vec<f32>,
+        spec: &GroupNorm,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        group_norm::group_norm(x, weight, bias, spec, out)
     }
 }
 

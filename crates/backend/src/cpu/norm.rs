@@ -109,6 +109,16 @@ fn rope_split_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// Rotate one head in place: the complex numbers `x[2j] + i·x[2j+1]` times `cos[j] + i·sin[j]`.
+#[inline]
+fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for ((p, &c), &s) in x.chunks_exact_mut(2).zip(cos).zip(sin) {
+        let (a, b) = (p[0], p[1]);
+        p[0] = a * c - b * s;
+        p[1] = a * s + b * c;
+    }
+}
+
 pub(super) fn qkv_norm_rope(
     qkv: ViewMut<'_, CpuBackend>,
     layout: QkvLayout,
@@ -135,7 +145,7 @@ pub(super) fn qkv_norm_rope(
     let table = match rope {
         Some((t, pos)) => {
             let (per_row, pairs) = match t.style {
-                RopeStyle::SplitHalf => (1, hd / 2),
+                RopeStyle::SplitHalf | RopeStyle::Interleaved => (1, hd / 2),
                 RopeStyle::Axial2d => (2, hd / 4),
             };
             if t.half != pairs || pairs * 2 * per_row != hd {
@@ -160,7 +170,7 @@ pub(super) fn qkv_norm_rope(
             }
             let data = t.buf.f32();
             let (cos, sin) = data.split_at(t.len * t.half);
-            Some((cos, sin, t.half, pos, per_row))
+            Some((cos, sin, t.half, pos, per_row, t.style))
         }
         None => None,
     };
@@ -169,7 +179,7 @@ pub(super) fn qkv_norm_rope(
         || vec![0f32; hd],
         |tmp, (r, row)| {
             // (cos, sin) of each axis: one for split-half, (x, y) for axial 2-D.
-            let angles = table.map(|(cos, sin, half, pos, per_row)| {
+            let angles = table.map(|(cos, sin, half, pos, per_row, style)| {
                 let at = |i: usize| {
                     let p = pos[r * per_row + i] as usize;
                     (
@@ -177,7 +187,7 @@ pub(super) fn qkv_norm_rope(
                         &sin[p * half..(p + 1) * half],
                     )
                 };
-                (at(0), (per_row == 2).then(|| at(1)))
+                (at(0), (per_row == 2).then(|| at(1)), style)
             });
             for h in 0..nq + 2 * nkv {
                 let x = &mut row[h * hd..(h + 1) * hd];
@@ -193,8 +203,11 @@ pub(super) fn qkv_norm_rope(
                 tmp.copy_from_slice(x);
                 norm_into(tmp, w, eps, x);
                 match angles {
-                    Some(((c, s), None)) if rotate => rope_split_half(x, c, s),
-                    Some(((cx, sx), Some((cy, sy)))) if rotate => {
+                    Some(((c, s), None, RopeStyle::Interleaved)) if rotate => {
+                        rope_interleaved(x, c, s)
+                    }
+                    Some(((c, s), None, _)) if rotate => rope_split_half(x, c, s),
+                    Some(((cx, sx), Some((cy, sy)), _)) if rotate => {
                         let (a, b) = x.split_at_mut(hd / 2);
                         rope_split_half(a, cx, sx);
                         rope_split_half(b, cy, sy);
@@ -378,6 +391,66 @@ mod tests {
         };
         assert!(run(&table, &[0, 9]).is_err());
         assert!(run(&wrong, &[0, 0]).is_err());
+    }
+
+    #[test]
+    fn interleaved_rope_from_explicit_angles_matches_complex_product() {
+        let be = cpu();
+        // MHA, 2 heads of 6 (3 complex pairs); q/k normed with weights, v untouched.
+        let layout = QkvLayout {
+            heads_q: 2,
+            heads_kv: 2,
+            head_dim: 6,
+        };
+        let (rows, cols) = (4, layout.width());
+        let mut rng = Rng::new(17);
+        let x = rng.vec(rows * cols, 2.0);
+        let (qw, kw) = (rng.vec(6, 1.0), rng.vec(6, 1.0));
+        // Table rows are tokens; positions pick rows out of order.
+        let table_rows = 5;
+        let angles: Vec<f32> = rng.vec(table_rows * 3, 40.0);
+        let table =
+            RopeTable::from_angles(&be, &angles, table_rows, 3, RopeStyle::Interleaved).unwrap();
+        let positions = [4u32, 0, 2, 2];
+        let pos = ids(&be, &positions);
+        let mut xb = buf(&be, &x);
+        let (qv, kv) = (be.vector(&qw).unwrap(), be.vector(&kw).unwrap());
+        be.qkv_norm_rope(
+            ViewMut::new(&mut xb, rows, cols),
+            layout,
+            Some(&qv),
+            Some(&kv),
+            false,
+            1e-5,
+            Some((&table, &pos)),
+        )
+        .unwrap();
+        let got = be.read_f32(View::new(&xb, rows, cols)).unwrap();
+        for r in 0..rows {
+            for h in 0..6 {
+                let seg = &x[r * cols + h * 6..r * cols + (h + 1) * 6];
+                let want: Vec<f64> = if h < 4 {
+                    let w = if h < 2 { &qw } else { &kw };
+                    let n = naive_norm(seg, Some(w), 1e-5);
+                    (0..6)
+                        .map(|j| {
+                            let a = angles[positions[r] as usize * 3 + j / 2] as f64;
+                            let (re, im) = (n[j & !1], n[j | 1]);
+                            if j % 2 == 0 {
+                                re * a.cos() - im * a.sin()
+                            } else {
+                                re * a.sin() + im * a.cos()
+                            }
+                        })
+                        .collect()
+                } else {
+                    seg.iter().map(|&v| v as f64).collect()
+                };
+                for j in 0..6 {
+                    assert_close(got[r * cols + h * 6 + j], want[j], 1e-5, "interleaved rope");
+                }
+            }
+        }
     }
 
     #[test]

@@ -27,8 +27,8 @@ use tessera_core::dtype::to_bf16_bits;
 use tessera_core::{DType, Error, Result, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, Backend, Epilogue, Grids, Precision, QkvLayout, Role, RopeStyle,
-    RopeTable, Segments, View, ViewMut, offsets_of,
+    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Precision, QkvLayout,
+    Residual, Role, RopeStyle, RopeTable, RowNorm, Segments, View, ViewMut, offsets_of,
 };
 use gemm::{Gemm, GemmArgs};
 use kernels::Kernels;
@@ -220,6 +220,14 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         arch,
         sm_count,
     })
+}
+
+/// The image-generation ops (Z-Image) have CPU implementations only so far; asking for them on
+/// CUDA is an error that says so, never a silent move to the CPU.
+fn not_yet(op: &str) -> Error {
+    Error::Device(format!(
+        "{op} is not implemented on CUDA yet: image generation runs on the CPU (--device cpu)"
+    ))
 }
 
 /// Byte address of a view's first element.
@@ -853,6 +861,7 @@ impl Backend for CudaBackend {
                 let (per_row, pairs) = match t.style {
                     RopeStyle::SplitHalf => (1, hd / 2),
                     RopeStyle::Axial2d => (2, hd / 4),
+                    RopeStyle::Interleaved => return Err(not_yet("interleaved RoPE")),
                 };
                 if t.half != pairs || pairs * 2 * per_row != hd || p.len < per_row * qkv.rows {
                     return Err(Error::backend(
@@ -1220,5 +1229,59 @@ impl Backend for CudaBackend {
                 &args,
             )
         })
+    }
+
+    // ---- image generation (Z-Image): CPU only for now ----
+
+    fn linear(
+        &self,
+        _x: View<'_, Self>,
+        _w: &CudaMat,
+        _b: Option<&CudaBuf>,
+        _a: Option<Activation>,
+        _o: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("linear"))
+    }
+
+    fn norm(
+        &self,
+        _x: View<'_, Self>,
+        _n: &RowNorm<'_, Self>,
+        _o: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("norm"))
+    }
+
+    fn residual_add(
+        &self,
+        _h: ViewMut<'_, Self>,
+        _y: View<'_, Self>,
+        _r: &Residual<'_, Self>,
+        _n: Option<(&RowNorm<'_, Self>, ViewMut<'_, Self>)>,
+    ) -> Result<()> {
+        Err(not_yet("residual_add"))
+    }
+
+    fn conv2d(
+        &self,
+        _x: View<'_, Self>,
+        _w: &CudaMat,
+        _b: &CudaBuf,
+        _s: &Conv2d,
+        _o: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("conv2d"))
+    }
+
+    fn group_norm(
+        &self,
+        _x: View<'_, Self>,
+        _w: &CudaBuf,
+        _b: &CudaBuf,
+        _s: &GroupNorm,
+        _o: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("group_norm"))
     }
 }

@@ -1,0 +1,228 @@
+//! "Same" 2-D convolution over a channels-last image as an implicit GEMM: blocks of output
+//! pixels gather their `k × k × in` input patches into a small column matrix (zeros outside the
+//! image; with `upsample`, each upsampled pixel reads its nearest source pixel), which one GEMM
+//! multiplies by the `[out, k·k·in]` weight. Blocks run in parallel; no full im2col is stored.
+
+use rayon::prelude::*;
+use tessera_core::{Error, Result};
+
+use super::{CpuBackend, CpuMat, slice};
+use crate::{Conv2d, View, ViewMut};
+
+/// Column-matrix budget per block, in floats (about 1 MiB): big enough for efficient GEMMs,
+/// small enough to stay in cache and to parallelise small images.
+const BLOCK_FLOATS: usize = 1 << 18;
+
+pub(super) fn conv2d(
+    x: View<'_, CpuBackend>,
+    w: &CpuMat,
+    bias: &[f32],
+    spec: &Conv2d,
+    out: ViewMut<'_, CpuBackend>,
+) -> Result<()> {
+    let (cin, cout, k) = (x.cols, out.cols, spec.kernel);
+    let (oh, ow) = spec.out_size();
+    let kk = k * k * cin;
+    if k % 2 == 0 {
+        return Err(Error::backend("conv2d", format!("kernel {k} must be odd")));
+    }
+    if x.rows != spec.height * spec.width
+        || out.rows != oh * ow
+        || w.inner != kk
+        || w.out != cout
+        || bias.len() != cout
+    {
+        return Err(Error::backend(
+            "conv2d",
+            format!(
+                "x {}×{} ({}×{} image), weight {}×{} (kernel {k}), bias {}, out {}×{} ({oh}×{ow})",
+                x.rows,
+                x.cols,
+                spec.height,
+                spec.width,
+                w.out,
+                w.inner,
+                bias.len(),
+                out.rows,
+                out.cols
+            ),
+        ));
+    }
+    if out.rows == 0 || cout == 0 {
+        return Ok(());
+    }
+    let xs = slice(&x);
+    let xstride = x.stride;
+    let pad = (k / 2) as isize;
+    let up = if spec.upsample { 2 } else { 1 };
+    let (ih, iw) = (spec.height, spec.width);
+    let block = (BLOCK_FLOATS / kk.max(1)).clamp(16, 1024);
+    let (ostride, off, end) = (out.stride, out.offset, out.end());
+    let dst = &mut out.buf.f32_mut()[off..end];
+    dst.par_chunks_mut(block * ostride)
+        .enumerate()
+        .for_each_init(Vec::new, |col, (bi, chunk)| {
+            let p0 = bi * block;
+            // Rows in this block: the slice's last row ends after `cout` columns, not at the stride.
+            let n = (chunk.len() + ostride - cout) / ostride;
+            col.clear();
+            col.resize(n * kk, 0.0);
+            for (r, crow) in col.chunks_mut(kk).enumerate() {
+                let p = p0 + r;
+                let (oy, ox) = ((p / ow) as isize, (p % ow) as isize);
+                for ky in 0..k {
+                    let uy = oy + ky as isize - pad;
+                    if uy < 0 || uy >= oh as isize {
+                        continue;
+                    }
+                    let iy = uy as usize / up;
+                    for kx in 0..k {
+                        let ux = ox + kx as isize - pad;
+                        if ux < 0 || ux >= ow as isize {
+                            continue;
+                        }
+                        let ix = ux as usize / up;
+                        debug_assert!(iy < ih && ix < iw);
+                        let src = (iy * iw + ix) * xstride;
+                        let at = (ky * k + kx) * cin;
+                        crow[at..at + cin].copy_from_slice(&xs[src..src + cin]);
+                    }
+                }
+            }
+            for r in 0..n {
+                chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
+            }
+            // SAFETY: `chunk` holds `n` output rows at stride `ostride`, each with `cout` columns;
+            // `col` is `n × kk` dense; `w.data` is `cout × kk` dense (all checked above). gemm
+            // reads and writes only within those extents, and the buffers are disjoint.
+            unsafe {
+                gemm::gemm(
+                    n,
+                    cout,
+                    kk,
+                    chunk.as_mut_ptr(),
+                    1,
+                    ostride as isize,
+                    true,
+                    col.as_ptr(),
+                    1,
+                    kk as isize,
+                    w.data.as_ptr(),
+                    kk as isize,
+                    1,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use crate::{Backend, Conv2d, View, ViewMut};
+
+    /// PyTorch's definition on an NCHW-indexed weight `[out, in, k, k]`, in f64.
+    #[allow(clippy::too_many_arguments)]
+    fn naive(
+        x: &[f32],
+        (h, w, cin): (usize, usize, usize),
+        wt: &[f32],
+        bias: &[f32],
+        cout: usize,
+        k: usize,
+        up: bool,
+    ) -> Vec<f64> {
+        let s = if up { 2 } else { 1 };
+        let (oh, ow) = (h * s, w * s);
+        let pad = (k / 2) as isize;
+        let mut out = vec![0f64; oh * ow * cout];
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for co in 0..cout {
+                    let mut acc = bias[co] as f64;
+                    for ci in 0..cin {
+                        for ky in 0..k {
+                            for kx in 0..k {
+                                let (uy, ux) = (
+                                    oy as isize + ky as isize - pad,
+                                    ox as isize + kx as isize - pad,
+                                );
+                                if uy < 0 || ux < 0 || uy >= oh as isize || ux >= ow as isize {
+                                    continue;
+                                }
+                                let (iy, ix) = (uy as usize / s, ux as usize / s);
+                                acc += x[(iy * w + ix) * cin + ci] as f64
+                                    * wt[((co * cin + ci) * k + ky) * k + kx] as f64;
+                            }
+                        }
+                    }
+                    out[(oy * ow + ox) * cout + co] = acc;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn same_conv_with_and_without_upsampling_matches_naive() {
+        let be = cpu();
+        // (h, w, in, out, kernel, upsample): odd sizes, 1×1 shortcuts, blocks cut mid-row.
+        for &(h, w, cin, cout, k, up) in &[
+            (1, 1, 1, 1, 3, false),
+            (5, 7, 3, 4, 3, false),
+            (6, 3, 5, 2, 1, false),
+            (4, 5, 6, 7, 3, true),
+            (23, 41, 8, 5, 3, false),
+            (9, 13, 19, 33, 3, true),
+        ] {
+            let mut rng = Rng::new((h * w * cin * cout * k) as u64 + up as u64);
+            let x = rng.vec(h * w * cin, 2.0);
+            let wt = rng.vec(cout * cin * k * k, 1.0);
+            let bias = rng.vec(cout, 1.0);
+            // PyTorch's [out, in, ky, kx] to the op's [out, ky, kx, in].
+            let mut wr = vec![0f32; wt.len()];
+            for co in 0..cout {
+                for ci in 0..cin {
+                    for t in 0..k * k {
+                        wr[(co * k * k + t) * cin + ci] = wt[(co * cin + ci) * k * k + t];
+                    }
+                }
+            }
+            let spec = Conv2d {
+                height: h,
+                width: w,
+                kernel: k,
+                upsample: up,
+            };
+            let (oh, ow) = spec.out_size();
+            let xb = buf(&be, &x);
+            let mat = be.matrix(&[(&wr, cout)], k * k * cin).unwrap();
+            let bv = be.vector(&bias).unwrap();
+            // Output in columns 1.. of a wider buffer: column 0 must stay untouched.
+            let stride = cout + 1;
+            let mut o = buf(&be, &vec![f32::NAN; oh * ow * stride]);
+            be.conv2d(
+                View::new(&xb, h * w, cin),
+                &mat,
+                &bv,
+                &spec,
+                ViewMut::new(&mut o, oh * ow, stride).cols(1, cout),
+            )
+            .unwrap();
+            let all = be.read_f32(View::new(&o, oh * ow, stride)).unwrap();
+            let want = naive(&x, (h, w, cin), &wt, &bias, cout, k, up);
+            for p in 0..oh * ow {
+                assert!(all[p * stride].is_nan(), "column 0 written");
+                for c in 0..cout {
+                    assert_close(all[p * stride + 1 + c], want[p * cout + c], 1e-5, "conv2d");
+                }
+            }
+        }
+    }
+}

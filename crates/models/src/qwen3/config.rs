@@ -1,0 +1,186 @@
+//! `config.json` of a Qwen3 text model, as transformers writes it (5.x puts the RoPE base in
+//! `rope_parameters`; older files, like Z-Image's text encoder, have a top-level `rope_theta`).
+
+use std::path::Path;
+
+use serde::Deserialize;
+use tessera_core::{Error, Result};
+
+#[derive(Deserialize)]
+struct RawRope {
+    #[serde(default)]
+    rope_type: Option<String>,
+    rope_theta: f64,
+}
+
+/// transformers' class default when a file omits `head_dim`.
+fn default_head_dim() -> usize {
+    128
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    #[serde(default = "default_head_dim")]
+    head_dim: usize,
+    hidden_act: String,
+    max_position_embeddings: usize,
+    rms_norm_eps: f64,
+    rope_theta: Option<f64>,
+    rope_parameters: Option<RawRope>,
+    #[serde(default)]
+    rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    use_sliding_window: bool,
+}
+
+/// The shape of a Qwen3 text model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Qwen3Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub max_positions: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+}
+
+impl Qwen3Config {
+    /// Parse `json`, which came from `path` (named in errors).
+    pub fn parse(path: &Path, json: &str) -> Result<Self> {
+        let raw: Raw = tessera_core::config::parse_json(path, json)?;
+        let err = |field: &str, msg: String| Error::config(path, field, msg);
+        if let Some(t) = raw.model_type.as_deref()
+            && t != "qwen3"
+        {
+            return Err(err(
+                "model_type",
+                format!("{t:?} is not a Qwen3 model (expected \"qwen3\")"),
+            ));
+        }
+        if raw.hidden_act != "silu" {
+            return Err(err(
+                "hidden_act",
+                format!("{:?} is not supported (Qwen3 uses silu)", raw.hidden_act),
+            ));
+        }
+        if raw.attention_bias {
+            return Err(err("attention_bias", "true is not supported".into()));
+        }
+        if raw.use_sliding_window {
+            return Err(err("use_sliding_window", "true is not supported".into()));
+        }
+        if raw.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(err(
+                "rope_scaling",
+                "only the default RoPE is supported".into(),
+            ));
+        }
+        let rope_theta = match (&raw.rope_parameters, raw.rope_theta) {
+            (Some(p), _) => {
+                if let Some(t) = p.rope_type.as_deref()
+                    && t != "default"
+                {
+                    return Err(err(
+                        "rope_parameters.rope_type",
+                        format!("{t:?} is not supported (only \"default\")"),
+                    ));
+                }
+                p.rope_theta
+            }
+            (None, Some(theta)) => theta,
+            (None, None) => return Err(err("rope_theta", "missing (nor rope_parameters)".into())),
+        };
+        let heads_kv = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        if heads_kv == 0 || !raw.num_attention_heads.is_multiple_of(heads_kv) {
+            return Err(err(
+                "num_key_value_heads",
+                format!(
+                    "{heads_kv} does not divide num_attention_heads {}",
+                    raw.num_attention_heads
+                ),
+            ));
+        }
+        if !raw.head_dim.is_multiple_of(2) {
+            return Err(err(
+                "head_dim",
+                format!("{} is odd; RoPE needs pairs", raw.head_dim),
+            ));
+        }
+        Ok(Qwen3Config {
+            vocab_size: raw.vocab_size,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_layers: raw.num_hidden_layers,
+            heads_q: raw.num_attention_heads,
+            heads_kv,
+            head_dim: raw.head_dim,
+            max_positions: raw.max_position_embeddings,
+            rms_norm_eps: raw.rms_norm_eps as f32,
+            rope_theta,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"{"model_type":"qwen3","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":4,
+        "hidden_act":"silu","max_position_embeddings":64,"rms_norm_eps":1e-6"#;
+
+    #[test]
+    fn reads_both_rope_spellings() {
+        let p = Path::new("config.json");
+        let old = Qwen3Config::parse(
+            p,
+            &format!("{BASE},\"rope_theta\":1000000,\"rope_scaling\":null}}"),
+        )
+        .unwrap();
+        let new = Qwen3Config::parse(
+            p,
+            &format!("{BASE},\"rope_parameters\":{{\"rope_type\":\"default\",\"rope_theta\":1000000.0}}}}"),
+        )
+        .unwrap();
+        assert_eq!(old, new);
+        assert_eq!(old.rope_theta, 1e6);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let p = Path::new("te/config.json");
+        let e = Qwen3Config::parse(p, &format!("{BASE}}}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("te/config.json") && e.contains("rope_theta"),
+            "{e}"
+        );
+        let e = Qwen3Config::parse(
+            p,
+            &format!("{BASE},\"rope_theta\":1.0,\"rope_scaling\":{{\"type\":\"yarn\"}}}}"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("rope_scaling"), "{e}");
+        let no_vocab = format!(
+            "{},\"rope_theta\":1.0}}",
+            BASE.replace("\"vocab_size\":10,", "")
+        );
+        let e = Qwen3Config::parse(p, &no_vocab).unwrap_err().to_string();
+        assert!(e.contains("vocab_size"), "{e}");
+    }
+}

@@ -1,0 +1,360 @@
+//! The whole text-to-image pipeline (diffusers 0.42.1 `ZImagePipeline.__call__`): prompt →
+//! caption features → `N` Euler steps of the DiT from a seeded (or given) latent, with CFG when
+//! the guidance is positive → VAE decode → 8-bit RGB.
+
+use std::path::Path;
+
+use tessera_backend::{Backend, View};
+use tessera_core::{Error, Result, Weights};
+
+use super::ZImageFiles;
+use super::config::{SchedulerConfig, TransformerConfig, VaeConfig, check_model_index};
+use super::noise;
+use super::scheduler::{FlowMatchEuler, Schedule, euler_step, guide};
+use super::text::{MAX_PROMPT_TOKENS, PromptIds, prompt_ids};
+use super::transformer::ZImageTransformer;
+use super::vae::{VaeDecoder, to_rgb8};
+use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
+
+/// Z-Image-Turbo's defaults (spec §1). The base model wants about 50 steps and guidance 4.
+pub const DEFAULT_STEPS: usize = 8;
+pub const DEFAULT_GUIDANCE: f32 = 0.0;
+pub const DEFAULT_SIZE: (usize, usize) = (1024, 1024);
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt: String,
+    /// Used only with guidance > 0; `None` means `""`, as in diffusers.
+    pub negative_prompt: Option<String>,
+    pub width: usize,
+    pub height: usize,
+    pub steps: usize,
+    /// Classifier-free guidance `g`: CFG runs when `g > 0` (diffusers' rule).
+    pub guidance: f32,
+    pub seed: u64,
+    /// A starting latent `[latent_channels, height/8, width/8]` instead of the seeded one.
+    pub init_latent: Option<Vec<f32>>,
+    /// Override the scheduler's `shift` (from `scheduler_config.json` otherwise).
+    pub shift: Option<f64>,
+}
+
+impl Request {
+    pub fn new(prompt: impl Into<String>) -> Self {
+        Request {
+            prompt: prompt.into(),
+            negative_prompt: None,
+            width: DEFAULT_SIZE.0,
+            height: DEFAULT_SIZE.1,
+            steps: DEFAULT_STEPS,
+            guidance: DEFAULT_GUIDANCE,
+            seed: 0,
+            init_latent: None,
+            shift: None,
+        }
+    }
+
+    pub fn cfg(&self) -> bool {
+        self.guidance > 0.0
+    }
+}
+
+/// A checked request: everything that can be refused is refused here, before any compute.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub latent_hw: (usize, usize),
+    pub schedule: Schedule,
+    /// The prompt's ids, then the negative prompt's when CFG runs.
+    pub prompts: Vec<PromptIds>,
+    /// Things the user should know (truncation, ignored options), one line each.
+    pub warnings: Vec<String>,
+}
+
+/// An 8-bit RGB image, rows top to bottom, `[height, width, 3]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RgbImage {
+    pub width: usize,
+    pub height: usize,
+    pub pixels: Vec<u8>,
+}
+
+/// Progress reports from [`ZImage::generate`].
+pub enum Event<'a> {
+    /// The prompts are encoded; the loop starts.
+    Encoded,
+    /// Step `index` of `steps` is done: the transformer's output per item (prompt, then negative)
+    /// and the latent after the Euler update.
+    Step {
+        index: usize,
+        steps: usize,
+        v: &'a [Vec<f32>],
+        latent: &'a [f32],
+    },
+    /// The VAE is about to run.
+    Decoding,
+}
+
+pub struct ZImage<B: Backend> {
+    backend: B,
+    tokenizer: BpeTokenizer,
+    text_encoder: Qwen3TextModel<B>,
+    transformer: ZImageTransformer<B>,
+    vae: VaeDecoder<B>,
+    scheduler: FlowMatchEuler,
+}
+
+/// The text encoder's tensors, under `model.` in the published files or at the top level when
+/// saved from a bare `Qwen3Model`.
+fn text_encoder_root(w: &Weights) -> Weights {
+    if w.contains("model.embed_tokens.weight") {
+        w.pp("model")
+    } else {
+        w.clone()
+    }
+}
+
+impl<B: Backend> ZImage<B> {
+    /// Load every component. `transformer_file` replaces the transformer's weights with a single
+    /// safetensors file (diffusers or ComfyUI names); its shapes must match
+    /// `transformer/config.json`.
+    pub fn load(backend: B, files: &ZImageFiles, transformer_file: Option<&Path>) -> Result<Self> {
+        let be = &backend;
+        check_model_index(
+            &files.root.path("model_index.json"),
+            &files.root.read("model_index.json")?,
+        )?;
+        let tokenizer = BpeTokenizer::load(&files.tokenizer)?;
+        let te_path = files.text_encoder.path("config.json");
+        let te_cfg = Qwen3Config::parse(&te_path, &files.text_encoder.read("config.json")?)?;
+        if tokenizer.vocab_size() > te_cfg.vocab_size {
+            return Err(Error::config(
+                files.tokenizer.path("tokenizer.json"),
+                "vocab",
+                format!(
+                    "{} tokens, more than the text encoder's vocab_size {}",
+                    tokenizer.vocab_size(),
+                    te_cfg.vocab_size
+                ),
+            ));
+        }
+        if te_cfg.num_layers == 0 {
+            return Err(Error::config(
+                te_path,
+                "num_hidden_layers",
+                "must be at least 1",
+            ));
+        }
+        // hidden_states[-2]: the residual stream after all layers but the last.
+        let te_weights = text_encoder_root(&files.text_encoder.weights("model")?);
+        let text_encoder = Qwen3TextModel::load(be, &te_cfg, &te_weights, te_cfg.num_layers - 1)?;
+
+        let tr_path = files.transformer.path("config.json");
+        let tr_cfg = TransformerConfig::parse(&tr_path, &files.transformer.read("config.json")?)?;
+        if tr_cfg.cap_feat_dim != te_cfg.hidden_size {
+            return Err(Error::config(
+                tr_path,
+                "cap_feat_dim",
+                format!(
+                    "{} does not match the text encoder's hidden_size {}",
+                    tr_cfg.cap_feat_dim, te_cfg.hidden_size
+                ),
+            ));
+        }
+        let tr_weights = match transformer_file {
+            Some(p) => Weights::open_file(p)?,
+            None => files.transformer.weights("diffusion_pytorch_model")?,
+        };
+        let transformer = ZImageTransformer::load(be, &tr_cfg, &tr_weights)?;
+
+        let vae_path = files.vae.path("config.json");
+        let vae_cfg = VaeConfig::parse(&vae_path, &files.vae.read("config.json")?)?;
+        if vae_cfg.latent_channels != tr_cfg.in_channels {
+            return Err(Error::config(
+                vae_path,
+                "latent_channels",
+                format!(
+                    "{} does not match the transformer's in_channels {}",
+                    vae_cfg.latent_channels, tr_cfg.in_channels
+                ),
+            ));
+        }
+        let vae = VaeDecoder::load(be, &vae_cfg, &files.vae.weights("diffusion_pytorch_model")?)?;
+        let sched_path = files.scheduler.path("scheduler_config.json");
+        let scheduler = FlowMatchEuler::new(SchedulerConfig::parse(
+            &sched_path,
+            &files.scheduler.read("scheduler_config.json")?,
+        )?);
+        Ok(ZImage {
+            backend,
+            tokenizer,
+            text_encoder,
+            transformer,
+            vae,
+            scheduler,
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+    pub fn transformer(&self) -> &ZImageTransformer<B> {
+        &self.transformer
+    }
+    pub fn vae(&self) -> &VaeDecoder<B> {
+        &self.vae
+    }
+    pub fn scheduler(&self) -> &FlowMatchEuler {
+        &self.scheduler
+    }
+    pub fn tokenizer(&self) -> &BpeTokenizer {
+        &self.tokenizer
+    }
+
+    /// Image sides must be multiples of this (the VAE's 8× times the DiT's 2× patches).
+    pub fn size_multiple(&self) -> usize {
+        2 * self.vae.config().scale()
+    }
+
+    /// Check a request and tokenise its prompts; nothing heavy runs.
+    pub fn plan(&self, req: &Request) -> Result<Plan> {
+        let m = self.size_multiple();
+        let (w, h) = (req.width, req.height);
+        if w == 0 || h == 0 || w % m != 0 || h % m != 0 {
+            let near = |v: usize| ((v + m / 2) / m).max(1) * m;
+            return Err(Error::input(format!(
+                "--size {w}x{h}: width and height must be positive multiples of {m}; the nearest valid size is {}x{}",
+                near(w),
+                near(h)
+            )));
+        }
+        if !(req.guidance.is_finite() && req.guidance >= 0.0) {
+            return Err(Error::input(format!(
+                "--guidance {}: use 0 (no CFG, Turbo) or a positive scale (about 4 for the base model)",
+                req.guidance
+            )));
+        }
+        let scale = self.vae.config().scale();
+        let latent_hw = (h / scale, w / scale);
+        let cfg = self.transformer.config();
+        let [_, rows, cols] = cfg.axes_lens;
+        let (max_h, max_w) = (rows * m, cols * m);
+        if h > max_h || w > max_w {
+            return Err(Error::input(format!(
+                "--size {w}x{h} is larger than the model's {max_w}x{max_h} position tables"
+            )));
+        }
+        let mut scheduler = self.scheduler.clone();
+        if let Some(shift) = req.shift {
+            if !(shift.is_finite() && shift > 0.0) {
+                return Err(Error::input(format!(
+                    "shift {shift} must be a positive number"
+                )));
+            }
+            scheduler.config.shift = shift;
+        }
+        let schedule = scheduler.schedule(req.steps)?;
+        if let Some(l) = &req.init_latent {
+            let want = cfg.in_channels * latent_hw.0 * latent_hw.1;
+            if l.len() != want {
+                return Err(Error::input(format!(
+                    "the initial latent has {} values; a {w}x{h} image needs {}×{}×{} = {want}",
+                    l.len(),
+                    cfg.in_channels,
+                    latent_hw.0,
+                    latent_hw.1
+                )));
+            }
+        }
+        let mut warnings = Vec::new();
+        let mut prompts = vec![prompt_ids(&self.tokenizer, &req.prompt)?];
+        if req.cfg() {
+            prompts.push(prompt_ids(
+                &self.tokenizer,
+                req.negative_prompt.as_deref().unwrap_or(""),
+            )?);
+        } else if req.negative_prompt.is_some() {
+            warnings.push(
+                "the negative prompt is ignored without guidance (--guidance > 0 turns CFG on)"
+                    .into(),
+            );
+        }
+        for (p, what) in prompts.iter().zip(["prompt", "negative prompt"]) {
+            if p.truncated() {
+                warnings.push(format!(
+                    "the {what} is {} tokens with its chat template; only the first {MAX_PROMPT_TOKENS} are used, as in the reference",
+                    p.full_len
+                ));
+            }
+        }
+        Ok(Plan {
+            latent_hw,
+            schedule,
+            prompts,
+            warnings,
+        })
+    }
+
+    /// Caption features of each prompt's ids (`[L, hidden]` each, `hidden_states[-2]`).
+    pub fn caption_features(&mut self, prompts: &[PromptIds]) -> Result<Vec<Vec<f32>>> {
+        let seqs: Vec<&[u32]> = prompts.iter().map(|p| p.ids.as_slice()).collect();
+        let hidden = self.text_encoder.forward(&self.backend, &seqs)?;
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for s in &seqs {
+            out.push(self.backend.read_f32(hidden.rows(off, s.len()))?);
+            off += s.len();
+        }
+        Ok(out)
+    }
+
+    /// Run a planned request.
+    pub fn generate(
+        &mut self,
+        req: &Request,
+        plan: &Plan,
+        mut on: impl FnMut(Event<'_>),
+    ) -> Result<RgbImage> {
+        let be = &self.backend;
+        let seqs: Vec<&[u32]> = plan.prompts.iter().map(|p| p.ids.as_slice()).collect();
+        let hidden = self.text_encoder.forward(be, &seqs)?;
+        let mut caps: Vec<View<'_, B>> = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for s in &seqs {
+            caps.push(hidden.rows(off, s.len()));
+            off += s.len();
+        }
+        let schedule = &plan.schedule;
+        let mut prep =
+            self.transformer
+                .prepare(be, &caps, plan.latent_hw, &schedule.t_model, None)?;
+        on(Event::Encoded);
+        let (lh, lw) = plan.latent_hw;
+        let mut latent = match &req.init_latent {
+            Some(l) => l.clone(),
+            None => noise::gaussian(req.seed, self.transformer.config().in_channels * lh * lw),
+        };
+        for step in 0..schedule.steps() {
+            let v = self
+                .transformer
+                .forward(be, &mut prep, &latent, step, None)?;
+            let mut pred = v[0].clone();
+            if req.cfg() {
+                guide(&mut pred, &v[1], req.guidance);
+            }
+            euler_step(&mut latent, &pred, schedule, step);
+            on(Event::Step {
+                index: step,
+                steps: schedule.steps(),
+                v: &v,
+                latent: &latent,
+            });
+        }
+        on(Event::Decoding);
+        let image = self.vae.decode(be, &latent, plan.latent_hw, None)?;
+        Ok(RgbImage {
+            width: req.width,
+            height: req.height,
+            pixels: to_rgb8(&image),
+        })
+    }
+}

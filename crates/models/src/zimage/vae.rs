@@ -1,0 +1,502 @@
+//! The VAE decoder of Z-Image (the Flux autoencoder as diffusers' `AutoencoderKL`, spec §5).
+//!
+//! Reference: diffusers 0.42.1 `models/autoencoders/vae.py` (`Decoder`), `unets/unet_2d_blocks.py`
+//! (`UNetMidBlock2D`, `UpDecoderBlock2D`), `resnet.py` (`ResnetBlock2D`), `upsampling.py`
+//! (`Upsample2D`), `attention_processor.py` (`AttnProcessor2_0`). `conv_in` → mid (ResNet →
+//! 1-head self-attention → ResNet) → up blocks (`layers_per_block + 1` ResNets each, all but the
+//! last followed by nearest-2× upsampling and a 3×3 conv) → GroupNorm → SiLU → `conv_out`.
+//! ResNets are `x' + conv2(SiLU(GN(conv1(SiLU(GN(x))))))` with a 1×1 `conv_shortcut` when the
+//! channel count changes. All GroupNorms use `eps = 1e-6`.
+//!
+//! Images are channels-last `[pixels, channels]` buffers (one image), so the attention's tokens
+//! are plain rows. Only `decoder.*` tensors are read; the encoder is never needed.
+
+use std::collections::BTreeMap;
+
+use tessera_backend::{
+    Activation, AttnSpec, Backend, Conv2d, GroupNorm, Residual, Role, View, ViewMut,
+};
+use tessera_core::{Error, Result, Weights};
+
+use super::config::VaeConfig;
+
+const GN_EPS: f32 = 1e-6;
+
+/// An `nn.Conv2d` with its weight reordered to the backend's `[out, k·k·in]` layout.
+struct Conv<B: Backend> {
+    w: B::Mat,
+    b: B::Vector,
+    kernel: usize,
+    cout: usize,
+}
+
+impl<B: Backend> Conv<B> {
+    fn load(
+        be: &B,
+        w: &Weights,
+        name: &str,
+        cin: usize,
+        cout: usize,
+        kernel: usize,
+    ) -> Result<Self> {
+        let t = w.f32(&format!("{name}.weight"), &[cout, cin, kernel, kernel])?;
+        // [out, in, ky, kx] → [out, ky, kx, in]
+        let kk = kernel * kernel;
+        let mut r = vec![0f32; t.len()];
+        for o in 0..cout {
+            for i in 0..cin {
+                for k in 0..kk {
+                    r[(o * kk + k) * cin + i] = t[(o * cin + i) * kk + k];
+                }
+            }
+        }
+        Ok(Conv {
+            w: be.matrix(&[(&r, cout)], kk * cin)?,
+            b: be.vector(&w.f32(&format!("{name}.bias"), &[cout])?)?,
+            kernel,
+            cout,
+        })
+    }
+
+    /// `out = conv(x)` for an `hw` image (upsampled 2× first when `upsample`).
+    fn run(
+        &self,
+        be: &B,
+        x: View<'_, B>,
+        hw: (usize, usize),
+        upsample: bool,
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        let spec = Conv2d {
+            height: hw.0,
+            width: hw.1,
+            kernel: self.kernel,
+            upsample,
+        };
+        let (oh, ow) = spec.out_size();
+        be.conv2d(
+            x,
+            &self.w,
+            &self.b,
+            &spec,
+            ViewMut::new(out, oh * ow, self.cout),
+        )
+    }
+}
+
+/// GroupNorm weight and bias.
+struct Norm<B: Backend> {
+    w: B::Vector,
+    b: B::Vector,
+}
+
+impl<B: Backend> Norm<B> {
+    fn load(be: &B, w: &Weights, name: &str, c: usize) -> Result<Self> {
+        Ok(Norm {
+            w: be.vector(&w.f32(&format!("{name}.weight"), &[c])?)?,
+            b: be.vector(&w.f32(&format!("{name}.bias"), &[c])?)?,
+        })
+    }
+}
+
+struct Resnet<B: Backend> {
+    cin: usize,
+    cout: usize,
+    norm1: Norm<B>,
+    conv1: Conv<B>,
+    norm2: Norm<B>,
+    conv2: Conv<B>,
+    shortcut: Option<Conv<B>>,
+}
+
+impl<B: Backend> Resnet<B> {
+    fn load(be: &B, w: &Weights, p: &str, cin: usize, cout: usize) -> Result<Self> {
+        Ok(Resnet {
+            cin,
+            cout,
+            norm1: Norm::load(be, w, &format!("{p}.norm1"), cin)?,
+            conv1: Conv::load(be, w, &format!("{p}.conv1"), cin, cout, 3)?,
+            norm2: Norm::load(be, w, &format!("{p}.norm2"), cout)?,
+            conv2: Conv::load(be, w, &format!("{p}.conv2"), cout, cout, 3)?,
+            shortcut: if cin != cout {
+                Some(Conv::load(
+                    be,
+                    w,
+                    &format!("{p}.conv_shortcut"),
+                    cin,
+                    cout,
+                    1,
+                )?)
+            } else {
+                None
+            },
+        })
+    }
+}
+
+/// The mid block's single-head self-attention with its GroupNorm.
+struct Attention<B: Backend> {
+    c: usize,
+    norm: Norm<B>,
+    /// `to_q | to_k | to_v` with their biases.
+    qkv: B::Mat,
+    qkv_b: B::Vector,
+    out: B::Mat,
+    out_b: B::Vector,
+}
+
+impl<B: Backend> Attention<B> {
+    fn load(be: &B, w: &Weights, p: &str, c: usize) -> Result<Self> {
+        let q = w.f32(&format!("{p}.to_q.weight"), &[c, c])?;
+        let k = w.f32(&format!("{p}.to_k.weight"), &[c, c])?;
+        let v = w.f32(&format!("{p}.to_v.weight"), &[c, c])?;
+        let mut bias = w.f32(&format!("{p}.to_q.bias"), &[c])?;
+        bias.extend(w.f32(&format!("{p}.to_k.bias"), &[c])?);
+        bias.extend(w.f32(&format!("{p}.to_v.bias"), &[c])?);
+        Ok(Attention {
+            c,
+            norm: Norm::load(be, w, &format!("{p}.group_norm"), c)?,
+            qkv: be.matrix(&[(&q, c), (&k, c), (&v, c)], c)?,
+            qkv_b: be.vector(&bias)?,
+            out: be.matrix(&[(&w.f32(&format!("{p}.to_out.0.weight"), &[c, c])?, c)], c)?,
+            out_b: be.vector(&w.f32(&format!("{p}.to_out.0.bias"), &[c])?)?,
+        })
+    }
+}
+
+struct UpBlock<B: Backend> {
+    resnets: Vec<Resnet<B>>,
+    upsample: Option<Conv<B>>,
+}
+
+/// Intermediate images recorded for parity tests (`conv_in`, `mid`, `up0` …), channels-last.
+#[derive(Default, Debug)]
+pub struct VaeTaps {
+    pub values: BTreeMap<String, Vec<f32>>,
+}
+
+pub struct VaeDecoder<B: Backend> {
+    cfg: VaeConfig,
+    conv_in: Conv<B>,
+    mid: [Resnet<B>; 2],
+    mid_attention: Option<Attention<B>>,
+    up: Vec<UpBlock<B>>,
+    norm_out: Norm<B>,
+    conv_out: Conv<B>,
+}
+
+/// Four activation buffers, rotated as a ResNet needs them (input kept for the skip).
+struct Bufs<B: Backend> {
+    x: B::Buf,
+    n: B::Buf,
+    h: B::Buf,
+    y: B::Buf,
+}
+
+impl<B: Backend> VaeDecoder<B> {
+    /// Load `decoder.*` from the VAE checkpoint, checking every shape against `cfg`.
+    pub fn load(be: &B, cfg: &VaeConfig, weights: &Weights) -> Result<Self> {
+        let w = weights.pp("decoder");
+        let rev: Vec<usize> = cfg.block_out_channels.iter().rev().copied().collect();
+        let top = rev[0];
+        let mut up = Vec::with_capacity(rev.len());
+        let mut prev = top;
+        for (i, &c) in rev.iter().enumerate() {
+            let resnets = (0..cfg.layers_per_block + 1)
+                .map(|j| {
+                    Resnet::load(
+                        be,
+                        &w,
+                        &format!("up_blocks.{i}.resnets.{j}"),
+                        if j == 0 { prev } else { c },
+                        c,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let upsample = if i + 1 < rev.len() {
+                Some(Conv::load(
+                    be,
+                    &w,
+                    &format!("up_blocks.{i}.upsamplers.0.conv"),
+                    c,
+                    c,
+                    3,
+                )?)
+            } else {
+                None
+            };
+            up.push(UpBlock { resnets, upsample });
+            prev = c;
+        }
+        let c0 = cfg.block_out_channels[0];
+        Ok(VaeDecoder {
+            conv_in: Conv::load(be, &w, "conv_in", cfg.latent_channels, top, 3)?,
+            mid: [
+                Resnet::load(be, &w, "mid_block.resnets.0", top, top)?,
+                Resnet::load(be, &w, "mid_block.resnets.1", top, top)?,
+            ],
+            mid_attention: if cfg.mid_attention {
+                Some(Attention::load(be, &w, "mid_block.attentions.0", top)?)
+            } else {
+                None
+            },
+            up,
+            norm_out: Norm::load(be, &w, "conv_norm_out", c0)?,
+            conv_out: Conv::load(be, &w, "conv_out", c0, cfg.out_channels, 3)?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &VaeConfig {
+        &self.cfg
+    }
+
+    /// The largest activation any stage holds for an `h × w` latent, in elements.
+    fn max_elems(&self, (h, w): (usize, usize)) -> usize {
+        let top = self.cfg.block_out_channels.last().copied().unwrap_or(0);
+        let mut px = h * w;
+        let mut most = px * top.max(self.cfg.latent_channels);
+        if self.mid_attention.is_some() {
+            most = most.max(3 * px * top);
+        }
+        for b in &self.up {
+            for r in &b.resnets {
+                most = most.max(px * r.cin.max(r.cout));
+            }
+            if b.upsample.is_some() {
+                px *= 4;
+                most = most.max(px * b.resnets.last().map_or(0, |r| r.cout));
+            }
+        }
+        most.max(px * self.cfg.out_channels)
+    }
+
+    /// Decode a sampler latent `[latent_channels, h, w]`: applies `z / scaling_factor +
+    /// shift_factor` (as the pipeline does) and returns the image `[H·W, out_channels]`
+    /// channels-last in ≈[−1, 1], `H = h · scale`.
+    pub fn decode(
+        &self,
+        be: &B,
+        latent: &[f32],
+        (h, w): (usize, usize),
+        mut taps: Option<&mut VaeTaps>,
+    ) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let lc = c.latent_channels;
+        if latent.len() != lc * h * w || h == 0 || w == 0 {
+            return Err(Error::input(format!(
+                "latent of {} values; expected {lc}×{h}×{w}",
+                latent.len()
+            )));
+        }
+        let (sf, shift) = (c.scaling_factor, c.shift_factor);
+        let mut z = vec![0f32; lc * h * w];
+        for ch in 0..lc {
+            for p in 0..h * w {
+                z[p * lc + ch] = latent[ch * h * w + p] / sf + shift;
+            }
+        }
+        let n = self.max_elems((h, w));
+        let alloc = || be.alloc(n, Role::Stream);
+        let mut bufs = Bufs {
+            x: alloc()?,
+            n: alloc()?,
+            h: alloc()?,
+            y: alloc()?,
+        };
+        be.write_f32(&mut bufs.n, &z)?;
+        let mut hw = (h, w);
+        let top = self.conv_in.cout;
+        self.conv_in
+            .run(be, View::new(&bufs.n, h * w, lc), hw, false, &mut bufs.x)?;
+        let mut record = |name: &str, b: &B::Buf, px: usize, ch: usize| -> Result<()> {
+            if let Some(t) = taps.as_deref_mut() {
+                t.values
+                    .insert(name.to_string(), be.read_f32(View::new(b, px, ch))?);
+            }
+            Ok(())
+        };
+        record("conv_in", &bufs.x, h * w, top)?;
+        self.resnet(be, &self.mid[0], &mut bufs, hw)?;
+        if let Some(a) = &self.mid_attention {
+            self.attention(be, a, &mut bufs, hw)?;
+        }
+        self.resnet(be, &self.mid[1], &mut bufs, hw)?;
+        record("mid", &bufs.x, h * w, top)?;
+        for (i, b) in self.up.iter().enumerate() {
+            for r in &b.resnets {
+                self.resnet(be, r, &mut bufs, hw)?;
+            }
+            let ch = b.resnets.last().map_or(top, |r| r.cout);
+            if let Some(conv) = &b.upsample {
+                conv.run(
+                    be,
+                    View::new(&bufs.x, hw.0 * hw.1, ch),
+                    hw,
+                    true,
+                    &mut bufs.y,
+                )?;
+                std::mem::swap(&mut bufs.x, &mut bufs.y);
+                hw = (hw.0 * 2, hw.1 * 2);
+            }
+            record(&format!("up{i}"), &bufs.x, hw.0 * hw.1, ch)?;
+        }
+        let px = hw.0 * hw.1;
+        let c0 = c.block_out_channels[0];
+        be.group_norm(
+            View::new(&bufs.x, px, c0),
+            &self.norm_out.w,
+            &self.norm_out.b,
+            &GroupNorm {
+                groups: c.groups,
+                eps: GN_EPS,
+                act: Some(Activation::Silu),
+            },
+            ViewMut::new(&mut bufs.n, px, c0),
+        )?;
+        self.conv_out
+            .run(be, View::new(&bufs.n, px, c0), hw, false, &mut bufs.y)?;
+        be.read_f32(View::new(&bufs.y, px, c.out_channels))
+    }
+
+    fn group_norm(
+        &self,
+        be: &B,
+        n: &Norm<B>,
+        x: View<'_, B>,
+        act: bool,
+        out: ViewMut<'_, B>,
+    ) -> Result<()> {
+        let spec = GroupNorm {
+            groups: self.cfg.groups,
+            eps: GN_EPS,
+            act: act.then_some(Activation::Silu),
+        };
+        be.group_norm(x, &n.w, &n.b, &spec, out)
+    }
+
+    /// `x ← x' + conv2(SiLU(GN₂(conv1(SiLU(GN₁(x))))))`.
+    fn resnet(&self, be: &B, r: &Resnet<B>, b: &mut Bufs<B>, hw: (usize, usize)) -> Result<()> {
+        let px = hw.0 * hw.1;
+        self.group_norm(
+            be,
+            &r.norm1,
+            View::new(&b.x, px, r.cin),
+            true,
+            ViewMut::new(&mut b.n, px, r.cin),
+        )?;
+        r.conv1
+            .run(be, View::new(&b.n, px, r.cin), hw, false, &mut b.h)?;
+        self.group_norm(
+            be,
+            &r.norm2,
+            View::new(&b.h, px, r.cout),
+            true,
+            ViewMut::new(&mut b.n, px, r.cout),
+        )?;
+        r.conv2
+            .run(be, View::new(&b.n, px, r.cout), hw, false, &mut b.y)?;
+        if let Some(sc) = &r.shortcut {
+            sc.run(be, View::new(&b.x, px, r.cin), hw, false, &mut b.n)?;
+            std::mem::swap(&mut b.x, &mut b.n);
+        }
+        be.residual_add(
+            ViewMut::new(&mut b.x, px, r.cout),
+            View::new(&b.y, px, r.cout),
+            &Residual::plain(),
+            None,
+        )
+    }
+
+    /// `x ← x + to_out(softmax(q kᵀ/√C) v)` over the pixels, q, k, v from `GN(x)`.
+    fn attention(
+        &self,
+        be: &B,
+        a: &Attention<B>,
+        b: &mut Bufs<B>,
+        hw: (usize, usize),
+    ) -> Result<()> {
+        let (px, c) = (hw.0 * hw.1, a.c);
+        self.group_norm(
+            be,
+            &a.norm,
+            View::new(&b.x, px, c),
+            false,
+            ViewMut::new(&mut b.n, px, c),
+        )?;
+        be.linear(
+            View::new(&b.n, px, c),
+            &a.qkv,
+            Some(&a.qkv_b),
+            None,
+            ViewMut::new(&mut b.h, px, 3 * c),
+        )?;
+        let spec = AttnSpec {
+            heads_q: 1,
+            heads_kv: 1,
+            head_dim: c,
+            scale: (c as f32).powf(-0.5),
+            window: None,
+            causal: false,
+        };
+        let segs = be.segments(&[px])?;
+        let qkv = View::new(&b.h, px, 3 * c);
+        be.attention(
+            qkv.cols(0, c),
+            qkv.cols(c, c),
+            qkv.cols(2 * c, c),
+            ViewMut::new(&mut b.n, px, c),
+            &spec,
+            &segs,
+        )?;
+        be.linear(
+            View::new(&b.n, px, c),
+            &a.out,
+            Some(&a.out_b),
+            None,
+            ViewMut::new(&mut b.y, px, c),
+        )?;
+        be.residual_add(
+            ViewMut::new(&mut b.x, px, c),
+            View::new(&b.y, px, c),
+            &Residual::plain(),
+            None,
+        )
+    }
+}
+
+/// The VAE's output `[pixels, 3]` in ≈[−1, 1] as 8-bit RGB, exactly as diffusers'
+/// `VaeImageProcessor.postprocess` + `numpy_to_pil` do in `f32`: `clamp(x·0.5 + 0.5, 0, 1)`,
+/// then `round(v·255)` with ties to even.
+pub fn to_rgb8(image: &[f32]) -> Vec<u8> {
+    image
+        .iter()
+        .map(|&x| {
+            let v = (x * 0.5 + 0.5).clamp(0.0, 1.0);
+            (v * 255.0).round_ties_even() as u8
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::to_rgb8;
+
+    #[test]
+    fn rounds_exact_ties_to_even_and_clamps() {
+        assert_eq!(to_rgb8(&[-3.0, 3.0, 0.0]), [0, 255, 128]);
+        // Levels k + ½ whose f32 product v·255 is an exact tie: ties go to the even level.
+        let mut ties = 0;
+        for k in 64..255u32 {
+            let v = ((k as f64 + 0.5) / 255.0) as f32;
+            if v * 255.0 != k as f32 + 0.5 {
+                continue;
+            }
+            ties += 1;
+            let x = (v - 0.5) * 2.0; // exact for v ≥ ¼, and x·½ + ½ gives v back
+            let want = if k % 2 == 0 { k } else { k + 1 };
+            assert_eq!(to_rgb8(&[x])[0] as u32, want, "level {k}.5");
+        }
+        assert!(ties >= 10, "only {ties} exact ties found");
+    }
+}
