@@ -2,7 +2,7 @@
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
 #   PARTS=parity,sens,bench,ref (default all)   W3_DOCS=8192
-# Writes logs and JSON under $OUT.
+# Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,42 +13,51 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 
-M=/tmp/eg2 D=/tmp/eg2data
+# M: the shared benchmark model (speed does not depend on weights). P: the same, conditioned like a
+# trained model (q/k norm weights rescaled), for parity — see make_eg2_parity.py.
+M=/tmp/eg2 P=/tmp/eg2p D=/tmp/eg2data
 if [ ! -f $M/model.safetensors ]; then
   python3 .dev/tools/make_eg2_full.py $M $D --no-audio > "$OUT/make_model.log" 2>&1 || { tail -20 "$OUT/make_model.log"; exit 1; }
+  python3 tools/device/make_eg2_parity.py $M $P >> "$OUT/make_model.log" 2>&1 || { tail -5 "$OUT/make_model.log"; exit 1; }
 fi
-export TESSERA_EG2_FULL=$M TESSERA_EG2_INPUTS=$D/bench_inputs.json TESSERA_ROOT=$PWD
+export TESSERA_EG2_FULL=$P TESSERA_EG2_INPUTS=$D/bench_inputs.json TESSERA_ROOT=$PWD
 status=0
 if [[ $PARTS == *parity* ]]; then
   echo "== op parity (cuda vs cpu)"
   .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops.log" 2>&1; r=$?; status=$((status|r))
-  grep -E "^test |test result|panicked|rel max err" "$OUT/cuda_ops.log" | grep -E "test |result|panicked" | tail -12
-  echo "== model parity (fixtures, full-size vs cpu, long-input error, OOM split)"
+  grep -E "test result|panicked" -A1 "$OUT/cuda_ops.log" | head -12
+  echo "== model parity (text and vision fixtures, full-size vs cpu, long-input error, OOM split)"
   .dev/bin/egemma2_cuda --ignored --test-threads=1 --nocapture > "$OUT/egemma2_cuda.log" 2>&1; r=$?; status=$((status|r))
-  grep -E "^test |test result|panicked|worst|documents of" "$OUT/egemma2_cuda.log" | tail -16
+  grep -E "test result|panicked|worst|documents of" -A1 "$OUT/egemma2_cuda.log" | grep -v "^--" | head -24
 fi
 if [[ $PARTS == *sens* ]]; then
-  echo "== rounding sensitivity of the full-size random model (vs torch float64)"
-  python3 tools/device/eg2_sensitivity.py $M $D/bench_inputs.json .dev/bin/tessera "$OUT/sensitivity.json" 2> "$OUT/sensitivity.err" \
-    || tail -5 "$OUT/sensitivity.err"
+  echo "== rounding sensitivity vs torch float64: shared model, then the parity model"
+  for model in $M $P; do
+    python3 tools/device/eg2_sensitivity.py $model $D/bench_inputs.json .dev/bin/tessera "$OUT/sensitivity_$(basename $model).json" \
+      2> "$OUT/sensitivity_$(basename $model).err" || tail -5 "$OUT/sensitivity_$(basename $model).err"
+  done
 fi
 if [[ $PARTS == *bench* ]]; then
   echo "== tessera bench"
-  .dev/bin/tessera bench gemm --device cuda > "$OUT/tessera_bench.jsonl" 2>&1
-  .dev/bin/tessera bench embed --device cuda --model $M --inputs $D/bench_inputs.json --w3-docs "$W3_DOCS" \
-     >> "$OUT/tessera_bench.jsonl" 2> "$OUT/tessera_bench.err"
-  TESSERA_PROFILE=1 .dev/bin/tessera bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads w1 \
-     > /dev/null 2> "$OUT/profile_w1.txt"
-  TESSERA_PROFILE=1 .dev/bin/tessera bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads w2 \
-     > /dev/null 2> "$OUT/profile_w2.txt"
-  TESSERA_PROFILE=1 .dev/bin/tessera bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads w3 \
-     --w3-docs 256 --w3-pass-tokens 65536 > /dev/null 2> "$OUT/profile_w3.txt"
-  cat "$OUT/tessera_bench.jsonl"; tail -3 "$OUT/tessera_bench.err"
-  tail -1 "$OUT/profile_w1.txt"; tail -1 "$OUT/profile_w2.txt"; tail -1 "$OUT/profile_w3.txt"
+  B=.dev/bin/tessera
+  $B bench gemm --device cuda > "$OUT/bench_gemm.jsonl" 2>&1
+  CEIL=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["tflops"])' "$OUT/bench_gemm.jsonl")
+  $B bench attention --device cuda > "$OUT/bench_attention.jsonl" 2>&1
+  $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --w3-docs "$W3_DOCS" --ceiling-tflops "$CEIL" \
+     > "$OUT/bench_embed.jsonl" 2> "$OUT/bench_embed.err"
+  $B bench image --device cuda --model $M --image $D/image/img_a_641x479.png > "$OUT/bench_image.jsonl" 2> "$OUT/bench_image.err"
+  for w in w1 w2 w3; do
+    TESSERA_PROFILE=1 $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads $w \
+       --w3-docs 256 --w3-pass-tokens 65536 > /dev/null 2> "$OUT/profile_$w.txt"
+  done
+  cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl" "$OUT/bench_image.jsonl"
+  tail -2 "$OUT/bench_embed.err" "$OUT/bench_image.err"
+  for w in w1 w2 w3; do tail -1 "$OUT/profile_$w.txt"; done
 fi
 if [[ $PARTS == *ref* ]]; then
   echo "== reference (transformers 5.25, bf16, sdpa)"
   python3 .dev/tools/refbench.py --only egemma2 > "$OUT/refbench.jsonl" 2> "$OUT/refbench.err"
-  grep '^{' "$OUT/refbench.jsonl"; tail -3 "$OUT/refbench.err"
+  python3 tools/device/eg2_image_ref.py $M > "$OUT/ref_images.jsonl" 2> "$OUT/ref_images.err"
+  grep '^{' "$OUT/refbench.jsonl" "$OUT/ref_images.jsonl"; tail -2 "$OUT/refbench.err" "$OUT/ref_images.err"
 fi
 exit $status

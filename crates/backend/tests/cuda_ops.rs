@@ -553,3 +553,121 @@ fn replayed_graph_gives_the_direct_result() {
         );
     }
 }
+
+fn run_vision<B: Backend>(
+    be: &B,
+    table_w: &tessera_core::Weights,
+    dims: &[(usize, usize)],
+    x: &[f32],
+    qkv: &[f32],
+    d: usize,
+) -> Vec<Vec<f32>> {
+    let n: usize = dims.iter().map(|&(w, h)| w * h).sum();
+    let axis = 40;
+    let table = be.table_nd(table_w, "pos", &[2, axis, d]).unwrap();
+    let pos: Vec<u32> = dims
+        .iter()
+        .flat_map(|&(w, h)| {
+            (0..h).flat_map(move |y| (0..w).flat_map(move |xx| [xx as u32, y as u32]))
+        })
+        .collect();
+    let pb = ids(be, &pos);
+    let mut out = Vec::new();
+    // Learned 2-D positions added to f32 rows.
+    let mut xb = padded(be, Role::Stream, n, d, 0, d, Some(x));
+    be.add_positions_2d(&table, axis, &pb, ViewMut::new(&mut xb, n, d))
+        .unwrap();
+    out.push(take(be, &xb, n, d, 0, d, "add_positions_2d"));
+    // 3×3 pooling of every image's grid.
+    let grids = be.grids(dims, 3).unwrap();
+    let pooled = grids.pooled();
+    let mut pb2 = padded(be, Role::Stream, pooled, d + 8, 8, d, None);
+    be.avg_pool2d(
+        View::new(&xb, n, d),
+        &grids,
+        1.5,
+        ViewMut::new(&mut pb2, pooled, d + 8).cols(8, d),
+    )
+    .unwrap();
+    out.push(take(be, &pb2, pooled, d + 8, 8, d, "avg_pool2d"));
+    // Scatter the pooled rows into a longer sequence (every other row, reversed).
+    let rows_out = 2 * pooled + 3;
+    let at: Vec<u32> = (0..pooled).map(|i| (rows_out - 1 - 2 * i) as u32).collect();
+    let atb = ids(be, &at);
+    let base: Vec<f32> = (0..rows_out * d).map(|i| (i % 7) as f32).collect();
+    let mut sb = padded(be, Role::Stream, rows_out, d, 0, d, Some(&base));
+    be.scatter_rows(
+        View::new(&pb2, pooled, d + 8).cols(8, d),
+        &atb,
+        ViewMut::new(&mut sb, rows_out, d),
+    )
+    .unwrap();
+    out.push(take(be, &sb, rows_out, d, 0, d, "scatter_rows"));
+    // Axial 2-D RoPE (the vision tower's q/k): 3 heads of 16.
+    let layout = QkvLayout {
+        heads_q: 3,
+        heads_kv: 3,
+        head_dim: 16,
+    };
+    let width = layout.width();
+    let inv: Vec<f32> = (0..4)
+        .map(|j| 1.0 / 100f32.powf(2.0 * j as f32 / 8.0))
+        .collect();
+    let rope = RopeTable::new(be, &inv, axis, RopeStyle::Axial2d).unwrap();
+    let mut qb = padded(be, Role::Compute, n, width, 0, width, Some(qkv));
+    let w: Vec<f32> = (0..16).map(|j| 1.0 + 0.05 * j as f32).collect();
+    let wv = be.vector(&w).unwrap();
+    be.qkv_norm_rope(
+        ViewMut::new(&mut qb, n, width),
+        layout,
+        Some(&wv),
+        Some(&wv),
+        true,
+        1e-6,
+        Some((&rope, &pb)),
+    )
+    .unwrap();
+    out.push(take(be, &qb, n, width, 0, width, "axial rope"));
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn vision_ops_match_cpu() {
+    let cpu = CpuBackend::new();
+    let d = 72;
+    let dims = [(6, 3), (9, 12), (3, 3), (24, 15)];
+    let n: usize = dims.iter().map(|&(w, h)| w * h).sum();
+    let mut rng = Rng::new(99);
+    let x = rng.vec(n * d, 2.0);
+    let qkv = rng.vec(n * 9 * 16, 2.0);
+    // The position table as an f32 safetensors file `[2, 40, d]`.
+    let dir = std::env::temp_dir().join(format!("tessera-cuda-vision-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tbl: Vec<u8> = rng
+        .vec(2 * 40 * d, 1.0)
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 40, d], &tbl)
+        .unwrap();
+    let path = dir.join("p.safetensors");
+    safetensors::serialize_to_file(vec![("pos".to_string(), view)], None, &path).unwrap();
+    let weights = tessera_core::Weights::open_file(&path).unwrap();
+    let want = run_vision(&cpu, &weights, &dims, &x, &qkv, d);
+    for p in [Precision::F32, Precision::Bf16] {
+        let got = run_vision(&gpu(p), &weights, &dims, &x, &qkv, d);
+        for (name, (a, b)) in [
+            "add_positions_2d",
+            "avg_pool2d",
+            "scatter_rows",
+            "axial rope",
+        ]
+        .iter()
+        .zip(got.iter().zip(&want))
+        {
+            // The position table is rounded to bf16 in bf16 mode.
+            compare(&format!("{name} {p}"), a, b, tol(p, false));
+        }
+    }
+}

@@ -15,7 +15,8 @@ use clap::{Args, Subcommand};
 use serde::Deserialize;
 use tessera_core::{Error, Result};
 use tessera_models::ModelFiles;
-use tessera_models::egemma2::{AnyEmbeddingGemma2, TextOptions};
+use tessera_models::egemma2::{AnyEmbeddingGemma2, Input, TextOptions};
+use tessera_models::imageproc::{Image, ImageBudget};
 
 use crate::device::DeviceArgs;
 
@@ -31,7 +32,50 @@ enum What {
     Embed(EmbedBench),
     /// cuBLASLt bf16 GEMM rate on random data (the ceiling for utilisation figures).
     Gemm(GemmBench),
+    /// The attention op alone on the EmbeddingGemma 2 shapes, every kernel variant.
+    Attention(AttentionBench),
+    /// EmbeddingGemma 2 image embeddings: one image's latency and mixed-size throughput.
+    Image(ImageBench),
 }
+
+#[derive(Args)]
+struct AttentionBench {
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+#[derive(Args)]
+struct ImageBench {
+    /// Model folder (a full-size checkpoint for meaningful numbers).
+    #[arg(long)]
+    model: PathBuf,
+    /// The single image timed end to end (decode → vector).
+    #[arg(long)]
+    image: PathBuf,
+    /// Soft-token budget.
+    #[arg(long, default_value_t = 280)]
+    budget: usize,
+    /// Images in the throughput run (random pixels, sizes cycling through a fixed list).
+    #[arg(long, default_value_t = 256)]
+    images: usize,
+    /// Patch budgets per pass to try for throughput; the best is reported.
+    #[arg(long, default_value = "16384,32768,65536")]
+    pass_patches: String,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+/// Sizes of the mixed-size throughput run: photos, screenshots, a page scan, thumbnails.
+pub const MIXED_SIZES: [(usize, usize); 8] = [
+    (641, 479),
+    (1024, 768),
+    (512, 512),
+    (800, 600),
+    (1280, 720),
+    (300, 400),
+    (1920, 1080),
+    (96, 64),
+];
 
 #[derive(Args)]
 struct EmbedBench {
@@ -75,6 +119,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     match args.what {
         What::Embed(b) => embed(b),
         What::Gemm(b) => gemm(b),
+        What::Attention(b) => attention(b),
+        What::Image(b) => image(b),
     }
 }
 
@@ -203,5 +249,128 @@ fn gemm(b: GemmBench) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn gemm(_b: GemmBench) -> Result<()> {
+    Err(Error::input("this build has no CUDA support"))
+}
+
+fn image(b: ImageBench) -> Result<()> {
+    let budget: ImageBudget = b.budget.to_string().parse()?;
+    let mut model = AnyEmbeddingGemma2::load(b.device.open()?, ModelFiles::Dir(b.model.clone()))?;
+    let device = model.describe();
+    let opts = TextOptions::default();
+    // One image, end to end in process: read and decode the file, resize, patchify, embed.
+    let ms = time_ms(50, 5, || {
+        let img = Image::open(&b.image)?;
+        model
+            .embed_inputs(&[Input::image(img)], &opts, budget, None, |_| {})
+            .map(|_| ())
+    })?;
+    let tokens = model
+        .input_ids(&Input::image(Image::open(&b.image)?), &opts, budget)?
+        .len();
+    emit(
+        serde_json::json!({"name": "eg2_image_single", "file": b.image.display().to_string(), "budget": b.budget,
+        "tokens": tokens, "median_ms": median(ms.clone()), "best_ms": ms.iter().cloned().fold(f64::INFINITY, f64::min),
+        "device": device}),
+    );
+    // Throughput: decoded images of mixed sizes (preprocessing included in the time).
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let images: Vec<Image> = (0..b.images)
+        .map(|i| {
+            let (w, h) = MIXED_SIZES[i % MIXED_SIZES.len()];
+            let rgb: Vec<u8> = (0..w * h * 3)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state >> 56) as u8
+                })
+                .collect();
+            Image::from_rgb8(w, h, rgb)
+        })
+        .collect::<Result<_>>()?;
+    let mut best: Option<(f64, usize)> = None;
+    for pass in b.pass_patches.split(',') {
+        let pass: usize = pass
+            .trim()
+            .parse()
+            .map_err(|_| Error::input(format!("bad pass size {pass:?}")))?;
+        model.set_pass_patches(pass);
+        let ms = time_ms(3, 1, || {
+            let inputs: Vec<Input> = images.iter().cloned().map(Input::image).collect();
+            model
+                .embed_inputs(&inputs, &opts, budget, None, |_| {})
+                .map(|_| ())
+        })?;
+        let rate = images.len() as f64 / (median(ms) / 1e3);
+        emit(
+            serde_json::json!({"name": "eg2_images_mixed", "images": images.len(), "pass_patches": pass, "images_per_s": rate, "device": device}),
+        );
+        if best.is_none_or(|(r, _)| rate > r) {
+            best = Some((rate, pass));
+        }
+    }
+    if let Some((rate, pass)) = best {
+        emit(
+            serde_json::json!({"name": "eg2_images_mixed_best", "images": images.len(), "pass_patches": pass, "images_per_s": rate, "device": device}),
+        );
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn attention(b: AttentionBench) -> Result<()> {
+    use tessera_backend::AttnSpec;
+    let tessera_backend::AnyBackend::Cuda(be) = b.device.open()? else {
+        return Err(Error::input(
+            "bench attention times the CUDA kernels: use --device cuda",
+        ));
+    };
+    let spec = |hq, hkv, hd, window| AttnSpec {
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: hd,
+        scale: 1.0,
+        window,
+        causal: false,
+    };
+    let w3 = vec![256usize; 256];
+    let shapes: Vec<(&str, Vec<usize>, AttnSpec)> = vec![
+        ("W2 sliding", vec![2208], spec(4, 2, 256, Some(512))),
+        ("W2 full", vec![2208], spec(4, 1, 512, None)),
+        ("W3 sliding", w3.clone(), spec(4, 2, 256, Some(512))),
+        ("W3 full", w3, spec(4, 1, 512, None)),
+        ("image 2394 patches", vec![2394], spec(12, 12, 64, None)),
+    ];
+    for (name, lens, s) in &shapes {
+        let pairs: f64 = lens
+            .iter()
+            .map(|&n| match s.window {
+                None => (n * n) as f64,
+                Some(w) => (0..n)
+                    .map(|i| (i.min(w) + (n - 1 - i).min(w) + 1) as f64)
+                    .sum(),
+            })
+            .sum();
+        let flops = 4.0 * (s.heads_q * s.head_dim) as f64 * pairs;
+        for variant in 0..2 {
+            if variant == 1
+                && !tessera_backend::cuda::kernels::FLASH_VARIANT_DIMS.contains(&s.head_dim)
+            {
+                continue;
+            }
+            be.set_flash_variant(variant);
+            let ms = be.bench_attention(lens, s, 20)?;
+            emit(
+                serde_json::json!({"name": "attention", "shape": name, "variant": variant, "head_dim": s.head_dim,
+                "median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}),
+            );
+        }
+    }
+    be.set_flash_variant(0);
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn attention(_b: AttentionBench) -> Result<()> {
     Err(Error::input("this build has no CUDA support"))
 }

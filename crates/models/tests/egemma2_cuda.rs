@@ -237,3 +237,97 @@ fn a_batch_too_large_for_the_device_is_split() {
         ),
     }
 }
+
+#[derive(Deserialize)]
+struct VisionFixture {
+    models: std::collections::BTreeMap<String, String>,
+    budget: usize,
+    cases: Vec<VisionCase>,
+}
+#[derive(Deserialize)]
+struct VisionCase {
+    name: String,
+    parts: Vec<std::collections::BTreeMap<String, String>>,
+    prompt_name: Option<String>,
+    dim: Option<usize>,
+    expected: std::collections::BTreeMap<String, Vec<f64>>,
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn vision_fixtures_match_the_reference_on_cuda() {
+    use tessera_models::egemma2::{Input, Part};
+    use tessera_models::imageproc::{Image, ImageBudget};
+    let fx: VisionFixture = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/fixtures/egemma2/vision_cases.json")).unwrap(),
+    )
+    .unwrap();
+    let budget: ImageBudget = fx.budget.to_string().parse().unwrap();
+    let inputs: Vec<Input> = fx
+        .cases
+        .iter()
+        .map(|c| Input {
+            parts: c
+                .parts
+                .iter()
+                .map(|p| match (p.get("text"), p.get("image")) {
+                    (Some(t), None) => Part::Text(t.clone()),
+                    (None, Some(i)) => Part::Image(
+                        Image::open(&root().join("tests/fixtures/egemma2/images").join(i)).unwrap(),
+                    ),
+                    _ => panic!("{}: malformed part {p:?}", c.name),
+                })
+                .collect(),
+        })
+        .collect();
+    for p in [Precision::F32, Precision::Bf16] {
+        for (name, dir) in &fx.models {
+            let mut model = cuda_model(&root().join(dir), p);
+            let mut worst = (0.0, 1.0);
+            let mut alone = Vec::new();
+            for (c, input) in fx.cases.iter().zip(&inputs) {
+                let opts = TextOptions {
+                    prompt_name: c.prompt_name.clone(),
+                    ..TextOptions::default()
+                };
+                let got = model
+                    .embed_inputs(std::slice::from_ref(input), &opts, budget, c.dim, |_| {})
+                    .unwrap();
+                check(
+                    &format!("{name}/{}", c.name),
+                    &got[0].vector,
+                    &c.expected[name],
+                    p,
+                    &mut worst,
+                );
+                alone.push(got[0].vector.clone());
+            }
+            // The cases without a prompt or a Matryoshka size, packed into one call, embed as
+            // they do alone.
+            let plain: Vec<usize> = (0..inputs.len())
+                .filter(|&i| fx.cases[i].prompt_name.is_none() && fx.cases[i].dim.is_none())
+                .collect();
+            assert!(plain.len() >= 5, "too few plain cases to test packing");
+            let batch: Vec<Input> = plain.iter().map(|&i| inputs[i].clone()).collect();
+            let packed = model
+                .embed_inputs(&batch, &TextOptions::default(), budget, None, |_| {})
+                .unwrap();
+            for (&i, v) in plain.iter().zip(&packed) {
+                let want: Vec<f64> = alone[i].iter().map(|&x| x as f64).collect();
+                check(
+                    &format!("{name}/{} packed", fx.cases[i].name),
+                    &v.vector,
+                    &want,
+                    p,
+                    &mut (0.0, 1.0),
+                );
+            }
+            eprintln!(
+                "vision fixtures {name} on {}: worst max abs {:.2e}, worst cosine {:.8}",
+                model.backend().describe(),
+                worst.0,
+                worst.1
+            );
+        }
+    }
+}

@@ -26,10 +26,15 @@ pub struct FlashConfig {
     pub splits: u32,
 }
 
-pub fn flash_config(d: usize) -> FlashConfig {
-    let (wm, wd, bn) = match d {
-        256 => (4, 2, 16),
-        512 => (2, 4, 16),
+/// Head dims with a second kernel shape (`flash_bf16_d{D}_v1`) for side-by-side timing.
+pub const FLASH_VARIANT_DIMS: [usize; 2] = [256, 512];
+
+pub fn flash_config(d: usize, variant: usize) -> FlashConfig {
+    let (wm, wd, bn) = match (d, variant) {
+        (256, 0) => (4, 1, 32),
+        (512, 0) => (2, 2, 32),
+        (256, _) => (4, 2, 16),
+        (512, _) => (2, 4, 16),
         _ => (4, 1, 64),
     };
     let bm = 16 * wm;
@@ -107,9 +112,17 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        for d in FLASH_HEAD_DIMS {
-            let smem = flash_config(d).smem;
-            funcs[&format!("flash_bf16_d{d}")]
+        let variants = FLASH_HEAD_DIMS
+            .iter()
+            .map(|&d| (d, 0, format!("flash_bf16_d{d}")))
+            .chain(
+                FLASH_VARIANT_DIMS
+                    .iter()
+                    .map(|&d| (d, 1, format!("flash_bf16_d{d}_v1"))),
+            );
+        for (d, variant, name) in variants {
+            let smem = flash_config(d, variant).smem;
+            funcs[&name]
                 .set_attribute(
                     CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem as i32,

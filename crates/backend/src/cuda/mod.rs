@@ -116,6 +116,8 @@ pub struct CudaBackend {
     gemm: Gemm,
     graphs: Mutex<Graphs>,
     profiler: Option<Profiler>,
+    /// Kernel shape for 256/512-wide heads (0 = default); changed only by `bench attention`.
+    flash_variant: std::sync::atomic::AtomicUsize,
     name: String,
     arch: String,
     sm_count: u32,
@@ -216,6 +218,7 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         gemm,
         graphs: Mutex::new(Graphs::default()),
         profiler,
+        flash_variant: std::sync::atomic::AtomicUsize::new(0),
         name,
         arch,
         sm_count,
@@ -340,6 +343,69 @@ impl CudaBackend {
         times.sort_by(f64::total_cmp);
         let ms = times[times.len() / 2];
         Ok(2.0 * (size as f64).powi(3) / (ms / 1e3) / 1e12)
+    }
+
+    fn flash_variant(&self, hd: usize) -> usize {
+        if kernels::FLASH_VARIANT_DIMS.contains(&hd) {
+            self.flash_variant
+                .load(std::sync::atomic::Ordering::Relaxed)
+        } else {
+            0
+        }
+    }
+
+    /// Select the alternative flash-attention kernel shape for 256/512-wide heads (for timing
+    /// variants side by side; `0` is the default shape).
+    pub fn set_flash_variant(&self, variant: usize) {
+        self.flash_variant
+            .store(variant.min(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Median milliseconds of `attention` over packed segments of `lens` (random bf16 q, k, v)
+    /// timed with events after warm-up: the attention part of the benchmarks, isolated.
+    pub fn bench_attention(&self, lens: &[usize], spec: &AttnSpec, iters: usize) -> Result<f64> {
+        let total: usize = lens.iter().sum();
+        let (qc, kc) = (spec.heads_q * spec.head_dim, spec.heads_kv * spec.head_dim);
+        let width = qc + 2 * kc;
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let host: Vec<f32> = (0..total * width)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.25
+            })
+            .collect();
+        let mut qkv = self.alloc(total * width, Role::Compute)?;
+        self.write_f32(&mut qkv, &host)?;
+        let mut out = self.alloc(total * qc, Role::Compute)?;
+        let segs = self.segments(lens)?;
+        let all = View::new(&qkv, total, width);
+        let mut run = || {
+            self.attention(
+                all.cols(0, qc),
+                all.cols(qc, kc),
+                all.cols(qc + kc, kc),
+                ViewMut::new(&mut out, total, qc),
+                spec,
+                &segs,
+            )
+        };
+        for _ in 0..3 {
+            run()?;
+        }
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let start = self.ctx.new_event(flags).map_err(drv("event"))?;
+            let end = self.ctx.new_event(flags).map_err(drv("event"))?;
+            start.record(&self.stream).map_err(drv("event"))?;
+            run()?;
+            end.record(&self.stream).map_err(drv("event"))?;
+            times.push(start.elapsed_ms(&end).map_err(drv("event"))? as f64);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
     }
 
     /// Wait for all queued work.
@@ -947,7 +1013,7 @@ impl Backend for CudaBackend {
                         ),
                     ));
                 }
-                let fc = kernels::flash_config(hd);
+                let fc = kernels::flash_config(hd, self.flash_variant(hd));
                 let tiles = addr(&segs.dev, segs.max_segs + 1);
                 let args = [
                     qp,
@@ -964,7 +1030,10 @@ impl Backend for CudaBackend {
                     i(window),
                     i(spec.causal as i64),
                 ];
-                let name = format!("flash_bf16_d{hd}");
+                let name = match self.flash_variant(hd) {
+                    0 => format!("flash_bf16_d{hd}"),
+                    v => format!("flash_bf16_d{hd}_v{v}"),
+                };
                 let config = LaunchConfig {
                     grid_dim: (segs.tiles as u32, spec.heads_q as u32, fc.splits),
                     block_dim: (fc.threads, 1, 1),

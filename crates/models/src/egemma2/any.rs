@@ -66,6 +66,9 @@ impl AnyEmbeddingGemma2 {
     pub fn tokenize(&self, text: &str, opts: &TextOptions) -> Result<Vec<u32>> {
         with_model!(self, m => m.tokenize(text, opts))
     }
+    pub fn set_pass_patches(&mut self, n: usize) {
+        with_model!(self, m => m.pass_patches = n.max(1))
+    }
     pub fn set_pass_tokens(&mut self, n: usize) {
         with_model!(self, m => m.pass_tokens = n.max(1))
     }

@@ -197,12 +197,14 @@ __device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const
     if (r >= rows) return;
     float* hr = h + r * hs;
     const TY* yr = y + r * ys;
-    float v[32];
+    // y and h are loaded together: one round trip to memory per row, not two.
+    float v[32], hv[32];
     float ss = 0.f;
 #pragma unroll
     for (int t = 0; t < 32; t++) {
         const int c = lane + 32 * t;
         v[t] = c < cols ? to_f(yr[c]) : 0.f;
+        hv[t] = c < cols ? hr[c] : 0.f;
         ss += v[t] * v[t];
     }
     ss = warp_sum(ss);
@@ -214,7 +216,7 @@ __device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const
         if (c < cols) {
             float n = v[t] * inv;
             if (post) n *= post[c];
-            v[t] = (hr[c] + n) * scale;
+            v[t] = (hv[t] + n) * scale;
             hr[c] = v[t];
             ss2 += v[t] * v[t];
         }
