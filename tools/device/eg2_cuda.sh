@@ -32,7 +32,7 @@ if [[ $PARTS == *parity* ]]; then
 fi
 if [[ $PARTS == *sens* ]]; then
   echo "== rounding sensitivity vs torch float64: shared model, then the parity model"
-  for model in $M $P; do
+  for model in $P; do  # the shared model $M was measured in an earlier run (BENCHMARKS.md)
     python3 tools/device/eg2_sensitivity.py $model $D/bench_inputs.json .dev/bin/tessera "$OUT/sensitivity_$(basename $model).json" \
       2> "$OUT/sensitivity_$(basename $model).err" || tail -5 "$OUT/sensitivity_$(basename $model).err"
   done
@@ -51,13 +51,13 @@ if [[ $PARTS == *bench* ]]; then
        --w3-docs 256 --w3-pass-tokens 65536 > /dev/null 2> "$OUT/profile_$w.txt"
   done
   cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl" "$OUT/bench_image.jsonl"
-  tail -2 "$OUT/bench_embed.err" "$OUT/bench_image.err"
+  tail -n 2 "$OUT/bench_embed.err" "$OUT/bench_image.err"
   for w in w1 w2 w3; do tail -1 "$OUT/profile_$w.txt"; done
 fi
 if [[ $PARTS == *ref* ]]; then
   echo "== reference (transformers 5.25, bf16, sdpa)"
   python3 .dev/tools/refbench.py --only egemma2 > "$OUT/refbench.jsonl" 2> "$OUT/refbench.err"
   python3 tools/device/eg2_image_ref.py $M > "$OUT/ref_images.jsonl" 2> "$OUT/ref_images.err"
-  grep '^{' "$OUT/refbench.jsonl" "$OUT/ref_images.jsonl"; tail -2 "$OUT/refbench.err" "$OUT/ref_images.err"
+  grep '^{' "$OUT/refbench.jsonl" "$OUT/ref_images.jsonl"; tail -n 2 "$OUT/refbench.err" "$OUT/ref_images.err"
 fi
 exit $status

@@ -47,6 +47,23 @@ pub fn flash_config(d: usize, variant: usize) -> FlashConfig {
     }
 }
 
+/// Every flash-attention kernel: (head dim, variant, name).
+pub fn flash_kernels() -> Vec<(usize, usize, String)> {
+    FLASH_HEAD_DIMS
+        .iter()
+        .map(|&d| (d, 0, flash_name(d, 0)))
+        .chain(FLASH_VARIANT_DIMS.iter().map(|&d| (d, 1, flash_name(d, 1))))
+        .collect()
+}
+
+/// `flash_bf16_d{D}`, or `flash_bf16_d{D}_v{V}` for an alternative shape.
+pub fn flash_name(d: usize, variant: usize) -> String {
+    match variant {
+        0 => format!("flash_bf16_d{d}"),
+        v => format!("flash_bf16_d{d}_v{v}"),
+    }
+}
+
 /// Every kernel name, per source file.
 pub fn names(source: &str) -> Vec<String> {
     let pairs = |op: &str| -> Vec<String> {
@@ -81,9 +98,9 @@ pub fn names(source: &str) -> Vec<String> {
             v
         }
         "attention.cu" => {
-            let mut v: Vec<String> = FLASH_HEAD_DIMS
-                .iter()
-                .map(|d| format!("flash_bf16_d{d}"))
+            let mut v: Vec<String> = flash_kernels()
+                .into_iter()
+                .map(|(_, _, name)| name)
                 .collect();
             v.push("attn_rows_f32".to_string());
             v
@@ -112,24 +129,16 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        let variants = FLASH_HEAD_DIMS
-            .iter()
-            .map(|&d| (d, 0, format!("flash_bf16_d{d}")))
-            .chain(
-                FLASH_VARIANT_DIMS
-                    .iter()
-                    .map(|&d| (d, 1, format!("flash_bf16_d{d}_v1"))),
-            );
-        for (d, variant, name) in variants {
+        for (d, variant, name) in flash_kernels() {
             let smem = flash_config(d, variant).smem;
-            funcs[&name]
-                .set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .map_err(|e| {
-                    Error::backend(format!("flash_bf16_d{d}: {smem} B of shared memory"), e)
-                })?;
+            let func = funcs.get(&name).ok_or_else(|| {
+                Error::backend("kernel lookup", format!("no kernel named {name}"))
+            })?;
+            func.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| Error::backend(format!("{name}: {smem} B of shared memory"), e))?;
         }
         Ok(Kernels { funcs })
     }
@@ -138,5 +147,58 @@ impl Kernels {
         self.funcs
             .get(name)
             .ok_or_else(|| Error::backend("kernel lookup", format!("no kernel named {name}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every name the op dispatch in mod.rs builds is resolved at load (NVRTC's compile test then
+    /// checks each resolved name is in its cubin): a misspelt kernel fails here, not on a GPU.
+    #[test]
+    fn every_dispatched_kernel_is_resolved() {
+        let all: Vec<String> = SOURCES.iter().flat_map(|s| names(s.name)).collect();
+        let tags = ["f32", "bf16"];
+        let mut wanted = vec!["attn_rows_f32".to_string()];
+        for a in tags {
+            for b in tags {
+                for op in [
+                    "rms_norm",
+                    "rms_norm_warp",
+                    "residual_norm",
+                    "residual_norm_warp",
+                    "cast",
+                    "add_positions_2d",
+                    "avg_pool2d",
+                    "scatter_rows",
+                ] {
+                    wanted.push(format!("{op}_{a}_{b}"));
+                }
+            }
+            wanted.push(format!("embed_{a}_f32"));
+            wanted.push(format!("qkv_norm_rope_{a}"));
+            wanted.push(format!("segment_mean_{a}"));
+            for act in ["gelu", "silu"] {
+                wanted.push(format!("gated_{act}_{a}"));
+                wanted.push(format!("gated_vec_{act}_{a}"));
+            }
+        }
+        for d in FLASH_HEAD_DIMS {
+            wanted.push(flash_name(d, 0));
+        }
+        for d in FLASH_VARIANT_DIMS {
+            wanted.push(flash_name(d, 1));
+        }
+        for w in &wanted {
+            assert!(
+                all.contains(w),
+                "{w} is dispatched but not resolved at load"
+            );
+        }
+        assert_eq!(
+            flash_kernels().len(),
+            FLASH_HEAD_DIMS.len() + FLASH_VARIANT_DIMS.len()
+        );
     }
 }

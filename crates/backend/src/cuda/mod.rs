@@ -1030,10 +1030,7 @@ impl Backend for CudaBackend {
                     i(window),
                     i(spec.causal as i64),
                 ];
-                let name = match self.flash_variant(hd) {
-                    0 => format!("flash_bf16_d{hd}"),
-                    v => format!("flash_bf16_d{hd}_v{v}"),
-                };
+                let name = kernels::flash_name(hd, self.flash_variant(hd));
                 let config = LaunchConfig {
                     grid_dim: (segs.tiles as u32, spec.heads_q as u32, fc.splits),
                     block_dim: (fc.threads, 1, 1),
