@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
-#   PARTS=parity,sens,bench,ref (default all)   W3_DOCS=8192
+#   PARTS=parity,sens,bench,ref (default all)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
 # Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PARTS=${PARTS:-parity,sens,bench,ref}
 W3_DOCS=${W3_DOCS:-8192}
+W3_PASS=${W3_PASS:-16384,32768,65536}
+IMG_PASS=${IMG_PASS:-16384,32768,65536}
+PROFILES=${PROFILES:-w1 w2 w3}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
   && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
@@ -43,16 +46,16 @@ if [[ $PARTS == *bench* ]]; then
   $B bench gemm --device cuda > "$OUT/bench_gemm.jsonl" 2>&1
   CEIL=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["tflops"])' "$OUT/bench_gemm.jsonl")
   $B bench attention --device cuda > "$OUT/bench_attention.jsonl" 2>&1
-  $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --w3-docs "$W3_DOCS" --ceiling-tflops "$CEIL" \
+  $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --w3-docs "$W3_DOCS" --w3-pass-tokens "$W3_PASS" --ceiling-tflops "$CEIL" \
      > "$OUT/bench_embed.jsonl" 2> "$OUT/bench_embed.err"
-  $B bench image --device cuda --model $M --image $D/image/img_a_641x479.png > "$OUT/bench_image.jsonl" 2> "$OUT/bench_image.err"
-  for w in w1 w2 w3; do
+  $B bench image --device cuda --model $M --image $D/image/img_a_641x479.png --pass-patches "$IMG_PASS" > "$OUT/bench_image.jsonl" 2> "$OUT/bench_image.err"
+  for w in $PROFILES; do
     TESSERA_PROFILE=1 $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads $w \
        --w3-docs 256 --w3-pass-tokens 65536 > /dev/null 2> "$OUT/profile_$w.txt"
   done
   cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl" "$OUT/bench_image.jsonl"
   tail -n 2 "$OUT/bench_embed.err" "$OUT/bench_image.err"
-  for w in w1 w2 w3; do tail -1 "$OUT/profile_$w.txt"; done
+  for w in $PROFILES; do tail -1 "$OUT/profile_$w.txt"; done
 fi
 if [[ $PARTS == *ref* ]]; then
   echo "== reference (transformers 5.25, bf16, sdpa)"

@@ -32,7 +32,7 @@ enum What {
     Embed(EmbedBench),
     /// cuBLASLt bf16 GEMM rate on random data (the ceiling for utilisation figures).
     Gemm(GemmBench),
-    /// The attention op alone on the EmbeddingGemma 2 shapes, every kernel variant.
+    /// The attention op alone on the EmbeddingGemma 2 shapes.
     Attention(AttentionBench),
     /// EmbeddingGemma 2 image embeddings: one image's latency and mixed-size throughput.
     Image(ImageBench),
@@ -352,21 +352,12 @@ fn attention(b: AttentionBench) -> Result<()> {
             })
             .sum();
         let flops = 4.0 * (s.heads_q * s.head_dim) as f64 * pairs;
-        for variant in 0..2 {
-            if variant == 1
-                && !tessera_backend::cuda::kernels::FLASH_VARIANT_DIMS.contains(&s.head_dim)
-            {
-                continue;
-            }
-            be.set_flash_variant(variant);
-            let ms = be.bench_attention(lens, s, 20)?;
-            emit(
-                serde_json::json!({"name": "attention", "shape": name, "variant": variant, "head_dim": s.head_dim,
-                "median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}),
-            );
-        }
+        let ms = be.bench_attention(lens, s, 20)?;
+        emit(
+            serde_json::json!({"name": "attention", "shape": name, "head_dim": s.head_dim,
+            "median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}),
+        );
     }
-    be.set_flash_variant(0);
     Ok(())
 }
 

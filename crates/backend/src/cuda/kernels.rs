@@ -26,15 +26,10 @@ pub struct FlashConfig {
     pub splits: u32,
 }
 
-/// Head dims with a second kernel shape (`flash_bf16_d{D}_v1`) for side-by-side timing.
-pub const FLASH_VARIANT_DIMS: [usize; 2] = [256, 512];
-
-pub fn flash_config(d: usize, variant: usize) -> FlashConfig {
-    let (wm, wd, bn) = match (d, variant) {
-        (256, 0) => (4, 1, 32),
-        (512, 0) => (2, 2, 32),
-        (256, _) => (4, 2, 16),
-        (512, _) => (2, 4, 16),
+pub fn flash_config(d: usize) -> FlashConfig {
+    let (wm, wd, bn) = match d {
+        256 => (4, 1, 32),
+        512 => (2, 2, 32),
         _ => (4, 1, 64),
     };
     let bm = 16 * wm;
@@ -47,21 +42,9 @@ pub fn flash_config(d: usize, variant: usize) -> FlashConfig {
     }
 }
 
-/// Every flash-attention kernel: (head dim, variant, name).
-pub fn flash_kernels() -> Vec<(usize, usize, String)> {
-    FLASH_HEAD_DIMS
-        .iter()
-        .map(|&d| (d, 0, flash_name(d, 0)))
-        .chain(FLASH_VARIANT_DIMS.iter().map(|&d| (d, 1, flash_name(d, 1))))
-        .collect()
-}
-
-/// `flash_bf16_d{D}`, or `flash_bf16_d{D}_v{V}` for an alternative shape.
-pub fn flash_name(d: usize, variant: usize) -> String {
-    match variant {
-        0 => format!("flash_bf16_d{d}"),
-        v => format!("flash_bf16_d{d}_v{v}"),
-    }
+/// `flash_bf16_d{D}`: the tensor-core attention kernel for head dim `D`.
+pub fn flash_name(d: usize) -> String {
+    format!("flash_bf16_d{d}")
 }
 
 /// Every kernel name, per source file.
@@ -76,9 +59,8 @@ pub fn names(source: &str) -> Vec<String> {
         "norm.cu" => {
             let mut v = pairs("rms_norm");
             v.extend(pairs("residual_norm"));
-            v.extend(pairs("rms_norm_warp"));
-            v.extend(pairs("residual_norm_warp"));
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_{d}")));
+            v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_axial_{d}")));
             v
         }
         "elementwise.cu" => {
@@ -98,10 +80,7 @@ pub fn names(source: &str) -> Vec<String> {
             v
         }
         "attention.cu" => {
-            let mut v: Vec<String> = flash_kernels()
-                .into_iter()
-                .map(|(_, _, name)| name)
-                .collect();
+            let mut v: Vec<String> = FLASH_HEAD_DIMS.iter().map(|&d| flash_name(d)).collect();
             v.push("attn_rows_f32".to_string());
             v
         }
@@ -129,8 +108,9 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        for (d, variant, name) in flash_kernels() {
-            let smem = flash_config(d, variant).smem;
+        for d in FLASH_HEAD_DIMS {
+            let name = flash_name(d);
+            let smem = flash_config(d).smem;
             let func = funcs.get(&name).ok_or_else(|| {
                 Error::backend("kernel lookup", format!("no kernel named {name}"))
             })?;
@@ -165,9 +145,7 @@ mod tests {
             for b in tags {
                 for op in [
                     "rms_norm",
-                    "rms_norm_warp",
                     "residual_norm",
-                    "residual_norm_warp",
                     "cast",
                     "add_positions_2d",
                     "avg_pool2d",
@@ -178,6 +156,7 @@ mod tests {
             }
             wanted.push(format!("embed_{a}_f32"));
             wanted.push(format!("qkv_norm_rope_{a}"));
+            wanted.push(format!("qkv_norm_rope_axial_{a}"));
             wanted.push(format!("segment_mean_{a}"));
             for act in ["gelu", "silu"] {
                 wanted.push(format!("gated_{act}_{a}"));
@@ -185,10 +164,7 @@ mod tests {
             }
         }
         for d in FLASH_HEAD_DIMS {
-            wanted.push(flash_name(d, 0));
-        }
-        for d in FLASH_VARIANT_DIMS {
-            wanted.push(flash_name(d, 1));
+            wanted.push(flash_name(d));
         }
         for w in &wanted {
             assert!(
@@ -196,9 +172,5 @@ mod tests {
                 "{w} is dispatched but not resolved at load"
             );
         }
-        assert_eq!(
-            flash_kernels().len(),
-            FLASH_HEAD_DIMS.len() + FLASH_VARIANT_DIMS.len()
-        );
     }
 }

@@ -116,8 +116,6 @@ pub struct CudaBackend {
     gemm: Gemm,
     graphs: Mutex<Graphs>,
     profiler: Option<Profiler>,
-    /// Kernel shape for 256/512-wide heads (0 = default); changed only by `bench attention`.
-    flash_variant: std::sync::atomic::AtomicUsize,
     name: String,
     arch: String,
     sm_count: u32,
@@ -218,7 +216,6 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         gemm,
         graphs: Mutex::new(Graphs::default()),
         profiler,
-        flash_variant: std::sync::atomic::AtomicUsize::new(0),
         name,
         arch,
         sm_count,
@@ -276,9 +273,6 @@ fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
         shared_mem_bytes: smem,
     }
 }
-
-/// Rows up to this width are normalised one warp per row (32 values per lane in registers).
-const WARP_ROW_MAX: usize = 1024;
 
 fn row_block(cols: usize) -> u32 {
     if cols <= 1024 { 128 } else { 256 }
@@ -343,22 +337,6 @@ impl CudaBackend {
         times.sort_by(f64::total_cmp);
         let ms = times[times.len() / 2];
         Ok(2.0 * (size as f64).powi(3) / (ms / 1e3) / 1e12)
-    }
-
-    fn flash_variant(&self, hd: usize) -> usize {
-        if kernels::FLASH_VARIANT_DIMS.contains(&hd) {
-            self.flash_variant
-                .load(std::sync::atomic::Ordering::Relaxed)
-        } else {
-            0
-        }
-    }
-
-    /// Select the alternative flash-attention kernel shape for 256/512-wide heads (for timing
-    /// variants side by side; `0` is the default shape).
-    pub fn set_flash_variant(&self, variant: usize) {
-        self.flash_variant
-            .store(variant.min(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Median milliseconds of `attention` over packed segments of `lens` (random bf16 q, k, v)
@@ -785,23 +763,6 @@ impl Backend for CudaBackend {
         let (xp, op) = (ptr_of(&x)?, ptr_of_mut(&out)?);
         let (xt, ot) = (x.buf.elem.tag(), out.buf.elem.tag());
         let w = w.map_or(0, |w| w.ptr);
-        if x.cols <= WARP_ROW_MAX {
-            // One warp per row, the row in registers.
-            let name = format!("rms_norm_warp_{xt}_{ot}");
-            let args = [
-                xp,
-                i(x.stride as i64),
-                w,
-                op,
-                i(out.stride as i64),
-                i(x.rows as i64),
-                i(x.cols as i64),
-                f(eps),
-            ];
-            return self.timed("norm", || {
-                self.launch(&name, cfg(((x.rows as u32).div_ceil(8), 1), 256, 0), &args)
-            });
-        }
         let name = format!("rms_norm_{xt}_{ot}");
         let args = [
             xp,
@@ -881,14 +842,6 @@ impl Backend for CudaBackend {
             optr,
             i(ostride as i64),
         ];
-        if h.cols <= WARP_ROW_MAX {
-            let name = format!("residual_norm_warp_{}_{}", y.buf.elem.tag(), out_tag);
-            let mut args = common.to_vec();
-            args.extend([i(h.rows as i64), i(h.cols as i64), f(eps)]);
-            return self.timed("norm", || {
-                self.launch(&name, cfg(((h.rows as u32).div_ceil(8), 1), 256, 0), &args)
-            });
-        }
         let name = format!("residual_norm_{}_{}", y.buf.elem.tag(), out_tag);
         let mut args = common.to_vec();
         args.extend([i(h.cols as i64), f(eps)]);
@@ -939,7 +892,11 @@ impl Backend for CudaBackend {
             }
             None => (0, 0, 0, 0, 0),
         };
-        let name = format!("qkv_norm_rope_{}", qkv.buf.elem.tag());
+        let name = if axial == 1 {
+            format!("qkv_norm_rope_axial_{}", qkv.buf.elem.tag())
+        } else {
+            format!("qkv_norm_rope_{}", qkv.buf.elem.tag())
+        };
         let heads = layout.heads_q + 2 * layout.heads_kv;
         let warps = (qkv.rows * heads) as u32;
         let args = [
@@ -956,7 +913,6 @@ impl Backend for CudaBackend {
             table,
             i(tlen as i64),
             i(thalf as i64),
-            i(axial),
             pos,
         ];
         self.timed("norm", || {
@@ -1013,7 +969,7 @@ impl Backend for CudaBackend {
                         ),
                     ));
                 }
-                let fc = kernels::flash_config(hd, self.flash_variant(hd));
+                let fc = kernels::flash_config(hd);
                 let tiles = addr(&segs.dev, segs.max_segs + 1);
                 let args = [
                     qp,
@@ -1030,7 +986,7 @@ impl Backend for CudaBackend {
                     i(window),
                     i(spec.causal as i64),
                 ];
-                let name = kernels::flash_name(hd, self.flash_variant(hd));
+                let name = kernels::flash_name(hd);
                 let config = LaunchConfig {
                     grid_dim: (segs.tiles as u32, spec.heads_q as u32, fc.splits),
                     block_dim: (fc.threads, 1, 1),

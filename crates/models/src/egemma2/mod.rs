@@ -142,6 +142,9 @@ pub struct Embedding {
     pub tokens: usize,
 }
 
+/// Inputs prepared (resized, patched) in parallel at a time.
+const PREPARE_CHUNK: usize = 64;
+
 /// Rows per packed pass: large enough to fill the device, small enough to bound activations.
 pub const DEFAULT_PASS_TOKENS: usize = 8192;
 /// Image patches per packed vision pass (one 1120-budget image has up to 10,080; a larger
@@ -585,19 +588,31 @@ impl<B: Backend> EmbeddingGemma2<B> {
         let mut out = Vec::with_capacity(inputs.len());
         let mut batch: Vec<Prepared> = Vec::new();
         let (mut rows, mut patches) = (0, 0);
-        for (i, input) in inputs.iter().enumerate() {
-            let p = self.prepare(input, opts, budget).map_err(|e| name(i, e))?;
-            let n_patches: usize = p.images.iter().map(Patches::len).sum();
-            if !batch.is_empty()
-                && (rows + p.ids.len() > self.pass_tokens
-                    || patches + n_patches > self.pass_patches)
-            {
-                self.flush(&mut batch, dim, &mut out, &mut progress)?;
-                (rows, patches) = (0, 0);
+        // Decoding is the caller's; resizing and patching run on all cores, a chunk of inputs
+        // at a time so that a long list never holds every image's patches at once.
+        for (c, chunk) in inputs.chunks(PREPARE_CHUNK).enumerate() {
+            use rayon::prelude::*;
+            let prepared = chunk
+                .par_iter()
+                .enumerate()
+                .map(|(j, input)| {
+                    self.prepare(input, opts, budget)
+                        .map_err(|e| name(c * PREPARE_CHUNK + j, e))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            for p in prepared {
+                let n_patches: usize = p.images.iter().map(Patches::len).sum();
+                if !batch.is_empty()
+                    && (rows + p.ids.len() > self.pass_tokens
+                        || patches + n_patches > self.pass_patches)
+                {
+                    self.flush(&mut batch, dim, &mut out, &mut progress)?;
+                    (rows, patches) = (0, 0);
+                }
+                rows += p.ids.len();
+                patches += n_patches;
+                batch.push(p);
             }
-            rows += p.ids.len();
-            patches += n_patches;
-            batch.push(p);
         }
         self.flush(&mut batch, dim, &mut out, &mut progress)?;
         Ok(out)

@@ -13,6 +13,7 @@
 //! - the horizontal pass runs first, its result is rounded to uint8, then the vertical pass; an
 //!   axis whose size does not change is not resampled.
 
+use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
 use super::Image;
@@ -120,15 +121,18 @@ pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Imag
     if out_w != in_w {
         let ax = axis(in_w, out_w);
         let mut out = vec![0u8; in_h * out_w * 3];
-        for (src, dst) in rgb.chunks_exact(w * 3).zip(out.chunks_exact_mut(out_w * 3)) {
-            for x in 0..out_w {
-                let k = &ax.weights[x * ax.taps..x * ax.taps + ax.size[x]];
-                for c in 0..3 {
-                    let px = (ax.start[x]..ax.start[x] + ax.size[x]).map(|i| src[i * 3 + c]);
-                    dst[x * 3 + c] = convolve(px, k, ax.precision);
+        // Rows are independent: resize them in parallel (the result does not depend on it).
+        rgb.par_chunks_exact(w * 3)
+            .zip(out.par_chunks_exact_mut(out_w * 3))
+            .for_each(|(src, dst)| {
+                for x in 0..out_w {
+                    let k = &ax.weights[x * ax.taps..x * ax.taps + ax.size[x]];
+                    for c in 0..3 {
+                        let px = (ax.start[x]..ax.start[x] + ax.size[x]).map(|i| src[i * 3 + c]);
+                        dst[x * 3 + c] = convolve(px, k, ax.precision);
+                    }
                 }
-            }
-        }
+            });
         rgb = out;
         w = out_w;
     }
@@ -136,13 +140,15 @@ pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Imag
         let ax = axis(in_h, out_h);
         let row = w * 3;
         let mut out = vec![0u8; out_h * row];
-        for (y, dst) in out.chunks_exact_mut(row).enumerate() {
-            let k = &ax.weights[y * ax.taps..y * ax.taps + ax.size[y]];
-            for (i, d) in dst.iter_mut().enumerate() {
-                let px = (ax.start[y]..ax.start[y] + ax.size[y]).map(|r| rgb[r * row + i]);
-                *d = convolve(px, k, ax.precision);
-            }
-        }
+        out.par_chunks_exact_mut(row)
+            .enumerate()
+            .for_each(|(y, dst)| {
+                let k = &ax.weights[y * ax.taps..y * ax.taps + ax.size[y]];
+                for (i, d) in dst.iter_mut().enumerate() {
+                    let px = (ax.start[y]..ax.start[y] + ax.size[y]).map(|r| rgb[r * row + i]);
+                    *d = convolve(px, k, ax.precision);
+                }
+            });
         rgb = out;
     }
     Image::from_rgb8(w, out_h, rgb)

@@ -17,18 +17,16 @@
 
 // WM warps along query rows (BM = 16·WM rows per CTA; a 64-row tile takes 64/BM CTAs along z),
 // WD warps along the head dimension, BN keys per block, MIN_CTAS resident per multiprocessor.
-// Variant V = 1 instantiates an alternative shape for side-by-side timing (`tessera bench
-// attention`). Mirrored by `flash_config` in kernels.rs.
-template <int D, int V = 0> struct FlashCfg { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 1; };
+// Mirrored by `flash_config` in kernels.rs.
+template <int D> struct FlashCfg { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 1; };
 // 256-wide heads: one warp holds a whole 16×256 output block (128 accumulators), so no partial
 // scores cross warps; 512-wide heads split the head in two. 128 threads and 32-key blocks keep
 // two CTAs on a multiprocessor (≤ 255 registers, ≤ 113 KB of shared memory each), so one CTA's
-// loads and barriers overlap the other's tensor-core work.
-template <> struct FlashCfg<256, 0> { static constexpr int WM = 4, WD = 1, BN = 32, MIN_CTAS = 2; };
-template <> struct FlashCfg<512, 0> { static constexpr int WM = 2, WD = 2, BN = 32, MIN_CTAS = 2; };
-// Alternatives: more warps across the head, 16-key blocks, ≤ 128 registers.
-template <> struct FlashCfg<256, 1> { static constexpr int WM = 4, WD = 2, BN = 16, MIN_CTAS = 2; };
-template <> struct FlashCfg<512, 1> { static constexpr int WM = 2, WD = 4, BN = 16, MIN_CTAS = 2; };
+// loads and barriers overlap the other's tensor-core work. Measured on the H200 against shapes
+// with 2–4 warps across the head and 16-key blocks: 25–35% faster on the EmbeddingGemma 2 shapes
+// (BENCHMARKS.md, attention rows).
+template <> struct FlashCfg<256> { static constexpr int WM = 4, WD = 1, BN = 32, MIN_CTAS = 2; };
+template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 2, BN = 32, MIN_CTAS = 2; };
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
@@ -69,12 +67,12 @@ __device__ __forceinline__ void load_rows(bf16* tile, const bf16* base, long str
     }
 }
 
-template <int D, int V, typename TO>
+template <int D, typename TO>
 __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k, long ks,
                                            const bf16* __restrict__ v, long vs, TO* __restrict__ o, long os,
                                            const u32* __restrict__ tiles, int group, float scale_log2, int window,
                                            int causal) {
-    constexpr int WM = FlashCfg<D, V>::WM, WD = FlashCfg<D, V>::WD, BN = FlashCfg<D, V>::BN;
+    constexpr int WM = FlashCfg<D>::WM, WD = FlashCfg<D>::WD, BN = FlashCfg<D>::BN;
     constexpr int BM = 16 * WM, NT = 32 * WM * WD, PITCH = D + 8, DW = D / WD;
     constexpr int NS = BN / 8;  // score n-tiles per warp
     constexpr int NO = DW / 8;  // output n-tiles per warp
@@ -255,21 +253,18 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     }
 }
 
-#define FLASH(D, V, NAME)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * FlashCfg<D, V>::WM * FlashCfg<D, V>::WD,            \
-                                                 FlashCfg<D, V>::MIN_CTAS)                                 \
-        NAME(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os,     \
-             const u32* tiles, int group, float scale_log2, int window, int causal) {                     \
-        flash_impl<D, V, bf16>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal);     \
+#define FLASH(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * FlashCfg<D>::WM * FlashCfg<D>::WD, FlashCfg<D>::MIN_CTAS) \
+        flash_bf16_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
+                        const u32* tiles, int group, float scale_log2, int window, int causal) {           \
+        flash_impl<D, bf16>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal);        \
     }
-FLASH(16, 0, flash_bf16_d16)
-FLASH(32, 0, flash_bf16_d32)
-FLASH(64, 0, flash_bf16_d64)
-FLASH(128, 0, flash_bf16_d128)
-FLASH(256, 0, flash_bf16_d256)
-FLASH(512, 0, flash_bf16_d512)
-FLASH(256, 1, flash_bf16_d256_v1)
-FLASH(512, 1, flash_bf16_d512_v1)
+FLASH(16)
+FLASH(32)
+FLASH(64)
+FLASH(128)
+FLASH(256)
+FLASH(512)
 
 // Exact mode: one warp per (query row, head); lane holds head channels lane, lane+32, … (D ≤ 512).
 extern "C" __global__ void attn_rows_f32(const float* q, long qs, const float* k, long ks, const float* v, long vs,

@@ -68,11 +68,12 @@ __device__ __forceinline__ void residual_norm_impl(float* h, long hs, const TY* 
 // axial = 0: split-half, pair j ↔ j + hd/2 at position pos[r].
 // axial = 1: 2-D, channels [0, hd/2) rotate by x = pos[2r], [hd/2, hd) by y = pos[2r+1]; within
 // each half, pair j ↔ j + hd/4 (tbl_half = hd/4).
-template <typename T>
+template <typename T, bool AXIAL>
 __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
                                                    const float* qw, const float* kw, int v_norm, float eps,
-                                                   const float* rope, int rope_len, int tbl_half, int axial,
+                                                   const float* rope, int rope_len, int tbl_half,
                                                    const u32* pos) {
+    constexpr bool axial = AXIAL;
     const int heads = hq + 2 * hkv;
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -151,112 +152,15 @@ RESIDUAL_NORM(float, bf16, residual_norm_f32_bf16)
 RESIDUAL_NORM(bf16, float, residual_norm_bf16_f32)
 RESIDUAL_NORM(bf16, bf16, residual_norm_bf16_bf16)
 
-#define QKV_NORM_ROPE(T, NAME)                                                                           \
+// Split-half and axial 2-D are separate instantiations: the text path keeps its plain indexing.
+#define QKV_NORM_ROPE(T, AXIAL, NAME)                                                                    \
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
                                     const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
-                                    int tbl_half, int axial, const u32* pos) {                            \
-        qkv_norm_rope_impl<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len, tbl_half, \
-                              axial, pos);                                                                \
+                                    int tbl_half, const u32* pos) {                                       \
+        qkv_norm_rope_impl<T, AXIAL>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len,   \
+                                     tbl_half, pos);                                                      \
     }
-QKV_NORM_ROPE(float, qkv_norm_rope_f32)
-QKV_NORM_ROPE(bf16, qkv_norm_rope_bf16)
-
-// ---- warp-per-row variants (cols ≤ 1024): no block barriers, the row stays in registers ----
-
-template <typename TI, typename TO>
-__device__ __forceinline__ void rms_norm_warp_impl(const TI* x, long xs, const float* w, TO* out, long os, int rows,
-                                                   int cols, float eps) {
-    const long r = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (r >= rows) return;
-    const TI* xr = x + r * xs;
-    float v[32];
-    float ss = 0.f;
-#pragma unroll
-    for (int t = 0; t < 32; t++) {
-        const int c = lane + 32 * t;
-        v[t] = c < cols ? to_f(xr[c]) : 0.f;
-        ss += v[t] * v[t];
-    }
-    ss = warp_sum(ss);
-    const float inv = 1.f / sqrtf(ss / cols + eps);
-    TO* orow = out + r * os;
-#pragma unroll
-    for (int t = 0; t < 32; t++) {
-        const int c = lane + 32 * t;
-        if (c < cols) orow[c] = from_f<TO>(w ? v[t] * inv * w[c] : v[t] * inv);
-    }
-}
-
-template <typename TY, typename TO>
-__device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const TY* y, long ys, const float* post,
-                                                        float scale, int mode, const float* next, TO* out, long os,
-                                                        int rows, int cols, float eps) {
-    const long r = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (r >= rows) return;
-    float* hr = h + r * hs;
-    const TY* yr = y + r * ys;
-    // y and h are loaded together: one round trip to memory per row, not two.
-    float v[32], hv[32];
-    float ss = 0.f;
-#pragma unroll
-    for (int t = 0; t < 32; t++) {
-        const int c = lane + 32 * t;
-        v[t] = c < cols ? to_f(yr[c]) : 0.f;
-        hv[t] = c < cols ? hr[c] : 0.f;
-        ss += v[t] * v[t];
-    }
-    ss = warp_sum(ss);
-    const float inv = 1.f / sqrtf(ss / cols + eps);
-    float ss2 = 0.f;
-#pragma unroll
-    for (int t = 0; t < 32; t++) {
-        const int c = lane + 32 * t;
-        if (c < cols) {
-            float n = v[t] * inv;
-            if (post) n *= post[c];
-            v[t] = (hv[t] + n) * scale;
-            hr[c] = v[t];
-            ss2 += v[t] * v[t];
-        }
-    }
-    if (mode == 0) return;
-    TO* orow = out + r * os;
-    if (mode == 2) {
-#pragma unroll
-        for (int t = 0; t < 32; t++) {
-            const int c = lane + 32 * t;
-            if (c < cols) orow[c] = from_f<TO>(v[t]);
-        }
-        return;
-    }
-    ss2 = warp_sum(ss2);
-    const float inv2 = 1.f / sqrtf(ss2 / cols + eps);
-#pragma unroll
-    for (int t = 0; t < 32; t++) {
-        const int c = lane + 32 * t;
-        if (c < cols) orow[c] = from_f<TO>(v[t] * inv2 * next[c]);
-    }
-}
-
-#define RMS_NORM_WARP(TI, TO, NAME)                                                                      \
-    extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, int rows,     \
-                                    int cols, float eps) {                                                \
-        rms_norm_warp_impl<TI, TO>(x, xs, w, out, os, rows, cols, eps);                                    \
-    }
-RMS_NORM_WARP(float, float, rms_norm_warp_f32_f32)
-RMS_NORM_WARP(float, bf16, rms_norm_warp_f32_bf16)
-RMS_NORM_WARP(bf16, float, rms_norm_warp_bf16_f32)
-RMS_NORM_WARP(bf16, bf16, rms_norm_warp_bf16_bf16)
-
-#define RESIDUAL_NORM_WARP(TY, TO, NAME)                                                                 \
-    extern "C" __global__ void NAME(float* h, long hs, const TY* y, long ys, const float* post, float scale, \
-                                    int mode, const float* next, TO* out, long os, int rows, int cols,     \
-                                    float eps) {                                                          \
-        residual_norm_warp_impl<TY, TO>(h, hs, y, ys, post, scale, mode, next, out, os, rows, cols, eps);  \
-    }
-RESIDUAL_NORM_WARP(float, float, residual_norm_warp_f32_f32)
-RESIDUAL_NORM_WARP(float, bf16, residual_norm_warp_f32_bf16)
-RESIDUAL_NORM_WARP(bf16, float, residual_norm_warp_bf16_f32)
-RESIDUAL_NORM_WARP(bf16, bf16, residual_norm_warp_bf16_bf16)
+QKV_NORM_ROPE(float, false, qkv_norm_rope_f32)
+QKV_NORM_ROPE(bf16, false, qkv_norm_rope_bf16)
+QKV_NORM_ROPE(float, true, qkv_norm_rope_axial_f32)
+QKV_NORM_ROPE(bf16, true, qkv_norm_rope_axial_bf16)
