@@ -20,7 +20,7 @@ mod view;
 pub use device::{AnyBackend, DeviceRequest};
 pub use spec::{
     Activation, After, AttnSpec, Conv2d, Epilogue, Grids, GroupNorm, NormKind, QkvLayout, Residual,
-    RopeStyle, RowNorm, Segments, offsets_of,
+    RopeStyle, RowNorm, Segments, offsets_of, stack_rows,
 };
 pub use tessera_core::{Error, Result};
 pub use view::{View, ViewMut};

@@ -81,6 +81,69 @@ pub struct AttnSpec {
     pub causal: bool,
 }
 
+impl AttnSpec {
+    /// Every backend's shape check: q/out `[total, heads_q·head_dim]`, k/v `[total,
+    /// heads_kv·head_dim]`, whole groups of q heads per kv head.
+    pub fn check<B: Backend>(
+        &self,
+        q: &View<'_, B>,
+        k: &View<'_, B>,
+        v: &View<'_, B>,
+        out: &ViewMut<'_, B>,
+        total: usize,
+    ) -> tessera_core::Result<()> {
+        let hd = self.head_dim;
+        let ok = self.heads_kv > 0
+            && self.heads_q.is_multiple_of(self.heads_kv)
+            && q.cols == self.heads_q * hd
+            && out.cols == q.cols
+            && k.cols == self.heads_kv * hd
+            && v.cols == k.cols
+            && [q.rows, k.rows, v.rows, out.rows]
+                .iter()
+                .all(|&r| r == total);
+        if ok {
+            return Ok(());
+        }
+        Err(tessera_core::Error::backend(
+            "attention",
+            format!(
+                "q {}×{}, k {}×{}, v {}×{}, out {}×{} for {} q heads / {} kv heads of {hd} over {total} rows",
+                q.rows,
+                q.cols,
+                k.rows,
+                k.cols,
+                v.rows,
+                v.cols,
+                out.rows,
+                out.cols,
+                self.heads_q,
+                self.heads_kv
+            ),
+        ))
+    }
+}
+
+/// Weight matrices `[out_i, inner]` stacked along `out` (q|k|v, gate|up), as every backend's
+/// `matrix` takes them; checks each part's size. Returns the rows and the stacked values.
+pub fn stack_rows(
+    parts: &[(&[f32], usize)],
+    inner: usize,
+) -> tessera_core::Result<(usize, Vec<f32>)> {
+    let out: usize = parts.iter().map(|p| p.1).sum();
+    let mut data = Vec::with_capacity(out * inner);
+    for (values, rows) in parts {
+        if values.len() != rows * inner {
+            return Err(tessera_core::Error::backend(
+                "matrix",
+                format!("part has {} values, expected {rows}×{inner}", values.len()),
+            ));
+        }
+        data.extend_from_slice(values);
+    }
+    Ok((out, data))
+}
+
 /// Packed sequences: segment `s` covers rows `offsets[s]..offsets[s + 1]`.
 ///
 /// Allocated once for a capacity and refilled per pass, so its device copy stays at one address
@@ -183,6 +246,30 @@ impl<B: Backend> Grids<B> {
     /// Pooled rows in all images.
     pub fn pooled(&self) -> usize {
         self.patches() / (self.kernel * self.kernel)
+    }
+
+    /// Every backend's shape check for `avg_pool2d`: `x` `[patches, cols]` into `out`
+    /// `[pooled, cols]`, every grid side a multiple of the kernel.
+    pub fn check(&self, x: (usize, usize), out: (usize, usize)) -> tessera_core::Result<()> {
+        let k = self.kernel;
+        if k == 0
+            || x.0 != self.patches()
+            || out.0 != self.pooled()
+            || out.1 != x.1
+            || self
+                .dims
+                .iter()
+                .any(|&(w, h)| !w.is_multiple_of(k) || !h.is_multiple_of(k))
+        {
+            return Err(tessera_core::Error::backend(
+                "avg_pool2d",
+                format!(
+                    "{}×{} patches into {}×{} for grids {:?} pooled {k}×{k}",
+                    x.0, x.1, out.0, out.1, self.dims
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

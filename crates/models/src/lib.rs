@@ -1,6 +1,7 @@
 //! Tessera's models, one folder per family, each written once against
 //! [`tessera_backend::Backend`] so the CPU reference and the GPU backends share one definition.
 //!
+//! - [`blocks`]: sub-blocks shared by the transformer models (the gated MLP);
 //! - [`egemma2`]: EmbeddingGemma 2 text, image and mixed embeddings;
 //! - [`imageproc`]: image decoding, the reference's resampler and patches;
 //! - [`zimage`]: Z-Image-Turbo text-to-image;
@@ -8,6 +9,7 @@
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
 //! - [`files`]: a model's files, from a folder or compiled into the binary.
 
+pub mod blocks;
 pub mod egemma2;
 pub mod files;
 pub mod imageproc;

@@ -3,7 +3,7 @@
 //! window), masked softmax, then probabilities times values.
 
 use rayon::prelude::*;
-use tessera_core::{Error, Result};
+use tessera_core::Result;
 
 use super::{CpuBackend, slice};
 use crate::{AttnSpec, View, ViewMut};
@@ -31,33 +31,7 @@ pub(super) fn attention(
 ) -> Result<()> {
     let hd = spec.head_dim;
     let total = *offsets.last().unwrap_or(&0) as usize;
-    let shapes_ok = spec.heads_kv > 0
-        && spec.heads_q.is_multiple_of(spec.heads_kv)
-        && q.cols == spec.heads_q * hd
-        && out.cols == q.cols
-        && k.cols == spec.heads_kv * hd
-        && v.cols == k.cols
-        && [q.rows, k.rows, v.rows, out.rows]
-            .iter()
-            .all(|&r| r == total);
-    if !shapes_ok {
-        return Err(Error::backend(
-            "attention",
-            format!(
-                "q {}×{}, k {}×{}, v {}×{}, out {}×{} for {} q heads / {} kv heads of {hd} over {total} rows",
-                q.rows,
-                q.cols,
-                k.rows,
-                k.cols,
-                v.rows,
-                v.cols,
-                out.rows,
-                out.cols,
-                spec.heads_q,
-                spec.heads_kv
-            ),
-        ));
-    }
+    spec.check(&q, &k, &v, &out, total)?;
     let mut tasks = Vec::new();
     for w in offsets.windows(2) {
         let (s0, s1) = (w[0] as usize, w[1] as usize);

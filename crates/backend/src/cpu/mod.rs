@@ -169,17 +169,7 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<CpuMat> {
-        let out: usize = parts.iter().map(|p| p.1).sum();
-        let mut data = Vec::with_capacity(out * inner);
-        for (values, rows) in parts {
-            if values.len() != rows * inner {
-                return Err(Error::backend(
-                    "matrix",
-                    format!("part has {} values, expected {rows}×{inner}", values.len()),
-                ));
-            }
-            data.extend_from_slice(values);
-        }
+        let (out, data) = crate::stack_rows(parts, inner)?;
         Ok(CpuMat { data, out, inner })
     }
 

@@ -54,20 +54,7 @@ pub(super) fn avg_pool2d(
     out: ViewMut<'_, CpuBackend>,
 ) -> Result<()> {
     let k = grids.kernel;
-    if k == 0
-        || x.rows != grids.patches()
-        || out.rows != grids.pooled()
-        || out.cols != x.cols
-        || grids.dims.iter().any(|&(w, h)| w % k != 0 || h % k != 0)
-    {
-        return Err(Error::backend(
-            "avg_pool2d",
-            format!(
-                "{}×{} patches into {}×{} for grids {:?} pooled {k}×{k}",
-                x.rows, x.cols, out.rows, out.cols, grids.dims
-            ),
-        ));
-    }
+    grids.check((x.rows, x.cols), (out.rows, out.cols))?;
     // Top-left patch row and grid width of every pooled row.
     let cells: Vec<(usize, usize)> = grids
         .iter()

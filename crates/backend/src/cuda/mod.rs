@@ -324,18 +324,7 @@ impl CudaBackend {
         for _ in 0..3 {
             run()?;
         }
-        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let mut times = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let start = self.ctx.new_event(flags).map_err(drv("event"))?;
-            let end = self.ctx.new_event(flags).map_err(drv("event"))?;
-            start.record(&self.stream).map_err(drv("event"))?;
-            run()?;
-            end.record(&self.stream).map_err(drv("event"))?;
-            times.push(start.elapsed_ms(&end).map_err(drv("event"))? as f64);
-        }
-        times.sort_by(f64::total_cmp);
-        let ms = times[times.len() / 2];
+        let ms = self.median_ms(iters, &mut run)?;
         Ok(2.0 * (size as f64).powi(3) / (ms / 1e3) / 1e12)
     }
 
@@ -372,9 +361,14 @@ impl CudaBackend {
         for _ in 0..3 {
             run()?;
         }
+        self.median_ms(iters, &mut run)
+    }
+
+    /// Median GPU milliseconds of `run` over `iters` calls, each bracketed by timing events.
+    fn median_ms(&self, iters: usize, run: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut times = Vec::with_capacity(iters);
-        for _ in 0..iters {
+        for _ in 0..iters.max(1) {
             let start = self.ctx.new_event(flags).map_err(drv("event"))?;
             let end = self.ctx.new_event(flags).map_err(drv("event"))?;
             start.record(&self.stream).map_err(drv("event"))?;
@@ -578,17 +572,7 @@ impl Backend for CudaBackend {
     }
 
     fn matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<CudaMat> {
-        let out: usize = parts.iter().map(|p| p.1).sum();
-        let mut data = Vec::with_capacity(out * inner);
-        for (values, rows) in parts {
-            if values.len() != rows * inner {
-                return Err(Error::backend(
-                    "matrix",
-                    format!("part has {} values, expected {rows}×{inner}", values.len()),
-                ));
-            }
-            data.extend_from_slice(values);
-        }
+        let (out, data) = crate::stack_rows(parts, inner)?;
         let buf = self.upload_f32_as(&data, self.compute_elem())?;
         Ok(CudaMat { buf, out, inner })
     }
@@ -931,21 +915,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let hd = spec.head_dim;
         let total = segs.total();
-        let ok = spec.heads_kv > 0
-            && spec.heads_q.is_multiple_of(spec.heads_kv)
-            && q.cols == spec.heads_q * hd
-            && out.cols == q.cols
-            && k.cols == spec.heads_kv * hd
-            && v.cols == k.cols
-            && [q.rows, k.rows, v.rows, out.rows]
-                .iter()
-                .all(|&r| r == total);
-        if !ok {
-            return Err(Error::backend(
-                "attention",
-                format!("shapes do not match {spec:?} over {total} rows"),
-            ));
-        }
+        spec.check(&q, &k, &v, &out, total)?;
         let window = spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i64);
         let group = (spec.heads_q / spec.heads_kv) as i64;
         let (qp, kp, vp, op) = (ptr_of(&q)?, ptr_of(&k)?, ptr_of(&v)?, ptr_of_mut(&out)?);
@@ -1185,23 +1155,7 @@ impl Backend for CudaBackend {
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
         let k = grids.kernel;
-        if k == 0
-            || x.rows != grids.patches()
-            || out.rows != grids.pooled()
-            || out.cols != x.cols
-            || grids
-                .dims
-                .iter()
-                .any(|&(w, h)| !w.is_multiple_of(k) || !h.is_multiple_of(k))
-        {
-            return Err(Error::backend(
-                "avg_pool2d",
-                format!(
-                    "{}×{} patches into {}×{} for grids {:?} pooled {k}×{k}",
-                    x.rows, x.cols, out.rows, out.cols, grids.dims
-                ),
-            ));
-        }
+        grids.check((x.rows, x.cols), (out.rows, out.cols))?;
         let name = format!("avg_pool2d_{}_{}", x.buf.elem.tag(), out.buf.elem.tag());
         let args = [
             ptr_of(&x)?,

@@ -16,6 +16,7 @@ use tessera_backend::{
 use tessera_core::{Error, Result, Weights};
 
 use super::config::{LayerType, TextConfig};
+use crate::blocks::GatedMlp;
 
 struct Layer<B: Backend> {
     kind: LayerType,
@@ -475,24 +476,18 @@ impl<B: Backend> TextEncoder<B> {
             )?;
             // MLP.
             let im = l.intermediate;
-            be.matmul(
+            GatedMlp {
+                gate_up: &l.gate_up,
+                down: &l.down,
+                inner: im,
+                act: Activation::GeluTanh,
+            }
+            .forward(
+                be,
                 View::new(&ws.a, t, h),
-                &l.gate_up,
-                ViewMut::new(&mut ws.gu, t, 2 * im),
-                Epilogue::default(),
-            )?;
-            let gu = View::new(&ws.gu, t, 2 * im);
-            be.gated(
-                gu.cols(0, im),
-                gu.cols(im, im),
-                ViewMut::new(&mut ws.g, t, im),
-                Activation::GeluTanh,
-            )?;
-            be.matmul(
-                View::new(&ws.g, t, im),
-                &l.down,
+                &mut ws.gu,
+                &mut ws.g,
                 ViewMut::new(&mut ws.y, t, h),
-                Epilogue::default(),
             )?;
             be.residual_norm(
                 ViewMut::new(&mut ws.h, t, h),

@@ -21,6 +21,7 @@ use tessera_core::{Error, Result, Weights};
 
 use super::config::VisionConfig;
 use super::text::default_inv_freq;
+use crate::blocks::GatedMlp;
 use crate::imageproc::Patches;
 
 struct Layer<B: Backend> {
@@ -305,24 +306,18 @@ impl<B: Backend> VisionEncoder<B> {
                 After::Norm(&l.pre_ff_norm, ViewMut::new(&mut ws.a, n, d)),
                 eps,
             )?;
-            be.matmul(
+            GatedMlp {
+                gate_up: &l.gate_up,
+                down: &l.down,
+                inner: im,
+                act: Activation::GeluTanh,
+            }
+            .forward(
+                be,
                 View::new(&ws.a, n, d),
-                &l.gate_up,
-                ViewMut::new(&mut ws.gu, n, 2 * im),
-                Epilogue::default(),
-            )?;
-            let gu = View::new(&ws.gu, n, 2 * im);
-            be.gated(
-                gu.cols(0, im),
-                gu.cols(im, im),
-                ViewMut::new(&mut ws.g, n, im),
-                Activation::GeluTanh,
-            )?;
-            be.matmul(
-                View::new(&ws.g, n, im),
-                &l.down,
+                &mut ws.gu,
+                &mut ws.g,
                 ViewMut::new(&mut ws.y, n, d),
-                Epilogue::default(),
             )?;
             let after = match self.layers.get(i + 1) {
                 Some(next) => After::Norm(&next.input_norm, ViewMut::new(&mut ws.a, n, d)),

@@ -12,6 +12,7 @@ use tessera_backend::{
 use tessera_core::{Error, Result, Weights};
 
 use super::config::Qwen3Config;
+use crate::blocks::GatedMlp;
 use crate::egemma2::text::default_inv_freq;
 
 struct Layer<B: Backend> {
@@ -255,24 +256,18 @@ impl<B: Backend> Qwen3TextModel<B> {
                 &Residual::plain(),
                 Some((&post_attn, ViewMut::new(&mut ws.a, t, h))),
             )?;
-            be.matmul(
+            GatedMlp {
+                gate_up: &l.gate_up,
+                down: &l.down,
+                inner: im,
+                act: Activation::Silu,
+            }
+            .forward(
+                be,
                 View::new(&ws.a, t, h),
-                &l.gate_up,
-                ViewMut::new(&mut ws.gu, t, 2 * im),
-                Epilogue::default(),
-            )?;
-            let gu = View::new(&ws.gu, t, 2 * im);
-            be.gated(
-                gu.cols(0, im),
-                gu.cols(im, im),
-                ViewMut::new(&mut ws.g, t, im),
-                Activation::Silu,
-            )?;
-            be.matmul(
-                View::new(&ws.g, t, im),
-                &l.down,
+                &mut ws.gu,
+                &mut ws.g,
                 ViewMut::new(&mut ws.y, t, h),
-                Epilogue::default(),
             )?;
             let next = self
                 .layers

@@ -27,6 +27,7 @@ use tessera_core::{Error, Result, Weights};
 
 use super::config::{T_FREQ_DIM, T_MID_DIM, TransformerConfig};
 use super::layout::{ItemLayout, axis_freqs, patchify, rope_angles, unpatchify};
+use crate::blocks::GatedMlp;
 
 /// diffusers builds the q/k RMSNorms with a fixed `eps=1e-5`, whatever `norm_eps` says.
 const QK_NORM_EPS: f32 = 1e-5;
@@ -884,24 +885,18 @@ impl<B: Backend> ZImageTransformer<B> {
             },
             Some((&n3, ViewMut::new(&mut ws.a, rows, d))),
         )?;
-        be.matmul(
+        GatedMlp {
+            gate_up: &b.w13,
+            down: &b.w2,
+            inner: f,
+            act: Activation::Silu,
+        }
+        .forward(
+            be,
             View::new(&ws.a, rows, d),
-            &b.w13,
-            ViewMut::new(&mut ws.gu, rows, 2 * f),
-            Epilogue::default(),
-        )?;
-        let gu = View::new(&ws.gu, rows, 2 * f);
-        be.gated(
-            gu.cols(0, f),
-            gu.cols(f, f),
-            ViewMut::new(&mut ws.g, rows, f),
-            Activation::Silu,
-        )?;
-        be.matmul(
-            View::new(&ws.g, rows, f),
-            &b.w2,
+            &mut ws.gu,
+            &mut ws.g,
             ViewMut::new(&mut ws.y, rows, d),
-            Epilogue::default(),
         )?;
         be.residual_add(
             x,
