@@ -7,6 +7,7 @@ use axum::response::Response;
 
 use super::AppState;
 use super::error::ApiError;
+use super::routes::drain;
 
 pub async fn require_api_key(
     State(app): State<AppState>,
@@ -21,15 +22,15 @@ pub async fn require_api_key(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    match given {
-        None => Err(ApiError::Unauthorized(
-            "missing API key: send the header Authorization: Bearer <key>",
-        )),
+    let refused = match given {
+        None => ApiError::Unauthorized("missing API key: send the header Authorization: Bearer <key>"),
         Some(g) if constant_time_eq(g.trim().as_bytes(), key.as_bytes()) => {
-            Ok(next.run(req).await)
+            return Ok(next.run(req).await);
         }
-        Some(_) => Err(ApiError::Unauthorized("wrong API key")),
-    }
+        Some(_) => ApiError::Unauthorized("wrong API key"),
+    };
+    drain(req, app.config.limits.max_request_bytes).await;
+    Err(refused)
 }
 
 /// Compare without an early exit, so the time taken does not reveal how much of a guess matched.

@@ -4,13 +4,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use axum::extract::{FromRequestParts, Request, State};
-use axum::http::request::Parts;
+use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, RequestExt};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use super::AppState;
@@ -31,10 +31,8 @@ pub struct Slot {
     _permit: OwnedSemaphorePermit,
 }
 
-impl FromRequestParts<AppState> for Slot {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(_: &mut Parts, app: &AppState) -> Result<Self, ApiError> {
+impl Slot {
+    fn acquire(app: &AppState) -> Result<Self, ApiError> {
         if app.stopping.load(Ordering::Relaxed) {
             return Err(ApiError::ShuttingDown);
         }
@@ -54,11 +52,14 @@ impl FromRequestParts<AppState> for Slot {
 }
 
 /// `POST /v1/embeddings`.
-pub async fn embeddings(
-    State(app): State<AppState>,
-    slot: Slot,
-    req: Request,
-) -> Result<Response, ApiError> {
+pub async fn embeddings(State(app): State<AppState>, req: Request) -> Result<Response, ApiError> {
+    let slot = match Slot::acquire(&app) {
+        Ok(slot) => slot,
+        Err(e) => {
+            drain(req, app.config.limits.max_request_bytes).await;
+            return Err(e);
+        }
+    };
     let limit = app.config.limits.request_timeout;
     tokio::time::timeout(limit, embed(app, slot, req))
         .await
@@ -148,6 +149,23 @@ async fn embed(app: AppState, slot: Slot, req: Request) -> Result<Response, ApiE
         },
     })
     .into_response())
+}
+
+/// Read and discard the body of a request refused before its body was read (at most `limit`
+/// bytes, a frame at a time, for at most a few seconds). Closing a connection with unread data
+/// makes the kernel reset it, and the client would see a broken connection instead of our answer.
+pub async fn drain(req: Request, limit: usize) {
+    let mut body = req.into_body();
+    let mut read = 0usize;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while let Some(Ok(frame)) = body.frame().await {
+            read += frame.data_ref().map_or(0, |d| d.len());
+            if read > limit {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// The prompt from `prompt_name` or a `model` suffix (`name:prompt`); both must agree.
