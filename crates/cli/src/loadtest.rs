@@ -91,7 +91,13 @@ pub struct LoadTest {
 }
 
 pub fn run(args: LoadTest) -> Result<()> {
-    let most_clients = args.clients.iter().copied().max().unwrap_or(1).max(1 + args.image_clients);
+    let most_clients = args
+        .clients
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(1 + args.image_clients);
     if args.url.is_none() && most_clients > args.max_queue {
         return Err(Error::input(format!(
             "--max-queue {} is below the {most_clients} concurrent clients of a phase: they would get 429s",
@@ -184,7 +190,9 @@ impl Target {
     }
 
     fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// SIGTERM, then wait for a clean exit (graceful shutdown).
@@ -197,7 +205,10 @@ impl Target {
             .status();
         if !sent.is_ok_and(|s| s.success()) {
             let _ = child.kill();
-            return Err(Error::backend("loadtest", "could not send SIGTERM to the server"));
+            return Err(Error::backend(
+                "loadtest",
+                "could not send SIGTERM to the server",
+            ));
         }
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -206,7 +217,10 @@ impl Target {
                 Ok(Some(status)) => {
                     return Err(Error::backend(
                         "loadtest",
-                        format!("the server exited with {status} after SIGTERM{}", self.log_tail()),
+                        format!(
+                            "the server exited with {status} after SIGTERM{}",
+                            self.log_tail()
+                        ),
                     ));
                 }
                 Ok(None) if Instant::now() < deadline => {
@@ -323,7 +337,9 @@ impl Client {
                     stats.latencies.push(started.elapsed().as_secs_f64() * 1e3);
                     stats.inputs += inputs;
                 } else {
-                    stats.samples.push(format!("{status}: {}", first_line(&text)));
+                    stats
+                        .samples
+                        .push(format!("{status}: {}", first_line(&text)));
                 }
                 status
             }
@@ -382,9 +398,8 @@ async fn phase(
 
 fn text_body() -> Body {
     Arc::new(|i| {
-        let text = format!(
-            "query {i}: which planet in the solar system has the largest number of moons?"
-        );
+        let text =
+            format!("query {i}: which planet in the solar system has the largest number of moons?");
         reqwest::Body::from(json!({ "input": text }).to_string())
     })
 }
@@ -437,7 +452,14 @@ struct Report {
 }
 
 impl Report {
-    fn phase(&mut self, name: &str, stats: &Stats, seconds: f64, rss: Option<(f64, f64)>, allowed: &[u16]) {
+    fn phase(
+        &mut self,
+        name: &str,
+        stats: &Stats,
+        seconds: f64,
+        rss: Option<(f64, f64)>,
+        allowed: &[u16],
+    ) {
         let unexpected = stats.unexpected(allowed);
         let line = json!({
             "phase": name,
@@ -521,7 +543,10 @@ async fn wait_ready(client: &Client, target: &mut Target, limit: Duration) -> Re
         if let Some(status) = target.exited() {
             return Err(Error::backend(
                 "loadtest",
-                format!("the server exited with {status} before it was ready{}", target.log_tail()),
+                format!(
+                    "the server exited with {status} before it was ready{}",
+                    target.log_tail()
+                ),
             ));
         }
         let ready = client
@@ -536,7 +561,10 @@ async fn wait_ready(client: &Client, target: &mut Target, limit: Duration) -> Re
         if Instant::now() >= deadline {
             return Err(Error::backend(
                 "loadtest",
-                format!("the server was not ready within {limit:?}{}", target.log_tail()),
+                format!(
+                    "the server was not ready within {limit:?}{}",
+                    target.log_tail()
+                ),
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -557,17 +585,37 @@ async fn phases(
     let image = image_data_url(w, h, 7)?;
     // Warm-up: one text and one image, so the first measured requests pay no first-use costs.
     let (warm, _) = phase(client, 1, 1, Instant::now() + limit, 1, text_body(), None).await;
-    let (warm_img, _) = phase(client, 1, 1, Instant::now() + limit, 1, image_body(&[image.clone()]), None).await;
+    let (warm_img, _) = phase(
+        client,
+        1,
+        1,
+        Instant::now() + limit,
+        1,
+        image_body(&[image.clone()]),
+        None,
+    )
+    .await;
     if warm.count(200) + warm_img.count(200) != 2 {
         let mut samples = warm.samples;
         samples.extend(warm_img.samples);
-        return Err(Error::backend("loadtest", format!("warm-up failed: {samples:?}")));
+        return Err(Error::backend(
+            "loadtest",
+            format!("warm-up failed: {samples:?}"),
+        ));
     }
     let rss_start = rss_mb(target.pid);
 
     for &n in &args.clients {
-        let (stats, secs) =
-            phase(client, n, args.requests, Instant::now() + limit, 1, text_body(), None).await;
+        let (stats, secs) = phase(
+            client,
+            n,
+            args.requests,
+            Instant::now() + limit,
+            1,
+            text_body(),
+            None,
+        )
+        .await;
         report.phase(&format!("text_c{n}"), &stats, secs, rss_mb(target.pid), &[]);
     }
 
@@ -577,13 +625,30 @@ async fn phases(
             let (client, stop, body) = (client.clone(), stop.clone(), image_body(&[image.clone()]));
             let n = args.image_clients;
             tokio::spawn(async move {
-                phase(&client, n, usize::MAX, Instant::now() + limit * 2, 1, body, Some(stop)).await
+                phase(
+                    &client,
+                    n,
+                    usize::MAX,
+                    Instant::now() + limit * 2,
+                    1,
+                    body,
+                    Some(stop),
+                )
+                .await
             })
         };
         // Let the image clients get their first requests in.
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let (text, secs) =
-            phase(client, 1, args.requests, Instant::now() + limit, 1, text_body(), None).await;
+        let (text, secs) = phase(
+            client,
+            1,
+            args.requests,
+            Instant::now() + limit,
+            1,
+            text_body(),
+            None,
+        )
+        .await;
         stop.store(true, Ordering::Relaxed);
         let (imgs, img_secs) = images
             .await
@@ -632,9 +697,10 @@ async fn phases(
                 ));
             }
         } else if args.check {
-            report
-                .failures
-                .push("no server memory figures (/proc not readable; give --server-pid with --url)".into());
+            report.failures.push(
+                "no server memory figures (/proc not readable; give --server-pid with --url)"
+                    .into(),
+            );
         }
     }
     Ok(report)

@@ -201,7 +201,10 @@ mod tests {
     #[test]
     fn served_names() {
         assert_eq!(default_name(None), "egemma2-mini");
-        assert_eq!(default_name(Some("google/embeddinggemma-2")), "embeddinggemma-2");
+        assert_eq!(
+            default_name(Some("google/embeddinggemma-2")),
+            "embeddinggemma-2"
+        );
         assert_eq!(default_name(Some("/models/eg2/")), "eg2");
     }
 }

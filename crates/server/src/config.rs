@@ -129,7 +129,12 @@ mod tests {
         assert!(config().validate().is_ok());
         let mut c = config();
         c.limits.max_queue = 0;
-        assert!(c.validate().unwrap_err().to_string().contains("--max-queue"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--max-queue")
+        );
         let mut c = config();
         c.limits.max_batch_tokens = 100;
         let e = c.validate().unwrap_err().to_string();

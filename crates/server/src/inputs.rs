@@ -103,7 +103,9 @@ fn shape(input: &Value, max_inputs: usize) -> Result<Vec<RawInput>, ApiError> {
 
 fn too_many(n: usize, max: usize, what: &str) -> ApiError {
     ApiError::TooManyInputs {
-        message: format!("{n} {what} in one request, more than the server's limit of {max} (--max-inputs)"),
+        message: format!(
+            "{n} {what} in one request, more than the server's limit of {max} (--max-inputs)"
+        ),
     }
 }
 
@@ -166,9 +168,8 @@ fn text(s: String, at: &str) -> Result<RawPart, ApiError> {
 }
 
 fn part(v: &Value, at: &str) -> Result<RawPart, ApiError> {
-    let p: ContentPart = serde_json::from_value(v.clone()).map_err(|e| {
-        ApiError::invalid_param(at, format!("{at}: {e}"))
-    })?;
+    let p: ContentPart = serde_json::from_value(v.clone())
+        .map_err(|e| ApiError::invalid_param(at, format!("{at}: {e}")))?;
     match p {
         ContentPart::Text { text: t } => text(t, at),
         ContentPart::ImageUrl { image_url } => Ok(RawPart::Image(image_url.url)),
@@ -180,7 +181,13 @@ fn part(v: &Value, at: &str) -> Result<RawPart, ApiError> {
 pub fn check(input: &Value, cx: &Context) -> Result<Checked, ApiError> {
     let raw = shape(input, cx.limits.max_inputs)?;
     let many = raw.len() > 1;
-    let name = |i: usize| if many { format!("input[{i}]") } else { "input".to_string() };
+    let name = |i: usize| {
+        if many {
+            format!("input[{i}]")
+        } else {
+            "input".to_string()
+        }
+    };
     let mut out = Checked {
         inputs: Vec::with_capacity(raw.len()),
         tokens: Vec::with_capacity(raw.len()),
@@ -208,8 +215,8 @@ pub fn check(input: &Value, cx: &Context) -> Result<Checked, ApiError> {
                             ),
                         ));
                     }
-                    let image = read_image(&url, cx.allow_file_paths)
-                        .map_err(|e| prefixed(e, &at))?;
+                    let image =
+                        read_image(&url, cx.allow_file_paths).map_err(|e| prefixed(e, &at))?;
                     out.image_memory.push(reserve(&image, cx)?);
                     input.parts.push(Part::Image(image));
                     n_images += 1;
@@ -275,7 +282,8 @@ fn reserve(image: &Image, cx: &Context) -> Result<OwnedSemaphorePermit, ApiError
             image.height()
         )));
     }
-    let permits = u32::try_from(mb).map_err(|_| ApiError::Internal("image size overflow".into()))?;
+    let permits =
+        u32::try_from(mb).map_err(|_| ApiError::Internal("image size overflow".into()))?;
     cx.image_memory
         .clone()
         .try_acquire_many_owned(permits)

@@ -140,7 +140,9 @@ impl Metrics {
     }
 
     pub fn waited(&self, lane: Lane, seconds: f64) {
-        self.queue_seconds.get_or_create(&lanes(lane)).observe(seconds);
+        self.queue_seconds
+            .get_or_create(&lanes(lane))
+            .observe(seconds);
     }
 
     /// The OpenMetrics text.

@@ -20,15 +20,29 @@ mod tests {
 
     #[test]
     fn routes_match_the_router() {
-        let paths: BTreeSet<String> = doc()["paths"].as_object().unwrap().keys().cloned().collect();
-        let want: BTreeSet<String> = ["/v1/embeddings", "/v1/models", "/health", "/metrics", "/openapi.json"]
-            .into_iter()
-            .map(String::from)
+        let paths: BTreeSet<String> = doc()["paths"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
             .collect();
+        let want: BTreeSet<String> = [
+            "/v1/embeddings",
+            "/v1/models",
+            "/health",
+            "/metrics",
+            "/openapi.json",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
         assert_eq!(paths, want);
         let router_src = include_str!("http/mod.rs");
         for p in &want {
-            assert!(router_src.contains(&format!(".route(\"{p}\"")), "{p} not routed");
+            assert!(
+                router_src.contains(&format!(".route(\"{p}\"")),
+                "{p} not routed"
+            );
         }
     }
 
@@ -49,15 +63,25 @@ mod tests {
         let mut statuses = BTreeSet::new();
         for e in ApiError::examples() {
             let status = e.status().as_u16().to_string();
-            assert!(responses.contains_key(&status), "status {status} of {e:?} is undocumented");
-            assert!(codes.contains(e.code()), "code {} is undocumented", e.code());
+            assert!(
+                responses.contains_key(&status),
+                "status {status} of {e:?} is undocumented"
+            );
+            assert!(
+                codes.contains(e.code()),
+                "code {} is undocumented",
+                e.code()
+            );
             used.insert(e.code());
             statuses.insert(status);
         }
         assert_eq!(codes, used, "documented codes that nothing returns");
         let documented: BTreeSet<String> =
             responses.keys().filter(|k| *k != "200").cloned().collect();
-        assert_eq!(documented, statuses, "documented statuses that nothing returns");
+        assert_eq!(
+            documented, statuses,
+            "documented statuses that nothing returns"
+        );
     }
 
     #[test]
@@ -86,8 +110,15 @@ mod tests {
         assert!(e.contains("unknown field `extra`"), "{e}");
         let expected_list = e.split("expected one of ").nth(1).unwrap().to_string();
         for field in props.keys() {
-            assert!(expected_list.contains(&format!("`{field}`")), "{field} missing from the type");
+            assert!(
+                expected_list.contains(&format!("`{field}`")),
+                "{field} missing from the type"
+            );
         }
-        assert_eq!(expected_list.matches('`').count() / 2, props.len(), "{expected_list}");
+        assert_eq!(
+            expected_list.matches('`').count() / 2,
+            props.len(),
+            "{expected_list}"
+        );
     }
 }

@@ -72,7 +72,9 @@ async fn texts_match_the_library_with_prompts_dimensions_and_base64() {
     let (_, dim8) = s.embed(json!({"input": texts[0], "dimensions": 8})).await;
     assert_close(&vectors(&dim8)[0], &small[0].0);
     let full = library(&[Input::text(texts[0])], None, None)[0].0.len();
-    let (status, _) = s.embed(json!({"input": texts[0], "dimensions": full})).await;
+    let (status, _) = s
+        .embed(json!({"input": texts[0], "dimensions": full}))
+        .await;
     assert_eq!(status, 200);
     s.stop().await.unwrap();
 }
@@ -88,7 +90,10 @@ async fn images_data_urls_base64_and_combined_parts() {
         &[
             Input::image(image.clone()),
             Input {
-                parts: vec![Part::Text("a picture of ".into()), Part::Image(image.clone())],
+                parts: vec![
+                    Part::Text("a picture of ".into()),
+                    Part::Image(image.clone()),
+                ],
             },
         ],
         None,
@@ -115,7 +120,10 @@ async fn images_data_urls_base64_and_combined_parts() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pic.png");
     std::fs::write(&path, &bytes).unwrap();
-    for url in [path.display().to_string(), format!("file://{}", path.display())] {
+    for url in [
+        path.display().to_string(),
+        format!("file://{}", path.display()),
+    ] {
         let (status, body) = s.embed(json!({"input": [part(url)]})).await;
         assert_eq!(status, 200, "{body}");
         assert_close(&vectors(&body)[0], &want[0].0);
@@ -133,42 +141,185 @@ fn bad_inputs(dim: usize) -> Vec<(&'static str, Vec<u8>, u16, &'static str)> {
     let j = |v: Value| serde_json::to_vec(&v).unwrap();
     let img = |url: &str| j(json!({"input": [{"type": "image_url", "image_url": {"url": url}}]}));
     vec![
-        ("malformed JSON", b"{\"input\": [\"a\",".to_vec(), 400, "invalid_json"),
-        ("not JSON at all", b"input=hello".to_vec(), 400, "invalid_json"),
-        ("input of the wrong type", j(json!({"input": 3})), 400, "invalid_request"),
-        ("dimensions of the wrong type", j(json!({"input": "a", "dimensions": "8"})), 400, "invalid_request"),
-        ("unknown field", j(json!({"input": "a", "inputs": "b"})), 400, "invalid_request"),
-        ("missing input", j(json!({"model": NAME})), 400, "invalid_request"),
-        ("empty input array", j(json!({"input": []})), 400, "invalid_request"),
-        ("empty text", j(json!({"input": ["a", ""]})), 400, "invalid_request"),
-        ("empty part array", j(json!({"input": [[]]})), 400, "invalid_request"),
-        ("unknown part type", j(json!({"input": [{"type": "audio", "audio": "x"}]})), 400, "invalid_request"),
-        ("token ids", j(json!({"input": [[1, 2, 3]]})), 400, "invalid_request"),
-        ("too many inputs", j(json!({"input": vec!["a"; 9]})), 413, "too_many_inputs"),
-        ("body over the limit", j(json!({"input": "a".repeat(2 << 20)})), 413, "body_too_large"),
-        ("a data URL that is not an image", img("data:image/png;base64,aGVsbG8gd29ybGQh"), 400, "invalid_request"),
-        ("a data URL that is not base64", img("data:image/png;base64,@@@@"), 400, "invalid_request"),
-        ("a non-base64 data URL", img("data:image/png,hello"), 400, "invalid_request"),
+        (
+            "malformed JSON",
+            b"{\"input\": [\"a\",".to_vec(),
+            400,
+            "invalid_json",
+        ),
+        (
+            "not JSON at all",
+            b"input=hello".to_vec(),
+            400,
+            "invalid_json",
+        ),
+        (
+            "input of the wrong type",
+            j(json!({"input": 3})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "dimensions of the wrong type",
+            j(json!({"input": "a", "dimensions": "8"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "unknown field",
+            j(json!({"input": "a", "inputs": "b"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "missing input",
+            j(json!({"model": NAME})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "empty input array",
+            j(json!({"input": []})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "empty text",
+            j(json!({"input": ["a", ""]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "empty part array",
+            j(json!({"input": [[]]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "unknown part type",
+            j(json!({"input": [{"type": "audio", "audio": "x"}]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "token ids",
+            j(json!({"input": [[1, 2, 3]]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "too many inputs",
+            j(json!({"input": vec!["a"; 9]})),
+            413,
+            "too_many_inputs",
+        ),
+        (
+            "body over the limit",
+            j(json!({"input": "a".repeat(2 << 20)})),
+            413,
+            "body_too_large",
+        ),
+        (
+            "a data URL that is not an image",
+            img("data:image/png;base64,aGVsbG8gd29ybGQh"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "a data URL that is not base64",
+            img("data:image/png;base64,@@@@"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "a non-base64 data URL",
+            img("data:image/png,hello"),
+            400,
+            "invalid_request",
+        ),
         ("broken bare base64", img("abc"), 400, "invalid_request"),
-        ("a remote URL", img("https://example.com/cat.png"), 400, "invalid_request"),
-        ("a path when paths are not allowed", img("/etc/hostname"), 403, "file_paths_not_allowed"),
-        ("a file URL when paths are not allowed", img("file:///etc/hostname"), 403, "file_paths_not_allowed"),
-        ("an unknown model", j(json!({"input": "a", "model": "text-embedding-3-small"})), 404, "model_not_found"),
-        ("an unknown prompt name", j(json!({"input": "a", "prompt_name": "nope"})), 400, "invalid_request"),
-        ("an unknown prompt suffix", j(json!({"input": "a", "model": format!("{NAME}:nope")})), 400, "invalid_request"),
-        ("contradicting prompts", j(json!({"input": "a", "model": format!("{NAME}:query"), "prompt_name": "document"})), 400, "invalid_request"),
-        ("dimensions 0", j(json!({"input": "a", "dimensions": 0})), 400, "invalid_request"),
-        ("dimensions too large", j(json!({"input": "a", "dimensions": dim + 1})), 400, "invalid_request"),
-        ("negative dimensions", j(json!({"input": "a", "dimensions": -1})), 400, "invalid_request"),
-        ("an unknown encoding_format", j(json!({"input": "a", "encoding_format": "hex"})), 400, "invalid_request"),
-        ("an input over --max-input-tokens", j(json!({"input": "word ".repeat(300)})), 400, "invalid_request"),
+        (
+            "a remote URL",
+            img("https://example.com/cat.png"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "a path when paths are not allowed",
+            img("/etc/hostname"),
+            403,
+            "file_paths_not_allowed",
+        ),
+        (
+            "a file URL when paths are not allowed",
+            img("file:///etc/hostname"),
+            403,
+            "file_paths_not_allowed",
+        ),
+        (
+            "an unknown model",
+            j(json!({"input": "a", "model": "text-embedding-3-small"})),
+            404,
+            "model_not_found",
+        ),
+        (
+            "an unknown prompt name",
+            j(json!({"input": "a", "prompt_name": "nope"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "an unknown prompt suffix",
+            j(json!({"input": "a", "model": format!("{NAME}:nope")})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "contradicting prompts",
+            j(json!({"input": "a", "model": format!("{NAME}:query"), "prompt_name": "document"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "dimensions 0",
+            j(json!({"input": "a", "dimensions": 0})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "dimensions too large",
+            j(json!({"input": "a", "dimensions": dim + 1})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "negative dimensions",
+            j(json!({"input": "a", "dimensions": -1})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "an unknown encoding_format",
+            j(json!({"input": "a", "encoding_format": "hex"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "an input over --max-input-tokens",
+            j(json!({"input": "word ".repeat(300)})),
+            400,
+            "invalid_request",
+        ),
     ]
 }
 
 fn assert_openai_error(body: &Value, code: &str, what: &str) {
     let e = &body["error"];
     assert_eq!(e["code"], code, "{what}: {body}");
-    assert!(!e["message"].as_str().unwrap_or("").is_empty(), "{what}: {body}");
+    assert!(
+        !e["message"].as_str().unwrap_or("").is_empty(),
+        "{what}: {body}"
+    );
     assert!(e["type"].is_string(), "{what}: {body}");
     assert!(e.get("param").is_some(), "{what}: {body}");
 }
@@ -205,13 +356,32 @@ async fn every_bad_input_gets_its_4xx_and_the_server_keeps_serving() {
         .await;
     assert_eq!(status, 400);
     assert_openai_error(&body, "invalid_request", "unreadable path");
-    assert!(body["error"]["message"].as_str().unwrap().contains("/no/such/file.png"));
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/no/such/file.png")
+    );
 
     // Routes and methods.
-    let r = s.http.get(format!("{}/v1/embeddings", s.url)).send().await.unwrap();
+    let r = s
+        .http
+        .get(format!("{}/v1/embeddings", s.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 405);
-    assert_openai_error(&r.json().await.unwrap(), "method_not_allowed", "GET embeddings");
-    let r = s.http.get(format!("{}/v2/nothing", s.url)).send().await.unwrap();
+    assert_openai_error(
+        &r.json().await.unwrap(),
+        "method_not_allowed",
+        "GET embeddings",
+    );
+    let r = s
+        .http
+        .get(format!("{}/v2/nothing", s.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 404);
     assert_openai_error(&r.json().await.unwrap(), "not_found", "unknown route");
     s.stop().await.unwrap();
@@ -226,7 +396,11 @@ async fn a_bad_input_in_a_merged_batch_fails_alone() {
     let mut tasks = Vec::new();
     for i in 0..12 {
         let (http, url) = (s.http.clone(), s.url.clone());
-        let text = if i == 5 { "bad <|image|> text".to_string() } else { format!("good text {i}") };
+        let text = if i == 5 {
+            "bad <|image|> text".to_string()
+        } else {
+            format!("good text {i}")
+        };
         tasks.push(tokio::spawn(async move {
             let r = http
                 .post(format!("{url}/v1/embeddings"))
@@ -241,7 +415,13 @@ async fn a_bad_input_in_a_merged_batch_fails_alone() {
         let (i, status, body) = t.await.unwrap();
         if i == 5 {
             assert_eq!(status, 400, "{body}");
-            assert!(body["error"]["message"].as_str().unwrap().contains("placeholder"), "{body}");
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("placeholder"),
+                "{body}"
+            );
         } else {
             assert_eq!(status, 200, "{i}: {body}");
         }
@@ -254,9 +434,19 @@ async fn api_key_guards_every_route_but_health() {
     let mut cfg = config();
     cfg.api_key = Some("sekret".into());
     let s = Server::start(cfg).await;
-    let health = s.http.get(format!("{}/health", s.url)).send().await.unwrap();
+    let health = s
+        .http
+        .get(format!("{}/health", s.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(health.status(), 200);
-    for (method, path) in [("POST", "/v1/embeddings"), ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/openapi.json")] {
+    for (method, path) in [
+        ("POST", "/v1/embeddings"),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+    ] {
         for key in [None, Some("wrong"), Some("sekret")] {
             let mut r = s
                 .http
@@ -285,9 +475,17 @@ async fn models_health_metrics_openapi_and_cors() {
     let get = |path: &str| s.http.get(format!("{}{path}", s.url)).send();
 
     let models: Value = get("/v1/models").await.unwrap().json().await.unwrap();
-    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
     assert_eq!(ids[0], NAME);
-    assert!(ids.contains(&"egemma2-mini:query") && ids.contains(&"egemma2-mini:document"), "{ids:?}");
+    assert!(
+        ids.contains(&"egemma2-mini:query") && ids.contains(&"egemma2-mini:document"),
+        "{ids:?}"
+    );
     assert_eq!(models["data"][0]["object"], "model");
 
     let health: Value = get("/health").await.unwrap().json().await.unwrap();
@@ -299,7 +497,12 @@ async fn models_health_metrics_openapi_and_cors() {
     let (bad, _) = s.embed(json!({"input": []})).await;
     assert_eq!(bad, 400);
     let r = get("/metrics").await.unwrap();
-    assert!(r.headers()["content-type"].to_str().unwrap().contains("openmetrics"));
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .contains("openmetrics")
+    );
     let text = r.text().await.unwrap();
     for needle in [
         r#"tessera_requests_total{route="/v1/embeddings",status="200",code=""} 1"#,
@@ -325,11 +528,17 @@ async fn models_health_metrics_openapi_and_cors() {
             .request(reqwest::Method::OPTIONS, format!("{}/v1/embeddings", s.url))
             .header("origin", origin)
             .header("access-control-request-method", "POST")
-            .header("access-control-request-headers", "authorization,content-type")
+            .header(
+                "access-control-request-headers",
+                "authorization,content-type",
+            )
             .send()
     };
     let ok = pre("https://app.example").await.unwrap();
-    assert_eq!(ok.headers()["access-control-allow-origin"], "https://app.example");
+    assert_eq!(
+        ok.headers()["access-control-allow-origin"],
+        "https://app.example"
+    );
     let other = pre("https://evil.example").await.unwrap();
     assert!(other.headers().get("access-control-allow-origin").is_none());
     s.stop().await.unwrap();
@@ -343,7 +552,12 @@ async fn health_is_503_until_the_model_is_loaded() {
         common::bundled()()
     });
     let s = Server::start_with(config(), loader).await;
-    let r = s.http.get(format!("{}/health", s.url)).send().await.unwrap();
+    let r = s
+        .http
+        .get(format!("{}/health", s.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 503);
     assert_eq!(r.json::<Value>().await.unwrap()["status"], "loading");
     let r = s
@@ -444,7 +658,10 @@ async fn shutdown_finishes_the_requests_in_flight() {
     let addr = s.addr;
     let stopped = tokio::spawn(s.stop());
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!stopped.is_finished(), "the server stopped with a request in flight");
+    assert!(
+        !stopped.is_finished(),
+        "the server stopped with a request in flight"
+    );
     // New connections are no longer accepted…
     assert!(
         TcpStream::connect(addr).await.is_err()

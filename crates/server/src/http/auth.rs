@@ -23,7 +23,9 @@ pub async fn require_api_key(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     let refused = match given {
-        None => ApiError::Unauthorized("missing API key: send the header Authorization: Bearer <key>"),
+        None => {
+            ApiError::Unauthorized("missing API key: send the header Authorization: Bearer <key>")
+        }
         Some(g) if constant_time_eq(g.trim().as_bytes(), key.as_bytes()) => {
             return Ok(next.run(req).await);
         }

@@ -47,7 +47,9 @@ pub enum ApiError {
     NotFound(String),
     #[error("method {method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
-    #[error("the request body is larger than the server's limit of {limit} bytes (--max-request-mb)")]
+    #[error(
+        "the request body is larger than the server's limit of {limit} bytes (--max-request-mb)"
+    )]
     BodyTooLarge { limit: usize },
     #[error("{message}")]
     TooManyInputs { message: String },
@@ -93,9 +95,7 @@ impl ApiError {
             ApiError::BodyTooLarge { .. }
             | ApiError::TooManyInputs { .. }
             | ApiError::InputTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::QueueFull { .. } | ApiError::QueueMemory(_) => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            ApiError::QueueFull { .. } | ApiError::QueueMemory(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Loading | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -215,11 +215,13 @@ impl IntoResponse for ApiError {
             },
         };
         let mut response = (status, Json(body)).into_response();
-        if matches!(status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE) {
-            response.headers_mut().insert(
-                header::RETRY_AFTER,
-                HeaderValue::from(RETRY_AFTER_SECS),
-            );
+        if matches!(
+            status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
         }
         // Lets the metrics layer count failures by code without parsing the body.
         response.extensions_mut().insert(ErrorCode(self.code()));

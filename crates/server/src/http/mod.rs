@@ -102,7 +102,9 @@ fn cors(origins: &[String]) -> Result<Option<CorsLayer>, tessera_core::Error> {
             .iter()
             .map(|o| {
                 HeaderValue::from_str(o).map_err(|_| {
-                    tessera_core::Error::input(format!("--allow-origin {o:?} is not a valid origin"))
+                    tessera_core::Error::input(format!(
+                        "--allow-origin {o:?} is not a valid origin"
+                    ))
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -128,6 +130,10 @@ async fn count_requests(
     let response = next.run(req).await;
     let code = response.extensions().get::<ErrorCode>().map_or("", |c| c.0);
     metrics.request(&route, response.status().as_u16(), code);
-    tracing::trace!(route, ms = started.elapsed().as_secs_f64() * 1e3, "answered");
+    tracing::trace!(
+        route,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "answered"
+    );
     response
 }

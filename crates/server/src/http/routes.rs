@@ -78,7 +78,10 @@ async fn embed(app: AppState, slot: Slot, req: Request) -> Result<Response, ApiE
         Some(d) => {
             return Err(ApiError::invalid_param(
                 "dimensions",
-                format!("dimensions {d} is out of range: this model gives 1 to {}", info.dim),
+                format!(
+                    "dimensions {d} is out of range: this model gives 1 to {}",
+                    info.dim
+                ),
             ));
         }
     };

@@ -151,14 +151,22 @@ pub fn vectors(body: &serde_json::Value) -> Vec<Vec<f32>> {
 
 pub fn assert_close(a: &[f32], b: &[f32]) {
     assert_eq!(a.len(), b.len());
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
     assert!(d <= 1e-6, "vectors differ by {d:e}");
 }
 
 /// A small PNG: a colour gradient of `w × h`.
 pub fn png(w: u32, h: u32) -> Vec<u8> {
     let img = image::RgbImage::from_fn(w, h, |x, y| {
-        image::Rgb([(x * 255 / w) as u8, (y * 255 / h) as u8, ((x + y) % 256) as u8])
+        image::Rgb([
+            (x * 255 / w) as u8,
+            (y * 255 / h) as u8,
+            ((x + y) % 256) as u8,
+        ])
     });
     let mut out = std::io::Cursor::new(Vec::new());
     img.write_to(&mut out, image::ImageFormat::Png).unwrap();
