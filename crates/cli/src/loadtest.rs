@@ -591,7 +591,7 @@ async fn phases(
         1,
         Instant::now() + limit,
         1,
-        image_body(&[image.clone()]),
+        image_body(std::slice::from_ref(&image)),
         None,
     )
     .await;
@@ -622,7 +622,11 @@ async fn phases(
     if args.image_clients > 0 {
         let stop = Arc::new(AtomicBool::new(false));
         let images = {
-            let (client, stop, body) = (client.clone(), stop.clone(), image_body(&[image.clone()]));
+            let (client, stop, body) = (
+                client.clone(),
+                stop.clone(),
+                image_body(std::slice::from_ref(&image)),
+            );
             let n = args.image_clients;
             tokio::spawn(async move {
                 phase(

@@ -347,7 +347,7 @@ fn classify(url: &str) -> Result<Source<'_>, ApiError> {
     let base64ish = url
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'='));
-    if base64ish && url.len() % 4 == 0 {
+    if base64ish && url.len().is_multiple_of(4) {
         Ok(Source::Data(url))
     } else if url.contains(['/', '\\', '.']) || url.starts_with('~') {
         Ok(Source::Path(url))
