@@ -58,8 +58,8 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("tessera");
         let m = Metrics {
+            registry: Registry::with_prefix("tessera"),
             requests: Family::default(),
             queue_depth: Family::default(),
             batch_inputs: Family::new_with_constructor(sizes),
@@ -68,45 +68,50 @@ impl Metrics {
             request_seconds: Family::new_with_constructor(seconds),
             queue_seconds: Family::new_with_constructor(seconds),
             batch_seconds: Family::new_with_constructor(seconds),
-            registry: Registry::default(),
         };
-        registry.register(
+        m.registered()
+    }
+
+    /// Register every metric under its name (the families are shared handles).
+    fn registered(mut self) -> Self {
+        let r = &mut self.registry;
+        r.register(
             "requests",
             "HTTP requests by route, status and error code",
-            m.requests.clone(),
+            self.requests.clone(),
         );
-        registry.register(
+        r.register(
             "queue_depth",
             "Requests waiting for the device, per lane",
-            m.queue_depth.clone(),
+            self.queue_depth.clone(),
         );
-        registry.register(
+        r.register(
             "batch_inputs",
             "Inputs per device batch",
-            m.batch_inputs.clone(),
+            self.batch_inputs.clone(),
         );
-        registry.register(
+        r.register(
             "batch_tokens",
             "Tokens per device batch (image soft tokens included)",
-            m.batch_tokens.clone(),
+            self.batch_tokens.clone(),
         );
-        registry.register("tokens", "Tokens embedded", m.tokens.clone());
-        registry.register(
+        r.register("tokens", "Tokens embedded", self.tokens.clone());
+        r.register(
             "request_duration_seconds",
             "Embedding requests from arrival to answer, per lane",
-            m.request_seconds.clone(),
+            self.request_seconds.clone(),
         );
-        registry.register(
+        r.register(
             "queue_duration_seconds",
             "Time a request waited in the queue, per lane",
-            m.queue_seconds.clone(),
+            self.queue_seconds.clone(),
         );
-        registry.register(
+        r.register(
             "batch_duration_seconds",
             "Device time of one batch, per lane",
-            m.batch_seconds.clone(),
+            self.batch_seconds.clone(),
         );
-        Metrics { registry, ..m }
+        self
     }
 
     pub fn request(&self, route: &str, status: u16, code: &'static str) {

@@ -10,7 +10,7 @@
 //! lane in arrival order.
 
 use std::collections::VecDeque;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use tessera_core::Error;
@@ -89,7 +89,7 @@ pub struct Queue {
     schedule: Schedule,
     max_tokens: usize,
     max_images: usize,
-    metrics: std::sync::Arc<Metrics>,
+    metrics: Arc<Metrics>,
 }
 
 /// The queue was closed: the server is stopping.
@@ -97,7 +97,7 @@ pub struct Queue {
 pub struct Closed;
 
 impl Queue {
-    pub fn new(schedule: Schedule, limits: &Limits, metrics: std::sync::Arc<Metrics>) -> Self {
+    pub fn new(schedule: Schedule, limits: &Limits, metrics: Arc<Metrics>) -> Self {
         Queue {
             lanes: Mutex::new(Lanes::default()),
             ready: Condvar::new(),
@@ -221,7 +221,6 @@ fn take_batch(deque: &mut VecDeque<Job>, max_tokens: usize, max_images: usize) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     fn job(lane: Lane, tokens: usize, prompt: Option<&str>) -> (Job, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();

@@ -99,7 +99,12 @@ impl Worker {
             .iter_mut()
             .flat_map(|j| std::mem::take(&mut j.inputs))
             .collect();
-        match self.embed(&all, &opts) {
+        let result = self.embed(&all, &opts);
+        // Recorded before anyone is answered, so a client that reads /metrics after its answer
+        // sees its batch.
+        self.metrics
+            .batch(lane, inputs, tokens, started.elapsed().as_secs_f64());
+        match result {
             Ok(mut embs) => {
                 for (job, n) in jobs.into_iter().zip(counts) {
                     let rest = embs.split_off(n);
@@ -131,8 +136,6 @@ impl Worker {
             ms = started.elapsed().as_secs_f64() * 1e3,
             "batch done"
         );
-        self.metrics
-            .batch(lane, inputs, tokens, started.elapsed().as_secs_f64());
     }
 
     /// One model call, full-width vectors; a panic or a wrong count turned into an error.
@@ -163,6 +166,9 @@ fn answer(job: Job, result: Result<Vec<Embedding>>) {
             })
             .collect()
     });
+    if let Err(e) = &result {
+        tracing::debug!(parent: &job.span, error = %e, "request failed on the device");
+    }
     // The client may have gone (timeout, disconnect): nothing to answer then.
     let _ = job.reply.send(result);
 }

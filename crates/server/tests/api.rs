@@ -614,7 +614,7 @@ async fn a_full_queue_answers_429_with_retry_after() {
     let s = Server::start(cfg).await;
     let full = r#"{"input": "slow client"}"#;
     let slow = partial_request(s.addr, full, 5).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let r = s
         .http
         .post(format!("{}/v1/embeddings", s.url))
@@ -654,7 +654,7 @@ async fn shutdown_finishes_the_requests_in_flight() {
     let s = Server::start(config()).await;
     let full = r#"{"input": ["in flight", "when the signal came"]}"#;
     let mut in_flight = partial_request(s.addr, full, 10).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let addr = s.addr;
     let stopped = tokio::spawn(s.stop());
     tokio::time::sleep(Duration::from_millis(200)).await;
