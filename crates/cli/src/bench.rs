@@ -5,8 +5,8 @@
 //! of 30), W3 8,192 documents of 256 tokens in the engine's best batching (random ids framed by
 //! `<bos>`/`<eos>`, as the reference script does), with model FLOPs and utilisation against a
 //! ceiling you pass (`--ceiling-tflops`, measured in the same run by `bench gemm` or torch).
-//! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data. One JSON line per
-//! measurement on stdout.
+//! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data. `bench serve` load-tests
+//! `tessera serve` (see `loadtest.rs`). One JSON line per measurement on stdout.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -36,6 +36,12 @@ enum What {
     Attention(AttentionBench),
     /// EmbeddingGemma 2 image embeddings: one image's latency and mixed-size throughput.
     Image(ImageBench),
+    /// Load-test `tessera serve` on loopback: texts/s at 1 and N clients, short-query latency
+    /// while images are in flight, and a queue-overflowing burst (429s, bounded memory).
+    ///
+    /// On a GPU machine with a full-size model:
+    /// tessera bench serve --model DIR --device cuda --requests 2000 --clients 1,16 --image-clients 4
+    Serve(Box<crate::loadtest::LoadTest>),
 }
 
 #[derive(Args)]
@@ -121,6 +127,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         What::Gemm(b) => gemm(b),
         What::Attention(b) => attention(b),
         What::Image(b) => image(b),
+        What::Serve(b) => crate::loadtest::run(*b),
     }
 }
 

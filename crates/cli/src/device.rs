@@ -16,6 +16,15 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
+    /// The same choice as command-line arguments, for a child `tessera` process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec!["--device".to_string(), self.device.clone()];
+        if let Some(p) = &self.precision {
+            args.extend(["--precision".to_string(), p.clone()]);
+        }
+        args
+    }
+
     /// Open the backend; an `auto` choice of the CPU is explained in one line on stderr.
     pub fn open(&self) -> Result<AnyBackend> {
         let req: DeviceRequest = self.device.parse()?;

@@ -8,8 +8,10 @@ mod embed;
 mod generate;
 mod info;
 mod input;
+mod loadtest;
 mod model;
 mod output;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -37,6 +39,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Generate an image from a prompt with Z-Image (PNG out).
     Generate(generate::GenerateArgs),
+    /// Serve embeddings over HTTP (OpenAI-compatible /v1/embeddings).
+    Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
 }
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
         Command::Embed(args) => embed::run(*args, matches.subcommand_matches("embed")),
         Command::Info(args) => info::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(args),
     };
     match result {

@@ -1,0 +1,210 @@
+//! `tessera serve`: the OpenAI-compatible embedding server (crate `tessera-server`).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use tessera_core::{Error, Result};
+use tessera_models::egemma2::AnyEmbeddingGemma2;
+use tessera_server::{Limits, Schedule, ServerConfig};
+
+use crate::device::DeviceArgs;
+use crate::model::ModelChoice;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature model).
+    #[arg(long, env = "TESSERA_MODEL")]
+    model: Option<String>,
+    /// The id clients send as `model` (default: the folder's or repo's last name; `egemma2-mini`
+    /// for the bundled model). `ID:PROMPT` then selects a task prompt.
+    #[arg(long, env = "TESSERA_SERVED_MODEL_NAME")]
+    served_model_name: Option<String>,
+    /// Address to bind. The default answers only this machine; 0.0.0.0 exposes the server to the
+    /// network, so set --api-key then.
+    #[arg(long, env = "TESSERA_HOST", default_value = "127.0.0.1")]
+    host: IpAddr,
+    #[arg(long, env = "TESSERA_PORT", default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long, env = "TESSERA_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Origins allowed to call the API from a browser (CORS), comma-separated or repeated; `*`
+    /// allows any. None by default.
+    #[arg(long, env = "TESSERA_ALLOW_ORIGIN", value_delimiter = ',')]
+    allow_origin: Vec<String>,
+    /// Accept local file paths (and file:// URLs) as images. Off by default: with it, any client
+    /// can make the server read any image file it can read.
+    #[arg(long, env = "TESSERA_ALLOW_FILE_PATHS")]
+    allow_file_paths: bool,
+    /// Tokens (image soft tokens included) merged into one device batch. Larger batches raise
+    /// throughput on a GPU and raise the wait of a request that arrives during one.
+    #[arg(long, env = "TESSERA_MAX_BATCH_TOKENS", default_value_t = 8192)]
+    max_batch_tokens: usize,
+    /// Images merged into one device batch: bounds how long a short query waits behind images.
+    #[arg(long, env = "TESSERA_MAX_BATCH_IMAGES", default_value_t = 8)]
+    max_batch_images: usize,
+    /// Requests admitted at once (being read, checked, queued or run); more get 429 with
+    /// Retry-After. Together with --max-request-mb and --max-image-memory-mb it bounds memory.
+    #[arg(long, env = "TESSERA_MAX_QUEUE", default_value_t = 64)]
+    max_queue: usize,
+    /// Inputs (and images) in one request.
+    #[arg(long, env = "TESSERA_MAX_INPUTS", default_value_t = 256)]
+    max_inputs: usize,
+    /// Tokens in one input, images counted at their budget; longer inputs get 400 (nothing is
+    /// truncated). Long inputs hold the device longer: raise with care.
+    #[arg(long, env = "TESSERA_MAX_INPUT_TOKENS", default_value_t = 8192)]
+    max_input_tokens: usize,
+    /// Largest request body in MiB (base64 images make bodies large).
+    #[arg(long, env = "TESSERA_MAX_REQUEST_MB", default_value_t = 32)]
+    max_request_mb: usize,
+    /// Decoded images held by admitted requests, in MiB (a 12-megapixel photo is 36 MiB);
+    /// beyond it requests get 429.
+    #[arg(long, env = "TESSERA_MAX_IMAGE_MEMORY_MB", default_value_t = 2048)]
+    max_image_memory_mb: usize,
+    /// Seconds from a request's arrival to its answer before it fails with 504.
+    #[arg(long, env = "TESSERA_REQUEST_TIMEOUT", default_value_t = 60)]
+    request_timeout: u64,
+    /// lanes: text first, images in their own lane (short queries do not wait behind images);
+    /// fifo: one lane in arrival order (for comparison).
+    #[arg(long, env = "TESSERA_SCHEDULE", value_enum, default_value = "lanes")]
+    schedule: ScheduleArg,
+    /// Log lines as text or JSON (one object per line); RUST_LOG filters (default info).
+    #[arg(long, env = "TESSERA_LOG_FORMAT", value_enum, default_value = "text")]
+    log_format: LogFormat,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ScheduleArg {
+    Lanes,
+    Fifo,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    init_logs(args.log_format);
+    let choice = ModelChoice::egemma2(args.model.as_deref())?;
+    let config = ServerConfig {
+        served_model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| default_name(args.model.as_deref())),
+        api_key: args.api_key.clone(),
+        allow_origins: args.allow_origin.clone(),
+        allow_file_paths: args.allow_file_paths,
+        limits: Limits {
+            max_request_bytes: args.max_request_mb.saturating_mul(1 << 20),
+            max_inputs: args.max_inputs,
+            max_input_tokens: args.max_input_tokens,
+            max_queue: args.max_queue,
+            max_image_memory_mb: args.max_image_memory_mb,
+            max_batch_tokens: args.max_batch_tokens,
+            max_batch_images: args.max_batch_images,
+            request_timeout: Duration::from_secs(args.request_timeout),
+        },
+        schedule: match args.schedule {
+            ScheduleArg::Lanes => Schedule::Lanes,
+            ScheduleArg::Fifo => Schedule::Fifo,
+        },
+    };
+    config.validate()?;
+    if args.api_key.is_none() && !args.host.is_loopback() {
+        tracing::warn!(host = %args.host, "serving beyond this machine without --api-key");
+    }
+    let device = args.device.clone();
+    let files = choice.files.clone();
+    let loader = Box::new(move || AnyEmbeddingGemma2::load(device.open()?, files));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::backend("tokio", e))?;
+    runtime.block_on(async move {
+        let addr = SocketAddr::new(args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::input(format!("cannot listen on {addr}: {e}")))?;
+        tessera_server::serve(listener, config, loader, shutdown_signal())
+            .await
+            .map_err(|e| match e {
+                tessera_server::ServeError::Config(e) => e,
+                other => Error::backend("serve", other),
+            })
+    })
+}
+
+/// The last component of a folder or repo id.
+fn default_name(model: Option<&str>) -> String {
+    match model {
+        None => "egemma2-mini".into(),
+        Some(spec) => Path::new(spec.trim_end_matches('/'))
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or(spec)
+            .replace(':', "-"),
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    // A second subscriber (tests calling run twice) is not an error worth stopping for.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_name;
+
+    #[test]
+    fn served_names() {
+        assert_eq!(default_name(None), "egemma2-mini");
+        assert_eq!(
+            default_name(Some("google/embeddinggemma-2")),
+            "embeddinggemma-2"
+        );
+        assert_eq!(default_name(Some("/models/eg2/")), "eg2");
+    }
+}

@@ -1,0 +1,146 @@
+//! What the server is told at start: names, limits, security switches and the scheduling policy.
+
+use std::time::Duration;
+
+use tessera_core::{Error, Result};
+
+/// Everything `tessera serve` decides at start; checked once by [`ServerConfig::validate`].
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The id clients put in `model` (and the prefix of `id:prompt` names).
+    pub served_model_name: String,
+    /// Bearer token required on every route but `/health`; `None` leaves the API open.
+    pub api_key: Option<String>,
+    /// Origins allowed by CORS (`*` for any); empty means no CORS headers.
+    pub allow_origins: Vec<String>,
+    /// Accept local file paths as image inputs (lets any client read files the server can read).
+    pub allow_file_paths: bool,
+    pub limits: Limits,
+    pub schedule: Schedule,
+}
+
+/// Bounds that keep the server's memory and latency finite.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Largest request body accepted, in bytes (413 above it).
+    pub max_request_bytes: usize,
+    /// Most embeddings (top-level inputs) and most images in one request (413 above it).
+    pub max_inputs: usize,
+    /// Most tokens in one input, counted before queueing (400 above it; nothing is truncated).
+    pub max_input_tokens: usize,
+    /// Requests admitted at once, from reading the body to the answer (429 beyond it).
+    pub max_queue: usize,
+    /// Decoded image memory held by admitted requests, in MiB (429 beyond it; 413 for one
+    /// request that could never fit).
+    pub max_image_memory_mb: usize,
+    /// Text tokens (image soft tokens included) merged into one batch for the device.
+    pub max_batch_tokens: usize,
+    /// Images merged into one batch: bounds how long a short query can wait behind images.
+    pub max_batch_images: usize,
+    /// Time from the request's arrival to its answer before giving up with 504.
+    pub request_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_request_bytes: 32 << 20,
+            max_inputs: 256,
+            max_input_tokens: 8192,
+            max_queue: 64,
+            max_image_memory_mb: 2048,
+            max_batch_tokens: 8192,
+            max_batch_images: 8,
+            request_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// How the device worker picks the next batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Schedule {
+    /// Text-only requests and requests with images wait in separate lanes; the worker serves
+    /// text first and gives images a turn after a few text batches, so a short query waits
+    /// behind at most one image batch.
+    #[default]
+    Lanes,
+    /// One lane in arrival order (the baseline the load test compares against).
+    Fifo,
+}
+
+impl ServerConfig {
+    /// Refuse limits that contradict each other, before anything starts.
+    pub fn validate(&self) -> Result<()> {
+        let l = &self.limits;
+        let positive = [
+            ("--max-request-mb", l.max_request_bytes),
+            ("--max-inputs", l.max_inputs),
+            ("--max-queue", l.max_queue),
+            ("--max-image-memory-mb", l.max_image_memory_mb),
+            ("--max-batch-images", l.max_batch_images),
+        ];
+        if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(Error::input(format!("{flag} must be at least 1")));
+        }
+        if l.max_input_tokens < 2 {
+            return Err(Error::input(
+                "--max-input-tokens must be at least 2 (<bos> and <eos>)",
+            ));
+        }
+        if l.max_batch_tokens < l.max_input_tokens {
+            return Err(Error::input(format!(
+                "--max-batch-tokens {} is smaller than --max-input-tokens {}: an input that is accepted must fit in a batch",
+                l.max_batch_tokens, l.max_input_tokens
+            )));
+        }
+        if l.request_timeout.is_zero() {
+            return Err(Error::input("--request-timeout must be at least 1 second"));
+        }
+        if self.served_model_name.is_empty() || self.served_model_name.contains(':') {
+            return Err(Error::input(format!(
+                "--served-model-name {:?} must be non-empty and without ':' (the prompt separator)",
+                self.served_model_name
+            )));
+        }
+        if self.api_key.as_deref() == Some("") {
+            return Err(Error::input("--api-key must not be empty"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ServerConfig {
+        ServerConfig {
+            served_model_name: "m".into(),
+            api_key: None,
+            allow_origins: vec![],
+            allow_file_paths: false,
+            limits: Limits::default(),
+            schedule: Schedule::Lanes,
+        }
+    }
+
+    #[test]
+    fn inconsistent_limits_are_refused() {
+        assert!(config().validate().is_ok());
+        let mut c = config();
+        c.limits.max_queue = 0;
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--max-queue")
+        );
+        let mut c = config();
+        c.limits.max_batch_tokens = 100;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("--max-batch-tokens 100"), "{e}");
+        let mut c = config();
+        c.served_model_name = "a:b".into();
+        assert!(c.validate().is_err());
+    }
+}

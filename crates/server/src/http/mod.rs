@@ -1,0 +1,139 @@
+//! The HTTP side: routes, request and response shapes, errors, authentication.
+
+pub mod auth;
+pub mod error;
+pub mod json;
+pub mod routes;
+pub mod types;
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderValue, Method, header};
+use axum::middleware::{Next, from_fn_with_state};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::{Extension, Router};
+use tokio::sync::Semaphore;
+use tower_http::cors::{AllowOrigin, CorsLayer};
+use tower_http::trace::TraceLayer;
+
+use crate::config::ServerConfig;
+use crate::metrics::Metrics;
+use crate::model::ModelInfo;
+use crate::queue::Queue;
+use error::ErrorCode;
+use json::BodyLimit;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub config: Arc<ServerConfig>,
+    /// Set once the worker has loaded the model; `/health` is ready from then on.
+    pub model: Arc<OnceLock<Arc<ModelInfo>>>,
+    pub queue: Arc<Queue>,
+    /// `--max-queue` request slots, taken before the body is read and held until the answer.
+    pub slots: Arc<Semaphore>,
+    /// `--max-image-memory-mb`, in MiB of decoded images.
+    pub image_memory: Arc<Semaphore>,
+    pub metrics: Arc<Metrics>,
+    /// Set when shutdown begins: new embedding requests get 503.
+    pub stopping: Arc<AtomicBool>,
+    /// Unix time of the start (`created` in `/v1/models`).
+    pub started: u64,
+}
+
+impl AppState {
+    pub fn new(config: ServerConfig, queue: Arc<Queue>, metrics: Arc<Metrics>) -> Self {
+        let limits = &config.limits;
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        AppState {
+            slots: Arc::new(Semaphore::new(limits.max_queue)),
+            image_memory: Arc::new(Semaphore::new(limits.max_image_memory_mb)),
+            config: Arc::new(config),
+            model: Arc::new(OnceLock::new()),
+            queue,
+            metrics,
+            stopping: Arc::new(AtomicBool::new(false)),
+            started,
+        }
+    }
+}
+
+/// The whole API. `/health` is open; every other route needs the API key when one is set.
+pub fn router(app: AppState) -> Result<Router, tessera_core::Error> {
+    let limit = app.config.limits.max_request_bytes;
+    let cors = cors(&app.config.allow_origins)?;
+    let protected = Router::new()
+        .route("/v1/embeddings", post(routes::embeddings))
+        .route("/v1/models", get(routes::models))
+        .route("/metrics", get(routes::metrics))
+        .route("/openapi.json", get(routes::openapi))
+        .route_layer(from_fn_with_state(app.clone(), auth::require_api_key));
+    let router = Router::new()
+        .route("/health", get(routes::health))
+        .merge(protected)
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(from_fn_with_state(app.metrics.clone(), count_requests))
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(Extension(BodyLimit(limit)))
+        .layer(TraceLayer::new_for_http())
+        .with_state(app);
+    Ok(match cors {
+        Some(cors) => router.layer(cors),
+        None => router,
+    })
+}
+
+/// CORS for `--allow-origin` (`*` for any origin); none when no origin is given.
+fn cors(origins: &[String]) -> Result<Option<CorsLayer>, tessera_core::Error> {
+    if origins.is_empty() {
+        return Ok(None);
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let list = origins
+            .iter()
+            .map(|o| {
+                HeaderValue::from_str(o).map_err(|_| {
+                    tessera_core::Error::input(format!(
+                        "--allow-origin {o:?} is not a valid origin"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        AllowOrigin::list(list)
+    };
+    Ok(Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]),
+    ))
+}
+
+/// Count every answer by route, status and error code.
+async fn count_requests(
+    State(metrics): State<Arc<Metrics>>,
+    matched: Option<MatchedPath>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let route = matched.map_or_else(|| "unmatched".to_string(), |m| m.as_str().to_string());
+    let started = Instant::now();
+    let response = next.run(req).await;
+    let code = response.extensions().get::<ErrorCode>().map_or("", |c| c.0);
+    metrics.request(&route, response.status().as_u16(), code);
+    tracing::trace!(
+        route,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "answered"
+    );
+    response
+}

@@ -1,0 +1,127 @@
+//! `tessera serve`: an OpenAI-compatible embedding server for EmbeddingGemma 2.
+//!
+//! Layers, from the socket in:
+//! - [`http`]: axum routes, OpenAI-shaped errors, the API key and CORS; `POST /v1/embeddings`
+//!   takes a request slot (`--max-queue`, else 429) before reading the body, then checks and
+//!   decodes the inputs off the async threads ([`inputs`]) before anything is queued;
+//! - [`queue`]: text and image lanes, batches under a token and an image budget;
+//! - [`worker`]: one thread that loads and owns the model and runs the batches, retrying a
+//!   failed merged batch request by request;
+//! - [`metrics`]: Prometheus counters and histograms.
+//!
+//! [`serve`] runs it all on a bound listener, so tests start it on port 0.
+
+pub mod config;
+pub mod http;
+pub mod inputs;
+pub mod metrics;
+pub mod model;
+pub mod openapi;
+pub mod queue;
+pub mod worker;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+pub use config::{Limits, Schedule, ServerConfig};
+pub use worker::Loader;
+
+use http::AppState;
+use metrics::Metrics;
+use queue::Queue;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Config(#[from] tessera_core::Error),
+    #[error("loading the model: {0}")]
+    Load(tessera_core::Error),
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Serve on `listener` until `shutdown` completes, then finish the requests in flight and stop.
+///
+/// The model is loaded by `loader` on the device worker's thread while the listener already
+/// answers (`/health` says `loading`, embeddings get 503). A failed load stops the server and
+/// is returned.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    config: ServerConfig,
+    loader: Loader,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    config.validate()?;
+    let metrics = Arc::new(Metrics::new());
+    let queue = Arc::new(Queue::new(config.schedule, &config.limits, metrics.clone()));
+    let (worker, loaded) = worker::spawn(
+        config.served_model_name.clone(),
+        loader,
+        queue.clone(),
+        metrics.clone(),
+        &config.limits,
+    )
+    .map_err(|source| ServeError::Io {
+        what: "starting the device worker",
+        source,
+    })?;
+    let app = AppState::new(config, queue.clone(), metrics);
+    let router = http::router(app.clone())?;
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, model = %app.config.served_model_name, "listening; loading the model");
+    }
+
+    let load_error = Arc::new(Mutex::new(None));
+    let signal = {
+        let (app, load_error) = (app.clone(), load_error.clone());
+        async move {
+            tokio::pin!(shutdown);
+            tokio::select! {
+                () = &mut shutdown => {}
+                loaded = loaded => match loaded {
+                    Ok(Ok(info)) => {
+                        let _ = app.model.set(Arc::new(info));
+                        tracing::info!("ready");
+                        shutdown.await;
+                    }
+                    Ok(Err(e)) => set(&load_error, e),
+                    Err(_) => set(
+                        &load_error,
+                        tessera_core::Error::backend("load", "the device worker stopped while loading"),
+                    ),
+                },
+            }
+            app.stopping.store(true, Ordering::Relaxed);
+            tracing::info!("shutting down: finishing the requests in flight");
+        }
+    };
+    let served = axum::serve(listener, router)
+        .with_graceful_shutdown(signal)
+        .await;
+    queue.close();
+    let joined = tokio::task::spawn_blocking(move || worker.join()).await;
+    if !matches!(joined, Ok(Ok(()))) {
+        tracing::error!("the device worker panicked");
+    }
+    served.map_err(|source| ServeError::Io {
+        what: "serving HTTP",
+        source,
+    })?;
+    let load_error = load_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match load_error {
+        Some(e) => Err(ServeError::Load(e)),
+        None => {
+            tracing::info!("stopped");
+            Ok(())
+        }
+    }
+}
+
+fn set(slot: &Mutex<Option<tessera_core::Error>>, e: tessera_core::Error) {
+    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+}

@@ -1,0 +1,67 @@
+//! [`ModelInfo`]: what the HTTP side knows about the loaded model, so requests are checked before
+//! they are queued while the device worker keeps the model itself to its thread.
+
+use tessera_core::Result;
+use tessera_models::egemma2::{AnyEmbeddingGemma2, Prompts};
+use tessera_models::imageproc::ImageBudget;
+use tessera_models::tokenize::TextTokenizer;
+
+use crate::http::error::ApiError;
+
+/// The loaded model's metadata, shared read-only with request handlers.
+pub struct ModelInfo {
+    /// The id in `model` fields and `/v1/models`.
+    pub name: String,
+    /// Full embedding width (the largest `dimensions`).
+    pub dim: usize,
+    pub prompts: Prompts,
+    /// A copy of the model's tokenizer: counts tokens at the edge (limits, batch budgets).
+    pub tokenizer: TextTokenizer,
+    /// Soft tokens per image from `processor_config.json`; `None` for text-only checkpoints.
+    pub image_budget: Option<ImageBudget>,
+    /// Device and precision, one line.
+    pub device: String,
+}
+
+impl ModelInfo {
+    pub fn new(name: String, model: &AnyEmbeddingGemma2) -> Result<Self> {
+        let text = &model.config().text;
+        Ok(ModelInfo {
+            name,
+            dim: model.dim(),
+            prompts: model.prompts().clone(),
+            tokenizer: TextTokenizer::load(model.files(), (text.bos_token_id, text.eos_token_id))?,
+            image_budget: model.default_image_budget(),
+            device: model.describe(),
+        })
+    }
+
+    /// Split a `model` field into the served name and a prompt name: `name` or `name:prompt`.
+    /// `None` (no `model` field) means the served model without a prompt.
+    pub fn resolve<'a>(&self, model: Option<&'a str>) -> Result<Option<&'a str>, ApiError> {
+        let Some(model) = model else { return Ok(None) };
+        if model == self.name {
+            return Ok(None);
+        }
+        match model.split_once(':') {
+            Some((name, prompt)) if name == self.name => Ok(Some(prompt)),
+            _ => Err(ApiError::ModelNotFound(format!(
+                "the model {model:?} is not served here; this server serves {:?} (append :PROMPT for a task prompt, e.g. {:?})",
+                self.name,
+                self.example_prompted_name()
+            ))),
+        }
+    }
+
+    /// Every id `/v1/models` lists: the model, then one per prompt name.
+    pub fn ids(&self) -> Vec<String> {
+        std::iter::once(self.name.clone())
+            .chain(self.prompts.names().map(|p| format!("{}:{p}", self.name)))
+            .collect()
+    }
+
+    fn example_prompted_name(&self) -> String {
+        let prompt = self.prompts.names().next().unwrap_or("query");
+        format!("{}:{prompt}", self.name)
+    }
+}

@@ -1,0 +1,124 @@
+//! The OpenAPI 3.1 document served at `/openapi.json`: written by hand, held to the code by the
+//! tests below (routes, the error table and the request's fields).
+
+pub const DOCUMENT: &str = include_str!("openapi.json");
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use serde_json::{Value, json};
+
+    use super::DOCUMENT;
+    use crate::http::error::ApiError;
+    use crate::http::json::parse;
+    use crate::http::types::EmbeddingRequest;
+
+    fn doc() -> Value {
+        serde_json::from_str(DOCUMENT).unwrap()
+    }
+
+    #[test]
+    fn routes_match_the_router() {
+        let paths: BTreeSet<String> = doc()["paths"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        let want: BTreeSet<String> = [
+            "/v1/embeddings",
+            "/v1/models",
+            "/health",
+            "/metrics",
+            "/openapi.json",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        assert_eq!(paths, want);
+        let router_src = include_str!("http/mod.rs");
+        for p in &want {
+            assert!(
+                router_src.contains(&format!(".route(\"{p}\"")),
+                "{p} not routed"
+            );
+        }
+    }
+
+    #[test]
+    fn every_error_status_and_code_is_documented() {
+        let doc = doc();
+        let responses = doc["paths"]["/v1/embeddings"]["post"]["responses"]
+            .as_object()
+            .unwrap();
+        let codes: BTreeSet<&str> = doc["components"]["schemas"]["Error"]["properties"]["error"]
+            ["properties"]["code"]["enum"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        let mut used = BTreeSet::new();
+        let mut statuses = BTreeSet::new();
+        for e in ApiError::examples() {
+            let status = e.status().as_u16().to_string();
+            assert!(
+                responses.contains_key(&status),
+                "status {status} of {e:?} is undocumented"
+            );
+            assert!(
+                codes.contains(e.code()),
+                "code {} is undocumented",
+                e.code()
+            );
+            used.insert(e.code());
+            statuses.insert(status);
+        }
+        assert_eq!(codes, used, "documented codes that nothing returns");
+        let documented: BTreeSet<String> =
+            responses.keys().filter(|k| *k != "200").cloned().collect();
+        assert_eq!(
+            documented, statuses,
+            "documented statuses that nothing returns"
+        );
+    }
+
+    #[test]
+    fn request_fields_match_the_type() {
+        let doc = doc();
+        let props = doc["components"]["schemas"]["EmbeddingRequest"]["properties"]
+            .as_object()
+            .unwrap();
+        let sample = |field: &str| match field {
+            "input" => json!("x"),
+            "dimensions" => json!(8),
+            "encoding_format" => json!("base64"),
+            _ => json!("x"),
+        };
+        // Every documented field is accepted…
+        let mut body = serde_json::Map::new();
+        for field in props.keys() {
+            body.insert(field.clone(), sample(field));
+        }
+        let bytes = serde_json::to_vec(&body).unwrap();
+        parse::<EmbeddingRequest>(&bytes).unwrap();
+        // …and an undocumented one is refused.
+        body.insert("extra".into(), json!(1));
+        let bytes = serde_json::to_vec(&body).unwrap();
+        let e = parse::<EmbeddingRequest>(&bytes).unwrap_err().to_string();
+        assert!(e.contains("unknown field `extra`"), "{e}");
+        let expected_list = e.split("expected one of ").nth(1).unwrap().to_string();
+        for field in props.keys() {
+            assert!(
+                expected_list.contains(&format!("`{field}`")),
+                "{field} missing from the type"
+            );
+        }
+        assert_eq!(
+            expected_list.matches('`').count() / 2,
+            props.len(),
+            "{expected_list}"
+        );
+    }
+}

@@ -1,0 +1,676 @@
+//! `tessera serve` end to end: a real server on a loopback port, a real HTTP client, every route
+//! and every bad input of the issue. Expected vectors come from the library on the same model.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{NAME, Server, assert_close, config, data_url, png, vectors};
+use serde_json::{Value, json};
+use tessera_models::egemma2::{Input, Part, TextOptions};
+use tessera_models::imageproc::Image;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn library(inputs: &[Input], prompt: Option<&str>, dim: Option<usize>) -> Vec<(Vec<f32>, usize)> {
+    let mut m = common::library_model();
+    let budget = m.default_image_budget().unwrap();
+    let opts = TextOptions {
+        prompt_name: prompt.map(str::to_string),
+        ..TextOptions::default()
+    };
+    m.embed_inputs(inputs, &opts, budget, dim, |_| {})
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.vector, e.tokens))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn texts_match_the_library_with_prompts_dimensions_and_base64() {
+    let s = Server::start(config()).await;
+    let texts = ["hello world", "a second, longer text about planets"];
+    let want = library(&texts.map(Input::text), None, None);
+
+    let (status, body) = s.embed(json!({"input": texts, "model": NAME})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "list");
+    assert_eq!(body["model"], NAME);
+    let got = vectors(&body);
+    assert_eq!(got.len(), 2);
+    for (i, (g, (w, _))) in got.iter().zip(&want).enumerate() {
+        assert_eq!(body["data"][i]["index"], i);
+        assert_eq!(body["data"][i]["object"], "embedding");
+        assert_close(g, w);
+    }
+    let tokens: usize = want.iter().map(|(_, t)| t).sum();
+    assert_eq!(body["usage"]["prompt_tokens"], tokens);
+    assert_eq!(body["usage"]["total_tokens"], tokens);
+
+    // A single string; base64 carries the same floats.
+    let (_, b64) = s
+        .embed(json!({"input": texts[0], "encoding_format": "base64"}))
+        .await;
+    assert!(b64["data"][0]["embedding"].is_string());
+    assert_close(&vectors(&b64)[0], &want[0].0);
+
+    // A prompt by field and by model suffix: the same, and what the library gives.
+    let query = library(&[Input::text(texts[0])], Some("query"), None);
+    let (_, by_field) = s
+        .embed(json!({"input": texts[0], "prompt_name": "query"}))
+        .await;
+    let (_, by_suffix) = s
+        .embed(json!({"input": texts[0], "model": format!("{NAME}:query")}))
+        .await;
+    assert_close(&vectors(&by_field)[0], &query[0].0);
+    assert_close(&vectors(&by_suffix)[0], &query[0].0);
+    assert_eq!(by_suffix["usage"]["prompt_tokens"], query[0].1);
+    assert!(query[0].1 > want[0].1, "the prompt adds tokens");
+
+    // Matryoshka.
+    let small = library(&[Input::text(texts[0])], None, Some(8));
+    let (_, dim8) = s.embed(json!({"input": texts[0], "dimensions": 8})).await;
+    assert_close(&vectors(&dim8)[0], &small[0].0);
+    let full = library(&[Input::text(texts[0])], None, None)[0].0.len();
+    let (status, _) = s
+        .embed(json!({"input": texts[0], "dimensions": full}))
+        .await;
+    assert_eq!(status, 200);
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn images_data_urls_base64_and_combined_parts() {
+    let mut cfg = config();
+    cfg.allow_file_paths = true;
+    let s = Server::start(cfg).await;
+    let bytes = png(40, 30);
+    let image = Image::decode(&bytes).unwrap();
+    let want = library(
+        &[
+            Input::image(image.clone()),
+            Input {
+                parts: vec![
+                    Part::Text("a picture of ".into()),
+                    Part::Image(image.clone()),
+                ],
+            },
+        ],
+        None,
+        None,
+    );
+    let part = |url: String| json!({"type": "image_url", "image_url": {"url": url}});
+    let b64 = base64_of(&bytes);
+    let (status, body) = s
+        .embed(json!({"input": [
+            part(data_url(&bytes)),
+            part(b64),
+            [{"type": "text", "text": "a picture of "}, part(data_url(&bytes))],
+        ]}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let got = vectors(&body);
+    assert_eq!(got.len(), 3);
+    assert_close(&got[0], &want[0].0);
+    assert_close(&got[1], &want[0].0);
+    assert_close(&got[2], &want[1].0);
+    assert_eq!(body["usage"]["prompt_tokens"], 2 * want[0].1 + want[1].1);
+
+    // A file path, allowed on this server.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pic.png");
+    std::fs::write(&path, &bytes).unwrap();
+    for url in [
+        path.display().to_string(),
+        format!("file://{}", path.display()),
+    ] {
+        let (status, body) = s.embed(json!({"input": [part(url)]})).await;
+        assert_eq!(status, 200, "{body}");
+        assert_close(&vectors(&body)[0], &want[0].0);
+    }
+    s.stop().await.unwrap();
+}
+
+fn base64_of(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// `(what, body, status, code)`: every bad input of the issue, answered in OpenAI's shape.
+fn bad_inputs(dim: usize) -> Vec<(&'static str, Vec<u8>, u16, &'static str)> {
+    let j = |v: Value| serde_json::to_vec(&v).unwrap();
+    let img = |url: &str| j(json!({"input": [{"type": "image_url", "image_url": {"url": url}}]}));
+    vec![
+        (
+            "malformed JSON",
+            b"{\"input\": [\"a\",".to_vec(),
+            400,
+            "invalid_json",
+        ),
+        (
+            "not JSON at all",
+            b"input=hello".to_vec(),
+            400,
+            "invalid_json",
+        ),
+        (
+            "input of the wrong type",
+            j(json!({"input": 3})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "dimensions of the wrong type",
+            j(json!({"input": "a", "dimensions": "8"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "unknown field",
+            j(json!({"input": "a", "inputs": "b"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "missing input",
+            j(json!({"model": NAME})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "empty input array",
+            j(json!({"input": []})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "empty text",
+            j(json!({"input": ["a", ""]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "empty part array",
+            j(json!({"input": [[]]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "unknown part type",
+            j(json!({"input": [{"type": "audio", "audio": "x"}]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "token ids",
+            j(json!({"input": [[1, 2, 3]]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "too many inputs",
+            j(json!({"input": vec!["a"; 9]})),
+            413,
+            "too_many_inputs",
+        ),
+        (
+            "body over the limit",
+            j(json!({"input": "a".repeat(2 << 20)})),
+            413,
+            "body_too_large",
+        ),
+        (
+            "a data URL that is not an image",
+            img("data:image/png;base64,aGVsbG8gd29ybGQh"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "a data URL that is not base64",
+            img("data:image/png;base64,@@@@"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "a non-base64 data URL",
+            img("data:image/png,hello"),
+            400,
+            "invalid_request",
+        ),
+        ("broken bare base64", img("abc"), 400, "invalid_request"),
+        (
+            "a remote URL",
+            img("https://example.com/cat.png"),
+            400,
+            "invalid_request",
+        ),
+        (
+            "a path when paths are not allowed",
+            img("/etc/hostname"),
+            403,
+            "file_paths_not_allowed",
+        ),
+        (
+            "a file URL when paths are not allowed",
+            img("file:///etc/hostname"),
+            403,
+            "file_paths_not_allowed",
+        ),
+        (
+            "an unknown model",
+            j(json!({"input": "a", "model": "text-embedding-3-small"})),
+            404,
+            "model_not_found",
+        ),
+        (
+            "an unknown prompt name",
+            j(json!({"input": "a", "prompt_name": "nope"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "an unknown prompt suffix",
+            j(json!({"input": "a", "model": format!("{NAME}:nope")})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "contradicting prompts",
+            j(json!({"input": "a", "model": format!("{NAME}:query"), "prompt_name": "document"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "dimensions 0",
+            j(json!({"input": "a", "dimensions": 0})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "dimensions too large",
+            j(json!({"input": "a", "dimensions": dim + 1})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "negative dimensions",
+            j(json!({"input": "a", "dimensions": -1})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "an unknown encoding_format",
+            j(json!({"input": "a", "encoding_format": "hex"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "an input over --max-input-tokens",
+            j(json!({"input": "word ".repeat(300)})),
+            400,
+            "invalid_request",
+        ),
+    ]
+}
+
+fn assert_openai_error(body: &Value, code: &str, what: &str) {
+    let e = &body["error"];
+    assert_eq!(e["code"], code, "{what}: {body}");
+    assert!(
+        !e["message"].as_str().unwrap_or("").is_empty(),
+        "{what}: {body}"
+    );
+    assert!(e["type"].is_string(), "{what}: {body}");
+    assert!(e.get("param").is_some(), "{what}: {body}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_bad_input_gets_its_4xx_and_the_server_keeps_serving() {
+    let mut cfg = config();
+    cfg.limits.max_input_tokens = 256;
+    cfg.limits.max_batch_tokens = 256;
+    let s = Server::start(cfg).await;
+    let dim = common::library_model().dim();
+    for (what, body, status, code) in bad_inputs(dim) {
+        let r = s
+            .http
+            .post(format!("{}/v1/embeddings", s.url))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(r.status().as_u16(), status, "{what}");
+        let body: Value = r.json().await.unwrap();
+        assert_openai_error(&body, code, what);
+        // …and a good request still works.
+        let (ok, body) = s.embed(json!({"input": "still serving"})).await;
+        assert_eq!(ok, 200, "after {what}: {body}");
+    }
+    // A path that cannot be read, on a server that allows paths.
+    let mut cfg = config();
+    cfg.allow_file_paths = true;
+    let p = Server::start(cfg).await;
+    let (status, body) = p
+        .embed(json!({"input": [{"type": "image_url", "image_url": {"url": "/no/such/file.png"}}]}))
+        .await;
+    assert_eq!(status, 400);
+    assert_openai_error(&body, "invalid_request", "unreadable path");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/no/such/file.png")
+    );
+
+    // Routes and methods.
+    let r = s
+        .http
+        .get(format!("{}/v1/embeddings", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    assert_openai_error(
+        &r.json().await.unwrap(),
+        "method_not_allowed",
+        "GET embeddings",
+    );
+    let r = s
+        .http
+        .get(format!("{}/v2/nothing", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_openai_error(&r.json().await.unwrap(), "not_found", "unknown route");
+    s.stop().await.unwrap();
+    p.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_input_in_a_merged_batch_fails_alone() {
+    let s = Server::start(config()).await;
+    // The placeholder passes the edge checks and fails in the model: with good requests sent at
+    // the same time it lands in a merged batch, which is then retried request by request.
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let (http, url) = (s.http.clone(), s.url.clone());
+        let text = if i == 5 {
+            "bad <|image|> text".to_string()
+        } else {
+            format!("good text {i}")
+        };
+        tasks.push(tokio::spawn(async move {
+            let r = http
+                .post(format!("{url}/v1/embeddings"))
+                .json(&json!({"input": [text, "more words to make the batch bigger"]}))
+                .send()
+                .await
+                .unwrap();
+            (i, r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }));
+    }
+    for t in tasks {
+        let (i, status, body) = t.await.unwrap();
+        if i == 5 {
+            assert_eq!(status, 400, "{body}");
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("placeholder"),
+                "{body}"
+            );
+        } else {
+            assert_eq!(status, 200, "{i}: {body}");
+        }
+    }
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn api_key_guards_every_route_but_health() {
+    let mut cfg = config();
+    cfg.api_key = Some("sekret".into());
+    let s = Server::start(cfg).await;
+    let health = s
+        .http
+        .get(format!("{}/health", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    for (method, path) in [
+        ("POST", "/v1/embeddings"),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+    ] {
+        for key in [None, Some("wrong"), Some("sekret")] {
+            let mut r = s
+                .http
+                .request(method.parse().unwrap(), format!("{}{path}", s.url))
+                .json(&json!({"input": "hi"}));
+            if let Some(k) = key {
+                r = r.bearer_auth(k);
+            }
+            let r = r.send().await.unwrap();
+            if key == Some("sekret") {
+                assert_eq!(r.status(), 200, "{path} with the key");
+            } else {
+                assert_eq!(r.status(), 401, "{path} with {key:?}");
+                assert_openai_error(&r.json().await.unwrap(), "invalid_api_key", path);
+            }
+        }
+    }
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn models_health_metrics_openapi_and_cors() {
+    let mut cfg = config();
+    cfg.allow_origins = vec!["https://app.example".into()];
+    let s = Server::start(cfg).await;
+    let get = |path: &str| s.http.get(format!("{}{path}", s.url)).send();
+
+    let models: Value = get("/v1/models").await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids[0], NAME);
+    assert!(
+        ids.contains(&"egemma2-mini:query") && ids.contains(&"egemma2-mini:document"),
+        "{ids:?}"
+    );
+    assert_eq!(models["data"][0]["object"], "model");
+
+    let health: Value = get("/health").await.unwrap().json().await.unwrap();
+    assert_eq!(health["status"], "ready");
+    assert!(health["device"].as_str().unwrap().starts_with("cpu"));
+
+    let (ok, _) = s.embed(json!({"input": ["one", "two"]})).await;
+    assert_eq!(ok, 200);
+    let (bad, _) = s.embed(json!({"input": []})).await;
+    assert_eq!(bad, 400);
+    let r = get("/metrics").await.unwrap();
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .contains("openmetrics")
+    );
+    let text = r.text().await.unwrap();
+    for needle in [
+        r#"tessera_requests_total{route="/v1/embeddings",status="200",code=""} 1"#,
+        r#"tessera_requests_total{route="/v1/embeddings",status="400",code="invalid_request"} 1"#,
+        r#"tessera_queue_depth{lane="text"} 0"#,
+        r#"tessera_batch_inputs_sum{lane="text"} 2.0"#,
+        "tessera_batch_tokens_count",
+        "tessera_tokens_total",
+        "tessera_request_duration_seconds_bucket",
+        "tessera_queue_duration_seconds_count",
+        "tessera_batch_duration_seconds_sum",
+    ] {
+        assert!(text.contains(needle), "metrics lack {needle}:\n{text}");
+    }
+
+    let doc: Value = get("/openapi.json").await.unwrap().json().await.unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+    assert!(doc["paths"]["/v1/embeddings"]["post"].is_object());
+
+    // CORS: a preflight from the allowed origin is answered, another origin gets no grant.
+    let pre = |origin: &'static str| {
+        s.http
+            .request(reqwest::Method::OPTIONS, format!("{}/v1/embeddings", s.url))
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization,content-type",
+            )
+            .send()
+    };
+    let ok = pre("https://app.example").await.unwrap();
+    assert_eq!(
+        ok.headers()["access-control-allow-origin"],
+        "https://app.example"
+    );
+    let other = pre("https://evil.example").await.unwrap();
+    assert!(other.headers().get("access-control-allow-origin").is_none());
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_is_503_until_the_model_is_loaded() {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let loader: tessera_server::Loader = Box::new(move || {
+        let _ = rx.recv();
+        common::bundled()()
+    });
+    let s = Server::start_with(config(), loader).await;
+    let r = s
+        .http
+        .get(format!("{}/health", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.json::<Value>().await.unwrap()["status"], "loading");
+    let r = s
+        .http
+        .post(format!("{}/v1/embeddings", s.url))
+        .json(&json!({"input": "early"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    assert_openai_error(&r.json().await.unwrap(), "model_loading", "while loading");
+    tx.send(()).unwrap();
+    s.wait_ready().await;
+    let (status, _) = s.embed(json!({"input": "now"})).await;
+    assert_eq!(status, 200);
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_load_stops_the_server_with_the_error() {
+    let loader: tessera_server::Loader =
+        Box::new(|| Err(tessera_core::Error::input("no such model here")));
+    let s = Server::start_with(config(), loader).await;
+    let e = s.ended().await.unwrap_err().to_string();
+    assert!(e.contains("no such model here"), "{e}");
+}
+
+/// A request whose body is sent only in part: it holds its slot, as a slow client does.
+async fn partial_request(addr: std::net::SocketAddr, full: &str, sent: usize) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        full.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&full.as_bytes()[..sent]).await.unwrap();
+    s
+}
+
+async fn read_response(mut s: TcpStream) -> (u16, Value) {
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    let status = text[9..12].parse().unwrap();
+    let body = text.split_once("\r\n\r\n").unwrap().1;
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_queue_answers_429_with_retry_after() {
+    let mut cfg = config();
+    cfg.limits.max_queue = 1;
+    let s = Server::start(cfg).await;
+    let full = r#"{"input": "slow client"}"#;
+    let slow = partial_request(s.addr, full, 5).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = s
+        .http
+        .post(format!("{}/v1/embeddings", s.url))
+        .json(&json!({"input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert_openai_error(&r.json().await.unwrap(), "queue_full", "full queue");
+    // The slow request completes, and its slot is free again.
+    let mut slow = slow;
+    slow.write_all(&full.as_bytes()[5..]).await.unwrap();
+    let (status, body) = read_response(slow).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, _) = s.embed(json!({"input": "x"})).await;
+    assert_eq!(status, 200);
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_that_takes_too_long_gets_504() {
+    let mut cfg = config();
+    cfg.limits.request_timeout = Duration::from_millis(300);
+    let s = Server::start(cfg).await;
+    let stuck = partial_request(s.addr, r#"{"input": "never finished"}"#, 4).await;
+    let (status, body) = read_response(stuck).await;
+    assert_eq!(status, 504);
+    assert_openai_error(&body, "timeout", "timeout");
+    let (status, _) = s.embed(json!({"input": "x"})).await;
+    assert_eq!(status, 200);
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shutdown_finishes_the_requests_in_flight() {
+    let s = Server::start(config()).await;
+    let full = r#"{"input": ["in flight", "when the signal came"]}"#;
+    let mut in_flight = partial_request(s.addr, full, 10).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let addr = s.addr;
+    let stopped = tokio::spawn(s.stop());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !stopped.is_finished(),
+        "the server stopped with a request in flight"
+    );
+    // New connections are no longer accepted…
+    assert!(
+        TcpStream::connect(addr).await.is_err()
+            || reqwest::get(format!("http://{addr}/health")).await.is_err()
+    );
+    // …and the request in flight is answered in full.
+    in_flight.write_all(&full.as_bytes()[10..]).await.unwrap();
+    let (status, body) = read_response(in_flight).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"].as_array().unwrap().len(), 2);
+    stopped.await.unwrap().unwrap();
+}

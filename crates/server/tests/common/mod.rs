@@ -1,0 +1,182 @@
+//! A real server on a loopback port for the integration tests: the bundled miniature model on
+//! the CPU, stopped (gracefully) when the test ends.
+
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use tessera_backend::AnyBackend;
+use tessera_backend::cpu::CpuBackend;
+use tessera_models::egemma2::{AnyEmbeddingGemma2, BUNDLED};
+use tessera_server::{Limits, Loader, Schedule, ServeError, ServerConfig};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub const NAME: &str = "egemma2-mini";
+
+pub fn config() -> ServerConfig {
+    ServerConfig {
+        served_model_name: NAME.into(),
+        api_key: None,
+        allow_origins: vec![],
+        allow_file_paths: false,
+        limits: Limits {
+            max_request_bytes: 1 << 20,
+            max_inputs: 8,
+            ..Limits::default()
+        },
+        schedule: Schedule::Lanes,
+    }
+}
+
+pub fn bundled() -> Loader {
+    Box::new(|| AnyEmbeddingGemma2::load(AnyBackend::Cpu(CpuBackend::new()), BUNDLED))
+}
+
+/// The same model, loaded here, for expected values.
+pub fn library_model() -> AnyEmbeddingGemma2 {
+    AnyEmbeddingGemma2::load(AnyBackend::Cpu(CpuBackend::new()), BUNDLED).unwrap()
+}
+
+pub struct Server {
+    pub addr: SocketAddr,
+    pub url: String,
+    pub http: reqwest::Client,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), ServeError>>>,
+}
+
+impl Server {
+    /// Start and wait until `/health` is ready.
+    pub async fn start(config: ServerConfig) -> Server {
+        let server = Self::start_with(config, bundled()).await;
+        server.wait_ready().await;
+        server
+    }
+
+    /// Start without waiting for the model.
+    pub async fn start_with(config: ServerConfig, loader: Loader) -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(tessera_server::serve(listener, config, loader, async {
+            let _ = rx.await;
+        }));
+        Server {
+            addr,
+            url: format!("http://{addr}"),
+            http: reqwest::Client::new(),
+            shutdown: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub async fn wait_ready(&self) {
+        for _ in 0..200 {
+            if let Ok(r) = self.http.get(format!("{}/health", self.url)).send().await
+                && r.status() == 200
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("the server did not become ready");
+    }
+
+    /// POST a JSON body to /v1/embeddings: status and parsed body.
+    pub async fn embed(&self, body: serde_json::Value) -> (u16, serde_json::Value) {
+        let r = self
+            .http
+            .post(format!("{}/v1/embeddings", self.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap())
+    }
+
+    /// Wait for `serve` to return by itself (no shutdown signal).
+    pub async fn ended(mut self) -> Result<(), ServeError> {
+        let task = self.task.take().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the server did not stop by itself")
+            .unwrap()
+    }
+
+    /// Begin a graceful shutdown and wait for `serve` to return.
+    pub async fn stop(mut self) -> Result<(), ServeError> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.task.take().unwrap().await.unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// The vectors of a successful answer.
+pub fn vectors(body: &serde_json::Value) -> Vec<Vec<f32>> {
+    body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| match &d["embedding"] {
+            serde_json::Value::String(b64) => STANDARD
+                .decode(b64)
+                .unwrap()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            v => v
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect(),
+        })
+        .collect()
+}
+
+pub fn assert_close(a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
+    assert!(d <= 1e-6, "vectors differ by {d:e}");
+}
+
+/// A small PNG: a colour gradient of `w × h`.
+pub fn png(w: u32, h: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
+        image::Rgb([
+            (x * 255 / w) as u8,
+            (y * 255 / h) as u8,
+            ((x + y) % 256) as u8,
+        ])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+pub fn data_url(bytes: &[u8]) -> String {
+    format!("data:image/png;base64,{}", STANDARD.encode(bytes))
+}
+
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
