@@ -1,7 +1,9 @@
 //! Sub-blocks shared by the transformer models (EmbeddingGemma 2's text and vision towers,
 //! Qwen3, the Z-Image DiT), each written once against the backend ops.
 
-use tessera_backend::{Activation, Backend, Epilogue, View, ViewMut};
+use tessera_backend::{
+    Activation, AttnSpec, Backend, Epilogue, QkvLayout, RopeTable, Segments, View, ViewMut,
+};
 use tessera_core::Result;
 
 /// The gated MLP: `y = (act(x · W_gateᵀ) ⊙ (x · W_upᵀ)) · W_downᵀ`, with gate and up stacked in
@@ -39,5 +41,62 @@ impl<B: Backend> GatedMlp<'_, B> {
             self.act,
         )?;
         be.matmul(View::new(g, rows, im), self.down, y, Epilogue::default())
+    }
+}
+
+/// Self-attention with fused q|k|v: `y = attention(norm+rope(x · W_qkvᵀ)) · W_oᵀ`, q/k/v
+/// normed per head (q and k with weights, v weightless when `v_norm`), RoPE on q and k.
+pub struct SelfAttention<'a, B: Backend> {
+    pub qkv: &'a B::Mat,
+    pub o: &'a B::Mat,
+    pub layout: QkvLayout,
+    pub q_norm: Option<&'a B::Vector>,
+    pub k_norm: Option<&'a B::Vector>,
+    pub v_norm: bool,
+    pub eps: f32,
+    /// The RoPE table and the per-row positions it is indexed by.
+    pub rope: Option<(&'a RopeTable<B>, &'a B::Buf)>,
+    pub spec: AttnSpec,
+}
+
+impl<B: Backend> SelfAttention<'_, B> {
+    /// `y = attn(x)` for `x` `[rows, d]` packed into `segs`; `qkv` (`rows · layout.width()`) and
+    /// `attn` (`rows · q columns`) are scratch buffers from the caller's workspace.
+    pub fn forward(
+        &self,
+        be: &B,
+        x: View<'_, B>,
+        segs: &Segments<B>,
+        qkv: &mut B::Buf,
+        attn: &mut B::Buf,
+        y: ViewMut<'_, B>,
+    ) -> Result<()> {
+        let (rows, lay) = (x.rows, self.layout);
+        let (qc, kc, width) = (lay.q_cols(), lay.kv_cols(), lay.width());
+        be.matmul(
+            x,
+            self.qkv,
+            ViewMut::new(qkv, rows, width),
+            Epilogue::default(),
+        )?;
+        be.qkv_norm_rope(
+            ViewMut::new(qkv, rows, width),
+            lay,
+            self.q_norm,
+            self.k_norm,
+            self.v_norm,
+            self.eps,
+            self.rope,
+        )?;
+        let all = View::new(qkv, rows, width);
+        be.attention(
+            all.cols(0, qc),
+            all.cols(qc, kc),
+            all.cols(qc + kc, kc),
+            ViewMut::new(attn, rows, qc),
+            &self.spec,
+            segs,
+        )?;
+        be.matmul(View::new(attn, rows, qc), self.o, y, Epilogue::default())
     }
 }

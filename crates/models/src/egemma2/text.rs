@@ -16,7 +16,7 @@ use tessera_backend::{
 use tessera_core::{Error, Result, Weights};
 
 use super::config::{LayerType, TextConfig};
-use crate::blocks::GatedMlp;
+use crate::blocks::{GatedMlp, SelfAttention};
 
 struct Layer<B: Backend> {
     kind: LayerType,
@@ -421,50 +421,36 @@ impl<B: Backend> TextEncoder<B> {
         )?;
         for (i, l) in self.layers.iter().enumerate() {
             let lay = l.layout;
-            let (qc, kc, width) = (lay.q_cols(), lay.kv_cols(), lay.width());
-            // Attention.
-            be.matmul(
-                View::new(&ws.a, t, h),
-                &l.qkv,
-                ViewMut::new(&mut ws.qkv, t, width),
-                Epilogue::default(),
-            )?;
             let rope = match l.kind {
                 LayerType::Sliding => self.rope_sliding.as_ref(),
                 LayerType::Full => self.rope_full.as_ref(),
             }
             .ok_or_else(|| Error::backend("text encoder", "rope table missing"))?;
-            be.qkv_norm_rope(
-                ViewMut::new(&mut ws.qkv, t, width),
-                lay,
-                Some(&l.q_norm),
-                Some(&l.k_norm),
-                true,
+            SelfAttention {
+                qkv: &l.qkv,
+                o: &l.o,
+                layout: lay,
+                q_norm: Some(&l.q_norm),
+                k_norm: Some(&l.k_norm),
+                v_norm: true,
                 eps,
-                Some((rope, &ws.pos)),
-            )?;
-            let spec = AttnSpec {
-                heads_q: lay.heads_q,
-                heads_kv: lay.heads_kv,
-                head_dim: lay.head_dim,
-                scale: 1.0,
-                window: (l.kind == LayerType::Sliding).then_some(c.sliding_window),
-                causal: false,
-            };
-            let qkv = View::new(&ws.qkv, t, width);
-            be.attention(
-                qkv.cols(0, qc),
-                qkv.cols(qc, kc),
-                qkv.cols(qc + kc, kc),
-                ViewMut::new(&mut ws.attn, t, qc),
-                &spec,
+                rope: Some((rope, &ws.pos)),
+                spec: AttnSpec {
+                    heads_q: lay.heads_q,
+                    heads_kv: lay.heads_kv,
+                    head_dim: lay.head_dim,
+                    scale: 1.0,
+                    window: (l.kind == LayerType::Sliding).then_some(c.sliding_window),
+                    causal: false,
+                },
+            }
+            .forward(
+                be,
+                View::new(&ws.a, t, h),
                 segs,
-            )?;
-            be.matmul(
-                View::new(&ws.attn, t, qc),
-                &l.o,
+                &mut ws.qkv,
+                &mut ws.attn,
                 ViewMut::new(&mut ws.y, t, h),
-                Epilogue::default(),
             )?;
             be.residual_norm(
                 ViewMut::new(&mut ws.h, t, h),

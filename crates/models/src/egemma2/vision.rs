@@ -21,7 +21,7 @@ use tessera_core::{Error, Result, Weights};
 
 use super::config::VisionConfig;
 use super::text::default_inv_freq;
-use crate::blocks::GatedMlp;
+use crate::blocks::{GatedMlp, SelfAttention};
 use crate::imageproc::Patches;
 
 struct Layer<B: Backend> {
@@ -261,42 +261,26 @@ impl<B: Backend> VisionEncoder<B> {
             window: None,
             causal: false,
         };
-        let (qc, kc, width, im) = (
-            lay.q_cols(),
-            lay.kv_cols(),
-            lay.width(),
-            c.intermediate_size,
-        );
+        let im = c.intermediate_size;
         for (i, l) in self.layers.iter().enumerate() {
-            be.matmul(
-                View::new(&ws.a, n, d),
-                &l.qkv,
-                ViewMut::new(&mut ws.qkv, n, width),
-                Epilogue::default(),
-            )?;
-            be.qkv_norm_rope(
-                ViewMut::new(&mut ws.qkv, n, width),
-                lay,
-                Some(&l.q_norm),
-                Some(&l.k_norm),
-                true,
+            SelfAttention {
+                qkv: &l.qkv,
+                o: &l.o,
+                layout: lay,
+                q_norm: Some(&l.q_norm),
+                k_norm: Some(&l.k_norm),
+                v_norm: true,
                 eps,
-                Some((&self.rope, &ws.pos)),
-            )?;
-            let qkv = View::new(&ws.qkv, n, width);
-            be.attention(
-                qkv.cols(0, qc),
-                qkv.cols(qc, kc),
-                qkv.cols(qc + kc, kc),
-                ViewMut::new(&mut ws.attn, n, qc),
-                &spec,
+                rope: Some((&self.rope, &ws.pos)),
+                spec,
+            }
+            .forward(
+                be,
+                View::new(&ws.a, n, d),
                 &segs,
-            )?;
-            be.matmul(
-                View::new(&ws.attn, n, qc),
-                &l.o,
+                &mut ws.qkv,
+                &mut ws.attn,
                 ViewMut::new(&mut ws.y, n, d),
-                Epilogue::default(),
             )?;
             be.residual_norm(
                 ViewMut::new(&mut ws.h, n, d),

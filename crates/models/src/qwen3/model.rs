@@ -6,13 +6,13 @@
 //! real token exactly what the reference computes for the right-padded, masked batch.
 
 use tessera_backend::{
-    Activation, AttnSpec, Backend, Epilogue, QkvLayout, Residual, Role, RopeStyle, RopeTable,
-    RowNorm, View, ViewMut,
+    Activation, AttnSpec, Backend, QkvLayout, Residual, Role, RopeStyle, RopeTable, RowNorm, View,
+    ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
 use super::config::Qwen3Config;
-use crate::blocks::GatedMlp;
+use crate::blocks::{GatedMlp, SelfAttention};
 use crate::egemma2::text::default_inv_freq;
 
 struct Layer<B: Backend> {
@@ -186,12 +186,7 @@ impl<B: Backend> Qwen3TextModel<B> {
             total,
             self.layout,
         );
-        let (qc, kc, width, im) = (
-            lay.q_cols(),
-            lay.kv_cols(),
-            lay.width(),
-            self.cfg.intermediate_size,
-        );
+        let im = self.cfg.intermediate_size;
         let rope = self
             .rope
             .as_ref()
@@ -219,35 +214,24 @@ impl<B: Backend> Qwen3TextModel<B> {
             causal: true,
         };
         for (i, l) in self.layers.iter().enumerate() {
-            be.matmul(
-                View::new(&ws.a, t, h),
-                &l.qkv,
-                ViewMut::new(&mut ws.qkv, t, width),
-                Epilogue::default(),
-            )?;
-            be.qkv_norm_rope(
-                ViewMut::new(&mut ws.qkv, t, width),
-                lay,
-                Some(&l.q_norm),
-                Some(&l.k_norm),
-                false,
+            SelfAttention {
+                qkv: &l.qkv,
+                o: &l.o,
+                layout: lay,
+                q_norm: Some(&l.q_norm),
+                k_norm: Some(&l.k_norm),
+                v_norm: false,
                 eps,
-                Some((rope, &ws.pos)),
-            )?;
-            let qkv = View::new(&ws.qkv, t, width);
-            be.attention(
-                qkv.cols(0, qc),
-                qkv.cols(qc, kc),
-                qkv.cols(qc + kc, kc),
-                ViewMut::new(&mut ws.attn, t, qc),
-                &spec,
+                rope: Some((rope, &ws.pos)),
+                spec,
+            }
+            .forward(
+                be,
+                View::new(&ws.a, t, h),
                 &segs,
-            )?;
-            be.matmul(
-                View::new(&ws.attn, t, qc),
-                &l.o,
+                &mut ws.qkv,
+                &mut ws.attn,
                 ViewMut::new(&mut ws.y, t, h),
-                Epilogue::default(),
             )?;
             let post_attn = RowNorm::rms(&l.post_attn_norm, eps);
             be.residual_add(
