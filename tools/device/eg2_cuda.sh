@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
-#   PARTS=parity,sens,bench,ref (default all)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
+#   PARTS=parity,floor,sens,bench,serve,ref (default all)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
 # Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-parity,sens,bench,ref}
+PARTS=${PARTS:-parity,floor,sens,bench,serve,ref}
 W3_DOCS=${W3_DOCS:-8192}
 W3_PASS=${W3_PASS:-16384,32768,65536}
 IMG_PASS=${IMG_PASS:-16384,32768,65536}
@@ -33,6 +33,11 @@ if [[ $PARTS == *parity* ]]; then
   .dev/bin/egemma2_cuda --ignored --test-threads=1 --nocapture > "$OUT/egemma2_cuda.log" 2>&1; r=$?; status=$((status|r))
   grep -E "test result|panicked|worst|documents of" -A1 "$OUT/egemma2_cuda.log" | grep -v "^--" | head -24
 fi
+if [[ $PARTS == *floor* ]]; then
+  echo "== bf16 floor: the parity model in float64 with only a bf16 engine's storage roundings"
+  python3 tools/device/eg2_bf16_floor.py full $P $D/bench_inputs.json "$OUT/bf16_floor.json" 2> "$OUT/bf16_floor.err" \
+    || tail -5 "$OUT/bf16_floor.err"
+fi
 if [[ $PARTS == *sens* ]]; then
   echo "== rounding sensitivity vs torch float64: shared model, then the parity model"
   for model in $P; do  # the shared model $M was measured in an earlier run (BENCHMARKS.md)
@@ -56,6 +61,15 @@ if [[ $PARTS == *bench* ]]; then
   cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl" "$OUT/bench_image.jsonl"
   tail -n 2 "$OUT/bench_embed.err" "$OUT/bench_image.err"
   for w in $PROFILES; do tail -1 "$OUT/profile_$w.txt"; done
+fi
+if [[ $PARTS == *serve* ]]; then
+  echo "== tessera bench serve (loopback, full-size model): lanes, then fifo"
+  for sched in lanes fifo; do
+    .dev/bin/tessera bench serve --model $M --device cuda --schedule $sched --requests 2000 --phase-secs 20 \
+      --clients 1,16 --image-clients 4 --image-size 1024x768 --max-queue 64 --burst 256 --burst-images 4 --check \
+      --server-log "$OUT/serve_$sched.server.log" > "$OUT/serve_$sched.jsonl" 2> "$OUT/serve_$sched.err"; r=$?; status=$((status|r))
+    cat "$OUT/serve_$sched.jsonl"; tail -n 3 "$OUT/serve_$sched.err"
+  done
 fi
 if [[ $PARTS == *ref* ]]; then
   echo "== reference (transformers 5.25, bf16, sdpa)"

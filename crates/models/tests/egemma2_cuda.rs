@@ -52,14 +52,55 @@ fn diff(a: &[f32], b: &[f64]) -> (f64, f64) {
     (m, dot / (na.sqrt() * nb.sqrt()).max(1e-30))
 }
 
-fn check(what: &str, got: &[f32], want: &[f64], p: Precision, worst: &mut (f64, f64)) {
-    let (m, cos) = diff(got, want);
-    worst.0 = worst.0.max(m);
-    worst.1 = worst.1.min(cos);
-    let (max_abs, min_cos) = bounds(p);
+/// The worst error seen over a set of comparisons, and every comparison that broke the bound.
+/// Tests compare everything before failing, so a GPU run shows the whole picture at once.
+struct Tally {
+    precision: Precision,
+    worst: (f64, f64),
+    failures: Vec<String>,
+}
+
+impl Tally {
+    fn new(precision: Precision) -> Self {
+        Self {
+            precision,
+            worst: (0.0, 1.0),
+            failures: Vec::new(),
+        }
+    }
+
+    fn check(&mut self, what: &str, got: &[f32], want: &[f64]) {
+        let (m, cos) = diff(got, want);
+        self.worst.0 = self.worst.0.max(m);
+        self.worst.1 = self.worst.1.min(cos);
+        let (max_abs, min_cos) = bounds(self.precision);
+        if !(m <= max_abs && cos >= min_cos) {
+            self.failures.push(format!(
+                "{what} ({}): max abs {m:.3e} (≤ {max_abs:.0e}), cosine {cos:.7} (≥ {min_cos})",
+                self.precision
+            ));
+        }
+    }
+
+    /// Prints the worst error under `label` and folds the failures into `all`.
+    fn report(self, label: &str, all: &mut Vec<String>) {
+        eprintln!(
+            "{label}: worst max abs {:.2e}, worst cosine {:.8}, {} over the bound",
+            self.worst.0,
+            self.worst.1,
+            self.failures.len()
+        );
+        all.extend(self.failures);
+    }
+}
+
+/// Fails the test with every comparison that broke its bound.
+fn assert_none(failures: &[String]) {
     assert!(
-        m <= max_abs && cos >= min_cos,
-        "{what} ({p}): max abs {m:.3e} (≤ {max_abs:.0e}), cosine {cos:.7} (≥ {min_cos})"
+        failures.is_empty(),
+        "{} comparisons over the bound:\n{}",
+        failures.len(),
+        failures.join("\n")
     );
 }
 
@@ -86,10 +127,11 @@ fn fixtures_match_the_reference_on_cuda() {
         &std::fs::read_to_string(root().join("tests/fixtures/egemma2/cases.json")).unwrap(),
     )
     .unwrap();
+    let mut failures = Vec::new();
     for p in [Precision::F32, Precision::Bf16] {
         for (name, dir) in &fx.models {
             let mut model = cuda_model(&root().join(dir), p);
-            let mut worst = (0.0, 1.0);
+            let mut tally = Tally::new(p);
             for c in &fx.cases {
                 let texts: Vec<&str> = c.texts.iter().map(String::as_str).collect();
                 let opts = TextOptions {
@@ -99,23 +141,14 @@ fn fixtures_match_the_reference_on_cuda() {
                 };
                 let got = model.embed_texts(&texts, &opts, c.dim, |_| {}).unwrap();
                 for (i, (g, w)) in got.iter().zip(&c.expected[name]).enumerate() {
-                    check(
-                        &format!("{name}/{} text {i}", c.name),
-                        &g.vector,
-                        w,
-                        p,
-                        &mut worst,
-                    );
+                    tally.check(&format!("{name}/{} text {i}", c.name), &g.vector, w);
                 }
             }
-            eprintln!(
-                "fixtures {name} on {}: worst max abs {:.2e}, worst cosine {:.8}",
-                model.backend().describe(),
-                worst.0,
-                worst.1
-            );
+            let label = format!("fixtures {name} on {}", model.backend().describe());
+            tally.report(&label, &mut failures);
         }
     }
+    assert_none(&failures);
 }
 
 #[derive(Deserialize)]
@@ -158,31 +191,24 @@ fn full_size_model_matches_the_cpu() {
                 .collect()
         })
         .collect();
+    let mut failures = Vec::new();
     for p in [Precision::F32, Precision::Bf16] {
         let mut model = cuda_model(&dir, p);
-        let mut worst = (0.0, 1.0);
+        let mut tally = Tally::new(p);
         for ((name, texts), want) in groups.iter().zip(&want) {
             // Twice: the second run of a shape replays a captured graph.
             for round in 0..3 {
                 let got = model.embed_texts(texts, &opts, None, |_| {}).unwrap();
                 for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                    check(
-                        &format!("full-size {name} text {i} round {round}"),
-                        &g.vector,
-                        w,
-                        p,
-                        &mut worst,
-                    );
+                    let what = format!("full-size {name} text {i} round {round}");
+                    tally.check(&what, &g.vector, w);
                 }
             }
         }
-        eprintln!(
-            "full-size model on {}: worst max abs {:.2e}, worst cosine {:.8}",
-            model.backend().describe(),
-            worst.0,
-            worst.1
-        );
+        let label = format!("full-size model on {}", model.backend().describe());
+        tally.report(&label, &mut failures);
     }
+    assert_none(&failures);
 }
 
 #[test]
@@ -280,10 +306,12 @@ fn vision_fixtures_match_the_reference_on_cuda() {
                 .collect(),
         })
         .collect();
+    let mut failures = Vec::new();
     for p in [Precision::F32, Precision::Bf16] {
         for (name, dir) in &fx.models {
             let mut model = cuda_model(&root().join(dir), p);
-            let mut worst = (0.0, 1.0);
+            let mut tally = Tally::new(p);
+            let mut packing = Tally::new(p);
             let mut alone = Vec::new();
             for (c, input) in fx.cases.iter().zip(&inputs) {
                 let opts = TextOptions {
@@ -293,12 +321,10 @@ fn vision_fixtures_match_the_reference_on_cuda() {
                 let got = model
                     .embed_inputs(std::slice::from_ref(input), &opts, budget, c.dim, |_| {})
                     .unwrap();
-                check(
+                tally.check(
                     &format!("{name}/{}", c.name),
                     &got[0].vector,
                     &c.expected[name],
-                    p,
-                    &mut worst,
                 );
                 alone.push(got[0].vector.clone());
             }
@@ -314,20 +340,13 @@ fn vision_fixtures_match_the_reference_on_cuda() {
                 .unwrap();
             for (&i, v) in plain.iter().zip(&packed) {
                 let want: Vec<f64> = alone[i].iter().map(|&x| x as f64).collect();
-                check(
-                    &format!("{name}/{} packed", fx.cases[i].name),
-                    &v.vector,
-                    &want,
-                    p,
-                    &mut (0.0, 1.0),
-                );
+                let what = format!("{name}/{} packed", fx.cases[i].name);
+                packing.check(&what, &v.vector, &want);
             }
-            eprintln!(
-                "vision fixtures {name} on {}: worst max abs {:.2e}, worst cosine {:.8}",
-                model.backend().describe(),
-                worst.0,
-                worst.1
-            );
+            let label = format!("vision fixtures {name} on {}", model.backend().describe());
+            tally.report(&label, &mut failures);
+            packing.report(&format!("{label}, packed vs alone"), &mut failures);
         }
     }
+    assert_none(&failures);
 }

@@ -1,0 +1,162 @@
+"""How close to float64 can any bf16 engine get on a given EmbeddingGemma 2 model?
+
+Runs the PyTorch reference (transformers 5.25, eager) in float64 and again with values rounded
+where a bf16 engine stores them, still computing every op in float64. What that costs is a floor
+set by the model's conditioning, not by any engine's kernels: if the rounding alone breaks a
+bound, no bf16 engine meets that bound on that model. Variants:
+  weights       every parameter but norm weights and scalars rounded to bf16 (the checkpoint's
+                values as a bf16 engine uploads them; exact for a bf16 checkpoint)
+  ideal bf16    weights, plus every GEMM input and output, q/k/v and the attention probabilities
+                rounded to bf16: Tessera's CUDA bf16 storage points, in exact arithmetic
+  ideal, f16 attention   as above with q/k/v and probabilities in f16 instead
+
+Usage (repository root, .venv-ref or the GPU machine's site):
+  eg2_bf16_floor.py fixtures                       text and vision fixtures (CPU)
+  eg2_bf16_floor.py full MODEL_DIR bench_inputs.json [OUT_JSON]   a full-size model (CUDA if present)
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers.models.embedding_gemma2.modeling_embedding_gemma2 as eg2
+import transformers.models.gemma4.modeling_gemma4 as gemma4
+from safetensors.torch import load_file
+from transformers.models.embedding_gemma2 import EmbeddingGemma2Config, EmbeddingGemma2Model
+
+B, H = torch.bfloat16, torch.float16
+VARIANTS = {
+    "weights": dict(w=B),
+    "ideal bf16": dict(w=B, act=B, qkv=B, p=B),
+    "ideal, f16 attention": dict(w=B, act=B, qkv=H, p=H),
+}
+ROUND = {}  # the variant being run: where values are rounded, and to what
+
+
+def rnd(x, where):
+    dt = ROUND.get(where)
+    return x if dt is None else x.to(dt).to(x.dtype)
+
+
+def attention(module, q, k, v, mask, dropout=0.0, scaling=None, softcap=None, **kw):
+    """Eager attention with the storage roundings of a flash kernel: q/k/v as stored, the
+    unnormalised probabilities rounded before P·V, the row sum kept exact."""
+    q, k, v = rnd(q, "qkv"), rnd(k, "qkv"), rnd(v, "qkv")
+    k = eg2.repeat_kv(k, module.num_key_value_groups)
+    v = eg2.repeat_kv(v, module.num_key_value_groups)
+    s = torch.matmul(q, k.transpose(2, 3)) * (module.head_dim ** -0.5 if scaling is None else scaling)
+    if mask is not None:
+        s = s + mask
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    out = torch.matmul(rnd(p, "p"), v) / p.sum(-1, keepdim=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+eg2.eager_attention_forward = attention
+gemma4.eager_attention_forward = attention
+
+
+class Rounded:
+    """A float64 model whose parameters and GEMM boundaries are rounded per the current variant."""
+
+    def __init__(self, model):
+        self.model = model
+        self.exact = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.register_forward_pre_hook(lambda m, a: (rnd(a[0], "act"),) + tuple(a[1:]))
+                mod.register_forward_hook(lambda m, a, o: rnd(o, "act"))
+
+    def set(self, variant):
+        ROUND.clear()
+        ROUND.update(VARIANTS.get(variant, {}))
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(self.exact[n] if "norm" in n or "scalar" in n else rnd(self.exact[n], "w"))
+
+
+def model_from(config, weights, device):
+    torch.set_default_dtype(torch.float64)
+    try:
+        config._attn_implementation = "eager"
+        config.text_config._attn_implementation = "eager"
+        if config.vision_config is not None:
+            config.vision_config._attn_implementation = "eager"
+        with torch.device(device):
+            m = EmbeddingGemma2Model(config).eval()
+        m.load_state_dict({k: v.to(torch.float64) for k, v in weights.items()}, strict=False)
+        return Rounded(m)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def embed(model, ids, kwargs, dim=None):
+    dev = next(model.model.parameters()).device
+    with torch.no_grad():
+        kw = {k: v.to(dev) for k, v in kwargs.items()}
+        hs = model.model(input_ids=torch.tensor([ids], device=dev), **kw).last_hidden_state[0]
+    e = hs.mean(0)
+    e = e / e.norm()
+    if dim:
+        e = e[:dim] / e[:dim].norm()
+    return e.cpu().numpy()
+
+
+def floor(label, model, inputs):
+    """Worst max abs and cosine of each variant against exact float64, over `inputs`
+    (a list of (ids, kwargs, dim))."""
+    model.set("exact")
+    ref = [embed(model, *i) for i in inputs]
+    rows = []
+    for v in VARIANTS:
+        model.set(v)
+        out = [embed(model, *i) for i in inputs]
+        mx = max(float(np.abs(a - b).max()) for a, b in zip(out, ref))
+        cs = min(float(a @ b) for a, b in zip(out, ref))
+        rows.append({"model": label, "variant": v, "max_abs": mx, "cosine": cs})
+        print(f"{label:<28} {v:<22} worst max abs {mx:.2e}  worst cosine {cs:.7f}", flush=True)
+    return rows
+
+
+def fixtures():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures"))
+    import egemma2 as base
+    import egemma2_vision as vis
+
+    text = json.load(open(os.path.join(base.FIX, "cases.json")))
+    vcases = json.load(open(os.path.join(base.FIX, "vision_cases.json")))
+    proc, tok = vis.build_processor(base.MINI)
+    vinputs = [(*vis.case_inputs(proc, tok, c), c.get("dim")) for c in vcases["cases"]]
+    tinputs = [(ids, {}, c.get("dim")) for c in text["cases"] for ids in c["ids"]]
+    rows = []
+    for name, d in text["models"].items():
+        model = model_from(EmbeddingGemma2Config(**base.CFG), load_file(os.path.join(d, "model.safetensors")), "cpu")
+        rows += floor(f"{name} text fixtures", model, tinputs)
+        rows += floor(f"{name} vision fixtures", model, vinputs)
+    return rows
+
+
+def full(mdir, inputs_path):
+    from tokenizers import Tokenizer
+
+    inputs = json.load(open(inputs_path))
+    tok = Tokenizer.from_file(os.path.join(mdir, "tokenizer.json"))
+    texts = [inputs["short"], inputs["long"]] + inputs["batch64"][:6]
+    ids = [[2] + tok.encode(t).ids + [1] for t in texts]  # the file has no post-processor
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = EmbeddingGemma2Config.from_json_file(os.path.join(mdir, "config.json"))
+    model = model_from(cfg, load_file(os.path.join(mdir, "model.safetensors")), dev)
+    return floor(f"{os.path.basename(mdir.rstrip('/'))} ({[len(i) for i in ids]} tokens)", model,
+                 [(i, {}, None) for i in ids])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["fixtures"]:
+        rows = fixtures()
+    elif sys.argv[1:2] == ["full"] and len(sys.argv) >= 4:
+        rows = full(sys.argv[2], sys.argv[3])
+        if len(sys.argv) > 4:
+            json.dump(rows, open(sys.argv[4], "w"), indent=1)
+    else:
+        sys.exit(__doc__)
