@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
-#   PARTS=parity,floor,sens,bench,serve,ref (default all)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
+#   PARTS=parity,floor,sens,bench,serve,burst,ref (default all but burst)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
 # Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -61,6 +61,9 @@ if [[ $PARTS == *bench* ]]; then
   cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl" "$OUT/bench_image.jsonl"
   tail -n 2 "$OUT/bench_embed.err" "$OUT/bench_image.err"
   for w in $PROFILES; do tail -1 "$OUT/profile_$w.txt"; done
+  # GPU time per op class of one image's forward (graph replay off): the rest of the latency is host.
+  TESSERA_PROFILE=1 $B embed --device cuda --model $M --image $D/image/img_a_641x479.png > /dev/null 2> "$OUT/profile_image.txt"
+  tail -1 "$OUT/profile_image.txt"
 fi
 if [[ $PARTS == *serve* ]]; then
   echo "== tessera bench serve (loopback, full-size model): lanes, then fifo"
@@ -71,10 +74,23 @@ if [[ $PARTS == *serve* ]]; then
     cat "$OUT/serve_$sched.jsonl"; tail -n 3 "$OUT/serve_$sched.err"
   done
 fi
+if [[ $PARTS == *burst* ]]; then
+  # Is memory bounded by the server's limits rather than by the burst? The same burst at 4× the size.
+  # --max-rss-growth-mb: the server's 2,048 MiB decoded-image budget plus 512 MiB for bodies in flight.
+  echo "== serve bursts of 256 and 1024 requests × 4 images (max queue 64)"
+  for n in 256 1024; do
+    .dev/bin/tessera bench serve --model $M --device cuda --requests 100 --phase-secs 5 --clients 16 --image-clients 4 \
+      --image-size 1024x768 --max-queue 64 --burst $n --burst-images 4 --check --max-rss-growth-mb 2560 \
+      > "$OUT/burst_$n.jsonl" 2> "$OUT/burst_$n.err"; r=$?; status=$((status|r))
+    grep -v tower_http "$OUT/burst_$n.err" | tail -n 9
+  done
+fi
 if [[ $PARTS == *ref* ]]; then
   echo "== reference (transformers 5.25, bf16, sdpa)"
   python3 .dev/tools/refbench.py --only egemma2 > "$OUT/refbench.jsonl" 2> "$OUT/refbench.err"
   python3 tools/device/eg2_image_ref.py $M > "$OUT/ref_images.jsonl" 2> "$OUT/ref_images.err"
   grep '^{' "$OUT/refbench.jsonl" "$OUT/ref_images.jsonl"; tail -n 2 "$OUT/refbench.err" "$OUT/ref_images.err"
 fi
+# The device tool returns at most 8 files: everything travels as one archive.
+(cd "$OUT" && tar czf /tmp/logs.tgz --exclude='*.server.log' . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
 exit $status

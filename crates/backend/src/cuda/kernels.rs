@@ -59,6 +59,8 @@ pub fn names(source: &str) -> Vec<String> {
         "norm.cu" => {
             let mut v = pairs("rms_norm");
             v.extend(pairs("residual_norm"));
+            v.extend(pairs("rms_norm_warp"));
+            v.extend(pairs("residual_norm_warp"));
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_{d}")));
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_axial_{d}")));
             v
@@ -146,6 +148,8 @@ mod tests {
                 for op in [
                     "rms_norm",
                     "residual_norm",
+                    "rms_norm_warp",
+                    "residual_norm_warp",
                     "cast",
                     "add_positions_2d",
                     "avg_pool2d",

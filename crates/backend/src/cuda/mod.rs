@@ -278,6 +278,24 @@ fn row_block(cols: usize) -> u32 {
     if cols <= 1024 { 128 } else { 256 }
 }
 
+/// Rows of `cols` fit the warp-per-row norm kernels (`*_norm_warp_*` in norm.cu): 128·k columns
+/// with k ≤ 8, every row start of each `(pointer, stride, element size)` aligned for their
+/// 4-element accesses, and each weight vector (0 = none) 16-byte aligned.
+fn warp_norm_fits(cols: usize, rows: &[(u64, usize, usize)], weights: &[u64]) -> bool {
+    cols.is_multiple_of(128)
+        && (128..=1024).contains(&cols)
+        && rows.iter().all(|&(ptr, stride, size)| {
+            let align = 4 * size as u64;
+            ptr.is_multiple_of(align) && ((stride * size) as u64).is_multiple_of(align)
+        })
+        && weights.iter().all(|w| w.is_multiple_of(16))
+}
+
+/// Launch shape of the warp-per-row norm kernels: eight rows per 256-thread block.
+fn warp_rows_cfg(rows: usize) -> LaunchConfig {
+    cfg((rows.div_ceil(8) as u32, 1), 256, 0)
+}
+
 impl CudaBackend {
     pub fn device_name(&self) -> &str {
         &self.name
@@ -747,19 +765,20 @@ impl Backend for CudaBackend {
         let (xp, op) = (ptr_of(&x)?, ptr_of_mut(&out)?);
         let (xt, ot) = (x.buf.elem.tag(), out.buf.elem.tag());
         let w = w.map_or(0, |w| w.ptr);
-        let name = format!("rms_norm_{xt}_{ot}");
-        let args = [
-            xp,
-            i(x.stride as i64),
-            w,
-            op,
-            i(out.stride as i64),
-            i(x.cols as i64),
-            f(eps),
+        let mut args = vec![xp, i(x.stride as i64), w, op, i(out.stride as i64)];
+        let rows = [
+            (xp, x.stride, x.buf.elem.size()),
+            (op, out.stride, out.buf.elem.size()),
         ];
-        self.timed("norm", || {
-            self.launch(&name, cfg((x.rows as u32, 1), row_block(x.cols), 0), &args)
-        })
+        let (name, launch) = if warp_norm_fits(x.cols, &rows, &[w]) {
+            args.push(i(x.rows as i64));
+            (format!("rms_norm_warp_{xt}_{ot}"), warp_rows_cfg(x.rows))
+        } else {
+            let block = cfg((x.rows as u32, 1), row_block(x.cols), 0);
+            (format!("rms_norm_{xt}_{ot}"), block)
+        };
+        args.extend([i(x.cols as i64), f(eps)]);
+        self.timed("norm", || self.launch(&name, launch, &args))
     }
 
     fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
@@ -814,29 +833,34 @@ impl Backend for CudaBackend {
             Some(o) => (ptr_of_mut(o)?, o.stride),
             None => (0, 0),
         };
-        let common = [
-            ptr_of_mut(&h)?,
+        let (hp, yp, pp) = (ptr_of_mut(&h)?, ptr_of(&y)?, post.map_or(0, |p| p.ptr));
+        let mut args = vec![
+            hp,
             i(h.stride as i64),
-            ptr_of(&y)?,
+            yp,
             i(y.stride as i64),
-            post.map_or(0, |p| p.ptr),
+            pp,
             f(scale),
             i(mode),
             next,
             optr,
             i(ostride as i64),
         ];
-        let name = format!("residual_norm_{}_{}", y.buf.elem.tag(), out_tag);
-        let mut args = common.to_vec();
+        let mut rows = vec![(hp, h.stride, 4), (yp, y.stride, y.buf.elem.size())];
+        if let Some(o) = out {
+            rows.push((optr, o.stride, o.buf.elem.size()));
+        }
+        let tags = format!("{}_{}", y.buf.elem.tag(), out_tag);
+        let (name, launch) = if warp_norm_fits(h.cols, &rows, &[pp, next]) {
+            args.push(i(h.rows as i64));
+            (format!("residual_norm_warp_{tags}"), warp_rows_cfg(h.rows))
+        } else {
+            let smem = (h.cols * 4) as u32;
+            let block = cfg((h.rows as u32, 1), row_block(h.cols), smem);
+            (format!("residual_norm_{tags}"), block)
+        };
         args.extend([i(h.cols as i64), f(eps)]);
-        let smem = (h.cols * 4) as u32;
-        self.timed("norm", || {
-            self.launch(
-                &name,
-                cfg((h.rows as u32, 1), row_block(h.cols), smem),
-                &args,
-            )
-        })
+        self.timed("norm", || self.launch(&name, launch, &args))
     }
 
     fn qkv_norm_rope(

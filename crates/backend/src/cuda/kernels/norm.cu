@@ -62,6 +62,126 @@ __device__ __forceinline__ void residual_norm_impl(float* h, long hs, const TY* 
     for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f<TO>(row[c] * inv2 * next[c]);
 }
 
+// Warp-per-row variants with 16-byte (f32) / 8-byte (bf16) accesses for rows of 128·k columns,
+// k ≤ 8: each lane keeps its 4·k values in registers, so a row is read once, every load of a
+// row is in flight together and no block barrier is needed. The host picks them when cols fits
+// and every row start is aligned; same arithmetic order as the block-per-row kernels above.
+#define ROW_CHUNKS 8
+
+__device__ __forceinline__ void load4(const float* p, float* v) {
+    const uint4 t = *reinterpret_cast<const uint4*>(p);
+    v[0] = __uint_as_float(t.x);
+    v[1] = __uint_as_float(t.y);
+    v[2] = __uint_as_float(t.z);
+    v[3] = __uint_as_float(t.w);
+}
+__device__ __forceinline__ void load4(const bf16* p, float* v) {
+    const uint2 t = *reinterpret_cast<const uint2*>(p);
+    v[0] = __uint_as_float(t.x << 16);
+    v[1] = __uint_as_float(t.x & 0xffff0000u);
+    v[2] = __uint_as_float(t.y << 16);
+    v[3] = __uint_as_float(t.y & 0xffff0000u);
+}
+__device__ __forceinline__ void store4(float* p, const float* v) {
+    uint4 t;
+    t.x = __float_as_uint(v[0]);
+    t.y = __float_as_uint(v[1]);
+    t.z = __float_as_uint(v[2]);
+    t.w = __float_as_uint(v[3]);
+    *reinterpret_cast<uint4*>(p) = t;
+}
+__device__ __forceinline__ void store4(bf16* p, const float* v) {
+    uint2 t;
+    t.x = pack_bf16x2(v[0], v[1]);
+    t.y = pack_bf16x2(v[2], v[3]);
+    *reinterpret_cast<uint2*>(p) = t;
+}
+
+template <typename TI, typename TO>
+__device__ __forceinline__ void rms_norm_warp_impl(const TI* x, long xs, const float* w, TO* out, long os,
+                                                   long rows, int cols, float eps) {
+    const long r = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // whole warps leave together
+    const int c0 = 4 * (threadIdx.x & 31), k = cols >> 7;
+    float v[ROW_CHUNKS][4];
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < ROW_CHUNKS; t++) {
+        if (t < k) {
+            load4(x + r * xs + 128 * t + c0, v[t]);
+#pragma unroll
+            for (int j = 0; j < 4; j++) ss += v[t][j] * v[t][j];
+        }
+    }
+    const float inv = 1.f / sqrtf(warp_sum(ss) / cols + eps);
+#pragma unroll
+    for (int t = 0; t < ROW_CHUNKS; t++) {
+        if (t < k) {
+            float wv[4] = {1.f, 1.f, 1.f, 1.f};
+            if (w) load4(w + 128 * t + c0, wv);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                v[t][j] *= inv;
+                if (w) v[t][j] *= wv[j];
+            }
+            store4(out + r * os + 128 * t + c0, v[t]);
+        }
+    }
+}
+
+template <typename TY, typename TO>
+__device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const TY* y, long ys, const float* post,
+                                                        float scale, int mode, const float* next, TO* out, long os,
+                                                        long rows, int cols, float eps) {
+    const long r = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // whole warps leave together
+    const int c0 = 4 * (threadIdx.x & 31), k = cols >> 7;
+    float v[ROW_CHUNKS][4];
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < ROW_CHUNKS; t++) {
+        if (t < k) {
+            load4(y + r * ys + 128 * t + c0, v[t]);
+#pragma unroll
+            for (int j = 0; j < 4; j++) ss += v[t][j] * v[t][j];
+        }
+    }
+    const float inv = 1.f / sqrtf(warp_sum(ss) / cols + eps);
+    float ss2 = 0.f;
+#pragma unroll
+    for (int t = 0; t < ROW_CHUNKS; t++) {
+        if (t < k) {
+            float hv[4], pv[4] = {1.f, 1.f, 1.f, 1.f};
+            float* hp = h + r * hs + 128 * t + c0;
+            load4(hp, hv);
+            if (post) load4(post + 128 * t + c0, pv);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float n = v[t][j] * inv;
+                if (post) n *= pv[j];
+                v[t][j] = (hv[j] + n) * scale;
+                ss2 += v[t][j] * v[t][j];
+            }
+            store4(hp, v[t]);
+        }
+    }
+    if (mode == 0) return;
+    float inv2 = 1.f;
+    if (mode == 1) inv2 = 1.f / sqrtf(warp_sum(ss2) / cols + eps);
+#pragma unroll
+    for (int t = 0; t < ROW_CHUNKS; t++) {
+        if (t < k) {
+            if (mode == 1) {
+                float nv[4];
+                load4(next + 128 * t + c0, nv);
+#pragma unroll
+                for (int j = 0; j < 4; j++) v[t][j] = v[t][j] * inv2 * nv[j];
+            }
+            store4(out + r * os + 128 * t + c0, v[t]);
+        }
+    }
+}
+
 // In place on packed q|k|v rows: per-head RMSNorm (q, k with weights; v weightless when v_norm),
 // then RoPE on q and k. One warp per (row, head); head_dim ≤ 512, even.
 // rope: cos table [rope_len][tbl_half] followed by the sin table; null = no rotation.
@@ -164,3 +284,24 @@ QKV_NORM_ROPE(float, false, qkv_norm_rope_f32)
 QKV_NORM_ROPE(bf16, false, qkv_norm_rope_bf16)
 QKV_NORM_ROPE(float, true, qkv_norm_rope_axial_f32)
 QKV_NORM_ROPE(bf16, true, qkv_norm_rope_axial_bf16)
+
+#define RMS_NORM_WARP(TI, TO, NAME)                                                                      \
+    extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, long rows,     \
+                                    int cols, float eps) {                                                \
+        rms_norm_warp_impl<TI, TO>(x, xs, w, out, os, rows, cols, eps);                                    \
+    }
+RMS_NORM_WARP(float, float, rms_norm_warp_f32_f32)
+RMS_NORM_WARP(float, bf16, rms_norm_warp_f32_bf16)
+RMS_NORM_WARP(bf16, float, rms_norm_warp_bf16_f32)
+RMS_NORM_WARP(bf16, bf16, rms_norm_warp_bf16_bf16)
+
+#define RESIDUAL_NORM_WARP(TY, TO, NAME)                                                                 \
+    extern "C" __global__ void NAME(float* h, long hs, const TY* y, long ys, const float* post, float scale, \
+                                    int mode, const float* next, TO* out, long os, long rows, int cols,     \
+                                    float eps) {                                                          \
+        residual_norm_warp_impl<TY, TO>(h, hs, y, ys, post, scale, mode, next, out, os, rows, cols, eps);  \
+    }
+RESIDUAL_NORM_WARP(float, float, residual_norm_warp_f32_f32)
+RESIDUAL_NORM_WARP(float, bf16, residual_norm_warp_f32_bf16)
+RESIDUAL_NORM_WARP(bf16, float, residual_norm_warp_bf16_f32)
+RESIDUAL_NORM_WARP(bf16, bf16, residual_norm_warp_bf16_bf16)
