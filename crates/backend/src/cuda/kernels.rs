@@ -63,6 +63,7 @@ pub fn names(source: &str) -> Vec<String> {
             v.extend(pairs("residual_norm_warp"));
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_{d}")));
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_axial_{d}")));
+            v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_vec_{d}")));
             v
         }
         "elementwise.cu" => {
@@ -161,6 +162,7 @@ mod tests {
             wanted.push(format!("embed_{a}_f32"));
             wanted.push(format!("qkv_norm_rope_{a}"));
             wanted.push(format!("qkv_norm_rope_axial_{a}"));
+            wanted.push(format!("qkv_norm_rope_vec_{a}"));
             wanted.push(format!("segment_mean_{a}"));
             for act in ["gelu", "silu"] {
                 wanted.push(format!("gated_{act}_{a}"));

@@ -900,15 +900,27 @@ impl Backend for CudaBackend {
             }
             None => (0, 0, 0, 0, 0),
         };
+        let (tag, size) = (qkv.buf.elem.tag(), qkv.buf.elem.size());
+        let qkv_ptr = ptr_of_mut(&qkv)?;
+        // The 4-wide kernel: split-half heads of 256·m (m ≤ 2), rows and vectors aligned.
+        let wide = axial == 0
+            && (hd == 256 || hd == 512)
+            && qkv_ptr.is_multiple_of(4 * size as u64)
+            && qkv.stride.is_multiple_of(4)
+            && [q_w.map_or(0, |w| w.ptr), k_w.map_or(0, |w| w.ptr), table]
+                .iter()
+                .all(|p| p.is_multiple_of(16));
         let name = if axial == 1 {
-            format!("qkv_norm_rope_axial_{}", qkv.buf.elem.tag())
+            format!("qkv_norm_rope_axial_{tag}")
+        } else if wide {
+            format!("qkv_norm_rope_vec_{tag}")
         } else {
-            format!("qkv_norm_rope_{}", qkv.buf.elem.tag())
+            format!("qkv_norm_rope_{tag}")
         };
         let heads = layout.heads_q + 2 * layout.heads_kv;
         let warps = (qkv.rows * heads) as u32;
         let args = [
-            ptr_of_mut(&qkv)?,
+            qkv_ptr,
             i(qkv.stride as i64),
             i(qkv.rows as i64),
             i(layout.heads_q as i64),

@@ -252,6 +252,74 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
     }
 }
 
+// Split-half q/k/v norm + RoPE for head dims 256·m (m ≤ 2, the text tower's 256 and 512): lane l
+// owns pairs 128g + 4l … 4l+3, so every access to the row, the weights and the RoPE table is a
+// 4-element vector (the scalar kernel above moves 2-byte values). The host picks it when the rows,
+// weights and table are aligned; same arithmetic order as the scalar kernel.
+template <typename T>
+__device__ __forceinline__ void qkv_norm_rope_vec_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
+                                                       const float* qw, const float* kw, int v_norm, float eps,
+                                                       const float* rope, int rope_len, int tbl_half,
+                                                       const u32* pos) {
+    const int heads = hq + 2 * hkv;
+    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (gw >= (long)rows * heads) return;  // whole warps leave together
+    const long r = gw / heads;
+    const int hh = (int)(gw % heads);
+    const bool is_v = hh >= hq + hkv;
+    if (is_v && !v_norm) return;
+    const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
+    T* x = qkv + r * stride + (long)hh * hd;
+    const int pairs = hd >> 1, groups = pairs >> 7, lane4 = 4 * (threadIdx.x & 31);
+    float a[2][4], b[2][4];
+    float ss = 0.f;
+#pragma unroll
+    for (int g = 0; g < 2; g++) {
+        if (g < groups) {
+            load4(x + 128 * g + lane4, a[g]);
+            load4(x + 128 * g + lane4 + pairs, b[g]);
+#pragma unroll
+            for (int j = 0; j < 4; j++) ss += a[g][j] * a[g][j] + b[g][j] * b[g][j];
+        }
+    }
+    const float inv = 1.f / sqrtf(warp_sum(ss) / hd + eps);
+    const bool rotate = !is_v && rope != nullptr;
+    const long p = rotate ? (long)pos[r] : 0;
+#pragma unroll
+    for (int g = 0; g < 2; g++) {
+        if (g < groups) {
+            const int j0 = 128 * g + lane4;
+            float wa[4] = {1.f, 1.f, 1.f, 1.f}, wb[4] = {1.f, 1.f, 1.f, 1.f}, c[4], s[4];
+            if (w) {
+                load4(w + j0, wa);
+                load4(w + j0 + pairs, wb);
+            }
+            if (rotate) {
+                load4(rope + p * tbl_half + j0, c);
+                load4(rope + ((long)rope_len + p) * tbl_half + j0, s);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float x1 = a[g][j] * inv, x2 = b[g][j] * inv;
+                if (w) {
+                    x1 *= wa[j];
+                    x2 *= wb[j];
+                }
+                if (rotate) {
+                    const float y1 = x1 * c[j] - x2 * s[j];
+                    const float y2 = x2 * c[j] + x1 * s[j];
+                    x1 = y1;
+                    x2 = y2;
+                }
+                a[g][j] = x1;
+                b[g][j] = x2;
+            }
+            store4(x + j0, a[g]);
+            store4(x + j0 + pairs, b[g]);
+        }
+    }
+}
+
 #define RMS_NORM(TI, TO, NAME)                                                                           \
     extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, int cols,      \
                                     float eps) {                                                          \
@@ -305,3 +373,13 @@ RESIDUAL_NORM_WARP(float, float, residual_norm_warp_f32_f32)
 RESIDUAL_NORM_WARP(float, bf16, residual_norm_warp_f32_bf16)
 RESIDUAL_NORM_WARP(bf16, float, residual_norm_warp_bf16_f32)
 RESIDUAL_NORM_WARP(bf16, bf16, residual_norm_warp_bf16_bf16)
+
+#define QKV_NORM_ROPE_VEC(T, NAME)                                                                       \
+    extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
+                                    const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
+                                    int tbl_half, const u32* pos) {                                       \
+        qkv_norm_rope_vec_impl<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len,      \
+                                  tbl_half, pos);                                                         \
+    }
+QKV_NORM_ROPE_VEC(float, qkv_norm_rope_vec_f32)
+QKV_NORM_ROPE_VEC(bf16, qkv_norm_rope_vec_bf16)
