@@ -61,9 +61,10 @@ if [[ $PARTS == *bench* ]]; then
   cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl" "$OUT/bench_image.jsonl"
   tail -n 2 "$OUT/bench_embed.err" "$OUT/bench_image.err"
   for w in $PROFILES; do tail -1 "$OUT/profile_$w.txt"; done
-  # GPU time per op class of one image's forward (graph replay off): the rest of the latency is host.
-  TESSERA_PROFILE=1 $B embed --device cuda --model $M --image $D/image/img_a_641x479.png > /dev/null 2> "$OUT/profile_image.txt"
-  tail -1 "$OUT/profile_image.txt"
+  # GPU time per op class of one image's forward, warm (graph replay off): the rest is host time.
+  TESSERA_PROFILE=1 $B bench image --device cuda --model $M --image $D/image/img_a_641x479.png --images 8 \
+    --pass-patches 16384 > /dev/null 2> "$OUT/profile_image.txt"
+  sed -n '40,41p' "$OUT/profile_image.txt"
 fi
 if [[ $PARTS == *serve* ]]; then
   echo "== tessera bench serve (loopback, full-size model): lanes, then fifo"
