@@ -97,6 +97,22 @@ __device__ __forceinline__ void store4(bf16* p, const float* v) {
     *reinterpret_cast<uint2*>(p) = t;
 }
 
+// This lane's 4·k values of a row (columns 128t + 4·lane …, t < k) into `v`; returns the row's sum
+// of squares, reduced over the warp.
+template <typename T>
+__device__ __forceinline__ float load_row(const T* row, int k, int c0, float (&v)[ROW_CHUNKS][4]) {
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < ROW_CHUNKS; t++) {
+        if (t < k) {
+            load4(row + 128 * t + c0, v[t]);
+#pragma unroll
+            for (int j = 0; j < 4; j++) ss += v[t][j] * v[t][j];
+        }
+    }
+    return warp_sum(ss);
+}
+
 template <typename TI, typename TO>
 __device__ __forceinline__ void rms_norm_warp_impl(const TI* x, long xs, const float* w, TO* out, long os,
                                                    long rows, int cols, float eps) {
@@ -104,16 +120,7 @@ __device__ __forceinline__ void rms_norm_warp_impl(const TI* x, long xs, const f
     if (r >= rows) return;  // whole warps leave together
     const int c0 = 4 * (threadIdx.x & 31), k = cols >> 7;
     float v[ROW_CHUNKS][4];
-    float ss = 0.f;
-#pragma unroll
-    for (int t = 0; t < ROW_CHUNKS; t++) {
-        if (t < k) {
-            load4(x + r * xs + 128 * t + c0, v[t]);
-#pragma unroll
-            for (int j = 0; j < 4; j++) ss += v[t][j] * v[t][j];
-        }
-    }
-    const float inv = 1.f / sqrtf(warp_sum(ss) / cols + eps);
+    const float inv = 1.f / sqrtf(load_row(x + r * xs, k, c0, v) / cols + eps);
 #pragma unroll
     for (int t = 0; t < ROW_CHUNKS; t++) {
         if (t < k) {
@@ -137,16 +144,7 @@ __device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const
     if (r >= rows) return;  // whole warps leave together
     const int c0 = 4 * (threadIdx.x & 31), k = cols >> 7;
     float v[ROW_CHUNKS][4];
-    float ss = 0.f;
-#pragma unroll
-    for (int t = 0; t < ROW_CHUNKS; t++) {
-        if (t < k) {
-            load4(y + r * ys + 128 * t + c0, v[t]);
-#pragma unroll
-            for (int j = 0; j < 4; j++) ss += v[t][j] * v[t][j];
-        }
-    }
-    const float inv = 1.f / sqrtf(warp_sum(ss) / cols + eps);
+    const float inv = 1.f / sqrtf(load_row(y + r * ys, k, c0, v) / cols + eps);
     float ss2 = 0.f;
 #pragma unroll
     for (int t = 0; t < ROW_CHUNKS; t++) {
