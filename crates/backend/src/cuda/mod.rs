@@ -417,6 +417,9 @@ impl CudaBackend {
             return Ok(());
         }
         let func = self.kernels.get(name)?;
+        if let Some(p) = &self.profiler {
+            p.launched(name)?;
+        }
         let mut b = self.stream.launch_builder(func);
         for a in args {
             b.arg(a);

@@ -1,4 +1,6 @@
-//! `TESSERA_PROFILE=1`: GPU milliseconds per op class, printed on stderr after each forward.
+//! `TESSERA_PROFILE=1`: GPU milliseconds per op class, printed on stderr after each forward;
+//! `TESSERA_PROFILE=kernels`: per class and kernel name (`norm/residual_norm_warp_bf16_bf16`), to
+//! see which kernel of a class holds the time.
 //!
 //! Every op is bracketed by two timing events; at the next host read (the end of a forward) the
 //! elapsed times are summed per class. Graph replay is off while profiling, so every kernel is seen.
@@ -10,11 +12,15 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use tessera_core::{Error, Result};
 
-type Span = (&'static str, CudaEvent, CudaEvent);
+type Span = (String, CudaEvent, CudaEvent);
 
 pub(super) struct Profiler {
     ctx: Arc<CudaContext>,
     spans: Mutex<Vec<Span>>,
+    /// Label spans by kernel name too (`TESSERA_PROFILE=kernels`).
+    by_kernel: bool,
+    /// The last kernel launched inside the op being timed.
+    kernel: Mutex<Option<String>>,
 }
 
 fn err(e: impl std::fmt::Display) -> Error {
@@ -24,11 +30,22 @@ fn err(e: impl std::fmt::Display) -> Error {
 impl Profiler {
     /// A profiler when `TESSERA_PROFILE` is set to anything but `0` or empty.
     pub fn from_env(ctx: &Arc<CudaContext>) -> Result<Option<Self>> {
-        let on = std::env::var("TESSERA_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0");
+        let mode = std::env::var("TESSERA_PROFILE").unwrap_or_default();
+        let on = !mode.is_empty() && mode != "0";
         Ok(on.then(|| Profiler {
             ctx: ctx.clone(),
             spans: Mutex::new(Vec::new()),
+            by_kernel: mode == "kernels",
+            kernel: Mutex::new(None),
         }))
+    }
+
+    /// Note a kernel launch, for the label of the op being timed.
+    pub fn launched(&self, name: &str) -> Result<()> {
+        if self.by_kernel {
+            *self.kernel.lock().map_err(err)? = Some(name.to_string());
+        }
+        Ok(())
     }
 
     pub fn time(
@@ -48,7 +65,11 @@ impl Profiler {
         start.record(stream).map_err(err)?;
         op()?;
         end.record(stream).map_err(err)?;
-        self.spans.lock().map_err(err)?.push((class, start, end));
+        let label = match self.kernel.lock().map_err(err)?.take() {
+            Some(kernel) => format!("{class}/{kernel}"),
+            None => class.to_string(),
+        };
+        self.spans.lock().map_err(err)?.push((label, start, end));
         Ok(())
     }
 
@@ -59,9 +80,9 @@ impl Profiler {
             return Ok(());
         }
         let mut by_class: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
-        for (class, s, e) in &spans {
+        for (label, s, e) in &spans {
             let ms = s.elapsed_ms(e).map_err(err)? as f64;
-            let entry = by_class.entry(class).or_default();
+            let entry = by_class.entry(label).or_default();
             entry.0 += ms;
             entry.1 += 1;
         }
