@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
-#   PARTS=parity,floor,sens,bench,serve,burst,ref (default all but burst)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
+#   PARTS=parity,floor,sens,bench,image,serve,burst,ref (default all but image and burst;
+#   image = the image rows of bench alone)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
 # Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,6 +66,12 @@ if [[ $PARTS == *bench* ]]; then
   TESSERA_PROFILE=1 $B bench image --device cuda --model $M --image $D/image/img_a_641x479.png --images 8 \
     --pass-patches 16384 > /dev/null 2> "$OUT/profile_image.txt"
   sed -n '40,41p' "$OUT/profile_image.txt"
+fi
+if [[ $PARTS == *image* && $PARTS != *bench* ]]; then
+  echo "== tessera bench image"
+  .dev/bin/tessera bench image --device cuda --model $M --image $D/image/img_a_641x479.png --pass-patches "$IMG_PASS" \
+    > "$OUT/bench_image.jsonl" 2> "$OUT/bench_image.err"
+  cat "$OUT/bench_image.jsonl"; tail -n 2 "$OUT/bench_image.err"
 fi
 if [[ $PARTS == *serve* ]]; then
   echo "== tessera bench serve (loopback, full-size model): lanes, then fifo"
