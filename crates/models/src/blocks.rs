@@ -2,7 +2,7 @@
 //! Qwen3, the Z-Image DiT), each written once against the backend ops.
 
 use tessera_backend::{
-    Activation, AttnSpec, Backend, Epilogue, QkvLayout, RopeTable, Segments, View, ViewMut,
+    Activation, After, AttnSpec, Backend, Epilogue, QkvLayout, RopeTable, Segments, View, ViewMut,
 };
 use tessera_core::Result;
 
@@ -98,5 +98,65 @@ impl<B: Backend> SelfAttention<'_, B> {
             segs,
         )?;
         be.matmul(View::new(attn, rows, qc), self.o, y, Epilogue::default())
+    }
+}
+
+/// The buffers one transformer layer works in, each `rows × width` unless noted: the f32
+/// residual stream `h`, the normed sub-block input `a`, the sub-block output `y`, and the
+/// attention (`qkv`, `attn`) and MLP (`gu`, `g`) scratch sized as those blocks ask.
+pub struct LayerBuffers<'w, B: Backend> {
+    pub h: &'w mut B::Buf,
+    pub a: &'w mut B::Buf,
+    pub y: &'w mut B::Buf,
+    pub qkv: &'w mut B::Buf,
+    pub attn: &'w mut B::Buf,
+    pub gu: &'w mut B::Buf,
+    pub g: &'w mut B::Buf,
+}
+
+/// A Gemma sandwich-normed layer up to its MLP output, shared by EmbeddingGemma 2's text and
+/// vision towers: `h += N_post_attn(attn(a))`, `a = N_pre_ff(h)`, `y = mlp(a)`. What folds `y`
+/// back into `h` differs between the towers (the text tower's per-layer inputs follow it), so the
+/// caller does that step.
+pub struct SandwichLayer<'a, B: Backend> {
+    pub attn: SelfAttention<'a, B>,
+    pub post_attn_norm: &'a B::Vector,
+    pub pre_ff_norm: &'a B::Vector,
+    pub mlp: GatedMlp<'a, B>,
+}
+
+impl<B: Backend> SandwichLayer<'_, B> {
+    /// Attention and MLP of `rows` packed rows of `width`; `a` holds the layer's normed input on
+    /// entry, `y` the MLP output on return.
+    pub fn attention_and_mlp(
+        &self,
+        be: &B,
+        segs: &Segments<B>,
+        (rows, width): (usize, usize),
+        ws: LayerBuffers<'_, B>,
+    ) -> Result<()> {
+        self.attn.forward(
+            be,
+            View::new(ws.a, rows, width),
+            segs,
+            ws.qkv,
+            ws.attn,
+            ViewMut::new(ws.y, rows, width),
+        )?;
+        be.residual_norm(
+            ViewMut::new(ws.h, rows, width),
+            View::new(ws.y, rows, width),
+            Some(self.post_attn_norm),
+            1.0,
+            After::Norm(self.pre_ff_norm, ViewMut::new(ws.a, rows, width)),
+            self.attn.eps,
+        )?;
+        self.mlp.forward(
+            be,
+            View::new(ws.a, rows, width),
+            ws.gu,
+            ws.g,
+            ViewMut::new(ws.y, rows, width),
+        )
     }
 }

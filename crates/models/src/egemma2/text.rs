@@ -16,7 +16,7 @@ use tessera_backend::{
 use tessera_core::{Error, Result, Weights};
 
 use super::config::{LayerType, TextConfig};
-use crate::blocks::{GatedMlp, SelfAttention};
+use crate::blocks::{GatedMlp, LayerBuffers, SandwichLayer, SelfAttention};
 
 struct Layer<B: Backend> {
     kind: LayerType,
@@ -426,54 +426,47 @@ impl<B: Backend> TextEncoder<B> {
                 LayerType::Full => self.rope_full.as_ref(),
             }
             .ok_or_else(|| Error::backend("text encoder", "rope table missing"))?;
-            SelfAttention {
-                qkv: &l.qkv,
-                o: &l.o,
-                layout: lay,
-                q_norm: Some(&l.q_norm),
-                k_norm: Some(&l.k_norm),
-                v_norm: true,
-                eps,
-                rope: Some((rope, &ws.pos)),
-                spec: AttnSpec {
-                    heads_q: lay.heads_q,
-                    heads_kv: lay.heads_kv,
-                    head_dim: lay.head_dim,
-                    scale: 1.0,
-                    window: (l.kind == LayerType::Sliding).then_some(c.sliding_window),
-                    causal: false,
+            SandwichLayer {
+                attn: SelfAttention {
+                    qkv: &l.qkv,
+                    o: &l.o,
+                    layout: lay,
+                    q_norm: Some(&l.q_norm),
+                    k_norm: Some(&l.k_norm),
+                    v_norm: true,
+                    eps,
+                    rope: Some((rope, &ws.pos)),
+                    spec: AttnSpec {
+                        heads_q: lay.heads_q,
+                        heads_kv: lay.heads_kv,
+                        head_dim: lay.head_dim,
+                        scale: 1.0,
+                        window: (l.kind == LayerType::Sliding).then_some(c.sliding_window),
+                        causal: false,
+                    },
+                },
+                post_attn_norm: &l.post_attn_norm,
+                pre_ff_norm: &l.pre_ff_norm,
+                mlp: GatedMlp {
+                    gate_up: &l.gate_up,
+                    down: &l.down,
+                    inner: l.intermediate,
+                    act: Activation::GeluTanh,
                 },
             }
-            .forward(
+            .attention_and_mlp(
                 be,
-                View::new(&ws.a, t, h),
                 segs,
-                &mut ws.qkv,
-                &mut ws.attn,
-                ViewMut::new(&mut ws.y, t, h),
-            )?;
-            be.residual_norm(
-                ViewMut::new(&mut ws.h, t, h),
-                View::new(&ws.y, t, h),
-                Some(&l.post_attn_norm),
-                1.0,
-                After::Norm(&l.pre_ff_norm, ViewMut::new(&mut ws.a, t, h)),
-                eps,
-            )?;
-            // MLP.
-            let im = l.intermediate;
-            GatedMlp {
-                gate_up: &l.gate_up,
-                down: &l.down,
-                inner: im,
-                act: Activation::GeluTanh,
-            }
-            .forward(
-                be,
-                View::new(&ws.a, t, h),
-                &mut ws.gu,
-                &mut ws.g,
-                ViewMut::new(&mut ws.y, t, h),
+                (t, h),
+                LayerBuffers {
+                    h: &mut ws.h,
+                    a: &mut ws.a,
+                    y: &mut ws.y,
+                    qkv: &mut ws.qkv,
+                    attn: &mut ws.attn,
+                    gu: &mut ws.gu,
+                    g: &mut ws.g,
+                },
             )?;
             be.residual_norm(
                 ViewMut::new(&mut ws.h, t, h),

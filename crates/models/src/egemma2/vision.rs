@@ -21,7 +21,7 @@ use tessera_core::{Error, Result, Weights};
 
 use super::config::VisionConfig;
 use super::text::default_inv_freq;
-use crate::blocks::{GatedMlp, SelfAttention};
+use crate::blocks::{GatedMlp, LayerBuffers, SandwichLayer, SelfAttention};
 use crate::imageproc::Patches;
 
 struct Layer<B: Backend> {
@@ -263,45 +263,40 @@ impl<B: Backend> VisionEncoder<B> {
         };
         let im = c.intermediate_size;
         for (i, l) in self.layers.iter().enumerate() {
-            SelfAttention {
-                qkv: &l.qkv,
-                o: &l.o,
-                layout: lay,
-                q_norm: Some(&l.q_norm),
-                k_norm: Some(&l.k_norm),
-                v_norm: true,
-                eps,
-                rope: Some((&self.rope, &ws.pos)),
-                spec,
+            SandwichLayer {
+                attn: SelfAttention {
+                    qkv: &l.qkv,
+                    o: &l.o,
+                    layout: lay,
+                    q_norm: Some(&l.q_norm),
+                    k_norm: Some(&l.k_norm),
+                    v_norm: true,
+                    eps,
+                    rope: Some((&self.rope, &ws.pos)),
+                    spec,
+                },
+                post_attn_norm: &l.post_attn_norm,
+                pre_ff_norm: &l.pre_ff_norm,
+                mlp: GatedMlp {
+                    gate_up: &l.gate_up,
+                    down: &l.down,
+                    inner: im,
+                    act: Activation::GeluTanh,
+                },
             }
-            .forward(
+            .attention_and_mlp(
                 be,
-                View::new(&ws.a, n, d),
                 &segs,
-                &mut ws.qkv,
-                &mut ws.attn,
-                ViewMut::new(&mut ws.y, n, d),
-            )?;
-            be.residual_norm(
-                ViewMut::new(&mut ws.h, n, d),
-                View::new(&ws.y, n, d),
-                Some(&l.post_attn_norm),
-                1.0,
-                After::Norm(&l.pre_ff_norm, ViewMut::new(&mut ws.a, n, d)),
-                eps,
-            )?;
-            GatedMlp {
-                gate_up: &l.gate_up,
-                down: &l.down,
-                inner: im,
-                act: Activation::GeluTanh,
-            }
-            .forward(
-                be,
-                View::new(&ws.a, n, d),
-                &mut ws.gu,
-                &mut ws.g,
-                ViewMut::new(&mut ws.y, n, d),
+                (n, d),
+                LayerBuffers {
+                    h: &mut ws.h,
+                    a: &mut ws.a,
+                    y: &mut ws.y,
+                    qkv: &mut ws.qkv,
+                    attn: &mut ws.attn,
+                    gu: &mut ws.gu,
+                    g: &mut ws.g,
+                },
             )?;
             let after = match self.layers.get(i + 1) {
                 Some(next) => After::Norm(&next.input_norm, ViewMut::new(&mut ws.a, n, d)),
