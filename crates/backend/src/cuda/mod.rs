@@ -278,17 +278,19 @@ fn row_block(cols: usize) -> u32 {
     if cols <= 1024 { 128 } else { 256 }
 }
 
+/// Every row start of each `(pointer, stride, element size)` is aligned for 4-element accesses,
+/// and each f32 vector (0 = none) for 16-byte ones: what the 4-wide norm kernels in norm.cu need.
+fn vec4_aligned(rows: &[(u64, usize, usize)], vectors: &[u64]) -> bool {
+    rows.iter().all(|&(ptr, stride, size)| {
+        let align = 4 * size as u64;
+        ptr.is_multiple_of(align) && ((stride * size) as u64).is_multiple_of(align)
+    }) && vectors.iter().all(|v| v.is_multiple_of(16))
+}
+
 /// Rows of `cols` fit the warp-per-row norm kernels (`*_norm_warp_*` in norm.cu): 128·k columns
-/// with k ≤ 8, every row start of each `(pointer, stride, element size)` aligned for their
-/// 4-element accesses, and each weight vector (0 = none) 16-byte aligned.
+/// with k ≤ 8, rows and weight vectors aligned.
 fn warp_norm_fits(cols: usize, rows: &[(u64, usize, usize)], weights: &[u64]) -> bool {
-    cols.is_multiple_of(128)
-        && (128..=1024).contains(&cols)
-        && rows.iter().all(|&(ptr, stride, size)| {
-            let align = 4 * size as u64;
-            ptr.is_multiple_of(align) && ((stride * size) as u64).is_multiple_of(align)
-        })
-        && weights.iter().all(|w| w.is_multiple_of(16))
+    cols.is_multiple_of(128) && (128..=1024).contains(&cols) && vec4_aligned(rows, weights)
 }
 
 /// Launch shape of the warp-per-row norm kernels: eight rows per 256-thread block.
@@ -908,11 +910,10 @@ impl Backend for CudaBackend {
         // The 4-wide kernel: split-half heads of 256·m (m ≤ 2), rows and vectors aligned.
         let wide = axial == 0
             && (hd == 256 || hd == 512)
-            && qkv_ptr.is_multiple_of(4 * size as u64)
-            && qkv.stride.is_multiple_of(4)
-            && [q_w.map_or(0, |w| w.ptr), k_w.map_or(0, |w| w.ptr), table]
-                .iter()
-                .all(|p| p.is_multiple_of(16));
+            && vec4_aligned(
+                &[(qkv_ptr, qkv.stride, size)],
+                &[q_w.map_or(0, |w| w.ptr), k_w.map_or(0, |w| w.ptr), table],
+            );
         let name = if axial == 1 {
             format!("qkv_norm_rope_axial_{tag}")
         } else if wide {
