@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
-#   PARTS=parity,floor,sens,bench,image,serve,burst,ref (default all but image and burst;
-#   image = the image rows of bench alone)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
+#   PARTS=parity,floor,sens,bench,image,serve,burst,ref (default all but burst; bench includes
+#   image, the image rows alone)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
 # Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,6 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 # M: the shared benchmark model (speed does not depend on weights). P: the same, conditioned like a
 # trained model (q/k norm weights rescaled), for parity — see make_eg2_parity.py.
 M=/tmp/eg2 P=/tmp/eg2p D=/tmp/eg2data
+B=.dev/bin/tessera IMG=$D/image/img_a_641x479.png
 if [ ! -f $M/model.safetensors ]; then
   python3 .dev/tools/make_eg2_full.py $M $D --no-audio > "$OUT/make_model.log" 2>&1 || { tail -20 "$OUT/make_model.log"; exit 1; }
   python3 tools/device/make_eg2_parity.py $M $P >> "$OUT/make_model.log" 2>&1 || { tail -5 "$OUT/make_model.log"; exit 1; }
@@ -42,41 +43,38 @@ fi
 if [[ $PARTS == *sens* ]]; then
   echo "== rounding sensitivity vs torch float64: shared model, then the parity model"
   for model in $P; do  # the shared model $M was measured in an earlier run (BENCHMARKS.md)
-    python3 tools/device/eg2_sensitivity.py $model $D/bench_inputs.json .dev/bin/tessera "$OUT/sensitivity_$(basename $model).json" \
+    python3 tools/device/eg2_sensitivity.py $model $D/bench_inputs.json $B "$OUT/sensitivity_$(basename $model).json" \
       2> "$OUT/sensitivity_$(basename $model).err" || tail -5 "$OUT/sensitivity_$(basename $model).err"
   done
 fi
 if [[ $PARTS == *bench* ]]; then
   echo "== tessera bench"
-  B=.dev/bin/tessera
   $B bench gemm --device cuda > "$OUT/bench_gemm.jsonl" 2>&1
   CEIL=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["tflops"])' "$OUT/bench_gemm.jsonl")
   $B bench attention --device cuda > "$OUT/bench_attention.jsonl" 2>&1
   $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --w3-docs "$W3_DOCS" --w3-pass-tokens "$W3_PASS" --ceiling-tflops "$CEIL" \
      > "$OUT/bench_embed.jsonl" 2> "$OUT/bench_embed.err"
-  $B bench image --device cuda --model $M --image $D/image/img_a_641x479.png --pass-patches "$IMG_PASS" > "$OUT/bench_image.jsonl" 2> "$OUT/bench_image.err"
   for w in $PROFILES; do
     TESSERA_PROFILE=1 $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads $w \
        --w3-docs 256 --w3-pass-tokens 65536 > /dev/null 2> "$OUT/profile_$w.txt"
   done
-  cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl" "$OUT/bench_image.jsonl"
-  tail -n 2 "$OUT/bench_embed.err" "$OUT/bench_image.err"
+  cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl"
+  tail -n 2 "$OUT/bench_embed.err"
   for w in $PROFILES; do tail -1 "$OUT/profile_$w.txt"; done
+fi
+if [[ $PARTS == *bench* || $PARTS == *image* ]]; then
+  echo "== tessera bench image"
+  $B bench image --device cuda --model $M --image $IMG --pass-patches "$IMG_PASS" > "$OUT/bench_image.jsonl" 2> "$OUT/bench_image.err"
+  cat "$OUT/bench_image.jsonl"; tail -n 2 "$OUT/bench_image.err"
   # GPU time per op class of one image's forward, warm (graph replay off): the rest is host time.
-  TESSERA_PROFILE=1 $B bench image --device cuda --model $M --image $D/image/img_a_641x479.png --images 8 \
+  TESSERA_PROFILE=1 $B bench image --device cuda --model $M --image $IMG --images 8 \
     --pass-patches 16384 > /dev/null 2> "$OUT/profile_image.txt"
   sed -n '40,41p' "$OUT/profile_image.txt"
-fi
-if [[ $PARTS == *image* && $PARTS != *bench* ]]; then
-  echo "== tessera bench image"
-  .dev/bin/tessera bench image --device cuda --model $M --image $D/image/img_a_641x479.png --pass-patches "$IMG_PASS" \
-    > "$OUT/bench_image.jsonl" 2> "$OUT/bench_image.err"
-  cat "$OUT/bench_image.jsonl"; tail -n 2 "$OUT/bench_image.err"
 fi
 if [[ $PARTS == *serve* ]]; then
   echo "== tessera bench serve (loopback, full-size model): lanes, then fifo"
   for sched in lanes fifo; do
-    .dev/bin/tessera bench serve --model $M --device cuda --schedule $sched --requests 2000 --phase-secs 20 \
+    $B bench serve --model $M --device cuda --schedule $sched --requests 2000 --phase-secs 20 \
       --clients 1,16 --image-clients 4 --image-size 1024x768 --max-queue 64 --burst 256 --burst-images 4 --check \
       --server-log "$OUT/serve_$sched.server.log" > "$OUT/serve_$sched.jsonl" 2> "$OUT/serve_$sched.err"; r=$?; status=$((status|r))
     cat "$OUT/serve_$sched.jsonl"; tail -n 3 "$OUT/serve_$sched.err"
@@ -87,7 +85,7 @@ if [[ $PARTS == *burst* ]]; then
   # --max-rss-growth-mb: the server's 2,048 MiB decoded-image budget plus 512 MiB for bodies in flight.
   echo "== serve bursts of 256 and 1024 requests × 4 images (max queue 64)"
   for n in 256 1024; do
-    .dev/bin/tessera bench serve --model $M --device cuda --requests 100 --phase-secs 5 --clients 16 --image-clients 4 \
+    $B bench serve --model $M --device cuda --requests 100 --phase-secs 5 --clients 16 --image-clients 4 \
       --image-size 1024x768 --max-queue 64 --burst $n --burst-images 4 --check --max-rss-growth-mb 2560 \
       > "$OUT/burst_$n.jsonl" 2> "$OUT/burst_$n.err"; r=$?; status=$((status|r))
     grep -v tower_http "$OUT/burst_$n.err" | tail -n 9
