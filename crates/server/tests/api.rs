@@ -341,6 +341,11 @@ async fn every_bad_input_gets_its_4xx_and_the_server_keeps_serving() {
             .await
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(r.status().as_u16(), status, "{what}");
+        if code == "body_too_large" {
+            // The connection closes after this answer; the client must not reuse it.
+            let connection = r.headers().get("connection").and_then(|v| v.to_str().ok());
+            assert_eq!(connection, Some("close"), "{what}");
+        }
         let body: Value = r.json().await.unwrap();
         assert_openai_error(&body, code, what);
         // …and a good request still works.

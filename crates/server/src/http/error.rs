@@ -223,6 +223,13 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
         }
+        // The rest of an over-limit body may be left unread, and the connection then closes
+        // after this answer: say so, or a client's pool may send its next request into it.
+        if matches!(self, ApiError::BodyTooLarge { .. }) {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         // Lets the metrics layer count failures by code without parsing the body.
         response.extensions_mut().insert(ErrorCode(self.code()));
         response

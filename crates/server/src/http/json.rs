@@ -3,11 +3,16 @@
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use serde::de::DeserializeOwned;
 use serde_json::error::Category;
 
 use super::error::ApiError;
+use super::routes::drain;
+
+/// How far past the limit an over-limit body is still read (and discarded) so that its sender
+/// gets the 413: a client that overshoots by a few times the limit is answered, not reset.
+const OVER_LIMIT_DRAIN: usize = 4;
 
 /// The body parsed as `T`, whatever the `Content-Type` (curl's `-d` sends a form type).
 pub struct ApiJson<T>(pub T);
@@ -20,6 +25,16 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             .extensions()
             .get::<BodyLimit>()
             .map_or(usize::MAX, |l| l.0);
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+        if let Some(len) = declared.filter(|&len| len > limit) {
+            // Refused before reading, like a full queue or a wrong key: read what the client is
+            // sending, so it sees the answer instead of a connection reset mid-upload.
+            drain(req, len.min(limit.saturating_mul(OVER_LIMIT_DRAIN))).await;
+            return Err(ApiError::BodyTooLarge { limit });
+        }
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::BodyTooLarge { limit }
