@@ -2,7 +2,7 @@
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
 #   PARTS=parity,floor,sens,bench,image,serve,burst,ref (default all but burst; bench includes
-#   image, the image rows alone)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
+#   image, the image rows alone, with per-kernel profiles of one image and of mixed passes)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
 # Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -70,6 +70,10 @@ if [[ $PARTS == *bench* || $PARTS == *image* ]]; then
   TESSERA_PROFILE=1 $B bench image --device cuda --model $M --image $IMG --images 8 \
     --pass-patches 16384 > /dev/null 2> "$OUT/profile_image.txt"
   sed -n '40,41p' "$OUT/profile_image.txt"
+  # Per-kernel GPU time of the mixed-size passes (64 images, one 65,536-patch pass size).
+  TESSERA_PROFILE=kernels $B bench image --device cuda --model $M --image $IMG --images 64 \
+    --pass-patches 65536 > /dev/null 2> "$OUT/profile_image_mixed.txt"
+  tail -n 30 "$OUT/profile_image_mixed.txt"
 fi
 if [[ $PARTS == *serve* ]]; then
   echo "== tessera bench serve (loopback, full-size model): lanes, then fifo"

@@ -11,7 +11,7 @@ use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda::{self, CudaBackend};
 use tessera_backend::{
     Activation, After, AttnSpec, Backend, Epilogue, Precision, QkvLayout, Role, RopeStyle,
-    RopeTable, View, ViewMut,
+    RopeTable, Segments, View, ViewMut,
 };
 
 struct Rng(u64);
@@ -370,7 +370,14 @@ fn qkv_norm_rope_matches_cpu() {
     }
 }
 
-fn run_attention<B: Backend>(be: &B, x: &[f32], lens: &[usize], spec: &AttnSpec) -> Vec<f32> {
+/// `op` (an attention launch) on `x` (q|k|v rows) in `be`'s buffers; returns the output.
+fn run_attention<B: Backend>(
+    be: &B,
+    x: &[f32],
+    lens: &[usize],
+    spec: &AttnSpec,
+    op: impl FnOnce(View<'_, B>, View<'_, B>, View<'_, B>, ViewMut<'_, B>, &Segments<B>),
+) -> Vec<f32> {
     let total: usize = lens.iter().sum();
     let (qc, kc) = (spec.heads_q * spec.head_dim, spec.heads_kv * spec.head_dim);
     let width = qc + 2 * kc;
@@ -380,15 +387,13 @@ fn run_attention<B: Backend>(be: &B, x: &[f32], lens: &[usize], spec: &AttnSpec)
     be.set_segments(&mut segs, lens).unwrap();
     let mut ob = padded(be, Role::Compute, total, qc + 8, 8, qc, None);
     let all = View::new(&xb, total, width);
-    be.attention(
+    op(
         all.cols(0, qc),
         all.cols(qc, kc),
         all.cols(qc + kc, kc),
         ViewMut::new(&mut ob, total, qc + 8).cols(8, qc),
-        spec,
         &segs,
-    )
-    .unwrap();
+    );
     take(be, &ob, total, qc + 8, 8, qc, "attention")
 }
 
@@ -429,16 +434,26 @@ fn attention_matches_cpu() {
                 total * (hq + 2 * hkv) * hd,
                 1.7 * (1.0 / (*hd as f32).sqrt()).sqrt() * 2.0,
             );
-            let want = run_attention(&cpu, &x, lens, &spec);
-            let got = run_attention(&g, &x, lens, &spec);
-            compare(
-                &format!(
-                    "attention {p} case {ci} {lens:?} {hq}/{hkv}×{hd} w={window:?} causal={causal}"
-                ),
-                &got,
-                &want,
-                tol(p, true),
+            let want = run_attention(&cpu, &x, lens, &spec, |q, k, v, o, segs| {
+                cpu.attention(q, k, v, o, &spec, segs).unwrap()
+            });
+            let name = format!(
+                "attention {p} case {ci} {lens:?} {hq}/{hkv}×{hd} w={window:?} causal={causal}"
             );
+            let got = run_attention(&g, &x, lens, &spec, |q, k, v, o, segs| {
+                g.attention(q, k, v, o, &spec, segs).unwrap()
+            });
+            compare(&name, &got, &want, tol(p, true));
+            if p == Precision::Bf16 {
+                // The split-key path, including chunks that are empty for some tiles.
+                for n in [2, 3, 8] {
+                    let got = run_attention(&g, &x, lens, &spec, |q, k, v, o, segs| {
+                        let used = g.attention_with_splits(q, k, v, o, &spec, segs, n);
+                        assert_eq!(used.unwrap(), n, "the split fits the workspace");
+                    });
+                    compare(&format!("{name} kv_splits={n}"), &got, &want, tol(p, true));
+                }
+            }
         }
     }
 }

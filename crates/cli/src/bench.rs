@@ -359,11 +359,15 @@ fn attention(b: AttentionBench) -> Result<()> {
             })
             .sum();
         let flops = 4.0 * (s.heads_q * s.head_dim) as f64 * pairs;
-        let ms = be.bench_attention(lens, s, 20)?;
-        emit(
-            serde_json::json!({"name": "attention", "shape": name, "head_dim": s.head_dim,
-            "median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}),
-        );
+        // The op's own key-split choice, then each fixed count for comparison.
+        for force in [None, Some(1), Some(2), Some(3), Some(4), Some(6), Some(8)] {
+            let (ms, splits) = be.bench_attention(lens, s, 20, force)?;
+            emit(
+                serde_json::json!({"name": "attention", "shape": name, "head_dim": s.head_dim,
+                "kv_splits": splits, "chosen": force.is_none(),
+                "median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}),
+            );
+        }
     }
     Ok(())
 }

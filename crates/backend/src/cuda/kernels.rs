@@ -22,8 +22,10 @@ pub struct FlashConfig {
     /// elements), plus the partial-score buffer when the head dimension is split across warps.
     pub smem: u32,
     pub threads: u32,
-    /// CTAs per 64-row tile (grid z).
+    /// CTAs per 64-row tile (grid z, times the key chunks of a split launch).
     pub splits: u32,
+    /// Keys per block of the kernel's walk.
+    pub bn: usize,
 }
 
 pub fn flash_config(d: usize) -> FlashConfig {
@@ -39,6 +41,7 @@ pub fn flash_config(d: usize) -> FlashConfig {
         smem: (tiles + scores) as u32,
         threads: (32 * wm * wd) as u32,
         splits: (64 / bm) as u32,
+        bn,
     }
 }
 
@@ -84,6 +87,7 @@ pub fn names(source: &str) -> Vec<String> {
         }
         "attention.cu" => {
             let mut v: Vec<String> = FLASH_HEAD_DIMS.iter().map(|&d| flash_name(d)).collect();
+            v.push("flash_combine".to_string());
             v.push("attn_rows_f32".to_string());
             v
         }

@@ -10,6 +10,7 @@
 //! - One stream; no host synchronisation inside a forward; repeated shapes replay a CUDA graph.
 //! - `TESSERA_PROFILE=1` prints GPU milliseconds per op class after each forward (graphs off).
 
+mod flash;
 mod gemm;
 pub mod kernels;
 pub mod nvrtc;
@@ -115,6 +116,8 @@ pub struct CudaBackend {
     kernels: Kernels,
     gemm: Gemm,
     graphs: Mutex<Graphs>,
+    /// Split-key attention workspace (`flash::PART_ELEMS` f32), made on first use.
+    flash_part: Mutex<Option<CudaBuf>>,
     profiler: Option<Profiler>,
     name: String,
     arch: String,
@@ -215,6 +218,7 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         kernels,
         gemm,
         graphs: Mutex::new(Graphs::default()),
+        flash_part: Mutex::new(None),
         profiler,
         name,
         arch,
@@ -350,7 +354,15 @@ impl CudaBackend {
 
     /// Median milliseconds of `attention` over packed segments of `lens` (random bf16 q, k, v)
     /// timed with events after warm-up: the attention part of the benchmarks, isolated.
-    pub fn bench_attention(&self, lens: &[usize], spec: &AttnSpec, iters: usize) -> Result<f64> {
+    /// Median GPU ms of the bf16 attention op on random q/k/v, and the key-chunk count it used;
+    /// `splits` forces that count (None: the op's own choice, as in a forward).
+    pub fn bench_attention(
+        &self,
+        lens: &[usize],
+        spec: &AttnSpec,
+        iters: usize,
+        splits: Option<usize>,
+    ) -> Result<(f64, usize)> {
         let total: usize = lens.iter().sum();
         let (qc, kc) = (spec.heads_q * spec.head_dim, spec.heads_kv * spec.head_dim);
         let width = qc + 2 * kc;
@@ -369,19 +381,22 @@ impl CudaBackend {
         let segs = self.segments(lens)?;
         let all = View::new(&qkv, total, width);
         let mut run = || {
-            self.attention(
+            self.flash(
                 all.cols(0, qc),
                 all.cols(qc, kc),
                 all.cols(qc + kc, kc),
                 ViewMut::new(&mut out, total, qc),
                 spec,
                 &segs,
+                splits,
             )
         };
+        let mut used = 1;
         for _ in 0..3 {
-            run()?;
+            used = run()?;
         }
-        self.median_ms(iters, &mut run)
+        let ms = self.median_ms(iters, &mut || run().map(|_| ()))?;
+        Ok((ms, used))
     }
 
     /// Median GPU milliseconds of `run` over `iters` calls, each bracketed by timing events.
@@ -480,16 +495,6 @@ impl CudaBackend {
         self.stream
             .memcpy_htod(bytes, &mut view)
             .map_err(drv("write"))
-    }
-
-    fn check_flash_operand(v: &View<'_, Self>) -> Result<()> {
-        if v.buf.elem != Elem::Bf16 || !v.offset.is_multiple_of(8) || !v.stride.is_multiple_of(8) {
-            return Err(Error::backend(
-                "attention",
-                "bf16 attention needs bf16 operands at 16-byte-aligned rows",
-            ));
-        }
-        Ok(())
     }
 }
 
@@ -960,50 +965,7 @@ impl Backend for CudaBackend {
         let group = (spec.heads_q / spec.heads_kv) as i64;
         let (qp, kp, vp, op) = (ptr_of(&q)?, ptr_of(&k)?, ptr_of(&v)?, ptr_of_mut(&out)?);
         match self.precision {
-            Precision::Bf16 => {
-                for view in [&q, &k, &v] {
-                    Self::check_flash_operand(view)?;
-                }
-                if out.buf.elem != Elem::Bf16 {
-                    return Err(Error::backend(
-                        "attention",
-                        "bf16 attention writes a bf16 output",
-                    ));
-                }
-                if !kernels::FLASH_HEAD_DIMS.contains(&hd) {
-                    return Err(Error::backend(
-                        "attention",
-                        format!(
-                            "head_dim {hd} has no tensor-core kernel (supported: {:?})",
-                            kernels::FLASH_HEAD_DIMS
-                        ),
-                    ));
-                }
-                let fc = kernels::flash_config(hd);
-                let tiles = addr(&segs.dev, segs.max_segs + 1);
-                let args = [
-                    qp,
-                    i(q.stride as i64),
-                    kp,
-                    i(k.stride as i64),
-                    vp,
-                    i(v.stride as i64),
-                    op,
-                    i(out.stride as i64),
-                    tiles,
-                    i(group),
-                    f(spec.scale * std::f32::consts::LOG2_E),
-                    i(window),
-                    i(spec.causal as i64),
-                ];
-                let name = kernels::flash_name(hd);
-                let config = LaunchConfig {
-                    grid_dim: (segs.tiles as u32, spec.heads_q as u32, fc.splits),
-                    block_dim: (fc.threads, 1, 1),
-                    shared_mem_bytes: fc.smem,
-                };
-                self.timed("attention", || self.launch(&name, config, &args))
-            }
+            Precision::Bf16 => self.flash(q, k, v, out, spec, segs, None).map(|_| ()),
             Precision::F32 => {
                 if [q.buf.elem, k.buf.elem, v.buf.elem, out.buf.elem]
                     .iter()

@@ -11,7 +11,13 @@
 // 256- and 512-wide heads in registers.
 //
 // Pipelining: K and V tiles are separate cp.async groups; the next K loads while softmax and P·V
-// run, the next V while the next q·kᵀ runs.
+// run, the next V while the next q·kᵀ runs. Key blocks that lie wholly inside every row's visible
+// range skip the mask.
+//
+// Split keys (flash-decoding): when the tiles alone would leave multiprocessors idle (one long
+// sequence), the host splits each tile's key range into `kv_splits` chunks (grid z). Each CTA then
+// writes its chunk's normalised output (f32) and log2-sum-exp to a workspace, and flash_combine
+// weighs the chunks into the bf16 output.
 //
 // attn_rows_f32: the exact (f32) mode; one warp per (query row, head), scalar FMAs.
 
@@ -71,7 +77,7 @@ template <int D, typename TO>
 __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k, long ks,
                                            const bf16* __restrict__ v, long vs, TO* __restrict__ o, long os,
                                            const u32* __restrict__ tiles, int group, float scale_log2, int window,
-                                           int causal) {
+                                           int causal, float* __restrict__ part, int rows, int kv_splits) {
     constexpr int WM = FlashCfg<D>::WM, WD = FlashCfg<D>::WD, BN = FlashCfg<D>::BN;
     constexpr int BM = 16 * WM, NT = 32 * WM * WD, PITCH = D + 8, DW = D / WD;
     constexpr int NS = BN / 8;  // score n-tiles per warp
@@ -85,7 +91,9 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp % WM, wd = warp / WM;
     const u32* tl = tiles + 4 * blockIdx.x;
-    const int q0 = tl[0] + BM * blockIdx.z, q1 = min((int)tl[1], q0 + BM), s0 = tl[2], s1 = tl[3];
+    constexpr int SUBS = 64 / BM;  // CTAs per 64-row tile
+    const int sub = blockIdx.z % SUBS, chunk = blockIdx.z / SUBS;
+    const int q0 = tl[0] + BM * sub, q1 = min((int)tl[1], q0 + BM), s0 = tl[2], s1 = tl[3];
     if (q0 >= q1) return;  // the tile's last rows, when it is shorter than 64
     const int h = blockIdx.y, g = h / group;
     int k_lo = s0, k_hi = s1;
@@ -94,6 +102,11 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         k_hi = min(s1, q1 + window);
     }
     if (causal) k_hi = min(k_hi, q1);
+    if (kv_splits > 1) {  // this CTA's chunk of the keys, whole blocks (it may be empty)
+        const int per = ((k_hi - k_lo + kv_splits - 1) / kv_splits + BN - 1) / BN * BN;
+        k_lo = min(k_hi, k_lo + chunk * per);
+        k_hi = min(k_hi, k_lo + per);
+    }
     const bf16* qb = q + (long)h * D;
     const bf16* kb = k + (long)g * D;
     const bf16* vb = v + (long)g * D;
@@ -161,18 +174,25 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         if (kb0 + BN < k_hi) load_rows<D, BN, PITCH, NT>(sK, kb, ks, kb0 + BN, k_lo, k_hi);
         cp_commit();
 
-        // Mask, then the online softmax in base 2.
+        // Mask (unless every row sees the whole block), then the online softmax in base 2. Rows
+        // past q1 are zero-filled queries whose output is never written.
+        const int kb1 = kb0 + BN - 1;
+        const bool masked = kb1 >= k_hi || (window >= 0 && (kb1 - q0 > window || q1 - 1 - kb0 > window)) ||
+                            (causal && kb1 > q0);
         float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
         for (int nt = 0; nt < NS; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int i = e < 2 ? row_lo : row_hi;
-                const int j = kb0 + nt * 8 + col_in + (e & 1);
-                bool ok = j < k_hi && i < q1;
-                if (window >= 0) ok = ok && abs(i - j) <= window;
-                if (causal) ok = ok && j <= i;
-                s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
+                s[nt][e] *= scale_log2;
+                if (masked) {
+                    const int i = e < 2 ? row_lo : row_hi;
+                    const int j = kb0 + nt * 8 + col_in + (e & 1);
+                    bool ok = j < k_hi && i < q1;
+                    if (window >= 0) ok = ok && abs(i - j) <= window;
+                    if (causal) ok = ok && j <= i;
+                    if (!ok) s[nt][e] = NEG_INF;
+                }
             }
             mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
             mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
@@ -239,6 +259,25 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
     const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f;
     const float inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+    if (kv_splits > 1) {
+        // part: [kv_splits][rows][heads][D] outputs, then [kv_splits][rows][heads] log2-sum-exps.
+        const long heads = gridDim.y;
+        float* po = part + (long)chunk * rows * heads * D;
+        float* pl = part + (long)kv_splits * rows * heads * D + (long)chunk * rows * heads;
+#pragma unroll
+        for (int ot = 0; ot < NO; ot++) {
+            const int col = wd * DW + ot * 8 + col_in;
+            if (row_lo < q1) *reinterpret_cast<float2*>(po + ((long)row_lo * heads + h) * D + col) =
+                make_float2(oacc[ot][0] * inv_lo, oacc[ot][1] * inv_lo);
+            if (row_hi < q1) *reinterpret_cast<float2*>(po + ((long)row_hi * heads + h) * D + col) =
+                make_float2(oacc[ot][2] * inv_hi, oacc[ot][3] * inv_hi);
+        }
+        if (wd == 0 && (lane & 3) == 0) {
+            if (row_lo < q1) pl[(long)row_lo * heads + h] = l_lo > 0.f ? m_lo + log2f(l_lo) : NEG_INF;
+            if (row_hi < q1) pl[(long)row_hi * heads + h] = l_hi > 0.f ? m_hi + log2f(l_hi) : NEG_INF;
+        }
+        return;
+    }
 #pragma unroll
     for (int ot = 0; ot < NO; ot++) {
         const long col = (long)h * D + wd * DW + ot * 8 + col_in;
@@ -256,8 +295,10 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
 #define FLASH(D)                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * FlashCfg<D>::WM * FlashCfg<D>::WD, FlashCfg<D>::MIN_CTAS) \
         flash_bf16_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
-                        const u32* tiles, int group, float scale_log2, int window, int causal) {           \
-        flash_impl<D, bf16>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal);        \
+                        const u32* tiles, int group, float scale_log2, int window, int causal, float* part, \
+                        int rows, int kv_splits) {                                                        \
+        flash_impl<D, bf16>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows,  \
+                            kv_splits);                                                                   \
     }
 FLASH(16)
 FLASH(32)
@@ -265,6 +306,36 @@ FLASH(64)
 FLASH(128)
 FLASH(256)
 FLASH(512)
+
+// The split-key chunks of flash_bf16_d{D} → the bf16 output: one warp per (row, head), each chunk
+// weighted by 2^(its log2-sum-exp − the largest); a row no chunk saw stays 0, as in one pass.
+extern "C" __global__ void flash_combine(const float* __restrict__ part, bf16* __restrict__ o, long os, int rows,
+                                         int heads, int D, int kv_splits) {
+    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (gw >= (long)rows * heads) return;
+    const long n = (long)rows * heads;
+    const float* lse = part + (long)kv_splits * n * D;
+    float top = NEG_INF;
+    for (int c = 0; c < kv_splits; c++) top = fmaxf(top, lse[c * n + gw]);
+    float wsum = 0.f;
+    for (int c = 0; c < kv_splits; c++) wsum += top == NEG_INF ? 0.f : exp2f(lse[c * n + gw] - top);
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    bf16* orow = o + (gw / heads) * os + (gw % heads) * D;
+    for (int col = 2 * lane; col < D; col += 64) {
+        float a0 = 0.f, a1 = 0.f;
+        for (int c = 0; c < kv_splits; c++) {
+            const float l = lse[c * n + gw];
+            if (l == NEG_INF) continue;
+            const float w = exp2f(l - top);
+            const float2 x = *reinterpret_cast<const float2*>(part + (c * n + gw) * D + col);
+            a0 += w * x.x;
+            a1 += w * x.y;
+        }
+        orow[col] = from_f<bf16>(a0 * inv);
+        orow[col + 1] = from_f<bf16>(a1 * inv);
+    }
+}
 
 // Exact mode: one warp per (query row, head); lane holds head channels lane, lane+32, … (D ≤ 512).
 extern "C" __global__ void attn_rows_f32(const float* q, long qs, const float* k, long ks, const float* v, long vs,

@@ -1,0 +1,232 @@
+//! Launch planning for the flash-attention kernel: how many chunks each query tile's keys are
+//! split into when the tiles alone would leave the GPU partly idle (one long sequence: W2, a
+//! single image), and the fixed workspace those chunks are combined from.
+
+use cudarc::driver::LaunchConfig;
+use tessera_core::{Error, Result};
+
+use super::{CudaBackend, Elem, addr, cfg, drv, f, i, kernels, ptr_of, ptr_of_mut};
+use crate::{AttnSpec, Backend, Role, Segments, View, ViewMut};
+
+/// Most key chunks per tile.
+pub const MAX_KV_SPLITS: usize = 8;
+
+/// The split-key workspace in f32 elements (128 MiB), allocated once on first use so that the
+/// address captured into CUDA graphs never changes; a split that would not fit is not made.
+pub const PART_ELEMS: usize = 32 << 20;
+
+/// Relative cost of one more chunk (its partial output written and read back by the combine
+/// pass, and one more pass over the tile's queries), in units of one unsplit tile's time.
+const CHUNK_COST: f64 = 0.05;
+
+/// Key chunks per tile for a launch of `ctas` blocks on `slots` resident-block slots
+/// (multiprocessors × blocks each), when a tile sees at most `keys` keys, walked `bn` at a time.
+///
+/// Time is modelled as whole waves: `ctas · s` blocks, each `1/s` of a tile's work, take
+/// `⌈ctas·s / slots⌉ / s` tile times. A launch of four or more waves, or keys too few to give
+/// every chunk four blocks, is not split.
+pub fn kv_splits(ctas: usize, slots: usize, keys: usize, bn: usize) -> usize {
+    if ctas == 0 || slots == 0 || ctas >= 4 * slots {
+        return 1;
+    }
+    let most = (keys / (4 * bn.max(1))).clamp(1, MAX_KV_SPLITS);
+    let cost =
+        |s: usize| (ctas * s).div_ceil(slots) as f64 / s as f64 + CHUNK_COST * (s - 1) as f64;
+    (1..=most)
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
+        .unwrap_or(1)
+}
+
+/// Workspace elements a split launch needs: per chunk, a `[rows][heads][head_dim]` output and a
+/// `[rows][heads]` log2-sum-exp.
+pub fn part_elems(splits: usize, rows: usize, heads: usize, head_dim: usize) -> usize {
+    splits * rows * heads * (head_dim + 1)
+}
+
+impl CudaBackend {
+    /// bf16 attention on the tensor cores: `flash_bf16_d{D}` over the query tiles of `segs`, with
+    /// the keys split into chunks and `flash_combine` after it when that fills the GPU better.
+    /// `force` fixes the chunk count (benchmarks); returns the count used.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn flash(
+        &self,
+        q: View<'_, Self>,
+        k: View<'_, Self>,
+        v: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        spec: &AttnSpec,
+        segs: &Segments<Self>,
+        force: Option<usize>,
+    ) -> Result<usize> {
+        let hd = spec.head_dim;
+        let total = segs.total();
+        spec.check(&q, &k, &v, &out, total)?;
+        for view in [&q, &k, &v] {
+            if view.buf.elem != Elem::Bf16
+                || !view.offset.is_multiple_of(8)
+                || !view.stride.is_multiple_of(8)
+            {
+                return Err(Error::backend(
+                    "attention",
+                    "bf16 attention needs bf16 operands at 16-byte-aligned rows",
+                ));
+            }
+        }
+        if out.buf.elem != Elem::Bf16 {
+            return Err(Error::backend(
+                "attention",
+                "bf16 attention writes a bf16 output",
+            ));
+        }
+        if !kernels::FLASH_HEAD_DIMS.contains(&hd) {
+            return Err(Error::backend(
+                "attention",
+                format!(
+                    "head_dim {hd} has no tensor-core kernel (supported: {:?})",
+                    kernels::FLASH_HEAD_DIMS
+                ),
+            ));
+        }
+        let fc = kernels::flash_config(hd);
+        let name = kernels::flash_name(hd);
+        let splits = match force {
+            Some(s) => s.clamp(1, MAX_KV_SPLITS),
+            None => {
+                let per_sm = self
+                    .kernels
+                    .get(&name)?
+                    .occupancy_max_active_blocks_per_multiprocessor(
+                        fc.threads,
+                        fc.smem as usize,
+                        None,
+                    )
+                    .map_err(drv("occupancy"))? as usize;
+                // The most keys one tile walks: its segment, or its rows plus the window each side.
+                let keys = match spec.window {
+                    Some(w) => segs.max_len().min(64 + 2 * w),
+                    None => segs.max_len(),
+                };
+                let ctas = segs.tiles * spec.heads_q * fc.splits as usize;
+                kv_splits(ctas, per_sm * self.sm_count as usize, keys, fc.bn)
+            }
+        };
+        let part = if splits > 1 && part_elems(splits, total, spec.heads_q, hd) <= PART_ELEMS {
+            Some(self.flash_workspace()?)
+        } else {
+            None
+        };
+        let splits = if part.is_some() { splits } else { 1 };
+        let window = spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i64);
+        let (qp, kp, vp, op) = (ptr_of(&q)?, ptr_of(&k)?, ptr_of(&v)?, ptr_of_mut(&out)?);
+        let args = [
+            qp,
+            i(q.stride as i64),
+            kp,
+            i(k.stride as i64),
+            vp,
+            i(v.stride as i64),
+            op,
+            i(out.stride as i64),
+            addr(&segs.dev, segs.max_segs + 1),
+            i((spec.heads_q / spec.heads_kv) as i64),
+            f(spec.scale * std::f32::consts::LOG2_E),
+            i(window),
+            i(spec.causal as i64),
+            part.unwrap_or(0),
+            i(total as i64),
+            i(splits as i64),
+        ];
+        let config = LaunchConfig {
+            grid_dim: (
+                segs.tiles as u32,
+                spec.heads_q as u32,
+                fc.splits * splits as u32,
+            ),
+            block_dim: (fc.threads, 1, 1),
+            shared_mem_bytes: fc.smem,
+        };
+        self.timed("attention", || self.launch(&name, config, &args))?;
+        if let Some(part) = part {
+            let warps = (total * spec.heads_q) as u32;
+            let args = [
+                part,
+                op,
+                i(out.stride as i64),
+                i(total as i64),
+                i(spec.heads_q as i64),
+                i(hd as i64),
+                i(splits as i64),
+            ];
+            self.timed("attention", || {
+                self.launch("flash_combine", cfg((warps.div_ceil(8), 1), 256, 0), &args)
+            })?;
+        }
+        Ok(splits)
+    }
+
+    /// The bf16 attention op with the key-chunk count fixed to `splits` (1..=`MAX_KV_SPLITS`),
+    /// for tests and benchmarks of the split path; returns the count used (1 when the split
+    /// would not fit the workspace).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_with_splits(
+        &self,
+        q: View<'_, Self>,
+        k: View<'_, Self>,
+        v: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        spec: &AttnSpec,
+        segs: &Segments<Self>,
+        splits: usize,
+    ) -> Result<usize> {
+        self.flash(q, k, v, out, spec, segs, Some(splits))
+    }
+
+    /// Address of the split-key workspace, allocated on first use and never moved.
+    fn flash_workspace(&self) -> Result<u64> {
+        let mut part = self
+            .flash_part
+            .lock()
+            .map_err(|_| Error::backend("attention", "workspace lock poisoned"))?;
+        if part.is_none() {
+            *part = Some(self.alloc(PART_ELEMS, Role::Stream)?);
+        }
+        Ok(part.as_ref().map_or(0, |p| p.ptr))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_machine_is_not_split() {
+        // W3: 256 documents × 4 tiles × 4 heads on 132 SMs × 2.
+        assert_eq!(kv_splits(4096, 264, 256, 32), 1);
+        // Four waves or more: the last wave's idle share is small.
+        assert_eq!(kv_splits(4 * 264, 264, 4096, 32), 1);
+    }
+
+    #[test]
+    fn a_short_input_is_not_split() {
+        // W1: 17 tokens have one key block; chunks need four blocks each.
+        assert_eq!(kv_splits(4, 264, 17, 32), 1);
+        assert_eq!(kv_splits(0, 264, 4096, 32), 1);
+    }
+
+    #[test]
+    fn one_long_sequence_fills_the_machine() {
+        // W2's full layers: 35 tiles × 4 heads × 2 CTAs per tile = 280 blocks on 264 slots is
+        // two waves, the second nearly empty; four chunks make five waves of quarter tiles.
+        assert_eq!(kv_splits(280, 264, 2208, 32), 4);
+        // W2's sliding layers: 140 blocks fill half the slots.
+        let s = kv_splits(140, 264, 1088, 32);
+        assert!(s > 1, "{s}");
+        // The chunk count never exceeds what the keys allow.
+        assert!(kv_splits(1, 264, 4 * 32 * 3, 32) <= 3);
+    }
+
+    #[test]
+    fn workspace_holds_the_w2_split() {
+        assert!(part_elems(4, 2208, 4, 512) <= PART_ELEMS);
+    }
+}
