@@ -2,7 +2,8 @@
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
 #   PARTS=parity,floor,sens,bench,image,serve,burst,ref (default all but burst; bench includes
-#   image, the image rows alone, with per-kernel profiles of one image and of mixed passes)   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"
+#   image, the image rows alone, with per-kernel profiles of one image and of mixed passes)
+#   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"  PROFILE_MODE=1|kernels
 # Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,6 +13,7 @@ W3_DOCS=${W3_DOCS:-8192}
 W3_PASS=${W3_PASS:-16384,32768,65536}
 IMG_PASS=${IMG_PASS:-16384,32768,65536}
 PROFILES=${PROFILES:-w1 w2 w3}
+PROFILE_MODE=${PROFILE_MODE:-1}  # TESSERA_PROFILE for the workload profiles: 1 (op classes) or kernels
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
   && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
@@ -55,7 +57,7 @@ if [[ $PARTS == *bench* ]]; then
   $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --w3-docs "$W3_DOCS" --w3-pass-tokens "$W3_PASS" --ceiling-tflops "$CEIL" \
      > "$OUT/bench_embed.jsonl" 2> "$OUT/bench_embed.err"
   for w in $PROFILES; do
-    TESSERA_PROFILE=1 $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads $w \
+    TESSERA_PROFILE=$PROFILE_MODE $B bench embed --device cuda --model $M --inputs $D/bench_inputs.json --workloads $w \
        --w3-docs 256 --w3-pass-tokens 65536 > /dev/null 2> "$OUT/profile_$w.txt"
   done
   cat "$OUT/bench_gemm.jsonl" "$OUT/bench_attention.jsonl" "$OUT/bench_embed.jsonl"

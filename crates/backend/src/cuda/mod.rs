@@ -234,6 +234,29 @@ fn not_yet(op: &str) -> Error {
     ))
 }
 
+/// `f(bytes)` with `values` laid out as the device stores `elem` (f32 as is; bf16 rounded to
+/// nearest even, converted on all cores when large, such as an image's patches). Hosts are
+/// little-endian, as the device is.
+fn with_device_bytes<R>(
+    values: &[f32],
+    elem: Elem,
+    f: impl FnOnce(&[u8]) -> Result<R>,
+) -> Result<R> {
+    match elem {
+        Elem::F32 => f(bytemuck::cast_slice(values)),
+        Elem::Bf16 => {
+            use rayon::prelude::*;
+            const CHUNK: usize = 1 << 16;
+            let mut bits = vec![0u16; values.len()];
+            bits.par_chunks_mut(CHUNK)
+                .zip(values.par_chunks(CHUNK))
+                .for_each(|(out, vals)| out.copy_from_slice(&to_bf16_bits(vals)));
+            f(bytemuck::cast_slice(&bits))
+        }
+        Elem::U32 => Err(Error::backend("upload", "f32 values for an index buffer")),
+    }
+}
+
 /// Byte address of a view's first element.
 fn addr(buf: &CudaBuf, offset: usize) -> u64 {
     buf.ptr + (offset * buf.elem.size()) as u64
@@ -474,14 +497,9 @@ impl CudaBackend {
     }
 
     fn upload_f32_as(&self, values: &[f32], elem: Elem) -> Result<CudaBuf> {
-        let bytes: Vec<u8> = match elem {
-            Elem::Bf16 => to_bf16_bits(values)
-                .iter()
-                .flat_map(|b| b.to_le_bytes())
-                .collect(),
-            _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        };
-        self.upload_bytes(&bytes, elem, values.len())
+        with_device_bytes(values, elem, |bytes| {
+            self.upload_bytes(bytes, elem, values.len())
+        })
     }
 
     fn write_bytes(&self, dst: &mut CudaBuf, bytes: &[u8]) -> Result<()> {
@@ -545,23 +563,18 @@ impl Backend for CudaBackend {
     }
 
     fn write_f32(&self, dst: &mut CudaBuf, src: &[f32]) -> Result<()> {
-        let bytes: Vec<u8> = match dst.elem {
-            Elem::Bf16 => to_bf16_bits(src)
-                .iter()
-                .flat_map(|b| b.to_le_bytes())
-                .collect(),
-            Elem::F32 => src.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Elem::U32 => return Err(Error::backend("write_f32", "index buffer")),
-        };
-        self.write_bytes(dst, &bytes)
+        if dst.elem == Elem::U32 {
+            return Err(Error::backend("write_f32", "index buffer"));
+        }
+        let elem = dst.elem;
+        with_device_bytes(src, elem, |bytes| self.write_bytes(dst, bytes))
     }
 
     fn write_u32(&self, dst: &mut CudaBuf, src: &[u32]) -> Result<()> {
         if dst.elem != Elem::U32 {
             return Err(Error::backend("write_u32", "not an index buffer"));
         }
-        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.write_bytes(dst, &bytes)
+        self.write_bytes(dst, bytemuck::cast_slice(src))
     }
 
     fn read_f32(&self, src: View<'_, Self>) -> Result<Vec<f32>> {

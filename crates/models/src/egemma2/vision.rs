@@ -223,8 +223,9 @@ impl<B: Backend> VisionEncoder<B> {
         let ws = self.ws.as_mut().expect("workspace allocated above");
         let px: Vec<f32> = images
             .iter()
-            .flat_map(|p| p.pixels.iter().copied())
-            .collect();
+            .map(|p| p.pixels.as_slice())
+            .collect::<Vec<_>>()
+            .concat();
         let pos: Vec<u32> = images
             .iter()
             .flat_map(|p| p.positions().flat_map(|(x, y)| [x, y]))

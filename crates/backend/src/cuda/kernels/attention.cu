@@ -24,7 +24,11 @@
 // WM warps along query rows (BM = 16·WM rows per CTA; a 64-row tile takes 64/BM CTAs along z),
 // WD warps along the head dimension, BN keys per block, MIN_CTAS resident per multiprocessor.
 // Mirrored by `flash_config` in kernels.rs.
-template <int D> struct FlashCfg { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 1; };
+// Heads up to 64 wide: ≤ 128 registers, so four CTAs share a multiprocessor (three at the 135
+// registers the compiler picks unbounded, which left one 2,394-patch image's 456 CTAs a second
+// wave of 60).
+template <int D> struct FlashCfg { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 4; };
+template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 2; };
 // 256-wide heads: one warp holds a whole 16×256 output block (128 accumulators), so no partial
 // scores cross warps; 512-wide heads split the head in two. 128 threads and 32-key blocks keep
 // two CTAs on a multiprocessor (≤ 255 registers, ≤ 113 KB of shared memory each), so one CTA's
@@ -253,6 +257,8 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         cp_commit();
     }
 
+    // An empty key chunk never waited for its (zero-filling) prologue copies.
+    asm volatile("cp.async.wait_all;\n" ::);
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
     l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
