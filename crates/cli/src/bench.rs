@@ -246,6 +246,17 @@ fn gemm(b: GemmBench) -> Result<()> {
             emit(
                 serde_json::json!({"name": "cublaslt_bf16_gemm", "size": b.size, "tflops": tflops, "device": be.describe_device()}),
             );
+            // The model's own products: a 17-token query's (weight-bandwidth bound) and one
+            // 2,394-patch image's vision-tower products (too few output tiles to fill the GPU).
+            for (what, (m, n, k)) in MODEL_GEMMS {
+                let ms = be.bench_gemm_shape((m, n, k), 50, 20)?;
+                let weight_bytes = 2.0 * (n * k) as f64;
+                emit(
+                    serde_json::json!({"name": "gemm_shape", "what": what, "m": m, "n": n, "k": k,
+                    "us": ms * 1e3, "tflops": 2.0 * (m * n * k) as f64 / (ms / 1e3) / 1e12,
+                    "weight_tb_s": weight_bytes / (ms / 1e3) / 1e12}),
+                );
+            }
             Ok(())
         }
         tessera_backend::AnyBackend::Cpu(_) => Err(Error::input(
@@ -253,6 +264,21 @@ fn gemm(b: GemmBench) -> Result<()> {
         )),
     }
 }
+
+/// `(what, (m, n, k))` of EmbeddingGemma 2's products timed by `bench gemm`.
+#[cfg(feature = "cuda")]
+const MODEL_GEMMS: [(&str, (usize, usize, usize)); 10] = [
+    ("W1 q|k|v sliding", (17, 2048, 512)),
+    ("W1 o sliding", (17, 512, 1024)),
+    ("W1 gate|up", (17, 4096, 512)),
+    ("W1 down", (17, 512, 2048)),
+    ("W1 PLE gate", (17, 512, 512)),
+    ("W1 PLE projection (all layers)", (17, 12288, 512)),
+    ("image q|k|v", (2394, 2304, 768)),
+    ("image o", (2394, 768, 768)),
+    ("image gate|up", (2394, 6144, 768)),
+    ("image down", (2394, 768, 3072)),
+];
 
 #[cfg(not(feature = "cuda"))]
 fn gemm(_b: GemmBench) -> Result<()> {

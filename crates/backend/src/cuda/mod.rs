@@ -347,32 +347,49 @@ impl CudaBackend {
     /// TFLOP/s of a `size³` GEMM (`x · wᵀ`, operands in this backend's compute dtype, random
     /// values), median of `iters` runs timed with events after warm-up.
     pub fn bench_gemm(&self, size: usize, iters: usize) -> Result<f64> {
+        let ms = self.bench_gemm_shape((size, size, size), 1, iters)?;
+        Ok(2.0 * (size as f64).powi(3) / (ms / 1e3) / 1e12)
+    }
+
+    /// Median GPU ms of one `[m, k] · [n, k]ᵀ` product on random data, timed over `reps`
+    /// back-to-back launches (so small products are not hidden behind the timing events).
+    pub fn bench_gemm_shape(
+        &self,
+        (m, n, k): (usize, usize, usize),
+        reps: usize,
+        iters: usize,
+    ) -> Result<f64> {
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let random: Vec<f32> = (0..size * size)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
-            .collect();
-        let mut x = self.alloc(size * size, Role::Compute)?;
-        self.write_f32(&mut x, &random)?;
-        let w = self.matrix(&[(&random, size)], size)?;
-        let mut out = self.alloc(size * size, Role::Compute)?;
+        let mut random = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+                })
+                .collect()
+        };
+        let mut x = self.alloc(m * k, Role::Compute)?;
+        self.write_f32(&mut x, &random(m * k))?;
+        let w = self.matrix(&[(&random(n * k), n)], k)?;
+        let mut out = self.alloc(m * n, Role::Compute)?;
+        let reps = reps.max(1);
         let mut run = || {
-            self.matmul(
-                View::new(&x, size, size),
-                &w,
-                ViewMut::new(&mut out, size, size),
-                Epilogue::default(),
-            )
+            for _ in 0..reps {
+                self.matmul(
+                    View::new(&x, m, k),
+                    &w,
+                    ViewMut::new(&mut out, m, n),
+                    Epilogue::default(),
+                )?;
+            }
+            Ok(())
         };
         for _ in 0..3 {
             run()?;
         }
-        let ms = self.median_ms(iters, &mut run)?;
-        Ok(2.0 * (size as f64).powi(3) / (ms / 1e3) / 1e12)
+        Ok(self.median_ms(iters, &mut run)? / reps as f64)
     }
 
     /// Median milliseconds of `attention` over packed segments of `lens` (random bf16 q, k, v)
