@@ -627,31 +627,42 @@ fn run_vision<B: Backend>(
     )
     .unwrap();
     out.push(take(be, &sb, rows_out, d, 0, d, "scatter_rows"));
-    // Axial 2-D RoPE (the vision tower's q/k): 3 heads of 16.
-    let layout = QkvLayout {
-        heads_q: 3,
-        heads_kv: 3,
-        head_dim: 16,
-    };
-    let width = layout.width();
-    let inv: Vec<f32> = (0..4)
-        .map(|j| 1.0 / 100f32.powf(2.0 * j as f32 / 8.0))
-        .collect();
-    let rope = RopeTable::new(be, &inv, axis, RopeStyle::Axial2d).unwrap();
-    let mut qb = padded(be, Role::Compute, n, width, 0, width, Some(qkv));
-    let w: Vec<f32> = (0..16).map(|j| 1.0 + 0.05 * j as f32).collect();
-    let wv = be.vector(&w).unwrap();
-    be.qkv_norm_rope(
-        ViewMut::new(&mut qb, n, width),
-        layout,
-        Some(&wv),
-        Some(&wv),
-        true,
-        1e-6,
-        Some((&rope, &pb)),
-    )
-    .unwrap();
-    out.push(take(be, &qb, n, width, 0, width, "axial rope"));
+    // Axial 2-D RoPE (the vision tower's q/k): 3 heads of 16 (the scalar kernel), then 2 heads
+    // of 64 as in EmbeddingGemma 2's tower (the 8-lane kernel).
+    for (heads, hd) in [(3, 16), (2, 64)] {
+        let layout = QkvLayout {
+            heads_q: heads,
+            heads_kv: heads,
+            head_dim: hd,
+        };
+        let width = layout.width();
+        let inv: Vec<f32> = (0..hd / 4)
+            .map(|j| 1.0 / 100f32.powf(2.0 * j as f32 / (hd / 2) as f32))
+            .collect();
+        let rope = RopeTable::new(be, &inv, axis, RopeStyle::Axial2d).unwrap();
+        let mut qb = padded(
+            be,
+            Role::Compute,
+            n,
+            width,
+            0,
+            width,
+            Some(&qkv[..n * width]),
+        );
+        let w: Vec<f32> = (0..hd).map(|j| 1.0 + 0.05 * (j % 16) as f32).collect();
+        let wv = be.vector(&w).unwrap();
+        be.qkv_norm_rope(
+            ViewMut::new(&mut qb, n, width),
+            layout,
+            Some(&wv),
+            Some(&wv),
+            true,
+            1e-6,
+            Some((&rope, &pb)),
+        )
+        .unwrap();
+        out.push(take(be, &qb, n, width, 0, width, "axial rope"));
+    }
     out
 }
 
@@ -664,7 +675,7 @@ fn vision_ops_match_cpu() {
     let n: usize = dims.iter().map(|&(w, h)| w * h).sum();
     let mut rng = Rng::new(99);
     let x = rng.vec(n * d, 2.0);
-    let qkv = rng.vec(n * 9 * 16, 2.0);
+    let qkv = rng.vec(n * 6 * 64, 2.0);
     // The position table as an f32 safetensors file `[2, 40, d]`.
     let dir = std::env::temp_dir().join(format!("tessera-cuda-vision-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -685,7 +696,8 @@ fn vision_ops_match_cpu() {
             "add_positions_2d",
             "avg_pool2d",
             "scatter_rows",
-            "axial rope",
+            "axial rope, heads of 16",
+            "axial rope, heads of 64",
         ]
         .iter()
         .zip(got.iter().zip(&want))

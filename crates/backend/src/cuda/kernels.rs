@@ -67,6 +67,7 @@ pub fn names(source: &str) -> Vec<String> {
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_{d}")));
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_axial_{d}")));
             v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_vec_{d}")));
+            v.extend(DTYPES.iter().map(|d| format!("qkv_norm_rope_axial64_{d}")));
             v
         }
         "elementwise.cu" => {

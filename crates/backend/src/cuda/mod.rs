@@ -949,7 +949,16 @@ impl Backend for CudaBackend {
                 &[(qkv_ptr, qkv.stride, size)],
                 &[q_w.map_or(0, |w| w.ptr), k_w.map_or(0, |w| w.ptr), table],
             );
-        let name = if axial == 1 {
+        // The 8-lane kernel: axial heads of 64 (the vision tower), same alignment.
+        let axial64 = axial == 1
+            && hd == 64
+            && vec4_aligned(
+                &[(qkv_ptr, qkv.stride, size)],
+                &[q_w.map_or(0, |w| w.ptr), k_w.map_or(0, |w| w.ptr), table],
+            );
+        let name = if axial64 {
+            format!("qkv_norm_rope_axial64_{tag}")
+        } else if axial == 1 {
             format!("qkv_norm_rope_axial_{tag}")
         } else if wide {
             format!("qkv_norm_rope_vec_{tag}")
@@ -957,7 +966,8 @@ impl Backend for CudaBackend {
             format!("qkv_norm_rope_{tag}")
         };
         let heads = layout.heads_q + 2 * layout.heads_kv;
-        let warps = (qkv.rows * heads) as u32;
+        // A warp per head, or per four heads in the 8-lane kernel.
+        let warps = (qkv.rows * heads).div_ceil(if axial64 { 4 } else { 1 }) as u32;
         let args = [
             qkv_ptr,
             i(qkv.stride as i64),

@@ -318,6 +318,64 @@ __device__ __forceinline__ void qkv_norm_rope_vec_impl(T* qkv, long stride, int 
     }
 }
 
+// Axial (2-D) RoPE heads of 64 (the vision tower): eight lanes per head, four heads per warp,
+// each lane 8 adjacent channels in two 4-element vectors (the scalar kernel moves one 2-byte
+// value per lane and leaves half a warp idle). Channels [0,16)+[16,32) are the x-axis pairs,
+// [32,48)+[48,64) the y-axis pairs, so a lane's rotation partner is lane ^ 2. Same arithmetic
+// per element as the scalar kernel; the host picks this one when rows and vectors are aligned.
+template <typename T>
+__device__ __forceinline__ void qkv_norm_rope_axial64_impl(T* qkv, long stride, int rows, int hq, int hkv,
+                                                           const float* qw, const float* kw, int v_norm,
+                                                           float eps, const float* rope, int rope_len,
+                                                           int tbl_half, const u32* pos) {
+    constexpr int HD = 64;
+    const int heads = hq + 2 * hkv;
+    const int lane = threadIdx.x & 31, sub = lane & 7;
+    const long slot = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 4 + (lane >> 3);
+    if (slot >= (long)rows * heads) return;  // whole 8-lane groups leave together
+    const long r = slot / heads;
+    const int hh = (int)(slot % heads);
+    const bool is_v = hh >= hq + hkv;
+    if (is_v && !v_norm) return;
+    const unsigned group = 0xffu << (lane & ~7);
+    const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
+    T* x = qkv + r * stride + (long)hh * HD + 8 * sub;
+    float v[8];
+    load4(x, v);
+    load4(x + 4, v + 4);
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) ss += v[j] * v[j];
+    ss += __shfl_xor_sync(group, ss, 1);
+    ss += __shfl_xor_sync(group, ss, 2);
+    ss += __shfl_xor_sync(group, ss, 4);
+    const float inv = 1.f / sqrtf(ss / HD + eps);
+    float wv[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+    if (w) {
+        load4(w + 8 * sub, wv);
+        load4(w + 8 * sub + 4, wv + 4);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = v[j] * inv * wv[j];
+    if (!is_v && rope != nullptr) {
+        const int axis = sub >> 2, fi0 = 8 * (sub & 1);
+        const bool first = (sub & 2) == 0;  // x1 of its pairs (else x2)
+        const long p = pos[2 * r + axis];
+        float c[8], sn[8];
+        load4(rope + p * tbl_half + fi0, c);
+        load4(rope + p * tbl_half + fi0 + 4, c + 4);
+        load4(rope + ((long)rope_len + p) * tbl_half + fi0, sn);
+        load4(rope + ((long)rope_len + p) * tbl_half + fi0 + 4, sn + 4);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float u = __shfl_xor_sync(group, v[j], 2);
+            v[j] = first ? v[j] * c[j] - u * sn[j] : v[j] * c[j] + u * sn[j];
+        }
+    }
+    store4(x, v);
+    store4(x + 4, v + 4);
+}
+
 #define RMS_NORM(TI, TO, NAME)                                                                           \
     extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, int cols,      \
                                     float eps) {                                                          \
@@ -381,3 +439,13 @@ RESIDUAL_NORM_WARP(bf16, bf16, residual_norm_warp_bf16_bf16)
     }
 QKV_NORM_ROPE_VEC(float, qkv_norm_rope_vec_f32)
 QKV_NORM_ROPE_VEC(bf16, qkv_norm_rope_vec_bf16)
+
+#define QKV_NORM_ROPE_AXIAL64(T, NAME)                                                                   \
+    extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
+                                    const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
+                                    int tbl_half, const u32* pos) {                                       \
+        qkv_norm_rope_axial64_impl<T>(qkv, stride, rows, hq, hkv, qw, kw, v_norm, eps, rope, rope_len,     \
+                                      tbl_half, pos);                                                     \
+    }
+QKV_NORM_ROPE_AXIAL64(float, qkv_norm_rope_axial64_f32)
+QKV_NORM_ROPE_AXIAL64(bf16, qkv_norm_rope_axial64_bf16)
