@@ -38,6 +38,14 @@ template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64,
 template <> struct FlashCfg<256> { static constexpr int WM = 4, WD = 1, BN = 32, MIN_CTAS = 2; };
 template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 2, BN = 32, MIN_CTAS = 2; };
 
+// 2^x on the special-function unit, subnormal results flushed to zero (softmax weights that small
+// do not count); -inf gives 0.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
@@ -183,12 +191,13 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         const int kb1 = kb0 + BN - 1;
         const bool masked = kb1 >= k_hi || (window >= 0 && (kb1 - q0 > window || q1 - 1 - kb0 > window)) ||
                             (causal && kb1 > q0);
+        // The maximum is taken over the unscaled scores (the scale is positive); each exponent is
+        // then one FMA, s·scale − base.
         float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
         for (int nt = 0; nt < NS; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                s[nt][e] *= scale_log2;
                 if (masked) {
                     const int i = e < 2 ? row_lo : row_hi;
                     const int j = kb0 + nt * 8 + col_in + (e & 1);
@@ -205,11 +214,11 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
         mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
         mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-        const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+        const float new_lo = fmaxf(m_lo, mx_lo * scale_log2), new_hi = fmaxf(m_hi, mx_hi * scale_log2);
         // A row with nothing visible yet keeps base 0 so that exp2(-inf - base) = 0, never NaN.
         const float base_lo = new_lo == NEG_INF ? 0.f : new_lo;
         const float base_hi = new_hi == NEG_INF ? 0.f : new_hi;
-        const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);
+        const float alpha_lo = ex2(m_lo - base_lo), alpha_hi = ex2(m_hi - base_hi);
         m_lo = new_lo;
         m_hi = new_hi;
         float sum_lo = 0.f, sum_hi = 0.f;
@@ -217,10 +226,14 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         u32 pa[BN / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
-            const float p0 = exp2f(s[2 * kk][0] - base_lo), p1 = exp2f(s[2 * kk][1] - base_lo);
-            const float p2 = exp2f(s[2 * kk][2] - base_hi), p3 = exp2f(s[2 * kk][3] - base_hi);
-            const float p4 = exp2f(s[2 * kk + 1][0] - base_lo), p5 = exp2f(s[2 * kk + 1][1] - base_lo);
-            const float p6 = exp2f(s[2 * kk + 1][2] - base_hi), p7 = exp2f(s[2 * kk + 1][3] - base_hi);
+            const float p0 = ex2(fmaf(s[2 * kk][0], scale_log2, -base_lo));
+            const float p1 = ex2(fmaf(s[2 * kk][1], scale_log2, -base_lo));
+            const float p2 = ex2(fmaf(s[2 * kk][2], scale_log2, -base_hi));
+            const float p3 = ex2(fmaf(s[2 * kk][3], scale_log2, -base_hi));
+            const float p4 = ex2(fmaf(s[2 * kk + 1][0], scale_log2, -base_lo));
+            const float p5 = ex2(fmaf(s[2 * kk + 1][1], scale_log2, -base_lo));
+            const float p6 = ex2(fmaf(s[2 * kk + 1][2], scale_log2, -base_hi));
+            const float p7 = ex2(fmaf(s[2 * kk + 1][3], scale_log2, -base_hi));
             sum_lo += p0 + p1 + p4 + p5;
             sum_hi += p2 + p3 + p6 + p7;
             pa[kk][0] = pack_bf16x2(p0, p1);
