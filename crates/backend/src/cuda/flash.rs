@@ -15,25 +15,27 @@ pub const MAX_KV_SPLITS: usize = 8;
 /// address captured into CUDA graphs never changes; a split that would not fit is not made.
 pub const PART_ELEMS: usize = 32 << 20;
 
-/// Relative cost of one more chunk (its partial output written and read back by the combine
-/// pass, and one more pass over the tile's queries), in units of one unsplit tile's time.
-const CHUNK_COST: f64 = 0.05;
+/// What one chunk costs beyond its key blocks, in key blocks: loading its query tile, writing
+/// its f32 partial output, and the combine pass reading it back. Fitted to the H200 sweep of
+/// `tessera bench attention` (run 11: W2's full layers are fastest at 3–4 chunks).
+const CHUNK_OVERHEAD_BLOCKS: usize = 4;
 
 /// Key chunks per tile for a launch of `ctas` blocks on `slots` resident-block slots
 /// (multiprocessors × blocks each), when a tile sees at most `keys` keys, walked `bn` at a time.
 ///
-/// Time is modelled as whole waves: `ctas · s` blocks, each `1/s` of a tile's work, take
-/// `⌈ctas·s / slots⌉ / s` tile times. A launch of four or more waves, or keys too few to give
-/// every chunk four blocks, is not split.
+/// A launch that fits in one wave is not split: its blocks already share the multiprocessors
+/// (run 11: W2's sliding layers, 140 blocks on 264 slots, were slowest split). Otherwise time
+/// is modelled as whole waves of chunk work: `⌈ctas·s / slots⌉ · (⌈blocks / s⌉ + overhead)`,
+/// which splits a launch whose last wave is nearly empty (W2's full layers: 280 blocks on 264
+/// slots) and leaves short sequences (a few key blocks each) whole.
 pub fn kv_splits(ctas: usize, slots: usize, keys: usize, bn: usize) -> usize {
-    if ctas == 0 || slots == 0 || ctas >= 4 * slots {
+    if ctas <= slots || slots == 0 {
         return 1;
     }
-    let most = (keys / (4 * bn.max(1))).clamp(1, MAX_KV_SPLITS);
-    let cost =
-        |s: usize| (ctas * s).div_ceil(slots) as f64 / s as f64 + CHUNK_COST * (s - 1) as f64;
-    (1..=most)
-        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
+    let blocks = keys.div_ceil(bn.max(1)).max(1);
+    let cost = |s: usize| (ctas * s).div_ceil(slots) * (blocks.div_ceil(s) + CHUNK_OVERHEAD_BLOCKS);
+    (1..=MAX_KV_SPLITS.min(blocks))
+        .min_by_key(|&s| cost(s))
         .unwrap_or(1)
 }
 
@@ -200,29 +202,30 @@ mod tests {
 
     #[test]
     fn a_full_machine_is_not_split() {
-        // W3: 256 documents × 4 tiles × 4 heads on 132 SMs × 2.
+        // W3: 256 documents × 4 tiles × 4 heads on 132 SMs × 2, 256 keys each.
         assert_eq!(kv_splits(4096, 264, 256, 32), 1);
-        // Four waves or more: the last wave's idle share is small.
-        assert_eq!(kv_splits(4 * 264, 264, 4096, 32), 1);
+        // A mixed-image pass's text encoder: 540 blocks of 274-token sequences.
+        assert_eq!(kv_splits(540, 264, 274, 32), 1);
     }
 
     #[test]
-    fn a_short_input_is_not_split() {
-        // W1: 17 tokens have one key block; chunks need four blocks each.
+    fn one_wave_is_not_split() {
+        // W1: 17 tokens.
         assert_eq!(kv_splits(4, 264, 17, 32), 1);
+        // W2's sliding layers: 35 tiles × 4 heads on 264 slots.
+        assert_eq!(kv_splits(140, 264, 1088, 32), 1);
+        // One 2,394-patch image: 38 tiles × 12 heads on 132 SMs × 4.
+        assert_eq!(kv_splits(456, 528, 2394, 64), 1);
         assert_eq!(kv_splits(0, 264, 4096, 32), 1);
     }
 
     #[test]
-    fn one_long_sequence_fills_the_machine() {
-        // W2's full layers: 35 tiles × 4 heads × 2 CTAs per tile = 280 blocks on 264 slots is
-        // two waves, the second nearly empty; four chunks make five waves of quarter tiles.
-        assert_eq!(kv_splits(280, 264, 2208, 32), 4);
-        // W2's sliding layers: 140 blocks fill half the slots.
-        let s = kv_splits(140, 264, 1088, 32);
-        assert!(s > 1, "{s}");
-        // The chunk count never exceeds what the keys allow.
-        assert!(kv_splits(1, 264, 4 * 32 * 3, 32) <= 3);
+    fn a_nearly_empty_last_wave_is_split() {
+        // W2's full layers: 35 tiles × 4 heads × 2 CTAs per tile = 280 blocks on 264 slots
+        // (two waves, the second nearly empty), 69 key blocks each.
+        assert_eq!(kv_splits(280, 264, 2208, 32), 3);
+        // Never more chunks than key blocks.
+        assert!(kv_splits(300, 264, 64, 32) <= 2);
     }
 
     #[test]

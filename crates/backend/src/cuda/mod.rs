@@ -587,6 +587,40 @@ impl Backend for CudaBackend {
         with_device_bytes(src, elem, |bytes| self.write_bytes(dst, bytes))
     }
 
+    /// Bytes → the device element type through a 256-entry table, on all cores: an image pass
+    /// goes up as bf16 without an `f32` copy of its pixels.
+    fn write_u8_mapped(&self, dst: &mut CudaBuf, src: &[u8], map: &[f32; 256]) -> Result<()> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 16;
+        match dst.elem {
+            Elem::Bf16 => {
+                let table = to_bf16_bits(map);
+                let mut bits = vec![0u16; src.len()];
+                bits.par_chunks_mut(CHUNK)
+                    .zip(src.par_chunks(CHUNK))
+                    .for_each(|(out, b)| {
+                        for (o, &b) in out.iter_mut().zip(b) {
+                            *o = table[b as usize];
+                        }
+                    });
+                self.write_bytes(dst, bytemuck::cast_slice(&bits))
+            }
+            Elem::F32 => {
+                let mut values = vec![0f32; src.len()];
+                values
+                    .par_chunks_mut(CHUNK)
+                    .zip(src.par_chunks(CHUNK))
+                    .for_each(|(out, b)| {
+                        for (o, &b) in out.iter_mut().zip(b) {
+                            *o = map[b as usize];
+                        }
+                    });
+                self.write_bytes(dst, bytemuck::cast_slice(&values))
+            }
+            Elem::U32 => Err(Error::backend("write_u8_mapped", "index buffer")),
+        }
+    }
+
     fn write_u32(&self, dst: &mut CudaBuf, src: &[u32]) -> Result<()> {
         if dst.elem != Elem::U32 {
             return Err(Error::backend("write_u32", "not an index buffer"));

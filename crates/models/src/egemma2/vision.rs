@@ -221,7 +221,7 @@ impl<B: Backend> VisionEncoder<B> {
         let (d, eps, lay, th) = (c.hidden_size, c.rms_norm_eps, self.layout, self.text_hidden);
         let pin = 3 * c.patch_size * c.patch_size;
         let ws = self.ws.as_mut().expect("workspace allocated above");
-        let px: Vec<f32> = images
+        let px: Vec<u8> = images
             .iter()
             .map(|p| p.pixels.as_slice())
             .collect::<Vec<_>>()
@@ -230,7 +230,7 @@ impl<B: Backend> VisionEncoder<B> {
             .iter()
             .flat_map(|p| p.positions().flat_map(|(x, y)| [x, y]))
             .collect();
-        be.write_f32(&mut ws.px, &px)?;
+        be.write_u8_mapped(&mut ws.px, &px, &crate::imageproc::pixel_values())?;
         be.write_u32(&mut ws.pos, &pos)?;
 
         // h = patches · W_inᵀ + T_x[x] + T_y[y]; a = N_in0(h)

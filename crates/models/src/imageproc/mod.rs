@@ -13,5 +13,7 @@ pub mod patches;
 pub mod resize;
 
 pub use decode::{Image, MAX_PIXELS};
-pub use patches::{ImageBudget, PatchSpec, Patches, patchify, preprocess, target_size};
+pub use patches::{
+    ImageBudget, PatchSpec, Patches, patchify, pixel_value, pixel_values, preprocess, target_size,
+};
 pub use resize::resize_bicubic_aa;

@@ -104,10 +104,10 @@ pub struct Patches {
     /// Grid size in patches.
     pub width: usize,
     pub height: usize,
-    /// `[width·height, 3·patch²]`: patches in row-major order (`y·width + x`), each flattened
-    /// `(dy, dx, channel)`, values `2·(v·(1/255) − ½)` in `f32` — the processor's rescale
-    /// followed by the patch embedder's `2·(x − 0.5)`, in the reference's order.
-    pub pixels: Vec<f32>,
+    /// `[width·height, 3·patch²]`: the resized image's bytes in patches, row-major
+    /// (`y·width + x`), each flattened `(dy, dx, channel)`. The tower's input value of byte `v`
+    /// is [`pixel_value`]`(v)`; bytes keep a pass's host memory a quarter of its values'.
+    pub pixels: Vec<u8>,
 }
 
 impl Patches {
@@ -130,6 +130,17 @@ impl Patches {
 /// The processor's `rescale_factor`, rounded to `f32` as torch does for `uint8 · 1/255`.
 const RESCALE: f32 = (1.0f64 / 255.0) as f32;
 
+/// The vision tower's input value of pixel byte `v`: `2·(v·(1/255) − ½)` in `f32`, the
+/// processor's rescale followed by the patch embedder's `2·(x − 0.5)`, in the reference's order.
+pub fn pixel_value(v: u8) -> f32 {
+    2.0 * (v as f32 * RESCALE - 0.5)
+}
+
+/// [`pixel_value`] of every byte.
+pub fn pixel_values() -> [f32; 256] {
+    std::array::from_fn(|v| pixel_value(v as u8))
+}
+
 /// Cut an image whose sides are multiples of `patch` into patches.
 pub fn patchify(img: &Image, patch: usize) -> Patches {
     let (pw, ph) = (img.width() / patch, img.height() / patch);
@@ -139,11 +150,7 @@ pub fn patchify(img: &Image, patch: usize) -> Patches {
         for px in 0..pw {
             for dy in 0..patch {
                 let start = (py * patch + dy) * row + px * patch * 3;
-                pixels.extend(
-                    rgb[start..start + patch * 3]
-                        .iter()
-                        .map(|&v| 2.0 * (v as f32 * RESCALE - 0.5)),
-                );
+                pixels.extend_from_slice(&rgb[start..start + patch * 3]);
             }
         }
     }
@@ -205,7 +212,9 @@ mod tests {
         let (px, py, dx, dy, c) = (3, 1, 0, 1, 2);
         let idx = (py * 4 + px) * 12 + (dy * 2 + dx) * 3 + c;
         let v = rgb[(py * 2 + dy) * w * 3 + (px * 2 + dx) * 3 + c];
-        assert_eq!(p.pixels[idx], 2.0 * (v as f32 * RESCALE - 0.5));
+        assert_eq!(p.pixels[idx], v);
+        assert_eq!(pixel_value(v), 2.0 * (v as f32 * RESCALE - 0.5));
+        assert_eq!(pixel_values()[v as usize], pixel_value(v));
         assert_eq!(p.positions().nth(7), Some((3, 1)));
     }
 }
