@@ -92,10 +92,19 @@ pub trait Backend: Send + Sync {
     /// Copy `src` into the start of `dst` (converted to `dst`'s element type).
     fn write_f32(&self, dst: &mut Self::Buf, src: &[f32]) -> Result<()>;
     fn write_u32(&self, dst: &mut Self::Buf, src: &[u32]) -> Result<()>;
-    /// Copy bytes into the start of `dst` as the values `map[byte]` (image pixels: a quarter of
-    /// the host memory of their `f32` values, which a backend may never build).
-    fn write_u8_mapped(&self, dst: &mut Self::Buf, src: &[u8], map: &[f32; 256]) -> Result<()> {
-        let values: Vec<f32> = src.iter().map(|&b| map[b as usize]).collect();
+    /// Copy the bytes of `parts`, one after another, into the start of `dst` as the values
+    /// `map[byte]` (image pixels: a quarter of the host memory of their `f32` values, which a
+    /// backend need never build).
+    fn write_u8_mapped(
+        &self,
+        dst: &mut Self::Buf,
+        parts: &[&[u8]],
+        map: &[f32; 256],
+    ) -> Result<()> {
+        let values: Vec<f32> = parts
+            .iter()
+            .flat_map(|p| p.iter().map(|&b| map[b as usize]))
+            .collect();
         self.write_f32(dst, &values)
     }
     /// Read a view back as `f32`; waits for queued work.

@@ -118,6 +118,8 @@ pub struct CudaBackend {
     graphs: Mutex<Graphs>,
     /// Split-key attention workspace (`flash::PART_ELEMS` f32), made on first use.
     flash_part: Mutex<Option<CudaBuf>>,
+    /// Host staging for converted uploads (`write_u8_mapped`), 4-byte words, reused.
+    staging: Mutex<Vec<u32>>,
     profiler: Option<Profiler>,
     name: String,
     arch: String,
@@ -219,6 +221,7 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         gemm,
         graphs: Mutex::new(Graphs::default()),
         flash_part: Mutex::new(None),
+        staging: Mutex::new(Vec::new()),
         profiler,
         name,
         arch,
@@ -587,38 +590,51 @@ impl Backend for CudaBackend {
         with_device_bytes(src, elem, |bytes| self.write_bytes(dst, bytes))
     }
 
-    /// Bytes → the device element type through a 256-entry table, on all cores: an image pass
-    /// goes up as bf16 without an `f32` copy of its pixels.
-    fn write_u8_mapped(&self, dst: &mut CudaBuf, src: &[u8], map: &[f32; 256]) -> Result<()> {
+    /// Bytes → the device element type through a 256-entry table, each part on its own core,
+    /// into a host staging buffer kept between calls (fresh pages are slow to fault in, and an
+    /// image pass is ~100 MB): an image pass goes up without an `f32` copy of its pixels.
+    fn write_u8_mapped(&self, dst: &mut CudaBuf, parts: &[&[u8]], map: &[f32; 256]) -> Result<()> {
         use rayon::prelude::*;
-        const CHUNK: usize = 1 << 16;
-        match dst.elem {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut guard = self
+            .staging
+            .lock()
+            .map_err(|_| Error::backend("write_u8_mapped", "staging lock poisoned"))?;
+        let staging: &mut Vec<u32> = &mut guard;
+        fn fill<T: Copy + Send + Sync>(out: &mut [T], parts: &[&[u8]], table: &[T]) {
+            let mut slices = Vec::with_capacity(parts.len());
+            let mut rest = out;
+            for p in parts {
+                let (head, tail) = rest.split_at_mut(p.len());
+                slices.push((head, *p));
+                rest = tail;
+            }
+            slices.into_par_iter().for_each(|(out, bytes)| {
+                for (o, &b) in out.iter_mut().zip(bytes) {
+                    *o = table[b as usize];
+                }
+            });
+        }
+        let bytes = match dst.elem {
             Elem::Bf16 => {
-                let table = to_bf16_bits(map);
-                let mut bits = vec![0u16; src.len()];
-                bits.par_chunks_mut(CHUNK)
-                    .zip(src.par_chunks(CHUNK))
-                    .for_each(|(out, b)| {
-                        for (o, &b) in out.iter_mut().zip(b) {
-                            *o = table[b as usize];
-                        }
-                    });
-                self.write_bytes(dst, bytemuck::cast_slice(&bits))
+                let words = total.div_ceil(2);
+                let len = staging.len().max(words);
+                staging.resize(len, 0);
+                let bits: &mut [u16] =
+                    &mut bytemuck::cast_slice_mut(&mut staging[..words])[..total];
+                fill(bits, parts, &to_bf16_bits(map));
+                bytemuck::cast_slice::<u16, u8>(bits)
             }
             Elem::F32 => {
-                let mut values = vec![0f32; src.len()];
-                values
-                    .par_chunks_mut(CHUNK)
-                    .zip(src.par_chunks(CHUNK))
-                    .for_each(|(out, b)| {
-                        for (o, &b) in out.iter_mut().zip(b) {
-                            *o = map[b as usize];
-                        }
-                    });
-                self.write_bytes(dst, bytemuck::cast_slice(&values))
+                let len = staging.len().max(total);
+                staging.resize(len, 0);
+                let values: &mut [f32] = bytemuck::cast_slice_mut(&mut staging[..total]);
+                fill(values, parts, map);
+                bytemuck::cast_slice::<f32, u8>(values)
             }
-            Elem::U32 => Err(Error::backend("write_u8_mapped", "index buffer")),
-        }
+            Elem::U32 => return Err(Error::backend("write_u8_mapped", "index buffer")),
+        };
+        self.write_bytes(dst, bytes)
     }
 
     fn write_u32(&self, dst: &mut CudaBuf, src: &[u32]) -> Result<()> {

@@ -95,6 +95,9 @@ impl AnyEmbeddingGemma2 {
     pub fn default_image_budget(&self) -> Option<ImageBudget> {
         with_model!(self, m => m.default_image_budget())
     }
+    pub fn patch_spec(&self) -> Option<crate::imageproc::PatchSpec> {
+        with_model!(self, m => m.patch_spec())
+    }
     pub fn input_ids(
         &self,
         input: &Input,

@@ -243,6 +243,10 @@ impl<B: Backend> EmbeddingGemma2<B> {
     pub fn default_image_budget(&self) -> Option<ImageBudget> {
         self.vision.as_ref().map(|v| v.processor.default_budget)
     }
+    /// The vision tower's patch geometry (`None` for a text-only model).
+    pub fn patch_spec(&self) -> Option<crate::imageproc::PatchSpec> {
+        self.vision.as_ref().map(|v| v.processor.spec)
+    }
 
     pub fn config(&self) -> &Config {
         &self.config

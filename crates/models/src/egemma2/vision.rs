@@ -221,11 +221,7 @@ impl<B: Backend> VisionEncoder<B> {
         let (d, eps, lay, th) = (c.hidden_size, c.rms_norm_eps, self.layout, self.text_hidden);
         let pin = 3 * c.patch_size * c.patch_size;
         let ws = self.ws.as_mut().expect("workspace allocated above");
-        let px: Vec<u8> = images
-            .iter()
-            .map(|p| p.pixels.as_slice())
-            .collect::<Vec<_>>()
-            .concat();
+        let px: Vec<&[u8]> = images.iter().map(|p| p.pixels.as_slice()).collect();
         let pos: Vec<u32> = images
             .iter()
             .flat_map(|p| p.positions().flat_map(|(x, y)| [x, y]))

@@ -121,7 +121,8 @@ pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Imag
         return Err(Error::input(format!("cannot resize to {out_w}×{out_h}")));
     }
     let (in_w, in_h) = (img.width(), img.height());
-    let mut rgb = img.rgb().to_vec();
+    // The source is read in place; only the passes' outputs are allocated.
+    let mut rgb = std::borrow::Cow::Borrowed(img.rgb());
     let mut w = in_w;
     if out_w != in_w {
         let ax = axis(in_w, out_w);
@@ -143,7 +144,7 @@ pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Imag
                     }
                 }
             });
-        rgb = out;
+        rgb = out.into();
         w = out_w;
     }
     if out_h != in_h {
@@ -166,9 +167,9 @@ pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Imag
                 }
             },
         );
-        rgb = out;
+        rgb = out.into();
     }
-    Image::from_rgb8(w, out_h, rgb)
+    Image::from_rgb8(w, out_h, rgb.into_owned())
 }
 
 #[cfg(test)]
