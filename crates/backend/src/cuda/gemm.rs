@@ -3,6 +3,13 @@
 //! Row-major `out[m, n] = α · x[m, k] · w[n, k]ᵀ` is computed as the column-major product
 //! `outᵀ = op(W) · xᵀ` with `op = transpose` on the weight, so no operand is ever copied. Each
 //! distinct shape gets a plan (descriptors + the heuristic's algorithm) made once and cached.
+//!
+//! For products of at least [`TUNE_MIN_ROWS`] rows the plan keeps the heuristic's first
+//! [`CANDIDATES`] algorithms and, on the shape's first run, times each on the real operands and
+//! keeps the fastest: the heuristic's first choice leaves most multiprocessors idle on the
+//! narrow products of one long input (2,208 tokens × 512 outputs is 72 tiles of 128×128 on 132
+//! multiprocessors). Smaller products (short queries) keep the first choice, since their shapes
+//! vary from request to request and are launch-bound.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -16,6 +23,15 @@ use super::Elem;
 
 /// cuBLASLt scratch space; 32 MiB lets the heuristic pick split-K and stream-K kernels.
 const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Algorithms a tuned plan times.
+pub const CANDIDATES: usize = 8;
+
+/// Products with fewer rows are not timed.
+pub const TUNE_MIN_ROWS: usize = 1024;
+
+/// Timed launches per candidate, after one warm-up.
+const TUNE_REPS: usize = 3;
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 struct PlanKey {
@@ -34,7 +50,12 @@ struct Plan {
     a: lt::cublasLtMatrixLayout_t,
     b: lt::cublasLtMatrixLayout_t,
     d: lt::cublasLtMatrixLayout_t,
-    algo: lt::cublasLtMatmulAlgo_t,
+    /// The heuristic's algorithms, best guess first.
+    algos: Vec<lt::cublasLtMatmulAlgo_t>,
+    /// The one in use: the first until a tuning run picks another.
+    chosen: usize,
+    /// Whether the candidates still have to be timed.
+    untuned: bool,
 }
 
 impl Drop for Plan {
@@ -149,8 +170,9 @@ impl Gemm {
             a: layout(key.ab, key.k, key.n, key.lda)?,
             b: layout(key.ab, key.k, key.m, key.ldb)?,
             d: layout(key.d, key.n, key.m, key.ldd)?,
-            // SAFETY: a plain-old-data struct, filled by the heuristic below before use.
-            algo: unsafe { std::mem::zeroed() },
+            algos: Vec::new(),
+            chosen: 0,
+            untuned: false,
         };
         let mut pref = std::ptr::null_mut();
         // SAFETY: out-parameter only.
@@ -167,10 +189,17 @@ impl Gemm {
                 8,
             )
         };
-        let mut result: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let wanted = if key.m as usize >= TUNE_MIN_ROWS {
+            CANDIDATES
+        } else {
+            1
+        };
+        // SAFETY: plain-old-data structs, filled by the heuristic below before use.
+        let mut results: Vec<lt::cublasLtMatmulHeuristicResult_t> =
+            (0..wanted).map(|_| unsafe { std::mem::zeroed() }).collect();
         let mut count = 0;
         let heur = if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            // SAFETY: all descriptors are live; one result slot is provided.
+            // SAFETY: all descriptors are live; `wanted` result slots are provided.
             unsafe {
                 lt::cublasLtMatmulAlgoGetHeuristic(
                     self.handle,
@@ -180,8 +209,8 @@ impl Gemm {
                     plan.d,
                     plan.d,
                     pref,
-                    1,
-                    &mut result,
+                    wanted as i32,
+                    results.as_mut_ptr(),
                     &mut count,
                 )
             }
@@ -197,8 +226,92 @@ impl Gemm {
                 format!("no algorithm for {key:?}"),
             ));
         }
-        plan.algo = result.algo;
+        plan.algos = results
+            .iter()
+            .take(count as usize)
+            .filter(|r| r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect();
+        if plan.algos.is_empty() {
+            return Err(Error::backend(
+                "cuBLASLt heuristic",
+                format!("no usable algorithm for {key:?}"),
+            ));
+        }
+        plan.untuned = plan.algos.len() > 1;
         Ok(plan)
+    }
+
+    /// Launch `a` with algorithm `algo` of plan `p`.
+    fn launch(
+        &self,
+        stream: &CudaStream,
+        p: &Plan,
+        algo: &lt::cublasLtMatmulAlgo_t,
+        a: &GemmArgs,
+    ) -> Result<()> {
+        let beta = 0f32;
+        // SAFETY: pointers address device buffers that the caller checked to cover the operand
+        // extents; the plan's layouts describe exactly those extents; the workspace is ours.
+        let s = unsafe {
+            lt::cublasLtMatmul(
+                self.handle,
+                p.desc,
+                (&a.alpha as *const f32).cast(),
+                a.w as *const c_void,
+                p.a,
+                a.x as *const c_void,
+                p.b,
+                (&beta as *const f32).cast(),
+                a.out as *const c_void,
+                p.d,
+                a.out as *mut c_void,
+                p.d,
+                algo,
+                self.workspace_ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as lt::cudaStream_t,
+            )
+        };
+        check("matmul", s)
+    }
+
+    /// Time every candidate of `p` on `a`'s operands (which the real launch then overwrites) and
+    /// keep the fastest. Not while `stream` is being captured into a graph: timing needs the
+    /// host to wait, so such a plan keeps its first choice until a direct run.
+    fn tune(&self, stream: &CudaStream, p: &mut Plan, a: &GemmArgs) -> Result<()> {
+        let capturing = stream
+            .capture_status()
+            .map_err(|e| Error::backend("gemm tuning", e))?;
+        if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Ok(());
+        }
+        let ctx = stream.context();
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let ev = |e| Error::backend("gemm tuning", e);
+        let mut best: Option<(f32, usize)> = None;
+        for (i, algo) in p.algos.iter().enumerate() {
+            // A candidate that fails to launch (workspace, alignment) is skipped.
+            if self.launch(stream, p, algo, a).is_err() {
+                continue;
+            }
+            let (start, end) = (
+                ctx.new_event(flags).map_err(ev)?,
+                ctx.new_event(flags).map_err(ev)?,
+            );
+            start.record(stream).map_err(ev)?;
+            for _ in 0..TUNE_REPS {
+                self.launch(stream, p, algo, a)?;
+            }
+            end.record(stream).map_err(ev)?;
+            let ms = start.elapsed_ms(&end).map_err(ev)?;
+            if best.is_none_or(|(b, _)| ms < b) {
+                best = Some((ms, i));
+            }
+        }
+        p.chosen = best.map_or(0, |(_, i)| i);
+        p.untuned = false;
+        Ok(())
     }
 
     /// Enqueue `out = α · x · wᵀ` on `stream`.
@@ -221,30 +334,10 @@ impl Gemm {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(key)?),
         };
-        let beta = 0f32;
-        // SAFETY: pointers address device buffers that the caller checked to cover the operand
-        // extents; the plan's layouts describe exactly those extents; the workspace is ours.
-        let s = unsafe {
-            lt::cublasLtMatmul(
-                self.handle,
-                p.desc,
-                (&a.alpha as *const f32).cast(),
-                a.w as *const c_void,
-                p.a,
-                a.x as *const c_void,
-                p.b,
-                (&beta as *const f32).cast(),
-                a.out as *const c_void,
-                p.d,
-                a.out as *mut c_void,
-                p.d,
-                &p.algo,
-                self.workspace_ptr as *mut c_void,
-                WORKSPACE_BYTES,
-                stream.cu_stream() as lt::cudaStream_t,
-            )
-        };
-        check("matmul", s)
+        if p.untuned {
+            self.tune(stream, p, a)?;
+        }
+        self.launch(stream, p, &p.algos[p.chosen], a)
     }
 }
 

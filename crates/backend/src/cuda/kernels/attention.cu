@@ -337,22 +337,32 @@ extern "C" __global__ void flash_combine(const float* __restrict__ part, bf16* _
     const float* lse = part + (long)kv_splits * n * D;
     float top = NEG_INF;
     for (int c = 0; c < kv_splits; c++) top = fmaxf(top, lse[c * n + gw]);
+    // The chunks' weights, normalised, once per row (kv_splits ≤ 8).
+    float w[8];
     float wsum = 0.f;
-    for (int c = 0; c < kv_splits; c++) wsum += top == NEG_INF ? 0.f : exp2f(lse[c * n + gw] - top);
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        w[c] = c < kv_splits && top != NEG_INF ? ex2(lse[c * n + gw] - top) : 0.f;
+        wsum += w[c];
+    }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
     bf16* orow = o + (gw / heads) * os + (gw % heads) * D;
-    for (int col = 2 * lane; col < D; col += 64) {
-        float a0 = 0.f, a1 = 0.f;
-        for (int c = 0; c < kv_splits; c++) {
-            const float l = lse[c * n + gw];
-            if (l == NEG_INF) continue;
-            const float w = exp2f(l - top);
-            const float2 x = *reinterpret_cast<const float2*>(part + (c * n + gw) * D + col);
-            a0 += w * x.x;
-            a1 += w * x.y;
+    for (int col = 4 * lane; col < D; col += 128) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            if (c < kv_splits && w[c] > 0.f) {
+                const float4 x = *reinterpret_cast<const float4*>(part + (c * n + gw) * D + col);
+                acc.x += w[c] * x.x;
+                acc.y += w[c] * x.y;
+                acc.z += w[c] * x.z;
+                acc.w += w[c] * x.w;
+            }
         }
-        orow[col] = from_f<bf16>(a0 * inv);
-        orow[col + 1] = from_f<bf16>(a1 * inv);
+        orow[col] = from_f<bf16>(acc.x * inv);
+        orow[col + 1] = from_f<bf16>(acc.y * inv);
+        orow[col + 2] = from_f<bf16>(acc.z * inv);
+        orow[col + 3] = from_f<bf16>(acc.w * inv);
     }
 }
 
