@@ -9,7 +9,9 @@
 //! keeps the fastest: the heuristic's first choice leaves most multiprocessors idle on the
 //! narrow products of one long input (2,208 tokens × 512 outputs is 72 tiles of 128×128 on 132
 //! multiprocessors). Smaller products (short queries) keep the first choice, since their shapes
-//! vary from request to request and are launch-bound.
+//! vary from request to request and are launch-bound. Timing makes the choice, and so the last
+//! bits of bf16 results, vary between processes; `TESSERA_GEMM_TUNE=0` keeps the heuristic's
+//! first choice everywhere, for runs that must repeat bit for bit.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -75,6 +77,8 @@ pub(super) struct Gemm {
     _workspace: CudaSlice<u8>,
     workspace_ptr: u64,
     plans: Mutex<HashMap<PlanKey, Plan>>,
+    /// Time candidate algorithms (`TESSERA_GEMM_TUNE` unset or not `0`).
+    tune: bool,
 }
 
 // SAFETY: the cuBLASLt handle and plan descriptors are plain handles that cuBLASLt allows to be
@@ -136,6 +140,7 @@ impl Gemm {
             workspace_ptr: ptr,
             _workspace: workspace,
             plans: Mutex::new(HashMap::new()),
+            tune: std::env::var("TESSERA_GEMM_TUNE").map_or(true, |v| v != "0"),
         })
     }
 
@@ -189,7 +194,7 @@ impl Gemm {
                 8,
             )
         };
-        let wanted = if key.m as usize >= TUNE_MIN_ROWS {
+        let wanted = if self.tune && key.m as usize >= TUNE_MIN_ROWS {
             CANDIDATES
         } else {
             1
