@@ -5,7 +5,7 @@
 use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};
 
-use super::{CudaBackend, Elem, addr, cfg, drv, f, i, kernels, ptr_of, ptr_of_mut};
+use super::{CudaBackend, Elem, addr, attention_operands, cfg, drv, f, i, kernels};
 use crate::{AttnSpec, Backend, Role, Segments, View, ViewMut};
 
 /// Most key chunks per tile.
@@ -119,16 +119,9 @@ impl CudaBackend {
         };
         let splits = if part.is_some() { splits } else { 1 };
         let window = spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i64);
-        let (qp, kp, vp, op) = (ptr_of(&q)?, ptr_of(&k)?, ptr_of(&v)?, ptr_of_mut(&out)?);
-        let args = [
-            qp,
-            i(q.stride as i64),
-            kp,
-            i(k.stride as i64),
-            vp,
-            i(v.stride as i64),
-            op,
-            i(out.stride as i64),
+        let mut args = attention_operands(&q, &k, &v, &out)?.to_vec();
+        let op = args[6];
+        args.extend([
             addr(&segs.dev, segs.max_segs + 1),
             i((spec.heads_q / spec.heads_kv) as i64),
             f(spec.scale * std::f32::consts::LOG2_E),
@@ -137,7 +130,7 @@ impl CudaBackend {
             part.unwrap_or(0),
             i(total as i64),
             i(splits as i64),
-        ];
+        ]);
         let config = LaunchConfig {
             grid_dim: (
                 segs.tiles as u32,

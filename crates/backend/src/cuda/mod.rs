@@ -260,6 +260,26 @@ fn with_device_bytes<R>(
     }
 }
 
+/// The first kernel arguments of every attention kernel: q, k, v and the output, each as
+/// (address, row stride).
+fn attention_operands(
+    q: &View<'_, CudaBackend>,
+    k: &View<'_, CudaBackend>,
+    v: &View<'_, CudaBackend>,
+    out: &ViewMut<'_, CudaBackend>,
+) -> Result<[u64; 8]> {
+    Ok([
+        ptr_of(q)?,
+        i(q.stride as i64),
+        ptr_of(k)?,
+        i(k.stride as i64),
+        ptr_of(v)?,
+        i(v.stride as i64),
+        ptr_of_mut(out)?,
+        i(out.stride as i64),
+    ])
+}
+
 /// Byte address of a view's first element.
 fn addr(buf: &CudaBuf, offset: usize) -> u64 {
     buf.ptr + (offset * buf.elem.size()) as u64
@@ -1053,7 +1073,6 @@ impl Backend for CudaBackend {
         spec.check(&q, &k, &v, &out, total)?;
         let window = spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i64);
         let group = (spec.heads_q / spec.heads_kv) as i64;
-        let (qp, kp, vp, op) = (ptr_of(&q)?, ptr_of(&k)?, ptr_of(&v)?, ptr_of_mut(&out)?);
         match self.precision {
             Precision::Bf16 => self.flash(q, k, v, out, spec, segs, None).map(|_| ()),
             Precision::F32 => {
@@ -1068,15 +1087,8 @@ impl Backend for CudaBackend {
                     ));
                 }
                 let warps = (total * spec.heads_q) as u32;
-                let args = [
-                    qp,
-                    i(q.stride as i64),
-                    kp,
-                    i(k.stride as i64),
-                    vp,
-                    i(v.stride as i64),
-                    op,
-                    i(out.stride as i64),
+                let mut args = attention_operands(&q, &k, &v, &out)?.to_vec();
+                args.extend([
                     segs.dev.ptr,
                     i(segs.count() as i64),
                     i(total as i64),
@@ -1086,7 +1098,7 @@ impl Backend for CudaBackend {
                     f(spec.scale),
                     i(window),
                     i(spec.causal as i64),
-                ];
+                ]);
                 self.timed("attention", || {
                     self.launch("attn_rows_f32", cfg((warps.div_ceil(4), 1), 128, 0), &args)
                 })
