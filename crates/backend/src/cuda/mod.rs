@@ -1036,6 +1036,12 @@ impl Backend for CudaBackend {
             format!("qkv_norm_rope_{tag}")
         };
         let heads = layout.heads_q + 2 * layout.heads_kv;
+        if qkv.rows * heads > u32::MAX as usize {
+            return Err(Error::backend(
+                "qkv_norm_rope",
+                format!("{} rows × {heads} heads exceed 2^32 per launch", qkv.rows),
+            ));
+        }
         // A warp per head, or per four heads in the 8-lane kernel.
         let warps = (qkv.rows * heads).div_ceil(if axial64 { 4 } else { 1 }) as u32;
         let args = [
@@ -1126,10 +1132,12 @@ impl Backend for CudaBackend {
             Activation::GeluTanh => "gelu",
             Activation::Silu => "silu",
         };
-        // 16-byte vectors when every row start is 16-byte aligned and whole vectors tile a row.
+        // 16-byte vectors when every row start is 16-byte aligned and whole vectors tile a row
+        // (and there are fewer than 2^32 vectors: the kernel indexes them in 32 bits).
         let v = 16 / e.size();
         let aligned = |off: usize, stride: usize| off.is_multiple_of(v) && stride.is_multiple_of(v);
         let vec = gate.cols.is_multiple_of(v)
+            && gate.rows * gate.cols / v <= u32::MAX as usize
             && aligned(gate.offset, gate.stride)
             && aligned(up.offset, up.stride)
             && aligned(out.offset, out.stride);

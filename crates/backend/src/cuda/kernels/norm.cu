@@ -196,8 +196,10 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (gw >= (long)rows * heads) return;
-    const long r = gw / heads;
-    const int hh = (int)(gw % heads);
+    // 32-bit division: rows · heads < 2^32 (checked by the host); 64-bit division is a long
+    // emulated sequence in a kernel this short.
+    const long r = (unsigned)gw / (unsigned)heads;
+    const int hh = (int)((unsigned)gw % (unsigned)heads);
     const bool is_v = hh >= hq + hkv;
     if (is_v && !v_norm) return;
     const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
@@ -262,8 +264,10 @@ __device__ __forceinline__ void qkv_norm_rope_vec_impl(T* qkv, long stride, int 
     const int heads = hq + 2 * hkv;
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (gw >= (long)rows * heads) return;  // whole warps leave together
-    const long r = gw / heads;
-    const int hh = (int)(gw % heads);
+    // 32-bit division: rows · heads < 2^32 (checked by the host); 64-bit division is a long
+    // emulated sequence in a kernel this short.
+    const long r = (unsigned)gw / (unsigned)heads;
+    const int hh = (int)((unsigned)gw % (unsigned)heads);
     const bool is_v = hh >= hq + hkv;
     if (is_v && !v_norm) return;
     const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
@@ -333,8 +337,8 @@ __device__ __forceinline__ void qkv_norm_rope_axial64_impl(T* qkv, long stride, 
     const int lane = threadIdx.x & 31, sub = lane & 7;
     const long slot = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 4 + (lane >> 3);
     if (slot >= (long)rows * heads) return;  // whole 8-lane groups leave together
-    const long r = slot / heads;
-    const int hh = (int)(slot % heads);
+    const long r = (unsigned)slot / (unsigned)heads;  // 32-bit, as above
+    const int hh = (int)((unsigned)slot % (unsigned)heads);
     const bool is_v = hh >= hq + hkv;
     if (is_v && !v_norm) return;
     const unsigned group = 0xffu << (lane & ~7);
