@@ -124,6 +124,31 @@ struct Vision<B: Backend> {
     placeholder: String,
 }
 
+/// What preparing an input reads: borrowed apart from the encoders that passes mutate, so that
+/// inputs are prepared on the host while the device runs passes.
+struct Preparer<'a> {
+    config: &'a Config,
+    tokenizer: &'a TextTokenizer,
+    prompts: &'a Prompts,
+    vision: Option<ImageLayout<'a>>,
+}
+
+/// [`Vision`] without its encoder: how images become patches and token ids.
+#[derive(Clone, Copy)]
+struct ImageLayout<'a> {
+    processor: &'a ImageProcessor,
+    tokens: ImageTokens,
+    placeholder: &'a str,
+}
+
+/// What running a pass mutates (the encoders' workspaces), borrowed apart from [`Preparer`].
+struct Passes<'a, B: Backend> {
+    backend: &'a B,
+    text: &'a mut TextEncoder<B>,
+    /// The vision tower and the `<|image|>` id whose rows its soft tokens replace.
+    vision: Option<(&'a mut VisionEncoder<B>, u32)>,
+}
+
 /// How to turn a text into token ids.
 #[derive(Clone, Debug, Default)]
 pub struct TextOptions {
@@ -280,53 +305,58 @@ impl<B: Backend> EmbeddingGemma2<B> {
 
     /// The prompt prefix `opts` asks for (validating the name).
     pub fn prompt_prefix<'a>(&'a self, opts: &'a TextOptions) -> Result<&'a str> {
-        match (&opts.prompt_name, &opts.prompt) {
-            (Some(_), Some(_)) => Err(Error::input(
-                "give either a prompt name or a literal prompt, not both",
-            )),
-            (Some(name), None) => self.prompts.get(name),
-            (None, Some(p)) => Ok(p.as_str()),
-            (None, None) => Ok(""),
-        }
+        self.preparer().prompt_prefix(opts)
     }
 
     /// Token ids of one text: `[<bos>] prompt+text [<eos>]`, truncated as `opts` says.
     pub fn tokenize(&self, text: &str, opts: &TextOptions) -> Result<Vec<u32>> {
-        if text.is_empty() {
-            return Err(Error::input("empty text: there is nothing to embed"));
-        }
-        let prefix = self.prompt_prefix(opts)?;
-        let mut ids = self
-            .tokenizer
-            .encode_with_bos_eos(&format!("{prefix}{text}"))?;
-        if let Some(id) = ids
-            .iter()
-            .find(|id| self.config.media_token_ids.contains(id))
-        {
-            let token = self.tokenizer_token(*id);
-            return Err(Error::input(format!(
-                "the text contains the media placeholder {token} but no media was given"
-            )));
-        }
-        if let Some(n) = opts.max_tokens {
-            if n < 2 {
-                return Err(Error::input(
-                    "--max-tokens must be at least 2 (<bos> and <eos>)",
-                ));
-            }
-            if ids.len() > n {
-                ids.truncate(n - 1);
-                ids.push(self.tokenizer.eos_id);
-            }
-        }
-        Ok(ids)
+        self.preparer().tokenize(text, opts)
     }
 
-    fn tokenizer_token(&self, id: u32) -> String {
-        ["<|image|>", "<|video|>", "<|audio|>"]
-            .into_iter()
-            .find(|t| self.tokenizer.token_to_id(t) == Some(id))
-            .map_or_else(|| format!("id {id}"), str::to_string)
+    /// The fields that preparing inputs reads.
+    fn preparer(&self) -> Preparer<'_> {
+        Preparer {
+            config: &self.config,
+            tokenizer: &self.tokenizer,
+            prompts: &self.prompts,
+            vision: self.vision.as_ref().map(|v| ImageLayout {
+                processor: &v.processor,
+                tokens: v.tokens,
+                placeholder: &v.placeholder,
+            }),
+        }
+    }
+
+    /// [`preparer`](Self::preparer) and what passes mutate, borrowed at once.
+    fn split(&mut self) -> (Preparer<'_>, Passes<'_, B>) {
+        let (layout, encoder) = match &mut self.vision {
+            Some(Vision {
+                encoder,
+                processor,
+                tokens,
+                placeholder,
+            }) => (
+                Some(ImageLayout {
+                    processor,
+                    tokens: *tokens,
+                    placeholder,
+                }),
+                Some((encoder, tokens.placeholder)),
+            ),
+            None => (None, None),
+        };
+        let preparer = Preparer {
+            config: &self.config,
+            tokenizer: &self.tokenizer,
+            prompts: &self.prompts,
+            vision: layout,
+        };
+        let passes = Passes {
+            backend: &self.backend,
+            text: &mut self.text,
+            vision: encoder,
+        };
+        (preparer, passes)
     }
 
     /// Embed token-id sequences, packed into passes of at most `pass_tokens` rows (a longer
@@ -402,7 +432,58 @@ impl<B: Backend> EmbeddingGemma2<B> {
     }
 }
 
-impl<B: Backend> EmbeddingGemma2<B> {
+impl<'a> Preparer<'a> {
+    /// The prompt prefix `opts` asks for (validating the name).
+    fn prompt_prefix(&self, opts: &'a TextOptions) -> Result<&'a str> {
+        match (&opts.prompt_name, &opts.prompt) {
+            (Some(_), Some(_)) => Err(Error::input(
+                "give either a prompt name or a literal prompt, not both",
+            )),
+            (Some(name), None) => self.prompts.get(name),
+            (None, Some(p)) => Ok(p.as_str()),
+            (None, None) => Ok(""),
+        }
+    }
+
+    /// Token ids of one text: `[<bos>] prompt+text [<eos>]`, truncated as `opts` says.
+    fn tokenize(&self, text: &str, opts: &TextOptions) -> Result<Vec<u32>> {
+        if text.is_empty() {
+            return Err(Error::input("empty text: there is nothing to embed"));
+        }
+        let prefix = self.prompt_prefix(opts)?;
+        let mut ids = self
+            .tokenizer
+            .encode_with_bos_eos(&format!("{prefix}{text}"))?;
+        if let Some(id) = ids
+            .iter()
+            .find(|id| self.config.media_token_ids.contains(id))
+        {
+            let token = self.tokenizer_token(*id);
+            return Err(Error::input(format!(
+                "the text contains the media placeholder {token} but no media was given"
+            )));
+        }
+        if let Some(n) = opts.max_tokens {
+            if n < 2 {
+                return Err(Error::input(
+                    "--max-tokens must be at least 2 (<bos> and <eos>)",
+                ));
+            }
+            if ids.len() > n {
+                ids.truncate(n - 1);
+                ids.push(self.tokenizer.eos_id);
+            }
+        }
+        Ok(ids)
+    }
+
+    fn tokenizer_token(&self, id: u32) -> String {
+        ["<|image|>", "<|video|>", "<|audio|>"]
+            .into_iter()
+            .find(|t| self.tokenizer.token_to_id(t) == Some(id))
+            .map_or_else(|| format!("id {id}"), str::to_string)
+    }
+
     /// Token ids and patches of one input (host work: tokenizing, resizing, patchifying).
     fn prepare(&self, input: &Input, opts: &TextOptions, budget: ImageBudget) -> Result<Prepared> {
         if input.parts.is_empty() {
@@ -430,13 +511,13 @@ impl<B: Backend> EmbeddingGemma2<B> {
                 images: Vec::new(),
             });
         }
-        let v = self.vision.as_ref().ok_or_else(|| {
-            Error::input(format!(
+        let (Some(v), Some(vc)) = (self.vision, &self.config.vision) else {
+            return Err(Error::input(format!(
                 "this model has no vision tower ({} has no vision_config): it embeds text only",
                 self.config.path.display()
-            ))
-        })?;
-        let ph = v.placeholder.as_str();
+            )));
+        };
+        let ph = v.placeholder;
         let mut text = self.prompt_prefix(opts)?.to_string();
         if n_images == input.parts.len() {
             text.push_str(&vec![ph; n_images].join(" "));
@@ -452,7 +533,7 @@ impl<B: Backend> EmbeddingGemma2<B> {
             .images()
             .map(|img| crate::imageproc::preprocess(img, v.processor.spec, budget))
             .collect::<Result<Vec<_>>>()?;
-        v.encoder.check(&images.iter().collect::<Vec<_>>())?;
+        vision::check_images(vc, &images.iter().collect::<Vec<_>>())?;
         let laid = self.tokenizer.encode_with_bos_eos(&text)?;
         let t = v.tokens;
         let found = laid.iter().filter(|&&id| id == t.placeholder).count();
@@ -494,7 +575,9 @@ impl<B: Backend> EmbeddingGemma2<B> {
         }
         Ok(Prepared { ids, images })
     }
+}
 
+impl<B: Backend> EmbeddingGemma2<B> {
     /// The token ids `input` becomes (layout: module docs), `<|image|>` rows included.
     pub fn input_ids(
         &self,
@@ -502,7 +585,7 @@ impl<B: Backend> EmbeddingGemma2<B> {
         opts: &TextOptions,
         budget: ImageBudget,
     ) -> Result<Vec<u32>> {
-        Ok(self.prepare(input, opts, budget)?.ids)
+        Ok(self.preparer().prepare(input, opts, budget)?.ids)
     }
 
     /// The vision tower's soft tokens for each image (`[tokens · text hidden]`, row-major): the
@@ -532,43 +615,6 @@ impl<B: Backend> EmbeddingGemma2<B> {
             .collect())
     }
 
-    /// One packed pass: the images of `batch` through the vision tower together, their soft
-    /// tokens into the placeholder rows, then the text encoder over every sequence.
-    fn run_pass(&mut self, batch: &[Prepared]) -> Result<Vec<Vec<f32>>> {
-        let seqs: Vec<&[u32]> = batch.iter().map(|p| p.ids.as_slice()).collect();
-        let images: Vec<&Patches> = batch.iter().flat_map(|p| p.images.iter()).collect();
-        let Some(v) = self.vision.as_mut().filter(|_| !images.is_empty()) else {
-            return self.text.forward(&self.backend, &seqs);
-        };
-        let placeholder = v.tokens.placeholder;
-        let soft = v.encoder.forward(&self.backend, &images)?;
-        let at: Vec<u32> = seqs
-            .iter()
-            .flat_map(|s| s.iter())
-            .enumerate()
-            .filter(|&(_, &id)| id == placeholder)
-            .map(|(i, _)| i as u32)
-            .collect();
-        if at.len() != soft.rows {
-            return Err(Error::backend(
-                "egemma2",
-                format!(
-                    "{} soft tokens for {} placeholder rows",
-                    soft.rows,
-                    at.len()
-                ),
-            ));
-        }
-        self.text.forward_merged(
-            &self.backend,
-            &seqs,
-            Some(Merge {
-                rows: soft,
-                at: &at,
-            }),
-        )
-    }
-
     /// Embed inputs made of texts and images (layout: module docs), at most `pass_tokens` text
     /// rows and `pass_patches` image patches per packed pass (an input larger than that gets a
     /// pass of its own). Images are resized for `budget` soft tokens. Returns L2-normalised
@@ -589,37 +635,83 @@ impl<B: Backend> EmbeddingGemma2<B> {
             Error::Input(m) if inputs.len() > 1 => Error::Input(format!("input {}: {m}", i + 1)),
             other => other,
         };
-        let mut out = Vec::with_capacity(inputs.len());
-        let mut batch: Vec<Prepared> = Vec::new();
-        let (mut rows, mut patches) = (0, 0);
+        let (pass_tokens, pass_patches) = (self.pass_tokens, self.pass_patches);
+        let (preparer, mut passes) = self.split();
         // Decoding is the caller's; resizing and patching run on all cores, a chunk of inputs
-        // at a time so that a long list never holds every image's patches at once.
-        for (c, chunk) in inputs.chunks(PREPARE_CHUNK).enumerate() {
+        // at a time so that a long list never holds every image's patches at once, and the next
+        // chunk while this one's passes run, so that host work hides behind the device's.
+        let chunks = inputs.chunks(PREPARE_CHUNK).enumerate().map(|(c, chunk)| {
             use rayon::prelude::*;
-            let prepared = chunk
+            chunk
                 .par_iter()
                 .enumerate()
                 .map(|(j, input)| {
-                    self.prepare(input, opts, budget)
+                    preparer
+                        .prepare(input, opts, budget)
                         .map_err(|e| name(c * PREPARE_CHUNK + j, e))
                 })
-                .collect::<Result<Vec<_>>>()?;
+                .collect::<Result<Vec<_>>>()
+        });
+        let mut out = Vec::with_capacity(inputs.len());
+        let mut batch: Vec<Prepared> = Vec::new();
+        let (mut rows, mut patches) = (0, 0);
+        pipelined(chunks, |prepared| {
             for p in prepared {
                 let n_patches: usize = p.images.iter().map(Patches::len).sum();
                 if !batch.is_empty()
-                    && (rows + p.ids.len() > self.pass_tokens
-                        || patches + n_patches > self.pass_patches)
+                    && (rows + p.ids.len() > pass_tokens || patches + n_patches > pass_patches)
                 {
-                    self.flush(&mut batch, dim, &mut out, &mut progress)?;
+                    passes.flush(&mut batch, dim, &mut out, &mut progress)?;
                     (rows, patches) = (0, 0);
                 }
                 rows += p.ids.len();
                 patches += n_patches;
                 batch.push(p);
             }
-        }
-        self.flush(&mut batch, dim, &mut out, &mut progress)?;
+            Ok(())
+        })?;
+        passes.flush(&mut batch, dim, &mut out, &mut progress)?;
         Ok(out)
+    }
+}
+
+impl<B: Backend> Passes<'_, B> {
+    /// One packed pass: the images of `batch` through the vision tower together, their soft
+    /// tokens into the placeholder rows, then the text encoder over every sequence.
+    fn run_pass(&mut self, batch: &[Prepared]) -> Result<Vec<Vec<f32>>> {
+        let seqs: Vec<&[u32]> = batch.iter().map(|p| p.ids.as_slice()).collect();
+        let images: Vec<&Patches> = batch.iter().flat_map(|p| p.images.iter()).collect();
+        let Some((encoder, placeholder)) = self.vision.as_mut().filter(|_| !images.is_empty())
+        else {
+            return self.text.forward(self.backend, &seqs);
+        };
+        let placeholder = *placeholder;
+        let soft = encoder.forward(self.backend, &images)?;
+        let at: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.iter())
+            .enumerate()
+            .filter(|&(_, &id)| id == placeholder)
+            .map(|(i, _)| i as u32)
+            .collect();
+        if at.len() != soft.rows {
+            return Err(Error::backend(
+                "egemma2",
+                format!(
+                    "{} soft tokens for {} placeholder rows",
+                    soft.rows,
+                    at.len()
+                ),
+            ));
+        }
+        self.text.forward_merged(
+            self.backend,
+            &seqs,
+            Some(Merge {
+                rows: soft,
+                at: &at,
+            }),
+        )
     }
 
     fn flush(
@@ -645,6 +737,43 @@ impl<B: Backend> EmbeddingGemma2<B> {
     }
 }
 
+/// Hands the items of `produce`, made on a scoped thread, to `consume` on this one: producing
+/// runs up to two items ahead, so host work (preparing inputs) overlaps the consumer's device
+/// passes. Stops at the first error, in item order; a panic while producing becomes an error.
+fn pipelined<T: Send>(
+    mut produce: impl ExactSizeIterator<Item = Result<T>> + Send,
+    mut consume: impl FnMut(T) -> Result<()>,
+) -> Result<()> {
+    if produce.len() <= 1 {
+        // Nothing to overlap.
+        return produce.try_for_each(|item| consume(item?));
+    }
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let producer = s.spawn(move || {
+            for item in produce {
+                let failed = item.is_err();
+                // Sending fails once the consumer has stopped.
+                if tx.send(item).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let consumed = rx.iter().try_for_each(|item| consume(item?));
+        // Wakes a producer blocked on the full channel.
+        drop(rx);
+        let produced = producer.join().map_err(|p| {
+            let what = p
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("unknown panic");
+            Error::backend("preparing inputs", format!("panicked: {what}"))
+        });
+        consumed.and(produced)
+    })
+}
+
 /// `v / max(‖v‖, 1e-12)`, the norm accumulated in f64.
 pub fn l2_normalize(mut v: Vec<f32>) -> Vec<f32> {
     let norm = v
@@ -664,4 +793,116 @@ pub fn matryoshka(mut v: Vec<f32>, dim: usize) -> Vec<f32> {
     }
     v.truncate(dim);
     l2_normalize(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tessera_backend::cpu::CpuBackend;
+
+    use super::*;
+
+    #[test]
+    fn pipelined_keeps_order_and_returns_the_first_error() {
+        let mut got = Vec::new();
+        pipelined((0..10).map(Ok), |i| {
+            got.push(i);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(got, (0..10).collect::<Vec<_>>());
+
+        // A producer error comes after the items before it.
+        got.clear();
+        let items = (0..10).map(|i| match i {
+            5 => Err(Error::input("bad 5")),
+            i => Ok(i),
+        });
+        let e = pipelined(items, |i| {
+            got.push(i);
+            Ok(())
+        });
+        assert_eq!(e.unwrap_err().to_string(), "bad 5");
+        assert_eq!(got, [0, 1, 2, 3, 4]);
+
+        // A consumer error stops the producer within the channel's reach.
+        let made = AtomicUsize::new(0);
+        let items = (0..1000).map(|i| {
+            made.fetch_add(1, Ordering::Relaxed);
+            Ok(i)
+        });
+        let e = pipelined(items, |i| match i {
+            3 => Err(Error::input("consumer 3")),
+            _ => Ok(()),
+        });
+        assert_eq!(e.unwrap_err().to_string(), "consumer 3");
+        assert!(made.load(Ordering::Relaxed) <= 6, "{made:?} made");
+
+        // A panic while producing becomes an error.
+        let items = (0..4).map(|i| match i {
+            2 => panic!("boom"),
+            i => Ok(i),
+        });
+        let e = pipelined(items, |_| Ok(())).unwrap_err().to_string();
+        assert!(e.contains("boom"), "{e}");
+    }
+
+    #[test]
+    fn inputs_over_several_chunks_embed_in_order_as_they_do_alone() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/egemma2/images");
+        let image = |name: &str| Image::open(&dir.join(name)).unwrap();
+        let distinct = [
+            Input::text("which planet is red"),
+            Input::image(image("exact_96x96.png")),
+            Input {
+                parts: vec![
+                    Part::Text("look: ".into()),
+                    Part::Image(image("rgb_100x100.png")),
+                ],
+            },
+            Input::text("the quick brown fox jumps over the lazy dog"),
+        ];
+        let mut model = EmbeddingGemma2::load(CpuBackend::new(), BUNDLED).unwrap();
+        let (opts, budget) = (TextOptions::default(), ImageBudget::new(70).unwrap());
+        let alone: Vec<Embedding> = distinct
+            .iter()
+            .map(|inp| {
+                let mut e = model
+                    .embed_inputs(std::slice::from_ref(inp), &opts, budget, None, |_| {})
+                    .unwrap();
+                e.remove(0)
+            })
+            .collect();
+        let n = 2 * PREPARE_CHUNK + 5;
+        let mut inputs: Vec<Input> = (0..n).map(|i| distinct[i % 4].clone()).collect();
+        // Several passes per chunk, and passes that straddle chunks.
+        model.pass_tokens = 300;
+        let mut done = 0;
+        let got = model
+            .embed_inputs(&inputs, &opts, budget, None, |k| done += k)
+            .unwrap();
+        assert_eq!((got.len(), done), (n, n));
+        for (i, g) in got.iter().enumerate() {
+            let want = &alone[i % 4];
+            assert_eq!(g.tokens, want.tokens, "input {i}");
+            let d = g
+                .vector
+                .iter()
+                .zip(&want.vector)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d <= 1e-5, "input {i}: max abs diff {d:.3e}");
+        }
+
+        // An input of a later chunk that cannot be prepared is named.
+        inputs[PREPARE_CHUNK + 3] = Input::default();
+        let e = model
+            .embed_inputs(&inputs, &opts, budget, None, |_| {})
+            .unwrap_err()
+            .to_string();
+        let want = format!("input {}: an input needs at least one", PREPARE_CHUNK + 4);
+        assert!(e.starts_with(&want), "{e}");
+    }
 }

@@ -179,31 +179,7 @@ impl<B: Backend> VisionEncoder<B> {
 
     /// Check that `images` fit this tower, before any work is done.
     pub fn check(&self, images: &[&Patches]) -> Result<()> {
-        let c = &self.cfg;
-        let width = 3 * c.patch_size * c.patch_size;
-        for (i, p) in images.iter().enumerate() {
-            let side = p.width.max(p.height);
-            if p.is_empty() || p.pixels.len() != p.len() * width {
-                return Err(Error::input(format!(
-                    "image {}: {} values for {}×{} patches of {width}",
-                    i + 1,
-                    p.pixels.len(),
-                    p.width,
-                    p.height
-                )));
-            }
-            if side > c.position_embedding_size {
-                return Err(Error::input(format!(
-                    "image {}: a grid of {}×{} patches exceeds the vision tower's {} positions per \
-                     side (position_embedding_size); use a smaller image budget or a less elongated image",
-                    i + 1,
-                    p.width,
-                    p.height,
-                    c.position_embedding_size
-                )));
-            }
-        }
-        Ok(())
+        check_images(&self.cfg, images)
     }
 
     /// Encode images packed into one pass. Returns their soft tokens `[S, text hidden]` in image
@@ -330,4 +306,33 @@ impl<B: Backend> VisionEncoder<B> {
         )?;
         Ok(View::new(&ws.soft, pooled, th))
     }
+}
+
+/// Check that `images` fit a tower of `c`, before any work is done (without the tower, so that
+/// inputs can be checked while it runs).
+pub fn check_images(c: &VisionConfig, images: &[&Patches]) -> Result<()> {
+    let width = 3 * c.patch_size * c.patch_size;
+    for (i, p) in images.iter().enumerate() {
+        let side = p.width.max(p.height);
+        if p.is_empty() || p.pixels.len() != p.len() * width {
+            return Err(Error::input(format!(
+                "image {}: {} values for {}×{} patches of {width}",
+                i + 1,
+                p.pixels.len(),
+                p.width,
+                p.height
+            )));
+        }
+        if side > c.position_embedding_size {
+            return Err(Error::input(format!(
+                "image {}: a grid of {}×{} patches exceeds the vision tower's {} positions per \
+                 side (position_embedding_size); use a smaller image budget or a less elongated image",
+                i + 1,
+                p.width,
+                p.height,
+                c.position_embedding_size
+            )));
+        }
+    }
+    Ok(())
 }
