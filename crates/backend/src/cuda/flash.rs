@@ -5,7 +5,7 @@
 use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};
 
-use super::{CudaBackend, Elem, addr, attention_operands, cfg, drv, f, i, kernels};
+use super::{CudaBackend, Elem, addr, attention_operands, cfg, drv, f, i, kernels, window_arg};
 use crate::{AttnSpec, Backend, Role, Segments, View, ViewMut};
 
 /// Most key chunks per tile.
@@ -118,14 +118,13 @@ impl CudaBackend {
             None
         };
         let splits = if part.is_some() { splits } else { 1 };
-        let window = spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i64);
         let mut args = attention_operands(&q, &k, &v, &out)?.to_vec();
         let op = args[6];
         args.extend([
             addr(&segs.dev, segs.max_segs + 1),
             i((spec.heads_q / spec.heads_kv) as i64),
             f(spec.scale * std::f32::consts::LOG2_E),
-            i(window),
+            i(window_arg(spec)),
             i(spec.causal as i64),
             part.unwrap_or(0),
             i(total as i64),

@@ -260,6 +260,23 @@ fn with_device_bytes<R>(
     }
 }
 
+/// An attention spec's window as the kernels take it: the radius, or -1 for none.
+fn window_arg(spec: &AttnSpec) -> i64 {
+    spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i64)
+}
+
+/// `len` benchmark operands uniform in [-½, ½) from an xorshift stream at `seed` (advanced).
+fn bench_values(seed: &mut u64, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            (*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
 /// The first kernel arguments of every attention kernel: q, k, v and the output, each as
 /// (address, row stride).
 fn attention_operands(
@@ -383,19 +400,9 @@ impl CudaBackend {
         iters: usize,
     ) -> Result<f64> {
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut random = |len: usize| -> Vec<f32> {
-            (0..len)
-                .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-                })
-                .collect()
-        };
         let mut x = self.alloc(m * k, Role::Compute)?;
-        self.write_f32(&mut x, &random(m * k))?;
-        let w = self.matrix(&[(&random(n * k), n)], k)?;
+        self.write_f32(&mut x, &bench_values(&mut seed, m * k))?;
+        let w = self.matrix(&[(&bench_values(&mut seed, n * k), n)], k)?;
         let mut out = self.alloc(m * n, Role::Compute)?;
         let reps = reps.max(1);
         let mut run = || {
@@ -415,10 +422,9 @@ impl CudaBackend {
         Ok(self.median_ms(iters, &mut run)? / reps as f64)
     }
 
-    /// Median milliseconds of `attention` over packed segments of `lens` (random bf16 q, k, v)
-    /// timed with events after warm-up: the attention part of the benchmarks, isolated.
-    /// Median GPU ms of the bf16 attention op on random q/k/v, and the key-chunk count it used;
-    /// `splits` forces that count (None: the op's own choice, as in a forward).
+    /// Median GPU ms of the bf16 attention op over packed segments of `lens` (random q, k, v),
+    /// timed with events after warm-up, and the key-chunk count it used; `splits` forces that
+    /// count (None: the op's own choice, as in a forward).
     pub fn bench_attention(
         &self,
         lens: &[usize],
@@ -430,13 +436,9 @@ impl CudaBackend {
         let (qc, kc) = (spec.heads_q * spec.head_dim, spec.heads_kv * spec.head_dim);
         let width = qc + 2 * kc;
         let mut seed = 0x2545_F491_4F6C_DD1Du64;
-        let host: Vec<f32> = (0..total * width)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.25
-            })
+        let host: Vec<f32> = bench_values(&mut seed, total * width)
+            .into_iter()
+            .map(|v| v * 0.25)
             .collect();
         let mut qkv = self.alloc(total * width, Role::Compute)?;
         self.write_f32(&mut qkv, &host)?;
@@ -1012,20 +1014,14 @@ impl Backend for CudaBackend {
         };
         let (tag, size) = (qkv.buf.elem.tag(), qkv.buf.elem.size());
         let qkv_ptr = ptr_of_mut(&qkv)?;
-        // The 4-wide kernel: split-half heads of 256·m (m ≤ 2), rows and vectors aligned.
-        let wide = axial == 0
-            && (hd == 256 || hd == 512)
-            && vec4_aligned(
-                &[(qkv_ptr, qkv.stride, size)],
-                &[q_w.map_or(0, |w| w.ptr), k_w.map_or(0, |w| w.ptr), table],
-            );
-        // The 8-lane kernel: axial heads of 64 (the vision tower), same alignment.
-        let axial64 = axial == 1
-            && hd == 64
-            && vec4_aligned(
-                &[(qkv_ptr, qkv.stride, size)],
-                &[q_w.map_or(0, |w| w.ptr), k_w.map_or(0, |w| w.ptr), table],
-            );
+        // The vector kernels need rows, weights and table aligned: the 4-wide one takes
+        // split-half heads of 256·m (m ≤ 2), the 8-lane one axial heads of 64 (the vision tower).
+        let aligned = vec4_aligned(
+            &[(qkv_ptr, qkv.stride, size)],
+            &[q_w.map_or(0, |w| w.ptr), k_w.map_or(0, |w| w.ptr), table],
+        );
+        let wide = aligned && axial == 0 && (hd == 256 || hd == 512);
+        let axial64 = aligned && axial == 1 && hd == 64;
         let name = if axial64 {
             format!("qkv_norm_rope_axial64_{tag}")
         } else if axial == 1 {
@@ -1074,42 +1070,39 @@ impl Backend for CudaBackend {
         spec: &AttnSpec,
         segs: &Segments<Self>,
     ) -> Result<()> {
+        if self.precision == Precision::Bf16 {
+            // The tensor-core kernel checks its own operands.
+            return self.flash(q, k, v, out, spec, segs, None).map(|_| ());
+        }
         let hd = spec.head_dim;
         let total = segs.total();
         spec.check(&q, &k, &v, &out, total)?;
-        let window = spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i64);
-        let group = (spec.heads_q / spec.heads_kv) as i64;
-        match self.precision {
-            Precision::Bf16 => self.flash(q, k, v, out, spec, segs, None).map(|_| ()),
-            Precision::F32 => {
-                if [q.buf.elem, k.buf.elem, v.buf.elem, out.buf.elem]
-                    .iter()
-                    .any(|&e| e != Elem::F32)
-                    || hd > 512
-                {
-                    return Err(Error::backend(
-                        "attention",
-                        "f32 attention needs f32 operands and head_dim ≤ 512",
-                    ));
-                }
-                let warps = (total * spec.heads_q) as u32;
-                let mut args = attention_operands(&q, &k, &v, &out)?.to_vec();
-                args.extend([
-                    segs.dev.ptr,
-                    i(segs.count() as i64),
-                    i(total as i64),
-                    i(spec.heads_q as i64),
-                    i(group),
-                    i(hd as i64),
-                    f(spec.scale),
-                    i(window),
-                    i(spec.causal as i64),
-                ]);
-                self.timed("attention", || {
-                    self.launch("attn_rows_f32", cfg((warps.div_ceil(4), 1), 128, 0), &args)
-                })
-            }
+        if [q.buf.elem, k.buf.elem, v.buf.elem, out.buf.elem]
+            .iter()
+            .any(|&e| e != Elem::F32)
+            || hd > 512
+        {
+            return Err(Error::backend(
+                "attention",
+                "f32 attention needs f32 operands and head_dim ≤ 512",
+            ));
         }
+        let warps = (total * spec.heads_q) as u32;
+        let mut args = attention_operands(&q, &k, &v, &out)?.to_vec();
+        args.extend([
+            segs.dev.ptr,
+            i(segs.count() as i64),
+            i(total as i64),
+            i(spec.heads_q as i64),
+            i((spec.heads_q / spec.heads_kv) as i64),
+            i(hd as i64),
+            f(spec.scale),
+            i(window_arg(spec)),
+            i(spec.causal as i64),
+        ]);
+        self.timed("attention", || {
+            self.launch("attn_rows_f32", cfg((warps.div_ceil(4), 1), 128, 0), &args)
+        })
     }
 
     fn gated(

@@ -38,14 +38,6 @@ template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64,
 template <> struct FlashCfg<256> { static constexpr int WM = 4, WD = 1, BN = 32, MIN_CTAS = 2; };
 template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 2, BN = 32, MIN_CTAS = 2; };
 
-// 2^x on the special-function unit, subnormal results flushed to zero (softmax weights that small
-// do not count); -inf gives 0.
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));

@@ -18,21 +18,15 @@ __device__ __forceinline__ void cast_impl(const TI* x, long xs, TO* y, long ys, 
     for (int c = threadIdx.x; c < cols; c += blockDim.x) y[r * ys + c] = from_f<TO>(to_f(x[r * xs + c]));
 }
 
-// 2^x on the special-function unit (relative error ~2^-22; subnormal results flush to 0).
-__device__ __forceinline__ float ex2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 // gelu_tanh(x) = ½x(1 + tanh u) = x·σ(2u), u = √(2/π)(x + 0.044715x³): one special-function op
 // and a fast division instead of tanhf's longer sequence, within a few f32 ulps of it. The gated
 // kernels are memory-bound, so this saves little: W3's 6.33 → 6.15 ms per pass, W2's 0.40 →
 // 0.36 ms (H200 runs 12 and 14).
 __device__ __forceinline__ float gelu_tanh(float x) {
     const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-    return __fdividef(x, 1.f + ex2_approx(-2.f * 1.4426950408889634f * u));
+    return __fdividef(x, 1.f + ex2(-2.f * 1.4426950408889634f * u));
 }
-__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + ex2_approx(-1.4426950408889634f * x)); }
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + ex2(-1.4426950408889634f * x)); }
 
 // o = act(g) ⊙ u over rows × cols, grid-stride.
 template <typename TG, typename TU, typename TO, int ACT>
