@@ -1,14 +1,27 @@
-"""How close to float64 can any bf16 engine get on a given EmbeddingGemma 2 model?
+"""How close to float64 can any bf16 (or f16) engine get on a given EmbeddingGemma 2 model?
 
 Runs the PyTorch reference (transformers 5.25, eager) in float64 and again with values rounded
-where a bf16 engine stores them, still computing every op in float64. What that costs is a floor
-set by the model's conditioning, not by any engine's kernels: if the rounding alone breaks a
-bound, no bf16 engine meets that bound on that model. Variants:
-  weights       every parameter but norm weights and scalars rounded to bf16 (the checkpoint's
-                values as a bf16 engine uploads them; exact for a bf16 checkpoint)
-  ideal bf16    weights, plus every GEMM input and output, q/k/v and the attention probabilities
-                rounded to bf16: Tessera's CUDA bf16 storage points, in exact arithmetic
-  ideal, f16 attention   as above with q/k/v and probabilities in f16 instead
+where a reduced-precision engine stores them, still computing every op in float64. What that
+costs is a floor set by the model's conditioning, not by any engine's kernels: if the rounding
+alone breaks a bound, no engine with that storage meets that bound on that model. The storage
+points are every parameter but norm weights and scalars ("weights"), each Linear's input ("GEMM
+in") and output ("GEMM out"), q/k/v as the flash kernel loads them, and the unnormalised attention
+probabilities P before P·V (the residual stream and everything else stay float64). Variants:
+  weights       weights rounded to bf16 (the checkpoint's values as a bf16 engine uploads them;
+                exact for a bf16 checkpoint); nothing else
+  ideal bf16    weights, GEMM in, GEMM out, q/k/v and P in bf16: Tessera's CUDA bf16 storage
+                points, in exact arithmetic
+  ideal, f16 attention       as ideal bf16 with q/k/v and P in f16 instead
+  bf16 in, f32 out           weights and GEMM in bf16, GEMM out not rounded, q/k/v and P bf16
+  bf16 in, f32 out, f16 attention   as the previous with q/k/v and P in f16
+  f16 activations            weights rounded to bf16 then f16 (a bf16 checkpoint converted to f16
+                             at load); GEMM in, GEMM out, q/k/v and P in f16
+  f16 in, f32 out            as f16 activations with GEMM out not rounded
+  f16 except MLP down input  as f16 activations, but every down_proj input (gelu(gate)·up, the
+                             tensor most at risk of f16 overflow in trained Gemmas) stays bf16
+For every variant with f16 activations at a GEMM boundary the largest |value| reaching any
+activation rounding point (GEMM in/out, q/k/v, P) is printed too, to show how close f16 comes to
+its overflow at 65504.
 
 Usage (repository root, .venv-ref or the GPU machine's site):
   eg2_bf16_floor.py fixtures                       text and vision fixtures (CPU)
@@ -26,17 +39,34 @@ from safetensors.torch import load_file
 from transformers.models.embedding_gemma2 import EmbeddingGemma2Config, EmbeddingGemma2Model
 
 B, H = torch.bfloat16, torch.float16
+BH = (B, H)  # bf16, then f16: a bf16 checkpoint converted to f16 at load
+# Storage points: w weights; gin / gout every Linear's input / output (down_in, where given, the
+# input of every MLP down_proj instead of gin); qkv q/k/v in attention; p the probabilities.
+# Each maps to a dtype or a tuple of dtypes applied in turn; absent means kept in float64.
 VARIANTS = {
     "weights": dict(w=B),
-    "ideal bf16": dict(w=B, act=B, qkv=B, p=B),
-    "ideal, f16 attention": dict(w=B, act=B, qkv=H, p=H),
+    "ideal bf16": dict(w=B, gin=B, gout=B, qkv=B, p=B),
+    "ideal, f16 attention": dict(w=B, gin=B, gout=B, qkv=H, p=H),
+    "bf16 in, f32 out": dict(w=B, gin=B, qkv=B, p=B),
+    "bf16 in, f32 out, f16 attention": dict(w=B, gin=B, qkv=H, p=H),
+    "f16 activations": dict(w=BH, gin=H, gout=H, qkv=H, p=H),
+    "f16 in, f32 out": dict(w=BH, gin=H, qkv=H, p=H),
+    "f16 except MLP down input": dict(w=BH, gin=H, gout=H, qkv=H, p=H, down_in=B),
 }
 ROUND = {}  # the variant being run: where values are rounded, and to what
+PEAK = {}  # largest |value| seen at each activation rounding point in the current variant
 
 
 def rnd(x, where):
     dt = ROUND.get(where)
-    return x if dt is None else x.to(dt).to(x.dtype)
+    if dt is None:
+        return x
+    if where != "w":
+        PEAK[where] = max(PEAK.get(where, 0.0), float(x.detach().abs().max()))
+    y = x
+    for d in dt if isinstance(dt, tuple) else (dt,):
+        y = y.to(d)
+    return y.to(x.dtype)
 
 
 def attention(module, q, k, v, mask, dropout=0.0, scaling=None, softcap=None, **kw):
@@ -63,14 +93,19 @@ class Rounded:
     def __init__(self, model):
         self.model = model
         self.exact = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for mod in model.modules():
+        for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.Linear):
-                mod.register_forward_pre_hook(lambda m, a: (rnd(a[0], "act"),) + tuple(a[1:]))
-                mod.register_forward_hook(lambda m, a, o: rnd(o, "act"))
+                # The vision tower's down_proj is a wrapper whose Linear is down_proj.linear.
+                down = "down_proj" in name.split(".")
+                mod.register_forward_pre_hook(
+                    lambda m, a, down=down: (rnd(a[0], "down_in" if down and "down_in" in ROUND else "gin"),)
+                    + tuple(a[1:]))
+                mod.register_forward_hook(lambda m, a, o: rnd(o, "gout"))
 
     def set(self, variant):
         ROUND.clear()
         ROUND.update(VARIANTS.get(variant, {}))
+        PEAK.clear()
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(self.exact[n] if "norm" in n or "scalar" in n else rnd(self.exact[n], "w"))
@@ -114,8 +149,11 @@ def floor(label, model, inputs):
         out = [embed(model, *i) for i in inputs]
         mx = max(float(np.abs(a - b).max()) for a, b in zip(out, ref))
         cs = min(float(a @ b) for a, b in zip(out, ref))
-        rows.append({"model": label, "variant": v, "max_abs": mx, "cosine": cs})
-        print(f"{label:<28} {v:<22} worst max abs {mx:.2e}  worst cosine {cs:.7f}", flush=True)
+        rows.append({"model": label, "variant": v, "max_abs": mx, "cosine": cs, "peak_abs": dict(PEAK)})
+        print(f"{label:<28} {v:<32} worst max abs {mx:.2e}  worst cosine {cs:.7f}", flush=True)
+        if H in (VARIANTS[v].get("gin"), VARIANTS[v].get("gout")):
+            print(f"{'':<28} {'':<32} largest |value| rounded: {max(PEAK.values()):.4g} ("
+                  + ", ".join(f"{k} {x:.4g}" for k, x in PEAK.items()) + "; f16 max 65504)", flush=True)
     return rows
 
 
