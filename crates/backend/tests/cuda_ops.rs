@@ -8,7 +8,7 @@
 #![cfg(feature = "cuda")]
 
 use tessera_backend::cpu::CpuBackend;
-use tessera_backend::cuda::{self, CudaBackend};
+use tessera_backend::cuda::{self, CudaBackend, FlashChoice, FlashKernel, kernels};
 use tessera_backend::{
     Activation, After, AttnSpec, Backend, Epilogue, Precision, QkvLayout, Role, RopeStyle,
     RopeTable, Segments, View, ViewMut,
@@ -445,13 +445,30 @@ fn attention_matches_cpu() {
             });
             compare(&name, &got, &want, tol(p, true));
             if p == Precision::Bf16 {
-                // The split-key path, including chunks that are empty for some tiles.
-                for n in [2, 3, 8] {
-                    let got = run_attention(&g, &x, lens, &spec, |q, k, v, o, segs| {
-                        let used = g.attention_with_splits(q, k, v, o, &spec, segs, n);
-                        assert_eq!(used.unwrap(), n, "the split fits the workspace");
-                    });
-                    compare(&format!("{name} kv_splits={n}"), &got, &want, tol(p, true));
+                // Each kernel this GPU has for the head width (the portable one always; Hopper's
+                // wgmma one where it applies), whole and with the split-key path, including
+                // chunks that are empty for some tiles.
+                let mut kernels = vec![FlashKernel::Mma];
+                if g.arch() == "sm_90a" && kernels::WGMMA_HEAD_DIMS.contains(hd) {
+                    kernels.push(FlashKernel::Wgmma);
+                }
+                for kernel in kernels {
+                    for n in [1, 2, 3, 8] {
+                        let choice = FlashChoice {
+                            splits: Some(n),
+                            kernel: Some(kernel),
+                        };
+                        let got = run_attention(&g, &x, lens, &spec, |q, k, v, o, segs| {
+                            let used = g.attention_with(q, k, v, o, &spec, segs, choice);
+                            assert_eq!(used.unwrap(), n, "the split fits the workspace");
+                        });
+                        compare(
+                            &format!("{name} {kernel:?} kv_splits={n}"),
+                            &got,
+                            &want,
+                            tol(p, true),
+                        );
+                    }
                 }
             }
         }

@@ -38,6 +38,11 @@ fn every_kernel_compiles_for_sm90a_without_spills() {
             if line.contains("spill stores") && !line.contains(" 0 bytes spill stores") {
                 panic!("{}: {current} spills registers: {line}", src.name);
             }
+            // ptxas falls back to serialising wgmma (waiting after every instruction) when it
+            // cannot keep the accumulators in place; that must never ship silently.
+            if line.contains("wgmma") && line.contains("serialized") {
+                panic!("{}: {current}: {line}", src.name);
+            }
             if line.contains("registers") {
                 eprintln!("{}: {current}: {}", src.name, line.trim());
             }

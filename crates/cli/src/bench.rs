@@ -372,6 +372,7 @@ fn image(b: ImageBench) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn attention(b: AttentionBench) -> Result<()> {
     use tessera_backend::AttnSpec;
+    use tessera_backend::cuda::{self, FlashChoice, FlashKernel};
     let tessera_backend::AnyBackend::Cuda(be) = b.device.open()? else {
         return Err(Error::input(
             "bench attention times the CUDA kernels: use --device cuda",
@@ -404,12 +405,23 @@ fn attention(b: AttentionBench) -> Result<()> {
             })
             .sum();
         let flops = 4.0 * (s.heads_q * s.head_dim) as f64 * pairs;
-        // The op's own key-split choice, then each fixed count for comparison.
-        for force in [None, Some(1), Some(2), Some(3), Some(4), Some(6), Some(8)] {
-            let (ms, splits) = be.bench_attention(lens, s, 20, force)?;
+        // The op's own choices, then each kernel the GPU has with each fixed chunk count.
+        let mut kernels = vec![FlashKernel::Mma];
+        if be.arch() == "sm_90a" && cuda::kernels::WGMMA_HEAD_DIMS.contains(&s.head_dim) {
+            kernels.push(FlashKernel::Wgmma);
+        }
+        let fixed = kernels.iter().flat_map(|&k| {
+            [1, 2, 3, 4, 6, 8].map(|n| FlashChoice {
+                splits: Some(n),
+                kernel: Some(k),
+            })
+        });
+        for choice in std::iter::once(FlashChoice::default()).chain(fixed) {
+            let (ms, splits) = be.bench_attention(lens, s, 20, choice)?;
             emit(
                 serde_json::json!({"name": "attention", "shape": name, "head_dim": s.head_dim,
-                "kv_splits": splits, "chosen": force.is_none(),
+                "kernel": choice.kernel.map(|k| format!("{k:?}")), "kv_splits": splits,
+                "chosen": choice.splits.is_none(),
                 "median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}),
             );
         }

@@ -8,6 +8,24 @@ use tessera_core::{Error, Result};
 use super::{CudaBackend, Elem, addr, attention_operands, cfg, drv, f, i, kernels, window_arg};
 use crate::{AttnSpec, Backend, Role, Segments, View, ViewMut};
 
+/// Which attention kernel a bf16 launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashKernel {
+    /// `flash_bf16_d{D}` (mma.sync): every GPU from sm_80, every head width.
+    Mma,
+    /// `flash_wgmma_d{D}` (Hopper's warpgroup MMA): sm_90a, head widths in
+    /// `kernels::WGMMA_HEAD_DIMS`. The default wherever it applies.
+    Wgmma,
+}
+
+/// Choices a test or benchmark fixes for one launch; `None` leaves it to the op.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FlashChoice {
+    /// Key chunks per tile (1..=`MAX_KV_SPLITS`).
+    pub splits: Option<usize>,
+    pub kernel: Option<FlashKernel>,
+}
+
 /// Most key chunks per tile.
 pub const MAX_KV_SPLITS: usize = 8;
 
@@ -46,9 +64,10 @@ pub fn part_elems(splits: usize, rows: usize, heads: usize, head_dim: usize) -> 
 }
 
 impl CudaBackend {
-    /// bf16 attention on the tensor cores: `flash_bf16_d{D}` over the query tiles of `segs`, with
-    /// the keys split into chunks and `flash_combine` after it when that fills the GPU better.
-    /// `force` fixes the chunk count (benchmarks); returns the count used.
+    /// bf16 attention on the tensor cores over the query tiles of `segs` — `flash_wgmma_d{D}` on
+    /// Hopper where it exists, else `flash_bf16_d{D}` — with the keys split into chunks and
+    /// `flash_combine` after it when that fills the GPU better. `force` fixes either choice
+    /// (tests, benchmarks); returns the chunk count used.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn flash(
         &self,
@@ -58,7 +77,7 @@ impl CudaBackend {
         out: ViewMut<'_, Self>,
         spec: &AttnSpec,
         segs: &Segments<Self>,
-        force: Option<usize>,
+        force: FlashChoice,
     ) -> Result<usize> {
         let hd = spec.head_dim;
         let total = segs.total();
@@ -89,9 +108,27 @@ impl CudaBackend {
                 ),
             ));
         }
-        let fc = kernels::flash_config(hd);
-        let name = kernels::flash_name(hd);
-        let splits = match force {
+        let hopper = self.arch == "sm_90a" && kernels::WGMMA_HEAD_DIMS.contains(&hd);
+        let kernel = match force.kernel {
+            Some(FlashKernel::Wgmma) if !hopper => {
+                return Err(Error::backend(
+                    "attention",
+                    format!(
+                        "the wgmma kernel needs sm_90a and head_dim in {:?} (here {}, head_dim {hd})",
+                        kernels::WGMMA_HEAD_DIMS,
+                        self.arch
+                    ),
+                ));
+            }
+            Some(k) => k,
+            None if hopper => FlashKernel::Wgmma,
+            None => FlashKernel::Mma,
+        };
+        let (name, fc) = match kernel {
+            FlashKernel::Mma => (kernels::flash_name(hd), kernels::flash_config(hd)),
+            FlashKernel::Wgmma => (kernels::wgmma_name(hd), kernels::wgmma_config(hd)),
+        };
+        let splits = match force.splits {
             Some(s) => s.clamp(1, MAX_KV_SPLITS),
             None => {
                 let per_sm = self
@@ -158,11 +195,11 @@ impl CudaBackend {
         Ok(splits)
     }
 
-    /// The bf16 attention op with the key-chunk count fixed to `splits` (1..=`MAX_KV_SPLITS`),
-    /// for tests and benchmarks of the split path; returns the count used (1 when the split
-    /// would not fit the workspace).
+    /// The bf16 attention op with its kernel and/or key-chunk count fixed, for tests and
+    /// benchmarks of each path; returns the chunk count used (1 when the split would not fit the
+    /// workspace).
     #[allow(clippy::too_many_arguments)]
-    pub fn attention_with_splits(
+    pub fn attention_with(
         &self,
         q: View<'_, Self>,
         k: View<'_, Self>,
@@ -170,9 +207,9 @@ impl CudaBackend {
         out: ViewMut<'_, Self>,
         spec: &AttnSpec,
         segs: &Segments<Self>,
-        splits: usize,
+        choice: FlashChoice,
     ) -> Result<usize> {
-        self.flash(q, k, v, out, spec, segs, Some(splits))
+        self.flash(q, k, v, out, spec, segs, choice)
     }
 
     /// Address of the split-key workspace, allocated on first use and never moved.

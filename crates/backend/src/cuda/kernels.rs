@@ -50,6 +50,36 @@ pub fn flash_name(d: usize) -> String {
     format!("flash_bf16_d{d}")
 }
 
+/// Head dims the Hopper (wgmma) attention kernel is instantiated for.
+pub const WGMMA_HEAD_DIMS: [usize; 3] = [64, 256, 512];
+
+/// Keys per block of `flash_wgmma_d{D}` (`WG_BN` in attention_sm90.cu).
+pub const WGMMA_BN: usize = 64;
+
+/// `flash_wgmma_d{D}`: the Hopper attention kernel for head dim `D`.
+pub fn wgmma_name(d: usize) -> String {
+    format!("flash_wgmma_d{d}")
+}
+
+/// Launch shape of `flash_wgmma_d{D}`, mirroring `WgCfg` in attention_sm90.cu: a warpgroup per
+/// 256 head columns (at least one) on each 64-row tile; a 64-row Q tile and one `WGMMA_BN`-row
+/// K and V tile each, the partial scores two warpgroups exchange, and 1 KB to align the tiles to
+/// the swizzle's 1,024-byte period.
+pub fn wgmma_config(d: usize) -> FlashConfig {
+    let groups = d.div_ceil(256);
+    let scores = if groups > 1 {
+        groups * 64 * WGMMA_BN * 4
+    } else {
+        0
+    };
+    FlashConfig {
+        smem: (1024 + (64 + 2 * WGMMA_BN) * d * 2 + scores) as u32,
+        threads: 128 * groups as u32,
+        splits: 1,
+        bn: WGMMA_BN,
+    }
+}
+
 /// Every kernel name, per source file.
 pub fn names(source: &str) -> Vec<String> {
     let pairs = |op: &str| -> Vec<String> {
@@ -92,6 +122,7 @@ pub fn names(source: &str) -> Vec<String> {
             v.push("attn_rows_f32".to_string());
             v
         }
+        "attention_sm90.cu" => WGMMA_HEAD_DIMS.iter().map(|&d| wgmma_name(d)).collect(),
         _ => Vec::new(),
     }
 }
@@ -104,7 +135,7 @@ impl Kernels {
     /// Compile (or load from the cache) every source for `arch` and resolve every function.
     pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Self> {
         let mut funcs = HashMap::new();
-        for src in SOURCES {
+        for src in SOURCES.iter().filter(|s| s.builds_for(arch)) {
             let cubin = nvrtc::cubin(src, arch)?;
             let module = ctx
                 .load_module(Ptx::from_binary(cubin))
@@ -116,9 +147,18 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        for d in FLASH_HEAD_DIMS {
-            let name = flash_name(d);
-            let smem = flash_config(d).smem;
+        let mut big_smem: Vec<(String, u32)> = FLASH_HEAD_DIMS
+            .iter()
+            .map(|&d| (flash_name(d), flash_config(d).smem))
+            .collect();
+        if arch == "sm_90a" {
+            big_smem.extend(
+                WGMMA_HEAD_DIMS
+                    .iter()
+                    .map(|&d| (wgmma_name(d), wgmma_config(d).smem)),
+            );
+        }
+        for (name, smem) in big_smem {
             let func = funcs.get(&name).ok_or_else(|| {
                 Error::backend("kernel lookup", format!("no kernel named {name}"))
             })?;
@@ -176,6 +216,9 @@ mod tests {
         }
         for d in FLASH_HEAD_DIMS {
             wanted.push(flash_name(d));
+        }
+        for d in WGMMA_HEAD_DIMS {
+            wanted.push(wgmma_name(d));
         }
         for w in &wanted {
             assert!(

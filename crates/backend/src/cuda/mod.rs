@@ -31,6 +31,7 @@ use crate::{
     Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Precision, QkvLayout,
     Residual, Role, RopeStyle, RopeTable, RowNorm, Segments, View, ViewMut, offsets_of,
 };
+pub use flash::{FlashChoice, FlashKernel};
 use gemm::{Gemm, GemmArgs};
 use kernels::Kernels;
 use profile::Profiler;
@@ -423,14 +424,14 @@ impl CudaBackend {
     }
 
     /// Median GPU ms of the bf16 attention op over packed segments of `lens` (random q, k, v),
-    /// timed with events after warm-up, and the key-chunk count it used; `splits` forces that
-    /// count (None: the op's own choice, as in a forward).
+    /// timed with events after warm-up, and the key-chunk count it used; `choice` fixes the
+    /// kernel and/or the count (default: the op's own choices, as in a forward).
     pub fn bench_attention(
         &self,
         lens: &[usize],
         spec: &AttnSpec,
         iters: usize,
-        splits: Option<usize>,
+        choice: FlashChoice,
     ) -> Result<(f64, usize)> {
         let total: usize = lens.iter().sum();
         let (qc, kc) = (spec.heads_q * spec.head_dim, spec.heads_kv * spec.head_dim);
@@ -453,7 +454,7 @@ impl CudaBackend {
                 ViewMut::new(&mut out, total, qc),
                 spec,
                 &segs,
-                splits,
+                choice,
             )
         };
         let mut used = 1;
@@ -1072,7 +1073,9 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         if self.precision == Precision::Bf16 {
             // The tensor-core kernel checks its own operands.
-            return self.flash(q, k, v, out, spec, segs, None).map(|_| ());
+            return self
+                .flash(q, k, v, out, spec, segs, FlashChoice::default())
+                .map(|_| ());
         }
         let hd = spec.head_dim;
         let total = segs.total();

@@ -15,33 +15,63 @@ use tessera_core::{Error, Result};
 pub struct Source {
     pub name: &'static str,
     pub text: &'static str,
+    /// Headers it includes after `common.cuh`, as (name, text).
+    pub headers: &'static [(&'static str, &'static str)],
+    /// Uses Hopper-only instructions (wgmma): compiled and loaded for `sm_90a` alone.
+    pub sm90a_only: bool,
+}
+
+impl Source {
+    /// Whether this source is built for `arch`.
+    pub fn builds_for(&self, arch: &str) -> bool {
+        !self.sm90a_only || arch == "sm_90a"
+    }
 }
 
 const COMMON: &str = include_str!("kernels/common.cuh");
+const FLASH: (&str, &str) = ("flash.cuh", include_str!("kernels/flash.cuh"));
 
 /// Every kernel source Tessera ships, in the order they are loaded.
 pub const SOURCES: &[Source] = &[
     Source {
         name: "norm.cu",
         text: include_str!("kernels/norm.cu"),
+        headers: &[],
+        sm90a_only: false,
     },
     Source {
         name: "elementwise.cu",
         text: include_str!("kernels/elementwise.cu"),
+        headers: &[],
+        sm90a_only: false,
     },
     Source {
         name: "vision.cu",
         text: include_str!("kernels/vision.cu"),
+        headers: &[],
+        sm90a_only: false,
     },
     Source {
         name: "attention.cu",
         text: include_str!("kernels/attention.cu"),
+        headers: &[FLASH],
+        sm90a_only: false,
+    },
+    Source {
+        name: "attention_sm90.cu",
+        text: include_str!("kernels/attention_sm90.cu"),
+        headers: &[FLASH],
+        sm90a_only: true,
     },
 ];
 
 /// The full translation unit NVRTC sees for `src`.
 pub fn unit(src: &Source) -> String {
-    format!("{COMMON}\n#line 1 \"{}\"\n{}", src.name, src.text)
+    let mut u = String::from(COMMON);
+    for (name, text) in src.headers.iter().chain([&(src.name, src.text)]) {
+        u.push_str(&format!("\n#line 1 \"{name}\"\n{text}"));
+    }
+    u
 }
 
 /// The NVRTC `major.minor` version, or an error if the library cannot be used.

@@ -38,13 +38,6 @@ template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64,
 template <> struct FlashCfg<256> { static constexpr int WM = 4, WD = 1, BN = 32, MIN_CTAS = 2; };
 template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 2, BN = 32, MIN_CTAS = 2; };
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
-
 __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -100,17 +93,8 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     const int q0 = tl[0] + BM * sub, q1 = min((int)tl[1], q0 + BM), s0 = tl[2], s1 = tl[3];
     if (q0 >= q1) return;  // the tile's last rows, when it is shorter than 64
     const int h = blockIdx.y, g = h / group;
-    int k_lo = s0, k_hi = s1;
-    if (window >= 0) {
-        k_lo = max(s0, q0 - window);
-        k_hi = min(s1, q1 + window);
-    }
-    if (causal) k_hi = min(k_hi, q1);
-    if (kv_splits > 1) {  // this CTA's chunk of the keys, whole blocks (it may be empty)
-        const int per = ((k_hi - k_lo + kv_splits - 1) / kv_splits + BN - 1) / BN * BN;
-        k_lo = min(k_hi, k_lo + chunk * per);
-        k_hi = min(k_hi, k_lo + per);
-    }
+    int k_lo, k_hi;
+    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, chunk, kv_splits);
     const bf16* qb = q + (long)h * D;
     const bf16* kb = k + (long)g * D;
     const bf16* vb = v + (long)g * D;
@@ -124,8 +108,8 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     float oacc[NO][4];
 #pragma unroll
     for (int i = 0; i < NO; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
-    float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
-    const int row_lo = q0 + 16 * wm + (lane >> 2), row_hi = row_lo + 8;
+    RowStats st;
+    const int row_lo = q0 + 16 * wm + (lane >> 2);
     const int col_in = 2 * (lane & 3);
 
     for (int kb0 = k_lo; kb0 < k_hi; kb0 += BN) {
@@ -178,63 +162,9 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         if (kb0 + BN < k_hi) load_rows<D, BN, PITCH, NT>(sK, kb, ks, kb0 + BN, k_lo, k_hi);
         cp_commit();
 
-        // Mask (unless every row sees the whole block), then the online softmax in base 2. Rows
-        // past q1 are zero-filled queries whose output is never written.
-        const int kb1 = kb0 + BN - 1;
-        const bool masked = kb1 >= k_hi || (window >= 0 && (kb1 - q0 > window || q1 - 1 - kb0 > window)) ||
-                            (causal && kb1 > q0);
-        // The maximum is taken over the unscaled scores (the scale is positive); each exponent is
-        // then one FMA, s·scale − base.
-        float mx_lo = NEG_INF, mx_hi = NEG_INF;
-#pragma unroll
-        for (int nt = 0; nt < NS; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                if (masked) {
-                    const int i = e < 2 ? row_lo : row_hi;
-                    const int j = kb0 + nt * 8 + col_in + (e & 1);
-                    bool ok = j < k_hi && i < q1;
-                    if (window >= 0) ok = ok && abs(i - j) <= window;
-                    if (causal) ok = ok && j <= i;
-                    if (!ok) s[nt][e] = NEG_INF;
-                }
-            }
-            mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
-            mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
-        }
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-        const float new_lo = fmaxf(m_lo, mx_lo * scale_log2), new_hi = fmaxf(m_hi, mx_hi * scale_log2);
-        // A row with nothing visible yet keeps base 0 so that exp2(-inf - base) = 0, never NaN.
-        const float base_lo = new_lo == NEG_INF ? 0.f : new_lo;
-        const float base_hi = new_hi == NEG_INF ? 0.f : new_hi;
-        const float alpha_lo = ex2(m_lo - base_lo), alpha_hi = ex2(m_hi - base_hi);
-        m_lo = new_lo;
-        m_hi = new_hi;
-        float sum_lo = 0.f, sum_hi = 0.f;
-        // P as bf16 A-fragments right away: the score floats are dead before P·V starts.
-        u32 pa[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) {
-            const float p0 = ex2(fmaf(s[2 * kk][0], scale_log2, -base_lo));
-            const float p1 = ex2(fmaf(s[2 * kk][1], scale_log2, -base_lo));
-            const float p2 = ex2(fmaf(s[2 * kk][2], scale_log2, -base_hi));
-            const float p3 = ex2(fmaf(s[2 * kk][3], scale_log2, -base_hi));
-            const float p4 = ex2(fmaf(s[2 * kk + 1][0], scale_log2, -base_lo));
-            const float p5 = ex2(fmaf(s[2 * kk + 1][1], scale_log2, -base_lo));
-            const float p6 = ex2(fmaf(s[2 * kk + 1][2], scale_log2, -base_hi));
-            const float p7 = ex2(fmaf(s[2 * kk + 1][3], scale_log2, -base_hi));
-            sum_lo += p0 + p1 + p4 + p5;
-            sum_hi += p2 + p3 + p6 + p7;
-            pa[kk][0] = pack_bf16x2(p0, p1);
-            pa[kk][1] = pack_bf16x2(p2, p3);
-            pa[kk][2] = pack_bf16x2(p4, p5);
-            pa[kk][3] = pack_bf16x2(p6, p7);
-        }
-        l_lo = l_lo * alpha_lo + sum_lo;  // per-thread partial; the quad is summed at the end
-        l_hi = l_hi * alpha_hi + sum_hi;
+        float alpha_lo, alpha_hi;
+        u32 pa[BN / 16][4];  // the score floats are dead before P·V starts
+        softmax_block<NS>(s, pa, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
 #pragma unroll
         for (int i = 0; i < NO; i++) {
             oacc[i][0] *= alpha_lo;
@@ -262,45 +192,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         cp_commit();
     }
 
-    // An empty key chunk never waited for its (zero-filling) prologue copies.
-    asm volatile("cp.async.wait_all;\n" ::);
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-    const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f;
-    const float inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
-    if (kv_splits > 1) {
-        // part: [kv_splits][rows][heads][D] outputs, then [kv_splits][rows][heads] log2-sum-exps.
-        const long heads = gridDim.y;
-        float* po = part + (long)chunk * rows * heads * D;
-        float* pl = part + (long)kv_splits * rows * heads * D + (long)chunk * rows * heads;
-#pragma unroll
-        for (int ot = 0; ot < NO; ot++) {
-            const int col = wd * DW + ot * 8 + col_in;
-            if (row_lo < q1) *reinterpret_cast<float2*>(po + ((long)row_lo * heads + h) * D + col) =
-                make_float2(oacc[ot][0] * inv_lo, oacc[ot][1] * inv_lo);
-            if (row_hi < q1) *reinterpret_cast<float2*>(po + ((long)row_hi * heads + h) * D + col) =
-                make_float2(oacc[ot][2] * inv_hi, oacc[ot][3] * inv_hi);
-        }
-        if (wd == 0 && (lane & 3) == 0) {
-            if (row_lo < q1) pl[(long)row_lo * heads + h] = l_lo > 0.f ? m_lo + log2f(l_lo) : NEG_INF;
-            if (row_hi < q1) pl[(long)row_hi * heads + h] = l_hi > 0.f ? m_hi + log2f(l_hi) : NEG_INF;
-        }
-        return;
-    }
-#pragma unroll
-    for (int ot = 0; ot < NO; ot++) {
-        const long col = (long)h * D + wd * DW + ot * 8 + col_in;
-        if (row_lo < q1) {
-            o[(long)row_lo * os + col] = from_f<TO>(oacc[ot][0] * inv_lo);
-            o[(long)row_lo * os + col + 1] = from_f<TO>(oacc[ot][1] * inv_lo);
-        }
-        if (row_hi < q1) {
-            o[(long)row_hi * os + col] = from_f<TO>(oacc[ot][2] * inv_hi);
-            o[(long)row_hi * os + col + 1] = from_f<TO>(oacc[ot][3] * inv_hi);
-        }
-    }
+    flash_store<D, NO, TO>(oacc, st, wd * DW, wd == 0, row_lo, q1, h, o, os, part, rows, chunk, kv_splits);
 }
 
 #define FLASH(D)                                                                                          \

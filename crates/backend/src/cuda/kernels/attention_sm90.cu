@@ -1,0 +1,215 @@
+// Attention over packed segments on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a).
+// CPU reference: crates/backend/src/cpu/attention.rs. Same arguments, query tiles, masks,
+// online softmax and split-key output as flash_bf16_d{D} in attention.cu (shared: flash.cuh),
+// which serves every other GPU and head width.
+//
+// flash_wgmma_d{D}: one CTA is one 64-row query tile of one head and one warpgroup (4 warps, 128
+// threads; two for 512-wide heads, see WgCfg); warp w of a warpgroup owns rows 16w..16w+15, as in
+// the portable kernel. Per key block of BN = 64:
+//   S = Q·Kᵀ   D/16 wgmma m64n64k16, both operands read from shared memory by descriptor;
+//   P·V        BN/16 wgmma m64n{D}k16, P from registers (the accumulators, rounded to bf16, are
+//              already in the A-fragment layout), V read N-major ("transposed") from shared memory.
+// A wgmma issues for the whole warpgroup and runs asynchronously; unlike mma.sync it needs no
+// per-warp ldmatrix traffic, which bounded the portable kernel at 80–135 TFLOP/s on the H200.
+//
+// Shared-memory layout (what the descriptors describe): each 64-column slice of a tile is a
+// [rows][128 B] block, and 16-byte chunk c of row r is stored at chunk c ^ (r % 8) — the 128-byte
+// swizzle, which keeps both the cp.async writes and the tensor-core reads free of bank conflicts.
+// Blocks are 1024-byte aligned (8 rows), the swizzle's period.
+
+// D[64×64] (+)= A[64×16]·B[64×16]ᵀ, both K-major in shared memory; `accumulate` 0 overwrites D.
+__device__ __forceinline__ void wgmma_m64n64_ss(float (&d)[8][4], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D[64×64] += A[64×16]·B[16×64]: A from registers, B N-major in shared memory (transposed).
+__device__ __forceinline__ void wgmma_m64n64_rs(float (&d)[8][4], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// D[64×256] += A[64×16]·B[16×256]: A from registers, B N-major in shared memory (transposed).
+__device__ __forceinline__ void wgmma_m64n256_rs(float (&d)[32][4], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// This thread's landed cp.async writes → visible to the async proxy that wgmma reads through.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// After a wait: the accumulators are redefined here, so no read of them moves above the wait.
+template <int N>
+__device__ __forceinline__ void wg_keep(float (&d)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+
+// Shared-memory matrix descriptor for the 128-byte swizzle: start address, leading and stride
+// byte offsets (in 16-byte units). K-major operands (Q, K) use only the stride: 1024 B from one
+// 8-row group to the next. For N-major V the leading offset steps from one 64-column block to the
+// next and the stride from one 8-key group to the next.
+__device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes) {
+    return (u64)((addr >> 4) & 0x3FFF) | ((u64)((lbo_bytes >> 4) & 0x3FFF) << 16) | ((u64)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// Rows [r0, r0 + R) ∩ [lo, hi) of a head's [rows][D] slice → the swizzled tile at `tile`, by NT
+// threads; rows outside the range are zero-filled.
+template <int D, int R, int NT>
+__device__ __forceinline__ void load_sw128(u32 tile, const bf16* base, long stride, int r0, int lo, int hi) {
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    for (int i = threadIdx.x; i < R * CH; i += NT) {
+        const int row = i / CH, ch = i % CH;
+        const int gr = r0 + row;
+        const bool ok = gr >= lo && gr < hi;
+        const bf16* src = ok ? base + (long)gr * stride + ch * 8 : base;
+        cp_async16(tile + (ch >> 3) * (R * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4), src, ok);
+    }
+}
+
+// WGS warpgroups per CTA, MIN_CTAS resident per multiprocessor; mirrored by `wgmma_config` in
+// kernels.rs. A 512-wide head does not fit one warpgroup's registers (256 accumulators per
+// thread), so two warpgroups share the tile: each computes q·kᵀ over its half of the head, the
+// halves are summed through shared memory, and each owns half of the output columns. 64-wide heads
+// leave room for four CTAs per multiprocessor, 256-wide ones (128 accumulators per thread, 97 KB of
+// shared memory) for two, so one CTA's softmax overlaps the other's wgmma.
+template <int D> struct WgCfg { static constexpr int WGS = 1, MIN_CTAS = 4; };
+template <> struct WgCfg<256> { static constexpr int WGS = 1, MIN_CTAS = 2; };
+template <> struct WgCfg<512> { static constexpr int WGS = 2, MIN_CTAS = 1; };
+constexpr int WG_BN = 64;  // keys per block
+
+template <int D>
+__device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k,
+                                              long ks, const bf16* __restrict__ v, long vs, bf16* __restrict__ o,
+                                              long os, const u32* __restrict__ tiles, int group, float scale_log2,
+                                              int window, int causal, float* __restrict__ part, int rows,
+                                              int kv_splits) {
+    constexpr int WGS = WgCfg<D>::WGS, NT = 128 * WGS, DW = D / WGS;
+    constexpr int BN = WG_BN, NS = BN / 8, NO = DW / 8;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 sQ = (smem_addr(smem) + 1023) & ~1023u;  // the host adds 1 KB of slack
+    const u32 sK = sQ + 64 * D * 2, sV = sK + BN * D * 2;
+    // With two warpgroups: each one's partial scores, in accumulator order ([NS·4][128] floats).
+    float* sS = reinterpret_cast<float*>(smem + (sV + BN * D * 2 - smem_addr(smem)));
+
+    const int wg = WGS > 1 ? threadIdx.x >> 7 : 0, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const u32* tl = tiles + 4 * blockIdx.x;
+    const int chunk = blockIdx.z;
+    const int q0 = tl[0], q1 = tl[1], s0 = tl[2], s1 = tl[3];
+    const int h = blockIdx.y, g = h / group;
+    int k_lo, k_hi;
+    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, chunk, kv_splits);
+    const bf16* qb = q + (long)h * D;
+    const bf16* kb = k + (long)g * D;
+    const bf16* vb = v + (long)g * D;
+
+    load_sw128<D, 64, NT>(sQ, qb, qs, q0, q0, q1);
+    load_sw128<D, BN, NT>(sK, kb, ks, k_lo, k_lo, k_hi);
+    cp_commit();
+    load_sw128<D, BN, NT>(sV, vb, vs, k_lo, k_lo, k_hi);
+    cp_commit();
+
+    float oacc[NO][4];
+#pragma unroll
+    for (int i = 0; i < NO; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+    RowStats st;
+    const int row_lo = q0 + 16 * warp + (lane >> 2);
+
+    for (int kb0 = k_lo; kb0 < k_hi; kb0 += BN) {
+        cp_wait1();  // all but the newest group (this block's V) have landed: Q and K are ready
+        fence_async_smem();
+        __syncthreads();
+        float s[NS][4];
+#pragma unroll
+        for (int i = 0; i < NS; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < DW / 16; kk++) {
+            // 16 head columns of this warpgroup's part: 64-column block c / 4, 32 bytes into its
+            // rows per step.
+            const int c = wg * (DW / 16) + kk;
+            const u32 col = (c & 3) * 32;
+            wgmma_m64n64_ss(s, sw128_desc(sQ + (c >> 2) * (64 * 128) + col, 16),
+                            sw128_desc(sK + (c >> 2) * (BN * 128) + col, 16), kk > 0);
+        }
+        wg_commit();
+        wg_wait_all();
+        wg_keep(s);
+        if constexpr (WGS > 1) {
+            const int t = threadIdx.x & 127;
+#pragma unroll
+            for (int i = 0; i < NS * 4; i++) sS[(wg * NS * 4 + i) * 128 + t] = s[i / 4][i % 4];
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < NS * 4; i++) s[i / 4][i % 4] += sS[((1 - wg) * NS * 4 + i) * 128 + t];
+        }
+        __syncthreads();  // every warpgroup is done reading sK (and sS)
+        if (kb0 + BN < k_hi) load_sw128<D, BN, NT>(sK, kb, ks, kb0 + BN, k_lo, k_hi);
+        cp_commit();
+
+        float alpha_lo, alpha_hi;
+        u32 pa[BN / 16][4];
+        softmax_block<NS>(s, pa, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
+#pragma unroll
+        for (int i = 0; i < NO; i++) {
+            oacc[i][0] *= alpha_lo;
+            oacc[i][1] *= alpha_lo;
+            oacc[i][2] *= alpha_hi;
+            oacc[i][3] *= alpha_hi;
+        }
+
+        cp_wait1();  // all but the newest group (the next K): V is ready
+        fence_async_smem();
+        __syncthreads();
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            // 16 keys: two 8-row groups of each of this warpgroup's 64-column blocks, 2 KB apart
+            // per step.
+            const u64 dv = sw128_desc(sV + wg * (DW / 64) * (BN * 128) + kk * 2048, BN * 128);
+            if constexpr (DW == 256) wgmma_m64n256_rs(oacc, pa[kk], dv);
+            else wgmma_m64n64_rs(oacc, pa[kk], dv);
+        }
+        wg_commit();
+        wg_wait_all();
+        wg_keep(oacc);
+        __syncthreads();  // every warpgroup is done reading sV
+        if (kb0 + BN < k_hi) load_sw128<D, BN, NT>(sV, vb, vs, kb0 + BN, k_lo, k_hi);
+        cp_commit();
+    }
+
+    flash_store<D, NO, bf16>(oacc, st, wg * DW, wg == 0, row_lo, q1, h, o, os, part, rows, chunk, kv_splits);
+}
+
+#define FLASH_WG(D)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128 * WgCfg<D>::WGS, WgCfg<D>::MIN_CTAS)                \
+        flash_wgmma_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, \
+                         long os, const u32* tiles, int group, float scale_log2, int window, int causal,  \
+                         float* part, int rows, int kv_splits) {                                         \
+        flash_wg_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows, \
+                         kv_splits);                                                                     \
+    }
+FLASH_WG(64)
+FLASH_WG(256)
+FLASH_WG(512)

@@ -1,0 +1,151 @@
+// What the two flash-attention kernels share: attention.cu (mma.sync, any sm_80+ GPU) and
+// attention_sm90.cu (wgmma, Hopper). Both keep each warp's scores and outputs in the tensor-core
+// accumulator layout: a warp owns 16 query rows, a thread rows g = lane / 4 and g + 8 ("lo" and
+// "hi") and, in each 8-column n-tile, columns 2·(lane % 4) and the one after.
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// The keys a CTA walks for query rows [q0, q1) of the segment [s0, s1): the segment cut to the
+// window (inclusive radius) and, when causal, to the last row; with key splits, chunk `chunk` of
+// `kv_splits`, in whole blocks of BN (it may be empty).
+template <int BN>
+__device__ __forceinline__ void key_range(int& k_lo, int& k_hi, int q0, int q1, int s0, int s1, int window,
+                                          int causal, int chunk, int kv_splits) {
+    k_lo = s0;
+    k_hi = s1;
+    if (window >= 0) {
+        k_lo = max(s0, q0 - window);
+        k_hi = min(s1, q1 + window);
+    }
+    if (causal) k_hi = min(k_hi, q1);
+    if (kv_splits > 1) {
+        const int per = ((k_hi - k_lo + kv_splits - 1) / kv_splits + BN - 1) / BN * BN;
+        k_lo = min(k_hi, k_lo + chunk * per);
+        k_hi = min(k_hi, k_lo + per);
+    }
+}
+
+// Online-softmax state of a thread's two rows, in base 2.
+struct RowStats {
+    float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+};
+
+// One key block [kb0, kb0 + 8·NS) of scores `s` → bf16 probabilities `pa` as A fragments of the
+// P·V product (16 keys each), the statistics updated; returns in alpha_* the factor the running
+// outputs must be scaled by. Masks only when some row does not see the whole block. Rows past q1
+// are zero-filled queries whose output is never written.
+template <int NS>
+__device__ __forceinline__ void softmax_block(float (&s)[NS][4], u32 (&pa)[NS / 2][4], RowStats& st, float& alpha_lo,
+                                              float& alpha_hi, int kb0, int k_hi, int q0, int q1, int row_lo,
+                                              int window, int causal, float scale_log2) {
+    const int row_hi = row_lo + 8, col_in = 2 * (threadIdx.x & 3);
+    const int kb1 = kb0 + 8 * NS - 1;
+    const bool masked = kb1 >= k_hi || (window >= 0 && (kb1 - q0 > window || q1 - 1 - kb0 > window)) ||
+                        (causal && kb1 > q0);
+    // The maximum is taken over the unscaled scores (the scale is positive); each exponent is
+    // then one FMA, s·scale − base.
+    float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < NS; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            if (masked) {
+                const int i = e < 2 ? row_lo : row_hi;
+                const int j = kb0 + nt * 8 + col_in + (e & 1);
+                bool ok = j < k_hi && i < q1;
+                if (window >= 0) ok = ok && abs(i - j) <= window;
+                if (causal) ok = ok && j <= i;
+                if (!ok) s[nt][e] = NEG_INF;
+            }
+        }
+        mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float new_lo = fmaxf(st.m_lo, mx_lo * scale_log2), new_hi = fmaxf(st.m_hi, mx_hi * scale_log2);
+    // A row with nothing visible yet keeps base 0 so that exp2(-inf - base) = 0, never NaN.
+    const float base_lo = new_lo == NEG_INF ? 0.f : new_lo;
+    const float base_hi = new_hi == NEG_INF ? 0.f : new_hi;
+    alpha_lo = ex2(st.m_lo - base_lo);
+    alpha_hi = ex2(st.m_hi - base_hi);
+    st.m_lo = new_lo;
+    st.m_hi = new_hi;
+    float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < NS / 2; kk++) {
+        const float p0 = ex2(fmaf(s[2 * kk][0], scale_log2, -base_lo));
+        const float p1 = ex2(fmaf(s[2 * kk][1], scale_log2, -base_lo));
+        const float p2 = ex2(fmaf(s[2 * kk][2], scale_log2, -base_hi));
+        const float p3 = ex2(fmaf(s[2 * kk][3], scale_log2, -base_hi));
+        const float p4 = ex2(fmaf(s[2 * kk + 1][0], scale_log2, -base_lo));
+        const float p5 = ex2(fmaf(s[2 * kk + 1][1], scale_log2, -base_lo));
+        const float p6 = ex2(fmaf(s[2 * kk + 1][2], scale_log2, -base_hi));
+        const float p7 = ex2(fmaf(s[2 * kk + 1][3], scale_log2, -base_hi));
+        sum_lo += p0 + p1 + p4 + p5;
+        sum_hi += p2 + p3 + p6 + p7;
+        pa[kk][0] = pack_bf16x2(p0, p1);
+        pa[kk][1] = pack_bf16x2(p2, p3);
+        pa[kk][2] = pack_bf16x2(p4, p5);
+        pa[kk][3] = pack_bf16x2(p6, p7);
+    }
+    st.l_lo = st.l_lo * alpha_lo + sum_lo;  // per-thread partial; the quad is summed at the end
+    st.l_hi = st.l_hi * alpha_hi + sum_hi;
+}
+
+// The normalised outputs of a thread's rows: NO n-tiles of `oacc` starting at head column `col0`.
+// Unsplit, into the output row (bf16 or f32); split, into chunk `chunk` of the f32 workspace
+// `part` ([kv_splits][rows][heads][D] outputs, then [kv_splits][rows][heads] log2-sum-exps),
+// whose combine pass weighs the chunks.
+template <int D, int NO, typename TO>
+__device__ __forceinline__ void flash_store(float (&oacc)[NO][4], RowStats st, int col0, bool write_lse, int row_lo,
+                                            int q1, int h, TO* __restrict__ o, long os, float* __restrict__ part,
+                                            int rows, int chunk, int kv_splits) {
+    // An empty key chunk never waited for its (zero-filling) prologue copies.
+    asm volatile("cp.async.wait_all;\n" ::);
+    const int row_hi = row_lo + 8, col_in = 2 * (threadIdx.x & 3);
+    float l_lo = st.l_lo, l_hi = st.l_hi;
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f;
+    const float inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+    if (kv_splits > 1) {
+        const long heads = gridDim.y;
+        float* po = part + (long)chunk * rows * heads * D;
+        float* pl = part + (long)kv_splits * rows * heads * D + (long)chunk * rows * heads;
+#pragma unroll
+        for (int ot = 0; ot < NO; ot++) {
+            const int col = col0 + ot * 8 + col_in;
+            if (row_lo < q1) *reinterpret_cast<float2*>(po + ((long)row_lo * heads + h) * D + col) =
+                make_float2(oacc[ot][0] * inv_lo, oacc[ot][1] * inv_lo);
+            if (row_hi < q1) *reinterpret_cast<float2*>(po + ((long)row_hi * heads + h) * D + col) =
+                make_float2(oacc[ot][2] * inv_hi, oacc[ot][3] * inv_hi);
+        }
+        if (write_lse && (threadIdx.x & 3) == 0) {
+            if (row_lo < q1) pl[(long)row_lo * heads + h] = l_lo > 0.f ? st.m_lo + log2f(l_lo) : NEG_INF;
+            if (row_hi < q1) pl[(long)row_hi * heads + h] = l_hi > 0.f ? st.m_hi + log2f(l_hi) : NEG_INF;
+        }
+        return;
+    }
+#pragma unroll
+    for (int ot = 0; ot < NO; ot++) {
+        const long col = (long)h * D + col0 + ot * 8 + col_in;
+        if (row_lo < q1) {
+            o[(long)row_lo * os + col] = from_f<TO>(oacc[ot][0] * inv_lo);
+            o[(long)row_lo * os + col + 1] = from_f<TO>(oacc[ot][1] * inv_lo);
+        }
+        if (row_hi < q1) {
+            o[(long)row_hi * os + col] = from_f<TO>(oacc[ot][2] * inv_hi);
+            o[(long)row_hi * os + col + 1] = from_f<TO>(oacc[ot][3] * inv_hi);
+        }
+    }
+}
