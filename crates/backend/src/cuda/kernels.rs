@@ -53,18 +53,18 @@ pub fn flash_name(d: usize) -> String {
 /// Head dims the Hopper (wgmma) attention kernel is instantiated for.
 pub const WGMMA_HEAD_DIMS: [usize; 3] = [64, 256, 512];
 
-/// Keys per block of `flash_wgmma_d{D}` (`WG_BN` in attention_sm90.cu).
-pub const WGMMA_BN: usize = 64;
-
 /// `flash_wgmma_d{D}`: the Hopper attention kernel for head dim `D`.
 pub fn wgmma_name(d: usize) -> String {
     format!("flash_wgmma_d{d}")
 }
 
+/// Keys per block of `flash_wgmma_d{D}` (`WgCfg::BN` in attention_sm90.cu).
+pub const WGMMA_BN: usize = 64;
+
 /// Launch shape of `flash_wgmma_d{D}`, mirroring `WgCfg` in attention_sm90.cu: a warpgroup per
-/// 256 head columns (at least one) on each 64-row tile; a 64-row Q tile and one `WGMMA_BN`-row
-/// K and V tile each, the partial scores two warpgroups exchange, and 1 KB to align the tiles to
-/// the swizzle's 1,024-byte period.
+/// 256 head columns (at least one) on each 64-row tile; shared memory for a 64-row Q tile, one K
+/// and one V tile of `WGMMA_BN` rows, the partial scores two warpgroups exchange, and 1 KB to
+/// align the tiles to the swizzle's 1,024-byte period.
 pub fn wgmma_config(d: usize) -> FlashConfig {
     let groups = d.div_ceil(256);
     let scores = if groups > 1 {

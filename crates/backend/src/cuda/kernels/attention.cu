@@ -163,8 +163,9 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         cp_commit();
 
         float alpha_lo, alpha_hi;
+        softmax_block<NS>(s, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
         u32 pa[BN / 16][4];  // the score floats are dead before P·V starts
-        softmax_block<NS>(s, pa, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
+        pack_p(s, pa);
 #pragma unroll
         for (int i = 0; i < NO; i++) {
             oacc[i][0] *= alpha_lo;

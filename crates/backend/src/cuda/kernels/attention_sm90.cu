@@ -5,20 +5,23 @@
 //
 // flash_wgmma_d{D}: one CTA is one 64-row query tile of one head and one warpgroup (4 warps, 128
 // threads; two for 512-wide heads, see WgCfg); warp w of a warpgroup owns rows 16w..16w+15, as in
-// the portable kernel. Per key block of BN = 64:
-//   S = Q·Kᵀ   D/16 wgmma m64n64k16, both operands read from shared memory by descriptor;
+// the portable kernel. Per key block of BN keys (48 or 64, see WgCfg):
+//   S = Q·Kᵀ   D/16 wgmma m64n{BN}k16, both operands read from shared memory by descriptor;
 //   P·V        BN/16 wgmma m64n{D}k16, P from registers (the accumulators, rounded to bf16, are
 //              already in the A-fragment layout), V read N-major ("transposed") from shared memory.
 // A wgmma issues for the whole warpgroup and runs asynchronously; unlike mma.sync it needs no
 // per-warp ldmatrix traffic, which bounded the portable kernel at 80–135 TFLOP/s on the H200.
+// ptxas serialises every wgmma if a register one of them uses may be touched while it runs; the
+// NVRTC test fails on that fallback.
 //
 // Shared-memory layout (what the descriptors describe): each 64-column slice of a tile is a
 // [rows][128 B] block, and 16-byte chunk c of row r is stored at chunk c ^ (r % 8) — the 128-byte
 // swizzle, which keeps both the cp.async writes and the tensor-core reads free of bank conflicts.
 // Blocks are 1024-byte aligned (8 rows), the swizzle's period.
 
-// D[64×64] (+)= A[64×16]·B[64×16]ᵀ, both K-major in shared memory; `accumulate` 0 overwrites D.
-__device__ __forceinline__ void wgmma_m64n64_ss(float (&d)[8][4], u64 da, u64 db, int accumulate) {
+// wgmma_ss: D[64×64] (+)= A[64×16]·B[64×16]ᵀ, both K-major in shared memory; `accumulate` 0
+// overwrites D.
+__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], u64 da, u64 db, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -28,8 +31,9 @@ __device__ __forceinline__ void wgmma_m64n64_ss(float (&d)[8][4], u64 da, u64 db
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// D[64×64] += A[64×16]·B[16×64]: A from registers, B N-major in shared memory (transposed).
-__device__ __forceinline__ void wgmma_m64n64_rs(float (&d)[8][4], const u32 (&a)[4], u64 db) {
+// wgmma_rs: D[64×N] += A[64×16]·B[16×N], A from registers (each warp's 16 rows in the
+// mma.m16n8k16 A-fragment layout), B N-major in shared memory (transposed). N = 64 or 256.
+__device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const u32 (&a)[4], u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -39,8 +43,7 @@ __device__ __forceinline__ void wgmma_m64n64_rs(float (&d)[8][4], const u32 (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// D[64×256] += A[64×16]·B[16×256]: A from registers, B N-major in shared memory (transposed).
-__device__ __forceinline__ void wgmma_m64n256_rs(float (&d)[32][4], const u32 (&a)[4], u64 db) {
+__device__ __forceinline__ void wgmma_rs(float (&d)[32][4], const u32 (&a)[4], u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
@@ -52,17 +55,27 @@ __device__ __forceinline__ void wgmma_m64n256_rs(float (&d)[32][4], const u32 (&
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Wait until at most N of this warpgroup's committed wgmma groups are still running.
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // This thread's landed cp.async writes → visible to the async proxy that wgmma reads through.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// After a wait: the accumulators are redefined here, so no read of them moves above the wait.
+// After a wait: a wgmma's accumulators (or A registers) are redefined here, so no read of them
+// moves above the wait and no register of them is reused while the wgmma may still read it.
 template <int N>
 __device__ __forceinline__ void wg_keep(float (&d)[N][4]) {
 #pragma unroll
     for (int i = 0; i < N; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_keep(u32 (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 // Shared-memory matrix descriptor for the 128-byte swizzle: start address, leading and stride
@@ -88,16 +101,60 @@ __device__ __forceinline__ void load_sw128(u32 tile, const bf16* base, long stri
     }
 }
 
-// WGS warpgroups per CTA, MIN_CTAS resident per multiprocessor; mirrored by `wgmma_config` in
-// kernels.rs. A 512-wide head does not fit one warpgroup's registers (256 accumulators per
-// thread), so two warpgroups share the tile: each computes q·kᵀ over its half of the head, the
-// halves are summed through shared memory, and each owns half of the output columns. 64-wide heads
-// leave room for four CTAs per multiprocessor, 256-wide ones (128 accumulators per thread, 97 KB of
-// shared memory) for two, so one CTA's softmax overlaps the other's wgmma.
-template <int D> struct WgCfg { static constexpr int WGS = 1, MIN_CTAS = 4; };
-template <> struct WgCfg<256> { static constexpr int WGS = 1, MIN_CTAS = 2; };
-template <> struct WgCfg<512> { static constexpr int WGS = 2, MIN_CTAS = 1; };
-constexpr int WG_BN = 64;  // keys per block
+
+// Per head width, mirrored by `wgmma_config` in kernels.rs: WGS warpgroups per CTA, BN keys per
+// block, MIN_CTAS resident per multiprocessor. 64-wide heads leave room for four CTAs per
+// multiprocessor, 256-wide ones (128 accumulators per thread, 97 KB of shared memory) for two, so
+// one CTA's softmax overlaps another's wgmma. A 512-wide head's 256 accumulators per thread do not
+// fit one warpgroup, so two share the tile: each computes q·kᵀ over its half of the head, the
+// halves are summed through shared memory, and each owns half of the output columns.
+//
+// Measured and dropped (run 16, H200): a pipelined loop (block j's P·V running during the softmax
+// of block j + 1, two V buffers, so 48-key blocks for 256-wide heads and three CTAs per
+// multiprocessor for 64-wide ones) was slower on every shape (W3 sliding 423 → 462 µs, one image
+// 97 → 117 µs): the resident CTAs already overlap each other, and the buffer cost occupancy.
+template <int D> struct WgCfg { static constexpr int WGS = 1, BN = 64, MIN_CTAS = 4; };
+template <> struct WgCfg<256> { static constexpr int WGS = 1, BN = 64, MIN_CTAS = 2; };
+template <> struct WgCfg<512> { static constexpr int WGS = 2, BN = 64, MIN_CTAS = 1; };
+
+// Issue S (+)= Q·Kᵀ over head columns [16·c0, 16·(c0 + STEPS)): 64-column block c / 4, 32 bytes
+// into its rows per step. No commit.
+template <int STEPS, int NS>
+__device__ __forceinline__ void issue_qk(float (&s)[NS][4], u32 sQ, u32 sK, int c0) {
+    constexpr int BN = NS * 8;
+#pragma unroll
+    for (int kk = 0; kk < STEPS; kk++) {
+        const int c = c0 + kk;
+        const u32 col = (c & 3) * 32;
+        wgmma_ss(s, sw128_desc(sQ + (c >> 2) * (64 * 128) + col, 16), sw128_desc(sK + (c >> 2) * (BN * 128) + col, 16),
+                 kk > 0);
+    }
+}
+
+// Issue O += P·V for one key block: 16 keys per step, i.e. two 8-row groups of each 64-column
+// block of V (from block b0 on), 2 KB apart per step. No commit.
+template <int BN, int NO>
+__device__ __forceinline__ void issue_pv(float (&o)[NO][4], const u32 (&pa)[BN / 16][4], u32 sV, int b0) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) wgmma_rs(o, pa[kk], sw128_desc(sV + b0 * (BN * 128) + kk * 2048, BN * 128));
+}
+
+template <int NO>
+__device__ __forceinline__ void rescale(float (&o)[NO][4], float alpha_lo, float alpha_hi) {
+#pragma unroll
+    for (int i = 0; i < NO; i++) {
+        o[i][0] *= alpha_lo;
+        o[i][1] *= alpha_lo;
+        o[i][2] *= alpha_hi;
+        o[i][3] *= alpha_hi;
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&s)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+}
 
 template <int D>
 __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k,
@@ -105,13 +162,14 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
                                               long os, const u32* __restrict__ tiles, int group, float scale_log2,
                                               int window, int causal, float* __restrict__ part, int rows,
                                               int kv_splits) {
-    constexpr int WGS = WgCfg<D>::WGS, NT = 128 * WGS, DW = D / WGS;
-    constexpr int BN = WG_BN, NS = BN / 8, NO = DW / 8;
+    using C = WgCfg<D>;
+    constexpr int WGS = C::WGS, NT = 128 * WGS, DW = D / WGS, BN = C::BN, NS = BN / 8, NO = DW / 8;
+    constexpr u32 TILE = BN * D * 2;  // bytes of one K or V tile
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 sQ = (smem_addr(smem) + 1023) & ~1023u;  // the host adds 1 KB of slack
-    const u32 sK = sQ + 64 * D * 2, sV = sK + BN * D * 2;
-    // With two warpgroups: each one's partial scores, in accumulator order ([NS·4][128] floats).
-    float* sS = reinterpret_cast<float*>(smem + (sV + BN * D * 2 - smem_addr(smem)));
+    const u32 sK = sQ + 64 * D * 2, sV = sK + TILE;
+    // Two warpgroups: each one's partial scores, in accumulator order ([NS·4][128] floats).
+    float* sS = reinterpret_cast<float*>(smem + (sV + TILE - smem_addr(smem)));
 
     const int wg = WGS > 1 ? threadIdx.x >> 7 : 0, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const u32* tl = tiles + 4 * blockIdx.x;
@@ -123,6 +181,7 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
     const bf16* qb = q + (long)h * D;
     const bf16* kb = k + (long)g * D;
     const bf16* vb = v + (long)g * D;
+    const int row_lo = q0 + 16 * warp + (lane >> 2);
 
     load_sw128<D, 64, NT>(sQ, qb, qs, q0, q0, q1);
     load_sw128<D, BN, NT>(sK, kb, ks, k_lo, k_lo, k_hi);
@@ -131,30 +190,21 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
     cp_commit();
 
     float oacc[NO][4];
-#pragma unroll
-    for (int i = 0; i < NO; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+    zero(oacc);
     RowStats st;
-    const int row_lo = q0 + 16 * warp + (lane >> 2);
+    float alpha_lo, alpha_hi;
+    u32 pa[BN / 16][4];
 
     for (int kb0 = k_lo; kb0 < k_hi; kb0 += BN) {
         cp_wait1();  // all but the newest group (this block's V) have landed: Q and K are ready
         fence_async_smem();
         __syncthreads();
         float s[NS][4];
-#pragma unroll
-        for (int i = 0; i < NS; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        zero(s);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < DW / 16; kk++) {
-            // 16 head columns of this warpgroup's part: 64-column block c / 4, 32 bytes into its
-            // rows per step.
-            const int c = wg * (DW / 16) + kk;
-            const u32 col = (c & 3) * 32;
-            wgmma_m64n64_ss(s, sw128_desc(sQ + (c >> 2) * (64 * 128) + col, 16),
-                            sw128_desc(sK + (c >> 2) * (BN * 128) + col, 16), kk > 0);
-        }
+        issue_qk<DW / 16>(s, sQ, sK, wg * (DW / 16));
         wg_commit();
-        wg_wait_all();
+        wg_wait<0>();
         wg_keep(s);
         if constexpr (WGS > 1) {
             const int t = threadIdx.x & 127;
@@ -168,31 +218,17 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
         if (kb0 + BN < k_hi) load_sw128<D, BN, NT>(sK, kb, ks, kb0 + BN, k_lo, k_hi);
         cp_commit();
 
-        float alpha_lo, alpha_hi;
-        u32 pa[BN / 16][4];
-        softmax_block<NS>(s, pa, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
-#pragma unroll
-        for (int i = 0; i < NO; i++) {
-            oacc[i][0] *= alpha_lo;
-            oacc[i][1] *= alpha_lo;
-            oacc[i][2] *= alpha_hi;
-            oacc[i][3] *= alpha_hi;
-        }
+        softmax_block<NS>(s, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
+        pack_p(s, pa);
+        rescale(oacc, alpha_lo, alpha_hi);
 
         cp_wait1();  // all but the newest group (the next K): V is ready
         fence_async_smem();
         __syncthreads();
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) {
-            // 16 keys: two 8-row groups of each of this warpgroup's 64-column blocks, 2 KB apart
-            // per step.
-            const u64 dv = sw128_desc(sV + wg * (DW / 64) * (BN * 128) + kk * 2048, BN * 128);
-            if constexpr (DW == 256) wgmma_m64n256_rs(oacc, pa[kk], dv);
-            else wgmma_m64n64_rs(oacc, pa[kk], dv);
-        }
+        issue_pv<BN>(oacc, pa, sV, wg * (DW / 64));
         wg_commit();
-        wg_wait_all();
+        wg_wait<0>();
         wg_keep(oacc);
         __syncthreads();  // every warpgroup is done reading sV
         if (kb0 + BN < k_hi) load_sw128<D, BN, NT>(sV, vb, vs, kb0 + BN, k_lo, k_hi);

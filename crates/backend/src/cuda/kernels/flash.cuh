@@ -35,14 +35,14 @@ struct RowStats {
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 };
 
-// One key block [kb0, kb0 + 8·NS) of scores `s` → bf16 probabilities `pa` as A fragments of the
-// P·V product (16 keys each), the statistics updated; returns in alpha_* the factor the running
-// outputs must be scaled by. Masks only when some row does not see the whole block. Rows past q1
-// are zero-filled queries whose output is never written.
+// One key block [kb0, kb0 + 8·NS) of scores `s` → unnormalised probabilities, in place, and the
+// statistics updated; returns in alpha_* the factor the running outputs must be scaled by. Masks
+// only when some row does not see the whole block. Rows past q1 are zero-filled queries whose
+// output is never written.
 template <int NS>
-__device__ __forceinline__ void softmax_block(float (&s)[NS][4], u32 (&pa)[NS / 2][4], RowStats& st, float& alpha_lo,
-                                              float& alpha_hi, int kb0, int k_hi, int q0, int q1, int row_lo,
-                                              int window, int causal, float scale_log2) {
+__device__ __forceinline__ void softmax_block(float (&s)[NS][4], RowStats& st, float& alpha_lo, float& alpha_hi,
+                                              int kb0, int k_hi, int q0, int q1, int row_lo, int window, int causal,
+                                              float scale_log2) {
     const int row_hi = row_lo + 8, col_in = 2 * (threadIdx.x & 3);
     const int kb1 = kb0 + 8 * NS - 1;
     const bool masked = kb1 >= k_hi || (window >= 0 && (kb1 - q0 > window || q1 - 1 - kb0 > window)) ||
@@ -80,24 +80,28 @@ __device__ __forceinline__ void softmax_block(float (&s)[NS][4], u32 (&pa)[NS / 
     st.m_hi = new_hi;
     float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < NS / 2; kk++) {
-        const float p0 = ex2(fmaf(s[2 * kk][0], scale_log2, -base_lo));
-        const float p1 = ex2(fmaf(s[2 * kk][1], scale_log2, -base_lo));
-        const float p2 = ex2(fmaf(s[2 * kk][2], scale_log2, -base_hi));
-        const float p3 = ex2(fmaf(s[2 * kk][3], scale_log2, -base_hi));
-        const float p4 = ex2(fmaf(s[2 * kk + 1][0], scale_log2, -base_lo));
-        const float p5 = ex2(fmaf(s[2 * kk + 1][1], scale_log2, -base_lo));
-        const float p6 = ex2(fmaf(s[2 * kk + 1][2], scale_log2, -base_hi));
-        const float p7 = ex2(fmaf(s[2 * kk + 1][3], scale_log2, -base_hi));
-        sum_lo += p0 + p1 + p4 + p5;
-        sum_hi += p2 + p3 + p6 + p7;
-        pa[kk][0] = pack_bf16x2(p0, p1);
-        pa[kk][1] = pack_bf16x2(p2, p3);
-        pa[kk][2] = pack_bf16x2(p4, p5);
-        pa[kk][3] = pack_bf16x2(p6, p7);
+    for (int nt = 0; nt < NS; nt++) {
+        s[nt][0] = ex2(fmaf(s[nt][0], scale_log2, -base_lo));
+        s[nt][1] = ex2(fmaf(s[nt][1], scale_log2, -base_lo));
+        s[nt][2] = ex2(fmaf(s[nt][2], scale_log2, -base_hi));
+        s[nt][3] = ex2(fmaf(s[nt][3], scale_log2, -base_hi));
+        sum_lo += s[nt][0] + s[nt][1];
+        sum_hi += s[nt][2] + s[nt][3];
     }
     st.l_lo = st.l_lo * alpha_lo + sum_lo;  // per-thread partial; the quad is summed at the end
     st.l_hi = st.l_hi * alpha_hi + sum_hi;
+}
+
+// Probabilities (accumulator layout) → bf16 A fragments of the P·V product, 16 keys each.
+template <int NS>
+__device__ __forceinline__ void pack_p(const float (&p)[NS][4], u32 (&pa)[NS / 2][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NS / 2; kk++) {
+        pa[kk][0] = pack_bf16x2(p[2 * kk][0], p[2 * kk][1]);
+        pa[kk][1] = pack_bf16x2(p[2 * kk][2], p[2 * kk][3]);
+        pa[kk][2] = pack_bf16x2(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        pa[kk][3] = pack_bf16x2(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
 }
 
 // The normalised outputs of a thread's rows: NO n-tiles of `oacc` starting at head column `col0`.
