@@ -106,8 +106,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     cp_commit();
 
     float oacc[NO][4];
-#pragma unroll
-    for (int i = 0; i < NO; i++) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+    zero(oacc);
     RowStats st;
     const int row_lo = q0 + 16 * wm + (lane >> 2);
     const int col_in = 2 * (lane & 3);
@@ -116,8 +115,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         cp_wait1();  // all but the newest group (this block's V) have landed: Q and K are ready
         __syncthreads();
         float s[NS][4];
-#pragma unroll
-        for (int i = 0; i < NS; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        zero(s);
 #pragma unroll
         for (int kk = 0; kk < DW / 16; kk++) {
             const int dcol = wd * DW + kk * 16;
@@ -143,8 +141,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
                 mine[((lane >> 2) + 8) * BN + c + 1] = s[nt][3];
             }
             __syncthreads();
-#pragma unroll
-            for (int nt = 0; nt < NS; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            zero(s);
 #pragma unroll
             for (int w = 0; w < WD; w++) {
                 const float* part = sS + (w * BM + 16 * wm) * BN;
@@ -166,13 +163,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         softmax_block<NS>(s, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
         u32 pa[BN / 16][4];  // the score floats are dead before P·V starts
         pack_p(s, pa);
-#pragma unroll
-        for (int i = 0; i < NO; i++) {
-            oacc[i][0] *= alpha_lo;
-            oacc[i][1] *= alpha_lo;
-            oacc[i][2] *= alpha_hi;
-            oacc[i][3] *= alpha_hi;
-        }
+        rescale(oacc, alpha_lo, alpha_hi);
 
         cp_wait1();  // all but the newest group (the next K): V is ready
         __syncthreads();

@@ -61,21 +61,13 @@ __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.
 // This thread's landed cp.async writes → visible to the async proxy that wgmma reads through.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// After a wait: a wgmma's accumulators (or A registers) are redefined here, so no read of them
-// moves above the wait and no register of them is reused while the wgmma may still read it.
+// After a wait: a wgmma's accumulators are redefined here, so no read of them moves above the wait.
 template <int N>
 __device__ __forceinline__ void wg_keep(float (&d)[N][4]) {
 #pragma unroll
     for (int i = 0; i < N; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++) asm volatile("" : "+f"(d[i][j])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void wg_keep(u32 (&a)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 // Shared-memory matrix descriptor for the 128-byte swizzle: start address, leading and stride
@@ -137,23 +129,6 @@ template <int BN, int NO>
 __device__ __forceinline__ void issue_pv(float (&o)[NO][4], const u32 (&pa)[BN / 16][4], u32 sV, int b0) {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++) wgmma_rs(o, pa[kk], sw128_desc(sV + b0 * (BN * 128) + kk * 2048, BN * 128));
-}
-
-template <int NO>
-__device__ __forceinline__ void rescale(float (&o)[NO][4], float alpha_lo, float alpha_hi) {
-#pragma unroll
-    for (int i = 0; i < NO; i++) {
-        o[i][0] *= alpha_lo;
-        o[i][1] *= alpha_lo;
-        o[i][2] *= alpha_hi;
-        o[i][3] *= alpha_hi;
-    }
-}
-
-template <int N>
-__device__ __forceinline__ void zero(float (&s)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 }
 
 template <int D>

@@ -30,6 +30,24 @@ __device__ __forceinline__ void key_range(int& k_lo, int& k_hi, int q0, int q1, 
     }
 }
 
+// The running outputs times the softmax rescale of the thread's rows (lo, hi).
+template <int NO>
+__device__ __forceinline__ void rescale(float (&o)[NO][4], float alpha_lo, float alpha_hi) {
+#pragma unroll
+    for (int i = 0; i < NO; i++) {
+        o[i][0] *= alpha_lo;
+        o[i][1] *= alpha_lo;
+        o[i][2] *= alpha_hi;
+        o[i][3] *= alpha_hi;
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&s)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+}
+
 // Online-softmax state of a thread's two rows, in base 2.
 struct RowStats {
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
