@@ -350,3 +350,46 @@ fn vision_fixtures_match_the_reference_on_cuda() {
     }
     assert_none(&failures);
 }
+
+/// Passes are captured as CUDA graphs the second time a shape comes and replayed after. A replay
+/// gives the direct run's result bit for bit: for text passes, also after a larger batch grew the
+/// workspace (a graph captured before would read freed buffers), and for merged text + image
+/// passes, whose soft tokens are copied into the workspace so that their graph can be replayed.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn replayed_passes_match_direct_ones() {
+    use tessera_models::egemma2::{Input, Part};
+    use tessera_models::imageproc::{Image, ImageBudget};
+    let dir = root().join("crates/models/assets/egemma2-mini");
+    let image = Image::open(&root().join("tests/fixtures/egemma2/images/photo_120x160.jpg")).unwrap();
+    let merged = [Input {
+        parts: vec![Part::Text("a photo of".into()), Part::Image(image)],
+    }];
+    for p in [Precision::F32, Precision::Bf16] {
+        let mut model = cuda_model(&dir, p);
+        let query = vec![(2..19u32).collect::<Vec<_>>()]; // 17 tokens
+        let direct = model.embed_ids(&query, |_| {}).unwrap();
+        let captured = model.embed_ids(&query, |_| {}).unwrap();
+        model.embed_ids(&vec![vec![7u32; 300]; 4], |_| {}).unwrap();
+        let after_growth = model.embed_ids(&query, |_| {}).unwrap();
+        let replayed = model.embed_ids(&query, |_| {}).unwrap();
+        for (what, got) in [
+            ("captured", &captured),
+            ("after the workspace grew", &after_growth),
+            ("replayed", &replayed),
+        ] {
+            assert_eq!(got, &direct, "{p}: text pass {what}");
+        }
+        let opts = TextOptions::default();
+        let budget = ImageBudget::DEFAULT;
+        let run = |m: &mut EmbeddingGemma2<cuda::CudaBackend>| {
+            m.embed_inputs(&merged, &opts, budget, None, |_| {}).unwrap()[0]
+                .vector
+                .clone()
+        };
+        let direct = run(&mut model);
+        for what in ["captured", "replayed", "replayed again"] {
+            assert_eq!(run(&mut model), direct, "{p}: merged pass {what}");
+        }
+    }
+}

@@ -45,6 +45,10 @@ struct Workspace<B: Backend> {
     segs: Segments<B>,
     ids: B::Buf,
     pos: B::Buf,
+    /// A merged pass's soft tokens `[≤T, H]` (f32) and the rows they replace: copied here before
+    /// the pass so that its graph always reads the same addresses.
+    soft: B::Buf,
+    at: B::Buf,
     /// Residual stream `[T, H]` (f32).
     h: B::Buf,
     /// Input embeddings as a GEMM input `[T, H]`.
@@ -220,6 +224,8 @@ impl<B: Backend> TextEncoder<B> {
             return Ok(());
         }
         self.ws = None; // free the old one first
+        // Captured graphs hold the old buffers' addresses: never replay one of them again.
+        self.generation += 1;
         let c = &self.cfg;
         let (h, p) = (c.hidden_size, c.ple_dim);
         let qkv_w = self
@@ -248,6 +254,8 @@ impl<B: Backend> TextEncoder<B> {
             segs: be.alloc_segments(rows, segs)?,
             ids: be.alloc(rows, Role::Index)?,
             pos: be.alloc(rows, Role::Index)?,
+            soft: be.alloc(rows * h, s)?,
+            at: be.alloc(rows, Role::Index)?,
             h: be.alloc(rows * h, s)?,
             x0: be.alloc(rows * h, e)?,
             a: be.alloc(rows * h, e)?,
@@ -338,9 +346,10 @@ impl<B: Backend> TextEncoder<B> {
         result
     }
 
-    /// Upload the batch, run the layers, read the pooled vectors. Text-only passes are one
-    /// replayable region (the backend may capture it as a graph); merged passes read soft tokens
-    /// from a caller's buffer that changes from call to call, so they run directly.
+    /// Upload the batch, run the layers, read the pooled vectors. Every pass is one replayable
+    /// region (the backend may capture it as a graph, keyed by the sequence lengths and the
+    /// number of merged rows): a merged pass's soft tokens and their row indices are first copied
+    /// into the workspace, so the region reads the same buffers from call to call.
     fn run(
         &self,
         be: &B,
@@ -353,35 +362,38 @@ impl<B: Backend> TextEncoder<B> {
         be.set_segments(&mut ws.segs, lens)?;
         be.write_u32(&mut ws.ids, ids)?;
         be.write_u32(&mut ws.pos, &pos)?;
+        let merged = match &merge {
+            Some(m) => {
+                let h = self.cfg.hidden_size;
+                be.write_u32(&mut ws.at, m.at)?;
+                be.cast(m.rows, ViewMut::new(&mut ws.soft, m.at.len(), h))?;
+                m.at.len()
+            }
+            None => 0,
+        };
         let key = {
             use std::hash::{Hash, Hasher};
             let mut h = std::collections::hash_map::DefaultHasher::new();
-            (self.generation, lens).hash(&mut h);
+            (self.generation, lens, merged).hash(&mut h);
             h.finish()
         };
         let (t, n) = (ids.len(), lens.len());
-        match &merge {
-            None => be.run_graph(key, &mut || self.layers_and_pool(be, ws, t, n, None))?,
-            Some(m) => {
-                let mut at = be.alloc(m.at.len(), Role::Index)?;
-                be.write_u32(&mut at, m.at)?;
-                self.layers_and_pool(be, ws, t, n, Some((m.rows, &at)))?;
-            }
-        }
+        be.run_graph(key, &mut || self.layers_and_pool(be, ws, t, n, merged))?;
         let e = self.cfg.embedding_dim;
         let flat = be.read_f32(View::new(&ws.out, n, e))?;
         Ok(flat.chunks(e).map(<[f32]>::to_vec).collect())
     }
 
     /// Every device op of a forward, on `t` packed tokens of `n` sequences already uploaded.
-    /// `merge`: rows of soft tokens and the rows of `h` they replace (after the lookup).
+    /// `merged`: how many rows of `ws.soft` replace the rows of `h` listed in `ws.at` (after the
+    /// lookup).
     fn layers_and_pool(
         &self,
         be: &B,
         ws: &mut Workspace<B>,
         t: usize,
         n: usize,
-        merge: Option<(View<'_, B>, &B::Buf)>,
+        merged: usize,
     ) -> Result<()> {
         let c = &self.cfg;
         let (h, p, eps) = (c.hidden_size, c.ple_dim, c.rms_norm_eps);
@@ -393,8 +405,12 @@ impl<B: Backend> TextEncoder<B> {
             (h as f32).sqrt(),
             ViewMut::new(&mut ws.h, t, h),
         )?;
-        if let Some((rows, at)) = merge {
-            be.scatter_rows(rows, at, ViewMut::new(&mut ws.h, t, h))?;
+        if merged > 0 {
+            be.scatter_rows(
+                View::new(&ws.soft, merged, h),
+                &ws.at,
+                ViewMut::new(&mut ws.h, t, h),
+            )?;
         }
         be.cast(View::new(&ws.h, t, h), ViewMut::new(&mut ws.x0, t, h))?;
         if let Some(l0) = self.layers.first() {
