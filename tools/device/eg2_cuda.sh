@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
-#   PARTS=parity,floor,sens,bench,image,serve,burst,ref (default all but burst; bench includes
-#   image, the image rows alone, with per-kernel profiles of one image and of mixed passes)
+#   PARTS=parity,floor,sens,bench,image,serve,burst,ref,imgref (default all but burst and imgref;
+#   bench includes image, the image rows alone, with per-kernel profiles of one image and of mixed
+#   passes; imgref the reference's image rows alone, single and mixed, for runs that measure only
+#   the image rows)
 #   W3_DOCS=8192  W3_PASS=…  IMG_PASS=…  PROFILES="w1 w2 w3"  PROFILE_MODE=1|kernels
 # Writes logs and JSON under $OUT. Build everything first with tools/device/stage.sh.
 set -uo pipefail
@@ -97,7 +99,11 @@ if [[ $PARTS == *burst* ]]; then
     grep -v tower_http "$OUT/burst_$n.err" | tail -n 9
   done
 fi
-if [[ $PARTS == *ref* ]]; then
+if [[ $PARTS == *imgref* ]]; then
+  echo "== reference image rows (transformers 5.25, bf16, sdpa)"
+  python3 tools/device/eg2_image_ref.py $M > "$OUT/ref_images.jsonl" 2> "$OUT/ref_images.err"
+  grep '^{' "$OUT/ref_images.jsonl"; tail -n 2 "$OUT/ref_images.err"
+elif [[ $PARTS == *ref* ]]; then
   echo "== reference (transformers 5.25, bf16, sdpa)"
   python3 .dev/tools/refbench.py --only egemma2 > "$OUT/refbench.jsonl" 2> "$OUT/refbench.err"
   python3 tools/device/eg2_image_ref.py $M > "$OUT/ref_images.jsonl" 2> "$OUT/ref_images.err"

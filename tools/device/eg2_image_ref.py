@@ -3,7 +3,10 @@
 `MIXED_SIZES` in crates/cli/src/bench.rs), preprocessed by transformers' Gemma4ImageProcessor
 (budget 280) and embedded by EmbeddingGemma2Model (bf16, sdpa) in padded batches, as a
 transformers user would: `<bos> <|image> <|image|>×N <image|> <eos>` per image, mean over the real
-tokens, L2. Time includes preprocessing. Usage: eg2_image_ref.py MODEL_DIR [--tiny-cpu]"""
+tokens, L2. Time includes preprocessing.
+Then one 641×479 image's latency as `refbench.py` measures it (median of 50 after warm-up; budget
+280 → 42×57 patches already on the GPU as pixel values, so no decode or resize is timed), for the
+runs that re-measure only the image rows. Usage: eg2_image_ref.py MODEL_DIR [--tiny-cpu]"""
 import json, sys, time
 
 import numpy as np
@@ -67,3 +70,25 @@ for bs in ([4] if cpu else [8, 16, 32]):
     best = max(best, rate)
     print(json.dumps({"name": "ref_eg2_images_mixed", "batch": bs, "images": len(images), "images_per_s": rate}), flush=True)
 print(json.dumps({"name": "ref_eg2_images_mixed_best", "images_per_s": best}))
+
+# One image, as refbench.py times it: random pixel values already on the device, forward, mean, L2.
+ps = vc.patch_size
+ph, pw = (6, 9) if cpu else (42, 57)
+n = ph * pw
+pix = torch.rand(1, n, 3 * ps * ps, device=dev, dtype=dt)
+pos = torch.stack([torch.arange(n, device=dev) % pw, torch.arange(n, device=dev) // pw], -1)[None]
+nsoft = (ph // 3) * (pw // 3)
+ids = torch.tensor([[bos, cfg.boi_token_id] + [cfg.image_token_id] * nsoft + [cfg.eoi_token_id, eos]], device=dev)
+times = []
+with torch.no_grad():
+    for i in range(5 + (5 if cpu else 50)):
+        sync()
+        t = time.perf_counter()
+        h = m(input_ids=ids, pixel_values=pix, image_position_ids=pos).last_hidden_state
+        torch.nn.functional.normalize(h.float().mean(1), dim=-1)
+        sync()
+        if i >= 5:
+            times.append(time.perf_counter() - t)
+times.sort()
+print(json.dumps({"name": "ref_eg2_image_single", "patches": n, "soft_tokens": nsoft,
+                  "median_ms": times[len(times) // 2] * 1e3, "best_ms": times[0] * 1e3}))
