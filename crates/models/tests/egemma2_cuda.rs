@@ -361,7 +361,8 @@ fn replayed_passes_match_direct_ones() {
     use tessera_models::egemma2::{Input, Part};
     use tessera_models::imageproc::{Image, ImageBudget};
     let dir = root().join("crates/models/assets/egemma2-mini");
-    let image = Image::open(&root().join("tests/fixtures/egemma2/images/photo_120x160.jpg")).unwrap();
+    let image =
+        Image::open(&root().join("tests/fixtures/egemma2/images/photo_120x160.jpg")).unwrap();
     let merged = [Input {
         parts: vec![Part::Text("a photo of".into()), Part::Image(image)],
     }];
@@ -383,7 +384,8 @@ fn replayed_passes_match_direct_ones() {
         let opts = TextOptions::default();
         let budget = ImageBudget::DEFAULT;
         let run = |m: &mut EmbeddingGemma2<cuda::CudaBackend>| {
-            m.embed_inputs(&merged, &opts, budget, None, |_| {}).unwrap()[0]
+            m.embed_inputs(&merged, &opts, budget, None, |_| {})
+                .unwrap()[0]
                 .vector
                 .clone()
         };
