@@ -142,7 +142,7 @@ impl CudaBackend {
                     .map_err(drv("occupancy"))? as usize;
                 // The most keys one tile walks: its segment, or its rows plus the window each side.
                 let keys = match spec.window {
-                    Some(w) => segs.max_len().min(64 + 2 * w),
+                    Some(w) => segs.max_len().min(kernels::QUERY_TILE + 2 * w),
                     None => segs.max_len(),
                 };
                 let ctas = segs.tiles * spec.heads_q * fc.splits as usize;

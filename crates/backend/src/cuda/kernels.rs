@@ -13,6 +13,10 @@ use super::nvrtc::{self, SOURCES};
 
 const DTYPES: [&str; 2] = ["f32", "bf16"];
 
+/// Query rows per attention tile: the host lists 64-row tiles that never cross a segment, and
+/// both flash kernels take one (or a part of one) per CTA.
+pub const QUERY_TILE: usize = 64;
+
 /// Head dims the tensor-core attention kernel is instantiated for.
 pub const FLASH_HEAD_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
 
@@ -40,7 +44,7 @@ pub fn flash_config(d: usize) -> FlashConfig {
     FlashConfig {
         smem: (tiles + scores) as u32,
         threads: (32 * wm * wd) as u32,
-        splits: (64 / bm) as u32,
+        splits: (QUERY_TILE / bm) as u32,
         bn,
     }
 }
@@ -73,7 +77,7 @@ pub fn wgmma_config(d: usize) -> FlashConfig {
         0
     };
     FlashConfig {
-        smem: (1024 + (64 + 2 * WGMMA_BN) * d * 2 + scores) as u32,
+        smem: (1024 + (QUERY_TILE + 2 * WGMMA_BN) * d * 2 + scores) as u32,
         threads: 128 * groups as u32,
         splits: 1,
         bn: WGMMA_BN,

@@ -717,7 +717,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_segments(&self, max_rows: usize, max_segs: usize) -> Result<Segments<Self>> {
-        let max_tiles = max_rows.div_ceil(64) + max_segs;
+        let max_tiles = max_rows.div_ceil(kernels::QUERY_TILE) + max_segs;
         Ok(Segments {
             offsets: vec![0],
             dev: self.alloc(max_segs + 1 + 4 * max_tiles, Role::Index)?,
@@ -727,8 +727,8 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// Offsets, then the 64-row query tiles `(q0, q1, s0, s1)` the flash kernel walks; the tiles
-    /// start at element `max_segs + 1`.
+    /// Offsets, then the query tiles `(q0, q1, s0, s1)` of `QUERY_TILE` rows the flash kernels
+    /// walk; the tiles start at element `max_segs + 1`.
     fn set_segments(&self, segs: &mut Segments<Self>, lens: &[usize]) -> Result<()> {
         let offsets = offsets_of(lens, segs.max_rows, segs.max_segs)?;
         let mut data = offsets.clone();
@@ -738,7 +738,7 @@ impl Backend for CudaBackend {
             let (s0, s1) = (w[0], w[1]);
             let mut q0 = s0;
             while q0 < s1 {
-                let q1 = (q0 + 64).min(s1);
+                let q1 = (q0 + kernels::QUERY_TILE as u32).min(s1);
                 data.extend_from_slice(&[q0, q1, s0, s1]);
                 tiles += 1;
                 q0 = q1;
