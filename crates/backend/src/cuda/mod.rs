@@ -4,6 +4,9 @@
 //!   because cudarc panics on a missing library.
 //! - Our kernels are CUDA C++ embedded in the binary and compiled by NVRTC for the device's arch
 //!   on first use ([`nvrtc`]); dense GEMMs go through cuBLASLt ([`gemm`]).
+//! - bf16 attention: `flash_wgmma_d{D}` (kernels/attention_sm90.cu, warpgroup MMA) on Hopper for
+//!   head widths 64, 256 and 512, else the portable `flash_bf16_d{D}` (kernels/attention.cu,
+//!   mma.sync); both split a tile's keys into chunks when that fills the GPU better (`flash.rs`).
 //! - Precision [`Precision::Bf16`]: bf16 weights and GEMM inputs (`Role::Compute` buffers), f32
 //!   accumulation, f32 residual stream and statistics. [`Precision::F32`]: everything f32, the exact
 //!   mode for debugging.
