@@ -5,8 +5,8 @@
 //
 // flash_wgmma_d{D}: one CTA is one 64-row query tile of one head and one warpgroup (4 warps, 128
 // threads; two for 512-wide heads, see WgCfg); warp w of a warpgroup owns rows 16w..16w+15, as in
-// the portable kernel. Per key block of BN keys (48 or 64, see WgCfg):
-//   S = Q·Kᵀ   D/16 wgmma m64n{BN}k16, both operands read from shared memory by descriptor;
+// the portable kernel. Per key block of BN = 64 keys:
+//   S = Q·Kᵀ   D/16 wgmma m64n64k16, both operands read from shared memory by descriptor;
 //   P·V        BN/16 wgmma m64n{D}k16, P from registers (the accumulators, rounded to bf16, are
 //              already in the A-fragment layout), V read N-major ("transposed") from shared memory.
 // A wgmma issues for the whole warpgroup and runs asynchronously; unlike mma.sync it needs no
