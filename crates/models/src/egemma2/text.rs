@@ -45,9 +45,11 @@ struct Workspace<B: Backend> {
     segs: Segments<B>,
     ids: B::Buf,
     pos: B::Buf,
-    /// A merged pass's soft tokens `[≤T, H]` (f32) and the rows they replace: copied here before
-    /// the pass so that its graph always reads the same addresses.
+    /// A merged pass's soft tokens `[soft_rows, H]` (f32) and the rows they replace: copied here
+    /// before the pass so that its graph always reads the same addresses. Sized by the merges
+    /// seen, not by `rows`: a long text-only pass pays nothing for it.
     soft: B::Buf,
+    soft_rows: usize,
     at: B::Buf,
     /// Residual stream `[T, H]` (f32).
     h: B::Buf,
@@ -215,14 +217,16 @@ impl<B: Backend> TextEncoder<B> {
         Ok(())
     }
 
-    fn ensure_workspace(&mut self, be: &B, rows: usize, segs: usize) -> Result<()> {
+    fn ensure_workspace(&mut self, be: &B, rows: usize, segs: usize, soft: usize) -> Result<()> {
         if self
             .ws
             .as_ref()
-            .is_some_and(|w| w.rows >= rows && w.max_segs >= segs)
+            .is_some_and(|w| w.rows >= rows && w.max_segs >= segs && w.soft_rows >= soft)
         {
             return Ok(());
         }
+        // Keep room for the largest merge seen, so that text passes do not shrink it.
+        let soft_rows = self.ws.as_ref().map_or(soft, |w| w.soft_rows.max(soft));
         self.ws = None; // free the old one first
         // Captured graphs hold the old buffers' addresses: never replay one of them again.
         self.generation += 1;
@@ -254,7 +258,8 @@ impl<B: Backend> TextEncoder<B> {
             segs: be.alloc_segments(rows, segs)?,
             ids: be.alloc(rows, Role::Index)?,
             pos: be.alloc(rows, Role::Index)?,
-            soft: be.alloc(rows * h, s)?,
+            soft: be.alloc(soft_rows * h, s)?,
+            soft_rows,
             at: be.alloc(rows, Role::Index)?,
             h: be.alloc(rows * h, s)?,
             x0: be.alloc(rows * h, e)?,
@@ -334,7 +339,8 @@ impl<B: Backend> TextEncoder<B> {
             )));
         }
         self.ensure_rope(be, longest)?;
-        self.ensure_workspace(be, total, seqs.len())?;
+        let merged = merge.as_ref().map_or(0, |m| m.at.len());
+        self.ensure_workspace(be, total, seqs.len(), merged)?;
         let Some(mut ws) = self.ws.take() else {
             return Err(Error::backend(
                 "text encoder",
