@@ -449,7 +449,7 @@ fn attention_matches_cpu() {
                 // wgmma one where it applies), whole and with the split-key path, including
                 // chunks that are empty for some tiles.
                 let mut kernels = vec![FlashKernel::Mma];
-                if g.arch() == "sm_90a" && kernels::WGMMA_HEAD_DIMS.contains(hd) {
+                if kernels::wgmma_applies(g.arch(), *hd) {
                     kernels.push(FlashKernel::Wgmma);
                 }
                 for kernel in kernels {

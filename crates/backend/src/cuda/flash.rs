@@ -108,7 +108,7 @@ impl CudaBackend {
                 ),
             ));
         }
-        let hopper = self.arch == "sm_90a" && kernels::WGMMA_HEAD_DIMS.contains(&hd);
+        let hopper = kernels::wgmma_applies(&self.arch, hd);
         let kernel = match force.kernel {
             Some(FlashKernel::Wgmma) if !hopper => {
                 return Err(Error::backend(

@@ -57,6 +57,11 @@ pub fn flash_name(d: usize) -> String {
 /// Head dims the Hopper (wgmma) attention kernel is instantiated for.
 pub const WGMMA_HEAD_DIMS: [usize; 3] = [64, 256, 512];
 
+/// Whether `flash_wgmma_d{D}` exists on `arch` (attention_sm90.cu is built for sm_90a alone).
+pub fn wgmma_applies(arch: &str, d: usize) -> bool {
+    arch == "sm_90a" && WGMMA_HEAD_DIMS.contains(&d)
+}
+
 /// `flash_wgmma_d{D}`: the Hopper attention kernel for head dim `D`.
 pub fn wgmma_name(d: usize) -> String {
     format!("flash_wgmma_d{d}")
@@ -72,7 +77,7 @@ pub const WGMMA_BN: usize = 64;
 pub fn wgmma_config(d: usize) -> FlashConfig {
     let groups = d.div_ceil(256);
     let scores = if groups > 1 {
-        groups * 64 * WGMMA_BN * 4
+        groups * QUERY_TILE * WGMMA_BN * 4
     } else {
         0
     };
@@ -151,18 +156,14 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        let mut big_smem: Vec<(String, u32)> = FLASH_HEAD_DIMS
+        let portable = FLASH_HEAD_DIMS
             .iter()
-            .map(|&d| (flash_name(d), flash_config(d).smem))
-            .collect();
-        if arch == "sm_90a" {
-            big_smem.extend(
-                WGMMA_HEAD_DIMS
-                    .iter()
-                    .map(|&d| (wgmma_name(d), wgmma_config(d).smem)),
-            );
-        }
-        for (name, smem) in big_smem {
+            .map(|&d| (flash_name(d), flash_config(d).smem));
+        let hopper = WGMMA_HEAD_DIMS
+            .iter()
+            .filter(|&&d| wgmma_applies(arch, d))
+            .map(|&d| (wgmma_name(d), wgmma_config(d).smem));
+        for (name, smem) in portable.chain(hopper) {
             let func = funcs.get(&name).ok_or_else(|| {
                 Error::backend("kernel lookup", format!("no kernel named {name}"))
             })?;
