@@ -7,8 +7,8 @@ use std::str::FromStr;
 
 use tessera_core::{Error, Result};
 
-use crate::Precision;
 use crate::cpu::CpuBackend;
+use crate::{Backend, Op, Precision};
 #[cfg(feature = "cuda")]
 use crate::cuda::CudaBackend;
 
@@ -57,12 +57,32 @@ pub enum AnyBackend {
     Cuda(Box<CudaBackend>),
 }
 
+/// A computation written once, generic over the backend, that [`AnyBackend::run`] calls with
+/// whichever backend was opened (Rust closures cannot be generic). Front ends load a model this
+/// way and keep it behind a trait object, so no model family needs its own per-device enum.
+pub trait BackendFn {
+    type Output;
+    fn call<B: Backend + 'static>(self, backend: B) -> Self::Output;
+}
+
 impl AnyBackend {
     /// Open the requested device. `precision` `None` means the device's default (bf16 on CUDA,
     /// f32 on the CPU). `note` receives the one line that explains an `auto` choice of the CPU.
     pub fn open(
         req: DeviceRequest,
         precision: Option<Precision>,
+        note: impl FnMut(&str),
+    ) -> Result<Self> {
+        Self::open_for(req, precision, &[], note)
+    }
+
+    /// [`open`](Self::open) for a model that will call `ops`: a device that cannot run one of
+    /// them is declined here, before anything loads — `auto` then runs on the CPU and says why,
+    /// an explicit `cuda` fails with the reason.
+    pub fn open_for(
+        req: DeviceRequest,
+        precision: Option<Precision>,
+        ops: &[Op],
         mut note: impl FnMut(&str),
     ) -> Result<Self> {
         let cpu = |precision: Option<Precision>| -> Result<AnyBackend> {
@@ -73,10 +93,15 @@ impl AnyBackend {
             }
             Ok(AnyBackend::Cpu(CpuBackend::new()))
         };
+        let cuda = |ordinal: usize| -> Result<AnyBackend> {
+            let be = open_cuda(ordinal, precision.unwrap_or(Precision::Bf16))?;
+            be.supports_all(ops)?;
+            Ok(be)
+        };
         match req {
             DeviceRequest::Cpu => cpu(precision),
-            DeviceRequest::Cuda(n) => open_cuda(n, precision.unwrap_or(Precision::Bf16)),
-            DeviceRequest::Auto => match open_cuda(0, precision.unwrap_or(Precision::Bf16)) {
+            DeviceRequest::Cuda(n) => cuda(n),
+            DeviceRequest::Auto => match cuda(0) {
                 Ok(b) => Ok(b),
                 Err(e) => {
                     note(&format!("running on the CPU: {e}"));
@@ -84,6 +109,39 @@ impl AnyBackend {
                 }
             },
         }
+    }
+
+    /// Run `f` with the backend inside.
+    pub fn run<F: BackendFn>(self, f: F) -> F::Output {
+        match self {
+            AnyBackend::Cpu(b) => f.call(b),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => f.call(*b),
+        }
+    }
+
+    /// Device and precision, one line.
+    pub fn describe(&self) -> String {
+        match self {
+            AnyBackend::Cpu(b) => b.describe(),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.describe(),
+        }
+    }
+
+    /// `Ok` if this backend runs every op of `ops`, else the first refusal, naming the device.
+    pub fn supports_all(&self, ops: &[Op]) -> Result<()> {
+        let check = |op: &Op| match self {
+            AnyBackend::Cpu(b) => b.supports(op),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.supports(op),
+        };
+        for op in ops {
+            if let Err(e) = check(op) {
+                return Err(Error::Device(format!("{} cannot run {op}: {e}", self.describe())));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -14,15 +14,16 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
-mod spec;
+pub mod op;
 mod view;
 
-pub use device::{AnyBackend, DeviceRequest};
-pub use spec::{
-    Activation, After, AttnSpec, Conv2d, Epilogue, Grids, GroupNorm, NormKind, QkvLayout, Residual,
-    RopeStyle, RowNorm, Segments, offsets_of, stack_rows,
+pub use device::{AnyBackend, BackendFn, DeviceRequest};
+pub use op::{
+    Activation, After, AttnSpec, Conv2d, Epilogue, Gate, Grids, GroupNorm, KvRanges, Mask,
+    NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, Run,
+    Segments, block_causal_limits, offsets_of,
 };
-pub use tessera_core::{Error, Result};
+pub use tessera_core::{Error, Result, Tensor};
 pub use view::{View, ViewMut};
 
 /// Numeric precision of a backend's activations and GEMMs.
@@ -71,14 +72,17 @@ pub enum Role {
 /// One forward's worth of fused ops on one device.
 ///
 /// Shapes are in elements. Matrices are row-major `[rows, cols]`; a weight matrix `W` is stored
-/// `[out, in]` as in the checkpoints, and `matmul` computes `x · Wᵀ`.
+/// `[out, in]` as in the checkpoints, and `matmul` computes `x · Wᵀ`. Every op checks its call
+/// with [`supports`](Backend::supports) first, so an op a backend cannot run fails with the same
+/// reason it gives when asked before a model loads.
 pub trait Backend: Send + Sync {
     /// An activation buffer.
     type Buf: Send + Sync;
-    /// A weight matrix `[out, in]`, uploaded once; several matrices sharing an input may be
-    /// stacked along `out` (q|k|v, gate|up) so one GEMM computes them all.
+    /// A weight matrix `[out, in]`, uploaded once in the format the backend computes with;
+    /// several matrices sharing an input may be stacked along `out` (q|k|v, gate|up) so one GEMM
+    /// computes them all.
     type Mat: Send + Sync;
-    /// A parameter vector (norm weights), kept in `f32`.
+    /// A parameter vector (norm weights, biases), kept in `f32`.
     type Vector: Send + Sync;
     /// An embedding table read by row.
     type Table: Send + Sync;
@@ -86,6 +90,11 @@ pub trait Backend: Send + Sync {
     /// One line: device, precision.
     fn describe(&self) -> String;
     fn precision(&self) -> Precision;
+
+    /// Whether this backend runs `op`; the error says why not. Models check every op they will
+    /// call before loading (so `--device auto` can decline with the reason); each op checks its
+    /// own call on entry.
+    fn supports(&self, op: &Op) -> Result<()>;
 
     // ---- memory -------------------------------------------------------------------------
     fn alloc(&self, len: usize, role: Role) -> Result<Self::Buf>;
@@ -112,17 +121,42 @@ pub trait Backend: Send + Sync {
     where
         Self: Sized;
 
-    /// Upload weight matrices stacked along `out`: each part is `[out_i, inner]` row-major `f32`.
-    fn matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<Self::Mat>;
-    fn vector(&self, v: &[f32]) -> Result<Self::Vector>;
-    /// The embedding table `name` `[rows, dim]` of a checkpoint (the CPU keeps it memory-mapped
-    /// in its stored dtype and converts rows on lookup).
+    // ---- weights ------------------------------------------------------------------------
+
+    /// Upload weight matrices stacked along `out`: each part is a 2-D tensor `[out_i, inner]` in
+    /// its stored dtype (bf16 and f16 checkpoints reach the backend as they are stored; the
+    /// backend converts to what it computes with, never through a host copy of the whole model
+    /// in `f32`).
+    fn matrix(&self, parts: &[Tensor<'_>]) -> Result<Self::Mat>;
+    /// A parameter vector from a 1-D tensor, kept in `f32`.
+    fn vector(&self, t: &Tensor<'_>) -> Result<Self::Vector>;
+    /// The embedding table `name` of a checkpoint, `shape` checked against it and read as rows of
+    /// its last axis (`[∏ shape[..n−1], shape[n−1]]`; the vision position table `[2, P, H]`:
+    /// rows `0..P` are the x table, `P..2P` the y table). The CPU keeps it memory-mapped in its
+    /// stored dtype and converts rows on lookup.
     fn table(
         &self,
         weights: &tessera_core::Weights,
         name: &str,
-        shape: [usize; 2],
+        shape: &[usize],
     ) -> Result<Self::Table>;
+
+    /// [`matrix`](Backend::matrix) from host `f32` values: `parts` are `(values, rows)` of
+    /// `[rows, inner]` each (tests, benchmarks, weights computed on the host).
+    fn matrix_f32(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<Self::Mat> {
+        let tensors: Vec<Tensor<'_>> = parts
+            .iter()
+            .map(|&(v, rows)| Tensor::from_f32("host matrix", vec![rows, inner], v))
+            .collect::<Result<_>>()?;
+        self.matrix(&tensors)
+    }
+    /// [`vector`](Backend::vector) from host `f32` values.
+    fn vector_f32(&self, v: &[f32]) -> Result<Self::Vector> {
+        self.vector(&Tensor::from_f32("host vector", vec![v.len()], v)?)
+    }
+
+    // ---- sequences ----------------------------------------------------------------------
+
     /// Segment storage for up to `max_rows` rows in up to `max_segs` segments (see [`Segments`]).
     fn alloc_segments(&self, max_rows: usize, max_segs: usize) -> Result<Segments<Self>>
     where
@@ -158,168 +192,24 @@ pub trait Backend: Send + Sync {
         Ok(s)
     }
 
-    /// Run `work`, which only enqueues device work on buffers that stay where they are (no
-    /// allocation, no host reads). A backend may capture it into a graph under `key` and replay
-    /// that graph when the same key comes again; the default just runs it.
-    fn run_graph(&self, key: u64, work: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        let _ = key;
-        work()
+    /// Key ranges `(first row, rows)`, one per segment (see [`KvRanges`]).
+    fn kv_ranges(&self, ranges: &[(usize, usize)]) -> Result<KvRanges<Self>>
+    where
+        Self: Sized,
+    {
+        let host = ranges
+            .iter()
+            .map(|&(s, n)| {
+                let end = s.checked_add(n).filter(|&e| e <= u32::MAX as usize);
+                end.map(|_| (s as u32, n as u32))
+                    .ok_or_else(|| Error::backend("kv_ranges", "a key range beyond 2^32 rows"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let flat: Vec<u32> = host.iter().flat_map(|&(s, n)| [s, n]).collect();
+        let mut dev = self.alloc(flat.len().max(1), Role::Index)?;
+        self.write_u32(&mut dev, &flat)?;
+        Ok(KvRanges { ranges: host, dev })
     }
-
-    // ---- ops ----------------------------------------------------------------------------
-
-    /// `out[r] = table[ids[r]] · scale` for `out.rows` ids.
-    fn embed(
-        &self,
-        table: &Self::Table,
-        ids: &Self::Buf,
-        scale: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// `out = ep.alpha · x · wᵀ` for `w` `[out.cols, x.cols]`.
-    fn matmul(
-        &self,
-        x: View<'_, Self>,
-        w: &Self::Mat,
-        out: ViewMut<'_, Self>,
-        ep: Epilogue,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// Row-wise RMSNorm: `out = x · (mean(x²) + eps)^-½ · w` (no `w`: weightless).
-    fn rms_norm(
-        &self,
-        x: View<'_, Self>,
-        w: Option<&Self::Vector>,
-        eps: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// `out = x`, converted to `out`'s element type (a `Stream` value becoming a GEMM input).
-    fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()>
-    where
-        Self: Sized;
-
-    /// The sandwich-norm residual step, fused: `h = (h + N_post(y)) · scale`, then `after`
-    /// (the next block's pre-norm of `h`, or a copy of `h` as a GEMM input).
-    fn residual_norm(
-        &self,
-        h: ViewMut<'_, Self>,
-        y: View<'_, Self>,
-        post: Option<&Self::Vector>,
-        scale: f32,
-        after: After<'_, Self>,
-        eps: f32,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// In place on a packed `[tokens, q|k|v]` buffer: per-head RMSNorm of q and k (with weights
-    /// `[head_dim]`), of v when `v_norm` (weightless), then RoPE on q and k at `positions`.
-    #[allow(clippy::too_many_arguments)]
-    fn qkv_norm_rope(
-        &self,
-        qkv: ViewMut<'_, Self>,
-        layout: QkvLayout,
-        q_w: Option<&Self::Vector>,
-        k_w: Option<&Self::Vector>,
-        v_norm: bool,
-        eps: f32,
-        rope: Option<(&RopeTable<Self>, &Self::Buf)>,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// Attention within each segment of a packed batch (no padding):
-    /// `out = softmax(scale · q kᵀ + mask) v` per head, K/V heads shared by groups of q heads.
-    fn attention(
-        &self,
-        q: View<'_, Self>,
-        k: View<'_, Self>,
-        v: View<'_, Self>,
-        out: ViewMut<'_, Self>,
-        spec: &AttnSpec,
-        segs: &Segments<Self>,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// `out = act(gate) ⊙ up`.
-    fn gated(
-        &self,
-        gate: View<'_, Self>,
-        up: View<'_, Self>,
-        out: ViewMut<'_, Self>,
-        act: Activation,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// `out[s] = mean of x's rows in segment s`.
-    fn segment_mean(
-        &self,
-        x: View<'_, Self>,
-        segs: &Segments<Self>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    // ---- vision -------------------------------------------------------------------------
-
-    /// An embedding table stored with leading axes, read as rows of its last axis: `shape`
-    /// (checked against the checkpoint) is seen as `[∏ shape[..n−1], shape[n−1]]`. For the
-    /// vision position table `[2, P, H]`: rows `0..P` are the x table, `P..2P` the y table.
-    fn table_nd(
-        &self,
-        weights: &tessera_core::Weights,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<Self::Table>;
-
-    /// Learned 2-D positions, in place: `x[r] += table[pos[2r]] + table[axis_rows + pos[2r+1]]`
-    /// (the two table rows summed first), for `pos` holding `(x, y)` pairs, two `u32` per row.
-    /// Every `x` and `y` must be below `axis_rows`.
-    fn add_positions_2d(
-        &self,
-        table: &Self::Table,
-        axis_rows: usize,
-        pos: &Self::Buf,
-        x: ViewMut<'_, Self>,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// `k × k` average pooling of each image's patch grid (`k = grids.kernel`), times `scale`:
-    /// pooled cell `(cx, cy)` of image `i` is row `first_pooled_i + cy·(width_i/k) + cx` of
-    /// `out`, the mean of patches `(cx·k + dx, cy·k + dy)` for `dx, dy < k`, then `· scale`.
-    /// `x` has `grids.patches()` rows, `out` `grids.pooled()`.
-    fn avg_pool2d(
-        &self,
-        x: View<'_, Self>,
-        grids: &Grids<Self>,
-        scale: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<()>
-    where
-        Self: Sized;
-
-    /// `dst[rows[i]] = src[i]` for every row `i` of `src` (converted to `dst`'s element type);
-    /// the other rows of `dst` are untouched. Media soft tokens replace their placeholder rows.
-    fn scatter_rows(
-        &self,
-        src: View<'_, Self>,
-        rows: &Self::Buf,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<()>
-    where
-        Self: Sized;
 
     /// Grid descriptors for images of `dims` `(width, height)` patches pooled `kernel × kernel`.
     fn grids(&self, dims: &[(usize, usize)], kernel: usize) -> Result<Grids<Self>>
@@ -352,42 +242,142 @@ pub trait Backend: Send + Sync {
         })
     }
 
-    // ---- image generation (Z-Image) ----
+    /// Run `work`, which only enqueues device work on buffers that stay where they are (no
+    /// allocation, no host reads). A backend may capture it into a graph under `key` and replay
+    /// that graph when the same key comes again; the default just runs it.
+    fn run_graph(&self, key: u64, work: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = key;
+        work()
+    }
 
-    /// A whole `nn.Linear`, optionally followed by an activation: `out = act(x · wᵀ + bias)` for
-    /// `w` `[out.cols, x.cols]` and `bias` `[out.cols]` broadcast over rows. Used where biases
-    /// exist (DiT embedders, adaLN, timestep MLP, VAE attention).
-    fn linear(
+    // ---- ops ----------------------------------------------------------------------------
+
+    /// `out[r] = table[ids[r]] · scale` for `out.rows` ids.
+    fn embed(
         &self,
-        x: View<'_, Self>,
-        w: &Self::Mat,
-        bias: Option<&Self::Vector>,
-        act: Option<Activation>,
+        table: &Self::Table,
+        ids: &Self::Buf,
+        scale: f32,
         out: ViewMut<'_, Self>,
     ) -> Result<()>
     where
         Self: Sized;
 
-    /// Row normalisation with adaLN modulation: `out = N(x) · w · (1 + scale)` (see [`RowNorm`];
-    /// statistics in at least `f32`).
-    fn norm(
+    /// `out = x`, converted to `out`'s element type (a `Stream` value becoming a GEMM input).
+    fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out = ep(x · wᵀ)` for `w` `[out.cols, x.cols]` (see [`Epilogue`]).
+    fn matmul(
         &self,
         x: View<'_, Self>,
-        norm: &RowNorm<'_, Self>,
+        w: &Self::Mat,
         out: ViewMut<'_, Self>,
+        ep: &Epilogue<'_, Self>,
     ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out = N(x)` row by row (see [`RowNorm`]).
+    fn norm(&self, x: View<'_, Self>, norm: &RowNorm<'_, Self>, out: ViewMut<'_, Self>) -> Result<()>
     where
         Self: Sized;
 
     /// The residual step of pre-norm and sandwich-norm blocks, fused:
-    /// `h += tanh(gate) · post(y)` (see [`Residual`]), then, if `next` is given,
-    /// `out = next(h)` — the following sub-block's (modulated) pre-norm.
-    fn residual_add(
+    /// `h = (h + g ⊙ post(y)) · scale` (see [`Residual`]), then `after`: the next sub-block's
+    /// pre-norm of `h`, or a copy of `h` as a GEMM input.
+    fn residual(
         &self,
         h: ViewMut<'_, Self>,
         y: View<'_, Self>,
         res: &Residual<'_, Self>,
-        next: Option<(&RowNorm<'_, Self>, ViewMut<'_, Self>)>,
+        after: After<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// In place on a packed `[tokens, q|k|v]` buffer: the per-head norms of `norm`, then RoPE on
+    /// q and k at `positions` (rows of the table).
+    fn qkv_norm_rope(
+        &self,
+        qkv: ViewMut<'_, Self>,
+        norm: &QkvNorm<'_, Self>,
+        rope: Option<(&RopeTable<Self>, &Self::Buf)>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// Attention of the packed query segments `segs` (see [`AttnSpec`] for keys and masks):
+    /// `out = softmax(scale · q kᵀ + mask) v` per head.
+    fn attention(
+        &self,
+        q: View<'_, Self>,
+        k: View<'_, Self>,
+        v: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        spec: &AttnSpec<'_, Self>,
+        segs: &Segments<Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out = act(gate) ⊙ up`.
+    fn gated(
+        &self,
+        gate: View<'_, Self>,
+        up: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        act: Activation,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out[s] = mean of x's rows in segment s`.
+    fn segment_mean(
+        &self,
+        x: View<'_, Self>,
+        segs: &Segments<Self>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// Learned 2-D positions, in place: `x[r] += table[pos[2r]] + table[axis_rows + pos[2r+1]]`
+    /// (the two table rows summed first), for `pos` holding `(x, y)` pairs, two `u32` per row.
+    /// Every `x` and `y` must be below `axis_rows`.
+    fn add_positions_2d(
+        &self,
+        table: &Self::Table,
+        axis_rows: usize,
+        pos: &Self::Buf,
+        x: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `k × k` average pooling of each image's patch grid (`k = grids.kernel`), times `scale`:
+    /// pooled cell `(cx, cy)` of image `i` is row `first_pooled_i + cy·(width_i/k) + cx` of
+    /// `out`, the mean of patches `(cx·k + dx, cy·k + dy)` for `dx, dy < k`, then `· scale`.
+    /// `x` has `grids.patches()` rows, `out` `grids.pooled()`.
+    fn avg_pool2d(
+        &self,
+        x: View<'_, Self>,
+        grids: &Grids<Self>,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `dst[rows[i]] = src[i]` for every row `i` of `src` (converted to `dst`'s element type);
+    /// the other rows of `dst` are untouched. Media soft tokens replace their placeholder rows;
+    /// new keys and values go into a cache.
+    fn scatter_rows(
+        &self,
+        src: View<'_, Self>,
+        rows: &Self::Buf,
+        dst: ViewMut<'_, Self>,
     ) -> Result<()>
     where
         Self: Sized;
@@ -417,74 +407,4 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>
     where
         Self: Sized;
-}
-
-/// Rotary-embedding angles for positions `0..len`: `cos` then `sin`, each `[len, half]`
-/// (for [`RopeStyle::Axial2d`], `half` is the pairs per axis, `head_dim / 4`).
-pub struct RopeTable<B: Backend> {
-    pub buf: B::Buf,
-    pub len: usize,
-    /// Rotated pairs per head (`head_dim / 2` for a full rotation).
-    pub half: usize,
-    pub style: RopeStyle,
-}
-
-impl<B: Backend> RopeTable<B> {
-    /// Build the table for `inv_freq` (computed by the caller exactly as the reference does) and
-    /// positions `0..len`. The angle is `pos · inv_freq` rounded to `f32` like the reference's
-    /// `f32` product; its cosine and sine are then taken in `f64` and rounded once.
-    pub fn new(backend: &B, inv_freq: &[f32], len: usize, style: RopeStyle) -> Result<Self> {
-        let half = inv_freq.len();
-        let mut host = vec![0f32; 2 * len * half];
-        let (cos, sin) = host.split_at_mut(len * half);
-        for p in 0..len {
-            for (j, &f) in inv_freq.iter().enumerate() {
-                let angle = (p as f32 * f) as f64;
-                cos[p * half + j] = angle.cos() as f32;
-                sin[p * half + j] = angle.sin() as f32;
-            }
-        }
-        let mut buf = backend.alloc(host.len(), Role::Stream)?;
-        backend.write_f32(&mut buf, &host)?;
-        Ok(RopeTable {
-            buf,
-            len,
-            half,
-            style,
-        })
-    }
-
-    /// A table from explicit `f32` angles `[len, half]` (row `r`, pair `j`), for RoPEs whose
-    /// angle depends on more than one position (multi-axis: each pair's angle is computed from
-    /// its own axis's position by the caller). Cosine and sine are taken in `f64` and rounded once,
-    /// as in [`RopeTable::new`].
-    pub fn from_angles(
-        backend: &B,
-        angles: &[f32],
-        len: usize,
-        half: usize,
-        style: RopeStyle,
-    ) -> Result<Self> {
-        if angles.len() != len * half {
-            return Err(Error::backend(
-                "rope table",
-                format!("{} angles for {len} rows of {half} pairs", angles.len()),
-            ));
-        }
-        let mut host = vec![0f32; 2 * len * half];
-        let (cos, sin) = host.split_at_mut(len * half);
-        for ((c, s), &a) in cos.iter_mut().zip(sin.iter_mut()).zip(angles) {
-            let a = a as f64;
-            *c = a.cos() as f32;
-            *s = a.sin() as f32;
-        }
-        let mut buf = backend.alloc(host.len(), Role::Stream)?;
-        backend.write_f32(&mut buf, &host)?;
-        Ok(RopeTable {
-            buf,
-            len,
-            half,
-            style,
-        })
-    }
 }

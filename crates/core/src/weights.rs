@@ -6,6 +6,7 @@
 //! a prefix ([`Weights::pp`]), and every typed read checks the shape so that a wrong checkpoint
 //! fails at load with the tensor's name rather than mid-forward.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -97,16 +98,38 @@ pub struct Weights {
     location: Arc<str>,
 }
 
-/// One tensor's raw little-endian bytes with its dtype and shape.
+/// One tensor as stored: dtype, shape and raw little-endian bytes — borrowed from the
+/// checkpoint's memory map, or owned when made on the host (values computed by a model, a
+/// re-laid-out convolution weight).
 pub struct Tensor<'a> {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
-    pub bytes: &'a [u8],
+    pub bytes: Cow<'a, [u8]>,
     pub path: &'a Path,
 }
 
 impl Tensor<'_> {
+    /// A host-made `f32` tensor (copied), `name` for messages.
+    pub fn from_f32(name: &str, shape: Vec<usize>, values: &[f32]) -> Result<Tensor<'static>> {
+        let numel: usize = shape.iter().product();
+        if numel != values.len() {
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                path: PathBuf::from("<host>"),
+                expected: shape,
+                found: vec![values.len()],
+            });
+        }
+        Ok(Tensor {
+            name: name.to_string(),
+            dtype: DType::F32,
+            shape,
+            bytes: Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            path: Path::new("<host>"),
+        })
+    }
+
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
@@ -114,7 +137,7 @@ impl Tensor<'_> {
     /// The elements widened to `f32`.
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.numel()];
-        widen_into(self.dtype, self.bytes, &mut out);
+        widen_into(self.dtype, &self.bytes, &mut out);
         out
     }
 
@@ -126,6 +149,62 @@ impl Tensor<'_> {
             &self.bytes[start * s..(start + out.len()) * s],
             out,
         );
+    }
+
+    /// A 2-D tensor's `(rows, cols)`, or an error naming it.
+    pub fn dims2(&self) -> Result<(usize, usize)> {
+        match self.shape[..] {
+            [r, c] => Ok((r, c)),
+            _ => Err(Error::ShapeMismatch {
+                name: self.name.clone(),
+                path: self.path.to_path_buf(),
+                expected: vec![0, 0],
+                found: self.shape.clone(),
+            }),
+        }
+    }
+
+    /// The same values with rows and columns of a 2-D tensor exchanged, or an axis permutation
+    /// of a higher one: `perm[i]` is the source axis of result axis `i`. Kept in the stored dtype.
+    pub fn permuted(&self, perm: &[usize]) -> Result<Tensor<'static>> {
+        let n = self.shape.len();
+        let mut seen = vec![false; n];
+        if perm.len() != n || perm.iter().any(|&p| p >= n || std::mem::replace(&mut seen[p], true))
+        {
+            return Err(Error::ShapeMismatch {
+                name: format!("{} (permuted by {perm:?})", self.name),
+                path: self.path.to_path_buf(),
+                expected: perm.to_vec(),
+                found: self.shape.clone(),
+            });
+        }
+        let shape: Vec<usize> = perm.iter().map(|&p| self.shape[p]).collect();
+        // Row-major strides of the source, in elements.
+        let mut strides = vec![1usize; n];
+        for i in (0..n.saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * self.shape[i + 1];
+        }
+        let size = self.dtype.size();
+        let mut out = vec![0u8; self.bytes.len()];
+        let mut idx = vec![0usize; n];
+        for chunk in out.chunks_exact_mut(size) {
+            let src: usize = idx.iter().zip(perm).map(|(&i, &p)| i * strides[p]).sum();
+            chunk.copy_from_slice(&self.bytes[src * size..(src + 1) * size]);
+            for d in (0..n).rev() {
+                idx[d] += 1;
+                if idx[d] < shape[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        Ok(Tensor {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape,
+            bytes: Cow::Owned(out),
+            path: Path::new("<host>"),
+        })
     }
 }
 
@@ -296,7 +375,7 @@ impl Weights {
             name: full,
             dtype,
             shape: e.shape.clone(),
-            bytes: &file.bytes.as_slice()[e.start..e.end],
+            bytes: Cow::Borrowed(&file.bytes.as_slice()[e.start..e.end]),
             path: &file.path,
         })
     }

@@ -1,24 +1,58 @@
-//! Attention over packed segments, blocked so the heavy parts are GEMMs: for each block of query
-//! rows and each head, scores against the keys the block can see (its segment, cut to the
-//! window), masked softmax, then probabilities times values.
+//! Attention over packed query segments, blocked so the heavy parts are GEMMs: for each block of
+//! query rows and each head, scores against the keys the block can see (its segment's keys, cut
+//! to what the mask allows), masked softmax, then probabilities times values.
 
 use rayon::prelude::*;
-use tessera_core::Result;
+use tessera_core::{Error, Result};
 
 use super::{CpuBackend, slice};
-use crate::{AttnSpec, View, ViewMut};
+use crate::{AttnSpec, Mask, Segments, View, ViewMut};
 
 /// Query rows per task: large enough for efficient GEMMs, small enough to parallelise short
 /// inputs and keep the score block in cache.
 const QUERY_BLOCK: usize = 64;
 
 struct Task {
-    seg: (usize, usize),
+    /// Packed query rows `i0..i1` of one segment.
     rows: (usize, usize),
+    /// Position of row `i0` among its segment's keys (queries are the sequence's last rows).
+    pos0: usize,
+    /// The segment's keys: first row in `k`/`v` and count.
+    keys: (usize, usize),
 }
 
-fn visible(i: usize, j: usize, spec: &AttnSpec) -> bool {
-    spec.window.is_none_or(|w| i.abs_diff(j) <= w) && (!spec.causal || j <= i)
+/// Which keys a query sees, by position.
+#[derive(Clone, Copy)]
+enum Visible<'a> {
+    Full,
+    Window(usize),
+    Causal,
+    /// Per packed query row, the number of keys it sees.
+    Limits(&'a [u32]),
+}
+
+impl Visible<'_> {
+    /// Whether the query at packed row `i`, at position `pos`, sees key `j` of its segment.
+    #[inline]
+    fn sees(self, i: usize, pos: usize, j: usize) -> bool {
+        match self {
+            Visible::Full => true,
+            Visible::Window(w) => pos.abs_diff(j) <= w,
+            Visible::Causal => j <= pos,
+            Visible::Limits(l) => j < l[i] as usize,
+        }
+    }
+
+    /// The keys `lo..hi` (of `n`) that query rows `i0..i1` at positions `p0..` can see at all.
+    fn span(self, (i0, i1): (usize, usize), p0: usize, n: usize) -> (usize, usize) {
+        let p1 = p0 + (i1 - i0) - 1;
+        match self {
+            Visible::Full => (0, n),
+            Visible::Window(w) => (p0.saturating_sub(w), n.min(p1 + w + 1)),
+            Visible::Causal => (0, n.min(p1 + 1)),
+            Visible::Limits(l) => (0, n.min(l[i0..i1].iter().max().map_or(0, |&m| m as usize))),
+        }
+    }
 }
 
 pub(super) fn attention(
@@ -26,21 +60,51 @@ pub(super) fn attention(
     k: View<'_, CpuBackend>,
     v: View<'_, CpuBackend>,
     out: ViewMut<'_, CpuBackend>,
-    spec: &AttnSpec,
-    offsets: &[u32],
+    spec: &AttnSpec<'_, CpuBackend>,
+    segs: &Segments<CpuBackend>,
 ) -> Result<()> {
     let hd = spec.head_dim;
-    let total = *offsets.last().unwrap_or(&0) as usize;
-    spec.check(&q, &k, &v, &out, total)?;
+    spec.check(&q, &k, &v, &out, segs)?;
+    let visible = match spec.mask {
+        Mask::Full => Visible::Full,
+        Mask::Window(w) => Visible::Window(w),
+        Mask::Causal => Visible::Causal,
+        Mask::Limits(buf) => {
+            let l = buf.u32();
+            if l.len() < segs.total() {
+                return Err(Error::backend(
+                    "attention",
+                    format!("{} key limits for {} query rows", l.len(), segs.total()),
+                ));
+            }
+            Visible::Limits(l)
+        }
+    };
     let mut tasks = Vec::new();
-    for w in offsets.windows(2) {
-        let (s0, s1) = (w[0] as usize, w[1] as usize);
-        let mut i0 = s0;
-        while i0 < s1 {
-            let i1 = (i0 + QUERY_BLOCK).min(s1);
+    for (s, (q0, q1)) in segs.ranges().enumerate() {
+        let q_len = q1 - q0;
+        let keys = match spec.kv {
+            Some(kv) => {
+                let (start, n) = kv.ranges[s];
+                (start as usize, n as usize)
+            }
+            None => (q0, q_len),
+        };
+        if let Visible::Limits(l) = visible
+            && let Some(&bad) = l[q0..q1].iter().find(|&&m| m as usize > keys.1)
+        {
+            return Err(Error::backend(
+                "attention",
+                format!("a key limit of {bad} in a segment of {} keys", keys.1),
+            ));
+        }
+        let mut i0 = q0;
+        while i0 < q1 {
+            let i1 = (i0 + QUERY_BLOCK).min(q1);
             tasks.push(Task {
-                seg: (s0, s1),
                 rows: (i0, i1),
+                pos0: keys.1 - q_len + (i0 - q0),
+                keys,
             });
             i0 = i1;
         }
@@ -66,17 +130,19 @@ pub(super) fn attention(
         .for_each_init(Vec::new, |scores, (t, dst)| {
             let (i0, i1) = t.rows;
             let nq = i1 - i0;
-            let mut k0 = t.seg.0;
-            let mut k1 = t.seg.1;
-            if let Some(w) = spec.window {
-                k0 = k0.max(i0.saturating_sub(w));
-                k1 = k1.min(i1 - 1 + w + 1);
-            }
-            if spec.causal {
-                k1 = k1.min(i1);
-            }
+            // Keys of the segment any row of this block sees, as rows of `k`/`v`.
+            let (lo, hi) = visible.span(t.rows, t.pos0, t.keys.1);
+            let (k0, k1) = (t.keys.0 + lo, t.keys.0 + hi.max(lo));
             let nk = k1 - k0;
             scores.resize(nq * nk, 0.0);
+            if nk == 0 {
+                // No key is visible to any row of this block: its output is zero, as a softmax
+                // over nothing contributes nothing.
+                for r in 0..nq {
+                    dst[r * ostride..r * ostride + ocols].fill(0.0);
+                }
+                return;
+            }
             for h in 0..spec.heads_q {
                 let g = h / group;
                 // SAFETY: the lhs covers rows i0..i1 (< q.rows) of head h inside `qs`; the rhs
@@ -106,10 +172,10 @@ pub(super) fn attention(
                     );
                 }
                 for (r, row) in scores.chunks_mut(nk).enumerate() {
-                    let i = i0 + r;
+                    let (i, pos) = (i0 + r, t.pos0 + r);
                     let mut max = f32::NEG_INFINITY;
                     for (c, s) in row.iter_mut().enumerate() {
-                        if visible(i, k0 + c, spec) {
+                        if visible.sees(i, pos, lo + c) {
                             max = max.max(*s);
                         } else {
                             *s = f32::NEG_INFINITY;
@@ -124,7 +190,8 @@ pub(super) fn attention(
                         };
                         sum += *s as f64;
                     }
-                    let inv = (1.0 / sum) as f32;
+                    // A row that sees no key at all gets zeros rather than 0/0.
+                    let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
                     row.iter_mut().for_each(|s| *s *= inv);
                 }
                 // SAFETY: dst holds rows i0..i1 of the output at stride `ostride`, each at least
@@ -163,162 +230,193 @@ pub(super) fn attention(
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use super::visible;
-    use crate::{AttnSpec, Backend, View, ViewMut};
+    use crate::{AttnSpec, Backend, Mask, QkvLayout, Run, View, ViewMut, block_causal_limits};
 
-    /// Straight from the definition, in f64.
+    #[derive(Clone, Copy)]
+    enum M {
+        Full,
+        Window(usize),
+        Causal,
+        /// Block-causal limits from runs, per segment.
+        Blocks(&'static [Run]),
+    }
+
+    /// One case: segments of `(queries, keys)`; keys ≥ queries, the queries being the last rows.
+    struct Case {
+        segs: &'static [(usize, usize)],
+        /// Keys in ranges of a separate cache buffer (in reverse segment order, with gaps), else
+        /// the query rows themselves (then queries == keys).
+        cached: bool,
+        hq: usize,
+        hkv: usize,
+        hd: usize,
+        mask: M,
+    }
+
+    /// Straight from the definition, in f64: query `r` of a segment with `nq` queries over `nk`
+    /// keys is at position `nk − nq + r`.
+    #[allow(clippy::too_many_arguments)]
     fn naive(
         q: &[f32],
-        qw: usize,
         k: &[f32],
         v: &[f32],
-        kw: usize,
-        spec: &AttnSpec,
-        lens: &[usize],
+        c: &Case,
+        ranges: &[(usize, usize)],
+        limits: &[u32],
+        scale: f64,
     ) -> Vec<f64> {
-        let hd = spec.head_dim;
-        let total: usize = lens.iter().sum();
-        let mut out = vec![0f64; total * spec.heads_q * hd];
-        let group = spec.heads_q / spec.heads_kv;
-        let mut s0 = 0;
-        for &len in lens {
-            for i in s0..s0 + len {
-                for h in 0..spec.heads_q {
+        let (hq, hd) = (c.hq, c.hd);
+        let (qw, kw) = (hq * hd, c.hkv * hd);
+        let group = hq / c.hkv;
+        let total: usize = c.segs.iter().map(|s| s.0).sum();
+        let mut out = vec![0f64; total * qw];
+        let mut i = 0;
+        for (&(nq, nk), &(ks, _)) in c.segs.iter().zip(ranges) {
+            for r in 0..nq {
+                let pos = nk - nq + r;
+                for h in 0..hq {
                     let g = h / group;
-                    let mut logits = Vec::new();
-                    for j in s0..s0 + len {
-                        if visible(i, j, spec) {
+                    let logits: Vec<(usize, f64)> = (0..nk)
+                        .filter(|&j| match c.mask {
+                            M::Full => true,
+                            M::Window(w) => pos.abs_diff(j) <= w,
+                            M::Causal => j <= pos,
+                            M::Blocks(_) => j < limits[i] as usize,
+                        })
+                        .map(|j| {
                             let d: f64 = (0..hd)
                                 .map(|t| {
-                                    q[i * qw + h * hd + t] as f64 * k[j * kw + g * hd + t] as f64
+                                    q[i * qw + h * hd + t] as f64
+                                        * k[(ks + j) * kw + g * hd + t] as f64
                                 })
                                 .sum();
-                            logits.push((j, d * spec.scale as f64));
-                        }
-                    }
+                            (ks + j, d * scale)
+                        })
+                        .collect();
                     let m = logits.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = logits.iter().map(|x| (x.1 - m).exp()).sum();
                     for &(j, l) in &logits {
                         let p = (l - m).exp() / z;
                         for t in 0..hd {
-                            out[i * spec.heads_q * hd + h * hd + t] +=
-                                p * v[j * kw + g * hd + t] as f64;
+                            out[i * qw + h * hd + t] += p * v[j * kw + g * hd + t] as f64;
                         }
                     }
                 }
+                i += 1;
             }
-            s0 += len;
         }
         out
     }
 
     #[test]
-    #[allow(clippy::type_complexity)] // the case table; main rewrites it as a struct
-    fn packed_windowed_gqa_matches_naive() {
+    fn packed_and_cached_attention_with_every_mask_matches_naive() {
         let be = cpu();
-        struct Case {
-            lens: &'static [usize],
-            hq: usize,
-            hkv: usize,
-            hd: usize,
-            window: Option<usize>,
-            causal: bool,
-        }
+        const TEXT_THEN_IMAGES: &[Run] = &[Run::Causal(5), Run::Block(12), Run::Block(20)];
         let cases = [
-            Case {
-                lens: &[1],
-                hq: 1,
-                hkv: 1,
-                hd: 4,
-                window: None,
-                causal: false,
-            },
+            Case { segs: &[(1, 1)], cached: false, hq: 1, hkv: 1, hd: 4, mask: M::Full },
             // window cuts through segments
-            Case {
-                lens: &[5, 70, 3],
-                hq: 4,
-                hkv: 2,
-                hd: 8,
-                window: Some(3),
-                causal: false,
-            },
+            Case { segs: &[(5, 5), (70, 70), (3, 3)], cached: false, hq: 4, hkv: 2, hd: 8, mask: M::Window(3) },
             // MQA, window edge at the block size
-            Case {
-                lens: &[130, 1, 67],
-                hq: 4,
-                hkv: 1,
-                hd: 16,
-                window: Some(64),
-                causal: false,
-            },
+            Case { segs: &[(130, 130), (1, 1), (67, 67)], cached: false, hq: 4, hkv: 1, hd: 16, mask: M::Window(64) },
             // causal, odd head dim
-            Case {
-                lens: &[9, 200],
-                hq: 2,
-                hkv: 2,
-                hd: 5,
-                window: None,
-                causal: true,
-            },
+            Case { segs: &[(9, 9), (200, 200)], cached: false, hq: 2, hkv: 2, hd: 5, mask: M::Causal },
             // window 0: each token sees itself
-            Case {
-                lens: &[150],
-                hq: 3,
-                hkv: 3,
-                hd: 7,
-                window: Some(0),
-                causal: false,
-            },
+            Case { segs: &[(150, 150)], cached: false, hq: 3, hkv: 3, hd: 7, mask: M::Window(0) },
+            // block-causal text + images over whole sequences (Qwen-Image prefix prefill)
+            Case { segs: &[(37, 37), (37, 37)], cached: false, hq: 2, hkv: 1, hd: 8, mask: M::Blocks(TEXT_THEN_IMAGES) },
+            // decoding: one new query per sequence against its cache, causal (sees everything)
+            Case { segs: &[(1, 7), (1, 1), (1, 90)], cached: true, hq: 4, hkv: 2, hd: 8, mask: M::Causal },
+            // prefill after a cached prefix: new rows causal among themselves
+            Case { segs: &[(20, 33), (70, 70)], cached: true, hq: 2, hkv: 2, hd: 6, mask: M::Causal },
+            // a DiT step against a cached prefix: no mask
+            Case { segs: &[(65, 100)], cached: true, hq: 2, hkv: 1, hd: 8, mask: M::Full },
+            // a sliding window over a cache
+            Case { segs: &[(3, 40), (10, 12)], cached: true, hq: 2, hkv: 2, hd: 4, mask: M::Window(5) },
         ];
         for (ci, c) in cases.iter().enumerate() {
-            let Case {
-                lens,
-                hq,
-                hkv,
-                hd,
-                window,
-                causal,
-            } = *c;
-            let spec = AttnSpec {
-                heads_q: hq,
-                heads_kv: hkv,
-                head_dim: hd,
-                scale: 0.7,
-                window,
-                causal,
-            };
-            let total: usize = lens.iter().sum();
+            let (hq, hkv, hd) = (c.hq, c.hkv, c.hd);
+            let layout = QkvLayout { heads_q: hq, heads_kv: hkv, head_dim: hd };
+            let (qw, kw) = (layout.q_cols(), layout.kv_cols());
+            let total: usize = c.segs.iter().map(|s| s.0).sum();
             let mut rng = Rng::new(100 + ci as u64);
-            // q|k|v packed in one buffer, as the models store them.
-            let width = (hq + 2 * hkv) * hd;
-            let x = rng.vec(total * width, 2.0);
-            let xb = buf(&be, &x);
-            let all = View::new(&xb, total, width);
-            let segs = be.segments(lens).unwrap();
-            let mut o = buf(&be, &vec![f32::NAN; total * hq * hd]);
+            let q = rng.vec(total * qw, 2.0);
+            // Keys: packed like the queries, or in a cache laid out in reverse order with gaps.
+            let mut ranges = Vec::new();
+            let key_rows = if c.cached {
+                let mut at = 3;
+                let mut r = vec![(0, 0); c.segs.len()];
+                for (s, &(_, nk)) in c.segs.iter().enumerate().rev() {
+                    r[s] = (at, nk);
+                    at += nk + 2;
+                }
+                ranges = r;
+                at
+            } else {
+                let mut at = 0;
+                for &(nq, nk) in c.segs {
+                    assert_eq!(nq, nk);
+                    ranges.push((at, nk));
+                    at += nk;
+                }
+                at
+            };
+            let k = rng.vec(key_rows * kw, 2.0);
+            let v = rng.vec(key_rows * kw, 2.0);
+            let limits: Vec<u32> = match c.mask {
+                M::Blocks(runs) => c.segs.iter().flat_map(|_| block_causal_limits(runs)).collect(),
+                _ => Vec::new(),
+            };
+            let (qb, kb, vb) = (buf(&be, &q), buf(&be, &k), buf(&be, &v));
+            let lb = ids(&be, &limits);
+            let lens: Vec<usize> = c.segs.iter().map(|s| s.0).collect();
+            let segs = be.segments(&lens).unwrap();
+            let kv = be.kv_ranges(&ranges).unwrap();
+            let mask = match c.mask {
+                M::Full => Mask::Full,
+                M::Window(w) => Mask::Window(w),
+                M::Causal => Mask::Causal,
+                M::Blocks(_) => Mask::Limits(&lb),
+            };
+            let mut spec = AttnSpec::new(layout, 0.7, mask);
+            if c.cached {
+                spec = spec.over(&kv);
+            }
+            let mut o = buf(&be, &vec![f32::NAN; total * qw]);
             be.attention(
-                all.cols(0, hq * hd),
-                all.cols(hq * hd, hkv * hd),
-                all.cols((hq + hkv) * hd, hkv * hd),
-                ViewMut::new(&mut o, total, hq * hd),
+                View::new(&qb, total, qw),
+                View::new(&kb, key_rows, kw),
+                View::new(&vb, key_rows, kw),
+                ViewMut::new(&mut o, total, qw),
                 &spec,
                 &segs,
             )
             .unwrap();
-            let got = be.read_f32(View::new(&o, total, hq * hd)).unwrap();
-            let kv = hkv * hd;
-            let k: Vec<f32> = x
-                .chunks(width)
-                .flat_map(|r| r[hq * hd..hq * hd + kv].to_vec())
-                .collect();
-            let v: Vec<f32> = x
-                .chunks(width)
-                .flat_map(|r| r[hq * hd + kv..].to_vec())
-                .collect();
-            let want = naive(&x, width, &k, &v, kv, &spec, lens);
+            let got = be.read_f32(View::new(&o, total, qw)).unwrap();
+            let want = naive(&q, &k, &v, c, &ranges, &limits, 0.7);
             for (idx, (&g, &w)) in got.iter().zip(&want).enumerate() {
                 assert_close(g, w, 1e-5, &format!("attention case {ci} idx {idx}"));
             }
         }
+    }
+
+    #[test]
+    fn key_ranges_shorter_than_their_queries_are_refused() {
+        let be = cpu();
+        let layout = QkvLayout { heads_q: 1, heads_kv: 1, head_dim: 2 };
+        let (qb, kb) = (buf(&be, &[0.0; 8]), buf(&be, &[0.0; 8]));
+        let mut o = buf(&be, &[0.0; 8]);
+        let segs = be.segments(&[4]).unwrap();
+        let kv = be.kv_ranges(&[(0, 3)]).unwrap();
+        let err = be
+            .attention(
+                View::new(&qb, 4, 2),
+                View::new(&kb, 4, 2),
+                View::new(&kb, 4, 2),
+                ViewMut::new(&mut o, 4, 2),
+                &AttnSpec::new(layout, 1.0, Mask::Full).over(&kv),
+                &segs,
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("key ranges"), "{err}");
     }
 }

@@ -202,8 +202,8 @@ mod tests {
             };
             let (oh, ow) = spec.out_size();
             let xb = buf(&be, &x);
-            let mat = be.matrix(&[(&wr, cout)], k * k * cin).unwrap();
-            let bv = be.vector(&bias).unwrap();
+            let mat = be.matrix_f32(&[(&wr, cout)], k * k * cin).unwrap();
+            let bv = be.vector_f32(&bias).unwrap();
             // Output in columns 1.. of a wider buffer: column 0 must stay untouched.
             let stride = cout + 1;
             let mut o = buf(&be, &vec![f32::NAN; oh * ow * stride]);

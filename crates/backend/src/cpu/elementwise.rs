@@ -52,6 +52,14 @@ pub(crate) fn silu(x: f32) -> f32 {
     (x / (1.0 + (-x).exp())) as f32
 }
 
+/// The scalar function of an activation.
+pub(super) fn activation_fn(act: Activation) -> fn(f32) -> f32 {
+    match act {
+        Activation::GeluTanh => gelu_tanh,
+        Activation::Silu => silu,
+    }
+}
+
 pub(super) fn gated(
     gate: View<'_, CpuBackend>,
     up: View<'_, CpuBackend>,
@@ -60,10 +68,7 @@ pub(super) fn gated(
 ) -> Result<()> {
     check_same_shape("gated", (gate.rows, gate.cols), (up.rows, up.cols))?;
     check_same_shape("gated", (gate.rows, gate.cols), (out.rows, out.cols))?;
-    let f = match act {
-        Activation::GeluTanh => gelu_tanh,
-        Activation::Silu => silu,
-    };
+    let f = activation_fn(act);
     rows_mut(out)
         .zip(rows(gate))
         .zip(rows(up))

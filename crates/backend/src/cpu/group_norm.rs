@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::linear::activation_fn;
+use super::elementwise::activation_fn;
 use super::{CpuBackend, check_same_shape, rows, rows_mut};
 use crate::{GroupNorm, View, ViewMut};
 
@@ -104,7 +104,7 @@ mod tests {
             let w = rng.vec(channels, 1.0);
             let b = rng.vec(channels, 1.0);
             let xb = buf(&be, &x);
-            let (wv, bv) = (be.vector(&w).unwrap(), be.vector(&b).unwrap());
+            let (wv, bv) = (be.vector_f32(&w).unwrap(), be.vector_f32(&b).unwrap());
             let mut o = buf(&be, &vec![0.0; pixels * channels]);
             let spec = GroupNorm {
                 groups,

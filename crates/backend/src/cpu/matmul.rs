@@ -1,8 +1,11 @@
-//! `out = alpha · x · wᵀ` through the `gemm` crate.
+//! `out = epilogue(x · wᵀ)`: the product through the `gemm` crate, then bias, activation, gate
+//! and accumulation in one pass over the rows.
 
+use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, CpuMat};
+use super::elementwise::activation_fn;
+use super::{CpuBackend, CpuBuf, CpuMat, rows_mut, slice};
 use crate::{Epilogue, View, ViewMut};
 
 /// Products below this many multiply-adds run on one thread: spawning costs more than it saves.
@@ -11,8 +14,8 @@ const PARALLEL_MIN_MACS: usize = 1 << 20;
 pub(super) fn matmul(
     x: View<'_, CpuBackend>,
     w: &CpuMat,
-    out: ViewMut<'_, CpuBackend>,
-    ep: Epilogue,
+    mut out: ViewMut<'_, CpuBackend>,
+    ep: &Epilogue<'_, CpuBackend>,
 ) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.out);
     if k != w.inner || out.rows != m || out.cols != n {
@@ -24,9 +27,85 @@ pub(super) fn matmul(
             ),
         ));
     }
+    if let Some(b) = ep.bias
+        && b.len() != n
+    {
+        return Err(Error::backend(
+            "matmul",
+            format!("bias of {} for {n} outputs", b.len()),
+        ));
+    }
+    let gate = match &ep.gate {
+        Some(g) if g.values.cols != n || (g.values.rows != 1 && g.values.rows != m) => {
+            return Err(Error::backend(
+                "matmul",
+                format!(
+                    "gate is {}×{}, expected 1×{n} or {m}×{n}",
+                    g.values.rows, g.values.cols
+                ),
+            ));
+        }
+        Some(g) => Some((slice(&g.values), g.values.stride, g.broadcast(), g.tanh)),
+        None => None,
+    };
     if m == 0 || n == 0 {
         return Ok(());
     }
+    // Only a bare product (possibly accumulated) goes straight into `out`; anything else is
+    // computed first and folded in row by row.
+    let plain = ep.bias.is_none() && ep.act.is_none() && gate.is_none();
+    if plain {
+        product(x, w, out.reborrow(), ep.alpha, ep.accumulate);
+        return Ok(());
+    }
+    let f = ep.act.map(activation_fn);
+    let bias = ep.bias.map(Vec::as_slice);
+    let apply = |r: usize, y: &mut [f32]| {
+        for (j, v) in y.iter_mut().enumerate() {
+            let mut z = *v;
+            if let Some(b) = bias {
+                z += b[j];
+            }
+            if let Some(f) = f {
+                z = f(z);
+            }
+            if let Some((g, stride, broadcast, tanh)) = gate {
+                let gv = g[if broadcast { 0 } else { r * stride } + j];
+                z *= if tanh { (gv as f64).tanh() as f32 } else { gv };
+            }
+            *v = z;
+        }
+    };
+    if ep.accumulate {
+        let mut tmp = CpuBuf::F32(vec![0.0; m * n]);
+        product(x, w, ViewMut::new(&mut tmp, m, n), ep.alpha, false);
+        let tmp = tmp.f32();
+        rows_mut(out)
+            .zip(tmp.par_chunks(n))
+            .enumerate()
+            .for_each_init(Vec::new, |y, (r, (o, t))| {
+                y.clear();
+                y.extend_from_slice(t);
+                apply(r, y);
+                o.iter_mut().zip(y.iter()).for_each(|(o, &v)| *o += v);
+            });
+    } else {
+        product(x, w, out.reborrow(), ep.alpha, false);
+        rows_mut(out).enumerate().for_each(|(r, o)| apply(r, o));
+    }
+    Ok(())
+}
+
+/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`, through the `gemm` crate. Shapes
+/// were checked by the caller.
+fn product(
+    x: View<'_, CpuBackend>,
+    w: &CpuMat,
+    out: ViewMut<'_, CpuBackend>,
+    alpha: f32,
+    accumulate: bool,
+) {
+    let (m, k, n) = (x.rows, x.cols, w.out);
     let xs = super::slice(&x);
     let (out_off, out_end, out_stride) = (out.offset, out.end(), out.stride);
     let dst = &mut out.buf.f32_mut()[out_off..out_end];
@@ -37,15 +116,18 @@ pub(super) fn matmul(
         gemm::Parallelism::None
     };
     if k == 0 {
-        for r in dst.chunks_mut(out_stride) {
-            let len = r.len().min(n);
-            r[..len].fill(0.0);
+        if !accumulate {
+            for r in dst.chunks_mut(out_stride) {
+                let len = r.len().min(n);
+                r[..len].fill(0.0);
+            }
         }
-        return Ok(());
+        return;
     }
     // SAFETY: `dst` covers rows `0..m` at stride `out_stride` with `n` columns each, `xs` covers
-    // `m` rows of `k` at `x.stride`, and `w.data` is `n × k` dense (checked above). gemm reads
-    // lhs/rhs and writes dst only within those extents; the borrows are disjoint.
+    // `m` rows of `k` at `x.stride`, and `w.data` is `n × k` dense (checked by the caller). gemm
+    // reads lhs/rhs (and dst when accumulating) and writes dst only within those extents; the
+    // borrows are disjoint.
     unsafe {
         gemm::gemm(
             m,
@@ -54,28 +136,27 @@ pub(super) fn matmul(
             dst.as_mut_ptr(),
             1,
             out_stride as isize,
-            false,
+            accumulate,
             xs.as_ptr(),
             1,
             x.stride as isize,
             w.data.as_ptr(),
             k as isize,
             1,
-            0.0,
-            ep.alpha,
+            if accumulate { 1.0 } else { 0.0 },
+            alpha,
             false,
             false,
             false,
             par,
         );
     }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use crate::{Backend, Epilogue, View, ViewMut};
+    use crate::{Activation, Backend, Epilogue, Gate, View, ViewMut};
 
     #[test]
     fn matches_naive_on_odd_sizes_and_strided_views() {
@@ -93,7 +174,7 @@ mod tests {
             let xh = rng.vec(m * xw, 1.0);
             let w = rng.vec(n * k, 1.0);
             let x = buf(&be, &xh);
-            let mat = be.matrix(&[(&w, n)], k).unwrap();
+            let mat = be.matrix_f32(&[(&w, n)], k).unwrap();
             let ow = n + 2;
             let mut o = buf(&be, &vec![f32::NAN; m * ow]);
             let xv = View::new(&x, m, xw).cols(2, k);
@@ -101,7 +182,7 @@ mod tests {
                 xv,
                 &mat,
                 ViewMut::new(&mut o, m, ow).cols(1, n),
-                Epilogue::scaled(0.5),
+                &Epilogue::scaled(0.5),
             )
             .unwrap();
             let got = be.read_f32(View::new(&o, m, ow).cols(1, n)).unwrap();
@@ -117,6 +198,118 @@ mod tests {
             // Column 0 of every output row is untouched.
             let all = be.read_f32(View::new(&o, m, ow)).unwrap();
             assert!(all.chunks(ow).all(|r| r[0].is_nan()));
+        }
+    }
+
+    #[test]
+    fn bias_and_activation_match_naive() {
+        let be = cpu();
+        for &(m, k, n, act) in &[
+            (1, 1, 1, None),
+            (5, 7, 3, Some(Activation::Silu)),
+            (33, 64, 17, None),
+            (70, 129, 45, Some(Activation::GeluTanh)),
+        ] {
+            let mut rng = Rng::new((m * 31 + k * 7 + n) as u64);
+            let x = rng.vec(m * k, 2.0);
+            let w = rng.vec(n * k, 1.0);
+            let b = rng.vec(n, 1.0);
+            let xb = buf(&be, &x);
+            let mat = be.matrix_f32(&[(&w, n)], k).unwrap();
+            let bv = be.vector_f32(&b).unwrap();
+            // The output sits in columns 2.. of a wider buffer; columns 0..2 stay untouched.
+            let ow = n + 2;
+            let mut o = buf(&be, &vec![f32::NAN; m * ow]);
+            let mut ep = Epilogue::bias(&bv);
+            ep.act = act;
+            be.matmul(
+                View::new(&xb, m, k),
+                &mat,
+                ViewMut::new(&mut o, m, ow).cols(2, n),
+                &ep,
+            )
+            .unwrap();
+            let all = be.read_f32(View::new(&o, m, ow)).unwrap();
+            for i in 0..m {
+                assert!(all[i * ow].is_nan() && all[i * ow + 1].is_nan());
+                for j in 0..n {
+                    let z: f64 = (0..k)
+                        .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                        .sum::<f64>()
+                        + b[j] as f64;
+                    let want = match act {
+                        None => z,
+                        Some(Activation::Silu) => z / (1.0 + (-z).exp()),
+                        Some(Activation::GeluTanh) => {
+                            let c = (2.0 / std::f64::consts::PI).sqrt();
+                            0.5 * z * (1.0 + (c * (z + 0.044715 * z * z * z)).tanh())
+                        }
+                    };
+                    assert_close(all[i * ow + 2 + j], want, 1e-5, "matmul bias/act");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gated_accumulating_epilogue_matches_naive() {
+        let be = cpu();
+        // x += tanh(g) ⊙ (a·Wᵀ + b) with a broadcast gate row; a per-row gate without tanh.
+        for &(m, k, n, broadcast) in &[(5, 7, 3, true), (33, 64, 17, false), (1, 9, 12, true)] {
+            let mut rng = Rng::new((m * 13 + k * 5 + n) as u64);
+            let x = rng.vec(m * k, 2.0);
+            let w = rng.vec(n * k, 1.0);
+            let b = rng.vec(n, 1.0);
+            let h = rng.vec(m * n, 3.0);
+            let g = rng.vec(if broadcast { n } else { m * n }, 2.0);
+            let (xb, gb) = (buf(&be, &x), buf(&be, &g));
+            let mat = be.matrix_f32(&[(&w, n)], k).unwrap();
+            let bv = be.vector_f32(&b).unwrap();
+            let mut o = buf(&be, &h);
+            let gate = Gate {
+                values: View::new(&gb, if broadcast { 1 } else { m }, n),
+                tanh: broadcast,
+            };
+            be.matmul(
+                View::new(&xb, m, k),
+                &mat,
+                ViewMut::new(&mut o, m, n),
+                &Epilogue::bias(&bv).gated(gate).accumulate(),
+            )
+            .unwrap();
+            let got = be.read_f32(View::new(&o, m, n)).unwrap();
+            for i in 0..m {
+                for j in 0..n {
+                    let z: f64 = (0..k)
+                        .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                        .sum::<f64>()
+                        + b[j] as f64;
+                    let gv = g[if broadcast { j } else { i * n + j }] as f64;
+                    let gv = if broadcast { gv.tanh() } else { gv };
+                    let want = h[i * n + j] as f64 + gv * z;
+                    assert_close(got[i * n + j], want, 1e-5, "gated accumulate");
+                }
+            }
+        }
+        // A plain accumulate goes straight through the product: out += 0.5 · x·wᵀ.
+        let mut rng = Rng::new(3);
+        let (x, w, h) = (rng.vec(6, 1.0), rng.vec(6, 1.0), rng.vec(4, 1.0));
+        let xb = buf(&be, &x);
+        let mat = be.matrix_f32(&[(&w, 2)], 3).unwrap();
+        let mut o = buf(&be, &h);
+        be.matmul(
+            View::new(&xb, 2, 3),
+            &mat,
+            ViewMut::new(&mut o, 2, 2),
+            &Epilogue::scaled(0.5).accumulate(),
+        )
+        .unwrap();
+        let got = be.read_f32(View::new(&o, 2, 2)).unwrap();
+        for i in 0..2 {
+            for j in 0..2 {
+                let z: f64 = (0..3).map(|t| x[i * 3 + t] as f64 * w[j * 3 + t] as f64).sum();
+                assert_close(got[i * 2 + j], h[i * 2 + j] as f64 + 0.5 * z, 1e-6, "accumulate");
+            }
         }
     }
 }

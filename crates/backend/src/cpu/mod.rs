@@ -8,28 +8,58 @@ mod attention;
 mod conv;
 mod elementwise;
 mod group_norm;
-mod linear;
 mod matmul;
-mod modulate;
 mod norm;
-mod vision;
+mod rope;
+mod rows;
 
-use tessera_core::{Error, Result, Weights};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use tessera_core::{Error, Result, Tensor, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Precision, QkvLayout,
-    Residual, Role, RopeTable, RowNorm, Segments, View, ViewMut,
+    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Op, Precision,
+    QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, View, ViewMut,
 };
 
 /// The `f32` CPU backend.
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend {
-    _private: (),
+    /// Every op called, when recording (see [`CpuBackend::recording`]).
+    record: Option<Arc<Mutex<HashSet<Op>>>>,
 }
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend { _private: () }
+        CpuBackend { record: None }
+    }
+
+    /// A backend that also records every op it runs, so a test can check that a model's
+    /// declared op list covers what its forward calls.
+    pub fn recording() -> Self {
+        CpuBackend {
+            record: Some(Arc::default()),
+        }
+    }
+
+    /// The ops run so far (recording backends only), in no particular order.
+    pub fn recorded(&self) -> Vec<Op> {
+        self.record.as_ref().map_or_else(Vec::new, |r| {
+            r.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .copied()
+                .collect()
+        })
+    }
+
+    /// Every op's entry: note the call when recording. The CPU runs every op.
+    fn enter(&self, op: Op) -> Result<()> {
+        if let Some(r) = &self.record {
+            r.lock().unwrap_or_else(|p| p.into_inner()).insert(op);
+        }
+        Ok(())
     }
 }
 
@@ -120,6 +150,35 @@ fn check_same_shape(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()
     Ok(())
 }
 
+/// Widen every part to `f32` and stack the parts along `out`, checking they share `inner`.
+fn stack_f32(parts: &[Tensor<'_>]) -> Result<CpuMat> {
+    let mut inner = None;
+    let mut out = 0;
+    for t in parts {
+        let (rows, cols) = t.dims2()?;
+        if *inner.get_or_insert(cols) != cols {
+            return Err(Error::backend(
+                "matrix",
+                format!(
+                    "`{}` is {rows}×{cols}; the matrices stacked with it are {}-wide",
+                    t.name,
+                    inner.unwrap_or(0)
+                ),
+            ));
+        }
+        out += rows;
+    }
+    let inner = inner.unwrap_or(0);
+    let mut data = vec![0f32; out * inner];
+    let mut at = 0;
+    for t in parts {
+        let n = t.numel();
+        tessera_core::dtype::widen_into(t.dtype, &t.bytes, &mut data[at..at + n]);
+        at += n;
+    }
+    Ok(CpuMat { data, out, inner })
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Mat = CpuMat;
@@ -132,6 +191,11 @@ impl Backend for CpuBackend {
 
     fn precision(&self) -> Precision {
         Precision::F32
+    }
+
+    /// The CPU is the reference: it runs every op.
+    fn supports(&self, _op: &Op) -> Result<()> {
+        Ok(())
     }
 
     fn alloc(&self, len: usize, role: Role) -> Result<CpuBuf> {
@@ -168,22 +232,30 @@ impl Backend for CpuBackend {
         Ok(rows(src).flat_map_iter(|r| r.iter().copied()).collect())
     }
 
-    fn matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<CpuMat> {
-        let (out, data) = crate::stack_rows(parts, inner)?;
-        Ok(CpuMat { data, out, inner })
+    fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CpuMat> {
+        stack_f32(parts)
     }
 
-    fn vector(&self, v: &[f32]) -> Result<Vec<f32>> {
-        Ok(v.to_vec())
+    fn vector(&self, t: &Tensor<'_>) -> Result<Vec<f32>> {
+        if t.shape.len() != 1 {
+            return Err(Error::backend(
+                "vector",
+                format!("`{}` has shape {:?}, not one axis", t.name, t.shape),
+            ));
+        }
+        Ok(t.to_f32())
     }
 
-    fn table(&self, weights: &Weights, name: &str, shape: [usize; 2]) -> Result<CpuTable> {
-        weights.get(name, &shape)?;
+    fn table(&self, weights: &Weights, name: &str, shape: &[usize]) -> Result<CpuTable> {
+        let (&dim, lead) = shape
+            .split_last()
+            .ok_or_else(|| Error::backend("table", format!("`{name}`: empty shape")))?;
+        weights.get(name, shape)?;
         Ok(CpuTable {
             weights: weights.clone(),
             name: name.to_string(),
-            rows: shape[0],
-            dim: shape[1],
+            rows: lead.iter().product(),
+            dim,
         })
     }
 
@@ -194,31 +266,13 @@ impl Backend for CpuBackend {
         scale: f32,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.enter(Op::Embed)?;
         elementwise::embed(table, ids.u32(), scale, out)
-    }
-
-    fn matmul(
-        &self,
-        x: View<'_, Self>,
-        w: &CpuMat,
-        out: ViewMut<'_, Self>,
-        ep: Epilogue,
-    ) -> Result<()> {
-        matmul::matmul(x, w, out, ep)
-    }
-
-    fn rms_norm(
-        &self,
-        x: View<'_, Self>,
-        w: Option<&Vec<f32>>,
-        eps: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<()> {
-        norm::rms_norm(x, w.map(Vec::as_slice), eps, out)
     }
 
     fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
         use rayon::prelude::*;
+        self.enter(Op::Cast)?;
         check_same_shape("cast", (x.rows, x.cols), (out.rows, out.cols))?;
         rows_mut(out)
             .zip(rows(x))
@@ -226,37 +280,44 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn residual_norm(
+    fn matmul(
+        &self,
+        x: View<'_, Self>,
+        w: &CpuMat,
+        out: ViewMut<'_, Self>,
+        ep: &Epilogue<'_, Self>,
+    ) -> Result<()> {
+        self.enter(ep.op())?;
+        matmul::matmul(x, w, out, ep)
+    }
+
+    fn norm(&self, x: View<'_, Self>, n: &RowNorm<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
+        self.enter(Op::Norm(n.shape()))?;
+        norm::norm(x, n, out)
+    }
+
+    fn residual(
         &self,
         h: ViewMut<'_, Self>,
         y: View<'_, Self>,
-        post: Option<&Vec<f32>>,
-        scale: f32,
+        res: &Residual<'_, Self>,
         after: After<'_, Self>,
-        eps: f32,
     ) -> Result<()> {
-        norm::residual_norm(h, y, post.map(Vec::as_slice), scale, after, eps)
+        self.enter(res.op(&after))?;
+        norm::residual(h, y, res, after)
     }
 
     fn qkv_norm_rope(
         &self,
         qkv: ViewMut<'_, Self>,
-        layout: QkvLayout,
-        q_w: Option<&Vec<f32>>,
-        k_w: Option<&Vec<f32>>,
-        v_norm: bool,
-        eps: f32,
+        n: &QkvNorm<'_, Self>,
         rope: Option<(&RopeTable<Self>, &CpuBuf)>,
     ) -> Result<()> {
-        norm::qkv_norm_rope(
-            qkv,
-            layout,
-            q_w.map(Vec::as_slice),
-            k_w.map(Vec::as_slice),
-            v_norm,
-            eps,
-            rope.map(|(t, p)| (t, p.u32())),
-        )
+        self.enter(Op::QkvNormRope {
+            head_dim: n.layout.head_dim,
+            rope: rope.map(|r| r.0.style),
+        })?;
+        rope::qkv_norm_rope(qkv, n, rope.map(|(t, p)| (t, p.u32())))
     }
 
     fn attention(
@@ -265,10 +326,11 @@ impl Backend for CpuBackend {
         k: View<'_, Self>,
         v: View<'_, Self>,
         out: ViewMut<'_, Self>,
-        spec: &AttnSpec,
+        spec: &AttnSpec<'_, Self>,
         segs: &Segments<Self>,
     ) -> Result<()> {
-        attention::attention(q, k, v, out, spec, &segs.offsets)
+        self.enter(spec.op())?;
+        attention::attention(q, k, v, out, spec, segs)
     }
 
     fn gated(
@@ -278,6 +340,7 @@ impl Backend for CpuBackend {
         out: ViewMut<'_, Self>,
         act: Activation,
     ) -> Result<()> {
+        self.enter(Op::Gated(act))?;
         elementwise::gated(gate, up, out, act)
     }
 
@@ -287,20 +350,8 @@ impl Backend for CpuBackend {
         segs: &Segments<Self>,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.enter(Op::SegmentMean)?;
         elementwise::segment_mean(x, &segs.offsets, out)
-    }
-
-    fn table_nd(&self, weights: &Weights, name: &str, shape: &[usize]) -> Result<CpuTable> {
-        let (&dim, lead) = shape
-            .split_last()
-            .ok_or_else(|| Error::backend("table_nd", format!("`{name}`: empty shape")))?;
-        weights.get(name, shape)?;
-        Ok(CpuTable {
-            weights: weights.clone(),
-            name: name.to_string(),
-            rows: lead.iter().product(),
-            dim,
-        })
     }
 
     fn add_positions_2d(
@@ -310,7 +361,8 @@ impl Backend for CpuBackend {
         pos: &CpuBuf,
         x: ViewMut<'_, Self>,
     ) -> Result<()> {
-        vision::add_positions_2d(table, axis_rows, pos.u32(), x)
+        self.enter(Op::AddPositions2d)?;
+        rows::add_positions_2d(table, axis_rows, pos.u32(), x)
     }
 
     fn avg_pool2d(
@@ -320,7 +372,8 @@ impl Backend for CpuBackend {
         scale: f32,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
-        vision::avg_pool2d(x, grids, scale, out)
+        self.enter(Op::AvgPool2d)?;
+        rows::avg_pool2d(x, grids, scale, out)
     }
 
     fn scatter_rows(
@@ -329,39 +382,8 @@ impl Backend for CpuBackend {
         rows: &CpuBuf,
         dst: ViewMut<'_, Self>,
     ) -> Result<()> {
-        vision::scatter_rows(src, rows.u32(), dst)
-    }
-
-    // ---- image generation (Z-Image) ----
-
-    fn linear(
-        &self,
-        x: View<'_, Self>,
-        w: &CpuMat,
-        bias: Option<&Vec<f32>>,
-        act: Option<Activation>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<()> {
-        linear::linear(x, w, bias.map(Vec::as_slice), act, out)
-    }
-
-    fn norm(
-        &self,
-        x: View<'_, Self>,
-        norm: &RowNorm<'_, Self>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<()> {
-        modulate::norm(x, norm, out)
-    }
-
-    fn residual_add(
-        &self,
-        h: ViewMut<'_, Self>,
-        y: View<'_, Self>,
-        res: &Residual<'_, Self>,
-        next: Option<(&RowNorm<'_, Self>, ViewMut<'_, Self>)>,
-    ) -> Result<()> {
-        modulate::residual_add(h, y, res, next)
+        self.enter(Op::ScatterRows)?;
+        rows::scatter_rows(src, rows.u32(), dst)
     }
 
     fn conv2d(
@@ -372,6 +394,10 @@ impl Backend for CpuBackend {
         spec: &Conv2d,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.enter(Op::Conv2d {
+            kernel: spec.kernel,
+            upsample: spec.upsample,
+        })?;
         conv::conv2d(x, w, bias, spec, out)
     }
 
@@ -383,6 +409,7 @@ impl Backend for CpuBackend {
         spec: &GroupNorm,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.enter(Op::GroupNorm { act: spec.act })?;
         group_norm::group_norm(x, weight, bias, spec, out)
     }
 }

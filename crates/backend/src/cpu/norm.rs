@@ -1,268 +1,270 @@
-//! RMSNorm in its three shapes: plain rows, the fused sandwich residual step, and per-head norms
-//! of a packed q|k|v row followed by rotary embeddings.
+//! Row norms (RMS or layer, affine or not, adaLN-modulated or not) and the fused residual step:
+//! `h = (h + g ⊙ post(y)) · scale`, then the next sub-block's pre-norm or a copy of `h`.
 
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, check_same_shape, rows, rows_mut};
-use crate::{After, QkvLayout, RopeStyle, RopeTable, View, ViewMut};
+use super::{CpuBackend, check_same_shape, rows, rows_mut, slice};
+use crate::{After, NormKind, Residual, RowNorm, View, ViewMut};
 
-/// `(mean(x²) + eps)^-½`, the sum taken in `f64`.
-#[inline]
-pub(super) fn inv_rms(x: &[f32], eps: f32) -> f32 {
-    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    (1.0 / (ss / x.len() as f64 + eps as f64).sqrt()) as f32
+/// A [`RowNorm`] resolved to host slices, with `1 + s` precomputed once per call.
+pub(super) struct Norm<'a> {
+    kind: NormKind,
+    weight: Option<&'a [f32]>,
+    bias: Option<&'a [f32]>,
+    eps: f32,
+    one_plus_scale: Option<Vec<f32>>,
 }
 
-#[inline]
-fn norm_into(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
-    let inv = inv_rms(x, eps);
-    match w {
-        Some(w) => {
-            for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
-                *o = v * inv * g;
-            }
-        }
-        None => {
-            for (o, &v) in out.iter_mut().zip(x) {
-                *o = v * inv;
-            }
-        }
-    }
-}
-
-fn check_weight(op: &str, w: Option<&[f32]>, cols: usize) -> Result<()> {
-    match w {
-        Some(w) if w.len() != cols => Err(Error::backend(
+/// Check one broadcast row (`[1, cols]`) and borrow it.
+fn broadcast_row<'a>(
+    op: &str,
+    what: &str,
+    v: &View<'a, CpuBackend>,
+    cols: usize,
+) -> Result<&'a [f32]> {
+    if v.rows != 1 || v.cols != cols {
+        return Err(Error::backend(
             op,
-            format!("weight has {} entries for rows of {cols}", w.len()),
+            format!("{what} is {}×{}, expected 1×{cols}", v.rows, v.cols),
+        ));
+    }
+    Ok(slice(v))
+}
+
+fn check_len(op: &str, what: &str, v: Option<&Vec<f32>>, cols: usize) -> Result<()> {
+    match v {
+        Some(v) if v.len() != cols => Err(Error::backend(
+            op,
+            format!("norm {what} of {} for rows of {cols}", v.len()),
         )),
         _ => Ok(()),
     }
 }
 
-pub(super) fn rms_norm(
+impl<'a> Norm<'a> {
+    pub(super) fn resolve(op: &str, n: &RowNorm<'a, CpuBackend>, cols: usize) -> Result<Self> {
+        check_len(op, "weight", n.weight, cols)?;
+        check_len(op, "bias", n.bias, cols)?;
+        let one_plus_scale = match &n.scale {
+            Some(s) => Some(
+                broadcast_row(op, "modulation scale", s, cols)?
+                    .iter()
+                    .map(|&s| 1.0 + s)
+                    .collect(),
+            ),
+            None => None,
+        };
+        Ok(Norm {
+            kind: n.kind,
+            weight: n.weight.map(Vec::as_slice),
+            bias: n.bias.map(Vec::as_slice),
+            eps: n.eps,
+            one_plus_scale,
+        })
+    }
+
+    /// `out = (N(x) · w + b) · (1 + s)`: statistics in `f64`, the normalised value rounded once,
+    /// then weight, bias and modulation applied in `f32` in the reference's order.
+    pub(super) fn apply(&self, x: &[f32], out: &mut [f32]) {
+        let n = x.len() as f64;
+        let mean = match self.kind {
+            NormKind::Rms => 0.0,
+            NormKind::Layer => x.iter().map(|&v| v as f64).sum::<f64>() / n,
+        };
+        let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+        let inv = 1.0 / (var + self.eps as f64).sqrt();
+        for (j, (o, &v)) in out.iter_mut().zip(x).enumerate() {
+            let mut y = ((v as f64 - mean) * inv) as f32;
+            if let Some(w) = self.weight {
+                y *= w[j];
+            }
+            if let Some(b) = self.bias {
+                y += b[j];
+            }
+            if let Some(m) = &self.one_plus_scale {
+                y *= m[j];
+            }
+            *o = y;
+        }
+    }
+}
+
+pub(super) fn norm(
     x: View<'_, CpuBackend>,
-    w: Option<&[f32]>,
-    eps: f32,
+    n: &RowNorm<'_, CpuBackend>,
     out: ViewMut<'_, CpuBackend>,
 ) -> Result<()> {
-    check_same_shape("rms_norm", (x.rows, x.cols), (out.rows, out.cols))?;
-    check_weight("rms_norm", w, x.cols)?;
-    rows_mut(out)
-        .zip(rows(x))
-        .for_each(|(o, r)| norm_into(r, w, eps, o));
+    check_same_shape("norm", (x.rows, x.cols), (out.rows, out.cols))?;
+    let n = Norm::resolve("norm", n, x.cols)?;
+    rows_mut(out).zip(rows(x)).for_each(|(o, r)| n.apply(r, o));
     Ok(())
 }
 
-pub(super) fn residual_norm(
+pub(super) fn residual(
     h: ViewMut<'_, CpuBackend>,
     y: View<'_, CpuBackend>,
-    post: Option<&[f32]>,
-    scale: f32,
+    res: &Residual<'_, CpuBackend>,
     after: After<'_, CpuBackend>,
-    eps: f32,
 ) -> Result<()> {
-    check_same_shape("residual_norm", (h.rows, h.cols), (y.rows, y.cols))?;
-    check_weight("residual_norm", post, h.cols)?;
-    let step = |hr: &mut [f32], yr: &[f32]| {
-        let inv = inv_rms(yr, eps);
-        for (j, (hv, &yv)) in hr.iter_mut().zip(yr).enumerate() {
-            let n = yv * inv * post.map_or(1.0, |w| w[j]);
-            *hv = (*hv + n) * scale;
+    const OP: &str = "residual";
+    check_same_shape(OP, (h.rows, h.cols), (y.rows, y.cols))?;
+    let cols = h.cols;
+    let post = match &res.post {
+        Some(p) if p.scale.is_some() => {
+            return Err(Error::backend(OP, "the post-norm cannot be modulated"));
+        }
+        Some(p) => Some(Norm::resolve(OP, p, cols)?),
+        None => None,
+    };
+    let gate: Option<Vec<f32>> = match &res.tanh_gate {
+        Some(g) => Some(
+            broadcast_row(OP, "gate", g, cols)?
+                .iter()
+                .map(|&g| (g as f64).tanh() as f32)
+                .collect(),
+        ),
+        None => None,
+    };
+    let scale = res.scale;
+    let step = |hr: &mut [f32], yr: &[f32], tmp: &mut Vec<f32>| {
+        let branch: &[f32] = match &post {
+            Some(p) => {
+                tmp.resize(cols, 0.0);
+                p.apply(yr, tmp);
+                tmp
+            }
+            None => yr,
+        };
+        match &gate {
+            Some(g) => {
+                for ((hv, &b), &g) in hr.iter_mut().zip(branch).zip(g) {
+                    *hv = (*hv + g * b) * scale;
+                }
+            }
+            None => {
+                for (hv, &b) in hr.iter_mut().zip(branch) {
+                    *hv = (*hv + b) * scale;
+                }
+            }
         }
     };
-    let (next_w, out) = match after {
+    let (next, out) = match after {
         After::Nothing => {
-            rows_mut(h).zip(rows(y)).for_each(|(hr, yr)| step(hr, yr));
+            rows_mut(h)
+                .zip(rows(y))
+                .for_each_init(Vec::new, |tmp, (hr, yr)| step(hr, yr, tmp));
             return Ok(());
         }
-        After::Norm(w, out) => {
-            check_weight("residual_norm", Some(w.as_slice()), h.cols)?;
-            (Some(w.as_slice()), out)
-        }
+        After::Norm(n, out) => (Some(Norm::resolve(OP, &n, cols)?), out),
         After::Copy(out) => (None, out),
     };
-    check_same_shape("residual_norm", (h.rows, h.cols), (out.rows, out.cols))?;
+    check_same_shape(OP, (h.rows, h.cols), (out.rows, out.cols))?;
     rows_mut(h)
         .zip(rows(y))
         .zip(rows_mut(out))
-        .for_each(|((hr, yr), o)| {
-            step(hr, yr);
-            match next_w {
-                Some(w) => norm_into(hr, Some(w), eps, o),
+        .for_each_init(Vec::new, |tmp, ((hr, yr), o)| {
+            step(hr, yr, tmp);
+            match &next {
+                Some(n) => n.apply(hr, o),
                 None => o.copy_from_slice(hr),
             }
         });
     Ok(())
 }
 
-/// Rotate one head in place: pairs `(j, j + half)` by the angle of `(cos[j], sin[j])`.
-#[inline]
-fn rope_split_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
-    let half = cos.len();
-    let (a, b) = x.split_at_mut(half);
-    for j in 0..half {
-        let (x1, x2) = (a[j], b[j]);
-        a[j] = x1 * cos[j] - x2 * sin[j];
-        b[j] = x2 * cos[j] + x1 * sin[j];
-    }
-}
-
-/// Rotate one head in place: the complex numbers `x[2j] + i·x[2j+1]` times `cos[j] + i·sin[j]`.
-#[inline]
-fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
-    for ((p, &c), &s) in x.chunks_exact_mut(2).zip(cos).zip(sin) {
-        let (a, b) = (p[0], p[1]);
-        p[0] = a * c - b * s;
-        p[1] = a * s + b * c;
-    }
-}
-
-pub(super) fn qkv_norm_rope(
-    qkv: ViewMut<'_, CpuBackend>,
-    layout: QkvLayout,
-    q_w: Option<&[f32]>,
-    k_w: Option<&[f32]>,
-    v_norm: bool,
-    eps: f32,
-    rope: Option<(&RopeTable<CpuBackend>, &[u32])>,
-) -> Result<()> {
-    let hd = layout.head_dim;
-    if qkv.cols != layout.width() {
-        return Err(Error::backend(
-            "qkv_norm_rope",
-            format!(
-                "row of {} columns, layout needs {}",
-                qkv.cols,
-                layout.width()
-            ),
-        ));
-    }
-    check_weight("qkv_norm_rope", q_w, hd)?;
-    check_weight("qkv_norm_rope", k_w, hd)?;
-    // Positions per row: one, or an (x, y) pair for the axial 2-D style.
-    let table = match rope {
-        Some((t, pos)) => {
-            let (per_row, pairs) = match t.style {
-                RopeStyle::SplitHalf | RopeStyle::Interleaved => (1, hd / 2),
-                RopeStyle::Axial2d => (2, hd / 4),
-            };
-            if t.half != pairs || pairs * 2 * per_row != hd {
-                return Err(Error::backend(
-                    "qkv_norm_rope",
-                    format!(
-                        "{:?} rope table of {} pairs for head_dim {hd}",
-                        t.style, t.half
-                    ),
-                ));
-            }
-            let pos = pos
-                .get(..per_row * qkv.rows)
-                .ok_or_else(|| Error::backend("qkv_norm_rope", "fewer positions than rows"))?;
-            if let Some(&p) = pos.iter().max()
-                && p as usize >= t.len
-            {
-                return Err(Error::backend(
-                    "qkv_norm_rope",
-                    format!("position {p} beyond the rope table ({})", t.len),
-                ));
-            }
-            let data = t.buf.f32();
-            let (cos, sin) = data.split_at(t.len * t.half);
-            Some((cos, sin, t.half, pos, per_row, t.style))
-        }
-        None => None,
-    };
-    let (nq, nkv) = (layout.heads_q, layout.heads_kv);
-    rows_mut(qkv).enumerate().for_each_init(
-        || vec![0f32; hd],
-        |tmp, (r, row)| {
-            // (cos, sin) of each axis: one for split-half, (x, y) for axial 2-D.
-            let angles = table.map(|(cos, sin, half, pos, per_row, style)| {
-                let at = |i: usize| {
-                    let p = pos[r * per_row + i] as usize;
-                    (
-                        &cos[p * half..(p + 1) * half],
-                        &sin[p * half..(p + 1) * half],
-                    )
-                };
-                (at(0), (per_row == 2).then(|| at(1)), style)
-            });
-            for h in 0..nq + 2 * nkv {
-                let x = &mut row[h * hd..(h + 1) * hd];
-                let (w, rotate) = if h < nq {
-                    (q_w, true)
-                } else if h < nq + nkv {
-                    (k_w, true)
-                } else if v_norm {
-                    (None, false)
-                } else {
-                    continue;
-                };
-                tmp.copy_from_slice(x);
-                norm_into(tmp, w, eps, x);
-                match angles {
-                    Some(((c, s), None, RopeStyle::Interleaved)) if rotate => {
-                        rope_interleaved(x, c, s)
-                    }
-                    Some(((c, s), None, _)) if rotate => rope_split_half(x, c, s),
-                    Some(((cx, sx), Some((cy, sy)), _)) if rotate => {
-                        let (a, b) = x.split_at_mut(hd / 2);
-                        rope_split_half(a, cx, sx);
-                        rope_split_half(b, cy, sy);
-                    }
-                    _ => {}
-                }
-            }
-        },
-    );
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use crate::{After, Backend, QkvLayout, RopeStyle, RopeTable, View, ViewMut};
+    use crate::{After, Backend, NormKind, Residual, RowNorm, View, ViewMut};
 
-    fn naive_norm(x: &[f32], w: Option<&[f32]>, eps: f64) -> Vec<f64> {
-        let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
-        let inv = 1.0 / (ms + eps).sqrt();
+    /// The definition in f64: `(N(x) · w + b) · (1 + s)`.
+    fn naive(
+        kind: NormKind,
+        x: &[f32],
+        w: Option<&[f32]>,
+        b: Option<&[f32]>,
+        s: Option<&[f32]>,
+        eps: f64,
+    ) -> Vec<f64> {
+        let n = x.len() as f64;
+        let mean = match kind {
+            NormKind::Rms => 0.0,
+            NormKind::Layer => x.iter().map(|&v| v as f64).sum::<f64>() / n,
+        };
+        let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+        let inv = 1.0 / (var + eps).sqrt();
         x.iter()
             .enumerate()
-            .map(|(j, &v)| v as f64 * inv * w.map_or(1.0, |w| w[j] as f64))
+            .map(|(j, &v)| {
+                ((v as f64 - mean) * inv * w.map_or(1.0, |w| w[j] as f64)
+                    + b.map_or(0.0, |b| b[j] as f64))
+                    * s.map_or(1.0, |s| 1.0 + s[j] as f64)
+            })
             .collect()
     }
 
+    fn rms(x: &[f32], w: Option<&[f32]>, eps: f64) -> Vec<f64> {
+        naive(NormKind::Rms, x, w, None, None, eps)
+    }
+
     #[test]
-    fn rms_norm_odd_widths() {
+    fn rms_and_layer_norms_with_weights_biases_and_modulation() {
         let be = cpu();
-        for &(rows, cols) in &[(1, 1), (3, 7), (5, 130), (33, 512)] {
-            let mut rng = Rng::new((rows * cols) as u64);
-            let x = rng.vec(rows * cols, 3.0);
+        for &(rows, cols, kind, weighted, biased, modulated) in &[
+            (1, 1, NormKind::Rms, true, false, true),
+            (3, 7, NormKind::Rms, true, false, false),
+            (5, 130, NormKind::Rms, false, false, false),
+            (33, 512, NormKind::Rms, true, false, false),
+            (7, 45, NormKind::Rms, true, false, true),
+            (9, 130, NormKind::Layer, false, false, true),
+            (3, 17, NormKind::Layer, true, false, false),
+            (4, 33, NormKind::Layer, true, true, false),
+            (2, 19, NormKind::Layer, true, true, true),
+        ] {
+            let mut rng = Rng::new((rows * cols) as u64 + 5);
+            // An offset mean makes LayerNorm's centring matter.
+            let x: Vec<f32> = rng.vec(rows * cols, 3.0).iter().map(|v| v + 0.7).collect();
             let w = rng.vec(cols, 1.0);
+            let b = rng.vec(cols, 0.5);
+            // The modulation row sits in the middle of a wider buffer (row 2, columns 3..).
+            let mods = rng.vec(4 * (cols + 5), 1.0);
+            let mb = buf(&be, &mods);
+            let s = &mods[2 * (cols + 5) + 3..2 * (cols + 5) + 3 + cols];
             let xb = buf(&be, &x);
-            let wv = be.vector(&w).unwrap();
+            let (wv, bv) = (be.vector_f32(&w).unwrap(), be.vector_f32(&b).unwrap());
+            let mut n = RowNorm::plain(kind, 1e-6);
+            n.weight = weighted.then_some(&wv);
+            n.bias = biased.then_some(&bv);
+            if modulated {
+                n = n.modulated(View::new(&mb, 4, cols + 5).rows(2, 1).cols(3, cols));
+            }
             let mut o = buf(&be, &vec![0.0; rows * cols]);
-            be.rms_norm(
+            be.norm(
                 View::new(&xb, rows, cols),
-                Some(&wv),
-                1e-6,
+                &n,
                 ViewMut::new(&mut o, rows, cols),
             )
             .unwrap();
             let got = be.read_f32(View::new(&o, rows, cols)).unwrap();
             for r in 0..rows {
-                let want = naive_norm(&x[r * cols..(r + 1) * cols], Some(&w), 1e-6);
+                let want = naive(
+                    kind,
+                    &x[r * cols..(r + 1) * cols],
+                    weighted.then_some(w.as_slice()),
+                    biased.then_some(b.as_slice()),
+                    modulated.then_some(s),
+                    1e-6,
+                );
                 for c in 0..cols {
-                    assert_close(got[r * cols + c], want[c], 1e-6, "rms_norm");
+                    assert_close(got[r * cols + c], want[c], 1e-5, "norm");
                 }
             }
         }
     }
 
     #[test]
-    fn residual_norm_with_and_without_next() {
+    fn scaled_sandwich_residual_then_nothing_norm_or_copy() {
         let be = cpu();
         let (rows, cols) = (7, 45);
         let mut rng = Rng::new(7);
@@ -270,29 +272,30 @@ mod tests {
         let y = rng.vec(rows * cols, 2.0);
         let pw = rng.vec(cols, 1.0);
         let nw = rng.vec(cols, 1.0);
-        let (pwv, nwv) = (be.vector(&pw).unwrap(), be.vector(&nw).unwrap());
+        let (pwv, nwv) = (be.vector_f32(&pw).unwrap(), be.vector_f32(&nw).unwrap());
         let yb = buf(&be, &y);
         for mode in 0..3 {
             let mut hb = buf(&be, &h0);
             let mut ob = buf(&be, &vec![0.0; rows * cols]);
             let after = match mode {
                 0 => After::Nothing,
-                1 => After::Norm(&nwv, ViewMut::new(&mut ob, rows, cols)),
+                1 => After::Norm(
+                    RowNorm::rms(&nwv, 1e-6),
+                    ViewMut::new(&mut ob, rows, cols),
+                ),
                 _ => After::Copy(ViewMut::new(&mut ob, rows, cols)),
             };
-            be.residual_norm(
+            be.residual(
                 ViewMut::new(&mut hb, rows, cols),
                 View::new(&yb, rows, cols),
-                Some(&pwv),
-                0.75,
+                &Residual::post_norm(RowNorm::rms(&pwv, 1e-6)).scaled(0.75),
                 after,
-                1e-6,
             )
             .unwrap();
             let h = be.read_f32(View::new(&hb, rows, cols)).unwrap();
             let o = be.read_f32(View::new(&ob, rows, cols)).unwrap();
             for r in 0..rows {
-                let n = naive_norm(&y[r * cols..(r + 1) * cols], Some(&pw), 1e-6);
+                let n = rms(&y[r * cols..(r + 1) * cols], Some(&pw), 1e-6);
                 let want_h: Vec<f64> = (0..cols)
                     .map(|c| (h0[r * cols + c] as f64 + n[c]) * 0.75)
                     .collect();
@@ -302,7 +305,7 @@ mod tests {
                 let hf: Vec<f32> = want_h.iter().map(|&v| v as f32).collect();
                 let want_o: Vec<f64> = match mode {
                     0 => vec![0.0; cols],
-                    1 => naive_norm(&hf, Some(&nw), 1e-6),
+                    1 => rms(&hf, Some(&nw), 1e-6),
                     _ => want_h.clone(),
                 };
                 for c in 0..cols {
@@ -313,202 +316,103 @@ mod tests {
     }
 
     #[test]
-    fn axial_2d_rope_rotates_halves_by_x_then_y() {
+    fn gated_sandwich_residual_then_modulated_next_norm() {
         let be = cpu();
-        // Two heads of 12: each half (6 channels) is three pairs (j, j + 3).
-        let layout = QkvLayout {
-            heads_q: 2,
-            heads_kv: 2,
-            head_dim: 12,
-        };
-        let rows = 3;
-        let cols = layout.width();
-        let mut rng = Rng::new(17);
-        let x = rng.vec(rows * cols, 2.0);
-        let (qw, kw) = (rng.vec(12, 1.0), rng.vec(12, 1.0));
-        let inv_freq = [1.0f32, 0.3, 0.01];
-        let table = RopeTable::new(&be, &inv_freq, 9, RopeStyle::Axial2d).unwrap();
-        let positions = [0u32, 0, 5, 2, 8, 7];
-        let pos = ids(&be, &positions);
-        let mut xb = buf(&be, &x);
-        let (qv, kv) = (be.vector(&qw).unwrap(), be.vector(&kw).unwrap());
-        be.qkv_norm_rope(
-            ViewMut::new(&mut xb, rows, cols),
-            layout,
-            Some(&qv),
-            Some(&kv),
-            true,
-            1e-6,
-            Some((&table, &pos)),
-        )
-        .unwrap();
-        let got = be.read_f32(View::new(&xb, rows, cols)).unwrap();
-        for r in 0..rows {
-            for h in 0..6 {
-                let seg = &x[r * cols + h * 12..r * cols + (h + 1) * 12];
-                let w = match h {
-                    0 | 1 => Some(qw.as_slice()),
-                    2 | 3 => Some(kw.as_slice()),
-                    _ => None,
-                };
-                let n = naive_norm(seg, w, 1e-6);
-                let want: Vec<f64> = if h < 4 {
-                    (0..12)
-                        .map(|j| {
-                            let (axis, k) = (j / 6, j % 6);
-                            let p = positions[2 * r + axis] as f32;
-                            let a = (p * inv_freq[k % 3]) as f64;
-                            let base = axis * 6;
-                            let rot = if k < 3 {
-                                -n[base + k + 3]
-                            } else {
-                                n[base + k - 3]
-                            };
-                            n[j] * a.cos() + rot * a.sin()
-                        })
-                        .collect()
-                } else {
-                    n
-                };
-                for j in 0..12 {
-                    assert_close(got[r * cols + h * 12 + j], want[j], 1e-5, "axial rope");
-                }
-            }
-        }
-        // A split-half table does not fit an axial head, nor positions beyond the table.
-        let wrong = RopeTable::new(&be, &inv_freq, 9, RopeStyle::SplitHalf).unwrap();
-        let run = |t: &RopeTable<_>, p: &[u32]| {
-            let mut xb = buf(&be, &x);
-            be.qkv_norm_rope(
-                ViewMut::new(&mut xb, 1, cols),
-                layout,
-                None,
-                None,
-                false,
-                1e-6,
-                Some((t, &ids(&be, p))),
+        let (rows, cols) = (11, 37);
+        let mut rng = Rng::new(21);
+        let h0 = rng.vec(rows * cols, 2.0);
+        let y = rng.vec(rows * cols, 3.0);
+        let pw = rng.vec(cols, 1.0);
+        let nw = rng.vec(cols, 1.0);
+        let g = rng.vec(cols, 2.0);
+        let s = rng.vec(cols, 1.0);
+        let (pwv, nwv) = (be.vector_f32(&pw).unwrap(), be.vector_f32(&nw).unwrap());
+        let (gb, sb, yb) = (buf(&be, &g), buf(&be, &s), buf(&be, &y));
+        for case in 0..3 {
+            // 0: plain add, no next; 1: post-norm + gate + modulated next; 2: plain add + next.
+            let mut hb = buf(&be, &h0);
+            let mut ob = buf(&be, &vec![f32::NAN; rows * cols]);
+            let res = if case == 1 {
+                Residual::post_norm(RowNorm::rms(&pwv, 1e-5))
+                    .tanh_gated(Some(View::new(&gb, 1, cols)))
+            } else {
+                Residual::plain()
+            };
+            let after = match case {
+                1 => After::Norm(
+                    RowNorm::rms(&nwv, 1e-5).modulated(View::new(&sb, 1, cols)),
+                    ViewMut::new(&mut ob, rows, cols),
+                ),
+                2 => After::Norm(
+                    RowNorm::rms(&nwv, 1e-5),
+                    ViewMut::new(&mut ob, rows, cols),
+                ),
+                _ => After::Nothing,
+            };
+            be.residual(
+                ViewMut::new(&mut hb, rows, cols),
+                View::new(&yb, rows, cols),
+                &res,
+                after,
             )
-        };
-        assert!(run(&table, &[0, 9]).is_err());
-        assert!(run(&wrong, &[0, 0]).is_err());
-    }
-
-    #[test]
-    fn interleaved_rope_from_explicit_angles_matches_complex_product() {
-        let be = cpu();
-        // MHA, 2 heads of 6 (3 complex pairs); q/k normed with weights, v untouched.
-        let layout = QkvLayout {
-            heads_q: 2,
-            heads_kv: 2,
-            head_dim: 6,
-        };
-        let (rows, cols) = (4, layout.width());
-        let mut rng = Rng::new(17);
-        let x = rng.vec(rows * cols, 2.0);
-        let (qw, kw) = (rng.vec(6, 1.0), rng.vec(6, 1.0));
-        // Table rows are tokens; positions pick rows out of order.
-        let table_rows = 5;
-        let angles: Vec<f32> = rng.vec(table_rows * 3, 40.0);
-        let table =
-            RopeTable::from_angles(&be, &angles, table_rows, 3, RopeStyle::Interleaved).unwrap();
-        let positions = [4u32, 0, 2, 2];
-        let pos = ids(&be, &positions);
-        let mut xb = buf(&be, &x);
-        let (qv, kv) = (be.vector(&qw).unwrap(), be.vector(&kw).unwrap());
-        be.qkv_norm_rope(
-            ViewMut::new(&mut xb, rows, cols),
-            layout,
-            Some(&qv),
-            Some(&kv),
-            false,
-            1e-5,
-            Some((&table, &pos)),
-        )
-        .unwrap();
-        let got = be.read_f32(View::new(&xb, rows, cols)).unwrap();
-        for r in 0..rows {
-            for h in 0..6 {
-                let seg = &x[r * cols + h * 6..r * cols + (h + 1) * 6];
-                let want: Vec<f64> = if h < 4 {
-                    let w = if h < 2 { &qw } else { &kw };
-                    let n = naive_norm(seg, Some(w), 1e-5);
-                    (0..6)
-                        .map(|j| {
-                            let a = angles[positions[r] as usize * 3 + j / 2] as f64;
-                            let (re, im) = (n[j & !1], n[j | 1]);
-                            if j % 2 == 0 {
-                                re * a.cos() - im * a.sin()
-                            } else {
-                                re * a.sin() + im * a.cos()
-                            }
-                        })
+            .unwrap();
+            let h = be.read_f32(View::new(&hb, rows, cols)).unwrap();
+            let o = be.read_f32(View::new(&ob, rows, cols)).unwrap();
+            for r in 0..rows {
+                let yr = &y[r * cols..(r + 1) * cols];
+                let branch: Vec<f64> = if case == 1 {
+                    rms(yr, Some(&pw), 1e-5)
+                        .iter()
+                        .zip(&g)
+                        .map(|(b, &g)| b * (g as f64).tanh())
                         .collect()
                 } else {
-                    seg.iter().map(|&v| v as f64).collect()
+                    yr.iter().map(|&v| v as f64).collect()
                 };
-                for j in 0..6 {
-                    assert_close(got[r * cols + h * 6 + j], want[j], 1e-5, "interleaved rope");
+                let want_h: Vec<f64> = (0..cols)
+                    .map(|c| h0[r * cols + c] as f64 + branch[c])
+                    .collect();
+                for c in 0..cols {
+                    assert_close(h[r * cols + c], want_h[c], 1e-5, "residual h");
+                }
+                let hf: Vec<f32> = want_h.iter().map(|&v| v as f32).collect();
+                match case {
+                    0 => assert!(o[r * cols..(r + 1) * cols].iter().all(|v| v.is_nan())),
+                    _ => {
+                        let want = naive(
+                            NormKind::Rms,
+                            &hf,
+                            Some(&nw),
+                            None,
+                            (case == 1).then_some(s.as_slice()),
+                            1e-5,
+                        );
+                        for c in 0..cols {
+                            assert_close(o[r * cols + c], want[c], 1e-5, "next norm");
+                        }
+                    }
                 }
             }
         }
     }
 
     #[test]
-    fn qkv_norm_rope_matches_naive() {
+    fn rejects_a_gate_of_the_wrong_width() {
         let be = cpu();
-        let layout = QkvLayout {
-            heads_q: 3,
-            heads_kv: 1,
-            head_dim: 6,
-        };
-        let rows = 5;
-        let cols = layout.width();
-        let mut rng = Rng::new(11);
-        let x = rng.vec(rows * cols, 2.0);
-        let (qw, kw) = (rng.vec(6, 1.0), rng.vec(6, 1.0));
-        let inv_freq = [1.0f32, 0.1, 0.01];
-        let table = RopeTable::new(&be, &inv_freq, 40, RopeStyle::SplitHalf).unwrap();
-        let positions = [0u32, 1, 2, 37, 5];
-        let pos = ids(&be, &positions);
-        let mut xb = buf(&be, &x);
-        let (qv, kv) = (be.vector(&qw).unwrap(), be.vector(&kw).unwrap());
-        be.qkv_norm_rope(
-            ViewMut::new(&mut xb, rows, cols),
-            layout,
-            Some(&qv),
-            Some(&kv),
-            true,
-            1e-6,
-            Some((&table, &pos)),
-        )
-        .unwrap();
-        let got = be.read_f32(View::new(&xb, rows, cols)).unwrap();
-        for r in 0..rows {
-            for h in 0..5 {
-                let seg = &x[r * cols + h * 6..r * cols + (h + 1) * 6];
-                let w = match h {
-                    0..=2 => Some(qw.as_slice()),
-                    3 => Some(kw.as_slice()),
-                    _ => None,
-                };
-                let n = naive_norm(seg, w, 1e-6);
-                let want: Vec<f64> = if h < 4 {
-                    let p = positions[r] as f32;
-                    (0..6)
-                        .map(|j| {
-                            let f = inv_freq[j % 3];
-                            let a = (p * f) as f64;
-                            let rot = if j < 3 { -n[j + 3] } else { n[j - 3] };
-                            n[j] * a.cos() + rot * a.sin()
-                        })
-                        .collect()
-                } else {
-                    n
-                };
-                for j in 0..6 {
-                    assert_close(got[r * cols + h * 6 + j], want[j], 1e-5, "qkv_norm_rope");
-                }
-            }
-        }
+        let h = vec![0.0; 6];
+        let (mut hb, yb, gb) = (buf(&be, &h), buf(&be, &h), buf(&be, &[0.0; 2]));
+        let res = Residual::plain().tanh_gated(Some(View::new(&gb, 1, 2)));
+        let err = be
+            .residual(
+                ViewMut::new(&mut hb, 2, 3),
+                View::new(&yb, 2, 3),
+                &res,
+                After::Nothing,
+            )
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("gate is 1×2, expected 1×3"),
+            "{err}"
+        );
     }
 }

@@ -143,7 +143,7 @@ mod tests {
         let mut rng = Rng::new(21);
         let t = rng.vec(2 * axis * dim, 1.0);
         let table = be
-            .table_nd(&weights_with(&[2, axis, dim], &t), "t", &[2, axis, dim])
+            .table(&weights_with(&[2, axis, dim], &t), "t", &[2, axis, dim])
             .unwrap();
         let pos = [0u32, 4, 3, 0, 4, 4, 1, 2];
         let x0 = rng.vec(rows * dim, 1.0);
@@ -172,7 +172,7 @@ mod tests {
         );
         assert!(beyond.is_err());
         assert!(
-            be.table_nd(&weights_with(&[2, axis, dim], &t), "t", &[axis, dim])
+            be.table(&weights_with(&[2, axis, dim], &t), "t", &[axis, dim])
                 .is_err()
         );
     }

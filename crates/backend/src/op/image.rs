@@ -1,0 +1,98 @@
+//! Ops on images: pooling of packed patch grids (vision towers) and the VAE's convolution and
+//! GroupNorm over channels-last images.
+
+use tessera_core::{Error, Result};
+
+use crate::{Activation, Backend};
+
+/// Images packed back to back, each a row-major grid of patches (patch `(x, y)` of image `i` is
+/// row `first_i + y·width_i + x`), for per-image pooling.
+pub struct Grids<B: Backend> {
+    /// Host copy: `(width, height)` of each image in patches.
+    pub dims: Vec<(usize, usize)>,
+    /// Side of the square pooling window; every width and height is a multiple of it.
+    pub kernel: usize,
+    /// Device copy: four `u32` per image: first patch row, width, height, first pooled row.
+    pub dev: B::Buf,
+}
+
+impl<B: Backend> Grids<B> {
+    /// `(first patch row, width, height, first pooled row)` of each image.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+        let k2 = self.kernel * self.kernel;
+        self.dims.iter().scan((0, 0), move |(p, o), &(w, h)| {
+            let item = (*p, w, h, *o);
+            *p += w * h;
+            *o += w * h / k2;
+            Some(item)
+        })
+    }
+    /// Patch rows in all images.
+    pub fn patches(&self) -> usize {
+        self.dims.iter().map(|&(w, h)| w * h).sum()
+    }
+    /// Pooled rows in all images.
+    pub fn pooled(&self) -> usize {
+        self.patches() / (self.kernel * self.kernel)
+    }
+
+    /// Every backend's shape check for `avg_pool2d`: `x` `[patches, cols]` into `out`
+    /// `[pooled, cols]`, every grid side a multiple of the kernel.
+    pub fn check(&self, x: (usize, usize), out: (usize, usize)) -> Result<()> {
+        let k = self.kernel;
+        if k == 0
+            || x.0 != self.patches()
+            || out.0 != self.pooled()
+            || out.1 != x.1
+            || self
+                .dims
+                .iter()
+                .any(|&(w, h)| !w.is_multiple_of(k) || !h.is_multiple_of(k))
+        {
+            return Err(Error::backend(
+                "avg_pool2d",
+                format!(
+                    "{}×{} patches into {}×{} for grids {:?} pooled {k}×{k}",
+                    x.0, x.1, out.0, out.1, self.dims
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A "same" 2-D convolution (stride 1, zero padding `kernel / 2`) over one channels-last image
+/// stored as a `[height · width, channels]` view (row `y · width + x`).
+///
+/// The weight is a matrix `[out_channels, kernel · kernel · in_channels]` whose columns run over
+/// `(ky, kx, c_in)` with `c_in` fastest — PyTorch's `[out, in, kh, kw]` weight transposed to
+/// `[out, kh, kw, in]` at load — so that the convolution is an implicit GEMM over the input's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2d {
+    /// Input image size in pixels.
+    pub height: usize,
+    pub width: usize,
+    /// Square kernel side: 1 or an odd number.
+    pub kernel: usize,
+    /// Upsample the input 2× by nearest neighbour first (fused: the upsampled image is never
+    /// stored), so the output is `2·height × 2·width`. This is `Upsample2D`'s interpolate + conv.
+    pub upsample: bool,
+}
+
+impl Conv2d {
+    /// Output size in pixels.
+    pub fn out_size(&self) -> (usize, usize) {
+        let s = if self.upsample { 2 } else { 1 };
+        (self.height * s, self.width * s)
+    }
+}
+
+/// `nn.GroupNorm` over one channels-last image `[pixels, channels]`: statistics per group of
+/// `channels / groups` consecutive channels over all pixels, then the affine weight and bias,
+/// then an optional activation (the VAE's GroupNorm → SiLU pairs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupNorm {
+    pub groups: usize,
+    pub eps: f32,
+    pub act: Option<Activation>,
+}

@@ -1,0 +1,93 @@
+//! Rotary position embeddings as the backends apply them: how a head's channels pair up, and the
+//! cos/sin table indexed by per-row positions. How the angles are computed (1-D, 2-D axial,
+//! multi-axis) is model knowledge: `tessera_models::blocks::rope`.
+
+use tessera_core::{Error, Result};
+
+use crate::{Backend, Role};
+
+/// How rotary embeddings pair a head's channels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeStyle {
+    /// Channel `j` pairs with `j + half` (`rotate_half`: Gemma, Qwen3).
+    SplitHalf,
+    /// Axial 2-D (Gemma 4 vision): positions are `(x, y)` pairs, two `u32` per row. The first
+    /// half of each head rotates by x, the second half by y, each half split-half
+    /// (`rotate_half` within the half: channel `j` pairs with `j + head_dim/4`). The table holds
+    /// `head_dim/4` frequencies, shared by both axes.
+    Axial2d,
+    /// Channels `2j` and `2j + 1` form one complex number rotated by angle `j` (`view_as_complex`:
+    /// Z-Image, Qwen-Image). Multi-axis RoPE is this style with a table whose rows are tokens and
+    /// whose angle columns come from different position axes (see `RopeTable::from_angles`).
+    Interleaved,
+}
+
+/// Rotary-embedding angles for positions `0..len`: `cos` then `sin`, each `[len, half]`
+/// (for [`RopeStyle::Axial2d`], `half` is the pairs per axis, `head_dim / 4`).
+pub struct RopeTable<B: Backend> {
+    pub buf: B::Buf,
+    pub len: usize,
+    /// Rotated pairs per head (`head_dim / 2` for a full rotation).
+    pub half: usize,
+    pub style: RopeStyle,
+}
+
+impl<B: Backend> RopeTable<B> {
+    /// Build the table for `inv_freq` (computed by the caller exactly as the reference does) and
+    /// positions `0..len`. The angle is `pos · inv_freq` rounded to `f32` like the reference's
+    /// `f32` product; its cosine and sine are then taken in `f64` and rounded once.
+    pub fn new(backend: &B, inv_freq: &[f32], len: usize, style: RopeStyle) -> Result<Self> {
+        let half = inv_freq.len();
+        let mut host = vec![0f32; 2 * len * half];
+        let (cos, sin) = host.split_at_mut(len * half);
+        for p in 0..len {
+            for (j, &f) in inv_freq.iter().enumerate() {
+                let angle = (p as f32 * f) as f64;
+                cos[p * half + j] = angle.cos() as f32;
+                sin[p * half + j] = angle.sin() as f32;
+            }
+        }
+        let mut buf = backend.alloc(host.len(), Role::Stream)?;
+        backend.write_f32(&mut buf, &host)?;
+        Ok(RopeTable {
+            buf,
+            len,
+            half,
+            style,
+        })
+    }
+
+    /// A table from explicit `f32` angles `[len, half]` (row `r`, pair `j`), for RoPEs whose
+    /// angle depends on more than one position (multi-axis: each pair's angle is computed from
+    /// its own axis's position by the caller). Cosine and sine are taken in `f64` and rounded once,
+    /// as in [`RopeTable::new`].
+    pub fn from_angles(
+        backend: &B,
+        angles: &[f32],
+        len: usize,
+        half: usize,
+        style: RopeStyle,
+    ) -> Result<Self> {
+        if angles.len() != len * half {
+            return Err(Error::backend(
+                "rope table",
+                format!("{} angles for {len} rows of {half} pairs", angles.len()),
+            ));
+        }
+        let mut host = vec![0f32; 2 * len * half];
+        let (cos, sin) = host.split_at_mut(len * half);
+        for ((c, s), &a) in cos.iter_mut().zip(sin.iter_mut()).zip(angles) {
+            let a = a as f64;
+            *c = a.cos() as f32;
+            *s = a.sin() as f32;
+        }
+        let mut buf = backend.alloc(host.len(), Role::Stream)?;
+        backend.write_f32(&mut buf, &host)?;
+        Ok(RopeTable {
+            buf,
+            len,
+            half,
+            style,
+        })
+    }
+}
