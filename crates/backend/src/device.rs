@@ -8,9 +8,9 @@ use std::str::FromStr;
 use tessera_core::{Error, Result};
 
 use crate::cpu::CpuBackend;
-use crate::{Backend, Op, Precision};
 #[cfg(feature = "cuda")]
 use crate::cuda::CudaBackend;
+use crate::{Backend, Op, Precision};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DeviceRequest {
@@ -138,7 +138,10 @@ impl AnyBackend {
         };
         for op in ops {
             if let Err(e) = check(op) {
-                return Err(Error::Device(format!("{} cannot run {op}: {e}", self.describe())));
+                return Err(Error::Device(format!(
+                    "{} cannot run {op}: {e}",
+                    self.describe()
+                )));
             }
         }
         Ok(())

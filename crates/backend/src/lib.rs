@@ -280,7 +280,12 @@ pub trait Backend: Send + Sync {
         Self: Sized;
 
     /// `out = N(x)` row by row (see [`RowNorm`]).
-    fn norm(&self, x: View<'_, Self>, norm: &RowNorm<'_, Self>, out: ViewMut<'_, Self>) -> Result<()>
+    fn norm(
+        &self,
+        x: View<'_, Self>,
+        norm: &RowNorm<'_, Self>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
     where
         Self: Sized;
 

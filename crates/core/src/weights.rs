@@ -169,7 +169,10 @@ impl Tensor<'_> {
     pub fn permuted(&self, perm: &[usize]) -> Result<Tensor<'static>> {
         let n = self.shape.len();
         let mut seen = vec![false; n];
-        if perm.len() != n || perm.iter().any(|&p| p >= n || std::mem::replace(&mut seen[p], true))
+        if perm.len() != n
+            || perm
+                .iter()
+                .any(|&p| p >= n || std::mem::replace(&mut seen[p], true))
         {
             return Err(Error::ShapeMismatch {
                 name: format!("{} (permuted by {perm:?})", self.name),

@@ -13,6 +13,7 @@ pub mod blocks;
 pub mod egemma2;
 pub mod files;
 pub mod imageproc;
+pub mod loader;
 pub mod qwen3;
 pub mod tokenize;
 pub mod zimage;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_models::ModelFiles;
-use tessera_models::egemma2::text::default_inv_freq;
+use tessera_models::blocks::rope::axial_inv_freq;
 use tessera_models::egemma2::{EmbeddingGemma2, Input, Part, TextOptions};
 use tessera_models::imageproc::{Image, ImageBudget};
 
@@ -166,7 +166,7 @@ fn soft_tokens_of_the_tower_alone_match() {
 #[test]
 fn vision_rope_frequencies_equal_the_reference_bit_for_bit() {
     let fx = fixture();
-    let got = default_inv_freq(100.0, 2 * fx.vision_rope_inv_freq.len());
+    let got = axial_inv_freq(100.0, 4 * fx.vision_rope_inv_freq.len());
     assert_eq!(got, fx.vision_rope_inv_freq);
 }
 

@@ -313,29 +313,103 @@ mod tests {
         let be = cpu();
         const TEXT_THEN_IMAGES: &[Run] = &[Run::Causal(5), Run::Block(12), Run::Block(20)];
         let cases = [
-            Case { segs: &[(1, 1)], cached: false, hq: 1, hkv: 1, hd: 4, mask: M::Full },
+            Case {
+                segs: &[(1, 1)],
+                cached: false,
+                hq: 1,
+                hkv: 1,
+                hd: 4,
+                mask: M::Full,
+            },
             // window cuts through segments
-            Case { segs: &[(5, 5), (70, 70), (3, 3)], cached: false, hq: 4, hkv: 2, hd: 8, mask: M::Window(3) },
+            Case {
+                segs: &[(5, 5), (70, 70), (3, 3)],
+                cached: false,
+                hq: 4,
+                hkv: 2,
+                hd: 8,
+                mask: M::Window(3),
+            },
             // MQA, window edge at the block size
-            Case { segs: &[(130, 130), (1, 1), (67, 67)], cached: false, hq: 4, hkv: 1, hd: 16, mask: M::Window(64) },
+            Case {
+                segs: &[(130, 130), (1, 1), (67, 67)],
+                cached: false,
+                hq: 4,
+                hkv: 1,
+                hd: 16,
+                mask: M::Window(64),
+            },
             // causal, odd head dim
-            Case { segs: &[(9, 9), (200, 200)], cached: false, hq: 2, hkv: 2, hd: 5, mask: M::Causal },
+            Case {
+                segs: &[(9, 9), (200, 200)],
+                cached: false,
+                hq: 2,
+                hkv: 2,
+                hd: 5,
+                mask: M::Causal,
+            },
             // window 0: each token sees itself
-            Case { segs: &[(150, 150)], cached: false, hq: 3, hkv: 3, hd: 7, mask: M::Window(0) },
+            Case {
+                segs: &[(150, 150)],
+                cached: false,
+                hq: 3,
+                hkv: 3,
+                hd: 7,
+                mask: M::Window(0),
+            },
             // block-causal text + images over whole sequences (Qwen-Image prefix prefill)
-            Case { segs: &[(37, 37), (37, 37)], cached: false, hq: 2, hkv: 1, hd: 8, mask: M::Blocks(TEXT_THEN_IMAGES) },
+            Case {
+                segs: &[(37, 37), (37, 37)],
+                cached: false,
+                hq: 2,
+                hkv: 1,
+                hd: 8,
+                mask: M::Blocks(TEXT_THEN_IMAGES),
+            },
             // decoding: one new query per sequence against its cache, causal (sees everything)
-            Case { segs: &[(1, 7), (1, 1), (1, 90)], cached: true, hq: 4, hkv: 2, hd: 8, mask: M::Causal },
+            Case {
+                segs: &[(1, 7), (1, 1), (1, 90)],
+                cached: true,
+                hq: 4,
+                hkv: 2,
+                hd: 8,
+                mask: M::Causal,
+            },
             // prefill after a cached prefix: new rows causal among themselves
-            Case { segs: &[(20, 33), (70, 70)], cached: true, hq: 2, hkv: 2, hd: 6, mask: M::Causal },
+            Case {
+                segs: &[(20, 33), (70, 70)],
+                cached: true,
+                hq: 2,
+                hkv: 2,
+                hd: 6,
+                mask: M::Causal,
+            },
             // a DiT step against a cached prefix: no mask
-            Case { segs: &[(65, 100)], cached: true, hq: 2, hkv: 1, hd: 8, mask: M::Full },
+            Case {
+                segs: &[(65, 100)],
+                cached: true,
+                hq: 2,
+                hkv: 1,
+                hd: 8,
+                mask: M::Full,
+            },
             // a sliding window over a cache
-            Case { segs: &[(3, 40), (10, 12)], cached: true, hq: 2, hkv: 2, hd: 4, mask: M::Window(5) },
+            Case {
+                segs: &[(3, 40), (10, 12)],
+                cached: true,
+                hq: 2,
+                hkv: 2,
+                hd: 4,
+                mask: M::Window(5),
+            },
         ];
         for (ci, c) in cases.iter().enumerate() {
             let (hq, hkv, hd) = (c.hq, c.hkv, c.hd);
-            let layout = QkvLayout { heads_q: hq, heads_kv: hkv, head_dim: hd };
+            let layout = QkvLayout {
+                heads_q: hq,
+                heads_kv: hkv,
+                head_dim: hd,
+            };
             let (qw, kw) = (layout.q_cols(), layout.kv_cols());
             let total: usize = c.segs.iter().map(|s| s.0).sum();
             let mut rng = Rng::new(100 + ci as u64);
@@ -363,7 +437,11 @@ mod tests {
             let k = rng.vec(key_rows * kw, 2.0);
             let v = rng.vec(key_rows * kw, 2.0);
             let limits: Vec<u32> = match c.mask {
-                M::Blocks(runs) => c.segs.iter().flat_map(|_| block_causal_limits(runs)).collect(),
+                M::Blocks(runs) => c
+                    .segs
+                    .iter()
+                    .flat_map(|_| block_causal_limits(runs))
+                    .collect(),
                 _ => Vec::new(),
             };
             let (qb, kb, vb) = (buf(&be, &q), buf(&be, &k), buf(&be, &v));
@@ -402,7 +480,11 @@ mod tests {
     #[test]
     fn key_ranges_shorter_than_their_queries_are_refused() {
         let be = cpu();
-        let layout = QkvLayout { heads_q: 1, heads_kv: 1, head_dim: 2 };
+        let layout = QkvLayout {
+            heads_q: 1,
+            heads_kv: 1,
+            head_dim: 2,
+        };
         let (qb, kb) = (buf(&be, &[0.0; 8]), buf(&be, &[0.0; 8]));
         let mut o = buf(&be, &[0.0; 8]);
         let segs = be.segments(&[4]).unwrap();

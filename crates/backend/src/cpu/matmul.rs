@@ -307,8 +307,15 @@ mod tests {
         let got = be.read_f32(View::new(&o, 2, 2)).unwrap();
         for i in 0..2 {
             for j in 0..2 {
-                let z: f64 = (0..3).map(|t| x[i * 3 + t] as f64 * w[j * 3 + t] as f64).sum();
-                assert_close(got[i * 2 + j], h[i * 2 + j] as f64 + 0.5 * z, 1e-6, "accumulate");
+                let z: f64 = (0..3)
+                    .map(|t| x[i * 3 + t] as f64 * w[j * 3 + t] as f64)
+                    .sum();
+                assert_close(
+                    got[i * 2 + j],
+                    h[i * 2 + j] as f64 + 0.5 * z,
+                    1e-6,
+                    "accumulate",
+                );
             }
         }
     }

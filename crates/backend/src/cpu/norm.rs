@@ -279,10 +279,7 @@ mod tests {
             let mut ob = buf(&be, &vec![0.0; rows * cols]);
             let after = match mode {
                 0 => After::Nothing,
-                1 => After::Norm(
-                    RowNorm::rms(&nwv, 1e-6),
-                    ViewMut::new(&mut ob, rows, cols),
-                ),
+                1 => After::Norm(RowNorm::rms(&nwv, 1e-6), ViewMut::new(&mut ob, rows, cols)),
                 _ => After::Copy(ViewMut::new(&mut ob, rows, cols)),
             };
             be.residual(
@@ -343,10 +340,7 @@ mod tests {
                     RowNorm::rms(&nwv, 1e-5).modulated(View::new(&sb, 1, cols)),
                     ViewMut::new(&mut ob, rows, cols),
                 ),
-                2 => After::Norm(
-                    RowNorm::rms(&nwv, 1e-5),
-                    ViewMut::new(&mut ob, rows, cols),
-                ),
+                2 => After::Norm(RowNorm::rms(&nwv, 1e-5), ViewMut::new(&mut ob, rows, cols)),
                 _ => After::Nothing,
             };
             be.residual(

@@ -128,7 +128,10 @@ impl<'a, B: Backend> AttnSpec<'a, B> {
 
     /// The same attention over the key ranges `kv`.
     pub fn over(self, kv: &'a KvRanges<B>) -> Self {
-        AttnSpec { kv: Some(kv), ..self }
+        AttnSpec {
+            kv: Some(kv),
+            ..self
+        }
     }
 
     /// Every backend's shape check: q/out `[queries, heads_q·head_dim]` with `queries` the rows of
@@ -148,9 +151,13 @@ impl<'a, B: Backend> AttnSpec<'a, B> {
             None => k.rows == total && v.rows == total,
             Some(kv) => {
                 kv.ranges.len() == segs.count()
-                    && kv.ranges.iter().zip(segs.ranges()).all(|(&(s, n), (a, b))| {
-                        (s + n) as usize <= k.rows.min(v.rows) && n as usize >= b - a
-                    })
+                    && kv
+                        .ranges
+                        .iter()
+                        .zip(segs.ranges())
+                        .all(|(&(s, n), (a, b))| {
+                            (s + n) as usize <= k.rows.min(v.rows) && n as usize >= b - a
+                        })
             }
         };
         let ok = self.heads_kv > 0
@@ -304,7 +311,8 @@ mod tests {
     #[test]
     fn block_causal_limits_of_text_then_images() {
         // 3 text rows, a 2-row image, 1 text row, a 3-row target.
-        let l = block_causal_limits(&[Run::Causal(3), Run::Block(2), Run::Causal(1), Run::Block(3)]);
+        let l =
+            block_causal_limits(&[Run::Causal(3), Run::Block(2), Run::Causal(1), Run::Block(3)]);
         assert_eq!(l, [1, 2, 3, 5, 5, 6, 9, 9, 9]);
         // Non-decreasing, and never past the sequence.
         assert!(l.windows(2).all(|w| w[0] <= w[1]) && *l.last().unwrap() == 9);

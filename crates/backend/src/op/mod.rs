@@ -235,7 +235,11 @@ impl std::fmt::Display for Op {
             Op::Conv2d { kernel, upsample } => write!(
                 f,
                 "{name} ({kernel}×{kernel}{})",
-                if *upsample { ", 2× upsampled input" } else { "" }
+                if *upsample {
+                    ", 2× upsampled input"
+                } else {
+                    ""
+                }
             ),
             Op::GroupNorm { act } => match act {
                 Some(a) => write!(f, "{name} (then {a:?})"),

@@ -10,28 +10,22 @@
 //! attention, so a packed member embeds exactly as it does alone.
 
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, Epilogue, QkvLayout, Role, RopeStyle, RopeTable,
-    Segments, View, ViewMut,
+    Activation, After, AttnSpec, Backend, Epilogue, Mask, QkvLayout, Residual, Role, RopeStyle,
+    RopeTable, RowNorm, Segments, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
 use super::config::{LayerType, TextConfig};
-use crate::blocks::{GatedMlp, LayerBuffers, SandwichLayer, SelfAttention};
+use crate::blocks::rope::inv_freq;
+use crate::blocks::{
+    HF_ATTENTION, HF_MLP, LayerShape, SandwichLayer, Scratch, ScratchDims, SelfAttention,
+};
+use crate::loader::Loader;
 
+/// One layer: the shared sandwich-normed layer and this tower's per-layer input (PLE) block.
 struct Layer<B: Backend> {
     kind: LayerType,
-    layout: QkvLayout,
-    intermediate: usize,
-    qkv: B::Mat,
-    q_norm: B::Vector,
-    k_norm: B::Vector,
-    o: B::Mat,
-    input_norm: B::Vector,
-    post_attn_norm: B::Vector,
-    pre_ff_norm: B::Vector,
-    post_ff_norm: B::Vector,
-    gate_up: B::Mat,
-    down: B::Mat,
+    block: SandwichLayer<B>,
     ple_gate: B::Mat,
     ple_proj: B::Mat,
     ple_post_norm: B::Vector,
@@ -55,15 +49,10 @@ struct Workspace<B: Backend> {
     h: B::Buf,
     /// Input embeddings as a GEMM input `[T, H]`.
     x0: B::Buf,
-    /// Normed input of the current sub-block `[T, H]`.
-    a: B::Buf,
-    qkv: B::Buf,
-    attn: B::Buf,
-    /// Sub-block outputs before their post-norm `[T, H]`. (Kept in the compute dtype: f32 here
-    /// was measured on the H200 to cost 5% of a 256-token batch for no measurable accuracy.)
-    y: B::Buf,
-    gu: B::Buf,
-    g: B::Buf,
+    /// The blocks' activations. (`y`, the sub-block outputs before their post-norm, stays in the
+    /// compute dtype: f32 there was measured on the H200 to cost 5% of a 256-token batch for no
+    /// measurable accuracy.)
+    scratch: Scratch<B>,
     /// PLE for all layers at once: raw projection and normed per-layer inputs `[T, L·P]`; then
     /// per layer the gate pre-activation and the gated product `[T, P]`.
     ple_raw: B::Buf,
@@ -102,75 +91,35 @@ pub struct TextEncoder<B: Backend> {
     generation: u64,
 }
 
-fn vector<B: Backend>(be: &B, w: &Weights, name: &str, n: usize) -> Result<B::Vector> {
-    be.vector(&w.f32(name, &[n])?)
-}
-
-fn matrix<B: Backend>(be: &B, w: &Weights, name: &str, out: usize, inner: usize) -> Result<B::Mat> {
-    be.matrix(&[(&w.f32(name, &[out, inner])?, out)], inner)
-}
-
-/// `inv_freq[j] = 1 / θ^(2j/d)`, computed as the reference does: the exponent in f32, the power
-/// in f32 arithmetic of an f64 base (torch evaluates `base ** f32_tensor` in f32).
-pub fn default_inv_freq(theta: f64, head_dim: usize) -> Vec<f32> {
-    (0..head_dim / 2)
-        .map(|j| {
-            let exponent = (2 * j) as f32 / head_dim as f32;
-            1.0f32 / (theta as f32).powf(exponent)
-        })
-        .collect()
-}
-
 impl<B: Backend> TextEncoder<B> {
     /// Load from the checkpoint tensors under `language_model.`, checking every shape.
     pub fn load(be: &B, cfg: &TextConfig, w: &Weights) -> Result<Self> {
         let h = cfg.hidden_size;
         let p = cfg.ple_dim;
         let n_layers = cfg.layers.len();
-        let embed = be.table(w, "embed_tokens.weight", [cfg.vocab_size, h])?;
-        let ple_proj = matrix(
-            be,
-            w,
-            "ple.per_layer_model_projection.weight",
-            n_layers * p,
-            h,
-        )?;
-        let ple_norm = vector(be, w, "ple.per_layer_projection_norm.weight", p)?;
+        let l = Loader::new(be, w);
+        let embed = l.table("embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let ple_proj = l.matrix("ple.per_layer_model_projection.weight", n_layers * p, h)?;
+        let ple_norm = l.vector("ple.per_layer_projection_norm.weight", p)?;
         let mut layers = Vec::with_capacity(n_layers);
         for (i, lc) in cfg.layers.iter().enumerate() {
-            let lw = w.pp(format!("layers.{i}"));
-            let hd = lc.head_dim;
-            let layout = QkvLayout {
-                heads_q: cfg.num_heads,
-                heads_kv: lc.kv_heads,
-                head_dim: hd,
+            let ll = l.pp(format_args!("layers.{i}"));
+            let shape = LayerShape {
+                layout: QkvLayout {
+                    heads_q: cfg.num_heads,
+                    heads_kv: lc.kv_heads,
+                    head_dim: lc.head_dim,
+                },
+                width: h,
+                mlp: lc.intermediate_size,
             };
-            let (qc, kc) = (layout.q_cols(), layout.kv_cols());
-            let q = lw.f32("self_attn.q_proj.weight", &[qc, h])?;
-            let k = lw.f32("self_attn.k_proj.weight", &[kc, h])?;
-            let v = lw.f32("self_attn.v_proj.weight", &[kc, h])?;
-            let im = lc.intermediate_size;
-            let gate = lw.f32("mlp.gate_proj.weight", &[im, h])?;
-            let up = lw.f32("mlp.up_proj.weight", &[im, h])?;
-            let scalar = lw.f32("layer_scalar", &[1])?[0];
             layers.push(Layer {
                 kind: lc.kind,
-                layout,
-                intermediate: im,
-                qkv: be.matrix(&[(&q, qc), (&k, kc), (&v, kc)], h)?,
-                q_norm: vector(be, &lw, "self_attn.q_norm.weight", hd)?,
-                k_norm: vector(be, &lw, "self_attn.k_norm.weight", hd)?,
-                o: matrix(be, &lw, "self_attn.o_proj.weight", h, qc)?,
-                input_norm: vector(be, &lw, "input_layernorm.weight", h)?,
-                post_attn_norm: vector(be, &lw, "post_attention_layernorm.weight", h)?,
-                pre_ff_norm: vector(be, &lw, "pre_feedforward_layernorm.weight", h)?,
-                post_ff_norm: vector(be, &lw, "post_feedforward_layernorm.weight", h)?,
-                gate_up: be.matrix(&[(&gate, im), (&up, im)], h)?,
-                down: matrix(be, &lw, "mlp.down_proj.weight", h, im)?,
-                ple_gate: matrix(be, &lw, "ple_block.per_layer_input_gate.weight", p, h)?,
-                ple_proj: matrix(be, &lw, "ple_block.per_layer_projection.weight", h, p)?,
-                ple_post_norm: vector(be, &lw, "ple_block.post_per_layer_input_norm.weight", h)?,
-                scalar,
+                block: SandwichLayer::load(&ll, &HF_ATTENTION, &HF_MLP, shape)?,
+                ple_gate: ll.matrix("ple_block.per_layer_input_gate.weight", p, h)?,
+                ple_proj: ll.matrix("ple_block.per_layer_projection.weight", h, p)?,
+                ple_post_norm: ll.vector("ple_block.post_per_layer_input_norm.weight", h)?,
+                scalar: ll.scalar("layer_scalar")?,
             });
         }
         Ok(TextEncoder {
@@ -179,8 +128,8 @@ impl<B: Backend> TextEncoder<B> {
             ple_proj,
             ple_norm,
             layers,
-            final_norm: vector(be, w, "norm.weight", h)?,
-            head: matrix(be, w, "embedding_projection.weight", cfg.embedding_dim, h)?,
+            final_norm: l.vector("norm.weight", h)?,
+            head: l.matrix("embedding_projection.weight", cfg.embedding_dim, h)?,
             rope_sliding: None,
             rope_full: None,
             ws: None,
@@ -209,7 +158,7 @@ impl<B: Backend> TextEncoder<B> {
                     .max(1024)
                     .min(self.cfg.max_positions)
                     .max(len);
-                let inv = default_inv_freq(rc.theta, rc.head_dim);
+                let inv = inv_freq(rc.theta, rc.head_dim);
                 *slot = Some(RopeTable::new(be, &inv, want, RopeStyle::SplitHalf)?);
                 self.generation += 1;
             }
@@ -232,24 +181,13 @@ impl<B: Backend> TextEncoder<B> {
         self.generation += 1;
         let c = &self.cfg;
         let (h, p) = (c.hidden_size, c.ple_dim);
-        let qkv_w = self
-            .layers
-            .iter()
-            .map(|l| l.layout.width())
-            .max()
-            .unwrap_or(0);
-        let attn_w = self
-            .layers
-            .iter()
-            .map(|l| l.layout.q_cols())
-            .max()
-            .unwrap_or(0);
-        let im = self
-            .layers
-            .iter()
-            .map(|l| l.intermediate)
-            .max()
-            .unwrap_or(0);
+        let widest = |f: fn(&Layer<B>) -> usize| self.layers.iter().map(f).max().unwrap_or(0);
+        let dims = ScratchDims {
+            width: h,
+            qkv: widest(|l| l.block.attn.layout.width()),
+            attn: widest(|l| l.block.attn.layout.q_cols()),
+            mlp: widest(|l| l.block.mlp.inner),
+        };
         let (s, e) = (Role::Stream, Role::Compute);
         let nl = self.layers.len();
         self.ws = Some(Workspace {
@@ -263,12 +201,7 @@ impl<B: Backend> TextEncoder<B> {
             at: be.alloc(rows, Role::Index)?,
             h: be.alloc(rows * h, s)?,
             x0: be.alloc(rows * h, e)?,
-            a: be.alloc(rows * h, e)?,
-            qkv: be.alloc(rows * qkv_w, e)?,
-            attn: be.alloc(rows * attn_w, e)?,
-            y: be.alloc(rows * h, e)?,
-            gu: be.alloc(rows * 2 * im, e)?,
-            g: be.alloc(rows * im, e)?,
+            scratch: Scratch::alloc(be, rows, dims)?,
             ple_raw: be.alloc(rows * nl * p, e)?,
             ple: be.alloc(rows * nl * p, e)?,
             ple_gate: be.alloc(rows * p, e)?,
@@ -403,164 +336,120 @@ impl<B: Backend> TextEncoder<B> {
     ) -> Result<()> {
         let c = &self.cfg;
         let (h, p, eps) = (c.hidden_size, c.ple_dim, c.rms_norm_eps);
-        let segs = &ws.segs;
+        let Workspace {
+            segs,
+            ids,
+            pos,
+            soft,
+            at,
+            h: hs,
+            x0,
+            scratch: s,
+            ple_raw,
+            ple,
+            ple_gate,
+            ple_z,
+            fin,
+            pooled,
+            pooled_c,
+            out,
+            ..
+        } = ws;
         // x0 = E[ids] · √H; h = x0; a = N_in0(h)
-        be.embed(
-            &self.embed,
-            &ws.ids,
-            (h as f32).sqrt(),
-            ViewMut::new(&mut ws.h, t, h),
-        )?;
+        be.embed(&self.embed, ids, (h as f32).sqrt(), ViewMut::new(hs, t, h))?;
         if merged > 0 {
-            be.scatter_rows(
-                View::new(&ws.soft, merged, h),
-                &ws.at,
-                ViewMut::new(&mut ws.h, t, h),
-            )?;
+            be.scatter_rows(View::new(soft, merged, h), at, ViewMut::new(hs, t, h))?;
         }
-        be.cast(View::new(&ws.h, t, h), ViewMut::new(&mut ws.x0, t, h))?;
+        be.cast(View::new(hs, t, h), ViewMut::new(x0, t, h))?;
         if let Some(l0) = self.layers.first() {
-            be.rms_norm(
-                View::new(&ws.h, t, h),
-                Some(&l0.input_norm),
-                eps,
-                ViewMut::new(&mut ws.a, t, h),
+            be.norm(
+                View::new(hs, t, h),
+                &RowNorm::rms(&l0.block.input_norm, eps),
+                ViewMut::new(&mut s.a, t, h),
             )?;
         }
         // Per-layer inputs of every layer: P = N(x0 · W_pmpᵀ · H^-½), normed per layer slice.
         let nl = self.layers.len();
         be.matmul(
-            View::new(&ws.x0, t, h),
+            View::new(x0, t, h),
             &self.ple_proj,
-            ViewMut::new(&mut ws.ple_raw, t, nl * p),
-            Epilogue::scaled((h as f32).powf(-0.5)),
+            ViewMut::new(ple_raw, t, nl * p),
+            &Epilogue::scaled((h as f32).powf(-0.5)),
         )?;
-        be.rms_norm(
-            View::new(&ws.ple_raw, t * nl, p),
-            Some(&self.ple_norm),
-            eps,
-            ViewMut::new(&mut ws.ple, t * nl, p),
+        be.norm(
+            View::new(ple_raw, t * nl, p),
+            &RowNorm::rms(&self.ple_norm, eps),
+            ViewMut::new(ple, t * nl, p),
         )?;
         for (i, l) in self.layers.iter().enumerate() {
-            let lay = l.layout;
             let rope = match l.kind {
                 LayerType::Sliding => self.rope_sliding.as_ref(),
                 LayerType::Full => self.rope_full.as_ref(),
             }
             .ok_or_else(|| Error::backend("text encoder", "rope table missing"))?;
-            SandwichLayer {
-                attn: SelfAttention {
-                    qkv: &l.qkv,
-                    o: &l.o,
-                    layout: lay,
-                    q_norm: Some(&l.q_norm),
-                    k_norm: Some(&l.k_norm),
-                    v_norm: true,
-                    eps,
-                    rope: Some((rope, &ws.pos)),
-                    spec: AttnSpec {
-                        heads_q: lay.heads_q,
-                        heads_kv: lay.heads_kv,
-                        head_dim: lay.head_dim,
-                        scale: 1.0,
-                        window: (l.kind == LayerType::Sliding).then_some(c.sliding_window),
-                        causal: false,
-                    },
-                },
-                post_attn_norm: &l.post_attn_norm,
-                pre_ff_norm: &l.pre_ff_norm,
-                mlp: GatedMlp {
-                    gate_up: &l.gate_up,
-                    down: &l.down,
-                    inner: l.intermediate,
-                    act: Activation::GeluTanh,
-                },
-            }
-            .attention_and_mlp(
-                be,
-                segs,
-                (t, h),
-                LayerBuffers {
-                    h: &mut ws.h,
-                    a: &mut ws.a,
-                    y: &mut ws.y,
-                    qkv: &mut ws.qkv,
-                    attn: &mut ws.attn,
-                    gu: &mut ws.gu,
-                    g: &mut ws.g,
-                },
-            )?;
-            be.residual_norm(
-                ViewMut::new(&mut ws.h, t, h),
-                View::new(&ws.y, t, h),
-                Some(&l.post_ff_norm),
-                1.0,
-                After::Copy(ViewMut::new(&mut ws.a, t, h)),
+            let mask = match l.kind {
+                LayerType::Sliding => Mask::Window(c.sliding_window),
+                LayerType::Full => Mask::Full,
+            };
+            let attn = SelfAttention {
+                w: &l.block.attn,
+                v_norm: true,
                 eps,
+                rope: Some((rope, &*pos)),
+                spec: AttnSpec::new(l.block.attn.layout, 1.0, mask),
+            };
+            l.block
+                .attention_and_mlp(be, &attn, Activation::GeluTanh, segs, t, hs, s)?;
+            be.residual(
+                ViewMut::new(hs, t, h),
+                View::new(&s.y, t, h),
+                &Residual::post_norm(RowNorm::rms(&l.block.post_ff_norm, eps)),
+                After::Copy(ViewMut::new(&mut s.a, t, h)),
             )?;
             // This layer's input P_i, gated by gelu(h · W_gateᵀ).
             be.matmul(
-                View::new(&ws.a, t, h),
+                View::new(&s.a, t, h),
                 &l.ple_gate,
-                ViewMut::new(&mut ws.ple_gate, t, p),
-                Epilogue::default(),
+                ViewMut::new(ple_gate, t, p),
+                &Epilogue::default(),
             )?;
             be.gated(
-                View::new(&ws.ple_gate, t, p),
-                View::new(&ws.ple, t, nl * p).cols(i * p, p),
-                ViewMut::new(&mut ws.ple_z, t, p),
+                View::new(ple_gate, t, p),
+                View::new(ple, t, nl * p).cols(i * p, p),
+                ViewMut::new(ple_z, t, p),
                 Activation::GeluTanh,
             )?;
             be.matmul(
-                View::new(&ws.ple_z, t, p),
+                View::new(ple_z, t, p),
                 &l.ple_proj,
-                ViewMut::new(&mut ws.y, t, h),
-                Epilogue::default(),
+                ViewMut::new(&mut s.y, t, h),
+                &Epilogue::default(),
             )?;
             // h = (h + N(z)) · s, then the next layer's input norm (or the final norm, in f32).
             let after = match self.layers.get(i + 1) {
-                Some(next) => After::Norm(&next.input_norm, ViewMut::new(&mut ws.a, t, h)),
-                None => After::Norm(&self.final_norm, ViewMut::new(&mut ws.fin, t, h)),
+                Some(next) => After::Norm(
+                    RowNorm::rms(&next.block.input_norm, eps),
+                    ViewMut::new(&mut s.a, t, h),
+                ),
+                None => After::Norm(RowNorm::rms(&self.final_norm, eps), ViewMut::new(fin, t, h)),
             };
-            be.residual_norm(
-                ViewMut::new(&mut ws.h, t, h),
-                View::new(&ws.y, t, h),
-                Some(&l.ple_post_norm),
-                l.scalar,
+            be.residual(
+                ViewMut::new(hs, t, h),
+                View::new(&s.y, t, h),
+                &Residual::post_norm(RowNorm::rms(&l.ple_post_norm, eps)).scaled(l.scalar),
                 after,
-                eps,
             )?;
         }
         let e = c.embedding_dim;
         // The head is linear and bias-free: mean then project equals project then mean.
-        be.segment_mean(
-            View::new(&ws.fin, t, h),
-            segs,
-            ViewMut::new(&mut ws.pooled, n, h),
-        )?;
-        be.cast(
-            View::new(&ws.pooled, n, h),
-            ViewMut::new(&mut ws.pooled_c, n, h),
-        )?;
+        be.segment_mean(View::new(fin, t, h), segs, ViewMut::new(pooled, n, h))?;
+        be.cast(View::new(pooled, n, h), ViewMut::new(pooled_c, n, h))?;
         be.matmul(
-            View::new(&ws.pooled_c, n, h),
+            View::new(pooled_c, n, h),
             &self.head,
-            ViewMut::new(&mut ws.out, n, e),
-            Epilogue::default(),
+            ViewMut::new(out, n, e),
+            &Epilogue::default(),
         )?;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::default_inv_freq;
-
-    #[test]
-    fn inv_freq_first_and_last() {
-        let f = default_inv_freq(10_000.0, 256);
-        assert_eq!(f.len(), 128);
-        assert_eq!(f[0], 1.0);
-        assert!((f[127] as f64 - 1.0 / 10_000f64.powf(254.0 / 256.0)).abs() < 1e-9);
     }
 }

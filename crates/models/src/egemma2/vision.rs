@@ -14,28 +14,35 @@
 //! the results are the same).
 
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, Epilogue, QkvLayout, Role, RopeStyle, RopeTable, View,
-    ViewMut,
+    Activation, After, AttnSpec, Backend, Epilogue, Mask, NormKind, QkvLayout, Residual, Role,
+    RopeStyle, RopeTable, RowNorm, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
 use super::config::VisionConfig;
-use super::text::default_inv_freq;
-use crate::blocks::{GatedMlp, LayerBuffers, SandwichLayer, SelfAttention};
+use crate::blocks::rope::axial_inv_freq;
+use crate::blocks::{
+    AttnNames, LayerShape, MlpNames, QkvNames, SandwichLayer, Scratch, ScratchDims, SelfAttention,
+};
 use crate::imageproc::Patches;
+use crate::loader::Loader;
 
-struct Layer<B: Backend> {
-    qkv: B::Mat,
-    q_norm: B::Vector,
-    k_norm: B::Vector,
-    o: B::Mat,
-    input_norm: B::Vector,
-    post_attn_norm: B::Vector,
-    pre_ff_norm: B::Vector,
-    post_ff_norm: B::Vector,
-    gate_up: B::Mat,
-    down: B::Mat,
-}
+/// The vision tower's names: its linears are wrapped (`q_proj.linear.weight`).
+const ATTENTION: AttnNames = AttnNames {
+    qkv: QkvNames::Separate {
+        q: "self_attn.q_proj.linear.weight",
+        k: "self_attn.k_proj.linear.weight",
+        v: "self_attn.v_proj.linear.weight",
+    },
+    o: "self_attn.o_proj.linear.weight",
+    q_norm: "self_attn.q_norm.weight",
+    k_norm: "self_attn.k_norm.weight",
+};
+const MLP: MlpNames = MlpNames {
+    gate: "mlp.gate_proj.linear.weight",
+    up: "mlp.up_proj.linear.weight",
+    down: "mlp.down_proj.linear.weight",
+};
 
 /// Activations for up to `rows` patches and `pooled` soft tokens, reused while they fit.
 struct Workspace<B: Backend> {
@@ -47,12 +54,7 @@ struct Workspace<B: Backend> {
     pos: B::Buf,
     /// Residual stream `[N, D]`.
     h: B::Buf,
-    a: B::Buf,
-    qkv: B::Buf,
-    attn: B::Buf,
-    y: B::Buf,
-    gu: B::Buf,
-    g: B::Buf,
+    scratch: Scratch<B>,
     /// Pooled and scaled `[S, D]`, normed `[S, D]`, projected soft tokens `[S, H_text]`.
     pooled_h: B::Buf,
     pooled_n: B::Buf,
@@ -65,18 +67,10 @@ pub struct VisionEncoder<B: Backend> {
     text_hidden: usize,
     patch_proj: B::Mat,
     positions: B::Table,
-    layers: Vec<Layer<B>>,
+    layers: Vec<SandwichLayer<B>>,
     rope: RopeTable<B>,
     proj: B::Mat,
     ws: Option<Workspace<B>>,
-}
-
-fn vector<B: Backend>(be: &B, w: &Weights, name: &str, n: usize) -> Result<B::Vector> {
-    be.vector(&w.f32(name, &[n])?)
-}
-
-fn matrix<B: Backend>(be: &B, w: &Weights, name: &str, out: usize, inner: usize) -> Result<B::Mat> {
-    be.matrix(&[(&w.f32(name, &[out, inner])?, out)], inner)
 }
 
 impl<B: Backend> VisionEncoder<B> {
@@ -94,50 +88,39 @@ impl<B: Backend> VisionEncoder<B> {
             heads_kv: cfg.kv_heads,
             head_dim: cfg.head_dim,
         };
-        let (qc, kc, im) = (layout.q_cols(), layout.kv_cols(), cfg.intermediate_size);
-        let pe = tower.pp("patch_embedder");
+        let tl = Loader::new(be, tower);
+        let pe = tl.pp("patch_embedder");
         let patch_in = 3 * cfg.patch_size * cfg.patch_size;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
-            let lw = tower.pp(format!("encoder.layers.{i}"));
-            let lin = |name: &str, out: usize, inner: usize| {
-                lw.f32(&format!("{name}.linear.weight"), &[out, inner])
-            };
-            let (q, k, v) = (
-                lin("self_attn.q_proj", qc, d)?,
-                lin("self_attn.k_proj", kc, d)?,
-                lin("self_attn.v_proj", kc, d)?,
-            );
-            let (gate, up) = (lin("mlp.gate_proj", im, d)?, lin("mlp.up_proj", im, d)?);
-            layers.push(Layer {
-                qkv: be.matrix(&[(&q, qc), (&k, kc), (&v, kc)], d)?,
-                q_norm: vector(be, &lw, "self_attn.q_norm.weight", cfg.head_dim)?,
-                k_norm: vector(be, &lw, "self_attn.k_norm.weight", cfg.head_dim)?,
-                o: be.matrix(&[(&lin("self_attn.o_proj", d, qc)?, d)], qc)?,
-                input_norm: vector(be, &lw, "input_layernorm.weight", d)?,
-                post_attn_norm: vector(be, &lw, "post_attention_layernorm.weight", d)?,
-                pre_ff_norm: vector(be, &lw, "pre_feedforward_layernorm.weight", d)?,
-                post_ff_norm: vector(be, &lw, "post_feedforward_layernorm.weight", d)?,
-                gate_up: be.matrix(&[(&gate, im), (&up, im)], d)?,
-                down: be.matrix(&[(&lin("mlp.down_proj", d, im)?, d)], im)?,
-            });
-        }
+        let shape = LayerShape {
+            layout,
+            width: d,
+            mlp: cfg.intermediate_size,
+        };
+        let layers = (0..cfg.num_layers)
+            .map(|i| {
+                SandwichLayer::load(
+                    &tl.pp(format_args!("encoder.layers.{i}")),
+                    &ATTENTION,
+                    &MLP,
+                    shape,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
         // Axial RoPE: head_dim/4 frequencies over head_dim/2 channels per axis, shared by x and y.
-        let inv = default_inv_freq(cfg.rope_theta, cfg.head_dim / 2);
+        let inv = axial_inv_freq(cfg.rope_theta, cfg.head_dim);
         let rope = RopeTable::new(be, &inv, cfg.position_embedding_size, RopeStyle::Axial2d)?;
         Ok(VisionEncoder {
             cfg: cfg.clone(),
             layout,
             text_hidden,
-            patch_proj: matrix(be, &pe, "input_proj.weight", d, patch_in)?,
-            positions: be.table_nd(
-                &pe,
+            patch_proj: pe.matrix("input_proj.weight", d, patch_in)?,
+            positions: pe.table(
                 "position_embedding_table",
                 &[2, cfg.position_embedding_size, d],
             )?,
             layers,
             rope,
-            proj: matrix(be, embed, "embedding_projection.weight", text_hidden, d)?,
+            proj: Loader::new(be, embed).matrix("embedding_projection.weight", text_hidden, d)?,
             ws: None,
         })
     }
@@ -156,7 +139,13 @@ impl<B: Backend> VisionEncoder<B> {
         }
         self.ws = None; // free the old one first
         let c = &self.cfg;
-        let (d, im, lay) = (c.hidden_size, c.intermediate_size, self.layout);
+        let (d, lay) = (c.hidden_size, self.layout);
+        let dims = ScratchDims {
+            width: d,
+            qkv: lay.width(),
+            attn: lay.q_cols(),
+            mlp: c.intermediate_size,
+        };
         let (s, e) = (Role::Stream, Role::Compute);
         self.ws = Some(Workspace {
             rows,
@@ -164,12 +153,7 @@ impl<B: Backend> VisionEncoder<B> {
             px: be.alloc(rows * 3 * c.patch_size * c.patch_size, e)?,
             pos: be.alloc(2 * rows, Role::Index)?,
             h: be.alloc(rows * d, s)?,
-            a: be.alloc(rows * d, e)?,
-            qkv: be.alloc(rows * lay.width(), e)?,
-            attn: be.alloc(rows * lay.q_cols(), e)?,
-            y: be.alloc(rows * d, e)?,
-            gu: be.alloc(rows * 2 * im, e)?,
-            g: be.alloc(rows * im, e)?,
+            scratch: Scratch::alloc(be, rows, dims)?,
             pooled_h: be.alloc(pooled * d, s)?,
             pooled_n: be.alloc(pooled * d, e)?,
             soft: be.alloc(pooled * self.text_hidden, s)?,
@@ -196,7 +180,10 @@ impl<B: Backend> VisionEncoder<B> {
         let c = &self.cfg;
         let (d, eps, lay, th) = (c.hidden_size, c.rms_norm_eps, self.layout, self.text_hidden);
         let pin = 3 * c.patch_size * c.patch_size;
-        let ws = self.ws.as_mut().expect("workspace allocated above");
+        let ws = self
+            .ws
+            .as_mut()
+            .ok_or_else(|| Error::backend("vision tower", "workspace missing after allocation"))?;
         let px: Vec<&[u8]> = images.iter().map(|p| p.pixels.as_slice()).collect();
         let pos: Vec<u32> = images
             .iter()
@@ -205,106 +192,79 @@ impl<B: Backend> VisionEncoder<B> {
         be.write_u8_mapped(&mut ws.px, &px, &crate::imageproc::pixel_values())?;
         be.write_u32(&mut ws.pos, &pos)?;
 
+        let Workspace {
+            px: pxb,
+            pos: posb,
+            h,
+            scratch: sc,
+            pooled_h,
+            pooled_n,
+            soft,
+            ..
+        } = ws;
         // h = patches · W_inᵀ + T_x[x] + T_y[y]; a = N_in0(h)
         be.matmul(
-            View::new(&ws.px, n, pin),
+            View::new(pxb, n, pin),
             &self.patch_proj,
-            ViewMut::new(&mut ws.h, n, d),
-            Epilogue::default(),
+            ViewMut::new(h, n, d),
+            &Epilogue::default(),
         )?;
         be.add_positions_2d(
             &self.positions,
             c.position_embedding_size,
-            &ws.pos,
-            ViewMut::new(&mut ws.h, n, d),
+            posb,
+            ViewMut::new(h, n, d),
         )?;
         if let Some(l0) = self.layers.first() {
-            be.rms_norm(
-                View::new(&ws.h, n, d),
-                Some(&l0.input_norm),
-                eps,
-                ViewMut::new(&mut ws.a, n, d),
+            be.norm(
+                View::new(h, n, d),
+                &RowNorm::rms(&l0.input_norm, eps),
+                ViewMut::new(&mut sc.a, n, d),
             )?;
         }
-        let spec = AttnSpec {
-            heads_q: lay.heads_q,
-            heads_kv: lay.heads_kv,
-            head_dim: lay.head_dim,
-            scale: 1.0,
-            window: None,
-            causal: false,
-        };
-        let im = c.intermediate_size;
         for (i, l) in self.layers.iter().enumerate() {
-            SandwichLayer {
-                attn: SelfAttention {
-                    qkv: &l.qkv,
-                    o: &l.o,
-                    layout: lay,
-                    q_norm: Some(&l.q_norm),
-                    k_norm: Some(&l.k_norm),
-                    v_norm: true,
-                    eps,
-                    rope: Some((&self.rope, &ws.pos)),
-                    spec,
-                },
-                post_attn_norm: &l.post_attn_norm,
-                pre_ff_norm: &l.pre_ff_norm,
-                mlp: GatedMlp {
-                    gate_up: &l.gate_up,
-                    down: &l.down,
-                    inner: im,
-                    act: Activation::GeluTanh,
-                },
-            }
-            .attention_and_mlp(
-                be,
-                &segs,
-                (n, d),
-                LayerBuffers {
-                    h: &mut ws.h,
-                    a: &mut ws.a,
-                    y: &mut ws.y,
-                    qkv: &mut ws.qkv,
-                    attn: &mut ws.attn,
-                    gu: &mut ws.gu,
-                    g: &mut ws.g,
-                },
-            )?;
+            let attn = SelfAttention {
+                w: &l.attn,
+                v_norm: true,
+                eps,
+                rope: Some((&self.rope, &*posb)),
+                spec: AttnSpec::new(lay, 1.0, Mask::Full),
+            };
+            l.attention_and_mlp(be, &attn, Activation::GeluTanh, &segs, n, h, sc)?;
             let after = match self.layers.get(i + 1) {
-                Some(next) => After::Norm(&next.input_norm, ViewMut::new(&mut ws.a, n, d)),
+                Some(next) => After::Norm(
+                    RowNorm::rms(&next.input_norm, eps),
+                    ViewMut::new(&mut sc.a, n, d),
+                ),
                 None => After::Nothing,
             };
-            be.residual_norm(
-                ViewMut::new(&mut ws.h, n, d),
-                View::new(&ws.y, n, d),
-                Some(&l.post_ff_norm),
-                1.0,
+            be.residual(
+                ViewMut::new(h, n, d),
+                View::new(&sc.y, n, d),
+                &Residual::post_norm(RowNorm::rms(&l.post_ff_norm, eps)),
                 after,
-                eps,
             )?;
         }
         // Pool each image's grid k×k and scale by √D (the reference does this in f32), then the
         // embedder: weightless RMSNorm and the projection to the text width.
         be.avg_pool2d(
-            View::new(&ws.h, n, d),
+            View::new(h, n, d),
             &grids,
             (d as f64).sqrt() as f32,
-            ViewMut::new(&mut ws.pooled_h, pooled, d),
+            ViewMut::new(pooled_h, pooled, d),
         )?;
-        be.rms_norm(
-            View::new(&ws.pooled_h, pooled, d),
-            None,
-            eps,
-            ViewMut::new(&mut ws.pooled_n, pooled, d),
+        be.norm(
+            View::new(pooled_h, pooled, d),
+            &RowNorm::plain(NormKind::Rms, eps),
+            ViewMut::new(pooled_n, pooled, d),
         )?;
         be.matmul(
-            View::new(&ws.pooled_n, pooled, d),
+            View::new(pooled_n, pooled, d),
             &self.proj,
-            ViewMut::new(&mut ws.soft, pooled, th),
-            Epilogue::default(),
+            ViewMut::new(soft, pooled, th),
+            &Epilogue::default(),
         )?;
-        Ok(View::new(&ws.soft, pooled, th))
+        Ok(View::new(soft, pooled, th))
     }
 }
 

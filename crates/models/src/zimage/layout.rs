@@ -88,28 +88,6 @@ impl ItemLayout {
     }
 }
 
-/// Per-axis RoPE frequencies `θ^(−2i/d_a)`, computed in `f64` as diffusers does.
-pub fn axis_freqs(cfg: &TransformerConfig) -> [Vec<f64>; 3] {
-    cfg.axes_dims.map(|d| {
-        (0..d / 2)
-            .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64))
-            .collect()
-    })
-}
-
-/// Angles `[rows, head_dim / 2]` for `positions`: the axes' pairs concatenated in order, each
-/// angle `pos · freq` in `f64` rounded to `f32` (`torch.outer(…).float()`).
-pub fn rope_angles(freqs: &[Vec<f64>; 3], positions: &[[u32; 3]]) -> Vec<f32> {
-    let half: usize = freqs.iter().map(Vec::len).sum();
-    let mut out = Vec::with_capacity(positions.len() * half);
-    for p in positions {
-        for (axis, f) in freqs.iter().enumerate() {
-            out.extend(f.iter().map(|&f| (p[axis] as f64 * f) as f32));
-        }
-    }
-    out
-}
-
 /// `latent[c, 2r+dy, 2c+dx]` → `patches[r·gw + c][(dy·2 + dx)·C + ch]` for a `[channels, h, w]`
 /// latent.
 pub fn patchify(latent: &[f32], channels: usize, (h, w): (usize, usize)) -> Vec<f32> {

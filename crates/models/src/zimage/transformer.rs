@@ -20,14 +20,19 @@
 use std::collections::BTreeMap;
 
 use tessera_backend::{
-    Activation, AttnSpec, Backend, Epilogue, NormKind, QkvLayout, Residual, Role, RopeStyle,
+    Activation, After, AttnSpec, Backend, Mask, NormKind, QkvLayout, Residual, Role, RopeStyle,
     RopeTable, RowNorm, Segments, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
 use super::config::{T_FREQ_DIM, T_MID_DIM, TransformerConfig};
-use super::layout::{ItemLayout, axis_freqs, patchify, rope_angles, unpatchify};
-use crate::blocks::GatedMlp;
+use super::layout::{ItemLayout, patchify, unpatchify};
+use crate::blocks::rope::MultiAxis;
+use crate::blocks::{
+    AttentionWeights, AttnNames, MlpNames, MlpWeights, QkvNames, Scratch, ScratchDims,
+    SelfAttention,
+};
+use crate::loader::{Linear, Loader};
 
 /// diffusers builds the q/k RMSNorms with a fixed `eps=1e-5`, whatever `norm_eps` says.
 const QK_NORM_EPS: f32 = 1e-5;
@@ -108,90 +113,73 @@ impl Naming {
     }
 }
 
-/// Tensor access by diffusers name whatever the layout.
-struct Loader<'a, B: Backend> {
-    be: &'a B,
-    w: Weights,
-    naming: Naming,
-}
+/// The attention and MLP tensors of a block, by diffusers name (the original layout's names are
+/// mapped by [`Naming::name`]; its fused `qkv` is read as such).
+const ATTENTION: AttnNames = AttnNames {
+    qkv: QkvNames::Separate {
+        q: "attention.to_q.weight",
+        k: "attention.to_k.weight",
+        v: "attention.to_v.weight",
+    },
+    o: "attention.to_out.0.weight",
+    q_norm: "attention.norm_q.weight",
+    k_norm: "attention.norm_k.weight",
+};
+const ATTENTION_FUSED: AttnNames = AttnNames {
+    qkv: QkvNames::Fused("attention.qkv.weight"),
+    ..ATTENTION
+};
+const MLP: MlpNames = MlpNames {
+    gate: "feed_forward.w1.weight",
+    up: "feed_forward.w3.weight",
+    down: "feed_forward.w2.weight",
+};
 
-impl<B: Backend> Loader<'_, B> {
-    fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        self.w.f32(&self.naming.name(name), shape)
-    }
-    fn vector(&self, name: &str, n: usize) -> Result<B::Vector> {
-        self.be.vector(&self.f32(name, &[n])?)
-    }
-    fn matrix(&self, name: &str, out: usize, inner: usize) -> Result<B::Mat> {
-        self.be
-            .matrix(&[(&self.f32(name, &[out, inner])?, out)], inner)
-    }
-    /// `name.weight` and `name.bias` of an `nn.Linear`.
-    fn linear(&self, name: &str, out: usize, inner: usize) -> Result<Linear<B>> {
-        Ok(Linear {
-            w: self.matrix(&format!("{name}.weight"), out, inner)?,
-            b: self.vector(&format!("{name}.bias"), out)?,
-        })
-    }
-    fn table(&self, name: &str, shape: [usize; 2]) -> Result<B::Table> {
-        self.be.table(&self.w, &self.naming.name(name), shape)
-    }
-}
-
-struct Linear<B: Backend> {
-    w: B::Mat,
-    b: B::Vector,
-}
-
-/// One `ZImageTransformerBlock`.
+/// One `ZImageTransformerBlock`: the shared attention and MLP blocks, their sandwich norms and
+/// (noise refiner and main layers) the adaLN projection of their modulation.
 struct Block<B: Backend> {
-    /// `to_q | to_k | to_v` (or the fused `qkv`).
-    qkv: B::Mat,
-    norm_q: B::Vector,
-    norm_k: B::Vector,
-    out: B::Mat,
+    attn: AttentionWeights<B>,
+    mlp: MlpWeights<B>,
     attention_norm1: B::Vector,
     attention_norm2: B::Vector,
     ffn_norm1: B::Vector,
     ffn_norm2: B::Vector,
-    /// `w1 | w3` (gate | up).
-    w13: B::Mat,
-    w2: B::Mat,
     /// `adaLN_modulation.0` (noise refiner and main layers only).
     adaln: Option<Linear<B>>,
 }
 
 impl<B: Backend> Block<B> {
-    fn load(l: &Loader<'_, B>, cfg: &TransformerConfig, p: &str, modulated: bool) -> Result<Self> {
-        let (d, hd, f) = (cfg.dim, cfg.head_dim(), cfg.ffn_dim());
-        let qkv = match l.naming {
-            Naming::Diffusers => {
-                let q = l.f32(&format!("{p}.attention.to_q.weight"), &[d, d])?;
-                let k = l.f32(&format!("{p}.attention.to_k.weight"), &[d, d])?;
-                let v = l.f32(&format!("{p}.attention.to_v.weight"), &[d, d])?;
-                l.be.matrix(&[(&q, d), (&k, d), (&v, d)], d)?
-            }
-            Naming::Original { .. } => l.matrix(&format!("{p}.attention.qkv.weight"), 3 * d, d)?,
-        };
-        let w1 = l.f32(&format!("{p}.feed_forward.w1.weight"), &[f, d])?;
-        let w3 = l.f32(&format!("{p}.feed_forward.w3.weight"), &[f, d])?;
+    fn load(
+        l: &Loader<'_, B>,
+        cfg: &TransformerConfig,
+        fused: bool,
+        modulated: bool,
+    ) -> Result<Self> {
+        let d = cfg.dim;
+        let layout = block_layout(cfg);
+        let names = if fused { &ATTENTION_FUSED } else { &ATTENTION };
         Ok(Block {
-            qkv,
-            norm_q: l.vector(&format!("{p}.attention.norm_q.weight"), hd)?,
-            norm_k: l.vector(&format!("{p}.attention.norm_k.weight"), hd)?,
-            out: l.matrix(&format!("{p}.attention.to_out.0.weight"), d, d)?,
-            attention_norm1: l.vector(&format!("{p}.attention_norm1.weight"), d)?,
-            attention_norm2: l.vector(&format!("{p}.attention_norm2.weight"), d)?,
-            ffn_norm1: l.vector(&format!("{p}.ffn_norm1.weight"), d)?,
-            ffn_norm2: l.vector(&format!("{p}.ffn_norm2.weight"), d)?,
-            w13: l.be.matrix(&[(&w1, f), (&w3, f)], d)?,
-            w2: l.matrix(&format!("{p}.feed_forward.w2.weight"), d, f)?,
+            attn: AttentionWeights::load(l, names, layout, d)?,
+            mlp: MlpWeights::load(l, &MLP, d, cfg.ffn_dim())?,
+            attention_norm1: l.vector("attention_norm1.weight", d)?,
+            attention_norm2: l.vector("attention_norm2.weight", d)?,
+            ffn_norm1: l.vector("ffn_norm1.weight", d)?,
+            ffn_norm2: l.vector("ffn_norm2.weight", d)?,
             adaln: if modulated {
-                Some(l.linear(&format!("{p}.adaLN_modulation.0"), 4 * d, cfg.adaln_dim())?)
+                Some(l.linear("adaLN_modulation.0", 4 * d, cfg.adaln_dim())?)
             } else {
                 None
             },
         })
+    }
+}
+
+/// Every block's heads: multi-head attention over the model width.
+fn block_layout(cfg: &TransformerConfig) -> QkvLayout {
+    QkvLayout {
+        heads_q: cfg.n_heads,
+        heads_kv: cfg.n_heads,
+        head_dim: cfg.head_dim(),
     }
 }
 
@@ -211,17 +199,6 @@ pub struct ZImageTransformer<B: Backend> {
     final_linear: Linear<B>,
     /// The sinusoid's frequencies ([`timestep_frequencies`] unless replaced).
     t_freqs: Vec<f32>,
-}
-
-/// Block activations, sized once per prepared shape.
-struct Scratch<B: Backend> {
-    /// Normed block input `[rows, dim]`.
-    a: B::Buf,
-    qkv: B::Buf,
-    attn: B::Buf,
-    y: B::Buf,
-    gu: B::Buf,
-    g: B::Buf,
 }
 
 /// Everything about one generation that does not depend on the latent (see the module docs),
@@ -298,21 +275,19 @@ impl<B: Backend> ZImageTransformer<B> {
     /// Load from a checkpoint in either layout, checking every tensor's shape against `cfg`.
     pub fn load(be: &B, cfg: &TransformerConfig, weights: &Weights) -> Result<Self> {
         let naming = Naming::detect(weights)?;
-        let l = Loader {
-            be,
-            w: naming.root(weights),
-            naming,
-        };
+        let fused = matches!(naming, Naming::Original { .. });
+        let rename = |n: &str| naming.name(n);
+        let l = Loader::new(be, &naming.root(weights)).renamed(&rename);
         let (d, a) = (cfg.dim, cfg.adaln_dim());
         let blocks = |prefix: &str, n: usize, modulated: bool| -> Result<Vec<Block<B>>> {
             (0..n)
-                .map(|i| Block::load(&l, cfg, &format!("{prefix}.{i}"), modulated))
+                .map(|i| Block::load(&l.pp(format_args!("{prefix}.{i}")), cfg, fused, modulated))
                 .collect()
         };
         Ok(ZImageTransformer {
             x_embedder: l.linear("all_x_embedder.2-1", d, cfg.patch_dim())?,
-            x_pad_token: l.table("x_pad_token", [1, d])?,
-            cap_pad_token: l.table("cap_pad_token", [1, d])?,
+            x_pad_token: l.table("x_pad_token", &[1, d])?,
+            cap_pad_token: l.table("cap_pad_token", &[1, d])?,
             cap_norm: l.vector("cap_embedder.0.weight", cfg.cap_feat_dim)?,
             cap_embedder: l.linear("cap_embedder.1", d, cfg.cap_feat_dim)?,
             t_mlp0: l.linear("t_embedder.mlp.0", T_MID_DIM, T_FREQ_DIM)?,
@@ -380,13 +355,13 @@ impl<B: Backend> ZImageTransformer<B> {
         let (mods, final_scale) = self.modulations(be, t_model, items.len(), &mut taps)?;
 
         // RoPE table over every item's joint rows, and which rows each stage reads.
-        let freqs = axis_freqs(c);
+        let rope_axes = MultiAxis::new(c.rope_theta, &c.axes_dims);
         let (mut pos_img, mut pos_cap) =
             (Vec::with_capacity(img_rows), Vec::with_capacity(cap_rows));
         let mut angles = Vec::with_capacity(seq * c.head_dim() / 2);
         let mut base = 0u32;
         for it in &items {
-            angles.extend(rope_angles(&freqs, &it.positions()));
+            angles.extend(rope_axes.angles(&it.positions()));
             pos_img.extend(base..base + it.n_img_p as u32);
             pos_cap.extend(base + it.n_img_p as u32..base + it.seq_len() as u32);
             base += it.seq_len() as u32;
@@ -415,7 +390,6 @@ impl<B: Backend> ZImageTransformer<B> {
             }
         }
 
-        let f = c.ffn_dim();
         let widest_pad = items
             .iter()
             .map(|i| (i.n_img_p - i.n_img).max(i.cap_p - i.cap_len))
@@ -439,14 +413,16 @@ impl<B: Backend> ZImageTransformer<B> {
             patches: be.alloc(items[0].n_img * c.patch_dim(), e)?,
             out: be.alloc(seq * c.patch_dim(), s)?,
             zeros: be.alloc(widest_pad.max(1), Role::Index)?,
-            scratch: Scratch {
-                a: be.alloc(seq * d, e)?,
-                qkv: be.alloc(seq * 3 * d, e)?,
-                attn: be.alloc(seq * d, e)?,
-                y: be.alloc(seq * d, e)?,
-                gu: be.alloc(seq * 2 * f, e)?,
-                g: be.alloc(seq * f, e)?,
-            },
+            scratch: Scratch::alloc(
+                be,
+                seq,
+                ScratchDims {
+                    width: d,
+                    qkv: block_layout(c).width(),
+                    attn: d,
+                    mlp: c.ffn_dim(),
+                },
+            )?,
             items,
         };
 
@@ -473,29 +449,26 @@ impl<B: Backend> ZImageTransformer<B> {
         let mut tf = be.alloc(feats.len(), e)?;
         be.write_f32(&mut tf, &feats)?;
         let mut mid = be.alloc(steps * T_MID_DIM, e)?;
-        be.linear(
+        be.matmul(
             View::new(&tf, steps, T_FREQ_DIM),
             &self.t_mlp0.w,
-            Some(&self.t_mlp0.b),
-            Some(Activation::Silu),
             ViewMut::new(&mut mid, steps, T_MID_DIM),
+            &self.t_mlp0.epilogue().act(Activation::Silu),
         )?;
         let (mut temb, mut temb_silu) = (be.alloc(steps * a, e)?, be.alloc(steps * a, e)?);
         let mid_v = View::new(&mid, steps, T_MID_DIM);
-        be.linear(
+        be.matmul(
             mid_v,
             &self.t_mlp2.w,
-            Some(&self.t_mlp2.b),
-            None,
             ViewMut::new(&mut temb, steps, a),
+            &self.t_mlp2.epilogue(),
         )?;
         // The final layer reads SiLU(temb): the same tiny GEMM with a SiLU epilogue.
-        be.linear(
+        be.matmul(
             mid_v,
             &self.t_mlp2.w,
-            Some(&self.t_mlp2.b),
-            Some(Activation::Silu),
             ViewMut::new(&mut temb_silu, steps, a),
+            &self.t_mlp2.epilogue().act(Activation::Silu),
         )?;
         let mut mods = Vec::with_capacity(self.noise_refiner.len() + self.layers.len());
         for b in self.noise_refiner.iter().chain(&self.layers) {
@@ -504,22 +477,20 @@ impl<B: Backend> ZImageTransformer<B> {
                 .as_ref()
                 .ok_or_else(|| Error::backend("zimage", "modulated block without adaLN"))?;
             let mut m = be.alloc(steps * 4 * d, e)?;
-            be.linear(
+            be.matmul(
                 View::new(&temb, steps, a),
                 &ada.w,
-                Some(&ada.b),
-                None,
                 ViewMut::new(&mut m, steps, 4 * d),
+                &ada.epilogue(),
             )?;
             mods.push(m);
         }
         let mut final_scale = be.alloc(steps * d, e)?;
-        be.linear(
+        be.matmul(
             View::new(&temb_silu, steps, a),
             &self.final_adaln.w,
-            Some(&self.final_adaln.b),
-            None,
             ViewMut::new(&mut final_scale, steps, d),
+            &self.final_adaln.epilogue(),
         )?;
         if taps.is_some() {
             for i in 0..items {
@@ -586,12 +557,11 @@ impl<B: Backend> ZImageTransformer<B> {
             let normed_v = ViewMut::new(&mut normed, it.cap_len, c.cap_feat_dim);
             be.norm(*v, &RowNorm::rms(&self.cap_norm, c.norm_eps), normed_v)?;
             let rows = ViewMut::new(&mut prep.cap, cap_rows, d).rows(off, it.cap_len);
-            be.linear(
+            be.matmul(
                 View::new(&normed, it.cap_len, c.cap_feat_dim),
                 &self.cap_embedder.w,
-                Some(&self.cap_embedder.b),
-                None,
                 rows,
+                &self.cap_embedder.epilogue(),
             )?;
             let pad = ViewMut::new(&mut prep.cap, cap_rows, d)
                 .rows(off + it.cap_len, it.cap_p - it.cap_len);
@@ -667,12 +637,11 @@ impl<B: Backend> ZImageTransformer<B> {
         let mut off = 0;
         for (i, it) in prep.items.iter().enumerate() {
             let x = ViewMut::new(&mut prep.x, img_rows, d);
-            be.linear(
+            be.matmul(
                 View::new(&prep.patches, n_img, pd),
                 &self.x_embedder.w,
-                Some(&self.x_embedder.b),
-                None,
                 x.rows(off, n_img),
+                &self.x_embedder.epilogue(),
             )?;
             let pad = ViewMut::new(&mut prep.x, img_rows, d).rows(off + n_img, it.n_img_p - n_img);
             be.embed(&self.x_pad_token, &prep.zeros, 1.0, pad)?;
@@ -770,23 +739,18 @@ impl<B: Backend> ZImageTransformer<B> {
             )?;
         }
         // Final layer: LayerNorm (no affine) · (1 + scale) → linear, on every row.
-        let fin = RowNorm {
-            kind: NormKind::Layer,
-            weight: None,
-            eps: FINAL_NORM_EPS,
-            scale: Some(View::new(&prep.final_scale, steps, d).rows(step, 1)),
-        };
+        let fin = RowNorm::plain(NormKind::Layer, FINAL_NORM_EPS)
+            .modulated(View::new(&prep.final_scale, steps, d).rows(step, 1));
         be.norm(
             View::new(&prep.u, seq, d),
             &fin,
             ViewMut::new(&mut prep.scratch.a, seq, d),
         )?;
-        be.linear(
+        be.matmul(
             View::new(&prep.scratch.a, seq, d),
             &self.final_linear.w,
-            Some(&self.final_linear.b),
-            None,
             ViewMut::new(&mut prep.out, seq, pd),
+            &self.final_linear.epilogue(),
         )?;
         tap_joint(
             be,
@@ -826,86 +790,36 @@ impl<B: Backend> ZImageTransformer<B> {
         m: Option<View<'_, B>>,
     ) -> Result<()> {
         let c = &self.cfg;
-        let (rows, d, f, eps) = (x.rows, c.dim, c.ffn_dim(), c.norm_eps);
+        let (rows, d, eps) = (x.rows, c.dim, c.norm_eps);
         let chunk = |k: usize| m.map(|m| m.cols(k * d, d));
-        let layout = QkvLayout {
-            heads_q: c.n_heads,
-            heads_kv: c.n_heads,
-            head_dim: c.head_dim(),
-        };
-        let mut n1 = RowNorm::rms(&b.attention_norm1, eps);
-        n1.scale = chunk(0);
-        be.norm(x.as_view(), &n1, ViewMut::new(&mut ws.a, rows, d))?;
-        be.matmul(
-            View::new(&ws.a, rows, d),
-            &b.qkv,
-            ViewMut::new(&mut ws.qkv, rows, 3 * d),
-            Epilogue::default(),
+        be.norm(
+            x.as_view(),
+            &RowNorm::rms(&b.attention_norm1, eps).modulated_by(chunk(0)),
+            ViewMut::new(&mut ws.a, rows, d),
         )?;
-        be.qkv_norm_rope(
-            ViewMut::new(&mut ws.qkv, rows, 3 * d),
-            layout,
-            Some(&b.norm_q),
-            Some(&b.norm_k),
-            false,
-            QK_NORM_EPS,
-            Some((rope, pos)),
-        )?;
-        let spec = AttnSpec {
-            heads_q: c.n_heads,
-            heads_kv: c.n_heads,
-            head_dim: c.head_dim(),
-            scale: (c.head_dim() as f32).powf(-0.5),
-            window: None,
-            causal: false,
-        };
-        let qkv = View::new(&ws.qkv, rows, 3 * d);
-        be.attention(
-            qkv.cols(0, d),
-            qkv.cols(d, d),
-            qkv.cols(2 * d, d),
-            ViewMut::new(&mut ws.attn, rows, d),
-            &spec,
-            segs,
-        )?;
-        be.matmul(
-            View::new(&ws.attn, rows, d),
-            &b.out,
-            ViewMut::new(&mut ws.y, rows, d),
-            Epilogue::default(),
-        )?;
-        let mut n3 = RowNorm::rms(&b.ffn_norm1, eps);
-        n3.scale = chunk(2);
-        be.residual_add(
+        SelfAttention {
+            w: &b.attn,
+            v_norm: false,
+            eps: QK_NORM_EPS,
+            rope: Some((rope, pos)),
+            spec: AttnSpec::new(b.attn.layout, (c.head_dim() as f32).powf(-0.5), Mask::Full),
+        }
+        .forward(be, segs, rows, ws)?;
+        be.residual(
             x.reborrow(),
             View::new(&ws.y, rows, d),
-            &Residual {
-                post: Some(RowNorm::rms(&b.attention_norm2, eps)),
-                tanh_gate: chunk(1),
-            },
-            Some((&n3, ViewMut::new(&mut ws.a, rows, d))),
+            &Residual::post_norm(RowNorm::rms(&b.attention_norm2, eps)).tanh_gated(chunk(1)),
+            After::Norm(
+                RowNorm::rms(&b.ffn_norm1, eps).modulated_by(chunk(2)),
+                ViewMut::new(&mut ws.a, rows, d),
+            ),
         )?;
-        GatedMlp {
-            gate_up: &b.w13,
-            down: &b.w2,
-            inner: f,
-            act: Activation::Silu,
-        }
-        .forward(
-            be,
-            View::new(&ws.a, rows, d),
-            &mut ws.gu,
-            &mut ws.g,
-            ViewMut::new(&mut ws.y, rows, d),
-        )?;
-        be.residual_add(
+        b.mlp.forward(be, Activation::Silu, rows, ws)?;
+        be.residual(
             x,
             View::new(&ws.y, rows, d),
-            &Residual {
-                post: Some(RowNorm::rms(&b.ffn_norm2, eps)),
-                tanh_gate: chunk(3),
-            },
-            None,
+            &Residual::post_norm(RowNorm::rms(&b.ffn_norm2, eps)).tanh_gated(chunk(3)),
+            After::Nothing,
         )
     }
 }

@@ -14,11 +14,13 @@
 use std::collections::BTreeMap;
 
 use tessera_backend::{
-    Activation, AttnSpec, Backend, Conv2d, GroupNorm, Residual, Role, View, ViewMut,
+    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, GroupNorm, Mask, QkvLayout, Residual,
+    Role, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
 use super::config::VaeConfig;
+use crate::loader::Loader;
 
 const GN_EPS: f32 = 1e-6;
 
@@ -31,28 +33,15 @@ struct Conv<B: Backend> {
 }
 
 impl<B: Backend> Conv<B> {
-    fn load(
-        be: &B,
-        w: &Weights,
-        name: &str,
-        cin: usize,
-        cout: usize,
-        kernel: usize,
-    ) -> Result<Self> {
-        let t = w.f32(&format!("{name}.weight"), &[cout, cin, kernel, kernel])?;
-        // [out, in, ky, kx] → [out, ky, kx, in]
-        let kk = kernel * kernel;
-        let mut r = vec![0f32; t.len()];
-        for o in 0..cout {
-            for i in 0..cin {
-                for k in 0..kk {
-                    r[(o * kk + k) * cin + i] = t[(o * cin + i) * kk + k];
-                }
-            }
-        }
+    fn load(l: &Loader<'_, B>, name: &str, cin: usize, cout: usize, kernel: usize) -> Result<Self> {
+        // [out, in, ky, kx] → [out, ky, kx, in], in the stored dtype.
+        let mut t = l
+            .tensor(&format!("{name}.weight"), &[cout, cin, kernel, kernel])?
+            .permuted(&[0, 2, 3, 1])?;
+        t.shape = vec![cout, kernel * kernel * cin];
         Ok(Conv {
-            w: be.matrix(&[(&r, cout)], kk * cin)?,
-            b: be.vector(&w.f32(&format!("{name}.bias"), &[cout])?)?,
+            w: l.backend().matrix(&[t])?,
+            b: l.vector(&format!("{name}.bias"), cout)?,
             kernel,
             cout,
         })
@@ -91,10 +80,10 @@ struct Norm<B: Backend> {
 }
 
 impl<B: Backend> Norm<B> {
-    fn load(be: &B, w: &Weights, name: &str, c: usize) -> Result<Self> {
+    fn load(l: &Loader<'_, B>, name: &str, c: usize) -> Result<Self> {
         Ok(Norm {
-            w: be.vector(&w.f32(&format!("{name}.weight"), &[c])?)?,
-            b: be.vector(&w.f32(&format!("{name}.bias"), &[c])?)?,
+            w: l.vector(&format!("{name}.weight"), c)?,
+            b: l.vector(&format!("{name}.bias"), c)?,
         })
     }
 }
@@ -110,23 +99,16 @@ struct Resnet<B: Backend> {
 }
 
 impl<B: Backend> Resnet<B> {
-    fn load(be: &B, w: &Weights, p: &str, cin: usize, cout: usize) -> Result<Self> {
+    fn load(l: &Loader<'_, B>, cin: usize, cout: usize) -> Result<Self> {
         Ok(Resnet {
             cin,
             cout,
-            norm1: Norm::load(be, w, &format!("{p}.norm1"), cin)?,
-            conv1: Conv::load(be, w, &format!("{p}.conv1"), cin, cout, 3)?,
-            norm2: Norm::load(be, w, &format!("{p}.norm2"), cout)?,
-            conv2: Conv::load(be, w, &format!("{p}.conv2"), cout, cout, 3)?,
+            norm1: Norm::load(l, "norm1", cin)?,
+            conv1: Conv::load(l, "conv1", cin, cout, 3)?,
+            norm2: Norm::load(l, "norm2", cout)?,
+            conv2: Conv::load(l, "conv2", cout, cout, 3)?,
             shortcut: if cin != cout {
-                Some(Conv::load(
-                    be,
-                    w,
-                    &format!("{p}.conv_shortcut"),
-                    cin,
-                    cout,
-                    1,
-                )?)
+                Some(Conv::load(l, "conv_shortcut", cin, cout, 1)?)
             } else {
                 None
             },
@@ -146,20 +128,16 @@ struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    fn load(be: &B, w: &Weights, p: &str, c: usize) -> Result<Self> {
-        let q = w.f32(&format!("{p}.to_q.weight"), &[c, c])?;
-        let k = w.f32(&format!("{p}.to_k.weight"), &[c, c])?;
-        let v = w.f32(&format!("{p}.to_v.weight"), &[c, c])?;
-        let mut bias = w.f32(&format!("{p}.to_q.bias"), &[c])?;
-        bias.extend(w.f32(&format!("{p}.to_k.bias"), &[c])?);
-        bias.extend(w.f32(&format!("{p}.to_v.bias"), &[c])?);
+    fn load(l: &Loader<'_, B>, c: usize) -> Result<Self> {
+        let qkv = [("to_q.weight", c), ("to_k.weight", c), ("to_v.weight", c)];
+        let bias = [("to_q.bias", c), ("to_k.bias", c), ("to_v.bias", c)];
         Ok(Attention {
             c,
-            norm: Norm::load(be, w, &format!("{p}.group_norm"), c)?,
-            qkv: be.matrix(&[(&q, c), (&k, c), (&v, c)], c)?,
-            qkv_b: be.vector(&bias)?,
-            out: be.matrix(&[(&w.f32(&format!("{p}.to_out.0.weight"), &[c, c])?, c)], c)?,
-            out_b: be.vector(&w.f32(&format!("{p}.to_out.0.bias"), &[c])?)?,
+            norm: Norm::load(l, "group_norm", c)?,
+            qkv: l.stacked(&qkv, c)?,
+            qkv_b: l.stacked_vector(&bias)?,
+            out: l.matrix("to_out.0.weight", c, c)?,
+            out_b: l.vector("to_out.0.bias", c)?,
         })
     }
 }
@@ -196,32 +174,21 @@ struct Bufs<B: Backend> {
 impl<B: Backend> VaeDecoder<B> {
     /// Load `decoder.*` from the VAE checkpoint, checking every shape against `cfg`.
     pub fn load(be: &B, cfg: &VaeConfig, weights: &Weights) -> Result<Self> {
-        let w = weights.pp("decoder");
+        let l = Loader::new(be, weights).pp("decoder");
         let rev: Vec<usize> = cfg.block_out_channels.iter().rev().copied().collect();
         let top = rev[0];
         let mut up = Vec::with_capacity(rev.len());
         let mut prev = top;
         for (i, &c) in rev.iter().enumerate() {
+            let block = l.pp(format_args!("up_blocks.{i}"));
             let resnets = (0..cfg.layers_per_block + 1)
                 .map(|j| {
-                    Resnet::load(
-                        be,
-                        &w,
-                        &format!("up_blocks.{i}.resnets.{j}"),
-                        if j == 0 { prev } else { c },
-                        c,
-                    )
+                    let cin = if j == 0 { prev } else { c };
+                    Resnet::load(&block.pp(format_args!("resnets.{j}")), cin, c)
                 })
                 .collect::<Result<Vec<_>>>()?;
             let upsample = if i + 1 < rev.len() {
-                Some(Conv::load(
-                    be,
-                    &w,
-                    &format!("up_blocks.{i}.upsamplers.0.conv"),
-                    c,
-                    c,
-                    3,
-                )?)
+                Some(Conv::load(&block, "upsamplers.0.conv", c, c, 3)?)
             } else {
                 None
             };
@@ -229,20 +196,21 @@ impl<B: Backend> VaeDecoder<B> {
             prev = c;
         }
         let c0 = cfg.block_out_channels[0];
+        let mid = l.pp("mid_block");
         Ok(VaeDecoder {
-            conv_in: Conv::load(be, &w, "conv_in", cfg.latent_channels, top, 3)?,
+            conv_in: Conv::load(&l, "conv_in", cfg.latent_channels, top, 3)?,
             mid: [
-                Resnet::load(be, &w, "mid_block.resnets.0", top, top)?,
-                Resnet::load(be, &w, "mid_block.resnets.1", top, top)?,
+                Resnet::load(&mid.pp("resnets.0"), top, top)?,
+                Resnet::load(&mid.pp("resnets.1"), top, top)?,
             ],
             mid_attention: if cfg.mid_attention {
-                Some(Attention::load(be, &w, "mid_block.attentions.0", top)?)
+                Some(Attention::load(&mid.pp("attentions.0"), top)?)
             } else {
                 None
             },
             up,
-            norm_out: Norm::load(be, &w, "conv_norm_out", c0)?,
-            conv_out: Conv::load(be, &w, "conv_out", c0, cfg.out_channels, 3)?,
+            norm_out: Norm::load(&l, "conv_norm_out", c0)?,
+            conv_out: Conv::load(&l, "conv_out", c0, cfg.out_channels, 3)?,
             cfg: cfg.clone(),
         })
     }
@@ -400,11 +368,11 @@ impl<B: Backend> VaeDecoder<B> {
             sc.run(be, View::new(&b.x, px, r.cin), hw, false, &mut b.n)?;
             std::mem::swap(&mut b.x, &mut b.n);
         }
-        be.residual_add(
+        be.residual(
             ViewMut::new(&mut b.x, px, r.cout),
             View::new(&b.y, px, r.cout),
             &Residual::plain(),
-            None,
+            After::Nothing,
         )
     }
 
@@ -424,21 +392,18 @@ impl<B: Backend> VaeDecoder<B> {
             false,
             ViewMut::new(&mut b.n, px, c),
         )?;
-        be.linear(
+        be.matmul(
             View::new(&b.n, px, c),
             &a.qkv,
-            Some(&a.qkv_b),
-            None,
             ViewMut::new(&mut b.h, px, 3 * c),
+            &Epilogue::bias(&a.qkv_b),
         )?;
-        let spec = AttnSpec {
+        let layout = QkvLayout {
             heads_q: 1,
             heads_kv: 1,
             head_dim: c,
-            scale: (c as f32).powf(-0.5),
-            window: None,
-            causal: false,
         };
+        let spec = AttnSpec::new(layout, (c as f32).powf(-0.5), Mask::Full);
         let segs = be.segments(&[px])?;
         let qkv = View::new(&b.h, px, 3 * c);
         be.attention(
@@ -449,18 +414,12 @@ impl<B: Backend> VaeDecoder<B> {
             &spec,
             &segs,
         )?;
-        be.linear(
+        // x += to_out(a) + bias, folded into the product.
+        be.matmul(
             View::new(&b.n, px, c),
             &a.out,
-            Some(&a.out_b),
-            None,
-            ViewMut::new(&mut b.y, px, c),
-        )?;
-        be.residual_add(
             ViewMut::new(&mut b.x, px, c),
-            View::new(&b.y, px, c),
-            &Residual::plain(),
-            None,
+            &Epilogue::bias(&a.out_b).accumulate(),
         )
     }
 }

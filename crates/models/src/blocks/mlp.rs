@@ -1,0 +1,66 @@
+//! The gated MLP: `y = (act(x · W_gateᵀ) ⊙ (x · W_upᵀ)) · W_downᵀ`.
+
+use tessera_backend::{Activation, Backend, Epilogue, View, ViewMut};
+use tessera_core::Result;
+
+use super::Scratch;
+use crate::loader::Loader;
+
+/// Where a checkpoint keeps a gated MLP's three matrices.
+#[derive(Clone, Copy, Debug)]
+pub struct MlpNames {
+    pub gate: &'static str,
+    pub up: &'static str,
+    pub down: &'static str,
+}
+
+/// The names transformers uses for Gemma- and Qwen-style decoders.
+pub const HF_MLP: MlpNames = MlpNames {
+    gate: "mlp.gate_proj.weight",
+    up: "mlp.up_proj.weight",
+    down: "mlp.down_proj.weight",
+};
+
+/// A gated MLP's weights, gate and up stacked in one `[2·inner, width]` matrix so a single
+/// product computes both.
+pub struct MlpWeights<B: Backend> {
+    pub width: usize,
+    pub inner: usize,
+    pub gate_up: B::Mat,
+    pub down: B::Mat,
+}
+
+impl<B: Backend> MlpWeights<B> {
+    pub fn load(l: &Loader<'_, B>, names: &MlpNames, width: usize, inner: usize) -> Result<Self> {
+        Ok(MlpWeights {
+            width,
+            inner,
+            gate_up: l.stacked(&[(names.gate, inner), (names.up, inner)], width)?,
+            down: l.matrix(names.down, width, inner)?,
+        })
+    }
+
+    /// `y = mlp(a)` for `rows` rows (`s.a` in, `s.y` out).
+    pub fn forward(&self, be: &B, act: Activation, rows: usize, s: &mut Scratch<B>) -> Result<()> {
+        let (d, im) = (self.width, self.inner);
+        be.matmul(
+            View::new(&s.a, rows, d),
+            &self.gate_up,
+            ViewMut::new(&mut s.gu, rows, 2 * im),
+            &Epilogue::default(),
+        )?;
+        let both = View::new(&s.gu, rows, 2 * im);
+        be.gated(
+            both.cols(0, im),
+            both.cols(im, im),
+            ViewMut::new(&mut s.g, rows, im),
+            act,
+        )?;
+        be.matmul(
+            View::new(&s.g, rows, im),
+            &self.down,
+            ViewMut::new(&mut s.y, rows, d),
+            &Epilogue::default(),
+        )
+    }
+}

@@ -1,0 +1,52 @@
+//! The activations a transformer block works in, shared by every family's workspace.
+
+use tessera_backend::{Backend, Role};
+use tessera_core::Result;
+
+/// Widths of a block's activations (columns per row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchDims {
+    /// The model width: normed sub-block inputs and sub-block outputs.
+    pub width: usize,
+    /// q|k|v of one row (`QkvLayout::width`).
+    pub qkv: usize,
+    /// The attention output (`QkvLayout::q_cols`).
+    pub attn: usize,
+    /// The MLP's inner width (gate|up is twice that).
+    pub mlp: usize,
+}
+
+/// A block's activations for up to `rows` rows, in the compute dtype. By convention a sub-block
+/// reads its normed input from `a` and writes its output to `y`; `qkv`/`attn` and `gu`/`g` are
+/// the attention's and the gated MLP's own.
+pub struct Scratch<B: Backend> {
+    pub rows: usize,
+    pub dims: ScratchDims,
+    pub a: B::Buf,
+    pub qkv: B::Buf,
+    pub attn: B::Buf,
+    pub y: B::Buf,
+    pub gu: B::Buf,
+    pub g: B::Buf,
+}
+
+impl<B: Backend> Scratch<B> {
+    pub fn alloc(be: &B, rows: usize, dims: ScratchDims) -> Result<Self> {
+        let c = Role::Compute;
+        Ok(Scratch {
+            rows,
+            dims,
+            a: be.alloc(rows * dims.width, c)?,
+            qkv: be.alloc(rows * dims.qkv, c)?,
+            attn: be.alloc(rows * dims.attn, c)?,
+            y: be.alloc(rows * dims.width, c)?,
+            gu: be.alloc(rows * 2 * dims.mlp, c)?,
+            g: be.alloc(rows * dims.mlp, c)?,
+        })
+    }
+
+    /// Whether this scratch holds `rows` rows of `dims`.
+    pub fn fits(&self, rows: usize, dims: ScratchDims) -> bool {
+        self.rows >= rows && self.dims == dims
+    }
+}
