@@ -40,6 +40,14 @@ fn looks_like_repo_id(spec: &str) -> bool {
 
 /// Resolve `spec` to a model folder that contains `marker` (e.g. `config.json`).
 pub fn resolve(spec: &str, marker: &str) -> Result<PathBuf> {
+    resolve_any(spec, &[marker])
+}
+
+/// Resolve `spec` to a model folder that contains one of `markers` (`model_index.json` for a
+/// diffusers pipeline, `config.json` for a transformers model).
+pub fn resolve_any(spec: &str, markers: &[&str]) -> Result<PathBuf> {
+    let marker = markers.join(" or ");
+    let has_marker = |p: &Path| markers.iter().any(|m| p.join(m).is_file());
     let path = Path::new(spec);
     if path.exists() {
         if !path.is_dir() {
@@ -48,7 +56,7 @@ pub fn resolve(spec: &str, marker: &str) -> Result<PathBuf> {
                 looked: format!("{} is a file; pass the model's folder", path.display()),
             });
         }
-        if !path.join(marker).is_file() {
+        if !has_marker(path) {
             let empty = std::fs::read_dir(path)
                 .map(|mut d| d.next().is_none())
                 .unwrap_or(false);
@@ -75,7 +83,7 @@ pub fn resolve(spec: &str, marker: &str) -> Result<PathBuf> {
             looked: "no such folder, and no Hugging Face cache location (HF_HUB_CACHE, HF_HOME and HOME are unset)".into(),
         });
     };
-    find_in_cache(&cache, spec, marker).ok_or_else(|| Error::ModelNotFound {
+    find_in_cache(&cache, spec, &has_marker).ok_or_else(|| Error::ModelNotFound {
         spec: spec.into(),
         looked: format!(
             "no such folder, and no snapshot with {marker} under {}; fetch it with `hf download {spec}` or pass a folder",
@@ -88,14 +96,14 @@ fn repo_folder(repo: &str) -> String {
     format!("models--{}", repo.replace('/', "--"))
 }
 
-/// The snapshot `refs/main` points to if it has `marker`, else the most recently modified
-/// snapshot that has it.
-fn find_in_cache(cache: &Path, repo: &str, marker: &str) -> Option<PathBuf> {
+/// The snapshot `refs/main` points to if it has a marker, else the most recently modified
+/// snapshot that has one.
+fn find_in_cache(cache: &Path, repo: &str, has_marker: &dyn Fn(&Path) -> bool) -> Option<PathBuf> {
     let repo_dir = cache.join(repo_folder(repo));
     let snapshots = repo_dir.join("snapshots");
     if let Ok(rev) = std::fs::read_to_string(repo_dir.join("refs").join("main")) {
         let snap = snapshots.join(rev.trim());
-        if snap.join(marker).is_file() {
+        if has_marker(&snap) {
             return Some(snap);
         }
     }
@@ -103,7 +111,7 @@ fn find_in_cache(cache: &Path, repo: &str, marker: &str) -> Option<PathBuf> {
         .ok()?
         .filter_map(|e| e.ok())
         .map(|e| e.path())
-        .filter(|p| p.join(marker).is_file())
+        .filter(|p| has_marker(p))
         .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
 }
 
@@ -130,9 +138,10 @@ mod tests {
         std::fs::write(snap.join("config.json"), "{}").unwrap();
         std::fs::create_dir_all(repo.join("refs")).unwrap();
         std::fs::write(repo.join("refs").join("main"), "abc123\n").unwrap();
-        let found = find_in_cache(cache.path(), "google/embeddinggemma-2", "config.json").unwrap();
+        let config = |p: &Path| p.join("config.json").is_file();
+        let found = find_in_cache(cache.path(), "google/embeddinggemma-2", &config).unwrap();
         assert_eq!(found, snap);
-        assert!(find_in_cache(cache.path(), "google/other", "config.json").is_none());
+        assert!(find_in_cache(cache.path(), "google/other", &config).is_none());
     }
 
     #[test]

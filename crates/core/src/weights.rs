@@ -465,6 +465,31 @@ mod tests {
     }
 
     #[test]
+    fn permuting_keeps_the_stored_dtype_and_moves_axes() {
+        // [2, 3] → [3, 2]: a transpose.
+        let t = Tensor::from_f32("t", vec![2, 3], &[0., 1., 2., 3., 4., 5.]).unwrap();
+        let p = t.permuted(&[1, 0]).unwrap();
+        assert_eq!(
+            (p.shape.clone(), p.to_f32()),
+            (vec![3, 2], vec![0., 3., 1., 4., 2., 5.])
+        );
+        // A conv weight [out, in, kh, kw] → [out, kh, kw, in].
+        let w: Vec<f32> = (0..2 * 3 * 2 * 2).map(|v| v as f32).collect();
+        let t = Tensor::from_f32("w", vec![2, 3, 2, 2], &w).unwrap();
+        let p = t.permuted(&[0, 2, 3, 1]).unwrap();
+        let got = p.to_f32();
+        for o in 0..2 {
+            for i in 0..3 {
+                for k in 0..4 {
+                    assert_eq!(got[(o * 4 + k) * 3 + i], w[(o * 3 + i) * 4 + k]);
+                }
+            }
+        }
+        assert!(t.permuted(&[0, 0, 1, 2]).is_err());
+        assert!(Tensor::from_f32("x", vec![4], &[1.0]).is_err());
+    }
+
+    #[test]
     fn truncated_file_is_reported() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("model.safetensors");

@@ -1,7 +1,9 @@
 //! Tessera's models, one folder per family, each written once against
 //! [`tessera_backend::Backend`] so the CPU reference and the GPU backends share one definition.
 //!
-//! - [`blocks`]: sub-blocks shared by the transformer models (the gated MLP);
+//! - [`blocks`]: blocks shared by the transformer families (attention, MLP, layers, RoPE tables);
+//! - [`loader`]: loading a checkpoint's tensors onto a backend, for every family;
+//! - [`input`]: multimodal inputs (ordered text and image parts);
 //! - [`egemma2`]: EmbeddingGemma 2 text, image and mixed embeddings;
 //! - [`imageproc`]: image decoding, the reference's resampler and patches;
 //! - [`zimage`]: Z-Image-Turbo text-to-image;
@@ -13,6 +15,7 @@ pub mod blocks;
 pub mod egemma2;
 pub mod files;
 pub mod imageproc;
+pub mod input;
 pub mod loader;
 pub mod qwen3;
 pub mod tokenize;

@@ -13,6 +13,7 @@ use tessera_core::{Error, Result};
 
 use crate::files::ModelFiles;
 
+#[derive(Clone)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,

@@ -287,6 +287,16 @@ impl Config {
         Self::parse(path, &text)
     }
 
+    /// `config.json` of a model's files (a folder or the bundled model).
+    pub fn read(files: &crate::ModelFiles) -> Result<Self> {
+        match files {
+            crate::ModelFiles::Dir(_) => Self::from_file(&files.path("config.json")),
+            crate::ModelFiles::Embedded { .. } => {
+                Self::parse(&files.path("config.json"), &files.read("config.json")?)
+            }
+        }
+    }
+
     pub fn parse(path: &Path, json: &str) -> Result<Self> {
         let raw: RawConfig = tessera_core::config::parse_json(path, json)?;
         let err = |field: &str, msg: String| Error::config(path, field, msg);

@@ -24,8 +24,8 @@
 //! check against (spec §2.4); for text + images it is what the processor produces from the
 //! concatenated text, and the fixtures check the ids against it.
 
-mod any;
 pub mod config;
+mod ops;
 pub mod processor;
 pub mod prompts;
 pub mod text;
@@ -36,10 +36,11 @@ use tessera_core::{Error, Result};
 
 use crate::files::ModelFiles;
 use crate::imageproc::{Image, ImageBudget, Patches};
+pub use crate::input::{Input, Part};
 use crate::tokenize::TextTokenizer;
-pub use any::AnyEmbeddingGemma2;
 pub use config::Config;
 use config::ImageTokens;
+pub use ops::ops;
 pub use processor::ImageProcessor;
 pub use prompts::Prompts;
 use text::{Merge, TextEncoder};
@@ -77,42 +78,21 @@ pub const BUNDLED: ModelFiles = ModelFiles::Embedded {
     ],
 };
 
-/// One part of an [`Input`].
-#[derive(Clone, Debug)]
-pub enum Part {
-    Text(String),
-    Image(Image),
-}
-
-/// Texts and images that become one embedding, in the order given (layout: module docs).
-#[derive(Clone, Debug, Default)]
-pub struct Input {
-    pub parts: Vec<Part>,
-}
-
-impl Input {
-    pub fn text(text: impl Into<String>) -> Self {
-        Input {
-            parts: vec![Part::Text(text.into())],
-        }
-    }
-    pub fn image(image: Image) -> Self {
-        Input {
-            parts: vec![Part::Image(image)],
-        }
-    }
-    pub fn images(&self) -> impl Iterator<Item = &Image> {
-        self.parts.iter().filter_map(|p| match p {
-            Part::Image(i) => Some(i),
-            Part::Text(_) => None,
-        })
-    }
-}
-
 /// An input ready for a pass: token ids and its images as patches.
-struct Prepared {
-    ids: Vec<u32>,
-    images: Vec<Patches>,
+pub struct Prepared {
+    pub ids: Vec<u32>,
+    pub images: Vec<Patches>,
+}
+
+impl Prepared {
+    /// Rows it takes in a text pass.
+    pub fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+    /// Patches it takes in a vision pass.
+    pub fn patches(&self) -> usize {
+        self.images.iter().map(Patches::len).sum()
+    }
 }
 
 /// The vision half of a model that has one.
@@ -126,7 +106,7 @@ struct Vision<B: Backend> {
 
 /// What preparing an input reads: borrowed apart from the encoders that passes mutate, so that
 /// inputs are prepared on the host while the device runs passes.
-struct Preparer<'a> {
+pub struct Preparer<'a> {
     config: &'a Config,
     tokenizer: &'a TextTokenizer,
     prompts: &'a Prompts,
@@ -142,7 +122,7 @@ struct ImageLayout<'a> {
 }
 
 /// What running a pass mutates (the encoders' workspaces), borrowed apart from [`Preparer`].
-struct Passes<'a, B: Backend> {
+pub struct Passes<'a, B: Backend> {
     backend: &'a B,
     text: &'a mut TextEncoder<B>,
     /// The vision tower and the `<|image|>` id whose rows its soft tokens replace.
@@ -160,22 +140,6 @@ pub struct TextOptions {
     pub max_tokens: Option<usize>,
 }
 
-/// One embedding and how many tokens produced it.
-#[derive(Clone, Debug)]
-pub struct Embedding {
-    pub vector: Vec<f32>,
-    pub tokens: usize,
-}
-
-/// Inputs prepared (resized, patched) in parallel at a time.
-const PREPARE_CHUNK: usize = 64;
-
-/// Rows per packed pass: large enough to fill the device, small enough to bound activations.
-pub const DEFAULT_PASS_TOKENS: usize = 8192;
-/// Image patches per packed vision pass (one 1120-budget image has up to 10,080; a larger
-/// input gets a pass of its own).
-pub const DEFAULT_PASS_PATCHES: usize = 16_384;
-
 pub struct EmbeddingGemma2<B: Backend> {
     backend: B,
     config: Config,
@@ -184,21 +148,12 @@ pub struct EmbeddingGemma2<B: Backend> {
     text: TextEncoder<B>,
     vision: Option<Vision<B>>,
     files: ModelFiles,
-    /// Token budget of one packed pass.
-    pub pass_tokens: usize,
-    /// Patch budget of one packed vision pass.
-    pub pass_patches: usize,
 }
 
 impl<B: Backend> EmbeddingGemma2<B> {
     /// Load a model from its files (published Hugging Face layout).
     pub fn load(backend: B, files: ModelFiles) -> Result<Self> {
-        let config = match &files {
-            ModelFiles::Dir(_) => Config::from_file(&files.path("config.json"))?,
-            ModelFiles::Embedded { .. } => {
-                Config::parse(&files.path("config.json"), &files.read("config.json")?)?
-            }
-        };
+        let config = Config::read(&files)?;
         let tokenizer =
             TextTokenizer::load(&files, (config.text.bos_token_id, config.text.eos_token_id))?;
         if tokenizer.vocab_size() > config.text.vocab_size {
@@ -254,8 +209,6 @@ impl<B: Backend> EmbeddingGemma2<B> {
             text,
             vision,
             files,
-            pass_tokens: DEFAULT_PASS_TOKENS,
-            pass_patches: DEFAULT_PASS_PATCHES,
         })
     }
 
@@ -284,6 +237,9 @@ impl<B: Backend> EmbeddingGemma2<B> {
     }
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
     }
     /// Width of the full embedding (768 for the release model).
     pub fn dim(&self) -> usize {
@@ -327,8 +283,9 @@ impl<B: Backend> EmbeddingGemma2<B> {
         }
     }
 
-    /// [`preparer`](Self::preparer) and what passes mutate, borrowed at once.
-    fn split(&mut self) -> (Preparer<'_>, Passes<'_, B>) {
+    /// [`preparer`](Self::preparer) and what passes mutate, borrowed at once: inputs are
+    /// prepared on the host while the device runs passes.
+    pub fn split(&mut self) -> (Preparer<'_>, Passes<'_, B>) {
         let (layout, encoder) = match &mut self.vision {
             Some(Vision {
                 encoder,
@@ -358,83 +315,11 @@ impl<B: Backend> EmbeddingGemma2<B> {
         };
         (preparer, passes)
     }
-
-    /// Embed token-id sequences, packed into passes of at most `pass_tokens` rows (a longer
-    /// sequence gets a pass of its own; a pass that runs out of device memory is split). Returns
-    /// full-width L2-normalised vectors in input order. `progress` is called with the number of
-    /// sequences finished after each pass.
-    pub fn embed_ids(
-        &mut self,
-        seqs: &[Vec<u32>],
-        mut progress: impl FnMut(usize),
-    ) -> Result<Vec<Vec<f32>>> {
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut budget = self.pass_tokens;
-        let mut start = 0;
-        while start < seqs.len() {
-            let mut end = start;
-            let mut rows = 0;
-            while end < seqs.len() && (end == start || rows + seqs[end].len() <= budget) {
-                rows += seqs[end].len();
-                end += 1;
-            }
-            let batch: Vec<&[u32]> = seqs[start..end].iter().map(Vec::as_slice).collect();
-            match self.text.forward(&self.backend, &batch) {
-                Ok(vectors) => out.extend(vectors.into_iter().map(l2_normalize)),
-                // Out of device memory: split the pass and try again, down to one input.
-                Err(Error::OutOfMemory(_)) if end - start > 1 => {
-                    budget = (rows / 2).max(1);
-                    continue;
-                }
-                Err(Error::OutOfMemory(m)) => {
-                    return Err(Error::OutOfMemory(format!(
-                        "{m} (one input of {rows} tokens does not fit; pass --max-tokens to shorten it)"
-                    )));
-                }
-                Err(e) => return Err(e),
-            }
-            progress(end - start);
-            start = end;
-        }
-        Ok(out)
-    }
-
-    /// Embed texts: tokenize with `opts`, run, and truncate to `dim` (Matryoshka, re-normalised).
-    pub fn embed_texts(
-        &mut self,
-        texts: &[&str],
-        opts: &TextOptions,
-        dim: Option<usize>,
-        progress: impl FnMut(usize),
-    ) -> Result<Vec<Embedding>> {
-        let dim = self.check_dim(dim)?;
-        let ids = texts
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                self.tokenize(t, opts).map_err(|e| match e {
-                    Error::Input(m) if texts.len() > 1 => {
-                        Error::Input(format!("text {}: {m}", i + 1))
-                    }
-                    other => other,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let vectors = self.embed_ids(&ids, progress)?;
-        Ok(vectors
-            .into_iter()
-            .zip(&ids)
-            .map(|(v, ids)| Embedding {
-                vector: matryoshka(v, dim),
-                tokens: ids.len(),
-            })
-            .collect())
-    }
 }
 
 impl<'a> Preparer<'a> {
     /// The prompt prefix `opts` asks for (validating the name).
-    fn prompt_prefix(&self, opts: &'a TextOptions) -> Result<&'a str> {
+    pub fn prompt_prefix(&self, opts: &'a TextOptions) -> Result<&'a str> {
         match (&opts.prompt_name, &opts.prompt) {
             (Some(_), Some(_)) => Err(Error::input(
                 "give either a prompt name or a literal prompt, not both",
@@ -446,7 +331,7 @@ impl<'a> Preparer<'a> {
     }
 
     /// Token ids of one text: `[<bos>] prompt+text [<eos>]`, truncated as `opts` says.
-    fn tokenize(&self, text: &str, opts: &TextOptions) -> Result<Vec<u32>> {
+    pub fn tokenize(&self, text: &str, opts: &TextOptions) -> Result<Vec<u32>> {
         if text.is_empty() {
             return Err(Error::input("empty text: there is nothing to embed"));
         }
@@ -485,7 +370,12 @@ impl<'a> Preparer<'a> {
     }
 
     /// Token ids and patches of one input (host work: tokenizing, resizing, patchifying).
-    fn prepare(&self, input: &Input, opts: &TextOptions, budget: ImageBudget) -> Result<Prepared> {
+    pub fn prepare(
+        &self,
+        input: &Input,
+        opts: &TextOptions,
+        budget: ImageBudget,
+    ) -> Result<Prepared> {
         if input.parts.is_empty() {
             return Err(Error::input("an input needs at least one text or image"));
         }
@@ -614,71 +504,13 @@ impl<B: Backend> EmbeddingGemma2<B> {
             })
             .collect())
     }
-
-    /// Embed inputs made of texts and images (layout: module docs), at most `pass_tokens` text
-    /// rows and `pass_patches` image patches per packed pass (an input larger than that gets a
-    /// pass of its own). Images are resized for `budget` soft tokens. Returns L2-normalised
-    /// vectors truncated to `dim` (Matryoshka) in input order; `progress` is called with the
-    /// number of inputs finished after each pass. Text-only inputs embed exactly as
-    /// [`embed_texts`](Self::embed_texts) embeds the concatenation of their texts.
-    pub fn embed_inputs(
-        &mut self,
-        inputs: &[Input],
-        opts: &TextOptions,
-        budget: ImageBudget,
-        dim: Option<usize>,
-        mut progress: impl FnMut(usize),
-    ) -> Result<Vec<Embedding>> {
-        let dim = self.check_dim(dim)?;
-        self.prompt_prefix(opts)?;
-        let name = |i: usize, e: Error| match e {
-            Error::Input(m) if inputs.len() > 1 => Error::Input(format!("input {}: {m}", i + 1)),
-            other => other,
-        };
-        let (pass_tokens, pass_patches) = (self.pass_tokens, self.pass_patches);
-        let (preparer, mut passes) = self.split();
-        // Decoding is the caller's; resizing and patching run on all cores, a chunk of inputs
-        // at a time so that a long list never holds every image's patches at once, and the next
-        // chunk while this one's passes run, so that host work hides behind the device's.
-        let chunks = inputs.chunks(PREPARE_CHUNK).enumerate().map(|(c, chunk)| {
-            use rayon::prelude::*;
-            chunk
-                .par_iter()
-                .enumerate()
-                .map(|(j, input)| {
-                    preparer
-                        .prepare(input, opts, budget)
-                        .map_err(|e| name(c * PREPARE_CHUNK + j, e))
-                })
-                .collect::<Result<Vec<_>>>()
-        });
-        let mut out = Vec::with_capacity(inputs.len());
-        let mut batch: Vec<Prepared> = Vec::new();
-        let (mut rows, mut patches) = (0, 0);
-        pipelined(chunks, |prepared| {
-            for p in prepared {
-                let n_patches: usize = p.images.iter().map(Patches::len).sum();
-                if !batch.is_empty()
-                    && (rows + p.ids.len() > pass_tokens || patches + n_patches > pass_patches)
-                {
-                    passes.flush(&mut batch, dim, &mut out, &mut progress)?;
-                    (rows, patches) = (0, 0);
-                }
-                rows += p.ids.len();
-                patches += n_patches;
-                batch.push(p);
-            }
-            Ok(())
-        })?;
-        passes.flush(&mut batch, dim, &mut out, &mut progress)?;
-        Ok(out)
-    }
 }
 
 impl<B: Backend> Passes<'_, B> {
     /// One packed pass: the images of `batch` through the vision tower together, their soft
-    /// tokens into the placeholder rows, then the text encoder over every sequence.
-    fn run_pass(&mut self, batch: &[Prepared]) -> Result<Vec<Vec<f32>>> {
+    /// tokens into the placeholder rows, then the text encoder over every sequence. Returns each
+    /// input's pooled vector, not yet normalised.
+    pub fn run(&mut self, batch: &[Prepared]) -> Result<Vec<Vec<f32>>> {
         let seqs: Vec<&[u32]> = batch.iter().map(|p| p.ids.as_slice()).collect();
         let images: Vec<&Patches> = batch.iter().flat_map(|p| p.images.iter()).collect();
         let Some((encoder, placeholder)) = self.vision.as_mut().filter(|_| !images.is_empty())
@@ -714,64 +546,10 @@ impl<B: Backend> Passes<'_, B> {
         )
     }
 
-    fn flush(
-        &mut self,
-        batch: &mut Vec<Prepared>,
-        dim: usize,
-        out: &mut Vec<Embedding>,
-        progress: &mut impl FnMut(usize),
-    ) -> Result<()> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let vectors = self.run_pass(batch)?;
-        for (v, p) in vectors.into_iter().zip(batch.iter()) {
-            out.push(Embedding {
-                vector: matryoshka(l2_normalize(v), dim),
-                tokens: p.ids.len(),
-            });
-        }
-        progress(batch.len());
-        batch.clear();
-        Ok(())
+    /// One packed pass of token-id sequences (text only).
+    pub fn run_ids(&mut self, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        self.text.forward(self.backend, seqs)
     }
-}
-
-/// Hands the items of `produce`, made on a scoped thread, to `consume` on this one: producing
-/// runs up to two items ahead, so host work (preparing inputs) overlaps the consumer's device
-/// passes. Stops at the first error, in item order; a panic while producing becomes an error.
-fn pipelined<T: Send>(
-    mut produce: impl ExactSizeIterator<Item = Result<T>> + Send,
-    mut consume: impl FnMut(T) -> Result<()>,
-) -> Result<()> {
-    if produce.len() <= 1 {
-        // Nothing to overlap.
-        return produce.try_for_each(|item| consume(item?));
-    }
-    std::thread::scope(|s| {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let producer = s.spawn(move || {
-            for item in produce {
-                let failed = item.is_err();
-                // Sending fails once the consumer has stopped.
-                if tx.send(item).is_err() || failed {
-                    break;
-                }
-            }
-        });
-        let consumed = rx.iter().try_for_each(|item| consume(item?));
-        // Wakes a producer blocked on the full channel.
-        drop(rx);
-        let produced = producer.join().map_err(|p| {
-            let what = p
-                .downcast_ref::<&str>()
-                .copied()
-                .or_else(|| p.downcast_ref::<String>().map(String::as_str))
-                .unwrap_or("unknown panic");
-            Error::backend("preparing inputs", format!("panicked: {what}"))
-        });
-        consumed.and(produced)
-    })
 }
 
 /// `v / max(‖v‖, 1e-12)`, the norm accumulated in f64.
@@ -793,116 +571,4 @@ pub fn matryoshka(mut v: Vec<f32>, dim: usize) -> Vec<f32> {
     }
     v.truncate(dim);
     l2_normalize(v)
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use tessera_backend::cpu::CpuBackend;
-
-    use super::*;
-
-    #[test]
-    fn pipelined_keeps_order_and_returns_the_first_error() {
-        let mut got = Vec::new();
-        pipelined((0..10).map(Ok), |i| {
-            got.push(i);
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(got, (0..10).collect::<Vec<_>>());
-
-        // A producer error comes after the items before it.
-        got.clear();
-        let items = (0..10).map(|i| match i {
-            5 => Err(Error::input("bad 5")),
-            i => Ok(i),
-        });
-        let e = pipelined(items, |i| {
-            got.push(i);
-            Ok(())
-        });
-        assert_eq!(e.unwrap_err().to_string(), "bad 5");
-        assert_eq!(got, [0, 1, 2, 3, 4]);
-
-        // A consumer error stops the producer within the channel's reach.
-        let made = AtomicUsize::new(0);
-        let items = (0..1000).map(|i| {
-            made.fetch_add(1, Ordering::Relaxed);
-            Ok(i)
-        });
-        let e = pipelined(items, |i| match i {
-            3 => Err(Error::input("consumer 3")),
-            _ => Ok(()),
-        });
-        assert_eq!(e.unwrap_err().to_string(), "consumer 3");
-        assert!(made.load(Ordering::Relaxed) <= 6, "{made:?} made");
-
-        // A panic while producing becomes an error.
-        let items = (0..4).map(|i| match i {
-            2 => panic!("boom"),
-            i => Ok(i),
-        });
-        let e = pipelined(items, |_| Ok(())).unwrap_err().to_string();
-        assert!(e.contains("boom"), "{e}");
-    }
-
-    #[test]
-    fn inputs_over_several_chunks_embed_in_order_as_they_do_alone() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/egemma2/images");
-        let image = |name: &str| Image::open(&dir.join(name)).unwrap();
-        let distinct = [
-            Input::text("which planet is red"),
-            Input::image(image("exact_96x96.png")),
-            Input {
-                parts: vec![
-                    Part::Text("look: ".into()),
-                    Part::Image(image("rgb_100x100.png")),
-                ],
-            },
-            Input::text("the quick brown fox jumps over the lazy dog"),
-        ];
-        let mut model = EmbeddingGemma2::load(CpuBackend::new(), BUNDLED).unwrap();
-        let (opts, budget) = (TextOptions::default(), ImageBudget::new(70).unwrap());
-        let alone: Vec<Embedding> = distinct
-            .iter()
-            .map(|inp| {
-                let mut e = model
-                    .embed_inputs(std::slice::from_ref(inp), &opts, budget, None, |_| {})
-                    .unwrap();
-                e.remove(0)
-            })
-            .collect();
-        let n = 2 * PREPARE_CHUNK + 5;
-        let mut inputs: Vec<Input> = (0..n).map(|i| distinct[i % 4].clone()).collect();
-        // Several passes per chunk, and passes that straddle chunks.
-        model.pass_tokens = 300;
-        let mut done = 0;
-        let got = model
-            .embed_inputs(&inputs, &opts, budget, None, |k| done += k)
-            .unwrap();
-        assert_eq!((got.len(), done), (n, n));
-        for (i, g) in got.iter().enumerate() {
-            let want = &alone[i % 4];
-            assert_eq!(g.tokens, want.tokens, "input {i}");
-            let d = g
-                .vector
-                .iter()
-                .zip(&want.vector)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(d <= 1e-5, "input {i}: max abs diff {d:.3e}");
-        }
-
-        // An input of a later chunk that cannot be prepared is named.
-        inputs[PREPARE_CHUNK + 3] = Input::default();
-        let e = model
-            .embed_inputs(&inputs, &opts, budget, None, |_| {})
-            .unwrap_err()
-            .to_string();
-        let want = format!("input {}: an input needs at least one", PREPARE_CHUNK + 4);
-        assert!(e.starts_with(&want), "{e}");
-    }
 }

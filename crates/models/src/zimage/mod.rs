@@ -13,6 +13,7 @@
 pub mod config;
 pub mod layout;
 pub mod noise;
+mod ops;
 pub mod pipeline;
 pub mod scheduler;
 pub mod text;
@@ -24,7 +25,8 @@ use std::path::Path;
 use tessera_core::{Error, Result};
 
 use crate::files::ModelFiles;
-pub use pipeline::{Event, Plan, Request, RgbImage, ZImage};
+pub use ops::ops;
+pub use pipeline::{Event, Plan, Request, RgbImage, ZImage, ZImageConfigs};
 
 /// The component folders of a diffusers Z-Image checkpoint, in the order of `model_index.json`.
 pub const COMPONENTS: [&str; 5] = [

@@ -94,6 +94,67 @@ pub enum Event<'a> {
     Decoding,
 }
 
+/// The configs of a Z-Image folder's components, read and checked against each other before
+/// any weight loads (so a device can also be chosen for them first).
+#[derive(Clone, Debug)]
+pub struct ZImageConfigs {
+    pub text_encoder: Qwen3Config,
+    pub transformer: TransformerConfig,
+    pub vae: VaeConfig,
+    pub scheduler: SchedulerConfig,
+}
+
+impl ZImageConfigs {
+    pub fn read(files: &ZImageFiles) -> Result<Self> {
+        check_model_index(
+            &files.root.path("model_index.json"),
+            &files.root.read("model_index.json")?,
+        )?;
+        let te_path = files.text_encoder.path("config.json");
+        let te = Qwen3Config::parse(&te_path, &files.text_encoder.read("config.json")?)?;
+        if te.num_layers == 0 {
+            return Err(Error::config(
+                te_path,
+                "num_hidden_layers",
+                "must be at least 1",
+            ));
+        }
+        let tr_path = files.transformer.path("config.json");
+        let tr = TransformerConfig::parse(&tr_path, &files.transformer.read("config.json")?)?;
+        if tr.cap_feat_dim != te.hidden_size {
+            return Err(Error::config(
+                tr_path,
+                "cap_feat_dim",
+                format!(
+                    "{} does not match the text encoder's hidden_size {}",
+                    tr.cap_feat_dim, te.hidden_size
+                ),
+            ));
+        }
+        let vae_path = files.vae.path("config.json");
+        let vae = VaeConfig::parse(&vae_path, &files.vae.read("config.json")?)?;
+        if vae.latent_channels != tr.in_channels {
+            return Err(Error::config(
+                vae_path,
+                "latent_channels",
+                format!(
+                    "{} does not match the transformer's in_channels {}",
+                    vae.latent_channels, tr.in_channels
+                ),
+            ));
+        }
+        let sched_path = files.scheduler.path("scheduler_config.json");
+        let scheduler =
+            SchedulerConfig::parse(&sched_path, &files.scheduler.read("scheduler_config.json")?)?;
+        Ok(ZImageConfigs {
+            text_encoder: te,
+            transformer: tr,
+            vae,
+            scheduler,
+        })
+    }
+}
+
 pub struct ZImage<B: Backend> {
     backend: B,
     tokenizer: BpeTokenizer,
@@ -119,78 +180,36 @@ impl<B: Backend> ZImage<B> {
     /// `transformer/config.json`.
     pub fn load(backend: B, files: &ZImageFiles, transformer_file: Option<&Path>) -> Result<Self> {
         let be = &backend;
-        check_model_index(
-            &files.root.path("model_index.json"),
-            &files.root.read("model_index.json")?,
-        )?;
+        let cfg = ZImageConfigs::read(files)?;
         let tokenizer = BpeTokenizer::load(&files.tokenizer)?;
-        let te_path = files.text_encoder.path("config.json");
-        let te_cfg = Qwen3Config::parse(&te_path, &files.text_encoder.read("config.json")?)?;
-        if tokenizer.vocab_size() > te_cfg.vocab_size {
+        if tokenizer.vocab_size() > cfg.text_encoder.vocab_size {
             return Err(Error::config(
                 files.tokenizer.path("tokenizer.json"),
                 "vocab",
                 format!(
                     "{} tokens, more than the text encoder's vocab_size {}",
                     tokenizer.vocab_size(),
-                    te_cfg.vocab_size
+                    cfg.text_encoder.vocab_size
                 ),
-            ));
-        }
-        if te_cfg.num_layers == 0 {
-            return Err(Error::config(
-                te_path,
-                "num_hidden_layers",
-                "must be at least 1",
             ));
         }
         // hidden_states[-2]: the residual stream after all layers but the last.
         let te_weights = text_encoder_root(&files.text_encoder.weights("model")?);
-        let text_encoder = Qwen3TextModel::load(be, &te_cfg, &te_weights, te_cfg.num_layers - 1)?;
-
-        let tr_path = files.transformer.path("config.json");
-        let tr_cfg = TransformerConfig::parse(&tr_path, &files.transformer.read("config.json")?)?;
-        if tr_cfg.cap_feat_dim != te_cfg.hidden_size {
-            return Err(Error::config(
-                tr_path,
-                "cap_feat_dim",
-                format!(
-                    "{} does not match the text encoder's hidden_size {}",
-                    tr_cfg.cap_feat_dim, te_cfg.hidden_size
-                ),
-            ));
-        }
+        let te = &cfg.text_encoder;
+        let text_encoder = Qwen3TextModel::load(be, te, &te_weights, te.num_layers - 1)?;
         let tr_weights = match transformer_file {
             Some(p) => Weights::open_file(p)?,
             None => files.transformer.weights("diffusion_pytorch_model")?,
         };
-        let transformer = ZImageTransformer::load(be, &tr_cfg, &tr_weights)?;
-
-        let vae_path = files.vae.path("config.json");
-        let vae_cfg = VaeConfig::parse(&vae_path, &files.vae.read("config.json")?)?;
-        if vae_cfg.latent_channels != tr_cfg.in_channels {
-            return Err(Error::config(
-                vae_path,
-                "latent_channels",
-                format!(
-                    "{} does not match the transformer's in_channels {}",
-                    vae_cfg.latent_channels, tr_cfg.in_channels
-                ),
-            ));
-        }
-        let vae = VaeDecoder::load(be, &vae_cfg, &files.vae.weights("diffusion_pytorch_model")?)?;
-        let sched_path = files.scheduler.path("scheduler_config.json");
-        let scheduler = FlowMatchEuler::new(SchedulerConfig::parse(
-            &sched_path,
-            &files.scheduler.read("scheduler_config.json")?,
-        )?);
+        let transformer = ZImageTransformer::load(be, &cfg.transformer, &tr_weights)?;
+        let vae = VaeDecoder::load(be, &cfg.vae, &files.vae.weights("diffusion_pytorch_model")?)?;
         Ok(ZImage {
             backend,
             tokenizer,
             text_encoder,
             transformer,
             vae,
-            scheduler,
+            scheduler: FlowMatchEuler::new(cfg.scheduler),
         })
     }
 

@@ -16,7 +16,8 @@ use tessera_backend::cuda;
 use tessera_backend::{Backend, Precision};
 use tessera_core::Error;
 use tessera_models::ModelFiles;
-use tessera_models::egemma2::{EmbeddingGemma2, TextOptions};
+use tessera_models::egemma2::TextOptions;
+use tessera_runtime::embed::{Egemma2, Embed};
 
 fn bounds(p: Precision) -> (f64, f64) {
     match p {
@@ -33,9 +34,9 @@ fn root() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
 }
 
-fn cuda_model(dir: &Path, p: Precision) -> EmbeddingGemma2<cuda::CudaBackend> {
+fn cuda_model(dir: &Path, p: Precision) -> Egemma2<cuda::CudaBackend> {
     let be = cuda::open(0, p).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
-    EmbeddingGemma2::load(be, ModelFiles::Dir(dir.to_path_buf())).unwrap()
+    Egemma2::load(be, ModelFiles::Dir(dir.to_path_buf())).unwrap()
 }
 
 /// (max abs diff, cosine) of two vectors.
@@ -139,7 +140,9 @@ fn fixtures_match_the_reference_on_cuda() {
                     prompt: c.prompt.clone(),
                     max_tokens: c.max_tokens,
                 };
-                let got = model.embed_texts(&texts, &opts, c.dim, |_| {}).unwrap();
+                let got = model
+                    .embed_texts(&texts, &opts, c.dim, &mut |_| {})
+                    .unwrap();
                 for (i, (g, w)) in got.iter().zip(&c.expected[name]).enumerate() {
                     tally.check(&format!("{name}/{} text {i}", c.name), &g.vector, w);
                 }
@@ -180,11 +183,11 @@ fn full_size_model_matches_the_cpu() {
         "batch64 packed",
         inputs.batch64.iter().map(String::as_str).collect(),
     ));
-    let mut cpu = EmbeddingGemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.clone())).unwrap();
+    let mut cpu = Egemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.clone())).unwrap();
     let want: Vec<Vec<Vec<f64>>> = groups
         .iter()
         .map(|(_, texts)| {
-            cpu.embed_texts(texts, &opts, None, |_| {})
+            cpu.embed_texts(texts, &opts, None, &mut |_| {})
                 .unwrap()
                 .into_iter()
                 .map(|e| e.vector.iter().map(|&v| v as f64).collect())
@@ -198,7 +201,7 @@ fn full_size_model_matches_the_cpu() {
         for ((name, texts), want) in groups.iter().zip(&want) {
             // Twice: the second run of a shape replays a captured graph.
             for round in 0..3 {
-                let got = model.embed_texts(texts, &opts, None, |_| {}).unwrap();
+                let got = model.embed_texts(texts, &opts, None, &mut |_| {}).unwrap();
                 for (i, (g, w)) in got.iter().zip(want).enumerate() {
                     let what = format!("full-size {name} text {i} round {round}");
                     tally.check(&what, &g.vector, w);
@@ -216,10 +219,10 @@ fn full_size_model_matches_the_cpu() {
 fn too_long_input_is_refused_as_on_the_cpu() {
     let dir = root().join("crates/models/assets/egemma2-mini");
     let ids = vec![vec![5u32; 600]]; // the mini model has 512 positions
-    let mut cpu = EmbeddingGemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.clone())).unwrap();
-    let want = cpu.embed_ids(&ids, |_| {}).unwrap_err().to_string();
+    let mut cpu = Egemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.clone())).unwrap();
+    let want = cpu.embed_ids(&ids, &mut |_| {}).unwrap_err().to_string();
     let got = cuda_model(&dir, Precision::Bf16)
-        .embed_ids(&ids, |_| {})
+        .embed_ids(&ids, &mut |_| {})
         .unwrap_err()
         .to_string();
     assert_eq!(got, want);
@@ -246,15 +249,15 @@ fn a_batch_too_large_for_the_device_is_split() {
                 .collect()
         })
         .collect();
-    model.pass_tokens = docs * 256;
+    model.budget.tokens = docs * 256;
     let mut passes = 0;
-    let out = model.embed_ids(&seqs, |_| passes += 1).unwrap();
+    let out = model.embed_ids(&seqs, &mut |_| passes += 1).unwrap();
     assert_eq!(out.len(), docs);
     assert!(passes > 1, "the oversized pass was not split");
     assert!(out.iter().all(|v| v.iter().all(|x| x.is_finite())));
     // A single input that cannot fit is a clear error, not a crash.
     let huge = vec![vec![5u32; free / 34_000 * 2]];
-    match model.embed_ids(&huge, |_| {}) {
+    match model.embed_ids(&huge, &mut |_| {}) {
         Err(Error::OutOfMemory(m)) => assert!(m.contains("does not fit"), "{m}"),
         Err(Error::Input(m)) => assert!(m.contains("exceeds"), "{m}"), // beyond max positions first
         other => panic!(
@@ -319,7 +322,13 @@ fn vision_fixtures_match_the_reference_on_cuda() {
                     ..TextOptions::default()
                 };
                 let got = model
-                    .embed_inputs(std::slice::from_ref(input), &opts, budget, c.dim, |_| {})
+                    .embed_inputs(
+                        std::slice::from_ref(input),
+                        &opts,
+                        budget,
+                        c.dim,
+                        &mut |_| {},
+                    )
                     .unwrap();
                 tally.check(
                     &format!("{name}/{}", c.name),
@@ -336,7 +345,7 @@ fn vision_fixtures_match_the_reference_on_cuda() {
             assert!(plain.len() >= 5, "too few plain cases to test packing");
             let batch: Vec<Input> = plain.iter().map(|&i| inputs[i].clone()).collect();
             let packed = model
-                .embed_inputs(&batch, &TextOptions::default(), budget, None, |_| {})
+                .embed_inputs(&batch, &TextOptions::default(), budget, None, &mut |_| {})
                 .unwrap();
             for (&i, v) in plain.iter().zip(&packed) {
                 let want: Vec<f64> = alone[i].iter().map(|&x| x as f64).collect();
@@ -369,11 +378,13 @@ fn replayed_passes_match_direct_ones() {
     for p in [Precision::F32, Precision::Bf16] {
         let mut model = cuda_model(&dir, p);
         let query = vec![(2..19u32).collect::<Vec<_>>()]; // 17 tokens
-        let direct = model.embed_ids(&query, |_| {}).unwrap();
-        let captured = model.embed_ids(&query, |_| {}).unwrap();
-        model.embed_ids(&vec![vec![7u32; 300]; 4], |_| {}).unwrap();
-        let after_growth = model.embed_ids(&query, |_| {}).unwrap();
-        let replayed = model.embed_ids(&query, |_| {}).unwrap();
+        let direct = model.embed_ids(&query, &mut |_| {}).unwrap();
+        let captured = model.embed_ids(&query, &mut |_| {}).unwrap();
+        model
+            .embed_ids(&vec![vec![7u32; 300]; 4], &mut |_| {})
+            .unwrap();
+        let after_growth = model.embed_ids(&query, &mut |_| {}).unwrap();
+        let replayed = model.embed_ids(&query, &mut |_| {}).unwrap();
         for (what, got) in [
             ("captured", &captured),
             ("after the workspace grew", &after_growth),
@@ -384,8 +395,8 @@ fn replayed_passes_match_direct_ones() {
         let opts = TextOptions::default();
         // The fixtures' budget: the mini tower has 32 positions per side.
         let budget = ImageBudget::new(70).unwrap();
-        let run = |m: &mut EmbeddingGemma2<cuda::CudaBackend>| {
-            m.embed_inputs(&merged, &opts, budget, None, |_| {})
+        let run = |m: &mut Egemma2<cuda::CudaBackend>| {
+            m.embed_inputs(&merged, &opts, budget, None, &mut |_| {})
                 .unwrap()[0]
                 .vector
                 .clone()

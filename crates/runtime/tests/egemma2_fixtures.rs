@@ -7,7 +7,8 @@ use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_models::ModelFiles;
 use tessera_models::blocks::rope::inv_freq;
-use tessera_models::egemma2::{EmbeddingGemma2, TextOptions};
+use tessera_models::egemma2::TextOptions;
+use tessera_runtime::embed::{Egemma2, Embed};
 
 /// Max abs difference allowed on L2-normalised vectors (issue: 1e-5).
 const TOL: f64 = 1e-5;
@@ -49,9 +50,8 @@ fn max_abs(got: &[f32], want: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn load(dir: &str) -> EmbeddingGemma2<CpuBackend> {
-    EmbeddingGemma2::load(CpuBackend::new(), ModelFiles::Dir(root().join(dir)))
-        .expect("model loads")
+fn load(dir: &str) -> Egemma2<CpuBackend> {
+    Egemma2::load(CpuBackend::new(), ModelFiles::Dir(root().join(dir))).expect("model loads")
 }
 
 fn opts(c: &Case) -> TextOptions {
@@ -80,7 +80,7 @@ fn every_case_matches_the_reference_on_f32_and_bf16_weights() {
                     c.name
                 );
             }
-            let got = model.embed_texts(&texts, &o, c.dim, |_| {}).unwrap();
+            let got = model.embed_texts(&texts, &o, c.dim, &mut |_| {}).unwrap();
             for (i, (g, w)) in got.iter().zip(&c.expected[model_name]).enumerate() {
                 let d = max_abs(&g.vector, w);
                 worst = worst.max(d);
@@ -108,10 +108,10 @@ fn packed_members_embed_as_they_do_alone() {
         .find(|c| c.name == "packed_mixed_lengths")
         .expect("packed case");
     let mut model = load(&fx.models["egemma2-mini"]);
-    let packed = model.embed_ids(&c.ids, |_| {}).unwrap();
+    let packed = model.embed_ids(&c.ids, &mut |_| {}).unwrap();
     let mut passes = 0;
-    model.pass_tokens = 1; // one sequence per pass
-    let alone = model.embed_ids(&c.ids, |_| passes += 1).unwrap();
+    model.budget.tokens = 1; // one sequence per pass
+    let alone = model.embed_ids(&c.ids, &mut |_| passes += 1).unwrap();
     assert_eq!(passes, c.ids.len());
     for (p, a) in packed.iter().zip(&alone) {
         let d = p
@@ -136,11 +136,10 @@ fn rope_frequencies_equal_the_reference_bit_for_bit() {
 fn bundled_model_is_the_fixture_model() {
     let fx = fixture();
     let c = fx.cases.iter().find(|c| c.name == "sentence").unwrap();
-    let mut model =
-        EmbeddingGemma2::load(CpuBackend::new(), tessera_models::egemma2::BUNDLED).unwrap();
+    let mut model = Egemma2::load(CpuBackend::new(), tessera_models::egemma2::BUNDLED).unwrap();
     let texts: Vec<&str> = c.texts.iter().map(String::as_str).collect();
     let got = model
-        .embed_texts(&texts, &TextOptions::default(), None, |_| {})
+        .embed_texts(&texts, &TextOptions::default(), None, &mut |_| {})
         .unwrap();
     assert!(max_abs(&got[0].vector, &c.expected["egemma2-mini"][0]) <= TOL);
 }
@@ -166,8 +165,7 @@ fn bos_eos_are_added_once_whatever_the_post_processor() {
     });
     std::fs::write(&tok_path, tok.to_string()).unwrap();
     let with_pp =
-        EmbeddingGemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.path().to_path_buf()))
-            .unwrap();
+        Egemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.path().to_path_buf())).unwrap();
     let fx = fixture();
     for c in fx.cases.iter().take(5) {
         assert_eq!(

@@ -9,8 +9,9 @@ use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_models::ModelFiles;
 use tessera_models::blocks::rope::axial_inv_freq;
-use tessera_models::egemma2::{EmbeddingGemma2, Input, Part, TextOptions};
+use tessera_models::egemma2::{Input, Part, TextOptions};
 use tessera_models::imageproc::{Image, ImageBudget};
+use tessera_runtime::embed::{Egemma2, Embed};
 
 /// Max abs difference allowed on L2-normalised vectors (issue: 1e-5).
 const TOL: f64 = 1e-5;
@@ -70,9 +71,8 @@ fn opts(c: &Case) -> TextOptions {
     }
 }
 
-fn load(dir: &str) -> EmbeddingGemma2<CpuBackend> {
-    EmbeddingGemma2::load(CpuBackend::new(), ModelFiles::Dir(root().join(dir)))
-        .expect("model loads")
+fn load(dir: &str) -> Egemma2<CpuBackend> {
+    Egemma2::load(CpuBackend::new(), ModelFiles::Dir(root().join(dir))).expect("model loads")
 }
 
 fn max_abs(got: &[f32], want: &[f64]) -> f64 {
@@ -111,7 +111,7 @@ fn every_case_matches_the_reference_alone_and_packed() {
                 c.name
             );
             let got = model
-                .embed_inputs(&[inp], &opts(c), budget, c.dim, |_| {})
+                .embed_inputs(&[inp], &opts(c), budget, c.dim, &mut |_| {})
                 .unwrap();
             let d = max_abs(&got[0].vector, &c.expected[model_name]);
             worst = worst.max(d);
@@ -126,9 +126,9 @@ fn every_case_matches_the_reference_alone_and_packed() {
             .collect();
         let inputs: Vec<Input> = plain.iter().map(|c| input(c)).collect();
         let mut passes = 0;
-        model.pass_patches = 3000;
+        model.budget.patches = 3000;
         let got = model
-            .embed_inputs(&inputs, &TextOptions::default(), budget, None, |_| {
+            .embed_inputs(&inputs, &TextOptions::default(), budget, None, &mut |_| {
                 passes += 1
             })
             .unwrap();
@@ -179,10 +179,12 @@ fn text_only_inputs_embed_as_texts_do() {
         ..TextOptions::default()
     };
     let texts = ["which planet is red", "a b c"];
-    let want = model.embed_texts(&texts, &opts, Some(16), |_| {}).unwrap();
+    let want = model
+        .embed_texts(&texts, &opts, Some(16), &mut |_| {})
+        .unwrap();
     let inputs: Vec<Input> = texts.iter().map(|t| Input::text(*t)).collect();
     let got = model
-        .embed_inputs(&inputs, &opts, ImageBudget::DEFAULT, Some(16), |_| {})
+        .embed_inputs(&inputs, &opts, ImageBudget::DEFAULT, Some(16), &mut |_| {})
         .unwrap();
     for (g, w) in got.iter().zip(&want) {
         assert_eq!(g.vector, w.vector);
@@ -195,9 +197,9 @@ fn bad_image_inputs_are_refused_with_a_reason() {
     let fx = fixture();
     let mut model = load(&fx.models["egemma2-mini"]);
     let b70 = ImageBudget::new(70).unwrap();
-    let err = |model: &mut EmbeddingGemma2<CpuBackend>, inputs: &[Input], b| {
+    let err = |model: &mut Egemma2<CpuBackend>, inputs: &[Input], b| {
         model
-            .embed_inputs(inputs, &TextOptions::default(), b, None, |_| {})
+            .embed_inputs(inputs, &TextOptions::default(), b, None, &mut |_| {})
             .unwrap_err()
             .to_string()
     };
@@ -242,7 +244,7 @@ fn bad_image_inputs_are_refused_with_a_reason() {
             &long,
             b70,
             None,
-            |_| {},
+            &mut |_| {},
         )
         .unwrap_err()
         .to_string();
@@ -263,8 +265,7 @@ fn a_model_without_a_vision_tower_says_so() {
     cfg["vision_config"] = serde_json::Value::Null;
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     let mut model =
-        EmbeddingGemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.path().to_path_buf()))
-            .unwrap();
+        Egemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.path().to_path_buf())).unwrap();
     assert!(!model.supports_images());
     let e = model
         .embed_inputs(
@@ -272,7 +273,7 @@ fn a_model_without_a_vision_tower_says_so() {
             &TextOptions::default(),
             ImageBudget::DEFAULT,
             None,
-            |_| {},
+            &mut |_| {},
         )
         .unwrap_err()
         .to_string();

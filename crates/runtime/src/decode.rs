@@ -1,0 +1,409 @@
+//! Autoregressive decoding, shared by the chat models: a prompt is prefilled into a sequence's
+//! cache (keys and values of its attention layers, the rolling state of recurrent or
+//! convolutional ones), then one token per step is sampled from the last row's logits and fed
+//! back, until an end token, a stop the caller recognises, or the token limit.
+//!
+//! A model implements [`Decoder`] (its cache layout is its own); the loop and the samplers live
+//! here, so every chat model and front end decodes the same way.
+
+use tessera_core::{Error, Result};
+
+/// A sequence's handle in a decoder's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SeqId(pub u64);
+
+/// A model that extends sequences one call at a time, keeping each sequence's state.
+pub trait Decoder {
+    /// The most tokens a sequence may hold (prompt and generated).
+    fn context_len(&self) -> usize;
+    /// Run each `(sequence, tokens)` of `batch` — a whole prompt (prefill) or the one token
+    /// sampled last — appending to that sequence's cache, and return each sequence's logits for
+    /// its last row. Sequences decode together (continuous batching), each in its own cache.
+    fn forward(&mut self, batch: &[(SeqId, &[u32])]) -> Result<Vec<Vec<f32>>>;
+    /// Free a sequence's cache.
+    fn release(&mut self, seq: SeqId);
+}
+
+/// How the next token is chosen from the logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0: greedy (the most likely token); otherwise logits are divided by it.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1: all).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0: none).
+    pub min_p: f32,
+    /// Divide positive logits (multiply negative ones) of tokens already in the sequence by
+    /// this (1: off), as transformers' `RepetitionPenaltyLogitsProcessor` does.
+    pub repetition_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Refuse values that have no meaning, naming the parameter.
+    pub fn check(&self) -> Result<()> {
+        let bad = |what: &str, v: f32, range: &str| {
+            Err(Error::input(format!("{what} {v} is outside {range}")))
+        };
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature", self.temperature, "[0, ∞)");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "(0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", self.min_p, "[0, 1]");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad("repetition_penalty", self.repetition_penalty, "(0, ∞)");
+        }
+        Ok(())
+    }
+}
+
+/// Picks tokens from logits with [`SamplingParams`], from its own seeded generator (the same
+/// seed gives the same tokens on every machine).
+pub struct Sampler {
+    params: SamplingParams,
+    state: u64,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        params.check()?;
+        Ok(Sampler {
+            params,
+            state: params.seed,
+        })
+    }
+
+    /// A uniform draw in [0, 1) (SplitMix64).
+    fn uniform(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The next token of a sequence whose tokens so far are `history`.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32> {
+        if logits.is_empty() {
+            return Err(Error::backend("sampling", "no logits"));
+        }
+        if let Some(i) = logits.iter().position(|v| v.is_nan()) {
+            return Err(Error::backend(
+                "sampling",
+                format!("the logit of token {i} is NaN"),
+            ));
+        }
+        let p = self.params;
+        let mut z: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
+        if p.repetition_penalty != 1.0 {
+            let r = p.repetition_penalty as f64;
+            for &t in history {
+                if let Some(v) = z.get_mut(t as usize) {
+                    *v = if *v > 0.0 { *v / r } else { *v * r };
+                }
+            }
+        }
+        if p.temperature == 0.0 {
+            // Greedy: the first of the largest.
+            let best =
+                z.iter().enumerate().fold(
+                    (0, f64::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                );
+            return Ok(best.0 as u32);
+        }
+        // Softmax at the temperature over the candidates, most likely first.
+        let t = p.temperature as f64;
+        let max = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let mut cand: Vec<(usize, f64)> = z
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (i, ((v - max) / t).exp()))
+            .collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 {
+            cand.truncate(p.top_k);
+        }
+        let total: f64 = cand.iter().map(|c| c.1).sum();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = cand
+                .iter()
+                .position(|c| {
+                    acc += c.1 / total;
+                    acc >= p.top_p as f64
+                })
+                .map_or(cand.len(), |i| i + 1);
+            cand.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let floor = cand[0].1 * p.min_p as f64;
+            cand.retain(|c| c.1 >= floor);
+        }
+        let total: f64 = cand.iter().map(|c| c.1).sum();
+        let mut u = self.uniform() * total;
+        for &(i, w) in &cand {
+            if u < w {
+                return Ok(i as u32);
+            }
+            u -= w;
+        }
+        Ok(cand.last().map_or(0, |c| c.0) as u32)
+    }
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-sequence token was sampled (it is not part of the output).
+    Eos,
+    /// `max_tokens` were generated, or the context is full.
+    Length,
+    /// The caller stopped it (a stop string, a disconnect).
+    Stopped,
+}
+
+/// What the caller says after each token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    Continue,
+    Stop,
+}
+
+/// Prefill `prompt` into `seq`, then sample up to `max_tokens` tokens, handing each to
+/// `on_token` as it comes (streaming). Ends at a token of `eos`, at the limit, or when
+/// `on_token` says stop. Returns the generated tokens (end token excluded) and why it ended.
+pub fn generate(
+    decoder: &mut dyn Decoder,
+    seq: SeqId,
+    prompt: &[u32],
+    max_tokens: usize,
+    eos: &[u32],
+    sampler: &mut Sampler,
+    on_token: &mut dyn FnMut(u32) -> Control,
+) -> Result<(Vec<u32>, Finish)> {
+    if prompt.is_empty() {
+        return Err(Error::input(
+            "an empty prompt: there is nothing to continue",
+        ));
+    }
+    let ctx = decoder.context_len();
+    if prompt.len() >= ctx {
+        return Err(Error::input(format!(
+            "the prompt has {} tokens; the model's context holds {ctx}, so nothing can be generated",
+            prompt.len()
+        )));
+    }
+    let mut history = prompt.to_vec();
+    let mut out = Vec::new();
+    let mut logits = decoder
+        .forward(&[(seq, prompt)])?
+        .pop()
+        .ok_or_else(|| Error::backend("decode", "no logits for the prompt"))?;
+    let finish = loop {
+        if out.len() >= max_tokens || history.len() >= ctx {
+            break Finish::Length;
+        }
+        let token = sampler.sample(&logits, &history)?;
+        if eos.contains(&token) {
+            break Finish::Eos;
+        }
+        out.push(token);
+        history.push(token);
+        if on_token(token) == Control::Stop {
+            break Finish::Stopped;
+        }
+        if out.len() >= max_tokens || history.len() >= ctx {
+            break Finish::Length;
+        }
+        logits = decoder
+            .forward(&[(seq, &[token])])?
+            .pop()
+            .ok_or_else(|| Error::backend("decode", "no logits for a step"))?;
+    };
+    Ok((out, finish))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// A toy model over 8 tokens whose next token is (last + 1) mod 8, very confidently; it
+    /// checks that each sequence's state grows by exactly what it was fed.
+    struct Counter {
+        cache: HashMap<SeqId, Vec<u32>>,
+    }
+
+    impl Decoder for Counter {
+        fn context_len(&self) -> usize {
+            12
+        }
+        fn forward(&mut self, batch: &[(SeqId, &[u32])]) -> Result<Vec<Vec<f32>>> {
+            Ok(batch
+                .iter()
+                .map(|&(s, toks)| {
+                    let c = self.cache.entry(s).or_default();
+                    c.extend_from_slice(toks);
+                    let next = (c.last().copied().unwrap_or(0) + 1) % 8;
+                    (0..8).map(|t| if t == next { 10.0 } else { 0.0 }).collect()
+                })
+                .collect())
+        }
+        fn release(&mut self, seq: SeqId) {
+            self.cache.remove(&seq);
+        }
+    }
+
+    fn greedy() -> Sampler {
+        Sampler::new(SamplingParams::default()).unwrap()
+    }
+
+    #[test]
+    fn greedy_decoding_streams_and_stops_at_eos_or_the_limit() {
+        let mut m = Counter {
+            cache: HashMap::new(),
+        };
+        let mut streamed = Vec::new();
+        let (out, finish) = generate(
+            &mut m,
+            SeqId(1),
+            &[2, 3],
+            10,
+            &[7],
+            &mut greedy(),
+            &mut |t| {
+                streamed.push(t);
+                Control::Continue
+            },
+        )
+        .unwrap();
+        assert_eq!((out.clone(), finish), (vec![4, 5, 6], Finish::Eos));
+        assert_eq!(streamed, out);
+        // The cache saw the prompt, then each token but the last sampled one.
+        assert_eq!(m.cache[&SeqId(1)], [2, 3, 4, 5, 6]);
+        m.release(SeqId(1));
+        let (out, finish) = generate(&mut m, SeqId(2), &[0], 2, &[], &mut greedy(), &mut |_| {
+            Control::Continue
+        })
+        .unwrap();
+        assert_eq!((out, finish), (vec![1, 2], Finish::Length));
+        // The context (12) bounds the prompt and the output together.
+        let (out, finish) = generate(
+            &mut m,
+            SeqId(3),
+            &[0; 10],
+            100,
+            &[],
+            &mut greedy(),
+            &mut |_| Control::Continue,
+        )
+        .unwrap();
+        assert_eq!((out.len(), finish), (2, Finish::Length));
+        let (_, finish) = generate(&mut m, SeqId(4), &[0], 100, &[], &mut greedy(), &mut |_| {
+            Control::Stop
+        })
+        .unwrap();
+        assert_eq!(finish, Finish::Stopped);
+        assert!(
+            generate(
+                &mut m,
+                SeqId(5),
+                &[0; 12],
+                1,
+                &[],
+                &mut greedy(),
+                &mut |_| { Control::Continue }
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn filters_keep_only_what_they_allow() {
+        // Probabilities ∝ e^logit: token 0 most likely, then 1, 2, 3.
+        let logits = [3.0f32, 2.0, 1.0, -5.0];
+        let draw = |p: SamplingParams| {
+            let mut s = Sampler::new(p).unwrap();
+            let mut seen = [0usize; 4];
+            for _ in 0..2000 {
+                seen[s.sample(&logits, &[]).unwrap() as usize] += 1;
+            }
+            seen
+        };
+        let hot = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        let all = draw(hot);
+        assert!(all.iter().take(3).all(|&n| n > 0), "{all:?}");
+        assert!(all[0] > all[1] && all[1] > all[2], "{all:?}");
+        let k2 = draw(SamplingParams { top_k: 2, ..hot });
+        assert!(k2[2] == 0 && k2[3] == 0 && k2[1] > 0, "{k2:?}");
+        // p(0) ≈ 0.66: top_p 0.5 keeps only token 0.
+        let p = draw(SamplingParams { top_p: 0.5, ..hot });
+        assert_eq!(p[0], 2000, "{p:?}");
+        // min_p 0.3 drops token 2 (p₂/p₀ = e⁻² ≈ 0.14) but keeps 1 (e⁻¹ ≈ 0.37).
+        let m = draw(SamplingParams { min_p: 0.3, ..hot });
+        assert!(m[2] == 0 && m[1] > 0, "{m:?}");
+        // A strong repetition penalty on token 0 makes token 1 the greedy choice.
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 10.0,
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        assert_eq!(s.sample(&logits, &[0]).unwrap(), 1);
+        // The same seed gives the same draws.
+        assert_eq!(draw(hot), all);
+    }
+
+    #[test]
+    fn meaningless_parameters_and_nan_logits_are_refused() {
+        for p in [
+            SamplingParams {
+                temperature: -1.0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                min_p: 2.0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..SamplingParams::default()
+            },
+        ] {
+            assert!(Sampler::new(p).is_err(), "{p:?}");
+        }
+        let e = greedy()
+            .sample(&[0.0, f32::NAN], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("token 1 is NaN"), "{e}");
+    }
+}

@@ -1,0 +1,322 @@
+//! Which model a folder holds, what it does, and which devices can run it — read from the
+//! folder's `model_index.json` (diffusers pipelines) or `config.json` (transformers models)
+//! before any weight loads.
+
+use std::path::Path;
+
+use serde::Deserialize;
+use tessera_backend::{AnyBackend, DeviceRequest, Op, Precision};
+use tessera_core::{Error, Result, config::read_json, model_dir};
+use tessera_models::ModelFiles;
+use tessera_models::egemma2::{self, Config as Egemma2Config};
+use tessera_models::zimage::{self, ZImageConfigs, ZImageFiles};
+
+/// A model family Tessera runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    EmbeddingGemma2,
+    ZImage,
+}
+
+/// What a family does, and so which front end serves it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capability {
+    /// Text and image embeddings (`tessera embed`, `/v1/embeddings`).
+    Embed,
+    /// Text to image (`tessera generate`).
+    GenerateImage,
+    /// Image and question in, text out (LFM2-VL: not built yet).
+    Chat,
+}
+
+impl Family {
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::EmbeddingGemma2 => "EmbeddingGemma 2",
+            Family::ZImage => "Z-Image",
+        }
+    }
+
+    pub fn capability(self) -> Capability {
+        match self {
+            Family::EmbeddingGemma2 => Capability::Embed,
+            Family::ZImage => Capability::GenerateImage,
+        }
+    }
+}
+
+impl Capability {
+    /// The command that uses it, for messages.
+    pub fn command(self) -> &'static str {
+        match self {
+            Capability::Embed => "tessera embed",
+            Capability::GenerateImage => "tessera generate",
+            Capability::Chat => "tessera chat",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Capability::Embed => "embeddings",
+            Capability::GenerateImage => "text to image",
+            Capability::Chat => "chat",
+        }
+    }
+}
+
+/// Where a model's files are, by family.
+#[derive(Clone, Debug)]
+pub enum ModelFilesOf {
+    EmbeddingGemma2(ModelFiles),
+    ZImage(ZImageFiles),
+}
+
+/// A model identified, its configs read, no weights loaded.
+#[derive(Clone, Debug)]
+pub struct ModelSpec {
+    pub family: Family,
+    pub files: ModelFilesOf,
+    /// What `--model` said, or the bundled model's name.
+    pub label: String,
+    ops: Vec<Op>,
+}
+
+#[derive(Deserialize)]
+struct ModelIndex {
+    #[serde(rename = "_class_name")]
+    class_name: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ModelConfig {
+    model_type: Option<String>,
+    #[serde(default)]
+    architectures: Vec<String>,
+}
+
+/// The families of the published layouts Tessera knows of but does not run yet.
+fn planned(name: &str) -> Option<&'static str> {
+    let n = name.to_ascii_lowercase();
+    if n.contains("qwenimage") {
+        Some("Qwen-Image-2.1")
+    } else if n.contains("lfm2") {
+        Some("LFM2-VL")
+    } else {
+        None
+    }
+}
+
+const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2) and Z-Image (model_index.json ZImagePipeline)";
+
+/// The family of the model in `dir`.
+pub fn detect(dir: &Path) -> Result<Family> {
+    let unknown = |what: &str, name: &str| match planned(name) {
+        Some(f) => Error::input(format!(
+            "{}: {what} {name:?} is {f}, which Tessera does not run yet",
+            dir.display()
+        )),
+        None => Error::input(format!(
+            "{}: {what} {name:?} is not a model Tessera runs (it runs {SUPPORTED})",
+            dir.display()
+        )),
+    };
+    let index = dir.join("model_index.json");
+    if index.is_file() {
+        let idx: ModelIndex = read_json(&index)?;
+        let class = idx.class_name.unwrap_or_default();
+        return match class.as_str() {
+            "ZImagePipeline" => Ok(Family::ZImage),
+            other => Err(unknown("the diffusers pipeline", other)),
+        };
+    }
+    let config = dir.join("config.json");
+    let cfg: ModelConfig = read_json(&config)?;
+    let model_type = cfg.model_type.unwrap_or_default();
+    if model_type == "embedding_gemma2"
+        || cfg
+            .architectures
+            .iter()
+            .any(|a| a.starts_with("EmbeddingGemma2"))
+    {
+        return Ok(Family::EmbeddingGemma2);
+    }
+    let name = cfg.architectures.first().cloned().unwrap_or(model_type);
+    Err(unknown("the model", &name))
+}
+
+impl ModelSpec {
+    /// The model `spec` names (a folder or a cached repo id), or the bundled miniature of
+    /// `bundled` when there is none; its configs are read and checked.
+    pub fn open(spec: Option<&str>, bundled: Family) -> Result<Self> {
+        let Some(spec) = spec else {
+            return Self::bundled(bundled);
+        };
+        let dir = model_dir::resolve_any(spec, &["model_index.json", "config.json"])?;
+        let family = detect(&dir)?;
+        let files = match family {
+            Family::EmbeddingGemma2 => ModelFilesOf::EmbeddingGemma2(ModelFiles::Dir(dir)),
+            Family::ZImage => ModelFilesOf::ZImage(ZImageFiles::dir(&dir)?),
+        };
+        Self::with(family, files, spec.to_string())
+    }
+
+    /// The miniature random-weight model of `family` compiled into the binary.
+    pub fn bundled(family: Family) -> Result<Self> {
+        let (files, label) = match family {
+            Family::EmbeddingGemma2 => (
+                ModelFilesOf::EmbeddingGemma2(egemma2::BUNDLED),
+                "egemma2-mini (bundled, random weights)",
+            ),
+            Family::ZImage => (
+                ModelFilesOf::ZImage(zimage::BUNDLED),
+                "zimage-mini (bundled, random weights)",
+            ),
+        };
+        Self::with(family, files, label.to_string())
+    }
+
+    fn with(family: Family, files: ModelFilesOf, label: String) -> Result<Self> {
+        let ops = match &files {
+            ModelFilesOf::EmbeddingGemma2(f) => egemma2::ops(&Egemma2Config::read(f)?),
+            ModelFilesOf::ZImage(f) => zimage::ops(&ZImageConfigs::read(f)?),
+        };
+        Ok(ModelSpec {
+            family,
+            files,
+            label,
+            ops,
+        })
+    }
+
+    /// This model, if it does what `want` asks; else an error naming the command it needs.
+    pub fn expect(self, want: Capability) -> Result<Self> {
+        let has = self.family.capability();
+        if has == want {
+            return Ok(self);
+        }
+        Err(Error::input(format!(
+            "{} is {} ({}); `{}` needs a model for {} — use `{}` with it",
+            self.label,
+            self.family.name(),
+            has.describe(),
+            want.command(),
+            want.describe(),
+            has.command()
+        )))
+    }
+
+    /// Whether this came compiled into the binary.
+    pub fn is_bundled(&self) -> bool {
+        match &self.files {
+            ModelFilesOf::EmbeddingGemma2(f) => f.is_embedded(),
+            ModelFilesOf::ZImage(f) => f.is_bundled(),
+        }
+    }
+
+    /// Where the files are, for messages.
+    pub fn location(&self) -> String {
+        match &self.files {
+            ModelFilesOf::EmbeddingGemma2(f) => f.location(),
+            ModelFilesOf::ZImage(f) => f.location(),
+        }
+    }
+
+    /// Every op a forward of this model calls.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    /// Open the device `req` asks for, declining one that cannot run this model's ops before
+    /// anything loads: `auto` then runs on the CPU and says why through `note`; an explicit
+    /// `cuda` fails with the reason.
+    pub fn device(
+        &self,
+        req: DeviceRequest,
+        precision: Option<Precision>,
+        note: impl FnMut(&str),
+    ) -> Result<AnyBackend> {
+        AnyBackend::open_for(req, precision, &self.ops, note).map_err(|e| match e {
+            Error::Device(m) => Error::Device(format!("{}: {m}", self.family.name())),
+            other => other,
+        })
+    }
+
+    /// What each device could run: the CPU always; CUDA device 0 at its default precision if it
+    /// opens and runs every op, else why not.
+    pub fn support(&self) -> Vec<(String, Result<String>)> {
+        let cpu = AnyBackend::open(DeviceRequest::Cpu, None, |_| {}).map(|b| b.describe());
+        let cuda = AnyBackend::open_for(DeviceRequest::Cuda(0), None, &self.ops, |_| {})
+            .map(|b| b.describe());
+        vec![("cpu".to_string(), cpu), ("cuda".to_string(), cuda)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn folder(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(d.path().join(name), text).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn detects_families_from_their_configs() {
+        let eg = folder(&[("config.json", r#"{"model_type": "embedding_gemma2"}"#)]);
+        assert_eq!(detect(eg.path()).unwrap(), Family::EmbeddingGemma2);
+        let zi = folder(&[("model_index.json", r#"{"_class_name": "ZImagePipeline"}"#)]);
+        assert_eq!(detect(zi.path()).unwrap(), Family::ZImage);
+        let qi = folder(&[(
+            "model_index.json",
+            r#"{"_class_name": "QwenImage21Pipeline"}"#,
+        )]);
+        let e = detect(qi.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("Qwen-Image-2.1") && e.contains("does not run yet"),
+            "{e}"
+        );
+        let lf = folder(&[(
+            "config.json",
+            r#"{"model_type": "lfm2_vl", "architectures": ["Lfm2VlForConditionalGeneration"]}"#,
+        )]);
+        let e = detect(lf.path()).unwrap_err().to_string();
+        assert!(e.contains("LFM2-VL"), "{e}");
+        let bert = folder(&[("config.json", r#"{"model_type": "bert"}"#)]);
+        let e = detect(bert.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("\"bert\"") && e.contains("EmbeddingGemma 2"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_model_for_another_command_says_which_one() {
+        let z = ModelSpec::bundled(Family::ZImage).unwrap();
+        assert!(!z.ops().is_empty());
+        let e = z.expect(Capability::Embed).unwrap_err().to_string();
+        assert!(
+            e.contains("Z-Image") && e.contains("tessera embed") && e.contains("tessera generate"),
+            "{e}"
+        );
+        assert!(
+            ModelSpec::bundled(Family::EmbeddingGemma2)
+                .unwrap()
+                .expect(Capability::Embed)
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn the_cpu_runs_every_family() {
+        for f in [Family::EmbeddingGemma2, Family::ZImage] {
+            let spec = ModelSpec::bundled(f).unwrap();
+            let be = spec
+                .device(DeviceRequest::Cpu, None, |_| {})
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(be.supports_all(spec.ops()).is_ok());
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! The layer between Tessera's models and its front ends (the CLI and the server):
+//!
+//! - [`family`]: which family a model folder holds, what it does (embed, generate images, chat)
+//!   and which devices can run it, decided from its configs before any weight loads;
+//! - [`embed`] / [`image`]: a model of each capability behind one trait object, loaded on
+//!   whichever device was chosen (no per-family device enums);
+//! - [`packing`]: many inputs packed into few device passes, split when a pass runs out of
+//!   device memory, prepared on the host while the device runs;
+//! - [`decode`]: the autoregressive step loop and samplers the chat models share;
+//! - [`pipeline`]: host work overlapped with device work.
+
+pub mod decode;
+pub mod embed;
+pub mod family;
+pub mod image;
+pub mod packing;
+pub mod pipeline;
+
+pub use family::{Capability, Family, ModelFilesOf, ModelSpec};
