@@ -15,8 +15,9 @@ use clap::{Args, Subcommand};
 use serde::Deserialize;
 use tessera_core::{Error, Result};
 use tessera_models::ModelFiles;
-use tessera_models::egemma2::{AnyEmbeddingGemma2, Input, TextOptions};
+use tessera_models::egemma2::{self, Input, TextOptions};
 use tessera_models::imageproc::{Image, ImageBudget};
+use tessera_runtime::embed::{self, Embed, PassBudget};
 
 use crate::device::DeviceArgs;
 
@@ -149,13 +150,28 @@ fn time_ms(n: usize, warm: usize, mut f: impl FnMut() -> Result<()>) -> Result<V
         .collect()
 }
 
+/// The embedding model in `dir` on the device `device` asks for (declined there if it cannot run
+/// the model's ops).
+fn load_embedder(
+    dir: &std::path::Path,
+    device: &DeviceArgs,
+) -> Result<(Box<dyn Embed>, egemma2::Config)> {
+    let path = dir
+        .to_str()
+        .ok_or_else(|| Error::input(format!("{}: not a UTF-8 path", dir.display())))?;
+    let spec = crate::model::open(Some(path), tessera_runtime::Capability::Embed)?;
+    let files = ModelFiles::Dir(dir.to_path_buf());
+    let config = egemma2::Config::read(&files)?;
+    Ok((embed::load(device.open_for(&spec)?, files)?, config))
+}
+
 fn emit(v: serde_json::Value) {
     println!("{v}");
 }
 
 fn embed(b: EmbedBench) -> Result<()> {
     let inputs: Inputs = tessera_core::config::read_json(&b.inputs)?;
-    let mut model = AnyEmbeddingGemma2::load(b.device.open()?, ModelFiles::Dir(b.model.clone()))?;
+    let (mut model, config) = load_embedder(&b.model, &b.device)?;
     let device = model.describe();
     let opts = TextOptions::default();
     let wanted: Vec<&str> = b.workloads.split(',').map(str::trim).collect();
@@ -163,7 +179,7 @@ fn embed(b: EmbedBench) -> Result<()> {
         let tokens = model.tokenize(&inputs.short, &opts)?.len();
         let ms = time_ms(200, 20, || {
             model
-                .embed_texts(&[inputs.short.as_str()], &opts, None, |_| {})
+                .embed_texts(&[inputs.short.as_str()], &opts, None, &mut |_| {})
                 .map(|_| ())
         })?;
         emit(
@@ -175,10 +191,10 @@ fn embed(b: EmbedBench) -> Result<()> {
         let tokens = model.tokenize(&inputs.long, &opts)?.len();
         let ms = time_ms(30, 3, || {
             model
-                .embed_texts(&[inputs.long.as_str()], &opts, None, |_| {})
+                .embed_texts(&[inputs.long.as_str()], &opts, None, &mut |_| {})
                 .map(|_| ())
         })?;
-        let flops = model.config().text.forward_flops(&[tokens]);
+        let flops = config.text.forward_flops(&[tokens]);
         let med = median(ms.clone());
         emit(
             serde_json::json!({"name": "eg2_W2_doc", "tokens": tokens, "median_ms": med,
@@ -186,10 +202,10 @@ fn embed(b: EmbedBench) -> Result<()> {
         );
     }
     if wanted.contains(&"w3") {
-        let vocab = model.config().text.vocab_size as u64;
+        let vocab = config.text.vocab_size as u64;
         let (bos, eos) = (
-            model.config().text.bos_token_id.unwrap_or(2),
-            model.config().text.eos_token_id.unwrap_or(1),
+            config.text.bos_token_id.unwrap_or(2),
+            config.text.eos_token_id.unwrap_or(1),
         );
         // Random ids in [3, min(vocab, 250000)), <bos> first and <eos> last, as the reference.
         let mut state = 0x2545_F491_4F6C_DD1Du64;
@@ -208,15 +224,18 @@ fn embed(b: EmbedBench) -> Result<()> {
             })
             .collect();
         let lens = vec![256usize; docs.len()];
-        let flops = model.config().text.forward_flops(&lens);
+        let flops = config.text.forward_flops(&lens);
         let mut best: Option<(f64, usize)> = None;
         for pass in b.w3_pass_tokens.split(',') {
             let pass: usize = pass
                 .trim()
                 .parse()
                 .map_err(|_| Error::input(format!("bad pass size {pass:?}")))?;
-            model.set_pass_tokens(pass);
-            let ms = time_ms(3, 1, || model.embed_ids(&docs, |_| {}).map(|_| ()))?;
+            model.set_pass_budget(PassBudget {
+                tokens: pass,
+                ..model.pass_budget()
+            });
+            let ms = time_ms(3, 1, || model.embed_ids(&docs, &mut |_| {}).map(|_| ()))?;
             let med = median(ms);
             let docs_per_s = docs.len() as f64 / (med / 1e3);
             emit(
@@ -287,14 +306,14 @@ fn gemm(_b: GemmBench) -> Result<()> {
 
 fn image(b: ImageBench) -> Result<()> {
     let budget: ImageBudget = b.budget.to_string().parse()?;
-    let mut model = AnyEmbeddingGemma2::load(b.device.open()?, ModelFiles::Dir(b.model.clone()))?;
+    let (mut model, _) = load_embedder(&b.model, &b.device)?;
     let device = model.describe();
     let opts = TextOptions::default();
     // One image, end to end in process: read and decode the file, resize, patchify, embed.
     let ms = time_ms(50, 5, || {
         let img = Image::open(&b.image)?;
         model
-            .embed_inputs(&[Input::image(img)], &opts, budget, None, |_| {})
+            .embed_inputs(&[Input::image(img)], &opts, budget, None, &mut |_| {})
             .map(|_| ())
     })?;
     let tokens = model
@@ -329,10 +348,13 @@ fn image(b: ImageBench) -> Result<()> {
             .trim()
             .parse()
             .map_err(|_| Error::input(format!("bad pass size {pass:?}")))?;
-        model.set_pass_patches(pass);
+        model.set_pass_budget(PassBudget {
+            patches: pass,
+            ..model.pass_budget()
+        });
         let ms = time_ms(3, 1, || {
             model
-                .embed_inputs(&inputs, &opts, budget, None, |_| {})
+                .embed_inputs(&inputs, &opts, budget, None, &mut |_| {})
                 .map(|_| ())
         })?;
         let rate = inputs.len() as f64 / (median(ms) / 1e3);

@@ -3,10 +3,12 @@
 use clap::Args;
 use tessera_backend::{AnyBackend, DeviceRequest, Precision};
 use tessera_core::Result;
+use tessera_runtime::ModelSpec;
 
 #[derive(Args, Clone, Debug)]
 pub struct DeviceArgs {
-    /// Where to run: auto (CUDA if usable, else the CPU, saying why), cpu, cuda or cuda:N.
+    /// Where to run: auto (CUDA if usable and it runs the model's ops, else the CPU, saying why),
+    /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto", env = "TESSERA_DEVICE")]
     device: String,
     /// bf16 (CUDA default: bf16 weights and GEMM inputs, f32 accumulation and statistics) or f32
@@ -25,10 +27,23 @@ impl DeviceArgs {
         args
     }
 
-    /// Open the backend; an `auto` choice of the CPU is explained in one line on stderr.
-    pub fn open(&self) -> Result<AnyBackend> {
+    fn parsed(&self) -> Result<(DeviceRequest, Option<Precision>)> {
         let req: DeviceRequest = self.device.parse()?;
         let precision: Option<Precision> = self.precision.as_deref().map(str::parse).transpose()?;
+        Ok((req, precision))
+    }
+
+    /// Open the backend for `model`: a device that cannot run the model's ops is declined here,
+    /// before anything loads (`auto` falls back to the CPU and says why in one line on stderr).
+    pub fn open_for(&self, model: &ModelSpec) -> Result<AnyBackend> {
+        let (req, precision) = self.parsed()?;
+        model.device(req, precision, |note| eprintln!("note: {note}"))
+    }
+
+    /// Open the backend with no model in view (benchmarks of single CUDA ops).
+    #[cfg(feature = "cuda")]
+    pub fn open(&self) -> Result<AnyBackend> {
+        let (req, precision) = self.parsed()?;
         AnyBackend::open(req, precision, |note| eprintln!("note: {note}"))
     }
 }

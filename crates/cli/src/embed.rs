@@ -7,13 +7,16 @@ use std::time::Duration;
 use clap::{ArgMatches, Args};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tessera_core::{Error, Result};
-use tessera_models::egemma2::{AnyEmbeddingGemma2, Embedding, Input, Part, TextOptions};
+use tessera_models::egemma2::{Input, Part, TextOptions};
 use tessera_models::imageproc::{Image, ImageBudget};
 
 use crate::device::DeviceArgs;
 
 use crate::input::{read_path_list, read_text_file};
-use crate::model::ModelChoice;
+use tessera_runtime::Capability;
+use tessera_runtime::embed::{self, Embed, Embedding};
+
+use crate::model;
 use crate::output::{Format, write_jsonl, write_npy};
 
 #[derive(Args)]
@@ -96,8 +99,8 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
         )),
         None => Box::new(std::io::stdout().lock()),
     };
-    let choice = ModelChoice::egemma2(args.model.as_deref())?;
-    let mut model = AnyEmbeddingGemma2::load(args.device.open()?, choice.files.clone())?;
+    let spec = model::open(args.model.as_deref(), Capability::Embed)?;
+    let mut model = embed::load(args.device.open_for(&spec)?, model::embedding_files(&spec)?)?;
     let opts = TextOptions {
         prompt_name: args.prompt_name.clone(),
         prompt: args.prompt.clone(),
@@ -111,7 +114,7 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
         (false, None) => {
             return Err(Error::input(format!(
                 "{} has no vision tower: it embeds text only",
-                choice.label
+                spec.label
             )));
         }
     };
@@ -132,15 +135,20 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
     if count > 1 {
         bar.enable_steady_tick(Duration::from_millis(200));
     }
-    let tick = |n: usize| bar.inc(n as u64);
+    let mut tick = |n: usize| bar.inc(n as u64);
     let embeddings = if args.combine {
         let parts = combined_parts(&args, matches)?;
-        model.embed_inputs(&[Input { parts }], &opts, budget, args.dim, tick)?
+        model.embed_inputs(&[Input { parts }], &opts, budget, args.dim, &mut tick)?
     } else {
         let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-        let mut all = model.embed_texts(&refs, &opts, args.dim, tick)?;
+        let mut all = model.embed_texts(&refs, &opts, args.dim, &mut tick)?;
         all.extend(embed_images(
-            &mut model, &images, &opts, budget, args.dim, tick,
+            model.as_mut(),
+            &images,
+            &opts,
+            budget,
+            args.dim,
+            &mut tick,
         )?);
         all
     };
@@ -149,21 +157,21 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
     let write_err =
         |e: std::io::Error| Error::io(args.out.clone().unwrap_or_else(|| "<stdout>".into()), e);
     match args.format {
-        Format::Jsonl => write_jsonl(&mut sink, &choice.label, &embeddings).map_err(write_err)?,
+        Format::Jsonl => write_jsonl(&mut sink, &spec.label, &embeddings).map_err(write_err)?,
         Format::Npy => write_npy(&mut sink, &embeddings)?,
     }
-    choice.note_if_bundled();
+    model::note_if_bundled(&spec);
     Ok(())
 }
 
 /// One input per image, decoded a chunk at a time.
 fn embed_images(
-    model: &mut AnyEmbeddingGemma2,
+    model: &mut dyn Embed,
     paths: &[PathBuf],
     opts: &TextOptions,
     budget: ImageBudget,
     dim: Option<usize>,
-    mut tick: impl FnMut(usize),
+    tick: &mut dyn FnMut(usize),
 ) -> Result<Vec<Embedding>> {
     let mut out = Vec::with_capacity(paths.len());
     for chunk in paths.chunks(IMAGES_PER_CALL) {
@@ -171,7 +179,7 @@ fn embed_images(
             .iter()
             .map(|p| Image::open(p).map(Input::image))
             .collect::<Result<Vec<_>>>()?;
-        let got = match model.embed_inputs(&inputs, opts, budget, dim, &mut tick) {
+        let got = match model.embed_inputs(&inputs, opts, budget, dim, tick) {
             Ok(got) => got,
             // Name the file at fault rather than its place in the chunk.
             Err(Error::Input(m)) => {

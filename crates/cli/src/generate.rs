@@ -11,10 +11,13 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera_backend::cpu::CpuBackend;
 use tessera_core::{Error, Result};
 use tessera_models::zimage::pipeline::{DEFAULT_GUIDANCE, DEFAULT_STEPS};
-use tessera_models::zimage::{BUNDLED, Event, Request, RgbImage, ZImage, ZImageFiles};
+use tessera_models::zimage::{Event, Request, RgbImage};
+use tessera_runtime::{Capability, image};
+
+use crate::device::DeviceArgs;
+use crate::model;
 
 /// Generate an image from a prompt (Z-Image).
 #[derive(clap::Args, Debug)]
@@ -59,6 +62,8 @@ pub struct GenerateArgs {
     /// [1, 16, HEIGHT/8, WIDTH/8] (or without the leading 1), e.g. diffusers' `latents`.
     #[arg(long, value_name = "FILE")]
     pub init_latent: Option<PathBuf>,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 /// `WIDTHxHEIGHT`.
@@ -140,19 +145,19 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let started = Instant::now();
     let out = Output::claim(&args.out)?;
     let init = args.init_latent.as_deref().map(npy::read_f32).transpose()?;
-    let (files, label) = match &args.model {
-        None => {
-            eprintln!(
-                "note: no --model given: using the bundled miniature Z-Image (random weights: the image is structured noise, for checking an install)"
-            );
-            (BUNDLED, "bundled zimage-mini (random weights)".to_string())
-        }
-        Some(spec) => {
-            let dir = tessera_core::model_dir::resolve(spec, "model_index.json")?;
-            (ZImageFiles::dir(&dir)?, spec.clone())
-        }
-    };
-    let mut model = ZImage::load(CpuBackend::new(), &files, args.transformer.as_deref())?;
+    let spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
+    if spec.is_bundled() {
+        eprintln!(
+            "note: no --model given: using the bundled miniature Z-Image (random weights: the image is structured noise, for checking an install)"
+        );
+    }
+    let backend = args.device.open_for(&spec)?;
+    let label = spec.label.clone();
+    let mut model = image::load(
+        backend,
+        &model::image_files(&spec)?,
+        args.transformer.as_deref(),
+    )?;
     let (width, height) = args.size;
     let mut req = Request {
         prompt: args.prompt.clone(),
@@ -166,9 +171,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         shift: None,
     };
     if let Some((shape, values)) = init {
-        let channels = model.transformer().config().in_channels;
-        let scale = model.size_multiple() / 2;
-        let want = [channels, height / scale, width / scale];
+        let want = model.latent_shape(width, height);
         let batch_of_one = shape.len() == 4 && shape[0] == 1 && shape[1..] == want;
         if shape != want && !batch_of_one {
             return Err(Error::input(format!(
@@ -189,7 +192,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             .progress_chars("=> "),
     );
     bar.set_message("encoding");
-    let image = model.generate(&req, &plan, |e| match e {
+    let image = model.generate(&req, &plan, &mut |e| match e {
         Event::Encoded => bar.set_message("denoising"),
         Event::Step { .. } => bar.inc(1),
         Event::Decoding => bar.set_message("decoding"),

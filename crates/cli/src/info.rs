@@ -1,43 +1,103 @@
-//! `tessera info`: what a model is and what it will run on.
+//! `tessera info`: what a model is (family, capability, shapes, weights) and what each device
+//! can run, from its configs and weight headers alone — nothing is loaded.
 
 use clap::Args;
-use tessera_core::Result;
-use tessera_models::egemma2::{AnyEmbeddingGemma2, config::LayerType};
+use tessera_core::{Result, Weights};
+use tessera_models::egemma2::{self, config::LayerType};
+use tessera_models::zimage::ZImageConfigs;
+use tessera_runtime::{Family, ModelFilesOf, ModelSpec};
 
 use crate::device::DeviceArgs;
-use crate::model::ModelChoice;
+use crate::model;
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature model).
+    /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature
+    /// EmbeddingGemma 2).
     #[arg(long, env = "TESSERA_MODEL")]
     model: Option<String>,
     #[command(flatten)]
     device: DeviceArgs,
 }
 
+fn weights_line(label: &str, w: &Weights) {
+    println!(
+        "{label:<12} {} parameters, {} ({:.1} MB)",
+        w.total_params(),
+        w.main_dtype()
+            .map_or("mixed".to_string(), |d| d.to_string()),
+        w.total_bytes() as f64 / 1e6
+    );
+}
+
 pub fn run(args: InfoArgs) -> Result<()> {
-    let choice = ModelChoice::egemma2(args.model.as_deref())?;
-    let weights = choice.files.weights("model")?;
-    let model = AnyEmbeddingGemma2::load(args.device.open()?, choice.files.clone())?;
-    let t = &model.config().text;
+    let spec = ModelSpec::open(args.model.as_deref(), Family::EmbeddingGemma2)?;
+    let cap = spec.family.capability();
+    println!("model:       {}", spec.label);
+    println!("location:    {}", spec.location());
+    println!(
+        "family:      {} — {} (`{}`)",
+        spec.family.name(),
+        cap.describe(),
+        cap.command()
+    );
+    match &spec.files {
+        ModelFilesOf::EmbeddingGemma2(files) => egemma2_details(files)?,
+        ModelFilesOf::ZImage(files) => {
+            let c = ZImageConfigs::read(files)?;
+            let te = &c.text_encoder;
+            let tr = &c.transformer;
+            println!(
+                "text:        Qwen3, {} of {} layers run, width {}, {} heads ({} kv), vocab {}",
+                te.num_layers - 1,
+                te.num_layers,
+                te.hidden_size,
+                te.heads_q,
+                te.heads_kv,
+                te.vocab_size
+            );
+            println!(
+                "transformer: {} + {} refiner + {} main layers, width {}, {} heads of {}",
+                tr.n_refiner_layers,
+                tr.n_refiner_layers,
+                tr.n_layers,
+                tr.dim,
+                tr.n_heads,
+                tr.head_dim()
+            );
+            println!(
+                "vae:         {} blocks of {:?} channels, {} latent channels",
+                c.vae.block_out_channels.len(),
+                c.vae.block_out_channels,
+                c.vae.latent_channels
+            );
+            weights_line(
+                "weights:",
+                &files.transformer.weights("diffusion_pytorch_model")?,
+            );
+        }
+    }
+    println!("ops:         {} distinct", spec.ops().len());
+    for (device, support) in spec.support() {
+        match support {
+            Ok(d) => println!("{:<12} runs it: {d}", format!("{device}:")),
+            Err(e) => println!("{:<12} cannot run it: {e}", format!("{device}:")),
+        }
+    }
+    println!("runs on:     {}", args.device.open_for(&spec)?.describe());
+    model::note_if_bundled(&spec);
+    Ok(())
+}
+
+fn egemma2_details(files: &tessera_models::ModelFiles) -> Result<()> {
+    let config = egemma2::Config::read(files)?;
+    let t = &config.text;
     let n_full = t
         .layers
         .iter()
         .filter(|l| l.kind == LayerType::Full)
         .count();
-    let prompts: Vec<&str> = model.prompts().names().collect();
-    println!("model:       {}", choice.label);
-    println!("location:    {}", model.files().location());
-    println!("type:        EmbeddingGemma 2 (embedding_gemma2), text encoder");
-    println!(
-        "weights:     {} parameters, {} ({:.1} MB)",
-        weights.total_params(),
-        weights
-            .main_dtype()
-            .map_or("mixed".to_string(), |d| d.to_string()),
-        weights.total_bytes() as f64 / 1e6
-    );
+    weights_line("weights:", &files.weights("model")?);
     println!(
         "text:        {} layers ({} sliding, window ±{}; {} full), width {}, {} heads, vocab {}",
         t.layers.len(),
@@ -56,19 +116,24 @@ pub fn run(args: InfoArgs) -> Result<()> {
         "max tokens:  {} positions (no truncation unless --max-tokens)",
         t.max_positions
     );
-    let vision = match (&model.config().vision, model.default_image_budget()) {
-        (Some(v), Some(b)) => format!(
-            "{} layers, width {}, {}×{} patches pooled {}×{}; default image budget {b} soft tokens",
+    let vision = match &config.vision {
+        Some(v) => format!(
+            "{} layers, width {}, {}×{} patches pooled {}×{}; default image budget {} soft tokens",
             v.num_layers,
             v.hidden_size,
             v.patch_size,
             v.patch_size,
             v.pooling_kernel_size,
-            v.pooling_kernel_size
+            v.pooling_kernel_size,
+            egemma2::ImageProcessor::load(files, v)?.default_budget
         ),
-        _ => "no (text only)".to_string(),
+        None => "no (text only)".to_string(),
     };
     println!("vision:      {vision}");
+    let prompts: Vec<String> = egemma2::Prompts::load(files)?
+        .names()
+        .map(str::to_string)
+        .collect();
     println!(
         "prompts:     {}",
         if prompts.is_empty() {
@@ -77,7 +142,5 @@ pub fn run(args: InfoArgs) -> Result<()> {
             prompts.join(", ")
         }
     );
-    println!("runs on:     {}", model.describe());
-    choice.note_if_bundled();
     Ok(())
 }

@@ -1,37 +1,51 @@
-//! `--model`: a folder or a Hugging Face repo id in the local cache; the bundled miniature model
-//! when absent.
+//! `--model`: a folder or a Hugging Face repo id in the local cache, identified by the runtime
+//! (family, capability, ops); the bundled miniature model of the command's family when absent.
 
-use tessera_core::{Result, model_dir};
+use tessera_core::{Error, Result};
 use tessera_models::ModelFiles;
+use tessera_models::zimage::ZImageFiles;
+use tessera_runtime::{Capability, Family, ModelFilesOf, ModelSpec};
 
-/// The files `--model` names (or the bundled model) and a label for output.
-pub struct ModelChoice {
-    pub files: ModelFiles,
-    pub label: String,
+/// The model `spec` names for a command that needs `capability`.
+pub fn open(spec: Option<&str>, capability: Capability) -> Result<ModelSpec> {
+    let bundled = match capability {
+        Capability::Embed => Family::EmbeddingGemma2,
+        Capability::GenerateImage => Family::ZImage,
+        Capability::Chat => {
+            return Err(Error::input("no chat model is supported yet"));
+        }
+    };
+    ModelSpec::open(spec, bundled)?.expect(capability)
 }
 
-impl ModelChoice {
-    /// Said once on stderr after a successful run on the bundled model.
-    pub fn note_if_bundled(&self) {
-        if self.files.is_embedded() {
-            eprintln!(
-                "note: no --model given: this ran the bundled egemma2-mini (random weights: for checking an install, not for use)"
-            );
-        }
+/// Said once on stderr after a successful run on a bundled model.
+pub fn note_if_bundled(spec: &ModelSpec) {
+    if spec.is_bundled() {
+        eprintln!(
+            "note: no --model given: this ran the bundled {} (random weights: for checking an install, not for use)",
+            spec.label
+        );
     }
 }
 
-impl ModelChoice {
-    pub fn egemma2(spec: Option<&str>) -> Result<Self> {
-        match spec {
-            Some(spec) => Ok(ModelChoice {
-                files: ModelFiles::Dir(model_dir::resolve(spec, "config.json")?),
-                label: spec.to_string(),
-            }),
-            None => Ok(ModelChoice {
-                files: tessera_models::egemma2::BUNDLED,
-                label: "egemma2-mini (bundled, random weights)".to_string(),
-            }),
-        }
+/// The files of an embedding model.
+pub fn embedding_files(spec: &ModelSpec) -> Result<ModelFiles> {
+    match &spec.files {
+        ModelFilesOf::EmbeddingGemma2(f) => Ok(f.clone()),
+        _ => Err(Error::input(format!(
+            "{} is not an embedding model",
+            spec.label
+        ))),
+    }
+}
+
+/// The files of a text-to-image model.
+pub fn image_files(spec: &ModelSpec) -> Result<ZImageFiles> {
+    match &spec.files {
+        ModelFilesOf::ZImage(f) => Ok(f.clone()),
+        _ => Err(Error::input(format!(
+            "{} is not a text-to-image model",
+            spec.label
+        ))),
     }
 }

@@ -3,7 +3,7 @@
 use std::io::Write;
 
 use tessera_core::{Error, Result};
-use tessera_models::egemma2::Embedding;
+use tessera_runtime::embed::Embedding;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {

@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use tessera_core::{Error, Result};
-use tessera_models::egemma2::AnyEmbeddingGemma2;
 use tessera_server::{Limits, Schedule, ServerConfig};
 
 use crate::device::DeviceArgs;
-use crate::model::ModelChoice;
+use tessera_runtime::{Capability, embed};
+
+use crate::model;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -91,7 +92,7 @@ enum LogFormat {
 
 pub fn run(args: ServeArgs) -> Result<()> {
     init_logs(args.log_format);
-    let choice = ModelChoice::egemma2(args.model.as_deref())?;
+    let spec = model::open(args.model.as_deref(), Capability::Embed)?;
     let config = ServerConfig {
         served_model_name: args
             .served_model_name
@@ -120,8 +121,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tracing::warn!(host = %args.host, "serving beyond this machine without --api-key");
     }
     let device = args.device.clone();
-    let files = choice.files.clone();
-    let loader = Box::new(move || AnyEmbeddingGemma2::load(device.open()?, files));
+    let files = model::embedding_files(&spec)?;
+    let loader = Box::new(move || embed::load(device.open_for(&spec)?, files));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

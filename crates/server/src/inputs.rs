@@ -18,8 +18,8 @@ use std::sync::Arc;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use serde_json::Value;
-use tessera_models::egemma2::{Input, Part};
 use tessera_models::imageproc::{Image, ImageBudget};
+use tessera_models::input::{Input, Part};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::Limits;

@@ -4,14 +4,18 @@
 //! - [`http`]: axum routes, OpenAI-shaped errors, the API key and CORS; `POST /v1/embeddings`
 //!   takes a request slot (`--max-queue`, else 429) before reading the body, then checks and
 //!   decodes the inputs off the async threads ([`inputs`]) before anything is queued;
-//! - [`queue`]: text and image lanes, batches under a token and an image budget;
-//! - [`worker`]: one thread that loads and owns the model and runs the batches, retrying a
-//!   failed merged batch request by request;
+//! - [`queue`]: text and image lanes, batches under a token and an image budget, generic over
+//!   the job type;
+//! - [`worker`]: one thread that loads and owns the model and runs the batches, generic over
+//!   what runs them ([`worker::Runner`]);
+//! - [`embeddings`]: the embeddings job and its runner, which retries a failed merged batch
+//!   request by request;
 //! - [`metrics`]: Prometheus counters and histograms.
 //!
 //! [`serve`] runs it all on a bound listener, so tests start it on port 0.
 
 pub mod config;
+pub mod embeddings;
 pub mod http;
 pub mod inputs;
 pub mod metrics;
@@ -25,7 +29,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 pub use config::{Limits, Schedule, ServerConfig};
-pub use worker::Loader;
+pub use embeddings::Loader;
 
 use http::AppState;
 use metrics::Metrics;
@@ -59,14 +63,13 @@ pub async fn serve(
     config.validate()?;
     let metrics = Arc::new(Metrics::new());
     let queue = Arc::new(Queue::new(config.schedule, &config.limits, metrics.clone()));
-    let (worker, loaded) = worker::spawn(
+    let load = embeddings::load(
         config.served_model_name.clone(),
         loader,
-        queue.clone(),
-        metrics.clone(),
         &config.limits,
-    )
-    .map_err(|source| ServeError::Io {
+        metrics.clone(),
+    );
+    let (worker, loaded) = worker::spawn(load, queue.clone()).map_err(|source| ServeError::Io {
         what: "starting the device worker",
         source,
     })?;

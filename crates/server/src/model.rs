@@ -2,9 +2,10 @@
 //! they are queued while the device worker keeps the model itself to its thread.
 
 use tessera_core::Result;
-use tessera_models::egemma2::{AnyEmbeddingGemma2, Prompts};
+use tessera_models::egemma2::Prompts;
 use tessera_models::imageproc::ImageBudget;
 use tessera_models::tokenize::TextTokenizer;
+use tessera_runtime::embed::Embed;
 
 use crate::http::error::ApiError;
 
@@ -24,13 +25,12 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    pub fn new(name: String, model: &AnyEmbeddingGemma2) -> Result<Self> {
-        let text = &model.config().text;
+    pub fn new(name: String, model: &dyn Embed) -> Result<Self> {
         Ok(ModelInfo {
             name,
             dim: model.dim(),
             prompts: model.prompts().clone(),
-            tokenizer: TextTokenizer::load(model.files(), (text.bos_token_id, text.eos_token_id))?,
+            tokenizer: model.tokenizer().clone(),
             image_budget: model.default_image_budget(),
             device: model.describe(),
         })

@@ -1,4 +1,6 @@
-//! The queue between request handlers and the device worker: two lanes, size-aware batches.
+//! The queue between request handlers and the device worker: two lanes, size-aware batches,
+//! generic over the job ([`Job`]: its lane, its cost, which jobs may share a model call), so
+//! every route queues the same way.
 //!
 //! Admission is bounded before a job gets here (`--max-queue` request slots, the image memory
 //! budget), so pushing never blocks and the queue never grows past what was admitted.
@@ -11,11 +13,6 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Instant;
-
-use tessera_core::Error;
-use tessera_models::egemma2::{Embedding, Input};
-use tokio::sync::oneshot;
 
 use crate::config::{Limits, Schedule};
 use crate::metrics::Metrics;
@@ -38,57 +35,67 @@ impl Lane {
     }
 }
 
-/// What the worker sends back for one job: an embedding per input, or why not.
-pub type Reply = Result<Vec<Embedding>, Error>;
-
-/// One request's work.
-pub struct Job {
-    pub inputs: Vec<Input>,
-    /// Tokens per input, as counted at the edge (the batch budget).
+/// What a job takes out of a batch's budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cost {
     pub tokens: usize,
     pub images: usize,
-    /// Jobs merge only with jobs of the same prompt (one prompt per model call).
-    pub prompt_name: Option<String>,
-    /// Matryoshka size of this job's vectors.
-    pub dim: usize,
-    pub lane: Lane,
-    pub enqueued: Instant,
-    pub reply: oneshot::Sender<Reply>,
-    /// The request's span, so the worker's logs for it carry its fields.
-    pub span: tracing::Span,
+}
+
+/// A request's work as the queue sees it, whatever the route: its lane, its cost, and with
+/// which jobs it may share one model call.
+pub trait Job: Send + 'static {
+    fn lane(&self) -> Lane;
+    fn cost(&self) -> Cost;
+    /// Whether this job may join a batch headed by `head` (one prompt per embedding call, one
+    /// size per image generation, …).
+    fn joins(&self, head: &Self) -> bool;
+    /// Whether its client is gone (timed out, disconnected): it gets no device time.
+    fn abandoned(&self) -> bool;
 }
 
 /// Jobs the worker runs as one model call.
-pub struct Batch {
-    pub jobs: Vec<Job>,
+pub struct Batch<J> {
+    pub jobs: Vec<J>,
     pub lane: Lane,
-    pub prompt_name: Option<String>,
 }
 
-impl Batch {
-    pub fn tokens(&self) -> usize {
-        self.jobs.iter().map(|j| j.tokens).sum()
-    }
-    pub fn inputs(&self) -> usize {
-        self.jobs.iter().map(|j| j.inputs.len()).sum()
+impl<J: Job> Batch<J> {
+    pub fn cost(&self) -> Cost {
+        self.jobs.iter().fold(Cost::default(), |a, j| {
+            let c = j.cost();
+            Cost {
+                tokens: a.tokens + c.tokens,
+                images: a.images + c.images,
+            }
+        })
     }
 }
 
-#[derive(Default)]
-struct Lanes {
-    text: VecDeque<Job>,
-    image: VecDeque<Job>,
+struct Lanes<J> {
+    text: VecDeque<J>,
+    image: VecDeque<J>,
     /// Text batches taken in a row while images waited.
     text_streak: usize,
     closed: bool,
 }
 
-pub struct Queue {
-    lanes: Mutex<Lanes>,
+impl<J> Default for Lanes<J> {
+    fn default() -> Self {
+        Lanes {
+            text: VecDeque::new(),
+            image: VecDeque::new(),
+            text_streak: 0,
+            closed: false,
+        }
+    }
+}
+
+pub struct Queue<J> {
+    lanes: Mutex<Lanes<J>>,
     ready: Condvar,
     schedule: Schedule,
-    max_tokens: usize,
-    max_images: usize,
+    budget: Cost,
     metrics: Arc<Metrics>,
 }
 
@@ -96,31 +103,33 @@ pub struct Queue {
 #[derive(Debug)]
 pub struct Closed;
 
-impl Queue {
+impl<J: Job> Queue<J> {
     pub fn new(schedule: Schedule, limits: &Limits, metrics: Arc<Metrics>) -> Self {
         Queue {
             lanes: Mutex::new(Lanes::default()),
             ready: Condvar::new(),
             schedule,
-            max_tokens: limits.max_batch_tokens,
-            max_images: limits.max_batch_images,
+            budget: Cost {
+                tokens: limits.max_batch_tokens,
+                images: limits.max_batch_images,
+            },
             metrics,
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Lanes> {
+    fn lock(&self) -> MutexGuard<'_, Lanes<J>> {
         // A panic while holding this lock cannot leave the deques half-updated (every change is
         // one push or remove), so a poisoned lock is still safe to use.
         self.lanes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn push(&self, job: Job) -> Result<(), Closed> {
+    pub fn push(&self, job: J) -> Result<(), Closed> {
         let mut lanes = self.lock();
         if lanes.closed {
             return Err(Closed);
         }
         let lane = match self.schedule {
-            Schedule::Lanes => job.lane,
+            Schedule::Lanes => job.lane(),
             Schedule::Fifo => Lane::Text,
         };
         match lane {
@@ -142,7 +151,7 @@ impl Queue {
     }
 
     /// Wait for the next batch (blocking: the worker thread's call).
-    pub fn next_batch(&self) -> Option<Batch> {
+    pub fn next_batch(&self) -> Option<Batch<J>> {
         let mut lanes = self.lock();
         loop {
             drop_abandoned(&mut lanes.text);
@@ -165,7 +174,7 @@ impl Queue {
                     Lane::Text => &mut lanes.text,
                     Lane::Image => &mut lanes.image,
                 };
-                let batch = take_batch(deque, self.max_tokens, self.max_images);
+                let batch = take_batch(deque, self.budget);
                 self.update_depth(&lanes);
                 return batch;
             }
@@ -176,33 +185,32 @@ impl Queue {
         }
     }
 
-    fn update_depth(&self, lanes: &Lanes) {
+    fn update_depth(&self, lanes: &Lanes<J>) {
         self.metrics.queue_depth(Lane::Text, lanes.text.len());
         self.metrics.queue_depth(Lane::Image, lanes.image.len());
     }
 }
 
 /// Forget jobs whose client is gone (timed out or disconnected): no device time for them.
-fn drop_abandoned(deque: &mut VecDeque<Job>) {
-    deque.retain(|j| !j.reply.is_closed());
+fn drop_abandoned<J: Job>(deque: &mut VecDeque<J>) {
+    deque.retain(|j| !j.abandoned());
 }
 
-/// The head job and every later job with the same prompt that still fits the budget (a job
-/// larger than the budget goes alone). Jobs left behind keep their order.
-fn take_batch(deque: &mut VecDeque<Job>, max_tokens: usize, max_images: usize) -> Option<Batch> {
+/// The head job and every later job that joins it and still fits the budget (a job larger than
+/// the budget goes alone). Jobs left behind keep their order.
+fn take_batch<J: Job>(deque: &mut VecDeque<J>, budget: Cost) -> Option<Batch<J>> {
     let head = deque.pop_front()?;
-    let (mut tokens, mut images) = (head.tokens, head.images);
-    let prompt_name = head.prompt_name.clone();
+    let mut used = head.cost();
     let mut jobs = vec![head];
     let mut i = 0;
     while i < deque.len() {
-        let j = &deque[i];
-        if j.prompt_name == prompt_name
-            && tokens + j.tokens <= max_tokens
-            && images + j.images <= max_images
+        let (j, c) = (&deque[i], deque[i].cost());
+        if j.joins(&jobs[0])
+            && used.tokens + c.tokens <= budget.tokens
+            && used.images + c.images <= budget.images
         {
-            tokens += j.tokens;
-            images += j.images;
+            used.tokens += c.tokens;
+            used.images += c.images;
             if let Some(job) = deque.remove(i) {
                 jobs.push(job);
             }
@@ -210,35 +218,56 @@ fn take_batch(deque: &mut VecDeque<Job>, max_tokens: usize, max_images: usize) -
             i += 1;
         }
     }
-    let lane = if images > 0 { Lane::Image } else { Lane::Text };
-    Some(Batch {
-        jobs,
-        lane,
-        prompt_name,
-    })
+    let lane = if used.images > 0 {
+        Lane::Image
+    } else {
+        Lane::Text
+    };
+    Some(Batch { jobs, lane })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn job(lane: Lane, tokens: usize, prompt: Option<&str>) -> (Job, oneshot::Receiver<Reply>) {
-        let (tx, rx) = oneshot::channel();
-        let job = Job {
-            inputs: vec![Input::text("x")],
-            tokens,
-            images: usize::from(lane == Lane::Image),
-            prompt_name: prompt.map(str::to_string),
-            dim: 4,
-            lane,
-            enqueued: Instant::now(),
-            reply: tx,
-            span: tracing::Span::none(),
-        };
-        (job, rx)
+    /// A job whose client is alive while its `Arc` has a second owner (the test's handle).
+    struct T {
+        lane: Lane,
+        tokens: usize,
+        prompt: Option<&'static str>,
+        client: Arc<()>,
     }
 
-    fn queue(schedule: Schedule) -> Queue {
+    impl Job for T {
+        fn lane(&self) -> Lane {
+            self.lane
+        }
+        fn cost(&self) -> Cost {
+            Cost {
+                tokens: self.tokens,
+                images: usize::from(self.lane == Lane::Image),
+            }
+        }
+        fn joins(&self, head: &Self) -> bool {
+            self.prompt == head.prompt
+        }
+        fn abandoned(&self) -> bool {
+            Arc::strong_count(&self.client) < 2
+        }
+    }
+
+    fn job(lane: Lane, tokens: usize, prompt: Option<&'static str>) -> (T, Arc<()>) {
+        let client = Arc::new(());
+        let job = T {
+            lane,
+            tokens,
+            prompt,
+            client: client.clone(),
+        };
+        (job, client)
+    }
+
+    fn queue(schedule: Schedule) -> Queue<T> {
         let limits = Limits {
             max_batch_tokens: 100,
             max_batch_images: 2,
@@ -289,9 +318,12 @@ mod tests {
             keep.push(r);
         }
         let b = q.next_batch().unwrap();
-        assert_eq!((b.jobs.len(), b.tokens(), b.prompt_name), (2, 80, None));
+        assert_eq!(
+            (b.jobs.len(), b.cost().tokens, b.jobs[0].prompt),
+            (2, 80, None)
+        );
         let b = q.next_batch().unwrap();
-        assert_eq!(b.prompt_name.as_deref(), Some("query"));
+        assert_eq!(b.jobs[0].prompt, Some("query"));
         assert_eq!(q.next_batch().unwrap().jobs.len(), 1);
         // Images: at most two per batch.
         for _ in 0..3 {
@@ -312,7 +344,7 @@ mod tests {
         q.push(gone).unwrap();
         q.push(live).unwrap();
         let b = q.next_batch().unwrap();
-        assert_eq!(b.prompt_name.as_deref(), Some("query"));
+        assert_eq!(b.jobs[0].prompt, Some("query"));
         q.close();
         assert!(q.next_batch().is_none());
         assert!(q.push(job(Lane::Text, 1, None).0).is_err());

@@ -19,7 +19,7 @@ fn library(inputs: &[Input], prompt: Option<&str>, dim: Option<usize>) -> Vec<(V
         prompt_name: prompt.map(str::to_string),
         ..TextOptions::default()
     };
-    m.embed_inputs(inputs, &opts, budget, dim, |_| {})
+    m.embed_inputs(inputs, &opts, budget, dim, &mut |_| {})
         .unwrap()
         .into_iter()
         .map(|e| (e.vector, e.tokens))

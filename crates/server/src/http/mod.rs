@@ -21,6 +21,7 @@ use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::trace::TraceLayer;
 
 use crate::config::ServerConfig;
+use crate::embeddings::Job;
 use crate::metrics::Metrics;
 use crate::model::ModelInfo;
 use crate::queue::Queue;
@@ -33,7 +34,7 @@ pub struct AppState {
     pub config: Arc<ServerConfig>,
     /// Set once the worker has loaded the model; `/health` is ready from then on.
     pub model: Arc<OnceLock<Arc<ModelInfo>>>,
-    pub queue: Arc<Queue>,
+    pub queue: Arc<Queue<Job>>,
     /// `--max-queue` request slots, taken before the body is read and held until the answer.
     pub slots: Arc<Semaphore>,
     /// `--max-image-memory-mb`, in MiB of decoded images.
@@ -46,7 +47,7 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: ServerConfig, queue: Arc<Queue>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(config: ServerConfig, queue: Arc<Queue<Job>>, metrics: Arc<Metrics>) -> Self {
         let limits = &config.limits;
         let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

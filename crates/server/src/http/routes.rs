@@ -20,9 +20,10 @@ use super::types::{
     EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingValue, EncodingFormat, Health,
     ModelCard, ModelList, Usage,
 };
+use crate::embeddings::Job;
 use crate::inputs::{self, Context};
 use crate::model::ModelInfo;
-use crate::queue::{Job, Lane};
+use crate::queue::Lane;
 
 /// A request slot (`--max-queue`), taken before the body is read so that admitted requests bound
 /// the memory held; refused with 503 while loading or stopping and 429 when all are taken.

@@ -11,7 +11,8 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use tessera_backend::AnyBackend;
 use tessera_backend::cpu::CpuBackend;
-use tessera_models::egemma2::{AnyEmbeddingGemma2, BUNDLED};
+use tessera_models::egemma2::BUNDLED;
+use tessera_runtime::embed::{self, Embed};
 use tessera_server::{Limits, Loader, Schedule, ServeError, ServerConfig};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -34,12 +35,12 @@ pub fn config() -> ServerConfig {
 }
 
 pub fn bundled() -> Loader {
-    Box::new(|| AnyEmbeddingGemma2::load(AnyBackend::Cpu(CpuBackend::new()), BUNDLED))
+    Box::new(|| embed::load(AnyBackend::Cpu(CpuBackend::new()), BUNDLED))
 }
 
 /// The same model, loaded here, for expected values.
-pub fn library_model() -> AnyEmbeddingGemma2 {
-    AnyEmbeddingGemma2::load(AnyBackend::Cpu(CpuBackend::new()), BUNDLED).unwrap()
+pub fn library_model() -> Box<dyn Embed> {
+    embed::load(AnyBackend::Cpu(CpuBackend::new()), BUNDLED).unwrap()
 }
 
 pub struct Server {
