@@ -114,9 +114,57 @@ fn entries(ptx: &str) -> BTreeMap<String, Vec<Abi>> {
     out
 }
 
-/// The ABI check that typed launches rest on: each table's argument struct pushes exactly the
-/// parameters its kernel declares (count, and 8-byte integer / 4-byte integer / float each), read
-/// from the PTX NVRTC makes of the source; and every kernel of a source is in its table.
+/// C++ appended to a source for the check below: the compiler classifies each kernel's C
+/// parameters (pointer 0, `long` 1, `int` 2, `float` 3) and compares them with the table's.
+const CLASSIFY: &str = r#"
+template <typename T> struct TesseraAbi { static constexpr int v = -1; };
+template <typename T> struct TesseraAbi<T*> { static constexpr int v = 0; };
+template <> struct TesseraAbi<long> { static constexpr int v = 1; };
+template <> struct TesseraAbi<int> { static constexpr int v = 2; };
+template <> struct TesseraAbi<float> { static constexpr int v = 3; };
+template <int... V> struct TesseraParams {};
+template <typename F> struct TesseraSig;
+template <typename... A> struct TesseraSig<void(A...)> { using type = TesseraParams<TesseraAbi<A>::v...>; };
+template <typename A, typename B> struct TesseraSame { static constexpr bool v = false; };
+template <typename A> struct TesseraSame<A, A> { static constexpr bool v = true; };
+"#;
+
+fn c_class(p: Param) -> u8 {
+    match p {
+        Param::Ptr => 0,
+        Param::I64 => 1,
+        Param::I32 => 2,
+        Param::F32 => 3,
+    }
+}
+
+/// `src` with a `static_assert` per kernel of its table that the kernel's C parameter types are
+/// the table's, each naming its kernel when it fails.
+fn with_signature_asserts(src: &nvrtc::Source, kernels: &[Signature]) -> nvrtc::Source {
+    let mut text = format!("{}\n{CLASSIFY}", src.text);
+    for k in kernels {
+        let classes: Vec<String> = k.params.iter().map(|&p| c_class(p).to_string()).collect();
+        text.push_str(&format!(
+            "static_assert(TesseraSame<TesseraSig<decltype({0})>::type, TesseraParams<{1}>>::v, \
+             \"{0}: its C parameters differ from its Rust argument struct {2:?}\");\n",
+            k.name,
+            classes.join(", "),
+            k.params
+        ));
+    }
+    nvrtc::Source {
+        name: src.name,
+        text: Box::leak(text.into_boxed_str()),
+        headers: src.headers,
+        sm90a_only: src.sm90a_only,
+    }
+}
+
+/// The ABI check that typed launches rest on, for every kernel of every table: the compiler
+/// finds the kernel's C parameter types equal to its Rust argument struct's (pointer, `long`,
+/// `int`, `float`, in order), and the PTX NVRTC makes of the source declares exactly those
+/// parameters (count; 8-byte integer, 4-byte integer or float each); and every kernel of a source
+/// is in its table.
 #[test]
 fn every_kernel_takes_its_args_struct() {
     require_nvrtc();
@@ -126,7 +174,8 @@ fn every_kernel_takes_its_args_struct() {
             .iter()
             .find(|s| s.name == source)
             .unwrap_or_else(|| panic!("no source {source}"));
-        let ptx = nvrtc::compile_ptx(src, "compute_90a").unwrap_or_else(|e| panic!("{e}"));
+        let ptx = nvrtc::compile_ptx(&with_signature_asserts(src, &kernels), "compute_90a")
+            .unwrap_or_else(|e| panic!("{e}"));
         let found = entries(&ptx);
         for k in &kernels {
             let params = found
@@ -135,7 +184,7 @@ fn every_kernel_takes_its_args_struct() {
             let declared: Vec<Abi> = k.params.iter().map(|&p| abi(p)).collect();
             assert_eq!(
                 &declared, params,
-                "{source}: {}: the Rust argument struct {:?} does not match the kernel's parameters",
+                "{source}: {}: the Rust argument struct {:?} does not match the kernel's PTX parameters",
                 k.name, k.params
             );
         }
@@ -145,8 +194,11 @@ fn every_kernel_takes_its_args_struct() {
                 "{source}: kernel {name} is in no kernel table"
             );
         }
-        eprintln!("{source}: {} kernels, parameter lists match", kernels.len());
+        eprintln!(
+            "{source}: {} kernels; C parameter types and PTX parameters match their argument structs",
+            kernels.len()
+        );
         checked += kernels.len();
     }
-    eprintln!("{checked} kernels checked against their PTX");
+    eprintln!("{checked} kernels checked");
 }
