@@ -22,11 +22,18 @@ use super::{CudaBackend, Elem};
 use crate::{AttnSpec, Backend, Precision, Role, Segments, View, ViewMut, offsets_of};
 
 kernel_args! {
+    /// What every attention kernel takes first: q, k, v and the output, each as (address, row
+    /// stride).
+    pub(super) struct Operands {
+        q: DevPtr, qs: i64, k: DevPtr, ks: i64, v: DevPtr, vs: i64, o: DevPtr, os: i64,
+    }
+}
+
+kernel_args! {
     /// `attn_rows_f32`: a warp per (query row, head).
     pub(super) struct AttnRowsArgs {
-        q: DevPtr, qs: i64, k: DevPtr, ks: i64, v: DevPtr, vs: i64, o: DevPtr, os: i64,
-        offsets: DevPtr, nseg: i32, rows: i32, hq: i32, group: i32, d: i32, scale: f32,
-        window: i32, causal: i32,
+        ops: Operands, offsets: DevPtr, nseg: i32, rows: i32, hq: i32, group: i32, d: i32,
+        scale: f32, window: i32, causal: i32,
     }
 }
 
@@ -34,9 +41,8 @@ kernel_args! {
     /// `flash_bf16_d{D}` and `flash_wgmma_d{D}`: a CTA per (query tile part, head, key chunk);
     /// `part` is the split-key workspace (null when the launch is not split).
     pub(super) struct FlashArgs {
-        q: DevPtr, qs: i64, k: DevPtr, ks: i64, v: DevPtr, vs: i64, o: DevPtr, os: i64,
-        tiles: DevPtr, group: i32, scale_log2: f32, window: i32, causal: i32, part: DevPtr,
-        rows: i32, kv_splits: i32,
+        ops: Operands, tiles: DevPtr, group: i32, scale_log2: f32, window: i32, causal: i32,
+        part: DevPtr, rows: i32, kv_splits: i32,
     }
 }
 
@@ -96,19 +102,6 @@ fn window_arg(spec: &AttnSpec) -> i32 {
     spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i32)
 }
 
-/// The operands every attention kernel takes first: q, k, v and the output, each as (address,
-/// row stride).
-struct Operands {
-    q: DevPtr,
-    qs: i64,
-    k: DevPtr,
-    ks: i64,
-    v: DevPtr,
-    vs: i64,
-    o: DevPtr,
-    os: i64,
-}
-
 impl Operands {
     fn of(
         q: &View<'_, CudaBackend>,
@@ -157,16 +150,8 @@ pub(super) fn attention(
         ));
     }
     let warps = (total * spec.heads_q) as u32;
-    let ops = Operands::of(&q, &k, &v, &out)?;
     let args = AttnRowsArgs {
-        q: ops.q,
-        qs: ops.qs,
-        k: ops.k,
-        ks: ops.ks,
-        v: ops.v,
-        vs: ops.vs,
-        o: ops.o,
-        os: ops.os,
+        ops: Operands::of(&q, &k, &v, &out)?,
         offsets: segs.dev.ptr,
         nseg: segs.count() as i32,
         rows: total as i32,
@@ -177,10 +162,12 @@ pub(super) fn attention(
         window: window_arg(spec),
         causal: spec.causal as i32,
     };
-    let kernel = &be.kernels.attention.attn_rows;
-    be.timed("attention", || {
-        be.launch(kernel, cfg((warps.div_ceil(4), 1), 128, 0), &args)
-    })
+    be.launch(
+        "attention",
+        &be.kernels.attention.attn_rows,
+        cfg((warps.div_ceil(4), 1), 128, 0),
+        &args,
+    )
 }
 
 /// bf16 attention on the tensor cores over the query tiles of `segs` — `flash_wgmma_d{D}` on
@@ -274,16 +261,8 @@ pub(super) fn flash(
         None
     };
     let splits = if part.is_some() { splits } else { 1 };
-    let ops = Operands::of(&q, &k, &v, &out)?;
     let args = FlashArgs {
-        q: ops.q,
-        qs: ops.qs,
-        k: ops.k,
-        ks: ops.ks,
-        v: ops.v,
-        vs: ops.vs,
-        o: ops.o,
-        os: ops.os,
+        ops: Operands::of(&q, &k, &v, &out)?,
         tiles: addr(&segs.dev, segs.max_segs + 1),
         group: (spec.heads_q / spec.heads_kv) as i32,
         scale_log2: spec.scale * std::f32::consts::LOG2_E,
@@ -302,22 +281,24 @@ pub(super) fn flash(
         block_dim: (fc.threads, 1, 1),
         shared_mem_bytes: fc.smem,
     };
-    be.timed("attention", || be.launch(kernel, config, &args))?;
+    be.launch("attention", kernel, config, &args)?;
     if let Some(part) = part {
         let warps = (total * spec.heads_q) as u32;
         let args = FlashCombineArgs {
             part,
-            o: ops.o,
-            os: out.stride as i64,
+            o: args.ops.o,
+            os: args.ops.os,
             rows: total as i32,
             heads: spec.heads_q as i32,
             d: hd as i32,
             kv_splits: splits as i32,
         };
-        let combine = &be.kernels.attention.flash_combine;
-        be.timed("attention", || {
-            be.launch(combine, cfg((warps.div_ceil(8), 1), 256, 0), &args)
-        })?;
+        be.launch(
+            "attention",
+            &be.kernels.attention.flash_combine,
+            cfg((warps.div_ceil(8), 1), 256, 0),
+            &args,
+        )?;
     }
     Ok(splits)
 }

@@ -3,7 +3,7 @@
 
 use tessera_core::{Error, Result};
 
-use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_block};
+use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
 use super::memory::{ptr_of, ptr_of_mut, same_shape};
 use super::{CudaBackend, CudaBuf, CudaTable, Elem};
 use crate::{Activation, Segments, View, ViewMut};
@@ -78,14 +78,12 @@ pub(super) fn embed(
         out: ptr_of_mut(&out)?,
         os: out.stride as i64,
     };
-    let kernel = &be.kernels.elementwise.embed;
-    be.timed("elementwise", || {
-        be.launch(
-            kernel.get(table.buf.elem)?,
-            cfg((out.rows as u32, 1), 128, 0),
-            &args,
-        )
-    })
+    be.launch(
+        "elementwise",
+        be.kernels.elementwise.embed.get(table.buf.elem)?,
+        cfg((out.rows as u32, 1), 128, 0),
+        &args,
+    )
 }
 
 pub(super) fn cast(
@@ -101,14 +99,12 @@ pub(super) fn cast(
         ys: out.stride as i64,
         cols: x.cols as i32,
     };
-    let kernel = &be.kernels.elementwise.cast;
-    be.timed("elementwise", || {
-        be.launch(
-            kernel.get(x.buf.elem, out.buf.elem)?,
-            cfg((x.rows as u32, 1), row_block(x.cols), 0),
-            &args,
-        )
-    })
+    be.launch(
+        "elementwise",
+        be.kernels.elementwise.cast.get(x.buf.elem, out.buf.elem)?,
+        row_blocks(x.rows, x.cols, 0),
+        &args,
+    )
 }
 
 pub(super) fn gated(
@@ -157,9 +153,12 @@ pub(super) fn gated(
     if n == 0 {
         return Ok(());
     }
-    be.timed("elementwise", || {
-        be.launch(kernel.get(e)?, cfg((blocks, 1), 256, 0), &args)
-    })
+    be.launch(
+        "elementwise",
+        kernel.get(e)?,
+        cfg((blocks, 1), 256, 0),
+        &args,
+    )
 }
 
 pub(super) fn segment_mean(
@@ -193,8 +192,10 @@ pub(super) fn segment_mean(
         cols: x.cols as i32,
     };
     let grid = (out.rows as u32, x.cols.div_ceil(128) as u32);
-    let kernel = &be.kernels.elementwise.segment_mean;
-    be.timed("pool", || {
-        be.launch(kernel.get(x.buf.elem)?, cfg(grid, 128, 0), &args)
-    })
+    be.launch(
+        "pool",
+        be.kernels.elementwise.segment_mean.get(x.buf.elem)?,
+        cfg(grid, 128, 0),
+        &args,
+    )
 }

@@ -8,14 +8,17 @@
 //! a field by element type, never by a built name; and a [`Kernel<A>`] launches only with its own
 //! `A`, so a wrong argument list does not compile.
 //!
-//! What the compiler cannot see — that a table's names are in its cubin and that each args
-//! struct matches its kernel's C parameter list — CI checks from the tables themselves
-//! (`tests/nvrtc_compile.rs`, against NVRTC's cubin and PTX), so neither can drift.
+//! What rustc cannot see — that a table's names are in its cubin and that each args struct
+//! matches its kernel's C parameter list — CI checks from the tables themselves with NVRTC
+//! (`tests/nvrtc_compile.rs`: the cubin's names, the C parameter types, the PTX parameter
+//! sizes), so neither can drift.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DeviceRepr, LaunchArgs, LaunchConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 use tessera_core::{Error, Result};
 
@@ -52,38 +55,43 @@ impl DevPtr {
 // SAFETY: `DevPtr` is `repr(transparent)` over `u64`, the 8 bytes of a device pointer parameter.
 unsafe impl DeviceRepr for DevPtr {}
 
-/// The Rust type that passes a kernel parameter of C type `PARAM`.
-pub trait CType: DeviceRepr {
-    const PARAM: Param;
-}
-
-impl CType for DevPtr {
-    const PARAM: Param = Param::Ptr;
-}
-impl CType for i64 {
-    const PARAM: Param = Param::I64;
-}
-impl CType for i32 {
-    const PARAM: Param = Param::I32;
-}
-impl CType for f32 {
-    const PARAM: Param = Param::F32;
-}
-
-/// The argument list of one kernel signature.
+/// One or more consecutive kernel parameters: a scalar (`DevPtr` for a pointer, `i64` for
+/// `long`, `i32` for `int`, `f32` for `float`), or a [`kernel_args!`] struct of them.
 ///
 /// # Safety
 ///
-/// `push` pushes exactly one value per entry of `PARAMS`, in order, each of a [`CType`] whose
-/// `PARAM` is that entry. [`kernel_args!`] generates both from one field list.
+/// `push` pushes exactly the parameters `params` lists, in order, each as a value of that C
+/// type's size and representation. [`kernel_args!`] generates both from one field list.
 pub unsafe trait KernelArgs {
-    /// The C parameter list, checked against the kernel's PTX in CI.
-    const PARAMS: &'static [Param];
+    /// Append the C parameter types, in order (checked in CI against the kernel's C types and PTX).
+    fn params(out: &mut Vec<Param>);
     fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>);
 }
 
-/// A kernel's argument struct: fields in the order of its C parameters, each of the [`CType`]
-/// of its parameter (`DevPtr` for pointers, `i64` for `long`, `i32` for `int`, `f32`).
+macro_rules! scalar_args {
+    ($($ty:ty => $param:ident),*) => {$(
+        // SAFETY: one value of the parameter's own C type.
+        unsafe impl KernelArgs for $ty {
+            fn params(out: &mut Vec<Param>) {
+                out.push(Param::$param);
+            }
+            fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
+                launch.arg(self);
+            }
+        }
+    )*};
+}
+scalar_args!(DevPtr => Ptr, i64 => I64, i32 => I32, f32 => F32);
+
+/// The C parameter list of `A`.
+pub fn params_of<A: KernelArgs>() -> Vec<Param> {
+    let mut params = Vec::new();
+    A::params(&mut params);
+    params
+}
+
+/// A kernel's argument struct: fields in the order of its C parameters, each a scalar of its
+/// parameter's type or a struct of several (operands that several kernels take first).
 macro_rules! kernel_args {
     ($(#[$doc:meta])* $vis:vis struct $name:ident { $($field:ident: $ty:ty),* $(,)? }) => {
         $(#[$doc])*
@@ -91,13 +99,14 @@ macro_rules! kernel_args {
             $(pub $field: $ty,)*
         }
 
-        // SAFETY: `PARAMS` and `push` follow the same field list, in order, each field a `CType`.
+        // SAFETY: `params` and `push` follow the same field list, in order, each field
+        // `KernelArgs` itself.
         unsafe impl $crate::cuda::launch::KernelArgs for $name {
-            const PARAMS: &'static [$crate::cuda::launch::Param] =
-                &[$(<$ty as $crate::cuda::launch::CType>::PARAM),*];
+            fn params(out: &mut Vec<$crate::cuda::launch::Param>) {
+                $(<$ty as $crate::cuda::launch::KernelArgs>::params(out);)*
+            }
             fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
-                use cudarc::driver::PushKernelArg;
-                $(launch.arg(&self.$field);)*
+                $($crate::cuda::launch::KernelArgs::push(&self.$field, launch);)*
             }
         }
     };
@@ -280,7 +289,7 @@ pub fn load_field<V: Variants>(spec: V::Spec, module: &Arc<CudaModule>, source: 
 #[derive(Clone, Debug)]
 pub struct Signature {
     pub name: String,
-    pub params: &'static [Param],
+    pub params: Vec<Param>,
 }
 
 /// The kernels of one source file, declared with [`kernel_table!`].
@@ -311,11 +320,11 @@ macro_rules! kernel_table {
             const SOURCE: &'static str = $source;
 
             fn signatures() -> Vec<$crate::cuda::launch::Signature> {
-                use $crate::cuda::launch::{KernelArgs, Signature, Variants};
+                use $crate::cuda::launch::{Signature, Variants, params_of};
                 let mut all = Vec::new();
                 $(all.extend(<$ty as Variants>::names($spec).into_iter().map(|name| Signature {
                     name,
-                    params: <<$ty as Variants>::Args as KernelArgs>::PARAMS,
+                    params: params_of::<<$ty as Variants>::Args>(),
                 }));)*
                 all
             }
@@ -396,28 +405,32 @@ pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
 }
 
 impl CudaBackend {
-    /// Launch `kernel` with `args` on the backend's stream; a grid without blocks launches nothing.
+    /// Launch `kernel` with `args` on the backend's stream, timed under the profiler's class
+    /// `class`; a grid without blocks launches nothing.
     pub(super) fn launch<A: KernelArgs>(
         &self,
+        class: &'static str,
         kernel: &Kernel<A>,
         config: LaunchConfig,
         args: &A,
     ) -> Result<()> {
-        if config.grid_dim.0 == 0 || config.grid_dim.1 == 0 {
-            return Ok(());
-        }
-        if let Some(p) = &self.profiler {
-            p.launched(kernel.name())?;
-        }
-        let mut b = self.stream.launch_builder(kernel.func());
-        args.push(&mut b);
-        // SAFETY: a `Kernel<A>` is resolved only under a name of a table field declared with
-        // `A`, and CI checks `A::PARAMS` against that kernel's PTX parameter list, so `push`
-        // passes each parameter as its own C type and size; `args` outlives the call; every
-        // pointer addresses a live buffer whose extent the op checked against the launch's
-        // index range.
-        unsafe { b.launch(config) }.map_err(drv(kernel.name()))?;
-        Ok(())
+        self.timed(class, || {
+            if config.grid_dim.0 == 0 || config.grid_dim.1 == 0 {
+                return Ok(());
+            }
+            if let Some(p) = &self.profiler {
+                p.launched(kernel.name())?;
+            }
+            let mut b = self.stream.launch_builder(kernel.func());
+            args.push(&mut b);
+            // SAFETY: a `Kernel<A>` is resolved only under a name of a table field declared
+            // with `A`, and CI checks `A`'s parameter list against that kernel's C parameter
+            // types and PTX parameters, so `push` passes each parameter as its own C type and
+            // size; `args` outlives the call; every pointer addresses a live buffer whose extent
+            // the op checked against the launch's index range.
+            unsafe { b.launch(config) }.map_err(drv(kernel.name()))?;
+            Ok(())
+        })
     }
 
     /// Run `op` under the profiler's class `class` when profiling.
@@ -438,9 +451,11 @@ pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
     }
 }
 
-/// Threads per block of the block-per-row kernels.
-pub fn row_block(cols: usize) -> u32 {
-    if cols <= 1024 { 128 } else { 256 }
+/// Launch shape of the block-per-row kernels: a block of 128 threads per row of up to 1,024
+/// columns, else of 256.
+pub fn row_blocks(rows: usize, cols: usize, smem: u32) -> LaunchConfig {
+    let block = if cols <= 1024 { 128 } else { 256 };
+    cfg((rows as u32, 1), block, smem)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! addresses of views that every launch passes.
 
 use cudarc::driver::sys::CUresult;
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use tessera_core::dtype::to_bf16_bits;
 use tessera_core::{DType, Error, Result, Weights};
 
@@ -45,6 +45,15 @@ pub struct CudaBuf {
 }
 
 impl CudaBuf {
+    fn new(mem: CudaSlice<u8>, stream: &CudaStream, len: usize, elem: Elem) -> Self {
+        let ptr = DevPtr(mem.device_ptr(stream).0);
+        CudaBuf {
+            mem,
+            ptr,
+            len,
+            elem,
+        }
+    }
     pub fn elem(&self) -> Elem {
         self.elem
     }
@@ -148,13 +157,7 @@ impl CudaBackend {
                 Error::backend("alloc", e)
             }
         })?;
-        let ptr = DevPtr(mem.device_ptr(&self.stream).0);
-        Ok(CudaBuf {
-            mem,
-            ptr,
-            len,
-            elem,
-        })
+        Ok(CudaBuf::new(mem, &self.stream, len, elem))
     }
 
     fn upload_bytes(&self, bytes: &[u8], elem: Elem, len: usize) -> Result<CudaBuf> {
@@ -165,13 +168,7 @@ impl CudaBackend {
         self.stream
             .memcpy_htod(bytes, &mut mem)
             .map_err(drv("upload"))?;
-        let ptr = DevPtr(mem.device_ptr(&self.stream).0);
-        Ok(CudaBuf {
-            mem,
-            ptr,
-            len,
-            elem,
-        })
+        Ok(CudaBuf::new(mem, &self.stream, len, elem))
     }
 
     pub(super) fn upload_f32_as(&self, values: &[f32], elem: Elem) -> Result<CudaBuf> {

@@ -4,40 +4,46 @@
 use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};
 
-use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_block};
+use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
 use super::memory::{ptr_of, ptr_of_mut, same_shape};
 use super::{CudaBackend, CudaBuf, Elem, not_yet};
 use crate::{After, QkvLayout, RopeStyle, RopeTable, View, ViewMut};
 
 kernel_args! {
-    /// `rms_norm_{x}_{out}`: one block per row.
-    pub(super) struct RmsNormArgs {
-        x: DevPtr, xs: i64, w: DevPtr, out: DevPtr, os: i64, cols: i32, eps: f32,
+    /// What both RMSNorm kernels take first: input rows, weight (null = none), output rows.
+    pub(super) struct RmsNormRows {
+        x: DevPtr, xs: i64, w: DevPtr, out: DevPtr, os: i64,
     }
+}
+
+kernel_args! {
+    /// `rms_norm_{x}_{out}`: one block per row.
+    pub(super) struct RmsNormArgs { io: RmsNormRows, cols: i32, eps: f32 }
 }
 
 kernel_args! {
     /// `rms_norm_warp_{x}_{out}`: a warp per row.
-    pub(super) struct RmsNormWarpArgs {
-        x: DevPtr, xs: i64, w: DevPtr, out: DevPtr, os: i64, rows: i64, cols: i32, eps: f32,
+    pub(super) struct RmsNormWarpArgs { io: RmsNormRows, rows: i64, cols: i32, eps: f32 }
+}
+
+kernel_args! {
+    /// What both residual kernels take first: `h = (h + N_post(y)) · scale` (`N_post` the
+    /// RMSNorm by `post`, none when null), then by `mode` 0 nothing more, 1 `out = N_next(h)`,
+    /// 2 `out = h`.
+    pub(super) struct ResidualRows {
+        h: DevPtr, hs: i64, y: DevPtr, ys: i64, post: DevPtr, scale: f32, mode: i32,
+        next: DevPtr, out: DevPtr, os: i64,
     }
 }
 
 kernel_args! {
-    /// `residual_norm_{y}_{out}`: one block per row; `mode` 0 = add only, 1 = add then norm by
-    /// `next` into `out`, 2 = add then copy into `out`.
-    pub(super) struct ResidualNormArgs {
-        h: DevPtr, hs: i64, y: DevPtr, ys: i64, post: DevPtr, scale: f32, mode: i32,
-        next: DevPtr, out: DevPtr, os: i64, cols: i32, eps: f32,
-    }
+    /// `residual_norm_{y}_{out}`: one block per row.
+    pub(super) struct ResidualNormArgs { io: ResidualRows, cols: i32, eps: f32 }
 }
 
 kernel_args! {
     /// `residual_norm_warp_{y}_{out}`: a warp per row.
-    pub(super) struct ResidualNormWarpArgs {
-        h: DevPtr, hs: i64, y: DevPtr, ys: i64, post: DevPtr, scale: f32, mode: i32,
-        next: DevPtr, out: DevPtr, os: i64, rows: i64, cols: i32, eps: f32,
-    }
+    pub(super) struct ResidualNormWarpArgs { io: ResidualRows, rows: i64, cols: i32, eps: f32 }
 }
 
 kernel_args! {
@@ -103,35 +109,32 @@ pub(super) fn rms_norm(
     let (xp, op) = (ptr_of(&x)?, ptr_of_mut(&out)?);
     let (xe, oe) = (x.buf.elem, out.buf.elem);
     let w = w.map_or(DevPtr::NULL, |w| w.ptr);
-    let (xs, os, cols) = (x.stride as i64, out.stride as i64, x.cols as i32);
     let rows = [(xp, x.stride, xe.size()), (op, out.stride, oe.size())];
-    let k = &be.kernels.norm;
+    let io = RmsNormRows {
+        x: xp,
+        xs: x.stride as i64,
+        w,
+        out: op,
+        os: out.stride as i64,
+    };
+    let (cols, k) = (x.cols as i32, &be.kernels.norm);
     if warp_norm_fits(x.cols, &rows, &[w]) {
         let args = RmsNormWarpArgs {
-            x: xp,
-            xs,
-            w,
-            out: op,
-            os,
+            io,
             rows: x.rows as i64,
             cols,
             eps,
         };
-        be.timed("norm", || {
-            be.launch(k.rms_norm_warp.get(xe, oe)?, warp_rows_cfg(x.rows), &args)
-        })
+        be.launch(
+            "norm",
+            k.rms_norm_warp.get(xe, oe)?,
+            warp_rows_cfg(x.rows),
+            &args,
+        )
     } else {
-        let args = RmsNormArgs {
-            x: xp,
-            xs,
-            w,
-            out: op,
-            os,
-            cols,
-            eps,
-        };
-        let launch = cfg((x.rows as u32, 1), row_block(x.cols), 0);
-        be.timed("norm", || be.launch(k.rms_norm.get(xe, oe)?, launch, &args))
+        let args = RmsNormArgs { io, cols, eps };
+        let launch = row_blocks(x.rows, x.cols, 0);
+        be.launch("norm", k.rms_norm.get(xe, oe)?, launch, &args)
     }
 }
 
@@ -179,56 +182,36 @@ pub(super) fn residual_norm(
     if let Some(o) = out {
         rows.push((optr, o.stride, o.buf.elem.size()));
     }
-    let (hs, ys, os, cols) = (
-        h.stride as i64,
-        y.stride as i64,
-        ostride as i64,
-        h.cols as i32,
-    );
-    let k = &be.kernels.norm;
+    let io = ResidualRows {
+        h: hp,
+        hs: h.stride as i64,
+        y: yp,
+        ys: y.stride as i64,
+        post,
+        scale,
+        mode,
+        next,
+        out: optr,
+        os: ostride as i64,
+    };
+    let (cols, k) = (h.cols as i32, &be.kernels.norm);
     if warp_norm_fits(h.cols, &rows, &[post, next]) {
         let args = ResidualNormWarpArgs {
-            h: hp,
-            hs,
-            y: yp,
-            ys,
-            post,
-            scale,
-            mode,
-            next,
-            out: optr,
-            os,
+            io,
             rows: h.rows as i64,
             cols,
             eps,
         };
-        be.timed("norm", || {
-            be.launch(
-                k.residual_norm_warp.get(ye, oe)?,
-                warp_rows_cfg(h.rows),
-                &args,
-            )
-        })
+        be.launch(
+            "norm",
+            k.residual_norm_warp.get(ye, oe)?,
+            warp_rows_cfg(h.rows),
+            &args,
+        )
     } else {
-        let args = ResidualNormArgs {
-            h: hp,
-            hs,
-            y: yp,
-            ys,
-            post,
-            scale,
-            mode,
-            next,
-            out: optr,
-            os,
-            cols,
-            eps,
-        };
-        let smem = (h.cols * 4) as u32;
-        let launch = cfg((h.rows as u32, 1), row_block(h.cols), smem);
-        be.timed("norm", || {
-            be.launch(k.residual_norm.get(ye, oe)?, launch, &args)
-        })
+        let args = ResidualNormArgs { io, cols, eps };
+        let launch = row_blocks(h.rows, h.cols, (h.cols * 4) as u32);
+        be.launch("norm", k.residual_norm.get(ye, oe)?, launch, &args)
     }
 }
 
@@ -316,7 +299,10 @@ pub(super) fn qkv_norm_rope(
         tbl_half: thalf as i32,
         pos,
     };
-    be.timed("norm", || {
-        be.launch(kernel.get(e)?, cfg((warps.div_ceil(8), 1), 256, 0), &args)
-    })
+    be.launch(
+        "norm",
+        kernel.get(e)?,
+        cfg((warps.div_ceil(8), 1), 256, 0),
+        &args,
+    )
 }

@@ -3,7 +3,7 @@
 
 use tessera_core::{Error, Result};
 
-use super::launch::{ByPair, DevPtr, cfg, kernel_args, kernel_table, row_block};
+use super::launch::{ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
 use super::memory::{ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, CudaTable, Elem};
 use crate::{Grids, View, ViewMut};
@@ -71,14 +71,15 @@ pub(super) fn add_positions_2d(
         x: ptr_of_mut(&x)?,
         xs: x.stride as i64,
     };
-    let kernel = &be.kernels.rows.add_positions_2d;
-    be.timed("elementwise", || {
-        be.launch(
-            kernel.get(table.buf.elem, x.buf.elem)?,
-            cfg((x.rows as u32, 1), row_block(x.cols), 0),
-            &args,
-        )
-    })
+    be.launch(
+        "elementwise",
+        be.kernels
+            .rows
+            .add_positions_2d
+            .get(table.buf.elem, x.buf.elem)?,
+        row_blocks(x.rows, x.cols, 0),
+        &args,
+    )
 }
 
 pub(super) fn avg_pool2d(
@@ -101,14 +102,12 @@ pub(super) fn avg_pool2d(
         cols: x.cols as i32,
     };
     let grid = (out.rows as u32, x.cols.div_ceil(128) as u32);
-    let kernel = &be.kernels.rows.avg_pool2d;
-    be.timed("pool", || {
-        be.launch(
-            kernel.get(x.buf.elem, out.buf.elem)?,
-            cfg(grid, 128, 0),
-            &args,
-        )
-    })
+    be.launch(
+        "pool",
+        be.kernels.rows.avg_pool2d.get(x.buf.elem, out.buf.elem)?,
+        cfg(grid, 128, 0),
+        &args,
+    )
 }
 
 pub(super) fn scatter_rows(
@@ -136,12 +135,13 @@ pub(super) fn scatter_rows(
         ds: dst.stride as i64,
         cols: src.cols as i32,
     };
-    let kernel = &be.kernels.rows.scatter_rows;
-    be.timed("elementwise", || {
-        be.launch(
-            kernel.get(src.buf.elem, dst.buf.elem)?,
-            cfg((src.rows as u32, 1), row_block(src.cols), 0),
-            &args,
-        )
-    })
+    be.launch(
+        "elementwise",
+        be.kernels
+            .rows
+            .scatter_rows
+            .get(src.buf.elem, dst.buf.elem)?,
+        row_blocks(src.rows, src.cols, 0),
+        &args,
+    )
 }
