@@ -8,7 +8,7 @@
 #![cfg(feature = "cuda")]
 
 use tessera_backend::cpu::CpuBackend;
-use tessera_backend::cuda::{self, CudaBackend, FlashChoice, FlashKernel, kernels};
+use tessera_backend::cuda::{self, CudaBackend, FlashChoice, FlashKernel, attention};
 use tessera_backend::{
     Activation, After, AttnSpec, Backend, Epilogue, Precision, QkvLayout, Role, RopeStyle,
     RopeTable, Segments, View, ViewMut,
@@ -449,7 +449,7 @@ fn attention_matches_cpu() {
                 // wgmma one where it applies), whole and with the split-key path, including
                 // chunks that are empty for some tiles.
                 let mut kernels = vec![FlashKernel::Mma];
-                if kernels::wgmma_applies(g.arch(), *hd) {
+                if attention::wgmma_applies(g.arch(), *hd) {
                     kernels.push(FlashKernel::Wgmma);
                 }
                 for kernel in kernels {

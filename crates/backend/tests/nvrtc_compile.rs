@@ -1,19 +1,35 @@
-//! Every CUDA kernel compiles with NVRTC for Hopper (sm_90a) — no GPU needed.
+//! Every CUDA kernel compiles with NVRTC for Hopper (sm_90a), and every kernel table agrees with
+//! its source — no GPU needed.
 //!
 //! Needs libnvrtc (CUDA 13): `tools/test` installs the `nvidia-cuda-nvrtc` wheel and puts it on
-//! `LD_LIBRARY_PATH`. Without it this test fails, naming what is missing: a kernel that does not
-//! compile must never pass CI unnoticed.
+//! `LD_LIBRARY_PATH`. Without it these tests fail, naming what is missing: a kernel that does not
+//! compile, or a launch whose arguments do not match its kernel, must never pass CI unnoticed.
 #![cfg(feature = "cuda")]
 
-use tessera_backend::cuda::{kernels, nvrtc};
+use std::collections::BTreeMap;
 
-#[test]
-fn every_kernel_compiles_for_sm90a_without_spills() {
+use tessera_backend::cuda::{self, Param, Signature, nvrtc};
+
+fn require_nvrtc() {
     if let Err(e) = nvrtc::check_library() {
         panic!("{e}\n(run ./tools/test, which installs the nvidia-cuda-nvrtc wheel for this test)");
     }
     let (major, minor) = nvrtc::version().unwrap();
     eprintln!("NVRTC {major}.{minor}");
+}
+
+/// The kernel table of `source`, as the backend declares it.
+fn table(source: &str) -> Vec<Signature> {
+    cuda::kernel_tables()
+        .into_iter()
+        .find(|(s, _)| *s == source)
+        .unwrap_or_else(|| panic!("{source} has no kernel table"))
+        .1
+}
+
+#[test]
+fn every_kernel_compiles_for_sm90a_without_spills() {
+    require_nvrtc();
     for src in nvrtc::SOURCES {
         let out = nvrtc::compile(src, "sm_90a", true).unwrap_or_else(|e| panic!("{e}"));
         assert!(
@@ -21,7 +37,7 @@ fn every_kernel_compiles_for_sm90a_without_spills() {
             "{}: not an ELF cubin",
             src.name
         );
-        for name in kernels::names(src.name) {
+        for Signature { name, .. } in table(src.name) {
             let needle = name.as_bytes();
             assert!(
                 out.cubin.windows(needle.len()).any(|w| w == needle),
@@ -48,4 +64,141 @@ fn every_kernel_compiles_for_sm90a_without_spills() {
             }
         }
     }
+}
+
+/// A kernel parameter as the launch ABI sees it: its size, and whether it is a float.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Abi {
+    /// A pointer or `long`: 8 bytes.
+    Int8,
+    /// `int`: 4 bytes.
+    Int4,
+    F32,
+}
+
+fn abi(p: Param) -> Abi {
+    match p {
+        Param::Ptr | Param::I64 => Abi::Int8,
+        Param::I32 => Abi::Int4,
+        Param::F32 => Abi::F32,
+    }
+}
+
+/// Every `.entry NAME(.param .TYPE …, …)` of `ptx`, its parameters as their ABI class.
+fn entries(ptx: &str) -> BTreeMap<String, Vec<Abi>> {
+    let mut out = BTreeMap::new();
+    for chunk in ptx.split(".entry ").skip(1) {
+        let (name, rest) = chunk
+            .split_once('(')
+            .unwrap_or_else(|| panic!("no parameter list after .entry in {chunk:.80}"));
+        let list = &rest[..rest.find(')').expect("unclosed parameter list")];
+        let params = list
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                let ty = p
+                    .split_whitespace()
+                    .find(|t| *t != ".param" && !t.starts_with(".ptr") && !t.starts_with(".align"))
+                    .unwrap_or_else(|| panic!("{name}: parameter {p:?}"));
+                match ty {
+                    ".u64" | ".s64" | ".b64" => Abi::Int8,
+                    ".u32" | ".s32" | ".b32" => Abi::Int4,
+                    ".f32" => Abi::F32,
+                    _ => panic!("{name}: parameter type {ty} in {p:?}"),
+                }
+            })
+            .collect();
+        out.insert(name.trim().to_string(), params);
+    }
+    out
+}
+
+/// C++ appended to a source for the check below: the compiler classifies each kernel's C
+/// parameters (pointer 0, `long` 1, `int` 2, `float` 3) and compares them with the table's.
+const CLASSIFY: &str = r#"
+template <typename T> struct TesseraAbi { static constexpr int v = -1; };
+template <typename T> struct TesseraAbi<T*> { static constexpr int v = 0; };
+template <> struct TesseraAbi<long> { static constexpr int v = 1; };
+template <> struct TesseraAbi<int> { static constexpr int v = 2; };
+template <> struct TesseraAbi<float> { static constexpr int v = 3; };
+template <int... V> struct TesseraParams {};
+template <typename F> struct TesseraSig;
+template <typename... A> struct TesseraSig<void(A...)> { using type = TesseraParams<TesseraAbi<A>::v...>; };
+template <typename A, typename B> struct TesseraSame { static constexpr bool v = false; };
+template <typename A> struct TesseraSame<A, A> { static constexpr bool v = true; };
+"#;
+
+fn c_class(p: Param) -> u8 {
+    match p {
+        Param::Ptr => 0,
+        Param::I64 => 1,
+        Param::I32 => 2,
+        Param::F32 => 3,
+    }
+}
+
+/// `src` with a `static_assert` per kernel of its table that the kernel's C parameter types are
+/// the table's, each naming its kernel when it fails.
+fn with_signature_asserts(src: &nvrtc::Source, kernels: &[Signature]) -> nvrtc::Source {
+    let mut text = format!("{}\n{CLASSIFY}", src.text);
+    for k in kernels {
+        let classes: Vec<String> = k.params.iter().map(|&p| c_class(p).to_string()).collect();
+        text.push_str(&format!(
+            "static_assert(TesseraSame<TesseraSig<decltype({0})>::type, TesseraParams<{1}>>::v, \
+             \"{0}: its C parameters differ from its Rust argument struct {2:?}\");\n",
+            k.name,
+            classes.join(", "),
+            k.params
+        ));
+    }
+    nvrtc::Source {
+        name: src.name,
+        text: Box::leak(text.into_boxed_str()),
+        headers: src.headers,
+        sm90a_only: src.sm90a_only,
+    }
+}
+
+/// The ABI check that typed launches rest on, for every kernel of every table: the compiler
+/// finds the kernel's C parameter types equal to its Rust argument struct's (pointer, `long`,
+/// `int`, `float`, in order), and the PTX NVRTC makes of the source declares exactly those
+/// parameters (count; 8-byte integer, 4-byte integer or float each); and every kernel of a source
+/// is in its table.
+#[test]
+fn every_kernel_takes_its_args_struct() {
+    require_nvrtc();
+    let mut checked = 0;
+    for (source, kernels) in cuda::kernel_tables() {
+        let src = nvrtc::SOURCES
+            .iter()
+            .find(|s| s.name == source)
+            .unwrap_or_else(|| panic!("no source {source}"));
+        let ptx = nvrtc::compile_ptx(&with_signature_asserts(src, &kernels), "compute_90a")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let found = entries(&ptx);
+        for k in &kernels {
+            let params = found
+                .get(&k.name)
+                .unwrap_or_else(|| panic!("{source}: kernel {} is not in the PTX", k.name));
+            let declared: Vec<Abi> = k.params.iter().map(|&p| abi(p)).collect();
+            assert_eq!(
+                &declared, params,
+                "{source}: {}: the Rust argument struct {:?} does not match the kernel's PTX parameters",
+                k.name, k.params
+            );
+        }
+        for name in found.keys() {
+            assert!(
+                kernels.iter().any(|k| &k.name == name),
+                "{source}: kernel {name} is in no kernel table"
+            );
+        }
+        eprintln!(
+            "{source}: {} kernels; C parameter types and PTX parameters match their argument structs",
+            kernels.len()
+        );
+        checked += kernels.len();
+    }
+    eprintln!("{checked} kernels checked");
 }

@@ -429,7 +429,7 @@ fn attention(b: AttentionBench) -> Result<()> {
         let flops = 4.0 * (s.heads_q * s.head_dim) as f64 * pairs;
         // The op's own choices, then each kernel the GPU has with each fixed chunk count.
         let mut kernels = vec![FlashKernel::Mma];
-        if cuda::kernels::wgmma_applies(be.arch(), s.head_dim) {
+        if cuda::attention::wgmma_applies(be.arch(), s.head_dim) {
             kernels.push(FlashKernel::Wgmma);
         }
         let fixed = kernels.iter().flat_map(|&k| {

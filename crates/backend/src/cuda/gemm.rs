@@ -1,4 +1,5 @@
-//! Dense GEMMs through cuBLASLt: bf16 (or f32) operands, f32 accumulation, bf16 or f32 output.
+//! Dense GEMMs through cuBLASLt, and the `matmul` op on them: bf16 (or f32) operands, f32
+//! accumulation, bf16 or f32 output.
 //!
 //! Row-major `out[m, n] = α · x[m, k] · w[n, k]ᵀ` is computed as the column-major product
 //! `outᵀ = op(W) · xᵀ` with `op = transpose` on the weight, so no operand is ever copied. Each
@@ -21,7 +22,9 @@ use cudarc::cublaslt::sys as lt;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use tessera_core::{Error, Result};
 
-use super::Elem;
+use super::memory::{ptr_of, ptr_of_mut};
+use super::{CudaBackend, CudaMat, Elem};
+use crate::{Epilogue, View, ViewMut};
 
 /// cuBLASLt scratch space; 32 MiB lets the heuristic pick split-K and stream-K kernels.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -112,7 +115,7 @@ fn layout(e: Elem, rows: u64, cols: u64, ld: i64) -> Result<lt::cublasLtMatrixLa
 }
 
 /// Operands of one product (device pointers are byte addresses of the first element).
-pub(super) struct GemmArgs {
+struct GemmArgs {
     pub m: usize,
     pub n: usize,
     pub k: usize,
@@ -320,7 +323,7 @@ impl Gemm {
     }
 
     /// Enqueue `out = α · x · wᵀ` on `stream`.
-    pub fn run(&self, stream: &CudaStream, a: &GemmArgs) -> Result<()> {
+    fn run(&self, stream: &CudaStream, a: &GemmArgs) -> Result<()> {
         let key = PlanKey {
             m: a.m as u64,
             n: a.n as u64,
@@ -354,4 +357,46 @@ impl Drop for Gemm {
         // SAFETY: the handle was created in `new` and is destroyed once, after its plans.
         unsafe { lt::cublasLtDestroy(self.handle) };
     }
+}
+
+/// The `matmul` op: `out = α · x · wᵀ` (α from the epilogue).
+pub(super) fn matmul(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    w: &CudaMat,
+    out: ViewMut<'_, CudaBackend>,
+    ep: Epilogue,
+) -> Result<()> {
+    if x.cols != w.inner || out.rows != x.rows || out.cols != w.out {
+        return Err(Error::backend(
+            "matmul",
+            format!(
+                "x {}×{} · wᵀ ({}×{}) → out {}×{}",
+                x.rows, x.cols, w.out, w.inner, out.rows, out.cols
+            ),
+        ));
+    }
+    if x.buf.elem != w.buf.elem {
+        return Err(Error::backend(
+            "matmul",
+            format!("x is {:?} but the weight is {:?}", x.buf.elem, w.buf.elem),
+        ));
+    }
+    if x.rows == 0 || w.out == 0 {
+        return Ok(());
+    }
+    let args = GemmArgs {
+        m: x.rows,
+        n: w.out,
+        k: w.inner,
+        x: ptr_of(&x)?.0,
+        x_stride: x.stride,
+        w: w.buf.ptr.0,
+        ab: w.buf.elem,
+        out: ptr_of_mut(&out)?.0,
+        out_stride: out.stride,
+        out_elem: out.buf.elem,
+        alpha: ep.alpha,
+    };
+    be.timed("gemm", || be.gemm.run(&be.stream, &args))
 }

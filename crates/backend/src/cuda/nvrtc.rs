@@ -46,8 +46,8 @@ pub const SOURCES: &[Source] = &[
         sm90a_only: false,
     },
     Source {
-        name: "vision.cu",
-        text: include_str!("kernels/vision.cu"),
+        name: "rows.cu",
+        text: include_str!("kernels/rows.cu"),
         headers: &[],
         sm90a_only: false,
     },
@@ -120,6 +120,31 @@ fn options(arch: &str, verbose: bool) -> Vec<String> {
 
 /// Compile one source to a cubin for `arch` (e.g. `sm_90a`).
 pub fn compile(src: &Source, arch: &str, verbose: bool) -> Result<Compiled> {
+    let (cubin, log) = build(src, arch, verbose, Output::Cubin)?;
+    Ok(Compiled { cubin, log })
+}
+
+/// Compile one source to PTX for the virtual `arch` (e.g. `compute_90a`): the text whose
+/// `.entry` parameter lists CI checks the kernel tables' argument structs against.
+pub fn compile_ptx(src: &Source, arch: &str) -> Result<String> {
+    let (ptx, _) = build(src, arch, false, Output::Ptx)?;
+    let text = CStr::from_bytes_until_nul(&ptx)
+        .map_err(|e| Error::backend(format!("nvrtc {}", src.name), e))?;
+    Ok(text.to_string_lossy().into_owned())
+}
+
+/// What [`build`] fetches from a compiled program.
+#[derive(Clone, Copy)]
+enum Output {
+    Cubin,
+    Ptx,
+}
+
+type SizeFn = unsafe fn(sys::nvrtcProgram, *mut usize) -> sys::nvrtcResult;
+type GetFn = unsafe fn(sys::nvrtcProgram, *mut std::ffi::c_char) -> sys::nvrtcResult;
+
+/// Compile `src` for `arch` and return `output` (PTX with its terminating NUL) and the log.
+fn build(src: &Source, arch: &str, verbose: bool, output: Output) -> Result<(Vec<u8>, String)> {
     check_library()?;
     let code = CString::new(unit(src)).map_err(|e| Error::backend("nvrtc", e))?;
     let name = CString::new(src.name).map_err(|e| Error::backend("nvrtc", e))?;
@@ -133,6 +158,20 @@ pub fn compile(src: &Source, arch: &str, verbose: bool) -> Result<Compiled> {
             format!("nvrtc {}", src.name),
             format!("{what} failed: {r:?}"),
         )
+    };
+    let (size_name, size_fn, get_name, get_fn): (&str, SizeFn, &str, GetFn) = match output {
+        Output::Cubin => (
+            "nvrtcGetCUBINSize",
+            sys::nvrtcGetCUBINSize,
+            "nvrtcGetCUBIN",
+            sys::nvrtcGetCUBIN,
+        ),
+        Output::Ptx => (
+            "nvrtcGetPTXSize",
+            sys::nvrtcGetPTXSize,
+            "nvrtcGetPTX",
+            sys::nvrtcGetPTX,
+        ),
     };
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: `code` and `name` are NUL-terminated and outlive the call; no headers are passed.
@@ -161,17 +200,17 @@ pub fn compile(src: &Source, arch: &str, verbose: bool) -> Result<Compiled> {
     } else {
         let mut size = 0usize;
         // SAFETY: `prog` compiled successfully; out-parameter only.
-        let r = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
+        let r = unsafe { size_fn(prog, &mut size) };
         if r != sys::nvrtcResult::NVRTC_SUCCESS {
-            Err(fail("nvrtcGetCUBINSize", r))
+            Err(fail(size_name, r))
         } else {
-            let mut cubin = vec![0u8; size];
-            // SAFETY: `cubin` has exactly the size NVRTC reported.
-            let r = unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) };
+            let mut bytes = vec![0u8; size];
+            // SAFETY: `bytes` has exactly the size NVRTC reported for this output.
+            let r = unsafe { get_fn(prog, bytes.as_mut_ptr().cast()) };
             if r != sys::nvrtcResult::NVRTC_SUCCESS {
-                Err(fail("nvrtcGetCUBIN", r))
+                Err(fail(get_name, r))
             } else {
-                Ok(Compiled { cubin, log })
+                Ok((bytes, log))
             }
         }
     };

@@ -23,7 +23,7 @@
 
 // WM warps along query rows (BM = 16·WM rows per CTA; a 64-row tile takes 64/BM CTAs along z),
 // WD warps along the head dimension, BN keys per block, MIN_CTAS resident per multiprocessor.
-// Mirrored by `flash_config` in kernels.rs.
+// Mirrored by `flash_config` in attention/flash.rs.
 // Heads up to 64 wide: ≤ 128 registers, so four CTAs share a multiprocessor (three at the 135
 // registers the compiler picks unbounded, which left one 2,394-patch image's 456 CTAs a second
 // wave of 60).

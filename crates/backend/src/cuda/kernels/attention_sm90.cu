@@ -94,7 +94,7 @@ __device__ __forceinline__ void load_sw128(u32 tile, const bf16* base, long stri
 }
 
 
-// Per head width, mirrored by `wgmma_config` in kernels.rs: WGS warpgroups per CTA, BN keys per
+// Per head width, mirrored by `wgmma_config` in attention/flash.rs: WGS warpgroups per CTA, BN keys per
 // block, MIN_CTAS resident per multiprocessor. 64-wide heads leave room for four CTAs per
 // multiprocessor, 256-wide ones (128 accumulators per thread, 97 KB of shared memory) for two, so
 // one CTA's softmax overlaps another's wgmma. A 512-wide head's 256 accumulators per thread do not

@@ -1,0 +1,378 @@
+//! Attention over packed segments (kernels/attention.cu, kernels/attention_sm90.cu): the exact
+//! f32 row kernel, and for bf16 the tensor-core flash kernels — `flash_wgmma_d{D}` on Hopper
+//! where it exists, else `flash_bf16_d{D}` — with `flash_combine` after a split-key launch.
+//! Launch planning (shapes, key chunks, workspace) is in [`flash`].
+
+mod flash;
+
+use cudarc::driver::LaunchConfig;
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use tessera_core::{Error, Result};
+
+pub use flash::{
+    FLASH_HEAD_DIMS, FlashChoice, FlashConfig, FlashKernel, QUERY_TILE, WGMMA_BN, WGMMA_HEAD_DIMS,
+    flash_config, wgmma_applies, wgmma_config,
+};
+use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
+
+use super::device::drv;
+use super::launch::{ByDim, DevPtr, Kernel, cfg, kernel_args, kernel_table};
+use super::memory::{addr, ptr_of, ptr_of_mut};
+use super::{CudaBackend, Elem};
+use crate::{AttnSpec, Backend, Precision, Role, Segments, View, ViewMut, offsets_of};
+
+kernel_args! {
+    /// What every attention kernel takes first: q, k, v and the output, each as (address, row
+    /// stride).
+    pub(super) struct Operands {
+        q: DevPtr, qs: i64, k: DevPtr, ks: i64, v: DevPtr, vs: i64, o: DevPtr, os: i64,
+    }
+}
+
+kernel_args! {
+    /// `attn_rows_f32`: a warp per (query row, head).
+    pub(super) struct AttnRowsArgs {
+        ops: Operands, offsets: DevPtr, nseg: i32, rows: i32, hq: i32, group: i32, d: i32,
+        scale: f32, window: i32, causal: i32,
+    }
+}
+
+kernel_args! {
+    /// `flash_bf16_d{D}` and `flash_wgmma_d{D}`: a CTA per (query tile part, head, key chunk);
+    /// `part` is the split-key workspace (null when the launch is not split).
+    pub(super) struct FlashArgs {
+        ops: Operands, tiles: DevPtr, group: i32, scale_log2: f32, window: i32, causal: i32,
+        part: DevPtr, rows: i32, kv_splits: i32,
+    }
+}
+
+kernel_args! {
+    /// `flash_combine`: a warp per (row, head) weighs the key chunks into the bf16 output.
+    pub(super) struct FlashCombineArgs {
+        part: DevPtr, o: DevPtr, os: i64, rows: i32, heads: i32, d: i32, kv_splits: i32,
+    }
+}
+
+kernel_table! {
+    /// The kernels of attention.cu.
+    pub(super) struct AttentionKernels from "attention.cu" {
+        flash: ByDim<FlashArgs> = ("flash_bf16_d{}", &FLASH_HEAD_DIMS),
+        flash_combine: Kernel<FlashCombineArgs> = "flash_combine",
+        attn_rows: Kernel<AttnRowsArgs> = "attn_rows_f32",
+    }
+}
+
+kernel_table! {
+    /// The kernels of attention_sm90.cu (sm_90a alone).
+    pub(super) struct Sm90Kernels from "attention_sm90.cu" {
+        flash_wgmma: ByDim<FlashArgs> = ("flash_wgmma_d{}", &WGMMA_HEAD_DIMS),
+    }
+}
+
+/// Let each flash kernel use the dynamic shared memory its launch shape takes (more than the
+/// 48 KB a launch gets without asking).
+pub(super) fn reserve_shared_memory(
+    portable: &AttentionKernels,
+    hopper: Option<&Sm90Kernels>,
+) -> Result<()> {
+    let mma = portable
+        .flash
+        .iter()
+        .map(|(d, k)| (k, flash_config(d).smem));
+    let wgmma = hopper
+        .into_iter()
+        .flat_map(|t| t.flash_wgmma.iter())
+        .map(|(d, k)| (k, wgmma_config(d).smem));
+    for (kernel, smem) in mma.chain(wgmma) {
+        kernel
+            .func()
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| {
+                Error::backend(format!("{}: {smem} B of shared memory", kernel.name()), e)
+            })?;
+    }
+    Ok(())
+}
+
+/// An attention spec's window as the kernels take it: the radius, or -1 for none.
+fn window_arg(spec: &AttnSpec) -> i32 {
+    spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i32)
+}
+
+impl Operands {
+    fn of(
+        q: &View<'_, CudaBackend>,
+        k: &View<'_, CudaBackend>,
+        v: &View<'_, CudaBackend>,
+        out: &ViewMut<'_, CudaBackend>,
+    ) -> Result<Self> {
+        Ok(Operands {
+            q: ptr_of(q)?,
+            qs: q.stride as i64,
+            k: ptr_of(k)?,
+            ks: k.stride as i64,
+            v: ptr_of(v)?,
+            vs: v.stride as i64,
+            o: ptr_of_mut(out)?,
+            os: out.stride as i64,
+        })
+    }
+}
+
+/// The attention op: the flash kernels under [`Precision::Bf16`], else the exact f32 row kernel.
+pub(super) fn attention(
+    be: &CudaBackend,
+    q: View<'_, CudaBackend>,
+    k: View<'_, CudaBackend>,
+    v: View<'_, CudaBackend>,
+    out: ViewMut<'_, CudaBackend>,
+    spec: &AttnSpec,
+    segs: &Segments<CudaBackend>,
+) -> Result<()> {
+    if be.precision == Precision::Bf16 {
+        // The tensor-core kernel checks its own operands.
+        return flash(be, q, k, v, out, spec, segs, FlashChoice::default()).map(|_| ());
+    }
+    let hd = spec.head_dim;
+    let total = segs.total();
+    spec.check(&q, &k, &v, &out, total)?;
+    if [q.buf.elem, k.buf.elem, v.buf.elem, out.buf.elem]
+        .iter()
+        .any(|&e| e != Elem::F32)
+        || hd > 512
+    {
+        return Err(Error::backend(
+            "attention",
+            "f32 attention needs f32 operands and head_dim ≤ 512",
+        ));
+    }
+    let warps = (total * spec.heads_q) as u32;
+    let args = AttnRowsArgs {
+        ops: Operands::of(&q, &k, &v, &out)?,
+        offsets: segs.dev.ptr,
+        nseg: segs.count() as i32,
+        rows: total as i32,
+        hq: spec.heads_q as i32,
+        group: (spec.heads_q / spec.heads_kv) as i32,
+        d: hd as i32,
+        scale: spec.scale,
+        window: window_arg(spec),
+        causal: spec.causal as i32,
+    };
+    be.launch(
+        "attention",
+        &be.kernels.attention.attn_rows,
+        cfg((warps.div_ceil(4), 1), 128, 0),
+        &args,
+    )
+}
+
+/// bf16 attention on the tensor cores over the query tiles of `segs` — `flash_wgmma_d{D}` on
+/// Hopper where it exists, else `flash_bf16_d{D}` — with the keys split into chunks and
+/// `flash_combine` after it when that fills the GPU better. `force` fixes either choice
+/// (tests, benchmarks); returns the chunk count used.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn flash(
+    be: &CudaBackend,
+    q: View<'_, CudaBackend>,
+    k: View<'_, CudaBackend>,
+    v: View<'_, CudaBackend>,
+    out: ViewMut<'_, CudaBackend>,
+    spec: &AttnSpec,
+    segs: &Segments<CudaBackend>,
+    force: FlashChoice,
+) -> Result<usize> {
+    let hd = spec.head_dim;
+    let total = segs.total();
+    spec.check(&q, &k, &v, &out, total)?;
+    for view in [&q, &k, &v] {
+        if view.buf.elem != Elem::Bf16
+            || !view.offset.is_multiple_of(8)
+            || !view.stride.is_multiple_of(8)
+        {
+            return Err(Error::backend(
+                "attention",
+                "bf16 attention needs bf16 operands at 16-byte-aligned rows",
+            ));
+        }
+    }
+    if out.buf.elem != Elem::Bf16 {
+        return Err(Error::backend(
+            "attention",
+            "bf16 attention writes a bf16 output",
+        ));
+    }
+    if !FLASH_HEAD_DIMS.contains(&hd) {
+        return Err(Error::backend(
+            "attention",
+            format!("head_dim {hd} has no tensor-core kernel (supported: {FLASH_HEAD_DIMS:?})"),
+        ));
+    }
+    let hopper = wgmma_applies(&be.arch, hd);
+    let choice = match force.kernel {
+        Some(FlashKernel::Wgmma) if !hopper => {
+            return Err(Error::backend(
+                "attention",
+                format!(
+                    "the wgmma kernel needs sm_90a and head_dim in {WGMMA_HEAD_DIMS:?} (here {}, head_dim {hd})",
+                    be.arch
+                ),
+            ));
+        }
+        Some(k) => k,
+        None if hopper => FlashKernel::Wgmma,
+        None => FlashKernel::Mma,
+    };
+    let (kernel, fc) = match choice {
+        FlashKernel::Mma => (be.kernels.attention.flash.get(hd), flash_config(hd)),
+        FlashKernel::Wgmma => (
+            be.kernels.sm90.as_ref().and_then(|t| t.flash_wgmma.get(hd)),
+            wgmma_config(hd),
+        ),
+    };
+    let kernel = kernel.ok_or_else(|| {
+        Error::backend(
+            "kernel lookup",
+            format!("no {choice:?} attention kernel for head_dim {hd}"),
+        )
+    })?;
+    let splits = match force.splits {
+        Some(s) => s.clamp(1, MAX_KV_SPLITS),
+        None => {
+            let per_sm = kernel
+                .func()
+                .occupancy_max_active_blocks_per_multiprocessor(fc.threads, fc.smem as usize, None)
+                .map_err(drv("occupancy"))? as usize;
+            // The most keys one tile walks: its segment, or its rows plus the window each side.
+            let keys = match spec.window {
+                Some(w) => segs.max_len().min(QUERY_TILE + 2 * w),
+                None => segs.max_len(),
+            };
+            let ctas = segs.tiles * spec.heads_q * fc.splits as usize;
+            kv_splits(ctas, per_sm * be.sm_count as usize, keys, fc.bn)
+        }
+    };
+    let part = if splits > 1 && part_elems(splits, total, spec.heads_q, hd) <= PART_ELEMS {
+        Some(flash_workspace(be)?)
+    } else {
+        None
+    };
+    let splits = if part.is_some() { splits } else { 1 };
+    let args = FlashArgs {
+        ops: Operands::of(&q, &k, &v, &out)?,
+        tiles: addr(&segs.dev, segs.max_segs + 1),
+        group: (spec.heads_q / spec.heads_kv) as i32,
+        scale_log2: spec.scale * std::f32::consts::LOG2_E,
+        window: window_arg(spec),
+        causal: spec.causal as i32,
+        part: part.unwrap_or(DevPtr::NULL),
+        rows: total as i32,
+        kv_splits: splits as i32,
+    };
+    let config = LaunchConfig {
+        grid_dim: (
+            segs.tiles as u32,
+            spec.heads_q as u32,
+            fc.splits * splits as u32,
+        ),
+        block_dim: (fc.threads, 1, 1),
+        shared_mem_bytes: fc.smem,
+    };
+    be.launch("attention", kernel, config, &args)?;
+    if let Some(part) = part {
+        let warps = (total * spec.heads_q) as u32;
+        let args = FlashCombineArgs {
+            part,
+            o: args.ops.o,
+            os: args.ops.os,
+            rows: total as i32,
+            heads: spec.heads_q as i32,
+            d: hd as i32,
+            kv_splits: splits as i32,
+        };
+        be.launch(
+            "attention",
+            &be.kernels.attention.flash_combine,
+            cfg((warps.div_ceil(8), 1), 256, 0),
+            &args,
+        )?;
+    }
+    Ok(splits)
+}
+
+/// Address of the split-key workspace, allocated on first use and never moved.
+fn flash_workspace(be: &CudaBackend) -> Result<DevPtr> {
+    let mut part = be
+        .flash_part
+        .lock()
+        .map_err(|_| Error::backend("attention", "workspace lock poisoned"))?;
+    if part.is_none() {
+        *part = Some(be.alloc(PART_ELEMS, Role::Stream)?);
+    }
+    Ok(part.as_ref().map_or(DevPtr::NULL, |p| p.ptr))
+}
+
+impl CudaBackend {
+    /// The bf16 attention op with its kernel and/or key-chunk count fixed, for tests and
+    /// benchmarks of each path; returns the chunk count used (1 when the split would not fit the
+    /// workspace).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_with(
+        &self,
+        q: View<'_, Self>,
+        k: View<'_, Self>,
+        v: View<'_, Self>,
+        out: ViewMut<'_, Self>,
+        spec: &AttnSpec,
+        segs: &Segments<Self>,
+        choice: FlashChoice,
+    ) -> Result<usize> {
+        flash(self, q, k, v, out, spec, segs, choice)
+    }
+}
+
+/// Segment storage with room for the query tiles the flash kernels walk.
+pub(super) fn alloc_segments(
+    be: &CudaBackend,
+    max_rows: usize,
+    max_segs: usize,
+) -> Result<Segments<CudaBackend>> {
+    let max_tiles = max_rows.div_ceil(QUERY_TILE) + max_segs;
+    Ok(Segments {
+        offsets: vec![0],
+        dev: be.alloc(max_segs + 1 + 4 * max_tiles, Role::Index)?,
+        max_rows,
+        max_segs,
+        tiles: 0,
+    })
+}
+
+/// Offsets, then the query tiles `(q0, q1, s0, s1)` of `QUERY_TILE` rows the flash kernels
+/// walk; the tiles start at element `max_segs + 1`.
+pub(super) fn set_segments(
+    be: &CudaBackend,
+    segs: &mut Segments<CudaBackend>,
+    lens: &[usize],
+) -> Result<()> {
+    let offsets = offsets_of(lens, segs.max_rows, segs.max_segs)?;
+    let mut data = offsets.clone();
+    data.resize(segs.max_segs + 1, 0);
+    let mut tiles = 0;
+    for w in offsets.windows(2) {
+        let (s0, s1) = (w[0], w[1]);
+        let mut q0 = s0;
+        while q0 < s1 {
+            let q1 = (q0 + QUERY_TILE as u32).min(s1);
+            data.extend_from_slice(&[q0, q1, s0, s1]);
+            tiles += 1;
+            q0 = q1;
+        }
+    }
+    be.write_u32(&mut segs.dev, &data)?;
+    segs.offsets = offsets;
+    segs.tiles = tiles;
+    Ok(())
+}

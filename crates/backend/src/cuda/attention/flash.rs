@@ -1,0 +1,163 @@
+//! Launch planning for the tensor-core attention kernels: their launch shapes (mirroring
+//! `FlashCfg` in attention.cu and `WgCfg` in attention_sm90.cu), and how many chunks each query
+//! tile's keys are split into when the tiles alone would leave the GPU partly idle (one long
+//! sequence: W2, a single image), with the fixed workspace those chunks are combined from.
+
+/// Query rows per attention tile: the host lists 64-row tiles that never cross a segment, and
+/// both flash kernels take one (or a part of one) per CTA.
+pub const QUERY_TILE: usize = 64;
+
+/// Head dims the tensor-core attention kernel is instantiated for.
+pub const FLASH_HEAD_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
+
+/// Launch shape of `flash_bf16_d{D}`, mirroring `FlashCfg` in attention.cu.
+pub struct FlashConfig {
+    /// Dynamic shared memory: query rows, BN key rows each for K and V (rows padded by 8
+    /// elements), plus the partial-score buffer when the head dimension is split across warps.
+    pub smem: u32,
+    pub threads: u32,
+    /// CTAs per 64-row tile (grid z, times the key chunks of a split launch).
+    pub splits: u32,
+    /// Keys per block of the kernel's walk.
+    pub bn: usize,
+}
+
+pub fn flash_config(d: usize) -> FlashConfig {
+    let (wm, wd, bn) = match d {
+        256 => (4, 1, 32),
+        512 => (2, 2, 32),
+        _ => (4, 1, 64),
+    };
+    let bm = 16 * wm;
+    let tiles = (bm + 2 * bn) * (d + 8) * 2;
+    let scores = if wd > 1 { wd * bm * bn * 4 } else { 0 };
+    FlashConfig {
+        smem: (tiles + scores) as u32,
+        threads: (32 * wm * wd) as u32,
+        splits: (QUERY_TILE / bm) as u32,
+        bn,
+    }
+}
+
+/// Head dims the Hopper (wgmma) attention kernel is instantiated for.
+pub const WGMMA_HEAD_DIMS: [usize; 3] = [64, 256, 512];
+
+/// Whether `flash_wgmma_d{D}` exists on `arch` (attention_sm90.cu is built for sm_90a alone).
+pub fn wgmma_applies(arch: &str, d: usize) -> bool {
+    arch == "sm_90a" && WGMMA_HEAD_DIMS.contains(&d)
+}
+
+/// Keys per block of `flash_wgmma_d{D}` (`WgCfg::BN` in attention_sm90.cu).
+pub const WGMMA_BN: usize = 64;
+
+/// Launch shape of `flash_wgmma_d{D}`, mirroring `WgCfg` in attention_sm90.cu: a warpgroup per
+/// 256 head columns (at least one) on each 64-row tile; shared memory for a 64-row Q tile, one K
+/// and one V tile of `WGMMA_BN` rows, the partial scores two warpgroups exchange, and 1 KB to
+/// align the tiles to the swizzle's 1,024-byte period.
+pub fn wgmma_config(d: usize) -> FlashConfig {
+    let groups = d.div_ceil(256);
+    let scores = if groups > 1 {
+        groups * QUERY_TILE * WGMMA_BN * 4
+    } else {
+        0
+    };
+    FlashConfig {
+        smem: (1024 + (QUERY_TILE + 2 * WGMMA_BN) * d * 2 + scores) as u32,
+        threads: 128 * groups as u32,
+        splits: 1,
+        bn: WGMMA_BN,
+    }
+}
+
+/// Which attention kernel a bf16 launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashKernel {
+    /// `flash_bf16_d{D}` (mma.sync): every GPU from sm_80, every head width.
+    Mma,
+    /// `flash_wgmma_d{D}` (Hopper's warpgroup MMA): sm_90a, head widths in
+    /// [`WGMMA_HEAD_DIMS`]. The default wherever it applies.
+    Wgmma,
+}
+
+/// Choices a test or benchmark fixes for one launch; `None` leaves it to the op.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FlashChoice {
+    /// Key chunks per tile (1..=`MAX_KV_SPLITS`).
+    pub splits: Option<usize>,
+    pub kernel: Option<FlashKernel>,
+}
+
+/// Most key chunks per tile.
+pub const MAX_KV_SPLITS: usize = 8;
+
+/// The split-key workspace in f32 elements (128 MiB), allocated once on first use so that the
+/// address captured into CUDA graphs never changes; a split that would not fit is not made.
+pub const PART_ELEMS: usize = 32 << 20;
+
+/// What one chunk costs beyond its key blocks, in key blocks: loading its query tile, writing
+/// its f32 partial output, and the combine pass reading it back. Fitted to the H200 sweep of
+/// `tessera bench attention` (run 11: W2's full layers are fastest at 3–4 chunks).
+const CHUNK_OVERHEAD_BLOCKS: usize = 4;
+
+/// Key chunks per tile for a launch of `ctas` blocks on `slots` resident-block slots
+/// (multiprocessors × blocks each), when a tile sees at most `keys` keys, walked `bn` at a time.
+///
+/// A launch that fits in one wave is not split: its blocks already share the multiprocessors
+/// (run 11: W2's sliding layers, 140 blocks on 264 slots, were slowest split). Otherwise time
+/// is modelled as whole waves of chunk work: `⌈ctas·s / slots⌉ · (⌈blocks / s⌉ + overhead)`,
+/// which splits a launch whose last wave is nearly empty (W2's full layers: 280 blocks on 264
+/// slots) and leaves short sequences (a few key blocks each) whole.
+pub fn kv_splits(ctas: usize, slots: usize, keys: usize, bn: usize) -> usize {
+    if ctas <= slots || slots == 0 {
+        return 1;
+    }
+    let blocks = keys.div_ceil(bn.max(1)).max(1);
+    let cost = |s: usize| (ctas * s).div_ceil(slots) * (blocks.div_ceil(s) + CHUNK_OVERHEAD_BLOCKS);
+    (1..=MAX_KV_SPLITS.min(blocks))
+        .min_by_key(|&s| cost(s))
+        .unwrap_or(1)
+}
+
+/// Workspace elements a split launch needs: per chunk, a `[rows][heads][head_dim]` output and a
+/// `[rows][heads]` log2-sum-exp.
+pub fn part_elems(splits: usize, rows: usize, heads: usize, head_dim: usize) -> usize {
+    splits * rows * heads * (head_dim + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_machine_is_not_split() {
+        // W3: 256 documents × 4 tiles × 4 heads on 132 SMs × 2, 256 keys each.
+        assert_eq!(kv_splits(4096, 264, 256, 32), 1);
+        // A mixed-image pass's text encoder: 540 blocks of 274-token sequences.
+        assert_eq!(kv_splits(540, 264, 274, 32), 1);
+    }
+
+    #[test]
+    fn one_wave_is_not_split() {
+        // W1: 17 tokens.
+        assert_eq!(kv_splits(4, 264, 17, 32), 1);
+        // W2's sliding layers: 35 tiles × 4 heads on 264 slots.
+        assert_eq!(kv_splits(140, 264, 1088, 32), 1);
+        // One 2,394-patch image: 38 tiles × 12 heads on 132 SMs × 4.
+        assert_eq!(kv_splits(456, 528, 2394, 64), 1);
+        assert_eq!(kv_splits(0, 264, 4096, 32), 1);
+    }
+
+    #[test]
+    fn a_nearly_empty_last_wave_is_split() {
+        // W2's full layers: 35 tiles × 4 heads × 2 CTAs per tile = 280 blocks on 264 slots
+        // (two waves, the second nearly empty), 69 key blocks each.
+        assert_eq!(kv_splits(280, 264, 2208, 32), 3);
+        // Never more chunks than key blocks.
+        assert!(kv_splits(300, 264, 64, 32) <= 2);
+    }
+
+    #[test]
+    fn workspace_holds_the_w2_split() {
+        assert!(part_elems(4, 2208, 4, 512) <= PART_ELEMS);
+    }
+}

@@ -1,0 +1,151 @@
+//! Opening a device: the libraries Tessera loads at run time, the context, its stream and kernels,
+//! and what the device is.
+
+use std::sync::Mutex;
+
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{CudaContext, DriverError};
+use tessera_core::{Error, Result};
+
+use super::CudaBackend;
+use super::gemm::Gemm;
+use super::graph::Graphs;
+use super::launch::Kernels;
+use super::nvrtc;
+use super::profile::Profiler;
+use crate::Precision;
+
+/// A driver error of `op`, as Tessera's error: out-of-memory kept apart, so callers can split work.
+pub(super) fn drv(op: &str) -> impl Fn(DriverError) -> Error + '_ {
+    move |e| {
+        if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            Error::OutOfMemory(op.to_string())
+        } else {
+            Error::backend(op, e)
+        }
+    }
+}
+
+/// Why CUDA cannot be used here, or `Ok` if the libraries Tessera needs can be loaded.
+pub fn check_libraries() -> Result<()> {
+    // SAFETY: these only probe whether each shared library can be loaded.
+    let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    if !driver {
+        return Err(Error::Device(
+            "no NVIDIA driver library (libcuda.so.1) found".into(),
+        ));
+    }
+    nvrtc::check_library()?;
+    // SAFETY: as above.
+    if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        return Err(Error::Device(
+            "libcublasLt (CUDA 13) not found: install the CUDA 13 toolkit or the nvidia-cublas wheel and put its lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Open CUDA device `ordinal` at `precision`: check the libraries, compile or load the kernels,
+/// create the cuBLASLt handle. Every failure is an [`Error::Device`] or [`Error::Backend`] with the
+/// reason; nothing panics (cudarc's internal panics are caught and reported).
+pub fn open(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
+    check_libraries()?;
+    match std::panic::catch_unwind(|| open_checked(ordinal, precision)) {
+        Ok(r) => r,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown failure".into());
+            Err(Error::Device(format!("CUDA initialisation failed: {msg}")))
+        }
+    }
+}
+
+fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
+    let count =
+        CudaContext::device_count().map_err(|e| Error::Device(format!("CUDA driver: {e}")))?;
+    if ordinal >= count.max(0) as usize {
+        return Err(Error::Device(if count == 0 {
+            "no CUDA device found".to_string()
+        } else {
+            format!("no CUDA device {ordinal} (found {count})")
+        }));
+    }
+    let ctx = CudaContext::new(ordinal)
+        .map_err(|e| Error::Device(format!("CUDA device {ordinal}: {e}")))?;
+    // SAFETY: Tessera uses one stream per backend and synchronises explicitly before every host
+    // read, so cudarc's per-buffer events are not needed; they would also break graph capture.
+    unsafe { ctx.disable_event_tracking() };
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(drv("compute capability"))?;
+    if major < 8 {
+        return Err(Error::Device(format!(
+            "CUDA device {ordinal} has compute capability {major}.{minor}; Tessera's kernels need 8.0 or newer"
+        )));
+    }
+    let arch = if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    };
+    // A non-default stream: the legacy default stream cannot be captured into graphs.
+    let stream = ctx.new_stream().map_err(drv("stream"))?;
+    let kernels = Kernels::load(&ctx, &arch)?;
+    let gemm = Gemm::new(&stream)?;
+    let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+    let sm_count = ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .unwrap_or(1) as u32;
+    let profiler = Profiler::from_env(&ctx)?;
+    Ok(CudaBackend {
+        ctx,
+        stream,
+        precision,
+        kernels,
+        gemm,
+        graphs: Mutex::new(Graphs::default()),
+        flash_part: Mutex::new(None),
+        staging: Mutex::new(Vec::new()),
+        profiler,
+        name,
+        arch,
+        sm_count,
+    })
+}
+
+impl CudaBackend {
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(drv("memory info"))
+    }
+
+    /// `cuda:N NAME (ARCH, PRECISION)`.
+    pub fn describe_device(&self) -> String {
+        format!(
+            "cuda:{} {} ({}, {})",
+            self.ctx.ordinal(),
+            self.name,
+            self.arch,
+            self.precision
+        )
+    }
+
+    /// Wait for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(drv("synchronize"))
+    }
+}

@@ -1,0 +1,201 @@
+//! Element-wise ops (kernels/elementwise.cu): embedding lookup, casts, gated activations and
+//! per-segment means.
+
+use tessera_core::{Error, Result};
+
+use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
+use super::memory::{ptr_of, ptr_of_mut, same_shape};
+use super::{CudaBackend, CudaBuf, CudaTable, Elem};
+use crate::{Activation, Segments, View, ViewMut};
+
+kernel_args! {
+    /// `embed_{table}_f32`: one block per row.
+    pub(super) struct EmbedArgs {
+        table: DevPtr, dim: i32, ids: DevPtr, scale: f32, out: DevPtr, os: i64,
+    }
+}
+
+kernel_args! {
+    /// `cast_{x}_{y}`: one block per row.
+    pub(super) struct CastArgs {
+        x: DevPtr, xs: i64, y: DevPtr, ys: i64, cols: i32,
+    }
+}
+
+kernel_args! {
+    /// `gated[_vec]_{act}_{t}`: a grid-stride loop over elements (or 16-byte vectors).
+    pub(super) struct GatedArgs {
+        g: DevPtr, gs: i64, u: DevPtr, us: i64, o: DevPtr, os: i64, rows: i64, cols: i32,
+    }
+}
+
+kernel_args! {
+    /// `segment_mean_{x}`: a block per (segment, 128 columns).
+    pub(super) struct SegmentMeanArgs {
+        x: DevPtr, xs: i64, offsets: DevPtr, out: DevPtr, os: i64, cols: i32,
+    }
+}
+
+kernel_table! {
+    /// The kernels of elementwise.cu.
+    pub(super) struct ElementwiseKernels from "elementwise.cu" {
+        embed: ByElem<EmbedArgs> = "embed_{}_f32",
+        cast: ByPair<CastArgs> = "cast_{}_{}",
+        gated_gelu: ByElem<GatedArgs> = "gated_gelu_{}",
+        gated_silu: ByElem<GatedArgs> = "gated_silu_{}",
+        gated_vec_gelu: ByElem<GatedArgs> = "gated_vec_gelu_{}",
+        gated_vec_silu: ByElem<GatedArgs> = "gated_vec_silu_{}",
+        segment_mean: ByElem<SegmentMeanArgs> = "segment_mean_{}",
+    }
+}
+
+pub(super) fn embed(
+    be: &CudaBackend,
+    table: &CudaTable,
+    ids: &CudaBuf,
+    scale: f32,
+    out: ViewMut<'_, CudaBackend>,
+) -> Result<()> {
+    if out.cols != table.dim
+        || ids.len < out.rows
+        || ids.elem != Elem::U32
+        || out.buf.elem != Elem::F32
+    {
+        return Err(Error::backend(
+            "embed",
+            format!(
+                "{} ids into {}×{} (f32) from a table of width {}",
+                ids.len, out.rows, out.cols, table.dim
+            ),
+        ));
+    }
+    let _ = table.rows; // ids are checked against the vocabulary by the model before upload
+    let args = EmbedArgs {
+        table: table.buf.ptr,
+        dim: table.dim as i32,
+        ids: ids.ptr,
+        scale,
+        out: ptr_of_mut(&out)?,
+        os: out.stride as i64,
+    };
+    be.launch(
+        "elementwise",
+        be.kernels.elementwise.embed.get(table.buf.elem)?,
+        cfg((out.rows as u32, 1), 128, 0),
+        &args,
+    )
+}
+
+pub(super) fn cast(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    out: ViewMut<'_, CudaBackend>,
+) -> Result<()> {
+    same_shape("cast", (x.rows, x.cols), (out.rows, out.cols))?;
+    let args = CastArgs {
+        x: ptr_of(&x)?,
+        xs: x.stride as i64,
+        y: ptr_of_mut(&out)?,
+        ys: out.stride as i64,
+        cols: x.cols as i32,
+    };
+    be.launch(
+        "elementwise",
+        be.kernels.elementwise.cast.get(x.buf.elem, out.buf.elem)?,
+        row_blocks(x.rows, x.cols, 0),
+        &args,
+    )
+}
+
+pub(super) fn gated(
+    be: &CudaBackend,
+    gate: View<'_, CudaBackend>,
+    up: View<'_, CudaBackend>,
+    out: ViewMut<'_, CudaBackend>,
+    act: Activation,
+) -> Result<()> {
+    same_shape("gated", (gate.rows, gate.cols), (up.rows, up.cols))?;
+    same_shape("gated", (gate.rows, gate.cols), (out.rows, out.cols))?;
+    let e = gate.buf.elem;
+    if up.buf.elem != e || out.buf.elem != e {
+        return Err(Error::backend(
+            "gated",
+            "gate, up and out must share one element type",
+        ));
+    }
+    let k = &be.kernels.elementwise;
+    let (scalar, vector) = match act {
+        Activation::GeluTanh => (&k.gated_gelu, &k.gated_vec_gelu),
+        Activation::Silu => (&k.gated_silu, &k.gated_vec_silu),
+    };
+    // 16-byte vectors when every row start is 16-byte aligned and whole vectors tile a row
+    // (and there are fewer than 2^32 vectors: the kernel indexes them in 32 bits).
+    let v = 16 / e.size();
+    let aligned = |off: usize, stride: usize| off.is_multiple_of(v) && stride.is_multiple_of(v);
+    let vec = gate.cols.is_multiple_of(v)
+        && gate.rows * gate.cols / v <= u32::MAX as usize
+        && aligned(gate.offset, gate.stride)
+        && aligned(up.offset, up.stride)
+        && aligned(out.offset, out.stride);
+    let kernel = if vec { vector } else { scalar };
+    let n = gate.rows * gate.cols / if vec { v } else { 1 };
+    let blocks = n.div_ceil(256).min(be.sm_count as usize * 16).max(1) as u32;
+    let args = GatedArgs {
+        g: ptr_of(&gate)?,
+        gs: gate.stride as i64,
+        u: ptr_of(&up)?,
+        us: up.stride as i64,
+        o: ptr_of_mut(&out)?,
+        os: out.stride as i64,
+        rows: gate.rows as i64,
+        cols: gate.cols as i32,
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    be.launch(
+        "elementwise",
+        kernel.get(e)?,
+        cfg((blocks, 1), 256, 0),
+        &args,
+    )
+}
+
+pub(super) fn segment_mean(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    segs: &Segments<CudaBackend>,
+    out: ViewMut<'_, CudaBackend>,
+) -> Result<()> {
+    if out.rows != segs.count()
+        || out.cols != x.cols
+        || segs.total() != x.rows
+        || out.buf.elem != Elem::F32
+    {
+        return Err(Error::backend(
+            "segment_mean",
+            format!(
+                "{} segments over {} rows into {}×{}",
+                segs.count(),
+                x.rows,
+                out.rows,
+                out.cols
+            ),
+        ));
+    }
+    let args = SegmentMeanArgs {
+        x: ptr_of(&x)?,
+        xs: x.stride as i64,
+        offsets: segs.dev.ptr,
+        out: ptr_of_mut(&out)?,
+        os: out.stride as i64,
+        cols: x.cols as i32,
+    };
+    let grid = (out.rows as u32, x.cols.div_ceil(128) as u32);
+    be.launch(
+        "pool",
+        be.kernels.elementwise.segment_mean.get(x.buf.elem)?,
+        cfg(grid, 128, 0),
+        &args,
+    )
+}

@@ -1,0 +1,500 @@
+//! Typed kernel launches.
+//!
+//! Each op family declares its kernels once, beside its `.cu`: an argument struct per C signature
+//! ([`kernel_args!`]) and a table of the source's kernels ([`kernel_table!`]), each field one
+//! kernel family with its variants ([`Kernel`]: one name; [`ByElem`]: one per element type;
+//! [`ByPair`]: one per input/output pair; [`ByDim`]: one per head width). Every table is resolved
+//! when the backend opens, so a missing kernel fails at start-up naming kernel and source; ops pick
+//! a field by element type, never by a built name; and a [`Kernel<A>`] launches only with its own
+//! `A`, so a wrong argument list does not compile.
+//!
+//! What rustc cannot see — that a table's names are in its cubin and that each args struct
+//! matches its kernel's C parameter list — CI checks from the tables themselves with NVRTC
+//! (`tests/nvrtc_compile.rs`: the cubin's names, the C parameter types, the PTX parameter
+//! sizes), so neither can drift.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use tessera_core::{Error, Result};
+
+use super::attention::{self, AttentionKernels, Sm90Kernels};
+use super::device::drv;
+use super::elementwise::ElementwiseKernels;
+use super::norm::NormKernels;
+use super::nvrtc::{self, SOURCES};
+use super::rows::RowsKernels;
+use super::{CudaBackend, Elem};
+
+/// A kernel parameter's C type, as far as the launch ABI tells them apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Param {
+    /// A device pointer (8 bytes).
+    Ptr,
+    /// `long` (8 bytes).
+    I64,
+    /// `int` (4 bytes).
+    I32,
+    /// `float`.
+    F32,
+}
+
+/// A device address, passed as a pointer parameter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct DevPtr(pub u64);
+
+impl DevPtr {
+    pub const NULL: DevPtr = DevPtr(0);
+}
+
+// SAFETY: `DevPtr` is `repr(transparent)` over `u64`, the 8 bytes of a device pointer parameter.
+unsafe impl DeviceRepr for DevPtr {}
+
+/// One or more consecutive kernel parameters: a scalar (`DevPtr` for a pointer, `i64` for
+/// `long`, `i32` for `int`, `f32` for `float`), or a [`kernel_args!`] struct of them.
+///
+/// # Safety
+///
+/// `push` pushes exactly the parameters `params` lists, in order, each as a value of that C
+/// type's size and representation. [`kernel_args!`] generates both from one field list.
+pub unsafe trait KernelArgs {
+    /// Append the C parameter types, in order (checked in CI against the kernel's C types and PTX).
+    fn params(out: &mut Vec<Param>);
+    fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>);
+}
+
+macro_rules! scalar_args {
+    ($($ty:ty => $param:ident),*) => {$(
+        // SAFETY: one value of the parameter's own C type.
+        unsafe impl KernelArgs for $ty {
+            fn params(out: &mut Vec<Param>) {
+                out.push(Param::$param);
+            }
+            fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
+                launch.arg(self);
+            }
+        }
+    )*};
+}
+scalar_args!(DevPtr => Ptr, i64 => I64, i32 => I32, f32 => F32);
+
+/// The C parameter list of `A`.
+pub fn params_of<A: KernelArgs>() -> Vec<Param> {
+    let mut params = Vec::new();
+    A::params(&mut params);
+    params
+}
+
+/// A kernel's argument struct: fields in the order of its C parameters, each a scalar of its
+/// parameter's type or a struct of several (operands that several kernels take first).
+macro_rules! kernel_args {
+    ($(#[$doc:meta])* $vis:vis struct $name:ident { $($field:ident: $ty:ty),* $(,)? }) => {
+        $(#[$doc])*
+        $vis struct $name {
+            $(pub $field: $ty,)*
+        }
+
+        // SAFETY: `params` and `push` follow the same field list, in order, each field
+        // `KernelArgs` itself.
+        unsafe impl $crate::cuda::launch::KernelArgs for $name {
+            fn params(out: &mut Vec<$crate::cuda::launch::Param>) {
+                $(<$ty as $crate::cuda::launch::KernelArgs>::params(out);)*
+            }
+            fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+                $($crate::cuda::launch::KernelArgs::push(&self.$field, launch);)*
+            }
+        }
+    };
+}
+pub(super) use kernel_args;
+
+/// One loaded kernel, launched with arguments `A`; its name labels profiler spans and errors.
+pub struct Kernel<A> {
+    func: CudaFunction,
+    name: String,
+    _args: PhantomData<fn(&A)>,
+}
+
+impl<A> Kernel<A> {
+    fn load(module: &Arc<CudaModule>, source: &str, name: String) -> Result<Self> {
+        let func = module
+            .load_function(&name)
+            .map_err(|e| Error::backend(format!("kernel {name} in {source}"), e))?;
+        Ok(Kernel {
+            func,
+            name,
+            _args: PhantomData,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn func(&self) -> &CudaFunction {
+        &self.func
+    }
+}
+
+/// How a table field names and holds its kernels. `Spec` is what the table declares: a name, or a
+/// pattern with a `{}` for each element type's tag (`"rms_norm_{}_{}"`).
+pub trait Variants: Sized {
+    type Args: KernelArgs;
+    type Spec: Copy;
+    /// Every kernel name, in the order [`Variants::assemble`] takes the loaded kernels.
+    fn names(spec: Self::Spec) -> Vec<String>;
+    /// The field from the kernels of `names(spec)`, loaded in order.
+    fn assemble(spec: Self::Spec, kernels: Vec<Kernel<Self::Args>>) -> Option<Self>;
+}
+
+/// The element types kernels are instantiated for, in variant order.
+const FLOATS: [Elem; 2] = [Elem::F32, Elem::Bf16];
+
+fn slot(e: Elem) -> Option<usize> {
+    FLOATS.iter().position(|&f| f == e)
+}
+
+/// `pattern` with each `{}` replaced by the next of `tags`.
+fn fill(pattern: &str, tags: &[&str]) -> String {
+    tags.iter()
+        .fold(pattern.to_string(), |name, tag| name.replacen("{}", tag, 1))
+}
+
+fn no_variant(pattern: &str, elems: &[Elem]) -> Error {
+    Error::backend(
+        "kernel lookup",
+        format!("{pattern} has no variant for {elems:?}"),
+    )
+}
+
+impl<A: KernelArgs> Variants for Kernel<A> {
+    type Args = A;
+    type Spec = &'static str;
+    fn names(name: &'static str) -> Vec<String> {
+        vec![name.to_string()]
+    }
+    fn assemble(_: &'static str, kernels: Vec<Kernel<A>>) -> Option<Self> {
+        kernels.into_iter().next()
+    }
+}
+
+/// One kernel per element type: `{pattern}` with the type's tag (`f32`, `bf16`) for its `{}`.
+pub struct ByElem<A> {
+    pattern: &'static str,
+    kernels: [Kernel<A>; 2],
+}
+
+impl<A> ByElem<A> {
+    pub fn get(&self, e: Elem) -> Result<&Kernel<A>> {
+        slot(e)
+            .map(|i| &self.kernels[i])
+            .ok_or_else(|| no_variant(self.pattern, &[e]))
+    }
+}
+
+impl<A: KernelArgs> Variants for ByElem<A> {
+    type Args = A;
+    type Spec = &'static str;
+    fn names(pattern: &'static str) -> Vec<String> {
+        FLOATS.iter().map(|e| fill(pattern, &[e.tag()])).collect()
+    }
+    fn assemble(pattern: &'static str, kernels: Vec<Kernel<A>>) -> Option<Self> {
+        let kernels = kernels.try_into().ok()?;
+        Some(ByElem { pattern, kernels })
+    }
+}
+
+/// One kernel per (input, output) element type pair: `{pattern}` with both tags.
+pub struct ByPair<A> {
+    pattern: &'static str,
+    kernels: [[Kernel<A>; 2]; 2],
+}
+
+impl<A> ByPair<A> {
+    pub fn get(&self, a: Elem, b: Elem) -> Result<&Kernel<A>> {
+        match (slot(a), slot(b)) {
+            (Some(i), Some(j)) => Ok(&self.kernels[i][j]),
+            _ => Err(no_variant(self.pattern, &[a, b])),
+        }
+    }
+}
+
+impl<A: KernelArgs> Variants for ByPair<A> {
+    type Args = A;
+    type Spec = &'static str;
+    fn names(pattern: &'static str) -> Vec<String> {
+        FLOATS
+            .iter()
+            .flat_map(|a| {
+                FLOATS
+                    .iter()
+                    .map(move |b| fill(pattern, &[a.tag(), b.tag()]))
+            })
+            .collect()
+    }
+    fn assemble(pattern: &'static str, kernels: Vec<Kernel<A>>) -> Option<Self> {
+        let [ff, fb, bf, bb]: [Kernel<A>; 4] = kernels.try_into().ok()?;
+        Some(ByPair {
+            pattern,
+            kernels: [[ff, fb], [bf, bb]],
+        })
+    }
+}
+
+/// One kernel per head width: `{pattern}` with the width for its `{}`, for the widths listed.
+pub struct ByDim<A> {
+    dims: &'static [usize],
+    kernels: Vec<Kernel<A>>,
+}
+
+impl<A> ByDim<A> {
+    pub fn get(&self, d: usize) -> Option<&Kernel<A>> {
+        self.iter().find_map(|(w, k)| (w == d).then_some(k))
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &Kernel<A>)> {
+        self.dims.iter().copied().zip(&self.kernels)
+    }
+}
+
+impl<A: KernelArgs> Variants for ByDim<A> {
+    type Args = A;
+    type Spec = (&'static str, &'static [usize]);
+    fn names((pattern, dims): Self::Spec) -> Vec<String> {
+        dims.iter()
+            .map(|d| fill(pattern, &[&d.to_string()]))
+            .collect()
+    }
+    fn assemble((_, dims): Self::Spec, kernels: Vec<Kernel<A>>) -> Option<Self> {
+        (kernels.len() == dims.len()).then_some(ByDim { dims, kernels })
+    }
+}
+
+/// Load one table field: every kernel it names, from `module`.
+pub fn load_field<V: Variants>(spec: V::Spec, module: &Arc<CudaModule>, source: &str) -> Result<V> {
+    let kernels = V::names(spec)
+        .into_iter()
+        .map(|name| Kernel::load(module, source, name))
+        .collect::<Result<Vec<_>>>()?;
+    V::assemble(spec, kernels)
+        .ok_or_else(|| Error::backend("kernel table", format!("{source}: a field's variants")))
+}
+
+/// A kernel as its table declares it: name and C parameter list.
+#[derive(Clone, Debug)]
+pub struct Signature {
+    pub name: String,
+    pub params: Vec<Param>,
+}
+
+/// The kernels of one source file, declared with [`kernel_table!`].
+pub trait KernelTable: Sized {
+    /// The source file (an entry of `nvrtc::SOURCES`).
+    const SOURCE: &'static str;
+    /// Every kernel of every field.
+    fn signatures() -> Vec<Signature>;
+    /// Resolve every kernel in the module compiled from `SOURCE`.
+    fn load(module: &Arc<CudaModule>) -> Result<Self>;
+}
+
+/// A source's kernel table: `field: Shape<Args> = spec,` per kernel family, where `Shape` is
+/// [`Kernel`], [`ByElem`], [`ByPair`] or [`ByDim`] and `spec` its [`Variants::Spec`].
+macro_rules! kernel_table {
+    (
+        $(#[$doc:meta])*
+        $vis:vis struct $name:ident from $source:literal {
+            $($(#[$fdoc:meta])* $field:ident: $ty:ty = $spec:expr),* $(,)?
+        }
+    ) => {
+        $(#[$doc])*
+        $vis struct $name {
+            $($(#[$fdoc])* pub $field: $ty,)*
+        }
+
+        impl $crate::cuda::launch::KernelTable for $name {
+            const SOURCE: &'static str = $source;
+
+            fn signatures() -> Vec<$crate::cuda::launch::Signature> {
+                use $crate::cuda::launch::{Signature, Variants, params_of};
+                let mut all = Vec::new();
+                $(all.extend(<$ty as Variants>::names($spec).into_iter().map(|name| Signature {
+                    name,
+                    params: params_of::<<$ty as Variants>::Args>(),
+                }));)*
+                all
+            }
+
+            fn load(
+                module: &std::sync::Arc<cudarc::driver::CudaModule>,
+            ) -> tessera_core::Result<Self> {
+                Ok($name {
+                    $($field: $crate::cuda::launch::load_field::<$ty>($spec, module, $source)?,)*
+                })
+            }
+        }
+    };
+}
+pub(super) use kernel_table;
+
+/// Every kernel table, resolved when the backend opens.
+pub struct Kernels {
+    pub norm: NormKernels,
+    pub elementwise: ElementwiseKernels,
+    pub rows: RowsKernels,
+    pub attention: AttentionKernels,
+    /// attention_sm90.cu, built for sm_90a alone.
+    pub sm90: Option<Sm90Kernels>,
+}
+
+impl Kernels {
+    /// Compile (or load from the cache) every source built for `arch` and resolve every table.
+    pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Self> {
+        let kernels = Kernels {
+            norm: required(ctx, arch)?,
+            elementwise: required(ctx, arch)?,
+            rows: required(ctx, arch)?,
+            attention: required(ctx, arch)?,
+            sm90: table(ctx, arch)?,
+        };
+        attention::reserve_shared_memory(&kernels.attention, kernels.sm90.as_ref())?;
+        Ok(kernels)
+    }
+}
+
+/// Table `T`, or `None` where its source is not built for `arch`.
+fn table<T: KernelTable>(ctx: &Arc<CudaContext>, arch: &str) -> Result<Option<T>> {
+    let src = SOURCES
+        .iter()
+        .find(|s| s.name == T::SOURCE)
+        .ok_or_else(|| Error::backend("kernel table", format!("no source {}", T::SOURCE)))?;
+    if !src.builds_for(arch) {
+        return Ok(None);
+    }
+    let module = ctx
+        .load_module(Ptx::from_binary(nvrtc::cubin(src, arch)?))
+        .map_err(|e| Error::backend(format!("loading {}", src.name), e))?;
+    T::load(&module).map(Some)
+}
+
+fn required<T: KernelTable>(ctx: &Arc<CudaContext>, arch: &str) -> Result<T> {
+    table(ctx, arch)?.ok_or_else(|| {
+        Error::backend(
+            "kernel table",
+            format!("{} is not built for {arch}", T::SOURCE),
+        )
+    })
+}
+
+/// Every table's source and kernels, for the CI checks against NVRTC's output.
+pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
+    fn of<T: KernelTable>() -> (&'static str, Vec<Signature>) {
+        (T::SOURCE, T::signatures())
+    }
+    vec![
+        of::<NormKernels>(),
+        of::<ElementwiseKernels>(),
+        of::<RowsKernels>(),
+        of::<AttentionKernels>(),
+        of::<Sm90Kernels>(),
+    ]
+}
+
+impl CudaBackend {
+    /// Launch `kernel` with `args` on the backend's stream, timed under the profiler's class
+    /// `class`; a grid without blocks launches nothing.
+    pub(super) fn launch<A: KernelArgs>(
+        &self,
+        class: &'static str,
+        kernel: &Kernel<A>,
+        config: LaunchConfig,
+        args: &A,
+    ) -> Result<()> {
+        self.timed(class, || {
+            if config.grid_dim.0 == 0 || config.grid_dim.1 == 0 {
+                return Ok(());
+            }
+            if let Some(p) = &self.profiler {
+                p.launched(kernel.name())?;
+            }
+            let mut b = self.stream.launch_builder(kernel.func());
+            args.push(&mut b);
+            // SAFETY: a `Kernel<A>` is resolved only under a name of a table field declared
+            // with `A`, and CI checks `A`'s parameter list against that kernel's C parameter
+            // types and PTX parameters, so `push` passes each parameter as its own C type and
+            // size; `args` outlives the call; every pointer addresses a live buffer whose extent
+            // the op checked against the launch's index range.
+            unsafe { b.launch(config) }.map_err(drv(kernel.name()))?;
+            Ok(())
+        })
+    }
+
+    /// Run `op` under the profiler's class `class` when profiling.
+    pub(super) fn timed(&self, class: &'static str, op: impl FnOnce() -> Result<()>) -> Result<()> {
+        match &self.profiler {
+            Some(p) => p.time(&self.stream, class, op),
+            None => op(),
+        }
+    }
+}
+
+/// A 1-D block of `block` threads on a 2-D grid.
+pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+/// Launch shape of the block-per-row kernels: a block of 128 threads per row of up to 1,024
+/// columns, else of 256.
+pub fn row_blocks(rows: usize, cols: usize, smem: u32) -> LaunchConfig {
+    let block = if cols <= 1024 { 128 } else { 256 };
+    cfg((rows as u32, 1), block, smem)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn names_fill_every_pattern_once() {
+        assert_eq!(fill("cast_{}_{}", &["f32", "bf16"]), "cast_f32_bf16");
+        assert_eq!(
+            <ByPair<crate::cuda::rows::ScatterRowsArgs>>::names("s_{}_{}"),
+            ["s_f32_f32", "s_f32_bf16", "s_bf16_f32", "s_bf16_bf16"]
+        );
+        assert_eq!(
+            <ByDim<crate::cuda::attention::FlashArgs>>::names(("f_d{}", &[16, 64])),
+            ["f_d16", "f_d64"]
+        );
+    }
+
+    /// A pattern with too few `{}` would load one kernel for two variants, and one with too many
+    /// a name with braces: both show here, before any GPU sees them.
+    #[test]
+    fn every_table_names_distinct_complete_kernels() {
+        let mut seen = HashSet::new();
+        for (source, kernels) in kernel_tables() {
+            assert!(!kernels.is_empty(), "{source}: empty table");
+            for k in kernels {
+                assert!(!k.name.contains(['{', '}']), "{source}: {}", k.name);
+                assert!(seen.insert(k.name.clone()), "{source}: {} twice", k.name);
+            }
+        }
+    }
+
+    #[test]
+    fn every_source_has_one_table() {
+        let tables: Vec<&str> = kernel_tables().iter().map(|t| t.0).collect();
+        let sources: Vec<&str> = SOURCES.iter().map(|s| s.name).collect();
+        assert_eq!(tables, sources);
+    }
+}

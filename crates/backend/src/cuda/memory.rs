@@ -1,0 +1,321 @@
+//! Device memory: typed buffers, weight uploads, host writes and reads, and the checked device
+//! addresses of views that every launch passes.
+
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use tessera_core::dtype::to_bf16_bits;
+use tessera_core::{DType, Error, Result, Weights};
+
+use super::CudaBackend;
+use super::device::drv;
+use super::launch::DevPtr;
+use crate::{Precision, Role, View, ViewMut};
+
+/// Element type of a device buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Elem {
+    F32,
+    Bf16,
+    U32,
+}
+
+impl Elem {
+    pub(super) fn size(self) -> usize {
+        match self {
+            Elem::Bf16 => 2,
+            Elem::F32 | Elem::U32 => 4,
+        }
+    }
+    /// Suffix of kernel names.
+    pub(super) fn tag(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::Bf16 => "bf16",
+            Elem::U32 => "u32",
+        }
+    }
+}
+
+/// Device memory with its element type.
+pub struct CudaBuf {
+    mem: CudaSlice<u8>,
+    pub(super) ptr: DevPtr,
+    pub(super) len: usize,
+    pub(super) elem: Elem,
+}
+
+impl CudaBuf {
+    fn new(mem: CudaSlice<u8>, stream: &CudaStream, len: usize, elem: Elem) -> Self {
+        let ptr = DevPtr(mem.device_ptr(stream).0);
+        CudaBuf {
+            mem,
+            ptr,
+            len,
+            elem,
+        }
+    }
+    pub fn elem(&self) -> Elem {
+        self.elem
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A weight matrix `[out, inner]` in the compute dtype.
+pub struct CudaMat {
+    pub(super) buf: CudaBuf,
+    pub(super) out: usize,
+    pub(super) inner: usize,
+}
+
+/// An embedding table `[rows, dim]` in the compute dtype.
+pub struct CudaTable {
+    pub(super) buf: CudaBuf,
+    pub(super) rows: usize,
+    pub(super) dim: usize,
+}
+
+/// `f(bytes)` with `values` laid out as the device stores `elem` (f32 as is; bf16 rounded to
+/// nearest even, converted on all cores when large, such as an image's patches). Hosts are
+/// little-endian, as the device is.
+fn with_device_bytes<R>(
+    values: &[f32],
+    elem: Elem,
+    f: impl FnOnce(&[u8]) -> Result<R>,
+) -> Result<R> {
+    match elem {
+        Elem::F32 => f(bytemuck::cast_slice(values)),
+        Elem::Bf16 => {
+            use rayon::prelude::*;
+            const CHUNK: usize = 1 << 16;
+            let mut bits = vec![0u16; values.len()];
+            bits.par_chunks_mut(CHUNK)
+                .zip(values.par_chunks(CHUNK))
+                .for_each(|(out, vals)| out.copy_from_slice(&to_bf16_bits(vals)));
+            f(bytemuck::cast_slice(&bits))
+        }
+        Elem::U32 => Err(Error::backend("upload", "f32 values for an index buffer")),
+    }
+}
+
+/// Device address of element `offset` of `buf`.
+pub(super) fn addr(buf: &CudaBuf, offset: usize) -> DevPtr {
+    DevPtr(buf.ptr.0 + (offset * buf.elem.size()) as u64)
+}
+
+/// Device address of a view's first element, once the view is checked to lie in its buffer.
+pub(super) fn ptr_of(v: &View<'_, CudaBackend>) -> Result<DevPtr> {
+    if v.end() > v.buf.len {
+        return Err(Error::backend(
+            "view",
+            format!("ends at {} in a buffer of {}", v.end(), v.buf.len),
+        ));
+    }
+    Ok(addr(v.buf, v.offset))
+}
+
+pub(super) fn ptr_of_mut(v: &ViewMut<'_, CudaBackend>) -> Result<DevPtr> {
+    ptr_of(&v.as_view())
+}
+
+pub(super) fn same_shape(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()> {
+    if a != b {
+        return Err(Error::backend(
+            op,
+            format!("shape mismatch: {}×{} vs {}×{}", a.0, a.1, b.0, b.1),
+        ));
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    pub(super) fn compute_elem(&self) -> Elem {
+        match self.precision {
+            Precision::Bf16 => Elem::Bf16,
+            Precision::F32 => Elem::F32,
+        }
+    }
+
+    pub(super) fn alloc_buf(&self, len: usize, role: Role) -> Result<CudaBuf> {
+        let elem = match role {
+            Role::Stream => Elem::F32,
+            Role::Compute => self.compute_elem(),
+            Role::Index => Elem::U32,
+        };
+        let bytes = (len * elem.size()).max(1);
+        let mem = self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
+            if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                Error::OutOfMemory(format!(
+                    "{:.1} MB for a {role:?} buffer",
+                    bytes as f64 / 1e6
+                ))
+            } else {
+                Error::backend("alloc", e)
+            }
+        })?;
+        Ok(CudaBuf::new(mem, &self.stream, len, elem))
+    }
+
+    fn upload_bytes(&self, bytes: &[u8], elem: Elem, len: usize) -> Result<CudaBuf> {
+        let mut mem = self
+            .stream
+            .alloc_zeros::<u8>(bytes.len().max(1))
+            .map_err(drv("upload"))?;
+        self.stream
+            .memcpy_htod(bytes, &mut mem)
+            .map_err(drv("upload"))?;
+        Ok(CudaBuf::new(mem, &self.stream, len, elem))
+    }
+
+    pub(super) fn upload_f32_as(&self, values: &[f32], elem: Elem) -> Result<CudaBuf> {
+        with_device_bytes(values, elem, |bytes| {
+            self.upload_bytes(bytes, elem, values.len())
+        })
+    }
+
+    fn write_bytes(&self, dst: &mut CudaBuf, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > dst.len * dst.elem.size() {
+            return Err(Error::backend("write", "source longer than the buffer"));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.mem.slice_mut(0..bytes.len());
+        self.stream
+            .memcpy_htod(bytes, &mut view)
+            .map_err(drv("write"))
+    }
+
+    pub(super) fn write_f32_to(&self, dst: &mut CudaBuf, src: &[f32]) -> Result<()> {
+        if dst.elem == Elem::U32 {
+            return Err(Error::backend("write_f32", "index buffer"));
+        }
+        let elem = dst.elem;
+        with_device_bytes(src, elem, |bytes| self.write_bytes(dst, bytes))
+    }
+
+    /// Bytes → the device element type through a 256-entry table, each part on its own core,
+    /// into a host staging buffer kept between calls (fresh pages are slow to fault in, and an
+    /// image pass is ~100 MB): an image pass goes up without an `f32` copy of its pixels.
+    pub(super) fn write_u8_mapped_to(
+        &self,
+        dst: &mut CudaBuf,
+        parts: &[&[u8]],
+        map: &[f32; 256],
+    ) -> Result<()> {
+        use rayon::prelude::*;
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut guard = self
+            .staging
+            .lock()
+            .map_err(|_| Error::backend("write_u8_mapped", "staging lock poisoned"))?;
+        let staging: &mut Vec<u32> = &mut guard;
+        fn fill<T: Copy + Send + Sync>(out: &mut [T], parts: &[&[u8]], table: &[T]) {
+            let mut slices = Vec::with_capacity(parts.len());
+            let mut rest = out;
+            for p in parts {
+                let (head, tail) = rest.split_at_mut(p.len());
+                slices.push((head, *p));
+                rest = tail;
+            }
+            slices.into_par_iter().for_each(|(out, bytes)| {
+                for (o, &b) in out.iter_mut().zip(bytes) {
+                    *o = table[b as usize];
+                }
+            });
+        }
+        let bytes = match dst.elem {
+            Elem::Bf16 => {
+                let words = total.div_ceil(2);
+                let len = staging.len().max(words);
+                staging.resize(len, 0);
+                let bits: &mut [u16] =
+                    &mut bytemuck::cast_slice_mut(&mut staging[..words])[..total];
+                fill(bits, parts, &to_bf16_bits(map));
+                bytemuck::cast_slice::<u16, u8>(bits)
+            }
+            Elem::F32 => {
+                let len = staging.len().max(total);
+                staging.resize(len, 0);
+                let values: &mut [f32] = bytemuck::cast_slice_mut(&mut staging[..total]);
+                fill(values, parts, map);
+                bytemuck::cast_slice::<f32, u8>(values)
+            }
+            Elem::U32 => return Err(Error::backend("write_u8_mapped", "index buffer")),
+        };
+        self.write_bytes(dst, bytes)
+    }
+
+    pub(super) fn write_u32_to(&self, dst: &mut CudaBuf, src: &[u32]) -> Result<()> {
+        if dst.elem != Elem::U32 {
+            return Err(Error::backend("write_u32", "not an index buffer"));
+        }
+        self.write_bytes(dst, bytemuck::cast_slice(src))
+    }
+
+    /// Read a view back as `f32` after all queued work, then print the profile of that work.
+    pub(super) fn read_view(&self, src: View<'_, Self>) -> Result<Vec<f32>> {
+        ptr_of(&src)?; // bounds check
+        let size = src.buf.elem.size();
+        let (a, b) = (src.offset * size, src.end() * size);
+        let mut host = vec![0u8; b - a];
+        if b > a {
+            self.stream
+                .memcpy_dtoh(&src.buf.mem.slice(a..b), &mut host)
+                .map_err(drv("read"))?;
+        }
+        self.synchronize()?;
+        if let Some(p) = &self.profiler {
+            p.report()?;
+        }
+        let mut out = Vec::with_capacity(src.rows * src.cols);
+        for r in 0..src.rows {
+            let row = &host[r * src.stride * size..(r * src.stride + src.cols) * size];
+            match src.buf.elem {
+                Elem::F32 => out.extend(
+                    row.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                ),
+                Elem::Bf16 => out.extend(
+                    row.chunks_exact(2)
+                        .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
+                ),
+                Elem::U32 => out.extend(
+                    row.chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32),
+                ),
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) fn upload_matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<CudaMat> {
+        let (out, data) = crate::stack_rows(parts, inner)?;
+        let buf = self.upload_f32_as(&data, self.compute_elem())?;
+        Ok(CudaMat { buf, out, inner })
+    }
+
+    /// A checkpoint table `[.., dim]` in the compute dtype; bf16 checkpoint bytes go up as they are.
+    pub(super) fn upload_table(
+        &self,
+        weights: &Weights,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<CudaTable> {
+        let t = weights.get(name, shape)?;
+        let dim = *shape
+            .last()
+            .ok_or_else(|| Error::backend("table", "empty shape"))?;
+        let rows = shape[..shape.len() - 1].iter().product();
+        let buf = match (self.compute_elem(), t.dtype) {
+            // The checkpoint's bf16 bytes go up as they are.
+            (Elem::Bf16, DType::BF16) => self.upload_bytes(t.bytes, Elem::Bf16, t.numel())?,
+            (e, _) => self.upload_f32_as(&t.to_f32(), e)?,
+        };
+        Ok(CudaTable { buf, rows, dim })
+    }
+}
