@@ -393,23 +393,23 @@ fn image(b: ImageBench) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn attention(b: AttentionBench) -> Result<()> {
-    use tessera_backend::AttnSpec;
-    use tessera_backend::cuda::{self, FlashChoice, FlashKernel};
+    use tessera_backend::cuda::{self, CudaBackend, FlashChoice, FlashKernel};
+    use tessera_backend::{AttnSpec, Mask, QkvLayout};
     let tessera_backend::AnyBackend::Cuda(be) = b.device.open()? else {
         return Err(Error::input(
             "bench attention times the CUDA kernels: use --device cuda",
         ));
     };
-    let spec = |hq, hkv, hd, window| AttnSpec {
-        heads_q: hq,
-        heads_kv: hkv,
-        head_dim: hd,
-        scale: 1.0,
-        window,
-        causal: false,
+    let spec = |heads_q, heads_kv, head_dim, window: Option<usize>| {
+        let layout = QkvLayout {
+            heads_q,
+            heads_kv,
+            head_dim,
+        };
+        AttnSpec::new(layout, 1.0, window.map_or(Mask::Full, Mask::Window))
     };
     let w3 = vec![256usize; 256];
-    let shapes: Vec<(&str, Vec<usize>, AttnSpec)> = vec![
+    let shapes: Vec<(&str, Vec<usize>, AttnSpec<'_, CudaBackend>)> = vec![
         ("W2 sliding", vec![2208], spec(4, 2, 256, Some(512))),
         ("W2 full", vec![2208], spec(4, 1, 512, None)),
         ("W3 sliding", w3.clone(), spec(4, 2, 256, Some(512))),
@@ -419,11 +419,11 @@ fn attention(b: AttentionBench) -> Result<()> {
     for (name, lens, s) in &shapes {
         let pairs: f64 = lens
             .iter()
-            .map(|&n| match s.window {
-                None => (n * n) as f64,
-                Some(w) => (0..n)
+            .map(|&n| match s.mask {
+                Mask::Window(w) => (0..n)
                     .map(|i| (i.min(w) + (n - 1 - i).min(w) + 1) as f64)
                     .sum(),
+                _ => (n * n) as f64,
             })
             .sum();
         let flops = 4.0 * (s.heads_q * s.head_dim) as f64 * pairs;

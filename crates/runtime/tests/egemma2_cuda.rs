@@ -147,7 +147,7 @@ fn fixtures_match_the_reference_on_cuda() {
                     tally.check(&format!("{name}/{} text {i}", c.name), &g.vector, w);
                 }
             }
-            let label = format!("fixtures {name} on {}", model.backend().describe());
+            let label = format!("fixtures {name} on {}", model.model.backend().describe());
             tally.report(&label, &mut failures);
         }
     }
@@ -208,7 +208,7 @@ fn full_size_model_matches_the_cpu() {
                 }
             }
         }
-        let label = format!("full-size model on {}", model.backend().describe());
+        let label = format!("full-size model on {}", model.model.backend().describe());
         tally.report(&label, &mut failures);
     }
     assert_none(&failures);
@@ -234,7 +234,7 @@ fn too_long_input_is_refused_as_on_the_cpu() {
 fn a_batch_too_large_for_the_device_is_split() {
     let dir = env_path("TESSERA_EG2_FULL");
     let mut model = cuda_model(&dir, Precision::Bf16);
-    let (free, total) = model.backend().memory().unwrap();
+    let (free, total) = model.model.backend().memory().unwrap();
     // Activations take ~34 KB per token: ask for a pass well beyond the free memory.
     let docs = (free / 34_000 / 256) * 5 / 4 + 1;
     eprintln!(
@@ -352,7 +352,10 @@ fn vision_fixtures_match_the_reference_on_cuda() {
                 let what = format!("{name}/{} packed", fx.cases[i].name);
                 packing.check(&what, &v.vector, &want);
             }
-            let label = format!("vision fixtures {name} on {}", model.backend().describe());
+            let label = format!(
+                "vision fixtures {name} on {}",
+                model.model.backend().describe()
+            );
             tally.report(&label, &mut failures);
             packing.report(&format!("{label}, packed vs alone"), &mut failures);
         }

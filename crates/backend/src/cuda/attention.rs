@@ -19,7 +19,7 @@ use super::device::drv;
 use super::launch::{ByDim, DevPtr, Kernel, cfg, kernel_args, kernel_table};
 use super::memory::{addr, ptr_of, ptr_of_mut};
 use super::{CudaBackend, Elem};
-use crate::{AttnSpec, Backend, Precision, Role, Segments, View, ViewMut, offsets_of};
+use crate::{AttnSpec, Backend, Mask, Precision, Role, Segments, View, ViewMut, offsets_of};
 
 kernel_args! {
     /// What every attention kernel takes first: q, k, v and the output, each as (address, row
@@ -97,9 +97,16 @@ pub(super) fn reserve_shared_memory(
     Ok(())
 }
 
-/// An attention spec's window as the kernels take it: the radius, or -1 for none.
-fn window_arg(spec: &AttnSpec) -> i32 {
-    spec.window.map_or(-1, |w| w.min(i32::MAX as usize) as i32)
+/// An attention spec's mask as the kernels take it: the window radius (-1 for none) and whether
+/// it is causal. Key ranges and per-row limits were declined before ([`CudaBackend::check`]).
+fn mask_args(spec: &AttnSpec<'_, CudaBackend>) -> Result<(i32, i32)> {
+    match spec.mask {
+        _ if spec.kv.is_some() => Err(Error::backend("attention", "key ranges")),
+        Mask::Full => Ok((-1, 0)),
+        Mask::Window(w) => Ok((w.min(i32::MAX as usize) as i32, 0)),
+        Mask::Causal => Ok((-1, 1)),
+        Mask::Limits(_) => Err(Error::backend("attention", "per-row key limits")),
+    }
 }
 
 impl Operands {
@@ -129,7 +136,7 @@ pub(super) fn attention(
     k: View<'_, CudaBackend>,
     v: View<'_, CudaBackend>,
     out: ViewMut<'_, CudaBackend>,
-    spec: &AttnSpec,
+    spec: &AttnSpec<'_, CudaBackend>,
     segs: &Segments<CudaBackend>,
 ) -> Result<()> {
     if be.precision == Precision::Bf16 {
@@ -138,7 +145,8 @@ pub(super) fn attention(
     }
     let hd = spec.head_dim;
     let total = segs.total();
-    spec.check(&q, &k, &v, &out, total)?;
+    spec.check(&q, &k, &v, &out, segs)?;
+    let (window, causal) = mask_args(spec)?;
     if [q.buf.elem, k.buf.elem, v.buf.elem, out.buf.elem]
         .iter()
         .any(|&e| e != Elem::F32)
@@ -159,8 +167,8 @@ pub(super) fn attention(
         group: (spec.heads_q / spec.heads_kv) as i32,
         d: hd as i32,
         scale: spec.scale,
-        window: window_arg(spec),
-        causal: spec.causal as i32,
+        window,
+        causal,
     };
     be.launch(
         "attention",
@@ -181,13 +189,14 @@ pub(super) fn flash(
     k: View<'_, CudaBackend>,
     v: View<'_, CudaBackend>,
     out: ViewMut<'_, CudaBackend>,
-    spec: &AttnSpec,
+    spec: &AttnSpec<'_, CudaBackend>,
     segs: &Segments<CudaBackend>,
     force: FlashChoice,
 ) -> Result<usize> {
     let hd = spec.head_dim;
     let total = segs.total();
-    spec.check(&q, &k, &v, &out, total)?;
+    spec.check(&q, &k, &v, &out, segs)?;
+    let (window, causal) = mask_args(spec)?;
     for view in [&q, &k, &v] {
         if view.buf.elem != Elem::Bf16
             || !view.offset.is_multiple_of(8)
@@ -247,9 +256,9 @@ pub(super) fn flash(
                 .occupancy_max_active_blocks_per_multiprocessor(fc.threads, fc.smem as usize, None)
                 .map_err(drv("occupancy"))? as usize;
             // The most keys one tile walks: its segment, or its rows plus the window each side.
-            let keys = match spec.window {
-                Some(w) => segs.max_len().min(QUERY_TILE + 2 * w),
-                None => segs.max_len(),
+            let keys = match spec.mask {
+                Mask::Window(w) => segs.max_len().min(QUERY_TILE + 2 * w),
+                _ => segs.max_len(),
             };
             let ctas = segs.tiles * spec.heads_q * fc.splits as usize;
             kv_splits(ctas, per_sm * be.sm_count as usize, keys, fc.bn)
@@ -266,8 +275,8 @@ pub(super) fn flash(
         tiles: addr(&segs.dev, segs.max_segs + 1),
         group: (spec.heads_q / spec.heads_kv) as i32,
         scale_log2: spec.scale * std::f32::consts::LOG2_E,
-        window: window_arg(spec),
-        causal: spec.causal as i32,
+        window,
+        causal,
         part: part.unwrap_or(DevPtr::NULL),
         rows: total as i32,
         kv_splits: splits as i32,
@@ -326,7 +335,7 @@ impl CudaBackend {
         k: View<'_, Self>,
         v: View<'_, Self>,
         out: ViewMut<'_, Self>,
-        spec: &AttnSpec,
+        spec: &AttnSpec<'_, Self>,
         segs: &Segments<Self>,
         choice: FlashChoice,
     ) -> Result<usize> {

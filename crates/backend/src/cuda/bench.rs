@@ -39,7 +39,7 @@ impl CudaBackend {
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
         let mut x = self.alloc(m * k, Role::Compute)?;
         self.write_f32(&mut x, &bench_values(&mut seed, m * k))?;
-        let w = self.matrix(&[(&bench_values(&mut seed, n * k), n)], k)?;
+        let w = self.matrix_f32(&[(&bench_values(&mut seed, n * k), n)], k)?;
         let mut out = self.alloc(m * n, Role::Compute)?;
         let reps = reps.max(1);
         let mut run = || {
@@ -48,7 +48,7 @@ impl CudaBackend {
                     View::new(&x, m, k),
                     &w,
                     ViewMut::new(&mut out, m, n),
-                    Epilogue::default(),
+                    &Epilogue::default(),
                 )?;
             }
             Ok(())
@@ -65,7 +65,7 @@ impl CudaBackend {
     pub fn bench_attention(
         &self,
         lens: &[usize],
-        spec: &AttnSpec,
+        spec: &AttnSpec<'_, Self>,
         iters: usize,
         choice: FlashChoice,
     ) -> Result<(f64, usize)> {

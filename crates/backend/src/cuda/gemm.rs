@@ -23,8 +23,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use tessera_core::{Error, Result};
 
 use super::memory::{ptr_of, ptr_of_mut};
-use super::{CudaBackend, CudaMat, Elem};
-use crate::{Epilogue, View, ViewMut};
+use super::{CudaBackend, CudaMat, Elem, MatFormat};
+use crate::{View, ViewMut};
 
 /// cuBLASLt scratch space; 32 MiB lets the heuristic pick split-K and stream-K kernels.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -359,13 +359,13 @@ impl Drop for Gemm {
     }
 }
 
-/// The `matmul` op: `out = α · x · wᵀ` (α from the epilogue).
+/// The `matmul` op with a plain epilogue: `out = α · x · wᵀ`.
 pub(super) fn matmul(
     be: &CudaBackend,
     x: View<'_, CudaBackend>,
     w: &CudaMat,
     out: ViewMut<'_, CudaBackend>,
-    ep: Epilogue,
+    alpha: f32,
 ) -> Result<()> {
     if x.cols != w.inner || out.rows != x.rows || out.cols != w.out {
         return Err(Error::backend(
@@ -376,10 +376,11 @@ pub(super) fn matmul(
             ),
         ));
     }
-    if x.buf.elem != w.buf.elem {
+    let MatFormat::Dense(ab) = w.format;
+    if x.buf.elem != ab {
         return Err(Error::backend(
             "matmul",
-            format!("x is {:?} but the weight is {:?}", x.buf.elem, w.buf.elem),
+            format!("x is {:?} but the weight is {ab:?}", x.buf.elem),
         ));
     }
     if x.rows == 0 || w.out == 0 {
@@ -392,11 +393,11 @@ pub(super) fn matmul(
         x: ptr_of(&x)?.0,
         x_stride: x.stride,
         w: w.buf.ptr.0,
-        ab: w.buf.elem,
+        ab,
         out: ptr_of_mut(&out)?.0,
         out_stride: out.stride,
         out_elem: out.buf.elem,
-        alpha: ep.alpha,
+        alpha,
     };
     be.timed("gemm", || be.gemm.run(&be.stream, &args))
 }

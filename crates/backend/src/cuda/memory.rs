@@ -3,8 +3,8 @@
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use tessera_core::dtype::to_bf16_bits;
-use tessera_core::{DType, Error, Result, Weights};
+use tessera_core::dtype::{to_bf16_bits, widen_into};
+use tessera_core::{DType, Error, Result, Tensor, Weights};
 
 use super::CudaBackend;
 use super::device::drv;
@@ -65,11 +65,21 @@ impl CudaBuf {
     }
 }
 
-/// A weight matrix `[out, inner]` in the compute dtype.
+/// How a weight matrix is stored on the device; the matrix product dispatches on it.
+///
+/// Dense today, in the compute dtype. Quantized weights (FP8 e4m3 with per-block scales, int8
+/// and q4 blocks) become further variants carrying their scales, each with its own product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatFormat {
+    Dense(Elem),
+}
+
+/// A weight matrix `[out, inner]`.
 pub struct CudaMat {
     pub(super) buf: CudaBuf,
     pub(super) out: usize,
     pub(super) inner: usize,
+    pub(super) format: MatFormat,
 }
 
 /// An embedding table `[rows, dim]` in the compute dtype.
@@ -178,13 +188,18 @@ impl CudaBackend {
     }
 
     fn write_bytes(&self, dst: &mut CudaBuf, bytes: &[u8]) -> Result<()> {
-        if bytes.len() > dst.len * dst.elem.size() {
+        self.write_bytes_at(dst, 0, bytes)
+    }
+
+    /// Copy `bytes` into `dst` from byte `at`.
+    fn write_bytes_at(&self, dst: &mut CudaBuf, at: usize, bytes: &[u8]) -> Result<()> {
+        if at + bytes.len() > dst.len * dst.elem.size() {
             return Err(Error::backend("write", "source longer than the buffer"));
         }
         if bytes.is_empty() {
             return Ok(());
         }
-        let mut view = dst.mem.slice_mut(0..bytes.len());
+        let mut view = dst.mem.slice_mut(at..at + bytes.len());
         self.stream
             .memcpy_htod(bytes, &mut view)
             .map_err(drv("write"))
@@ -293,10 +308,79 @@ impl CudaBackend {
         Ok(out)
     }
 
-    pub(super) fn upload_matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<CudaMat> {
-        let (out, data) = crate::stack_rows(parts, inner)?;
-        let buf = self.upload_f32_as(&data, self.compute_elem())?;
-        Ok(CudaMat { buf, out, inner })
+    /// Weight matrices `[out_i, inner]` stacked along `out`, uploaded in the compute dtype
+    /// straight from their stored bytes: a part already in that dtype is copied as it is (a bf16
+    /// checkpoint under bf16), any other is converted on the host a slice at a time, so no
+    /// whole-matrix host copy (least of all an `f32` one) is ever made.
+    pub(super) fn upload_matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
+        let mut inner = None;
+        let mut out = 0;
+        for t in parts {
+            let (rows, cols) = t.dims2()?;
+            if *inner.get_or_insert(cols) != cols {
+                return Err(Error::backend(
+                    "matrix",
+                    format!(
+                        "`{}` is {rows}×{cols}; the matrices stacked with it are {}-wide",
+                        t.name,
+                        inner.unwrap_or(0)
+                    ),
+                ));
+            }
+            out += rows;
+        }
+        let inner = inner.unwrap_or(0);
+        let elem = self.compute_elem();
+        let mut buf = self.alloc_buf(out * inner, Role::Compute)?;
+        let mut at = 0;
+        for t in parts {
+            self.write_tensor_at(&mut buf, at, t)?;
+            at += t.numel();
+        }
+        Ok(CudaMat {
+            buf,
+            out,
+            inner,
+            format: MatFormat::Dense(elem),
+        })
+    }
+
+    /// Copy tensor `t` into `dst` from element `start`, converted to `dst`'s element type.
+    fn write_tensor_at(&self, dst: &mut CudaBuf, start: usize, t: &Tensor<'_>) -> Result<()> {
+        let size = dst.elem.size();
+        let native = matches!(
+            (dst.elem, t.dtype),
+            (Elem::Bf16, DType::BF16) | (Elem::F32, DType::F32)
+        );
+        if native {
+            return self.write_bytes_at(dst, start * size, &t.bytes);
+        }
+        // 4 Mi elements per slice: 16 MiB of f32 at most on the host.
+        const SLICE: usize = 1 << 22;
+        let mut values = vec![0f32; SLICE.min(t.numel())];
+        let s = t.dtype.size();
+        for (i, chunk) in t.bytes.chunks(SLICE * s).enumerate() {
+            let n = chunk.len() / s;
+            widen_into(t.dtype, chunk, &mut values[..n]);
+            let at = (start + i * SLICE) * size;
+            with_device_bytes(&values[..n], dst.elem, |bytes| {
+                self.write_bytes_at(dst, at, bytes)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// A parameter vector from a 1-D tensor, in `f32`.
+    pub(super) fn upload_vector(&self, t: &Tensor<'_>) -> Result<CudaBuf> {
+        if t.shape.len() != 1 {
+            return Err(Error::backend(
+                "vector",
+                format!("`{}` has shape {:?}, not one axis", t.name, t.shape),
+            ));
+        }
+        let mut buf = self.alloc_buf(t.numel(), Role::Stream)?;
+        self.write_tensor_at(&mut buf, 0, t)?;
+        Ok(buf)
     }
 
     /// A checkpoint table `[.., dim]` in the compute dtype; bf16 checkpoint bytes go up as they are.
@@ -313,7 +397,7 @@ impl CudaBackend {
         let rows = shape[..shape.len() - 1].iter().product();
         let buf = match (self.compute_elem(), t.dtype) {
             // The checkpoint's bf16 bytes go up as they are.
-            (Elem::Bf16, DType::BF16) => self.upload_bytes(t.bytes, Elem::Bf16, t.numel())?,
+            (Elem::Bf16, DType::BF16) => self.upload_bytes(&t.bytes, Elem::Bf16, t.numel())?,
             (e, _) => self.upload_f32_as(&t.to_f32(), e)?,
         };
         Ok(CudaTable { buf, rows, dim })

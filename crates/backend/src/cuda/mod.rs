@@ -32,15 +32,16 @@ mod norm;
 pub mod nvrtc;
 mod profile;
 mod rows;
+mod support;
 
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaStream};
-use tessera_core::{Error, Result, Weights};
+use tessera_core::{Error, Result, Tensor, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Precision, QkvLayout,
-    Residual, Role, RopeTable, RowNorm, Segments, View, ViewMut,
+    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Op, Precision,
+    QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, View, ViewMut,
 };
 pub use attention::{FlashChoice, FlashKernel};
 pub use device::{check_libraries, open};
@@ -48,7 +49,7 @@ use gemm::Gemm;
 use graph::Graphs;
 use launch::Kernels;
 pub use launch::{Param, Signature, kernel_tables};
-pub use memory::{CudaBuf, CudaMat, CudaTable, Elem};
+pub use memory::{CudaBuf, CudaMat, CudaTable, Elem, MatFormat};
 use profile::Profiler;
 
 pub struct CudaBackend {
@@ -68,14 +69,6 @@ pub struct CudaBackend {
     sm_count: u32,
 }
 
-/// The image-generation ops (Z-Image) have CPU implementations only so far; asking for them on
-/// CUDA is an error that says so, never a silent move to the CPU.
-fn not_yet(op: &str) -> Error {
-    Error::Device(format!(
-        "{op} is not implemented on CUDA yet: image generation runs on the CPU (--device cpu)"
-    ))
-}
-
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Mat = CudaMat;
@@ -84,6 +77,10 @@ impl Backend for CudaBackend {
 
     fn describe(&self) -> String {
         self.describe_device()
+    }
+
+    fn supports(&self, op: &Op) -> Result<()> {
+        self.check(op)
     }
 
     fn precision(&self) -> Precision {
@@ -110,16 +107,16 @@ impl Backend for CudaBackend {
         self.read_view(src)
     }
 
-    fn matrix(&self, parts: &[(&[f32], usize)], inner: usize) -> Result<CudaMat> {
-        self.upload_matrix(parts, inner)
+    fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
+        self.upload_matrix(parts)
     }
 
-    fn vector(&self, v: &[f32]) -> Result<CudaBuf> {
-        self.upload_f32_as(v, Elem::F32)
+    fn vector(&self, t: &Tensor<'_>) -> Result<CudaBuf> {
+        self.upload_vector(t)
     }
 
-    fn table(&self, weights: &Weights, name: &str, shape: [usize; 2]) -> Result<CudaTable> {
-        self.upload_table(weights, name, &shape)
+    fn table(&self, weights: &Weights, name: &str, shape: &[usize]) -> Result<CudaTable> {
+        self.upload_table(weights, name, shape)
     }
 
     fn alloc_segments(&self, max_rows: usize, max_segs: usize) -> Result<Segments<Self>> {
@@ -141,7 +138,13 @@ impl Backend for CudaBackend {
         scale: f32,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.check(&Op::Embed)?;
         elementwise::embed(self, table, ids, scale, out)
+    }
+
+    fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
+        self.check(&Op::Cast)?;
+        elementwise::cast(self, x, out)
     }
 
     fn matmul(
@@ -149,48 +152,39 @@ impl Backend for CudaBackend {
         x: View<'_, Self>,
         w: &CudaMat,
         out: ViewMut<'_, Self>,
-        ep: Epilogue,
+        ep: &Epilogue<'_, Self>,
     ) -> Result<()> {
-        gemm::matmul(self, x, w, out, ep)
+        self.check(&ep.op())?;
+        gemm::matmul(self, x, w, out, ep.alpha)
     }
 
-    fn rms_norm(
-        &self,
-        x: View<'_, Self>,
-        w: Option<&CudaBuf>,
-        eps: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<()> {
-        norm::rms_norm(self, x, w, eps, out)
+    fn norm(&self, x: View<'_, Self>, n: &RowNorm<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
+        self.check(&Op::Norm(n.shape()))?;
+        norm::rms_norm(self, x, n.weight, n.eps, out)
     }
 
-    fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
-        elementwise::cast(self, x, out)
-    }
-
-    fn residual_norm(
+    fn residual(
         &self,
         h: ViewMut<'_, Self>,
         y: View<'_, Self>,
-        post: Option<&CudaBuf>,
-        scale: f32,
+        res: &Residual<'_, Self>,
         after: After<'_, Self>,
-        eps: f32,
     ) -> Result<()> {
-        norm::residual_norm(self, h, y, post, scale, after, eps)
+        self.check(&res.op(&after))?;
+        norm::residual_norm(self, h, y, res, after)
     }
 
     fn qkv_norm_rope(
         &self,
         qkv: ViewMut<'_, Self>,
-        layout: QkvLayout,
-        q_w: Option<&CudaBuf>,
-        k_w: Option<&CudaBuf>,
-        v_norm: bool,
-        eps: f32,
+        n: &QkvNorm<'_, Self>,
         rope: Option<(&RopeTable<Self>, &CudaBuf)>,
     ) -> Result<()> {
-        norm::qkv_norm_rope(self, qkv, layout, q_w, k_w, v_norm, eps, rope)
+        self.check(&Op::QkvNormRope {
+            head_dim: n.layout.head_dim,
+            rope: rope.map(|r| r.0.style),
+        })?;
+        norm::qkv_norm_rope(self, qkv, n, rope)
     }
 
     fn attention(
@@ -199,9 +193,10 @@ impl Backend for CudaBackend {
         k: View<'_, Self>,
         v: View<'_, Self>,
         out: ViewMut<'_, Self>,
-        spec: &AttnSpec,
+        spec: &AttnSpec<'_, Self>,
         segs: &Segments<Self>,
     ) -> Result<()> {
+        self.check(&spec.op())?;
         attention::attention(self, q, k, v, out, spec, segs)
     }
 
@@ -212,6 +207,7 @@ impl Backend for CudaBackend {
         out: ViewMut<'_, Self>,
         act: Activation,
     ) -> Result<()> {
+        self.check(&Op::Gated(act))?;
         elementwise::gated(self, gate, up, out, act)
     }
 
@@ -221,13 +217,8 @@ impl Backend for CudaBackend {
         segs: &Segments<Self>,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.check(&Op::SegmentMean)?;
         elementwise::segment_mean(self, x, segs, out)
-    }
-
-    // ---- vision ----
-
-    fn table_nd(&self, weights: &Weights, name: &str, shape: &[usize]) -> Result<CudaTable> {
-        self.upload_table(weights, name, shape)
     }
 
     fn add_positions_2d(
@@ -237,6 +228,7 @@ impl Backend for CudaBackend {
         pos: &CudaBuf,
         x: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.check(&Op::AddPositions2d)?;
         rows::add_positions_2d(self, table, axis_rows, pos, x)
     }
 
@@ -247,6 +239,7 @@ impl Backend for CudaBackend {
         scale: f32,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.check(&Op::AvgPool2d)?;
         rows::avg_pool2d(self, x, grids, scale, out)
     }
 
@@ -256,60 +249,36 @@ impl Backend for CudaBackend {
         rows: &CudaBuf,
         dst: ViewMut<'_, Self>,
     ) -> Result<()> {
+        self.check(&Op::ScatterRows)?;
         rows::scatter_rows(self, src, rows, dst)
     }
 
-    // ---- image generation (Z-Image): CPU only for now ----
-
-    fn linear(
-        &self,
-        _x: View<'_, Self>,
-        _w: &CudaMat,
-        _b: Option<&CudaBuf>,
-        _a: Option<Activation>,
-        _o: ViewMut<'_, Self>,
-    ) -> Result<()> {
-        Err(not_yet("linear"))
-    }
-
-    fn norm(
-        &self,
-        _x: View<'_, Self>,
-        _n: &RowNorm<'_, Self>,
-        _o: ViewMut<'_, Self>,
-    ) -> Result<()> {
-        Err(not_yet("norm"))
-    }
-
-    fn residual_add(
-        &self,
-        _h: ViewMut<'_, Self>,
-        _y: View<'_, Self>,
-        _r: &Residual<'_, Self>,
-        _n: Option<(&RowNorm<'_, Self>, ViewMut<'_, Self>)>,
-    ) -> Result<()> {
-        Err(not_yet("residual_add"))
-    }
-
+    /// Declined by [`supports`](Backend::supports) until the image-generation kernels exist.
     fn conv2d(
         &self,
         _x: View<'_, Self>,
         _w: &CudaMat,
         _b: &CudaBuf,
-        _s: &Conv2d,
+        spec: &Conv2d,
         _o: ViewMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("conv2d"))
+        self.check(&Op::Conv2d {
+            kernel: spec.kernel,
+            upsample: spec.upsample,
+        })?;
+        Err(Error::backend("conv2d", "no CUDA kernel"))
     }
 
+    /// Declined by [`supports`](Backend::supports) until the image-generation kernels exist.
     fn group_norm(
         &self,
         _x: View<'_, Self>,
         _w: &CudaBuf,
         _b: &CudaBuf,
-        _s: &GroupNorm,
+        spec: &GroupNorm,
         _o: ViewMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("group_norm"))
+        self.check(&Op::GroupNorm { act: spec.act })?;
+        Err(Error::backend("group_norm", "no CUDA kernel"))
     }
 }

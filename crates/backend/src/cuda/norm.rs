@@ -6,8 +6,8 @@ use tessera_core::{Error, Result};
 
 use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
 use super::memory::{ptr_of, ptr_of_mut, same_shape};
-use super::{CudaBackend, CudaBuf, Elem, not_yet};
-use crate::{After, QkvLayout, RopeStyle, RopeTable, View, ViewMut};
+use super::{CudaBackend, CudaBuf, Elem};
+use crate::{After, QkvNorm, Residual, RopeStyle, RopeTable, View, ViewMut};
 
 kernel_args! {
     /// What both RMSNorm kernels take first: input rows, weight (null = none), output rows.
@@ -138,16 +138,20 @@ pub(super) fn rms_norm(
     }
 }
 
+/// `h = (h + N_post(y)) · scale`, then `after`. The caller checked the shape of the step
+/// ([`CudaBackend::check`]): an RMS post-norm, no gate, a weighted RMS next norm.
 pub(super) fn residual_norm(
     be: &CudaBackend,
     h: ViewMut<'_, CudaBackend>,
     y: View<'_, CudaBackend>,
-    post: Option<&CudaBuf>,
-    scale: f32,
+    res: &Residual<'_, CudaBackend>,
     after: After<'_, CudaBackend>,
-    eps: f32,
 ) -> Result<()> {
     same_shape("residual_norm", (h.rows, h.cols), (y.rows, y.cols))?;
+    let Some(post_norm) = res.post else {
+        return Err(Error::backend("residual_norm", "no post-norm"));
+    };
+    let (post, scale, eps) = (post_norm.weight, res.scale, post_norm.eps);
     if h.buf.elem != Elem::F32 {
         return Err(Error::backend(
             "residual_norm",
@@ -156,7 +160,22 @@ pub(super) fn residual_norm(
     }
     let (mode, next, out) = match &after {
         After::Nothing => (0, DevPtr::NULL, None),
-        After::Norm(w, o) => {
+        After::Norm(n, o) => {
+            let Some(w) = n.weight else {
+                return Err(Error::backend(
+                    "residual_norm",
+                    "the next norm has no weight",
+                ));
+            };
+            if n.eps != eps {
+                return Err(Error::backend(
+                    "residual_norm",
+                    format!(
+                        "the post-norm's eps {eps} and the next norm's {} differ",
+                        n.eps
+                    ),
+                ));
+            }
             if w.len != h.cols {
                 return Err(Error::backend(
                     "residual_norm",
@@ -215,17 +234,19 @@ pub(super) fn residual_norm(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) fn qkv_norm_rope(
     be: &CudaBackend,
     qkv: ViewMut<'_, CudaBackend>,
-    layout: QkvLayout,
-    q_w: Option<&CudaBuf>,
-    k_w: Option<&CudaBuf>,
-    v_norm: bool,
-    eps: f32,
+    norm: &QkvNorm<'_, CudaBackend>,
     rope: Option<(&RopeTable<CudaBackend>, &CudaBuf)>,
 ) -> Result<()> {
+    let QkvNorm {
+        layout,
+        q_weight: q_w,
+        k_weight: k_w,
+        v_norm,
+        eps,
+    } = *norm;
     let hd = layout.head_dim;
     if qkv.cols != layout.width() || hd == 0 || !hd.is_multiple_of(2) || hd > 512 {
         return Err(Error::backend(
@@ -241,7 +262,9 @@ pub(super) fn qkv_norm_rope(
             let (per_row, pairs) = match t.style {
                 RopeStyle::SplitHalf => (1, hd / 2),
                 RopeStyle::Axial2d => (2, hd / 4),
-                RopeStyle::Interleaved => return Err(not_yet("interleaved RoPE")),
+                RopeStyle::Interleaved => {
+                    return Err(Error::backend("qkv_norm_rope", "interleaved RoPE"));
+                }
             };
             if t.half != pairs || pairs * 2 * per_row != hd || p.len < per_row * qkv.rows {
                 return Err(Error::backend(
