@@ -23,8 +23,13 @@ For every variant with f16 activations at a GEMM boundary the largest |value| re
 activation rounding point (GEMM in/out, q/k/v, P) is printed too, to show how close f16 comes to
 its overflow at 65504.
 
+The "ideal bf16" rows are the floor the CUDA bf16 tests judge Tessera by (within 1.5× of it, in
+max abs and in 1 − cosine): tests/fixtures/egemma2/bf16_floor.json for the fixtures (written by
+the `fixtures` mode), and the full mode's OUT_JSON for a full-size model, over the same texts
+the full-size test embeds (short, long and every batch64 text).
+
 Usage (repository root, .venv-ref or the GPU machine's site):
-  eg2_bf16_floor.py fixtures                       text and vision fixtures (CPU)
+  eg2_bf16_floor.py fixtures [OUT_JSON]            text and vision fixtures (CPU)
   eg2_bf16_floor.py full MODEL_DIR bench_inputs.json [OUT_JSON]   a full-size model (CUDA if present)
 """
 import json
@@ -180,7 +185,7 @@ def full(mdir, inputs_path):
 
     inputs = json.load(open(inputs_path))
     tok = Tokenizer.from_file(os.path.join(mdir, "tokenizer.json"))
-    texts = [inputs["short"], inputs["long"]] + inputs["batch64"][:6]
+    texts = [inputs["short"], inputs["long"]] + inputs["batch64"]
     ids = [[2] + tok.encode(t).ids + [1] for t in texts]  # the file has no post-processor
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = EmbeddingGemma2Config.from_json_file(os.path.join(mdir, "config.json"))
@@ -191,10 +196,10 @@ def full(mdir, inputs_path):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["fixtures"]:
-        rows = fixtures()
+        rows, out = fixtures(), sys.argv[2:3]
     elif sys.argv[1:2] == ["full"] and len(sys.argv) >= 4:
-        rows = full(sys.argv[2], sys.argv[3])
-        if len(sys.argv) > 4:
-            json.dump(rows, open(sys.argv[4], "w"), indent=1)
+        rows, out = full(sys.argv[2], sys.argv[3]), sys.argv[4:5]
     else:
         sys.exit(__doc__)
+    if out:
+        json.dump(rows, open(out[0], "w"), indent=1)

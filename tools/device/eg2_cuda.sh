@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): EmbeddingGemma 2 on CUDA, parity first,
 # then benchmarks against the PyTorch reference in the same call, then a short table.
-#   PARTS=parity,floor,sens,bench,image,serve,burst,ref,imgref (default all but burst and imgref;
+#   PARTS=parity,floor,sens,bench,image,serve,burst,ref,imgref,load (default all but burst, imgref and
+#   load; parity needs the floor of the full-size model, so it computes it when floor is not asked;
+#   load times loading the full-size model and its peak host memory, for .dev/bin/tessera and, when
+#   stage.sh was given BASELINE, .dev/bin/tessera-base;
 #   bench includes image, the image rows alone, with per-kernel profiles of one image and of mixed
 #   passes; imgref the reference's image rows alone, single and mixed, for runs that measure only
 #   the image rows)
@@ -30,7 +33,13 @@ if [ ! -f $M/model.safetensors ]; then
   python3 tools/device/make_eg2_parity.py $M $P >> "$OUT/make_model.log" 2>&1 || { tail -5 "$OUT/make_model.log"; exit 1; }
 fi
 export TESSERA_EG2_FULL=$P TESSERA_EG2_INPUTS=$D/bench_inputs.json TESSERA_ROOT=$PWD
+export TESSERA_EG2_FLOOR=$OUT/bf16_floor.json
 status=0
+if [[ $PARTS == *floor* || $PARTS == *parity* ]]; then
+  echo "== bf16 floor: the parity model in float64 with only a bf16 engine's storage roundings"
+  python3 tools/device/eg2_bf16_floor.py full $P $D/bench_inputs.json "$TESSERA_EG2_FLOOR" 2> "$OUT/bf16_floor.err" \
+    | grep "ideal bf16" || tail -5 "$OUT/bf16_floor.err"
+fi
 if [[ $PARTS == *parity* ]]; then
   echo "== op parity (cuda vs cpu)"
   .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops.log" 2>&1; r=$?; status=$((status|r))
@@ -39,10 +48,19 @@ if [[ $PARTS == *parity* ]]; then
   .dev/bin/egemma2_cuda --ignored --test-threads=1 --nocapture > "$OUT/egemma2_cuda.log" 2>&1; r=$?; status=$((status|r))
   grep -E "test result|panicked|worst|documents of" -A1 "$OUT/egemma2_cuda.log" | grep -v "^--" | head -24
 fi
-if [[ $PARTS == *floor* ]]; then
-  echo "== bf16 floor: the parity model in float64 with only a bf16 engine's storage roundings"
-  python3 tools/device/eg2_bf16_floor.py full $P $D/bench_inputs.json "$OUT/bf16_floor.json" 2> "$OUT/bf16_floor.err" \
-    || tail -5 "$OUT/bf16_floor.err"
+if [[ $PARTS == *load* ]]; then
+  # Wall time and peak host memory (ru_maxrss of the child) of a process that loads the full-size
+  # model on the GPU and embeds one short text; three runs each, page cache warm after the first.
+  echo "== load: full-size model on cuda, wall s and peak RSS MB (3 runs; new, then baseline)"
+  for bin in .dev/bin/tessera .dev/bin/tessera-base; do
+    [ -x $bin ] || continue
+    for i in 1 2 3; do
+      python3 -c 'import resource, subprocess, sys, time
+t = time.time(); r = subprocess.run(sys.argv[1:], capture_output=True)
+print(f"{sys.argv[1]} run {'"$i"'}: {time.time() - t:.2f} s, peak RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f} MB, rc {r.returncode}")' \
+        $bin embed --model $M --device cuda --text "which planet is red?" | tee -a "$OUT/load.txt"
+    done
+  done
 fi
 if [[ $PARTS == *sens* ]]; then
   echo "== rounding sensitivity vs torch float64: shared model, then the parity model"

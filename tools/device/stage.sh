@@ -9,13 +9,15 @@ mkdir -p .dev/bin .dev/tools .dev/whl
 cargo build --release --locked -p tessera-cli
 cp target/release/tessera .dev/bin/
 # Test executables (release, so parity runs at speed); cargo prints their paths as JSON.
-for spec in "tessera-backend --test cuda_ops" "tessera-models --test egemma2_cuda"; do
+for spec in "tessera-backend --test cuda_ops" "tessera-runtime --test egemma2_cuda"; do
   # shellcheck disable=SC2086
   exe=$(cargo test --release --locked -p $spec --no-run --message-format=json \
         | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable")][-1])')
   name=${spec##* }
   cp "$exe" ".dev/bin/$name"
 done
+# The binary of a baseline commit, for before/after measurements (BASELINE=path/to/tessera).
+if [ -n "${BASELINE:-}" ]; then cp "$BASELINE" .dev/bin/tessera-base; fi
 strip .dev/bin/*  # the device tool carries at most 64 MiB
 cp ../shared/tools/make_eg2_full.py ../shared/tools/refbench.py .dev/tools/
 if [ ! -f .dev/whl/transformers-5.25.0-py3-none-any.whl ]; then

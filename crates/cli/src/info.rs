@@ -20,6 +20,7 @@ pub struct InfoArgs {
     device: DeviceArgs,
 }
 
+/// One component's parameter count, main dtype and size.
 fn weights_line(label: &str, w: &Weights) {
     println!(
         "{label:<12} {} parameters, {} ({:.1} MB)",

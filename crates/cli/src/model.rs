@@ -22,8 +22,8 @@ pub fn open(spec: Option<&str>, capability: Capability) -> Result<ModelSpec> {
 pub fn note_if_bundled(spec: &ModelSpec) {
     if spec.is_bundled() {
         eprintln!(
-            "note: no --model given: this ran the bundled {} (random weights: for checking an install, not for use)",
-            spec.label
+            "note: no --model given: this ran the {} (random weights: for checking an install, not for use)",
+            spec.family.bundled_name()
         );
     }
 }

@@ -593,3 +593,81 @@ fn explicit_cuda_without_a_gpu_is_a_clear_error_or_works() {
         assert!(err.starts_with("error:"), "{err}");
     }
 }
+
+// ---- families, capabilities and devices -------------------------------------------------------
+
+fn zimage_mini() -> PathBuf {
+    root().join("crates/models/assets/zimage-mini")
+}
+
+#[test]
+fn a_model_for_another_command_is_refused_with_the_command_it_needs() {
+    let z = zimage_mini();
+    assert_fails_with(
+        &tessera(&["embed", "--model", z.to_str().unwrap(), "--text", "x"]),
+        &["Z-Image", "text to image", "tessera generate"],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.png");
+    assert_fails_with(
+        &tessera(&[
+            "generate",
+            "--model",
+            mini().to_str().unwrap(),
+            "--prompt",
+            "x",
+            "--out",
+            out.to_str().unwrap(),
+        ]),
+        &["EmbeddingGemma 2", "tessera embed"],
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn info_names_the_family_its_capability_and_what_each_device_runs() {
+    for (model, family) in [
+        (
+            mini(),
+            "family:      EmbeddingGemma 2 — embeddings (`tessera embed`)",
+        ),
+        (
+            zimage_mini(),
+            "family:      Z-Image — text to image (`tessera generate`)",
+        ),
+    ] {
+        let out = tessera(&["info", "--model", model.to_str().unwrap()]);
+        let s = String::from_utf8(out.stdout).unwrap();
+        assert!(out.status.success(), "{s}");
+        assert!(s.contains(family), "{s}");
+        assert!(s.contains("cpu:         runs it: cpu"), "{s}");
+        // This machine may or may not have CUDA; either way the line says which.
+        assert!(
+            s.contains("cuda:        runs it: cuda") || s.contains("cuda:        cannot run it: "),
+            "{s}"
+        );
+    }
+}
+
+#[test]
+fn generate_on_a_device_that_cannot_run_it_is_refused_before_loading() {
+    // No CUDA here, or (on a GPU machine) CUDA without Z-Image's ops: refused either way, naming
+    // the model, with nothing written.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.png");
+    let o = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args([
+            "generate", "--device", "cuda", "--prompt", "x", "--size", "64x64",
+        ])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("error: Z-Image: "), "{err}");
+    assert!(!out.exists() && listing_is_empty(dir.path()), "{err}");
+}
+
+fn listing_is_empty(dir: &Path) -> bool {
+    std::fs::read_dir(dir).unwrap().next().is_none()
+}

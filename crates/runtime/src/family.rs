@@ -37,6 +37,14 @@ impl Family {
         }
     }
 
+    /// The name of the miniature model of this family compiled into the binary.
+    pub fn bundled_name(self) -> &'static str {
+        match self {
+            Family::EmbeddingGemma2 => "bundled egemma2-mini",
+            Family::ZImage => "bundled zimage-mini",
+        }
+    }
+
     pub fn capability(self) -> Capability {
         match self {
             Family::EmbeddingGemma2 => Capability::Embed,
@@ -162,17 +170,15 @@ impl ModelSpec {
 
     /// The miniature random-weight model of `family` compiled into the binary.
     pub fn bundled(family: Family) -> Result<Self> {
-        let (files, label) = match family {
-            Family::EmbeddingGemma2 => (
-                ModelFilesOf::EmbeddingGemma2(egemma2::BUNDLED),
-                "egemma2-mini (bundled, random weights)",
-            ),
-            Family::ZImage => (
-                ModelFilesOf::ZImage(zimage::BUNDLED),
-                "zimage-mini (bundled, random weights)",
-            ),
+        let files = match family {
+            Family::EmbeddingGemma2 => ModelFilesOf::EmbeddingGemma2(egemma2::BUNDLED),
+            Family::ZImage => ModelFilesOf::ZImage(zimage::BUNDLED),
         };
-        Self::with(family, files, label.to_string())
+        Self::with(
+            family,
+            files,
+            format!("{} (random weights)", family.bundled_name()),
+        )
     }
 
     fn with(family: Family, files: ModelFilesOf, label: String) -> Result<Self> {

@@ -138,12 +138,12 @@ impl Backend for CudaBackend {
         scale: f32,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.check(&Op::Embed)?;
+        self.enter(&Op::Embed)?;
         elementwise::embed(self, table, ids, scale, out)
     }
 
     fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
-        self.check(&Op::Cast)?;
+        self.enter(&Op::Cast)?;
         elementwise::cast(self, x, out)
     }
 
@@ -154,12 +154,12 @@ impl Backend for CudaBackend {
         out: ViewMut<'_, Self>,
         ep: &Epilogue<'_, Self>,
     ) -> Result<()> {
-        self.check(&ep.op())?;
+        self.enter(&ep.op())?;
         gemm::matmul(self, x, w, out, ep.alpha)
     }
 
     fn norm(&self, x: View<'_, Self>, n: &RowNorm<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
-        self.check(&Op::Norm(n.shape()))?;
+        self.enter(&Op::Norm(n.shape()))?;
         norm::rms_norm(self, x, n.weight, n.eps, out)
     }
 
@@ -170,7 +170,7 @@ impl Backend for CudaBackend {
         res: &Residual<'_, Self>,
         after: After<'_, Self>,
     ) -> Result<()> {
-        self.check(&res.op(&after))?;
+        self.enter(&res.op(&after))?;
         norm::residual_norm(self, h, y, res, after)
     }
 
@@ -180,7 +180,7 @@ impl Backend for CudaBackend {
         n: &QkvNorm<'_, Self>,
         rope: Option<(&RopeTable<Self>, &CudaBuf)>,
     ) -> Result<()> {
-        self.check(&Op::QkvNormRope {
+        self.enter(&Op::QkvNormRope {
             head_dim: n.layout.head_dim,
             rope: rope.map(|r| r.0.style),
         })?;
@@ -196,7 +196,7 @@ impl Backend for CudaBackend {
         spec: &AttnSpec<'_, Self>,
         segs: &Segments<Self>,
     ) -> Result<()> {
-        self.check(&spec.op())?;
+        self.enter(&spec.op())?;
         attention::attention(self, q, k, v, out, spec, segs)
     }
 
@@ -207,7 +207,7 @@ impl Backend for CudaBackend {
         out: ViewMut<'_, Self>,
         act: Activation,
     ) -> Result<()> {
-        self.check(&Op::Gated(act))?;
+        self.enter(&Op::Gated(act))?;
         elementwise::gated(self, gate, up, out, act)
     }
 
@@ -217,7 +217,7 @@ impl Backend for CudaBackend {
         segs: &Segments<Self>,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.check(&Op::SegmentMean)?;
+        self.enter(&Op::SegmentMean)?;
         elementwise::segment_mean(self, x, segs, out)
     }
 
@@ -228,7 +228,7 @@ impl Backend for CudaBackend {
         pos: &CudaBuf,
         x: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.check(&Op::AddPositions2d)?;
+        self.enter(&Op::AddPositions2d)?;
         rows::add_positions_2d(self, table, axis_rows, pos, x)
     }
 
@@ -239,7 +239,7 @@ impl Backend for CudaBackend {
         scale: f32,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.check(&Op::AvgPool2d)?;
+        self.enter(&Op::AvgPool2d)?;
         rows::avg_pool2d(self, x, grids, scale, out)
     }
 
@@ -249,7 +249,7 @@ impl Backend for CudaBackend {
         rows: &CudaBuf,
         dst: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.check(&Op::ScatterRows)?;
+        self.enter(&Op::ScatterRows)?;
         rows::scatter_rows(self, src, rows, dst)
     }
 
@@ -262,7 +262,7 @@ impl Backend for CudaBackend {
         spec: &Conv2d,
         _o: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.check(&Op::Conv2d {
+        self.enter(&Op::Conv2d {
             kernel: spec.kernel,
             upsample: spec.upsample,
         })?;
@@ -278,7 +278,7 @@ impl Backend for CudaBackend {
         spec: &GroupNorm,
         _o: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.check(&Op::GroupNorm { act: spec.act })?;
+        self.enter(&Op::GroupNorm { act: spec.act })?;
         Err(Error::backend("group_norm", "no CUDA kernel"))
     }
 }
