@@ -241,10 +241,7 @@ impl std::fmt::Display for Op {
                     ""
                 }
             ),
-            Op::GroupNorm { act } => match act {
-                Some(a) => write!(f, "{name} (then {a:?})"),
-                None => write!(f, "{name}"),
-            },
+            Op::GroupNorm { act: Some(a) } => write!(f, "{name} (then {a:?})"),
             _ => write!(f, "{name}"),
         }
     }
