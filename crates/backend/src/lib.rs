@@ -26,6 +26,28 @@ pub use op::{
 pub use tessera_core::{Error, Result, Tensor};
 pub use view::{View, ViewMut};
 
+/// The shape `(out, inner)` of matrices `[out_i, inner]` stacked along `out` (what
+/// [`Backend::matrix`] takes), checking that every part is 2-D and that they share `inner`.
+pub fn stacked_shape(parts: &[Tensor<'_>]) -> Result<(usize, usize)> {
+    let mut inner = None;
+    let mut out = 0;
+    for t in parts {
+        let (rows, cols) = t.dims2()?;
+        if *inner.get_or_insert(cols) != cols {
+            return Err(Error::backend(
+                "matrix",
+                format!(
+                    "`{}` is {rows}×{cols}; the matrices stacked with it are {}-wide",
+                    t.name,
+                    inner.unwrap_or(0)
+                ),
+            ));
+        }
+        out += rows;
+    }
+    Ok((out, inner.unwrap_or(0)))
+}
+
 /// Numeric precision of a backend's activations and GEMMs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {

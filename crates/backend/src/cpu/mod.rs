@@ -150,25 +150,9 @@ fn check_same_shape(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()
     Ok(())
 }
 
-/// Widen every part to `f32` and stack the parts along `out`, checking they share `inner`.
+/// Widen every part to `f32` and stack the parts along `out`.
 fn stack_f32(parts: &[Tensor<'_>]) -> Result<CpuMat> {
-    let mut inner = None;
-    let mut out = 0;
-    for t in parts {
-        let (rows, cols) = t.dims2()?;
-        if *inner.get_or_insert(cols) != cols {
-            return Err(Error::backend(
-                "matrix",
-                format!(
-                    "`{}` is {rows}×{cols}; the matrices stacked with it are {}-wide",
-                    t.name,
-                    inner.unwrap_or(0)
-                ),
-            ));
-        }
-        out += rows;
-    }
-    let inner = inner.unwrap_or(0);
+    let (out, inner) = crate::stacked_shape(parts)?;
     let mut data = vec![0f32; out * inner];
     let mut at = 0;
     for t in parts {

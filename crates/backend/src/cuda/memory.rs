@@ -313,23 +313,7 @@ impl CudaBackend {
     /// checkpoint under bf16), any other is converted on the host a slice at a time, so no
     /// whole-matrix host copy (least of all an `f32` one) is ever made.
     pub(super) fn upload_matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
-        let mut inner = None;
-        let mut out = 0;
-        for t in parts {
-            let (rows, cols) = t.dims2()?;
-            if *inner.get_or_insert(cols) != cols {
-                return Err(Error::backend(
-                    "matrix",
-                    format!(
-                        "`{}` is {rows}×{cols}; the matrices stacked with it are {}-wide",
-                        t.name,
-                        inner.unwrap_or(0)
-                    ),
-                ));
-            }
-            out += rows;
-        }
-        let inner = inner.unwrap_or(0);
+        let (out, inner) = crate::stacked_shape(parts)?;
         let elem = self.compute_elem();
         let mut buf = self.alloc_buf(out * inner, Role::Compute)?;
         let mut at = 0;
