@@ -1,0 +1,151 @@
+//! The VAE's ops over channels-last images: `conv2d` and `group_norm`.
+
+use tessera_backend::{Activation, Conv2d, GroupNorm, Op, Role};
+
+use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng};
+
+/// A "same" `kernel × kernel` convolution of a `height × width × cin` image into `cout`
+/// channels, plus a bias.
+#[derive(Clone, Debug)]
+pub struct ConvCase {
+    spec: Conv2d,
+    cin: usize,
+    cout: usize,
+}
+
+pub fn conv2d(height: usize, width: usize, cin: usize, cout: usize, kernel: usize) -> ConvCase {
+    ConvCase {
+        spec: Conv2d {
+            height,
+            width,
+            kernel,
+            upsample: false,
+        },
+        cin,
+        cout,
+    }
+}
+
+impl ConvCase {
+    /// Of the image upsampled 2× by nearest neighbour first.
+    pub fn upsampled(self) -> Self {
+        ConvCase {
+            spec: Conv2d {
+                upsample: true,
+                ..self.spec
+            },
+            ..self
+        }
+    }
+}
+
+impl OpCase for ConvCase {
+    fn name(&self) -> String {
+        let Conv2d {
+            height,
+            width,
+            kernel,
+            upsample,
+        } = self.spec;
+        let up = if upsample { " upsampled 2×" } else { "" };
+        format!(
+            "conv2d {kernel}×{kernel} {}→{} over a {height}×{width} image{up}",
+            self.cin, self.cout
+        )
+    }
+
+    fn op(&self) -> Op {
+        Op::Conv2d {
+            kernel: self.spec.kernel,
+            upsample: self.spec.upsample,
+        }
+    }
+
+    fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
+        let ConvCase { spec, cin, cout } = *self;
+        let (pixels, (oh, ow)) = (spec.height * spec.width, spec.out_size());
+        let inner = spec.kernel * spec.kernel * cin;
+        let x = Guarded::drawn(
+            be,
+            Role::Compute,
+            Layout::padded(pixels, cin, 8, 8),
+            rng,
+            2.0,
+        )?;
+        let w = rng.vec(cout * inner, 1.0 / (inner as f32).sqrt());
+        let w = be.matrix_f32(&[(&w, cout)], inner)?;
+        let bias = be.vector_f32(&rng.vec(cout, 0.5))?;
+        let at = Layout::padded(oh * ow, cout, 8, 8);
+        let mut out = Guarded::empty(be, Role::Compute, at)?;
+        be.conv2d(x.view(), &w, &bias, &spec, out.view_mut())?;
+        Ok(vec![out.read(be, "out")?])
+    }
+}
+
+/// `nn.GroupNorm` of `pixels × channels` in `groups`, then an optional activation.
+#[derive(Clone, Debug)]
+pub struct GroupNormCase {
+    pixels: usize,
+    channels: usize,
+    spec: GroupNorm,
+}
+
+/// No activation after, eps 1e-6 (the VAE's).
+pub fn group_norm(pixels: usize, channels: usize, groups: usize) -> GroupNormCase {
+    GroupNormCase {
+        pixels,
+        channels,
+        spec: GroupNorm {
+            groups,
+            eps: 1e-6,
+            act: None,
+        },
+    }
+}
+
+impl GroupNormCase {
+    pub fn then(self, act: Activation) -> Self {
+        GroupNormCase {
+            spec: GroupNorm {
+                act: Some(act),
+                ..self.spec
+            },
+            ..self
+        }
+    }
+}
+
+impl OpCase for GroupNormCase {
+    fn name(&self) -> String {
+        let GroupNormCase {
+            pixels, channels, ..
+        } = *self;
+        let act = self
+            .spec
+            .act
+            .map_or(String::new(), |a| format!(" then {a:?}"));
+        format!(
+            "group_norm {pixels}×{channels} in {} groups{act}",
+            self.spec.groups
+        )
+    }
+
+    fn op(&self) -> Op {
+        Op::GroupNorm { act: self.spec.act }
+    }
+
+    fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
+        let GroupNormCase {
+            pixels, channels, ..
+        } = *self;
+        // Off-centre values, so the mean matters.
+        let x = rng.around(pixels * channels, 1.0, 3.0);
+        let at = Layout::padded(pixels, channels, 8, 8);
+        let x = Guarded::new(be, Role::Compute, at, Some(&x))?;
+        let weight = be.vector_f32(&rng.around(channels, 1.0, 0.3))?;
+        let bias = be.vector_f32(&rng.vec(channels, 0.5))?;
+        let mut out = Guarded::empty(be, Role::Compute, at)?;
+        be.group_norm(x.view(), &weight, &bias, &self.spec, out.view_mut())?;
+        Ok(vec![out.read(be, "out")?])
+    }
+}
