@@ -380,7 +380,11 @@ impl<B: Backend> EmbeddingGemma2<B> {
             }
             let batch: Vec<&[u32]> = seqs[start..end].iter().map(Vec::as_slice).collect();
             match self.text.forward(&self.backend, &batch) {
-                Ok(vectors) => out.extend(vectors.into_iter().map(l2_normalize)),
+                Ok(vectors) => {
+                    for v in vectors {
+                        out.push(checked_l2_normalize(v)?);
+                    }
+                }
                 // Out of device memory: split the pass and try again, down to one input.
                 Err(Error::OutOfMemory(_)) if end - start > 1 => {
                     budget = (rows / 2).max(1);
@@ -727,7 +731,7 @@ impl<B: Backend> Passes<'_, B> {
         let vectors = self.run_pass(batch)?;
         for (v, p) in vectors.into_iter().zip(batch.iter()) {
             out.push(Embedding {
-                vector: matryoshka(l2_normalize(v), dim),
+                vector: matryoshka(checked_l2_normalize(v)?, dim),
                 tokens: p.ids.len(),
             });
         }
@@ -784,6 +788,16 @@ pub fn l2_normalize(mut v: Vec<f32>) -> Vec<f32> {
         .max(1e-12);
     v.iter_mut().for_each(|x| *x = (*x as f64 / norm) as f32);
     v
+}
+
+/// [`l2_normalize`] once the pooled vector is known to be finite: a NaN would otherwise turn
+/// the whole embedding into NaNs, written out as `null`s.
+fn checked_l2_normalize(v: Vec<f32>) -> Result<Vec<f32>> {
+    tessera_core::check_finite(
+        "the embedding before L2 normalisation (text encoder output)",
+        &v,
+    )?;
+    Ok(l2_normalize(v))
 }
 
 /// Keep the first `dim` coordinates and L2-normalise again.
