@@ -9,7 +9,7 @@ use tessera_core::Result;
 
 use super::{Config, Embedding, EmbeddingGemma2, Input, Prompts, TextOptions};
 use crate::files::ModelFiles;
-use crate::imageproc::{Image, ImageBudget};
+use crate::imageproc::{Image, ImageBudget, ImageLimits};
 
 pub enum AnyEmbeddingGemma2 {
     Cpu(Box<EmbeddingGemma2<CpuBackend>>),
@@ -97,6 +97,17 @@ impl AnyEmbeddingGemma2 {
     }
     pub fn patch_spec(&self) -> Option<crate::imageproc::PatchSpec> {
         with_model!(self, m => m.patch_spec())
+    }
+    /// What an image must satisfy for this model at `budget`, checked from its header before it
+    /// is decoded (no memory bound: set `max_bytes` for one); `None` for a text-only model.
+    pub fn image_limits(&self, budget: ImageBudget) -> Option<ImageLimits> {
+        let spec = self.patch_spec()?;
+        Some(ImageLimits {
+            spec,
+            budget,
+            max_grid_side: self.config().vision.as_ref()?.position_embedding_size,
+            max_bytes: u64::MAX,
+        })
     }
     pub fn input_ids(
         &self,
