@@ -12,6 +12,7 @@ mod loadtest;
 mod model;
 mod output;
 mod serve;
+mod signals;
 
 use std::process::ExitCode;
 
