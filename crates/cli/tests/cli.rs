@@ -245,6 +245,43 @@ fn tensor_of_the_wrong_shape() {
 }
 
 #[test]
+fn nan_weights_fail_naming_the_stage_instead_of_writing_nulls() {
+    let dir = copy_mini();
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
+    let name = "language_model.layers.1.mlp.down_proj.weight";
+    let idx = tensors.iter().position(|(n, _)| n == name).unwrap();
+    let t = &tensors[idx].1;
+    // All bits set is a NaN in every float format.
+    let nan: &'static [u8] = Box::leak(vec![0xff; t.data().len()].into_boxed_slice());
+    tensors[idx].1 =
+        safetensors::tensor::TensorView::new(t.dtype(), t.shape().to_vec(), nan).unwrap();
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+    // Before: exit 0 and `"embedding": [null, …]`.
+    let out = tessera(&[
+        "embed",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--text",
+        "x",
+    ]);
+    assert_fails_with(
+        &out,
+        &[
+            "embedding before L2 normalisation",
+            "not finite (NaN or infinity",
+        ],
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
 fn truncated_safetensors() {
     let dir = copy_mini();
     let path = dir.path().join("model.safetensors");
