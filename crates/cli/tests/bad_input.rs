@@ -6,7 +6,6 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
@@ -69,31 +68,26 @@ fn measured(args: &[&str], deadline: Duration) -> Run {
         .spawn()
         .expect("tessera runs");
     let stderr = drain(child.stderr.take().unwrap());
-    let pid = child.id() as libc::pid_t;
+    let pid = child.id();
     let started = Instant::now();
-    let mut status = 0;
     let mut peak = 0;
     let mut killed = false;
-    loop {
+    let status = loop {
         // Read before reaping: the count goes with the process.
-        if let Some(hwm) = proc_status(pid as u32, "VmHWM") {
+        if let Some(hwm) = proc_status(pid, "VmHWM") {
             peak = peak.max(hwm);
         }
-        // SAFETY: `pid` is our child, not reaped yet (its `Child` is never waited on), and
-        // `status` is a live local.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        if r == pid {
-            break;
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
         }
-        assert_eq!(r, 0, "waitpid: {}", std::io::Error::last_os_error());
         if !killed && started.elapsed() > deadline {
             let _ = child.kill();
             killed = true;
         }
         std::thread::sleep(Duration::from_millis(1));
-    }
+    };
     let run = Run {
-        status: ExitStatus::from_raw(status),
+        status,
         stderr: stderr.join().unwrap(),
         elapsed: started.elapsed(),
         peak_rss: peak,
