@@ -310,27 +310,25 @@ fn absurd_guidance_is_refused_as_the_flag_is_parsed() {
     }
 }
 
+/// The quickest generation: 32×32, one step, to `out`.
+fn small_run(out: &Path) -> Output {
+    tessera(&[
+        "--prompt",
+        "x",
+        "--size",
+        "32x32",
+        "--steps",
+        "1",
+        "-o",
+        out.to_str().unwrap(),
+    ])
+}
+
 #[test]
 fn out_to_a_fifo_or_through_a_symlink_keeps_what_is_there() {
     use std::os::unix::fs::FileTypeExt;
     let dir = tempfile::tempdir().unwrap();
-    let args = |out: &Path| {
-        [
-            "--prompt",
-            "x",
-            "--size",
-            "32x32",
-            "--steps",
-            "1",
-            "-o",
-            out.to_str().unwrap(),
-        ]
-        .map(String::from)
-    };
-    let run = |out: &Path| {
-        let a = args(out);
-        tessera(&a.iter().map(String::as_str).collect::<Vec<_>>())
-    };
+    let run = small_run;
     // A FIFO: written through to its reader, and still a FIFO afterwards.
     let fifo = dir.path().join("pipe.png");
     assert!(
@@ -432,16 +430,7 @@ fn leftovers_of_a_killed_run_are_removed_and_nothing_else() {
     std::os::unix::fs::symlink(&other, &link).unwrap();
 
     let out = d.join("x.png");
-    let o = tessera(&[
-        "--prompt",
-        "x",
-        "--size",
-        "32x32",
-        "--steps",
-        "1",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
+    let o = small_run(&out);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("left by an interrupted run"),
