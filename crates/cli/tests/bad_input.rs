@@ -315,7 +315,9 @@ fn the_server_stays_within_its_image_memory_while_clients_send_the_wide_image() 
             if i % 2 == 0 { &wide } else { &large }.clone(),
         );
         clients.push(std::thread::spawn(move || {
-            (i % 2 == 0, server.embed(&body))
+            let started = Instant::now();
+            let answer = server.embed(&body);
+            (i % 2 == 0, answer, started.elapsed())
         }));
     }
     // Short texts keep being answered while the images are in.
@@ -339,8 +341,12 @@ fn the_server_stays_within_its_image_memory_while_clients_send_the_wide_image() 
         grew / MIB
     );
     let mut served = 0;
-    for (is_wide, (status, body)) in answers {
+    for (is_wide, (status, body), took) in answers {
         if is_wide {
+            assert!(
+                took < Duration::from_secs(5),
+                "the wide image took {took:?}"
+            );
             // Before: decoded (360 MB) and only then refused as over the budget; under a
             // budget that fits it, resized in 3.8 GB and 15 s, then refused for its grid.
             assert_eq!(status, 400, "{body}");
