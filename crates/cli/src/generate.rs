@@ -215,10 +215,9 @@ fn temporary_beside(path: &Path, dest: &Path) -> Result<tempfile::NamedTempFile>
         Error::io(path, std::io::Error::new(e.kind(), why))
     })?;
     // Held until this process ends, however it ends: a later run that can take the lock
-    // knows the file is abandoned.
-    tmp.as_file()
-        .try_lock()
-        .map_err(|e| Error::io(tmp.path(), std::io::Error::other(e.to_string())))?;
+    // knows the file is abandoned. Where the file system has no locks, no later run can take
+    // one either, and nothing is removed: failing here would gain nothing.
+    let _ = tmp.as_file().try_lock();
     *pending = Some(tmp.path().to_path_buf());
     drop(pending);
     remove_leftovers(&parent, tmp.path());
