@@ -17,7 +17,7 @@ PARTS=${PARTS:-parity,floor,sens,bench,serve,ref}
 W3_DOCS=${W3_DOCS:-8192}
 W3_PASS=${W3_PASS:-16384,32768,65536}
 IMG_PASS=${IMG_PASS:-16384,32768,65536}
-PROFILES=${PROFILES:-w1 w2 w3}
+PROFILES=${PROFILES-w1 w2 w3}  # empty: no per-op-class profiles (also of the image runs)
 PROFILE_MODE=${PROFILE_MODE:-1}  # TESSERA_PROFILE for the workload profiles: 1 (op classes) or kernels
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
@@ -88,14 +88,16 @@ if [[ $PARTS == *bench* || $PARTS == *image* ]]; then
   echo "== tessera bench image"
   $B bench image --device cuda --model $M --image $IMG --pass-patches "$IMG_PASS" > "$OUT/bench_image.jsonl" 2> "$OUT/bench_image.err"
   cat "$OUT/bench_image.jsonl"; tail -n 2 "$OUT/bench_image.err"
-  # GPU time per op class of one image's forward, warm (graph replay off): the rest is host time.
-  TESSERA_PROFILE=1 $B bench image --device cuda --model $M --image $IMG --images 8 \
-    --pass-patches 16384 > /dev/null 2> "$OUT/profile_image.txt"
-  sed -n '40,41p' "$OUT/profile_image.txt"
-  # Per-kernel GPU time of the mixed-size passes (64 images, one 65,536-patch pass size).
-  TESSERA_PROFILE=kernels $B bench image --device cuda --model $M --image $IMG --images 64 \
-    --pass-patches 65536 > /dev/null 2> "$OUT/profile_image_mixed.txt"
-  tail -n 30 "$OUT/profile_image_mixed.txt"
+  if [ -n "$PROFILES" ]; then
+    # GPU time per op class of one image's forward, warm (graph replay off): the rest is host time.
+    TESSERA_PROFILE=1 $B bench image --device cuda --model $M --image $IMG --images 8 \
+      --pass-patches 16384 > /dev/null 2> "$OUT/profile_image.txt"
+    sed -n '40,41p' "$OUT/profile_image.txt"
+    # Per-kernel GPU time of the mixed-size passes (64 images, one 65,536-patch pass size).
+    TESSERA_PROFILE=kernels $B bench image --device cuda --model $M --image $IMG --images 64 \
+      --pass-patches 65536 > /dev/null 2> "$OUT/profile_image_mixed.txt"
+    tail -n 30 "$OUT/profile_image_mixed.txt"
+  fi
 fi
 if [[ $PARTS == *serve* ]]; then
   echo "== tessera bench serve (loopback, full-size model): lanes, then fifo"

@@ -8,7 +8,7 @@ use clap::{ArgMatches, Args};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tessera_core::{Error, Result};
 use tessera_models::egemma2::{Input, Part, TextOptions};
-use tessera_models::imageproc::{Image, ImageBudget};
+use tessera_models::imageproc::{Image, ImageBudget, ImageLimits};
 
 use crate::device::DeviceArgs;
 
@@ -136,8 +136,10 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
         bar.enable_steady_tick(Duration::from_millis(200));
     }
     let mut tick = |n: usize| bar.inc(n as u64);
+    // Images are checked from their headers against the tower before they are decoded.
+    let limits = model.image_limits(budget);
     let embeddings = if args.combine {
-        let parts = combined_parts(&args, matches)?;
+        let parts = combined_parts(&args, matches, limits.as_ref())?;
         model.embed_inputs(&[Input { parts }], &opts, budget, args.dim, &mut tick)?
     } else {
         let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
@@ -145,6 +147,7 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
         all.extend(embed_images(
             model.as_mut(),
             &images,
+            limits.as_ref(),
             &opts,
             budget,
             args.dim,
@@ -168,6 +171,7 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
 fn embed_images(
     model: &mut dyn Embed,
     paths: &[PathBuf],
+    limits: Option<&ImageLimits>,
     opts: &TextOptions,
     budget: ImageBudget,
     dim: Option<usize>,
@@ -177,7 +181,7 @@ fn embed_images(
     for chunk in paths.chunks(IMAGES_PER_CALL) {
         let inputs = chunk
             .iter()
-            .map(|p| Image::open(p).map(Input::image))
+            .map(|p| open_image(p, limits).map(Input::image))
             .collect::<Result<Vec<_>>>()?;
         let got = match model.embed_inputs(&inputs, opts, budget, dim, tick) {
             Ok(got) => got,
@@ -198,7 +202,11 @@ fn embed_images(
 }
 
 /// `--text` and `--image` values as parts, in the order they appear on the command line.
-fn combined_parts(args: &EmbedArgs, matches: Option<&ArgMatches>) -> Result<Vec<Part>> {
+fn combined_parts(
+    args: &EmbedArgs,
+    matches: Option<&ArgMatches>,
+    limits: Option<&ImageLimits>,
+) -> Result<Vec<Part>> {
     let index = |id: &str| -> Vec<usize> {
         matches
             .and_then(|m| m.indices_of(id))
@@ -212,8 +220,17 @@ fn combined_parts(args: &EmbedArgs, matches: Option<&ArgMatches>) -> Result<Vec<
     }
     for (i, p) in args.images.iter().enumerate() {
         let at = ii.get(i).copied().unwrap_or(usize::MAX);
-        order.push((at, Part::Image(Image::open(p)?)));
+        order.push((at, Part::Image(open_image(p, limits)?)));
     }
     order.sort_by_key(|(i, _)| *i);
     Ok(order.into_iter().map(|(_, p)| p).collect())
+}
+
+/// Open an image, refusing from its header one the model's tower cannot take (`limits`: `None`
+/// for a text-only model, which refuses images later with its own message).
+fn open_image(path: &std::path::Path, limits: Option<&ImageLimits>) -> Result<Image> {
+    match limits {
+        Some(l) => l.open(path),
+        None => Image::open(path),
+    }
 }

@@ -3,17 +3,22 @@
 //!
 //! Everything that can be refused is refused before the model runs: the output file is created
 //! (as a hidden temporary file next to it, renamed into place at the end, so a failed run leaves
-//! nothing half-written), the initial latent is read and the request is checked.
+//! nothing half-written; a device or a FIFO is written through instead of replaced), the initial
+//! latent is read and the request is checked. SIGINT and SIGTERM remove the temporary file; a
+//! run killed beyond that (SIGKILL) leaves one that the next run in that folder removes.
 
 mod npy;
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
-use tessera_models::zimage::pipeline::{DEFAULT_GUIDANCE, DEFAULT_STEPS};
-use tessera_models::zimage::{Event, Request, RgbImage};
+use tessera_models::zimage::config::TransformerConfig;
+use tessera_models::zimage::pipeline::{DEFAULT_GUIDANCE, DEFAULT_STEPS, check_guidance};
+use tessera_models::zimage::{Event, Request, RgbImage, ZImageConfigs};
 use tessera_runtime::{Capability, image};
 
 use crate::device::DeviceArgs;
@@ -50,7 +55,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
     /// Classifier-free guidance scale; 0 turns CFG off.
-    #[arg(long, default_value_t = DEFAULT_GUIDANCE)]
+    #[arg(long, default_value_t = DEFAULT_GUIDANCE, value_parser = parse_guidance)]
     pub guidance: f32,
     /// Seed of the initial latent.
     #[arg(long, default_value_t = 0)]
@@ -79,11 +84,41 @@ fn parse_size(s: &str) -> std::result::Result<(usize, usize), String> {
     Ok((n(w)?, n(h)?))
 }
 
-/// The output file, claimed before any work: a temporary file in the target folder, persisted
-/// under the final name once the image is written.
+/// How temporary files are named: `.tessera-XXXXXX.png.part` beside the output (`XXXXXX`
+/// random letters and digits). A later run removes leftovers of this pattern (see
+/// [`remove_leftovers`]).
+const TMP_PREFIX: &str = ".tessera-";
+const TMP_SUFFIX: &str = ".png.part";
+const TMP_RANDOM: usize = 6;
+/// A leftover younger than this is never removed: its run may not have locked it yet.
+const LEFTOVER_AGE: Duration = Duration::from_secs(60);
+
+/// The temporary file a signal must remove, held from its creation until it is renamed into
+/// place; the signal thread takes the lock, so a rename and a removal never interleave.
+static PENDING: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+fn pending() -> std::sync::MutexGuard<'static, Option<PathBuf>> {
+    PENDING.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The output, claimed before any work.
 struct Output {
+    /// As the user gave it, for messages.
     path: PathBuf,
-    tmp: tempfile::NamedTempFile,
+    target: Target,
+}
+
+enum Target {
+    /// A regular file or a new path: the PNG goes to a temporary file in the same folder,
+    /// renamed over `dest` at the end, so a failed or interrupted run leaves nothing
+    /// half-written. The file is locked while this run owns it.
+    Atomic {
+        dest: PathBuf,
+        tmp: tempfile::NamedTempFile,
+    },
+    /// Anything else (a device such as /dev/null, a FIFO): written through, as `embed -o`
+    /// writes, so that it stays what it is instead of being replaced by a regular file.
+    Through(std::fs::File),
 }
 
 impl Output {
@@ -94,35 +129,52 @@ impl Output {
                 path.display()
             )));
         }
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
+        let meta = match std::fs::symlink_metadata(path) {
+            Ok(m) => Some(m),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(Error::io(path, e)),
         };
-        let mut builder = tempfile::Builder::new();
-        builder.prefix(".tessera-").suffix(".png.part");
-        // A normal file once renamed (the umask applies), not the 0600 of temporary files.
-        #[cfg(unix)]
-        builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
-        let tmp = builder.tempfile_in(&parent).map_err(|e| {
-            let cause = match e.kind() {
-                std::io::ErrorKind::NotFound => "no such folder".to_string(),
-                std::io::ErrorKind::PermissionDenied => "permission denied".to_string(),
-                other => other.to_string(),
-            };
-            let why = format!("cannot create a file in {}: {cause}", parent.display());
-            Error::io(path, std::io::Error::new(e.kind(), why))
-        })?;
+        let dest = match &meta {
+            // A symbolic link: the file it points to is replaced, the link stays.
+            Some(m) if m.file_type().is_symlink() => std::fs::canonicalize(path).map_err(|e| {
+                let why = format!(
+                    "a symbolic link that cannot be followed ({e}); give the file's own path"
+                );
+                Error::io(path, std::io::Error::new(e.kind(), why))
+            })?,
+            _ => path.to_path_buf(),
+        };
+        let regular_or_new = match std::fs::metadata(&dest) {
+            Ok(m) => m.is_file(),
+            Err(_) => meta.is_none(),
+        };
+        let target = if regular_or_new {
+            Target::Atomic {
+                tmp: temporary_beside(path, &dest)?,
+                dest,
+            }
+        } else {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&dest)
+                .map_err(|e| Error::io(path, e))?;
+            Target::Through(file)
+        };
         Ok(Output {
             path: path.to_path_buf(),
-            tmp,
+            target,
         })
     }
 
     fn write(self, image: &RgbImage, text: &[(&str, String)]) -> Result<()> {
-        let io =
-            |e: png::EncodingError| Error::io(&self.path, std::io::Error::other(e.to_string()));
+        let path = &self.path;
+        let io = |e: png::EncodingError| Error::io(path, std::io::Error::other(e.to_string()));
+        let file: &std::fs::File = match &self.target {
+            Target::Atomic { tmp, .. } => tmp.as_file(),
+            Target::Through(f) => f,
+        };
         {
-            let file = std::io::BufWriter::new(self.tmp.as_file());
+            let file = std::io::BufWriter::new(file);
             let mut enc = png::Encoder::new(file, image.width as u32, image.height as u32);
             enc.set_color(png::ColorType::Rgb);
             enc.set_depth(png::BitDepth::Eight);
@@ -134,15 +186,179 @@ impl Output {
             w.write_image_data(&image.pixels).map_err(io)?;
             w.finish().map_err(io)?;
         }
-        self.tmp
-            .persist(&self.path)
-            .map_err(|e| Error::io(&self.path, e.error))?;
+        if let Target::Atomic { dest, tmp } = self.target {
+            let mut pending = pending();
+            tmp.persist(&dest).map_err(|e| Error::io(path, e.error))?;
+            *pending = None;
+        }
         Ok(())
     }
 }
 
+/// A locked temporary file in `dest`'s folder, registered for removal on SIGINT/SIGTERM;
+/// leftovers of killed runs found there are removed first.
+fn temporary_beside(path: &Path, dest: &Path) -> Result<tempfile::NamedTempFile> {
+    let parent = match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let mut builder = tempfile::Builder::new();
+    builder
+        .prefix(TMP_PREFIX)
+        .suffix(TMP_SUFFIX)
+        .rand_bytes(TMP_RANDOM);
+    // A normal file once renamed (the umask applies), not the 0600 of temporary files.
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    let mut pending = pending();
+    let tmp = builder.tempfile_in(&parent).map_err(|e| {
+        let cause = match e.kind() {
+            std::io::ErrorKind::NotFound => "no such folder".to_string(),
+            std::io::ErrorKind::PermissionDenied => "permission denied".to_string(),
+            other => other.to_string(),
+        };
+        let why = format!("cannot create a file in {}: {cause}", parent.display());
+        Error::io(path, std::io::Error::new(e.kind(), why))
+    })?;
+    // Held until this process ends, however it ends: a later run that can take the lock
+    // knows the file is abandoned. Where the file system has no locks, no later run can take
+    // one either, and nothing is removed: failing here would gain nothing.
+    let _ = tmp.as_file().try_lock();
+    *pending = Some(tmp.path().to_path_buf());
+    drop(pending);
+    remove_leftovers(&parent, tmp.path());
+    Ok(tmp)
+}
+
+/// Whether `name` is one of our temporary files: `.tessera-` + 6 letters or digits + `.png.part`.
+fn is_temporary_name(name: &str) -> bool {
+    name.strip_prefix(TMP_PREFIX)
+        .and_then(|r| r.strip_suffix(TMP_SUFFIX))
+        .is_some_and(|r| r.len() == TMP_RANDOM && r.bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
+/// Remove the temporary files that runs killed beyond cleaning up (SIGKILL, a power cut) left in
+/// `dir`. Only files of our own name pattern are touched, only regular files owned by the same
+/// user as `ours`, at least [`LEFTOVER_AGE`] old, and only when no process holds their lock (a
+/// run in progress always does). Failures are ignored: this is tidying, not the job.
+fn remove_leftovers(dir: &Path, ours: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    #[cfg(unix)]
+    let owner = {
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::metadata(ours) {
+            Ok(m) => m.uid(),
+            Err(_) => return,
+        }
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        if path == ours || !name.to_str().is_some_and(is_temporary_name) {
+            continue;
+        }
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        #[cfg(unix)]
+        if std::os::unix::fs::MetadataExt::uid(&meta) != owner {
+            continue;
+        }
+        let old = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age >= LEFTOVER_AGE);
+        if !meta.is_file() || !old {
+            continue;
+        }
+        let abandoned = std::fs::File::open(&path).is_ok_and(|f| f.try_lock().is_ok());
+        if abandoned && std::fs::remove_file(&path).is_ok() {
+            eprintln!(
+                "note: removed {}, left by an interrupted run",
+                path.display()
+            );
+        }
+    }
+}
+
+/// On SIGINT or SIGTERM, remove the pending temporary file and exit (130 or 143, as a shell
+/// reports a process killed by the signal).
+fn remove_on_signal() -> Result<()> {
+    let failed = |e: std::io::Error| Error::io("<signal handler>", e);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(failed)?;
+    let signal = {
+        let _in_runtime = rt.enter();
+        crate::signals::interrupted().map_err(failed)?
+    };
+    std::thread::Builder::new()
+        .name("tessera-signals".into())
+        .spawn(move || {
+            let code = rt.block_on(signal);
+            let pending = pending();
+            if let Some(p) = pending.as_ref() {
+                let _ = std::fs::remove_file(p);
+            }
+            std::process::exit(code);
+        })
+        .map_err(failed)?;
+    Ok(())
+}
+
+/// A one-line warning when the transformer alone would keep the CPU busy for an hour or more:
+/// its matmuls (`24·dim²` FLOPs per token and layer, the FFN being `8/3·dim` wide) and attention
+/// (`4·tokens·dim`), at an optimistic 50 GFLOP/s per core. The VAE comes on top, so the real time
+/// is longer.
+fn cpu_time_warning(
+    cfg: &TransformerConfig,
+    (width, height): (usize, usize),
+    steps: usize,
+    cfg_passes: usize,
+    cores: usize,
+) -> Option<String> {
+    let layers = cfg.n_layers + cfg.n_refiner_layers;
+    let passes = steps * cfg_passes;
+    cpu_hours(cfg.dim, layers, (width, height), passes, cores).map(|(tflop, hours)| {
+        format!(
+            "a {width}x{height} image in {steps} steps is about {tflop:.0} TFLOP for the transformer alone: on {cores} CPU cores that is {hours:.1} hours or more"
+        )
+    })
+}
+
+/// `(TFLOP, hours)` of `passes` forwards of a transformer of width `dim` and `layers` layers
+/// over a `width × height` image, when the hours come to one or more.
+fn cpu_hours(
+    dim: usize,
+    layers: usize,
+    (width, height): (usize, usize),
+    passes: usize,
+    cores: usize,
+) -> Option<(f64, f64)> {
+    const FLOPS_PER_CORE: f64 = 50e9;
+    let tokens = ((width / 16) * (height / 16)) as f64;
+    let (dim, layers) = (dim as f64, layers as f64);
+    let flops = passes as f64 * layers * tokens * (24.0 * dim * dim + 4.0 * tokens * dim);
+    let hours = flops / (FLOPS_PER_CORE * cores.max(1) as f64) / 3600.0;
+    (hours >= 1.0).then_some((flops / 1e12, hours))
+}
+
+/// `--guidance`: a number from 0 to the pipeline's maximum, checked as the flag is parsed.
+fn parse_guidance(s: &str) -> std::result::Result<f32, String> {
+    let g: f32 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number"))?;
+    check_guidance(g).map(|()| g).map_err(|e| e.to_string())
+}
+
 pub fn run(args: GenerateArgs) -> Result<()> {
     let started = Instant::now();
+    remove_on_signal()?;
     let out = Output::claim(&args.out)?;
     let init = args.init_latent.as_deref().map(npy::read_f32).transpose()?;
     let spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
@@ -152,12 +368,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         );
     }
     let backend = args.device.open_for(&spec)?;
+    let on_cpu = matches!(backend, AnyBackend::Cpu(_));
     let label = spec.label.clone();
-    let mut model = image::load(
-        backend,
-        &model::image_files(&spec)?,
-        args.transformer.as_deref(),
-    )?;
+    let files = model::image_files(&spec)?;
+    let mut model = image::load(backend, &files, args.transformer.as_deref())?;
     let (width, height) = args.size;
     let mut req = Request {
         prompt: args.prompt.clone(),
@@ -184,6 +398,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let plan = model.plan(&req)?;
     for w in &plan.warnings {
         eprintln!("warning: {w}");
+    }
+    if on_cpu {
+        let passes = if req.cfg() { 2 } else { 1 };
+        let cores = rayon::current_num_threads();
+        let config = &ZImageConfigs::read(&files)?.transformer;
+        if let Some(w) = cpu_time_warning(config, args.size, plan.schedule.steps(), passes, cores) {
+            eprintln!("warning: {w}");
+        }
     }
 
     let bar = ProgressBar::new(plan.schedule.steps() as u64).with_style(
@@ -229,7 +451,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::*;
 
     #[test]
     fn sizes_parse_as_width_by_height() {
@@ -241,5 +463,39 @@ mod tests {
                 .unwrap_err()
                 .contains("not a whole number")
         );
+    }
+
+    #[test]
+    fn guidance_is_checked_as_it_is_parsed() {
+        assert_eq!(parse_guidance("4"), Ok(4.0));
+        for bad in ["1e30", "NaN", "inf", "-1", "x"] {
+            assert!(parse_guidance(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn temporary_names_are_recognised_exactly() {
+        assert!(is_temporary_name(".tessera-a1B2c3.png.part"));
+        for other in [
+            ".tessera-a1B2c3.png",
+            ".tessera-a1B2c.png.part",
+            ".tessera-a1B2c3d.png.part",
+            ".tessera-a1B/c3.png.part",
+            "tessera-a1B2c3.png.part",
+            "x.png",
+        ] {
+            assert!(!is_temporary_name(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn a_cpu_run_of_hours_is_announced() {
+        // The released Z-Image transformer: dim 3840, 30 layers and 2 refiner layers.
+        let (tflop, hours) = cpu_hours(3840, 32, (1024, 1024), 8, 2).unwrap();
+        assert!(
+            (400.0..480.0).contains(&tflop) && hours > 1.0,
+            "{tflop} {hours}"
+        );
+        assert!(cpu_hours(3840, 32, (256, 256), 8, 64).is_none());
     }
 }

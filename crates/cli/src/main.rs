@@ -12,6 +12,7 @@ mod loadtest;
 mod model;
 mod output;
 mod serve;
+mod signals;
 
 use std::process::ExitCode;
 
@@ -45,14 +46,29 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// `--threads` beyond this many per core only adds overhead (each thread a stack, every
+/// parallel loop a split per thread): `--threads 100000` used to stall starting them.
+const THREADS_PER_CORE: usize = 4;
+
+fn capped_threads(asked: usize, cores: usize) -> usize {
+    asked.min(THREADS_PER_CORE * cores.max(1))
+}
+
 fn main() -> ExitCode {
     // Kept for `embed --combine`, which orders parts as they appear on the command line.
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    if let Some(n) = cli.threads {
-        if n == 0 {
+    if let Some(asked) = cli.threads {
+        if asked == 0 {
             eprintln!("error: --threads must be at least 1");
             return ExitCode::from(2);
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let n = capped_threads(asked, cores);
+        if n < asked {
+            eprintln!(
+                "warning: --threads {asked} is more than {THREADS_PER_CORE}× this machine's {cores} cores, which only adds overhead; using {n}"
+            );
         }
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -75,5 +91,16 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn threads_are_capped_at_a_multiple_of_the_cores() {
+        assert_eq!(super::capped_threads(3, 2), 3);
+        assert_eq!(super::capped_threads(8, 2), 8);
+        assert_eq!(super::capped_threads(100_000, 2), 8);
+        assert_eq!(super::capped_threads(5, 0), 4);
     }
 }

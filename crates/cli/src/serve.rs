@@ -46,10 +46,18 @@ pub struct ServeArgs {
     /// Images merged into one device batch: bounds how long a short query waits behind images.
     #[arg(long, env = "TESSERA_MAX_BATCH_IMAGES", default_value_t = 8)]
     max_batch_images: usize,
-    /// Requests admitted at once (being read, checked, queued or run); more get 429 with
-    /// Retry-After. Together with --max-request-mb and --max-image-memory-mb it bounds memory.
+    /// Requests admitted at once (checked, queued or run; a request is admitted once its body
+    /// has arrived), and bodies arriving at once; more get 429 with Retry-After. Together with
+    /// --max-request-mb and --max-image-memory-mb it bounds memory.
     #[arg(long, env = "TESSERA_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
+    /// Seconds a request's body has to arrive once its headers have; slower bodies get 408.
+    #[arg(long, env = "TESSERA_BODY_TIMEOUT", default_value_t = 10)]
+    body_timeout: u64,
+    /// Requests from one client address whose bodies are still arriving; more get 429, so a
+    /// client that opens connections and goes quiet cannot crowd others out.
+    #[arg(long, env = "TESSERA_MAX_UPLOADS_PER_CLIENT", default_value_t = 8)]
+    max_uploads_per_client: usize,
     /// Inputs (and images) in one request.
     #[arg(long, env = "TESSERA_MAX_INPUTS", default_value_t = 256)]
     max_inputs: usize,
@@ -60,8 +68,10 @@ pub struct ServeArgs {
     /// Largest request body in MiB (base64 images make bodies large).
     #[arg(long, env = "TESSERA_MAX_REQUEST_MB", default_value_t = 32)]
     max_request_mb: usize,
-    /// Decoded images held by admitted requests, in MiB (a 12-megapixel photo is 36 MiB);
-    /// beyond it requests get 429.
+    /// Memory for images, in MiB: what decoding and preprocessing each image will take is
+    /// worked out from its header and reserved before it is decoded (a 12-megapixel JPEG needs
+    /// about 150 MiB while it is decoded, 36 MiB after); beyond it requests get 429, and an image
+    /// that could never fit 413.
     #[arg(long, env = "TESSERA_MAX_IMAGE_MEMORY_MB", default_value_t = 2048)]
     max_image_memory_mb: usize,
     /// Seconds from a request's arrival to its answer before it fails with 504.
@@ -106,6 +116,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
             max_inputs: args.max_inputs,
             max_input_tokens: args.max_input_tokens,
             max_queue: args.max_queue,
+            body_timeout: Duration::from_secs(args.body_timeout),
+            max_uploads_per_client: args.max_uploads_per_client,
             max_image_memory_mb: args.max_image_memory_mb,
             max_batch_tokens: args.max_batch_tokens,
             max_batch_images: args.max_batch_images,
@@ -169,29 +181,14 @@ fn init_logs(format: LogFormat) {
 
 /// Ctrl-C or SIGTERM.
 async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!("cannot listen for Ctrl-C: {e}");
+    match crate::signals::interrupted() {
+        Ok(signal) => {
+            signal.await;
+        }
+        Err(e) => {
+            tracing::error!("cannot listen for Ctrl-C and SIGTERM: {e}");
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::error!("cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
     }
 }
 

@@ -216,22 +216,32 @@ fn config_without_needed_fields() {
     );
 }
 
-#[test]
-fn tensor_of_the_wrong_shape() {
-    let dir = copy_mini();
-    let path = dir.path().join("model.safetensors");
+/// Rewrite tensor `name` of a model copy's `model.safetensors` as `edit` makes it from its
+/// shape and bytes.
+fn rewrite_tensor(
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&[usize], &[u8]) -> (Vec<usize>, Vec<u8>),
+) {
+    let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
-    let name = "language_model.layers.2.mlp.down_proj.weight";
     let idx = tensors.iter().position(|(n, _)| n == name).unwrap();
     let t = &tensors[idx].1;
-    let shape = t.shape().to_vec();
-    let data = t.data().to_vec();
-    let swapped = vec![shape[1], shape[0]];
+    let (shape, data) = edit(t.shape(), t.data());
     let leaked: &'static [u8] = Box::leak(data.into_boxed_slice());
-    tensors[idx].1 = safetensors::tensor::TensorView::new(t.dtype(), swapped, leaked).unwrap();
+    tensors[idx].1 = safetensors::tensor::TensorView::new(t.dtype(), shape, leaked).unwrap();
     safetensors::serialize_to_file(tensors, None, &path).unwrap();
+}
+
+#[test]
+fn tensor_of_the_wrong_shape() {
+    let dir = copy_mini();
+    let name = "language_model.layers.2.mlp.down_proj.weight";
+    rewrite_tensor(dir.path(), name, |shape, data| {
+        (vec![shape[1], shape[0]], data.to_vec())
+    });
     assert_fails_with(
         &tessera(&[
             "embed",
@@ -241,6 +251,36 @@ fn tensor_of_the_wrong_shape() {
             "x",
         ]),
         &[name, "expected shape [64, 96]", "found [96, 64]"],
+    );
+}
+
+#[test]
+fn nan_weights_fail_naming_the_stage_instead_of_writing_nulls() {
+    let dir = copy_mini();
+    // All bits set is a NaN in every float format.
+    let name = "language_model.layers.1.mlp.down_proj.weight";
+    rewrite_tensor(dir.path(), name, |shape, data| {
+        (shape.to_vec(), vec![0xff; data.len()])
+    });
+    // Before: exit 0 and `"embedding": [null, …]`.
+    let out = tessera(&[
+        "embed",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--text",
+        "x",
+    ]);
+    assert_fails_with(
+        &out,
+        &[
+            "embedding before L2 normalisation",
+            "not finite (NaN or infinity",
+        ],
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
     );
 }
 

@@ -71,6 +71,33 @@ pub enum Error {
     /// A backend failed while running (driver error, out of memory, kernel compile failure).
     #[error("{op}: {message}")]
     Backend { op: String, message: String },
+
+    /// A stage of a model produced NaN or infinity (broken weights, or an overflow).
+    #[error(
+        "{stage}: {count} of {len} values are not finite (NaN or infinity; the first at index {first}): the model's weights or its input are broken"
+    )]
+    NonFinite {
+        stage: String,
+        count: usize,
+        len: usize,
+        first: usize,
+    },
+}
+
+/// Fail with [`Error::NonFinite`] naming `stage` if any of `values` is NaN or infinite, so that a
+/// broken model gives an error instead of `null` embeddings or a black image.
+pub fn check_finite(stage: &str, values: &[f32]) -> Result<()> {
+    if values.iter().all(|v| v.is_finite()) {
+        return Ok(());
+    }
+    let mut bad = values.iter().enumerate().filter(|(_, v)| !v.is_finite());
+    let first = bad.next().map_or(0, |(i, _)| i);
+    Err(Error::NonFinite {
+        stage: stage.to_string(),
+        count: 1 + bad.count(),
+        len: values.len(),
+        first,
+    })
 }
 
 impl Error {
@@ -102,5 +129,23 @@ impl Error {
             op: op.into(),
             message: message.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_finite_values_name_the_stage() {
+        assert!(check_finite("x", &[0.0, -1.5, f32::MAX]).is_ok());
+        assert!(check_finite("x", &[]).is_ok());
+        let e = check_finite("VAE output", &[1.0, f32::NAN, 2.0, f32::INFINITY])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("VAE output: 2 of 4 values are not finite") && e.contains("index 1"),
+            "{e}"
+        );
     }
 }

@@ -14,5 +14,5 @@ pub mod model_dir;
 pub mod weights;
 
 pub use dtype::DType;
-pub use error::{Error, Result};
+pub use error::{Error, Result, check_finite};
 pub use weights::{Tensor, Weights};

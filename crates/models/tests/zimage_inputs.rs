@@ -107,6 +107,27 @@ fn zero_or_absurd_step_counts_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("--guidance -1"), "{e}");
+    // Absurd scales overflow the guided velocity: refused before any compute.
+    for g in [1e30, f32::NAN, f32::INFINITY, 101.0] {
+        let e = z
+            .plan(&Request {
+                guidance: g,
+                ..small("x")
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--guidance") && e.contains("up to 100"),
+            "{g}: {e}"
+        );
+    }
+    assert!(
+        z.plan(&Request {
+            guidance: 100.0,
+            ..small("x")
+        })
+        .is_ok()
+    );
 }
 
 #[test]

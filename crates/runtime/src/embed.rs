@@ -7,9 +7,9 @@ use tessera_backend::{AnyBackend, Backend, BackendFn};
 use tessera_core::{Error, Result};
 use tessera_models::ModelFiles;
 use tessera_models::egemma2::{
-    EmbeddingGemma2, Prepared, Prompts, TextOptions, l2_normalize, matryoshka,
+    EmbeddingGemma2, Prepared, Prompts, TextOptions, checked_l2_normalize, matryoshka,
 };
-use tessera_models::imageproc::{Image, ImageBudget, PatchSpec};
+use tessera_models::imageproc::{Image, ImageBudget, ImageLimits, PatchSpec};
 use tessera_models::input::Input;
 use tessera_models::tokenize::TextTokenizer;
 
@@ -59,6 +59,9 @@ pub trait Embed: Send {
     /// The soft-token budget of the model's processor config, if images work.
     fn default_image_budget(&self) -> Option<ImageBudget>;
     fn patch_spec(&self) -> Option<PatchSpec>;
+    /// What an image must satisfy at `budget`, checked from its header before decoding; `None`
+    /// for a text-only model.
+    fn image_limits(&self, budget: ImageBudget) -> Option<ImageLimits>;
     /// Check a requested Matryoshka size before any work is done.
     fn check_dim(&self, dim: Option<usize>) -> Result<usize>;
     /// The prompt prefix `opts` asks for (validating the name).
@@ -155,6 +158,9 @@ impl<B: Backend> Embed for Egemma2<B> {
     fn patch_spec(&self) -> Option<PatchSpec> {
         self.model.patch_spec()
     }
+    fn image_limits(&self, budget: ImageBudget) -> Option<ImageLimits> {
+        self.model.image_limits(budget)
+    }
     fn check_dim(&self, dim: Option<usize>) -> Result<usize> {
         self.model.check_dim(dim)
     }
@@ -202,7 +208,9 @@ impl<B: Backend> Embed for Egemma2<B> {
             },
             |batch| passes.run_ids(batch),
             |batch, vectors| {
-                out.extend(vectors.into_iter().map(l2_normalize));
+                for v in vectors {
+                    out.push(checked_l2_normalize(v)?);
+                }
                 progress(batch.len());
                 Ok(())
             },
@@ -276,10 +284,12 @@ impl<B: Backend> Embed for Egemma2<B> {
             },
             |batch| passes.run(batch),
             |batch, vectors| {
-                out.extend(vectors.into_iter().zip(batch).map(|(v, p)| Embedding {
-                    vector: matryoshka(l2_normalize(v), dim),
-                    tokens: p.tokens(),
-                }));
+                for (v, p) in vectors.into_iter().zip(batch) {
+                    out.push(Embedding {
+                        vector: matryoshka(checked_l2_normalize(v)?, dim),
+                        tokens: p.tokens(),
+                    });
+                }
                 progress(batch.len());
                 Ok(())
             },

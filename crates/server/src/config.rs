@@ -28,8 +28,14 @@ pub struct Limits {
     pub max_inputs: usize,
     /// Most tokens in one input, counted before queueing (400 above it; nothing is truncated).
     pub max_input_tokens: usize,
-    /// Requests admitted at once, from reading the body to the answer (429 beyond it).
+    /// Requests admitted at once, from the arrival of the body to the answer (429 beyond it);
+    /// also the most bodies arriving at once.
     pub max_queue: usize,
+    /// Time a request's body has to arrive once its headers have (408 beyond it).
+    pub body_timeout: Duration,
+    /// Requests from one client address whose bodies are still arriving (429 beyond it): a
+    /// client that opens connections and goes quiet holds only its own share.
+    pub max_uploads_per_client: usize,
     /// Decoded image memory held by admitted requests, in MiB (429 beyond it; 413 for one
     /// request that could never fit).
     pub max_image_memory_mb: usize,
@@ -48,6 +54,8 @@ impl Default for Limits {
             max_inputs: 256,
             max_input_tokens: 8192,
             max_queue: 64,
+            body_timeout: Duration::from_secs(10),
+            max_uploads_per_client: 8,
             max_image_memory_mb: 2048,
             max_batch_tokens: 8192,
             max_batch_images: 8,
@@ -76,6 +84,7 @@ impl ServerConfig {
             ("--max-request-mb", l.max_request_bytes),
             ("--max-inputs", l.max_inputs),
             ("--max-queue", l.max_queue),
+            ("--max-uploads-per-client", l.max_uploads_per_client),
             ("--max-image-memory-mb", l.max_image_memory_mb),
             ("--max-batch-images", l.max_batch_images),
         ];
@@ -95,6 +104,9 @@ impl ServerConfig {
         }
         if l.request_timeout.is_zero() {
             return Err(Error::input("--request-timeout must be at least 1 second"));
+        }
+        if l.body_timeout.is_zero() {
+            return Err(Error::input("--body-timeout must be at least 1 second"));
         }
         if self.served_model_name.is_empty() || self.served_model_name.contains(':') {
             return Err(Error::input(format!(

@@ -8,8 +8,9 @@
 //!
 //! An image URL is a `data:` URL with base64 content, bare base64, or — only when the server
 //! runs with `--allow-file-paths` — a `file://` URL or a local path. Remote URLs are refused: the
-//! server never fetches. Images are decoded here (format sniffed, pixel limit checked from the
-//! header), so a bad image is a 400 before it costs device time.
+//! server never fetches. Images are checked from their header (format, pixel limit, patch grid,
+//! the memory they need), then decoded and preprocessed here, so a bad image is a 400 before it
+//! costs device time and image work never holds up the device's thread.
 
 use std::path::Path;
 
@@ -18,7 +19,7 @@ use std::sync::Arc;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use serde_json::Value;
-use tessera_models::imageproc::{Image, ImageBudget};
+use tessera_models::imageproc::{Header, Image, ImageBudget, ImageLimits, read_file};
 use tessera_models::input::{Input, Part};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -35,13 +36,13 @@ enum RawPart {
     Image(String),
 }
 
-/// A request's inputs, decoded and counted.
+/// A request's inputs, decoded, preprocessed and counted.
 pub struct Checked {
     pub inputs: Vec<Input>,
     /// Tokens per input as counted here (images at their budget's most): the batch budget.
     pub tokens: Vec<usize>,
     pub images: usize,
-    /// Decoded image memory reserved against `--max-image-memory-mb`, released with the request.
+    /// Image memory reserved against `--max-image-memory-mb`, released with the request.
     pub image_memory: Vec<OwnedSemaphorePermit>,
 }
 
@@ -206,7 +207,7 @@ pub fn check(input: &Value, cx: &Context) -> Result<Checked, ApiError> {
                 }
                 RawPart::Image(url) => {
                     let at = format!("{}[{j}]", name(i));
-                    if cx.info.image_budget.is_none() {
+                    let Some(limits) = &cx.info.image_limits else {
                         return Err(ApiError::invalid_param(
                             &at,
                             format!(
@@ -214,10 +215,10 @@ pub fn check(input: &Value, cx: &Context) -> Result<Checked, ApiError> {
                                 cx.info.name
                             ),
                         ));
-                    }
-                    let image =
-                        read_image(&url, cx.allow_file_paths).map_err(|e| prefixed(e, &at))?;
-                    out.image_memory.push(reserve(&image, cx)?);
+                    };
+                    let (image, memory) =
+                        read_image(&url, limits, cx).map_err(|e| prefixed(e, &at))?;
+                    out.image_memory.push(memory);
                     input.parts.push(Part::Image(image));
                     n_images += 1;
                 }
@@ -271,15 +272,44 @@ fn prefixed(e: ApiError, at: &str) -> ApiError {
     }
 }
 
-/// Hold the decoded image's bytes against the image memory budget.
-fn reserve(image: &Image, cx: &Context) -> Result<OwnedSemaphorePermit, ApiError> {
-    let mb = image.rgb().len().div_ceil(1 << 20).max(1);
+/// Read an image. Its header decides first — the tower's grid, the memory decoding and
+/// preprocessing need — and that memory is reserved against `--max-image-memory-mb` before a
+/// pixel is decoded. It is then decoded and preprocessed here, off the device's thread, which
+/// only runs the model; the reservation keeps what stays (the image and its patches).
+fn read_image(
+    url: &str,
+    limits: &ImageLimits,
+    cx: &Context,
+) -> Result<(Image, OwnedSemaphorePermit), ApiError> {
+    let invalid = |e: tessera_core::Error| ApiError::invalid(e.to_string());
+    let bytes = image_bytes(url, cx.allow_file_paths)?;
+    let header = Image::header(&bytes).map_err(invalid)?;
+    let plan = limits.plan(&header).map_err(invalid)?;
+    let mut memory = reserve(&header, plan.peak_bytes, cx)?;
+    let mut image = Image::decode(&bytes).map_err(invalid)?;
+    drop(bytes);
+    image.prepare(limits.spec, limits.budget).map_err(invalid)?;
+    let held = mib(plan.held_bytes);
+    if let Some(extra) = memory.num_permits().checked_sub(held).filter(|&n| n > 0) {
+        drop(memory.split(extra));
+    }
+    Ok((image, memory))
+}
+
+/// Whole MiB, rounded up, at least one.
+fn mib(bytes: u64) -> usize {
+    usize::try_from(bytes.div_ceil(1 << 20)).map_or(usize::MAX, |m| m.max(1))
+}
+
+/// Reserve `bytes` of the image memory budget, or refuse: 413 for an image that could never
+/// fit, 429 while other requests hold the memory.
+fn reserve(header: &Header, bytes: u64, cx: &Context) -> Result<OwnedSemaphorePermit, ApiError> {
+    let mb = mib(bytes);
     let total = cx.limits.max_image_memory_mb;
     if mb > total {
         return Err(ApiError::InputTooLarge(format!(
-            "a {}×{} image needs {mb} MiB decoded, more than the server's image memory of {total} MiB (--max-image-memory-mb)",
-            image.width(),
-            image.height()
+            "a {}×{} {} image needs {mb} MiB to decode and preprocess, more than the server's image memory of {total} MiB (--max-image-memory-mb)",
+            header.width, header.height, header.format
         )));
     }
     let permits =
@@ -289,7 +319,7 @@ fn reserve(image: &Image, cx: &Context) -> Result<OwnedSemaphorePermit, ApiError
         .try_acquire_many_owned(permits)
         .map_err(|_| {
             ApiError::QueueMemory(format!(
-                "the server holds its limit of {total} MiB of decoded images (--max-image-memory-mb): retry after {} s",
+                "the server holds its limit of {total} MiB of images (--max-image-memory-mb): retry after {} s",
                 crate::http::error::RETRY_AFTER_SECS
             ))
         })
@@ -301,22 +331,22 @@ enum Source<'a> {
     Path(&'a str),
 }
 
-fn read_image(url: &str, allow_paths: bool) -> Result<Image, ApiError> {
-    let bytes = match classify(url)? {
+/// The bytes of an image URL: decoded base64, or a file read (at most as much as an image
+/// within the pixel limit can take).
+fn image_bytes(url: &str, allow_paths: bool) -> Result<Vec<u8>, ApiError> {
+    match classify(url)? {
         Source::Data(b64) => STANDARD
             .decode(b64)
-            .map_err(|e| ApiError::invalid(format!("the image is not valid base64: {e}")))?,
+            .map_err(|e| ApiError::invalid(format!("the image is not valid base64: {e}"))),
         Source::Path(p) => {
             if !allow_paths {
                 return Err(ApiError::FilePathsNotAllowed(
                     "file paths are not accepted: send the image as a data URL or base64, or start the server with --allow-file-paths".into(),
                 ));
             }
-            std::fs::read(Path::new(p))
-                .map_err(|e| ApiError::invalid(format!("cannot read the file {p:?}: {e}")))?
+            read_file(Path::new(p)).map_err(|e| ApiError::invalid(e.to_string()))
         }
-    };
-    Image::decode(&bytes).map_err(|e| ApiError::invalid(e.to_string()))
+    }
 }
 
 fn classify(url: &str) -> Result<Source<'_>, ApiError> {

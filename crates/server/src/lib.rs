@@ -2,8 +2,10 @@
 //!
 //! Layers, from the socket in:
 //! - [`http`]: axum routes, OpenAI-shaped errors, the API key and CORS; `POST /v1/embeddings`
-//!   takes a request slot (`--max-queue`, else 429) before reading the body, then checks and
-//!   decodes the inputs off the async threads ([`inputs`]) before anything is queued;
+//!   receives the whole body first (JSON only, within `--body-timeout`, a few bodies per client
+//!   at a time), then takes a request slot (`--max-queue`, else 429), then checks the inputs and
+//!   decodes and preprocesses the images off the async threads ([`inputs`]) before anything is
+//!   queued;
 //! - [`queue`]: text and image lanes, batches under a token and an image budget, generic over
 //!   the job type;
 //! - [`worker`]: one thread that loads and owns the model and runs the batches, generic over
@@ -103,7 +105,9 @@ pub async fn serve(
             tracing::info!("shutting down: finishing the requests in flight");
         }
     };
-    let served = axum::serve(listener, router)
+    // Client addresses: bodies still arriving are limited per client.
+    let service = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let served = axum::serve(listener, service)
         .with_graceful_shutdown(signal)
         .await;
     queue.close();

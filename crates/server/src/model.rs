@@ -3,7 +3,7 @@
 
 use tessera_core::Result;
 use tessera_models::egemma2::Prompts;
-use tessera_models::imageproc::ImageBudget;
+use tessera_models::imageproc::{ImageBudget, ImageLimits};
 use tessera_models::tokenize::TextTokenizer;
 use tessera_runtime::embed::Embed;
 
@@ -20,6 +20,8 @@ pub struct ModelInfo {
     pub tokenizer: TextTokenizer,
     /// Soft tokens per image from `processor_config.json`; `None` for text-only checkpoints.
     pub image_budget: Option<ImageBudget>,
+    /// What an image must satisfy at that budget, checked from its header before decoding.
+    pub image_limits: Option<ImageLimits>,
     /// Device and precision, one line.
     pub device: String,
 }
@@ -32,6 +34,9 @@ impl ModelInfo {
             prompts: model.prompts().clone(),
             tokenizer: model.tokenizer().clone(),
             image_budget: model.default_image_budget(),
+            image_limits: model
+                .default_image_budget()
+                .and_then(|b| model.image_limits(b)),
             device: model.describe(),
         })
     }

@@ -469,6 +469,18 @@ async fn api_key_guards_every_route_but_health() {
             }
         }
     }
+    // The scheme is case-insensitive (RFC 9110): `bearer KEY` is a valid header.
+    for header in ["bearer sekret", "BEARER sekret"] {
+        let r = s
+            .http
+            .post(format!("{}/v1/embeddings", s.url))
+            .header("authorization", header)
+            .json(&json!({"input": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{header}");
+    }
     s.stop().await.unwrap();
 }
 
@@ -616,9 +628,30 @@ async fn read_response(mut s: TcpStream) -> (u16, Value) {
 async fn a_full_queue_answers_429_with_retry_after() {
     let mut cfg = config();
     cfg.limits.max_queue = 1;
+    cfg.allow_file_paths = true;
     let s = Server::start(cfg).await;
-    let full = r#"{"input": "slow client"}"#;
-    let slow = partial_request(s.addr, full, 5).await;
+    // A request is admitted once its body is here. This one then waits for its image, a FIFO
+    // that nothing writes to yet, holding the only slot.
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("image.png");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let url = fifo.to_str().unwrap().to_string();
+    let held = {
+        let (http, base) = (s.http.clone(), s.url.clone());
+        tokio::spawn(async move {
+            let r = http
+                .post(format!("{base}/v1/embeddings"))
+                .json(&json!({"input": [{"type": "image_url", "image_url": {"url": url}}]}))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        })
+    };
     tokio::time::sleep(Duration::from_millis(300)).await;
     let r = s
         .http
@@ -630,13 +663,145 @@ async fn a_full_queue_answers_429_with_retry_after() {
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
     assert_openai_error(&r.json().await.unwrap(), "queue_full", "full queue");
-    // The slow request completes, and its slot is free again.
-    let mut slow = slow;
-    slow.write_all(&full.as_bytes()[5..]).await.unwrap();
-    let (status, body) = read_response(slow).await;
+    // The image arrives: the held request completes, and its slot is free again.
+    tokio::task::spawn_blocking(move || std::fs::write(&fifo, png(20, 12)).unwrap())
+        .await
+        .unwrap();
+    let (status, body) = held.await.unwrap();
     assert_eq!(status, 200, "{body}");
     let (status, _) = s.embed(json!({"input": "x"})).await;
     assert_eq!(status, 200);
+    s.stop().await.unwrap();
+}
+
+/// Headers, a `Content-Length` of 100,000 and 10 bytes of body, then silence, from `from`.
+async fn half_sent(addr: std::net::SocketAddr, from: [u8; 4]) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind((from, 0).into()).unwrap();
+    let mut s = socket.connect(addr).await.unwrap();
+    // One write, so the server has read all of it when it answers and closes.
+    let request = "POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{\"input\": ";
+    s.write_all(request.as_bytes()).await.unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn half_sent_bodies_do_not_keep_other_clients_out() {
+    let mut cfg = config();
+    cfg.limits.body_timeout = Duration::from_secs(2);
+    let (max_queue, per_client) = (cfg.limits.max_queue, cfg.limits.max_uploads_per_client);
+    let s = Server::start(cfg).await;
+    // More half-sent requests than the queue has slots, from one client (127.0.0.2; the other
+    // clients below come from 127.0.0.1).
+    let mut quiet = Vec::new();
+    for _ in 0..max_queue + 6 {
+        quiet.push(half_sent(s.addr, [127, 0, 0, 2]).await);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Everyone else is served at once: no 429 storm.
+    let started = std::time::Instant::now();
+    let mut others = Vec::new();
+    for i in 0..8 {
+        let (http, url) = (s.http.clone(), s.url.clone());
+        others.push(tokio::spawn(async move {
+            let r = http
+                .post(format!("{url}/v1/embeddings"))
+                .json(&json!({"input": format!("another client {i}")}))
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        }));
+    }
+    for o in others {
+        assert_eq!(o.await.unwrap(), 200);
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // The quiet client got places for its first few bodies, a 429 for the rest, and a 408 for
+    // the first few once the body timeout passed; it holds nothing afterwards.
+    let mut statuses = std::collections::BTreeMap::new();
+    for q in quiet {
+        let (status, body) = read_response(q).await;
+        let want = match status {
+            408 => "body_timeout",
+            429 => "too_many_uploads",
+            _ => panic!("{status}: {body}"),
+        };
+        assert_openai_error(&body, want, "quiet client");
+        *statuses.entry(status).or_insert(0) += 1;
+    }
+    assert_eq!(statuses.get(&408), Some(&per_client), "{statuses:?}");
+    let (status, _) = s.embed(json!({"input": "x"})).await;
+    assert_eq!(status, 200);
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_that_is_not_declared_json_gets_415() {
+    let s = Server::start(config()).await;
+    let body = r#"{"input": "hello"}"#;
+    for content_type in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        None,
+    ] {
+        let mut r = s.http.post(format!("{}/v1/embeddings", s.url)).body(body);
+        if let Some(t) = content_type {
+            r = r.header("content-type", t);
+        }
+        let r = r.send().await.unwrap();
+        assert_eq!(r.status(), 415, "{content_type:?}");
+        assert_openai_error(
+            &r.json().await.unwrap(),
+            "unsupported_media_type",
+            "not JSON",
+        );
+    }
+    let r = s
+        .http
+        .post(format!("{}/v1/embeddings", s.url))
+        .header("content-type", "application/json; charset=utf-8")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_image_is_refused_from_its_header_when_it_cannot_fit() {
+    let mut cfg = config();
+    cfg.limits.max_image_memory_mb = 8;
+    cfg.limits.max_request_bytes = 32 << 20;
+    let s = Server::start(cfg).await;
+    let img = |w, h| json!({"input": [{"type": "image_url", "image_url": {"url": data_url(&png(w, h))}}]});
+    // Decoding 2000 × 1500 RGB holds two copies of 9 MB: more than 8 MiB, whatever else runs.
+    let (status, body) = s.embed(img(2000, 1500)).await;
+    assert_eq!(status, 413, "{body}");
+    assert_openai_error(&body, "input_too_large", "too large for the image memory");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("2000×1500 PNG image needs") && message.contains("--max-image-memory-mb"),
+        "{message}"
+    );
+    // Too elongated for the tower's position table: refused before decoding too.
+    let (status, body) = s.embed(img(3000, 4)).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("position_embedding_size"),
+        "{body}"
+    );
+    let (status, body) = s.embed(img(200, 150)).await;
+    assert_eq!(status, 200, "{body}");
     s.stop().await.unwrap();
 }
 

@@ -444,6 +444,13 @@ impl Config {
                 head_dim: first.head_dim,
             }))
         };
+        // The band is |i − j| ≤ sliding_window: 0 would leave each token attending only to itself.
+        if t.sliding_window == 0 && layers.iter().any(|l| l.kind == LayerType::Sliding) {
+            return Err(err(
+                "text_config.sliding_window",
+                "0 is not a window (a sliding layer would attend to nothing but its own token); it must be at least 1".into(),
+            ));
+        }
         let rope_sliding = rope_for(LayerType::Sliding)?;
         let rope_full = rope_for(LayerType::Full)?;
         let eos_token_id = match &t.eos_token_id {
@@ -738,6 +745,12 @@ mod tests {
                     v["text_config"]["hidden_size"] = "wide".into();
                 }),
                 "hidden_size",
+            ),
+            (
+                Box::new(|v| {
+                    v["text_config"]["sliding_window"] = 0.into();
+                }),
+                "text_config.sliding_window",
             ),
         ];
         for (edit, field) in cases {

@@ -225,6 +225,17 @@ impl<B: Backend> EmbeddingGemma2<B> {
     pub fn patch_spec(&self) -> Option<crate::imageproc::PatchSpec> {
         self.vision.as_ref().map(|v| v.processor.spec)
     }
+    /// What an image must satisfy for this model at `budget`, checked from its header before it
+    /// is decoded (no memory bound: set `max_bytes` for one); `None` for a text-only model.
+    pub fn image_limits(&self, budget: ImageBudget) -> Option<crate::imageproc::ImageLimits> {
+        let spec = self.patch_spec()?;
+        Some(crate::imageproc::ImageLimits {
+            spec,
+            budget,
+            max_grid_side: self.config.vision.as_ref()?.position_embedding_size,
+            max_bytes: u64::MAX,
+        })
+    }
 
     pub fn config(&self) -> &Config {
         &self.config
@@ -562,6 +573,16 @@ pub fn l2_normalize(mut v: Vec<f32>) -> Vec<f32> {
         .max(1e-12);
     v.iter_mut().for_each(|x| *x = (*x as f64 / norm) as f32);
     v
+}
+
+/// [`l2_normalize`] once the pooled vector is known to be finite: a NaN would otherwise turn
+/// the whole embedding into NaNs, written out as `null`s.
+pub fn checked_l2_normalize(v: Vec<f32>) -> Result<Vec<f32>> {
+    tessera_core::check_finite(
+        "the embedding before L2 normalisation (text encoder output)",
+        &v,
+    )?;
+    Ok(l2_normalize(v))
 }
 
 /// Keep the first `dim` coordinates and L2-normalise again.

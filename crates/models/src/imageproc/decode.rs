@@ -12,8 +12,12 @@
 use std::io::Cursor;
 use std::path::Path;
 
-use image::{DynamicImage, ImageFormat, ImageReader, Limits};
+use std::sync::Arc;
+
+use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, Limits};
 use tessera_core::{Error, Result};
+
+use super::patches::{ImageBudget, PatchSpec, Patches};
 
 /// The largest image accepted, in pixels: Pillow's decompression-bomb threshold
 /// (`Image.MAX_IMAGE_PIXELS`, 89,478,485 ≈ 9,459²). Larger files are refused from their header,
@@ -30,12 +34,29 @@ const FORMATS: &[(ImageFormat, &str)] = &[
 ];
 
 /// A decoded image: 8-bit RGB, row-major `[height, width, 3]`.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Image {
     width: usize,
     height: usize,
     rgb: Vec<u8>,
+    /// Patches made ahead of time by [`Image::prepare`].
+    prepared: Option<Arc<Prepared>>,
 }
+
+/// An image's patches for one patch geometry and budget.
+struct Prepared {
+    spec: PatchSpec,
+    budget: ImageBudget,
+    patches: Patches,
+}
+
+/// Images are equal when their pixels are; patches made ahead of time do not count.
+impl PartialEq for Image {
+    fn eq(&self, other: &Self) -> bool {
+        (self.width, self.height) == (other.width, other.height) && self.rgb == other.rgb
+    }
+}
+impl Eq for Image {}
 
 impl std::fmt::Debug for Image {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -57,38 +78,52 @@ impl Image {
                 width * height * 3
             )));
         }
-        Ok(Image { width, height, rgb })
+        Ok(Image {
+            width,
+            height,
+            rgb,
+            prepared: None,
+        })
+    }
+
+    /// Read an image file's header: format, size and what decoding it costs. Nothing is
+    /// decoded; an image over [`MAX_PIXELS`] is refused here.
+    pub fn header(bytes: &[u8]) -> Result<Header> {
+        let (format, name) = sniff(bytes)?;
+        let bad = |e: image::ImageError| Error::input(format!("corrupt or truncated {name}: {e}"));
+        // A PNG's size is at a fixed place: checked before the decoder, which refuses sizes it
+        // cannot hold (2³¹−1 per side) as corrupt.
+        if let Some((w, h)) = png_size(bytes) {
+            check_size(name, w as u64, h as u64)?;
+        }
+        let mut r = ImageReader::new(Cursor::new(bytes));
+        r.set_format(format);
+        r.no_limits();
+        let decoder = r.into_decoder().map_err(bad)?;
+        let (w, h) = decoder.dimensions();
+        check_size(name, w as u64, h as u64)?;
+        let pixels = w as u64 * h as u64;
+        Ok(Header {
+            format: name,
+            kind: format,
+            width: w as usize,
+            height: h as usize,
+            decode_bytes: pixels * (decoder.color_type().bytes_per_pixel() as u64 + work(format)),
+        })
     }
 
     /// Decode a PNG, JPEG, WebP, GIF (first frame) or BMP file held in memory.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let reader = || {
-            ImageReader::new(Cursor::new(bytes))
-                .with_guessed_format()
-                .map_err(|e| Error::input(format!("cannot read the image: {e}")))
-        };
-        let format = reader()?.format();
-        let Some(&(format, name)) = FORMATS.iter().find(|(f, _)| Some(*f) == format) else {
-            return Err(Error::input(match format {
-                Some(f) => {
-                    format!("unsupported image format {f:?} (supported: PNG, JPEG, WebP, GIF, BMP)")
-                }
-                None => "not an image in a supported format (PNG, JPEG, WebP, GIF, BMP)".into(),
-            }));
-        };
+        let header = Self::header(bytes)?;
+        let name = header.format;
         let bad = |e: image::ImageError| Error::input(format!("corrupt or truncated {name}: {e}"));
-        let (w, h) = reader()?.into_dimensions().map_err(bad)?;
-        if w == 0 || h == 0 {
-            return Err(Error::input(format!("zero-sized {name} image ({w}×{h})")));
-        }
-        check_pixels(w as u64, h as u64)?;
         let mut limits = Limits::default();
-        limits.max_image_width = Some(w);
-        limits.max_image_height = Some(h);
+        limits.max_image_width = Some(header.width as u32);
+        limits.max_image_height = Some(header.height as u32);
         // 16-bit RGBA is the widest layout these decoders produce; allow it plus headroom.
         limits.max_alloc = Some(MAX_PIXELS * 8 + (64 << 20));
-        let mut r = reader()?;
-        r.set_format(format);
+        let mut r = ImageReader::new(Cursor::new(bytes));
+        r.set_format(header.kind);
         r.limits(limits);
         let decoded = r.decode().map_err(bad)?;
         to_rgb(decoded, name)
@@ -96,8 +131,31 @@ impl Image {
 
     /// Read and decode an image file; errors name the file.
     pub fn open(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = read_file(path)?;
         Self::decode(&bytes).map_err(|e| Error::input(format!("{}: {e}", path.display())))
+    }
+
+    /// Resize and cut into patches now, for `spec` and `budget`: [`preprocess`] with the same
+    /// settings then returns these patches instead of redoing the work. The server does this
+    /// while it checks a request, so that the device's thread only runs the model.
+    ///
+    /// [`preprocess`]: super::preprocess
+    pub fn prepare(&mut self, spec: PatchSpec, budget: ImageBudget) -> Result<()> {
+        let patches = super::preprocess(self, spec, budget)?;
+        self.prepared = Some(Arc::new(Prepared {
+            spec,
+            budget,
+            patches,
+        }));
+        Ok(())
+    }
+
+    /// The patches [`Image::prepare`] made for `spec` and `budget`, if it did.
+    pub(super) fn prepared(&self, spec: PatchSpec, budget: ImageBudget) -> Option<&Patches> {
+        self.prepared
+            .as_deref()
+            .filter(|p| (p.spec, p.budget) == (spec, budget))
+            .map(|p| &p.patches)
     }
 
     pub fn width(&self) -> usize {
@@ -110,6 +168,91 @@ impl Image {
     pub fn rgb(&self) -> &[u8] {
         &self.rgb
     }
+}
+
+/// What an image file's header says, read without decoding a pixel ([`Image::header`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// The format's name: PNG, JPEG, WebP, GIF or BMP.
+    pub format: &'static str,
+    kind: ImageFormat,
+    pub width: usize,
+    pub height: usize,
+    /// Bytes the decoder holds at most besides the RGB result: its own output layout and the
+    /// format's working buffers (progressive JPEG coefficients, WebP and GIF canvases).
+    pub decode_bytes: u64,
+}
+
+/// The largest file read as an image: an uncompressed 16-bit RGBA image at [`MAX_PIXELS`],
+/// plus room for metadata. Anything longer cannot be an image we accept.
+pub const MAX_FILE_BYTES: u64 = MAX_PIXELS * 8 + (64 << 20);
+
+/// Read an image file, at most [`MAX_FILE_BYTES`] of it, refusing early what is not an image:
+/// the format is sniffed from the first bytes before the rest is read, so a device such as
+/// `/dev/zero` fails at once. Errors name the file.
+pub fn read_file(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let named = |e: Error| Error::input(format!("{}: {e}", path.display()));
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut file = file.take(MAX_FILE_BYTES + 1);
+    let mut bytes = Vec::new();
+    (&mut file)
+        .take(64 << 10)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::io(path, e))?;
+    sniff(&bytes).map_err(named)?;
+    file.read_to_end(&mut bytes)
+        .map_err(|e| Error::io(path, e))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(named(Error::input(format!(
+            "more than {} MiB, larger than any image within the limit of {MAX_PIXELS} pixels",
+            MAX_FILE_BYTES >> 20
+        ))));
+    }
+    Ok(bytes)
+}
+
+/// The format of `bytes`, from their content.
+fn sniff(bytes: &[u8]) -> Result<(ImageFormat, &'static str)> {
+    let format = ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| Error::input(format!("cannot read the image: {e}")))?
+        .format();
+    match FORMATS.iter().find(|(f, _)| Some(*f) == format) {
+        Some(&found) => Ok(found),
+        None => Err(Error::input(match format {
+            Some(f) => {
+                format!("unsupported image format {f:?} (supported: PNG, JPEG, WebP, GIF, BMP)")
+            }
+            None => "not an image in a supported format (PNG, JPEG, WebP, GIF, BMP)".into(),
+        })),
+    }
+}
+
+/// Width and height from a PNG's `IHDR` chunk, which the format puts first.
+fn png_size(bytes: &[u8]) -> Option<(u32, u32)> {
+    let be = |at: usize| Some(u32::from_be_bytes(bytes.get(at..at + 4)?.try_into().ok()?));
+    (bytes.starts_with(b"\x89PNG\r\n\x1a\n") && bytes.get(12..16) == Some(b"IHDR"))
+        .then(|| Some((be(16)?, be(20)?)))
+        .flatten()
+}
+
+/// Working bytes per pixel a decoder needs beyond its output.
+fn work(format: ImageFormat) -> u64 {
+    match format {
+        // Progressive JPEG keeps every coefficient: 64 i16 per 8×8 block of each of 3 planes.
+        ImageFormat::Jpeg => 6,
+        // The decoded RGBA canvas beside the frame.
+        ImageFormat::WebP | ImageFormat::Gif => 4,
+        _ => 0,
+    }
+}
+
+fn check_size(name: &str, w: u64, h: u64) -> Result<()> {
+    if w == 0 || h == 0 {
+        return Err(Error::input(format!("zero-sized {name} image ({w}×{h})")));
+    }
+    check_pixels(w, h)
 }
 
 fn check_pixels(w: u64, h: u64) -> Result<()> {
@@ -173,6 +316,7 @@ fn to_rgb(img: DynamicImage, name: &str) -> Result<Image> {
         width: w,
         height: h,
         rgb,
+        prepared: None,
     })
 }
 
@@ -206,6 +350,23 @@ mod tests {
         b.extend([0u8; 24]);
         b.extend([0u8; 16]);
         b
+    }
+
+    #[test]
+    fn the_header_gives_the_size_and_the_decoding_cost() {
+        let h = Image::header(&png(300, 2, image::ExtendedColorType::La8, &[0; 1200])).unwrap();
+        assert_eq!(
+            (h.format, h.width, h.height, h.decode_bytes),
+            ("PNG", 300, 2, 1200)
+        );
+        let h = Image::header(&bmp_header(7, 5)).unwrap();
+        assert_eq!((h.format, h.width, h.height), ("BMP", 7, 5));
+    }
+
+    #[test]
+    fn reading_a_device_that_is_not_an_image_stops_at_once() {
+        let e = read_file(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(e.contains("/dev/zero") && e.contains("not an image"), "{e}");
     }
 
     #[test]
@@ -255,6 +416,17 @@ mod tests {
         // A BMP header claiming 20000 × 20000 pixels and no data: refused before decoding.
         let msg = e(&bmp_header(20000, 20000));
         assert!(msg.contains("larger than the limit"), "{msg}");
+        // A PNG header claiming 2³¹−1 pixels per side (the format's largest): the pixel limit,
+        // not "corrupt".
+        let side = (1u32 << 31) - 1;
+        let mut huge = png(1, 1, image::ExtendedColorType::L8, &[0]);
+        huge[16..20].copy_from_slice(&side.to_be_bytes());
+        huge[20..24].copy_from_slice(&side.to_be_bytes());
+        let msg = e(&huge);
+        assert!(
+            msg.contains("2147483647×2147483647") && msg.contains("larger than the limit"),
+            "{msg}"
+        );
         assert!(Image::from_rgb8(0, 3, vec![]).is_err());
     }
 }

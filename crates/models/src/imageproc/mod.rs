@@ -6,14 +6,18 @@
 //! - [`resize`]: torch's uint8 antialiased bicubic resampler (what torchvision's `resize` runs),
 //!   reproduced byte for byte;
 //! - [`patches`]: the Gemma 4 image processor's target-size rule, soft-token budgets and the
-//!   16×16 patches with their (x, y) positions.
+//!   16×16 patches with their (x, y) positions;
+//! - [`plan`]: target size, patch grid and memory decided from a file's header, so that an
+//!   image the tower cannot take, or one too costly to preprocess, is refused before decoding.
 
 pub mod decode;
 pub mod patches;
+pub mod plan;
 pub mod resize;
 
-pub use decode::{Image, MAX_PIXELS};
+pub use decode::{Header, Image, MAX_FILE_BYTES, MAX_PIXELS, read_file};
 pub use patches::{
     ImageBudget, PatchSpec, Patches, patchify, pixel_value, pixel_values, preprocess, target_size,
 };
+pub use plan::{ImageLimits, ImagePlan};
 pub use resize::resize_bicubic_aa;

@@ -170,8 +170,12 @@ pub fn patchify(img: &Image, patch: usize) -> Patches {
     }
 }
 
-/// Resize to the budget's target size and cut into patches.
+/// Resize to the budget's target size and cut into patches (or take the patches
+/// [`Image::prepare`] made).
 pub fn preprocess(img: &Image, spec: PatchSpec, budget: ImageBudget) -> Result<Patches> {
+    if let Some(p) = img.prepared(spec, budget) {
+        return Ok(p.clone());
+    }
     let (tw, th) = target_size(img.width(), img.height(), spec, budget)?;
     if (tw, th) == (img.width(), img.height()) {
         return Ok(patchify(img, spec.patch));
@@ -209,6 +213,26 @@ mod tests {
             assert!(e.contains("70, 140, 280, 560, 1120"), "{e}");
         }
         assert_eq!("560".parse::<ImageBudget>().unwrap().soft_tokens(), 560);
+    }
+
+    #[test]
+    fn prepared_patches_are_reused_for_their_settings_only() {
+        let rgb: Vec<u8> = (0..100 * 60 * 3).map(|i| (i % 253) as u8).collect();
+        let spec = PatchSpec { patch: 4, pool: 3 };
+        let (b70, b140) = (
+            ImageBudget::new(70).unwrap(),
+            ImageBudget::new(140).unwrap(),
+        );
+        let mut img = Image::from_rgb8(100, 60, rgb).unwrap();
+        let want = preprocess(&img, spec, b70).unwrap();
+        img.prepare(spec, b70).unwrap();
+        assert_eq!(
+            img.prepared(spec, b70).map(|p| &p.pixels),
+            Some(&want.pixels)
+        );
+        assert!(img.prepared(spec, b140).is_none());
+        assert_eq!(preprocess(&img, spec, b70).unwrap().pixels, want.pixels);
+        assert_ne!(preprocess(&img, spec, b140).unwrap().len(), want.len());
     }
 
     #[test]

@@ -18,9 +18,26 @@ use tessera_core::{Error, Result};
 
 use super::Image;
 
-/// Quantised weights of one axis: output `i` reads `size[i]` inputs from `start[i]` with
-/// weights `weights[i·taps ..]`.
+/// Most int16 weights held at once per axis (2 MiB). An axis whose weights need more is
+/// resampled in chunks of outputs: shrinking `n` inputs reads about `4n` weights whatever the
+/// output size, so an 89-megapixel-wide strip would otherwise hold 3 GB of them.
+const MAX_WEIGHTS: usize = 1 << 20;
+
+/// One axis's resampling kernel: geometry and the fixed-point precision shared by all outputs.
+struct Kernel {
+    input: usize,
+    output: usize,
+    scale: f64,
+    support: f64,
+    invscale: f64,
+    taps: usize,
+    precision: u32,
+}
+
+/// Quantised weights of outputs `first ..` of one axis: output `first + i` reads `size[i]`
+/// inputs from `start[i]` with weights `weights[i·taps ..]`.
 struct Axis {
+    first: usize,
     start: Vec<usize>,
     size: Vec<usize>,
     taps: usize,
@@ -41,62 +58,126 @@ fn cubic(x: f64) -> f64 {
     }
 }
 
-fn axis(input: usize, output: usize) -> Axis {
-    let scale = input as f64 / output as f64;
-    let support = if scale >= 1.0 { 2.0 * scale } else { 2.0 };
-    let invscale = if scale >= 1.0 { 1.0 / scale } else { 1.0 };
-    let taps = support.ceil() as usize * 2 + 1;
-    let mut start = Vec::with_capacity(output);
-    let mut size = Vec::with_capacity(output);
-    let mut wf = vec![0f64; output * taps];
-    let mut wt_max = 0f64;
-    for i in 0..output {
-        let center = scale * (i as f64 + 0.5);
+impl Kernel {
+    fn new(input: usize, output: usize) -> Self {
+        let scale = input as f64 / output as f64;
+        let support = if scale >= 1.0 { 2.0 * scale } else { 2.0 };
+        let invscale = if scale >= 1.0 { 1.0 / scale } else { 1.0 };
+        let taps = support.ceil() as usize * 2 + 1;
+        let mut k = Kernel {
+            input,
+            output,
+            scale,
+            support,
+            invscale,
+            taps,
+            precision: 0,
+        };
+        // The precision depends on the largest weight of the whole axis: one sweep finds it,
+        // holding one output's weights at a time.
+        let mut w = vec![0f64; taps];
+        let wt_max = (0..output)
+            .filter_map(|i| {
+                let (_, n, normalised) = k.weights(i, &mut w);
+                normalised.then(|| w[..n].iter().copied().fold(0f64, f64::max))
+            })
+            .fold(0f64, f64::max);
+        while k.precision < 22 {
+            let next = (0.5 + wt_max * (1u64 << (k.precision + 1)) as f64) as i64;
+            if next >= 1 << 15 {
+                break;
+            }
+            k.precision += 1;
+        }
+        k
+    }
+
+    /// Output `i`'s weights into `w[..xsize]`, normalised to sum 1 unless they sum to 0;
+    /// returns `(xmin, xsize, normalised)`.
+    fn weights(&self, i: usize, w: &mut [f64]) -> (usize, usize, bool) {
+        let center = self.scale * (i as f64 + 0.5);
         // `as i64` truncates toward zero, like the C++ `static_cast<int64_t>`.
-        let xmin = ((center - support + 0.5) as i64).max(0);
-        let xsize = ((center + support + 0.5) as i64)
-            .min(input as i64)
+        let xmin = ((center - self.support + 0.5) as i64).max(0);
+        let xsize = ((center + self.support + 0.5) as i64)
+            .min(self.input as i64)
             .saturating_sub(xmin)
-            .clamp(0, taps as i64) as usize;
+            .clamp(0, self.taps as i64) as usize;
         let xmin = xmin as usize;
-        let w = &mut wf[i * taps..(i + 1) * taps];
         let mut total = 0f64;
         for (j, wj) in w.iter_mut().enumerate().take(xsize) {
-            *wj = cubic(((j + xmin) as f64 - center + 0.5) * invscale);
+            *wj = cubic(((j + xmin) as f64 - center + 0.5) * self.invscale);
             total += *wj;
         }
         if total != 0.0 {
             for wj in w.iter_mut().take(xsize) {
                 *wj /= total;
-                wt_max = wt_max.max(*wj);
             }
         }
-        start.push(xmin);
-        size.push(xsize);
+        (xmin, xsize, total != 0.0)
     }
-    let mut precision = 0u32;
-    while precision < 22 {
-        let next = (0.5 + wt_max * (1u64 << (precision + 1)) as f64) as i64;
-        if next >= 1 << 15 {
-            break;
+
+    /// Ranges of outputs whose weights fit in `max_weights` together.
+    fn chunks(&self, max_weights: usize) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        let n = (max_weights / self.taps).max(1);
+        (0..self.output)
+            .step_by(n)
+            .map(move |a| a..(a + n).min(self.output))
+    }
+
+    /// The quantised weights of `outputs`.
+    fn axis(&self, outputs: std::ops::Range<usize>) -> Axis {
+        let taps = self.taps;
+        let mut start = Vec::with_capacity(outputs.len());
+        let mut size = Vec::with_capacity(outputs.len());
+        let mut weights = vec![0i16; outputs.len() * taps];
+        let mut w = vec![0f64; taps];
+        let unit = (1u64 << self.precision) as f64;
+        for (i, q) in outputs.clone().zip(weights.chunks_exact_mut(taps)) {
+            w.fill(0.0);
+            let (xmin, xsize, _) = self.weights(i, &mut w);
+            for (q, &w) in q.iter_mut().zip(&w) {
+                let v = w * unit;
+                *q = (if v < 0.0 { -0.5 + v } else { 0.5 + v }) as i32 as i16;
+            }
+            start.push(xmin);
+            size.push(xsize);
         }
-        precision += 1;
+        Axis {
+            first: outputs.start,
+            start,
+            size,
+            taps,
+            weights,
+            precision: self.precision,
+        }
     }
-    let unit = (1u64 << precision) as f64;
-    let weights = wf
-        .iter()
-        .map(|&w| {
-            let v = w * unit;
-            (if v < 0.0 { -0.5 + v } else { 0.5 + v }) as i32 as i16
-        })
-        .collect();
-    Axis {
-        start,
-        size,
-        taps,
-        weights,
-        precision,
+}
+
+impl Axis {
+    /// Start, size and weights of output `i` (an index of the whole axis).
+    #[inline]
+    fn at(&self, i: usize) -> (usize, &[i16]) {
+        let j = i - self.first;
+        (
+            self.start[j],
+            &self.weights[j * self.taps..j * self.taps + self.size[j]],
+        )
     }
+}
+
+/// Bytes [`resize_bicubic_aa`] allocates besides its input: the passes' outputs, the weights
+/// of one chunk of each axis, and the vertical pass's accumulator rows.
+pub fn resize_bytes(in_w: usize, in_h: usize, out_w: usize, out_h: usize) -> u64 {
+    let (in_w, in_h, out_w, out_h) = (in_w as u64, in_h as u64, out_w as u64, out_h as u64);
+    let mut bytes = 0;
+    if out_w != in_w {
+        bytes += in_h * out_w * 3 + 2 * MAX_WEIGHTS as u64;
+    }
+    if out_h != in_h {
+        let threads = rayon::current_num_threads() as u64;
+        bytes += out_h * out_w * 3 + 2 * MAX_WEIGHTS as u64 + threads * out_w * 3 * 4;
+    }
+    bytes
 }
 
 /// The fixed-point rounding offset `2^(p−1)` every sum starts from.
@@ -117,6 +198,11 @@ fn finish(acc: i32, precision: u32) -> u8 {
 /// three channels of a pixel together, the vertical pass adds whole source rows into a row of
 /// accumulators (contiguous, vectorised), rows in parallel.
 pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Image> {
+    resize_chunked(img, out_w, out_h, MAX_WEIGHTS)
+}
+
+/// [`resize_bicubic_aa`] holding at most `max_weights` weights of an axis at a time.
+fn resize_chunked(img: &Image, out_w: usize, out_h: usize, max_weights: usize) -> Result<Image> {
     if out_w == 0 || out_h == 0 {
         return Err(Error::input(format!("cannot resize to {out_w}×{out_h}")));
     }
@@ -125,48 +211,58 @@ pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Imag
     let mut rgb = std::borrow::Cow::Borrowed(img.rgb());
     let mut w = in_w;
     if out_w != in_w {
-        let ax = axis(in_w, out_w);
+        let kernel = Kernel::new(in_w, out_w);
         let mut out = vec![0u8; in_h * out_w * 3];
-        rgb.par_chunks_exact(w * 3)
-            .zip(out.par_chunks_exact_mut(out_w * 3))
-            .for_each(|(src, dst)| {
-                for (x, d) in dst.chunks_exact_mut(3).enumerate() {
-                    let k = &ax.weights[x * ax.taps..x * ax.taps + ax.size[x]];
-                    let px = &src[ax.start[x] * 3..(ax.start[x] + ax.size[x]) * 3];
-                    let mut acc = [half(ax.precision); 3];
-                    for (p, &k) in px.chunks_exact(3).zip(k) {
+        for xs in kernel.chunks(max_weights) {
+            let ax = kernel.axis(xs.clone());
+            rgb.par_chunks_exact(w * 3)
+                .zip(out.par_chunks_exact_mut(out_w * 3))
+                .for_each(|(src, dst)| {
+                    let dst = &mut dst[xs.start * 3..xs.end * 3];
+                    for (x, d) in xs.clone().zip(dst.chunks_exact_mut(3)) {
+                        let (start, k) = ax.at(x);
+                        let px = &src[start * 3..(start + k.len()) * 3];
+                        let mut acc = [half(ax.precision); 3];
+                        for (p, &k) in px.chunks_exact(3).zip(k) {
+                            for c in 0..3 {
+                                acc[c] += p[c] as i32 * k as i32;
+                            }
+                        }
                         for c in 0..3 {
-                            acc[c] += p[c] as i32 * k as i32;
+                            d[c] = finish(acc[c], ax.precision);
                         }
                     }
-                    for c in 0..3 {
-                        d[c] = finish(acc[c], ax.precision);
-                    }
-                }
-            });
+                });
+        }
         rgb = out.into();
         w = out_w;
     }
     if out_h != in_h {
-        let ax = axis(in_h, out_h);
+        let kernel = Kernel::new(in_h, out_h);
         let row = w * 3;
         let mut out = vec![0u8; out_h * row];
-        out.par_chunks_exact_mut(row).enumerate().for_each_init(
-            || vec![0i32; row],
-            |acc, (y, dst)| {
-                acc.fill(half(ax.precision));
-                let k = &ax.weights[y * ax.taps..y * ax.taps + ax.size[y]];
-                for (t, &k) in k.iter().enumerate() {
-                    let r = ax.start[y] + t;
-                    for (a, &s) in acc.iter_mut().zip(&rgb[r * row..(r + 1) * row]) {
-                        *a += s as i32 * k as i32;
-                    }
-                }
-                for (d, &a) in dst.iter_mut().zip(acc.iter()) {
-                    *d = finish(a, ax.precision);
-                }
-            },
-        );
+        for ys in kernel.chunks(max_weights) {
+            let ax = kernel.axis(ys.clone());
+            out[ys.start * row..ys.end * row]
+                .par_chunks_exact_mut(row)
+                .zip(ys)
+                .for_each_init(
+                    || vec![0i32; row],
+                    |acc, (dst, y)| {
+                        acc.fill(half(ax.precision));
+                        let (start, k) = ax.at(y);
+                        for (t, &k) in k.iter().enumerate() {
+                            let r = start + t;
+                            for (a, &s) in acc.iter_mut().zip(&rgb[r * row..(r + 1) * row]) {
+                                *a += s as i32 * k as i32;
+                            }
+                        }
+                        for (d, &a) in dst.iter_mut().zip(acc.iter()) {
+                            *d = finish(a, ax.precision);
+                        }
+                    },
+                );
+        }
         rgb = out.into();
     }
     Image::from_rgb8(w, out_h, rgb.into_owned())
@@ -179,13 +275,11 @@ mod tests {
     #[test]
     fn weights_sum_to_one_in_fixed_point() {
         for &(i, o) in &[(7, 48), (301, 96), (48, 48), (1000, 3), (3, 1000)] {
-            let ax = axis(i, o);
+            let kernel = Kernel::new(i, o);
+            let ax = kernel.axis(0..o);
             assert!(ax.precision > 8 && ax.precision <= 22, "{i}→{o}");
             for x in 0..o {
-                let s: i32 = ax.weights[x * ax.taps..x * ax.taps + ax.size[x]]
-                    .iter()
-                    .map(|&w| w as i32)
-                    .sum();
+                let s: i32 = ax.at(x).1.iter().map(|&w| w as i32).sum();
                 let unit = 1i32 << ax.precision;
                 assert!(
                     (s - unit).abs() <= ax.taps as i32,
@@ -193,6 +287,39 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn resampling_in_chunks_gives_the_same_bytes() {
+        let (w, h) = (97, 61);
+        let rgb: Vec<u8> = (0..w * h * 3).map(|i| (i * 37 % 251) as u8).collect();
+        let img = Image::from_rgb8(w, h, rgb).unwrap();
+        for &(ow, oh) in &[(24, 48), (300, 7), (97, 200), (5, 61)] {
+            let whole = resize_bicubic_aa(&img, ow, oh).unwrap();
+            for max in [1, 50, 333] {
+                assert_eq!(
+                    resize_chunked(&img, ow, oh, max).unwrap(),
+                    whole,
+                    "{ow}×{oh}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_very_wide_strip_holds_bounded_weights() {
+        // 4,000,000 → 480 columns: about 33,000 taps per output, 16 M weights for the axis.
+        let kernel = Kernel::new(4_000_000, 480);
+        assert!(kernel.taps * 480 > 8 * MAX_WEIGHTS);
+        let chunks: Vec<_> = kernel.chunks(MAX_WEIGHTS).collect();
+        assert!(chunks.len() > 8);
+        for c in chunks {
+            assert!(kernel.axis(c).weights.len() <= MAX_WEIGHTS);
+        }
+        let img = Image::from_rgb8(4_000_000, 1, vec![200; 12_000_000]).unwrap();
+        let r = resize_bicubic_aa(&img, 480, 48).unwrap();
+        assert!(r.rgb().iter().all(|&v| v == 200));
+        assert!(resize_bytes(4_000_000, 1, 480, 48) < 16 << 20);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use tessera_backend::{Backend, View};
-use tessera_core::{Error, Result, Weights};
+use tessera_core::{Error, Result, Weights, check_finite};
 
 use super::ZImageFiles;
 use super::config::{SchedulerConfig, TransformerConfig, VaeConfig, check_model_index};
@@ -20,6 +20,19 @@ use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
 pub const DEFAULT_STEPS: usize = 8;
 pub const DEFAULT_GUIDANCE: f32 = 0.0;
 pub const DEFAULT_SIZE: (usize, usize) = (1024, 1024);
+/// The largest guidance scale accepted. Useful scales are single digits; far beyond this the
+/// guided velocity is noise amplified (and near `f32::MAX` it overflows to infinity).
+pub const MAX_GUIDANCE: f32 = 100.0;
+
+/// Refuse a guidance scale that is not a number from 0 to [`MAX_GUIDANCE`].
+pub fn check_guidance(g: f32) -> Result<()> {
+    if g.is_finite() && (0.0..=MAX_GUIDANCE).contains(&g) {
+        return Ok(());
+    }
+    Err(Error::input(format!(
+        "--guidance {g}: use 0 (no CFG, Turbo) or a positive scale up to {MAX_GUIDANCE} (about 4 for the base model)"
+    )))
+}
 
 /// What to generate.
 #[derive(Clone, Debug)]
@@ -246,12 +259,7 @@ impl<B: Backend> ZImage<B> {
                 near(h)
             )));
         }
-        if !(req.guidance.is_finite() && req.guidance >= 0.0) {
-            return Err(Error::input(format!(
-                "--guidance {}: use 0 (no CFG, Turbo) or a positive scale (about 4 for the base model)",
-                req.guidance
-            )));
-        }
+        check_guidance(req.guidance)?;
         let scale = self.vae.config().scale();
         let latent_hw = (h / scale, w / scale);
         let cfg = self.transformer.config();
@@ -342,6 +350,7 @@ impl<B: Backend> ZImage<B> {
             caps.push(hidden.rows(off, s.len()));
             off += s.len();
         }
+        check_finite("text encoder features", &be.read_f32(hidden.rows(0, off))?)?;
         let schedule = &plan.schedule;
         let mut prep =
             self.transformer
@@ -360,7 +369,10 @@ impl<B: Backend> ZImage<B> {
             if req.cfg() {
                 guide(&mut pred, &v[1], req.guidance);
             }
+            let at = format!("denoising step {} of {}", step + 1, schedule.steps());
+            check_finite(&format!("{at}: transformer velocity"), &pred)?;
             euler_step(&mut latent, &pred, schedule, step);
+            check_finite(&format!("{at}: latent"), &latent)?;
             on(Event::Step {
                 index: step,
                 steps: schedule.steps(),
@@ -370,6 +382,7 @@ impl<B: Backend> ZImage<B> {
         }
         on(Event::Decoding);
         let image = self.vae.decode(be, &latent, plan.latent_hw, None)?;
+        check_finite("VAE decoder output", &image)?;
         Ok(RgbImage {
             width: req.width,
             height: req.height,

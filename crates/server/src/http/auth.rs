@@ -21,7 +21,7 @@ pub async fn require_api_key(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(bearer_token);
     let refused = match given {
         None => {
             ApiError::Unauthorized("missing API key: send the header Authorization: Bearer <key>")
@@ -35,6 +35,13 @@ pub async fn require_api_key(
     Err(refused)
 }
 
+/// The token of `Bearer <token>`. The scheme is case-insensitive (RFC 9110 §11.1), so
+/// `bearer KEY` is as valid as `Bearer KEY`.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+}
+
 /// Compare without an early exit, so the time taken does not reveal how much of a guess matched.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = a.len() ^ b.len();
@@ -46,7 +53,23 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::constant_time_eq;
+    use super::{bearer_token, constant_time_eq};
+
+    #[test]
+    fn the_scheme_is_case_insensitive() {
+        for v in [
+            "Bearer k1",
+            "bearer k1",
+            "BEARER k1",
+            "BeArEr k1",
+            " Bearer k1",
+        ] {
+            assert_eq!(bearer_token(v), Some("k1"), "{v:?}");
+        }
+        for v in ["Basic k1", "Bearerk1", "k1", "Token k1"] {
+            assert_eq!(bearer_token(v), None, "{v:?}");
+        }
+    }
 
     #[test]
     fn compares_keys() {

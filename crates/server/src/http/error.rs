@@ -11,8 +11,10 @@
 //! | 403 | `file_paths_not_allowed` | a file path while the server runs without `--allow-file-paths` |
 //! | 404 | `model_not_found`, `not_found` | an unknown model, an unknown route |
 //! | 405 | `method_not_allowed` | a known route with the wrong method |
+//! | 408 | `body_timeout` | the body did not arrive within `--body-timeout` |
 //! | 413 | `body_too_large`, `too_many_inputs`, `input_too_large` | a body, input count or input over its limit |
-//! | 429 | `queue_full` | the queue is full (with `Retry-After`) |
+//! | 415 | `unsupported_media_type` | a body whose `Content-Type` is not JSON |
+//! | 429 | `queue_full`, `too_many_uploads` | the queue or the image memory is full, or the client has `--max-uploads-per-client` bodies still arriving (with `Retry-After`) |
 //! | 500 | `internal_error` | the device failed; the message says how |
 //! | 503 | `model_loading`, `shutting_down` | not ready yet, or stopping (with `Retry-After`) |
 //! | 504 | `timeout` | no answer within `--request-timeout` |
@@ -47,18 +49,26 @@ pub enum ApiError {
     NotFound(String),
     #[error("method {method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
+    #[error("the request body did not arrive within {0:?} (--body-timeout)")]
+    BodyTimeout(Duration),
     #[error(
         "the request body is larger than the server's limit of {limit} bytes (--max-request-mb)"
     )]
     BodyTooLarge { limit: usize },
     #[error("{message}")]
     TooManyInputs { message: String },
+    #[error(
+        "the body must be JSON with the header Content-Type: application/json, not {0} (form and text bodies are refused so that a web page cannot post to this server)"
+    )]
+    UnsupportedMediaType(String),
     #[error("{0}")]
     InputTooLarge(String),
     #[error("the server's queue is full ({max_queue} requests): retry after {RETRY_AFTER_SECS} s")]
     QueueFull { max_queue: usize },
     #[error("{0}")]
     QueueMemory(String),
+    #[error("{0}")]
+    TooManyUploads(String),
     #[error("internal error: {0}")]
     Internal(String),
     #[error("the model is still loading: retry after {RETRY_AFTER_SECS} s")]
@@ -92,10 +102,14 @@ impl ApiError {
             ApiError::FilePathsNotAllowed(_) => StatusCode::FORBIDDEN,
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::BodyTooLarge { .. }
             | ApiError::TooManyInputs { .. }
             | ApiError::InputTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::QueueFull { .. } | ApiError::QueueMemory(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::QueueFull { .. } | ApiError::QueueMemory(_) | ApiError::TooManyUploads(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Loading | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -112,6 +126,9 @@ impl ApiError {
             ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::NotFound(_) => "not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
+            ApiError::BodyTimeout(_) => "body_timeout",
+            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ApiError::TooManyUploads(_) => "too_many_uploads",
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::TooManyInputs { .. } => "too_many_inputs",
             ApiError::InputTooLarge(_) => "input_too_large",
@@ -157,6 +174,9 @@ impl ApiError {
                 method: String::new(),
                 path: String::new(),
             },
+            ApiError::BodyTimeout(Duration::ZERO),
+            ApiError::UnsupportedMediaType(String::new()),
+            ApiError::TooManyUploads(String::new()),
             ApiError::BodyTooLarge { limit: 0 },
             ApiError::TooManyInputs {
                 message: String::new(),
@@ -223,9 +243,12 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
         }
-        // The rest of an over-limit body may be left unread, and the connection then closes
-        // after this answer: say so, or a client's pool may send its next request into it.
-        if matches!(self, ApiError::BodyTooLarge { .. }) {
+        // The rest of the body may be left unread, and the connection then closes after this
+        // answer: say so, or a client's pool may send its next request into it.
+        if matches!(
+            self,
+            ApiError::BodyTooLarge { .. } | ApiError::BodyTimeout(_) | ApiError::TooManyUploads(_)
+        ) {
             response
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));

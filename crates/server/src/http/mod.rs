@@ -5,17 +5,18 @@ pub mod error;
 pub mod json;
 pub mod routes;
 pub mod types;
+pub mod upload;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
+use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{HeaderValue, Method, header};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::Response;
 use axum::routing::{get, post};
-use axum::{Extension, Router};
 use tokio::sync::Semaphore;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::trace::TraceLayer;
@@ -26,7 +27,7 @@ use crate::metrics::Metrics;
 use crate::model::ModelInfo;
 use crate::queue::Queue;
 use error::ErrorCode;
-use json::BodyLimit;
+use upload::Uploads;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -35,8 +36,10 @@ pub struct AppState {
     /// Set once the worker has loaded the model; `/health` is ready from then on.
     pub model: Arc<OnceLock<Arc<ModelInfo>>>,
     pub queue: Arc<Queue<Job>>,
-    /// `--max-queue` request slots, taken before the body is read and held until the answer.
+    /// `--max-queue` request slots, taken once the body has arrived and held until the answer.
     pub slots: Arc<Semaphore>,
+    /// Bodies arriving now, per client and in all.
+    pub uploads: Arc<Uploads>,
     /// `--max-image-memory-mb`, in MiB of decoded images.
     pub image_memory: Arc<Semaphore>,
     pub metrics: Arc<Metrics>,
@@ -54,6 +57,10 @@ impl AppState {
             .map_or(0, |d| d.as_secs());
         AppState {
             slots: Arc::new(Semaphore::new(limits.max_queue)),
+            uploads: Arc::new(Uploads::new(
+                limits.max_uploads_per_client,
+                limits.max_queue,
+            )),
             image_memory: Arc::new(Semaphore::new(limits.max_image_memory_mb)),
             config: Arc::new(config),
             model: Arc::new(OnceLock::new()),
@@ -82,7 +89,6 @@ pub fn router(app: AppState) -> Result<Router, tessera_core::Error> {
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(from_fn_with_state(app.metrics.clone(), count_requests))
         .layer(DefaultBodyLimit::max(limit))
-        .layer(Extension(BodyLimit(limit)))
         .layer(TraceLayer::new_for_http())
         .with_state(app);
     Ok(match cors {

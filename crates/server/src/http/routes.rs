@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use axum::Json;
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::{Json, RequestExt};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use http_body_util::BodyExt;
@@ -15,29 +15,24 @@ use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use super::AppState;
 use super::error::ApiError;
-use super::json::ApiJson;
 use super::types::{
     EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingValue, EncodingFormat, Health,
     ModelCard, ModelList, Usage,
 };
+use super::{json, upload};
 use crate::embeddings::Job;
 use crate::inputs::{self, Context};
 use crate::model::ModelInfo;
 use crate::queue::Lane;
 
-/// A request slot (`--max-queue`), taken before the body is read so that admitted requests bound
-/// the memory held; refused with 503 while loading or stopping and 429 when all are taken.
+/// A request slot (`--max-queue`), taken once the body has arrived so that admitted requests
+/// bound the memory held, and held until the answer; 429 when all are taken.
 pub struct Slot {
-    info: Arc<ModelInfo>,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Slot {
     fn acquire(app: &AppState) -> Result<Self, ApiError> {
-        if app.stopping.load(Ordering::Relaxed) {
-            return Err(ApiError::ShuttingDown);
-        }
-        let info = app.model.get().ok_or(ApiError::Loading)?.clone();
         let permit = app
             .slots
             .clone()
@@ -45,32 +40,40 @@ impl Slot {
             .map_err(|_| ApiError::QueueFull {
                 max_queue: app.config.limits.max_queue,
             })?;
-        Ok(Slot {
-            info,
-            _permit: permit,
-        })
+        Ok(Slot { _permit: permit })
     }
+}
+
+/// The model, for a request that arrives while the server is ready: 503 while loading or
+/// stopping. A request that arrived before shutdown began is finished, body and all.
+fn ready(app: &AppState) -> Result<Arc<ModelInfo>, ApiError> {
+    if app.stopping.load(Ordering::Relaxed) {
+        return Err(ApiError::ShuttingDown);
+    }
+    Ok(app.model.get().ok_or(ApiError::Loading)?.clone())
 }
 
 /// `POST /v1/embeddings`.
 pub async fn embeddings(State(app): State<AppState>, req: Request) -> Result<Response, ApiError> {
-    let slot = match Slot::acquire(&app) {
-        Ok(slot) => slot,
+    let info = match ready(&app) {
+        Ok(info) => info,
         Err(e) => {
             drain(req, app.config.limits.max_request_bytes).await;
             return Err(e);
         }
     };
     let limit = app.config.limits.request_timeout;
-    tokio::time::timeout(limit, embed(app, slot, req))
+    tokio::time::timeout(limit, embed(app, info, req))
         .await
         .unwrap_or(Err(ApiError::Timeout(limit)))
 }
 
-async fn embed(app: AppState, slot: Slot, req: Request) -> Result<Response, ApiError> {
+async fn embed(app: AppState, info: Arc<ModelInfo>, req: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let ApiJson(body) = req.extract::<ApiJson<EmbeddingRequest>, _>().await?;
-    let info = slot.info.clone();
+    let bytes = upload::receive(&app, req).await?;
+    let slot = Slot::acquire(&app)?;
+    let body: EmbeddingRequest = json::parse(&bytes)?;
+    drop(bytes);
     let prompt_name = prompt_name(&info, &body)?;
     let prefix = inputs::prompt_prefix(&info, prompt_name.as_deref())?;
     let dim = match body.dimensions {
@@ -127,6 +130,7 @@ async fn embed(app: AppState, slot: Slot, req: Request) -> Result<Response, ApiE
         .await
         .map_err(|_| ApiError::Internal("the device worker stopped".into()))??;
     drop(checked.image_memory);
+    drop(slot);
 
     let tokens: usize = embeddings.iter().map(|e| e.tokens).sum();
     app.metrics
