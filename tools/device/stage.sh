@@ -26,4 +26,11 @@ if [ ! -f .dev/whl/transformers-5.25.0-py3-none-any.whl ]; then
     transformers==5.25.0 huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
     click==8.5.1 idna==3.20 importlib_metadata -d .dev/whl
 fi
+# The whole transformers wheel (13.8 MB) leaves no room for the binaries under the device tool's
+# 64 MiB: keep only the model folders EmbeddingGemma 2's reference imports (and their kin).
+w=.dev/whl/transformers-5.25.0-py3-none-any.whl
+if [ "$(stat -c %s "$w")" -gt 5000000 ]; then
+  python3 ../shared/tools/trim_wheel.py "$w" "$w.trimmed" transformers/models/ \
+    auto,embedding_gemma2,gemma4,gemma3,gemma3n,gemma,gemma2,siglip,siglip2 && mv "$w.trimmed" "$w"
+fi
 du -sh .dev
