@@ -55,7 +55,8 @@ impl CudaBackend {
                 Ok(())
             }
             Op::Attention(a) => self.attention_supported(a),
-            Op::Conv2d { .. } | Op::GroupNorm { .. } => Err(not_yet("it is")),
+            Op::Conv2d { .. } => Err(not_yet("convolutions are")),
+            Op::GroupNorm { .. } => Err(not_yet("GroupNorm is")),
         }
     }
 

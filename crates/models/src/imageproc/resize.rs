@@ -219,9 +219,14 @@ fn resize_chunked(img: &Image, out_w: usize, out_h: usize, max_weights: usize) -
                 .zip(out.par_chunks_exact_mut(out_w * 3))
                 .for_each(|(src, dst)| {
                     let dst = &mut dst[xs.start * 3..xs.end * 3];
-                    for (x, d) in xs.clone().zip(dst.chunks_exact_mut(3)) {
-                        let (start, k) = ax.at(x);
-                        let px = &src[start * 3..(start + k.len()) * 3];
+                    let outputs = ax.start.iter().zip(&ax.size);
+                    for ((d, (&start, &size)), k) in dst
+                        .chunks_exact_mut(3)
+                        .zip(outputs)
+                        .zip(ax.weights.chunks_exact(ax.taps))
+                    {
+                        let k = &k[..size];
+                        let px = &src[start * 3..(start + size) * 3];
                         let mut acc = [half(ax.precision); 3];
                         for (p, &k) in px.chunks_exact(3).zip(k) {
                             for c in 0..3 {
