@@ -37,24 +37,10 @@ impl<B: Backend> RopeTable<B> {
     /// positions `0..len`. The angle is `pos · inv_freq` rounded to `f32` like the reference's
     /// `f32` product; its cosine and sine are then taken in `f64` and rounded once.
     pub fn new(backend: &B, inv_freq: &[f32], len: usize, style: RopeStyle) -> Result<Self> {
-        let half = inv_freq.len();
-        let mut host = vec![0f32; 2 * len * half];
-        let (cos, sin) = host.split_at_mut(len * half);
-        for p in 0..len {
-            for (j, &f) in inv_freq.iter().enumerate() {
-                let angle = (p as f32 * f) as f64;
-                cos[p * half + j] = angle.cos() as f32;
-                sin[p * half + j] = angle.sin() as f32;
-            }
-        }
-        let mut buf = backend.alloc(host.len(), Role::Stream)?;
-        backend.write_f32(&mut buf, &host)?;
-        Ok(RopeTable {
-            buf,
-            len,
-            half,
-            style,
-        })
+        let angles: Vec<f32> = (0..len)
+            .flat_map(|p| inv_freq.iter().map(move |&f| p as f32 * f))
+            .collect();
+        Self::from_angles(backend, &angles, len, inv_freq.len(), style)
     }
 
     /// A table from explicit `f32` angles `[len, half]` (row `r`, pair `j`), for RoPEs whose

@@ -56,18 +56,10 @@ impl<B: Backend> PreNormLayer<B> {
         s: &mut Scratch<B>,
         next: Option<RowNorm<'_, B>>,
     ) -> Result<()> {
-        let (d, eps) = (self.attn.width, attn.eps);
-        attn.forward(be, segs, rows, s)?;
-        be.residual(
-            ViewMut::new(h, rows, d),
-            View::new(&s.y, rows, d),
-            &Residual::plain(),
-            After::Norm(
-                RowNorm::rms(&self.post_attn_norm, eps),
-                ViewMut::new(&mut s.a, rows, d),
-            ),
-        )?;
-        self.mlp.forward(be, act, rows, s)?;
+        let d = self.attn.width;
+        let mid = RowNorm::rms(&self.post_attn_norm, attn.eps);
+        let res = Residual::plain();
+        attention_then_mlp(be, attn, &res, mid, &self.mlp, act, segs, rows, h, s)?;
         let after = match next {
             Some(n) => After::Norm(n, ViewMut::new(&mut s.a, rows, d)),
             None => After::Nothing,
@@ -126,17 +118,35 @@ impl<B: Backend> SandwichLayer<B> {
         h: &mut B::Buf,
         s: &mut Scratch<B>,
     ) -> Result<()> {
-        let (d, eps) = (self.attn.width, attn.eps);
-        attn.forward(be, segs, rows, s)?;
-        be.residual(
-            ViewMut::new(h, rows, d),
-            View::new(&s.y, rows, d),
-            &Residual::post_norm(RowNorm::rms(&self.post_attn_norm, eps)),
-            After::Norm(
-                RowNorm::rms(&self.pre_ff_norm, eps),
-                ViewMut::new(&mut s.a, rows, d),
-            ),
-        )?;
-        self.mlp.forward(be, act, rows, s)
+        let eps = attn.eps;
+        let res = Residual::post_norm(RowNorm::rms(&self.post_attn_norm, eps));
+        let mid = RowNorm::rms(&self.pre_ff_norm, eps);
+        attention_then_mlp(be, attn, &res, mid, &self.mlp, act, segs, rows, h, s)
     }
+}
+
+/// The half of a layer both shapes share: `y = attn(s.a)`, `h = res(h, y)` with
+/// `s.a = mid(h)` fused after it, then `s.y = mlp(s.a)`.
+#[allow(clippy::too_many_arguments)]
+fn attention_then_mlp<B: Backend>(
+    be: &B,
+    attn: &SelfAttention<'_, B>,
+    res: &Residual<'_, B>,
+    mid: RowNorm<'_, B>,
+    mlp: &MlpWeights<B>,
+    act: Activation,
+    segs: &Segments<B>,
+    rows: usize,
+    h: &mut B::Buf,
+    s: &mut Scratch<B>,
+) -> Result<()> {
+    let d = attn.w.width;
+    attn.forward(be, segs, rows, s)?;
+    be.residual(
+        ViewMut::new(h, rows, d),
+        View::new(&s.y, rows, d),
+        res,
+        After::Norm(mid, ViewMut::new(&mut s.a, rows, d)),
+    )?;
+    mlp.forward(be, act, rows, s)
 }
