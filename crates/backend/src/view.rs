@@ -1,5 +1,7 @@
 //! Row-major 2-D windows into backend buffers.
 
+use tessera_core::{Error, Result};
+
 use crate::Backend;
 
 /// A read-only `[rows, cols]` window starting at element `offset`, rows `stride` elements apart.
@@ -123,4 +125,15 @@ impl<'a, B: Backend> ViewMut<'a, B> {
     pub fn end(&self) -> usize {
         self.as_view().end()
     }
+}
+
+/// Check that two `(rows, cols)` shapes an op pairs up agree.
+pub(crate) fn same_shape(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()> {
+    if a != b {
+        return Err(Error::backend(
+            op,
+            format!("shape mismatch: {}×{} vs {}×{}", a.0, a.1, b.0, b.1),
+        ));
+    }
+    Ok(())
 }

@@ -3,7 +3,8 @@
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, CpuTable, check_same_shape, rows, rows_mut};
+use super::{CpuBackend, CpuTable, rows, rows_mut};
+use crate::view::same_shape;
 use crate::{Activation, View, ViewMut};
 
 pub(super) fn embed(
@@ -66,8 +67,8 @@ pub(super) fn gated(
     out: ViewMut<'_, CpuBackend>,
     act: Activation,
 ) -> Result<()> {
-    check_same_shape("gated", (gate.rows, gate.cols), (up.rows, up.cols))?;
-    check_same_shape("gated", (gate.rows, gate.cols), (out.rows, out.cols))?;
+    same_shape("gated", (gate.rows, gate.cols), (up.rows, up.cols))?;
+    same_shape("gated", (gate.rows, gate.cols), (out.rows, out.cols))?;
     let f = activation_fn(act);
     rows_mut(out)
         .zip(rows(gate))

@@ -6,7 +6,8 @@ use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
 use super::elementwise::activation_fn;
-use super::{CpuBackend, check_same_shape, rows, rows_mut};
+use super::{CpuBackend, rows, rows_mut};
+use crate::view::same_shape;
 use crate::{GroupNorm, View, ViewMut};
 
 /// Per-group sums over all rows of `x` of `f(value, group)`.
@@ -43,7 +44,7 @@ pub(super) fn group_norm(
     spec: &GroupNorm,
     out: ViewMut<'_, CpuBackend>,
 ) -> Result<()> {
-    check_same_shape("group_norm", (x.rows, x.cols), (out.rows, out.cols))?;
+    same_shape("group_norm", (x.rows, x.cols), (out.rows, out.cols))?;
     let (c, g) = (x.cols, spec.groups);
     if g == 0 || c % g != 0 || weight.len() != c || bias.len() != c {
         return Err(Error::backend(

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use tessera_core::{Error, Result, Tensor, Weights};
 
+use crate::view::same_shape;
 use crate::{
     Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Op, Precision,
     QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, View, ViewMut,
@@ -140,16 +141,6 @@ fn rows<'a>(
         .map(move |r| &r[..cols])
 }
 
-fn check_same_shape(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()> {
-    if a != b {
-        return Err(Error::backend(
-            op,
-            format!("shape mismatch: {}×{} vs {}×{}", a.0, a.1, b.0, b.1),
-        ));
-    }
-    Ok(())
-}
-
 /// Widen every part to `f32` and stack the parts along `out`.
 fn stack_f32(parts: &[Tensor<'_>]) -> Result<CpuMat> {
     let (out, inner) = crate::stacked_shape(parts)?;
@@ -257,7 +248,7 @@ impl Backend for CpuBackend {
     fn cast(&self, x: View<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
         use rayon::prelude::*;
         self.enter(Op::Cast)?;
-        check_same_shape("cast", (x.rows, x.cols), (out.rows, out.cols))?;
+        same_shape("cast", (x.rows, x.cols), (out.rows, out.cols))?;
         rows_mut(out)
             .zip(rows(x))
             .for_each(|(o, r)| o.copy_from_slice(r));

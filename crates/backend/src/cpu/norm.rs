@@ -4,7 +4,8 @@
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, check_same_shape, rows, rows_mut, slice};
+use super::{CpuBackend, rows, rows_mut, slice};
+use crate::view::same_shape;
 use crate::{After, NormKind, Residual, RowNorm, View, ViewMut};
 
 /// A [`RowNorm`] resolved to host slices, with `1 + s` precomputed once per call.
@@ -95,7 +96,7 @@ pub(super) fn norm(
     n: &RowNorm<'_, CpuBackend>,
     out: ViewMut<'_, CpuBackend>,
 ) -> Result<()> {
-    check_same_shape("norm", (x.rows, x.cols), (out.rows, out.cols))?;
+    same_shape("norm", (x.rows, x.cols), (out.rows, out.cols))?;
     let n = Norm::resolve("norm", n, x.cols)?;
     rows_mut(out).zip(rows(x)).for_each(|(o, r)| n.apply(r, o));
     Ok(())
@@ -108,7 +109,7 @@ pub(super) fn residual(
     after: After<'_, CpuBackend>,
 ) -> Result<()> {
     const OP: &str = "residual";
-    check_same_shape(OP, (h.rows, h.cols), (y.rows, y.cols))?;
+    same_shape(OP, (h.rows, h.cols), (y.rows, y.cols))?;
     let cols = h.cols;
     let post = match &res.post {
         Some(p) if p.scale.is_some() => {
@@ -159,7 +160,7 @@ pub(super) fn residual(
         After::Norm(n, out) => (Some(Norm::resolve(OP, &n, cols)?), out),
         After::Copy(out) => (None, out),
     };
-    check_same_shape(OP, (h.rows, h.cols), (out.rows, out.cols))?;
+    same_shape(OP, (h.rows, h.cols), (out.rows, out.cols))?;
     rows_mut(h)
         .zip(rows(y))
         .zip(rows_mut(out))

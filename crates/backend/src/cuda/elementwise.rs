@@ -4,8 +4,9 @@
 use tessera_core::{Error, Result};
 
 use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
-use super::memory::{ptr_of, ptr_of_mut, same_shape};
+use super::memory::{ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, CudaTable, Elem};
+use crate::view::same_shape;
 use crate::{Activation, Segments, View, ViewMut};
 
 kernel_args! {

@@ -132,16 +132,6 @@ pub(super) fn ptr_of_mut(v: &ViewMut<'_, CudaBackend>) -> Result<DevPtr> {
     ptr_of(&v.as_view())
 }
 
-pub(super) fn same_shape(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()> {
-    if a != b {
-        return Err(Error::backend(
-            op,
-            format!("shape mismatch: {}×{} vs {}×{}", a.0, a.1, b.0, b.1),
-        ));
-    }
-    Ok(())
-}
-
 impl CudaBackend {
     pub(super) fn compute_elem(&self) -> Elem {
         match self.precision {

@@ -5,8 +5,9 @@ use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};
 
 use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
-use super::memory::{ptr_of, ptr_of_mut, same_shape};
+use super::memory::{ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, Elem};
+use crate::view::same_shape;
 use crate::{After, QkvNorm, Residual, RopeStyle, RopeTable, View, ViewMut};
 
 kernel_args! {
