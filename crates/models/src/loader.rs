@@ -157,25 +157,19 @@ mod tests {
     use tessera_backend::View;
     use tessera_backend::cpu::CpuBackend;
 
+    /// An f32 checkpoint of `tensors`, serialised in memory and left to the test process.
     fn weights(tensors: &[(&str, Vec<usize>, Vec<f32>)]) -> Weights {
-        let dir = tempfile::tempdir().unwrap();
         let bufs: Vec<Vec<u8>> = tensors
             .iter()
             .map(|(_, _, d)| d.iter().flat_map(|v| v.to_le_bytes()).collect())
             .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-            .iter()
-            .zip(&bufs)
-            .map(|((n, s, _), b)| {
-                let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                    .unwrap();
-                (n.to_string(), v)
-            })
-            .collect();
-        let path = dir.path().join("model.safetensors");
-        safetensors::serialize_to_file(views, None, &path).unwrap();
-        let bytes: &'static [u8] = Box::leak(std::fs::read(&path).unwrap().into_boxed_slice());
-        Weights::from_static("<test>", bytes).unwrap()
+        let views = tensors.iter().zip(&bufs).map(|((n, s, _), b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .unwrap();
+            (*n, v)
+        });
+        let file = safetensors::serialize(views, None).unwrap();
+        Weights::from_static("<test>", Box::leak(file.into_boxed_slice())).unwrap()
     }
 
     #[test]

@@ -126,14 +126,12 @@ mod tests {
 
     /// A one-tensor safetensors file `t` (f32) held in memory for the life of the test binary.
     fn weights_with(shape: &[usize], data: &[f32]) -> tessera_core::Weights {
-        let header = format!(
-            r#"{{"t":{{"dtype":"F32","shape":{shape:?},"data_offsets":[0,{}]}}}}"#,
-            data.len() * 4
-        );
-        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(header.as_bytes());
-        bytes.extend(data.iter().flat_map(|v| v.to_le_bytes()));
-        tessera_core::Weights::from_static("test", Box::leak(bytes.into_boxed_slice())).unwrap()
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.to_vec(), &bytes)
+                .unwrap();
+        let file = safetensors::serialize([("t", view)], None).unwrap();
+        tessera_core::Weights::from_static("test", Box::leak(file.into_boxed_slice())).unwrap()
     }
 
     #[test]
