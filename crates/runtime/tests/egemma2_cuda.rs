@@ -13,8 +13,11 @@
 //! would judge the model's conditioning rather than the engine.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::{image, root, text_fixture, vision_fixture};
 use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda;
@@ -80,14 +83,6 @@ fn floor_from(path: &Path, label: &str) -> Floor {
 fn fixture_floor(model: &str, set: &str) -> Floor {
     let path = root().join("tests/fixtures/egemma2/bf16_floor.json");
     floor_from(&path, &format!("{model} {set} fixtures"))
-}
-
-/// The repository root: `TESSERA_ROOT` when the test executable runs from a copied tree (the GPU
-/// machine), else the source tree it was built from.
-fn root() -> PathBuf {
-    std::env::var_os("TESSERA_ROOT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
 }
 
 fn cuda_model(dir: &Path, p: Precision) -> Egemma2<cuda::CudaBackend> {
@@ -175,43 +170,18 @@ fn assert_none(failures: &[String]) {
     );
 }
 
-#[derive(Deserialize)]
-struct Fixture {
-    models: std::collections::BTreeMap<String, String>,
-    cases: Vec<Case>,
-}
-#[derive(Deserialize)]
-struct Case {
-    name: String,
-    texts: Vec<String>,
-    prompt_name: Option<String>,
-    prompt: Option<String>,
-    dim: Option<usize>,
-    max_tokens: Option<usize>,
-    expected: std::collections::BTreeMap<String, Vec<Vec<f64>>>,
-}
-
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fixtures_match_the_reference_on_cuda() {
-    let fx: Fixture = serde_json::from_str(
-        &std::fs::read_to_string(root().join("tests/fixtures/egemma2/cases.json")).unwrap(),
-    )
-    .unwrap();
+    let fx = text_fixture();
     let mut failures = Vec::new();
     for p in [Precision::F32, Precision::Bf16] {
         for (name, dir) in &fx.models {
             let mut model = cuda_model(&root().join(dir), p);
             let mut tally = Tally::new(p, fixture_floor(name, "text"));
             for c in &fx.cases {
-                let texts: Vec<&str> = c.texts.iter().map(String::as_str).collect();
-                let opts = TextOptions {
-                    prompt_name: c.prompt_name.clone(),
-                    prompt: c.prompt.clone(),
-                    max_tokens: c.max_tokens,
-                };
                 let got = model
-                    .embed_texts(&texts, &opts, c.dim, &mut |_| {})
+                    .embed_texts(&c.texts(), &c.opts(), c.dim, &mut |_| {})
                     .unwrap();
                 for (i, (g, w)) in got.iter().zip(&c.expected[name]).enumerate() {
                     tally.check(&format!("{name}/{} text {i}", c.name), &g.vector, w);
@@ -338,48 +308,14 @@ fn a_batch_too_large_for_the_device_is_split() {
     }
 }
 
-#[derive(Deserialize)]
-struct VisionFixture {
-    models: std::collections::BTreeMap<String, String>,
-    budget: usize,
-    cases: Vec<VisionCase>,
-}
-#[derive(Deserialize)]
-struct VisionCase {
-    name: String,
-    parts: Vec<std::collections::BTreeMap<String, String>>,
-    prompt_name: Option<String>,
-    dim: Option<usize>,
-    expected: std::collections::BTreeMap<String, Vec<f64>>,
-}
-
 #[test]
 #[ignore = "needs a CUDA device"]
 fn vision_fixtures_match_the_reference_on_cuda() {
-    use tessera_models::egemma2::{Input, Part};
-    use tessera_models::imageproc::{Image, ImageBudget};
-    let fx: VisionFixture = serde_json::from_str(
-        &std::fs::read_to_string(root().join("tests/fixtures/egemma2/vision_cases.json")).unwrap(),
-    )
-    .unwrap();
-    let budget: ImageBudget = fx.budget.to_string().parse().unwrap();
-    let inputs: Vec<Input> = fx
-        .cases
-        .iter()
-        .map(|c| Input {
-            parts: c
-                .parts
-                .iter()
-                .map(|p| match (p.get("text"), p.get("image")) {
-                    (Some(t), None) => Part::Text(t.clone()),
-                    (None, Some(i)) => Part::Image(
-                        Image::open(&root().join("tests/fixtures/egemma2/images").join(i)).unwrap(),
-                    ),
-                    _ => panic!("{}: malformed part {p:?}", c.name),
-                })
-                .collect(),
-        })
-        .collect();
+    use tessera_models::egemma2::Input;
+    use tessera_models::imageproc::ImageBudget;
+    let fx = vision_fixture();
+    let budget = ImageBudget::new(fx.budget).unwrap();
+    let inputs: Vec<Input> = fx.cases.iter().map(|c| c.input()).collect();
     let mut failures = Vec::new();
     for p in [Precision::F32, Precision::Bf16] {
         for (name, dir) in &fx.models {
@@ -389,10 +325,7 @@ fn vision_fixtures_match_the_reference_on_cuda() {
             let mut packing = Tally::new(p, floor);
             let mut alone = Vec::new();
             for (c, input) in fx.cases.iter().zip(&inputs) {
-                let opts = TextOptions {
-                    prompt_name: c.prompt_name.clone(),
-                    ..TextOptions::default()
-                };
+                let opts = c.opts();
                 let got = model
                     .embed_inputs(
                         std::slice::from_ref(input),
@@ -443,12 +376,13 @@ fn vision_fixtures_match_the_reference_on_cuda() {
 #[ignore = "needs a CUDA device"]
 fn replayed_passes_match_direct_ones() {
     use tessera_models::egemma2::{Input, Part};
-    use tessera_models::imageproc::{Image, ImageBudget};
+    use tessera_models::imageproc::ImageBudget;
     let dir = root().join("crates/models/assets/egemma2-mini");
-    let image =
-        Image::open(&root().join("tests/fixtures/egemma2/images/photo_120x160.jpg")).unwrap();
     let merged = [Input {
-        parts: vec![Part::Text("a photo of".into()), Part::Image(image)],
+        parts: vec![
+            Part::Text("a photo of".into()),
+            Part::Image(image("photo_120x160.jpg")),
+        ],
     }];
     for p in [Precision::F32, Precision::Bf16] {
         let mut model = cuda_model(&dir, p);

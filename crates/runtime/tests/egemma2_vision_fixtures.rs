@@ -2,90 +2,22 @@
 //! fixtures (`tools/fixtures/egemma2_vision.py`: float64 transformers 5.25.0, token ids from
 //! `EmbeddingGemma2Processor`), f32 and bf16 weights.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+mod common;
 
-use serde::Deserialize;
+use common::{VisionCase, cpu_model, edited_mini, image, max_abs, vision_fixture};
 use tessera_backend::cpu::CpuBackend;
 use tessera_models::ModelFiles;
 use tessera_models::blocks::rope::axial_inv_freq;
 use tessera_models::egemma2::{Input, Part, TextOptions};
-use tessera_models::imageproc::{Image, ImageBudget};
+use tessera_models::imageproc::ImageBudget;
 use tessera_runtime::embed::{Egemma2, Embed};
 
 /// Max abs difference allowed on L2-normalised vectors (issue: 1e-5).
 const TOL: f64 = 1e-5;
 
-#[derive(Deserialize)]
-struct Fixture {
-    models: BTreeMap<String, String>,
-    budget: usize,
-    soft_tokens_rgb_100x100: Vec<Vec<f64>>,
-    vision_rope_inv_freq: Vec<f32>,
-    cases: Vec<Case>,
-}
-
-#[derive(Deserialize)]
-struct Case {
-    name: String,
-    parts: Vec<BTreeMap<String, String>>,
-    prompt_name: Option<String>,
-    dim: Option<usize>,
-    ids: Vec<u32>,
-    expected: BTreeMap<String, Vec<f64>>,
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn fixture() -> Fixture {
-    let path = root().join("tests/fixtures/egemma2/vision_cases.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).expect("vision_cases.json parses")
-}
-
-fn image(name: &str) -> Image {
-    Image::open(&root().join("tests/fixtures/egemma2/images").join(name))
-        .unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn input(c: &Case) -> Input {
-    Input {
-        parts: c
-            .parts
-            .iter()
-            .map(|p| match (p.get("text"), p.get("image")) {
-                (Some(t), None) => Part::Text(t.clone()),
-                (None, Some(i)) => Part::Image(image(i)),
-                _ => panic!("{}: malformed part {p:?}", c.name),
-            })
-            .collect(),
-    }
-}
-
-fn opts(c: &Case) -> TextOptions {
-    TextOptions {
-        prompt_name: c.prompt_name.clone(),
-        ..TextOptions::default()
-    }
-}
-
-fn load(dir: &str) -> Egemma2<CpuBackend> {
-    Egemma2::load(CpuBackend::new(), ModelFiles::Dir(root().join(dir))).expect("model loads")
-}
-
-fn max_abs(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len(), "width");
-    got.iter()
-        .zip(want)
-        .map(|(&g, &w)| (g as f64 - w).abs())
-        .fold(0.0, f64::max)
-}
-
 #[test]
 fn every_case_matches_the_reference_alone_and_packed() {
-    let fx = fixture();
+    let fx = vision_fixture();
     assert!(fx.cases.len() >= 15, "{} cases", fx.cases.len());
     assert!(
         fx.cases
@@ -94,7 +26,7 @@ fn every_case_matches_the_reference_alone_and_packed() {
     );
     let budget = ImageBudget::new(fx.budget).unwrap();
     for (model_name, dir) in &fx.models {
-        let mut model = load(dir);
+        let mut model = cpu_model(dir);
         assert_eq!(
             model.default_image_budget(),
             Some(budget),
@@ -103,15 +35,15 @@ fn every_case_matches_the_reference_alone_and_packed() {
         let mut worst = 0f64;
         // Alone: one input per call, with its own options.
         for c in &fx.cases {
-            let inp = input(c);
-            let ids = model.input_ids(&inp, &opts(c), budget).unwrap();
+            let inp = c.input();
+            let ids = model.input_ids(&inp, &c.opts(), budget).unwrap();
             assert_eq!(
                 ids, c.ids,
                 "{model_name}/{}: token ids vs the processor",
                 c.name
             );
             let got = model
-                .embed_inputs(&[inp], &opts(c), budget, c.dim, &mut |_| {})
+                .embed_inputs(&[inp], &c.opts(), budget, c.dim, &mut |_| {})
                 .unwrap();
             let d = max_abs(&got[0].vector, &c.expected[model_name]);
             worst = worst.max(d);
@@ -119,12 +51,12 @@ fn every_case_matches_the_reference_alone_and_packed() {
             assert_eq!(got[0].tokens, c.ids.len());
         }
         // Packed: every case without a prompt or dim in one call, several per pass.
-        let plain: Vec<&Case> = fx
+        let plain: Vec<&VisionCase> = fx
             .cases
             .iter()
             .filter(|c| c.prompt_name.is_none() && c.dim.is_none())
             .collect();
-        let inputs: Vec<Input> = plain.iter().map(|c| input(c)).collect();
+        let inputs: Vec<Input> = plain.iter().map(|c| c.input()).collect();
         let mut passes = 0;
         model.budget.patches = 3000;
         let got = model
@@ -151,8 +83,8 @@ fn every_case_matches_the_reference_alone_and_packed() {
 
 #[test]
 fn soft_tokens_of_the_tower_alone_match() {
-    let fx = fixture();
-    let mut model = load(&fx.models["egemma2-mini"]);
+    let fx = vision_fixture();
+    let mut model = cpu_model(&fx.models["egemma2-mini"]);
     let budget = ImageBudget::new(fx.budget).unwrap();
     let got = model
         .soft_tokens(&[image("rgb_100x100.png")], budget)
@@ -165,15 +97,15 @@ fn soft_tokens_of_the_tower_alone_match() {
 
 #[test]
 fn vision_rope_frequencies_equal_the_reference_bit_for_bit() {
-    let fx = fixture();
+    let fx = vision_fixture();
     let got = axial_inv_freq(100.0, 4 * fx.vision_rope_inv_freq.len());
     assert_eq!(got, fx.vision_rope_inv_freq);
 }
 
 #[test]
 fn text_only_inputs_embed_as_texts_do() {
-    let fx = fixture();
-    let mut model = load(&fx.models["egemma2-mini"]);
+    let fx = vision_fixture();
+    let mut model = cpu_model(&fx.models["egemma2-mini"]);
     let opts = TextOptions {
         prompt_name: Some("query".into()),
         ..TextOptions::default()
@@ -194,8 +126,8 @@ fn text_only_inputs_embed_as_texts_do() {
 
 #[test]
 fn bad_image_inputs_are_refused_with_a_reason() {
-    let fx = fixture();
-    let mut model = load(&fx.models["egemma2-mini"]);
+    let fx = vision_fixture();
+    let mut model = cpu_model(&fx.models["egemma2-mini"]);
     let b70 = ImageBudget::new(70).unwrap();
     let err = |model: &mut Egemma2<CpuBackend>, inputs: &[Input], b| {
         model
@@ -253,17 +185,9 @@ fn bad_image_inputs_are_refused_with_a_reason() {
 
 #[test]
 fn a_model_without_a_vision_tower_says_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let src = root().join("crates/models/assets/egemma2-mini");
-    for f in std::fs::read_dir(&src).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
-    }
-    let cfg_path = dir.path().join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
-    cfg["vision_config"] = serde_json::Value::Null;
-    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let dir = edited_mini("config.json", |cfg| {
+        cfg["vision_config"] = serde_json::Value::Null
+    });
     let mut model =
         Egemma2::load(CpuBackend::new(), ModelFiles::Dir(dir.path().to_path_buf())).unwrap();
     assert!(!model.supports_images());
