@@ -1,6 +1,6 @@
 //! Whole transformer layers built from the shared attention and MLP blocks: the pre-norm layer
 //! of Qwen-style decoders and the sandwich-normed layer of Gemma 4 models. (The Z-Image DiT block
-//! modulates the same blocks; it lives with its model.)
+//! modulates the same blocks and shares [`attention_then_mlp`]; it lives with its model.)
 
 use tessera_backend::{Activation, After, Backend, Residual, RowNorm, Segments, View, ViewMut};
 use tessera_core::Result;
@@ -67,7 +67,7 @@ impl<B: Backend> PreNormLayer<B> {
         be.residual(
             ViewMut::new(h, rows, d),
             View::new(&s.y, rows, d),
-            &Residual::plain(),
+            &res,
             after,
         )
     }
@@ -125,10 +125,10 @@ impl<B: Backend> SandwichLayer<B> {
     }
 }
 
-/// The half of a layer both shapes share: `y = attn(s.a)`, `h = res(h, y)` with
-/// `s.a = mid(h)` fused after it, then `s.y = mlp(s.a)`.
+/// The half of a layer both shapes (and the Z-Image DiT block) share: `y = attn(s.a)`,
+/// `h = res(h, y)` with `s.a = mid(h)` fused after it, then `s.y = mlp(s.a)`.
 #[allow(clippy::too_many_arguments)]
-fn attention_then_mlp<B: Backend>(
+pub(crate) fn attention_then_mlp<B: Backend>(
     be: &B,
     attn: &SelfAttention<'_, B>,
     res: &Residual<'_, B>,

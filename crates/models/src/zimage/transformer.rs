@@ -27,6 +27,7 @@ use tessera_core::{Error, Result, Weights};
 
 use super::config::{T_FREQ_DIM, T_MID_DIM, TransformerConfig};
 use super::layout::{ItemLayout, patchify, unpatchify};
+use crate::blocks::layers::attention_then_mlp;
 use crate::blocks::rope::MultiAxis;
 use crate::blocks::{
     AttentionWeights, AttnNames, MlpNames, MlpWeights, QkvNames, Scratch, ScratchDims,
@@ -584,16 +585,7 @@ impl<B: Backend> ZImageTransformer<B> {
                 segs_cap,
                 ..
             } = &mut *prep;
-            self.block(
-                be,
-                b,
-                ViewMut::new(cap, cap_rows, d),
-                scratch,
-                rope,
-                pos_cap,
-                segs_cap,
-                None,
-            )?;
+            self.block(be, b, cap, cap_rows, scratch, rope, pos_cap, segs_cap, None)?;
             let mut off = 0;
             for (i, it) in prep.items.iter().enumerate() {
                 let v = View::new(&prep.cap, cap_rows, d).rows(off, it.cap_p);
@@ -669,7 +661,8 @@ impl<B: Backend> ZImageTransformer<B> {
             self.block(
                 be,
                 b,
-                ViewMut::new(x, img_rows, d),
+                x,
+                img_rows,
                 scratch,
                 rope,
                 pos_img,
@@ -720,16 +713,7 @@ impl<B: Backend> ZImageTransformer<B> {
                 ..
             } = &mut *prep;
             let m = View::new(&mods[nr + li], steps, 4 * d).rows(step, 1);
-            self.block(
-                be,
-                b,
-                ViewMut::new(u, seq, d),
-                scratch,
-                rope,
-                pos_joint,
-                segs_joint,
-                Some(m),
-            )?;
+            self.block(be, b, u, seq, scratch, rope, pos_joint, segs_joint, Some(m))?;
             tap_joint(
                 be,
                 prep,
@@ -774,7 +758,7 @@ impl<B: Backend> ZImageTransformer<B> {
         Ok(out)
     }
 
-    /// One `ZImageTransformerBlock` on the rows of `x` (spec §3.5), in place:
+    /// One `ZImageTransformerBlock` on the `rows` rows of `x` (spec §3.5), in place:
     /// `x += tanh(g_msa)·N₂(attn(N₁(x)·(1+s_msa)))`, `x += tanh(g_mlp)·N₄(ffn(N₃(x)·(1+s_mlp)))`;
     /// without modulation the scales are 0 and the gates 1.
     #[allow(clippy::too_many_arguments)]
@@ -782,7 +766,8 @@ impl<B: Backend> ZImageTransformer<B> {
         &self,
         be: &B,
         b: &Block<B>,
-        mut x: ViewMut<'_, B>,
+        x: &mut B::Buf,
+        rows: usize,
         ws: &mut Scratch<B>,
         rope: &RopeTable<B>,
         pos: &B::Buf,
@@ -790,33 +775,36 @@ impl<B: Backend> ZImageTransformer<B> {
         m: Option<View<'_, B>>,
     ) -> Result<()> {
         let c = &self.cfg;
-        let (rows, d, eps) = (x.rows, c.dim, c.norm_eps);
+        let (d, eps) = (c.dim, c.norm_eps);
         let chunk = |k: usize| m.map(|m| m.cols(k * d, d));
         be.norm(
-            x.as_view(),
+            View::new(x, rows, d),
             &RowNorm::rms(&b.attention_norm1, eps).modulated_by(chunk(0)),
             ViewMut::new(&mut ws.a, rows, d),
         )?;
-        SelfAttention {
+        let attn = SelfAttention {
             w: &b.attn,
             v_norm: false,
             eps: QK_NORM_EPS,
             rope: Some((rope, pos)),
             spec: AttnSpec::new(b.attn.layout, (c.head_dim() as f32).powf(-0.5), Mask::Full),
-        }
-        .forward(be, segs, rows, ws)?;
-        be.residual(
-            x.reborrow(),
-            View::new(&ws.y, rows, d),
-            &Residual::post_norm(RowNorm::rms(&b.attention_norm2, eps)).tanh_gated(chunk(1)),
-            After::Norm(
-                RowNorm::rms(&b.ffn_norm1, eps).modulated_by(chunk(2)),
-                ViewMut::new(&mut ws.a, rows, d),
-            ),
-        )?;
-        b.mlp.forward(be, Activation::Silu, rows, ws)?;
-        be.residual(
+        };
+        let res = Residual::post_norm(RowNorm::rms(&b.attention_norm2, eps)).tanh_gated(chunk(1));
+        let mid = RowNorm::rms(&b.ffn_norm1, eps).modulated_by(chunk(2));
+        attention_then_mlp(
+            be,
+            &attn,
+            &res,
+            mid,
+            &b.mlp,
+            Activation::Silu,
+            segs,
+            rows,
             x,
+            ws,
+        )?;
+        be.residual(
+            ViewMut::new(x, rows, d),
             View::new(&ws.y, rows, d),
             &Residual::post_norm(RowNorm::rms(&b.ffn_norm2, eps)).tanh_gated(chunk(3)),
             After::Nothing,
