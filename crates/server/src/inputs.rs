@@ -286,7 +286,7 @@ fn read_image(
     let header = Image::header(&bytes).map_err(invalid)?;
     let plan = limits.plan(&header).map_err(invalid)?;
     let mut memory = reserve(&header, plan.peak_bytes, cx)?;
-    let mut image = Image::decode(&bytes).map_err(invalid)?;
+    let mut image = Image::decode_with(&bytes, &header).map_err(invalid)?;
     drop(bytes);
     image.prepare(limits.spec, limits.budget).map_err(invalid)?;
     let held = mib(plan.held_bytes);

@@ -114,7 +114,12 @@ impl Image {
 
     /// Decode a PNG, JPEG, WebP, GIF (first frame) or BMP file held in memory.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let header = Self::header(bytes)?;
+        Self::decode_with(bytes, &Self::header(bytes)?)
+    }
+
+    /// [`Image::decode`] with the header already read from `bytes` by [`Image::header`], for a
+    /// caller that planned from it: the decoder is held to the header's size.
+    pub fn decode_with(bytes: &[u8], header: &Header) -> Result<Self> {
         let name = header.format;
         let bad = |e: image::ImageError| Error::input(format!("corrupt or truncated {name}: {e}"));
         let mut limits = Limits::default();

@@ -85,9 +85,9 @@ impl ImageLimits {
     pub fn open(&self, path: &Path) -> Result<Image> {
         let named = |e: Error| Error::input(format!("{}: {e}", path.display()));
         let bytes = read_file(path)?;
-        self.plan(&Image::header(&bytes).map_err(named)?)
-            .map_err(named)?;
-        Image::decode(&bytes).map_err(named)
+        let header = Image::header(&bytes).map_err(named)?;
+        self.plan(&header).map_err(named)?;
+        Image::decode_with(&bytes, &header).map_err(named)
     }
 }
 
