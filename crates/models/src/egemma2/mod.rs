@@ -31,6 +31,8 @@ pub mod prompts;
 pub mod text;
 pub mod vision;
 
+use std::sync::Arc;
+
 use tessera_backend::Backend;
 use tessera_core::{Error, Result};
 
@@ -81,7 +83,8 @@ pub const BUNDLED: ModelFiles = ModelFiles::Embedded {
 /// An input ready for a pass: token ids and its images as patches.
 pub struct Prepared {
     pub ids: Vec<u32>,
-    pub images: Vec<Patches>,
+    /// The patches [`Image::prepare`] made, shared rather than copied, where it did.
+    pub images: Vec<Arc<Patches>>,
 }
 
 impl Prepared {
@@ -91,7 +94,7 @@ impl Prepared {
     }
     /// Patches it takes in a vision pass.
     pub fn patches(&self) -> usize {
-        self.images.iter().map(Patches::len).sum()
+        self.images.iter().map(|p| p.len()).sum()
     }
 }
 
@@ -434,7 +437,7 @@ impl<'a> Preparer<'a> {
             .images()
             .map(|img| crate::imageproc::preprocess(img, v.processor.spec, budget))
             .collect::<Result<Vec<_>>>()?;
-        vision::check_images(vc, &images.iter().collect::<Vec<_>>())?;
+        vision::check_images(vc, &images.iter().map(Arc::as_ref).collect::<Vec<_>>())?;
         let laid = self.tokenizer.encode_with_bos_eos(&text)?;
         let t = v.tokens;
         let found = laid.iter().filter(|&&id| id == t.placeholder).count();
@@ -455,7 +458,7 @@ impl<'a> Preparer<'a> {
         let pool = v.processor.spec.pool;
         let mut soft = images.iter().map(|p| p.soft_tokens(pool));
         let mut ids =
-            Vec::with_capacity(laid.len() + images.iter().map(Patches::len).sum::<usize>());
+            Vec::with_capacity(laid.len() + images.iter().map(|p| p.len()).sum::<usize>());
         for id in laid {
             if id == t.placeholder {
                 let n = soft.next().unwrap_or(0);
@@ -500,7 +503,7 @@ impl<B: Backend> EmbeddingGemma2<B> {
             .iter()
             .map(|img| crate::imageproc::preprocess(img, v.processor.spec, budget))
             .collect::<Result<Vec<_>>>()?;
-        let refs: Vec<&Patches> = patches.iter().collect();
+        let refs: Vec<&Patches> = patches.iter().map(Arc::as_ref).collect();
         let soft = v.encoder.forward(&self.backend, &refs)?;
         let flat = self.backend.read_f32(soft)?;
         let width = soft.cols;
@@ -523,7 +526,10 @@ impl<B: Backend> Passes<'_, B> {
     /// input's pooled vector, not yet normalised.
     pub fn run(&mut self, batch: &[Prepared]) -> Result<Vec<Vec<f32>>> {
         let seqs: Vec<&[u32]> = batch.iter().map(|p| p.ids.as_slice()).collect();
-        let images: Vec<&Patches> = batch.iter().flat_map(|p| p.images.iter()).collect();
+        let images: Vec<&Patches> = batch
+            .iter()
+            .flat_map(|p| p.images.iter().map(Arc::as_ref))
+            .collect();
         let Some((encoder, placeholder)) = self.vision.as_mut().filter(|_| !images.is_empty())
         else {
             return self.text.forward(self.backend, &seqs);

@@ -40,14 +40,15 @@ pub struct Image {
     height: usize,
     rgb: Vec<u8>,
     /// Patches made ahead of time by [`Image::prepare`].
-    prepared: Option<Arc<Prepared>>,
+    prepared: Option<Prepared>,
 }
 
-/// An image's patches for one patch geometry and budget.
+/// An image's patches for one patch geometry and budget, shared with the passes that use them.
+#[derive(Clone)]
 struct Prepared {
     spec: PatchSpec,
     budget: ImageBudget,
-    patches: Patches,
+    patches: Arc<Patches>,
 }
 
 /// Images are equal when their pixels are; patches made ahead of time do not count.
@@ -147,18 +148,18 @@ impl Image {
     /// [`preprocess`]: super::preprocess
     pub fn prepare(&mut self, spec: PatchSpec, budget: ImageBudget) -> Result<()> {
         let patches = super::preprocess(self, spec, budget)?;
-        self.prepared = Some(Arc::new(Prepared {
+        self.prepared = Some(Prepared {
             spec,
             budget,
             patches,
-        }));
+        });
         Ok(())
     }
 
     /// The patches [`Image::prepare`] made for `spec` and `budget`, if it did.
-    pub(super) fn prepared(&self, spec: PatchSpec, budget: ImageBudget) -> Option<&Patches> {
+    pub(super) fn prepared(&self, spec: PatchSpec, budget: ImageBudget) -> Option<&Arc<Patches>> {
         self.prepared
-            .as_deref()
+            .as_ref()
             .filter(|p| (p.spec, p.budget) == (spec, budget))
             .map(|p| &p.patches)
     }

@@ -3,6 +3,7 @@
 //! the resize, rescaling, and the patches in row-major order with their (x, y) positions.
 
 use std::str::FromStr;
+use std::sync::Arc;
 
 use tessera_core::{Error, Result};
 
@@ -170,17 +171,20 @@ pub fn patchify(img: &Image, patch: usize) -> Patches {
     }
 }
 
-/// Resize to the budget's target size and cut into patches (or take the patches
-/// [`Image::prepare`] made).
-pub fn preprocess(img: &Image, spec: PatchSpec, budget: ImageBudget) -> Result<Patches> {
+/// Resize to the budget's target size and cut into patches (or share the patches
+/// [`Image::prepare`] made, without a copy).
+pub fn preprocess(img: &Image, spec: PatchSpec, budget: ImageBudget) -> Result<Arc<Patches>> {
     if let Some(p) = img.prepared(spec, budget) {
-        return Ok(p.clone());
+        return Ok(Arc::clone(p));
     }
     let (tw, th) = target_size(img.width(), img.height(), spec, budget)?;
     if (tw, th) == (img.width(), img.height()) {
-        return Ok(patchify(img, spec.patch));
+        return Ok(Arc::new(patchify(img, spec.patch)));
     }
-    Ok(patchify(&resize_bicubic_aa(img, tw, th)?, spec.patch))
+    Ok(Arc::new(patchify(
+        &resize_bicubic_aa(img, tw, th)?,
+        spec.patch,
+    )))
 }
 
 #[cfg(test)]
@@ -232,6 +236,9 @@ mod tests {
         );
         assert!(img.prepared(spec, b140).is_none());
         assert_eq!(preprocess(&img, spec, b70).unwrap().pixels, want.pixels);
+        // Shared, not copied.
+        let shared = preprocess(&img, spec, b70).unwrap();
+        assert!(Arc::ptr_eq(&shared, img.prepared(spec, b70).unwrap()));
         assert_ne!(preprocess(&img, spec, b140).unwrap().len(), want.len());
     }
 
