@@ -38,11 +38,6 @@ fn looks_like_repo_id(spec: &str) -> bool {
     ok(owner) && ok(name)
 }
 
-/// Resolve `spec` to a model folder that contains `marker` (e.g. `config.json`).
-pub fn resolve(spec: &str, marker: &str) -> Result<PathBuf> {
-    resolve_any(spec, &[marker])
-}
-
 /// Resolve `spec` to a model folder that contains one of `markers` (`model_index.json` for a
 /// diffusers pipeline, `config.json` for a transformers model).
 pub fn resolve_any(spec: &str, markers: &[&str]) -> Result<PathBuf> {
@@ -147,16 +142,16 @@ mod tests {
     #[test]
     fn errors_say_where_they_looked() {
         let dir = tempfile::tempdir().unwrap();
-        let e = resolve(dir.path().to_str().unwrap(), "config.json")
+        let e = resolve_any(dir.path().to_str().unwrap(), &["config.json"])
             .unwrap_err()
             .to_string();
         assert!(e.contains("is empty"), "{e}");
         std::fs::write(dir.path().join("x"), "").unwrap();
-        let e = resolve(dir.path().to_str().unwrap(), "config.json")
+        let e = resolve_any(dir.path().to_str().unwrap(), &["config.json"])
             .unwrap_err()
             .to_string();
         assert!(e.contains("has no config.json"), "{e}");
-        let e = resolve("/definitely/not/here", "config.json")
+        let e = resolve_any("/definitely/not/here", &["config.json"])
             .unwrap_err()
             .to_string();
         assert!(e.contains("no such folder"), "{e}");

@@ -396,11 +396,6 @@ impl Weights {
         }
         Ok(t)
     }
-
-    /// The tensor `name` with exactly `shape`, widened to `f32`.
-    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        Ok(self.get(name, shape)?.to_f32())
-    }
 }
 
 fn map_file(path: &Path) -> Result<File1> {
@@ -454,13 +449,21 @@ mod tests {
             &[("a.b.weight", vec![2, 3], vec![1., 2., 3., 4., 5., 6.])],
         );
         let w = Weights::open_dir(dir.path(), "model").unwrap();
-        assert_eq!(w.pp("a").pp("b").f32("weight", &[2, 3]).unwrap()[5], 6.0);
-        let err = w.pp("a.b").f32("weight", &[3, 2]).unwrap_err().to_string();
+        assert_eq!(
+            w.pp("a").pp("b").get("weight", &[2, 3]).unwrap().to_f32()[5],
+            6.0
+        );
+        let err = w
+            .pp("a.b")
+            .get("weight", &[3, 2])
+            .err()
+            .unwrap()
+            .to_string();
         assert!(
             err.contains("a.b.weight") && err.contains("[3, 2]"),
             "{err}"
         );
-        let err = w.f32("missing", &[1]).unwrap_err().to_string();
+        let err = w.get("missing", &[1]).err().unwrap().to_string();
         assert!(err.contains("`missing`"), "{err}");
     }
 
@@ -521,7 +524,7 @@ mod tests {
         )
         .unwrap();
         let w = Weights::open_dir(dir.path(), "model").unwrap();
-        assert_eq!(w.f32("y", &[1]).unwrap(), vec![2.0]);
+        assert_eq!(w.get("y", &[1]).unwrap().to_f32(), vec![2.0]);
         assert_eq!(w.names(), vec!["x", "y"]);
     }
 

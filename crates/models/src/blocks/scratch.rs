@@ -20,8 +20,6 @@ pub struct ScratchDims {
 /// reads its normed input from `a` and writes its output to `y`; `qkv`/`attn` and `gu`/`g` are
 /// the attention's and the gated MLP's own.
 pub struct Scratch<B: Backend> {
-    pub rows: usize,
-    pub dims: ScratchDims,
     pub a: B::Buf,
     pub qkv: B::Buf,
     pub attn: B::Buf,
@@ -34,8 +32,6 @@ impl<B: Backend> Scratch<B> {
     pub fn alloc(be: &B, rows: usize, dims: ScratchDims) -> Result<Self> {
         let c = Role::Compute;
         Ok(Scratch {
-            rows,
-            dims,
             a: be.alloc(rows * dims.width, c)?,
             qkv: be.alloc(rows * dims.qkv, c)?,
             attn: be.alloc(rows * dims.attn, c)?,
@@ -43,10 +39,5 @@ impl<B: Backend> Scratch<B> {
             gu: be.alloc(rows * 2 * dims.mlp, c)?,
             g: be.alloc(rows * dims.mlp, c)?,
         })
-    }
-
-    /// Whether this scratch holds `rows` rows of `dims`.
-    pub fn fits(&self, rows: usize, dims: ScratchDims) -> bool {
-        self.rows >= rows && self.dims == dims
     }
 }
