@@ -282,19 +282,9 @@ impl TextConfig {
 }
 
 impl Config {
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = tessera_core::config::read_text(path)?;
-        Self::parse(path, &text)
-    }
-
     /// `config.json` of a model's files (a folder or the bundled model).
     pub fn read(files: &crate::ModelFiles) -> Result<Self> {
-        match files {
-            crate::ModelFiles::Dir(_) => Self::from_file(&files.path("config.json")),
-            crate::ModelFiles::Embedded { .. } => {
-                Self::parse(&files.path("config.json"), &files.read("config.json")?)
-            }
-        }
+        Self::parse(&files.path("config.json"), &files.read("config.json")?)
     }
 
     pub fn parse(path: &Path, json: &str) -> Result<Self> {
