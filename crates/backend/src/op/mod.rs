@@ -82,6 +82,16 @@ pub struct NormOp {
     pub modulated: bool,
 }
 
+impl NormOp {
+    /// An RMSNorm with a weight, no bias and no modulation: the pre-norm of most transformers.
+    pub const RMS: NormOp = NormOp {
+        kind: NormKind::Rms,
+        weight: true,
+        bias: false,
+        modulated: false,
+    };
+}
+
 /// A residual step's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ResidualOp {

@@ -2,23 +2,16 @@
 //! before the model is loaded onto it.
 
 use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
-use tessera_backend::{Activation, NormKind, Op, RopeStyle};
+use tessera_backend::{Activation, Op, RopeStyle};
 
 use super::Config;
 use super::config::LayerType;
-
-const RMS: NormOp = NormOp {
-    kind: NormKind::Rms,
-    weight: true,
-    bias: false,
-    modulated: false,
-};
 
 /// Every op a text, image or mixed pass of a model with `config` calls.
 pub fn ops(config: &Config) -> Vec<Op> {
     let sandwich = |after| {
         Op::Residual(ResidualOp {
-            post: Some(RMS),
+            post: Some(NormOp::RMS),
             gate: false,
             after,
         })
@@ -27,10 +20,10 @@ pub fn ops(config: &Config) -> Vec<Op> {
         Op::Embed,
         Op::Cast,
         Op::Matmul(MatmulOp::default()),
-        Op::Norm(RMS),
+        Op::Norm(NormOp::RMS),
         Op::Gated(Activation::GeluTanh),
         Op::SegmentMean,
-        sandwich(AfterOp::Norm(RMS)),
+        sandwich(AfterOp::Norm(NormOp::RMS)),
         sandwich(AfterOp::Copy),
     ];
     for l in &config.text.layers {
@@ -54,7 +47,7 @@ pub fn ops(config: &Config) -> Vec<Op> {
             Op::ScatterRows,
             Op::Norm(NormOp {
                 weight: false,
-                ..RMS
+                ..NormOp::RMS
             }),
             sandwich(AfterOp::Nothing),
             Op::QkvNormRope {

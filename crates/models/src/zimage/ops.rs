@@ -6,18 +6,11 @@ use tessera_backend::{Activation, NormKind, Op, RopeStyle};
 
 use super::pipeline::ZImageConfigs;
 
-const RMS: NormOp = NormOp {
-    kind: NormKind::Rms,
-    weight: true,
-    bias: false,
-    modulated: false,
-};
-
 /// Every op of a generation with `cfg`, classifier-free guidance included.
 pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
     let modulated = NormOp {
         modulated: true,
-        ..RMS
+        ..NormOp::RMS
     };
     let residual = |post, gate, after| Op::Residual(ResidualOp { post, gate, after });
     let bias = MatmulOp {
@@ -35,7 +28,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
     let mut ops = vec![
         // The Qwen3 text encoder: pre-norm layers, causal.
         Op::Embed,
-        Op::Norm(RMS),
+        Op::Norm(NormOp::RMS),
         Op::Matmul(MatmulOp::default()),
         Op::QkvNormRope {
             head_dim: te.head_dim,
@@ -43,7 +36,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
         },
         attention(te.head_dim, MaskKind::Causal),
         Op::Gated(Activation::Silu),
-        residual(None, false, AfterOp::Norm(RMS)),
+        residual(None, false, AfterOp::Norm(NormOp::RMS)),
         residual(None, false, AfterOp::Nothing),
         // The DiT: embedders and adaLN (linears), modulated and plain sandwich blocks, the final
         // modulated LayerNorm.
@@ -65,10 +58,10 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
             rope: Some(RopeStyle::Interleaved),
         },
         attention(tr.head_dim(), MaskKind::Full),
-        residual(Some(RMS), true, AfterOp::Norm(modulated)),
-        residual(Some(RMS), true, AfterOp::Nothing),
-        residual(Some(RMS), false, AfterOp::Norm(RMS)),
-        residual(Some(RMS), false, AfterOp::Nothing),
+        residual(Some(NormOp::RMS), true, AfterOp::Norm(modulated)),
+        residual(Some(NormOp::RMS), true, AfterOp::Nothing),
+        residual(Some(NormOp::RMS), false, AfterOp::Norm(NormOp::RMS)),
+        residual(Some(NormOp::RMS), false, AfterOp::Nothing),
         // The VAE decoder.
         Op::Conv2d {
             kernel: 3,
