@@ -1,6 +1,6 @@
 //! The activations a transformer block works in, shared by every family's workspace.
 
-use tessera_backend::{Backend, Role};
+use tessera_backend::{Backend, QkvLayout, Role};
 use tessera_core::Result;
 
 /// Widths of a block's activations (columns per row).
@@ -14,6 +14,18 @@ pub struct ScratchDims {
     pub attn: usize,
     /// The MLP's inner width (gate|up is twice that).
     pub mlp: usize,
+}
+
+impl ScratchDims {
+    /// The widths of a block of model width `width`, attention `layout` and MLP inner width `mlp`.
+    pub fn new(width: usize, layout: QkvLayout, mlp: usize) -> Self {
+        ScratchDims {
+            width,
+            qkv: layout.width(),
+            attn: layout.q_cols(),
+            mlp,
+        }
+    }
 }
 
 /// A block's activations for up to `rows` rows, in the compute dtype. By convention a sub-block

@@ -140,12 +140,7 @@ impl<B: Backend> VisionEncoder<B> {
         self.ws = None; // free the old one first
         let c = &self.cfg;
         let (d, lay) = (c.hidden_size, self.layout);
-        let dims = ScratchDims {
-            width: d,
-            qkv: lay.width(),
-            attn: lay.q_cols(),
-            mlp: c.intermediate_size,
-        };
+        let dims = ScratchDims::new(d, lay, c.intermediate_size);
         let (s, e) = (Role::Stream, Role::Compute);
         self.ws = Some(Workspace {
             rows,

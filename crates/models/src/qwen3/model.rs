@@ -101,12 +101,7 @@ impl<B: Backend> Qwen3TextModel<B> {
         }
         self.ws = None;
         let s = self.shape;
-        let dims = ScratchDims {
-            width: s.width,
-            qkv: s.layout.width(),
-            attn: s.layout.q_cols(),
-            mlp: s.mlp,
-        };
+        let dims = ScratchDims::new(s.width, s.layout, s.mlp);
         self.ws = Some(Workspace {
             rows,
             ids: be.alloc(rows, Role::Index)?,

@@ -414,16 +414,7 @@ impl<B: Backend> ZImageTransformer<B> {
             patches: be.alloc(items[0].n_img * c.patch_dim(), e)?,
             out: be.alloc(seq * c.patch_dim(), s)?,
             zeros: be.alloc(widest_pad.max(1), Role::Index)?,
-            scratch: Scratch::alloc(
-                be,
-                seq,
-                ScratchDims {
-                    width: d,
-                    qkv: block_layout(c).width(),
-                    attn: d,
-                    mlp: c.ffn_dim(),
-                },
-            )?,
+            scratch: Scratch::alloc(be, seq, ScratchDims::new(d, block_layout(c), c.ffn_dim()))?,
             items,
         };
 
