@@ -14,13 +14,13 @@
 use std::collections::BTreeMap;
 
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, GroupNorm, Mask, QkvLayout, Residual,
-    Role, View, ViewMut,
+    Activation, After, AttnSpec, Backend, Conv2d, GroupNorm, Mask, QkvLayout, Residual, Role, View,
+    ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
 use super::config::VaeConfig;
-use crate::loader::Loader;
+use crate::loader::{Linear, Loader};
 
 const GN_EPS: f32 = 1e-6;
 
@@ -121,10 +121,8 @@ struct Attention<B: Backend> {
     c: usize,
     norm: Norm<B>,
     /// `to_q | to_k | to_v` with their biases.
-    qkv: B::Mat,
-    qkv_b: B::Vector,
-    out: B::Mat,
-    out_b: B::Vector,
+    qkv: Linear<B>,
+    out: Linear<B>,
 }
 
 impl<B: Backend> Attention<B> {
@@ -134,10 +132,11 @@ impl<B: Backend> Attention<B> {
         Ok(Attention {
             c,
             norm: Norm::load(l, "group_norm", c)?,
-            qkv: l.stacked(&qkv, c)?,
-            qkv_b: l.stacked_vector(&bias)?,
-            out: l.matrix("to_out.0.weight", c, c)?,
-            out_b: l.vector("to_out.0.bias", c)?,
+            qkv: Linear {
+                w: l.stacked(&qkv, c)?,
+                b: l.stacked_vector(&bias)?,
+            },
+            out: l.linear("to_out.0", c, c)?,
         })
     }
 }
@@ -394,9 +393,9 @@ impl<B: Backend> VaeDecoder<B> {
         )?;
         be.matmul(
             View::new(&b.n, px, c),
-            &a.qkv,
+            &a.qkv.w,
             ViewMut::new(&mut b.h, px, 3 * c),
-            &Epilogue::bias(&a.qkv_b),
+            &a.qkv.epilogue(),
         )?;
         let layout = QkvLayout {
             heads_q: 1,
@@ -417,9 +416,9 @@ impl<B: Backend> VaeDecoder<B> {
         // x += to_out(a) + bias, folded into the product.
         be.matmul(
             View::new(&b.n, px, c),
-            &a.out,
+            &a.out.w,
             ViewMut::new(&mut b.x, px, c),
-            &Epilogue::bias(&a.out_b).accumulate(),
+            &a.out.epilogue().accumulate(),
         )
     }
 }
