@@ -160,23 +160,6 @@ impl CudaBackend {
         Ok(CudaBuf::new(mem, &self.stream, len, elem))
     }
 
-    fn upload_bytes(&self, bytes: &[u8], elem: Elem, len: usize) -> Result<CudaBuf> {
-        let mut mem = self
-            .stream
-            .alloc_zeros::<u8>(bytes.len().max(1))
-            .map_err(drv("upload"))?;
-        self.stream
-            .memcpy_htod(bytes, &mut mem)
-            .map_err(drv("upload"))?;
-        Ok(CudaBuf::new(mem, &self.stream, len, elem))
-    }
-
-    pub(super) fn upload_f32_as(&self, values: &[f32], elem: Elem) -> Result<CudaBuf> {
-        with_device_bytes(values, elem, |bytes| {
-            self.upload_bytes(bytes, elem, values.len())
-        })
-    }
-
     fn write_bytes(&self, dst: &mut CudaBuf, bytes: &[u8]) -> Result<()> {
         self.write_bytes_at(dst, 0, bytes)
     }
@@ -357,7 +340,8 @@ impl CudaBackend {
         Ok(buf)
     }
 
-    /// A checkpoint table `[.., dim]` in the compute dtype; bf16 checkpoint bytes go up as they are.
+    /// A checkpoint table `[.., dim]` in the compute dtype, converted a slice at a time as
+    /// [`Self::upload_matrix`] does (bf16 checkpoint bytes go up as they are).
     pub(super) fn upload_table(
         &self,
         weights: &Weights,
@@ -369,11 +353,8 @@ impl CudaBackend {
             .last()
             .ok_or_else(|| Error::backend("table", "empty shape"))?;
         let rows = shape[..shape.len() - 1].iter().product();
-        let buf = match (self.compute_elem(), t.dtype) {
-            // The checkpoint's bf16 bytes go up as they are.
-            (Elem::Bf16, DType::BF16) => self.upload_bytes(&t.bytes, Elem::Bf16, t.numel())?,
-            (e, _) => self.upload_f32_as(&t.to_f32(), e)?,
-        };
+        let mut buf = self.alloc_buf(t.numel(), Role::Compute)?;
+        self.write_tensor_at(&mut buf, 0, &t)?;
         Ok(CudaTable { buf, rows, dim })
     }
 }
