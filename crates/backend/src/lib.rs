@@ -48,6 +48,25 @@ pub fn stacked_shape(parts: &[Tensor<'_>]) -> Result<(usize, usize)> {
     Ok((out, inner.unwrap_or(0)))
 }
 
+/// The length of parameter vector `t`, which must have exactly one axis.
+pub(crate) fn vector_len(t: &Tensor<'_>) -> Result<usize> {
+    match t.shape[..] {
+        [n] => Ok(n),
+        _ => Err(Error::backend(
+            "vector",
+            format!("`{}` has shape {:?}, not one axis", t.name, t.shape),
+        )),
+    }
+}
+
+/// `(rows, dim)` of table `name` of `shape` `[.., dim]`: rows of the last axis's width.
+pub(crate) fn table_shape(name: &str, shape: &[usize]) -> Result<(usize, usize)> {
+    let (&dim, lead) = shape
+        .split_last()
+        .ok_or_else(|| Error::backend("table", format!("`{name}`: empty shape")))?;
+    Ok((lead.iter().product(), dim))
+}
+
 /// Numeric precision of a backend's activations and GEMMs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {

@@ -212,24 +212,17 @@ impl Backend for CpuBackend {
     }
 
     fn vector(&self, t: &Tensor<'_>) -> Result<Vec<f32>> {
-        if t.shape.len() != 1 {
-            return Err(Error::backend(
-                "vector",
-                format!("`{}` has shape {:?}, not one axis", t.name, t.shape),
-            ));
-        }
+        crate::vector_len(t)?;
         Ok(t.to_f32())
     }
 
     fn table(&self, weights: &Weights, name: &str, shape: &[usize]) -> Result<CpuTable> {
-        let (&dim, lead) = shape
-            .split_last()
-            .ok_or_else(|| Error::backend("table", format!("`{name}`: empty shape")))?;
+        let (rows, dim) = crate::table_shape(name, shape)?;
         weights.get(name, shape)?;
         Ok(CpuTable {
             weights: weights.clone(),
             name: name.to_string(),
-            rows: lead.iter().product(),
+            rows,
             dim,
         })
     }

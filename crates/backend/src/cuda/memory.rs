@@ -329,13 +329,7 @@ impl CudaBackend {
 
     /// A parameter vector from a 1-D tensor, in `f32`.
     pub(super) fn upload_vector(&self, t: &Tensor<'_>) -> Result<CudaBuf> {
-        if t.shape.len() != 1 {
-            return Err(Error::backend(
-                "vector",
-                format!("`{}` has shape {:?}, not one axis", t.name, t.shape),
-            ));
-        }
-        let mut buf = self.alloc_buf(t.numel(), Role::Stream)?;
+        let mut buf = self.alloc_buf(crate::vector_len(t)?, Role::Stream)?;
         self.write_tensor_at(&mut buf, 0, t)?;
         Ok(buf)
     }
@@ -348,11 +342,8 @@ impl CudaBackend {
         name: &str,
         shape: &[usize],
     ) -> Result<CudaTable> {
+        let (rows, dim) = crate::table_shape(name, shape)?;
         let t = weights.get(name, shape)?;
-        let dim = *shape
-            .last()
-            .ok_or_else(|| Error::backend("table", "empty shape"))?;
-        let rows = shape[..shape.len() - 1].iter().product();
         let mut buf = self.alloc_buf(t.numel(), Role::Compute)?;
         self.write_tensor_at(&mut buf, 0, &t)?;
         Ok(CudaTable { buf, rows, dim })
