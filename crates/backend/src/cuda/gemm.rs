@@ -399,5 +399,5 @@ pub(super) fn matmul(
         out_elem: out.buf.elem,
         alpha,
     };
-    be.timed("gemm", || be.gemm.run(&be.stream, &args))
+    be.timed("gemm", None, || be.gemm.run(&be.stream, &args))
 }

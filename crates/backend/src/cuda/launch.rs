@@ -414,13 +414,10 @@ impl CudaBackend {
         config: LaunchConfig,
         args: &A,
     ) -> Result<()> {
-        self.timed(class, || {
-            if config.grid_dim.0 == 0 || config.grid_dim.1 == 0 {
-                return Ok(());
-            }
-            if let Some(p) = &self.profiler {
-                p.launched(kernel.name())?;
-            }
+        if config.grid_dim.0 == 0 || config.grid_dim.1 == 0 {
+            return self.timed(class, None, || Ok(()));
+        }
+        self.timed(class, Some(kernel.name()), || {
             let mut b = self.stream.launch_builder(kernel.func());
             args.push(&mut b);
             // SAFETY: a `Kernel<A>` is resolved only under a name of a table field declared
@@ -433,10 +430,16 @@ impl CudaBackend {
         })
     }
 
-    /// Run `op` under the profiler's class `class` when profiling.
-    pub(super) fn timed(&self, class: &'static str, op: impl FnOnce() -> Result<()>) -> Result<()> {
+    /// Run `op` under the profiler's class `class` (and the name of the kernel it launches, if
+    /// one) when profiling.
+    pub(super) fn timed(
+        &self,
+        class: &'static str,
+        kernel: Option<&str>,
+        op: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         match &self.profiler {
-            Some(p) => p.time(&self.stream, class, op),
+            Some(p) => p.time(&self.stream, class, kernel, op),
             None => op(),
         }
     }

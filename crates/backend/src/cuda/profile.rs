@@ -19,8 +19,6 @@ pub(super) struct Profiler {
     spans: Mutex<Vec<Span>>,
     /// Label spans by kernel name too (`TESSERA_PROFILE=kernels`).
     by_kernel: bool,
-    /// The last kernel launched inside the op being timed.
-    kernel: Mutex<Option<String>>,
 }
 
 fn err(e: impl std::fmt::Display) -> Error {
@@ -36,22 +34,15 @@ impl Profiler {
             ctx: ctx.clone(),
             spans: Mutex::new(Vec::new()),
             by_kernel: mode == "kernels",
-            kernel: Mutex::new(None),
         }))
     }
 
-    /// Note a kernel launch, for the label of the op being timed.
-    pub fn launched(&self, name: &str) -> Result<()> {
-        if self.by_kernel {
-            *self.kernel.lock().map_err(err)? = Some(name.to_string());
-        }
-        Ok(())
-    }
-
+    /// Time `op` under `class`, and under `kernel` too when it names the kernel the op launches.
     pub fn time(
         &self,
         stream: &CudaStream,
         class: &'static str,
+        kernel: Option<&str>,
         op: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         let start = self
@@ -65,7 +56,7 @@ impl Profiler {
         start.record(stream).map_err(err)?;
         op()?;
         end.record(stream).map_err(err)?;
-        let label = match self.kernel.lock().map_err(err)?.take() {
+        let label = match kernel.filter(|_| self.by_kernel) {
             Some(kernel) => format!("{class}/{kernel}"),
             None => class.to_string(),
         };
