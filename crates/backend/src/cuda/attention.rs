@@ -214,12 +214,6 @@ pub(super) fn flash(
             "bf16 attention writes a bf16 output",
         ));
     }
-    if !FLASH_HEAD_DIMS.contains(&hd) {
-        return Err(Error::backend(
-            "attention",
-            format!("head_dim {hd} has no tensor-core kernel (supported: {FLASH_HEAD_DIMS:?})"),
-        ));
-    }
     let hopper = wgmma_applies(&be.arch, hd);
     let choice = match force.kernel {
         Some(FlashKernel::Wgmma) if !hopper => {
@@ -235,17 +229,25 @@ pub(super) fn flash(
         None if hopper => FlashKernel::Wgmma,
         None => FlashKernel::Mma,
     };
-    let (kernel, fc) = match choice {
-        FlashKernel::Mma => (be.kernels.attention.flash.get(hd), flash_config(hd)),
-        FlashKernel::Wgmma => (
-            be.kernels.sm90.as_ref().and_then(|t| t.flash_wgmma.get(hd)),
-            wgmma_config(hd),
-        ),
+    // The kernel tables hold a kernel for exactly the head widths it is built for.
+    let found = match choice {
+        FlashKernel::Mma => be
+            .kernels
+            .attention
+            .flash
+            .get(hd)
+            .map(|k| (k, flash_config(hd))),
+        FlashKernel::Wgmma => be
+            .kernels
+            .sm90
+            .as_ref()
+            .and_then(|t| t.flash_wgmma.get(hd))
+            .map(|k| (k, wgmma_config(hd))),
     };
-    let kernel = kernel.ok_or_else(|| {
+    let (kernel, fc) = found.ok_or_else(|| {
         Error::backend(
-            "kernel lookup",
-            format!("no {choice:?} attention kernel for head_dim {hd}"),
+            "attention",
+            format!("head_dim {hd} has no tensor-core kernel (supported: {FLASH_HEAD_DIMS:?})"),
         )
     })?;
     let splits = match force.splits {
