@@ -92,19 +92,7 @@ pub(super) fn qkv_norm_rope(
     // Positions per row: one, or an (x, y) pair for the axial 2-D style.
     let table = match rope {
         Some((t, pos)) => {
-            let (per_row, pairs) = match t.style {
-                RopeStyle::SplitHalf | RopeStyle::Interleaved => (1, hd / 2),
-                RopeStyle::Axial2d => (2, hd / 4),
-            };
-            if t.half != pairs || pairs * 2 * per_row != hd {
-                return Err(Error::backend(
-                    "qkv_norm_rope",
-                    format!(
-                        "{:?} rope table of {} pairs for head_dim {hd}",
-                        t.style, t.half
-                    ),
-                ));
-            }
+            let per_row = t.positions_per_row(hd)?;
             let pos = pos
                 .get(..per_row * qkv.rows)
                 .ok_or_else(|| Error::backend("qkv_norm_rope", "fewer positions than rows"))?;

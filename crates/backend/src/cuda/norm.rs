@@ -260,18 +260,12 @@ pub(super) fn qkv_norm_rope(
     }
     let (table, tlen, thalf, axial, pos) = match rope {
         Some((t, p)) => {
-            let (per_row, pairs) = match t.style {
-                RopeStyle::SplitHalf => (1, hd / 2),
-                RopeStyle::Axial2d => (2, hd / 4),
-                RopeStyle::Interleaved => {
-                    return Err(Error::backend("qkv_norm_rope", "interleaved RoPE"));
-                }
-            };
-            if t.half != pairs || pairs * 2 * per_row != hd || p.len < per_row * qkv.rows {
-                return Err(Error::backend(
-                    "qkv_norm_rope",
-                    "rope table does not fit the heads",
-                ));
+            if t.style == RopeStyle::Interleaved {
+                return Err(Error::backend("qkv_norm_rope", "interleaved RoPE"));
+            }
+            let per_row = t.positions_per_row(hd)?;
+            if p.len < per_row * qkv.rows {
+                return Err(Error::backend("qkv_norm_rope", "fewer positions than rows"));
             }
             (t.buf.ptr, t.len, t.half, per_row == 2, p.ptr)
         }

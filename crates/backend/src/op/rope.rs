@@ -43,6 +43,25 @@ impl<B: Backend> RopeTable<B> {
         Self::from_angles(backend, &angles, len, inv_freq.len(), style)
     }
 
+    /// Positions each row takes (one; an `(x, y)` pair for [`RopeStyle::Axial2d`]), after checking
+    /// that the table rotates exactly the pairs a head of `head_dim` has per position axis.
+    pub fn positions_per_row(&self, head_dim: usize) -> Result<usize> {
+        let (per_row, pairs) = match self.style {
+            RopeStyle::SplitHalf | RopeStyle::Interleaved => (1, head_dim / 2),
+            RopeStyle::Axial2d => (2, head_dim / 4),
+        };
+        if self.half != pairs || pairs * 2 * per_row != head_dim {
+            return Err(Error::backend(
+                "qkv_norm_rope",
+                format!(
+                    "{:?} rope table of {} pairs for head_dim {head_dim}",
+                    self.style, self.half
+                ),
+            ));
+        }
+        Ok(per_row)
+    }
+
     /// A table from explicit `f32` angles `[len, half]` (row `r`, pair `j`), for RoPEs whose
     /// angle depends on more than one position (multi-axis: each pair's angle is computed from
     /// its own axis's position by the caller). Cosine and sine are taken in `f64` and rounded once,
