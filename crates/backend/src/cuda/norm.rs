@@ -187,21 +187,22 @@ pub(super) fn residual_norm(
         }
         After::Copy(o) => (2, DevPtr::NULL, Some(o)),
     };
-    if let Some(o) = out {
-        same_shape("residual_norm", (h.rows, h.cols), (o.rows, o.cols))?;
-    }
-    let oe = out.map_or(Elem::F32, |o| o.buf.elem);
-    let (optr, ostride) = match out {
-        Some(o) => (ptr_of_mut(o)?, o.stride),
-        None => (DevPtr::NULL, 0),
+    let (optr, ostride, oe) = match out {
+        Some(o) => {
+            same_shape("residual_norm", (h.rows, h.cols), (o.rows, o.cols))?;
+            (ptr_of_mut(o)?, o.stride, o.buf.elem)
+        }
+        None => (DevPtr::NULL, 0, Elem::F32),
     };
     let (hp, yp) = (ptr_of_mut(&h)?, ptr_of(&y)?);
     let post = post.map_or(DevPtr::NULL, |p| p.ptr);
     let ye = y.buf.elem;
-    let mut rows = vec![(hp, h.stride, 4), (yp, y.stride, ye.size())];
-    if let Some(o) = out {
-        rows.push((optr, o.stride, o.buf.elem.size()));
-    }
+    // Without an output, its null pointer and zero stride pass the alignment test.
+    let rows = [
+        (hp, h.stride, 4),
+        (yp, y.stride, ye.size()),
+        (optr, ostride, oe.size()),
+    ];
     let io = ResidualRows {
         h: hp,
         hs: h.stride as i64,
