@@ -264,16 +264,6 @@ pub struct KvRanges<B: Backend> {
     pub dev: B::Buf,
 }
 
-impl<B: Backend> KvRanges<B> {
-    pub fn count(&self) -> usize {
-        self.ranges.len()
-    }
-    /// The longest range.
-    pub fn max_len(&self) -> usize {
-        self.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0)
-    }
-}
-
 /// A run of rows in a block-causal sequence (see [`block_causal_limits`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Run {

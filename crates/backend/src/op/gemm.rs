@@ -105,9 +105,4 @@ impl<'a, B: Backend> Epilogue<'a, B> {
             ..self
         }
     }
-
-    /// Whether anything beyond `alpha · x·wᵀ` is asked for.
-    pub fn is_plain(&self) -> bool {
-        self.bias.is_none() && self.act.is_none() && self.gate.is_none() && !self.accumulate
-    }
 }
