@@ -6,6 +6,7 @@ use tessera_core::{Error, Result};
 
 use super::elementwise::activation_fn;
 use super::{CpuBackend, CpuBuf, CpuMat, rows_mut, slice};
+use crate::op::check_product;
 use crate::{Epilogue, View, ViewMut};
 
 /// Products below this many multiply-adds run on one thread: spawning costs more than it saves.
@@ -17,16 +18,8 @@ pub(super) fn matmul(
     mut out: ViewMut<'_, CpuBackend>,
     ep: &Epilogue<'_, CpuBackend>,
 ) -> Result<()> {
-    let (m, k, n) = (x.rows, x.cols, w.out);
-    if k != w.inner || out.rows != m || out.cols != n {
-        return Err(Error::backend(
-            "matmul",
-            format!(
-                "x {}×{} · wᵀ ({}×{}) → out {}×{}",
-                x.rows, x.cols, w.out, w.inner, out.rows, out.cols
-            ),
-        ));
-    }
+    check_product(&x, (w.out, w.inner), &out)?;
+    let (m, n) = (x.rows, w.out);
     if let Some(b) = ep.bias
         && b.len() != n
     {

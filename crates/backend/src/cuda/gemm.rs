@@ -24,6 +24,7 @@ use tessera_core::{Error, Result};
 
 use super::memory::{ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
+use crate::op::check_product;
 use crate::{View, ViewMut};
 
 /// cuBLASLt scratch space; 32 MiB lets the heuristic pick split-K and stream-K kernels.
@@ -367,15 +368,7 @@ pub(super) fn matmul(
     out: ViewMut<'_, CudaBackend>,
     alpha: f32,
 ) -> Result<()> {
-    if x.cols != w.inner || out.rows != x.rows || out.cols != w.out {
-        return Err(Error::backend(
-            "matmul",
-            format!(
-                "x {}×{} · wᵀ ({}×{}) → out {}×{}",
-                x.rows, x.cols, w.out, w.inner, out.rows, out.cols
-            ),
-        ));
-    }
+    check_product(&x, (w.out, w.inner), &out)?;
     let MatFormat::Dense(ab) = w.format;
     if x.buf.elem != ab {
         return Err(Error::backend(

@@ -1,6 +1,8 @@
 //! The matrix product and what it folds into its output: `out = epilogue(x · wᵀ)`.
 
-use crate::{Backend, View};
+use tessera_core::{Error, Result};
+
+use crate::{Backend, View, ViewMut};
 
 /// Element-wise activations (GEMM epilogues, `gated`, GroupNorm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -105,4 +107,23 @@ impl<'a, B: Backend> Epilogue<'a, B> {
             ..self
         }
     }
+}
+
+/// Check the shapes of `out = x · wᵀ` for a weight of `w_out` rows of `w_inner`: both backends'
+/// products take `x` `[m, w_inner]` and `out` `[m, w_out]`.
+pub(crate) fn check_product<B: Backend>(
+    x: &View<'_, B>,
+    (w_out, w_inner): (usize, usize),
+    out: &ViewMut<'_, B>,
+) -> Result<()> {
+    if x.cols != w_inner || out.rows != x.rows || out.cols != w_out {
+        return Err(Error::backend(
+            "matmul",
+            format!(
+                "x {}×{} · wᵀ ({w_out}×{w_inner}) → out {}×{}",
+                x.rows, x.cols, out.rows, out.cols
+            ),
+        ));
+    }
+    Ok(())
 }

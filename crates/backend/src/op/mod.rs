@@ -16,6 +16,7 @@ pub use attention::{
     AttnSpec, KvRanges, Mask, MaskKind, QkvLayout, QkvNorm, Run, Segments, block_causal_limits,
     offsets_of,
 };
+pub(crate) use gemm::check_product;
 pub use gemm::{Activation, Epilogue, Gate};
 pub use image::{Conv2d, Grids, GroupNorm};
 pub use norm::{After, NormKind, Residual, RowNorm};
