@@ -9,7 +9,7 @@ use crate::view::same_shape;
 use crate::{After, NormKind, Residual, RowNorm, View, ViewMut};
 
 /// A [`RowNorm`] resolved to host slices, with `1 + s` precomputed once per call.
-pub(super) struct Norm<'a> {
+struct Norm<'a> {
     kind: NormKind,
     weight: Option<&'a [f32]>,
     bias: Option<&'a [f32]>,
@@ -44,7 +44,7 @@ fn check_len(op: &str, what: &str, v: Option<&Vec<f32>>, cols: usize) -> Result<
 }
 
 impl<'a> Norm<'a> {
-    pub(super) fn resolve(op: &str, n: &RowNorm<'a, CpuBackend>, cols: usize) -> Result<Self> {
+    fn resolve(op: &str, n: &RowNorm<'a, CpuBackend>, cols: usize) -> Result<Self> {
         check_len(op, "weight", n.weight, cols)?;
         check_len(op, "bias", n.bias, cols)?;
         let one_plus_scale = match &n.scale {
@@ -67,7 +67,7 @@ impl<'a> Norm<'a> {
 
     /// `out = (N(x) · w + b) · (1 + s)`: statistics in `f64`, the normalised value rounded once,
     /// then weight, bias and modulation applied in `f32` in the reference's order.
-    pub(super) fn apply(&self, x: &[f32], out: &mut [f32]) {
+    fn apply(&self, x: &[f32], out: &mut [f32]) {
         let n = x.len() as f64;
         let mean = match self.kind {
             NormKind::Rms => 0.0,

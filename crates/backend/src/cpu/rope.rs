@@ -13,7 +13,9 @@ fn inv_rms(x: &[f32], eps: f32) -> f32 {
     (1.0 / (ss / x.len() as f64 + eps as f64).sqrt()) as f32
 }
 
-/// One head's RMSNorm: `out = x · (mean(x²) + eps)^-½ · w` (no `w`: weightless).
+/// One head's RMSNorm: `out = x · (mean(x²) + eps)^-½ · w` (no `w`: weightless). It rounds the
+/// inverse RMS to `f32` and multiplies in `f32`, unlike the row norm of `norm.rs` (which rounds
+/// the normalised value once from `f64`); it stays apart so the q/k results keep their bits.
 #[inline]
 fn norm_into(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
     let inv = inv_rms(x, eps);
