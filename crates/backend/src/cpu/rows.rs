@@ -1,5 +1,6 @@
-//! Ops of the vision towers: learned 2-D position embeddings, per-image `k × k` average pooling
-//! of packed patch grids, and the row scatter that puts media soft tokens into a text sequence.
+//! Row gathers, scatters and pooling (the vision towers' ops): learned 2-D position rows added by
+//! index, per-image `k × k` average pooling of packed patch grids, and the row scatter that puts
+//! media soft tokens into a text sequence.
 
 use rayon::prelude::*;
 use tessera_core::{Error, Result};

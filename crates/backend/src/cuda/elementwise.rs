@@ -70,7 +70,7 @@ pub(super) fn embed(
             ),
         ));
     }
-    let _ = table.rows; // ids are checked against the vocabulary by the model before upload
+    // The ids were checked against the table's rows (the vocabulary) by the model before upload.
     let args = EmbedArgs {
         table: table.buf.ptr,
         dim: table.dim as i32,

@@ -1,5 +1,6 @@
-// RMSNorm kernels. CPU references: crates/backend/src/cpu/norm.rs (rms_norm, residual_norm,
-// qkv_norm_rope). Statistics in f32; `1/sqrtf` rather than `rsqrtf` for accuracy.
+// RMSNorm kernels. CPU references: crates/backend/src/cpu/norm.rs (norm, residual) and
+// crates/backend/src/cpu/rope.rs (qkv_norm_rope). Statistics in f32; `1/sqrtf` rather than
+// `rsqrtf` for accuracy.
 
 // out = x · (mean(x²) + eps)^-½ · w   (w may be null). One block per row.
 template <typename TI, typename TO>

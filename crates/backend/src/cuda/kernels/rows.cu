@@ -1,5 +1,5 @@
 // Row gathers, scatters and pooling: position rows added by index, k×k average pooling of packed
-// grids, rows scattered to listed places. CPU references: crates/backend/src/cpu/vision.rs.
+// grids, rows scattered to listed places. CPU references: crates/backend/src/cpu/rows.rs.
 
 // x[r] += table[pos[2r]] + table[axis_rows + pos[2r+1]] (the two table rows summed first).
 // One block per row.
