@@ -14,7 +14,6 @@ use std::time::Instant;
 use clap::{Args, Subcommand};
 use serde::Deserialize;
 use tessera_core::{Error, Result};
-use tessera_models::ModelFiles;
 use tessera_models::egemma2::{self, Input, TextOptions};
 use tessera_models::imageproc::{Image, ImageBudget};
 use tessera_runtime::embed::{self, Embed, PassBudget};
@@ -160,8 +159,8 @@ fn load_embedder(
         .to_str()
         .ok_or_else(|| Error::input(format!("{}: not a UTF-8 path", dir.display())))?;
     let spec = crate::model::open(Some(path), tessera_runtime::Capability::Embed)?;
-    let files = ModelFiles::Dir(dir.to_path_buf());
-    let config = egemma2::Config::read(&files)?;
+    let (files, config) = crate::model::embedding_model(&spec)?;
+    let config = config.clone();
     Ok((embed::load(device.open_for(&spec)?, files)?, config))
 }
 

@@ -100,7 +100,10 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
         None => Box::new(std::io::stdout().lock()),
     };
     let spec = model::open(args.model.as_deref(), Capability::Embed)?;
-    let mut model = embed::load(args.device.open_for(&spec)?, model::embedding_files(&spec)?)?;
+    let mut model = embed::load(
+        args.device.open_for(&spec)?,
+        model::embedding_model(&spec)?.0,
+    )?;
     let opts = TextOptions {
         prompt_name: args.prompt_name.clone(),
         prompt: args.prompt.clone(),

@@ -18,7 +18,7 @@ use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
 use tessera_models::zimage::config::TransformerConfig;
 use tessera_models::zimage::pipeline::{DEFAULT_GUIDANCE, DEFAULT_STEPS, check_guidance};
-use tessera_models::zimage::{Event, Request, RgbImage, ZImageConfigs};
+use tessera_models::zimage::{Event, Request, RgbImage};
 use tessera_runtime::{Capability, image};
 
 use crate::device::DeviceArgs;
@@ -370,7 +370,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let backend = args.device.open_for(&spec)?;
     let on_cpu = matches!(backend, AnyBackend::Cpu(_));
     let label = spec.label.clone();
-    let files = model::image_files(&spec)?;
+    let (files, configs) = model::image_model(&spec)?;
     let mut model = image::load(backend, &files, args.transformer.as_deref())?;
     let (width, height) = args.size;
     let mut req = Request {
@@ -402,7 +402,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if on_cpu {
         let passes = if req.cfg() { 2 } else { 1 };
         let cores = rayon::current_num_threads();
-        let config = &ZImageConfigs::read(&files)?.transformer;
+        let config = &configs.transformer;
         if let Some(w) = cpu_time_warning(config, args.size, plan.schedule.steps(), passes, cores) {
             eprintln!("warning: {w}");
         }

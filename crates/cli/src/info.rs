@@ -4,7 +4,6 @@
 use clap::Args;
 use tessera_core::{Result, Weights};
 use tessera_models::egemma2::{self, config::LayerType};
-use tessera_models::zimage::ZImageConfigs;
 use tessera_runtime::{Family, ModelFilesOf, ModelSpec};
 
 use crate::device::DeviceArgs;
@@ -43,9 +42,8 @@ pub fn run(args: InfoArgs) -> Result<()> {
         cap.command()
     );
     match &spec.files {
-        ModelFilesOf::EmbeddingGemma2(files) => egemma2_details(files)?,
-        ModelFilesOf::ZImage(files) => {
-            let c = ZImageConfigs::read(files)?;
+        ModelFilesOf::EmbeddingGemma2(files, config) => egemma2_details(files, config)?,
+        ModelFilesOf::ZImage(files, c) => {
             let te = &c.text_encoder;
             let tr = &c.transformer;
             println!(
@@ -90,8 +88,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
     Ok(())
 }
 
-fn egemma2_details(files: &tessera_models::ModelFiles) -> Result<()> {
-    let config = egemma2::Config::read(files)?;
+fn egemma2_details(files: &tessera_models::ModelFiles, config: &egemma2::Config) -> Result<()> {
     let t = &config.text;
     let n_full = t
         .layers

@@ -2,8 +2,8 @@
 //! (family, capability, ops); the bundled miniature model of the command's family when absent.
 
 use tessera_core::{Error, Result};
-use tessera_models::ModelFiles;
-use tessera_models::zimage::ZImageFiles;
+use tessera_models::zimage::{ZImageConfigs, ZImageFiles};
+use tessera_models::{ModelFiles, egemma2};
 use tessera_runtime::{Capability, Family, ModelFilesOf, ModelSpec};
 
 /// The model `spec` names for a command that needs `capability`.
@@ -28,24 +28,24 @@ pub fn note_if_bundled(spec: &ModelSpec) {
     }
 }
 
-/// The files of an embedding model.
-pub fn embedding_files(spec: &ModelSpec) -> Result<ModelFiles> {
+/// The error for a model of another kind than the command needs (`expect` has already ruled it
+/// out for models opened through [`open`]).
+fn not_a(spec: &ModelSpec, kind: &str) -> Error {
+    Error::input(format!("{} is not {kind}", spec.label))
+}
+
+/// The files of an embedding model and its config as `spec` read it.
+pub fn embedding_model(spec: &ModelSpec) -> Result<(ModelFiles, &egemma2::Config)> {
     match &spec.files {
-        ModelFilesOf::EmbeddingGemma2(f) => Ok(f.clone()),
-        _ => Err(Error::input(format!(
-            "{} is not an embedding model",
-            spec.label
-        ))),
+        ModelFilesOf::EmbeddingGemma2(f, c) => Ok((f.clone(), c)),
+        _ => Err(not_a(spec, "an embedding model")),
     }
 }
 
-/// The files of a text-to-image model.
-pub fn image_files(spec: &ModelSpec) -> Result<ZImageFiles> {
+/// The files of a text-to-image model and its configs as `spec` read them.
+pub fn image_model(spec: &ModelSpec) -> Result<(ZImageFiles, &ZImageConfigs)> {
     match &spec.files {
-        ModelFilesOf::ZImage(f) => Ok(f.clone()),
-        _ => Err(Error::input(format!(
-            "{} is not a text-to-image model",
-            spec.label
-        ))),
+        ModelFilesOf::ZImage(f, c) => Ok((f.clone(), c)),
+        _ => Err(not_a(spec, "a text-to-image model")),
     }
 }

@@ -133,7 +133,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tracing::warn!(host = %args.host, "serving beyond this machine without --api-key");
     }
     let device = args.device.clone();
-    let files = model::embedding_files(&spec)?;
+    let files = model::embedding_model(&spec)?.0;
     let loader = Box::new(move || embed::load(device.open_for(&spec)?, files));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

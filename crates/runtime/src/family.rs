@@ -72,11 +72,23 @@ impl Capability {
     }
 }
 
-/// Where a model's files are, by family.
+/// Where a model's files are and its configs as read (and checked) from them, by family.
 #[derive(Clone, Debug)]
 pub enum ModelFilesOf {
-    EmbeddingGemma2(ModelFiles),
-    ZImage(ZImageFiles),
+    EmbeddingGemma2(ModelFiles, Box<Egemma2Config>),
+    ZImage(ZImageFiles, Box<ZImageConfigs>),
+}
+
+impl ModelFilesOf {
+    fn embedding_gemma2(files: ModelFiles) -> Result<Self> {
+        let config = Egemma2Config::read(&files)?;
+        Ok(ModelFilesOf::EmbeddingGemma2(files, Box::new(config)))
+    }
+
+    fn zimage(files: ZImageFiles) -> Result<Self> {
+        let configs = ZImageConfigs::read(&files)?;
+        Ok(ModelFilesOf::ZImage(files, Box::new(configs)))
+    }
 }
 
 /// A model identified, its configs read, no weights loaded.
@@ -162,8 +174,8 @@ impl ModelSpec {
         let dir = model_dir::resolve_any(spec, &["model_index.json", "config.json"])?;
         let family = detect(&dir)?;
         let files = match family {
-            Family::EmbeddingGemma2 => ModelFilesOf::EmbeddingGemma2(ModelFiles::Dir(dir)),
-            Family::ZImage => ModelFilesOf::ZImage(ZImageFiles::dir(&dir)?),
+            Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(ModelFiles::Dir(dir))?,
+            Family::ZImage => ModelFilesOf::zimage(ZImageFiles::dir(&dir)?)?,
         };
         Self::with(family, files, spec.to_string())
     }
@@ -171,8 +183,8 @@ impl ModelSpec {
     /// The miniature random-weight model of `family` compiled into the binary.
     pub fn bundled(family: Family) -> Result<Self> {
         let files = match family {
-            Family::EmbeddingGemma2 => ModelFilesOf::EmbeddingGemma2(egemma2::BUNDLED),
-            Family::ZImage => ModelFilesOf::ZImage(zimage::BUNDLED),
+            Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(egemma2::BUNDLED)?,
+            Family::ZImage => ModelFilesOf::zimage(zimage::BUNDLED)?,
         };
         Self::with(
             family,
@@ -183,8 +195,8 @@ impl ModelSpec {
 
     fn with(family: Family, files: ModelFilesOf, label: String) -> Result<Self> {
         let ops = match &files {
-            ModelFilesOf::EmbeddingGemma2(f) => egemma2::ops(&Egemma2Config::read(f)?),
-            ModelFilesOf::ZImage(f) => zimage::ops(&ZImageConfigs::read(f)?),
+            ModelFilesOf::EmbeddingGemma2(_, c) => egemma2::ops(c),
+            ModelFilesOf::ZImage(_, c) => zimage::ops(c),
         };
         Ok(ModelSpec {
             family,
@@ -214,16 +226,16 @@ impl ModelSpec {
     /// Whether this came compiled into the binary.
     pub fn is_bundled(&self) -> bool {
         match &self.files {
-            ModelFilesOf::EmbeddingGemma2(f) => f.is_embedded(),
-            ModelFilesOf::ZImage(f) => f.is_bundled(),
+            ModelFilesOf::EmbeddingGemma2(f, _) => f.is_embedded(),
+            ModelFilesOf::ZImage(f, _) => f.is_bundled(),
         }
     }
 
     /// Where the files are, for messages.
     pub fn location(&self) -> String {
         match &self.files {
-            ModelFilesOf::EmbeddingGemma2(f) => f.location(),
-            ModelFilesOf::ZImage(f) => f.location(),
+            ModelFilesOf::EmbeddingGemma2(f, _) => f.location(),
+            ModelFilesOf::ZImage(f, _) => f.location(),
         }
     }
 
