@@ -28,15 +28,19 @@ pub fn pipelined<T: Send>(
         // Wakes a producer blocked on the full channel.
         drop(rx);
         let produced = producer.join().map_err(|p| {
-            let what = p
-                .downcast_ref::<&str>()
-                .copied()
-                .or_else(|| p.downcast_ref::<String>().map(String::as_str))
-                .unwrap_or("unknown panic");
-            Error::backend("preparing inputs", format!("panicked: {what}"))
+            Error::backend("preparing inputs", format!("panicked: {}", panic_text(&*p)))
         });
         consumed.and(produced)
     })
+}
+
+/// The message a panic was raised with (`panic!("…")` gives a `&str` or a `String`).
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("unknown panic")
 }
 
 #[cfg(test)]

@@ -61,10 +61,8 @@ pub fn spawn<R: Runner, I: Send + 'static>(
 
 /// A panic payload as a message.
 pub fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    let what = p
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
-    format!("the model panicked: {what}")
+    format!(
+        "the model panicked: {}",
+        tessera_runtime::pipeline::panic_text(&**p)
+    )
 }
