@@ -49,7 +49,6 @@ const PREPARE_CHUNK: usize = 64;
 pub trait Embed: Send {
     /// Device and precision, one line.
     fn describe(&self) -> String;
-    fn files(&self) -> &ModelFiles;
     /// The full embedding width.
     fn dim(&self) -> usize;
     fn prompts(&self) -> &Prompts;
@@ -136,9 +135,6 @@ fn numbered(what: &str, i: usize, n: usize, e: Error) -> Error {
 impl<B: Backend> Embed for Egemma2<B> {
     fn describe(&self) -> String {
         self.model.backend().describe()
-    }
-    fn files(&self) -> &ModelFiles {
-        self.model.files()
     }
     fn dim(&self) -> usize {
         self.model.dim()
