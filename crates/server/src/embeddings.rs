@@ -82,7 +82,6 @@ pub fn load(
         let budget = model.pass_budget();
         model.set_pass_budget(PassBudget { tokens, ..budget });
         let info = ModelInfo::new(name, model.as_ref())?;
-        tracing::info!(device = %info.device, "embedding model ready");
         let budget = info.image_budget.unwrap_or(ImageBudget::DEFAULT);
         Ok((
             EmbedRunner {

@@ -90,8 +90,8 @@ pub async fn serve(
                 () = &mut shutdown => {}
                 loaded = loaded => match loaded {
                     Ok(Ok(info)) => {
+                        tracing::info!(device = %info.device, "ready");
                         let _ = app.model.set(Arc::new(info));
-                        tracing::info!("ready");
                         shutdown.await;
                     }
                     Ok(Err(e)) => set(&load_error, e),
