@@ -81,8 +81,8 @@ pub fn load(
         let mut model = loader()?;
         let budget = model.pass_budget();
         model.set_pass_budget(PassBudget { tokens, ..budget });
-        let info = ModelInfo::new(name, model.as_ref())?;
-        let budget = info.image_budget.unwrap_or(ImageBudget::DEFAULT);
+        let info = ModelInfo::new(name, model.as_ref());
+        let budget = info.image_budget().unwrap_or(ImageBudget::DEFAULT);
         Ok((
             EmbedRunner {
                 model,

@@ -224,7 +224,7 @@ pub fn check(input: &Value, cx: &Context) -> Result<Checked, ApiError> {
                 }
             }
         }
-        let tokens = count_tokens(cx, &text, n_images, cx.info.image_budget)
+        let tokens = count_tokens(cx, &text, n_images, cx.info.image_budget())
             .map_err(|e| prefixed(e, &name(i)))?;
         if tokens > cx.limits.max_input_tokens {
             return Err(ApiError::invalid_param(

@@ -18,27 +18,30 @@ pub struct ModelInfo {
     pub prompts: Prompts,
     /// A copy of the model's tokenizer: counts tokens at the edge (limits, batch budgets).
     pub tokenizer: TextTokenizer,
-    /// Soft tokens per image from `processor_config.json`; `None` for text-only checkpoints.
-    pub image_budget: Option<ImageBudget>,
-    /// What an image must satisfy at that budget, checked from its header before decoding.
+    /// What an image must satisfy at the soft-token budget of `processor_config.json`, checked
+    /// from its header before decoding; `None` for text-only checkpoints.
     pub image_limits: Option<ImageLimits>,
     /// Device and precision, one line.
     pub device: String,
 }
 
 impl ModelInfo {
-    pub fn new(name: String, model: &dyn Embed) -> Result<Self> {
-        Ok(ModelInfo {
+    pub fn new(name: String, model: &dyn Embed) -> Self {
+        ModelInfo {
             name,
             dim: model.dim(),
             prompts: model.prompts().clone(),
             tokenizer: model.tokenizer().clone(),
-            image_budget: model.default_image_budget(),
             image_limits: model
                 .default_image_budget()
                 .and_then(|b| model.image_limits(b)),
             device: model.describe(),
-        })
+        }
+    }
+
+    /// Soft tokens per image; `None` for text-only checkpoints.
+    pub fn image_budget(&self) -> Option<ImageBudget> {
+        self.image_limits.as_ref().map(|l| l.budget)
     }
 
     /// Split a `model` field into the served name and a prompt name: `name` or `name:prompt`.
