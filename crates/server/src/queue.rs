@@ -42,6 +42,23 @@ pub struct Cost {
     pub images: usize,
 }
 
+impl std::ops::Add for Cost {
+    type Output = Cost;
+    fn add(self, c: Cost) -> Cost {
+        Cost {
+            tokens: self.tokens + c.tokens,
+            images: self.images + c.images,
+        }
+    }
+}
+
+impl Cost {
+    /// Whether this fits in `budget` on every count.
+    fn within(self, budget: Cost) -> bool {
+        self.tokens <= budget.tokens && self.images <= budget.images
+    }
+}
+
 /// A request's work as the queue sees it, whatever the route: its lane, its cost, and with
 /// which jobs it may share one model call.
 pub trait Job: Send + 'static {
@@ -62,13 +79,7 @@ pub struct Batch<J> {
 
 impl<J: Job> Batch<J> {
     pub fn cost(&self) -> Cost {
-        self.jobs.iter().fold(Cost::default(), |a, j| {
-            let c = j.cost();
-            Cost {
-                tokens: a.tokens + c.tokens,
-                images: a.images + c.images,
-            }
-        })
+        self.jobs.iter().fold(Cost::default(), |a, j| a + j.cost())
     }
 }
 
@@ -204,13 +215,9 @@ fn take_batch<J: Job>(deque: &mut VecDeque<J>, budget: Cost) -> Option<Batch<J>>
     let mut jobs = vec![head];
     let mut i = 0;
     while i < deque.len() {
-        let (j, c) = (&deque[i], deque[i].cost());
-        if j.joins(&jobs[0])
-            && used.tokens + c.tokens <= budget.tokens
-            && used.images + c.images <= budget.images
-        {
-            used.tokens += c.tokens;
-            used.images += c.images;
+        let (j, with) = (&deque[i], used + deque[i].cost());
+        if j.joins(&jobs[0]) && with.within(budget) {
+            used = with;
             if let Some(job) = deque.remove(i) {
                 jobs.push(job);
             }
