@@ -27,21 +27,13 @@ use crate::queue::Lane;
 
 /// A request slot (`--max-queue`), taken once the body has arrived so that admitted requests
 /// bound the memory held, and held until the answer; 429 when all are taken.
-pub struct Slot {
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Slot {
-    fn acquire(app: &AppState) -> Result<Self, ApiError> {
-        let permit = app
-            .slots
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| ApiError::QueueFull {
-                max_queue: app.config.limits.max_queue,
-            })?;
-        Ok(Slot { _permit: permit })
-    }
+fn take_slot(app: &AppState) -> Result<OwnedSemaphorePermit, ApiError> {
+    app.slots
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ApiError::QueueFull {
+            max_queue: app.config.limits.max_queue,
+        })
 }
 
 /// The model, for a request that arrives while the server is ready: 503 while loading or
@@ -71,7 +63,7 @@ pub async fn embeddings(State(app): State<AppState>, req: Request) -> Result<Res
 async fn embed(app: AppState, info: Arc<ModelInfo>, req: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let bytes = upload::receive(&app, req).await?;
-    let slot = Slot::acquire(&app)?;
+    let slot = take_slot(&app)?;
     let body: EmbeddingRequest = json::parse(&bytes)?;
     drop(bytes);
     let prompt_name = prompt_name(&info, &body)?;
