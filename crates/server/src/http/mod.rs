@@ -88,6 +88,8 @@ pub fn router(app: AppState) -> Result<Router, tessera_core::Error> {
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(from_fn_with_state(app.metrics.clone(), count_requests))
+        // For body extractors; none reads a body today (`upload::receive` enforces the same
+        // limit itself), but a route added with `Json<T>` gets the configured limit, not axum's.
         .layer(DefaultBodyLimit::max(limit))
         .layer(TraceLayer::new_for_http())
         .with_state(app);
