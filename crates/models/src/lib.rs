@@ -9,9 +9,11 @@
 //! - [`zimage`]: Z-Image-Turbo text-to-image;
 //! - [`qwen3`]: Qwen3 text models (Z-Image's caption encoder);
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
+//! - [`chat_template`]: the chat templates tokenizers ship, rendered as transformers renders them;
 //! - [`files`]: a model's files, from a folder or compiled into the binary.
 
 pub mod blocks;
+pub mod chat_template;
 pub mod egemma2;
 pub mod files;
 pub mod imageproc;
