@@ -4,6 +4,7 @@
 use clap::Args;
 use tessera_core::{Result, Weights};
 use tessera_models::egemma2::{self, config::LayerType};
+use tessera_models::zimage::text::PromptTemplate;
 use tessera_runtime::{Family, ModelFilesOf, ModelSpec};
 
 use crate::device::DeviceArgs;
@@ -54,6 +55,10 @@ pub fn run(args: InfoArgs) -> Result<()> {
                 te.heads_q,
                 te.heads_kv,
                 te.vocab_size
+            );
+            println!(
+                "prompt:      {}",
+                PromptTemplate::load(&files.tokenizer)?.describe()
             );
             println!(
                 "transformer: {} + {} refiner + {} main layers, width {}, {} heads of {}",

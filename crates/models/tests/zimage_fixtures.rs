@@ -14,10 +14,12 @@ use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, Role, View};
 use tessera_core::Weights;
+use tessera_models::ModelFiles;
+use tessera_models::qwen3::BpeTokenizer;
 use tessera_models::qwen3::{Qwen3Config, Qwen3TextModel};
 use tessera_models::zimage::config::{SchedulerConfig, TransformerConfig, VaeConfig};
 use tessera_models::zimage::scheduler::FlowMatchEuler;
-use tessera_models::zimage::text::prompt_ids;
+use tessera_models::zimage::text::{PromptTemplate, builtin_template, prompt_ids};
 use tessera_models::zimage::transformer::{
     Taps, ZImageTransformer, timestep_features, timestep_frequencies,
 };
@@ -96,8 +98,11 @@ struct Expected {
 
 impl Expected {
     fn load() -> Self {
-        let p = root().join("tests/fixtures/zimage/expected.safetensors");
-        let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        Self::load_from(&root().join("tests/fixtures/zimage/expected.safetensors"))
+    }
+
+    fn load_from(p: &Path) -> Self {
+        let bytes = std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
         let st =
             safetensors::SafeTensors::deserialize(&bytes).expect("expected.safetensors parses");
         let mut tensors = BTreeMap::new();
@@ -436,7 +441,8 @@ fn vae_blocks_match_the_reference() {
 fn text_encoder_ids_and_layers_match_the_reference() {
     let (fx, ex, be) = (cases(), Expected::load(), CpuBackend::new());
     let files = ZImageFiles::dir(&mini()).unwrap();
-    let tok = tessera_models::qwen3::BpeTokenizer::load(&files.tokenizer).unwrap();
+    let tok = BpeTokenizer::load(&files.tokenizer).unwrap();
+    let template = PromptTemplate::load(&files.tokenizer).unwrap();
     let dir = mini().join("text_encoder");
     let cfg = Qwen3Config::parse(&dir.join("config.json"), &read(&dir, "config.json")).unwrap();
     let w = Weights::open_dir(&dir, "model").unwrap().pp("model");
@@ -445,7 +451,7 @@ fn text_encoder_ids_and_layers_match_the_reference() {
     for depth in 1..cfg.num_layers {
         let mut te = Qwen3TextModel::load(&be, &cfg, &w, depth).unwrap();
         for c in &fx.text {
-            let ids = prompt_ids(&tok, &c.prompt).unwrap();
+            let ids = prompt_ids(&tok, &template, &c.prompt).unwrap();
             assert_eq!(ids.ids, c.ids, "{}: token ids", c.name);
             assert_eq!(
                 ids.full_len, c.untruncated_len,
@@ -579,32 +585,37 @@ fn pipeline_reproduces_the_reference_steps_and_image() {
             })
             .unwrap();
         assert_eq!(steps, c.steps);
-        let want_u8 = ex.get(&format!("{p}image_u8"));
-        let want_f = ex.get(&format!("{p}image_f32"));
-        assert_eq!(image.pixels.len(), want_u8.len());
-        let (mut exact, mut off_by_one) = (0, 0);
-        for ((&g, &w), &f) in image.pixels.iter().zip(want_u8).zip(want_f) {
-            let d = (g as f64 - w).abs();
-            if d == 0.0 {
-                exact += 1;
-            } else {
-                let frac = (f * 255.0).fract();
-                assert!(
-                    d == 1.0 && (frac - 0.5).abs() < 0.02,
-                    "{}: pixel {g} vs {w} (reference level {:.4}) differs beyond a rounding tie",
-                    c.name,
-                    f * 255.0
-                );
-                off_by_one += 1;
-            }
-        }
-        eprintln!(
-            "e2e {}: {exact} of {} channel values identical, {off_by_one} one level off at a rounding tie",
-            c.name,
-            image.pixels.len()
-        );
+        assert_image_matches(&c.name, &image.pixels, &ex, &p);
     }
     worst.report("e2e");
+}
+
+/// The 8-bit image `got` is the reference's `{prefix}image_u8`, except for channel values whose
+/// reference level `x·255` (`{prefix}image_f32`) lies within 0.02 of a rounding tie, which may
+/// move by one level.
+fn assert_image_matches(name: &str, got: &[u8], ex: &Expected, prefix: &str) {
+    let want_u8 = ex.get(&format!("{prefix}image_u8"));
+    let want_f = ex.get(&format!("{prefix}image_f32"));
+    assert_eq!(got.len(), want_u8.len());
+    let (mut exact, mut off_by_one) = (0, 0);
+    for ((&g, &w), &f) in got.iter().zip(want_u8).zip(want_f) {
+        let d = (g as f64 - w).abs();
+        if d == 0.0 {
+            exact += 1;
+        } else {
+            let frac = (f * 255.0).fract();
+            assert!(
+                d == 1.0 && (frac - 0.5).abs() < 0.02,
+                "{name}: pixel {g} vs {w} (reference level {:.4}) differs beyond a rounding tie",
+                f * 255.0
+            );
+            off_by_one += 1;
+        }
+    }
+    eprintln!(
+        "e2e {name}: {exact} of {} channel values identical, {off_by_one} one level off at a rounding tie",
+        got.len()
+    );
 }
 
 #[test]
@@ -629,4 +640,90 @@ fn the_bundled_model_is_the_fixture_model() {
         .filter(|(g, w)| (**g as f64 - **w).abs() > 1.0)
         .count();
     assert_eq!(differ, 0, "bundled model's image");
+}
+
+// ---- a tokenizer folder that ships its own chat template ------------------------------------
+
+/// `tests/fixtures/zimage/template/case.json`: the miniature with `chat_template.jinja` replaced by
+/// one unlike Qwen3's in content and whitespace control.
+#[derive(Deserialize)]
+struct TemplateCase {
+    prompt: String,
+    /// What `apply_chat_template(..., tokenize=False)` rendered.
+    text: String,
+    ids_pos: Vec<u32>,
+    height: usize,
+    width: usize,
+    steps: usize,
+    shift: f64,
+}
+
+/// The case, its expected tensors, and the miniature's files with the fixture's tokenizer folder
+/// (the miniature's tokenizer files and the fixture's template) in the returned temporary folder.
+fn template_fixture() -> (TemplateCase, Expected, ZImageFiles, tempfile::TempDir) {
+    let fix = root().join("tests/fixtures/zimage/template");
+    let case: TemplateCase =
+        serde_json::from_str(&std::fs::read_to_string(fix.join("case.json")).unwrap()).unwrap();
+    let ex = Expected::load_from(&fix.join("expected.safetensors"));
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(mini().join("tokenizer").join(name), dir.path().join(name)).unwrap();
+    }
+    std::fs::copy(
+        fix.join("chat_template.jinja"),
+        dir.path().join("chat_template.jinja"),
+    )
+    .unwrap();
+    let files = ZImageFiles {
+        tokenizer: ModelFiles::Dir(dir.path().to_path_buf()),
+        ..ZImageFiles::dir(&mini()).unwrap()
+    };
+    (case, ex, files, dir)
+}
+
+/// The prompt is what the folder's own template renders (not the built-in Qwen3 format), down to
+/// the token ids; a folder whose template is Qwen3's, or that has none, gets the built-in format.
+#[test]
+fn a_shipped_chat_template_gives_the_reference_text_and_token_ids() {
+    let (c, _, files, dir) = template_fixture();
+    let template = PromptTemplate::load(&files.tokenizer).unwrap();
+    assert!(
+        matches!(template, PromptTemplate::Shipped(_)),
+        "{template:?}"
+    );
+    assert_eq!(template.render(&c.prompt).unwrap(), c.text);
+    assert_ne!(c.text, builtin_template(&c.prompt));
+    let tok = BpeTokenizer::load(&files.tokenizer).unwrap();
+    assert_eq!(
+        prompt_ids(&tok, &template, &c.prompt).unwrap().ids,
+        c.ids_pos
+    );
+
+    let own = PromptTemplate::load(&ZImageFiles::dir(&mini()).unwrap().tokenizer).unwrap();
+    assert!(matches!(own, PromptTemplate::Shipped(_)));
+    assert_eq!(own.render(&c.prompt).unwrap(), builtin_template(&c.prompt));
+    std::fs::remove_file(dir.path().join("chat_template.jinja")).unwrap();
+    let none = PromptTemplate::load(&files.tokenizer).unwrap();
+    assert!(matches!(none, PromptTemplate::Builtin), "{none:?}");
+    assert!(none.describe().contains("no chat template"));
+}
+
+/// And the image is the reference's image with that template.
+#[test]
+fn a_shipped_chat_template_gives_the_reference_image() {
+    let (c, ex, files, _dir) = template_fixture();
+    let mut z = ZImage::load(CpuBackend::new(), &files, None).unwrap();
+    let req = Request {
+        width: c.width,
+        height: c.height,
+        steps: c.steps,
+        guidance: 0.0,
+        init_latent: Some(ex.f32("init_latent")),
+        shift: Some(c.shift),
+        ..Request::new(&c.prompt)
+    };
+    let plan = z.plan(&req).unwrap();
+    assert_eq!(plan.prompts[0].ids, c.ids_pos);
+    let image = z.generate(&req, &plan, |_| {}).unwrap();
+    assert_image_matches("custom_template", &image.pixels, &ex, "");
 }

@@ -11,7 +11,7 @@ use super::ZImageFiles;
 use super::config::{SchedulerConfig, TransformerConfig, VaeConfig, check_model_index};
 use super::noise;
 use super::scheduler::{FlowMatchEuler, Schedule, euler_step, guide};
-use super::text::{MAX_PROMPT_TOKENS, PromptIds, prompt_ids};
+use super::text::{MAX_PROMPT_TOKENS, PromptIds, PromptTemplate, prompt_ids};
 use super::transformer::ZImageTransformer;
 use super::vae::{VaeDecoder, to_rgb8};
 use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
@@ -171,6 +171,8 @@ impl ZImageConfigs {
 pub struct ZImage<B: Backend> {
     backend: B,
     tokenizer: BpeTokenizer,
+    /// How a prompt becomes the tokenizer's text: the folder's chat template.
+    template: PromptTemplate,
     text_encoder: Qwen3TextModel<B>,
     transformer: ZImageTransformer<B>,
     vae: VaeDecoder<B>,
@@ -206,6 +208,7 @@ impl<B: Backend> ZImage<B> {
                 ),
             ));
         }
+        let template = PromptTemplate::load(&files.tokenizer)?;
         // hidden_states[-2]: the residual stream after all layers but the last.
         let te_weights = text_encoder_root(&files.text_encoder.weights("model")?);
         let te = &cfg.text_encoder;
@@ -219,6 +222,7 @@ impl<B: Backend> ZImage<B> {
         Ok(ZImage {
             backend,
             tokenizer,
+            template,
             text_encoder,
             transformer,
             vae,
@@ -240,6 +244,9 @@ impl<B: Backend> ZImage<B> {
     }
     pub fn tokenizer(&self) -> &BpeTokenizer {
         &self.tokenizer
+    }
+    pub fn template(&self) -> &PromptTemplate {
+        &self.template
     }
 
     /// Image sides must be multiples of this (the VAE's 8× times the DiT's 2× patches).
@@ -293,12 +300,10 @@ impl<B: Backend> ZImage<B> {
             }
         }
         let mut warnings = Vec::new();
-        let mut prompts = vec![prompt_ids(&self.tokenizer, &req.prompt)?];
+        let ids = |prompt: &str| prompt_ids(&self.tokenizer, &self.template, prompt);
+        let mut prompts = vec![ids(&req.prompt)?];
         if req.cfg() {
-            prompts.push(prompt_ids(
-                &self.tokenizer,
-                req.negative_prompt.as_deref().unwrap_or(""),
-            )?);
+            prompts.push(ids(req.negative_prompt.as_deref().unwrap_or(""))?);
         } else if req.negative_prompt.is_some() {
             warnings.push(
                 "the negative prompt is ignored without guidance (--guidance > 0 turns CFG on)"
