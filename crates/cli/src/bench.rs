@@ -1,10 +1,12 @@
 //! `tessera bench`: the measurements behind BENCHMARKS.md.
 //!
-//! `bench embed` runs the EmbeddingGemma 2 workloads of the CUDA issue on a model folder:
-//! W1 one short query end to end (tokenize → vector, median of 200), W2 one long document (median
-//! of 30), W3 8,192 documents of 256 tokens in the engine's best batching (random ids framed by
-//! `<bos>`/`<eos>`, as the reference script does), with model FLOPs and utilisation against a
-//! ceiling you pass (`--ceiling-tflops`, measured in the same run by `bench gemm` or torch).
+//! `bench embed` runs the EmbeddingGemma 2 workloads on a model folder, on either device:
+//! W1 one short query end to end (tokenize → vector), W2 one long document, `batch` N documents
+//! of L tokens (`--batch NxL`, random ids framed by `<bos>`/`<eos>`, as the reference script
+//! does), W3 8,192 documents of 256 tokens in the engine's best batching, with model FLOPs and
+//! utilisation against a ceiling you pass (`--ceiling-tflops`, measured in the same run by
+//! `bench gemm` or torch). Every timing reports its first run (a fresh process's first pass), the
+//! median, best and worst of `--iters` runs, and the 1-minute load average when it ends.
 //! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data. `bench serve` load-tests
 //! `tessera serve` (see `loadtest.rs`). One JSON line per measurement on stdout.
 
@@ -61,14 +63,46 @@ struct ImageBench {
     /// Soft-token budget.
     #[arg(long, default_value_t = 280)]
     budget: usize,
-    /// Images in the throughput run (random pixels, sizes cycling through a fixed list).
+    /// Images in the throughput run (random pixels, sizes cycling through a fixed list); 0 times
+    /// the single image only.
     #[arg(long, default_value_t = 256)]
     images: usize,
     /// Patch budgets per pass to try for throughput; the best is reported.
     #[arg(long, default_value = "16384,32768,65536")]
     pass_patches: String,
     #[command(flatten)]
+    timing: Timing,
+    #[command(flatten)]
     device: DeviceArgs,
+}
+
+/// How many runs a timing takes; each workload has its own default.
+#[derive(Args)]
+struct Timing {
+    /// Timed runs of each workload (default: 200 for W1, 30 for W2 and the single image, 3 for
+    /// batches).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Untimed runs before them (default: a tenth of the timed runs, at least one).
+    #[arg(long)]
+    warmup: Option<usize>,
+}
+
+impl Timing {
+    /// Time `f` with the runs asked for, `iters` when none were.
+    fn run(&self, iters: usize, f: impl FnMut() -> Result<()>) -> Result<Times> {
+        let n = self.iters.unwrap_or(iters).max(1);
+        time_ms(n, self.warmup.unwrap_or((n / 10).max(1)), f)
+    }
+}
+
+fn parse_batch(s: &str) -> std::result::Result<(usize, usize), String> {
+    let bad = || format!("{s:?}: expected DOCSxTOKENS, e.g. 64x64");
+    let (n, l) = s.split_once('x').ok_or_else(bad)?;
+    match (n.parse(), l.parse()) {
+        (Ok(n), Ok(l)) if n > 0 && l >= 2 => Ok((n, l)),
+        _ => Err(bad()),
+    }
 }
 
 /// Sizes of the mixed-size throughput run: photos, screenshots, a page scan, thumbnails.
@@ -91,9 +125,14 @@ struct EmbedBench {
     /// bench_inputs.json with "short" and "long" texts (from make_eg2_full.py).
     #[arg(long)]
     inputs: PathBuf,
-    /// Which workloads, comma-separated.
+    /// Which workloads, comma-separated: w1, w2, batch, w3.
     #[arg(long, default_value = "w1,w2,w3")]
     workloads: String,
+    /// Documents × tokens of the `batch` workload.
+    #[arg(long, default_value = "64x64", value_parser = parse_batch)]
+    batch: (usize, usize),
+    #[command(flatten)]
+    timing: Timing,
     /// Documents in W3.
     #[arg(long, default_value_t = 8192)]
     w3_docs: usize,
@@ -131,22 +170,54 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// Milliseconds of the runs of one timing.
+struct Times {
+    /// The very first run, warm-up included: what a fresh process pays.
+    first: f64,
+    /// The timed runs, sorted.
+    runs: Vec<f64>,
 }
 
-fn time_ms(n: usize, warm: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
-    for _ in 0..warm {
-        f()?;
+impl Times {
+    fn median(&self) -> f64 {
+        self.runs[self.runs.len() / 2]
     }
-    (0..n)
-        .map(|_| {
-            let t = Instant::now();
-            f()?;
-            Ok(t.elapsed().as_secs_f64() * 1e3)
-        })
-        .collect()
+
+    /// The figures every timing reports, with the machine's load when it ended.
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({"median_ms": self.median(), "best_ms": self.runs[0],
+            "worst_ms": self.runs[self.runs.len() - 1], "first_ms": self.first,
+            "iters": self.runs.len(), "load1": load1()})
+    }
+}
+
+/// The 1-minute load average (Linux), to show whether anything else ran.
+fn load1() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+fn time_ms(n: usize, warm: usize, mut f: impl FnMut() -> Result<()>) -> Result<Times> {
+    let mut once = || -> Result<f64> {
+        let t = Instant::now();
+        f()?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    let first = once()?;
+    for _ in 1..warm {
+        once()?;
+    }
+    let mut runs = (0..n).map(|_| once()).collect::<Result<Vec<_>>>()?;
+    runs.sort_by(f64::total_cmp);
+    Ok(Times { first, runs })
+}
+
+/// `json` with the fields of `extra` added.
+fn with(mut json: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
+    if let (Some(a), serde_json::Value::Object(b)) = (json.as_object_mut(), extra) {
+        a.extend(b);
+    }
+    json
 }
 
 /// The embedding model in `dir` on the device `device` asks for (declined there if it cannot run
@@ -164,6 +235,31 @@ fn load_embedder(
     Ok((embed::load(device.open_for(&spec)?, files)?, config))
 }
 
+/// `n` documents of `len` random ids in `[3, min(vocab, 250000))`, `<bos>` first and `<eos>`
+/// last, as the reference script makes them.
+fn random_docs(config: &egemma2::Config, n: usize, len: usize) -> Vec<Vec<u32>> {
+    let vocab = config.text.vocab_size as u64;
+    let (bos, eos) = (
+        config.text.bos_token_id.unwrap_or(2),
+        config.text.eos_token_id.unwrap_or(1),
+    );
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (3 + state % (vocab.min(250_000) - 3)) as u32
+    };
+    (0..n)
+        .map(|_| {
+            let mut d: Vec<u32> = (0..len).map(|_| next()).collect();
+            d[0] = bos;
+            d[len - 1] = eos;
+            d
+        })
+        .collect()
+}
+
 fn emit(v: serde_json::Value) {
     println!("{v}");
 }
@@ -176,52 +272,46 @@ fn embed(b: EmbedBench) -> Result<()> {
     let wanted: Vec<&str> = b.workloads.split(',').map(str::trim).collect();
     if wanted.contains(&"w1") {
         let tokens = model.tokenize(&inputs.short, &opts)?.len();
-        let ms = time_ms(200, 20, || {
+        let t = b.timing.run(200, || {
             model
                 .embed_texts(&[inputs.short.as_str()], &opts, None, &mut |_| {})
                 .map(|_| ())
         })?;
-        emit(
-            serde_json::json!({"name": "eg2_W1_query", "tokens": tokens, "median_ms": median(ms.clone()),
-            "best_ms": ms.iter().cloned().fold(f64::INFINITY, f64::min), "device": device}),
-        );
+        emit(with(
+            t.json(),
+            serde_json::json!({"name": "eg2_W1_query", "tokens": tokens, "device": device}),
+        ));
     }
     if wanted.contains(&"w2") {
         let tokens = model.tokenize(&inputs.long, &opts)?.len();
-        let ms = time_ms(30, 3, || {
+        let t = b.timing.run(30, || {
             model
                 .embed_texts(&[inputs.long.as_str()], &opts, None, &mut |_| {})
                 .map(|_| ())
         })?;
         let flops = config.text.forward_flops(&[tokens]);
-        let med = median(ms.clone());
-        emit(
-            serde_json::json!({"name": "eg2_W2_doc", "tokens": tokens, "median_ms": med,
-            "best_ms": ms.iter().cloned().fold(f64::INFINITY, f64::min), "tflops": flops / med / 1e9, "device": device}),
-        );
+        emit(with(
+            t.json(),
+            serde_json::json!({"name": "eg2_W2_doc", "tokens": tokens,
+            "tflops": flops / t.median() / 1e9, "device": device}),
+        ));
+    }
+    let random_docs = |n: usize, len: usize| random_docs(&config, n, len);
+    if wanted.contains(&"batch") {
+        let (n, len) = b.batch;
+        let docs = random_docs(n, len);
+        let flops = config.text.forward_flops(&vec![len; n]);
+        let t = b
+            .timing
+            .run(3, || model.embed_ids(&docs, &mut |_| {}).map(|_| ()))?;
+        emit(with(
+            t.json(),
+            serde_json::json!({"name": "eg2_batch", "docs": n, "tokens_per_doc": len,
+            "tflops": flops / t.median() / 1e9, "device": device}),
+        ));
     }
     if wanted.contains(&"w3") {
-        let vocab = config.text.vocab_size as u64;
-        let (bos, eos) = (
-            config.text.bos_token_id.unwrap_or(2),
-            config.text.eos_token_id.unwrap_or(1),
-        );
-        // Random ids in [3, min(vocab, 250000)), <bos> first and <eos> last, as the reference.
-        let mut state = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (3 + state % (vocab.min(250_000) - 3)) as u32
-        };
-        let docs: Vec<Vec<u32>> = (0..b.w3_docs)
-            .map(|_| {
-                let mut d: Vec<u32> = (0..256).map(|_| next()).collect();
-                d[0] = bos;
-                d[255] = eos;
-                d
-            })
-            .collect();
+        let docs = random_docs(b.w3_docs, 256);
         let lens = vec![256usize; docs.len()];
         let flops = config.text.forward_flops(&lens);
         let mut best: Option<(f64, usize)> = None;
@@ -234,8 +324,10 @@ fn embed(b: EmbedBench) -> Result<()> {
                 tokens: pass,
                 ..model.pass_budget()
             });
-            let ms = time_ms(3, 1, || model.embed_ids(&docs, &mut |_| {}).map(|_| ()))?;
-            let med = median(ms);
+            let t = b
+                .timing
+                .run(3, || model.embed_ids(&docs, &mut |_| {}).map(|_| ()))?;
+            let med = t.median();
             let docs_per_s = docs.len() as f64 / (med / 1e3);
             emit(
                 serde_json::json!({"name": "eg2_W3_docs256", "pass_tokens": pass, "docs": docs.len(), "seconds": med / 1e3,
@@ -309,7 +401,7 @@ fn image(b: ImageBench) -> Result<()> {
     let device = model.describe();
     let opts = TextOptions::default();
     // One image, end to end in process: read and decode the file, resize, patchify, embed.
-    let ms = time_ms(50, 5, || {
+    let t = b.timing.run(50, || {
         let img = Image::open(&b.image)?;
         model
             .embed_inputs(&[Input::image(img)], &opts, budget, None, &mut |_| {})
@@ -318,11 +410,14 @@ fn image(b: ImageBench) -> Result<()> {
     let tokens = model
         .input_ids(&Input::image(Image::open(&b.image)?), &opts, budget)?
         .len();
-    emit(
-        serde_json::json!({"name": "eg2_image_single", "file": b.image.display().to_string(), "budget": b.budget,
-        "tokens": tokens, "median_ms": median(ms.clone()), "best_ms": ms.iter().cloned().fold(f64::INFINITY, f64::min),
-        "device": device}),
-    );
+    emit(with(
+        t.json(),
+        serde_json::json!({"name": "eg2_image_single", "file": b.image.display().to_string(),
+        "budget": b.budget, "tokens": tokens, "device": device}),
+    ));
+    if b.images == 0 {
+        return Ok(());
+    }
     // Throughput: decoded images of mixed sizes (preprocessing included in the time).
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     let images: Vec<Image> = (0..b.images)
@@ -351,12 +446,12 @@ fn image(b: ImageBench) -> Result<()> {
             patches: pass,
             ..model.pass_budget()
         });
-        let ms = time_ms(3, 1, || {
+        let t = b.timing.run(3, || {
             model
                 .embed_inputs(&inputs, &opts, budget, None, &mut |_| {})
                 .map(|_| ())
         })?;
-        let rate = inputs.len() as f64 / (median(ms) / 1e3);
+        let rate = inputs.len() as f64 / (t.median() / 1e3);
         emit(
             serde_json::json!({"name": "eg2_images_mixed", "images": inputs.len(), "pass_patches": pass, "images_per_s": rate, "device": device}),
         );
@@ -369,7 +464,7 @@ fn image(b: ImageBench) -> Result<()> {
     let spec = model
         .patch_spec()
         .ok_or_else(|| Error::input("this model has no vision tower"))?;
-    let ms = time_ms(3, 1, || {
+    let t = b.timing.run(3, || {
         use rayon::prelude::*;
         inputs
             .par_iter()
@@ -380,7 +475,7 @@ fn image(b: ImageBench) -> Result<()> {
     })?;
     emit(
         serde_json::json!({"name": "eg2_images_preprocess_only", "images": inputs.len(),
-        "images_per_s": inputs.len() as f64 / (median(ms) / 1e3), "device": "host"}),
+        "images_per_s": inputs.len() as f64 / (t.median() / 1e3), "device": "host"}),
     );
     if let Some((rate, pass)) = best {
         emit(
