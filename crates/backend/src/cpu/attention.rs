@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, slice};
+use super::{CpuBackend, slice, vmath};
 use crate::{AttnSpec, Mask, Segments, View, ViewMut};
 
 /// Query rows per task: large enough for efficient GEMMs, small enough to parallelise short
@@ -32,14 +32,15 @@ enum Visible<'a> {
 }
 
 impl Visible<'_> {
-    /// Whether the query at packed row `i`, at position `pos`, sees key `j` of its segment.
+    /// The keys `start..end` (of `n`) the query at packed row `i`, at position `pos`, sees: one
+    /// run, as every mask here is an interval of keys.
     #[inline]
-    fn sees(self, i: usize, pos: usize, j: usize) -> bool {
+    fn keys(self, i: usize, pos: usize, n: usize) -> (usize, usize) {
         match self {
-            Visible::Full => true,
-            Visible::Window(w) => pos.abs_diff(j) <= w,
-            Visible::Causal => j <= pos,
-            Visible::Limits(l) => j < l[i] as usize,
+            Visible::Full => (0, n),
+            Visible::Window(w) => (pos.saturating_sub(w), n.min(pos + w + 1)),
+            Visible::Causal => (0, n.min(pos + 1)),
+            Visible::Limits(l) => (0, n.min(l[i] as usize)),
         }
     }
 
@@ -172,27 +173,19 @@ pub(super) fn attention(
                     );
                 }
                 for (r, row) in scores.chunks_mut(nk).enumerate() {
-                    let (i, pos) = (i0 + r, t.pos0 + r);
-                    let mut max = f32::NEG_INFINITY;
-                    for (c, s) in row.iter_mut().enumerate() {
-                        if visible.sees(i, pos, lo + c) {
-                            max = max.max(*s);
-                        } else {
-                            *s = f32::NEG_INFINITY;
-                        }
-                    }
-                    let mut sum = 0f64;
-                    for s in row.iter_mut() {
-                        *s = if *s == f32::NEG_INFINITY {
-                            0.0
-                        } else {
-                            (*s - max).exp()
-                        };
-                        sum += *s as f64;
-                    }
+                    // The row's keys as columns of `row` (which holds keys lo..hi); the rest get
+                    // probability 0.
+                    let (a, b) = visible.keys(i0 + r, t.pos0 + r, t.keys.1);
+                    let (a, b) = (a.clamp(lo, lo + nk) - lo, b.clamp(lo, lo + nk) - lo);
+                    let b = b.max(a);
+                    row[..a].fill(0.0);
+                    row[b..].fill(0.0);
+                    let seen = &mut row[a..b];
+                    let max = vmath::max(seen);
+                    let sum = vmath::exp_shifted(seen, max);
                     // A row that sees no key at all gets zeros rather than 0/0.
                     let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
-                    row.iter_mut().for_each(|s| *s *= inv);
+                    vmath::scale(seen, inv);
                 }
                 // SAFETY: dst holds rows i0..i1 of the output at stride `ostride`, each at least
                 // h·hd + hd ≤ ocols wide; the rhs covers rows k0..k1 of kv head g inside `vs`.

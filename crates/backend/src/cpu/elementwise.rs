@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, CpuTable, rows, rows_mut};
+use super::{CpuBackend, CpuTable, rows, rows_mut, vmath};
 use crate::view::same_shape;
 use crate::{Activation, View, ViewMut};
 
@@ -39,28 +39,6 @@ pub(super) fn embed(
     Ok(())
 }
 
-/// `gelu_pytorch_tanh`, evaluated in f64 so the CPU path tracks the float64 reference.
-#[inline]
-pub(crate) fn gelu_tanh(x: f32) -> f32 {
-    let x = x as f64;
-    let c = (2.0 / std::f64::consts::PI).sqrt();
-    (0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())) as f32
-}
-
-#[inline]
-pub(crate) fn silu(x: f32) -> f32 {
-    let x = x as f64;
-    (x / (1.0 + (-x).exp())) as f32
-}
-
-/// The scalar function of an activation.
-pub(super) fn activation_fn(act: Activation) -> fn(f32) -> f32 {
-    match act {
-        Activation::GeluTanh => gelu_tanh,
-        Activation::Silu => silu,
-    }
-}
-
 pub(super) fn gated(
     gate: View<'_, CpuBackend>,
     up: View<'_, CpuBackend>,
@@ -69,15 +47,10 @@ pub(super) fn gated(
 ) -> Result<()> {
     same_shape("gated", (gate.rows, gate.cols), (up.rows, up.cols))?;
     same_shape("gated", (gate.rows, gate.cols), (out.rows, out.cols))?;
-    let f = activation_fn(act);
     rows_mut(out)
         .zip(rows(gate))
         .zip(rows(up))
-        .for_each(|((o, g), u)| {
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = f(g) * u;
-            }
-        });
+        .for_each(|((o, g), u)| vmath::gated(g, u, o, act));
     Ok(())
 }
 
@@ -117,18 +90,6 @@ pub(super) fn segment_mean(
 mod tests {
     use super::super::testutil::*;
     use crate::{Activation, Backend, View, ViewMut};
-
-    #[test]
-    fn gelu_tanh_matches_definition() {
-        for &x in &[-6.0f32, -1.0, -0.1, 0.0, 0.3, 2.5, 9.0] {
-            let xd = x as f64;
-            let want = 0.5
-                * xd
-                * (1.0
-                    + ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3))).tanh());
-            assert_close(super::gelu_tanh(x), want, 1e-7, "gelu");
-        }
-    }
 
     #[test]
     fn gated_and_segment_mean() {

@@ -5,8 +5,7 @@
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::elementwise::activation_fn;
-use super::{CpuBackend, rows, rows_mut};
+use super::{CpuBackend, rows, rows_mut, vmath};
 use crate::view::same_shape;
 use crate::{GroupNorm, View, ViewMut};
 
@@ -69,12 +68,13 @@ pub(super) fn group_norm(
         .map(|s| 1.0 / (s / n + spec.eps as f64).sqrt())
         .collect();
     let per = c / g;
-    let act = spec.act.map(activation_fn);
     rows_mut(out).zip(rows(x)).for_each(|(o, r)| {
         for (ch, (o, &v)) in o.iter_mut().zip(r).enumerate() {
             let gi = ch / per;
-            let y = ((v as f64 - mean[gi]) * inv[gi]) as f32 * weight[ch] + bias[ch];
-            *o = act.map_or(y, |f| f(y));
+            *o = ((v as f64 - mean[gi]) * inv[gi]) as f32 * weight[ch] + bias[ch];
+        }
+        if let Some(act) = spec.act {
+            vmath::activate(o, act);
         }
     });
     Ok(())

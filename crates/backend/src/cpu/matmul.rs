@@ -4,8 +4,7 @@
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::elementwise::activation_fn;
-use super::{CpuBackend, CpuBuf, CpuMat, rows_mut, slice};
+use super::{CpuBackend, CpuBuf, CpuMat, rows_mut, slice, vmath};
 use crate::op::check_product;
 use crate::{Epilogue, View, ViewMut};
 
@@ -51,22 +50,20 @@ pub(super) fn matmul(
         product(x, w, out.reborrow(), ep.alpha, ep.accumulate);
         return Ok(());
     }
-    let f = ep.act.map(activation_fn);
     let bias = ep.bias.map(Vec::as_slice);
+    // Per element in this order: `+ bias`, `act`, `· gate`.
     let apply = |r: usize, y: &mut [f32]| {
-        for (j, v) in y.iter_mut().enumerate() {
-            let mut z = *v;
-            if let Some(b) = bias {
-                z += b[j];
+        if let Some(b) = bias {
+            y.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
+        }
+        if let Some(act) = ep.act {
+            vmath::activate(y, act);
+        }
+        if let Some((g, stride, broadcast, tanh)) = gate {
+            let g = &g[if broadcast { 0 } else { r * stride }..];
+            for (v, &gv) in y.iter_mut().zip(g) {
+                *v *= if tanh { (gv as f64).tanh() as f32 } else { gv };
             }
-            if let Some(f) = f {
-                z = f(z);
-            }
-            if let Some((g, stride, broadcast, tanh)) = gate {
-                let gv = g[if broadcast { 0 } else { r * stride } + j];
-                z *= if tanh { (gv as f64).tanh() as f32 } else { gv };
-            }
-            *v = z;
         }
     };
     if ep.accumulate {

@@ -12,6 +12,7 @@ mod matmul;
 mod norm;
 mod rope;
 mod rows;
+mod vmath;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};

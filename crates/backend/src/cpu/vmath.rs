@@ -1,0 +1,337 @@
+//! Element-wise math over slices for the hot row ops (the attention softmax, GELU and SiLU),
+//! written without branches so LLVM vectorises it, compiled once per instruction set (AVX-512,
+//! AVX2, the x86-64 baseline) and chosen at run time, so one binary runs everywhere.
+//!
+//! Values are computed in f64 lanes with an exponential accurate to a few f64 ulps and rounded
+//! to f32 once, as the scalar reference did with the C library's `exp`/`tanh` in f64: results are
+//! the correctly rounded f32 values in all but rare ties.
+
+use std::sync::OnceLock;
+
+use crate::Activation;
+
+/// The instruction set the kernels here run with on this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Avx512,
+    Avx2,
+    Baseline,
+}
+
+fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512dq")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+            {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Baseline
+    })
+}
+
+/// Defines `fn $name` that runs `$body` compiled for the best instruction set [`isa`] found.
+macro_rules! multiversioned {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+            fn avx512($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+            match isa() {
+                // SAFETY: `isa()` found these target features on this CPU.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { avx512($($arg),*) },
+                // SAFETY: as above.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { avx2($($arg),*) },
+                _ => body($($arg),*),
+            }
+        }
+    };
+}
+
+/// `e^x` in f64 without branches: `x = n·ln2 + r` with `|r| ≤ ln2/2` (Cody–Waite), `e^r` by its
+/// Taylor series to r¹³ (truncation below 1e-17 relative), times `2^n` built in the exponent
+/// bits in two halves (so neither leaves the normal range, and results underflow gradually and
+/// overflow to `∞` as the C library's do). NaN stays NaN.
+#[inline(always)]
+fn exp64(x: f64) -> f64 {
+    const LOG2E: f64 = std::f64::consts::LOG2_E;
+    const LN2_HI: f64 = 6.931_471_803_691_238e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
+    let xc = x.clamp(-746.0, 710.0);
+    let n = (xc * LOG2E + 0.5).floor();
+    let r = (xc - n * LN2_HI) - n * LN2_LO;
+    let mut p = 1.0 / 6_227_020_800.0;
+    for c in [
+        1.0 / 479_001_600.0,
+        1.0 / 39_916_800.0,
+        1.0 / 3_628_800.0,
+        1.0 / 362_880.0,
+        1.0 / 40_320.0,
+        1.0 / 5_040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = p * r + c;
+    }
+    let half = (n * 0.5).floor();
+    p * pow2(half) * pow2(n - half)
+}
+
+/// `2^n` for a whole `n` in −1022..=1023, through the exponent bits: adding 1.5·2^52 leaves `n`
+/// in the low mantissa bits.
+#[inline(always)]
+fn pow2(n: f64) -> f64 {
+    const SHIFTER: f64 = 6_755_399_441_055_744.0;
+    let bits = (n + SHIFTER).to_bits().wrapping_sub(SHIFTER.to_bits());
+    f64::from_bits(bits.wrapping_add(1023) << 52)
+}
+
+/// `gelu_pytorch_tanh` in f64: `x·(1 + tanh(u))/2 = x / (1 + e^(−2u))`,
+/// `u = √(2/π)·(x + 0.044715·x³)`.
+#[inline(always)]
+fn gelu64(x: f64) -> f64 {
+    const C: f64 = 0.797_884_560_802_865_4; // √(2/π)
+    let u = C * (x + 0.044715 * x * x * x);
+    x / (1.0 + exp64(-2.0 * u))
+}
+
+/// `x·σ(x)` in f64.
+#[inline(always)]
+fn silu64(x: f64) -> f64 {
+    x / (1.0 + exp64(-x))
+}
+
+/// `act(x)` in f64, rounded to f32.
+#[inline(always)]
+fn activate1(act: Activation, x: f32) -> f32 {
+    let x = x as f64;
+    (match act {
+        Activation::GeluTanh => gelu64(x),
+        Activation::Silu => silu64(x),
+    }) as f32
+}
+
+/// Lanes of the partial sums and maxima (independent accumulators let LLVM vectorise them).
+const LANES: usize = 16;
+
+multiversioned! {
+    /// The largest element, NaN ignored as `f32::max` ignores it (`-∞` when there is none).
+    pub(super) fn max(xs: &[f32]) -> f32 {
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        let chunks = xs.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (a, &x) in acc.iter_mut().zip(c) {
+                *a = if x > *a { x } else { *a };
+            }
+        }
+        tail.iter().chain(&acc).fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+    }
+}
+
+multiversioned! {
+    /// `xs[j] = e^(xs[j] − max)` (the difference in f32, the exponential in f64, rounded to
+    /// f32), returning the sum of the rounded values in f64: the body of a softmax.
+    pub(super) fn exp_shifted(xs: &mut [f32], max: f32) -> f64 {
+        let mut acc = [0f64; LANES];
+        let mut chunks = xs.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (a, x) in acc.iter_mut().zip(c.iter_mut()) {
+                *x = exp64((*x - max) as f64) as f32;
+                *a += *x as f64;
+            }
+        }
+        let mut sum: f64 = acc.iter().sum();
+        for x in chunks.into_remainder() {
+            *x = exp64((*x - max) as f64) as f32;
+            sum += *x as f64;
+        }
+        sum
+    }
+}
+
+multiversioned! {
+    /// `xs[j] *= k`.
+    pub(super) fn scale(xs: &mut [f32], k: f32) {
+        for x in xs {
+            *x *= k;
+        }
+    }
+}
+
+multiversioned! {
+    /// `xs[j] = act(xs[j])`.
+    pub(super) fn activate(xs: &mut [f32], act: Activation) {
+        for x in xs {
+            *x = activate1(act, *x);
+        }
+    }
+}
+
+multiversioned! {
+    /// `out[j] = act(gate[j]) · up[j]` (the activation rounded to f32 before the product).
+    pub(super) fn gated(gate: &[f32], up: &[f32], out: &mut [f32], act: Activation) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = activate1(act, g) * u;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZES: [usize; 6] = [0, 1, 7, 17, 33, 4_099];
+
+    /// Values spanning the ranges these functions see, with NaN and ±∞ among them.
+    fn inputs(n: usize, spread: f32) -> Vec<f32> {
+        let mut rng = crate::cpu::testutil::Rng::new(n as u64 + 7);
+        let mut v: Vec<f32> = rng.vec(n, spread);
+        for (i, special) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]
+            .into_iter()
+            .enumerate()
+        {
+            if n > 8 * (i + 1) {
+                v[8 * (i + 1) - 1] = special;
+            }
+        }
+        v
+    }
+
+    /// Equal within an f32 ulp.
+    fn same(got: f32, want: f32, what: &str) {
+        let ok = got == want
+            || (got.is_nan() && want.is_nan())
+            || (got - want).abs() <= f32::EPSILON * want.abs();
+        assert!(ok, "{what}: {got} vs {want}");
+    }
+
+    #[test]
+    fn exp_matches_the_c_library_across_the_f64_range() {
+        for x in [
+            -800.0, -745.5, -740.0, -708.5, -708.0, -100.0, -20.5, -1.0, -1e-9, 0.0, 1e-9, 0.5,
+            1.0, 10.0, 88.7, 700.0, 709.5, 709.78, 709.8, 710.0, 1e6,
+        ] {
+            let (got, want) = (exp64(x), x.exp());
+            // Relative to the value, or to the smallest normal number where it is subnormal.
+            let tol = 1e-14 * want.abs().max(f64::MIN_POSITIVE);
+            assert!(
+                got == want || (got - want).abs() <= tol,
+                "exp({x}) = {got:e}, libm {want:e}"
+            );
+        }
+        assert!(exp64(f64::NAN).is_nan());
+        assert_eq!(exp64(f64::INFINITY), f64::INFINITY);
+        assert_eq!(exp64(f64::NEG_INFINITY), 0.0);
+        // Over the range softmax and the activations use: within a few f64 ulps (the result is
+        // then rounded to f32, whose ulp is 6e-8).
+        let mut rng = crate::cpu::testutil::Rng::new(3);
+        let worst = rng
+            .vec(100_000, 80.0)
+            .into_iter()
+            .map(|x| (exp64(x as f64) / (x as f64).exp() - 1.0).abs())
+            .fold(0f64, f64::max);
+        assert!(worst <= 1e-15, "worst relative error {worst:e}");
+        eprintln!("exp64: worst relative error {worst:e} over ±80");
+    }
+
+    #[test]
+    fn softmax_pieces_match_the_scalar_reference_at_odd_sizes() {
+        for n in SIZES {
+            let x = inputs(n, 30.0);
+            let want_max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            same(max(&x), want_max, &format!("max of {n}"));
+            let finite: Vec<f32> = x.iter().map(|v| if v.is_finite() { *v } else { -3.0 }).collect();
+            let m = max(&finite);
+            let mut got = finite.clone();
+            let sum = exp_shifted(&mut got, m);
+            let mut want_sum = 0f64;
+            for (g, &v) in got.iter().zip(&finite) {
+                let w = ((v - m) as f64).exp() as f32;
+                same(*g, w, &format!("e^(x − max), n = {n}"));
+                want_sum += w as f64;
+            }
+            assert!((sum - want_sum).abs() <= 1e-12 * want_sum.max(1.0), "sum {sum} vs {want_sum}");
+            let mut nan = vec![1.0, f32::NAN, 2.0];
+            exp_shifted(&mut nan, 2.0);
+            assert!(nan[1].is_nan() && nan[0] > 0.0);
+        }
+    }
+
+    #[test]
+    fn activations_match_the_f64_formulas_at_odd_sizes() {
+        // The sigmoid form with the C library's exp: the tanh form `x·(1 + tanh(u))/2` loses
+        // digits to cancellation where GELU is tiny (1.6e-5 relative at x = −6.3, 3.5e-12
+        // absolute), which is why the kernels use this one.
+        let gelu = |x: f32| {
+            let x = x as f64;
+            let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            (x / (1.0 + (-2.0 * u).exp())) as f32
+        };
+        let silu = |x: f32| (x as f64 / (1.0 + (-(x as f64)).exp())) as f32;
+        for n in SIZES {
+            let x = inputs(n, 8.0);
+            let up = inputs(n + 1, 2.0);
+            for (act, f) in [
+                (Activation::GeluTanh, &gelu as &dyn Fn(f32) -> f32),
+                (Activation::Silu, &silu),
+            ] {
+                let mut got = x.clone();
+                activate(&mut got, act);
+                let mut out = vec![0.0; n];
+                gated(&x, &up[..n], &mut out, act);
+                for (i, &v) in x.iter().enumerate() {
+                    same(got[i], f(v), &format!("{act:?}({v})"));
+                    same(out[i], f(v) * up[i], &format!("{act:?}({v})·{}", up[i]));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scale_multiplies_every_element() {
+        for n in SIZES {
+            let x = inputs(n, 5.0);
+            let mut got = x.clone();
+            scale(&mut got, 0.37);
+            for (g, v) in got.iter().zip(&x) {
+                same(*g, v * 0.37, "scale");
+            }
+        }
+    }
+
+    #[test]
+    fn this_cpu_takes_its_best_kernels() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            assert_eq!(isa(), Isa::Avx512);
+        }
+        eprintln!("vector math on {:?}", isa());
+    }
+}
