@@ -11,6 +11,14 @@ use crate::{Epilogue, View, ViewMut};
 /// Products below this many multiply-adds run on one thread: spawning costs more than it saves.
 const PARALLEL_MIN_MACS: usize = 1 << 20;
 
+/// Products with at most this many rows skip the `gemm` crate, which packs the whole weight
+/// matrix on every call (for a 17-token query that packing took as long as the arithmetic):
+/// [`skinny`] streams each weight row once instead, where the CPU has AVX-512.
+const SKINNY_ROWS: usize = 32;
+
+/// Weight rows per parallel task of [`skinny`].
+const SKINNY_BLOCK: usize = 64;
+
 pub(super) fn matmul(
     x: View<'_, CpuBackend>,
     w: &CpuMat,
@@ -105,6 +113,15 @@ fn product(
     } else {
         gemm::Parallelism::None
     };
+    if m <= SKINNY_ROWS
+        && k > 0
+        && skinny(
+            xs, x.stride, m, k, w, dst, out_stride, alpha, accumulate, par,
+        )
+        .is_some()
+    {
+        return;
+    }
     if k == 0 {
         if !accumulate {
             for r in dst.chunks_mut(out_stride) {
@@ -143,6 +160,66 @@ fn product(
     }
 }
 
+/// `out = alpha · x · wᵀ` (or `+=`) for few rows: four weight rows at a time against every row of
+/// `x` ([`vmath::dot4`]), blocks of weight rows split across threads under `par`. `None`, with
+/// nothing written, where [`vmath::dot4`] does not run on this CPU.
+#[allow(clippy::too_many_arguments)]
+fn skinny(
+    x: &[f32],
+    xs: usize,
+    m: usize,
+    k: usize,
+    w: &CpuMat,
+    dst: &mut [f32],
+    ds: usize,
+    alpha: f32,
+    accumulate: bool,
+    par: gemm::Parallelism,
+) -> Option<()> {
+    let n = w.out;
+    // One block of weight rows: its dot products, four weight rows at a time, `[quad][row of x]`.
+    let block = |j0: usize| -> Option<Vec<[f32; 4]>> {
+        let j1 = (j0 + SKINNY_BLOCK).min(n);
+        let mut out = vec![[0f32; 4]; m * (j1 - j0).div_ceil(4)];
+        for (q, j) in (j0..j1).step_by(4).enumerate() {
+            let rows = (j1 - j).min(4);
+            let o = &mut out[q * m..(q + 1) * m];
+            if rows == 4 {
+                vmath::dot4(x, xs, &w.data[j * k..(j + 4) * k], k, o)?;
+            } else {
+                let mut padded = vec![0f32; 4 * k];
+                padded[..rows * k].copy_from_slice(&w.data[j * k..(j + rows) * k]);
+                vmath::dot4(x, xs, &padded, k, o)?;
+            }
+        }
+        Some(out)
+    };
+    let starts: Vec<usize> = (0..n).step_by(SKINNY_BLOCK).collect();
+    let blocks: Vec<Vec<[f32; 4]>> = match par {
+        gemm::Parallelism::None => starts.iter().map(|&j0| block(j0)).collect::<Option<_>>()?,
+        _ => starts
+            .par_iter()
+            .map(|&j0| block(j0))
+            .collect::<Option<_>>()?,
+    };
+    for (&j0, b) in starts.iter().zip(&blocks) {
+        let j1 = (j0 + SKINNY_BLOCK).min(n);
+        for (q, j) in (j0..j1).step_by(4).enumerate() {
+            for r in 0..m {
+                let row = &mut dst[r * ds + j..r * ds + (j + 4).min(j1)];
+                for (o, &d) in row.iter_mut().zip(&b[q * m + r]) {
+                    *o = if accumulate {
+                        *o + alpha * d
+                    } else {
+                        alpha * d
+                    };
+                }
+            }
+        }
+    }
+    Some(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
@@ -155,6 +232,9 @@ mod tests {
             (1, 1, 1),
             (3, 5, 7),
             (17, 33, 9),
+            // Few rows (the skinny path) with a weight-row count off its blocks, parallel.
+            (32, 40, 2053),
+            (7, 700, 301),
             (64, 48, 130),
             (129, 257, 65),
         ] {

@@ -203,6 +203,93 @@ multiversioned! {
     }
 }
 
+/// `out[r] = [x_r · w_0, …, x_r · w_3]` for rows `x_r` (`r < out.len()`, `k` wide at stride `xs`)
+/// of `x` and the four dense rows of `w` (`k` wide each), with AVX-512 FMAs: the core of a
+/// product with few rows, where each weight row is streamed once. `None` where the CPU lacks
+/// AVX-512 (the caller then takes the general product).
+pub(super) fn dot4(x: &[f32], xs: usize, w: &[f32], k: usize, out: &mut [[f32; 4]]) -> Option<()> {
+    let m = out.len();
+    let fits = m == 0 || (x.len() >= (m - 1) * xs + k && w.len() >= 4 * k);
+    assert!(
+        fits,
+        "dot4: {m} rows of {k} at stride {xs} in {} values, {} weights",
+        x.len(),
+        w.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: `isa()` found AVX-512F on this CPU; the extents were checked above.
+        unsafe { dot4_avx512(x, xs, w, k, out) };
+        return Some(());
+    }
+    None
+}
+
+/// [`dot4`] in AVX-512: rows of `x` four at a time against the four weight rows, sixteen
+/// accumulators of sixteen lanes; the last `k mod 16` columns through masked loads.
+///
+/// # Safety
+/// The CPU has AVX-512F; `x` holds `out.len()` rows of `k` at stride `xs`, `w` four rows of `k`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot4_avx512(x: &[f32], xs: usize, w: &[f32], k: usize, out: &mut [[f32; 4]]) {
+    use std::arch::x86_64::*;
+    let m = out.len();
+    let full = k / 16 * 16;
+    let tail_mask: __mmask16 = ((1u32 << (k - full)) - 1) as u16;
+    let mut wp = [w.as_ptr(); 4];
+    for (j, p) in wp.iter_mut().enumerate() {
+        // SAFETY: row j of the four in `w` (checked by the caller).
+        *p = unsafe { w.as_ptr().add(j * k) };
+    }
+    let mut r0 = 0;
+    while r0 < m {
+        let rows = (m - r0).min(4);
+        let mut xp = [x.as_ptr(); 4];
+        for (i, p) in xp.iter_mut().enumerate() {
+            // SAFETY: a row of `x` below `m` (rows past the end repeat the last; their sums are
+            // dropped).
+            *p = unsafe { x.as_ptr().add((r0 + i.min(rows - 1)) * xs) };
+        }
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut xv = [_mm512_setzero_ps(); 4];
+        let mut wv = [_mm512_setzero_ps(); 4];
+        let mut c = 0;
+        while c < k {
+            for i in 0..4 {
+                // SAFETY: columns c..c+16 of a row (or the masked columns below k).
+                xv[i] = unsafe {
+                    if c < full {
+                        _mm512_loadu_ps(xp[i].add(c))
+                    } else {
+                        _mm512_maskz_loadu_ps(tail_mask, xp[i].add(c))
+                    }
+                };
+                // SAFETY: as above, in a weight row.
+                wv[i] = unsafe {
+                    if c < full {
+                        _mm512_loadu_ps(wp[i].add(c))
+                    } else {
+                        _mm512_maskz_loadu_ps(tail_mask, wp[i].add(c))
+                    }
+                };
+            }
+            for i in 0..4 {
+                for j in 0..4 {
+                    acc[i][j] = _mm512_fmadd_ps(xv[i], wv[j], acc[i][j]);
+                }
+            }
+            c += 16;
+        }
+        for i in 0..rows {
+            for j in 0..4 {
+                out[r0 + i][j] = _mm512_reduce_add_ps(acc[i][j]);
+            }
+        }
+        r0 += rows;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,7 +354,10 @@ mod tests {
             let x = inputs(n, 30.0);
             let want_max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             same(max(&x), want_max, &format!("max of {n}"));
-            let finite: Vec<f32> = x.iter().map(|v| if v.is_finite() { *v } else { -3.0 }).collect();
+            let finite: Vec<f32> = x
+                .iter()
+                .map(|v| if v.is_finite() { *v } else { -3.0 })
+                .collect();
             let m = max(&finite);
             let mut got = finite.clone();
             let sum = exp_shifted(&mut got, m);
@@ -277,7 +367,10 @@ mod tests {
                 same(*g, w, &format!("e^(x − max), n = {n}"));
                 want_sum += w as f64;
             }
-            assert!((sum - want_sum).abs() <= 1e-12 * want_sum.max(1.0), "sum {sum} vs {want_sum}");
+            assert!(
+                (sum - want_sum).abs() <= 1e-12 * want_sum.max(1.0),
+                "sum {sum} vs {want_sum}"
+            );
             let mut nan = vec![1.0, f32::NAN, 2.0];
             exp_shifted(&mut nan, 2.0);
             assert!(nan[1].is_nan() && nan[0] > 0.0);
@@ -323,6 +416,38 @@ mod tests {
             for (g, v) in got.iter().zip(&x) {
                 same(*g, v * 0.37, "scale");
             }
+        }
+    }
+
+    #[test]
+    fn dot4_matches_f64_dot_products_at_odd_widths() {
+        for k in SIZES {
+            for m in [1, 3, 4, 9] {
+                let mut rng = crate::cpu::testutil::Rng::new((k * 10 + m) as u64);
+                let xs = k + 5;
+                let x = rng.vec(m * xs, 1.0);
+                let w = rng.vec(4 * k, 1.0);
+                let mut out = vec![[f32::NAN; 4]; m];
+                if dot4(&x, xs, &w, k, &mut out).is_none() {
+                    eprintln!("no AVX-512 here: dot4 declines");
+                    return;
+                }
+                for (r, o) in out.iter().enumerate() {
+                    for (i, &got) in o.iter().enumerate() {
+                        let want: f64 = (0..k)
+                            .map(|c| x[r * xs + c] as f64 * w[i * k + c] as f64)
+                            .sum();
+                        assert!(
+                            (got as f64 - want).abs() <= 1e-6 * (k as f64).sqrt().max(1.0),
+                            "k = {k}, row {r} of {m}, weight row {i}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+        let mut out = [[0.0; 4]];
+        if dot4(&[f32::NAN, 1.0], 2, &[1.0; 8], 2, &mut out).is_some() {
+            assert!(out[0].iter().all(|v| v.is_nan()), "NaN propagates");
         }
     }
 
