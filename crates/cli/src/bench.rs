@@ -34,6 +34,8 @@ enum What {
     Embed(EmbedBench),
     /// cuBLASLt bf16 GEMM rate on random data (the ceiling for utilisation figures).
     Gemm(GemmBench),
+    /// The CPU's peak: an FMA loop on every thread, and the f32 matrix product at --size.
+    Peak(PeakBench),
     /// The attention op alone on the EmbeddingGemma 2 shapes.
     Attention(AttentionBench),
     /// EmbeddingGemma 2 image embeddings: one image's latency and mixed-size throughput.
@@ -154,6 +156,13 @@ struct GemmBench {
     device: DeviceArgs,
 }
 
+#[derive(Args)]
+struct PeakBench {
+    /// Side of the square f32 product timed on the CPU backend.
+    #[arg(long, default_value_t = 2048)]
+    size: usize,
+}
+
 #[derive(Deserialize)]
 struct Inputs {
     short: String,
@@ -164,6 +173,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     match args.what {
         What::Embed(b) => embed(b),
         What::Gemm(b) => gemm(b),
+        What::Peak(b) => peak(b),
         What::Attention(b) => attention(b),
         What::Image(b) => image(b),
         What::Serve(b) => crate::loadtest::run(*b),
@@ -389,6 +399,52 @@ const MODEL_GEMMS: [(&str, (usize, usize, usize)); 10] = [
     ("image gate|up", (2394, 6144, 768)),
     ("image down", (2394, 768, 3072)),
 ];
+
+/// The CPU's FMA peak over all threads and the backend's f32 product at `size`³ (random data,
+/// median of 5), the ceiling the CPU workloads are judged against.
+fn peak(b: PeakBench) -> Result<()> {
+    use tessera_backend::cpu::{CpuBackend, peak};
+    use tessera_backend::{Backend, Epilogue, Role, View, ViewMut};
+    let threads = rayon::current_num_threads();
+    // About a second on two cores at 200 GFLOP/s.
+    match peak::fma_flops(50_000_000 / threads.max(1)) {
+        Some((flops, isa)) => emit(serde_json::json!({"name": "cpu_fma_peak", "isa": isa,
+            "threads": threads, "gflops": flops / 1e9, "load1": load1()})),
+        None => emit(serde_json::json!({"name": "cpu_fma_peak", "isa": null,
+            "note": "no AVX-512F or AVX2+FMA on this CPU"})),
+    }
+    let n = b.size;
+    let be = CpuBackend::new();
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut random = |len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    };
+    let w = be.matrix_f32(&[(&random(n * n), n)], n)?;
+    let mut x = be.alloc(n * n, Role::Compute)?;
+    be.write_f32(&mut x, &random(n * n))?;
+    let mut out = be.alloc(n * n, Role::Compute)?;
+    let t = time_ms(5, 1, || {
+        be.matmul(
+            View::new(&x, n, n),
+            &w,
+            ViewMut::new(&mut out, n, n),
+            &Epilogue::default(),
+        )
+    })?;
+    emit(with(
+        t.json(),
+        serde_json::json!({"name": "cpu_f32_product", "size": n, "threads": threads,
+        "gflops": 2.0 * (n as f64).powi(3) / t.median() / 1e6}),
+    ));
+    Ok(())
+}
 
 #[cfg(not(feature = "cuda"))]
 fn gemm(_b: GemmBench) -> Result<()> {

@@ -10,6 +10,7 @@ mod elementwise;
 mod group_norm;
 mod matmul;
 mod norm;
+pub mod peak;
 mod rope;
 mod rows;
 mod vmath;

@@ -1,0 +1,94 @@
+//! The CPU's arithmetic peak, measured: what `tessera bench peak` reports and the CPU workloads
+//! are judged against (issue 18). An FMA loop of independent chains on every thread of the pool,
+//! wide enough and long enough that only the FMA units bound it.
+
+use std::time::Instant;
+
+/// Independent accumulator chains per thread: more than FMA latency × FMA ports on current cores.
+const CHAINS: usize = 12;
+
+/// Single-precision FLOP/s (an FMA counting two) of every thread of the rayon pool together,
+/// from `iters` rounds of [`CHAINS`] vector FMAs per thread, and the vector width it used; `None`
+/// on a CPU with neither AVX-512F nor AVX2+FMA.
+pub fn fma_flops(iters: usize) -> Option<(f64, &'static str)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (lanes, name, run): (usize, &str, fn(usize) -> f32) =
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: AVX-512F is present (checked just above).
+                (16, "AVX-512", |n| unsafe { fma_loop_avx512(n) })
+            } else if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: AVX2 and FMA are present (checked just above).
+                (8, "AVX2", |n| unsafe { fma_loop_avx2(n) })
+            } else {
+                return None;
+            };
+        let start = Instant::now();
+        let sums = rayon::broadcast(|_| run(iters));
+        let seconds = start.elapsed().as_secs_f64();
+        // Keep the results alive so the loops are not optimised away.
+        std::hint::black_box(sums);
+        let threads = rayon::current_num_threads();
+        let flops = 2.0 * (CHAINS * lanes * iters * threads) as f64;
+        Some((flops / seconds, name))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = iters;
+        None
+    }
+}
+
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_loop_avx512(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let a = _mm512_set1_ps(0.999_999);
+    let b = _mm512_set1_ps(1e-7);
+    let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_fmadd_ps(*x, a, b);
+        }
+    }
+    acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
+}
+
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_loop_avx2(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let a = _mm256_set1_ps(0.999_999);
+    let b = _mm256_set1_ps(1e-7);
+    let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, a, b);
+        }
+    }
+    let mut lanes = [0f32; 8];
+    let mut total = 0.0;
+    for &x in &acc {
+        // SAFETY: `lanes` holds the 8 floats stored.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), x) };
+        total += lanes.iter().sum::<f32>();
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_peak_is_measured_where_there_is_a_vector_unit() {
+        if let Some((flops, isa)) = super::fma_flops(1_000_000) {
+            eprintln!("{isa}: {:.1} GFLOP/s", flops / 1e9);
+            assert!(flops > 1e9, "{isa}: {flops} FLOP/s");
+        }
+    }
+}
