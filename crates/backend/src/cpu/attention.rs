@@ -8,9 +8,10 @@ use tessera_core::{Error, Result};
 use super::{CpuBackend, slice, vmath};
 use crate::{AttnSpec, Mask, Segments, View, ViewMut};
 
-/// Query rows per task: large enough for efficient GEMMs, small enough to parallelise short
-/// inputs and keep the score block in cache.
-const QUERY_BLOCK: usize = 64;
+/// Query rows per task: large enough that the keys the `gemm` crate packs on every call serve
+/// many rows (256 rather than 64 made a 2,208-token document 4% and an image 7% faster on two
+/// cores), small enough to split long inputs across threads and keep a head's scores in cache.
+const QUERY_BLOCK: usize = 256;
 
 struct Task {
     /// Packed query rows `i0..i1` of one segment.
@@ -341,6 +342,23 @@ mod tests {
                 hd: 5,
                 mask: M::Causal,
             },
+            // more rows than a query block (several blocks per segment), windowed and causal
+            Case {
+                segs: &[(600, 600), (3, 3)],
+                cached: false,
+                hq: 2,
+                hkv: 1,
+                hd: 4,
+                mask: M::Window(70),
+            },
+            Case {
+                segs: &[(530, 530)],
+                cached: false,
+                hq: 2,
+                hkv: 2,
+                hd: 3,
+                mask: M::Causal,
+            },
             // window 0: each token sees itself
             Case {
                 segs: &[(150, 150)],
@@ -375,6 +393,15 @@ mod tests {
                 hq: 2,
                 hkv: 2,
                 hd: 6,
+                mask: M::Causal,
+            },
+            // prefill of more rows than a query block after a cached prefix
+            Case {
+                segs: &[(300, 420)],
+                cached: true,
+                hq: 2,
+                hkv: 1,
+                hd: 4,
                 mask: M::Causal,
             },
             // a DiT step against a cached prefix: no mask
