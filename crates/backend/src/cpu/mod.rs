@@ -145,13 +145,19 @@ fn rows<'a>(
 
 /// Widen every part to `f32` and stack the parts along `out`.
 fn stack_f32(parts: &[Tensor<'_>]) -> Result<CpuMat> {
+    use rayon::prelude::*;
+    // Elements widened per task: loading uses every core, which also splits the page faults of
+    // the fresh f32 buffer and of the mapped checkpoint (most of a warm load's time).
+    const SLICE: usize = 1 << 18;
     let (out, inner) = crate::stacked_shape(parts)?;
     let mut data = vec![0f32; out * inner];
-    let mut at = 0;
+    let mut rest = data.as_mut_slice();
     for t in parts {
-        let n = t.numel();
-        tessera_core::dtype::widen_into(t.dtype, &t.bytes, &mut data[at..at + n]);
-        at += n;
+        let (dst, tail) = rest.split_at_mut(t.numel());
+        rest = tail;
+        dst.par_chunks_mut(SLICE)
+            .zip(t.bytes.par_chunks(SLICE * t.dtype.size()))
+            .for_each(|(d, b)| tessera_core::dtype::widen_into(t.dtype, b, d));
     }
     Ok(CpuMat { data, out, inner })
 }
