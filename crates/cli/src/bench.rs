@@ -21,6 +21,7 @@ use tessera_models::imageproc::{Image, ImageBudget};
 use tessera_runtime::embed::{self, Embed, PassBudget};
 
 use crate::device::DeviceArgs;
+use crate::noise::XorShift;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -253,13 +254,8 @@ fn random_docs(config: &egemma2::Config, n: usize, len: usize) -> Vec<Vec<u32>> 
         config.text.bos_token_id.unwrap_or(2),
         config.text.eos_token_id.unwrap_or(1),
     );
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (3 + state % (vocab.min(250_000) - 3)) as u32
-    };
+    let mut rng = XorShift::new(0x2545_F491_4F6C_DD1D);
+    let mut next = || (3 + rng.next_u64() % (vocab.min(250_000) - 3)) as u32;
     (0..n)
         .map(|_| {
             let mut d: Vec<u32> = (0..len).map(|_| next()).collect();
@@ -415,15 +411,10 @@ fn peak(b: PeakBench) -> Result<()> {
     }
     let n = b.size;
     let be = CpuBackend::new();
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rng = XorShift::new(0x9E37_79B9_7F4A_7C15);
     let mut random = |len: usize| -> Vec<f32> {
         (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
             .collect()
     };
     let w = be.matrix_f32(&[(&random(n * n), n)], n)?;
@@ -475,17 +466,12 @@ fn image(b: ImageBench) -> Result<()> {
         return Ok(());
     }
     // Throughput: decoded images of mixed sizes (preprocessing included in the time).
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rng = XorShift::new(0x9E37_79B9_7F4A_7C15);
     let images: Vec<Image> = (0..b.images)
         .map(|i| {
             let (w, h) = MIXED_SIZES[i % MIXED_SIZES.len()];
             let rgb: Vec<u8> = (0..w * h * 3)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state >> 56) as u8
-                })
+                .map(|_| (rng.next_u64() >> 56) as u8)
                 .collect();
             Image::from_rgb8(w, h, rgb)
         })

@@ -406,14 +406,9 @@ fn text_body() -> Body {
 
 /// A noise PNG (incompressible, so decoding costs what a photo costs) as a data URL.
 fn image_data_url(width: u32, height: u32, seed: u64) -> Result<String> {
-    let mut state = seed | 1;
+    let mut rng = crate::noise::XorShift::new(seed);
     let pixels: Vec<u8> = (0..width as usize * height as usize * 3)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 24) as u8
-        })
+        .map(|_| (rng.next_u64() >> 24) as u8)
         .collect();
     let img = image::RgbImage::from_raw(width, height, pixels)
         .ok_or_else(|| Error::input("bad image size"))?;

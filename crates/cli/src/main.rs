@@ -10,6 +10,7 @@ mod info;
 mod input;
 mod loadtest;
 mod model;
+mod noise;
 mod output;
 mod serve;
 mod signals;

@@ -1,0 +1,20 @@
+//! Deterministic pseudo-random numbers for benchmark and load-test inputs: xorshift64, so every
+//! run and every machine feeds the engines the same ids, pixels and values.
+
+/// A xorshift64 generator (13, 7, 17) from a non-zero seed.
+pub struct XorShift(u64);
+
+impl XorShift {
+    /// A generator from `seed` (a zero seed, which xorshift cannot leave, is made odd).
+    pub fn new(seed: u64) -> Self {
+        XorShift(seed | 1)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
