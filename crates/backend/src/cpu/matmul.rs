@@ -113,13 +113,10 @@ fn product(
     } else {
         gemm::Parallelism::None
     };
-    if m <= SKINNY_ROWS
-        && k > 0
-        && skinny(
+    if m <= SKINNY_ROWS && k > 0 && vmath::dot4_is_fast() {
+        skinny(
             xs, x.stride, m, k, w, dst, out_stride, alpha, accumulate, par,
-        )
-        .is_some()
-    {
+        );
         return;
     }
     if k == 0 {
@@ -161,8 +158,7 @@ fn product(
 }
 
 /// `out = alpha · x · wᵀ` (or `+=`) for few rows: four weight rows at a time against every row of
-/// `x` ([`vmath::dot4`]), blocks of weight rows split across threads under `par`. `None`, with
-/// nothing written, where [`vmath::dot4`] does not run on this CPU.
+/// `x` ([`vmath::dot4`]), blocks of weight rows split across threads under `par`.
 #[allow(clippy::too_many_arguments)]
 fn skinny(
     x: &[f32],
@@ -175,32 +171,29 @@ fn skinny(
     alpha: f32,
     accumulate: bool,
     par: gemm::Parallelism,
-) -> Option<()> {
+) {
     let n = w.out;
     // One block of weight rows: its dot products, four weight rows at a time, `[quad][row of x]`.
-    let block = |j0: usize| -> Option<Vec<[f32; 4]>> {
+    let block = |j0: usize| -> Vec<[f32; 4]> {
         let j1 = (j0 + SKINNY_BLOCK).min(n);
         let mut out = vec![[0f32; 4]; m * (j1 - j0).div_ceil(4)];
         for (q, j) in (j0..j1).step_by(4).enumerate() {
             let rows = (j1 - j).min(4);
             let o = &mut out[q * m..(q + 1) * m];
             if rows == 4 {
-                vmath::dot4(x, xs, &w.data[j * k..(j + 4) * k], k, o)?;
+                vmath::dot4(x, xs, &w.data[j * k..(j + 4) * k], k, o);
             } else {
                 let mut padded = vec![0f32; 4 * k];
                 padded[..rows * k].copy_from_slice(&w.data[j * k..(j + rows) * k]);
-                vmath::dot4(x, xs, &padded, k, o)?;
+                vmath::dot4(x, xs, &padded, k, o);
             }
         }
-        Some(out)
+        out
     };
     let starts: Vec<usize> = (0..n).step_by(SKINNY_BLOCK).collect();
     let blocks: Vec<Vec<[f32; 4]>> = match par {
-        gemm::Parallelism::None => starts.iter().map(|&j0| block(j0)).collect::<Option<_>>()?,
-        _ => starts
-            .par_iter()
-            .map(|&j0| block(j0))
-            .collect::<Option<_>>()?,
+        gemm::Parallelism::None => starts.iter().map(|&j0| block(j0)).collect(),
+        _ => starts.par_iter().map(|&j0| block(j0)).collect(),
     };
     for (&j0, b) in starts.iter().zip(&blocks) {
         let j1 = (j0 + SKINNY_BLOCK).min(n);
@@ -217,7 +210,6 @@ fn skinny(
             }
         }
     }
-    Some(())
 }
 
 #[cfg(test)]

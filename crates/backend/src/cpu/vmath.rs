@@ -238,11 +238,17 @@ multiversioned! {
     }
 }
 
+/// Whether [`dot4`] runs its AVX-512 kernel here; elsewhere it is a plain loop, and a product
+/// with few rows does better through the `gemm` crate.
+pub(super) fn dot4_is_fast() -> bool {
+    isa() == Isa::Avx512
+}
+
 /// `out[r] = [x_r · w_0, …, x_r · w_3]` for rows `x_r` (`r < out.len()`, `k` wide at stride `xs`)
-/// of `x` and the four dense rows of `w` (`k` wide each), with AVX-512 FMAs: the core of a
-/// product with few rows, where each weight row is streamed once. `None` where the CPU lacks
-/// AVX-512 (the caller then takes the general product).
-pub(super) fn dot4(x: &[f32], xs: usize, w: &[f32], k: usize, out: &mut [[f32; 4]]) -> Option<()> {
+/// of `x` and the four dense rows of `w` (`k` wide each): the core of a product with few rows,
+/// where each weight row is streamed once. AVX-512 FMAs where [`dot4_is_fast`], else f32 sums in
+/// order.
+pub(super) fn dot4(x: &[f32], xs: usize, w: &[f32], k: usize, out: &mut [[f32; 4]]) {
     let m = out.len();
     let fits = m == 0 || (x.len() >= (m - 1) * xs + k && w.len() >= 4 * k);
     assert!(
@@ -252,12 +258,26 @@ pub(super) fn dot4(x: &[f32], xs: usize, w: &[f32], k: usize, out: &mut [[f32; 4
         w.len()
     );
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 {
+    if dot4_is_fast() {
         // SAFETY: `isa()` found AVX-512F on this CPU; the extents were checked above.
         unsafe { dot4_avx512(x, xs, w, k, out) };
-        return Some(());
+        return;
     }
-    None
+    dot4_plain(x, xs, w, k, out);
+}
+
+/// [`dot4`] without vector instructions.
+fn dot4_plain(x: &[f32], xs: usize, w: &[f32], k: usize, out: &mut [[f32; 4]]) {
+    for (r, o) in out.iter_mut().enumerate() {
+        let xr = &x[r * xs..r * xs + k];
+        for (j, d) in o.iter_mut().enumerate() {
+            *d = xr
+                .iter()
+                .zip(&w[j * k..(j + 1) * k])
+                .map(|(a, b)| a * b)
+                .sum();
+        }
+    }
 }
 
 /// [`dot4`] in AVX-512: rows of `x` four at a time against the four weight rows, sixteen
@@ -498,11 +518,11 @@ mod tests {
                 let x = rng.vec(m * xs, 1.0);
                 let w = rng.vec(4 * k, 1.0);
                 let mut out = vec![[f32::NAN; 4]; m];
-                if dot4(&x, xs, &w, k, &mut out).is_none() {
-                    eprintln!("no AVX-512 here: dot4 declines");
-                    return;
-                }
-                for (r, o) in out.iter().enumerate() {
+                dot4(&x, xs, &w, k, &mut out);
+                let mut plain = vec![[f32::NAN; 4]; m];
+                dot4_plain(&x, xs, &w, k, &mut plain);
+                for (r, o) in out.iter().chain(&plain).enumerate() {
+                    let r = r % m;
                     for (i, &got) in o.iter().enumerate() {
                         let want: f64 = (0..k)
                             .map(|c| x[r * xs + c] as f64 * w[i * k + c] as f64)
@@ -516,9 +536,8 @@ mod tests {
             }
         }
         let mut out = [[0.0; 4]];
-        if dot4(&[f32::NAN, 1.0], 2, &[1.0; 8], 2, &mut out).is_some() {
-            assert!(out[0].iter().all(|v| v.is_nan()), "NaN propagates");
-        }
+        dot4(&[f32::NAN, 1.0], 2, &[1.0; 8], 2, &mut out);
+        assert!(out[0].iter().all(|v| v.is_nan()), "NaN propagates");
     }
 
     #[test]
