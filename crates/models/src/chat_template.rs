@@ -69,18 +69,15 @@ impl ChatTemplate {
     /// entry of `tokenizer_config.json` (a string, or a list of named templates of which the
     /// one named `default` is used, as transformers does). `None` when there is neither.
     pub fn load(files: &ModelFiles) -> Result<Option<Self>> {
-        let config =
-            match files.read_optional("tokenizer_config.json")? {
-                Some(text) => Some(serde_json::from_str::<serde_json::Value>(&text).map_err(
-                    |e| Error::config(files.path("tokenizer_config.json"), "", e.to_string()),
-                )?),
-                None => None,
-            };
+        let path = files.path("tokenizer_config.json");
+        let config: Option<serde_json::Value> = files
+            .read_optional("tokenizer_config.json")?
+            .map(|text| tessera_core::config::parse_json(&path, &text))
+            .transpose()?;
         let specials = config.as_ref().map(special_tokens).unwrap_or_default();
         if let Some(source) = files.read_optional("chat_template.jinja")? {
             return Self::new(&source, files.path("chat_template.jinja"), specials).map(Some);
         }
-        let path = files.path("tokenizer_config.json");
         let source = match config.as_ref().and_then(|c| c.get("chat_template")) {
             None | Some(serde_json::Value::Null) => return Ok(None),
             Some(serde_json::Value::String(s)) => s.clone(),
