@@ -23,6 +23,8 @@ use tessera_runtime::embed::{self, Embed, PassBudget};
 use crate::device::DeviceArgs;
 use crate::noise::XorShift;
 
+mod generate;
+
 #[derive(Args)]
 pub struct BenchArgs {
     #[command(subcommand)]
@@ -41,6 +43,11 @@ enum What {
     Attention(AttentionBench),
     /// EmbeddingGemma 2 image embeddings: one image's latency and mixed-size throughput.
     Image(ImageBench),
+    /// Text to image end to end (prompt → PNG bytes) and by stage on one loaded model.
+    ///
+    /// On a GPU machine with a full-size folder:
+    /// tessera bench generate --model DIR --device cuda --size 1024x1024 --steps 8
+    Generate(generate::GenerateBench),
     /// Load-test `tessera serve` on loopback: texts/s at 1 and N clients, short-query latency
     /// while images are in flight, and a queue-overflowing burst (429s, bounded memory).
     ///
@@ -177,6 +184,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         What::Peak(b) => peak(b),
         What::Attention(b) => attention(b),
         What::Image(b) => image(b),
+        What::Generate(b) => generate::run(b),
         What::Serve(b) => crate::loadtest::run(*b),
     }
 }

@@ -72,7 +72,7 @@ pub struct GenerateArgs {
 }
 
 /// `WIDTHxHEIGHT`.
-fn parse_size(s: &str) -> std::result::Result<(usize, usize), String> {
+pub(crate) fn parse_size(s: &str) -> std::result::Result<(usize, usize), String> {
     let (w, h) = s
         .split_once(['x', 'X'])
         .ok_or_else(|| format!("{s:?}: expected WIDTHxHEIGHT, e.g. 1024x1024"))?;
@@ -173,19 +173,7 @@ impl Output {
             Target::Atomic { tmp, .. } => tmp.as_file(),
             Target::Through(f) => f,
         };
-        {
-            let file = std::io::BufWriter::new(file);
-            let mut enc = png::Encoder::new(file, image.width as u32, image.height as u32);
-            enc.set_color(png::ColorType::Rgb);
-            enc.set_depth(png::BitDepth::Eight);
-            for (k, v) in text {
-                // iTXt holds UTF-8 (tEXt is Latin-1 only, and prompts are often not).
-                enc.add_itxt_chunk(k.to_string(), v.clone()).map_err(io)?;
-            }
-            let mut w = enc.write_header().map_err(io)?;
-            w.write_image_data(&image.pixels).map_err(io)?;
-            w.finish().map_err(io)?;
-        }
+        encode_png(std::io::BufWriter::new(file), image, text).map_err(io)?;
         if let Target::Atomic { dest, tmp } = self.target {
             let mut pending = pending();
             tmp.persist(&dest).map_err(|e| Error::io(path, e.error))?;
@@ -193,6 +181,24 @@ impl Output {
         }
         Ok(())
     }
+}
+
+/// `image` as an 8-bit RGB PNG with `text` as UTF-8 (iTXt) chunks, into `out`.
+pub fn encode_png(
+    out: impl std::io::Write,
+    image: &RgbImage,
+    text: &[(&str, String)],
+) -> std::result::Result<(), png::EncodingError> {
+    let mut enc = png::Encoder::new(out, image.width as u32, image.height as u32);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    for (k, v) in text {
+        // iTXt holds UTF-8 (tEXt is Latin-1 only, and prompts are often not).
+        enc.add_itxt_chunk(k.to_string(), v.clone())?;
+    }
+    let mut w = enc.write_header()?;
+    w.write_image_data(&image.pixels)?;
+    w.finish()
 }
 
 /// A locked temporary file in `dest`'s folder, registered for removal on SIGINT/SIGTERM;

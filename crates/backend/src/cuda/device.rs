@@ -111,6 +111,7 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         gemm,
         graphs: Mutex::new(Graphs::default()),
         flash_part: Mutex::new(None),
+        workspaces: Mutex::new(Default::default()),
         staging: Mutex::new(Vec::new()),
         profiler,
         name,

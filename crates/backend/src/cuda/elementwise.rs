@@ -37,6 +37,14 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `epilogue_{y}_{o}`: `o (= or +=) g ⊙ act(y + bias)` after a product, grid-stride.
+    pub(super) struct EpilogueArgs {
+        y: DevPtr, ys: i64, o: DevPtr, os: i64, rows: i64, cols: i32, bias: DevPtr, act: i32,
+        g: DevPtr, gs: i64, tanh: i32, accumulate: i32,
+    }
+}
+
 kernel_table! {
     /// The kernels of elementwise.cu.
     pub(super) struct ElementwiseKernels from "elementwise.cu" {
@@ -47,6 +55,8 @@ kernel_table! {
         gated_vec_gelu: ByElem<GatedArgs> = "gated_vec_gelu_{}",
         gated_vec_silu: ByElem<GatedArgs> = "gated_vec_silu_{}",
         segment_mean: ByElem<SegmentMeanArgs> = "segment_mean_{}",
+        /// A product's bias, activation, gate and accumulation (`y` may be `o`: in place).
+        epilogue: ByPair<EpilogueArgs> = "epilogue_{}_{}",
     }
 }
 

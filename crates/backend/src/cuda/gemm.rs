@@ -22,10 +22,12 @@ use cudarc::cublaslt::sys as lt;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use tessera_core::{Error, Result};
 
-use super::memory::{ptr_of, ptr_of_mut};
+use super::elementwise::EpilogueArgs;
+use super::launch::{DevPtr, cfg};
+use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
 use crate::op::check_product;
-use crate::{View, ViewMut};
+use crate::{Activation, Epilogue, View, ViewMut};
 
 /// cuBLASLt scratch space; 32 MiB lets the heuristic pick split-K and stream-K kernels.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -49,6 +51,8 @@ struct PlanKey {
     ldd: i64,
     ab: Elem,
     d: Elem,
+    /// `β = 1`: adds to what the output holds, so its plan is never timed on live operands.
+    accumulate: bool,
 }
 
 struct Plan {
@@ -128,6 +132,8 @@ struct GemmArgs {
     pub out_stride: usize,
     pub out_elem: Elem,
     pub alpha: f32,
+    /// 0 (overwrite) or 1 (accumulate into the output).
+    pub beta: f32,
 }
 
 impl Gemm {
@@ -198,7 +204,7 @@ impl Gemm {
                 8,
             )
         };
-        let wanted = if self.tune && key.m as usize >= TUNE_MIN_ROWS {
+        let wanted = if self.tune && !key.accumulate && key.m as usize >= TUNE_MIN_ROWS {
             CANDIDATES
         } else {
             1
@@ -259,7 +265,6 @@ impl Gemm {
         algo: &lt::cublasLtMatmulAlgo_t,
         a: &GemmArgs,
     ) -> Result<()> {
-        let beta = 0f32;
         // SAFETY: pointers address device buffers that the caller checked to cover the operand
         // extents; the plan's layouts describe exactly those extents; the workspace is ours.
         let s = unsafe {
@@ -271,7 +276,7 @@ impl Gemm {
                 p.a,
                 a.x as *const c_void,
                 p.b,
-                (&beta as *const f32).cast(),
+                (&a.beta as *const f32).cast(),
                 a.out as *const c_void,
                 p.d,
                 a.out as *mut c_void,
@@ -334,6 +339,7 @@ impl Gemm {
             ldd: a.out_stride as i64,
             ab: a.ab,
             d: a.out_elem,
+            accumulate: a.beta != 0.0,
         };
         let mut plans = self
             .plans
@@ -360,37 +366,231 @@ impl Drop for Gemm {
     }
 }
 
-/// The `matmul` op with a plain epilogue: `out = α · x · wᵀ`.
+/// Rows of a matrix on the device: the address of row 0, the row stride and element type.
+#[derive(Clone, Copy)]
+pub(super) struct Rows {
+    pub ptr: DevPtr,
+    pub stride: usize,
+    pub elem: Elem,
+}
+
+impl Rows {
+    /// The address of row `r`.
+    pub fn at(self, r: usize) -> DevPtr {
+        DevPtr(self.ptr.0 + (r * self.stride * self.elem.size()) as u64)
+    }
+}
+
+/// What the epilogue kernel applies after the product (null pointers: none).
+#[derive(Clone, Copy)]
+pub(super) struct Post {
+    bias: DevPtr,
+    /// −1 none, 0 GELU (tanh), 1 SiLU: the kernels' codes.
+    act: i32,
+    gate: DevPtr,
+    /// 0: one broadcast gate row.
+    gate_stride: usize,
+    tanh: i32,
+}
+
+impl Post {
+    /// Only `bias` (a convolution's).
+    pub fn bias(bias: DevPtr) -> Post {
+        Post {
+            bias,
+            act: -1,
+            gate: DevPtr::NULL,
+            gate_stride: 0,
+            tanh: 0,
+        }
+    }
+
+    /// The epilogue after the product, or `None` for a bare (or accumulating) product.
+    fn of(ep: &Epilogue<'_, CudaBackend>, out: &ViewMut<'_, CudaBackend>) -> Result<Option<Post>> {
+        if ep.bias.is_none() && ep.act.is_none() && ep.gate.is_none() {
+            return Ok(None);
+        }
+        let bias = match ep.bias {
+            Some(b) if b.len != out.cols => {
+                return Err(Error::backend(
+                    "matmul",
+                    format!("bias of {} for {} outputs", b.len, out.cols),
+                ));
+            }
+            Some(b) => b.ptr,
+            None => DevPtr::NULL,
+        };
+        let (gate, gate_stride, tanh) = match &ep.gate {
+            Some(g) => {
+                let v = &g.values;
+                let rows_ok = v.rows == 1 || v.rows == out.rows;
+                if !rows_ok || v.cols != out.cols || v.buf.elem != Elem::F32 {
+                    return Err(Error::backend(
+                        "matmul",
+                        format!(
+                            "gate {}×{} {:?} for a {}×{} output (one f32 row or one per row)",
+                            v.rows, v.cols, v.buf.elem, out.rows, out.cols
+                        ),
+                    ));
+                }
+                let stride = if g.broadcast() { 0 } else { v.stride };
+                (ptr_of(v)?, stride, g.tanh as i32)
+            }
+            None => (DevPtr::NULL, 0, 0),
+        };
+        Ok(Some(Post {
+            bias,
+            act: ep.act.map_or(-1, act_code),
+            gate,
+            gate_stride,
+            tanh,
+        }))
+    }
+}
+
+/// An activation's code in the element-wise kernels.
+pub(super) fn act_code(a: Activation) -> i32 {
+    match a {
+        Activation::GeluTanh => 0,
+        Activation::Silu => 1,
+    }
+}
+
+/// Enqueue `into[0..rows] (= or +=) α · x[r0..r0+rows] · wᵀ` (β 0 or 1).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn product(
+    be: &CudaBackend,
+    x: Rows,
+    r0: usize,
+    rows: usize,
+    w: &CudaMat,
+    into: Rows,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    let MatFormat::Dense(ab) = w.format;
+    if x.elem != ab {
+        return Err(Error::backend(
+            "matmul",
+            format!("x is {:?} but the weight is {ab:?}", x.elem),
+        ));
+    }
+    let args = GemmArgs {
+        m: rows,
+        n: w.out,
+        k: w.inner,
+        x: x.at(r0).0,
+        x_stride: x.stride,
+        w: w.buf.ptr.0,
+        ab,
+        out: into.ptr.0,
+        out_stride: into.stride,
+        out_elem: into.elem,
+        alpha,
+        beta,
+    };
+    be.timed("gemm", None, || be.gemm.run(&be.stream, &args))
+}
+
+/// `out[i] (= or +=) post(y[i])` for `rows` rows of `cols`, whose gate rows start at `g0`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn epilogue(
+    be: &CudaBackend,
+    post: &Post,
+    y: Rows,
+    out: Rows,
+    g0: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let n = rows * cols;
+    let blocks = n.div_ceil(256).min(be.sm_count as usize * 16).max(1) as u32;
+    let gate = if post.gate == DevPtr::NULL {
+        DevPtr::NULL
+    } else {
+        DevPtr(post.gate.0 + (g0 * post.gate_stride * 4) as u64)
+    };
+    let args = EpilogueArgs {
+        y: y.ptr,
+        ys: y.stride as i64,
+        o: out.ptr,
+        os: out.stride as i64,
+        rows: rows as i64,
+        cols: cols as i32,
+        bias: post.bias,
+        act: post.act,
+        g: gate,
+        gs: post.gate_stride as i64,
+        tanh: post.tanh,
+        accumulate: accumulate as i32,
+    };
+    let kernel = be.kernels.elementwise.epilogue.get(y.elem, out.elem)?;
+    be.launch("elementwise", kernel, cfg((blocks, 1), 256, 0), &args)
+}
+
+/// The `matmul` op: `out = ep(x · wᵀ)`.
+///
+/// A bare product, or one adding to `out`, is one cuBLASLt call (`β = 1` to accumulate). Bias,
+/// activation and gate follow it in the epilogue kernel, in place on `out`; when such an
+/// epilogue also accumulates (`out += g ⊙ act(x·wᵀ + b)`), the product goes to the f32 product
+/// workspace a block of rows at a time and the kernel adds each finished block to `out`. A bias
+/// alone with accumulation is `β = 1` then the bias in place: the sum is the same.
 pub(super) fn matmul(
     be: &CudaBackend,
     x: View<'_, CudaBackend>,
     w: &CudaMat,
     out: ViewMut<'_, CudaBackend>,
-    alpha: f32,
+    ep: &Epilogue<'_, CudaBackend>,
 ) -> Result<()> {
     check_product(&x, (w.out, w.inner), &out)?;
-    let MatFormat::Dense(ab) = w.format;
-    if x.buf.elem != ab {
-        return Err(Error::backend(
-            "matmul",
-            format!("x is {:?} but the weight is {ab:?}", x.buf.elem),
-        ));
-    }
+    let post = Post::of(ep, &out)?;
     if x.rows == 0 || w.out == 0 {
         return Ok(());
     }
-    let args = GemmArgs {
-        m: x.rows,
-        n: w.out,
-        k: w.inner,
-        x: ptr_of(&x)?.0,
-        x_stride: x.stride,
-        w: w.buf.ptr.0,
-        ab,
-        out: ptr_of_mut(&out)?.0,
-        out_stride: out.stride,
-        out_elem: out.buf.elem,
-        alpha,
+    let xr = Rows {
+        ptr: ptr_of(&x)?,
+        stride: x.stride,
+        elem: x.buf.elem,
     };
-    be.timed("gemm", None, || be.gemm.run(&be.stream, &args))
+    let outr = Rows {
+        ptr: ptr_of_mut(&out)?,
+        stride: out.stride,
+        elem: out.buf.elem,
+    };
+    let (m, n) = (x.rows, w.out);
+    match post {
+        None => product(be, xr, 0, m, w, outr, ep.alpha, ep.accumulate as u8 as f32),
+        Some(p) if !ep.accumulate || (ep.act.is_none() && ep.gate.is_none()) => {
+            product(be, xr, 0, m, w, outr, ep.alpha, ep.accumulate as u8 as f32)?;
+            epilogue(be, &p, outr, outr, 0, m, n, false)
+        }
+        Some(p) => {
+            let (ws, capacity) = be.workspace(Workspace::Product)?;
+            let block = (capacity / n).max(1);
+            let tmp = Rows {
+                ptr: ws,
+                stride: n,
+                elem: Elem::F32,
+            };
+            for r0 in (0..m).step_by(block) {
+                let rows = block.min(m - r0);
+                product(be, xr, r0, rows, w, tmp, ep.alpha, 0.0)?;
+                epilogue(
+                    be,
+                    &p,
+                    tmp,
+                    Rows {
+                        ptr: outr.at(r0),
+                        ..outr
+                    },
+                    r0,
+                    rows,
+                    n,
+                    true,
+                )?;
+            }
+            Ok(())
+        }
+    }
 }

@@ -25,6 +25,7 @@ use tessera_core::{Error, Result};
 use super::attention::{self, AttentionKernels, Sm90Kernels};
 use super::device::drv;
 use super::elementwise::ElementwiseKernels;
+use super::image::ImageKernels;
 use super::norm::NormKernels;
 use super::nvrtc::{self, SOURCES};
 use super::rows::RowsKernels;
@@ -346,6 +347,7 @@ pub struct Kernels {
     pub norm: NormKernels,
     pub elementwise: ElementwiseKernels,
     pub rows: RowsKernels,
+    pub image: ImageKernels,
     pub attention: AttentionKernels,
     /// attention_sm90.cu, built for sm_90a alone.
     pub sm90: Option<Sm90Kernels>,
@@ -358,6 +360,7 @@ impl Kernels {
             norm: required(ctx, arch)?,
             elementwise: required(ctx, arch)?,
             rows: required(ctx, arch)?,
+            image: required(ctx, arch)?,
             attention: required(ctx, arch)?,
             sm90: table(ctx, arch)?,
         };
@@ -399,6 +402,7 @@ pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
         of::<NormKernels>(),
         of::<ElementwiseKernels>(),
         of::<RowsKernels>(),
+        of::<ImageKernels>(),
         of::<AttentionKernels>(),
         of::<Sm90Kernels>(),
     ]

@@ -349,3 +349,54 @@ impl CudaBackend {
         Ok(CudaTable { buf, rows, dim })
     }
 }
+
+/// Fixed-size device workspaces that some ops use beside their operands (a product's f32
+/// result before its epilogue, a convolution's column blocks, GroupNorm's partial sums). Each is
+/// made on first use at its fixed size and never moved or freed before the backend, so a graph
+/// that captured its address stays valid; ops work through it a block of rows at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Workspace {
+    /// A product's f32 output rows, 64 MiB.
+    Product,
+    /// A convolution's im2col rows in the compute type, 256 MiB.
+    Columns,
+    /// GroupNorm's per-block partial sums (f64 pairs) and per-group statistics, 1 MiB.
+    Stats,
+}
+
+impl Workspace {
+    fn role(self) -> Role {
+        match self {
+            Workspace::Columns => Role::Compute,
+            Workspace::Product | Workspace::Stats => Role::Stream,
+        }
+    }
+    const fn bytes(self) -> usize {
+        match self {
+            Workspace::Product => 64 << 20,
+            Workspace::Columns => 256 << 20,
+            Workspace::Stats => 1 << 20,
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Address and capacity (in elements of its role's type) of workspace `w`.
+    pub(super) fn workspace(&self, w: Workspace) -> Result<(DevPtr, usize)> {
+        let mut slots = self
+            .workspaces
+            .lock()
+            .map_err(|_| Error::backend("workspace", "lock poisoned"))?;
+        let elem_size = match w.role() {
+            Role::Compute => self.compute_elem().size(),
+            _ => 4,
+        };
+        let buf = match slots.entry(w) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(self.alloc_buf(w.bytes() / elem_size, w.role())?)
+            }
+        };
+        Ok((buf.ptr, buf.len))
+    }
+}

@@ -5,7 +5,7 @@
 //! - Our kernels are CUDA C++ embedded in the binary and compiled by NVRTC for the device's arch
 //!   on first use ([`nvrtc`]); dense GEMMs go through cuBLASLt ([`gemm`]).
 //! - One module per op family beside its kernel source — [`norm`] (kernels/norm.cu),
-//!   [`elementwise`], [`rows`], [`attention`] (attention.cu, attention_sm90.cu) — each declaring
+//!   [`elementwise`], [`rows`], [`image`] (im2col and GroupNorm), [`attention`] (attention.cu, attention_sm90.cu) — each declaring
 //!   its kernels in a typed table with typed argument structs ([`launch`]): every kernel is
 //!   resolved when the backend opens, and CI checks the tables against NVRTC's output.
 //! - bf16 attention: `flash_wgmma_d{D}` (kernels/attention_sm90.cu, warpgroup MMA) on Hopper for
@@ -26,6 +26,7 @@ mod device;
 mod elementwise;
 mod gemm;
 mod graph;
+mod image;
 mod launch;
 mod memory;
 mod norm;
@@ -37,7 +38,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaStream};
-use tessera_core::{Error, Result, Tensor, Weights};
+use tessera_core::{Result, Tensor, Weights};
 
 use crate::{
     Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Op, Precision,
@@ -61,6 +62,8 @@ pub struct CudaBackend {
     graphs: Mutex<Graphs>,
     /// Split-key attention workspace (`attention::PART_ELEMS` f32), made on first use.
     flash_part: Mutex<Option<CudaBuf>>,
+    /// Fixed workspaces of the ops that need one, made on first use ([`memory::Workspace`]).
+    workspaces: Mutex<std::collections::HashMap<memory::Workspace, CudaBuf>>,
     /// Host staging for converted uploads (`write_u8_mapped`), 4-byte words, reused.
     staging: Mutex<Vec<u32>>,
     profiler: Option<Profiler>,
@@ -155,12 +158,12 @@ impl Backend for CudaBackend {
         ep: &Epilogue<'_, Self>,
     ) -> Result<()> {
         self.enter(&ep.op())?;
-        gemm::matmul(self, x, w, out, ep.alpha)
+        gemm::matmul(self, x, w, out, ep)
     }
 
     fn norm(&self, x: View<'_, Self>, n: &RowNorm<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
         self.enter(&Op::Norm(n.shape()))?;
-        norm::rms_norm(self, x, n.weight, n.eps, out)
+        norm::norm(self, x, n, out)
     }
 
     fn residual(
@@ -171,7 +174,7 @@ impl Backend for CudaBackend {
         after: After<'_, Self>,
     ) -> Result<()> {
         self.enter(&res.op(&after))?;
-        norm::residual_norm(self, h, y, res, after)
+        norm::residual(self, h, y, res, after)
     }
 
     fn qkv_norm_rope(
@@ -253,32 +256,30 @@ impl Backend for CudaBackend {
         rows::scatter_rows(self, src, rows, dst)
     }
 
-    /// Declined by [`supports`](Backend::supports) until the image-generation kernels exist.
     fn conv2d(
         &self,
-        _x: View<'_, Self>,
-        _w: &CudaMat,
-        _b: &CudaBuf,
+        x: View<'_, Self>,
+        w: &CudaMat,
+        bias: &CudaBuf,
         spec: &Conv2d,
-        _o: ViewMut<'_, Self>,
+        out: ViewMut<'_, Self>,
     ) -> Result<()> {
         self.enter(&Op::Conv2d {
             kernel: spec.kernel,
             upsample: spec.upsample,
         })?;
-        Err(Error::backend("conv2d", "no CUDA kernel"))
+        image::conv2d(self, x, w, bias, spec, out)
     }
 
-    /// Declined by [`supports`](Backend::supports) until the image-generation kernels exist.
     fn group_norm(
         &self,
-        _x: View<'_, Self>,
-        _w: &CudaBuf,
-        _b: &CudaBuf,
+        x: View<'_, Self>,
+        weight: &CudaBuf,
+        bias: &CudaBuf,
         spec: &GroupNorm,
-        _o: ViewMut<'_, Self>,
+        out: ViewMut<'_, Self>,
     ) -> Result<()> {
         self.enter(&Op::GroupNorm { act: spec.act })?;
-        Err(Error::backend("group_norm", "no CUDA kernel"))
+        image::group_norm(self, x, weight, bias, spec, out)
     }
 }

@@ -8,7 +8,7 @@ use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_
 use super::memory::{ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, Elem};
 use crate::view::same_shape;
-use crate::{After, QkvNorm, Residual, RopeStyle, RopeTable, View, ViewMut};
+use crate::{After, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, View, ViewMut};
 
 kernel_args! {
     /// What both RMSNorm kernels take first: input rows, weight (null = none), output rows.
@@ -55,6 +55,28 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// One norm's parameters in the general kernels: `kind` 0 RMS, 1 layer (−1: no norm);
+    /// weight, bias and modulation row (null = none).
+    pub(super) struct NormParams { kind: i32, w: DevPtr, b: DevPtr, s: DevPtr, eps: f32 }
+}
+
+kernel_args! {
+    /// `row_norm_{x}_{out}`: any [`RowNorm`], one block per row.
+    pub(super) struct RowNormArgs {
+        x: DevPtr, xs: i64, norm: NormParams, out: DevPtr, os: i64, cols: i32,
+    }
+}
+
+kernel_args! {
+    /// `residual_any_{y}_{out}`: `h = (h + tanh(g) ⊙ N_post(y)) · scale`, then by `mode` 0
+    /// nothing, 1 `out = N_next(h)`, 2 `out = h`; one block per row.
+    pub(super) struct ResidualAnyArgs {
+        h: DevPtr, hs: i64, y: DevPtr, ys: i64, post: NormParams, g: DevPtr, scale: f32,
+        mode: i32, next: NormParams, out: DevPtr, os: i64, cols: i32,
+    }
+}
+
 kernel_table! {
     /// The kernels of norm.cu.
     pub(super) struct NormKernels from "norm.cu" {
@@ -68,6 +90,12 @@ kernel_table! {
         qkv_norm_rope_axial: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_axial_{}",
         /// Split-half RoPE on aligned heads of 256 or 512, 4-wide.
         qkv_norm_rope_vec: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_vec_{}",
+        /// Interleaved (complex-pair) RoPE, any even head width.
+        qkv_norm_rope_pairs: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_pairs_{}",
+        /// Any row norm (layer norms, biases, modulation).
+        row_norm: ByPair<RowNormArgs> = "row_norm_{}_{}",
+        /// Any residual step (no or any post-norm, tanh gates, any next norm).
+        residual_any: ByPair<ResidualAnyArgs> = "residual_any_{}_{}",
         /// Axial 2-D RoPE on aligned heads of 64, 8 lanes a head.
         qkv_norm_rope_axial64: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_axial64_{}",
     }
@@ -93,7 +121,186 @@ fn warp_rows_cfg(rows: usize) -> LaunchConfig {
     cfg((rows.div_ceil(8) as u32, 1), 256, 0)
 }
 
-pub(super) fn rms_norm(
+/// The widest row the block-per-row general kernels stage in shared memory (48 KiB of f32).
+const MAX_STAGED_COLS: usize = 12 * 1024;
+
+impl NormParams {
+    /// No norm (a residual step without a post-norm).
+    const NONE: NormParams = NormParams {
+        kind: -1,
+        w: DevPtr::NULL,
+        b: DevPtr::NULL,
+        s: DevPtr::NULL,
+        eps: 0.0,
+    };
+
+    /// The general kernels' view of `n` over rows of `cols`, its vectors and modulation row
+    /// checked.
+    fn of(op: &str, n: &RowNorm<'_, CudaBackend>, cols: usize) -> Result<Self> {
+        let vector = |v: Option<&CudaBuf>, what: &str| match v {
+            Some(v) if v.len != cols => Err(Error::backend(
+                op,
+                format!("norm {what} of {} for rows of {cols}", v.len),
+            )),
+            Some(v) => Ok(v.ptr),
+            None => Ok(DevPtr::NULL),
+        };
+        let s = match &n.scale {
+            Some(s) => f32_row(op, "modulation scale", s, cols)?,
+            None => DevPtr::NULL,
+        };
+        Ok(NormParams {
+            kind: match n.kind {
+                NormKind::Rms => 0,
+                NormKind::Layer => 1,
+            },
+            w: vector(n.weight, "weight")?,
+            b: vector(n.bias, "bias")?,
+            s,
+            eps: n.eps,
+        })
+    }
+}
+
+/// The address of one broadcast f32 row `[1, cols]` (adaLN scales and gates).
+pub(super) fn f32_row(
+    op: &str,
+    what: &str,
+    v: &View<'_, CudaBackend>,
+    cols: usize,
+) -> Result<DevPtr> {
+    if v.rows != 1 || v.cols != cols || v.buf.elem != Elem::F32 {
+        return Err(Error::backend(
+            op,
+            format!(
+                "{what} is {}×{} {:?}, expected one f32 row of {cols}",
+                v.rows, v.cols, v.buf.elem
+            ),
+        ));
+    }
+    ptr_of(v)
+}
+
+/// Check that rows of `cols` fit the general kernels' shared-memory staging.
+fn staged(op: &str, cols: usize) -> Result<u32> {
+    if cols > MAX_STAGED_COLS {
+        return Err(Error::backend(
+            op,
+            format!("rows of {cols} columns (the kernel stages at most {MAX_STAGED_COLS})"),
+        ));
+    }
+    Ok((cols * 4) as u32)
+}
+
+/// `out = N(x)` for any [`RowNorm`]: the RMS kernels where they apply, else the general one.
+pub(super) fn norm(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    n: &RowNorm<'_, CudaBackend>,
+    out: ViewMut<'_, CudaBackend>,
+) -> Result<()> {
+    if n.kind == NormKind::Rms && n.bias.is_none() && n.scale.is_none() {
+        return rms_norm(be, x, n.weight, n.eps, out);
+    }
+    same_shape("norm", (x.rows, x.cols), (out.rows, out.cols))?;
+    let smem = staged("norm", x.cols)?;
+    let args = RowNormArgs {
+        x: ptr_of(&x)?,
+        xs: x.stride as i64,
+        norm: NormParams::of("norm", n, x.cols)?,
+        out: ptr_of_mut(&out)?,
+        os: out.stride as i64,
+        cols: x.cols as i32,
+    };
+    let kernel = be.kernels.norm.row_norm.get(x.buf.elem, out.buf.elem)?;
+    be.launch("norm", kernel, row_blocks(x.rows, x.cols, smem), &args)
+}
+
+/// A plain weighted-or-not RMS norm, the only kind the RMS kernels compute.
+fn plain_rms(n: &RowNorm<'_, CudaBackend>) -> bool {
+    n.kind == NormKind::Rms && n.bias.is_none() && n.scale.is_none()
+}
+
+/// The residual step: the RMS kernels for Gemma's sandwich step (an RMS post-norm, no gate, a
+/// weighted RMS next norm of the same eps), the general kernel for the rest.
+pub(super) fn residual(
+    be: &CudaBackend,
+    h: ViewMut<'_, CudaBackend>,
+    y: View<'_, CudaBackend>,
+    res: &Residual<'_, CudaBackend>,
+    after: After<'_, CudaBackend>,
+) -> Result<()> {
+    let rms_step = res.tanh_gate.is_none()
+        && res.post.as_ref().is_some_and(|p| {
+            plain_rms(p)
+                && match &after {
+                    After::Norm(n, _) => plain_rms(n) && n.weight.is_some() && n.eps == p.eps,
+                    _ => true,
+                }
+        });
+    if rms_step {
+        residual_norm(be, h, y, res, after)
+    } else {
+        residual_any(be, h, y, res, after)
+    }
+}
+
+fn residual_any(
+    be: &CudaBackend,
+    h: ViewMut<'_, CudaBackend>,
+    y: View<'_, CudaBackend>,
+    res: &Residual<'_, CudaBackend>,
+    after: After<'_, CudaBackend>,
+) -> Result<()> {
+    const OP: &str = "residual";
+    same_shape(OP, (h.rows, h.cols), (y.rows, y.cols))?;
+    if h.buf.elem != Elem::F32 {
+        return Err(Error::backend(OP, "the residual stream must be f32"));
+    }
+    let cols = h.cols;
+    let smem = staged(OP, cols)?;
+    let post = match &res.post {
+        Some(p) if p.scale.is_some() => {
+            return Err(Error::backend(OP, "the post-norm cannot be modulated"));
+        }
+        Some(p) => NormParams::of(OP, p, cols)?,
+        None => NormParams::NONE,
+    };
+    let g = match &res.tanh_gate {
+        Some(g) => f32_row(OP, "gate", g, cols)?,
+        None => DevPtr::NULL,
+    };
+    let (mode, next, out) = match &after {
+        After::Nothing => (0, NormParams::NONE, None),
+        After::Norm(n, o) => (1, NormParams::of(OP, n, cols)?, Some(o)),
+        After::Copy(o) => (2, NormParams::NONE, Some(o)),
+    };
+    let (optr, os, oe) = match out {
+        Some(o) => {
+            same_shape(OP, (h.rows, h.cols), (o.rows, o.cols))?;
+            (ptr_of_mut(o)?, o.stride, o.buf.elem)
+        }
+        None => (DevPtr::NULL, 0, Elem::F32),
+    };
+    let args = ResidualAnyArgs {
+        h: ptr_of_mut(&h)?,
+        hs: h.stride as i64,
+        y: ptr_of(&y)?,
+        ys: y.stride as i64,
+        post,
+        g,
+        scale: res.scale,
+        mode,
+        next,
+        out: optr,
+        os: os as i64,
+        cols: cols as i32,
+    };
+    let kernel = be.kernels.norm.residual_any.get(y.buf.elem, oe)?;
+    be.launch("norm", kernel, row_blocks(h.rows, cols, smem), &args)
+}
+
+fn rms_norm(
     be: &CudaBackend,
     x: View<'_, CudaBackend>,
     w: Option<&CudaBuf>,
@@ -139,9 +346,9 @@ pub(super) fn rms_norm(
     }
 }
 
-/// `h = (h + N_post(y)) · scale`, then `after`. The caller checked the shape of the step
-/// ([`CudaBackend::check`]): an RMS post-norm, no gate, a weighted RMS next norm.
-pub(super) fn residual_norm(
+/// `h = (h + N_post(y)) · scale`, then `after`, for an RMS post-norm, no gate and a weighted RMS
+/// next norm ([`residual`] picks it).
+fn residual_norm(
     be: &CudaBackend,
     h: ViewMut<'_, CudaBackend>,
     y: View<'_, CudaBackend>,
@@ -261,9 +468,6 @@ pub(super) fn qkv_norm_rope(
     }
     let (table, tlen, thalf, axial, pos) = match rope {
         Some((t, p)) => {
-            if t.style == RopeStyle::Interleaved {
-                return Err(Error::backend("qkv_norm_rope", "interleaved RoPE"));
-            }
             let per_row = t.positions_per_row(hd)?;
             if p.len < per_row * qkv.rows {
                 return Err(Error::backend("qkv_norm_rope", "fewer positions than rows"));
@@ -284,7 +488,10 @@ pub(super) fn qkv_norm_rope(
     let wide = aligned && !axial && (hd == 256 || hd == 512);
     let axial64 = aligned && axial && hd == 64;
     let k = &be.kernels.norm;
-    let kernel = if axial64 {
+    let pairs = rope.is_some_and(|(t, _)| t.style == RopeStyle::Interleaved);
+    let kernel = if pairs {
+        &k.qkv_norm_rope_pairs
+    } else if axial64 {
         &k.qkv_norm_rope_axial64
     } else if axial {
         &k.qkv_norm_rope_axial

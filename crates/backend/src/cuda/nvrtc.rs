@@ -52,6 +52,12 @@ pub const SOURCES: &[Source] = &[
         sm90a_only: false,
     },
     Source {
+        name: "image.cu",
+        text: include_str!("kernels/image.cu"),
+        headers: &[],
+        sm90a_only: false,
+    },
+    Source {
         name: "attention.cu",
         text: include_str!("kernels/attention.cu"),
         headers: &[FLASH],

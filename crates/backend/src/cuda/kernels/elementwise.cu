@@ -18,16 +18,6 @@ __device__ __forceinline__ void cast_impl(const TI* x, long xs, TO* y, long ys, 
     for (int c = threadIdx.x; c < cols; c += blockDim.x) y[r * ys + c] = from_f<TO>(to_f(x[r * xs + c]));
 }
 
-// gelu_tanh(x) = ½x(1 + tanh u) = x·σ(2u), u = √(2/π)(x + 0.044715x³): one special-function op
-// and a fast division instead of tanhf's longer sequence, within a few f32 ulps of it. The gated
-// kernels are memory-bound, so this saves little: W3's 6.33 → 6.15 ms per pass, W2's 0.40 →
-// 0.36 ms (H200 runs 12 and 14).
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-    return __fdividef(x, 1.f + ex2(-2.f * 1.4426950408889634f * u));
-}
-__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + ex2(-1.4426950408889634f * x)); }
-
 // o = act(g) ⊙ u over rows × cols, grid-stride.
 template <typename TG, typename TU, typename TO, int ACT>
 __device__ __forceinline__ void gated_impl(const TG* g, long gs, const TU* u, long us, TO* o, long os, long rows,
@@ -122,3 +112,37 @@ GATED_VEC(float, 0, gated_vec_gelu_f32)
 GATED_VEC(bf16, 0, gated_vec_gelu_bf16)
 GATED_VEC(float, 1, gated_vec_silu_f32)
 GATED_VEC(bf16, 1, gated_vec_silu_bf16)
+
+// After a product: o = [o +] g ⊙ act(y + bias) over rows × cols, grid-stride. act −1 none, 0 GELU
+// (tanh), 1 SiLU; g null: no gate, gs 0: one broadcast gate row, tanh: multiply by tanh(g). `y` may
+// alias `o` (in place): each element is read before it is written, by the same thread.
+template <typename TY, typename TO>
+__device__ __forceinline__ void epilogue_impl(const TY* y, long ys, TO* o, long os, long rows, int cols,
+                                              const float* bias, int act, const float* g, long gs, int tanh_g,
+                                              int accumulate) {
+    const long n = rows * cols;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long r = i / cols;
+        const int c = (int)(i - r * cols);
+        float v = to_f(y[r * ys + c]);
+        if (bias) v += bias[c];
+        if (act == 0) v = gelu_tanh(v);
+        else if (act == 1) v = silu(v);
+        if (g) {
+            const float gv = g[r * gs + c];
+            v *= tanh_g ? tanhf(gv) : gv;
+        }
+        if (accumulate) v += to_f(o[r * os + c]);
+        o[r * os + c] = from_f<TO>(v);
+    }
+}
+
+#define EPILOGUE(TY, TO, NAME)                                                                            \
+    extern "C" __global__ void NAME(const TY* y, long ys, TO* o, long os, long rows, int cols, const float* bias, \
+                                    int act, const float* g, long gs, int tanh_g, int accumulate) {        \
+        epilogue_impl<TY, TO>(y, ys, o, os, rows, cols, bias, act, g, gs, tanh_g, accumulate);             \
+    }
+EPILOGUE(float, float, epilogue_f32_f32)
+EPILOGUE(float, bf16, epilogue_f32_bf16)
+EPILOGUE(bf16, float, epilogue_bf16_f32)
+EPILOGUE(bf16, bf16, epilogue_bf16_bf16)

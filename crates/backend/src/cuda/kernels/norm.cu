@@ -69,35 +69,6 @@ __device__ __forceinline__ void residual_norm_impl(float* h, long hs, const TY* 
 // and every row start is aligned; same arithmetic order as the block-per-row kernels above.
 #define ROW_CHUNKS 8
 
-__device__ __forceinline__ void load4(const float* p, float* v) {
-    const uint4 t = *reinterpret_cast<const uint4*>(p);
-    v[0] = __uint_as_float(t.x);
-    v[1] = __uint_as_float(t.y);
-    v[2] = __uint_as_float(t.z);
-    v[3] = __uint_as_float(t.w);
-}
-__device__ __forceinline__ void load4(const bf16* p, float* v) {
-    const uint2 t = *reinterpret_cast<const uint2*>(p);
-    v[0] = __uint_as_float(t.x << 16);
-    v[1] = __uint_as_float(t.x & 0xffff0000u);
-    v[2] = __uint_as_float(t.y << 16);
-    v[3] = __uint_as_float(t.y & 0xffff0000u);
-}
-__device__ __forceinline__ void store4(float* p, const float* v) {
-    uint4 t;
-    t.x = __float_as_uint(v[0]);
-    t.y = __float_as_uint(v[1]);
-    t.z = __float_as_uint(v[2]);
-    t.w = __float_as_uint(v[3]);
-    *reinterpret_cast<uint4*>(p) = t;
-}
-__device__ __forceinline__ void store4(bf16* p, const float* v) {
-    uint2 t;
-    t.x = pack_bf16x2(v[0], v[1]);
-    t.y = pack_bf16x2(v[2], v[3]);
-    *reinterpret_cast<uint2*>(p) = t;
-}
-
 // This lane's 4·k values of a row (columns 128t + 4·lane …, t < k) into `v`; returns the row's sum
 // of squares, reduced over the warp.
 template <typename T>
@@ -187,12 +158,13 @@ __device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const
 // axial = 0: split-half, pair j ↔ j + hd/2 at position pos[r].
 // axial = 1: 2-D, channels [0, hd/2) rotate by x = pos[2r], [hd/2, hd) by y = pos[2r+1]; within
 // each half, pair j ↔ j + hd/4 (tbl_half = hd/4).
-template <typename T, bool AXIAL>
+// STYLE 2: interleaved (complex pairs), pair j joins channels 2j and 2j + 1 at position pos[r].
+template <typename T, int STYLE>
 __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
                                                    const float* qw, const float* kw, int v_norm, float eps,
                                                    const float* rope, int rope_len, int tbl_half,
                                                    const u32* pos) {
-    constexpr bool axial = AXIAL;
+    constexpr bool axial = STYLE == 1, pairs2 = STYLE == 2;
     const int heads = hq + 2 * hkv;
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -215,8 +187,8 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
         a[t] = 0.f;
         b[t] = 0.f;
         if (j < pairs) {
-            const int c1 = axial ? (j / quarter) * pairs + j % quarter : j;
-            const int span = axial ? quarter : pairs;
+            const int c1 = axial ? (j / quarter) * pairs + j % quarter : (pairs2 ? 2 * j : j);
+            const int span = axial ? quarter : (pairs2 ? 1 : pairs);
             a[t] = to_f(x[c1]);
             b[t] = to_f(x[c1 + span]);
             ss += a[t] * a[t] + b[t] * b[t];
@@ -231,8 +203,8 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
         if (j < pairs) {
             const int axis = axial ? j / quarter : 0;
             const int fi = axial ? j % quarter : j;
-            const int c1 = axial ? axis * pairs + fi : j;
-            const int span = axial ? quarter : pairs;
+            const int c1 = axial ? axis * pairs + fi : (pairs2 ? 2 * j : j);
+            const int span = axial ? quarter : (pairs2 ? 1 : pairs);
             float x1 = a[t] * inv, x2 = b[t] * inv;
             if (w) {
                 x1 *= w[c1];
@@ -401,18 +373,20 @@ RESIDUAL_NORM(float, bf16, residual_norm_f32_bf16)
 RESIDUAL_NORM(bf16, float, residual_norm_bf16_f32)
 RESIDUAL_NORM(bf16, bf16, residual_norm_bf16_bf16)
 
-// Split-half and axial 2-D are separate instantiations: the text path keeps its plain indexing.
-#define QKV_NORM_ROPE(T, AXIAL, NAME)                                                                    \
+// Split-half, axial 2-D and interleaved are separate instantiations: the text path keeps its plain indexing.
+#define QKV_NORM_ROPE(T, STYLE, NAME)                                                                    \
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
                                     const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
                                     int tbl_half, const u32* pos) {                                       \
-        qkv_norm_rope_impl<T, AXIAL>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len,   \
+        qkv_norm_rope_impl<T, STYLE>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len,   \
                                      tbl_half, pos);                                                      \
     }
-QKV_NORM_ROPE(float, false, qkv_norm_rope_f32)
-QKV_NORM_ROPE(bf16, false, qkv_norm_rope_bf16)
-QKV_NORM_ROPE(float, true, qkv_norm_rope_axial_f32)
-QKV_NORM_ROPE(bf16, true, qkv_norm_rope_axial_bf16)
+QKV_NORM_ROPE(float, 0, qkv_norm_rope_f32)
+QKV_NORM_ROPE(bf16, 0, qkv_norm_rope_bf16)
+QKV_NORM_ROPE(float, 1, qkv_norm_rope_axial_f32)
+QKV_NORM_ROPE(bf16, 1, qkv_norm_rope_axial_bf16)
+QKV_NORM_ROPE(float, 2, qkv_norm_rope_pairs_f32)
+QKV_NORM_ROPE(bf16, 2, qkv_norm_rope_pairs_bf16)
 
 #define RMS_NORM_WARP(TI, TO, NAME)                                                                      \
     extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, long rows,     \
@@ -454,3 +428,102 @@ QKV_NORM_ROPE_VEC(bf16, qkv_norm_rope_vec_bf16)
     }
 QKV_NORM_ROPE_AXIAL64(float, qkv_norm_rope_axial64_f32)
 QKV_NORM_ROPE_AXIAL64(bf16, qkv_norm_rope_axial64_bf16)
+
+// ---- Any row norm: RMS or layer, affine or not, adaLN-modulated or not (the DiT norms), and the
+// residual step with any post-norm, a tanh gate and any next norm. One block per row, the row
+// staged in dynamic shared memory (cols floats); statistics in f32, two passes (mean, then the
+// squares around it) as the CPU reference does in f64.
+
+// (mean, 1/sqrt(var + eps)) of `row`, mean 0 for RMS (kind 0), around the mean for layer (kind 1).
+// Each thread reads back only the entries it wrote.
+__device__ __forceinline__ float2 row_stats(const float* row, int cols, int kind, float eps, float* sh) {
+    float mean = 0.f;
+    if (kind == 1) {
+        float s = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += row[c];
+        mean = block_sum(s, sh) / cols;
+    }
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float d = row[c] - mean;
+        ss += d * d;
+    }
+    ss = block_sum(ss, sh);
+    return make_float2(mean, 1.f / sqrtf(ss / cols + eps));
+}
+
+// (N(v) · w + b) · (1 + s), each factor optional (null), in the reference's order.
+__device__ __forceinline__ float norm_affine(float v, float2 st, int c, const float* w, const float* b,
+                                             const float* s) {
+    float y = (v - st.x) * st.y;
+    if (w) y *= w[c];
+    if (b) y += b[c];
+    if (s) y *= 1.f + s[c];
+    return y;
+}
+
+template <typename TI, typename TO>
+__device__ __forceinline__ void row_norm_impl(const TI* x, long xs, int kind, const float* w, const float* b,
+                                              const float* s, float eps, TO* out, long os, int cols) {
+    extern __shared__ float row[];
+    __shared__ float sh[32];
+    const long r = blockIdx.x;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) row[c] = to_f(x[r * xs + c]);
+    const float2 st = row_stats(row, cols, kind, eps, sh);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[r * os + c] = from_f<TO>(norm_affine(row[c], st, c, w, b, s));
+}
+
+// h = (h + tanh(g) ⊙ N_post(y)) · scale (post_kind −1: no post-norm; g null: no gate), then
+// mode 0 nothing, 1 out = N_next(h), 2 out = h. Each norm: kind, weight, bias, modulation, eps.
+template <typename TY, typename TO>
+__device__ __forceinline__ void residual_any_impl(float* h, long hs, const TY* y, long ys, int post_kind,
+                                                  const float* pw, const float* pb, const float* ps, float peps,
+                                                  const float* g, float scale, int mode, int next_kind,
+                                                  const float* nw, const float* nb, const float* ns, float neps,
+                                                  TO* out, long os, int cols) {
+    extern __shared__ float row[];
+    __shared__ float sh[32];
+    const long r = blockIdx.x;
+    float* hr = h + r * hs;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) row[c] = to_f(y[r * ys + c]);
+    float2 st = make_float2(0.f, 1.f);
+    if (post_kind >= 0) st = row_stats(row, cols, post_kind, peps, sh);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = post_kind >= 0 ? norm_affine(row[c], st, c, pw, pb, ps) : row[c];
+        if (g) v *= tanhf(g[c]);
+        const float hv = (hr[c] + v) * scale;
+        hr[c] = hv;
+        row[c] = hv;
+    }
+    if (mode == 0) return;
+    TO* orow = out + r * os;
+    if (mode == 2) {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f<TO>(row[c]);
+        return;
+    }
+    const float2 st2 = row_stats(row, cols, next_kind, neps, sh);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f<TO>(norm_affine(row[c], st2, c, nw, nb, ns));
+}
+
+#define ROW_NORM(TI, TO, NAME)                                                                           \
+    extern "C" __global__ void NAME(const TI* x, long xs, int kind, const float* w, const float* b,         \
+                                    const float* s, float eps, TO* out, long os, int cols) {              \
+        row_norm_impl<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols);                                  \
+    }
+ROW_NORM(float, float, row_norm_f32_f32)
+ROW_NORM(float, bf16, row_norm_f32_bf16)
+ROW_NORM(bf16, float, row_norm_bf16_f32)
+ROW_NORM(bf16, bf16, row_norm_bf16_bf16)
+
+#define RESIDUAL_ANY(TY, TO, NAME)                                                                       \
+    extern "C" __global__ void NAME(float* h, long hs, const TY* y, long ys, int post_kind, const float* pw, \
+                                    const float* pb, const float* ps, float peps, const float* g, float scale, \
+                                    int mode, int next_kind, const float* nw, const float* nb,              \
+                                    const float* ns, float neps, TO* out, long os, int cols) {            \
+        residual_any_impl<TY, TO>(h, hs, y, ys, post_kind, pw, pb, ps, peps, g, scale, mode, next_kind, nw,   \
+                                  nb, ns, neps, out, os, cols);                                           \
+    }
+RESIDUAL_ANY(float, float, residual_any_f32_f32)
+RESIDUAL_ANY(float, bf16, residual_any_f32_bf16)
+RESIDUAL_ANY(bf16, float, residual_any_bf16_f32)
+RESIDUAL_ANY(bf16, bf16, residual_any_bf16_bf16)

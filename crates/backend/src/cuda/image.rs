@@ -1,0 +1,256 @@
+//! The VAE decoder's image ops (kernels/image.cu) over channels-last images: a convolution as
+//! blocks of im2col rows times the weight (cuBLASLt), and GroupNorm in three passes (partial
+//! sums per block of pixels, per-group statistics, the normalisation with its activation).
+
+use tessera_core::{Error, Result};
+
+use super::gemm::{Post, Rows, act_code, epilogue, product};
+use super::launch::{ByElem, ByPair, DevPtr, Kernel, cfg, kernel_args, kernel_table};
+use super::memory::{Workspace, ptr_of, ptr_of_mut};
+use super::{CudaBackend, CudaBuf, CudaMat, MatFormat};
+use crate::view::same_shape;
+use crate::{Conv2d, GroupNorm, View, ViewMut};
+
+kernel_args! {
+    /// `im2col[4]_{x}_{cols}`: the column rows of output pixels `p0 .. p0 + n`, grid-stride.
+    pub(super) struct Im2colArgs {
+        x: DevPtr, xs: i64, h: i32, w: i32, c: i32, k: i32, up: i32, p0: i64, n: i64,
+        cols: DevPtr,
+    }
+}
+
+kernel_args! {
+    /// `group_stats_{x}`: per-group f64 sums of one block of pixels per CUDA block.
+    pub(super) struct GroupStatsArgs {
+        x: DevPtr, xs: i64, pixels: i64, c: i32, groups: i32, bdx: i32, partial: DevPtr,
+    }
+}
+
+kernel_args! {
+    /// `group_finish`: per-group mean and inverse deviation, a thread per group.
+    pub(super) struct GroupFinishArgs {
+        partial: DevPtr, blocks: i32, groups: i32, count: i64, eps: f32, stats: DevPtr,
+    }
+}
+
+kernel_args! {
+    /// `group_apply_{x}_{out}`: the normalisation, affine and activation, grid-stride.
+    pub(super) struct GroupApplyArgs {
+        x: DevPtr, xs: i64, pixels: i64, c: i32, groups: i32, stats: DevPtr, w: DevPtr,
+        b: DevPtr, act: i32, out: DevPtr, os: i64,
+    }
+}
+
+kernel_table! {
+    /// The kernels of image.cu.
+    pub(super) struct ImageKernels from "image.cu" {
+        im2col: ByPair<Im2colArgs> = "im2col_{}_{}",
+        /// Four channels a thread, for channel counts of 4·m and aligned rows.
+        im2col4: ByPair<Im2colArgs> = "im2col4_{}_{}",
+        group_stats: ByElem<GroupStatsArgs> = "group_stats_{}",
+        group_finish: Kernel<GroupFinishArgs> = "group_finish",
+        group_apply: ByPair<GroupApplyArgs> = "group_apply_{}_{}",
+    }
+}
+
+/// Blocks for a grid-stride loop over `n` items, 256 threads each.
+fn stride_blocks(be: &CudaBackend, n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, be.sm_count as usize * 16) as u32
+}
+
+pub(super) fn conv2d(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    w: &CudaMat,
+    bias: &CudaBuf,
+    spec: &Conv2d,
+    out: ViewMut<'_, CudaBackend>,
+) -> Result<()> {
+    let (cin, cout, k) = (x.cols, out.cols, spec.kernel);
+    let (oh, ow) = spec.out_size();
+    let kk = k * k * cin;
+    if k % 2 == 0
+        || x.rows != spec.height * spec.width
+        || out.rows != oh * ow
+        || w.inner != kk
+        || w.out != cout
+        || bias.len != cout
+    {
+        return Err(Error::backend(
+            "conv2d",
+            format!(
+                "x {}×{} ({}×{} image), weight {}×{} (kernel {k}, odd), bias {}, out {}×{} \
+                 ({oh}×{ow})",
+                x.rows,
+                x.cols,
+                spec.height,
+                spec.width,
+                w.out,
+                w.inner,
+                bias.len,
+                out.rows,
+                out.cols
+            ),
+        ));
+    }
+    let pixels = oh * ow;
+    if pixels == 0 || cout == 0 {
+        return Ok(());
+    }
+    let MatFormat::Dense(ab) = w.format;
+    let to = Rows {
+        ptr: ptr_of_mut(&out)?,
+        stride: out.stride,
+        elem: out.buf.elem,
+    };
+    let post = Post::bias(bias.ptr);
+    let xp = ptr_of(&x)?;
+    // A 1×1 convolution of an image already in the weight's type is the product itself.
+    if k == 1 && !spec.upsample && x.buf.elem == ab {
+        let xr = Rows {
+            ptr: xp,
+            stride: x.stride,
+            elem: ab,
+        };
+        product(be, xr, 0, pixels, w, to, 1.0, 0.0)?;
+        return epilogue(be, &post, to, to, 0, pixels, cout, false);
+    }
+    if ab != be.compute_elem() {
+        return Err(Error::backend(
+            "conv2d",
+            format!("a {ab:?} weight under {} precision", be.precision),
+        ));
+    }
+    let (ws, capacity) = be.workspace(Workspace::Columns)?;
+    let block = (capacity / kk).clamp(1, pixels);
+    let size = x.buf.elem.size();
+    let wide = cin.is_multiple_of(4)
+        && xp.0.is_multiple_of(4 * size as u64)
+        && (x.stride * size).is_multiple_of(4 * size);
+    let (kernel, per_thread) = match wide {
+        true => (be.kernels.image.im2col4.get(x.buf.elem, ab)?, 4),
+        false => (be.kernels.image.im2col.get(x.buf.elem, ab)?, 1),
+    };
+    let columns = Rows {
+        ptr: ws,
+        stride: kk,
+        elem: ab,
+    };
+    for p0 in (0..pixels).step_by(block) {
+        let n = block.min(pixels - p0);
+        let args = Im2colArgs {
+            x: xp,
+            xs: x.stride as i64,
+            h: spec.height as i32,
+            w: spec.width as i32,
+            c: cin as i32,
+            k: k as i32,
+            up: if spec.upsample { 2 } else { 1 },
+            p0: p0 as i64,
+            n: n as i64,
+            cols: ws,
+        };
+        let threads = n * kk / per_thread;
+        be.launch(
+            "conv",
+            kernel,
+            cfg((stride_blocks(be, threads), 1), 256, 0),
+            &args,
+        )?;
+        let into = Rows {
+            ptr: to.at(p0),
+            ..to
+        };
+        product(be, columns, 0, n, w, into, 1.0, 0.0)?;
+    }
+    epilogue(be, &post, to, to, 0, pixels, cout, false)
+}
+
+pub(super) fn group_norm(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    weight: &CudaBuf,
+    bias: &CudaBuf,
+    spec: &GroupNorm,
+    out: ViewMut<'_, CudaBackend>,
+) -> Result<()> {
+    same_shape("group_norm", (x.rows, x.cols), (out.rows, out.cols))?;
+    let (c, groups, pixels) = (x.cols, spec.groups, x.rows);
+    if groups == 0 || c % groups != 0 || weight.len != c || bias.len != c {
+        return Err(Error::backend(
+            "group_norm",
+            format!(
+                "{c} channels in {groups} groups with weight {} and bias {}",
+                weight.len, bias.len
+            ),
+        ));
+    }
+    if pixels == 0 {
+        return Ok(());
+    }
+    // The workspace (f32 words) holds `blocks × groups` f64 pairs, then `groups` f32 pairs.
+    let (ws, capacity) = be.workspace(Workspace::Stats)?;
+    let per_block = 4 * groups;
+    let max_blocks = capacity.saturating_sub(2 * groups) / per_block;
+    // Shared memory of the statistics kernel: one f64 pair per group.
+    if max_blocks == 0 || groups * 16 > 48 << 10 {
+        return Err(Error::backend(
+            "group_norm",
+            format!("{groups} groups (the kernels take at most 3072)"),
+        ));
+    }
+    let blocks = pixels
+        .div_ceil(64)
+        .min(be.sm_count as usize * 4)
+        .min(max_blocks)
+        .max(1);
+    let stats = DevPtr(ws.0 + (blocks * per_block * 4) as u64);
+    let xp = ptr_of(&x)?;
+    let k = &be.kernels.image;
+    let bdx = c.min(256).next_multiple_of(32);
+    be.launch(
+        "norm",
+        k.group_stats.get(x.buf.elem)?,
+        cfg((blocks as u32, 1), 256, (groups * 16) as u32),
+        &GroupStatsArgs {
+            x: xp,
+            xs: x.stride as i64,
+            pixels: pixels as i64,
+            c: c as i32,
+            groups: groups as i32,
+            bdx: bdx as i32,
+            partial: ws,
+        },
+    )?;
+    be.launch(
+        "norm",
+        &k.group_finish,
+        cfg((groups.div_ceil(128) as u32, 1), 128, 0),
+        &GroupFinishArgs {
+            partial: ws,
+            blocks: blocks as i32,
+            groups: groups as i32,
+            count: (pixels * (c / groups)) as i64,
+            eps: spec.eps,
+            stats,
+        },
+    )?;
+    be.launch(
+        "norm",
+        k.group_apply.get(x.buf.elem, out.buf.elem)?,
+        cfg((stride_blocks(be, pixels * c), 1), 256, 0),
+        &GroupApplyArgs {
+            x: xp,
+            xs: x.stride as i64,
+            pixels: pixels as i64,
+            c: c as i32,
+            groups: groups as i32,
+            stats,
+            w: weight.ptr,
+            b: bias.ptr,
+            act: spec.act.map_or(-1, act_code),
+            out: ptr_of_mut(&out)?,
+            os: out.stride as i64,
+        },
+    )
+}

@@ -1,0 +1,147 @@
+// The VAE decoder's image ops over channels-last images `[pixels, channels]`: the column blocks
+// of a convolution as an implicit GEMM (the product itself is cuBLASLt's), and GroupNorm. CPU
+// references: crates/backend/src/cpu/conv.rs and crates/backend/src/cpu/group_norm.rs.
+
+// Column rows of output pixels p0 … p0 + n − 1 of a "same" k × k convolution: row i, column
+// (ky·k + kx)·c + ch holds the input at (oy + ky − k/2, ox + kx − k/2) of the image upsampled
+// `up`× by nearest neighbour (up 1: as it is), 0 outside. V channels per thread (4: aligned
+// 4-wide accesses). Fewer than 2^32 values per launch (the host's blocks of rows).
+template <typename TI, typename TO, int V>
+__device__ __forceinline__ void im2col_impl(const TI* x, long xs, int h, int w, int c, int k, int up, long p0,
+                                            long n, TO* cols) {
+    const int oh = h * up, ow = w * up, pad = k / 2;
+    const u32 cv = (u32)(c / V);
+    const u32 taps = (u32)(k * k) * cv;
+    const u32 total = (u32)n * taps;
+    const long row = (long)k * k * c;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const u32 pi = i / taps, rem = i - pi * taps;
+        const u32 tap = rem / cv;
+        const int ch = (int)(rem - tap * cv) * V;
+        const int ky = (int)tap / k, kx = (int)tap - ky * k;
+        const long p = p0 + pi;
+        const int oy = (int)(p / ow), ox = (int)(p - (long)oy * ow);
+        const int uy = oy + ky - pad, ux = ox + kx - pad;
+        TO* dst = cols + (long)pi * row + (long)tap * c + ch;
+        float v[V];
+        if (uy < 0 || uy >= oh || ux < 0 || ux >= ow) {
+#pragma unroll
+            for (int j = 0; j < V; j++) v[j] = 0.f;
+        } else {
+            const TI* src = x + ((long)(uy / up) * w + ux / up) * xs + ch;
+            if (V == 4) {
+                load4(src, v);
+            } else {
+#pragma unroll
+                for (int j = 0; j < V; j++) v[j] = to_f(src[j]);
+            }
+        }
+        if (V == 4) {
+            store4(dst, v);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; j++) dst[j] = from_f<TO>(v[j]);
+        }
+    }
+}
+
+// GroupNorm statistics, pass 1: block b sums its pixels p0 … p1 − 1 (the b-th of `blocks` equal
+// ranges) per group, in f64: partial[(b·groups + g)·2 + {0, 1}] = (Σx, Σx²). Thread t reads
+// channels cx = t mod bdx (+ bdx, …) of pixels p0 + t / bdx (+ per, …), so a warp reads
+// consecutive channels of one pixel. `sums` in shared memory: 2·groups doubles.
+template <typename T>
+__device__ __forceinline__ void group_stats_impl(const T* x, long xs, long pixels, int c, int groups, int bdx,
+                                                 double* partial) {
+    extern __shared__ double sums[];
+    const int cpg = c / groups;
+    const int tx = threadIdx.x % bdx, ty = threadIdx.x / bdx, py = blockDim.x / bdx;
+    const long per = (pixels + gridDim.x - 1) / gridDim.x;
+    const long p0 = (long)blockIdx.x * per, p1 = min(pixels, p0 + per);
+    for (int i = threadIdx.x; i < 2 * groups; i += blockDim.x) sums[i] = 0.0;
+    __syncthreads();
+    if (ty < py) {
+        for (int ch = tx; ch < c; ch += bdx) {
+            double s = 0.0, ss = 0.0;
+            for (long p = p0 + ty; p < p1; p += py) {
+                const double v = to_f(x[p * xs + ch]);
+                s += v;
+                ss += v * v;
+            }
+            const int g = ch / cpg;
+            shared_add_f64(&sums[2 * g], s);
+            shared_add_f64(&sums[2 * g + 1], ss);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * groups; i += blockDim.x) partial[(long)blockIdx.x * 2 * groups + i] = sums[i];
+}
+
+// Pass 2: stats[g] = (mean, 1/sqrt(var + eps)) from the `blocks` partial sums. One thread per group.
+__device__ __forceinline__ void group_finish_impl(const double* partial, int blocks, int groups, long count,
+                                                  float eps, float* stats) {
+    const int g = blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    double s = 0.0, ss = 0.0;
+    for (int b = 0; b < blocks; b++) {
+        s += partial[((long)b * groups + g) * 2];
+        ss += partial[((long)b * groups + g) * 2 + 1];
+    }
+    const double mean = s / (double)count;
+    const double var = fmax(ss / (double)count - mean * mean, 0.0);
+    stats[2 * g] = (float)mean;
+    stats[2 * g + 1] = (float)(1.0 / sqrt(var + (double)eps));
+}
+
+// Pass 3: out = act((x − mean_g) · inv_g · w + b), grid-stride; act −1 none, 0 GELU (tanh), 1 SiLU.
+template <typename TI, typename TO>
+__device__ __forceinline__ void group_apply_impl(const TI* x, long xs, long pixels, int c, int groups,
+                                                 const float* stats, const float* w, const float* b, int act,
+                                                 TO* out, long os) {
+    const int cpg = c / groups;
+    const long n = pixels * c;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long p = i / c;
+        const int ch = (int)(i - p * c), g = ch / cpg;
+        float v = (to_f(x[p * xs + ch]) - stats[2 * g]) * stats[2 * g + 1] * w[ch] + b[ch];
+        if (act == 0) v = gelu_tanh(v);
+        else if (act == 1) v = silu(v);
+        out[p * os + ch] = from_f<TO>(v);
+    }
+}
+
+#define IM2COL(TI, TO, V, NAME)                                                                           \
+    extern "C" __global__ void NAME(const TI* x, long xs, int h, int w, int c, int k, int up, long p0, long n, \
+                                    TO* cols) {                                                           \
+        im2col_impl<TI, TO, V>(x, xs, h, w, c, k, up, p0, n, cols);                                       \
+    }
+IM2COL(float, float, 1, im2col_f32_f32)
+IM2COL(float, bf16, 1, im2col_f32_bf16)
+IM2COL(bf16, float, 1, im2col_bf16_f32)
+IM2COL(bf16, bf16, 1, im2col_bf16_bf16)
+IM2COL(float, float, 4, im2col4_f32_f32)
+IM2COL(float, bf16, 4, im2col4_f32_bf16)
+IM2COL(bf16, float, 4, im2col4_bf16_f32)
+IM2COL(bf16, bf16, 4, im2col4_bf16_bf16)
+
+#define GROUP_STATS(T, NAME)                                                                              \
+    extern "C" __global__ void NAME(const T* x, long xs, long pixels, int c, int groups, int bdx,            \
+                                    double* partial) {                                                    \
+        group_stats_impl<T>(x, xs, pixels, c, groups, bdx, partial);                                      \
+    }
+GROUP_STATS(float, group_stats_f32)
+GROUP_STATS(bf16, group_stats_bf16)
+
+extern "C" __global__ void group_finish(const double* partial, int blocks, int groups, long count, float eps,
+                                        float* stats) {
+    group_finish_impl(partial, blocks, groups, count, eps, stats);
+}
+
+#define GROUP_APPLY(TI, TO, NAME)                                                                         \
+    extern "C" __global__ void NAME(const TI* x, long xs, long pixels, int c, int groups, const float* stats,  \
+                                    const float* w, const float* b, int act, TO* out, long os) {          \
+        group_apply_impl<TI, TO>(x, xs, pixels, c, groups, stats, w, b, act, out, os);                    \
+    }
+GROUP_APPLY(float, float, group_apply_f32_f32)
+GROUP_APPLY(float, bf16, group_apply_f32_bf16)
+GROUP_APPLY(bf16, float, group_apply_bf16_f32)
+GROUP_APPLY(bf16, bf16, group_apply_bf16_bf16)

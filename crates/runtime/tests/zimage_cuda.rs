@@ -1,0 +1,202 @@
+//! Z-Image on CUDA against the CPU reference, tap by tap: the text encoder's caption features,
+//! each step's velocity (every item: prompt, then negative prompt under CFG) and the latent after
+//! it, the decoded image in floats, and the 8-bit image.
+//!
+//! Run on a GPU machine: `cargo test -p tessera-runtime --test zimage_cuda -- --ignored
+//! --nocapture`. The bundled miniature model runs at several sizes, with and without
+//! classifier-free guidance (whose two passes are one batch). `TESSERA_ZI_FULL` = a full-size
+//! folder (`tools/device/make_zimage_full.py`) adds that model at a small size; the test fails
+//! rather than skips when the variable names a folder that does not load.
+//!
+//! Bounds: f32 on CUDA is within 1e-5 of the CPU (max abs error over the tap's max abs value)
+//! on every tap, and its 8-bit image within one level. bf16 is reported (each tap's error and
+//! the image's PSNR against the CPU's f32 image), and its 8-bit image must be mostly the same
+//! picture: PSNR ≥ 30 dB on the miniature model.
+#![cfg(feature = "cuda")]
+
+use tessera_backend::cpu::CpuBackend;
+use tessera_backend::{Backend, Precision, cuda};
+use tessera_models::zimage::{self, Event, Request, ZImage, ZImageFiles};
+
+/// Everything one generation exposes, read back as `f32`.
+#[derive(Default)]
+struct Taps {
+    features: Vec<Vec<f32>>,
+    /// Per step: the velocity of each item.
+    velocity: Vec<Vec<Vec<f32>>>,
+    latent: Vec<Vec<f32>>,
+    decoded: Vec<f32>,
+    rgb: Vec<u8>,
+}
+
+fn run<B: Backend>(be: B, files: &ZImageFiles, req: &Request) -> Taps {
+    let mut z = ZImage::load(be, files, None).expect("load");
+    let plan = z.plan(req).expect("plan");
+    let mut taps = Taps {
+        features: z.caption_features(&plan.prompts).expect("text encoder"),
+        ..Taps::default()
+    };
+    let image = z
+        .generate(req, &plan, |e| {
+            if let Event::Step { v, latent, .. } = e {
+                taps.velocity.push(v.to_vec());
+                taps.latent.push(latent.to_vec());
+            }
+        })
+        .expect("generate");
+    let last = taps.latent.last().expect("at least one step");
+    taps.decoded = z
+        .vae()
+        .decode(z.backend(), last, plan.latent_hw, None)
+        .expect("decode");
+    taps.rgb = image.pixels;
+    taps
+}
+
+/// `max |a − b| / max |b|`.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "tap lengths differ");
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).abs())
+        .fold(0.0, f64::max);
+    let den = b.iter().map(|&y| (y as f64).abs()).fold(0.0, f64::max);
+    if den == 0.0 { num } else { num / den }
+}
+
+/// PSNR of 8-bit images in dB.
+fn psnr(a: &[u8], b: &[u8]) -> f64 {
+    let mse = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+        .sum::<f64>()
+        / a.len() as f64;
+    if mse == 0.0 {
+        f64::INFINITY
+    } else {
+        10.0 * (255.0f64.powi(2) / mse).log10()
+    }
+}
+
+/// Each tap's relative error of `got` against `want`, by name (the worst over items and steps).
+fn errors(got: &Taps, want: &Taps) -> Vec<(&'static str, f64)> {
+    let worst = |pairs: Vec<(&Vec<f32>, &Vec<f32>)>| {
+        pairs
+            .into_iter()
+            .map(|(a, b)| rel(a, b))
+            .fold(0.0, f64::max)
+    };
+    let velocity = got
+        .velocity
+        .iter()
+        .zip(&want.velocity)
+        .flat_map(|(a, b)| a.iter().zip(b))
+        .collect();
+    vec![
+        (
+            "caption features",
+            worst(got.features.iter().zip(&want.features).collect()),
+        ),
+        ("velocity", worst(velocity)),
+        (
+            "latent",
+            worst(got.latent.iter().zip(&want.latent).collect()),
+        ),
+        ("decoded image", rel(&got.decoded, &want.decoded)),
+    ]
+}
+
+fn max_level_diff(a: &[u8], b: &[u8]) -> u8 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| x.abs_diff(y))
+        .max()
+        .unwrap_or(0)
+}
+
+fn gpu(p: Precision) -> cuda::CudaBackend {
+    cuda::open(0, p).unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
+}
+
+/// The CPU, then CUDA in f32 and bf16, on `files` with `req`; returns failures.
+fn compare(label: &str, files: &ZImageFiles, req: &Request, bf16_psnr: Option<f64>) -> Vec<String> {
+    let cpu = run(CpuBackend::new(), files, req);
+    let mut failures = Vec::new();
+    for p in [Precision::F32, Precision::Bf16] {
+        let got = run(gpu(p), files, req);
+        assert_eq!(got.velocity.len(), cpu.velocity.len());
+        let db = psnr(&got.rgb, &cpu.rgb);
+        let levels = max_level_diff(&got.rgb, &cpu.rgb);
+        let taps: Vec<String> = errors(&got, &cpu)
+            .into_iter()
+            .map(|(name, e)| {
+                if p == Precision::F32 && e > 1e-5 {
+                    failures.push(format!("{label} f32: {name} rel {e:.2e} > 1e-5"));
+                }
+                format!("{name} {e:.2e}")
+            })
+            .collect();
+        println!(
+            "{label} {p}: {}; 8-bit image: max diff {levels} levels, PSNR {db:.1} dB vs CPU f32",
+            taps.join(", ")
+        );
+        match p {
+            Precision::F32 if levels > 1 => {
+                failures.push(format!("{label} f32: 8-bit image off by {levels} levels"))
+            }
+            Precision::Bf16 if bf16_psnr.is_some_and(|min| db < min) => failures.push(format!(
+                "{label} bf16: PSNR {db:.1} dB against the f32 image"
+            )),
+            _ => {}
+        }
+    }
+    failures
+}
+
+fn request(prompt: &str, (width, height): (usize, usize), steps: usize) -> Request {
+    Request {
+        width,
+        height,
+        steps,
+        seed: 7,
+        ..Request::new(prompt)
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_miniature_model_matches_the_cpu_tap_by_tap() {
+    let mut failures = Vec::new();
+    let cases = [
+        (
+            "64×64, 3 steps",
+            request("a red fox in the snow", (64, 64), 3),
+        ),
+        ("48×80", request("a lighthouse", (48, 80), 2)),
+        (
+            "64×64, CFG 3.5",
+            Request {
+                guidance: 3.5,
+                negative_prompt: Some("blurry".into()),
+                ..request("a bowl of ramen", (64, 64), 2)
+            },
+        ),
+    ];
+    for (label, req) in &cases {
+        failures.extend(compare(label, &zimage::BUNDLED, req, Some(30.0)));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and TESSERA_ZI_FULL"]
+fn a_full_size_model_matches_the_cpu_at_a_small_size() {
+    let dir = std::env::var_os("TESSERA_ZI_FULL")
+        .expect("TESSERA_ZI_FULL: a folder from tools/device/make_zimage_full.py");
+    let files = ZImageFiles::dir(std::path::Path::new(&dir)).expect("full-size folder");
+    let req = request("a watercolor map of an island", (256, 256), 2);
+    let failures = compare("full size 256×256", &files, &req, None);
+    assert!(failures.is_empty(), "{failures:#?}");
+}

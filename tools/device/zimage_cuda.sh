@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# On the GPU machine (via the `device` tool, carrying .dev): Z-Image on CUDA — op parity, model
+# parity against the CPU (the miniature model, then a full-size random-weight folder at 256²),
+# then `tessera bench generate` beside diffusers (eager and torch.compile) in the same call.
+#   PARTS=ops,parity,full,bench,ref,compile (default all)
+# Writes logs, JSON and the generated PNGs under $OUT. Build everything first with
+# tools/device/stage.sh.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PARTS=${PARTS:-ops,parity,full,bench,ref,compile}
+export TESSERA_CACHE_DIR=/tmp/tessera-cache
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
+  && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+B=.dev/bin/tessera Z=/tmp/zfull
+status=0
+
+# Peak GPU memory (MiB, whole device) while "$@" runs: nvidia-smi sampled every 50 ms.
+peak_mem() {
+  local log=$1; shift
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 > "$log.mem" & local s=$!
+  "$@"; local r=$?
+  kill $s 2>/dev/null; wait $s 2>/dev/null
+  echo "peak GPU memory $(sort -n "$log.mem" | tail -1) MiB" | tee -a "$log"
+  return $r
+}
+
+if [[ $PARTS == *ops* ]]; then
+  echo "== op parity (cuda vs cpu, f32 and bf16)"
+  .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops.log" 2>&1; r=$?; status=$((status|r))
+  grep -E "^total|test result|panicked|FAIL" "$OUT/cuda_ops.log" | head -30
+fi
+if [[ $PARTS == *parity* ]]; then
+  echo "== model parity: the miniature model, cuda vs cpu"
+  .dev/bin/zimage_cuda --ignored --test-threads=1 --nocapture miniature > "$OUT/zimage_cuda_mini.log" 2>&1; r=$?; status=$((status|r))
+  grep -E "f32:|bf16:|test result|panicked" "$OUT/zimage_cuda_mini.log" | head -20
+fi
+if [[ $PARTS == *full* || $PARTS == *bench* ]] && [ ! -f $Z/model_index.json ]; then
+  echo "== making the full-size folder"
+  python3 tools/device/make_zimage_full.py $Z crates/models/assets/zimage-mini > "$OUT/make_full.log" 2>&1 \
+    || { tail -20 "$OUT/make_full.log"; exit 1; }
+  tail -1 "$OUT/make_full.log"
+fi
+if [[ $PARTS == *full* ]]; then
+  echo "== model parity: full size at 256², cuda vs cpu"
+  TESSERA_ZI_FULL=$Z .dev/bin/zimage_cuda --ignored --test-threads=1 --nocapture full_size > "$OUT/zimage_cuda_full.log" 2>&1; r=$?; status=$((status|r))
+  grep -E "f32:|bf16:|test result|panicked" "$OUT/zimage_cuda_full.log" | head -20
+fi
+if [[ $PARTS == *bench* ]]; then
+  echo "== cuBLASLt bf16 ceiling"
+  $B bench gemm --device cuda 2>&1 | tail -2 | tee "$OUT/gemm.log"
+  echo "== tessera bench generate (bf16, full size)"
+  for spec in "1024x1024 5" "2048x2048 2" "1344x768 2"; do
+    set -- $spec
+    peak_mem "$OUT/gen_$1.log" $B bench generate --model $Z --device cuda --precision bf16 --size $1 --steps 8 --iters $2 \
+      > "$OUT/gen_$1.log" 2>&1; r=$?; status=$((status|r))
+    grep -E "end to end|peak|rror" "$OUT/gen_$1.log"
+  done
+  echo "== profile of one 1024² generation (TESSERA_PROFILE=1)"
+  TESSERA_PROFILE=1 $B generate --model $Z --device cuda --precision bf16 --size 1024x1024 --prompt "a lighthouse" \
+    -o "$OUT/zimage_full_1024.png" > "$OUT/profile_1024.log" 2>&1; r=$?; status=$((status|r))
+  tail -25 "$OUT/profile_1024.log"
+  $B generate --device cuda --size 256x256 --prompt "a lighthouse" -o "$OUT/zimage_mini_cuda.png" 2>&1 | tail -1
+fi
+if [[ $PARTS == *ref* ]]; then
+  echo "== diffusers 0.42.1 eager, same call"
+  python3 .dev/tools/refbench.py --only zimage > "$OUT/refbench.log" 2>&1; r=$?; status=$((status|r))
+  sed -n '/SUMMARY/,$p' "$OUT/refbench.log"
+fi
+if [[ $PARTS == *compile* ]]; then
+  echo "== diffusers with compile_repeated_blocks, same call"
+  python3 .dev/tools/zimage_compile.py > "$OUT/compile.log" 2>&1; r=$?; status=$((status|r))
+  tail -3 "$OUT/compile.log"
+fi
+exit $status
