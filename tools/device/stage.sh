@@ -9,7 +9,15 @@ mkdir -p .dev/bin .dev/tools .dev/whl
 cargo build --release --locked -p tessera-cli
 cp target/release/tessera .dev/bin/
 # Test executables (release, so parity runs at speed); cargo prints their paths as JSON.
-for spec in "tessera-backend --test cuda_ops" "tessera-runtime --test egemma2_cuda" "tessera-runtime --test zimage_cuda"; do
+# TESTS picks the GPU test executables (default all); the carried tree must stay under 64 MiB, so
+# a run of one family stages only its own: TESTS="cuda_ops zimage_cuda" tools/device/stage.sh
+TESTS=${TESTS:-cuda_ops egemma2_cuda zimage_cuda}
+rm -f .dev/bin/cuda_ops .dev/bin/egemma2_cuda .dev/bin/zimage_cuda
+for t in $TESTS; do
+  case $t in
+    cuda_ops) spec="tessera-backend --test cuda_ops" ;;
+    *) spec="tessera-runtime --test $t" ;;
+  esac
   # shellcheck disable=SC2086
   exe=$(cargo test --release --locked -p $spec --no-run --message-format=json \
         | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable")][-1])')
@@ -30,11 +38,8 @@ fi
 if ! ls .dev/whl/diffusers-0.42.1-*.whl >/dev/null 2>&1; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 diffusers==0.42.1 -d .dev/whl
 fi
-# The whole transformers wheel (13.8 MB) leaves no room for the binaries under the device tool's
-# 64 MiB: keep only the model folders EmbeddingGemma 2's reference imports (and their kin).
-w=.dev/whl/transformers-5.25.0-py3-none-any.whl
-if [ "$(stat -c %s "$w")" -gt 5000000 ]; then
-  python3 ../shared/tools/trim_wheel.py "$w" "$w.trimmed" transformers/models/ \
-    auto,embedding_gemma2,gemma4,gemma3,gemma3n,gemma,gemma2,siglip,siglip2,qwen3,qwen2 && mv "$w.trimmed" "$w"
-fi
+# The transformers wheel stays whole (13.8 MB): diffusers imports every autoencoder and, where peft
+# is installed (the GPU machine has it), peft imports models of its own, so a wheel trimmed to the
+# models Tessera compares against breaks `import diffusers`. Everything still fits the device
+# tool's 64 MiB with the repository when one family's test executables are staged (TESTS).
 du -sh .dev

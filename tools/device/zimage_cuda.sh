@@ -9,6 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PARTS=${PARTS:-ops,parity,full,bench,ref,compile}
+PROFILE_MODE=${PROFILE_MODE:-kernels}  # TESSERA_PROFILE of the profiled generation: 1 or kernels
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
   && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
@@ -22,7 +23,8 @@ peak_mem() {
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 > "$log.mem" & local s=$!
   "$@"; local r=$?
   kill $s 2>/dev/null; wait $s 2>/dev/null
-  echo "peak GPU memory $(sort -n "$log.mem" | tail -1) MiB" | tee -a "$log"
+  echo "peak GPU memory $(sort -n "$log.mem" | tail -1) MiB" >> "$log"
+  rm -f "$log.mem"
   return $r
 }
 
@@ -57,10 +59,10 @@ if [[ $PARTS == *bench* ]]; then
       > "$OUT/gen_$1.log" 2>&1; r=$?; status=$((status|r))
     grep -E "end to end|peak|rror" "$OUT/gen_$1.log"
   done
-  echo "== profile of one 1024² generation (TESSERA_PROFILE=1)"
-  TESSERA_PROFILE=1 $B generate --model $Z --device cuda --precision bf16 --size 1024x1024 --prompt "a lighthouse" \
+  echo "== profile of one 1024² generation (TESSERA_PROFILE=$PROFILE_MODE; the 3rd block is a warm step)"
+  TESSERA_PROFILE=$PROFILE_MODE $B generate --model $Z --device cuda --precision bf16 --size 1024x1024 --prompt "a lighthouse" \
     -o "$OUT/zimage_full_1024.png" > "$OUT/profile_1024.log" 2>&1; r=$?; status=$((status|r))
-  tail -25 "$OUT/profile_1024.log"
+  grep "^profile" "$OUT/profile_1024.log" | sed -n '1p;3p;$p' | cut -c1-1500
   $B generate --device cuda --size 256x256 --prompt "a lighthouse" -o "$OUT/zimage_mini_cuda.png" 2>&1 | tail -1
 fi
 if [[ $PARTS == *ref* ]]; then
@@ -73,4 +75,6 @@ if [[ $PARTS == *compile* ]]; then
   python3 .dev/tools/zimage_compile.py > "$OUT/compile.log" 2>&1; r=$?; status=$((status|r))
   tail -3 "$OUT/compile.log"
 fi
+# The device tool brings back a handful of files: the logs travel as one archive.
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 exit $status

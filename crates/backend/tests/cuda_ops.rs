@@ -234,6 +234,9 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(conv2d(4, 4, 256, 256, 3).upsampled());
     t.add(conv2d(1, 1, 7, 33, 3)); // one pixel: every tap but the centre is padding
     t.add(conv2d(13, 1, 3, 8, 5)); // a 5×5 kernel over a one-pixel-wide image
+    t.add(conv2d(6, 5, 16, 512, 3).from(Stream)); // conv_in reads the f32 latent
+    t.add(conv2d(5, 3, 64, 64, 3).upsampled().from(Stream)); // upsampling reads the f32 stream
+    t.add(conv2d(7, 9, 512, 256, 1).from(Stream)); // the shortcut reads the f32 stream
 
     // ---- group_norm.
     t.add(group_norm(63, 128, 32).then(Silu)); // the VAE's GroupNorm(32) → SiLU

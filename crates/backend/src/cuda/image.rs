@@ -7,7 +7,7 @@ use tessera_core::{Error, Result};
 use super::gemm::{Post, Rows, act_code, epilogue, product};
 use super::launch::{ByElem, ByPair, DevPtr, Kernel, cfg, kernel_args, kernel_table};
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
-use super::{CudaBackend, CudaBuf, CudaMat, MatFormat};
+use super::{CudaBackend, CudaBuf, CudaMat, Elem, MatFormat};
 use crate::view::same_shape;
 use crate::{Conv2d, GroupNorm, View, ViewMut};
 
@@ -47,6 +47,8 @@ kernel_table! {
         im2col: ByPair<Im2colArgs> = "im2col_{}_{}",
         /// Four channels a thread, for channel counts of 4·m and aligned rows.
         im2col4: ByPair<Im2colArgs> = "im2col4_{}_{}",
+        /// Eight bf16 channels a thread (16-byte copies), for channel counts of 8·m.
+        im2col8: Kernel<Im2colArgs> = "im2col8_bf16_bf16",
         group_stats: ByElem<GroupStatsArgs> = "group_stats_{}",
         group_finish: Kernel<GroupFinishArgs> = "group_finish",
         group_apply: ByPair<GroupApplyArgs> = "group_apply_{}_{}",
@@ -124,12 +126,18 @@ pub(super) fn conv2d(
     let (ws, capacity) = be.workspace(Workspace::Columns)?;
     let block = (capacity / kk).clamp(1, pixels);
     let size = x.buf.elem.size();
-    let wide = cin.is_multiple_of(4)
-        && xp.0.is_multiple_of(4 * size as u64)
-        && (x.stride * size).is_multiple_of(4 * size);
-    let (kernel, per_thread) = match wide {
-        true => (be.kernels.image.im2col4.get(x.buf.elem, ab)?, 4),
-        false => (be.kernels.image.im2col.get(x.buf.elem, ab)?, 1),
+    let aligned = |v: usize| {
+        cin.is_multiple_of(v)
+            && xp.0.is_multiple_of((v * size) as u64)
+            && (x.stride * size).is_multiple_of(v * size)
+    };
+    let table = &be.kernels.image;
+    let (kernel, per_thread) = if x.buf.elem == Elem::Bf16 && ab == Elem::Bf16 && aligned(8) {
+        (&table.im2col8, 8)
+    } else if aligned(4) {
+        (table.im2col4.get(x.buf.elem, ab)?, 4)
+    } else {
+        (table.im2col.get(x.buf.elem, ab)?, 1)
     };
     let columns = Rows {
         ptr: ws,

@@ -9,7 +9,7 @@
 //!   its kernels in a typed table with typed argument structs ([`launch`]): every kernel is
 //!   resolved when the backend opens, and CI checks the tables against NVRTC's output.
 //! - bf16 attention: `flash_wgmma_d{D}` (kernels/attention_sm90.cu, warpgroup MMA) on Hopper for
-//!   head widths 64, 256 and 512, else the portable `flash_bf16_d{D}` (kernels/attention.cu,
+//!   head widths 64, 128, 256 and 512, else the portable `flash_bf16_d{D}` (kernels/attention.cu,
 //!   mma.sync); both split a tile's keys into chunks when that fills the GPU better
 //!   (`attention/flash.rs`).
 //! - Precision [`Precision::Bf16`]: bf16 weights and GEMM inputs (`Role::Compute` buffers), f32

@@ -11,6 +11,8 @@ pub struct ConvCase {
     spec: Conv2d,
     cin: usize,
     cout: usize,
+    /// The input buffer's role (the VAE reads the f32 stream in some convolutions).
+    input: Role,
 }
 
 pub fn conv2d(height: usize, width: usize, cin: usize, cout: usize, kernel: usize) -> ConvCase {
@@ -23,10 +25,16 @@ pub fn conv2d(height: usize, width: usize, cin: usize, cout: usize, kernel: usiz
         },
         cin,
         cout,
+        input: Role::Compute,
     }
 }
 
 impl ConvCase {
+    /// Reading its input from a buffer of this role.
+    pub fn from(self, input: Role) -> Self {
+        ConvCase { input, ..self }
+    }
+
     /// Of the image upsampled 2× by nearest neighbour first.
     pub fn upsampled(self) -> Self {
         ConvCase {
@@ -49,8 +57,8 @@ impl OpCase for ConvCase {
         } = self.spec;
         let up = if upsample { " upsampled 2×" } else { "" };
         format!(
-            "conv2d {kernel}×{kernel} {}→{} over a {height}×{width} image{up}",
-            self.cin, self.cout
+            "conv2d {kernel}×{kernel} {}→{} over a {height}×{width} image{up} from {:?}",
+            self.cin, self.cout, self.input
         )
     }
 
@@ -62,12 +70,17 @@ impl OpCase for ConvCase {
     }
 
     fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
-        let ConvCase { spec, cin, cout } = *self;
+        let ConvCase {
+            spec,
+            cin,
+            cout,
+            input,
+        } = *self;
         let (pixels, (oh, ow)) = (spec.height * spec.width, spec.out_size());
         let inner = spec.kernel * spec.kernel * cin;
         let x = Guarded::drawn(
             be,
-            Role::Compute,
+            input,
             Layout::padded(pixels, cin, 8, 8),
             rng,
             2.0,

@@ -468,7 +468,8 @@ impl<B: Backend> ZImageTransformer<B> {
                 .adaln
                 .as_ref()
                 .ok_or_else(|| Error::backend("zimage", "modulated block without adaLN"))?;
-            let mut m = be.alloc(steps * 4 * d, e)?;
+            // Modulation rows are read as f32 by the norms and residual gates, in any precision.
+            let mut m = be.alloc(steps * 4 * d, Role::Stream)?;
             be.matmul(
                 View::new(&temb, steps, a),
                 &ada.w,
@@ -477,7 +478,7 @@ impl<B: Backend> ZImageTransformer<B> {
             )?;
             mods.push(m);
         }
-        let mut final_scale = be.alloc(steps * d, e)?;
+        let mut final_scale = be.alloc(steps * d, Role::Stream)?;
         be.matmul(
             View::new(&temb_silu, steps, a),
             &self.final_adaln.w,

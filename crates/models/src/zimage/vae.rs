@@ -163,9 +163,14 @@ pub struct VaeDecoder<B: Backend> {
 }
 
 /// Four activation buffers, rotated as a ResNet needs them (input kept for the skip).
+/// The decoder's activations. `x` is the residual stream; `n` and `y` take outputs that are
+/// swapped into it (a shortcut's, an upsampling's); GroupNorm outputs (`c`) and the first
+/// convolution of a block (`h`) are only ever read by a convolution or the next GroupNorm, so
+/// they are in the compute type, which halves their traffic and the columns' reads under bf16.
 struct Bufs<B: Backend> {
     x: B::Buf,
     n: B::Buf,
+    c: B::Buf,
     h: B::Buf,
     y: B::Buf,
 }
@@ -223,9 +228,6 @@ impl<B: Backend> VaeDecoder<B> {
         let top = self.cfg.block_out_channels.last().copied().unwrap_or(0);
         let mut px = h * w;
         let mut most = px * top.max(self.cfg.latent_channels);
-        if self.mid_attention.is_some() {
-            most = most.max(3 * px * top);
-        }
         for b in &self.up {
             for r in &b.resnets {
                 most = most.max(px * r.cin.max(r.cout));
@@ -264,12 +266,16 @@ impl<B: Backend> VaeDecoder<B> {
             }
         }
         let n = self.max_elems((h, w));
-        let alloc = || be.alloc(n, Role::Stream);
+        let (stream, compute) = (
+            || be.alloc(n, Role::Stream),
+            || be.alloc(n, Role::Compute),
+        );
         let mut bufs = Bufs {
-            x: alloc()?,
-            n: alloc()?,
-            h: alloc()?,
-            y: alloc()?,
+            x: stream()?,
+            n: stream()?,
+            c: compute()?,
+            h: compute()?,
+            y: stream()?,
         };
         be.write_f32(&mut bufs.n, &z)?;
         let mut hw = (h, w);
@@ -286,7 +292,11 @@ impl<B: Backend> VaeDecoder<B> {
         record("conv_in", &bufs.x, h * w, top)?;
         self.resnet(be, &self.mid[0], &mut bufs, hw)?;
         if let Some(a) = &self.mid_attention {
-            self.attention(be, a, &mut bufs, hw)?;
+            // GEMM and attention operands in the compute type (bf16 under bf16).
+            let px = h * w;
+            let mut qkv = be.alloc(3 * px * a.c, Role::Compute)?;
+            let mut normed = be.alloc(px * a.c, Role::Compute)?;
+            self.attention(be, a, &mut bufs.x, (&mut qkv, &mut normed), hw)?;
         }
         self.resnet(be, &self.mid[1], &mut bufs, hw)?;
         record("mid", &bufs.x, h * w, top)?;
@@ -319,10 +329,10 @@ impl<B: Backend> VaeDecoder<B> {
                 eps: GN_EPS,
                 act: Some(Activation::Silu),
             },
-            ViewMut::new(&mut bufs.n, px, c0),
+            ViewMut::new(&mut bufs.c, px, c0),
         )?;
         self.conv_out
-            .run(be, View::new(&bufs.n, px, c0), hw, false, &mut bufs.y)?;
+            .run(be, View::new(&bufs.c, px, c0), hw, false, &mut bufs.y)?;
         be.read_f32(View::new(&bufs.y, px, c.out_channels))
     }
 
@@ -350,19 +360,19 @@ impl<B: Backend> VaeDecoder<B> {
             &r.norm1,
             View::new(&b.x, px, r.cin),
             true,
-            ViewMut::new(&mut b.n, px, r.cin),
+            ViewMut::new(&mut b.c, px, r.cin),
         )?;
         r.conv1
-            .run(be, View::new(&b.n, px, r.cin), hw, false, &mut b.h)?;
+            .run(be, View::new(&b.c, px, r.cin), hw, false, &mut b.h)?;
         self.group_norm(
             be,
             &r.norm2,
             View::new(&b.h, px, r.cout),
             true,
-            ViewMut::new(&mut b.n, px, r.cout),
+            ViewMut::new(&mut b.c, px, r.cout),
         )?;
         r.conv2
-            .run(be, View::new(&b.n, px, r.cout), hw, false, &mut b.y)?;
+            .run(be, View::new(&b.c, px, r.cout), hw, false, &mut b.y)?;
         if let Some(sc) = &r.shortcut {
             sc.run(be, View::new(&b.x, px, r.cin), hw, false, &mut b.n)?;
             std::mem::swap(&mut b.x, &mut b.n);
@@ -375,26 +385,28 @@ impl<B: Backend> VaeDecoder<B> {
         )
     }
 
-    /// `x ← x + to_out(softmax(q kᵀ/√C) v)` over the pixels, q, k, v from `GN(x)`.
+    /// `x ← x + to_out(softmax(q kᵀ/√C) v)` over the pixels, q, k, v from `GN(x)`; `qkv`
+    /// `[px, 3C]` and `n` `[px, C]` are compute-type buffers.
     fn attention(
         &self,
         be: &B,
         a: &Attention<B>,
-        b: &mut Bufs<B>,
+        x: &mut B::Buf,
+        (qkv_buf, n): (&mut B::Buf, &mut B::Buf),
         hw: (usize, usize),
     ) -> Result<()> {
         let (px, c) = (hw.0 * hw.1, a.c);
         self.group_norm(
             be,
             &a.norm,
-            View::new(&b.x, px, c),
+            View::new(x, px, c),
             false,
-            ViewMut::new(&mut b.n, px, c),
+            ViewMut::new(n, px, c),
         )?;
         be.matmul(
-            View::new(&b.n, px, c),
+            View::new(n, px, c),
             &a.qkv.w,
-            ViewMut::new(&mut b.h, px, 3 * c),
+            ViewMut::new(qkv_buf, px, 3 * c),
             &a.qkv.epilogue(),
         )?;
         let layout = QkvLayout {
@@ -404,20 +416,20 @@ impl<B: Backend> VaeDecoder<B> {
         };
         let spec = AttnSpec::new(layout, (c as f32).powf(-0.5), Mask::Full);
         let segs = be.segments(&[px])?;
-        let qkv = View::new(&b.h, px, 3 * c);
+        let qkv = View::new(qkv_buf, px, 3 * c);
         be.attention(
             qkv.cols(0, c),
             qkv.cols(c, c),
             qkv.cols(2 * c, c),
-            ViewMut::new(&mut b.n, px, c),
+            ViewMut::new(n, px, c),
             &spec,
             &segs,
         )?;
         // x += to_out(a) + bias, folded into the product.
         be.matmul(
-            View::new(&b.n, px, c),
+            View::new(n, px, c),
             &a.out.w,
-            ViewMut::new(&mut b.x, px, c),
+            ViewMut::new(x, px, c),
             &a.out.epilogue().accumulate(),
         )
     }

@@ -40,7 +40,7 @@ pub fn flash_config(d: usize) -> FlashConfig {
 }
 
 /// Head dims the Hopper (wgmma) attention kernel is instantiated for.
-pub const WGMMA_HEAD_DIMS: [usize; 3] = [64, 256, 512];
+pub const WGMMA_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 
 /// Whether `flash_wgmma_d{D}` exists on `arch` (attention_sm90.cu is built for sm_90a alone).
 pub fn wgmma_applies(arch: &str, d: usize) -> bool {

@@ -32,7 +32,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], u64 da, u64 db, int a
 }
 
 // wgmma_rs: D[64×N] += A[64×16]·B[16×N], A from registers (each warp's 16 rows in the
-// mma.m16n8k16 A-fragment layout), B N-major in shared memory (transposed). N = 64 or 256.
+// mma.m16n8k16 A-fragment layout), B N-major in shared memory (transposed). N = 64, 128 or 256.
 __device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const u32 (&a)[4], u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
@@ -40,6 +40,16 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const u32 (&a)[4], u6
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
         "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_rs(float (&d)[16][4], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
@@ -106,6 +116,8 @@ __device__ __forceinline__ void load_sw128(u32 tile, const bf16* base, long stri
 // multiprocessor for 64-wide ones) was slower on every shape (W3 sliding 423 → 462 µs, one image
 // 97 → 117 µs): the resident CTAs already overlap each other, and the buffer cost occupancy.
 template <int D> struct WgCfg { static constexpr int WGS = 1, BN = 64, MIN_CTAS = 4; };
+// 128-wide heads (Z-Image's DiT and text encoder) spill at four CTAs' 128 registers: three.
+template <> struct WgCfg<128> { static constexpr int WGS = 1, BN = 64, MIN_CTAS = 3; };
 template <> struct WgCfg<256> { static constexpr int WGS = 1, BN = 64, MIN_CTAS = 2; };
 template <> struct WgCfg<512> { static constexpr int WGS = 2, BN = 64, MIN_CTAS = 1; };
 
@@ -222,5 +234,6 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
                          kv_splits);                                                                     \
     }
 FLASH_WG(64)
+FLASH_WG(128)
 FLASH_WG(256)
 FLASH_WG(512)
