@@ -3,6 +3,8 @@
 # parity against the CPU (the miniature model, then a full-size random-weight folder at 256²),
 # then `tessera bench generate` beside diffusers (eager and torch.compile) in the same call.
 #   PARTS=ops,parity,full,bench,ref,compile (default all)
+#   GEN_SPECS: the `bench generate` runs, "SIZE ITERS IMAGES" each (default 1024² ×1 and ×4 images,
+#   2048², 1344×768)
 # Writes logs, JSON and the generated PNGs under $OUT. Build everything first with
 # tools/device/stage.sh.
 set -uo pipefail
@@ -46,18 +48,19 @@ if [[ $PARTS == *full* || $PARTS == *bench* ]] && [ ! -f $Z/model_index.json ]; 
 fi
 if [[ $PARTS == *full* ]]; then
   echo "== model parity: full size at 256², cuda vs cpu"
-  TESSERA_ZI_FULL=$Z .dev/bin/zimage_cuda --ignored --test-threads=1 --nocapture full_size > "$OUT/zimage_cuda_full.log" 2>&1; r=$?; status=$((status|r))
+  TESSERA_ZI_FULL=$Z timeout 420 .dev/bin/zimage_cuda --ignored --test-threads=1 --nocapture full_size > "$OUT/zimage_cuda_full.log" 2>&1; r=$?; status=$((status|r))
   grep -E "f32:|bf16:|test result|panicked" "$OUT/zimage_cuda_full.log" | head -20
 fi
 if [[ $PARTS == *bench* ]]; then
   echo "== cuBLASLt bf16 ceiling"
   $B bench gemm --device cuda 2>&1 | tail -2 | tee "$OUT/gemm.log"
   echo "== tessera bench generate (bf16, full size)"
-  for spec in "1024x1024 5" "2048x2048 2" "1344x768 2"; do
+  for spec in ${GEN_SPECS:-"1024x1024 5 1" "1024x1024 3 4" "2048x2048 2 1" "1344x768 2 1"}; do
     set -- $spec
-    peak_mem "$OUT/gen_$1.log" $B bench generate --model $Z --device cuda --precision bf16 --size $1 --steps 8 --iters $2 \
-      > "$OUT/gen_$1.log" 2>&1; r=$?; status=$((status|r))
-    grep -E "end to end|peak|rror" "$OUT/gen_$1.log"
+    log="$OUT/gen_$1_n$3.log"
+    peak_mem "$log" $B bench generate --model $Z --device cuda --precision bf16 --size $1 --steps 8 --iters $2 \
+      --num-images $3 > "$log" 2>&1; r=$?; status=$((status|r))
+    grep -E "end to end|peak|rror|images_per_s" "$log" | sed 's/^{.*"images_per_s":\([0-9.]*\).*/images\/s \1/'
   done
   echo "== profile of one 1024² generation (TESSERA_PROFILE=$PROFILE_MODE; the 3rd block is a warm step)"
   TESSERA_PROFILE=$PROFILE_MODE $B generate --model $Z --device cuda --precision bf16 --size 1024x1024 --prompt "a lighthouse" \

@@ -60,9 +60,13 @@ pub struct GenerateArgs {
     /// Seed of the initial latent.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Where to write the PNG.
+    /// Where to write the PNG; with --num-images above 1, image i goes to STEM-i.png (seed + i).
     #[arg(long, short, default_value = "image.png")]
     pub out: PathBuf,
+    /// Images to make from the prompt, seeds --seed, --seed + 1, …, denoised together as one
+    /// batch (faster per image than one at a time).
+    #[arg(long, default_value_t = 1)]
+    pub num_images: usize,
     /// Start from this latent instead of the seeded one: a float32 .npy array of shape
     /// [1, 16, HEIGHT/8, WIDTH/8] (or without the leading 1), e.g. diffusers' `latents`.
     #[arg(long, value_name = "FILE")]
@@ -93,11 +97,12 @@ const TMP_RANDOM: usize = 6;
 /// A leftover younger than this is never removed: its run may not have locked it yet.
 const LEFTOVER_AGE: Duration = Duration::from_secs(60);
 
-/// The temporary file a signal must remove, held from its creation until it is renamed into
-/// place; the signal thread takes the lock, so a rename and a removal never interleave.
-static PENDING: Mutex<Option<PathBuf>> = Mutex::new(None);
+/// The temporary files a signal must remove (one per image), each held from its creation until
+/// it is renamed into place; the signal thread takes the lock, so a rename and a removal never
+/// interleave.
+static PENDING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
-fn pending() -> std::sync::MutexGuard<'static, Option<PathBuf>> {
+fn pending() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
     PENDING.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -176,8 +181,9 @@ impl Output {
         encode_png(std::io::BufWriter::new(file), image, text).map_err(io)?;
         if let Target::Atomic { dest, tmp } = self.target {
             let mut pending = pending();
+            let tmp_path = tmp.path().to_path_buf();
             tmp.persist(&dest).map_err(|e| Error::io(path, e.error))?;
-            *pending = None;
+            pending.retain(|p| *p != tmp_path);
         }
         Ok(())
     }
@@ -233,7 +239,7 @@ fn temporary_beside(path: &Path, dest: &Path) -> Result<tempfile::NamedTempFile>
     // knows the file is abandoned. Where the file system has no locks, no later run can take
     // one either, and nothing is removed: failing here would gain nothing.
     let _ = tmp.as_file().try_lock();
-    *pending = Some(tmp.path().to_path_buf());
+    pending.push(tmp.path().to_path_buf());
     drop(pending);
     remove_leftovers(&parent, tmp.path());
     Ok(tmp)
@@ -309,8 +315,7 @@ fn remove_on_signal() -> Result<()> {
         .name("tessera-signals".into())
         .spawn(move || {
             let code = rt.block_on(signal);
-            let pending = pending();
-            if let Some(p) = pending.as_ref() {
+            for p in pending().iter() {
                 let _ = std::fs::remove_file(p);
             }
             std::process::exit(code);
@@ -368,7 +373,11 @@ fn parse_guidance(s: &str) -> std::result::Result<f32, String> {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let started = Instant::now();
     remove_on_signal()?;
-    let out = Output::claim(&args.out)?;
+    let paths = output_paths(&args.out, args.num_images);
+    let outs = paths
+        .iter()
+        .map(|p| Output::claim(p))
+        .collect::<Result<Vec<_>>>()?;
     let init = args.init_latent.as_deref().map(npy::read_f32).transpose()?;
     let spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
     if spec.is_bundled() {
@@ -392,6 +401,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         seed: args.seed,
         init_latent: None,
         shift: None,
+        num_images: args.num_images,
     };
     if let Some((shape, values)) = init {
         let want = model.latent_shape(width, height);
@@ -417,15 +427,27 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
     }
 
+    // indicatif draws nothing when stderr is not a terminal.
     let bar = ProgressBar::new(plan.schedule.steps() as u64).with_style(
-        ProgressStyle::with_template("{msg:>10} [{bar:30}] {pos}/{len} steps {elapsed_precise}")
-            .map_err(|e| Error::input(e.to_string()))?
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{msg:>10} [{bar:30}] {pos}/{len} steps {elapsed_precise} {prefix}",
+        )
+        .map_err(|e| Error::input(e.to_string()))?
+        .progress_chars("=> "),
     );
     bar.set_message("encoding");
-    let image = model.generate(&req, &plan, &mut |e| match e {
-        Event::Encoded => bar.set_message("denoising"),
-        Event::Step { .. } => bar.inc(1),
+    let mut last = Instant::now();
+    let images = model.generate(&req, &plan, &mut |e| match e {
+        Event::Encoded => {
+            bar.set_message("denoising");
+            last = Instant::now();
+        }
+        Event::Step { .. } => {
+            let ms = last.elapsed().as_secs_f64() * 1e3;
+            bar.set_prefix(format!("({ms:.0} ms/step)"));
+            bar.inc(1);
+            last = Instant::now();
+        }
         Event::Decoding => bar.set_message("decoding"),
     })?;
     bar.finish_and_clear();
@@ -438,24 +460,44 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ("model", label),
         ("software", format!("tessera {}", env!("CARGO_PKG_VERSION"))),
     ];
-    match &args.init_latent {
-        Some(p) => text.push(("init_latent", p.display().to_string())),
-        None => text.push(("seed", args.seed.to_string())),
-    }
     if req.cfg() {
         text.push((
             "negative_prompt",
             args.negative_prompt.clone().unwrap_or_default(),
         ));
     }
-    out.write(&image, &text)?;
+    for (i, (out, image)) in outs.into_iter().zip(&images).enumerate() {
+        let mut text = text.clone();
+        match &args.init_latent {
+            Some(p) => text.push(("init_latent", p.display().to_string())),
+            None => text.push(("seed", args.seed.wrapping_add(i as u64).to_string())),
+        }
+        out.write(image, &text)?;
+    }
+    let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     eprintln!(
         "wrote {} ({width}x{height}, {} steps) in {:.1} s",
-        args.out.display(),
+        shown.join(", "),
         args.steps,
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Where `n` images go: `out` itself for one, `STEM-i.EXT` beside it for several.
+fn output_paths(out: &Path, n: usize) -> Vec<PathBuf> {
+    if n <= 1 {
+        return vec![out.to_path_buf()];
+    }
+    let stem = out
+        .file_stem()
+        .map_or_else(|| "image".to_string(), |s| s.to_string_lossy().into_owned());
+    let ext = out
+        .extension()
+        .map_or_else(|| "png".to_string(), |e| e.to_string_lossy().into_owned());
+    (0..n)
+        .map(|i| out.with_file_name(format!("{stem}-{i}.{ext}")))
+        .collect()
 }
 
 #[cfg(test)]

@@ -244,7 +244,9 @@ fn run_dit(
     let mut prep = tr
         .prepare(be, &views, (h, w), &[c.t as f32], Some(&mut taps))
         .unwrap();
-    tr.forward(be, &mut prep, &ex.f32(&c.latent), 0, Some(&mut taps))
+    let latent = ex.f32(&c.latent);
+    let latents = vec![latent.as_slice(); views.len()];
+    tr.forward(be, &mut prep, &latents, 0, Some(&mut taps))
         .unwrap();
     taps
 }
@@ -556,9 +558,10 @@ fn pipeline_reproduces_the_reference_steps_and_image() {
         let image = z
             .generate(&req, &plan, |e| {
                 if let Event::Step {
-                    index, v, latent, ..
+                    index, v, latents, ..
                 } = e
                 {
+                    let latent = &latents[0];
                     let case = format!("{} step {index}", c.name);
                     worst.check(
                         "v_pos",

@@ -227,3 +227,66 @@ fn a_seed_gives_the_same_image_and_another_seed_another() {
     assert_eq!(a, run(&mut z, 7));
     assert_ne!(a, run(&mut z, 8));
 }
+
+/// `num_images` images in one batch are the images of seeds `seed, seed + 1, …` made one at a
+/// time (the batch changes only the order of some sums: within one 8-bit level).
+#[test]
+fn a_batch_of_images_is_the_seeds_one_at_a_time() {
+    let mut z = bundled();
+    for guidance in [0.0, 2.0] {
+        let req = Request {
+            seed: 11,
+            num_images: 3,
+            guidance,
+            ..small("three cats")
+        };
+        let plan = z.plan(&req).unwrap();
+        let batch = z.generate_images(&req, &plan, |_| {}).unwrap();
+        assert_eq!(batch.len(), 3);
+        for (i, image) in batch.iter().enumerate() {
+            let one = Request {
+                seed: 11 + i as u64,
+                num_images: 1,
+                ..req.clone()
+            };
+            let plan = z.plan(&one).unwrap();
+            let single = z.generate(&one, &plan, |_| {}).unwrap();
+            let worst = single
+                .pixels
+                .iter()
+                .zip(&image.pixels)
+                .map(|(a, b)| a.abs_diff(*b))
+                .max()
+                .unwrap();
+            assert!(
+                worst <= 1,
+                "guidance {guidance}, image {i}: off by {worst} levels"
+            );
+        }
+        assert_ne!(batch[0].pixels, batch[1].pixels);
+    }
+}
+
+#[test]
+fn image_counts_out_of_range_and_a_latent_for_several_are_refused() {
+    let z = bundled();
+    for n in [0, 17] {
+        let e = z
+            .plan(&Request {
+                num_images: n,
+                ..small("x")
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1 to 16 images"), "{e}");
+    }
+    let e = z
+        .plan(&Request {
+            num_images: 2,
+            init_latent: Some(vec![0.0; 384]),
+            ..small("x")
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--num-images 1"), "{e}");
+}

@@ -15,13 +15,14 @@ pub trait GenerateImage: Send {
     fn latent_shape(&self, width: usize, height: usize) -> [usize; 3];
     /// Check a request and tokenise its prompts: everything that can be refused is refused here.
     fn plan(&self, req: &Request) -> Result<Plan>;
-    /// Run a planned request, reporting progress through `on`.
+    /// Run a planned request (`req.num_images` images, one batch), reporting progress through
+    /// `on`.
     fn generate(
         &mut self,
         req: &Request,
         plan: &Plan,
         on: &mut dyn FnMut(Event<'_>),
-    ) -> Result<RgbImage>;
+    ) -> Result<Vec<RgbImage>>;
 }
 
 impl<B: Backend> GenerateImage for ZImage<B> {
@@ -41,8 +42,8 @@ impl<B: Backend> GenerateImage for ZImage<B> {
         req: &Request,
         plan: &Plan,
         on: &mut dyn FnMut(Event<'_>),
-    ) -> Result<RgbImage> {
-        ZImage::generate(self, req, plan, on)
+    ) -> Result<Vec<RgbImage>> {
+        ZImage::generate_images(self, req, plan, on)
     }
 }
 

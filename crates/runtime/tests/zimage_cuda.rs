@@ -4,7 +4,7 @@
 //!
 //! Run on a GPU machine: `cargo test -p tessera-runtime --test zimage_cuda -- --ignored
 //! --nocapture`. The bundled miniature model runs at several sizes, with and without
-//! classifier-free guidance (whose two passes are one batch). `TESSERA_ZI_FULL` = a full-size
+//! classifier-free guidance (whose two passes are one batch), and several images in one batch. `TESSERA_ZI_FULL` = a full-size
 //! folder (`tools/device/make_zimage_full.py`) adds that model at a small size; the test fails
 //! rather than skips when the variable names a folder that does not load.
 //!
@@ -36,20 +36,24 @@ fn run<B: Backend>(be: B, files: &ZImageFiles, req: &Request) -> Taps {
         features: z.caption_features(&plan.prompts).expect("text encoder"),
         ..Taps::default()
     };
-    let image = z
-        .generate(req, &plan, |e| {
-            if let Event::Step { v, latent, .. } = e {
+    let mut last: Vec<Vec<f32>> = Vec::new();
+    let images = z
+        .generate_images(req, &plan, |e| {
+            if let Event::Step { v, latents, .. } = e {
                 taps.velocity.push(v.to_vec());
-                taps.latent.push(latent.to_vec());
+                taps.latent.push(latents.concat());
+                last = latents.to_vec();
             }
         })
         .expect("generate");
-    let last = taps.latent.last().expect("at least one step");
-    taps.decoded = z
-        .vae()
-        .decode(z.backend(), last, plan.latent_hw, None)
-        .expect("decode");
-    taps.rgb = image.pixels;
+    for latent in &last {
+        let image = z
+            .vae()
+            .decode(z.backend(), latent, plan.latent_hw, None)
+            .expect("decode");
+        taps.decoded.extend(image);
+    }
+    taps.rgb = images.into_iter().flat_map(|i| i.pixels).collect();
     taps
 }
 
@@ -181,6 +185,14 @@ fn the_miniature_model_matches_the_cpu_tap_by_tap() {
                 guidance: 3.5,
                 negative_prompt: Some("blurry".into()),
                 ..request("a bowl of ramen", (64, 64), 2)
+            },
+        ),
+        (
+            "3 images of 32×48 in one batch, CFG 2",
+            Request {
+                guidance: 2.0,
+                num_images: 3,
+                ..request("three cats", (32, 48), 2)
             },
         ),
     ];

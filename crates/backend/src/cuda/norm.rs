@@ -96,6 +96,11 @@ kernel_table! {
         row_norm: ByPair<RowNormArgs> = "row_norm_{}_{}",
         /// Any residual step (no or any post-norm, tanh gates, any next norm).
         residual_any: ByPair<ResidualAnyArgs> = "residual_any_{}_{}",
+        /// The same two, rows held in registers 4-wide ([`vec_threads`]).
+        row_norm_vec: ByPair<RowNormArgs> = "row_norm_vec_{}_{}",
+        residual_any_vec: ByPair<ResidualAnyArgs> = "residual_any_vec_{}_{}",
+        /// Interleaved RoPE on aligned heads of 128·m (m ≤ 4), 4-wide.
+        qkv_norm_rope_pairs_vec: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_pairs_vec_{}",
         /// Axial 2-D RoPE on aligned heads of 64, 8 lanes a head.
         qkv_norm_rope_axial64: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_axial64_{}",
     }
@@ -181,6 +186,17 @@ pub(super) fn f32_row(
     ptr_of(v)
 }
 
+/// Column chunks of 4 each thread of the vector kernels holds (`RN_CHUNKS` in norm.cu).
+const RN_CHUNKS: usize = 8;
+
+/// Threads per row of the vector row-norm kernels for rows of `cols`, when those kernels take
+/// them (4·m columns, at most 32,768) and every row and vector is aligned for 4-wide accesses.
+fn vec_threads(cols: usize, rows: &[(DevPtr, usize, usize)], vectors: &[DevPtr]) -> Option<u32> {
+    let threads = cols.div_ceil(4 * RN_CHUNKS).next_multiple_of(32);
+    (cols.is_multiple_of(4) && threads <= 1024 && vec4_aligned(rows, vectors))
+        .then_some(threads as u32)
+}
+
 /// Check that rows of `cols` fit the general kernels' shared-memory staging.
 fn staged(op: &str, cols: usize) -> Result<u32> {
     if cols > MAX_STAGED_COLS {
@@ -203,7 +219,6 @@ pub(super) fn norm(
         return rms_norm(be, x, n.weight, n.eps, out);
     }
     same_shape("norm", (x.rows, x.cols), (out.rows, out.cols))?;
-    let smem = staged("norm", x.cols)?;
     let args = RowNormArgs {
         x: ptr_of(&x)?,
         xs: x.stride as i64,
@@ -212,8 +227,22 @@ pub(super) fn norm(
         os: out.stride as i64,
         cols: x.cols as i32,
     };
-    let kernel = be.kernels.norm.row_norm.get(x.buf.elem, out.buf.elem)?;
-    be.launch("norm", kernel, row_blocks(x.rows, x.cols, smem), &args)
+    let (xe, oe) = (x.buf.elem, out.buf.elem);
+    let rows = [
+        (args.x, x.stride, xe.size()),
+        (args.out, out.stride, oe.size()),
+    ];
+    let k = &be.kernels.norm;
+    match vec_threads(x.cols, &rows, &[args.norm.w, args.norm.b, args.norm.s]) {
+        Some(threads) => {
+            let launch = cfg((x.rows as u32, 1), threads, 0);
+            be.launch("norm", k.row_norm_vec.get(xe, oe)?, launch, &args)
+        }
+        None => {
+            let launch = row_blocks(x.rows, x.cols, staged("norm", x.cols)?);
+            be.launch("norm", k.row_norm.get(xe, oe)?, launch, &args)
+        }
+    }
 }
 
 /// A plain weighted-or-not RMS norm, the only kind the RMS kernels compute.
@@ -258,7 +287,6 @@ fn residual_any(
         return Err(Error::backend(OP, "the residual stream must be f32"));
     }
     let cols = h.cols;
-    let smem = staged(OP, cols)?;
     let post = match &res.post {
         Some(p) if p.scale.is_some() => {
             return Err(Error::backend(OP, "the post-norm cannot be modulated"));
@@ -296,8 +324,32 @@ fn residual_any(
         os: os as i64,
         cols: cols as i32,
     };
-    let kernel = be.kernels.norm.residual_any.get(y.buf.elem, oe)?;
-    be.launch("norm", kernel, row_blocks(h.rows, cols, smem), &args)
+    let ye = y.buf.elem;
+    // Without an output, its null pointer and zero stride pass the alignment test.
+    let rows = [
+        (args.h, h.stride, 4),
+        (args.y, y.stride, ye.size()),
+        (optr, os, oe.size()),
+    ];
+    let vectors = [
+        args.post.w,
+        args.post.b,
+        g,
+        args.next.w,
+        args.next.b,
+        args.next.s,
+    ];
+    let k = &be.kernels.norm;
+    match vec_threads(cols, &rows, &vectors) {
+        Some(threads) => {
+            let launch = cfg((h.rows as u32, 1), threads, 0);
+            be.launch("norm", k.residual_any_vec.get(ye, oe)?, launch, &args)
+        }
+        None => {
+            let launch = row_blocks(h.rows, cols, staged(OP, cols)?);
+            be.launch("norm", k.residual_any.get(ye, oe)?, launch, &args)
+        }
+    }
 }
 
 fn rms_norm(
@@ -489,7 +541,10 @@ pub(super) fn qkv_norm_rope(
     let axial64 = aligned && axial && hd == 64;
     let k = &be.kernels.norm;
     let pairs = rope.is_some_and(|(t, _)| t.style == RopeStyle::Interleaved);
-    let kernel = if pairs {
+    let pairs_vec = pairs && aligned && hd.is_multiple_of(128) && thalf.is_multiple_of(2);
+    let kernel = if pairs_vec {
+        &k.qkv_norm_rope_pairs_vec
+    } else if pairs {
         &k.qkv_norm_rope_pairs
     } else if axial64 {
         &k.qkv_norm_rope_axial64

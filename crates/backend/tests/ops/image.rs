@@ -78,13 +78,7 @@ impl OpCase for ConvCase {
         } = *self;
         let (pixels, (oh, ow)) = (spec.height * spec.width, spec.out_size());
         let inner = spec.kernel * spec.kernel * cin;
-        let x = Guarded::drawn(
-            be,
-            input,
-            Layout::padded(pixels, cin, 8, 8),
-            rng,
-            2.0,
-        )?;
+        let x = Guarded::drawn(be, input, Layout::padded(pixels, cin, 8, 8), rng, 2.0)?;
         let w = rng.vec(cout * inner, 1.0 / (inner as f32).sqrt());
         let w = be.matrix_f32(&[(&w, cout)], inner)?;
         let bias = be.vector_f32(&rng.vec(cout, 0.5))?;

@@ -33,6 +33,9 @@ pub struct GenerateBench {
     /// Classifier-free guidance (its two passes run as one batch).
     #[arg(long, default_value_t = 0.0)]
     guidance: f32,
+    /// Images per run, denoised as one batch.
+    #[arg(long, default_value_t = 1)]
+    num_images: usize,
     /// Timed runs.
     #[arg(long, default_value_t = 3)]
     iters: usize,
@@ -43,7 +46,7 @@ pub struct GenerateBench {
     device: DeviceArgs,
 }
 
-/// One run's stage times.
+/// One run's stage times (decode and png: every image's).
 struct Run {
     /// Prompt to PNG bytes.
     total: Duration,
@@ -78,20 +81,23 @@ pub fn run(b: GenerateBench) -> Result<()> {
         height,
         steps: b.steps,
         guidance: b.guidance,
+        num_images: b.num_images,
         ..Request::new(b.prompt.clone())
     };
     let mut once = || -> Result<Run> {
         let t0 = Instant::now();
         let plan = model.plan(&req)?;
         let mut marks = Vec::with_capacity(req.steps + 2);
-        let image = model.generate(&req, &plan, &mut |e| {
+        let images = model.generate(&req, &plan, &mut |e| {
             if !matches!(e, Event::Decoding) {
                 marks.push(t0.elapsed());
             }
         })?;
         let decoded = t0.elapsed();
-        let mut bytes = Vec::new();
-        encode_png(&mut bytes, &image, &[]).map_err(|e| Error::input(e.to_string()))?;
+        for image in &images {
+            let mut bytes = Vec::new();
+            encode_png(&mut bytes, image, &[]).map_err(|e| Error::input(e.to_string()))?;
+        }
         let total = t0.elapsed();
         let (encode, step_ends) = marks
             .split_first()
@@ -128,13 +134,16 @@ pub fn run(b: GenerateBench) -> Result<()> {
     let json = serde_json::json!({
         "bench": "generate", "model": spec.label, "device": model.describe(),
         "size": format!("{width}x{height}"), "steps": b.steps, "guidance": b.guidance,
+        "num_images": b.num_images,
+        "images_per_s": b.num_images as f64 / (median(&runs, |r| ms(r.total)) / 1e3),
         "load_s": load.as_secs_f64(), "first_run_ms": ms(first.total),
         "e2e_ms": median(&runs, |r| ms(r.total)), "encode_ms": median(&runs, |r| ms(r.encode)),
         "step_ms": step, "decode_ms": median(&runs, |r| ms(r.decode)),
         "png_ms": median(&runs, |r| ms(r.png)), "iters": runs.len(),
     });
     println!(
-        "{width}x{height}, {} steps on {}: end to end {:.1} ms (encode {:.1}, step {:.1}, decode {:.1}, png {:.1}); load {:.2} s, first run {:.0} ms",
+        "{} × {width}x{height}, {} steps on {}: end to end {:.1} ms (encode {:.1}, step {:.1}, decode {:.1}, png {:.1}); load {:.2} s, first run {:.0} ms",
+        b.num_images,
         b.steps,
         model.describe(),
         json["e2e_ms"].as_f64().unwrap_or(0.0),

@@ -50,7 +50,12 @@ pub struct Request {
     pub init_latent: Option<Vec<f32>>,
     /// Override the scheduler's `shift` (from `scheduler_config.json` otherwise).
     pub shift: Option<f64>,
+    /// Images to make from the prompt, seeds `seed, seed + 1, …`, denoised as one batch.
+    pub num_images: usize,
 }
+
+/// The most images one request makes.
+pub const MAX_IMAGES: usize = 16;
 
 impl Request {
     pub fn new(prompt: impl Into<String>) -> Self {
@@ -64,6 +69,7 @@ impl Request {
             seed: 0,
             init_latent: None,
             shift: None,
+            num_images: 1,
         }
     }
 
@@ -95,13 +101,13 @@ pub struct RgbImage {
 pub enum Event<'a> {
     /// The prompts are encoded; the loop starts.
     Encoded,
-    /// Step `index` of `steps` is done: the transformer's output per item (prompt, then negative)
-    /// and the latent after the Euler update.
+    /// Step `index` of `steps` is done: the transformer's output per item (each image's prompt,
+    /// then its negative prompt under CFG) and each image's latent after the Euler update.
     Step {
         index: usize,
         steps: usize,
         v: &'a [Vec<f32>],
-        latent: &'a [f32],
+        latents: &'a [Vec<f32>],
     },
     /// The VAE is about to run.
     Decoding,
@@ -287,6 +293,17 @@ impl<B: Backend> ZImage<B> {
             scheduler.config.shift = shift;
         }
         let schedule = scheduler.schedule(req.steps)?;
+        if !(1..=MAX_IMAGES).contains(&req.num_images) {
+            return Err(Error::input(format!(
+                "--num-images {}: make 1 to {MAX_IMAGES} images per request",
+                req.num_images
+            )));
+        }
+        if req.init_latent.is_some() && req.num_images > 1 {
+            return Err(Error::input(
+                "an initial latent starts one image: --init-latent needs --num-images 1",
+            ));
+        }
         if let Some(l) = &req.init_latent {
             let want = cfg.in_channels * latent_hw.0 * latent_hw.1;
             if l.len() != want {
@@ -339,13 +356,34 @@ impl<B: Backend> ZImage<B> {
         Ok(out)
     }
 
-    /// Run a planned request.
+    /// Run a planned request of one image.
     pub fn generate(
         &mut self,
         req: &Request,
         plan: &Plan,
-        mut on: impl FnMut(Event<'_>),
+        on: impl FnMut(Event<'_>),
     ) -> Result<RgbImage> {
+        if req.num_images != 1 {
+            return Err(Error::input(format!(
+                "generate makes one image; {} were asked for (use generate_images)",
+                req.num_images
+            )));
+        }
+        let mut images = self.generate_images(req, plan, on)?;
+        images
+            .pop()
+            .ok_or_else(|| Error::input("no image was made"))
+    }
+
+    /// Run a planned request: `req.num_images` images, seeds `seed, seed + 1, …`, each step one
+    /// batch through the transformer (with CFG, each image's conditional and unconditional
+    /// passes are items of the same batch).
+    pub fn generate_images(
+        &mut self,
+        req: &Request,
+        plan: &Plan,
+        mut on: impl FnMut(Event<'_>),
+    ) -> Result<Vec<RgbImage>> {
         let be = &self.backend;
         let seqs: Vec<&[u32]> = plan.prompts.iter().map(|p| p.ids.as_slice()).collect();
         let hidden = self.text_encoder.forward(be, &seqs)?;
@@ -356,42 +394,57 @@ impl<B: Backend> ZImage<B> {
             off += s.len();
         }
         check_finite("text encoder features", &be.read_f32(hidden.rows(0, off))?)?;
+        // Items: each image's prompt, then (CFG) its negative prompt.
+        let per = caps.len();
+        let n = req.num_images;
+        let items: Vec<View<'_, B>> = (0..n).flat_map(|_| caps.iter().copied()).collect();
         let schedule = &plan.schedule;
         let mut prep =
             self.transformer
-                .prepare(be, &caps, plan.latent_hw, &schedule.t_model, None)?;
+                .prepare(be, &items, plan.latent_hw, &schedule.t_model, None)?;
         on(Event::Encoded);
         let (lh, lw) = plan.latent_hw;
-        let mut latent = match &req.init_latent {
-            Some(l) => l.clone(),
-            None => noise::gaussian(req.seed, self.transformer.config().in_channels * lh * lw),
+        let len = self.transformer.config().in_channels * lh * lw;
+        let mut latents: Vec<Vec<f32>> = match &req.init_latent {
+            Some(l) => vec![l.clone()],
+            None => (0..n as u64)
+                .map(|i| noise::gaussian(req.seed.wrapping_add(i), len))
+                .collect(),
         };
         for step in 0..schedule.steps() {
+            let of_items: Vec<&[f32]> = (0..n * per).map(|i| latents[i / per].as_slice()).collect();
             let v = self
                 .transformer
-                .forward(be, &mut prep, &latent, step, None)?;
-            let mut pred = v[0].clone();
-            if req.cfg() {
-                guide(&mut pred, &v[1], req.guidance);
-            }
+                .forward(be, &mut prep, &of_items, step, None)?;
             let at = format!("denoising step {} of {}", step + 1, schedule.steps());
-            check_finite(&format!("{at}: transformer velocity"), &pred)?;
-            euler_step(&mut latent, &pred, schedule, step);
-            check_finite(&format!("{at}: latent"), &latent)?;
+            for (i, latent) in latents.iter_mut().enumerate() {
+                let mut pred = v[i * per].clone();
+                if req.cfg() {
+                    guide(&mut pred, &v[i * per + 1], req.guidance);
+                }
+                check_finite(&format!("{at}: transformer velocity"), &pred)?;
+                euler_step(latent, &pred, schedule, step);
+                check_finite(&format!("{at}: latent"), latent)?;
+            }
             on(Event::Step {
                 index: step,
                 steps: schedule.steps(),
                 v: &v,
-                latent: &latent,
+                latents: &latents,
             });
         }
         on(Event::Decoding);
-        let image = self.vae.decode(be, &latent, plan.latent_hw, None)?;
-        check_finite("VAE decoder output", &image)?;
-        Ok(RgbImage {
-            width: req.width,
-            height: req.height,
-            pixels: to_rgb8(&image),
-        })
+        latents
+            .iter()
+            .map(|latent| {
+                let image = self.vae.decode(be, latent, plan.latent_hw, None)?;
+                check_finite("VAE decoder output", &image)?;
+                Ok(RgbImage {
+                    width: req.width,
+                    height: req.height,
+                    pixels: to_rgb8(&image),
+                })
+            })
+            .collect()
     }
 }

@@ -411,7 +411,7 @@ impl<B: Backend> ZImageTransformer<B> {
             cap: be.alloc(cap_rows * d, s)?,
             x: be.alloc(img_rows * d, s)?,
             u: be.alloc(seq * d, s)?,
-            patches: be.alloc(items[0].n_img * c.patch_dim(), e)?,
+            patches: be.alloc(items.len() * items[0].n_img * c.patch_dim(), e)?,
             out: be.alloc(seq * c.patch_dim(), s)?,
             zeros: be.alloc(widest_pad.max(1), Role::Index)?,
             scratch: Scratch::alloc(be, seq, ScratchDims::new(d, block_layout(c), c.ffn_dim()))?,
@@ -588,23 +588,31 @@ impl<B: Backend> ZImageTransformer<B> {
         Ok(())
     }
 
-    /// The velocity `v` of every item at `step` for `latent` `[in_channels, h, w]` (the sampler's
-    /// f32 latent), each `[in_channels, h, w]`. The pipeline steps with `−v`.
+    /// The velocity `v` of every item at `step` for each item's latent `[in_channels, h, w]`
+    /// (the sampler's f32 latents; the items of a CFG pair share one), each `[in_channels, h, w]`.
+    /// The pipeline steps with `−v`.
     pub fn forward(
         &self,
         be: &B,
         prep: &mut Prepared<B>,
-        latent: &[f32],
+        latents: &[&[f32]],
         step: usize,
         mut taps: Option<&mut Taps>,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.cfg;
         let (d, pd) = (c.dim, c.patch_dim());
         let (h, w) = prep.latent_hw;
-        if latent.len() != c.in_channels * h * w {
+        if latents.len() != prep.items.len() {
+            return Err(Error::input(format!(
+                "{} latents for {} items",
+                latents.len(),
+                prep.items.len()
+            )));
+        }
+        if let Some(bad) = latents.iter().find(|l| l.len() != c.in_channels * h * w) {
             return Err(Error::input(format!(
                 "latent of {} values; expected {}×{h}×{w}",
-                latent.len(),
+                bad.len(),
                 c.in_channels
             )));
         }
@@ -617,12 +625,16 @@ impl<B: Backend> ZImageTransformer<B> {
         let img_rows: usize = prep.items.iter().map(|i| i.n_img_p).sum();
         let seq = prep.segs_joint.total();
         let n_img = prep.items[0].n_img;
-        be.write_f32(&mut prep.patches, &patchify(latent, c.in_channels, (h, w)))?;
+        let patches: Vec<f32> = latents
+            .iter()
+            .flat_map(|l| patchify(l, c.in_channels, (h, w)))
+            .collect();
+        be.write_f32(&mut prep.patches, &patches)?;
         let mut off = 0;
         for (i, it) in prep.items.iter().enumerate() {
             let x = ViewMut::new(&mut prep.x, img_rows, d);
             be.matmul(
-                View::new(&prep.patches, n_img, pd),
+                View::new(&prep.patches, latents.len() * n_img, pd).rows(i * n_img, n_img),
                 &self.x_embedder.w,
                 x.rows(off, n_img),
                 &self.x_embedder.epilogue(),

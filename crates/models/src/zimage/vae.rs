@@ -266,10 +266,7 @@ impl<B: Backend> VaeDecoder<B> {
             }
         }
         let n = self.max_elems((h, w));
-        let (stream, compute) = (
-            || be.alloc(n, Role::Stream),
-            || be.alloc(n, Role::Compute),
-        );
+        let (stream, compute) = (|| be.alloc(n, Role::Stream), || be.alloc(n, Role::Compute));
         let mut bufs = Bufs {
             x: stream()?,
             n: stream()?,
