@@ -2,15 +2,15 @@
 # On the GPU machine (via the `device` tool, carrying .dev): Z-Image on CUDA — op parity, model
 # parity against the CPU (the miniature model, then a full-size random-weight folder at 256²),
 # then `tessera bench generate` beside diffusers (eager and torch.compile) in the same call.
-#   PARTS=ops,parity,full,bench,ref,compile (default all)
-#   GEN_SPECS: the `bench generate` runs, "SIZE ITERS IMAGES" each (default 1024² ×1 and ×4 images,
-#   2048², 1344×768)
+#   PARTS=ops,parity,full,bench,profile,ab,ref,compile (default all but ab)
+#   GEN_SPECS: the `bench generate` runs, SIZE:ITERS:IMAGES each, space-separated (default 1024² ×1
+#   and ×4 images, 2048², 1344×768)
 # Writes logs, JSON and the generated PNGs under $OUT. Build everything first with
 # tools/device/stage.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-ops,parity,full,bench,ref,compile}
+PARTS=${PARTS:-ops,parity,full,bench,profile,ref,compile}
 PROFILE_MODE=${PROFILE_MODE:-kernels}  # TESSERA_PROFILE of the profiled generation: 1 or kernels
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
@@ -40,7 +40,7 @@ if [[ $PARTS == *parity* ]]; then
   .dev/bin/zimage_cuda --ignored --test-threads=1 --nocapture miniature > "$OUT/zimage_cuda_mini.log" 2>&1; r=$?; status=$((status|r))
   grep -E "f32:|bf16:|test result|panicked" "$OUT/zimage_cuda_mini.log" | head -20
 fi
-if [[ $PARTS == *full* || $PARTS == *bench* ]] && [ ! -f $Z/model_index.json ]; then
+if [[ $PARTS =~ full|bench|profile|ab ]] && [ ! -f $Z/model_index.json ]; then
   echo "== making the full-size folder"
   python3 tools/device/make_zimage_full.py $Z crates/models/assets/zimage-mini > "$OUT/make_full.log" 2>&1 \
     || { tail -20 "$OUT/make_full.log"; exit 1; }
@@ -53,20 +53,40 @@ if [[ $PARTS == *full* ]]; then
 fi
 if [[ $PARTS == *bench* ]]; then
   echo "== cuBLASLt bf16 ceiling"
-  $B bench gemm --device cuda 2>&1 | tail -2 | tee "$OUT/gemm.log"
+  $B bench gemm --device cuda > "$OUT/gemm.log" 2>&1
+  grep -v gemm_shape "$OUT/gemm.log" | head -3
   echo "== tessera bench generate (bf16, full size)"
-  for spec in ${GEN_SPECS:-"1024x1024 5 1" "1024x1024 3 4" "2048x2048 2 1" "1344x768 2 1"}; do
-    set -- $spec
+  for spec in ${GEN_SPECS:-1024x1024:5:1 1024x1024:3:4 2048x2048:2:1 1344x768:2:1}; do
+    set -- ${spec//:/ }
     log="$OUT/gen_$1_n$3.log"
     peak_mem "$log" $B bench generate --model $Z --device cuda --precision bf16 --size $1 --steps 8 --iters $2 \
       --num-images $3 > "$log" 2>&1; r=$?; status=$((status|r))
     grep -E "end to end|peak|rror|images_per_s" "$log" | sed 's/^{.*"images_per_s":\([0-9.]*\).*/images\/s \1/'
   done
-  echo "== profile of one 1024² generation (TESSERA_PROFILE=$PROFILE_MODE; the 3rd block is a warm step)"
-  TESSERA_PROFILE=$PROFILE_MODE $B generate --model $Z --device cuda --precision bf16 --size 1024x1024 --prompt "a lighthouse" \
-    -o "$OUT/zimage_full_1024.png" > "$OUT/profile_1024.log" 2>&1; r=$?; status=$((status|r))
-  grep "^profile" "$OUT/profile_1024.log" | sed -n '1p;3p;$p' | cut -c1-1500
+  $B generate --model $Z --device cuda --precision bf16 --size 1024x1024 --prompt "a lighthouse" \
+    -o "$OUT/zimage_full_1024.png" 2>&1 | tail -1
   $B generate --device cuda --size 256x256 --prompt "a lighthouse" -o "$OUT/zimage_mini_cuda.png" 2>&1 | tail -1
+fi
+if [[ $PARTS == *profile* ]]; then
+  # A warm generation's profile: the last ten blocks are its text encoder, eight steps and VAE.
+  echo "== profile of a warm 1024² generation (TESSERA_PROFILE=$PROFILE_MODE): encode, a step, decode"
+  TESSERA_PROFILE=$PROFILE_MODE $B bench generate --model $Z --device cuda --precision bf16 --size 1024x1024 \
+    --iters 1 > "$OUT/profile_1024.log" 2>&1; r=$?; status=$((status|r))
+  grep "^profile" "$OUT/profile_1024.log" | tail -10 | sed -n '1p;5p;10p' | cut -c1-3000
+fi
+if [[ $PARTS == *ab* ]]; then
+  echo "== A/B: 128-wide heads on the 128-key-block wgmma kernel (TESSERA_ATTN_BN128=1)"
+  TESSERA_ATTN_BN128=1 TESSERA_OP_CASE=attention .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture \
+    > "$OUT/cuda_ops_bn128.log" 2>&1; r=$?; status=$((status|r))
+  grep -E "^attention|test result" "$OUT/cuda_ops_bn128.log"
+  for spec in "1024x1024 5" "2048x2048 2"; do
+    set -- $spec
+    for wide in 0 1; do
+      TESSERA_ATTN_BN128=$wide $B bench generate --model $Z --device cuda --precision bf16 --size $1 --steps 8 \
+        --iters $2 > "$OUT/ab_$1_$wide.log" 2>&1; r=$?; status=$((status|r))
+      echo "BN128=$wide: $(grep -E "end to end|rror" "$OUT/ab_$1_$wide.log")"
+    done
+  done
 fi
 if [[ $PARTS == *ref* ]]; then
   echo "== diffusers 0.42.1 eager, same call"

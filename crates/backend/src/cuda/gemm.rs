@@ -489,7 +489,12 @@ pub(super) fn product(
         alpha,
         beta,
     };
-    be.timed("gemm", None, || be.gemm.run(&be.stream, &args))
+    // Under TESSERA_PROFILE=kernels, products are told apart by shape (m×n×k).
+    let shape = be
+        .profiler
+        .as_ref()
+        .map(|_| format!("{rows}x{}x{}", w.out, w.inner));
+    be.timed("gemm", shape.as_deref(), || be.gemm.run(&be.stream, &args))
 }
 
 /// `out[i] (= or +=) post(y[i])` for `rows` rows of `cols`, whose gate rows start at `g0`.
