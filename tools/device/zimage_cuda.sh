@@ -2,7 +2,7 @@
 # On the GPU machine (via the `device` tool, carrying .dev): Z-Image on CUDA — op parity, model
 # parity against the CPU (the miniature model, then a full-size random-weight folder at 256²),
 # then `tessera bench generate` beside diffusers (eager and torch.compile) in the same call.
-#   PARTS=ops,parity,full,bench,profile,ab,ref,compile (default all but ab)
+#   PARTS=ops,parity,full,bench,profile,ref,compile (default all)
 #   GEN_SPECS: the `bench generate` runs, SIZE:ITERS:IMAGES each, space-separated (default 1024² ×1
 #   and ×4 images, 2048², 1344×768)
 # Writes logs, JSON and the generated PNGs under $OUT. Build everything first with
@@ -40,7 +40,7 @@ if [[ $PARTS == *parity* ]]; then
   .dev/bin/zimage_cuda --ignored --test-threads=1 --nocapture miniature > "$OUT/zimage_cuda_mini.log" 2>&1; r=$?; status=$((status|r))
   grep -E "f32:|bf16:|test result|panicked" "$OUT/zimage_cuda_mini.log" | head -20
 fi
-if [[ $PARTS =~ full|bench|profile|ab ]] && [ ! -f $Z/model_index.json ]; then
+if [[ $PARTS =~ full|bench|profile ]] && [ ! -f $Z/model_index.json ]; then
   echo "== making the full-size folder"
   python3 tools/device/make_zimage_full.py $Z crates/models/assets/zimage-mini > "$OUT/make_full.log" 2>&1 \
     || { tail -20 "$OUT/make_full.log"; exit 1; }
@@ -73,20 +73,6 @@ if [[ $PARTS == *profile* ]]; then
   TESSERA_PROFILE=$PROFILE_MODE $B bench generate --model $Z --device cuda --precision bf16 --size 1024x1024 \
     --iters 1 > "$OUT/profile_1024.log" 2>&1; r=$?; status=$((status|r))
   grep "^profile" "$OUT/profile_1024.log" | tail -10 | sed -n '1p;5p;10p' | cut -c1-3000
-fi
-if [[ $PARTS == *ab* ]]; then
-  echo "== A/B: 128-wide heads on the 128-key-block wgmma kernel (TESSERA_ATTN_BN128=1)"
-  TESSERA_ATTN_BN128=1 TESSERA_OP_CASE=attention .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture \
-    > "$OUT/cuda_ops_bn128.log" 2>&1; r=$?; status=$((status|r))
-  grep -E "^attention|test result" "$OUT/cuda_ops_bn128.log"
-  for spec in "1024x1024 5" "2048x2048 2"; do
-    set -- $spec
-    for wide in 0 1; do
-      TESSERA_ATTN_BN128=$wide $B bench generate --model $Z --device cuda --precision bf16 --size $1 --steps 8 \
-        --iters $2 > "$OUT/ab_$1_$wide.log" 2>&1; r=$?; status=$((status|r))
-      echo "BN128=$wide: $(grep -E "end to end|rror" "$OUT/ab_$1_$wide.log")"
-    done
-  done
 fi
 if [[ $PARTS == *ref* ]]; then
   echo "== diffusers 0.42.1 eager, same call"

@@ -11,7 +11,7 @@ use tessera_core::{Error, Result};
 
 pub use flash::{
     FLASH_HEAD_DIMS, FlashChoice, FlashConfig, FlashKernel, QUERY_TILE, WGMMA_BN, WGMMA_HEAD_DIMS,
-    flash_config, wgmma_applies, wgmma_config, wgmma_config_bn,
+    flash_config, wgmma_applies, wgmma_config,
 };
 use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
 
@@ -66,8 +66,6 @@ kernel_table! {
     /// The kernels of attention_sm90.cu (sm_90a alone).
     pub(super) struct Sm90Kernels from "attention_sm90.cu" {
         flash_wgmma: ByDim<FlashArgs> = ("flash_wgmma_d{}", &WGMMA_HEAD_DIMS),
-        /// 128-wide heads, 128 keys a block ([`wide_keys_128`]).
-        flash_wgmma_d128_bn128: Kernel<FlashArgs> = "flash_wgmma_d128_bn128",
     }
 }
 
@@ -81,13 +79,10 @@ pub(super) fn reserve_shared_memory(
         .flash
         .iter()
         .map(|(d, k)| (k, flash_config(d).smem));
-    let wgmma = hopper.into_iter().flat_map(|t| {
-        let wide = (&t.flash_wgmma_d128_bn128, wgmma_config_bn(128, 128).smem);
-        t.flash_wgmma
-            .iter()
-            .map(|(d, k)| (k, wgmma_config(d).smem))
-            .chain([wide])
-    });
+    let wgmma = hopper
+        .into_iter()
+        .flat_map(|t| t.flash_wgmma.iter())
+        .map(|(d, k)| (k, wgmma_config(d).smem));
     for (kernel, smem) in mma.chain(wgmma) {
         kernel
             .func()
@@ -242,10 +237,12 @@ pub(super) fn flash(
             .flash
             .get(hd)
             .map(|k| (k, flash_config(hd))),
-        FlashKernel::Wgmma => be.kernels.sm90.as_ref().and_then(|t| match hd {
-            128 if wide_keys_128() => Some((&t.flash_wgmma_d128_bn128, wgmma_config_bn(128, 128))),
-            _ => t.flash_wgmma.get(hd).map(|k| (k, wgmma_config(hd))),
-        }),
+        FlashKernel::Wgmma => be
+            .kernels
+            .sm90
+            .as_ref()
+            .and_then(|t| t.flash_wgmma.get(hd))
+            .map(|k| (k, wgmma_config(hd))),
     };
     let (kernel, fc) = found.ok_or_else(|| {
         Error::backend(
@@ -315,13 +312,6 @@ pub(super) fn flash(
         )?;
     }
     Ok(splits)
-}
-
-/// Whether 128-wide heads take the 128-key-block wgmma kernel: `TESSERA_ATTN_BN128=1`, while
-/// the two are measured against each other on the H200.
-fn wide_keys_128() -> bool {
-    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WIDE.get_or_init(|| std::env::var("TESSERA_ATTN_BN128").is_ok_and(|v| v == "1"))
 }
 
 /// Address of the split-key workspace, allocated on first use and never moved.

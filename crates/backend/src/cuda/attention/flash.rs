@@ -55,22 +55,17 @@ pub const WGMMA_BN: usize = 64;
 /// and one V tile of `WGMMA_BN` rows, the partial scores two warpgroups exchange, and 1 KB to
 /// align the tiles to the swizzle's 1,024-byte period.
 pub fn wgmma_config(d: usize) -> FlashConfig {
-    wgmma_config_bn(d, WGMMA_BN)
-}
-
-/// [`wgmma_config`] for key blocks of `bn` (`flash_wgmma_d128_bn128` takes 128).
-pub fn wgmma_config_bn(d: usize, bn: usize) -> FlashConfig {
     let groups = d.div_ceil(256);
     let scores = if groups > 1 {
-        groups * QUERY_TILE * bn * 4
+        groups * QUERY_TILE * WGMMA_BN * 4
     } else {
         0
     };
     FlashConfig {
-        smem: (1024 + (QUERY_TILE + 2 * bn) * d * 2 + scores) as u32,
+        smem: (1024 + (QUERY_TILE + 2 * WGMMA_BN) * d * 2 + scores) as u32,
         threads: 128 * groups as u32,
         splits: 1,
-        bn,
+        bn: WGMMA_BN,
     }
 }
 

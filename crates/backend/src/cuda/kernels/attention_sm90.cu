@@ -31,17 +31,6 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], u64 da, u64 db, int a
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// The same over 128 keys (m64n128k16): the 128-key blocks of flash_wgmma_d128_bn128.
-__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], u64 da, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-
 // wgmma_rs: D[64×N] += A[64×16]·B[16×N], A from registers (each warp's 16 rows in the
 // mma.m16n8k16 A-fragment layout), B N-major in shared memory (transposed). N = 64, 128 or 256.
 __device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const u32 (&a)[4], u64 db) {
@@ -128,6 +117,9 @@ __device__ __forceinline__ void load_sw128(u32 tile, const bf16* base, long stri
 // 97 → 117 µs): the resident CTAs already overlap each other, and the buffer cost occupancy.
 template <int D> struct WgCfg { static constexpr int WGS = 1, BN = 64, MIN_CTAS = 4; };
 // 128-wide heads (Z-Image's DiT and text encoder) spill at four CTAs' 128 registers: three.
+// Measured and dropped (run 8, H200, Z-Image 1024² and 2048²): 128-key blocks for 128-wide heads
+// (m64n128 scores, two CTAs per multiprocessor) gave the same step time (108.1 → 109.1 ms,
+// 744.2 → 746.5 ms): fewer iterations, but less overlap between resident CTAs.
 template <> struct WgCfg<128> { static constexpr int WGS = 1, BN = 64, MIN_CTAS = 3; };
 template <> struct WgCfg<256> { static constexpr int WGS = 1, BN = 64, MIN_CTAS = 2; };
 template <> struct WgCfg<512> { static constexpr int WGS = 2, BN = 64, MIN_CTAS = 1; };
@@ -154,13 +146,14 @@ __device__ __forceinline__ void issue_pv(float (&o)[NO][4], const u32 (&pa)[BN /
     for (int kk = 0; kk < BN / 16; kk++) wgmma_rs(o, pa[kk], sw128_desc(sV + b0 * (BN * 128) + kk * 2048, BN * 128));
 }
 
-template <int D, int BN = WgCfg<D>::BN>
+template <int D>
 __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k,
                                               long ks, const bf16* __restrict__ v, long vs, bf16* __restrict__ o,
                                               long os, const u32* __restrict__ tiles, int group, float scale_log2,
                                               int window, int causal, float* __restrict__ part, int rows,
                                               int kv_splits) {
-    constexpr int WGS = WgCfg<D>::WGS, NT = 128 * WGS, DW = D / WGS, NS = BN / 8, NO = DW / 8;
+    using C = WgCfg<D>;
+    constexpr int WGS = C::WGS, NT = 128 * WGS, DW = D / WGS, BN = C::BN, NS = BN / 8, NO = DW / 8;
     constexpr u32 TILE = BN * D * 2;  // bytes of one K or V tile
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 sQ = (smem_addr(smem) + 1023) & ~1023u;  // the host adds 1 KB of slack
@@ -247,14 +240,3 @@ FLASH_WG(64)
 FLASH_WG(128)
 FLASH_WG(256)
 FLASH_WG(512)
-
-// 128-wide heads walked 128 keys at a time (two CTAs per multiprocessor): half the block
-// iterations and barriers per tile of the 64-key kernel, for the long sequences of DiTs. Chosen
-// by the host where it measured faster (attention.rs).
-extern "C" __global__ void __launch_bounds__(128, 2)
-    flash_wgmma_d128_bn128(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os,
-                           const u32* tiles, int group, float scale_log2, int window, int causal, float* part,
-                           int rows, int kv_splits) {
-    flash_wg_impl<128, 128>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows,
-                            kv_splits);
-}
