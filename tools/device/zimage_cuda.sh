@@ -66,6 +66,8 @@ if [[ $PARTS == *bench* ]]; then
   $B generate --model $Z --device cuda --precision bf16 --size 1024x1024 --prompt "a lighthouse" \
     -o "$OUT/zimage_full_1024.png" 2>&1 | tail -1
   $B generate --device cuda --size 256x256 --prompt "a lighthouse" -o "$OUT/zimage_mini_cuda.png" 2>&1 | tail -1
+  echo "== a size too large for the device's memory (refused before compute)"
+  $B generate --model $Z --device cuda --size 8192x8192 --prompt "a lighthouse" -o /tmp/too_large.png 2>&1 | tail -1
 fi
 if [[ $PARTS == *profile* ]]; then
   # A warm generation's profile: the last ten blocks are its text encoder, eight steps and VAE.

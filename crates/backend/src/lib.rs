@@ -283,6 +283,12 @@ pub trait Backend: Send + Sync {
         })
     }
 
+    /// Bytes of device memory this process can still allocate (free on the device plus what its
+    /// own pool holds unused), or `None` where the backend does not budget memory (the CPU).
+    fn memory_available(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
+
     /// Run `work`, which only enqueues device work on buffers that stay where they are (no
     /// allocation, no host reads). A backend may capture it into a graph under `key` and replay
     /// that graph when the same key comes again; the default just runs it.

@@ -290,3 +290,44 @@ fn image_counts_out_of_range_and_a_latent_for_several_are_refused() {
         .to_string();
     assert!(e.contains("--num-images 1"), "{e}");
 }
+
+/// On a device with too little memory left, a request is refused before any compute with the
+/// largest size of its shape that fits — and that size then plans.
+#[test]
+fn a_size_too_large_for_the_device_names_the_largest_that_fits() {
+    // The bundled model's 256×256 request takes about 0.7 GB with the fixed workspaces.
+    let budget = 700 << 20;
+    let z = ZImage::load(CpuBackend::budgeted(budget), &BUNDLED, None).unwrap();
+    let big = Request {
+        width: 2048,
+        height: 1024,
+        ..small("a wide view")
+    };
+    let e = z.plan(&big).unwrap_err().to_string();
+    assert!(e.contains("--size 2048x1024 needs about"), "{e}");
+    let fits = e
+        .split("that fits is ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no size named: {e}"));
+    let (w, h) = fits.split_once('x').unwrap();
+    let (w, h): (usize, usize) = (w.parse().unwrap(), h.trim().parse().unwrap());
+    assert!(w < 2048 && w % 16 == 0 && h % 16 == 0 && w == 2 * h, "{e}");
+    let ok = Request {
+        width: w,
+        height: h,
+        ..big.clone()
+    };
+    z.plan(&ok).unwrap();
+    // Several images: the message says so and suggests fewer.
+    let two = Request {
+        num_images: 2,
+        ..big.clone()
+    };
+    let e = z.plan(&two).unwrap_err().to_string();
+    assert!(
+        e.contains("× 2 images") && e.contains("fewer --num-images"),
+        "{e}"
+    );
+    // Without a budget (the CPU), nothing is refused for memory.
+    bundled().plan(&big).unwrap();
+}

@@ -4,7 +4,7 @@
 //! multiplies by the `[out, k·k·in]` weight. Blocks run in parallel; no full im2col is stored.
 
 use rayon::prelude::*;
-use tessera_core::{Error, Result};
+use tessera_core::Result;
 
 use super::{CpuBackend, CpuMat, slice};
 use crate::{Conv2d, View, ViewMut};
@@ -23,31 +23,12 @@ pub(super) fn conv2d(
     let (cin, cout, k) = (x.cols, out.cols, spec.kernel);
     let (oh, ow) = spec.out_size();
     let kk = k * k * cin;
-    if k % 2 == 0 {
-        return Err(Error::backend("conv2d", format!("kernel {k} must be odd")));
-    }
-    if x.rows != spec.height * spec.width
-        || out.rows != oh * ow
-        || w.inner != kk
-        || w.out != cout
-        || bias.len() != cout
-    {
-        return Err(Error::backend(
-            "conv2d",
-            format!(
-                "x {}×{} ({}×{} image), weight {}×{} (kernel {k}), bias {}, out {}×{} ({oh}×{ow})",
-                x.rows,
-                x.cols,
-                spec.height,
-                spec.width,
-                w.out,
-                w.inner,
-                bias.len(),
-                out.rows,
-                out.cols
-            ),
-        ));
-    }
+    spec.check(
+        (x.rows, x.cols),
+        (w.out, w.inner),
+        bias.len(),
+        (out.rows, out.cols),
+    )?;
     if out.rows == 0 || cout == 0 {
         return Ok(());
     }

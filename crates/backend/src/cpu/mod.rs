@@ -31,11 +31,13 @@ use crate::{
 pub struct CpuBackend {
     /// Every op called, when recording (see [`CpuBackend::recording`]).
     record: Option<Arc<Mutex<HashSet<Op>>>>,
+    /// Memory reported as available, when budgeted (see [`CpuBackend::budgeted`]).
+    budget: Option<usize>,
 }
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend { record: None }
+        CpuBackend::default()
     }
 
     /// A backend that also records every op it runs, so a test can check that a model's
@@ -43,6 +45,16 @@ impl CpuBackend {
     pub fn recording() -> Self {
         CpuBackend {
             record: Some(Arc::default()),
+            budget: None,
+        }
+    }
+
+    /// A backend that reports `bytes` of memory available, as a GPU does, so that a model's
+    /// memory checks can be tested without one. It allocates as the plain CPU backend does.
+    pub fn budgeted(bytes: usize) -> Self {
+        CpuBackend {
+            record: None,
+            budget: Some(bytes),
         }
     }
 
@@ -179,6 +191,10 @@ impl Backend for CpuBackend {
     /// The CPU is the reference: it runs every op.
     fn supports(&self, _op: &Op) -> Result<()> {
         Ok(())
+    }
+
+    fn memory_available(&self) -> Result<Option<usize>> {
+        Ok(self.budget)
     }
 
     fn alloc(&self, len: usize, role: Role) -> Result<CpuBuf> {

@@ -152,6 +152,46 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Free device memory plus what the stream-ordered pool holds unused (it keeps freed memory,
+    /// [`keep_freed_memory`]): what this process can still allocate.
+    pub(super) fn available_memory(&self) -> Result<usize> {
+        use cudarc::driver::sys;
+        let (free, _) = self.ctx.mem_get_info().map_err(drv("memory info"))?;
+        if !self.ctx.has_async_alloc() {
+            return Ok(free);
+        }
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let (mut reserved, mut used) = (0u64, 0u64);
+        // SAFETY: out-parameters of the context's own device pool; each attribute is a u64
+        // written into the named local.
+        let r = unsafe {
+            match sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) {
+                sys::CUresult::CUDA_SUCCESS => {
+                    let attr = |a, v: &mut u64| {
+                        sys::cuMemPoolGetAttribute(pool, a, (v as *mut u64).cast())
+                    };
+                    match attr(
+                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                        &mut reserved,
+                    ) {
+                        sys::CUresult::CUDA_SUCCESS => attr(
+                            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                            &mut used,
+                        ),
+                        e => e,
+                    }
+                }
+                e => e,
+            }
+        };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(free + reserved.saturating_sub(used) as usize),
+            e => Err(Error::Device(format!("CUDA memory pool usage: {e:?}"))),
+        }
+    }
+}
+
 /// Keep memory freed by the stream-ordered allocator in the device's pool instead of handing it
 /// back to the driver at every synchronisation (the pool's default release threshold is 0). A
 /// request's activations (the VAE's alone are 4.3 GB at 1024²) are then re-used by the next

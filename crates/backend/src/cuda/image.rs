@@ -71,30 +71,12 @@ pub(super) fn conv2d(
     let (cin, cout, k) = (x.cols, out.cols, spec.kernel);
     let (oh, ow) = spec.out_size();
     let kk = k * k * cin;
-    if k % 2 == 0
-        || x.rows != spec.height * spec.width
-        || out.rows != oh * ow
-        || w.inner != kk
-        || w.out != cout
-        || bias.len != cout
-    {
-        return Err(Error::backend(
-            "conv2d",
-            format!(
-                "x {}×{} ({}×{} image), weight {}×{} (kernel {k}, odd), bias {}, out {}×{} \
-                 ({oh}×{ow})",
-                x.rows,
-                x.cols,
-                spec.height,
-                spec.width,
-                w.out,
-                w.inner,
-                bias.len,
-                out.rows,
-                out.cols
-            ),
-        ));
-    }
+    spec.check(
+        (x.rows, x.cols),
+        (w.out, w.inner),
+        bias.len,
+        (out.rows, out.cols),
+    )?;
     let pixels = oh * ow;
     if pixels == 0 || cout == 0 {
         return Ok(());

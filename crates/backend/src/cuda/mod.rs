@@ -134,6 +134,10 @@ impl Backend for CudaBackend {
         self.replay(key, work)
     }
 
+    fn memory_available(&self) -> Result<Option<usize>> {
+        self.available_memory().map(Some)
+    }
+
     fn embed(
         &self,
         table: &CudaTable,

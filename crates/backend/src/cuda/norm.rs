@@ -245,6 +245,23 @@ pub(super) fn norm(
     }
 }
 
+/// Address, row stride and element type of a residual step's output besides the stream
+/// (`None`: a null pointer, stride 0 and f32, which every alignment test passes), its shape
+/// checked against the stream's.
+fn second_output(
+    op: &str,
+    h: &ViewMut<'_, CudaBackend>,
+    out: Option<&ViewMut<'_, CudaBackend>>,
+) -> Result<(DevPtr, usize, Elem)> {
+    match out {
+        Some(o) => {
+            same_shape(op, (h.rows, h.cols), (o.rows, o.cols))?;
+            Ok((ptr_of_mut(o)?, o.stride, o.buf.elem))
+        }
+        None => Ok((DevPtr::NULL, 0, Elem::F32)),
+    }
+}
+
 /// A plain weighted-or-not RMS norm, the only kind the RMS kernels compute.
 fn plain_rms(n: &RowNorm<'_, CudaBackend>) -> bool {
     n.kind == NormKind::Rms && n.bias.is_none() && n.scale.is_none()
@@ -303,13 +320,7 @@ fn residual_any(
         After::Norm(n, o) => (1, NormParams::of(OP, n, cols)?, Some(o)),
         After::Copy(o) => (2, NormParams::NONE, Some(o)),
     };
-    let (optr, os, oe) = match out {
-        Some(o) => {
-            same_shape(OP, (h.rows, h.cols), (o.rows, o.cols))?;
-            (ptr_of_mut(o)?, o.stride, o.buf.elem)
-        }
-        None => (DevPtr::NULL, 0, Elem::F32),
-    };
+    let (optr, os, oe) = second_output(OP, &h, out)?;
     let args = ResidualAnyArgs {
         h: ptr_of_mut(&h)?,
         hs: h.stride as i64,
@@ -446,13 +457,7 @@ fn residual_norm(
         }
         After::Copy(o) => (2, DevPtr::NULL, Some(o)),
     };
-    let (optr, ostride, oe) = match out {
-        Some(o) => {
-            same_shape("residual_norm", (h.rows, h.cols), (o.rows, o.cols))?;
-            (ptr_of_mut(o)?, o.stride, o.buf.elem)
-        }
-        None => (DevPtr::NULL, 0, Elem::F32),
-    };
+    let (optr, ostride, oe) = second_output("residual_norm", &h, out)?;
     let (hp, yp) = (ptr_of_mut(&h)?, ptr_of(&y)?);
     let post = post.map_or(DevPtr::NULL, |p| p.ptr);
     let ye = y.buf.elem;

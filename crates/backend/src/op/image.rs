@@ -85,6 +85,33 @@ impl Conv2d {
         let s = if self.upsample { 2 } else { 1 };
         (self.height * s, self.width * s)
     }
+
+    /// Every backend's shape check for `conv2d`: `x` `[height · width, in]`, the weight
+    /// `(out, k · k · in)`, a bias of `out`, `out` `[out_h · out_w, out]`, an odd kernel.
+    pub fn check(
+        &self,
+        x: (usize, usize),
+        w: (usize, usize),
+        bias: usize,
+        out: (usize, usize),
+    ) -> Result<()> {
+        let (k, (oh, ow)) = (self.kernel, self.out_size());
+        if k % 2 == 0
+            || x.0 != self.height * self.width
+            || out.0 != oh * ow
+            || w != (out.1, k * k * x.1)
+            || bias != out.1
+        {
+            return Err(Error::backend(
+                "conv2d",
+                format!(
+                    "x {}×{} ({}×{} image), weight {}×{} (kernel {k}, odd), bias {bias}, out {}×{} ({oh}×{ow})",
+                    x.0, x.1, self.height, self.width, w.0, w.1, out.0, out.1
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// `nn.GroupNorm` over one channels-last image `[pixels, channels]`: statistics per group of

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use tessera_backend::{Backend, View};
+use tessera_backend::{Backend, Precision, View};
 use tessera_core::{Error, Result, Weights, check_finite};
 
 use super::ZImageFiles;
@@ -56,6 +56,10 @@ pub struct Request {
 
 /// The most images one request makes.
 pub const MAX_IMAGES: usize = 16;
+
+/// Device memory a request needs besides its own buffers: the backend's fixed workspaces
+/// (product, im2col columns, split-key attention: 448 MiB) and the text encoder's passes.
+const FIXED_DEVICE_BYTES: usize = 640 << 20;
 
 impl Request {
     pub fn new(prompt: impl Into<String>) -> Self {
@@ -327,6 +331,7 @@ impl<B: Backend> ZImage<B> {
                     .into(),
             );
         }
+        self.check_memory(req, &prompts, schedule.steps())?;
         for (p, what) in prompts.iter().zip(["prompt", "negative prompt"]) {
             if p.truncated() {
                 warnings.push(format!(
@@ -341,6 +346,79 @@ impl<B: Backend> ZImage<B> {
             prompts,
             warnings,
         })
+    }
+
+    /// Device memory a request takes beyond the weights, in bytes: the larger of the denoising
+    /// loop's buffers (every item of the batch) and one image's decoding, plus the fixed
+    /// workspaces and the text encoder's passes. The decoder runs after the loop's buffers are
+    /// freed, and the backend's pool hands their memory on.
+    fn request_bytes(
+        &self,
+        (w, h): (usize, usize),
+        n: usize,
+        caps: &[usize],
+        steps: usize,
+    ) -> Result<usize> {
+        let compute = match self.backend.precision() {
+            Precision::Bf16 => 2,
+            Precision::F32 => 4,
+        };
+        let scale = self.vae.config().scale();
+        let latent_hw = (h / scale, w / scale);
+        let items: Vec<usize> = (0..n).flat_map(|_| caps.iter().copied()).collect();
+        let denoise = self
+            .transformer
+            .activation_bytes(latent_hw, &items, steps, compute)?;
+        let decode = self.vae.activation_bytes(latent_hw, compute);
+        Ok(denoise.max(decode) + FIXED_DEVICE_BYTES)
+    }
+
+    /// Refuse, before any compute, a request whose buffers would not fit in the device memory
+    /// left after loading, naming the largest size of the same shape that fits.
+    fn check_memory(&self, req: &Request, prompts: &[PromptIds], steps: usize) -> Result<()> {
+        let Some(available) = self.backend.memory_available()? else {
+            return Ok(());
+        };
+        let caps: Vec<usize> = prompts.iter().map(|p| p.ids.len()).collect();
+        let n = req.num_images;
+        let fits = |w: usize, h: usize| -> Result<bool> {
+            Ok(self.request_bytes((w, h), n, &caps, steps)? <= available)
+        };
+        let (w, h) = (req.width, req.height);
+        if fits(w, h)? {
+            return Ok(());
+        }
+        let need = self.request_bytes((w, h), n, &caps, steps)?;
+        let m = self.size_multiple();
+        let mut largest = None;
+        for side in (1..=w / m).rev() {
+            let w2 = side * m;
+            let h2 = ((h * w2) as f64 / (w * m) as f64).round().max(1.0) as usize * m;
+            if fits(w2, h2)? {
+                largest = Some((w2, h2));
+                break;
+            }
+        }
+        let images = if n > 1 {
+            format!(" × {n} images")
+        } else {
+            String::new()
+        };
+        let gb = |b: usize| b as f64 / 1e9;
+        let hint = match largest {
+            Some((w2, h2)) => format!("the largest size of this shape that fits is {w2}x{h2}"),
+            None => "no size fits; free device memory or use --device cpu".to_string(),
+        };
+        Err(Error::input(format!(
+            "--size {w}x{h}{images} needs about {:.1} GB of device memory beyond the model's weights, and {:.1} GB are free: {hint}{}",
+            gb(need),
+            gb(available),
+            if n > 1 {
+                " (or fewer --num-images)"
+            } else {
+                ""
+            }
+        )))
     }
 
     /// Caption features of each prompt's ids (`[L, hidden]` each, `hidden_states[-2]`).
@@ -379,6 +457,22 @@ impl<B: Backend> ZImage<B> {
     /// batch through the transformer (with CFG, each image's conditional and unconditional
     /// passes are items of the same batch).
     pub fn generate_images(
+        &mut self,
+        req: &Request,
+        plan: &Plan,
+        on: impl FnMut(Event<'_>),
+    ) -> Result<Vec<RgbImage>> {
+        self.run(req, plan, on).map_err(|e| match e {
+            // The plan's estimate let it start; something else took the memory meanwhile.
+            Error::OutOfMemory(m) => Error::OutOfMemory(format!(
+                "{m} while making {} image(s) of {}x{}: try a smaller --size or fewer --num-images",
+                req.num_images, req.width, req.height
+            )),
+            e => e,
+        })
+    }
+
+    fn run(
         &mut self,
         req: &Request,
         plan: &Plan,
@@ -433,6 +527,8 @@ impl<B: Backend> ZImage<B> {
                 latents: &latents,
             });
         }
+        // The loop's buffers go before the decoder's are made: the pool reuses their memory.
+        drop(prep);
         on(Event::Decoding);
         latents
             .iter()

@@ -219,6 +219,17 @@ impl<B: Backend> VaeDecoder<B> {
         })
     }
 
+    /// Bytes of device memory [`decode`](Self::decode) allocates for one `(h, w)` latent,
+    /// compute-type elements being `compute` bytes.
+    pub fn activation_bytes(&self, (h, w): (usize, usize), compute: usize) -> usize {
+        let n = self.max_elems((h, w));
+        let attention = self
+            .mid_attention
+            .as_ref()
+            .map_or(0, |a| 4 * h * w * a.c * compute);
+        n * (3 * 4 + 2 * compute) + attention
+    }
+
     pub fn config(&self) -> &VaeConfig {
         &self.cfg
     }

@@ -6,29 +6,45 @@
 // (ky·k + kx)·c + ch holds the input at (oy + ky − k/2, ox + kx − k/2) of the image upsampled
 // `up`× by nearest neighbour (up 1: as it is), 0 outside. V channels per thread (4: aligned
 // 4-wide accesses). Fewer than 2^32 values per launch (the host's blocks of rows).
+// Column entry i of a block (its row pi, tap and first channel ch, V channels an entry) and the
+// input pixel it reads, or −1 where the tap falls on the zero padding.
+struct ColumnAt {
+    u32 pi;
+    int tap, ch;
+    long src;
+};
+__device__ __forceinline__ ColumnAt column_at(u32 i, u32 taps, u32 cv, int v, int h, int w, int k, int up,
+                                              long p0) {
+    const int oh = h * up, ow = w * up, pad = k / 2;
+    ColumnAt at;
+    at.pi = i / taps;
+    const u32 rem = i - at.pi * taps;
+    at.tap = (int)(rem / cv);
+    at.ch = (int)(rem - (u32)at.tap * cv) * v;
+    const int ky = at.tap / k, kx = at.tap - ky * k;
+    const long p = p0 + at.pi;
+    const int oy = (int)(p / ow), ox = (int)(p - (long)oy * ow);
+    const int uy = oy + ky - pad, ux = ox + kx - pad;
+    at.src = uy < 0 || uy >= oh || ux < 0 || ux >= ow ? -1 : (long)(uy / up) * w + ux / up;
+    return at;
+}
+
 template <typename TI, typename TO, int V>
 __device__ __forceinline__ void im2col_impl(const TI* x, long xs, int h, int w, int c, int k, int up, long p0,
                                             long n, TO* cols) {
-    const int oh = h * up, ow = w * up, pad = k / 2;
     const u32 cv = (u32)(c / V);
     const u32 taps = (u32)(k * k) * cv;
     const u32 total = (u32)n * taps;
     const long row = (long)k * k * c;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        const u32 pi = i / taps, rem = i - pi * taps;
-        const u32 tap = rem / cv;
-        const int ch = (int)(rem - tap * cv) * V;
-        const int ky = (int)tap / k, kx = (int)tap - ky * k;
-        const long p = p0 + pi;
-        const int oy = (int)(p / ow), ox = (int)(p - (long)oy * ow);
-        const int uy = oy + ky - pad, ux = ox + kx - pad;
-        TO* dst = cols + (long)pi * row + (long)tap * c + ch;
+        const ColumnAt at = column_at(i, taps, cv, V, h, w, k, up, p0);
+        TO* dst = cols + (long)at.pi * row + (long)at.tap * c + at.ch;
         float v[V];
-        if (uy < 0 || uy >= oh || ux < 0 || ux >= ow) {
+        if (at.src < 0) {
 #pragma unroll
             for (int j = 0; j < V; j++) v[j] = 0.f;
         } else {
-            const TI* src = x + ((long)(uy / up) * w + ux / up) * xs + ch;
+            const TI* src = x + at.src * xs + at.ch;
             if (V == 4) {
                 load4(src, v);
             } else {
@@ -112,23 +128,15 @@ __device__ __forceinline__ void group_apply_impl(const TI* x, long xs, long pixe
 // The same for bf16 → bf16 with eight channels a thread: one 16-byte load and store, no conversion.
 __device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int w, int c, int k, int up, long p0,
                                              long n, bf16* cols) {
-    const int oh = h * up, ow = w * up, pad = k / 2;
     const u32 cv = (u32)(c / 8);
     const u32 taps = (u32)(k * k) * cv;
     const u32 total = (u32)n * taps;
     const long row = (long)k * k * c;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        const u32 pi = i / taps, rem = i - pi * taps;
-        const u32 tap = rem / cv;
-        const int ch = (int)(rem - tap * cv) * 8;
-        const int ky = (int)tap / k, kx = (int)tap - ky * k;
-        const long p = p0 + pi;
-        const int oy = (int)(p / ow), ox = (int)(p - (long)oy * ow);
-        const int uy = oy + ky - pad, ux = ox + kx - pad;
+        const ColumnAt at = column_at(i, taps, cv, 8, h, w, k, up, p0);
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (uy >= 0 && uy < oh && ux >= 0 && ux < ow)
-            v = *reinterpret_cast<const uint4*>(x + ((long)(uy / up) * w + ux / up) * xs + ch);
-        *reinterpret_cast<uint4*>(cols + (long)pi * row + (long)tap * c + ch) = v;
+        if (at.src >= 0) v = *reinterpret_cast<const uint4*>(x + at.src * xs + at.ch);
+        *reinterpret_cast<uint4*>(cols + (long)at.pi * row + (long)at.tap * c + at.ch) = v;
     }
 }
 

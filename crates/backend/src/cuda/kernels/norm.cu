@@ -505,28 +505,29 @@ __device__ __forceinline__ void residual_any_impl(float* h, long hs, const TY* y
     for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f<TO>(norm_affine(row[c], st2, c, nw, nb, ns));
 }
 
-#define ROW_NORM(TI, TO, NAME)                                                                           \
+// Both general kernels, and their vector variants below, by implementation (IMPL).
+#define ROW_NORM(IMPL, TI, TO, NAME)                                                                     \
     extern "C" __global__ void NAME(const TI* x, long xs, int kind, const float* w, const float* b,         \
                                     const float* s, float eps, TO* out, long os, int cols) {              \
-        row_norm_impl<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols);                                  \
+        IMPL<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols);                                           \
     }
-ROW_NORM(float, float, row_norm_f32_f32)
-ROW_NORM(float, bf16, row_norm_f32_bf16)
-ROW_NORM(bf16, float, row_norm_bf16_f32)
-ROW_NORM(bf16, bf16, row_norm_bf16_bf16)
+ROW_NORM(row_norm_impl, float, float, row_norm_f32_f32)
+ROW_NORM(row_norm_impl, float, bf16, row_norm_f32_bf16)
+ROW_NORM(row_norm_impl, bf16, float, row_norm_bf16_f32)
+ROW_NORM(row_norm_impl, bf16, bf16, row_norm_bf16_bf16)
 
-#define RESIDUAL_ANY(TY, TO, NAME)                                                                       \
+#define RESIDUAL_ANY(IMPL, TY, TO, NAME)                                                                 \
     extern "C" __global__ void NAME(float* h, long hs, const TY* y, long ys, int post_kind, const float* pw, \
                                     const float* pb, const float* ps, float peps, const float* g, float scale, \
                                     int mode, int next_kind, const float* nw, const float* nb,              \
                                     const float* ns, float neps, TO* out, long os, int cols) {            \
-        residual_any_impl<TY, TO>(h, hs, y, ys, post_kind, pw, pb, ps, peps, g, scale, mode, next_kind, nw,   \
-                                  nb, ns, neps, out, os, cols);                                           \
+        IMPL<TY, TO>(h, hs, y, ys, post_kind, pw, pb, ps, peps, g, scale, mode, next_kind, nw, nb, ns, neps,  \
+                     out, os, cols);                                                                      \
     }
-RESIDUAL_ANY(float, float, residual_any_f32_f32)
-RESIDUAL_ANY(float, bf16, residual_any_f32_bf16)
-RESIDUAL_ANY(bf16, float, residual_any_bf16_f32)
-RESIDUAL_ANY(bf16, bf16, residual_any_bf16_bf16)
+RESIDUAL_ANY(residual_any_impl, float, float, residual_any_f32_f32)
+RESIDUAL_ANY(residual_any_impl, float, bf16, residual_any_f32_bf16)
+RESIDUAL_ANY(residual_any_impl, bf16, float, residual_any_bf16_f32)
+RESIDUAL_ANY(residual_any_impl, bf16, bf16, residual_any_bf16_bf16)
 
 // ---- Vector variants of the general row norm and residual for rows of 4·m columns whose rows and
 // vectors are aligned for 4-wide accesses: thread t holds columns 4(t + i·blockDim) … + 3 for
@@ -653,28 +654,14 @@ __device__ __forceinline__ void residual_any_vec_impl(float* h, long hs, const T
     }
 }
 
-#define ROW_NORM_VEC(TI, TO, NAME)                                                                       \
-    extern "C" __global__ void NAME(const TI* x, long xs, int kind, const float* w, const float* b,         \
-                                    const float* s, float eps, TO* out, long os, int cols) {              \
-        row_norm_vec_impl<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols);                              \
-    }
-ROW_NORM_VEC(float, float, row_norm_vec_f32_f32)
-ROW_NORM_VEC(float, bf16, row_norm_vec_f32_bf16)
-ROW_NORM_VEC(bf16, float, row_norm_vec_bf16_f32)
-ROW_NORM_VEC(bf16, bf16, row_norm_vec_bf16_bf16)
-
-#define RESIDUAL_ANY_VEC(TY, TO, NAME)                                                                   \
-    extern "C" __global__ void NAME(float* h, long hs, const TY* y, long ys, int post_kind, const float* pw, \
-                                    const float* pb, const float* ps, float peps, const float* g, float scale, \
-                                    int mode, int next_kind, const float* nw, const float* nb,              \
-                                    const float* ns, float neps, TO* out, long os, int cols) {            \
-        residual_any_vec_impl<TY, TO>(h, hs, y, ys, post_kind, pw, pb, ps, peps, g, scale, mode, next_kind,   \
-                                      nw, nb, ns, neps, out, os, cols);                                   \
-    }
-RESIDUAL_ANY_VEC(float, float, residual_any_vec_f32_f32)
-RESIDUAL_ANY_VEC(float, bf16, residual_any_vec_f32_bf16)
-RESIDUAL_ANY_VEC(bf16, float, residual_any_vec_bf16_f32)
-RESIDUAL_ANY_VEC(bf16, bf16, residual_any_vec_bf16_bf16)
+ROW_NORM(row_norm_vec_impl, float, float, row_norm_vec_f32_f32)
+ROW_NORM(row_norm_vec_impl, float, bf16, row_norm_vec_f32_bf16)
+ROW_NORM(row_norm_vec_impl, bf16, float, row_norm_vec_bf16_f32)
+ROW_NORM(row_norm_vec_impl, bf16, bf16, row_norm_vec_bf16_bf16)
+RESIDUAL_ANY(residual_any_vec_impl, float, float, residual_any_vec_f32_f32)
+RESIDUAL_ANY(residual_any_vec_impl, float, bf16, residual_any_vec_f32_bf16)
+RESIDUAL_ANY(residual_any_vec_impl, bf16, float, residual_any_vec_bf16_f32)
+RESIDUAL_ANY(residual_any_vec_impl, bf16, bf16, residual_any_vec_bf16_bf16)
 
 // Interleaved (complex-pair) q/k norm + RoPE for heads of 128·m (m ≤ 4, Z-Image's 128): lane l
 // owns channels 128t + 4l … + 3, i.e. pairs 64t + 2l and + 1, so every access to the row, the
