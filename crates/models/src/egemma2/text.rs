@@ -122,7 +122,7 @@ impl<B: Backend> TextEncoder<B> {
                 scalar: ll.scalar("layer_scalar")?,
             });
         }
-        Ok(TextEncoder {
+        let mut encoder = TextEncoder {
             cfg: cfg.clone(),
             embed,
             ple_proj,
@@ -134,7 +134,10 @@ impl<B: Backend> TextEncoder<B> {
             rope_full: None,
             ws: None,
             generation: 0,
-        })
+        };
+        // The first tables (1,024 positions) at load, so the first request does not pay for them.
+        encoder.ensure_rope(be, 1)?;
+        Ok(encoder)
     }
 
     pub fn config(&self) -> &TextConfig {
