@@ -409,15 +409,15 @@ RESIDUAL_NORM_WARP(float, bf16, residual_norm_warp_f32_bf16)
 RESIDUAL_NORM_WARP(bf16, float, residual_norm_warp_bf16_f32)
 RESIDUAL_NORM_WARP(bf16, bf16, residual_norm_warp_bf16_bf16)
 
-#define QKV_NORM_ROPE_VEC(T, NAME)                                                                       \
+// The 4-wide kernels (split-half for 256·m, interleaved for 128·m below), by implementation.
+#define QKV_NORM_ROPE_VEC(IMPL, T, NAME)                                                                 \
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
                                     const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
                                     int tbl_half, const u32* pos) {                                       \
-        qkv_norm_rope_vec_impl<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len,      \
-                                  tbl_half, pos);                                                         \
+        IMPL<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len, tbl_half, pos);      \
     }
-QKV_NORM_ROPE_VEC(float, qkv_norm_rope_vec_f32)
-QKV_NORM_ROPE_VEC(bf16, qkv_norm_rope_vec_bf16)
+QKV_NORM_ROPE_VEC(qkv_norm_rope_vec_impl, float, qkv_norm_rope_vec_f32)
+QKV_NORM_ROPE_VEC(qkv_norm_rope_vec_impl, bf16, qkv_norm_rope_vec_bf16)
 
 #define QKV_NORM_ROPE_AXIAL64(T, NAME)                                                                   \
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
@@ -722,12 +722,5 @@ __device__ __forceinline__ void qkv_norm_rope_pairs_vec_impl(T* qkv, long stride
     }
 }
 
-#define QKV_NORM_ROPE_PAIRS_VEC(T, NAME)                                                                 \
-    extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
-                                    const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
-                                    int tbl_half, const u32* pos) {                                       \
-        qkv_norm_rope_pairs_vec_impl<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len, \
-                                        tbl_half, pos);                                                   \
-    }
-QKV_NORM_ROPE_PAIRS_VEC(float, qkv_norm_rope_pairs_vec_f32)
-QKV_NORM_ROPE_PAIRS_VEC(bf16, qkv_norm_rope_pairs_vec_bf16)
+QKV_NORM_ROPE_VEC(qkv_norm_rope_pairs_vec_impl, float, qkv_norm_rope_pairs_vec_f32)
+QKV_NORM_ROPE_VEC(qkv_norm_rope_pairs_vec_impl, bf16, qkv_norm_rope_pairs_vec_bf16)
