@@ -156,39 +156,44 @@ impl CudaBackend {
     /// Free device memory plus what the stream-ordered pool holds unused (it keeps freed memory,
     /// [`keep_freed_memory`]): what this process can still allocate.
     pub(super) fn available_memory(&self) -> Result<usize> {
-        use cudarc::driver::sys;
+        use cudarc::driver::sys::CUmemPool_attribute as A;
         let (free, _) = self.ctx.mem_get_info().map_err(drv("memory info"))?;
-        if !self.ctx.has_async_alloc() {
+        let Some(pool) = default_pool(&self.ctx)? else {
             return Ok(free);
-        }
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        let (mut reserved, mut used) = (0u64, 0u64);
-        // SAFETY: out-parameters of the context's own device pool; each attribute is a u64
-        // written into the named local.
-        let r = unsafe {
-            match sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) {
-                sys::CUresult::CUDA_SUCCESS => {
-                    let attr = |a, v: &mut u64| {
-                        sys::cuMemPoolGetAttribute(pool, a, (v as *mut u64).cast())
-                    };
-                    match attr(
-                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-                        &mut reserved,
-                    ) {
-                        sys::CUresult::CUDA_SUCCESS => attr(
-                            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-                            &mut used,
-                        ),
-                        e => e,
-                    }
-                }
-                e => e,
-            }
         };
-        match r {
-            sys::CUresult::CUDA_SUCCESS => Ok(free + reserved.saturating_sub(used) as usize),
-            e => Err(Error::Device(format!("CUDA memory pool usage: {e:?}"))),
-        }
+        let reserved = pool_attribute(pool, A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        let used = pool_attribute(pool, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        Ok(free + reserved.saturating_sub(used) as usize)
+    }
+}
+
+/// The device's default stream-ordered memory pool, where cudarc allocates (`None` where the
+/// context has no stream-ordered allocator).
+fn default_pool(ctx: &Arc<CudaContext>) -> Result<Option<cudarc::driver::sys::CUmemoryPool>> {
+    use cudarc::driver::sys;
+    if !ctx.has_async_alloc() {
+        return Ok(None);
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is an out-parameter for the context's own device.
+    match unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(Some(pool)),
+        e => Err(Error::Device(format!("CUDA default memory pool: {e:?}"))),
+    }
+}
+
+/// A u64 attribute of `pool`.
+fn pool_attribute(
+    pool: cudarc::driver::sys::CUmemoryPool,
+    attr: cudarc::driver::sys::CUmemPool_attribute,
+) -> Result<u64> {
+    use cudarc::driver::sys;
+    let mut value = 0u64;
+    // SAFETY: `pool` is the device's live default pool; the attribute is a u64 written into
+    // `value`, which outlives the call.
+    match unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut value as *mut u64).cast()) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(value),
+        e => Err(Error::Device(format!("CUDA memory pool {attr:?}: {e:?}"))),
     }
 }
 
@@ -199,22 +204,18 @@ impl CudaBackend {
 /// the process keeps its high-water mark, as PyTorch's caching allocator does.
 fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<()> {
     use cudarc::driver::sys;
-    if !ctx.has_async_alloc() {
+    let Some(pool) = default_pool(ctx)? else {
         return Ok(());
-    }
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    };
     let mut threshold = u64::MAX;
-    // SAFETY: `pool` is an out-parameter for the context's own device; the attribute is a u64
-    // read from `threshold`, which outlives the call.
+    // SAFETY: `pool` is the device's live default pool; the attribute is a u64 read from
+    // `threshold`, which outlives the call.
     let r = unsafe {
-        match sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) {
-            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            ),
-            e => e,
-        }
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
     };
     match r {
         sys::CUresult::CUDA_SUCCESS => Ok(()),

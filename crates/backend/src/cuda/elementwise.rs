@@ -150,7 +150,6 @@ pub(super) fn gated(
         && aligned(out.offset, out.stride);
     let kernel = if vec { vector } else { scalar };
     let n = gate.rows * gate.cols / if vec { v } else { 1 };
-    let blocks = n.div_ceil(256).min(be.sm_count as usize * 16).max(1) as u32;
     let args = GatedArgs {
         g: ptr_of(&gate)?,
         gs: gate.stride as i64,
@@ -164,12 +163,7 @@ pub(super) fn gated(
     if n == 0 {
         return Ok(());
     }
-    be.launch(
-        "elementwise",
-        kernel.get(e)?,
-        cfg((blocks, 1), 256, 0),
-        &args,
-    )
+    be.launch("elementwise", kernel.get(e)?, be.grid_stride(n), &args)
 }
 
 pub(super) fn segment_mean(

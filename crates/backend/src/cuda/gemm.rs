@@ -23,7 +23,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use tessera_core::{Error, Result};
 
 use super::elementwise::EpilogueArgs;
-use super::launch::{DevPtr, cfg};
+use super::launch::DevPtr;
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
 use crate::op::check_product;
@@ -375,6 +375,24 @@ pub(super) struct Rows {
 }
 
 impl Rows {
+    /// The rows of `v` (its bounds checked).
+    pub fn of(v: &View<'_, CudaBackend>) -> Result<Rows> {
+        Ok(Rows {
+            ptr: ptr_of(v)?,
+            stride: v.stride,
+            elem: v.buf.elem,
+        })
+    }
+
+    /// The rows of `v` (its bounds checked).
+    pub fn of_mut(v: &ViewMut<'_, CudaBackend>) -> Result<Rows> {
+        Ok(Rows {
+            ptr: ptr_of_mut(v)?,
+            stride: v.stride,
+            elem: v.buf.elem,
+        })
+    }
+
     /// The address of row `r`.
     pub fn at(self, r: usize) -> DevPtr {
         DevPtr(self.ptr.0 + (r * self.stride * self.elem.size()) as u64)
@@ -509,8 +527,6 @@ pub(super) fn epilogue(
     cols: usize,
     accumulate: bool,
 ) -> Result<()> {
-    let n = rows * cols;
-    let blocks = n.div_ceil(256).min(be.sm_count as usize * 16).max(1) as u32;
     let gate = if post.gate == DevPtr::NULL {
         DevPtr::NULL
     } else {
@@ -531,7 +547,7 @@ pub(super) fn epilogue(
         accumulate: accumulate as i32,
     };
     let kernel = be.kernels.elementwise.epilogue.get(y.elem, out.elem)?;
-    be.launch("elementwise", kernel, cfg((blocks, 1), 256, 0), &args)
+    be.launch("elementwise", kernel, be.grid_stride(rows * cols), &args)
 }
 
 /// The `matmul` op: `out = ep(x · wᵀ)`.
@@ -553,16 +569,7 @@ pub(super) fn matmul(
     if x.rows == 0 || w.out == 0 {
         return Ok(());
     }
-    let xr = Rows {
-        ptr: ptr_of(&x)?,
-        stride: x.stride,
-        elem: x.buf.elem,
-    };
-    let outr = Rows {
-        ptr: ptr_of_mut(&out)?,
-        stride: out.stride,
-        elem: out.buf.elem,
-    };
+    let (xr, outr) = (Rows::of(&x)?, Rows::of_mut(&out)?);
     let (m, n) = (x.rows, w.out);
     match post {
         None => product(be, xr, 0, m, w, outr, ep.alpha, ep.accumulate as u8 as f32),

@@ -55,11 +55,6 @@ kernel_table! {
     }
 }
 
-/// Blocks for a grid-stride loop over `n` items, 256 threads each.
-fn stride_blocks(be: &CudaBackend, n: usize) -> u32 {
-    n.div_ceil(256).clamp(1, be.sm_count as usize * 16) as u32
-}
-
 pub(super) fn conv2d(
     be: &CudaBackend,
     x: View<'_, CudaBackend>,
@@ -82,20 +77,12 @@ pub(super) fn conv2d(
         return Ok(());
     }
     let MatFormat::Dense(ab) = w.format;
-    let to = Rows {
-        ptr: ptr_of_mut(&out)?,
-        stride: out.stride,
-        elem: out.buf.elem,
-    };
+    let to = Rows::of_mut(&out)?;
     let post = Post::bias(bias.ptr);
-    let xp = ptr_of(&x)?;
+    let xr = Rows::of(&x)?;
+    let xp = xr.ptr;
     // A 1×1 convolution of an image already in the weight's type is the product itself.
     if k == 1 && !spec.upsample && x.buf.elem == ab {
-        let xr = Rows {
-            ptr: xp,
-            stride: x.stride,
-            elem: ab,
-        };
         product(be, xr, 0, pixels, w, to, 1.0, 0.0)?;
         return epilogue(be, &post, to, to, 0, pixels, cout, false);
     }
@@ -140,13 +127,7 @@ pub(super) fn conv2d(
             n: n as i64,
             cols: ws,
         };
-        let threads = n * kk / per_thread;
-        be.launch(
-            "conv",
-            kernel,
-            cfg((stride_blocks(be, threads), 1), 256, 0),
-            &args,
-        )?;
+        be.launch("conv", kernel, be.grid_stride(n * kk / per_thread), &args)?;
         let into = Rows {
             ptr: to.at(p0),
             ..to
@@ -228,7 +209,7 @@ pub(super) fn group_norm(
     be.launch(
         "norm",
         k.group_apply.get(x.buf.elem, out.buf.elem)?,
-        cfg((stride_blocks(be, pixels * c), 1), 256, 0),
+        be.grid_stride(pixels * c),
         &GroupApplyArgs {
             x: xp,
             xs: x.stride as i64,

@@ -458,6 +458,15 @@ pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
     }
 }
 
+impl CudaBackend {
+    /// Launch shape of a grid-stride loop over `n` items: 256-thread blocks, at most sixteen per
+    /// multiprocessor (the loop covers the rest), at least one.
+    pub(super) fn grid_stride(&self, n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(256).clamp(1, self.sm_count as usize * 16);
+        cfg((blocks as u32, 1), 256, 0)
+    }
+}
+
 /// Launch shape of the block-per-row kernels: a block of 128 threads per row of up to 1,024
 /// columns, else of 256.
 pub fn row_blocks(rows: usize, cols: usize, smem: u32) -> LaunchConfig {

@@ -215,7 +215,7 @@ pub(super) fn norm(
     n: &RowNorm<'_, CudaBackend>,
     out: ViewMut<'_, CudaBackend>,
 ) -> Result<()> {
-    if n.kind == NormKind::Rms && n.bias.is_none() && n.scale.is_none() {
+    if plain_rms(n) {
         return rms_norm(be, x, n.weight, n.eps, out);
     }
     same_shape("norm", (x.rows, x.cols), (out.rows, out.cols))?;

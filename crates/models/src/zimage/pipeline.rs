@@ -385,10 +385,10 @@ impl<B: Backend> ZImage<B> {
             Ok(self.request_bytes((w, h), n, &caps, steps)? <= available)
         };
         let (w, h) = (req.width, req.height);
-        if fits(w, h)? {
+        let need = self.request_bytes((w, h), n, &caps, steps)?;
+        if need <= available {
             return Ok(());
         }
-        let need = self.request_bytes((w, h), n, &caps, steps)?;
         let m = self.size_multiple();
         let mut largest = None;
         for side in (1..=w / m).rev() {
