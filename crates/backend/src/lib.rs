@@ -19,9 +19,9 @@ mod view;
 
 pub use device::{AnyBackend, BackendFn, DeviceRequest};
 pub use op::{
-    Activation, After, AttnSpec, Conv2d, Epilogue, Gate, Grids, GroupNorm, KvRanges, Mask,
-    NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, Run,
-    Segments, block_causal_limits, offsets_of,
+    Activation, After, AttnSpec, Conv2d, ConvSeq, Epilogue, Gate, Grids, GroupNorm, KvRanges,
+    Mask, NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, Run,
+    Segments, ShortConv, block_causal_limits, offsets_of,
 };
 pub use tessera_core::{Error, Result, Tensor};
 pub use view::{View, ViewMut};
@@ -442,6 +442,20 @@ pub trait Backend: Send + Sync {
         w: &Self::Mat,
         bias: &Self::Vector,
         spec: &Conv2d,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// LFM2's gated short convolution of packed segments `segs` (see [`ShortConv`]): `bcx`
+    /// `[rows, b|c|x]`, `out` `[rows, channels]`, each segment continuing from its slot of
+    /// `state` (`Role::Stream`, whole slots of [`ShortConv::slot_len`]) and refreshing it.
+    fn short_conv(
+        &self,
+        bcx: View<'_, Self>,
+        conv: &ShortConv<'_, Self>,
+        segs: &Segments<Self>,
+        state: &mut Self::Buf,
         out: ViewMut<'_, Self>,
     ) -> Result<()>
     where

@@ -27,12 +27,13 @@ use ops::attention::{attention, qkv};
 use ops::gemm::matmul;
 use ops::image::{conv2d, group_norm};
 use ops::norm::{layer, norm, plain, residual, rms};
+use ops::short_conv::short_conv;
 use ops::rows::{add_positions_2d, avg_pool2d, cast, embed, gated, scatter_rows, segment_mean};
 use ops::{Case, Dev, Diff, Output, Table, Tol, catching, compare, measure};
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda;
 use tessera_backend::{
-    Activation::{GeluTanh, Silu},
+    Activation::{Gelu, GeluTanh, Silu},
     Backend, Epilogue, NormKind, OpKind, Precision,
     Role::{Compute, Stream},
     Run::{Block, Causal},
@@ -78,6 +79,7 @@ fn cases() -> Vec<Box<dyn Case>> {
     // Epilogues.
     t.add(matmul(33, 130, 7).bias()); // nn.Linear
     t.add(matmul(7, 64, 130).act(GeluTanh));
+    t.add(matmul(64, 2560, 3072).bias().act(Gelu)); // LFM2-VL projector: 4·768 → 2560, erf GELU
     t.add(matmul(1, 256, 1024).bias().act(Silu)); // Z-Image t_embedder: Linear then SiLU
     t.add(matmul(17, 96, 33).gate());
     t.add(matmul(33, 384, 130).tanh_gate().accumulate()); // DiT: h += tanh(g) ⊙ (a · W_oᵀ)
@@ -243,6 +245,13 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(group_norm(20, 512, 32)); // the mid block's attention norm
     t.add(group_norm(13, 96, 3).then(GeluTanh));
     t.add(group_norm(1, 7, 7)); // one value a group: the output is the bias
+
+    // ---- short_conv (LFM2): a prefill from zeros, decode steps continuing their state, and a
+    // mixed batch; a segment shorter than the kernel keeps part of its old state.
+    t.add(short_conv(&[(37, 0)], 1024, 3)); // LFM2-350M prefill
+    t.add(short_conv(&[(1, 40), (1, 7), (1, 1)], 1024, 3)); // three decode steps
+    t.add(short_conv(&[(5, 0), (1, 9), (1, 1), (3, 2)], 33, 3).bias());
+    t.add(short_conv(&[(2, 0), (1, 2)], 130, 4)); // rows fewer than the taps
 
     t.0
 }

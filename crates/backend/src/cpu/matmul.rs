@@ -275,6 +275,7 @@ mod tests {
         for &(m, k, n, act) in &[
             (1, 1, 1, None),
             (5, 7, 3, Some(Activation::Silu)),
+            (6, 33, 17, Some(Activation::Gelu)),
             (33, 64, 17, None),
             (70, 129, 45, Some(Activation::GeluTanh)),
         ] {
@@ -308,6 +309,9 @@ mod tests {
                     let want = match act {
                         None => z,
                         Some(Activation::Silu) => z / (1.0 + (-z).exp()),
+                        Some(Activation::Gelu) => {
+                            0.5 * z * (1.0 + libm::erf(z / std::f64::consts::SQRT_2))
+                        }
                         Some(Activation::GeluTanh) => {
                             let c = (2.0 / std::f64::consts::PI).sqrt();
                             0.5 * z * (1.0 + (c * (z + 0.044715 * z * z * z)).tanh())

@@ -13,6 +13,7 @@ mod norm;
 pub mod peak;
 mod rope;
 mod rows;
+mod short_conv;
 mod vmath;
 
 use std::collections::HashSet;
@@ -23,7 +24,7 @@ use tessera_core::{Error, Result, Tensor, Weights};
 use crate::view::same_shape;
 use crate::{
     Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Op, Precision,
-    QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, View, ViewMut,
+    QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
 };
 
 /// The `f32` CPU backend.
@@ -391,6 +392,18 @@ impl Backend for CpuBackend {
             upsample: spec.upsample,
         })?;
         conv::conv2d(x, w, bias, spec, out)
+    }
+
+    fn short_conv(
+        &self,
+        bcx: View<'_, Self>,
+        conv: &ShortConv<'_, Self>,
+        segs: &Segments<Self>,
+        state: &mut CpuBuf,
+        out: ViewMut<'_, Self>,
+    ) -> Result<()> {
+        self.enter(conv.op())?;
+        short_conv::short_conv(bcx, conv, segs, state.f32_mut(), out)
     }
 
     fn group_norm(

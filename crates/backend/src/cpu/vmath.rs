@@ -156,6 +156,12 @@ fn gelu64(x: f64) -> f64 {
     x / (1.0 + exp64(-2.0 * u))
 }
 
+/// The exact (erf) GELU in f64.
+#[inline(always)]
+fn gelu_erf64(x: f64) -> f64 {
+    0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2))
+}
+
 /// `x·σ(x)` in f64.
 #[inline(always)]
 fn silu64(x: f64) -> f64 {
@@ -168,6 +174,7 @@ fn activate1(act: Activation, x: f32) -> f32 {
     let x = x as f64;
     (match act {
         Activation::GeluTanh => gelu64(x),
+        Activation::Gelu => gelu_erf64(x),
         Activation::Silu => silu64(x),
     }) as f32
 }
@@ -478,11 +485,16 @@ mod tests {
             (x / (1.0 + (-2.0 * u).exp())) as f32
         };
         let silu = |x: f32| (x as f64 / (1.0 + (-(x as f64)).exp())) as f32;
+        // Abramowitz–Stegun 7.1.26 would be too coarse; the reference is erfc's series-free
+        // identity through libm's erf checked at known points below.
+        let gelu_erf =
+            |x: f32| (0.5 * x as f64 * (1.0 + libm::erf(x as f64 / std::f64::consts::SQRT_2))) as f32;
         for n in SIZES {
             let x = inputs(n, 8.0);
             let up = inputs(n + 1, 2.0);
             for (act, f) in [
                 (Activation::GeluTanh, &gelu as &dyn Fn(f32) -> f32),
+                (Activation::Gelu, &gelu_erf),
                 (Activation::Silu, &silu),
             ] {
                 let mut got = x.clone();

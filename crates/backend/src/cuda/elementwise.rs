@@ -138,6 +138,7 @@ pub(super) fn gated(
     let (scalar, vector) = match act {
         Activation::GeluTanh => (&k.gated_gelu, &k.gated_vec_gelu),
         Activation::Silu => (&k.gated_silu, &k.gated_vec_silu),
+        Activation::Gelu => return Err(Error::Device("gated erf GELU: no CUDA kernel".into())),
     };
     // 16-byte vectors when every row start is 16-byte aligned and whole vectors tile a row
     // (and there are fewer than 2^32 vectors: the kernel indexes them in 32 bits).

@@ -471,6 +471,7 @@ pub(super) fn act_code(a: Activation) -> i32 {
     match a {
         Activation::GeluTanh => 0,
         Activation::Silu => 1,
+        Activation::Gelu => 2,
     }
 }
 

@@ -12,7 +12,7 @@ use tessera_core::{Error, Result};
 use super::CudaBackend;
 use super::attention::FLASH_HEAD_DIMS;
 use crate::op::{AttentionOp, MaskKind};
-use crate::{Backend, Op, Precision};
+use crate::{Activation, Backend, Op, Precision};
 
 /// Why an op is declined (`what` names the missing feature; the caller names the op and the
 /// device).
@@ -28,13 +28,16 @@ impl CudaBackend {
             | Op::Matmul(_)
             | Op::Norm(_)
             | Op::Residual(_)
-            | Op::Gated(_)
             | Op::SegmentMean
             | Op::AddPositions2d
             | Op::AvgPool2d
             | Op::ScatterRows
-            | Op::Conv2d { .. }
-            | Op::GroupNorm { .. } => Ok(()),
+            | Op::Conv2d { .. } => Ok(()),
+            // The erf GELU is only a product epilogue so far (LFM2-VL's projector).
+            Op::Gated(Activation::Gelu) | Op::GroupNorm {
+                act: Some(Activation::Gelu),
+            } => Err(not_yet("the erf GELU outside a product epilogue is")),
+            Op::Gated(_) | Op::GroupNorm { .. } => Ok(()),
             Op::QkvNormRope { head_dim, .. } => {
                 if *head_dim == 0 || !head_dim.is_multiple_of(2) || *head_dim > 512 {
                     return Err(Error::Device(
@@ -44,6 +47,7 @@ impl CudaBackend {
                 Ok(())
             }
             Op::Attention(a) => self.attention_supported(a),
+            Op::ShortConv { .. } => Err(not_yet("the short convolution is")),
         }
     }
 

@@ -9,6 +9,8 @@ use crate::{Backend, View, ViewMut};
 pub enum Activation {
     /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (`gelu_pytorch_tanh`).
     GeluTanh,
+    /// `0.5·x·(1 + erf(x/√2))`, the exact GELU (`gelu` in transformers: LFM2-VL's projector).
+    Gelu,
     /// `x·σ(x)`.
     Silu,
 }

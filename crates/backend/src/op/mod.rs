@@ -11,6 +11,7 @@ mod gemm;
 mod image;
 mod norm;
 mod rope;
+mod short_conv;
 
 pub use attention::{
     AttnSpec, KvRanges, Mask, MaskKind, QkvLayout, QkvNorm, Run, Segments, block_causal_limits,
@@ -21,6 +22,7 @@ pub use gemm::{Activation, Epilogue, Gate};
 pub use image::{Conv2d, Grids, GroupNorm};
 pub use norm::{After, NormKind, Residual, RowNorm};
 pub use rope::{RopeStyle, RopeTable};
+pub use short_conv::{ConvSeq, ShortConv};
 
 use crate::Backend;
 
@@ -55,6 +57,10 @@ pub enum Op {
     },
     GroupNorm {
         act: Option<Activation>,
+    },
+    ShortConv {
+        kernel: usize,
+        bias: bool,
     },
 }
 
@@ -156,6 +162,7 @@ op_kinds! {
     ScatterRows => "scatter_rows",
     Conv2d => "conv2d",
     GroupNorm => "group_norm",
+    ShortConv => "short_conv",
 }
 
 impl Op {
@@ -175,6 +182,7 @@ impl Op {
             Op::ScatterRows => OpKind::ScatterRows,
             Op::Conv2d { .. } => OpKind::Conv2d,
             Op::GroupNorm { .. } => OpKind::GroupNorm,
+            Op::ShortConv { .. } => OpKind::ShortConv,
         }
     }
 }
@@ -253,6 +261,11 @@ impl std::fmt::Display for Op {
                 }
             ),
             Op::GroupNorm { act: Some(a) } => write!(f, "{name} (then {a:?})"),
+            Op::ShortConv { kernel, bias } => write!(
+                f,
+                "{name} ({kernel} taps{})",
+                if *bias { ", bias" } else { "" }
+            ),
             _ => write!(f, "{name}"),
         }
     }
@@ -296,6 +309,15 @@ impl<B: Backend> Residual<'_, B> {
                 After::Copy(_) => AfterOp::Copy,
             },
         })
+    }
+}
+
+impl<B: Backend> ShortConv<'_, B> {
+    pub fn op(&self) -> Op {
+        Op::ShortConv {
+            kernel: self.kernel,
+            bias: self.bias.is_some(),
+        }
     }
 }
 

@@ -10,6 +10,7 @@ pub mod gemm;
 pub mod image;
 pub mod norm;
 pub mod rows;
+pub mod short_conv;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

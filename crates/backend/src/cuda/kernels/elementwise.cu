@@ -114,7 +114,7 @@ GATED_VEC(float, 1, gated_vec_silu_f32)
 GATED_VEC(bf16, 1, gated_vec_silu_bf16)
 
 // After a product: o = [o +] g ⊙ act(y + bias) over rows × cols, grid-stride. act −1 none, 0 GELU
-// (tanh), 1 SiLU; g null: no gate, gs 0: one broadcast gate row, tanh: multiply by tanh(g). `y` may
+// (tanh), 1 SiLU, 2 GELU (erf); g null: no gate, gs 0: one broadcast gate row, tanh: multiply by tanh(g). `y` may
 // alias `o` (in place): each element is read before it is written, by the same thread.
 template <typename TY, typename TO>
 __device__ __forceinline__ void epilogue_impl(const TY* y, long ys, TO* o, long os, long rows, int cols,
@@ -128,6 +128,7 @@ __device__ __forceinline__ void epilogue_impl(const TY* y, long ys, TO* o, long 
         if (bias) v += bias[c];
         if (act == 0) v = gelu_tanh(v);
         else if (act == 1) v = silu(v);
+        else if (act == 2) v = 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
         if (g) {
             const float gv = g[r * gs + c];
             v *= tanh_g ? tanhf(gv) : gv;
