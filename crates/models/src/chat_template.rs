@@ -24,14 +24,47 @@ const NAME: &str = "chat_template";
 #[derive(Clone, Debug, Serialize)]
 pub struct Message {
     pub role: String,
-    pub content: String,
+    pub content: Content,
+}
+
+/// What a turn says: plain text, or a list of parts (text and images) as the multimodal
+/// processors pass it (`[{"type": "image"}, {"type": "text", "text": "…"}]`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+/// One part of a multimodal turn.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Part {
+    Text { text: String },
+    Image,
 }
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Self {
         Message {
             role: role.into(),
-            content: content.into(),
+            content: Content::Text(content.into()),
+        }
+    }
+
+    /// A turn of text and image parts, in order.
+    pub fn parts(role: &str, parts: Vec<Part>) -> Self {
+        Message {
+            role: role.into(),
+            content: Content::Parts(parts),
+        }
+    }
+
+    /// Images among this turn's parts.
+    pub fn images(&self) -> usize {
+        match &self.content {
+            Content::Text(_) => 0,
+            Content::Parts(p) => p.iter().filter(|p| matches!(p, Part::Image)).count(),
         }
     }
 }
@@ -419,6 +452,25 @@ mod tests {
         assert_eq!(got, "HEY|user|<|endoftext|>|no|True");
         let got = t.render(&user("x"), true, &[]).unwrap();
         assert!(got.ends_with("|think|True"), "{got}");
+    }
+
+    #[test]
+    fn multimodal_parts_render_as_lists_of_typed_items() {
+        let t = template(
+            "{% for m in messages %}{% for p in m.content %}{% if p.type == 'image' %}<image>\
+             {% else %}{{ p.text }}{% endif %}{% endfor %}{% endfor %}",
+        );
+        let m = Message::parts(
+            "user",
+            vec![
+                Part::Image,
+                Part::Text {
+                    text: "What is this?".into(),
+                },
+            ],
+        );
+        assert_eq!(m.images(), 1);
+        assert_eq!(t.render(&[m], false, &[]).unwrap(), "<image>What is this?");
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod egemma2;
 pub mod files;
 pub mod imageproc;
 pub mod input;
+pub mod lfm2vl;
 pub mod loader;
 pub mod qwen3;
 pub mod tokenize;

@@ -1,0 +1,69 @@
+//! The whole LFM2-VL model: images through the encoder, their tokens into the language model.
+
+use tessera_backend::{Backend, View};
+use tessera_core::Result;
+
+use super::config::Lfm2VlConfig;
+use super::text::{CacheShape, Extend, Lfm2Text};
+use super::vision::{ImageEncoder, TilePatches};
+use crate::ModelFiles;
+
+/// One sequence's part of a call: the tokens it appends and the tiles of the images whose
+/// placeholder tokens are among them (in order).
+pub struct Turn<'a> {
+    pub seq: u64,
+    pub tokens: &'a [u32],
+    pub tiles: &'a [TilePatches<'a>],
+}
+
+pub struct Lfm2Vl<B: Backend> {
+    cfg: Lfm2VlConfig,
+    pub encoder: ImageEncoder<B>,
+    pub text: Lfm2Text<B>,
+}
+
+impl<B: Backend> Lfm2Vl<B> {
+    /// Load `model.safetensors` (or its shards) from `files` with a cache of `cache`.
+    pub fn load(be: &B, files: &ModelFiles, cfg: &Lfm2VlConfig, cache: CacheShape) -> Result<Self> {
+        let w = files.weights("model")?;
+        Ok(Lfm2Vl {
+            cfg: cfg.clone(),
+            encoder: ImageEncoder::load(be, cfg, &w)?,
+            text: Lfm2Text::load(be, &cfg.text, &w, cache)?,
+        })
+    }
+
+    pub fn config(&self) -> &Lfm2VlConfig {
+        &self.cfg
+    }
+
+    /// Extend each turn's sequence (see [`Lfm2Text::extend`]), the images of every turn encoded
+    /// together first. Returns the logits of each turn's last row, or with `all_rows` of every
+    /// row.
+    pub fn extend(&mut self, be: &B, turns: &[Turn<'_>], all_rows: bool) -> Result<View<'_, B>> {
+        let tiles: Vec<TilePatches<'_>> =
+            turns.iter().flat_map(|t| t.tiles.iter().copied()).collect();
+        let feats = if tiles.is_empty() {
+            None
+        } else {
+            Some(self.encoder.forward(be, &tiles)?)
+        };
+        let mut at = 0;
+        let parts: Vec<Extend<'_, B>> = turns
+            .iter()
+            .map(|t| {
+                let n: usize = t.tiles.iter().map(TilePatches::tokens).sum();
+                let media = feats
+                    .filter(|_| n > 0)
+                    .map(|f| (self.cfg.image_token, f.rows(at, n)));
+                at += n;
+                Extend {
+                    seq: t.seq,
+                    tokens: t.tokens,
+                    media,
+                }
+            })
+            .collect();
+        self.text.extend(be, &parts, all_rows)
+    }
+}

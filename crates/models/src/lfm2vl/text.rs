@@ -1,0 +1,585 @@
+//! The LFM2 language model with a per-sequence cache: keys and values of its attention layers,
+//! the rolling input state of its convolution layers.
+//!
+//! Reference: `Lfm2Model` / `Lfm2ForCausalLM` (transformers 5.25.0). Each layer is
+//! `h += mixer(RMS_op(h))`, `h += SwiGLU(RMS_ffn(h))`, where the mixer is either
+//! - a short convolution: `[b | c | x] = a · W_inᵀ`, `y = c ⊙ conv_k(b ⊙ x)` (causal, depthwise),
+//!   then `y · W_outᵀ`; or
+//! - grouped-query attention with per-head RMSNorm of q and k and split-half RoPE;
+//!
+//! then the final RMSNorm (`embedding_norm`) and logits through the tied embedding matrix.
+//!
+//! Sequences live in cache slots. A call extends any number of them at once — a prompt
+//! (prefill) or one sampled token each (decoding), packed back to back — and returns logits of
+//! each one's last row. A slot of `ctx` rows per attention layer holds the sequence's keys and
+//! values (new rows are scattered in, then each segment attends over its own range, causally);
+//! the convolution layers keep the last `kernel − 1` inputs per slot.
+
+use std::collections::HashMap;
+
+use tessera_backend::{
+    Activation, After, AttnSpec, Backend, ConvSeq, Epilogue, Mask, QkvLayout, QkvNorm, Residual,
+    Role, RopeStyle, RopeTable, RowNorm, ShortConv, View, ViewMut,
+};
+use tessera_core::{Error, Result, Weights};
+
+use super::config::{LayerKind, TextConfig};
+use crate::blocks::rope::inv_freq;
+use crate::blocks::{
+    AttentionWeights, AttnNames, MlpNames, MlpWeights, QkvNames, Scratch, ScratchDims,
+};
+use crate::loader::Loader;
+
+const ATTENTION: AttnNames = AttnNames {
+    qkv: QkvNames::Separate {
+        q: "self_attn.q_proj.weight",
+        k: "self_attn.k_proj.weight",
+        v: "self_attn.v_proj.weight",
+    },
+    o: "self_attn.out_proj.weight",
+    q_norm: "self_attn.q_layernorm.weight",
+    k_norm: "self_attn.k_layernorm.weight",
+};
+const MLP: MlpNames = MlpNames {
+    gate: "feed_forward.w1.weight",
+    up: "feed_forward.w3.weight",
+    down: "feed_forward.w2.weight",
+};
+
+/// How many sequences the cache holds at once and how many tokens each may reach.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    pub slots: usize,
+    pub ctx: usize,
+}
+
+struct Conv<B: Backend> {
+    in_proj: B::Mat,
+    in_bias: Option<B::Vector>,
+    weight: B::Vector,
+    bias: Option<B::Vector>,
+    out_proj: B::Mat,
+    out_bias: Option<B::Vector>,
+    /// `[slots, (kernel − 1)·D]`.
+    state: B::Buf,
+}
+
+struct Attn<B: Backend> {
+    w: AttentionWeights<B>,
+    /// `[rows, kv cols]` each, `rows = slots·ctx`.
+    k: B::Buf,
+    v: B::Buf,
+    rows: usize,
+}
+
+enum Mixer<B: Backend> {
+    Conv(Conv<B>),
+    Attn(Attn<B>),
+}
+
+struct Layer<B: Backend> {
+    mixer: Mixer<B>,
+    mlp: MlpWeights<B>,
+    op_norm: B::Vector,
+    ffn_norm: B::Vector,
+}
+
+/// Activations for up to `rows` packed rows in `segs` segments.
+struct Workspace<B: Backend> {
+    rows: usize,
+    segs: usize,
+    ids: B::Buf,
+    pos: B::Buf,
+    /// Cache row of each new row (`slot·ctx + position`).
+    cache_rows: B::Buf,
+    conv_seqs: B::Buf,
+    /// Placeholder rows that media rows replace.
+    media_rows: B::Buf,
+    h: B::Buf,
+    scratch: Scratch<B>,
+    bcx: B::Buf,
+    cy: B::Buf,
+    /// Logits `[rows or segments, vocab]`.
+    logits: B::Buf,
+}
+
+/// A sequence's cache slot and the tokens it holds.
+#[derive(Clone, Copy, Debug)]
+struct Seq {
+    slot: usize,
+    held: usize,
+}
+
+/// One sequence's part of a call: the tokens it appends, and optionally rows of embeddings
+/// (image tokens) that replace its placeholder tokens in order.
+pub struct Extend<'a, B: Backend> {
+    pub seq: u64,
+    pub tokens: &'a [u32],
+    /// The token id whose rows `media` replaces, and the media rows.
+    pub media: Option<(u32, View<'a, B>)>,
+}
+
+pub struct Lfm2Text<B: Backend> {
+    cfg: TextConfig,
+    layout: QkvLayout,
+    embed: B::Table,
+    lm_head: B::Mat,
+    layers: Vec<Layer<B>>,
+    final_norm: B::Vector,
+    rope: RopeTable<B>,
+    shape: CacheShape,
+    seqs: HashMap<u64, Seq>,
+    free: Vec<usize>,
+    ws: Option<Workspace<B>>,
+}
+
+fn optional_vector<B: Backend>(
+    l: &Loader<'_, B>,
+    name: &str,
+    n: usize,
+    on: bool,
+) -> Result<Option<B::Vector>> {
+    on.then(|| l.vector(name, n)).transpose()
+}
+
+impl<B: Backend> Lfm2Text<B> {
+    /// Load the language model (under `model.language_model.`, or `language_model.model.` in
+    /// older files) with a cache of `shape`, checking every tensor's shape.
+    pub fn load(be: &B, cfg: &TextConfig, w: &Weights, shape: CacheShape) -> Result<Self> {
+        if shape.slots == 0 || shape.ctx == 0 {
+            return Err(Error::input(
+                "the cache needs at least one slot of one token",
+            ));
+        }
+        let root = Loader::new(be, w);
+        let l = if root.has("model.language_model.embedding_norm.weight") {
+            root.pp("model.language_model")
+        } else {
+            root.pp("language_model.model")
+        };
+        let (d, k) = (cfg.hidden, cfg.conv_kernel);
+        let layout = QkvLayout {
+            heads_q: cfg.heads_q,
+            heads_kv: cfg.heads_kv,
+            head_dim: cfg.head_dim,
+        };
+        let rows = shape.slots * shape.ctx;
+        let layers = cfg
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, kind)| {
+                let ll = l.pp(format_args!("layers.{i}"));
+                let mixer = match kind {
+                    LayerKind::Conv => {
+                        let c = ll.pp("conv");
+                        let taps = c.tensor("conv.weight", &[d, 1, k])?.to_f32();
+                        let mut state = be.alloc(shape.slots * (k - 1) * d, Role::Stream)?;
+                        be.write_f32(&mut state, &vec![0.0; shape.slots * (k - 1) * d])?;
+                        Mixer::Conv(Conv {
+                            in_proj: c.matrix("in_proj.weight", 3 * d, d)?,
+                            in_bias: optional_vector(&c, "in_proj.bias", 3 * d, cfg.conv_bias)?,
+                            weight: be.vector_f32(&taps)?,
+                            bias: optional_vector(&c, "conv.bias", d, cfg.conv_bias)?,
+                            out_proj: c.matrix("out_proj.weight", d, d)?,
+                            out_bias: optional_vector(&c, "out_proj.bias", d, cfg.conv_bias)?,
+                            state,
+                        })
+                    }
+                    LayerKind::Attention => Mixer::Attn(Attn {
+                        w: AttentionWeights::load(&ll, &ATTENTION, layout, d)?,
+                        k: be.alloc(rows * layout.kv_cols(), Role::Compute)?,
+                        v: be.alloc(rows * layout.kv_cols(), Role::Compute)?,
+                        rows,
+                    }),
+                };
+                Ok(Layer {
+                    mixer,
+                    mlp: MlpWeights::load(&ll, &MLP, d, cfg.ffn)?,
+                    op_norm: ll.vector("operator_norm.weight", d)?,
+                    ffn_norm: ll.vector("ffn_norm.weight", d)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let inv = inv_freq(cfg.rope_theta, cfg.head_dim);
+        Ok(Lfm2Text {
+            cfg: cfg.clone(),
+            layout,
+            embed: l.table("embed_tokens.weight", &[cfg.vocab, d])?,
+            lm_head: l.matrix("embed_tokens.weight", cfg.vocab, d)?,
+            layers,
+            final_norm: l.vector("embedding_norm.weight", d)?,
+            rope: RopeTable::new(be, &inv, shape.ctx, RopeStyle::SplitHalf)?,
+            shape,
+            seqs: HashMap::new(),
+            free: (0..shape.slots).rev().collect(),
+            ws: None,
+        })
+    }
+
+    pub fn config(&self) -> &TextConfig {
+        &self.cfg
+    }
+
+    pub fn cache_shape(&self) -> CacheShape {
+        self.shape
+    }
+
+    /// Tokens `seq` holds (0 for an unknown sequence).
+    pub fn held(&self, seq: u64) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.held)
+    }
+
+    /// Free `seq`'s slot.
+    pub fn release(&mut self, seq: u64) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            self.free.push(s.slot);
+        }
+    }
+
+    fn ensure(&mut self, be: &B, rows: usize, segs: usize, logit_rows: usize) -> Result<()> {
+        if self
+            .ws
+            .as_ref()
+            .is_some_and(|w| w.rows >= rows && w.segs >= segs.max(logit_rows))
+        {
+            return Ok(());
+        }
+        self.ws = None;
+        let (rows, segs) = (rows.max(1), segs.max(logit_rows).max(1));
+        let c = &self.cfg;
+        let d = c.hidden;
+        let dims = ScratchDims::new(d, self.layout, c.ffn);
+        self.ws = Some(Workspace {
+            rows,
+            segs,
+            ids: be.alloc(rows, Role::Index)?,
+            pos: be.alloc(rows, Role::Index)?,
+            cache_rows: be.alloc(rows, Role::Index)?,
+            conv_seqs: be.alloc(2 * segs, Role::Index)?,
+            media_rows: be.alloc(rows, Role::Index)?,
+            h: be.alloc(rows * d, Role::Stream)?,
+            scratch: Scratch::alloc(be, rows, dims)?,
+            bcx: be.alloc(rows * 3 * d, Role::Compute)?,
+            cy: be.alloc(rows * d, Role::Compute)?,
+            logits: be.alloc(segs * c.vocab, Role::Stream)?,
+        });
+        Ok(())
+    }
+
+    /// Append each part's tokens to its sequence (a new sequence takes a free slot) and return
+    /// the logits of each part's last row, `[parts, vocab]`; with `all_rows`, of every row,
+    /// `[Σ tokens, vocab]` (checking a prompt against the reference).
+    pub fn extend(
+        &mut self,
+        be: &B,
+        parts: &[Extend<'_, B>],
+        all_rows: bool,
+    ) -> Result<View<'_, B>> {
+        let vocab = self.cfg.vocab;
+        if parts.is_empty() || parts.iter().any(|p| p.tokens.is_empty()) {
+            return Err(Error::input("every sequence needs at least one new token"));
+        }
+        if let Some(&bad) = parts
+            .iter()
+            .flat_map(|p| p.tokens)
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(Error::input(format!(
+                "token id {bad} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        // Places: existing sequences keep theirs; new ones take free slots.
+        let mut seqs = Vec::with_capacity(parts.len());
+        let mut taken = Vec::new();
+        for p in parts {
+            let s = match self.seqs.get(&p.seq) {
+                Some(&s) => s,
+                None => {
+                    if seqs.iter().any(|(id, _): &(u64, Seq)| *id == p.seq) {
+                        return Err(Error::input("a sequence appears twice in one call"));
+                    }
+                    let slot = self.free.pop().ok_or_else(|| {
+                        Error::input(format!(
+                            "all {} cache slots are in use; finish or release a sequence first",
+                            self.shape.slots
+                        ))
+                    })?;
+                    taken.push(slot);
+                    Seq { slot, held: 0 }
+                }
+            };
+            if s.held + p.tokens.len() > self.shape.ctx {
+                self.free.extend(taken.drain(..));
+                return Err(Error::input(format!(
+                    "the sequence would hold {} tokens; the cache holds {} per sequence",
+                    s.held + p.tokens.len(),
+                    self.shape.ctx
+                )));
+            }
+            seqs.push((p.seq, s));
+        }
+        if let Err(e) = self.run(be, parts, &seqs, all_rows) {
+            self.free.extend(taken);
+            return Err(e);
+        }
+        for (p, (id, s)) in parts.iter().zip(&seqs) {
+            self.seqs.insert(
+                *id,
+                Seq {
+                    slot: s.slot,
+                    held: s.held + p.tokens.len(),
+                },
+            );
+        }
+        let n = if all_rows {
+            parts.iter().map(|p| p.tokens.len()).sum()
+        } else {
+            parts.len()
+        };
+        let ws = self
+            .ws
+            .as_ref()
+            .ok_or_else(|| Error::backend("lfm2", "workspace missing"))?;
+        Ok(View::new(&ws.logits, n, vocab))
+    }
+
+    fn run(
+        &mut self,
+        be: &B,
+        parts: &[Extend<'_, B>],
+        seqs: &[(u64, Seq)],
+        all_rows: bool,
+    ) -> Result<()> {
+        let lens: Vec<usize> = parts.iter().map(|p| p.tokens.len()).collect();
+        let n: usize = lens.iter().sum();
+        let logit_rows = if all_rows { n } else { parts.len() };
+        self.ensure(be, n, parts.len(), logit_rows)?;
+        let c = &self.cfg;
+        let (d, eps, ctx, lay) = (c.hidden, c.eps, self.shape.ctx, self.layout);
+        let mut ids = Vec::with_capacity(n);
+        let mut pos = Vec::with_capacity(n);
+        let mut cache_rows = Vec::with_capacity(n);
+        let mut ranges = Vec::with_capacity(parts.len());
+        let mut conv = Vec::with_capacity(parts.len());
+        let mut media_rows = Vec::new();
+        for (p, (_, s)) in parts.iter().zip(seqs) {
+            let base = ids.len();
+            ids.extend_from_slice(p.tokens);
+            pos.extend((s.held..s.held + p.tokens.len()).map(|x| x as u32));
+            cache_rows.extend((s.held..s.held + p.tokens.len()).map(|x| (s.slot * ctx + x) as u32));
+            ranges.push((s.slot * ctx, s.held + p.tokens.len()));
+            conv.push(ConvSeq {
+                slot: s.slot as u32,
+                held: s.held as u32,
+            });
+            if let Some((token, rows)) = &p.media {
+                let at: Vec<u32> = p
+                    .tokens
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| *t == token)
+                    .map(|(i, _)| (base + i) as u32)
+                    .collect();
+                if at.len() != rows.rows || rows.cols != d {
+                    return Err(Error::input(format!(
+                        "{} image tokens in the prompt for {} image rows of width {} (model width {d})",
+                        at.len(),
+                        rows.rows,
+                        rows.cols
+                    )));
+                }
+                media_rows.push((at, *rows));
+            }
+        }
+        let segs = be.segments(&lens)?;
+        let kv = be.kv_ranges(&ranges)?;
+        let ws = self
+            .ws
+            .as_mut()
+            .ok_or_else(|| Error::backend("lfm2", "workspace missing"))?;
+        be.write_u32(&mut ws.ids, &ids)?;
+        be.write_u32(&mut ws.pos, &pos)?;
+        be.write_u32(&mut ws.cache_rows, &cache_rows)?;
+        be.write_u32(&mut ws.conv_seqs, &ConvSeq::pack(&conv))?;
+        be.embed(&self.embed, &ws.ids, 1.0, ViewMut::new(&mut ws.h, n, d))?;
+        for (at, rows) in &media_rows {
+            be.write_u32(&mut ws.media_rows, at)?;
+            be.scatter_rows(*rows, &ws.media_rows, ViewMut::new(&mut ws.h, n, d))?;
+        }
+        if let Some(l0) = self.layers.first() {
+            be.norm(
+                View::new(&ws.h, n, d),
+                &RowNorm::rms(&l0.op_norm, eps),
+                ViewMut::new(&mut ws.scratch.a, n, d),
+            )?;
+        }
+        let spec = AttnSpec::new(lay, (lay.head_dim as f32).powf(-0.5), Mask::Causal).over(&kv);
+        let n_layers = self.layers.len();
+        for i in 0..n_layers {
+            let (layer, rest) = self.layers[i..]
+                .split_first_mut()
+                .ok_or_else(|| Error::backend("lfm2", "layer"))?;
+            match &mut layer.mixer {
+                Mixer::Conv(cv) => conv_mixer(be, cv, c, &segs, n, ws)?,
+                Mixer::Attn(at) => attn_mixer(be, at, c, &self.rope, &spec, &segs, n, ws)?,
+            }
+            let (h, s) = (&mut ws.h, &mut ws.scratch);
+            be.residual(
+                ViewMut::new(h, n, d),
+                View::new(&s.y, n, d),
+                &Residual::plain(),
+                After::Norm(
+                    RowNorm::rms(&layer.ffn_norm, eps),
+                    ViewMut::new(&mut s.a, n, d),
+                ),
+            )?;
+            layer.mlp.forward(be, Activation::Silu, n, s)?;
+            let next = match rest.first() {
+                Some(nx) => RowNorm::rms(&nx.op_norm, eps),
+                None => RowNorm::rms(&self.final_norm, eps),
+            };
+            be.residual(
+                ViewMut::new(h, n, d),
+                View::new(&s.y, n, d),
+                &Residual::plain(),
+                After::Norm(next, ViewMut::new(&mut s.a, n, d)),
+            )?;
+        }
+        if n_layers == 0 {
+            be.norm(
+                View::new(&ws.h, n, d),
+                &RowNorm::rms(&self.final_norm, eps),
+                ViewMut::new(&mut ws.scratch.a, n, d),
+            )?;
+        }
+        // Logits of every row, or of each segment's last row.
+        let vocab = c.vocab;
+        let normed = View::new(&ws.scratch.a, n, d);
+        if all_rows || lens.iter().all(|&l| l == 1) {
+            be.matmul(
+                normed,
+                &self.lm_head,
+                ViewMut::new(&mut ws.logits, n, vocab),
+                &Epilogue::default(),
+            )?;
+        } else {
+            let mut end = 0;
+            for (s, &l) in lens.iter().enumerate() {
+                end += l;
+                be.matmul(
+                    normed.rows(end - 1, 1),
+                    &self.lm_head,
+                    ViewMut::new(&mut ws.logits, parts.len(), vocab).rows(s, 1),
+                    &Epilogue::default(),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `s.y = conv mixer(s.a)`, each segment continuing from its slot's state.
+fn conv_mixer<B: Backend>(
+    be: &B,
+    cv: &mut Conv<B>,
+    c: &TextConfig,
+    segs: &tessera_backend::Segments<B>,
+    n: usize,
+    ws: &mut Workspace<B>,
+) -> Result<()> {
+    let d = c.hidden;
+    fn ep<B: Backend>(b: &Option<B::Vector>) -> Epilogue<'_, B> {
+        match b {
+            Some(b) => Epilogue::bias(b),
+            None => Epilogue::default(),
+        }
+    }
+    be.matmul(
+        View::new(&ws.scratch.a, n, d),
+        &cv.in_proj,
+        ViewMut::new(&mut ws.bcx, n, 3 * d),
+        &ep(&cv.in_bias),
+    )?;
+    let op = ShortConv {
+        channels: d,
+        kernel: c.conv_kernel,
+        weight: &cv.weight,
+        bias: cv.bias.as_ref(),
+        seqs: &ws.conv_seqs,
+    };
+    be.short_conv(
+        View::new(&ws.bcx, n, 3 * d),
+        &op,
+        segs,
+        &mut cv.state,
+        ViewMut::new(&mut ws.cy, n, d),
+    )?;
+    be.matmul(
+        View::new(&ws.cy, n, d),
+        &cv.out_proj,
+        ViewMut::new(&mut ws.scratch.y, n, d),
+        &ep(&cv.out_bias),
+    )
+}
+
+/// `s.y = attention mixer(s.a)`: q|k|v, per-head norms and RoPE, the new keys and values into
+/// the cache, attention over each segment's cached range, the output projection.
+#[allow(clippy::too_many_arguments)]
+fn attn_mixer<B: Backend>(
+    be: &B,
+    at: &mut Attn<B>,
+    c: &TextConfig,
+    rope: &RopeTable<B>,
+    spec: &AttnSpec<'_, B>,
+    segs: &tessera_backend::Segments<B>,
+    n: usize,
+    ws: &mut Workspace<B>,
+) -> Result<()> {
+    let lay = at.w.layout;
+    let (d, qc, kc, width) = (c.hidden, lay.q_cols(), lay.kv_cols(), lay.width());
+    let s = &mut ws.scratch;
+    be.matmul(
+        View::new(&s.a, n, d),
+        &at.w.qkv,
+        ViewMut::new(&mut s.qkv, n, width),
+        &Epilogue::default(),
+    )?;
+    be.qkv_norm_rope(
+        ViewMut::new(&mut s.qkv, n, width),
+        &QkvNorm {
+            layout: lay,
+            q_weight: Some(&at.w.q_norm),
+            k_weight: Some(&at.w.k_norm),
+            v_norm: false,
+            eps: c.eps,
+        },
+        Some((rope, &ws.pos)),
+    )?;
+    let qkv = View::new(&s.qkv, n, width);
+    let cache_len = at.rows;
+    be.scatter_rows(
+        qkv.cols(qc, kc),
+        &ws.cache_rows,
+        ViewMut::new(&mut at.k, cache_len, kc),
+    )?;
+    be.scatter_rows(
+        qkv.cols(qc + kc, kc),
+        &ws.cache_rows,
+        ViewMut::new(&mut at.v, cache_len, kc),
+    )?;
+    be.attention(
+        qkv.cols(0, qc),
+        View::new(&at.k, cache_len, kc),
+        View::new(&at.v, cache_len, kc),
+        ViewMut::new(&mut s.attn, n, qc),
+        spec,
+        segs,
+    )?;
+    be.matmul(
+        View::new(&s.attn, n, qc),
+        &at.w.o,
+        ViewMut::new(&mut s.y, n, d),
+        &Epilogue::default(),
+    )
+}
