@@ -120,6 +120,17 @@ impl TextTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The text of `ids`; special tokens (`<|im_end|>`, image markers, …) are left out when
+    /// `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })
+    }
+
     /// `[<bos>] ids(text) [<eos>]`, each added exactly once whatever the file's post-processor does.
     pub fn encode_with_bos_eos(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self

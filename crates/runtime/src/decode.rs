@@ -190,12 +190,16 @@ pub enum Control {
     Stop,
 }
 
-/// Prefill `prompt` into `seq`, then sample up to `max_tokens` tokens, handing each to
-/// `on_token` as it comes (streaming). Ends at a token of `eos`, at the limit, or when
-/// `on_token` says stop. Returns the generated tokens (end token excluded) and why it ended.
+/// Prefill `prompt` into `seq` (which already holds `held`: an earlier turn kept in its cache),
+/// then sample up to `max_tokens` tokens, handing each to `on_token` as it comes (streaming).
+/// Ends at a token of `eos`, at the limit, or when `on_token` says stop. Returns the generated
+/// tokens (end token excluded) and why it ended. The last generated token is not fed back: the
+/// sequence then holds `held`, `prompt` and all generated tokens but the last.
+#[allow(clippy::too_many_arguments)]
 pub fn generate(
     decoder: &mut dyn Decoder,
     seq: SeqId,
+    held: &[u32],
     prompt: &[u32],
     max_tokens: usize,
     eos: &[u32],
@@ -208,13 +212,14 @@ pub fn generate(
         ));
     }
     let ctx = decoder.context_len();
-    if prompt.len() >= ctx {
+    let total = held.len() + prompt.len();
+    if total >= ctx {
         return Err(Error::input(format!(
-            "the prompt has {} tokens; the model's context holds {ctx}, so nothing can be generated",
-            prompt.len()
+            "the prompt has {total} tokens; the model's context holds {ctx}, so nothing can be generated"
         )));
     }
-    let mut history = prompt.to_vec();
+    let mut history = held.to_vec();
+    history.extend_from_slice(prompt);
     let mut out = Vec::new();
     let mut logits = decoder
         .forward(&[(seq, prompt)])?
@@ -289,6 +294,7 @@ mod tests {
         let (out, finish) = generate(
             &mut m,
             SeqId(1),
+            &[],
             &[2, 3],
             10,
             &[7],
@@ -304,15 +310,23 @@ mod tests {
         // The cache saw the prompt, then each token but the last sampled one.
         assert_eq!(m.cache[&SeqId(1)], [2, 3, 4, 5, 6]);
         m.release(SeqId(1));
-        let (out, finish) = generate(&mut m, SeqId(2), &[0], 2, &[], &mut greedy(), &mut |_| {
-            Control::Continue
-        })
+        let (out, finish) = generate(
+            &mut m,
+            SeqId(2),
+            &[],
+            &[0],
+            2,
+            &[],
+            &mut greedy(),
+            &mut |_| Control::Continue,
+        )
         .unwrap();
         assert_eq!((out, finish), (vec![1, 2], Finish::Length));
         // The context (12) bounds the prompt and the output together.
         let (out, finish) = generate(
             &mut m,
             SeqId(3),
+            &[],
             &[0; 10],
             100,
             &[],
@@ -321,15 +335,62 @@ mod tests {
         )
         .unwrap();
         assert_eq!((out.len(), finish), (2, Finish::Length));
-        let (_, finish) = generate(&mut m, SeqId(4), &[0], 100, &[], &mut greedy(), &mut |_| {
-            Control::Stop
-        })
+        let (_, finish) = generate(
+            &mut m,
+            SeqId(4),
+            &[],
+            &[0],
+            100,
+            &[],
+            &mut greedy(),
+            &mut |_| Control::Stop,
+        )
         .unwrap();
         assert_eq!(finish, Finish::Stopped);
+        // A follow-up turn: the sequence holds a first turn; the context counts it too.
+        let (out, finish) = generate(
+            &mut m,
+            SeqId(6),
+            &[],
+            &[1, 2],
+            1,
+            &[],
+            &mut greedy(),
+            &mut |_| Control::Continue,
+        )
+        .unwrap();
+        assert_eq!((out.clone(), finish), (vec![3], Finish::Length));
+        let (out, _) = generate(
+            &mut m,
+            SeqId(6),
+            &[1, 2],
+            &[5],
+            3,
+            &[],
+            &mut greedy(),
+            &mut |_| Control::Continue,
+        )
+        .unwrap();
+        assert_eq!(out, [6, 7, 0]);
+        assert_eq!(m.cache[&SeqId(6)], [1, 2, 5, 6, 7]);
+        assert!(
+            generate(
+                &mut m,
+                SeqId(7),
+                &[0; 8],
+                &[0; 4],
+                1,
+                &[],
+                &mut greedy(),
+                &mut |_| { Control::Continue }
+            )
+            .is_err()
+        );
         assert!(
             generate(
                 &mut m,
                 SeqId(5),
+                &[],
                 &[0; 12],
                 1,
                 &[],

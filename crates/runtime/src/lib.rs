@@ -15,5 +15,6 @@ pub mod family;
 pub mod image;
 pub mod packing;
 pub mod pipeline;
+pub mod text_stream;
 
 pub use family::{Capability, Family, ModelFilesOf, ModelSpec};
