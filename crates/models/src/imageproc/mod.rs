@@ -3,8 +3,8 @@
 //! Everything here is host work done once per image before a forward pass:
 //! - [`decode`]: PNG, JPEG, WebP, GIF (first frame) and BMP to 8-bit RGB, converted the way the
 //!   reference processor converts a Pillow image (transparency composited onto white);
-//! - [`resize`]: torch's uint8 antialiased bicubic resampler (what torchvision's `resize` runs),
-//!   reproduced byte for byte;
+//! - [`resize`]: torch's uint8 antialiased bicubic and bilinear resamplers (what torchvision's
+//!   `resize` runs), reproduced byte for byte;
 //! - [`patches`]: the Gemma 4 image processor's target-size rule, soft-token budgets and the
 //!   16×16 patches with their (x, y) positions;
 //! - [`plan`]: target size, patch grid and memory decided from a file's header, so that an
@@ -20,4 +20,4 @@ pub use patches::{
     ImageBudget, PatchSpec, Patches, patchify, pixel_value, pixel_values, preprocess, target_size,
 };
 pub use plan::{ImageLimits, ImagePlan};
-pub use resize::resize_bicubic_aa;
+pub use resize::{Filter, resize_aa, resize_bicubic_aa, resize_bilinear_aa};

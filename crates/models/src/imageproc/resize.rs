@@ -1,11 +1,14 @@
-//! torch's uint8 antialiased bicubic resize, byte for byte.
+//! torch's uint8 antialiased resize (bicubic or bilinear), byte for byte.
 //!
-//! The reference resizes with torchvision's `resize(uint8 image, antialias=True, BICUBIC)`, which
-//! on the CPU runs torch's `_upsample_bicubic2d_aa` on the uint8 tensor itself (ATen
-//! `UpSampleKernel.cpp`, the int16-weight path shared with its AVX2 kernels). Its arithmetic:
+//! The reference processors resize with torchvision's `resize(uint8 image, antialias=True)`,
+//! which on the CPU runs torch's `_upsample_bicubic2d_aa` / `_upsample_bilinear2d_aa` on the
+//! uint8 tensor itself (ATen `UpSampleKernel.cpp`, the int16-weight path shared with its AVX2
+//! kernels; torchvision takes it for bilinear only on AVX2/AVX-512/arm64 CPUs, and otherwise
+//! resizes in float32 and rounds, which differs in places). Both filters share the arithmetic:
 //!
-//! - per axis, `scale = in / out` (f64); the Keys cubic (a = −0.5) is stretched by `scale` when
-//!   shrinking (support `2·scale`), not when enlarging (support 2);
+//! - per axis, `scale = in / out` (f64); the filter (Keys cubic with a = −0.5, half-width 2, or
+//!   the triangle, half-width 1) is stretched by `scale` when shrinking (support
+//!   `half-width·scale`), not when enlarging (support = half-width);
 //! - output `i` is centred at `scale·(i + ½)` and reads inputs `xmin .. xmin + xsize`; the f64
 //!   weights are normalised to sum 1, then quantised to int16 with the largest fixed-point
 //!   precision (< 22 bits) at which the largest weight of the axis still fits;
@@ -23,8 +26,35 @@ use super::Image;
 /// output size, so an 89-megapixel-wide strip would otherwise hold 3 GB of them.
 const MAX_WEIGHTS: usize = 1 << 20;
 
+/// The resampling filter: what torchvision's `BICUBIC` and `BILINEAR` modes run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Filter {
+    /// Keys' cubic convolution, a = −0.5 (`_upsample_bicubic2d_aa`).
+    Bicubic,
+    /// The triangle (`_upsample_bilinear2d_aa`).
+    Bilinear,
+}
+
+impl Filter {
+    /// Half the filter's width at scale 1 (ATen's `interp_size / 2`).
+    fn half_width(self) -> f64 {
+        match self {
+            Filter::Bicubic => 2.0,
+            Filter::Bilinear => 1.0,
+        }
+    }
+
+    fn eval(self, x: f64) -> f64 {
+        match self {
+            Filter::Bicubic => cubic(x),
+            Filter::Bilinear => triangle(x),
+        }
+    }
+}
+
 /// One axis's resampling kernel: geometry and the fixed-point precision shared by all outputs.
 struct Kernel {
+    filter: Filter,
     input: usize,
     output: usize,
     scale: f64,
@@ -58,13 +88,21 @@ fn cubic(x: f64) -> f64 {
     }
 }
 
+/// The triangle kernel, as ATen's `HelperInterpLinear::aa_filter` writes it.
+fn triangle(x: f64) -> f64 {
+    let x = x.abs();
+    if x < 1.0 { 1.0 - x } else { 0.0 }
+}
+
 impl Kernel {
-    fn new(input: usize, output: usize) -> Self {
+    fn new(filter: Filter, input: usize, output: usize) -> Self {
         let scale = input as f64 / output as f64;
-        let support = if scale >= 1.0 { 2.0 * scale } else { 2.0 };
+        let half = filter.half_width();
+        let support = if scale >= 1.0 { half * scale } else { half };
         let invscale = if scale >= 1.0 { 1.0 / scale } else { 1.0 };
         let taps = support.ceil() as usize * 2 + 1;
         let mut k = Kernel {
+            filter,
             input,
             output,
             scale,
@@ -105,7 +143,9 @@ impl Kernel {
         let xmin = xmin as usize;
         let mut total = 0f64;
         for (j, wj) in w.iter_mut().enumerate().take(xsize) {
-            *wj = cubic(((j + xmin) as f64 - center + 0.5) * self.invscale);
+            *wj = self
+                .filter
+                .eval(((j + xmin) as f64 - center + 0.5) * self.invscale);
             total += *wj;
         }
         if total != 0.0 {
@@ -165,7 +205,7 @@ impl Axis {
     }
 }
 
-/// Bytes [`resize_bicubic_aa`] allocates besides its input: the passes' outputs, the weights
+/// Bytes [`resize_aa`] allocates besides its input (either filter): the passes' outputs, the weights
 /// of one chunk of each axis, and the vertical pass's accumulator rows.
 pub fn resize_bytes(in_w: usize, in_h: usize, out_w: usize, out_h: usize) -> u64 {
     let (in_w, in_h, out_w, out_h) = (in_w as u64, in_h as u64, out_w as u64, out_h as u64);
@@ -191,18 +231,34 @@ fn finish(acc: i32, precision: u32) -> u8 {
     (acc >> precision).clamp(0, 255) as u8
 }
 
-/// Resize to `out_w × out_h` exactly as torchvision's antialiased bicubic resize of a uint8
-/// image does. Returns a copy when the size is unchanged (the reference skips the resize).
+/// Resize to `out_w × out_h` exactly as torchvision's antialiased resize of a uint8 image with
+/// `filter` does. Returns a copy when the size is unchanged (the reference skips the resize).
 ///
 /// Integer sums are exact, so the loops are ordered for speed: the horizontal pass sums the
 /// three channels of a pixel together, the vertical pass adds whole source rows into a row of
 /// accumulators (contiguous, vectorised), rows in parallel.
-pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Image> {
-    resize_chunked(img, out_w, out_h, MAX_WEIGHTS)
+pub fn resize_aa(img: &Image, out_w: usize, out_h: usize, filter: Filter) -> Result<Image> {
+    resize_chunked(img, out_w, out_h, filter, MAX_WEIGHTS)
 }
 
-/// [`resize_bicubic_aa`] holding at most `max_weights` weights of an axis at a time.
-fn resize_chunked(img: &Image, out_w: usize, out_h: usize, max_weights: usize) -> Result<Image> {
+/// [`resize_aa`] with the bicubic filter (torchvision `BICUBIC`, antialiased).
+pub fn resize_bicubic_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Image> {
+    resize_aa(img, out_w, out_h, Filter::Bicubic)
+}
+
+/// [`resize_aa`] with the triangle filter (torchvision `BILINEAR`, antialiased).
+pub fn resize_bilinear_aa(img: &Image, out_w: usize, out_h: usize) -> Result<Image> {
+    resize_aa(img, out_w, out_h, Filter::Bilinear)
+}
+
+/// [`resize_aa`] holding at most `max_weights` weights of an axis at a time.
+fn resize_chunked(
+    img: &Image,
+    out_w: usize,
+    out_h: usize,
+    filter: Filter,
+    max_weights: usize,
+) -> Result<Image> {
     if out_w == 0 || out_h == 0 {
         return Err(Error::input(format!("cannot resize to {out_w}×{out_h}")));
     }
@@ -211,7 +267,7 @@ fn resize_chunked(img: &Image, out_w: usize, out_h: usize, max_weights: usize) -
     let mut rgb = std::borrow::Cow::Borrowed(img.rgb());
     let mut w = in_w;
     if out_w != in_w {
-        let kernel = Kernel::new(in_w, out_w);
+        let kernel = Kernel::new(filter, in_w, out_w);
         let mut out = vec![0u8; in_h * out_w * 3];
         for xs in kernel.chunks(max_weights) {
             let ax = kernel.axis(xs.clone());
@@ -243,7 +299,7 @@ fn resize_chunked(img: &Image, out_w: usize, out_h: usize, max_weights: usize) -
         w = out_w;
     }
     if out_h != in_h {
-        let kernel = Kernel::new(in_h, out_h);
+        let kernel = Kernel::new(filter, in_h, out_h);
         let row = w * 3;
         let mut out = vec![0u8; out_h * row];
         for ys in kernel.chunks(max_weights) {
@@ -277,19 +333,23 @@ fn resize_chunked(img: &Image, out_w: usize, out_h: usize, max_weights: usize) -
 mod tests {
     use super::*;
 
+    const FILTERS: [Filter; 2] = [Filter::Bicubic, Filter::Bilinear];
+
     #[test]
     fn weights_sum_to_one_in_fixed_point() {
-        for &(i, o) in &[(7, 48), (301, 96), (48, 48), (1000, 3), (3, 1000)] {
-            let kernel = Kernel::new(i, o);
-            let ax = kernel.axis(0..o);
-            assert!(ax.precision > 8 && ax.precision <= 22, "{i}→{o}");
-            for x in 0..o {
-                let s: i32 = ax.at(x).1.iter().map(|&w| w as i32).sum();
-                let unit = 1i32 << ax.precision;
-                assert!(
-                    (s - unit).abs() <= ax.taps as i32,
-                    "{i}→{o} at {x}: {s} vs {unit}"
-                );
+        for filter in FILTERS {
+            for &(i, o) in &[(7, 48), (301, 96), (48, 48), (1000, 3), (3, 1000)] {
+                let kernel = Kernel::new(filter, i, o);
+                let ax = kernel.axis(0..o);
+                assert!(ax.precision > 8 && ax.precision <= 22, "{filter:?} {i}→{o}");
+                for x in 0..o {
+                    let s: i32 = ax.at(x).1.iter().map(|&w| w as i32).sum();
+                    let unit = 1i32 << ax.precision;
+                    assert!(
+                        (s - unit).abs() <= ax.taps as i32,
+                        "{filter:?} {i}→{o} at {x}: {s} vs {unit}"
+                    );
+                }
             }
         }
     }
@@ -299,14 +359,16 @@ mod tests {
         let (w, h) = (97, 61);
         let rgb: Vec<u8> = (0..w * h * 3).map(|i| (i * 37 % 251) as u8).collect();
         let img = Image::from_rgb8(w, h, rgb).unwrap();
-        for &(ow, oh) in &[(24, 48), (300, 7), (97, 200), (5, 61)] {
-            let whole = resize_bicubic_aa(&img, ow, oh).unwrap();
-            for max in [1, 50, 333] {
-                assert_eq!(
-                    resize_chunked(&img, ow, oh, max).unwrap(),
-                    whole,
-                    "{ow}×{oh}"
-                );
+        for filter in FILTERS {
+            for &(ow, oh) in &[(24, 48), (300, 7), (97, 200), (5, 61)] {
+                let whole = resize_aa(&img, ow, oh, filter).unwrap();
+                for max in [1, 50, 333] {
+                    assert_eq!(
+                        resize_chunked(&img, ow, oh, filter, max).unwrap(),
+                        whole,
+                        "{filter:?} {ow}×{oh}"
+                    );
+                }
             }
         }
     }
@@ -314,7 +376,7 @@ mod tests {
     #[test]
     fn a_very_wide_strip_holds_bounded_weights() {
         // 4,000,000 → 480 columns: about 33,000 taps per output, 16 M weights for the axis.
-        let kernel = Kernel::new(4_000_000, 480);
+        let kernel = Kernel::new(Filter::Bicubic, 4_000_000, 480);
         assert!(kernel.taps * 480 > 8 * MAX_WEIGHTS);
         let chunks: Vec<_> = kernel.chunks(MAX_WEIGHTS).collect();
         assert!(chunks.len() > 8);
@@ -330,10 +392,23 @@ mod tests {
     #[test]
     fn a_constant_image_stays_constant() {
         let img = Image::from_rgb8(13, 9, [17u8, 128, 250].repeat(13 * 9)).unwrap();
-        for &(w, h) in &[(48, 96), (5, 4), (13, 30)] {
-            let r = resize_bicubic_aa(&img, w, h).unwrap();
-            assert_eq!((r.width(), r.height()), (w, h));
-            assert!(r.rgb().chunks(3).all(|p| p == [17, 128, 250]));
+        for filter in FILTERS {
+            for &(w, h) in &[(48, 96), (5, 4), (13, 30)] {
+                let r = resize_aa(&img, w, h, filter).unwrap();
+                assert_eq!((r.width(), r.height()), (w, h));
+                assert!(r.rgb().chunks(3).all(|p| p == [17, 128, 250]));
+            }
         }
+    }
+
+    #[test]
+    fn bilinear_enlarging_is_plain_bilinear_with_half_pixel_centres() {
+        // 2 → 4 columns: centres 0.25, 0.75, 1.25, 1.75 (clamped at the edges), weights ¾/¼.
+        let img = Image::from_rgb8(2, 1, vec![0, 40, 200, 200, 120, 0]).unwrap();
+        let r = resize_bilinear_aa(&img, 4, 1).unwrap();
+        assert_eq!(
+            r.rgb(),
+            &[0, 40, 200, 50, 60, 150, 150, 100, 50, 200, 120, 0]
+        );
     }
 }
