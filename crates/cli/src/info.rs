@@ -4,6 +4,7 @@
 use clap::Args;
 use tessera_core::{Result, Weights};
 use tessera_models::egemma2::{self, config::LayerType};
+use tessera_models::lfm2vl::LayerKind;
 use tessera_models::zimage::text::PromptTemplate;
 use tessera_runtime::{Family, ModelFilesOf, ModelSpec};
 
@@ -44,6 +45,35 @@ pub fn run(args: InfoArgs) -> Result<()> {
     );
     match &spec.files {
         ModelFilesOf::EmbeddingGemma2(files, config) => egemma2_details(files, config)?,
+        ModelFilesOf::Lfm2Vl(files, c) => {
+            let (v, t) = (&c.vision, &c.text);
+            let convs = t.layers.iter().filter(|&&k| k == LayerKind::Conv).count();
+            println!(
+                "vision:      SigLIP2 NaFlex, {} layers, width {}, {} heads; projector {} → {} → {}{}",
+                v.layers,
+                v.hidden,
+                v.heads,
+                4 * v.hidden,
+                c.projector_hidden,
+                t.hidden,
+                if c.projector_norm {
+                    " (LayerNorm first)"
+                } else {
+                    ""
+                }
+            );
+            println!(
+                "text:        LFM2, {} layers ({convs} conv, {} attention), width {}, {} heads ({} kv), FFN {}, vocab {}",
+                t.layers.len(),
+                t.layers.len() - convs,
+                t.hidden,
+                t.heads_q,
+                t.heads_kv,
+                t.ffn,
+                t.vocab
+            );
+            weights_line("weights:", &files.weights("model")?);
+        }
         ModelFilesOf::ZImage(files, c) => {
             let te = &c.text_encoder;
             let tr = &c.transformer;

@@ -3,6 +3,7 @@
 //! Every failure is one line on stderr and a non-zero exit; usage errors exit with 2.
 
 mod bench;
+mod chat;
 mod device;
 mod embed;
 mod generate;
@@ -23,7 +24,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 #[command(
     name = "tessera",
     version,
-    about = "Multimodal inference engine: embeddings and image generation"
+    about = "Multimodal inference engine: embeddings, image generation and visual chat"
 )]
 struct Cli {
     /// CPU threads for the reference backend (default: all cores).
@@ -37,6 +38,8 @@ struct Cli {
 enum Command {
     /// Embed texts and images with EmbeddingGemma 2 (JSON lines or .npy out).
     Embed(Box<embed::EmbedArgs>),
+    /// Ask a vision-language model (LFM2-VL) about images; the answer streams to stdout.
+    Chat(Box<chat::ChatArgs>),
     /// Describe a model and what it will run on.
     Info(info::InfoArgs),
     /// Generate an image from a prompt with Z-Image (PNG out).
@@ -83,6 +86,7 @@ fn main() -> ExitCode {
         Command::Embed(args) => embed::run(*args, matches.subcommand_matches("embed")),
         Command::Info(args) => info::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Chat(args) => chat::run(*args),
         Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(args),
     };

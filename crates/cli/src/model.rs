@@ -2,6 +2,7 @@
 //! (family, capability, ops); the bundled miniature model of the command's family when absent.
 
 use tessera_core::{Error, Result};
+use tessera_models::lfm2vl::Lfm2VlConfig;
 use tessera_models::zimage::{ZImageConfigs, ZImageFiles};
 use tessera_models::{ModelFiles, egemma2};
 use tessera_runtime::{Capability, Family, ModelFilesOf, ModelSpec};
@@ -11,9 +12,7 @@ pub fn open(spec: Option<&str>, capability: Capability) -> Result<ModelSpec> {
     let bundled = match capability {
         Capability::Embed => Family::EmbeddingGemma2,
         Capability::GenerateImage => Family::ZImage,
-        Capability::Chat => {
-            return Err(Error::input("no chat model is supported yet"));
-        }
+        Capability::Chat => Family::Lfm2Vl,
     };
     ModelSpec::open(spec, bundled)?.expect(capability)
 }
@@ -39,6 +38,14 @@ pub fn embedding_model(spec: &ModelSpec) -> Result<(ModelFiles, &egemma2::Config
     match &spec.files {
         ModelFilesOf::EmbeddingGemma2(f, c) => Ok((f.clone(), c)),
         _ => Err(not_a(spec, "an embedding model")),
+    }
+}
+
+/// The files of a chat model and its config as `spec` read it.
+pub fn chat_model(spec: &ModelSpec) -> Result<(ModelFiles, &Lfm2VlConfig)> {
+    match &spec.files {
+        ModelFilesOf::Lfm2Vl(f, c) => Ok((f.clone(), c)),
+        _ => Err(not_a(spec, "a chat model")),
     }
 }
 

@@ -16,6 +16,7 @@ pub mod blocks;
 pub mod chat_template;
 pub mod egemma2;
 pub mod files;
+pub mod generation;
 pub mod imageproc;
 pub mod input;
 pub mod lfm2vl;

@@ -16,7 +16,9 @@ use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, View};
 use tessera_core::config::parse_json;
 use tessera_models::ModelFiles;
-use tessera_models::lfm2vl::{CacheShape, Lfm2Vl, Lfm2VlConfig, TilePatches, Turn};
+use tessera_models::chat_template::{Message, Part};
+use tessera_models::imageproc::Image;
+use tessera_models::lfm2vl::{CacheShape, Lfm2Vl, Lfm2VlConfig, Prompter, TilePatches, Turn};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -52,6 +54,7 @@ struct TileCase {
 struct PromptCase {
     case: String,
     model: String,
+    messages: Vec<serde_json::Value>,
     images: Vec<String>,
     input_ids: Vec<u32>,
     greedy: Vec<u32>,
@@ -179,7 +182,8 @@ fn image_features_match_the_reference() {
             let owned = tile_bytes(&x, model, case);
             let tiles = as_tiles(&owned);
             let patches: usize = tiles.iter().map(|t| t.patches()).sum();
-            let feats = read(&be, m.encoder.forward(&be, &tiles).unwrap());
+            let map = *m.pixel_map();
+            let feats = read(&be, m.encoder.forward(&be, &tiles, &map).unwrap());
             let vision = read(&be, m.encoder.last_hidden(patches).unwrap());
             let un = read(&be, m.encoder.last_unshuffled(case.tokens).unwrap());
             let name = format!("{model}.{}", case.image);
@@ -302,5 +306,78 @@ fn prompt_logits_and_greedy_decoding_match_the_reference() {
             "{}: step logits rel {worst:.2e} > 1e-4",
             p.case
         );
+    }
+}
+
+/// The fixture's messages as the chat template takes them, and the images they name, in order.
+fn messages(p: &PromptCase) -> (Vec<Message>, Vec<Image>) {
+    let mut images = Vec::new();
+    let msgs = p
+        .messages
+        .iter()
+        .map(|m| {
+            let role = m["role"].as_str().unwrap();
+            match &m["content"] {
+                serde_json::Value::String(s) => Message::new(role, s),
+                serde_json::Value::Array(items) => Message::parts(
+                    role,
+                    items
+                        .iter()
+                        .map(|it| match it["type"].as_str().unwrap() {
+                            "image" => {
+                                let name = it["image"].as_str().unwrap();
+                                let path =
+                                    root().join(format!("tests/fixtures/lfm2vl/images/{name}.png"));
+                                images.push(Image::open(&path).unwrap());
+                                Part::Image
+                            }
+                            _ => Part::Text {
+                                text: it["text"].as_str().unwrap().into(),
+                            },
+                        })
+                        .collect(),
+                ),
+                other => panic!("{}: content {other}", p.case),
+            }
+        })
+        .collect();
+    (msgs, images)
+}
+
+/// The whole prompt path — chat template, image processor, placeholder expansion, tokenizer —
+/// gives the reference processor's token ids, and the tiles its pixels.
+#[test]
+fn prompts_tokenise_as_the_reference_processor_does() {
+    let (c, x) = (cases(), Expected::load());
+    for p in &c.prompts {
+        let files = ModelFiles::Dir(root().join(&c.models[&p.model].folder));
+        let cfg = Lfm2VlConfig::read(&files).unwrap();
+        let prompter = Prompter::load(&files, &cfg).unwrap();
+        let (msgs, images) = messages(p);
+        let prompt = prompter.build(&msgs, &images, true).unwrap();
+        assert_eq!(prompt.ids, p.input_ids, "{}: token ids", p.case);
+        let want = prompt_tiles(&c, &x, p);
+        let got = prompt.tiles(0);
+        assert_eq!(got.len(), want.len(), "{}: tiles", p.case);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                (g.grid_w, g.grid_h),
+                (w.0, w.1),
+                "{}: tile {i} grid",
+                p.case
+            );
+            assert!(
+                g.bytes == w.2.as_slice(),
+                "{}: tile {i} pixels differ",
+                p.case
+            );
+        }
+        // Image spans cover each image's markers and tokens, in order.
+        assert_eq!(prompt.spans.len(), images.len());
+        assert_eq!(prompt.first_image_after(0), Some(0));
+        if let Some(&(a, b)) = prompt.spans.first() {
+            assert_eq!(prompt.first_image_after(a + 1), None, "inside an image");
+            assert_eq!(prompt.first_image_after(b), Some(1));
+        }
     }
 }

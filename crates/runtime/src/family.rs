@@ -9,6 +9,7 @@ use tessera_backend::{AnyBackend, DeviceRequest, Op, Precision};
 use tessera_core::{Error, Result, config::read_json, model_dir};
 use tessera_models::ModelFiles;
 use tessera_models::egemma2::{self, Config as Egemma2Config};
+use tessera_models::lfm2vl::{self, Lfm2VlConfig};
 use tessera_models::zimage::{self, ZImageConfigs, ZImageFiles};
 
 /// A model family Tessera runs.
@@ -16,6 +17,7 @@ use tessera_models::zimage::{self, ZImageConfigs, ZImageFiles};
 pub enum Family {
     EmbeddingGemma2,
     ZImage,
+    Lfm2Vl,
 }
 
 /// What a family does, and so which front end serves it.
@@ -25,7 +27,7 @@ pub enum Capability {
     Embed,
     /// Text to image (`tessera generate`).
     GenerateImage,
-    /// Image and question in, text out (LFM2-VL: not built yet).
+    /// Images and a question in, text out (`tessera chat`, `/v1/chat/completions`).
     Chat,
 }
 
@@ -34,6 +36,7 @@ impl Family {
         match self {
             Family::EmbeddingGemma2 => "EmbeddingGemma 2",
             Family::ZImage => "Z-Image",
+            Family::Lfm2Vl => "LFM2-VL",
         }
     }
 
@@ -42,6 +45,7 @@ impl Family {
         match self {
             Family::EmbeddingGemma2 => "bundled egemma2-mini",
             Family::ZImage => "bundled zimage-mini",
+            Family::Lfm2Vl => "bundled lfm2vl-mini",
         }
     }
 
@@ -49,6 +53,7 @@ impl Family {
         match self {
             Family::EmbeddingGemma2 => Capability::Embed,
             Family::ZImage => Capability::GenerateImage,
+            Family::Lfm2Vl => Capability::Chat,
         }
     }
 }
@@ -77,12 +82,18 @@ impl Capability {
 pub enum ModelFilesOf {
     EmbeddingGemma2(ModelFiles, Box<Egemma2Config>),
     ZImage(ZImageFiles, Box<ZImageConfigs>),
+    Lfm2Vl(ModelFiles, Box<Lfm2VlConfig>),
 }
 
 impl ModelFilesOf {
     fn embedding_gemma2(files: ModelFiles) -> Result<Self> {
         let config = Egemma2Config::read(&files)?;
         Ok(ModelFilesOf::EmbeddingGemma2(files, Box::new(config)))
+    }
+
+    fn lfm2vl(files: ModelFiles) -> Result<Self> {
+        let config = Lfm2VlConfig::read(&files)?;
+        Ok(ModelFilesOf::Lfm2Vl(files, Box::new(config)))
     }
 
     fn zimage(files: ZImageFiles) -> Result<Self> {
@@ -119,14 +130,12 @@ fn planned(name: &str) -> Option<&'static str> {
     let n = name.to_ascii_lowercase();
     if n.contains("qwenimage") {
         Some("Qwen-Image-2.1")
-    } else if n.contains("lfm2") {
-        Some("LFM2-VL")
     } else {
         None
     }
 }
 
-const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2) and Z-Image (model_index.json ZImagePipeline)";
+const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2), LFM2-VL (model_type lfm2_vl) and Z-Image (model_index.json ZImagePipeline)";
 
 /// The family of the model in `dir`.
 pub fn detect(dir: &Path) -> Result<Family> {
@@ -160,6 +169,14 @@ pub fn detect(dir: &Path) -> Result<Family> {
     {
         return Ok(Family::EmbeddingGemma2);
     }
+    if model_type == "lfm2_vl"
+        || cfg
+            .architectures
+            .iter()
+            .any(|a| a == "Lfm2VlForConditionalGeneration")
+    {
+        return Ok(Family::Lfm2Vl);
+    }
     let name = cfg.architectures.first().cloned().unwrap_or(model_type);
     Err(unknown("the model", &name))
 }
@@ -176,6 +193,7 @@ impl ModelSpec {
         let files = match family {
             Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(ModelFiles::Dir(dir))?,
             Family::ZImage => ModelFilesOf::zimage(ZImageFiles::dir(&dir)?)?,
+            Family::Lfm2Vl => ModelFilesOf::lfm2vl(ModelFiles::Dir(dir))?,
         };
         Self::with(family, files, spec.to_string())
     }
@@ -185,6 +203,7 @@ impl ModelSpec {
         let files = match family {
             Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(egemma2::BUNDLED)?,
             Family::ZImage => ModelFilesOf::zimage(zimage::BUNDLED)?,
+            Family::Lfm2Vl => ModelFilesOf::lfm2vl(lfm2vl::BUNDLED)?,
         };
         Self::with(
             family,
@@ -197,6 +216,7 @@ impl ModelSpec {
         let ops = match &files {
             ModelFilesOf::EmbeddingGemma2(_, c) => egemma2::ops(c),
             ModelFilesOf::ZImage(_, c) => zimage::ops(c),
+            ModelFilesOf::Lfm2Vl(_, c) => lfm2vl::ops(c),
         };
         Ok(ModelSpec {
             family,
@@ -228,6 +248,7 @@ impl ModelSpec {
         match &self.files {
             ModelFilesOf::EmbeddingGemma2(f, _) => f.is_embedded(),
             ModelFilesOf::ZImage(f, _) => f.is_bundled(),
+            ModelFilesOf::Lfm2Vl(f, _) => f.is_embedded(),
         }
     }
 
@@ -236,6 +257,7 @@ impl ModelSpec {
         match &self.files {
             ModelFilesOf::EmbeddingGemma2(f, _) => f.location(),
             ModelFilesOf::ZImage(f, _) => f.location(),
+            ModelFilesOf::Lfm2Vl(f, _) => f.location(),
         }
     }
 
@@ -300,8 +322,7 @@ mod tests {
             "config.json",
             r#"{"model_type": "lfm2_vl", "architectures": ["Lfm2VlForConditionalGeneration"]}"#,
         )]);
-        let e = detect(lf.path()).unwrap_err().to_string();
-        assert!(e.contains("LFM2-VL"), "{e}");
+        assert_eq!(detect(lf.path()).unwrap(), Family::Lfm2Vl);
         let bert = folder(&[("config.json", r#"{"model_type": "bert"}"#)]);
         let e = detect(bert.path()).unwrap_err().to_string();
         assert!(
@@ -329,7 +350,7 @@ mod tests {
 
     #[test]
     fn the_cpu_runs_every_family() {
-        for f in [Family::EmbeddingGemma2, Family::ZImage] {
+        for f in [Family::EmbeddingGemma2, Family::ZImage, Family::Lfm2Vl] {
             let spec = ModelSpec::bundled(f).unwrap();
             let be = spec
                 .device(DeviceRequest::Cpu, None, |_| {})

@@ -6,9 +6,12 @@
 //!   whichever device was chosen (no per-family device enums);
 //! - [`packing`]: many inputs packed into few device passes, split when a pass runs out of
 //!   device memory, prepared on the host while the device runs;
-//! - [`decode`]: the autoregressive step loop and samplers the chat models share;
+//! - [`decode`]: the autoregressive step loop and samplers the chat models share; [`chat`]:
+//!   chat models behind one trait object, conversations keeping their caches between turns;
+//! - [`text_stream`]: generated tokens to streamed text, with stop strings;
 //! - [`pipeline`]: host work overlapped with device work.
 
+pub mod chat;
 pub mod decode;
 pub mod embed;
 pub mod family;

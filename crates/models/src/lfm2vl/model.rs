@@ -4,6 +4,7 @@ use tessera_backend::{Backend, View};
 use tessera_core::Result;
 
 use super::config::Lfm2VlConfig;
+use super::processor::ImageProcessor;
 use super::text::{CacheShape, Extend, Lfm2Text};
 use super::vision::{ImageEncoder, TilePatches};
 use crate::ModelFiles;
@@ -18,6 +19,8 @@ pub struct Turn<'a> {
 
 pub struct Lfm2Vl<B: Backend> {
     cfg: Lfm2VlConfig,
+    /// The tower's input value of each pixel byte, as the checkpoint's processor computes it.
+    pixels: [f32; 256],
     pub encoder: ImageEncoder<B>,
     pub text: Lfm2Text<B>,
 }
@@ -28,6 +31,7 @@ impl<B: Backend> Lfm2Vl<B> {
         let w = files.weights("model")?;
         Ok(Lfm2Vl {
             cfg: cfg.clone(),
+            pixels: *ImageProcessor::load(files)?.pixel_map(),
             encoder: ImageEncoder::load(be, cfg, &w)?,
             text: Lfm2Text::load(be, &cfg.text, &w, cache)?,
         })
@@ -35,6 +39,11 @@ impl<B: Backend> Lfm2Vl<B> {
 
     pub fn config(&self) -> &Lfm2VlConfig {
         &self.cfg
+    }
+
+    /// The tower's input value of each pixel byte.
+    pub fn pixel_map(&self) -> &[f32; 256] {
+        &self.pixels
     }
 
     /// Extend each turn's sequence (see [`Lfm2Text::extend`]), the images of every turn encoded
@@ -46,7 +55,7 @@ impl<B: Backend> Lfm2Vl<B> {
         let feats = if tiles.is_empty() {
             None
         } else {
-            Some(self.encoder.forward(be, &tiles)?)
+            Some(self.encoder.forward(be, &tiles, &self.pixels)?)
         };
         let mut at = 0;
         let parts: Vec<Extend<'_, B>> = turns

@@ -20,7 +20,6 @@ use tessera_backend::{
 use tessera_core::{Error, Result, Weights};
 
 use super::config::{Lfm2VlConfig, VisionConfig};
-use crate::imageproc::pixel_values;
 use crate::loader::{Linear, Loader};
 
 /// One tile's patches: a `grid_w × grid_h` grid, row-major, each patch `3·p²` bytes.
@@ -237,9 +236,15 @@ impl<B: Backend> ImageEncoder<B> {
         Ok(())
     }
 
-    /// Encode `tiles` in one pass: their image tokens `[Σ tokens, text hidden]` (`Role::Stream`),
-    /// tiles in order, each tile's tokens in raster order of its 2×2 blocks.
-    pub fn forward(&mut self, be: &B, tiles: &[TilePatches<'_>]) -> Result<View<'_, B>> {
+    /// Encode `tiles` in one pass, pixel byte `v` entering as `pixels[v]` (the processor's
+    /// rescale and normalisation): their image tokens `[Σ tokens, text hidden]`
+    /// (`Role::Stream`), tiles in order, each tile's tokens in raster order of its 2×2 blocks.
+    pub fn forward(
+        &mut self,
+        be: &B,
+        tiles: &[TilePatches<'_>],
+        pixels: &[f32; 256],
+    ) -> Result<View<'_, B>> {
         self.check(tiles)?;
         let lens: Vec<usize> = tiles.iter().map(TilePatches::patches).collect();
         let n: usize = lens.iter().sum();
@@ -258,7 +263,7 @@ impl<B: Backend> ImageEncoder<B> {
             .as_mut()
             .ok_or_else(|| Error::backend("image encoder", "workspace missing after allocation"))?;
         let bytes: Vec<&[u8]> = tiles.iter().map(|t| t.bytes).collect();
-        be.write_u8_mapped(&mut ws.px, &bytes, &pixel_values())?;
+        be.write_u8_mapped(&mut ws.px, &bytes, pixels)?;
         be.write_f32(&mut ws.h, &positions)?;
         be.write_u32(&mut ws.perm, &perm)?;
         // h = positions + patches · Wᵀ + b

@@ -1,0 +1,235 @@
+//! `tessera chat`: look at images and answer (LFM2-VL), the reply streamed to stdout.
+//!
+//! With `--prompt`, one question and its answer. Without, an interactive conversation read from
+//! stdin, one user turn per line, that keeps its cache between turns: each follow-up prefills
+//! only what it adds. In a conversation, `/image PATH` attaches an image to the next turn,
+//! `/reset` starts over and `/quit` (or end of input) ends it.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tessera_core::{Error, Result};
+use tessera_models::chat_template::{Message, Part};
+use tessera_models::imageproc::{Image, read_file};
+use tessera_models::lfm2vl::CacheShape;
+use tessera_runtime::Capability;
+use tessera_runtime::chat::{self, Chat, ChatReply, GenerationParams};
+use tessera_runtime::decode::{Control, Finish, SamplingParams};
+
+use crate::device::DeviceArgs;
+use crate::model;
+
+/// Ask a vision-language model (LFM2-VL) about images; the answer streams to stdout.
+#[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Sampling defaults come from the model's generation_config.json (greedy when it \
+has none); each flag overrides its own. Statistics (tokens, speed) go to stderr."
+)]
+pub struct ChatArgs {
+    /// An LFM2-VL folder (config.json, model.safetensors, tokenizer.json, chat_template.jinja,
+    /// preprocessor_config.json) or a Hugging Face repo id in the local cache. Without it, the
+    /// bundled miniature model runs: random weights, for checking an install.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// An image for the (first) question; repeat for several, in order.
+    #[arg(long = "image", value_name = "PATH")]
+    pub images: Vec<PathBuf>,
+    /// The question. Without it, an interactive conversation on stdin.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// A system message before the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per reply.
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: usize,
+    /// 0 for greedy decoding.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// 0 keeps every token.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    /// Seed of the sampler (the same seed gives the same reply).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// End the reply before this text; repeat for several.
+    #[arg(long = "stop", value_name = "TEXT")]
+    pub stops: Vec<String>,
+    /// Most tokens a conversation holds (prompt, images and replies); its cache is sized for
+    /// this. Default: 8192 or the model's limit if lower.
+    #[arg(long, default_value_t = 8192)]
+    pub context: usize,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+impl ChatArgs {
+    fn params(&self, defaults: SamplingParams) -> Result<GenerationParams> {
+        if self.max_tokens == 0 {
+            return Err(Error::input("--max-tokens must be at least 1"));
+        }
+        let sampling = SamplingParams {
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_k: self.top_k.unwrap_or(defaults.top_k),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            repetition_penalty: self
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            seed: self.seed,
+        };
+        sampling.check()?;
+        Ok(GenerationParams {
+            sampling,
+            max_tokens: self.max_tokens,
+            stop: self.stops.clone(),
+        })
+    }
+}
+
+fn open_image(path: &std::path::Path) -> Result<Image> {
+    let bytes = read_file(path)?;
+    Image::decode(&bytes).map_err(|e| Error::input(format!("{}: {e}", path.display())))
+}
+
+/// A user turn of `text` after `images`.
+fn user_turn(text: &str, images: usize) -> Message {
+    let mut parts = vec![Part::Image; images];
+    parts.push(Part::Text { text: text.into() });
+    Message::parts("user", parts)
+}
+
+/// Ask, stream the reply to stdout, and return it.
+fn ask(
+    model: &mut dyn Chat,
+    messages: &[Message],
+    images: &[Image],
+    params: &GenerationParams,
+) -> Result<ChatReply> {
+    let prompt = model.prompt(messages, images)?;
+    let started = Instant::now();
+    let mut out = std::io::stdout().lock();
+    let mut broken = false;
+    let reply = model.reply(0, &prompt, params, &mut |piece| {
+        // A closed pipe (`| head`) ends the reply quietly.
+        if out
+            .write_all(piece.as_bytes())
+            .and_then(|_| out.flush())
+            .is_err()
+        {
+            broken = true;
+            return Control::Stop;
+        }
+        Control::Continue
+    })?;
+    if !broken {
+        let _ = writeln!(out);
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let why = match reply.finish {
+        Finish::Eos => "end of turn",
+        Finish::Length => "token limit",
+        Finish::Stopped => "stopped",
+    };
+    eprintln!(
+        "[{} prompt tokens ({} from the cache), {} generated in {:.2} s, {:.1} tokens/s; {why}]",
+        reply.prompt_tokens,
+        reply.cached_tokens,
+        reply.completion_tokens,
+        secs,
+        reply.completion_tokens as f64 / secs.max(1e-9)
+    );
+    Ok(reply)
+}
+
+pub fn run(args: ChatArgs) -> Result<()> {
+    // Images are read before anything loads, so a bad path fails at once.
+    let images = args
+        .images
+        .iter()
+        .map(|p| open_image(p))
+        .collect::<Result<Vec<_>>>()?;
+    let spec = model::open(args.model.as_deref(), Capability::Chat)?;
+    let backend = args.device.open_for(&spec)?;
+    let (files, config) = model::chat_model(&spec)?;
+    let cache = CacheShape {
+        slots: 1,
+        ctx: args.context.max(1),
+    };
+    let mut model = chat::load(backend, &files, config, cache)?;
+    let params = args.params(model.default_sampling())?;
+    let mut messages = Vec::new();
+    if let Some(s) = &args.system {
+        messages.push(Message::new("system", s));
+    }
+    if let Some(q) = &args.prompt {
+        messages.push(user_turn(q, images.len()));
+        ask(model.as_mut(), &messages, &images, &params)?;
+        model::note_if_bundled(&spec);
+        return Ok(());
+    }
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!(
+            "{} on {}. One question per line; /image PATH attaches an image, /reset starts over, /quit ends.",
+            spec.label,
+            model.describe()
+        );
+    }
+    let mut all_images = Vec::new();
+    let mut pending = images;
+    let base = messages.len();
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line.map_err(|e| Error::input(format!("reading stdin: {e}")))?;
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        if line == "/quit" || line == "/exit" {
+            break;
+        }
+        if line == "/reset" {
+            messages.truncate(base);
+            all_images.clear();
+            pending.clear();
+            model.end(0);
+            continue;
+        }
+        if let Some(path) = line.strip_prefix("/image ") {
+            match open_image(std::path::Path::new(path.trim())) {
+                Ok(im) => pending.push(im),
+                Err(e) => eprintln!("error: {e}"),
+            }
+            continue;
+        }
+        messages.push(user_turn(line, pending.len()));
+        all_images.append(&mut pending);
+        match ask(model.as_mut(), &messages, &all_images, &params) {
+            Ok(reply) => messages.push(Message::new("assistant", &reply.text)),
+            Err(e) => {
+                // The turn is dropped; the conversation goes on without it.
+                eprintln!("error: {e}");
+                let m = messages.pop();
+                if let Some(m) = m {
+                    let n = m.images();
+                    all_images.truncate(all_images.len() - n);
+                }
+            }
+        }
+    }
+    model::note_if_bundled(&spec);
+    Ok(())
+}

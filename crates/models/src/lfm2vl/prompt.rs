@@ -1,0 +1,197 @@
+//! Prompts as `Lfm2VlProcessor` builds them: the conversation rendered with the model's chat
+//! template, each `<image>` it writes replaced by that image's placeholder text (markers and one
+//! `<image>` token per image token), then tokenised without special tokens added (the template
+//! writes BOS itself).
+
+use rayon::prelude::*;
+use serde::Deserialize;
+use tessera_core::{Error, Result};
+
+use super::config::Lfm2VlConfig;
+use super::processor::{ImageProcessor, ProcessedImage};
+use super::vision::TilePatches;
+use crate::ModelFiles;
+use crate::chat_template::{ChatTemplate, Message};
+use crate::generation::SamplingDefaults;
+use crate::imageproc::Image;
+use crate::tokenize::TextTokenizer;
+
+/// The placeholder an image content item renders as.
+const IMAGE: &str = "<image>";
+
+/// A prompt ready for the model.
+#[derive(Clone, Debug)]
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    /// The rendered conversation, before the images' placeholders were expanded.
+    pub text: String,
+    pub images: Vec<ProcessedImage>,
+    /// Each image's token range `[start, end)` in `ids`, markers included.
+    pub spans: Vec<(usize, usize)>,
+}
+
+impl Prompt {
+    /// The index of the first image that starts at or after token `n`, when no image straddles
+    /// `n` (a cache holding the first `n` tokens then holds whole images only).
+    pub fn first_image_after(&self, n: usize) -> Option<usize> {
+        if self.spans.iter().any(|&(a, b)| a < n && n < b) {
+            return None;
+        }
+        Some(self.spans.iter().filter(|&&(_, b)| b <= n).count())
+    }
+
+    /// The tiles of images `from..`, in order, as the tower takes them.
+    pub fn tiles(&self, from: usize) -> Vec<TilePatches<'_>> {
+        self.images
+            .iter()
+            .skip(from)
+            .flat_map(|im| &im.tiles)
+            .map(|t| TilePatches {
+                grid_w: t.grid_w,
+                grid_h: t.grid_h,
+                bytes: &t.patches,
+            })
+            .collect()
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct ProcessorConfig {
+    #[serde(default = "yes")]
+    use_image_special_tokens: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The tokenizer, chat template and image processor of a checkpoint.
+pub struct Prompter {
+    tokenizer: TextTokenizer,
+    template: ChatTemplate,
+    processor: ImageProcessor,
+    markers: bool,
+    image_token: u32,
+    defaults: SamplingDefaults,
+}
+
+impl Prompter {
+    pub fn load(files: &ModelFiles, cfg: &Lfm2VlConfig) -> Result<Self> {
+        let tokenizer = TextTokenizer::load(files, (cfg.text.bos, cfg.text.eos.first().copied()))?;
+        let template = ChatTemplate::load(files)?.ok_or_else(|| Error::MissingFile {
+            path: files.path("chat_template.jinja"),
+            hint:
+                " (nor a chat_template in tokenizer_config.json): LFM2-VL needs its chat template"
+                    .into(),
+        })?;
+        let path = files.path("processor_config.json");
+        let pc: ProcessorConfig = files
+            .read_optional("processor_config.json")?
+            .map(|t| tessera_core::config::parse_json(&path, &t))
+            .transpose()?
+            .unwrap_or_default();
+        let image_token = tokenizer
+            .token_to_id(IMAGE)
+            .ok_or_else(|| Error::Tokenizer {
+                path: tokenizer.path().to_path_buf(),
+                message: format!("the image token {IMAGE:?} is not in the vocabulary"),
+            })?;
+        if image_token != cfg.image_token {
+            return Err(Error::Tokenizer {
+                path: tokenizer.path().to_path_buf(),
+                message: format!(
+                    "{IMAGE:?} is token {image_token}, but config.json says image_token_id {}",
+                    cfg.image_token
+                ),
+            });
+        }
+        Ok(Prompter {
+            tokenizer,
+            template,
+            processor: ImageProcessor::load(files)?,
+            markers: pc.use_image_special_tokens,
+            image_token,
+            defaults: SamplingDefaults::load(files)?,
+        })
+    }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    pub fn processor(&self) -> &ImageProcessor {
+        &self.processor
+    }
+
+    /// What `generation_config.json` asks for.
+    pub fn generation_defaults(&self) -> SamplingDefaults {
+        self.defaults
+    }
+
+    /// The prompt for `messages`, whose image parts are `images` in order.
+    pub fn build(
+        &self,
+        messages: &[Message],
+        images: &[Image],
+        add_generation_prompt: bool,
+    ) -> Result<Prompt> {
+        let parts: usize = messages.iter().map(Message::images).sum();
+        if parts != images.len() {
+            return Err(Error::input(format!(
+                "the messages have {parts} image parts but {} images were given",
+                images.len()
+            )));
+        }
+        let text = self.template.render(messages, add_generation_prompt, &[])?;
+        let pieces: Vec<&str> = text.split(IMAGE).collect();
+        if pieces.len() - 1 != images.len() {
+            return Err(Error::input(format!(
+                "the chat template wrote {} {IMAGE} placeholders for {} images",
+                pieces.len() - 1,
+                images.len()
+            )));
+        }
+        let processed = images
+            .par_iter()
+            .enumerate()
+            .map(|(i, im)| {
+                self.processor
+                    .process(im)
+                    .map_err(|e| Error::input(format!("image {}: {e}", i + 1)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // Tokenise piece by piece so that each image's span is known; the special markers are
+        // whole tokens, so the pieces tokenise as the whole text does.
+        let mut ids = Vec::new();
+        let mut spans = Vec::with_capacity(images.len());
+        for (i, piece) in pieces.iter().enumerate() {
+            ids.extend(self.tokenizer.encode_plain(piece)?);
+            if let Some(im) = processed.get(i) {
+                let start = ids.len();
+                ids.extend(
+                    self.tokenizer
+                        .encode_plain(&im.placeholder_text_with(self.markers))?,
+                );
+                spans.push((start, ids.len()));
+            }
+        }
+        for (im, &(a, b)) in processed.iter().zip(&spans) {
+            let n = ids[a..b].iter().filter(|&&t| t == self.image_token).count();
+            if n != im.tokens() {
+                return Err(Error::backend(
+                    "prompt",
+                    format!(
+                        "an image of {} tokens tokenised to {n} image tokens",
+                        im.tokens()
+                    ),
+                ));
+            }
+        }
+        Ok(Prompt {
+            ids,
+            text,
+            images: processed,
+            spans,
+        })
+    }
+}
