@@ -117,7 +117,7 @@ fn ask(
     let started = Instant::now();
     let mut out = std::io::stdout().lock();
     let mut broken = false;
-    let reply = model.reply(0, &prompt, params, &mut |piece| {
+    let reply = model.reply(0, prompt, params, &mut |piece| {
         // A closed pipe (`| head`) ends the reply quietly.
         if out
             .write_all(piece.as_bytes())

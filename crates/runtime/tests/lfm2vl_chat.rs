@@ -10,7 +10,7 @@ use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
 use tessera_models::lfm2vl::{BUNDLED, CacheShape, Lfm2VlConfig};
 use tessera_models::tokenize::TextTokenizer;
-use tessera_runtime::chat::{self, Chat, GenerationParams};
+use tessera_runtime::chat::{self, Chat, ChatEvent, GenerationParams};
 use tessera_runtime::decode::{Control, Finish, SamplingParams};
 
 fn root() -> PathBuf {
@@ -76,7 +76,7 @@ fn ask(
     let prompt = m.prompt(msgs, images).unwrap();
     let mut streamed = String::new();
     let reply = m
-        .reply(conv, &prompt, p, &mut |s| {
+        .reply(conv, prompt, p, &mut |s| {
             streamed.push_str(s);
             Control::Continue
         })
@@ -199,4 +199,61 @@ fn bad_requests_are_refused_before_any_work() {
     .unwrap();
     let e = small.prompt(&msgs, &images).unwrap_err().to_string();
     assert!(e.contains("85 tokens") && e.contains("40"), "{e}");
+}
+
+/// Replies that join a running batch between steps (a prefill beside decoding sequences) and
+/// leave it at their own length give what each gives alone; a cancelled one frees its slot;
+/// when every slot is taken, the conversation idle the longest gives up its cache.
+#[test]
+fn sequences_join_and_leave_the_running_batch() {
+    let (msgs, images, want) = one_image();
+    let text_only = vec![Message::new("user", "Tell me a story.")];
+    let mut m = model(3);
+    let solo = {
+        let p = m.prompt(&text_only, &[]).unwrap();
+        let r = m
+            .reply(9, p, &greedy(20), &mut |_| Control::Continue)
+            .unwrap();
+        m.end(9);
+        r
+    };
+    let mut done = std::collections::HashMap::new();
+    let mut record = |c: u64, ev: ChatEvent<'_>| {
+        if let ChatEvent::Done(r) = ev {
+            done.insert(c, r);
+        }
+        Control::Continue
+    };
+    m.begin(1, m.prompt(&msgs, &images).unwrap(), &greedy(32))
+        .unwrap();
+    for _ in 0..3 {
+        m.step(&mut record).unwrap();
+    }
+    // Conversation 2 prefills while 1 decodes; 3 joins and is cancelled.
+    m.begin(2, m.prompt(&text_only, &[]).unwrap(), &greedy(20))
+        .unwrap();
+    m.begin(3, m.prompt(&text_only, &[]).unwrap(), &greedy(20))
+        .unwrap();
+    m.step(&mut record).unwrap();
+    m.cancel(3);
+    assert_eq!(m.conversations(), 2);
+    while m.step(&mut record).unwrap() > 0 {}
+    assert_eq!(done[&1].tokens, want);
+    assert_eq!(done[&2].tokens, solo.tokens);
+    assert!(!done.contains_key(&3));
+    // 1 and 2 keep their caches (idle); a new conversation in a full house takes the slot of
+    // the one idle the longest, and with every slot running, a new one is refused.
+    m.begin(4, m.prompt(&text_only, &[]).unwrap(), &greedy(2))
+        .unwrap();
+    assert_eq!(m.conversations(), 3);
+    m.begin(5, m.prompt(&text_only, &[]).unwrap(), &greedy(2))
+        .unwrap();
+    m.begin(6, m.prompt(&text_only, &[]).unwrap(), &greedy(2))
+        .unwrap();
+    assert_eq!(m.conversations(), 3);
+    let e = m
+        .begin(7, m.prompt(&text_only, &[]).unwrap(), &greedy(2))
+        .unwrap_err();
+    assert!(e.to_string().contains("running replies"), "{e}");
+    while m.step(&mut |_, _| Control::Continue).unwrap() > 0 {}
 }
