@@ -27,8 +27,8 @@ use ops::attention::{attention, qkv};
 use ops::gemm::matmul;
 use ops::image::{conv2d, group_norm};
 use ops::norm::{layer, norm, plain, residual, rms};
-use ops::short_conv::short_conv;
 use ops::rows::{add_positions_2d, avg_pool2d, cast, embed, gated, scatter_rows, segment_mean};
+use ops::short_conv::short_conv;
 use ops::{Case, Dev, Diff, Output, Table, Tol, catching, compare, measure};
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda;
@@ -159,7 +159,8 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(qkv(2, 1, 6).interleaved(1e4).no_v_norm());
     t.add(qkv(4, 4, 128).multi_axis(256.0, [32, 48, 48], 7, (6, 4))); // Z-Image's 3-axis RoPE
 
-    // ---- attention, each on every path (bf16: each flash kernel whole and in 2, 3, 8 chunks).
+    // ---- attention, each on every path (bf16: each flash kernel whole and in 2, 3, 8 chunks;
+    // over a cache, the one cached kernel whole and in 2, 3, 8 and 64 chunks per query row).
     let every = |t: &mut Table, c: ops::attention::AttentionCase| t.add_all(c.on_every_path());
     every(&mut t, attention(&[17], 4, 2, 256).window(512)); // W1 query, sliding layer
     every(&mut t, attention(&[17], 4, 1, 512)); // W1 query, full layer
@@ -201,6 +202,28 @@ fn cases() -> Vec<Box<dyn Case>> {
     let blocks: &[&[_]] = &[&[Causal(16), Block(4)], &[Causal(9)]];
     let prefix = attention(&[4, 1], 4, 2, 128).cached(&[(0, 20), (30, 9)], 45);
     every(&mut t, prefix.block_causal(blocks));
+    // Decoding a batch (LFM2): 8 sequences of one query row over 1 to 3,000 keys each, their
+    // ranges in the cache in reverse order with gaps.
+    let (ranges, rows) = scattered(&[1, 3000, 7, 129, 2000, 64, 1000, 500]);
+    let decode = |heads_q| attention(&[1; 8], heads_q, 8, 64).cached(&ranges, rows);
+    every(&mut t, decode(16).causal()); // LFM2-350M: 16 q heads on 8 kv heads
+    every(&mut t, decode(32).causal()); // LFM2-1.2B: 32 on 8
+    // A second user turn: 7 rows appended to a cache of 33.
+    let turn = attention(&[7], 16, 8, 64).cached(&[(21, 40)], 64);
+    every(&mut t, turn.causal());
+    // A first token (a single key) beside a sequence of two.
+    let first = attention(&[1, 1], 16, 8, 64).cached(&[(9, 1), (2, 2)], 12);
+    every(&mut t, first.causal());
+    // Ranges out of order, prompts and steps mixed; other head widths and groups: MQA, 3 q heads
+    // per kv head, none shared, 12 (three blocks of q heads) with a prompt that is all its keys.
+    let mqa = attention(&[3, 1, 2], 4, 1, 128).cached(&[(90, 30), (0, 50), (51, 20)], 125);
+    every(&mut t, mqa);
+    let threes = attention(&[2, 1], 6, 2, 72).cached(&[(40, 33), (0, 39)], 80);
+    every(&mut t, threes.causal());
+    let unshared = attention(&[1, 4], 8, 8, 96).cached(&[(70, 200), (3, 60)], 280);
+    every(&mut t, unshared.causal());
+    let twelves = attention(&[5, 1], 12, 1, 32).cached(&[(10, 5), (0, 9)], 16);
+    every(&mut t, twelves.causal());
 
     // ---- gated: the 16-byte vector kernel where whole vectors tile aligned rows, else scalar.
     t.add(gated(301, 200, GeluTanh));
@@ -252,8 +275,22 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(short_conv(&[(1, 40), (1, 7), (1, 1)], 1024, 3)); // three decode steps
     t.add(short_conv(&[(5, 0), (1, 9), (1, 1), (3, 2)], 33, 3).bias());
     t.add(short_conv(&[(2, 0), (1, 2)], 130, 4)); // rows fewer than the taps
+    t.add(short_conv(&[(3, 0), (0, 4), (0, 0), (1, 2)], 64, 3)); // empty segments: kept, zeroed
+    t.add(short_conv(&[(1, 40); 8], 2048, 3)); // LFM2-1.2B: a batch of 8 decode steps
 
     t.0
+}
+
+/// Key ranges of `lens` rows laid out in a cache in reverse order, three rows apart (the rows
+/// between are NaN, so reading one fails), and the cache's rows.
+fn scattered(lens: &[usize]) -> (Vec<(usize, usize)>, usize) {
+    let mut at = 3;
+    let mut ranges = vec![(0, 0); lens.len()];
+    for (range, &n) in ranges.iter_mut().zip(lens).rev() {
+        *range = (at, n);
+        at += n + 3;
+    }
+    (ranges, at)
 }
 
 /// What one op kind's cases came to on the device.

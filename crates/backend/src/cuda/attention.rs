@@ -1,8 +1,10 @@
 //! Attention over packed segments (kernels/attention.cu, kernels/attention_sm90.cu): the exact
 //! f32 row kernel, and for bf16 the tensor-core flash kernels — `flash_wgmma_d{D}` on Hopper
 //! where it exists, else `flash_bf16_d{D}` — with `flash_combine` after a split-key launch.
-//! Launch planning (shapes, key chunks, workspace) is in [`flash`].
+//! Launch planning (shapes, key chunks, workspace) is in [`flash`]. Attention over cached key
+//! ranges (decoding) has its own kernel in both precisions, [`cached`].
 
+mod cached;
 mod flash;
 
 use cudarc::driver::LaunchConfig;
@@ -15,8 +17,10 @@ pub use flash::{
 };
 use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
 
+pub use cached::{CACHED_HEAD_DIMS, MAX_CACHED_SPLITS, cached_splits};
+
 use super::device::drv;
-use super::launch::{ByDim, DevPtr, Kernel, cfg, kernel_args, kernel_table};
+use super::launch::{ByDim, ByElem, DevPtr, Kernel, cfg, kernel_args, kernel_table};
 use super::memory::{addr, ptr_of, ptr_of_mut};
 use super::{CudaBackend, Elem};
 use crate::{AttnSpec, Backend, Mask, Precision, Role, Segments, View, ViewMut, offsets_of};
@@ -53,12 +57,31 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `attn_cached_{T}_d{D}`: a CTA per (query row, block of up to four q heads of one kv head,
+    /// key chunk); `limits` is null without per-row limits, `part` when the launch is not split.
+    pub(super) struct CachedArgs {
+        ops: Operands, offsets: DevPtr, nseg: i32, ranges: DevPtr, limits: DevPtr, hq: i32,
+        group: i32, scale_log2: f32, window: i32, causal: i32, part: DevPtr,
+    }
+}
+
+kernel_args! {
+    /// `attn_cached_combine_{T}`: a warp per (row, head) weighs the key chunks into the output.
+    pub(super) struct CachedCombineArgs {
+        part: DevPtr, o: DevPtr, os: i64, rows: i32, heads: i32, d: i32, splits: i32,
+    }
+}
+
 kernel_table! {
     /// The kernels of attention.cu.
     pub(super) struct AttentionKernels from "attention.cu" {
         flash: ByDim<FlashArgs> = ("flash_bf16_d{}", &FLASH_HEAD_DIMS),
         flash_combine: Kernel<FlashCombineArgs> = "flash_combine",
         attn_rows: Kernel<AttnRowsArgs> = "attn_rows_f32",
+        cached_f32: ByDim<CachedArgs> = ("attn_cached_f32_d{}", &CACHED_HEAD_DIMS),
+        cached_bf16: ByDim<CachedArgs> = ("attn_cached_bf16_d{}", &CACHED_HEAD_DIMS),
+        cached_combine: ByElem<CachedCombineArgs> = "attn_cached_combine_{}",
     }
 }
 
@@ -97,8 +120,9 @@ pub(super) fn reserve_shared_memory(
     Ok(())
 }
 
-/// An attention spec's mask as the kernels take it: the window radius (-1 for none) and whether
-/// it is causal. Key ranges and per-row limits were declined before ([`CudaBackend::check`]).
+/// An attention spec's mask as the self-attention kernels take it: the window radius (-1 for
+/// none) and whether it is causal. Key ranges go to [`cached`] before this, and per-row limits
+/// were declined ([`CudaBackend::check`]).
 fn mask_args(spec: &AttnSpec<'_, CudaBackend>) -> Result<(i32, i32)> {
     match spec.mask {
         _ if spec.kv.is_some() => Err(Error::backend("attention", "key ranges")),
@@ -129,7 +153,8 @@ impl Operands {
     }
 }
 
-/// The attention op: the flash kernels under [`Precision::Bf16`], else the exact f32 row kernel.
+/// The attention op: over key ranges the cached kernel ([`cached`]); else the flash kernels
+/// under [`Precision::Bf16`], the exact f32 row kernel otherwise.
 pub(super) fn attention(
     be: &CudaBackend,
     q: View<'_, CudaBackend>,
@@ -139,6 +164,9 @@ pub(super) fn attention(
     spec: &AttnSpec<'_, CudaBackend>,
     segs: &Segments<CudaBackend>,
 ) -> Result<()> {
+    if spec.kv.is_some() {
+        return cached::attention(be, q, k, v, out, spec, segs, None).map(|_| ());
+    }
     if be.precision == Precision::Bf16 {
         // The tensor-core kernel checks its own operands.
         return flash(be, q, k, v, out, spec, segs, FlashChoice::default()).map(|_| ());
@@ -329,7 +357,8 @@ fn flash_workspace(be: &CudaBackend) -> Result<DevPtr> {
 impl CudaBackend {
     /// The bf16 attention op with its kernel and/or key-chunk count fixed, for tests and
     /// benchmarks of each path; returns the chunk count used (1 when the split would not fit the
-    /// workspace).
+    /// workspace). Over key ranges only the chunk count can be fixed (per query row, up to
+    /// [`MAX_CACHED_SPLITS`]): the cached kernel is the one kernel there.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_with(
         &self,
@@ -341,6 +370,15 @@ impl CudaBackend {
         segs: &Segments<Self>,
         choice: FlashChoice,
     ) -> Result<usize> {
+        if spec.kv.is_some() {
+            if let Some(kernel) = choice.kernel {
+                return Err(Error::backend(
+                    "attention",
+                    format!("the {kernel:?} flash kernel does not take key ranges"),
+                ));
+            }
+            return cached::attention(self, q, k, v, out, spec, segs, choice.splits);
+        }
         flash(self, q, k, v, out, spec, segs, choice)
     }
 }

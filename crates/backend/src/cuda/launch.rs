@@ -29,6 +29,7 @@ use super::image::ImageKernels;
 use super::norm::NormKernels;
 use super::nvrtc::{self, SOURCES};
 use super::rows::RowsKernels;
+use super::short_conv::ShortConvKernels;
 use super::{CudaBackend, Elem};
 
 /// A kernel parameter's C type, as far as the launch ABI tells them apart.
@@ -348,6 +349,7 @@ pub struct Kernels {
     pub elementwise: ElementwiseKernels,
     pub rows: RowsKernels,
     pub image: ImageKernels,
+    pub short_conv: ShortConvKernels,
     pub attention: AttentionKernels,
     /// attention_sm90.cu, built for sm_90a alone.
     pub sm90: Option<Sm90Kernels>,
@@ -361,6 +363,7 @@ impl Kernels {
             elementwise: required(ctx, arch)?,
             rows: required(ctx, arch)?,
             image: required(ctx, arch)?,
+            short_conv: required(ctx, arch)?,
             attention: required(ctx, arch)?,
             sm90: table(ctx, arch)?,
         };
@@ -403,6 +406,7 @@ pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
         of::<ElementwiseKernels>(),
         of::<RowsKernels>(),
         of::<ImageKernels>(),
+        of::<ShortConvKernels>(),
         of::<AttentionKernels>(),
         of::<Sm90Kernels>(),
     ]

@@ -5,13 +5,16 @@
 //! - Our kernels are CUDA C++ embedded in the binary and compiled by NVRTC for the device's arch
 //!   on first use ([`nvrtc`]); dense GEMMs go through cuBLASLt ([`gemm`]).
 //! - One module per op family beside its kernel source — [`norm`] (kernels/norm.cu),
-//!   [`elementwise`], [`rows`], [`image`] (im2col and GroupNorm), [`attention`] (attention.cu, attention_sm90.cu) — each declaring
+//!   [`elementwise`], [`rows`], [`image`] (im2col and GroupNorm), [`short_conv`] (LFM2's gated
+//!   convolution), [`attention`] (attention.cu, attention_sm90.cu) — each declaring
 //!   its kernels in a typed table with typed argument structs ([`launch`]): every kernel is
 //!   resolved when the backend opens, and CI checks the tables against NVRTC's output.
 //! - bf16 attention: `flash_wgmma_d{D}` (kernels/attention_sm90.cu, warpgroup MMA) on Hopper for
 //!   head widths 64, 128, 256 and 512, else the portable `flash_bf16_d{D}` (kernels/attention.cu,
 //!   mma.sync); both split a tile's keys into chunks when that fills the GPU better
-//!   (`attention/flash.rs`).
+//!   (`attention/flash.rs`). Attention over cached key ranges (decoding) has its own kernel in
+//!   both precisions, `attn_cached_{T}_d{D}`, a CTA per (query row, kv head, key chunk) with a
+//!   combine pass after a split launch (`attention/cached.rs`).
 //! - Precision [`Precision::Bf16`]: bf16 weights and GEMM inputs (`Role::Compute` buffers), f32
 //!   accumulation, f32 residual stream and statistics. [`Precision::F32`]: everything f32, the exact
 //!   mode for debugging.
@@ -33,6 +36,7 @@ mod norm;
 pub mod nvrtc;
 mod profile;
 mod rows;
+mod short_conv;
 mod support;
 
 use std::sync::{Arc, Mutex};
@@ -289,13 +293,13 @@ impl Backend for CudaBackend {
 
     fn short_conv(
         &self,
-        _bcx: View<'_, Self>,
+        bcx: View<'_, Self>,
         conv: &ShortConv<'_, Self>,
-        _segs: &Segments<Self>,
-        _state: &mut CudaBuf,
-        _out: ViewMut<'_, Self>,
+        segs: &Segments<Self>,
+        state: &mut CudaBuf,
+        out: ViewMut<'_, Self>,
     ) -> Result<()> {
-        // Declined in `support.rs` until its kernel lands: this returns that refusal.
-        self.enter(&conv.op())
+        self.enter(&conv.op())?;
+        short_conv::short_conv(self, bcx, conv, segs, state, out)
     }
 }

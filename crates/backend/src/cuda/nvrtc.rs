@@ -58,6 +58,12 @@ pub const SOURCES: &[Source] = &[
         sm90a_only: false,
     },
     Source {
+        name: "short_conv.cu",
+        text: include_str!("kernels/short_conv.cu"),
+        headers: &[],
+        sm90a_only: false,
+    },
+    Source {
         name: "attention.cu",
         text: include_str!("kernels/attention.cu"),
         headers: &[FLASH],

@@ -1,16 +1,16 @@
 //! What the CUDA backend runs ([`Backend::supports`]): the one place that decides, asked by
 //! models before they load and by every op on entry.
 //!
-//! Every op has a kernel; what is declined is attention over cached key ranges or with per-row
-//! key limits (the decoding and prefix-cache paths), and head widths no attention kernel takes.
-//! Each message says so.
+//! Every op has a kernel; what is declined is per-row key limits on attention over a sequence's
+//! own rows (over cached key ranges every mask runs), the erf GELU outside a product epilogue,
+//! and head widths no attention kernel takes. Each message says so.
 //!
 //! [`Backend::supports`]: crate::Backend::supports
 
 use tessera_core::{Error, Result};
 
 use super::CudaBackend;
-use super::attention::FLASH_HEAD_DIMS;
+use super::attention::{CACHED_HEAD_DIMS, FLASH_HEAD_DIMS};
 use crate::op::{AttentionOp, MaskKind};
 use crate::{Activation, Backend, Op, Precision};
 
@@ -32,9 +32,11 @@ impl CudaBackend {
             | Op::AddPositions2d
             | Op::AvgPool2d
             | Op::ScatterRows
-            | Op::Conv2d { .. } => Ok(()),
+            | Op::Conv2d { .. }
+            | Op::ShortConv { .. } => Ok(()),
             // The erf GELU is only a product epilogue so far (LFM2-VL's projector).
-            Op::Gated(Activation::Gelu) | Op::GroupNorm {
+            Op::Gated(Activation::Gelu)
+            | Op::GroupNorm {
                 act: Some(Activation::Gelu),
             } => Err(not_yet("the erf GELU outside a product epilogue is")),
             Op::Gated(_) | Op::GroupNorm { .. } => Ok(()),
@@ -47,7 +49,6 @@ impl CudaBackend {
                 Ok(())
             }
             Op::Attention(a) => self.attention_supported(a),
-            Op::ShortConv { .. } => Err(not_yet("the short convolution is")),
         }
     }
 
@@ -58,8 +59,15 @@ impl CudaBackend {
     }
 
     fn attention_supported(&self, a: &AttentionOp) -> Result<()> {
+        // Key ranges take their own kernel, in both precisions and under every mask.
         if a.cached {
-            return Err(not_yet("attention over cached key ranges is"));
+            if CACHED_HEAD_DIMS.contains(&a.head_dim) {
+                return Ok(());
+            }
+            return Err(Error::Device(format!(
+                "no attention kernel over cached key ranges for head_dim {} (have {CACHED_HEAD_DIMS:?})",
+                a.head_dim
+            )));
         }
         if a.mask == MaskKind::Limits {
             return Err(not_yet("per-row key limits (block-causal masks) are"));

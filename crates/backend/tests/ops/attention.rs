@@ -4,7 +4,7 @@
 
 use std::iter::once;
 
-use tessera_backend::cuda::attention::WGMMA_HEAD_DIMS;
+use tessera_backend::cuda::attention::{MAX_CACHED_SPLITS, WGMMA_HEAD_DIMS};
 use tessera_backend::cuda::{FlashChoice, FlashKernel};
 use tessera_backend::op::{AttentionOp, MaskKind};
 use tessera_backend::{
@@ -104,7 +104,20 @@ impl AttentionCase {
 
     /// This case as the op runs it, then (bf16 only) on each flash kernel for its head width,
     /// forced whole and split into 2, 3 and 8 key chunks (some of them empty for some tiles).
+    /// Over a cache, CUDA has one kernel: it is forced whole and split into 2, 3, 8 and the most
+    /// key chunks per query row.
     pub fn on_every_path(self) -> Vec<AttentionCase> {
+        let with = |flash| AttentionCase {
+            flash: Some(flash),
+            ..self.clone()
+        };
+        if self.cache.is_some() {
+            let forced = [1, 2, 3, 8, MAX_CACHED_SPLITS].map(|n| FlashChoice {
+                splits: Some(n),
+                kernel: None,
+            });
+            return once(self.clone()).chain(forced.map(with)).collect();
+        }
         let mut kernels = vec![FlashKernel::Mma];
         if WGMMA_HEAD_DIMS.contains(&self.head_dim) {
             kernels.push(FlashKernel::Wgmma);
@@ -115,10 +128,6 @@ impl AttentionCase {
                 kernel: Some(kernel),
             })
         });
-        let with = |flash| AttentionCase {
-            flash: Some(flash),
-            ..self.clone()
-        };
         once(self.clone()).chain(forced.map(with)).collect()
     }
 
@@ -178,6 +187,10 @@ impl OpCase for AttentionCase {
                 " — {k:?} kernel, {n} key chunk{}",
                 if n == 1 { "" } else { "s" }
             ),
+            Some(FlashChoice {
+                splits: Some(n),
+                kernel: None,
+            }) => format!(" — {n} key chunk{}", if n == 1 { "" } else { "s" }),
             Some(f) => format!(" — {f:?}"),
             None => String::new(),
         };

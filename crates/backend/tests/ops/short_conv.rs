@@ -63,7 +63,13 @@ impl OpCase for ShortConvCase {
                 held,
             })
             .collect();
-        let bcx = Guarded::drawn(be, Role::Compute, Layout::padded(rows, 3 * c, 8, 8), rng, 2.0)?;
+        let bcx = Guarded::drawn(
+            be,
+            Role::Compute,
+            Layout::padded(rows, 3 * c, 8, 8),
+            rng,
+            2.0,
+        )?;
         let weight = be.vector_f32(&rng.vec(c * k, 1.0))?;
         let bias = be.vector_f32(&rng.vec(c, 0.5))?;
         let mut state = be.alloc(slots * slot_len, Role::Stream)?;

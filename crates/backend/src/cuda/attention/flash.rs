@@ -82,7 +82,8 @@ pub enum FlashKernel {
 /// Choices a test or benchmark fixes for one launch; `None` leaves it to the op.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FlashChoice {
-    /// Key chunks per tile (1..=`MAX_KV_SPLITS`).
+    /// Key chunks per tile (1..=`MAX_KV_SPLITS`); over key ranges, per query row
+    /// (1..=`MAX_CACHED_SPLITS`).
     pub splits: Option<usize>,
     pub kernel: Option<FlashKernel>,
 }

@@ -20,6 +20,9 @@
 // weighs the chunks into the bf16 output.
 //
 // attn_rows_f32: the exact (f32) mode; one warp per (query row, head), scalar FMAs.
+//
+// attn_cached_{T}_d{D}, attn_cached_combine_{T}: attention over cached key ranges, both
+// precisions, every mask (at the end of this file).
 
 // WM warps along query rows (BM = 16·WM rows per CTA; a 64-row tile takes 64/BM CTAs along z),
 // WD warps along the head dimension, BN keys per block, MIN_CTAS resident per multiprocessor.
@@ -297,3 +300,258 @@ extern "C" __global__ void attn_rows_f32(const float* q, long qs, const float* k
         if (c < D) orow[c] = acc[t] / l;
     }
 }
+
+// ---- Attention over cached key ranges: decoding, and prompts appended to a cache.
+//
+// Segment s's queries are its packed rows; its keys are rows ranges[2s] .. ranges[2s] +
+// ranges[2s + 1] of k and v, of which the queries are the last q_len positions (op/attention.rs).
+// Every mask leaves a query row one interval [k_lo, k_hi) of those keys: all of them, cut to the
+// window around the row's position, to the position itself (causal), or to limits[row].
+//
+// attn_cached_{T}_d{D}: one CTA of CACHED_WARPS warps per (query row, block of up to CACHED_HEADS
+// q heads sharing one kv head, key chunk). The row's interval is cut into gridDim.z chunks of
+// whole 32-key blocks (trailing chunks may be empty), so any chunk count covers every key. Each
+// warp walks its chunk's 32-key blocks round-robin: lane i scores key i of the block against every
+// head of the CTA (the q rows in shared memory, pre-scaled to log2 units), the warp takes the
+// block's maximum and rescales its running state, then accumulates P·V with each lane owning
+// head columns lane, lane + 32, … and the block's probabilities broadcast by shuffles. The warps'
+// states are merged through shared memory. Unsplit (part null) the CTA writes its output rows;
+// split, its chunk's normalised f32 outputs and log2-sum-exps into `part` ([chunks][rows][hq][D],
+// then [chunks][rows][hq]), which attn_cached_combine_{T} weighs into the output. Keys outside the
+// interval, and cache rows outside the ranges, are never read.
+constexpr int CACHED_HEADS = 4, CACHED_WARPS = 4;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+template <int D, typename T>
+__device__ __forceinline__ void attn_cached_impl(const T* __restrict__ q, long qs, const T* __restrict__ k, long ks,
+                                                 const T* __restrict__ v, long vs, T* __restrict__ o, long os,
+                                                 const u32* __restrict__ offsets, int nseg,
+                                                 const u32* __restrict__ ranges, const u32* __restrict__ limits,
+                                                 int hq, int group, float scale_log2, int window, int causal,
+                                                 float* __restrict__ part) {
+    constexpr int GB = CACHED_HEADS, NW = CACHED_WARPS, NT = 32 * NW, TD = (D + 31) / 32;
+    static_assert(D % 4 == 0, "keys are read four values at a time");
+    __shared__ __align__(16) float sq[GB][D];
+    __shared__ float sm[NW][GB], sl[NW][GB];
+    __shared__ float so[NW][GB][D];
+
+    const long r = blockIdx.x;
+    const int hblocks = (group + GB - 1) / GB;
+    const int g = blockIdx.y / hblocks;
+    const int h0 = g * group + (blockIdx.y - g * hblocks) * GB;
+    const int nh = min(GB, (g + 1) * group - h0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+    // The row's segment: the last s with offsets[s] <= r (empty segments skipped).
+    int lo = 0, hi = nseg;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if ((long)offsets[mid] <= r) lo = mid; else hi = mid;
+    }
+    const int q_len = (int)(offsets[lo + 1] - offsets[lo]);
+    const long kstart = ranges[2 * lo];
+    const int n = (int)ranges[2 * lo + 1];
+    const int pos = n - q_len + (int)(r - offsets[lo]);  // the row's position among the keys
+    int k_lo = 0, k_hi = n;
+    if (window >= 0) {
+        k_lo = max(0, pos - window);
+        k_hi = (int)min((long)n, (long)pos + window + 1);
+    }
+    if (causal) k_hi = min(k_hi, pos + 1);
+    if (limits) {
+        const u32 lim = limits[r];
+        k_hi = min(k_hi, lim < (u32)n ? (int)lim : n);
+    }
+    const int span = max(k_hi - k_lo, 0);
+    const int per = ((span + (int)gridDim.z - 1) / (int)gridDim.z + 31) / 32 * 32;
+    const int c0 = k_lo + (int)min((long)span, (long)blockIdx.z * per);
+    const int c1 = k_lo + (int)min((long)span, ((long)blockIdx.z + 1) * per);
+
+    // The CTA's q rows, times scale · log2(e): scores come out in log2 units.
+    const T* qr = q + r * qs + (long)h0 * D;
+    for (int i = threadIdx.x; i < GB * D; i += NT) {
+        const int h = i / D, c = i - h * D;
+        sq[h][c] = h < nh ? to_f(qr[(long)h * D + c]) * scale_log2 : 0.f;
+    }
+    __syncthreads();
+
+    // Keys four values at a time where every key row is aligned to them.
+    const bool vec = reinterpret_cast<u64>(k) % (4 * sizeof(T)) == 0 && ks % 4 == 0;
+    const T* kb = k + kstart * ks + (long)g * D;
+    const T* vb = v + kstart * vs + (long)g * D;
+    float m[GB], l[GB], acc[GB][TD];
+#pragma unroll
+    for (int h = 0; h < GB; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.f;  // this lane's share; summed over the warp at the end
+#pragma unroll
+        for (int t = 0; t < TD; t++) acc[h][t] = 0.f;
+    }
+    for (int j0 = c0 + 32 * warp; j0 < c1; j0 += 32 * NW) {
+        const int j = j0 + lane;
+        const bool valid = j < c1;
+        float s[GB];
+#pragma unroll
+        for (int h = 0; h < GB; h++) s[h] = 0.f;
+        if (valid) {
+            const T* kr = kb + (long)j * ks;
+#pragma unroll
+            for (int d = 0; d < D; d += 4) {
+                float kk[4];
+                if (vec) {
+                    load4(kr + d, kk);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) kk[e] = to_f(kr[d + e]);
+                }
+#pragma unroll
+                for (int h = 0; h < GB; h++) {
+                    if (h < nh) {
+                        const float4 qv = *reinterpret_cast<const float4*>(&sq[h][d]);
+                        s[h] = fmaf(qv.w, kk[3], fmaf(qv.z, kk[2], fmaf(qv.y, kk[1], fmaf(qv.x, kk[0], s[h]))));
+                    }
+                }
+            }
+        }
+        // The block's statistics (lane 0's key is always valid, so each maximum is finite).
+        float p[GB];
+#pragma unroll
+        for (int h = 0; h < GB; h++) {
+            p[h] = 0.f;
+            if (h < nh) {
+                const float sc = valid ? s[h] : NEG_INF;
+                const float mn = fmaxf(m[h], warp_max(sc));
+                const float alpha = ex2(m[h] - mn);  // 0 on the first block (m = -inf)
+                p[h] = valid ? ex2(sc - mn) : 0.f;
+                l[h] = l[h] * alpha + p[h];
+#pragma unroll
+                for (int t = 0; t < TD; t++) acc[h][t] *= alpha;
+                m[h] = mn;
+            }
+        }
+        // P·V over the block's valid keys.
+        const int nk = min(32, c1 - j0);
+        for (int jj = 0; jj < nk; jj++) {
+            const T* vr = vb + (long)(j0 + jj) * vs;
+            float vv[TD];
+#pragma unroll
+            for (int t = 0; t < TD; t++) {
+                const int c = lane + 32 * t;
+                vv[t] = c < D ? to_f(vr[c]) : 0.f;
+            }
+#pragma unroll
+            for (int h = 0; h < GB; h++) {
+                if (h < nh) {
+                    const float pj = __shfl_sync(0xffffffffu, p[h], jj);
+#pragma unroll
+                    for (int t = 0; t < TD; t++) acc[h][t] = fmaf(pj, vv[t], acc[h][t]);
+                }
+            }
+        }
+    }
+
+    // Merge the warps: each one's state weighted by 2^(its max − the largest); a warp that saw no
+    // key (max −inf) adds nothing.
+#pragma unroll
+    for (int h = 0; h < GB; h++) {
+        if (h < nh) l[h] = warp_sum(l[h]);
+        if (lane == 0) {
+            sm[warp][h] = m[h];
+            sl[warp][h] = l[h];
+        }
+#pragma unroll
+        for (int t = 0; t < TD; t++) {
+            const int c = lane + 32 * t;
+            if (c < D) so[warp][h][c] = acc[h][t];
+        }
+    }
+    __syncthreads();
+    const long nrh = (long)gridDim.x * hq;  // (row, head) pairs
+    for (int i = threadIdx.x; i < nh * D; i += NT) {
+        const int h = i / D, c = i - h * D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NW; w++) mx = fmaxf(mx, sm[w][h]);
+        float sum = 0.f, a = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            if (sm[w][h] != NEG_INF) {
+                const float wt = ex2(sm[w][h] - mx);
+                sum = fmaf(sl[w][h], wt, sum);
+                a = fmaf(so[w][h][c], wt, a);
+            }
+        }
+        // A row that sees no key at all gets zeros, as on the CPU.
+        const float out = sum > 0.f ? a / sum : 0.f;
+        const long rh = r * hq + h0 + h;
+        if (!part) {
+            o[r * os + (long)(h0 + h) * D + c] = from_f<T>(out);
+        } else {
+            part[((long)blockIdx.z * nrh + rh) * D + c] = out;
+            if (c == 0)
+                part[(long)gridDim.z * nrh * D + (long)blockIdx.z * nrh + rh] = sum > 0.f ? mx + log2f(sum) : NEG_INF;
+        }
+    }
+}
+
+// The key chunks of attn_cached_{T}_d{D} → the output: one warp per (row, head), each chunk weighted
+// by 2^(its log2-sum-exp − the largest); empty chunks (−inf) are skipped, and a row no chunk saw
+// gets zeros.
+template <typename T>
+__device__ __forceinline__ void attn_cached_combine_impl(const float* __restrict__ part, T* __restrict__ o, long os,
+                                                         int rows, int heads, int D, int splits) {
+    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const long n = (long)rows * heads;
+    if (gw >= n) return;
+    const float* lse = part + (long)splits * n * D;
+    float top = NEG_INF;
+    for (int c = 0; c < splits; c++) top = fmaxf(top, lse[c * n + gw]);
+    float wsum = 0.f;
+    for (int c = 0; c < splits; c++) {
+        const float e = lse[c * n + gw];
+        if (e != NEG_INF) wsum += ex2(e - top);
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    T* orow = o + (gw / heads) * os + (gw % heads) * D;
+    for (int col = lane; col < D; col += 32) {
+        float a = 0.f;
+        for (int c = 0; c < splits; c++) {
+            const float e = lse[c * n + gw];
+            if (e != NEG_INF) a = fmaf(ex2(e - top), part[(c * n + gw) * D + col], a);
+        }
+        orow[col] = from_f<T>(a * inv);
+    }
+}
+
+#define ATTN_CACHED(T, TAG, D)                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * CACHED_WARPS) attn_cached_##TAG##_d##D(               \
+        const T* q, long qs, const T* k, long ks, const T* v, long vs, T* o, long os, const u32* offsets,     \
+        int nseg, const u32* ranges, const u32* limits, int hq, int group, float scale_log2, int window,     \
+        int causal, float* part) {                                                                        \
+        attn_cached_impl<D, T>(q, qs, k, ks, v, vs, o, os, offsets, nseg, ranges, limits, hq, group, scale_log2, \
+                               window, causal, part);                                                     \
+    }
+#define ATTN_CACHED_DIMS(T, TAG)                                                                          \
+    ATTN_CACHED(T, TAG, 16)                                                                               \
+    ATTN_CACHED(T, TAG, 32)                                                                               \
+    ATTN_CACHED(T, TAG, 64)                                                                               \
+    ATTN_CACHED(T, TAG, 72)                                                                               \
+    ATTN_CACHED(T, TAG, 80)                                                                               \
+    ATTN_CACHED(T, TAG, 96)                                                                               \
+    ATTN_CACHED(T, TAG, 128)                                                                              \
+    ATTN_CACHED(T, TAG, 256)
+ATTN_CACHED_DIMS(float, f32)
+ATTN_CACHED_DIMS(bf16, bf16)
+
+#define ATTN_CACHED_COMBINE(T, NAME)                                                                      \
+    extern "C" __global__ void NAME(const float* part, T* o, long os, int rows, int heads, int D, int splits) { \
+        attn_cached_combine_impl<T>(part, o, os, rows, heads, D, splits);                                 \
+    }
+ATTN_CACHED_COMBINE(float, attn_cached_combine_f32)
+ATTN_CACHED_COMBINE(bf16, attn_cached_combine_bf16)
