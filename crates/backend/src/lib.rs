@@ -19,8 +19,8 @@ mod view;
 
 pub use device::{AnyBackend, BackendFn, DeviceRequest};
 pub use op::{
-    Activation, After, AttnSpec, Conv2d, ConvSeq, Epilogue, Gate, Grids, GroupNorm, KvRanges,
-    Mask, NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, Run,
+    Activation, After, AttnSpec, Conv2d, ConvSeq, Epilogue, Gate, Grids, GroupNorm, KvRanges, Mask,
+    NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, Run,
     Segments, ShortConv, block_causal_limits, offsets_of,
 };
 pub use tessera_core::{Error, Result, Tensor};

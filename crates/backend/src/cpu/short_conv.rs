@@ -116,7 +116,8 @@ mod tests {
         let mut state = vec![f32::NAN; 3 * (k - 1) * c];
         let mut got: Vec<Vec<f32>> = vec![Vec::new(); 2];
         // Calls: (rows of seq 0, rows of seq 1) fed per call, in slots 2 and 0.
-        let plan: [&[(usize, usize, usize)]; 3] = [&[(0, 0, 3), (1, 0, 1)], &[(0, 3, 4)], &[(0, 4, 5)]];
+        let plan: [&[(usize, usize, usize)]; 3] =
+            [&[(0, 0, 3), (1, 0, 1)], &[(0, 3, 4)], &[(0, 4, 5)]];
         for call in plan {
             let mut rows_in = Vec::new();
             let mut seqs = Vec::new();

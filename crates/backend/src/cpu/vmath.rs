@@ -487,8 +487,9 @@ mod tests {
         let silu = |x: f32| (x as f64 / (1.0 + (-(x as f64)).exp())) as f32;
         // Abramowitz–Stegun 7.1.26 would be too coarse; the reference is erfc's series-free
         // identity through libm's erf checked at known points below.
-        let gelu_erf =
-            |x: f32| (0.5 * x as f64 * (1.0 + libm::erf(x as f64 / std::f64::consts::SQRT_2))) as f32;
+        let gelu_erf = |x: f32| {
+            (0.5 * x as f64 * (1.0 + libm::erf(x as f64 / std::f64::consts::SQRT_2))) as f32
+        };
         for n in SIZES {
             let x = inputs(n, 8.0);
             let up = inputs(n + 1, 2.0);

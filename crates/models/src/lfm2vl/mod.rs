@@ -1,11 +1,12 @@
 //! LFM2-VL (LiquidAI): a SigLIP2 NaFlex vision tower and projector feeding image tokens into the
 //! LFM2 hybrid language model (short convolutions and grouped-query attention).
 //!
-//! - [`config`]: `config.json`;
-//! - [`vision`]: the tower, the 2×2 unshuffle and the projector;
-//! - [`text`]: the language model and its per-sequence cache;
-//! - [`model`]: both together; [`ops`]: every op they call;
-//! - [`processor`]: images to tiles of patches; [`prompt`]: conversations to token ids.
+//! - [`config`] reads `config.json`;
+//! - [`vision`] holds the tower, the 2×2 unshuffle and the projector;
+//! - [`text`] holds the language model and its per-sequence cache;
+//! - [`model`] puts both together, and [`ops`] lists every op they call;
+//! - [`processor`] cuts images into tiles of patches, and [`prompt`] turns conversations into
+//!   token ids.
 
 pub mod config;
 pub mod model;

@@ -1,10 +1,11 @@
 //! Prompts as `Lfm2VlProcessor` builds them: the conversation rendered with the model's chat
 //! template, each `<image>` it writes replaced by that image's placeholder text (markers and one
-//! `<image>` token per image token), then tokenised without special tokens added (the template
+//! `<image>` token per image token; transformers 5.25 takes `use_image_special_tokens` only as a
+//! call argument and ignores it in `processor_config.json`, so the markers are always on), then
+//! tokenised without special tokens added (the template
 //! writes BOS itself).
 
 use rayon::prelude::*;
-use serde::Deserialize;
 use tessera_core::{Error, Result};
 
 use super::config::Lfm2VlConfig;
@@ -55,22 +56,11 @@ impl Prompt {
     }
 }
 
-#[derive(Deserialize, Default)]
-struct ProcessorConfig {
-    #[serde(default = "yes")]
-    use_image_special_tokens: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
 /// The tokenizer, chat template and image processor of a checkpoint.
 pub struct Prompter {
     tokenizer: TextTokenizer,
     template: ChatTemplate,
     processor: ImageProcessor,
-    markers: bool,
     image_token: u32,
     defaults: SamplingDefaults,
 }
@@ -84,12 +74,6 @@ impl Prompter {
                 " (nor a chat_template in tokenizer_config.json): LFM2-VL needs its chat template"
                     .into(),
         })?;
-        let path = files.path("processor_config.json");
-        let pc: ProcessorConfig = files
-            .read_optional("processor_config.json")?
-            .map(|t| tessera_core::config::parse_json(&path, &t))
-            .transpose()?
-            .unwrap_or_default();
         let image_token = tokenizer
             .token_to_id(IMAGE)
             .ok_or_else(|| Error::Tokenizer {
@@ -109,7 +93,6 @@ impl Prompter {
             tokenizer,
             template,
             processor: ImageProcessor::load(files)?,
-            markers: pc.use_image_special_tokens,
             image_token,
             defaults: SamplingDefaults::load(files)?,
         })
@@ -168,10 +151,7 @@ impl Prompter {
             ids.extend(self.tokenizer.encode_plain(piece)?);
             if let Some(im) = processed.get(i) {
                 let start = ids.len();
-                ids.extend(
-                    self.tokenizer
-                        .encode_plain(&im.placeholder_text_with(self.markers))?,
-                );
+                ids.extend(self.tokenizer.encode_plain(&im.placeholder_text())?);
                 spans.push((start, ids.len()));
             }
         }

@@ -310,7 +310,7 @@ impl<B: Backend> Lfm2Text<B> {
                 }
             };
             if s.held + p.tokens.len() > self.shape.ctx {
-                self.free.extend(taken.drain(..));
+                self.free.append(&mut taken);
                 return Err(Error::input(format!(
                     "the sequence would hold {} tokens; the cache holds {} per sequence",
                     s.held + p.tokens.len(),
