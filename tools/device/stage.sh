@@ -12,7 +12,7 @@ cp target/release/tessera .dev/bin/
 # TESTS picks the GPU test executables (default all); the carried tree must stay under 64 MiB, so
 # a run of one family stages only its own: TESTS="cuda_ops zimage_cuda" tools/device/stage.sh
 TESTS=${TESTS:-cuda_ops egemma2_cuda zimage_cuda}
-rm -f .dev/bin/cuda_ops .dev/bin/egemma2_cuda .dev/bin/zimage_cuda
+rm -f .dev/bin/cuda_ops .dev/bin/egemma2_cuda .dev/bin/zimage_cuda .dev/bin/lfm2vl_cuda
 for t in $TESTS; do
   case $t in
     cuda_ops) spec="tessera-backend --test cuda_ops" ;;

@@ -23,6 +23,7 @@ use tessera_runtime::embed::{self, Embed, PassBudget};
 use crate::device::DeviceArgs;
 use crate::noise::XorShift;
 
+mod chat;
 mod generate;
 
 #[derive(Args)]
@@ -48,6 +49,11 @@ enum What {
     /// On a GPU machine with a full-size folder:
     /// tessera bench generate --model DIR --device cuda --size 1024x1024 --steps 8
     Generate(generate::GenerateBench),
+    /// LFM2-VL: an image's prompt, text prefill and decoding at batch sizes (continuous batching).
+    ///
+    /// On a GPU machine with a full-size folder:
+    /// tessera bench chat --model DIR --device cuda --batch 1,8 --new-tokens 128
+    Chat(chat::ChatBench),
     /// Load-test `tessera serve` on loopback: texts/s at 1 and N clients, short-query latency
     /// while images are in flight, and a queue-overflowing burst (429s, bounded memory).
     ///
@@ -185,6 +191,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         What::Attention(b) => attention(b),
         What::Image(b) => image(b),
         What::Generate(b) => generate::run(b),
+        What::Chat(b) => chat::run(b),
         What::Serve(b) => crate::loadtest::run(*b),
     }
 }

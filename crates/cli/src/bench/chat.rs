@@ -1,0 +1,222 @@
+//! `tessera bench chat`: LFM2-VL on one loaded model — an image's prompt (preprocessing, then the
+//! tower, projector and prefill of its tokens), a text prefill of N tokens, and decoding at batch
+//! sizes B (B conversations stepping together, as the server's continuous batching runs them).
+//! Each timing is the median of `--iters` runs after a warm-up, the device synchronised by the
+//! logits read back every step. One JSON line per measurement on stdout.
+
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use tessera_core::{Error, Result};
+use tessera_models::chat_template::{Message, Part};
+use tessera_models::imageproc::Image;
+use tessera_models::lfm2vl::{CacheShape, Prompt};
+use tessera_runtime::chat::{self, Chat, ChatEvent, GenerationParams};
+use tessera_runtime::decode::{Control, SamplingParams};
+use tessera_runtime::family::Capability;
+
+use crate::device::DeviceArgs;
+use crate::model;
+use crate::noise::XorShift;
+
+#[derive(Args)]
+pub struct ChatBench {
+    /// Model folder (a full-size checkpoint for meaningful numbers); without it, the bundled
+    /// miniature model.
+    #[arg(long)]
+    model: Option<String>,
+    /// Image sizes WIDTHxHEIGHT whose prompts are timed (synthetic images).
+    #[arg(long, value_delimiter = ',', default_value = "512x512,1024x768", value_parser = crate::generate::parse_size)]
+    images: Vec<(usize, usize)>,
+    /// Text prompt lengths (random token ids) whose prefill is timed.
+    #[arg(long, value_delimiter = ',', default_value = "64,1024")]
+    prefill: Vec<usize>,
+    /// Batch sizes whose decoding is timed.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    batch: Vec<usize>,
+    /// Tokens decoded per sequence in the decode runs.
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    /// Prompt tokens of each decoding sequence.
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// A smooth synthetic image with some noise (a photo-like spread of values).
+fn image(w: usize, h: usize, rng: &mut XorShift) -> Result<Image> {
+    let rgb = (0..w * h * 3)
+        .map(|i| {
+            let (p, c) = (i / 3, i % 3);
+            let (x, y) = (p % w, p / w);
+            let base = (x * 255 / w.max(1) + y * 255 / h.max(1) + c * 60) % 256;
+            (base as u32 + (rng.next_u64() % 24) as u32).min(255) as u8
+        })
+        .collect();
+    Image::from_rgb8(w, h, rgb)
+}
+
+/// A prompt of `n` random ordinary token ids after BOS.
+fn text_prompt(n: usize, rng: &mut XorShift) -> Prompt {
+    let mut ids = vec![1u32];
+    ids.extend((1..n).map(|_| 8 + (rng.next_u64() % 380) as u32));
+    Prompt {
+        ids,
+        text: String::new(),
+        images: Vec::new(),
+        spans: Vec::new(),
+    }
+}
+
+/// Begin every prompt, then step until all end; the time of the first step (the prefill) and of
+/// the rest, and tokens decoded after the first.
+fn run_all(
+    m: &mut dyn Chat,
+    prompts: Vec<Prompt>,
+    params: &GenerationParams,
+) -> Result<(Duration, Duration, usize)> {
+    for (i, p) in prompts.into_iter().enumerate() {
+        m.begin(i as u64, p, params)?;
+    }
+    let mut tokens = 0;
+    let mut count = |_, ev: ChatEvent<'_>| {
+        if let ChatEvent::Done(r) = ev {
+            tokens += r.completion_tokens;
+        }
+        Control::Continue
+    };
+    let t0 = Instant::now();
+    let mut left = m.step(&mut count)?;
+    let first = t0.elapsed();
+    let t1 = Instant::now();
+    let mut steps_after = 0;
+    while left > 0 {
+        left = m.step(&mut count)?;
+        steps_after += 1;
+    }
+    Ok((first, t1.elapsed(), steps_after))
+}
+
+pub fn run(b: ChatBench) -> Result<()> {
+    if b.iters == 0 || b.new_tokens < 2 {
+        return Err(Error::input(
+            "--iters must be at least 1 and --new-tokens at least 2",
+        ));
+    }
+    let started = Instant::now();
+    let spec = model::open(b.model.as_deref(), Capability::Chat)?;
+    let backend = b.device.open_for(&spec)?;
+    let (files, cfg) = model::chat_model(&spec)?;
+    let longest = b
+        .prefill
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(b.prompt_tokens + b.new_tokens)
+        + 8;
+    let slots = b.batch.iter().copied().max().unwrap_or(1).max(1);
+    let mut m = chat::load(
+        backend,
+        &files,
+        cfg,
+        CacheShape {
+            slots,
+            ctx: longest.max(4096),
+        },
+    )?;
+    let device = m.describe();
+    println!(
+        "{}",
+        serde_json::json!({"bench": "chat", "what": "load", "model": spec.label, "device": device, "ms": ms(started.elapsed())})
+    );
+    let greedy = |n| GenerationParams {
+        sampling: SamplingParams::default(),
+        max_tokens: n,
+        stop: Vec::new(),
+    };
+    let mut rng = XorShift::new(7);
+    // An image's prompt: host preprocessing, then the prefill (tower, projector, its tokens).
+    for &(w, h) in &b.images {
+        let img = image(w, h, &mut rng)?;
+        let msgs = [Message::parts(
+            "user",
+            vec![
+                Part::Image,
+                Part::Text {
+                    text: "Describe this image.".into(),
+                },
+            ],
+        )];
+        let (mut prep, mut prefill) = (Vec::new(), Vec::new());
+        let mut tokens = 0;
+        for it in 0..=b.iters {
+            let t = Instant::now();
+            let p = m.prompt(&msgs, std::slice::from_ref(&img))?;
+            let pt = t.elapsed();
+            tokens = p.ids.len();
+            let (first, _, _) = run_all(m.as_mut(), vec![p], &greedy(1))?;
+            m.end(0);
+            if it > 0 {
+                prep.push(ms(pt));
+                prefill.push(ms(first));
+            }
+        }
+        println!(
+            "{}",
+            serde_json::json!({"bench": "chat", "what": "image prompt", "image": format!("{w}x{h}"), "prompt_tokens": tokens,
+                "preprocess_ms": median(prep), "prefill_ms": median(prefill), "device": device})
+        );
+    }
+    for &n in &b.prefill {
+        let mut times = Vec::new();
+        for it in 0..=b.iters {
+            let (first, _, _) = run_all(m.as_mut(), vec![text_prompt(n, &mut rng)], &greedy(1))?;
+            m.end(0);
+            if it > 0 {
+                times.push(ms(first));
+            }
+        }
+        let t = median(times);
+        println!(
+            "{}",
+            serde_json::json!({"bench": "chat", "what": "prefill", "tokens": n, "ms": t, "tokens_per_s": n as f64 / t * 1e3, "device": device})
+        );
+    }
+    for &batch in &b.batch {
+        let (mut step_ms, mut prefill) = (Vec::new(), Vec::new());
+        for it in 0..=b.iters {
+            let prompts = (0..batch)
+                .map(|_| text_prompt(b.prompt_tokens, &mut rng))
+                .collect();
+            let (first, rest, steps) = run_all(m.as_mut(), prompts, &greedy(b.new_tokens))?;
+            for c in 0..batch as u64 {
+                m.end(c);
+            }
+            if it > 0 {
+                prefill.push(ms(first));
+                step_ms.push(ms(rest) / steps.max(1) as f64);
+            }
+        }
+        let s = median(step_ms);
+        println!(
+            "{}",
+            serde_json::json!({"bench": "chat", "what": "decode", "batch": batch, "prompt_tokens": b.prompt_tokens,
+                "new_tokens": b.new_tokens, "step_ms": s, "tokens_per_s_per_seq": 1e3 / s, "tokens_per_s": batch as f64 * 1e3 / s,
+                "prefill_ms": median(prefill), "device": device})
+        );
+    }
+    Ok(())
+}
