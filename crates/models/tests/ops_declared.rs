@@ -68,3 +68,58 @@ fn zimage_declares_every_op_of_a_guided_generation() {
     let cfg = ZImageConfigs::read(&BUNDLED).unwrap();
     assert_declared("Z-Image", &zimage::ops(&cfg), &be.recorded());
 }
+
+#[test]
+fn lfm2vl_declares_every_op_of_prefill_with_images_and_decoding() {
+    use tessera_models::chat_template::{Message, Part as ChatPart};
+    use tessera_models::lfm2vl::{self, CacheShape, Lfm2Vl, Lfm2VlConfig, Prompter, Turn};
+    let be = CpuBackend::recording();
+    let files = lfm2vl::BUNDLED;
+    let cfg = Lfm2VlConfig::read(&files).unwrap();
+    let prompter = Prompter::load(&files, &cfg).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/lfm2vl/images/tiled400x368.png");
+    let msgs = [Message::parts(
+        "user",
+        vec![
+            ChatPart::Image,
+            ChatPart::Text {
+                text: "What is this?".into(),
+            },
+        ],
+    )];
+    let prompt = prompter
+        .build(&msgs, &[Image::open(&path).unwrap()], true)
+        .unwrap();
+    let tiles = prompt.tiles(0);
+    let mut m = Lfm2Vl::load(&be, &files, &cfg, CacheShape { slots: 2, ctx: 512 }).unwrap();
+    // A fresh prefill, then a decode step beside a second prefill (the cached path).
+    m.extend(
+        &be,
+        &[Turn {
+            seq: 1,
+            tokens: &prompt.ids,
+            tiles: &tiles,
+        }],
+        false,
+    )
+    .unwrap();
+    m.extend(
+        &be,
+        &[
+            Turn {
+                seq: 1,
+                tokens: &[9],
+                tiles: &[],
+            },
+            Turn {
+                seq: 2,
+                tokens: &[1, 6, 9],
+                tiles: &[],
+            },
+        ],
+        false,
+    )
+    .unwrap();
+    assert_declared("LFM2-VL", &lfm2vl::ops(&cfg), &be.recorded());
+}

@@ -78,11 +78,13 @@ pub fn ops(c: &Lfm2VlConfig) -> Vec<Op> {
             head_dim: t.head_dim,
             rope: Some(RopeStyle::SplitHalf),
         });
-        ops.push(Op::Attention(AttentionOp {
-            head_dim: t.head_dim,
-            mask: MaskKind::Causal,
-            cached: true,
-        }));
+        for cached in [false, true] {
+            ops.push(Op::Attention(AttentionOp {
+                head_dim: t.head_dim,
+                mask: MaskKind::Causal,
+                cached,
+            }));
+        }
     }
     ops.sort_by_key(|o| format!("{o:?}"));
     ops.dedup();

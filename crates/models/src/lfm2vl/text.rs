@@ -414,7 +414,11 @@ impl<B: Backend> Lfm2Text<B> {
                 ViewMut::new(&mut ws.scratch.a, n, d),
             )?;
         }
-        let spec = AttnSpec::new(lay, (lay.head_dim as f32).powf(-0.5), Mask::Causal).over(&kv);
+        // Prompts that start their sequences attend to their own rows (the flash kernels); a
+        // call with a continuing sequence attends over the cache's ranges.
+        let fresh = seqs.iter().all(|(_, s)| s.held == 0);
+        let causal = AttnSpec::new(lay, (lay.head_dim as f32).powf(-0.5), Mask::Causal);
+        let spec = if fresh { causal } else { causal.over(&kv) };
         let n_layers = self.layers.len();
         for i in 0..n_layers {
             let (layer, rest) = self.layers[i..]
@@ -568,10 +572,17 @@ fn attn_mixer<B: Backend>(
         &ws.cache_rows,
         ViewMut::new(&mut at.v, cache_len, kc),
     )?;
+    let (k, v) = match spec.kv {
+        Some(_) => (
+            View::new(&at.k, cache_len, kc),
+            View::new(&at.v, cache_len, kc),
+        ),
+        None => (qkv.cols(qc, kc), qkv.cols(qc + kc, kc)),
+    };
     be.attention(
         qkv.cols(0, qc),
-        View::new(&at.k, cache_len, kc),
-        View::new(&at.v, cache_len, kc),
+        k,
+        v,
         ViewMut::new(&mut s.attn, n, qc),
         spec,
         segs,
