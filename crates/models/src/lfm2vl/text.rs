@@ -18,8 +18,8 @@
 use std::collections::HashMap;
 
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, ConvSeq, Epilogue, Mask, QkvLayout, QkvNorm, Residual,
-    Role, RopeStyle, RopeTable, RowNorm, ShortConv, View, ViewMut,
+    Activation, After, AttnSpec, Backend, ConvSeq, Epilogue, KvRanges, Mask, QkvLayout, QkvNorm,
+    Residual, Role, RopeStyle, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
@@ -88,6 +88,10 @@ struct Layer<B: Backend> {
 struct Workspace<B: Backend> {
     rows: usize,
     segs: usize,
+    /// The packed segments and each one's key range in the cache, refilled per call at fixed
+    /// addresses (a decode step replays as a graph).
+    seg: Segments<B>,
+    kv: KvRanges<B>,
     ids: B::Buf,
     pos: B::Buf,
     /// Cache row of each new row (`slot·ctx + position`).
@@ -131,6 +135,8 @@ pub struct Lfm2Text<B: Backend> {
     seqs: HashMap<u64, Seq>,
     free: Vec<usize>,
     ws: Option<Workspace<B>>,
+    /// Bumped whenever the workspace is reallocated: part of every replayed region's key.
+    generation: u64,
 }
 
 fn optional_vector<B: Backend>(
@@ -214,6 +220,7 @@ impl<B: Backend> Lfm2Text<B> {
             seqs: HashMap::new(),
             free: (0..shape.slots).rev().collect(),
             ws: None,
+            generation: 0,
         })
     }
 
@@ -250,9 +257,12 @@ impl<B: Backend> Lfm2Text<B> {
         let c = &self.cfg;
         let d = c.hidden;
         let dims = ScratchDims::new(d, self.layout, c.ffn);
+        self.generation += 1;
         self.ws = Some(Workspace {
             rows,
             segs,
+            seg: be.alloc_segments(rows, segs)?,
+            kv: be.kv_ranges(&vec![(0, 0); segs])?,
             ids: be.alloc(rows, Role::Index)?,
             pos: be.alloc(rows, Role::Index)?,
             cache_rows: be.alloc(rows, Role::Index)?,
@@ -356,7 +366,7 @@ impl<B: Backend> Lfm2Text<B> {
         let logit_rows = if all_rows { n } else { parts.len() };
         self.ensure(be, n, parts.len(), logit_rows)?;
         let c = &self.cfg;
-        let (d, eps, ctx, lay) = (c.hidden, c.eps, self.shape.ctx, self.layout);
+        let (d, ctx) = (c.hidden, self.shape.ctx);
         let mut ids = Vec::with_capacity(n);
         let mut pos = Vec::with_capacity(n);
         let mut cache_rows = Vec::with_capacity(n);
@@ -392,12 +402,17 @@ impl<B: Backend> Lfm2Text<B> {
                 media_rows.push((at, *rows));
             }
         }
-        let segs = be.segments(&lens)?;
-        let kv = be.kv_ranges(&ranges)?;
         let ws = self
             .ws
             .as_mut()
             .ok_or_else(|| Error::backend("lfm2", "workspace missing"))?;
+        be.set_segments(&mut ws.seg, &lens)?;
+        let flat: Vec<u32> = ranges
+            .iter()
+            .flat_map(|&(a, n)| [a as u32, n as u32])
+            .collect();
+        be.write_u32(&mut ws.kv.dev, &flat)?;
+        ws.kv.ranges = ranges.iter().map(|&(a, n)| (a as u32, n as u32)).collect();
         be.write_u32(&mut ws.ids, &ids)?;
         be.write_u32(&mut ws.pos, &pos)?;
         be.write_u32(&mut ws.cache_rows, &cache_rows)?;
@@ -407,26 +422,104 @@ impl<B: Backend> Lfm2Text<B> {
             be.write_u32(&mut ws.media_rows, at)?;
             be.scatter_rows(*rows, &ws.media_rows, ViewMut::new(&mut ws.h, n, d))?;
         }
-        if let Some(l0) = self.layers.first() {
-            be.norm(
-                View::new(&ws.h, n, d),
-                &RowNorm::rms(&l0.op_norm, eps),
-                ViewMut::new(&mut ws.scratch.a, n, d),
-            )?;
+        let pass = Pass {
+            rows: n,
+            lens: &lens,
+            // Prompts that start their sequences attend to their own rows (the flash kernels);
+            // a call with a continuing sequence attends over the cache's ranges.
+            fresh: seqs.iter().all(|(_, s)| s.held == 0),
+            all_rows,
+        };
+        let mut body = Body {
+            cfg: c,
+            layers: &mut self.layers,
+            rope: &self.rope,
+            final_norm: &self.final_norm,
+            lm_head: &self.lm_head,
+        };
+        // A decode step (one new token per sequence) is the same work every time at the same
+        // addresses: one replayable region, which the CUDA backend captures as a graph.
+        if lens.iter().all(|&l| l == 1) && media_rows.is_empty() && !pass.fresh && !all_rows {
+            let key = {
+                use std::hash::{Hash, Hasher};
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                ("lfm2 decode", self.generation, n).hash(&mut h);
+                h.finish()
+            };
+            be.run_graph(key, &mut || body.run(be, ws, &pass))
+        } else {
+            body.run(be, ws, &pass)
         }
-        // Prompts that start their sequences attend to their own rows (the flash kernels); a
-        // call with a continuing sequence attends over the cache's ranges.
-        let fresh = seqs.iter().all(|(_, s)| s.held == 0);
+    }
+}
+
+/// The new rows of a call: how many, their positions, their rows in the cache, their segments.
+struct Rows<'a, B: Backend> {
+    n: usize,
+    pos: &'a B::Buf,
+    cache: &'a B::Buf,
+    seg: &'a Segments<B>,
+}
+
+/// The shape of one call's forward.
+struct Pass<'a> {
+    rows: usize,
+    lens: &'a [usize],
+    fresh: bool,
+    all_rows: bool,
+}
+
+/// What the layers and the logits read besides the workspace.
+struct Body<'a, B: Backend> {
+    cfg: &'a TextConfig,
+    layers: &'a mut [Layer<B>],
+    rope: &'a RopeTable<B>,
+    final_norm: &'a B::Vector,
+    lm_head: &'a B::Mat,
+}
+
+impl<B: Backend> Body<'_, B> {
+    /// Every device op after the embedding: the layers, the final norm and the logits.
+    fn run(&mut self, be: &B, ws: &mut Workspace<B>, pass: &Pass<'_>) -> Result<()> {
+        let c = self.cfg;
+        let (d, eps, n) = (c.hidden, c.eps, pass.rows);
+        let lay = QkvLayout {
+            heads_q: c.heads_q,
+            heads_kv: c.heads_kv,
+            head_dim: c.head_dim,
+        };
+        let first = self.layers.first().map_or(self.final_norm, |l| &l.op_norm);
+        be.norm(
+            View::new(&ws.h, n, d),
+            &RowNorm::rms(first, eps),
+            ViewMut::new(&mut ws.scratch.a, n, d),
+        )?;
         let causal = AttnSpec::new(lay, (lay.head_dim as f32).powf(-0.5), Mask::Causal);
-        let spec = if fresh { causal } else { causal.over(&kv) };
         let n_layers = self.layers.len();
         for i in 0..n_layers {
             let (layer, rest) = self.layers[i..]
                 .split_first_mut()
                 .ok_or_else(|| Error::backend("lfm2", "layer"))?;
             match &mut layer.mixer {
-                Mixer::Conv(cv) => conv_mixer(be, cv, c, &segs, n, ws)?,
-                Mixer::Attn(at) => attn_mixer(be, at, c, &self.rope, &spec, &segs, n, ws)?,
+                Mixer::Conv(cv) => conv_mixer(be, cv, c, n, ws)?,
+                Mixer::Attn(at) => {
+                    let Workspace {
+                        scratch,
+                        pos,
+                        cache_rows,
+                        seg,
+                        kv,
+                        ..
+                    } = &mut *ws;
+                    let spec = if pass.fresh { causal } else { causal.over(kv) };
+                    let rows = Rows {
+                        n,
+                        pos,
+                        cache: cache_rows,
+                        seg,
+                    };
+                    attn_mixer(be, at, c, self.rope, &spec, &rows, scratch)?
+                }
             }
             let (h, s) = (&mut ws.h, &mut ws.scratch);
             be.residual(
@@ -441,7 +534,7 @@ impl<B: Backend> Lfm2Text<B> {
             layer.mlp.forward(be, Activation::Silu, n, s)?;
             let next = match rest.first() {
                 Some(nx) => RowNorm::rms(&nx.op_norm, eps),
-                None => RowNorm::rms(&self.final_norm, eps),
+                None => RowNorm::rms(self.final_norm, eps),
             };
             be.residual(
                 ViewMut::new(h, n, d),
@@ -450,36 +543,29 @@ impl<B: Backend> Lfm2Text<B> {
                 After::Norm(next, ViewMut::new(&mut s.a, n, d)),
             )?;
         }
-        if n_layers == 0 {
-            be.norm(
-                View::new(&ws.h, n, d),
-                &RowNorm::rms(&self.final_norm, eps),
-                ViewMut::new(&mut ws.scratch.a, n, d),
-            )?;
-        }
         // Logits of every row, or of each segment's last row.
         let vocab = c.vocab;
         let normed = View::new(&ws.scratch.a, n, d);
-        if all_rows || lens.iter().all(|&l| l == 1) {
+        if pass.all_rows || pass.lens.iter().all(|&l| l == 1) {
             be.matmul(
                 normed,
-                &self.lm_head,
+                self.lm_head,
                 ViewMut::new(&mut ws.logits, n, vocab),
                 &Epilogue::default(),
-            )?;
+            )
         } else {
             let mut end = 0;
-            for (s, &l) in lens.iter().enumerate() {
+            for (s, &l) in pass.lens.iter().enumerate() {
                 end += l;
                 be.matmul(
                     normed.rows(end - 1, 1),
-                    &self.lm_head,
-                    ViewMut::new(&mut ws.logits, parts.len(), vocab).rows(s, 1),
+                    self.lm_head,
+                    ViewMut::new(&mut ws.logits, pass.lens.len(), vocab).rows(s, 1),
                     &Epilogue::default(),
                 )?;
             }
+            Ok(())
         }
-        Ok(())
     }
 }
 
@@ -488,7 +574,6 @@ fn conv_mixer<B: Backend>(
     be: &B,
     cv: &mut Conv<B>,
     c: &TextConfig,
-    segs: &tessera_backend::Segments<B>,
     n: usize,
     ws: &mut Workspace<B>,
 ) -> Result<()> {
@@ -515,7 +600,7 @@ fn conv_mixer<B: Backend>(
     be.short_conv(
         View::new(&ws.bcx, n, 3 * d),
         &op,
-        segs,
+        &ws.seg,
         &mut cv.state,
         ViewMut::new(&mut ws.cy, n, d),
     )?;
@@ -536,13 +621,12 @@ fn attn_mixer<B: Backend>(
     c: &TextConfig,
     rope: &RopeTable<B>,
     spec: &AttnSpec<'_, B>,
-    segs: &tessera_backend::Segments<B>,
-    n: usize,
-    ws: &mut Workspace<B>,
+    rows: &Rows<'_, B>,
+    s: &mut Scratch<B>,
 ) -> Result<()> {
     let lay = at.w.layout;
+    let n = rows.n;
     let (d, qc, kc, width) = (c.hidden, lay.q_cols(), lay.kv_cols(), lay.width());
-    let s = &mut ws.scratch;
     be.matmul(
         View::new(&s.a, n, d),
         &at.w.qkv,
@@ -558,18 +642,18 @@ fn attn_mixer<B: Backend>(
             v_norm: false,
             eps: c.eps,
         },
-        Some((rope, &ws.pos)),
+        Some((rope, rows.pos)),
     )?;
     let qkv = View::new(&s.qkv, n, width);
     let cache_len = at.rows;
     be.scatter_rows(
         qkv.cols(qc, kc),
-        &ws.cache_rows,
+        rows.cache,
         ViewMut::new(&mut at.k, cache_len, kc),
     )?;
     be.scatter_rows(
         qkv.cols(qc + kc, kc),
-        &ws.cache_rows,
+        rows.cache,
         ViewMut::new(&mut at.v, cache_len, kc),
     )?;
     let (k, v) = match spec.kv {
@@ -585,7 +669,7 @@ fn attn_mixer<B: Backend>(
         v,
         ViewMut::new(&mut s.attn, n, qc),
         spec,
-        segs,
+        rows.seg,
     )?;
     be.matmul(
         View::new(&s.attn, n, qc),
