@@ -10,8 +10,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PARTS=${PARTS:-ops,parity,full,bench,ref}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/transformers-*.whl \
-  .dev/whl/huggingface_hub-*.whl && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
+  && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 B=.dev/bin/tessera F=/tmp/lfm2full
 status=0
