@@ -47,6 +47,9 @@ Output: tests/fixtures/lfm2vl/bf16_floor.json, exactly {case: {tap: floor}} (flo
 as a map of maps), e.g. {"mini.exact270x250": {"features": 3e-3}, "mini.text": {"logits": ..., "step_logits":
 ...}, ...}; a table is printed.
 
+Models load with use_kernels=False: transformers 5.25 otherwise insists on the `kernels` package when it sees
+none (the GPU machine has none) and, where it is installed, runs the same PyTorch code as its fallback anyway.
+
 Usage (repository root, torch 2.15 / transformers 5.25 / torchvision 0.29.2; ~1 min on 2 CPU cores):
   lfm2vl_bf16_floor.py fixtures [--device cpu|cuda] [--out PATH]
 """
@@ -122,7 +125,8 @@ def rel(a, b):
 
 def load(name, device):
     folder = fixtures.MODELS[name]["folder"]
-    model = Lfm2VlForConditionalGeneration.from_pretrained(folder, dtype=torch.float64).to(device).eval()
+    model = Lfm2VlForConditionalGeneration.from_pretrained(folder, dtype=torch.float64,
+                                                           use_kernels=False).to(device).eval()
     assert model.config._attn_implementation == "sdpa"
     proc = AutoProcessor.from_pretrained(folder)
     return model, proc

@@ -40,7 +40,8 @@ real model's.
 for a quick CPU check of the files and names.
 
 After writing, the script (unless --no-check) loads OUT_DIR with
-`Lfm2VlForConditionalGeneration.from_pretrained(OUT_DIR, dtype=torch.bfloat16)` (no missing / unexpected keys,
+`Lfm2VlForConditionalGeneration.from_pretrained(OUT_DIR, dtype=torch.bfloat16)` (use_kernels=False: without the
+`kernels` package, as on the GPU machine, 5.25 refuses to load otherwise) (no missing / unexpected keys,
 every tensor equal to what was written, FFN width 4608, layer types, tied lm_head) and `AutoProcessor` (the
 image settings above), and runs one short bf16 forward over a 512x512 image prompt.
 
@@ -156,7 +157,7 @@ def check(out_dir, tensors, types, small):
     from transformers import AutoProcessor
 
     t0 = time.time()
-    model, info = Lfm2VlForConditionalGeneration.from_pretrained(out_dir, dtype=torch.bfloat16,
+    model, info = Lfm2VlForConditionalGeneration.from_pretrained(out_dir, dtype=torch.bfloat16, use_kernels=False,
                                                                  output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     sd = model.state_dict()
