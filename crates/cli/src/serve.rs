@@ -1,4 +1,5 @@
-//! `tessera serve`: the OpenAI-compatible embedding server (crate `tessera-server`).
+//! `tessera serve`: the OpenAI-compatible server (crate `tessera-server`): embeddings or chat,
+//! as the family of `--model` decides.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
@@ -6,20 +7,29 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use tessera_core::{Error, Result};
-use tessera_server::{Limits, Schedule, ServerConfig};
+use tessera_runtime::{Capability, Family, ModelSpec, embed};
+use tessera_server::{Limits, ModelLoader, Schedule, ServerConfig};
 
 use crate::device::DeviceArgs;
-use tessera_runtime::{Capability, embed};
-
 use crate::model;
+
+/// `--model` values naming the miniature models compiled into the binary.
+const BUNDLED: [(&str, Family); 2] = [
+    ("bundled:egemma2", Family::EmbeddingGemma2),
+    ("bundled:lfm2vl", Family::Lfm2Vl),
+];
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature model).
+    /// Model folder or Hugging Face repo id in the local cache; its family decides what is
+    /// served: an embedding model (EmbeddingGemma 2) answers /v1/embeddings, a chat model
+    /// (LFM2-VL) /v1/chat/completions. `bundled:egemma2` and `bundled:lfm2vl` name the bundled
+    /// miniatures (random weights, for checking an install); the default is `bundled:egemma2`.
     #[arg(long, env = "TESSERA_MODEL")]
     model: Option<String>,
     /// The id clients send as `model` (default: the folder's or repo's last name; `egemma2-mini`
-    /// for the bundled model). `ID:PROMPT` then selects a task prompt.
+    /// or `lfm2vl-mini` for a bundled model). For an embedding model, `ID:PROMPT` then selects a
+    /// task prompt.
     #[arg(long, env = "TESSERA_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
     /// Address to bind. The default answers only this machine; 0.0.0.0 exposes the server to the
@@ -39,16 +49,18 @@ pub struct ServeArgs {
     /// can make the server read any image file it can read.
     #[arg(long, env = "TESSERA_ALLOW_FILE_PATHS")]
     allow_file_paths: bool,
-    /// Tokens (image soft tokens included) merged into one device batch. Larger batches raise
-    /// throughput on a GPU and raise the wait of a request that arrives during one.
+    /// Embeddings: tokens (image soft tokens included) merged into one device batch. Larger
+    /// batches raise throughput on a GPU and raise the wait of a request that arrives during one.
     #[arg(long, env = "TESSERA_MAX_BATCH_TOKENS", default_value_t = 8192)]
     max_batch_tokens: usize,
-    /// Images merged into one device batch: bounds how long a short query waits behind images.
+    /// Embeddings: images merged into one device batch: bounds how long a short query waits
+    /// behind images.
     #[arg(long, env = "TESSERA_MAX_BATCH_IMAGES", default_value_t = 8)]
     max_batch_images: usize,
     /// Requests admitted at once (checked, queued or run; a request is admitted once its body
     /// has arrived), and bodies arriving at once; more get 429 with Retry-After. Together with
-    /// --max-request-mb and --max-image-memory-mb it bounds memory.
+    /// --max-request-mb and --max-image-memory-mb it bounds memory. Chat: requests waiting
+    /// beyond the --max-sequences being generated.
     #[arg(long, env = "TESSERA_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
     /// Seconds a request's body has to arrive once its headers have; slower bodies get 408.
@@ -58,11 +70,11 @@ pub struct ServeArgs {
     /// client that opens connections and goes quiet cannot crowd others out.
     #[arg(long, env = "TESSERA_MAX_UPLOADS_PER_CLIENT", default_value_t = 8)]
     max_uploads_per_client: usize,
-    /// Inputs (and images) in one request.
+    /// Inputs (and images) in one request (chat: images in one request).
     #[arg(long, env = "TESSERA_MAX_INPUTS", default_value_t = 256)]
     max_inputs: usize,
-    /// Tokens in one input, images counted at their budget; longer inputs get 400 (nothing is
-    /// truncated). Long inputs hold the device longer: raise with care.
+    /// Embeddings: tokens in one input, images counted at their budget; longer inputs get 400
+    /// (nothing is truncated). Long inputs hold the device longer: raise with care.
     #[arg(long, env = "TESSERA_MAX_INPUT_TOKENS", default_value_t = 8192)]
     max_input_tokens: usize,
     /// Largest request body in MiB (base64 images make bodies large).
@@ -74,11 +86,20 @@ pub struct ServeArgs {
     /// that could never fit 413.
     #[arg(long, env = "TESSERA_MAX_IMAGE_MEMORY_MB", default_value_t = 2048)]
     max_image_memory_mb: usize,
-    /// Seconds from a request's arrival to its answer before it fails with 504.
+    /// Seconds from a request's arrival to its answer before it fails with 504 (a streamed chat
+    /// reply: to its first text; the stream then runs to its end).
     #[arg(long, env = "TESSERA_REQUEST_TIMEOUT", default_value_t = 60)]
     request_timeout: u64,
-    /// lanes: text first, images in their own lane (short queries do not wait behind images);
-    /// fifo: one lane in arrival order (for comparison).
+    /// Chat: replies generated at once, each in its own cache slot (continuous batching: they
+    /// share every forward). More slots raise throughput and the device memory the cache takes.
+    #[arg(long, env = "TESSERA_MAX_SEQUENCES", default_value_t = 8)]
+    max_sequences: usize,
+    /// Chat: the most tokens of one conversation (prompt, images and reply); each cache slot is
+    /// sized for it. Capped at the model's limit (max_position_embeddings).
+    #[arg(long, env = "TESSERA_CONTEXT", default_value_t = 8192)]
+    context: usize,
+    /// Embeddings: lanes: text first, images in their own lane (short queries do not wait behind
+    /// images); fifo: one lane in arrival order (for comparison).
     #[arg(long, env = "TESSERA_SCHEDULE", value_enum, default_value = "lanes")]
     schedule: ScheduleArg,
     /// Log lines as text or JSON (one object per line); RUST_LOG filters (default info).
@@ -102,7 +123,7 @@ enum LogFormat {
 
 pub fn run(args: ServeArgs) -> Result<()> {
     init_logs(args.log_format);
-    let spec = model::open(args.model.as_deref(), Capability::Embed)?;
+    let spec = open_model(args.model.as_deref())?;
     let config = ServerConfig {
         served_model_name: args
             .served_model_name
@@ -122,6 +143,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
             max_batch_tokens: args.max_batch_tokens,
             max_batch_images: args.max_batch_images,
             request_timeout: Duration::from_secs(args.request_timeout),
+            max_sequences: args.max_sequences,
+            context: args.context,
         },
         schedule: match args.schedule {
             ScheduleArg::Lanes => Schedule::Lanes,
@@ -132,9 +155,33 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if args.api_key.is_none() && !args.host.is_loopback() {
         tracing::warn!(host = %args.host, "serving beyond this machine without --api-key");
     }
+    if spec.is_bundled() {
+        tracing::warn!(
+            "serving the {} (random weights: for checking an install, not for use)",
+            spec.family.bundled_name()
+        );
+    }
     let device = args.device.clone();
-    let files = model::embedding_model(&spec)?.0;
-    let loader = Box::new(move || embed::load(device.open_for(&spec)?, files));
+    let loader: ModelLoader = match spec.family.capability() {
+        Capability::Embed => {
+            let files = model::embedding_model(&spec)?.0;
+            let loader: tessera_server::Loader =
+                Box::new(move || embed::load(device.open_for(&spec)?, files));
+            loader.into()
+        }
+        Capability::Chat => {
+            let (files, cfg) = model::chat_model(&spec)?;
+            let cfg = cfg.clone();
+            tessera_server::chat::loader(files, cfg, move || device.open_for(&spec)).into()
+        }
+        Capability::GenerateImage => {
+            return Err(Error::input(format!(
+                "{} is {} (text to image): `tessera serve` serves embedding and chat models; use `tessera generate` with it",
+                spec.label,
+                spec.family.name()
+            )));
+        }
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -153,10 +200,33 @@ pub fn run(args: ServeArgs) -> Result<()> {
     })
 }
 
-/// The last component of a folder or repo id.
+/// The model `--model` names: a bundled miniature (`bundled:NAME`), a folder or a cached repo
+/// id; the bundled embedding model when absent.
+fn open_model(spec: Option<&str>) -> Result<ModelSpec> {
+    let Some(name) = spec.filter(|s| s.starts_with("bundled:")) else {
+        return ModelSpec::open(spec, Family::EmbeddingGemma2);
+    };
+    let name = name.trim_end_matches("-mini");
+    match BUNDLED.iter().find(|(n, _)| *n == name) {
+        Some(&(_, family)) => ModelSpec::bundled(family),
+        None => Err(Error::input(format!(
+            "--model {name:?}: the bundled models are {}",
+            BUNDLED.map(|(n, _)| n).join(" and ")
+        ))),
+    }
+}
+
+/// The last component of a folder or repo id; a bundled model's own name.
 fn default_name(model: Option<&str>) -> String {
     match model {
         None => "egemma2-mini".into(),
+        Some(spec) if spec.starts_with("bundled:") => {
+            format!(
+                "{}-mini",
+                spec.trim_start_matches("bundled:")
+                    .trim_end_matches("-mini")
+            )
+        }
         Some(spec) => Path::new(spec.trim_end_matches('/'))
             .file_name()
             .and_then(|n| n.to_str())
@@ -204,5 +274,21 @@ mod tests {
             "embeddinggemma-2"
         );
         assert_eq!(default_name(Some("/models/eg2/")), "eg2");
+        assert_eq!(default_name(Some("bundled:lfm2vl")), "lfm2vl-mini");
+        assert_eq!(default_name(Some("bundled:egemma2-mini")), "egemma2-mini");
+    }
+
+    #[test]
+    fn the_family_of_the_model_decides_what_is_served() {
+        use tessera_runtime::Capability;
+        let chat = super::open_model(Some("bundled:lfm2vl")).unwrap();
+        assert_eq!(chat.family.capability(), Capability::Chat);
+        let embed = super::open_model(None).unwrap();
+        assert_eq!(embed.family.capability(), Capability::Embed);
+        assert!(super::open_model(Some("bundled:egemma2-mini")).is_ok());
+        let e = super::open_model(Some("bundled:zimage"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bundled:lfm2vl"), "{e}");
     }
 }

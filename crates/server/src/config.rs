@@ -43,8 +43,14 @@ pub struct Limits {
     pub max_batch_tokens: usize,
     /// Images merged into one batch: bounds how long a short query can wait behind images.
     pub max_batch_images: usize,
-    /// Time from the request's arrival to its answer before giving up with 504.
+    /// Time from the request's arrival to its answer before giving up with 504 (for a streamed
+    /// chat reply: to its first text).
     pub request_timeout: Duration,
+    /// Chat: replies generated at once (the model's cache slots); `max_queue` more may wait.
+    pub max_sequences: usize,
+    /// Chat: the most tokens of one conversation (prompt and reply); capped at the model's
+    /// limit.
+    pub context: usize,
 }
 
 impl Default for Limits {
@@ -60,6 +66,8 @@ impl Default for Limits {
             max_batch_tokens: 8192,
             max_batch_images: 8,
             request_timeout: Duration::from_secs(60),
+            max_sequences: 8,
+            context: 8192,
         }
     }
 }
@@ -87,6 +95,7 @@ impl ServerConfig {
             ("--max-uploads-per-client", l.max_uploads_per_client),
             ("--max-image-memory-mb", l.max_image_memory_mb),
             ("--max-batch-images", l.max_batch_images),
+            ("--max-sequences", l.max_sequences),
         ];
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(Error::input(format!("{flag} must be at least 1")));
@@ -101,6 +110,11 @@ impl ServerConfig {
                 "--max-batch-tokens {} is smaller than --max-input-tokens {}: an input that is accepted must fit in a batch",
                 l.max_batch_tokens, l.max_input_tokens
             )));
+        }
+        if l.context < 2 {
+            return Err(Error::input(
+                "--context must be at least 2 tokens (a prompt and a reply)",
+            ));
         }
         if l.request_timeout.is_zero() {
             return Err(Error::input("--request-timeout must be at least 1 second"));

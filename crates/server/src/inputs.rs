@@ -103,10 +103,16 @@ fn shape(input: &Value, max_inputs: usize) -> Result<Vec<RawInput>, ApiError> {
 }
 
 fn too_many(n: usize, max: usize, what: &str) -> ApiError {
+    too_many_in(n, max, what, "input")
+}
+
+/// `n` inputs (or images) of the request field `param`, over `--max-inputs`.
+pub(crate) fn too_many_in(n: usize, max: usize, what: &str, param: &'static str) -> ApiError {
     ApiError::TooManyInputs {
         message: format!(
             "{n} {what} in one request, more than the server's limit of {max} (--max-inputs)"
         ),
+        param,
     }
 }
 
@@ -114,7 +120,7 @@ fn is_number_array(v: &Value) -> bool {
     matches!(v, Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_number))
 }
 
-fn kind(v: &Value) -> &'static str {
+pub(crate) fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -261,7 +267,7 @@ fn count_tokens(
 }
 
 /// Put `at` in front of a message that does not already name its place.
-fn prefixed(e: ApiError, at: &str) -> ApiError {
+pub(crate) fn prefixed(e: ApiError, at: &str) -> ApiError {
     match e {
         ApiError::InvalidRequest { message, param } => ApiError::InvalidRequest {
             message: format!("{at}: {message}"),
@@ -285,15 +291,20 @@ fn read_image(
     let bytes = image_bytes(url, cx.allow_file_paths)?;
     let header = Image::header(&bytes).map_err(invalid)?;
     let plan = limits.plan(&header).map_err(invalid)?;
-    let mut memory = reserve(&header, plan.peak_bytes, cx)?;
+    let mut memory = reserve(&header, plan.peak_bytes, cx.limits, cx.image_memory)?;
     let mut image = Image::decode_with(&bytes, &header).map_err(invalid)?;
     drop(bytes);
     image.prepare(limits.spec, limits.budget).map_err(invalid)?;
-    let held = mib(plan.held_bytes);
+    keep(&mut memory, plan.held_bytes);
+    Ok((image, memory))
+}
+
+/// Give back what a reservation holds beyond `bytes` (what stays once an image is prepared).
+pub(crate) fn keep(memory: &mut OwnedSemaphorePermit, bytes: u64) {
+    let held = mib(bytes);
     if let Some(extra) = memory.num_permits().checked_sub(held).filter(|&n| n > 0) {
         drop(memory.split(extra));
     }
-    Ok((image, memory))
 }
 
 /// Whole MiB, rounded up, at least one.
@@ -303,9 +314,14 @@ fn mib(bytes: u64) -> usize {
 
 /// Reserve `bytes` of the image memory budget, or refuse: 413 for an image that could never
 /// fit, 429 while other requests hold the memory.
-fn reserve(header: &Header, bytes: u64, cx: &Context) -> Result<OwnedSemaphorePermit, ApiError> {
+pub(crate) fn reserve(
+    header: &Header,
+    bytes: u64,
+    limits: &Limits,
+    image_memory: &Arc<Semaphore>,
+) -> Result<OwnedSemaphorePermit, ApiError> {
     let mb = mib(bytes);
-    let total = cx.limits.max_image_memory_mb;
+    let total = limits.max_image_memory_mb;
     if mb > total {
         return Err(ApiError::InputTooLarge(format!(
             "a {}×{} {} image needs {mb} MiB to decode and preprocess, more than the server's image memory of {total} MiB (--max-image-memory-mb)",
@@ -314,7 +330,7 @@ fn reserve(header: &Header, bytes: u64, cx: &Context) -> Result<OwnedSemaphorePe
     }
     let permits =
         u32::try_from(mb).map_err(|_| ApiError::Internal("image size overflow".into()))?;
-    cx.image_memory
+    image_memory
         .clone()
         .try_acquire_many_owned(permits)
         .map_err(|_| {
@@ -332,8 +348,8 @@ enum Source<'a> {
 }
 
 /// The bytes of an image URL: decoded base64, or a file read (at most as much as an image
-/// within the pixel limit can take).
-fn image_bytes(url: &str, allow_paths: bool) -> Result<Vec<u8>, ApiError> {
+/// within the pixel limit can take). Remote URLs are refused; paths only with `allow_paths`.
+pub(crate) fn image_bytes(url: &str, allow_paths: bool) -> Result<Vec<u8>, ApiError> {
     match classify(url)? {
         Source::Data(b64) => STANDARD
             .decode(b64)

@@ -1,5 +1,8 @@
-//! [`ModelInfo`]: what the HTTP side knows about the loaded model, so requests are checked before
-//! they are queued while the device worker keeps the model itself to its thread.
+//! What the HTTP side knows about the loaded model ([`Served`]: an embedding model's
+//! [`ModelInfo`] or a chat model's [`ChatInfo`]), so requests are checked before they are queued
+//! while the device worker keeps the model itself to its thread.
+
+use std::sync::Arc;
 
 use tessera_core::Result;
 use tessera_models::egemma2::Prompts;
@@ -7,7 +10,64 @@ use tessera_models::imageproc::{ImageBudget, ImageLimits};
 use tessera_models::tokenize::TextTokenizer;
 use tessera_runtime::embed::Embed;
 
+use crate::chat::ChatInfo;
 use crate::http::error::ApiError;
+
+/// The model a server serves, which decides its routes: `/v1/embeddings` or
+/// `/v1/chat/completions`.
+#[derive(Clone)]
+pub enum Served {
+    Embed(Arc<ModelInfo>),
+    Chat(Arc<ChatInfo>),
+}
+
+impl Served {
+    pub fn name(&self) -> &str {
+        match self {
+            Served::Embed(i) => &i.name,
+            Served::Chat(i) => &i.name,
+        }
+    }
+
+    pub fn device(&self) -> &str {
+        match self {
+            Served::Embed(i) => &i.device,
+            Served::Chat(i) => &i.device,
+        }
+    }
+
+    /// What it does, as `/v1/models` says: `embeddings` or `chat`.
+    pub fn capability(&self) -> &'static str {
+        match self {
+            Served::Embed(_) => "embeddings",
+            Served::Chat(_) => "chat",
+        }
+    }
+
+    /// Every id `/v1/models` lists.
+    pub fn ids(&self) -> Vec<String> {
+        match self {
+            Served::Embed(i) => i.ids(),
+            Served::Chat(i) => vec![i.name.clone()],
+        }
+    }
+
+    /// The answer of a route for the other kind of model: a 400 that says what is served and
+    /// which route serves it.
+    pub fn wrong_route(&self, route: &str) -> ApiError {
+        let (what, other) = match self {
+            Served::Embed(_) => ("an embedding model", "/v1/embeddings"),
+            Served::Chat(_) => ("a chat model", "/v1/chat/completions"),
+        };
+        ApiError::invalid_param(
+            "model",
+            format!(
+                "this server serves {:?}, {what}: it answers {other}, not {route}",
+                self.name()
+            ),
+        )
+    }
+}
 
 /// The loaded model's metadata, shared read-only with request handlers.
 pub struct ModelInfo {

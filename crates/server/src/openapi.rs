@@ -1,5 +1,5 @@
 //! The OpenAPI 3.1 document served at `/openapi.json`: written by hand, held to the code by the
-//! tests below (routes, the error table and the request's fields).
+//! tests below (routes, the error table and the requests' fields).
 
 pub const DOCUMENT: &str = include_str!("openapi.json");
 
@@ -12,7 +12,7 @@ mod tests {
     use super::DOCUMENT;
     use crate::http::error::ApiError;
     use crate::http::json::parse;
-    use crate::http::types::EmbeddingRequest;
+    use crate::http::types::{ChatRequest, EmbeddingRequest};
 
     fn doc() -> Value {
         serde_json::from_str(DOCUMENT).unwrap()
@@ -28,6 +28,7 @@ mod tests {
             .collect();
         let want: BTreeSet<String> = [
             "/v1/embeddings",
+            "/v1/chat/completions",
             "/v1/models",
             "/health",
             "/metrics",
@@ -49,9 +50,15 @@ mod tests {
     #[test]
     fn every_error_status_and_code_is_documented() {
         let doc = doc();
+        // Both model routes answer every error of the table (each refuses the other's model).
         let responses = doc["paths"]["/v1/embeddings"]["post"]["responses"]
             .as_object()
             .unwrap();
+        let chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
+            .as_object()
+            .unwrap();
+        let keys = |m: &serde_json::Map<String, Value>| m.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(keys(responses), keys(chat));
         let codes: BTreeSet<&str> = doc["components"]["schemas"]["Error"]["properties"]["error"]
             ["properties"]["code"]["enum"]
             .as_array()
@@ -120,5 +127,50 @@ mod tests {
             props.len(),
             "{expected_list}"
         );
+    }
+
+    /// The fields a struct's `Deserialize` knows, as serde passes them to `deserialize_struct`.
+    fn fields_of<'de, T: serde::Deserialize<'de>>() -> Vec<&'static str> {
+        use serde::de::{Error, Visitor};
+        use serde::forward_to_deserialize_any;
+        struct Capture;
+        impl<'de> serde::Deserializer<'de> for Capture {
+            type Error = serde::de::value::Error;
+            fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+                Err(Error::custom("not a struct"))
+            }
+            fn deserialize_struct<V: Visitor<'de>>(
+                self,
+                _: &'static str,
+                fields: &'static [&'static str],
+                _: V,
+            ) -> Result<V::Value, Self::Error> {
+                Err(Error::custom(fields.join(",")))
+            }
+            forward_to_deserialize_any! {
+                bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+                byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+                identifier ignored_any
+            }
+        }
+        let e = T::deserialize(Capture).err().unwrap().to_string();
+        let fields: &'static str = Box::leak(e.into_boxed_str());
+        fields.split(',').collect()
+    }
+
+    #[test]
+    fn chat_request_fields_match_the_type() {
+        let doc = doc();
+        let documented: BTreeSet<&str> = doc["components"]["schemas"]["ChatRequest"]["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let fields: BTreeSet<&str> = fields_of::<ChatRequest>().into_iter().collect();
+        assert_eq!(documented, fields);
+        // Unknown fields are ignored, as OpenAI ignores them.
+        let body = json!({"messages": [], "user": "u", "metadata": {"a": 1}, "store": false});
+        parse::<ChatRequest>(&serde_json::to_vec(&body).unwrap()).unwrap();
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! Generic over what it runs ([`Runner`]): the runner answers each job of a batch itself, so
 //! each route decides how a batch maps to model calls (one packed embedding call, retried job by
-//! job when it fails). A panic while loading is caught and reported as a load error.
+//! job when it fails). A model whose work is not batches of jobs (chat's continuous batching)
+//! brings its own loop ([`spawn_with`]). A panic while loading is caught and reported as a load
+//! error.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -31,6 +33,19 @@ pub fn spawn<R: Runner, I: Send + 'static>(
     load: Load<R, I>,
     queue: Arc<Queue<R::Job>>,
 ) -> std::io::Result<(JoinHandle<()>, oneshot::Receiver<Result<I>>)> {
+    spawn_with(load, move |mut runner: R| {
+        while let Some(batch) = queue.next_batch() {
+            runner.run(batch);
+        }
+    })
+}
+
+/// Start a worker that loads with `load`, then hands what it loaded to `drive`, which runs until
+/// the server stops (a route whose work is not a queue of batches: chat's step loop).
+pub fn spawn_with<R: Send + 'static, I: Send + 'static>(
+    load: Load<R, I>,
+    drive: impl FnOnce(R) + Send + 'static,
+) -> std::io::Result<(JoinHandle<()>, oneshot::Receiver<Result<I>>)> {
     let (tx, rx) = oneshot::channel();
     let handle = std::thread::Builder::new()
         .name("tessera-device".into())
@@ -38,7 +53,7 @@ pub fn spawn<R: Runner, I: Send + 'static>(
             let started = Instant::now();
             let loaded = catch_unwind(AssertUnwindSafe(load))
                 .unwrap_or_else(|p| Err(Error::backend("load", panic_message(&p))));
-            let mut runner = match loaded {
+            let runner = match loaded {
                 Ok((runner, info)) => {
                     tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
                     if tx.send(Ok(info)).is_err() {
@@ -51,9 +66,7 @@ pub fn spawn<R: Runner, I: Send + 'static>(
                     return;
                 }
             };
-            while let Some(batch) = queue.next_batch() {
-                runner.run(batch);
-            }
+            drive(runner);
             tracing::debug!("device worker stopped");
         })?;
     Ok((handle, rx))

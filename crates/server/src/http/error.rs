@@ -6,7 +6,7 @@
 //! | status | code | when |
 //! |---|---|---|
 //! | 400 | `invalid_json` | the body is not JSON |
-//! | 400 | `invalid_request` | wrong types, unknown fields, empty or bad inputs, bad images, prompt names, `dimensions` |
+//! | 400 | `invalid_request` | wrong types, unknown fields, empty or bad inputs, bad images, prompt names, `dimensions`; bad messages, roles or sampling, what chat does not support (`n` > 1, `tools`, …), the route of the other kind of model |
 //! | 401 | `invalid_api_key` | a missing or wrong `Authorization: Bearer` key |
 //! | 403 | `file_paths_not_allowed` | a file path while the server runs without `--allow-file-paths` |
 //! | 404 | `model_not_found`, `not_found` | an unknown model, an unknown route |
@@ -14,7 +14,7 @@
 //! | 408 | `body_timeout` | the body did not arrive within `--body-timeout` |
 //! | 413 | `body_too_large`, `too_many_inputs`, `input_too_large` | a body, input count or input over its limit |
 //! | 415 | `unsupported_media_type` | a body whose `Content-Type` is not JSON |
-//! | 429 | `queue_full`, `too_many_uploads` | the queue or the image memory is full, or the client has `--max-uploads-per-client` bodies still arriving (with `Retry-After`) |
+//! | 429 | `queue_full`, `too_many_uploads` | the queue (chat: `--max-sequences` generating and `--max-queue` waiting) or the image memory is full, or the client has `--max-uploads-per-client` bodies still arriving (with `Retry-After`) |
 //! | 500 | `internal_error` | the device failed; the message says how |
 //! | 503 | `model_loading`, `shutting_down` | not ready yet, or stopping (with `Retry-After`) |
 //! | 504 | `timeout` | no answer within `--request-timeout` |
@@ -56,7 +56,11 @@ pub enum ApiError {
     )]
     BodyTooLarge { limit: usize },
     #[error("{message}")]
-    TooManyInputs { message: String },
+    TooManyInputs {
+        message: String,
+        /// `input` (embeddings) or `messages` (chat).
+        param: &'static str,
+    },
     #[error(
         "the body must be JSON with the header Content-Type: application/json, not {0} (form and text bodies are refused so that a web page cannot post to this server)"
     )]
@@ -65,6 +69,13 @@ pub enum ApiError {
     InputTooLarge(String),
     #[error("the server's queue is full ({max_queue} requests): retry after {RETRY_AFTER_SECS} s")]
     QueueFull { max_queue: usize },
+    #[error(
+        "the server is busy: {max_sequences} replies being generated (--max-sequences) and {max_queue} waiting (--max-queue): retry after {RETRY_AFTER_SECS} s"
+    )]
+    ChatQueueFull {
+        max_queue: usize,
+        max_sequences: usize,
+    },
     #[error("{0}")]
     QueueMemory(String),
     #[error("{0}")]
@@ -107,9 +118,10 @@ impl ApiError {
             ApiError::BodyTooLarge { .. }
             | ApiError::TooManyInputs { .. }
             | ApiError::InputTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::QueueFull { .. } | ApiError::QueueMemory(_) | ApiError::TooManyUploads(_) => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            ApiError::QueueFull { .. }
+            | ApiError::ChatQueueFull { .. }
+            | ApiError::QueueMemory(_)
+            | ApiError::TooManyUploads(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Loading | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -132,7 +144,9 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::TooManyInputs { .. } => "too_many_inputs",
             ApiError::InputTooLarge(_) => "input_too_large",
-            ApiError::QueueFull { .. } | ApiError::QueueMemory(_) => "queue_full",
+            ApiError::QueueFull { .. }
+            | ApiError::ChatQueueFull { .. }
+            | ApiError::QueueMemory(_) => "queue_full",
             ApiError::Internal(_) => "internal_error",
             ApiError::Loading => "model_loading",
             ApiError::ShuttingDown => "shutting_down",
@@ -156,7 +170,7 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { param, .. } => param.as_deref(),
             ApiError::ModelNotFound(_) => Some("model"),
-            ApiError::TooManyInputs { .. } => Some("input"),
+            ApiError::TooManyInputs { param, .. } => Some(param),
             _ => None,
         }
     }
@@ -180,9 +194,14 @@ impl ApiError {
             ApiError::BodyTooLarge { limit: 0 },
             ApiError::TooManyInputs {
                 message: String::new(),
+                param: "input",
             },
             ApiError::InputTooLarge(String::new()),
             ApiError::QueueFull { max_queue: 0 },
+            ApiError::ChatQueueFull {
+                max_queue: 0,
+                max_sequences: 0,
+            },
             ApiError::QueueMemory(String::new()),
             ApiError::Internal(String::new()),
             ApiError::Loading,
@@ -218,6 +237,21 @@ struct Detail<'a> {
     code: &'static str,
 }
 
+impl ApiError {
+    /// The OpenAI error body, `{"error": {"message", "type", "param", "code"}}` (also what a
+    /// streamed reply sends as its last event when it fails).
+    pub fn body(&self) -> impl Serialize + '_ {
+        Body {
+            error: Detail {
+                message: self.to_string(),
+                kind: self.kind(),
+                param: self.param(),
+                code: self.code(),
+            },
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
@@ -226,15 +260,7 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(code = self.code(), status = status.as_u16(), "{self}");
         }
-        let body = Body {
-            error: Detail {
-                message: self.to_string(),
-                kind: self.kind(),
-                param: self.param(),
-                code: self.code(),
-            },
-        };
-        let mut response = (status, Json(body)).into_response();
+        let mut response = (status, Json(self.body())).into_response();
         if matches!(
             status,
             StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE

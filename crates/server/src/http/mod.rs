@@ -1,6 +1,7 @@
 //! The HTTP side: routes, request and response shapes, errors, authentication.
 
 pub mod auth;
+pub mod chat;
 pub mod error;
 pub mod json;
 pub mod routes;
@@ -21,10 +22,11 @@ use tokio::sync::Semaphore;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::trace::TraceLayer;
 
+use crate::chat::ChatQueue;
 use crate::config::ServerConfig;
 use crate::embeddings::Job;
 use crate::metrics::Metrics;
-use crate::model::ModelInfo;
+use crate::model::Served;
 use crate::queue::Queue;
 use error::ErrorCode;
 use upload::Uploads;
@@ -34,9 +36,13 @@ use upload::Uploads;
 pub struct AppState {
     pub config: Arc<ServerConfig>,
     /// Set once the worker has loaded the model; `/health` is ready from then on.
-    pub model: Arc<OnceLock<Arc<ModelInfo>>>,
+    pub model: Arc<OnceLock<Served>>,
+    /// Embedding requests for the device worker (an embedding server's).
     pub queue: Arc<Queue<Job>>,
-    /// `--max-queue` request slots, taken once the body has arrived and held until the answer.
+    /// Chat requests waiting for a cache slot (a chat server's).
+    pub chat: Arc<ChatQueue>,
+    /// Request slots (`slots` of [`AppState::new`]), taken once the body has arrived and held
+    /// until the answer.
     pub slots: Arc<Semaphore>,
     /// Bodies arriving now, per client and in all.
     pub uploads: Arc<Uploads>,
@@ -50,21 +56,27 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: ServerConfig, queue: Arc<Queue<Job>>, metrics: Arc<Metrics>) -> Self {
+    /// `slots`: requests admitted at once, and bodies arriving at once (`--max-queue` for
+    /// embeddings; chat adds the `--max-sequences` being generated).
+    pub fn new(
+        config: ServerConfig,
+        queue: Arc<Queue<Job>>,
+        chat: Arc<ChatQueue>,
+        slots: usize,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let limits = &config.limits;
         let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         AppState {
-            slots: Arc::new(Semaphore::new(limits.max_queue)),
-            uploads: Arc::new(Uploads::new(
-                limits.max_uploads_per_client,
-                limits.max_queue,
-            )),
+            slots: Arc::new(Semaphore::new(slots)),
+            uploads: Arc::new(Uploads::new(limits.max_uploads_per_client, slots)),
             image_memory: Arc::new(Semaphore::new(limits.max_image_memory_mb)),
             config: Arc::new(config),
             model: Arc::new(OnceLock::new()),
             queue,
+            chat,
             metrics,
             stopping: Arc::new(AtomicBool::new(false)),
             started,
@@ -78,6 +90,7 @@ pub fn router(app: AppState) -> Result<Router, tessera_core::Error> {
     let cors = cors(&app.config.allow_origins)?;
     let protected = Router::new()
         .route("/v1/embeddings", post(routes::embeddings))
+        .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(routes::models))
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(routes::openapi))

@@ -22,23 +22,31 @@ use super::types::{
 use super::{json, upload};
 use crate::embeddings::Job;
 use crate::inputs::{self, Context};
-use crate::model::ModelInfo;
+use crate::model::{ModelInfo, Served};
 use crate::queue::Lane;
 
-/// A request slot (`--max-queue`), taken once the body has arrived so that admitted requests
-/// bound the memory held, and held until the answer; 429 when all are taken.
-fn take_slot(app: &AppState) -> Result<OwnedSemaphorePermit, ApiError> {
-    app.slots
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| ApiError::QueueFull {
-            max_queue: app.config.limits.max_queue,
-        })
+/// A request slot, taken once the body has arrived so that admitted requests bound the memory
+/// held, and held until the answer; 429 when all are taken. An embedding server has
+/// `--max-queue` of them; a chat server `--max-queue` more than the `--max-sequences` it
+/// generates at once.
+pub(crate) fn take_slot(app: &AppState) -> Result<OwnedSemaphorePermit, ApiError> {
+    app.slots.clone().try_acquire_owned().map_err(|_| {
+        let l = &app.config.limits;
+        match app.model.get() {
+            Some(Served::Chat(_)) => ApiError::ChatQueueFull {
+                max_queue: l.max_queue,
+                max_sequences: l.max_sequences,
+            },
+            _ => ApiError::QueueFull {
+                max_queue: l.max_queue,
+            },
+        }
+    })
 }
 
 /// The model, for a request that arrives while the server is ready: 503 while loading or
 /// stopping. A request that arrived before shutdown began is finished, body and all.
-fn ready(app: &AppState) -> Result<Arc<ModelInfo>, ApiError> {
+pub(crate) fn ready(app: &AppState) -> Result<Served, ApiError> {
     if app.stopping.load(Ordering::Relaxed) {
         return Err(ApiError::ShuttingDown);
     }
@@ -48,7 +56,11 @@ fn ready(app: &AppState) -> Result<Arc<ModelInfo>, ApiError> {
 /// `POST /v1/embeddings`.
 pub async fn embeddings(State(app): State<AppState>, req: Request) -> Result<Response, ApiError> {
     let info = match ready(&app) {
-        Ok(info) => info,
+        Ok(Served::Embed(info)) => info,
+        Ok(other) => {
+            drain(req, app.config.limits.max_request_bytes).await;
+            return Err(other.wrong_route("/v1/embeddings"));
+        }
         Err(e) => {
             drain(req, app.config.limits.max_request_bytes).await;
             return Err(e);
@@ -186,11 +198,12 @@ fn base64_f32(v: &[f32]) -> String {
     STANDARD.encode(bytes)
 }
 
-/// `GET /v1/models`: the model, and the model with each prompt name.
+/// `GET /v1/models`: the model (an embedding model also with each prompt name), and what it does
+/// (`capability`: `embeddings` or `chat`; absent while loading).
 pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
-    let ids = match app.model.get() {
-        Some(info) => info.ids(),
-        None => vec![app.config.served_model_name.clone()],
+    let (ids, capability) = match app.model.get() {
+        Some(served) => (served.ids(), Some(served.capability())),
+        None => (vec![app.config.served_model_name.clone()], None),
     };
     Json(ModelList {
         object: "list",
@@ -201,6 +214,7 @@ pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
                 object: "model",
                 created: app.started,
                 owned_by: "tessera",
+                capability,
             })
             .collect(),
     })
@@ -215,7 +229,7 @@ pub async fn health(State(app): State<AppState>) -> (StatusCode, Json<Health>) {
             Json(Health {
                 status: "ready",
                 model,
-                device: Some(info.device.clone()),
+                device: Some(info.device().to_string()),
             }),
         ),
         Some(_) => (

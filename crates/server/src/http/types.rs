@@ -1,4 +1,6 @@
-//! The JSON shapes of the API (OpenAI's `/v1/embeddings` and `/v1/models`, plus `prompt_name`).
+//! The JSON shapes of the API (OpenAI's `/v1/embeddings`, `/v1/chat/completions` and
+//! `/v1/models`, plus Tessera's extensions: `prompt_name`; `top_k`, `min_p` and
+//! `repetition_penalty`).
 
 use serde::{Deserialize, Serialize};
 
@@ -91,6 +93,135 @@ pub struct ModelCard {
     /// Unix time the server started.
     pub created: u64,
     pub owned_by: &'static str,
+    /// What the model does here: `embeddings` or `chat` (a Tessera extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capability: Option<&'static str>,
+}
+
+/// `POST /v1/chat/completions`. Unknown fields are ignored, as OpenAI ignores them; fields kept
+/// as JSON are checked by [`crate::chat_inputs`], which names the place of each problem, and
+/// fields OpenAI knows that ask for what this server does not do (`n` > 1, `tools`, …) are
+/// refused there rather than ignored.
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The conversation: `[{"role", "content"}]`, content a string or a list of parts.
+    #[serde(default)]
+    pub messages: Option<serde_json::Value>,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// OpenAI's newer name for `max_tokens`; wins when both are given.
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Extension: keep the `top_k` most likely tokens (0 or -1: all).
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// Extension: drop tokens less likely than `min_p` times the most likely one.
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    /// Extension: transformers' repetition penalty (1: off).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+    /// An integer; negative values are taken as their two's complement.
+    #[serde(default)]
+    pub seed: Option<serde_json::Value>,
+    /// A string or a list of strings.
+    #[serde(default)]
+    pub stop: Option<serde_json::Value>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    // OpenAI's fields that this server cannot honour: refused when they ask for something.
+    #[serde(default)]
+    pub n: Option<u64>,
+    #[serde(default)]
+    pub tools: Option<serde_json::Value>,
+    #[serde(default)]
+    pub functions: Option<serde_json::Value>,
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub logit_bias: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage (and `"usage": null` in every other chunk).
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: ChatUsage,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: AssistantMessage,
+    /// `stop` (end of turn or a stop string) or `length`.
+    pub finish_reason: &'static str,
+    pub logprobs: Option<()>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ChatUsage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+/// One server-sent event of a streamed reply.
+#[derive(Debug, Serialize)]
+pub struct ChatChunk<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: Vec<ChunkChoice>,
+    /// Absent unless `stream_options.include_usage`; then `null` but in the last chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<ChatUsage>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChunkChoice {
+    pub index: usize,
+    pub delta: Delta,
+    pub finish_reason: Option<&'static str>,
+    pub logprobs: Option<()>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
 }
 
 /// `GET /health`.

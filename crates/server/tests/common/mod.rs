@@ -1,5 +1,6 @@
-//! A real server on a loopback port for the integration tests: the bundled miniature model on
-//! the CPU, stopped (gracefully) when the test ends.
+//! A real server on a loopback port for the integration tests: a bundled miniature model on the
+//! CPU (the embedding model, or the chat model for the chat tests), stopped (gracefully) when the
+//! test ends.
 
 #![allow(dead_code)] // each test file uses its own subset
 
@@ -12,8 +13,10 @@ use base64::engine::general_purpose::STANDARD;
 use tessera_backend::AnyBackend;
 use tessera_backend::cpu::CpuBackend;
 use tessera_models::egemma2::BUNDLED;
+use tessera_models::lfm2vl::{self, CacheShape, Lfm2VlConfig};
+use tessera_runtime::chat::{self, Chat};
 use tessera_runtime::embed::{self, Embed};
-use tessera_server::{Limits, Loader, Schedule, ServeError, ServerConfig};
+use tessera_server::{ChatLoader, Limits, Loader, ModelLoader, Schedule, ServeError, ServerConfig};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -38,6 +41,41 @@ pub fn bundled() -> Loader {
     Box::new(|| embed::load(AnyBackend::Cpu(CpuBackend::new()), BUNDLED))
 }
 
+/// The served id of the bundled chat model.
+pub const CHAT_NAME: &str = "lfm2vl-mini";
+
+pub fn chat_config() -> ServerConfig {
+    ServerConfig {
+        served_model_name: CHAT_NAME.into(),
+        ..config()
+    }
+}
+
+/// The bundled LFM2-VL on the CPU.
+pub fn chat_bundled() -> ChatLoader {
+    let cfg = Lfm2VlConfig::read(&lfm2vl::BUNDLED).unwrap();
+    tessera_server::chat::loader(lfm2vl::BUNDLED, cfg, || {
+        Ok(AnyBackend::Cpu(CpuBackend::new()))
+    })
+}
+
+/// The same chat model, loaded here, with the cache the server's `limits` give it: for
+/// expected replies.
+pub fn library_chat(limits: &Limits) -> Box<dyn Chat> {
+    let cfg = Lfm2VlConfig::read(&lfm2vl::BUNDLED).unwrap();
+    let cache = CacheShape {
+        slots: limits.max_sequences,
+        ctx: limits.context,
+    };
+    chat::load(
+        AnyBackend::Cpu(CpuBackend::new()),
+        &lfm2vl::BUNDLED,
+        &cfg,
+        cache,
+    )
+    .unwrap()
+}
+
 /// The same model, loaded here, for expected values.
 pub fn library_model() -> Box<dyn Embed> {
     embed::load(AnyBackend::Cpu(CpuBackend::new()), BUNDLED).unwrap()
@@ -59,11 +97,19 @@ impl Server {
         server
     }
 
+    /// Start the bundled chat model and wait until `/health` is ready.
+    pub async fn start_chat(config: ServerConfig) -> Server {
+        let server = Self::start_with(config, chat_bundled()).await;
+        server.wait_ready().await;
+        server
+    }
+
     /// Start without waiting for the model.
-    pub async fn start_with(config: ServerConfig, loader: Loader) -> Server {
+    pub async fn start_with(config: ServerConfig, loader: impl Into<ModelLoader>) -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
+        let loader = loader.into();
         let task = tokio::spawn(tessera_server::serve(listener, config, loader, async {
             let _ = rx.await;
         }));
@@ -93,6 +139,19 @@ impl Server {
         let r = self
             .http
             .post(format!("{}/v1/embeddings", self.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap())
+    }
+
+    /// POST a JSON body to /v1/chat/completions: status and parsed body.
+    pub async fn chat(&self, body: serde_json::Value) -> (u16, serde_json::Value) {
+        let r = self
+            .http
+            .post(format!("{}/v1/chat/completions", self.url))
             .json(&body)
             .send()
             .await
