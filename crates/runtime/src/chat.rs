@@ -54,7 +54,9 @@ pub type ConversationId = u64;
 /// What a step reports for one sequence.
 #[derive(Debug)]
 pub enum ChatEvent<'a> {
-    /// More of the reply's text (never empty).
+    /// More of the reply's text (never empty); a sequence's pieces add up to its reply's text,
+    /// what its stream held back to the end (a possible stop string's start, an incomplete
+    /// character at the token limit) coming just before [`ChatEvent::Done`].
     Text(&'a str),
     /// The reply ended; the sequence is gone (its conversation's cache stays).
     Done(ChatReply),
@@ -168,14 +170,21 @@ impl<B: Backend> Lfm2VlChat<B> {
         self.model.text.cache_shape().ctx
     }
 
-    /// End `conv`'s sequence with `finish`: its reply, and what its cache now holds (every
-    /// token fed: all but the last sampled).
-    fn finish(&mut self, conv: ConversationId, mut r: Running, mut finish: Finish) -> ChatReply {
+    /// End `conv`'s sequence with `finish`: the text its stream still held back, its reply,
+    /// and what its cache now holds (every token fed: all but the last sampled).
+    fn finish(
+        &mut self,
+        conv: ConversationId,
+        mut r: Running,
+        mut finish: Finish,
+    ) -> (String, ChatReply) {
         let decode = |ids: &[u32]| self.prompter.tokenizer().decode(ids, true);
+        let mut tail = String::new();
         if !r.stream.stopped()
-            && let Ok(tail) = r.stream.finish(&decode)
+            && let Ok(t) = r.stream.finish(&decode)
         {
-            r.text.push_str(&tail);
+            r.text.push_str(&t);
+            tail = t;
         }
         if r.stream.stopped() {
             finish = Finish::Stopped;
@@ -186,14 +195,15 @@ impl<B: Backend> Lfm2VlChat<B> {
         debug_assert_eq!(r.history.len(), self.model.text.held(conv));
         self.clock += 1;
         self.held.insert(conv, (self.clock, r.history));
-        ChatReply {
+        let reply = ChatReply {
             text: r.text,
             tokens: r.out.clone(),
             prompt_tokens: r.prompt.ids.len(),
             cached_tokens: r.cached,
             completion_tokens: r.out.len(),
             finish,
-        }
+        };
+        (tail, reply)
     }
 }
 
@@ -372,7 +382,10 @@ impl<B: Backend> Chat for Lfm2VlChat<B> {
             };
             match finish {
                 Some(f) => {
-                    let reply = self.finish(conv, r, f);
+                    let (tail, reply) = self.finish(conv, r, f);
+                    if !tail.is_empty() {
+                        on(conv, ChatEvent::Text(&tail));
+                    }
                     on(conv, ChatEvent::Done(reply));
                 }
                 None => self.running.push((conv, r)),

@@ -90,6 +90,7 @@ fn the_reply_is_the_reference_greedy_continuation_streamed() {
     let mut m = model(1);
     let (streamed, reply) = ask(m.as_mut(), 7, &msgs, &images, &greedy(32));
     let tok = TextTokenizer::load(&BUNDLED, (Some(1), Some(7))).unwrap();
+    assert_eq!(reply.tokens, want);
     assert_eq!(reply.text, tok.decode(&want, true).unwrap());
     assert_eq!(streamed, reply.text);
     assert_eq!(

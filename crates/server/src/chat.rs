@@ -193,9 +193,8 @@ pub fn load(name: String, loader: ChatLoader, limits: &Limits) -> Load<Box<dyn C
 struct Seq {
     events: UnboundedSender<Event>,
     arrived: Instant,
-    /// When its first text was sent, and how many bytes of text have been.
+    /// When its first text was sent.
     first: Option<Instant>,
-    sent: usize,
     prompt_tokens: usize,
     span: tracing::Span,
 }
@@ -242,7 +241,6 @@ pub fn drive(mut chat: Box<dyn Chat>, queue: Arc<ChatQueue>, metrics: Arc<Metric
                         events,
                         arrived,
                         first: None,
-                        sent: 0,
                         prompt_tokens,
                         span,
                     };
@@ -311,7 +309,6 @@ fn route(
                 s.first = Some(Instant::now());
                 metrics.chat_first_token(s.arrived.elapsed().as_secs_f64());
             }
-            s.sent += text.len();
             match s.events.send(Event::Text(text.to_string())) {
                 Ok(()) => Control::Continue,
                 // The client went away: stop generating for it.
@@ -338,12 +335,6 @@ fn route(
                 rate,
                 s.arrived.elapsed().as_secs_f64(),
             );
-            // Text the runtime's stream held back until the end (what might have begun a stop
-            // string, an incomplete character at the token limit) is in the reply but was never
-            // a `Text` event: send it, so that the pieces always add up to the reply.
-            if let Some(rest) = reply.text.get(s.sent..).filter(|r| !r.is_empty()) {
-                let _ = s.events.send(Event::Text(rest.to_string()));
-            }
             let _ = s.events.send(Event::Done(reply));
             Control::Continue
         }

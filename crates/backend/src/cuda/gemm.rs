@@ -554,10 +554,12 @@ pub(super) fn epilogue(
 /// The `matmul` op: `out = ep(x · wᵀ)`.
 ///
 /// A bare product, or one adding to `out`, is one cuBLASLt call (`β = 1` to accumulate). Bias,
-/// activation and gate follow it in the epilogue kernel, in place on `out`; when such an
-/// epilogue also accumulates (`out += g ⊙ act(x·wᵀ + b)`), the product goes to the f32 product
-/// workspace a block of rows at a time and the kernel adds each finished block to `out`. A bias
-/// alone with accumulation is `β = 1` then the bias in place: the sum is the same.
+/// activation and gate follow it in the epilogue kernel, in place on an f32 `out`; when such an
+/// epilogue also accumulates (`out += g ⊙ act(x·wᵀ + b)`), or `out` is bf16 (so that `x·wᵀ` is
+/// not rounded to bf16 before its bias and activation: one rounding, of the finished value), the
+/// product goes to the f32 product workspace a block of rows at a time and the kernel writes (or
+/// adds) each finished block to `out`. A bias alone with accumulation is `β = 1` then the bias in
+/// place: the sum is the same.
 pub(super) fn matmul(
     be: &CudaBackend,
     x: View<'_, CudaBackend>,
@@ -574,7 +576,10 @@ pub(super) fn matmul(
     let (m, n) = (x.rows, w.out);
     match post {
         None => product(be, xr, 0, m, w, outr, ep.alpha, ep.accumulate as u8 as f32),
-        Some(p) if !ep.accumulate || (ep.act.is_none() && ep.gate.is_none()) => {
+        Some(p)
+            if (!ep.accumulate && outr.elem == Elem::F32)
+                || (ep.accumulate && ep.act.is_none() && ep.gate.is_none()) =>
+        {
             product(be, xr, 0, m, w, outr, ep.alpha, ep.accumulate as u8 as f32)?;
             epilogue(be, &p, outr, outr, 0, m, n, false)
         }
@@ -600,7 +605,7 @@ pub(super) fn matmul(
                     r0,
                     rows,
                     n,
-                    true,
+                    ep.accumulate,
                 )?;
             }
             Ok(())
