@@ -3,22 +3,27 @@
 # ops, model parity (the miniatures: f32 against the CPU with the reference's greedy tokens, bf16
 # against its storage floor; a full-size random-weight folder against the CPU), then
 # `tessera bench chat` beside transformers 5.25 in the same call.
-#   PARTS=ops,parity,full,bench,ref (default all)
+#   PARTS=ops,parity,full,bench,profile,ref (default all)
 # Writes logs under $OUT. Build everything first: TESTS="cuda_ops lfm2vl_cuda" tools/device/stage.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-ops,parity,full,bench,ref}
+PARTS=${PARTS:-ops,parity,full,bench,profile,ref}
+OP_CASES=${OP_CASES:-short_conv|over keys|matmul}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
-  && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+# The reference's wheels (staged in .dev/whl; a run without the ref part may leave them behind).
+if ls .dev/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
+    && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 B=.dev/bin/tessera F=/tmp/lfm2full
 status=0
 
 if [[ $PARTS == *ops* ]]; then
   echo "== op parity (cuda vs cpu, f32 and bf16): LFM2-VL's ops"
-  for c in short_conv "over keys" Gelu; do
+  IFS='|' read -ra cases <<< "$OP_CASES"
+  for c in "${cases[@]}"; do
     TESSERA_OP_CASE="$c" .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops_${c// /_}.log" 2>&1; r=$?; status=$((status|r))
     echo "-- $c"; grep -E "^total|test result|panicked|FAIL" "$OUT/cuda_ops_${c// /_}.log" | head -12
   done
@@ -46,6 +51,15 @@ if [[ $PARTS == *bench* ]]; then
   echo "== tessera chat, the CLI, once"
   $B chat --model $F --device cuda --image tests/fixtures/lfm2vl/images/tiled400x368.png --prompt "What is this?" \
     --max-tokens 64 2>&1 >/dev/null | tail -2
+fi
+if [[ $PARTS == *profile* ]]; then
+  # Kernel times of decoding (graphs off while profiling): where a step's time goes.
+  for b in 1 8; do
+    echo "== profile: decode steps at batch $b (TESSERA_PROFILE=kernels)"
+    TESSERA_PROFILE=kernels $B bench chat --model $F --device cuda --precision bf16 --images 64x64 --prefill 64 --batch $b \
+      --new-tokens 16 --iters 1 > "$OUT/profile_b$b.log" 2>&1; r=$?; status=$((status|r))
+    grep "^profile" "$OUT/profile_b$b.log" | tail -1 | cut -c1-2500
+  done
 fi
 if [[ $PARTS == *ref* ]]; then
   echo "== transformers 5.25 (bf16, sdpa), same call"

@@ -172,6 +172,11 @@ fn cases() -> Vec<Box<dyn Case>> {
     every(&mut t, attention(&[2394], 12, 12, 64)); // vision tower, one 280-budget image
     every(&mut t, attention(&[300, 129], 12, 12, 64)); // two images packed
     every(&mut t, attention(&[77, 150], 2, 2, 128).causal()); // text encoders of DiTs
+    // 16-wide heads, causal over several query tiles: a bf16 run of the LFM2-VL miniature's
+    // 4-head LM (85- and 393-row prompts) ended in an illegal address (2026-12-04, run 2).
+    every(&mut t, attention(&[85, 50], 4, 2, 16).causal());
+    every(&mut t, attention(&[393], 4, 2, 16).causal());
+    every(&mut t, attention(&[85], 2, 1, 64).causal()); // the miniature's LM now (heads of 64)
     every(&mut t, attention(&[64, 63, 65], 4, 2, 64).window(0)); // each token sees itself
     let qwen3 = attention(&[33, 1, 130], 32, 8, 128).causal();
     every(&mut t, qwen3.scale(128f32.sqrt().recip())); // Qwen3-4B prompts
