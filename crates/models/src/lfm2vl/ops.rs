@@ -18,6 +18,7 @@ pub fn ops(c: &Lfm2VlConfig) -> Vec<Op> {
     };
     let mut ops = vec![
         // Vision tower.
+        Op::Cast,
         Op::Matmul(MatmulOp {
             accumulate: true,
             ..bias

@@ -13,6 +13,8 @@
 //!
 //! Tiles are packed back to back, each its own attention segment: no padding rows.
 
+use std::collections::HashMap;
+
 use tessera_backend::{
     Activation, After, AttnSpec, Backend, Mask, QkvLayout, Residual, Role, RowNorm, Segments, View,
     ViewMut,
@@ -21,6 +23,9 @@ use tessera_core::{Error, Result, Weights};
 
 use super::config::{Lfm2VlConfig, VisionConfig};
 use crate::loader::{Linear, Loader};
+
+/// Grid shapes whose position rows are kept at once (each at most 1,024 rows of the width).
+const MAX_GRIDS: usize = 16;
 
 /// One tile's patches: a `grid_w × grid_h` grid, row-major, each patch `3·p²` bytes.
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +88,8 @@ pub struct ImageEncoder<B: Backend> {
     /// there, as the reference computes it in f32.
     positions: Vec<f32>,
     layers: Vec<EncoderLayer<B>>,
+    /// Position rows `[patches, C]` of each grid shape `(gw, gh)` seen, on the device.
+    grids: HashMap<(usize, usize), B::Buf>,
     post_ln: (B::Vector, B::Vector),
     proj_ln: Option<(B::Vector, B::Vector)>,
     proj1: Linear<B>,
@@ -180,6 +187,7 @@ impl<B: Backend> ImageEncoder<B> {
             patch: emb.linear("patch_embedding", c, pin)?,
             positions,
             layers,
+            grids: HashMap::new(),
             post_ln: layer_norm(&tower, "post_layernorm", c)?,
             proj_ln,
             proj1: linear_maybe_bias(&proj, "linear_1", p, c4, bias)?,
@@ -251,8 +259,26 @@ impl<B: Backend> ImageEncoder<B> {
         let t = n / 4;
         self.ensure(be, n)?;
         let segs = be.segments(&lens)?;
-        let positions =
-            resized_positions(&self.positions, self.cfg.pos_grid, self.cfg.hidden, tiles);
+        // Each grid shape's position rows are computed once and kept on the device (a tiled
+        // image's tiles share one shape).
+        for tile in tiles {
+            let key = (tile.grid_w, tile.grid_h);
+            if !self.grids.contains_key(&key) {
+                if self.grids.len() >= MAX_GRIDS {
+                    self.grids.clear();
+                }
+                let rows = resized_positions(
+                    &self.positions,
+                    self.cfg.pos_grid,
+                    self.cfg.hidden,
+                    key.0,
+                    key.1,
+                );
+                let mut buf = be.alloc(rows.len(), Role::Stream)?;
+                be.write_f32(&mut buf, &rows)?;
+                self.grids.insert(key, buf);
+            }
+        }
         let perm = unshuffle_rows(tiles);
         let v = self.cfg.clone();
         let (c, f, eps) = (v.hidden, v.intermediate, v.eps);
@@ -264,7 +290,19 @@ impl<B: Backend> ImageEncoder<B> {
             .ok_or_else(|| Error::backend("image encoder", "workspace missing after allocation"))?;
         let bytes: Vec<&[u8]> = tiles.iter().map(|t| t.bytes).collect();
         be.write_u8_mapped(&mut ws.px, &bytes, pixels)?;
-        be.write_f32(&mut ws.h, &positions)?;
+        let mut at = 0;
+        for tile in tiles {
+            let table = self
+                .grids
+                .get(&(tile.grid_w, tile.grid_h))
+                .ok_or_else(|| Error::backend("image encoder", "position rows missing"))?;
+            let n_t = tile.patches();
+            be.cast(
+                View::new(table, n_t, c),
+                ViewMut::new(&mut ws.h, n, c).rows(at, n_t),
+            )?;
+            at += n_t;
+        }
         be.write_u32(&mut ws.perm, &perm)?;
         // h = positions + patches · Wᵀ + b
         be.matmul(
@@ -408,34 +446,36 @@ fn encoder_layer<B: Backend>(
     )
 }
 
-/// The resized position rows of every tile, `[N, C]`, as `Siglip2VisionEmbeddings` computes them:
-/// per axis, antialiased bilinear weights in f32 (`F.interpolate(bilinear, align_corners=False,
-/// antialias=True)`), their outer product applied to the grid.
-fn resized_positions(table: &[f32], grid: usize, c: usize, tiles: &[TilePatches<'_>]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(tiles.iter().map(|t| t.patches()).sum::<usize>() * c);
-    let mut acc = vec![0f64; c];
-    for t in tiles {
-        let rows = axis_weights(grid, t.grid_h);
-        let cols = axis_weights(grid, t.grid_w);
-        for ry in &rows {
-            for rx in &cols {
-                acc.fill(0.0);
-                for (i, &wy) in ry.iter().enumerate() {
-                    for (j, &wx) in rx.iter().enumerate() {
-                        let wgt = wy * wx;
-                        if wgt == 0.0 {
-                            continue;
-                        }
-                        let src = &table[(i * grid + j) * c..(i * grid + j + 1) * c];
-                        for (a, &s) in acc.iter_mut().zip(src) {
-                            *a += wgt as f64 * s as f64;
-                        }
+/// The position rows of a `gw × gh` patch grid, `[gh·gw, C]`, as `Siglip2VisionEmbeddings`
+/// computes them: per axis, antialiased bilinear weights in f32 (`F.interpolate(bilinear,
+/// align_corners=False, antialias=True)`), their outer product applied to the learned grid.
+fn resized_positions(table: &[f32], grid: usize, c: usize, gw: usize, gh: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    let rows = axis_weights(grid, gh);
+    let cols = axis_weights(grid, gw);
+    let mut out = vec![0f32; gw * gh * c];
+    out.par_chunks_mut(c).enumerate().for_each_init(
+        || vec![0f64; c],
+        |acc, (p, o)| {
+            let (ry, rx) = (&rows[p / gw], &cols[p % gw]);
+            acc.fill(0.0);
+            for (i, &wy) in ry.iter().enumerate() {
+                for (j, &wx) in rx.iter().enumerate() {
+                    let wgt = wy * wx;
+                    if wgt == 0.0 {
+                        continue;
+                    }
+                    let src = &table[(i * grid + j) * c..(i * grid + j + 1) * c];
+                    for (a, &s) in acc.iter_mut().zip(src) {
+                        *a += wgt as f64 * s as f64;
                     }
                 }
-                out.extend(acc.iter().map(|&a| a as f32));
             }
-        }
-    }
+            for (v, &a) in o.iter_mut().zip(acc.iter()) {
+                *v = a as f32;
+            }
+        },
+    );
     out
 }
 
