@@ -14,4 +14,4 @@ pub mod scratch;
 pub use attention::{AttentionWeights, AttnNames, HF_ATTENTION, QkvNames, SelfAttention};
 pub use layers::{LayerShape, PreNormLayer, SandwichLayer};
 pub use mlp::{HF_MLP, MlpNames, MlpWeights};
-pub use scratch::{Scratch, ScratchDims};
+pub use scratch::{Scratch, ScratchDims, workspace_generation};

@@ -53,3 +53,12 @@ impl<B: Backend> Scratch<B> {
         })
     }
 }
+
+/// A number no workspace in this process had before: part of the key of every replayed region
+/// (`Backend::run_graph`), so that a region captured over one workspace's buffers is never
+/// replayed over another's — also across models sharing one backend.
+pub fn workspace_generation() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}

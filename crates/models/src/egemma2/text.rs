@@ -163,7 +163,7 @@ impl<B: Backend> TextEncoder<B> {
                     .max(len);
                 let inv = inv_freq(rc.theta, rc.head_dim);
                 *slot = Some(RopeTable::new(be, &inv, want, RopeStyle::SplitHalf)?);
-                self.generation += 1;
+                self.generation = crate::blocks::workspace_generation();
             }
         }
         Ok(())
@@ -181,7 +181,7 @@ impl<B: Backend> TextEncoder<B> {
         let soft_rows = self.ws.as_ref().map_or(soft, |w| w.soft_rows.max(soft));
         self.ws = None; // free the old one first
         // Captured graphs hold the old buffers' addresses: never replay one of them again.
-        self.generation += 1;
+        self.generation = crate::blocks::workspace_generation();
         let c = &self.cfg;
         let (h, p) = (c.hidden_size, c.ple_dim);
         let widest = |f: fn(&Layer<B>) -> usize| self.layers.iter().map(f).max().unwrap_or(0);

@@ -257,7 +257,7 @@ impl<B: Backend> Lfm2Text<B> {
         let c = &self.cfg;
         let d = c.hidden;
         let dims = ScratchDims::new(d, self.layout, c.ffn);
-        self.generation += 1;
+        self.generation = crate::blocks::workspace_generation();
         self.ws = Some(Workspace {
             rows,
             segs,
