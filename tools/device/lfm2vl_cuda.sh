@@ -24,8 +24,8 @@ if [[ $PARTS == *ops* ]]; then
   echo "== op parity (cuda vs cpu, f32 and bf16): LFM2-VL's ops"
   IFS='|' read -ra cases <<< "$OP_CASES"
   for c in "${cases[@]}"; do
-    TESSERA_OP_CASE="$c" .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops_${c// /_}.log" 2>&1; r=$?; status=$((status|r))
-    echo "-- $c"; grep -E "^total|test result|panicked|FAIL" "$OUT/cuda_ops_${c// /_}.log" | head -12
+    TESSERA_OP_CASE="$c" .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops_$(echo "$c" | tr -c "a-zA-Z0-9\n" _).log" 2>&1; r=$?; status=$((status|r))
+    echo "-- $c"; grep -E "^total|test result|panicked|FAIL" "$OUT/cuda_ops_$(echo "$c" | tr -c "a-zA-Z0-9\n" _).log" | head -12
   done
 fi
 if [[ $PARTS == *parity* ]]; then

@@ -44,7 +44,7 @@ enum Command {
     Info(info::InfoArgs),
     /// Generate an image from a prompt with Z-Image (PNG out).
     Generate(generate::GenerateArgs),
-    /// Serve embeddings over HTTP (OpenAI-compatible /v1/embeddings).
+    /// Serve a model over HTTP: OpenAI-compatible /v1/embeddings or /v1/chat/completions.
     Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
