@@ -11,98 +11,21 @@
 //! - `TESSERA_LFM2_FULL=DIR`: a full-size folder (`tools/device/make_lfm2vl_full.py`), CUDA f32
 //!   against the CPU on an image prompt.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+mod common;
 
-use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use common::lfm2vl::{Cases, Expected, PromptCase, cases, files, image, messages, rel};
+use common::root;
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda;
 use tessera_backend::{AnyBackend, Backend, Precision};
 use tessera_models::ModelFiles;
 use tessera_models::chat_template::{Message, Part};
-use tessera_models::imageproc::Image;
 use tessera_models::lfm2vl::{CacheShape, Lfm2Vl, Lfm2VlConfig, Prompter, TilePatches, Turn};
 use tessera_runtime::chat::{self, ChatEvent, GenerationParams};
 use tessera_runtime::decode::{Control, SamplingParams};
-
-fn root() -> PathBuf {
-    std::env::var_os("TESSERA_ROOT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
-}
-
-#[derive(Deserialize)]
-struct Cases {
-    models: BTreeMap<String, ModelCase>,
-    images: BTreeMap<String, Vec<ImageCase>>,
-    prompts: Vec<PromptCase>,
-}
-
-#[derive(Deserialize)]
-struct ModelCase {
-    folder: String,
-}
-
-#[derive(Deserialize)]
-struct ImageCase {
-    image: String,
-}
-
-#[derive(Deserialize)]
-struct PromptCase {
-    case: String,
-    model: String,
-    messages: Vec<serde_json::Value>,
-    input_ids: Vec<u32>,
-    greedy: Vec<u32>,
-}
-
-fn cases() -> Cases {
-    let p = root().join("tests/fixtures/lfm2vl/cases.json");
-    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
-
-/// `expected.safetensors` as f64 values by name.
-fn expected() -> BTreeMap<String, Vec<f64>> {
-    let p = root().join("tests/fixtures/lfm2vl/expected.safetensors");
-    let bytes = std::fs::read(&p).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            let d = t.data();
-            let v: Vec<f64> = match t.dtype() {
-                safetensors::Dtype::F64 => d
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                safetensors::Dtype::F32 => d
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-                _ => d.iter().map(|&b| b as f64).collect(),
-            };
-            (name, v)
-        })
-        .collect()
-}
-
-/// `max |a − b| / max(1, max |b|)`.
-fn rel(a: &[f32], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "length");
-    let scale = b.iter().fold(1f64, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| {
-            if x.is_finite() {
-                (x as f64 - y).abs()
-            } else {
-                f64::INFINITY
-            }
-        })
-        .fold(0.0, f64::max)
-        / scale
-}
 
 fn f64s(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| x as f64).collect()
@@ -110,51 +33,6 @@ fn f64s(v: &[f32]) -> Vec<f64> {
 
 fn gpu(p: Precision) -> cuda::CudaBackend {
     cuda::open(0, p).unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
-}
-
-/// The fixture's messages and the images they name.
-fn messages(p: &PromptCase) -> (Vec<Message>, Vec<Image>) {
-    let mut images = Vec::new();
-    let msgs =
-        p.messages
-            .iter()
-            .map(|m| {
-                let role = m["role"].as_str().unwrap();
-                match &m["content"] {
-                    serde_json::Value::String(s) => Message::new(role, s),
-                    serde_json::Value::Array(items) => Message::parts(
-                        role,
-                        items
-                            .iter()
-                            .map(|it| {
-                                if it["type"] == "image" {
-                                    let name = it["image"].as_str().unwrap();
-                                    images.push(
-                                        Image::open(&root().join(format!(
-                                            "tests/fixtures/lfm2vl/images/{name}.png"
-                                        )))
-                                        .unwrap(),
-                                    );
-                                    Part::Image
-                                } else {
-                                    Part::Text {
-                                        text: it["text"].as_str().unwrap().into(),
-                                    }
-                                }
-                            })
-                            .collect(),
-                    ),
-                    other => panic!("content {other}"),
-                }
-            })
-            .collect();
-    (msgs, images)
-}
-
-fn files(c: &Cases, model: &str) -> (ModelFiles, Lfm2VlConfig) {
-    let f = ModelFiles::Dir(root().join(&c.models[model].folder));
-    let cfg = Lfm2VlConfig::read(&f).unwrap();
-    (f, cfg)
 }
 
 /// What a backend gives for one prompt case: prompt logits (all rows) and each teacher-forced
@@ -229,12 +107,10 @@ fn prompt_taps<B: Backend>(be: &B, c: &Cases, p: &PromptCase) -> Taps {
     Taps { logits, steps }
 }
 
-fn image_features<B: Backend>(be: &B, c: &Cases, model: &str, image: &str) -> Vec<f32> {
+fn image_features<B: Backend>(be: &B, c: &Cases, model: &str, name: &str) -> Vec<f32> {
     let (f, cfg) = files(c, model);
     let prompter = Prompter::load(&f, &cfg).unwrap();
-    let img =
-        Image::open(&root().join(format!("tests/fixtures/lfm2vl/images/{image}.png"))).unwrap();
-    let processed = prompter.processor().process(&img).unwrap();
+    let processed = prompter.processor().process(&image(name)).unwrap();
     let tiles: Vec<TilePatches<'_>> = processed
         .tiles
         .iter()
@@ -342,7 +218,7 @@ fn f32_matches_the_cpu_and_decodes_the_reference_tokens() {
 #[ignore = "needs a CUDA device"]
 fn bf16_stays_within_its_storage_floor() {
     let c = cases();
-    let x = expected();
+    let x = Expected::load();
     let floor_path = root().join("tests/fixtures/lfm2vl/bf16_floor.json");
     let floors: BTreeMap<String, BTreeMap<String, f64>> =
         serde_json::from_str(&std::fs::read_to_string(&floor_path).unwrap()).unwrap();
@@ -367,7 +243,7 @@ fn bf16_stays_within_its_storage_floor() {
             check(
                 &name,
                 "features",
-                rel(&got, &x[&format!("{name}.features")]),
+                rel(&got, x.get(&format!("{name}.features"))),
             );
         }
     }
@@ -376,12 +252,12 @@ fn bf16_stays_within_its_storage_floor() {
         check(
             &p.case,
             "logits",
-            rel(&got.logits, &x[&format!("{}.logits", p.case)]),
+            rel(&got.logits, x.get(&format!("{}.logits", p.case))),
         );
         check(
             &p.case,
             "step_logits",
-            rel(&got.steps, &x[&format!("{}.step_logits", p.case)]),
+            rel(&got.steps, x.get(&format!("{}.step_logits", p.case))),
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -396,7 +272,7 @@ fn full_size_f32_matches_the_cpu() {
     let f = ModelFiles::Dir(PathBuf::from(dir));
     let cfg = Lfm2VlConfig::read(&f).unwrap();
     let prompter = Prompter::load(&f, &cfg).unwrap();
-    let img = Image::open(&root().join("tests/fixtures/lfm2vl/images/tiled400x368.png")).unwrap();
+    let img = image("tiled400x368");
     let msgs = [Message::parts(
         "user",
         vec![

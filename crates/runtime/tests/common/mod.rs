@@ -1,9 +1,11 @@
-//! What the EmbeddingGemma 2 model tests share: the PyTorch reference's fixtures
+//! What the model tests share ([`lfm2vl`]: LFM2-VL's). EmbeddingGemma 2's: the PyTorch reference's fixtures
 //! (`tests/fixtures/egemma2/`: `cases.json` from `tools/fixtures/egemma2.py`, `vision_cases.json`
 //! from `tools/fixtures/egemma2_vision.py`), the inputs and options each case describes, and the
 //! distance of an embedding from the reference.
 
 #![allow(dead_code)] // each test file uses its own subset
+
+pub mod lfm2vl;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -8,164 +8,19 @@
 //! reference (relative to the tensor's largest value), prompt logits within 1e-4, and the 32
 //! greedy tokens identical, with each step's logits within 1e-4.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+mod common;
 
-use serde::Deserialize;
+use common::lfm2vl::{Cases, Expected, as_tiles, cases, messages, prompt_tiles, rel, tile_bytes};
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, View};
-use tessera_core::config::parse_json;
 use tessera_models::ModelFiles;
-use tessera_models::chat_template::{Message, Part};
-use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::{CacheShape, Lfm2Vl, Lfm2VlConfig, Prompter, TilePatches, Turn};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-#[derive(Deserialize)]
-struct Cases {
-    models: BTreeMap<String, ModelCase>,
-    images: BTreeMap<String, Vec<ImageCase>>,
-    prompts: Vec<PromptCase>,
-}
-
-#[derive(Deserialize)]
-struct ModelCase {
-    folder: String,
-}
-
-#[derive(Deserialize)]
-struct ImageCase {
-    image: String,
-    tiles: Vec<TileCase>,
-    tokens: usize,
-}
-
-#[derive(Deserialize)]
-struct TileCase {
-    /// `[height, width]` in patches.
-    spatial_shape: [usize; 2],
-    patch_rows: [usize; 2],
-}
-
-#[derive(Deserialize)]
-struct PromptCase {
-    case: String,
-    model: String,
-    messages: Vec<serde_json::Value>,
-    images: Vec<String>,
-    input_ids: Vec<u32>,
-    greedy: Vec<u32>,
-    min_margin: f64,
-}
-
-struct Expected {
-    tensors: BTreeMap<String, (Vec<usize>, Vec<f64>)>,
-}
-
-impl Expected {
-    fn load() -> Self {
-        let p = root().join("tests/fixtures/lfm2vl/expected.safetensors");
-        let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-        let st =
-            safetensors::SafeTensors::deserialize(&bytes).expect("expected.safetensors parses");
-        let mut tensors = BTreeMap::new();
-        for (name, t) in st.tensors() {
-            let d = t.data();
-            let values: Vec<f64> = match t.dtype() {
-                safetensors::Dtype::F64 => d
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                safetensors::Dtype::F32 => d
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-                safetensors::Dtype::U8 => d.iter().map(|&b| b as f64).collect(),
-                other => panic!("{name}: unexpected dtype {other:?}"),
-            };
-            tensors.insert(name, (t.shape().to_vec(), values));
-        }
-        Expected { tensors }
-    }
-
-    fn get(&self, name: &str) -> &[f64] {
-        &self
-            .tensors
-            .get(name)
-            .unwrap_or_else(|| panic!("fixture tensor {name} missing"))
-            .1
-    }
-
-    fn has(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-}
-
-fn cases() -> Cases {
-    let p = root().join("tests/fixtures/lfm2vl/cases.json");
-    let text = std::fs::read_to_string(&p).unwrap();
-    parse_json(&p, &text).unwrap()
-}
-
-/// `max |got − want| / max(1, max |want|)`.
-fn rel(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length");
-    let scale = want.iter().fold(1f64, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .map(|(&g, &w)| {
-            if g.is_finite() {
-                (g as f64 - w).abs()
-            } else {
-                f64::INFINITY
-            }
-        })
-        .fold(0.0, f64::max)
-        / scale
-}
+use tessera_models::lfm2vl::{CacheShape, Lfm2Vl, Lfm2VlConfig, Prompter, Turn};
 
 fn load(be: &CpuBackend, c: &Cases, model: &str, slots: usize) -> Lfm2Vl<CpuBackend> {
-    let files = ModelFiles::Dir(root().join(&c.models[model].folder));
+    let files = ModelFiles::Dir(common::root().join(&c.models[model].folder));
     let cfg_path = files.path("config.json");
     let cfg = Lfm2VlConfig::parse(&cfg_path, &files.read("config.json").unwrap()).unwrap();
     Lfm2Vl::load(be, &files, &cfg, CacheShape { slots, ctx: 1024 }).unwrap()
-}
-
-/// Each tile's `(grid_w, grid_h, patch bytes)`, from the reference processor's pixels of the
-/// image (the miniature's where this model's are not stored: the same processor settings but
-/// the thumbnail, which comes last).
-fn tile_bytes(x: &Expected, model: &str, case: &ImageCase) -> Vec<(usize, usize, Vec<u8>)> {
-    let own = format!("{model}.{}.pixels", case.image);
-    let name = if x.has(&own) {
-        own
-    } else {
-        format!("mini.{}.pixels", case.image)
-    };
-    let px: Vec<u8> = x.get(&name).iter().map(|&v| v as u8).collect();
-    let width = 3 * 16 * 16;
-    case.tiles
-        .iter()
-        .map(|t| {
-            let [a, b] = t.patch_rows;
-            let [h, w] = t.spatial_shape;
-            assert_eq!(b - a, h * w, "{}: patch rows", case.image);
-            (w, h, px[a * width..b * width].to_vec())
-        })
-        .collect()
-}
-
-fn as_tiles(owned: &[(usize, usize, Vec<u8>)]) -> Vec<TilePatches<'_>> {
-    owned
-        .iter()
-        .map(|(w, h, b)| TilePatches {
-            grid_w: *w,
-            grid_h: *h,
-            bytes: b,
-        })
-        .collect()
 }
 
 fn read(be: &CpuBackend, v: View<'_, CpuBackend>) -> Vec<f32> {
@@ -206,20 +61,6 @@ fn image_features_match_the_reference() {
         "worst: vision {:.2e}, unshuffled {:.2e}, features {:.2e}",
         worst[0], worst[1], worst[2]
     );
-}
-
-/// The tiles of every image of a prompt, in order.
-fn prompt_tiles(c: &Cases, x: &Expected, p: &PromptCase) -> Vec<(usize, usize, Vec<u8>)> {
-    p.images
-        .iter()
-        .flat_map(|name| {
-            let case = c.images[&p.model]
-                .iter()
-                .find(|i| &i.image == name)
-                .unwrap_or_else(|| panic!("{}: image {name} not in the fixture", p.case));
-            tile_bytes(x, &p.model, case)
-        })
-        .collect()
 }
 
 #[test]
@@ -309,48 +150,13 @@ fn prompt_logits_and_greedy_decoding_match_the_reference() {
     }
 }
 
-/// The fixture's messages as the chat template takes them, and the images they name, in order.
-fn messages(p: &PromptCase) -> (Vec<Message>, Vec<Image>) {
-    let mut images = Vec::new();
-    let msgs = p
-        .messages
-        .iter()
-        .map(|m| {
-            let role = m["role"].as_str().unwrap();
-            match &m["content"] {
-                serde_json::Value::String(s) => Message::new(role, s),
-                serde_json::Value::Array(items) => Message::parts(
-                    role,
-                    items
-                        .iter()
-                        .map(|it| match it["type"].as_str().unwrap() {
-                            "image" => {
-                                let name = it["image"].as_str().unwrap();
-                                let path =
-                                    root().join(format!("tests/fixtures/lfm2vl/images/{name}.png"));
-                                images.push(Image::open(&path).unwrap());
-                                Part::Image
-                            }
-                            _ => Part::Text {
-                                text: it["text"].as_str().unwrap().into(),
-                            },
-                        })
-                        .collect(),
-                ),
-                other => panic!("{}: content {other}", p.case),
-            }
-        })
-        .collect();
-    (msgs, images)
-}
-
 /// The whole prompt path — chat template, image processor, placeholder expansion, tokenizer —
 /// gives the reference processor's token ids, and the tiles its pixels.
 #[test]
 fn prompts_tokenise_as_the_reference_processor_does() {
     let (c, x) = (cases(), Expected::load());
     for p in &c.prompts {
-        let files = ModelFiles::Dir(root().join(&c.models[&p.model].folder));
+        let files = ModelFiles::Dir(common::root().join(&c.models[&p.model].folder));
         let cfg = Lfm2VlConfig::read(&files).unwrap();
         let prompter = Prompter::load(&files, &cfg).unwrap();
         let (msgs, images) = messages(p);
