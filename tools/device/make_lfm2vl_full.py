@@ -85,6 +85,25 @@ PREPROCESSOR = dict(IMAGE, do_normalize=True, do_rescale=True, do_resize=True, i
                     processor_class="Lfm2VlProcessor", resample=2, rescale_factor=1 / 255)
 
 
+# LFM2-VL-1.6B (`--variant 1.6b`): the shape-optimised SigLIP2 NaFlex tower (1152 wide, FFN 4304, 27 layers,
+# 16 heads of 72) and LFM2-1.2B (2048 wide, 32 q / 8 kv heads of 64, block_ff_dim 12288 -> FFN 8192); the
+# projector as the 450M's (2560, LayerNorm), an assumption the spec marks unverified for the 1.6B.
+VARIANTS = {
+    "450m": {},
+    "1.6b": dict(vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16),
+                 text=dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, intermediate_size=12288),
+                 ffn=8192),
+}
+
+
+def use_variant(name):
+    global VISION, TEXT, FFN_WIDTH
+    v = VARIANTS[name]
+    VISION = dict(VISION, **v.get("vision", {}))
+    TEXT = dict(TEXT, **v.get("text", {}))
+    FFN_WIDTH = v.get("ffn", FFN_WIDTH)
+
+
 def configs(small):
     vision = dict(VISION, num_hidden_layers=2) if small else VISION
     if small:
@@ -170,9 +189,10 @@ def check(out_dir, tensors, types, small):
     assert list(tc.layer_types) == types, tc.layer_types
     assert lm.layers[0].feed_forward.w1.out_features == FFN_WIDTH
     attn = next(l.self_attn for l in lm.layers if l.is_attention_layer)
-    assert attn.head_dim == 64 and attn.num_key_value_groups == 2
+    assert attn.head_dim == 64
+    assert attn.num_key_value_groups == TEXT["num_attention_heads"] // TEXT["num_key_value_heads"]
     assert model.config.projector_hidden_size == 2560 and model.model.multi_modal_projector.use_layer_norm
-    assert model.config.vision_config.num_hidden_layers == (2 if small else 12)
+    assert model.config.vision_config.num_hidden_layers == (2 if small else VISION["num_hidden_layers"])
     assert tc.rope_parameters["rope_theta"] == 1e6 and tc.max_position_embeddings == 128000
     assert model.dtype == torch.bfloat16
     proc = AutoProcessor.from_pretrained(out_dir)
@@ -199,7 +219,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="2 tower layers and 3 decoder layers, full widths")
     ap.add_argument("--no-check", action="store_true", help="skip loading the result back")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="450m", help="which published shape")
     args = ap.parse_args()
+    use_variant(args.variant)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     t0 = time.time()
     cfg, types = configs(args.small)
