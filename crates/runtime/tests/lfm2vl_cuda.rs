@@ -11,6 +11,8 @@
 //! - `TESSERA_LFM2_FULL=DIR`: a full-size folder (`tools/device/make_lfm2vl_full.py`), CUDA f32
 //!   against the CPU on an image prompt.
 
+#![cfg(feature = "cuda")]
+
 mod common;
 
 use std::collections::BTreeMap;
