@@ -177,6 +177,8 @@ fn cases() -> Vec<Box<dyn Case>> {
     every(&mut t, attention(&[85, 50], 4, 2, 16).causal());
     every(&mut t, attention(&[393], 4, 2, 16).causal());
     every(&mut t, attention(&[85], 2, 1, 64).causal()); // the miniature's LM now (heads of 64)
+    // 72-wide heads (LFM2-VL-1.6B's tower): bf16 runs the key-range kernel over each segment.
+    t.add(attention(&[1024, 234], 16, 16, 72));
     every(&mut t, attention(&[64, 63, 65], 4, 2, 64).window(0)); // each token sees itself
     let qwen3 = attention(&[33, 1, 130], 32, 8, 128).causal();
     every(&mut t, qwen3.scale(128f32.sqrt().recip())); // Qwen3-4B prompts

@@ -168,6 +168,14 @@ pub(super) fn attention(
         return cached::attention(be, q, k, v, out, spec, segs, None).map(|_| ());
     }
     if be.precision == Precision::Bf16 {
+        if !FLASH_HEAD_DIMS.contains(&spec.head_dim) && CACHED_HEAD_DIMS.contains(&spec.head_dim) {
+            // No tensor-core kernel for this head width (LFM2-VL-1.6B's tower: 72): the key-range
+            // kernel over each segment's own rows computes the same attention, more slowly. Its
+            // ranges are uploaded here, so this path is not for a captured graph.
+            let ranges: Vec<(usize, usize)> = segs.ranges().map(|(a, b)| (a, b - a)).collect();
+            let kv = be.kv_ranges(&ranges)?;
+            return cached::attention(be, q, k, v, out, &spec.over(&kv), segs, None).map(|_| ());
+        }
         // The tensor-core kernel checks its own operands.
         return flash(be, q, k, v, out, spec, segs, FlashChoice::default()).map(|_| ());
     }

@@ -73,9 +73,13 @@ impl CudaBackend {
             return Err(not_yet("per-row key limits (block-causal masks) are"));
         }
         match self.precision {
-            Precision::Bf16 if !FLASH_HEAD_DIMS.contains(&a.head_dim) => {
+            // Widths without a tensor-core kernel run on the key-range kernel (slower).
+            Precision::Bf16
+                if !FLASH_HEAD_DIMS.contains(&a.head_dim)
+                    && !CACHED_HEAD_DIMS.contains(&a.head_dim) =>
+            {
                 Err(Error::Device(format!(
-                    "no tensor-core attention kernel for head_dim {} (have {FLASH_HEAD_DIMS:?})",
+                    "no bf16 attention kernel for head_dim {} (have {FLASH_HEAD_DIMS:?}, and {CACHED_HEAD_DIMS:?} without tensor cores)",
                     a.head_dim
                 )))
             }
