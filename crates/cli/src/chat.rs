@@ -150,7 +150,9 @@ fn ask(
 }
 
 pub fn run(args: ChatArgs) -> Result<()> {
-    // Images are read before anything loads, so a bad path fails at once.
+    // Settings and images are checked before anything loads, so a mistake fails at once (the
+    // sampling defaults the checkpoint fills in are checked again once it is read).
+    args.params(SamplingParams::default())?;
     let images = args
         .images
         .iter()
