@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
-use tessera_models::zimage::config::TransformerConfig;
-use tessera_models::zimage::pipeline::{DEFAULT_GUIDANCE, DEFAULT_STEPS, check_guidance};
-use tessera_models::zimage::{Event, Request, RgbImage};
+use tessera_models::text_to_image::{Event, Image, Request};
 use tessera_runtime::{Capability, image};
 
 use crate::device::DeviceArgs;
@@ -48,15 +46,18 @@ pub struct GenerateArgs {
     /// What to steer away from (used only with --guidance > 0; default "").
     #[arg(long)]
     pub negative_prompt: Option<String>,
-    /// Image size WIDTHxHEIGHT in pixels, each a multiple of 16.
-    #[arg(long, default_value = "1024x1024", value_parser = parse_size)]
-    pub size: (usize, usize),
-    /// Denoising steps (transformer forwards).
-    #[arg(long, default_value_t = DEFAULT_STEPS)]
-    pub steps: usize,
-    /// Classifier-free guidance scale; 0 turns CFG off.
-    #[arg(long, default_value_t = DEFAULT_GUIDANCE, value_parser = parse_guidance)]
-    pub guidance: f32,
+    /// Image size WIDTHxHEIGHT in pixels (Z-Image: multiples of 16; Qwen-Image-2.1: of 32).
+    /// Default: the model's (1024x1024).
+    #[arg(long, value_parser = parse_size)]
+    pub size: Option<(usize, usize)>,
+    /// Denoising steps (transformer forwards). Default: the model's (Z-Image-Turbo 8,
+    /// Qwen-Image-2.1 40).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Classifier-free guidance scale. Z-Image: CFG runs above 0. Qwen-Image-2.1: true CFG runs
+    /// above 1 and only with --negative-prompt. Default: the model's (no guidance).
+    #[arg(long, value_parser = parse_guidance)]
+    pub guidance: Option<f32>,
     /// Seed of the initial latent.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -68,12 +69,26 @@ pub struct GenerateArgs {
     /// full speed for one image, so a batch is barely faster per image there).
     #[arg(long, default_value_t = 1)]
     pub num_images: usize,
-    /// Start from this latent instead of the seeded one: a float32 .npy array of shape
-    /// [1, 16, HEIGHT/8, WIDTH/8] (or without the leading 1), e.g. diffusers' `latents`.
+    /// Start from this latent instead of the seeded one: a float32 .npy array in the shape the
+    /// diffusers pipeline's `latents=` takes, e.g. Z-Image [1, 16, HEIGHT/8, WIDTH/8],
+    /// Qwen-Image-2.1 [1, HEIGHT/16 · WIDTH/16, 64] (the leading 1 may be left out).
     #[arg(long, value_name = "FILE")]
     pub init_latent: Option<PathBuf>,
+    /// For models that make RGBA images (Qwen-Image-2.1): keep the alpha channel
+    /// (`transparent`, an RGBA PNG) or composite over white (`white`, an RGB PNG).
+    #[arg(long, value_enum, default_value_t = Background::Transparent)]
+    pub background: Background,
     #[command(flatten)]
     pub device: DeviceArgs,
+}
+
+/// What happens to an RGBA image's alpha channel.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Background {
+    /// Keep it: an RGBA PNG, straight (not premultiplied) alpha as the pipeline returns it.
+    Transparent,
+    /// Composite over opaque white: an RGB PNG.
+    White,
 }
 
 /// `WIDTHxHEIGHT`.
@@ -172,7 +187,7 @@ impl Output {
         })
     }
 
-    fn write(self, image: &RgbImage, text: &[(&str, String)]) -> Result<()> {
+    fn write(self, image: &Image, text: &[(&str, String)]) -> Result<()> {
         let path = &self.path;
         let io = |e: png::EncodingError| Error::io(path, std::io::Error::other(e.to_string()));
         let file: &std::fs::File = match &self.target {
@@ -190,14 +205,18 @@ impl Output {
     }
 }
 
-/// `image` as an 8-bit RGB PNG with `text` as UTF-8 (iTXt) chunks, into `out`.
+/// `image` as an 8-bit RGB or RGBA PNG with `text` as UTF-8 (iTXt) chunks, into `out`.
 pub fn encode_png(
     out: impl std::io::Write,
-    image: &RgbImage,
+    image: &Image,
     text: &[(&str, String)],
 ) -> std::result::Result<(), png::EncodingError> {
     let mut enc = png::Encoder::new(out, image.width as u32, image.height as u32);
-    enc.set_color(png::ColorType::Rgb);
+    enc.set_color(if image.has_alpha() {
+        png::ColorType::Rgba
+    } else {
+        png::ColorType::Rgb
+    });
     enc.set_depth(png::BitDepth::Eight);
     // fdeflate's PNG-tuned mode: a 1024² image in milliseconds (the default level took ~100 ms,
     // as long as a GPU generation's decode), files a little larger.
@@ -325,50 +344,47 @@ fn remove_on_signal() -> Result<()> {
     Ok(())
 }
 
-/// A one-line warning when the transformer alone would keep the CPU busy for an hour or more:
-/// its matmuls (`24·dim²` FLOPs per token and layer, the FFN being `8/3·dim` wide) and attention
-/// (`4·tokens·dim`), at an optimistic 50 GFLOP/s per core. The VAE comes on top, so the real time
-/// is longer.
+/// A one-line warning when the denoiser alone would keep the CPU busy for an hour or more, at
+/// an optimistic 50 GFLOP/s per core. The VAE comes on top, so the real time is longer.
 fn cpu_time_warning(
-    cfg: &TransformerConfig,
     (width, height): (usize, usize),
     steps: usize,
-    cfg_passes: usize,
+    flops: f64,
     cores: usize,
 ) -> Option<String> {
-    let layers = cfg.n_layers + cfg.n_refiner_layers;
-    let passes = steps * cfg_passes;
-    cpu_hours(cfg.dim, layers, (width, height), passes, cores).map(|(tflop, hours)| {
+    cpu_hours(flops, cores).map(|hours| {
         format!(
-            "a {width}x{height} image in {steps} steps is about {tflop:.0} TFLOP for the transformer alone: on {cores} CPU cores that is {hours:.1} hours or more"
+            "a {width}x{height} image in {steps} steps is about {:.0} TFLOP for the denoiser alone: on {cores} CPU cores that is {hours:.1} hours or more",
+            flops / 1e12
         )
     })
 }
 
-/// `(TFLOP, hours)` of `passes` forwards of a transformer of width `dim` and `layers` layers
-/// over a `width × height` image, when the hours come to one or more.
-fn cpu_hours(
-    dim: usize,
-    layers: usize,
-    (width, height): (usize, usize),
-    passes: usize,
-    cores: usize,
-) -> Option<(f64, f64)> {
+/// Hours of `flops` on `cores` cores, when they come to one or more.
+fn cpu_hours(flops: f64, cores: usize) -> Option<f64> {
     const FLOPS_PER_CORE: f64 = 50e9;
-    let tokens = ((width / 16) * (height / 16)) as f64;
-    let (dim, layers) = (dim as f64, layers as f64);
-    let flops = passes as f64 * layers * tokens * (24.0 * dim * dim + 4.0 * tokens * dim);
     let hours = flops / (FLOPS_PER_CORE * cores.max(1) as f64) / 3600.0;
-    (hours >= 1.0).then_some((flops / 1e12, hours))
+    (hours >= 1.0).then_some(hours)
 }
 
-/// `--guidance`: a number from 0 to the pipeline's maximum, checked as the flag is parsed.
+/// The largest guidance scale accepted. Useful scales are single digits; far beyond this the
+/// guided velocity is noise amplified (and near `f32::MAX` it overflows to infinity).
+const MAX_GUIDANCE: f32 = 100.0;
+
+/// `--guidance`: a number from 0 to [`MAX_GUIDANCE`], checked as the flag is parsed (the
+/// model checks its own rule later).
 fn parse_guidance(s: &str) -> std::result::Result<f32, String> {
     let g: f32 = s
         .trim()
         .parse()
         .map_err(|_| format!("{s:?} is not a number"))?;
-    check_guidance(g).map(|()| g).map_err(|e| e.to_string())
+    if g.is_finite() && (0.0..=MAX_GUIDANCE).contains(&g) {
+        Ok(g)
+    } else {
+        Err(format!(
+            "{g}: use a scale from 0 to {MAX_GUIDANCE} (0 or 1 means no guidance)"
+        ))
+    }
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
@@ -383,53 +399,56 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
     if spec.is_bundled() {
         eprintln!(
-            "note: no --model given: using the bundled miniature Z-Image (random weights: the image is structured noise, for checking an install)"
+            "note: no --model given: using the bundled miniature {} (random weights: the image is structured noise, for checking an install)",
+            spec.family.name()
         );
     }
     let backend = args.device.open_for(&spec)?;
     let on_cpu = matches!(backend, AnyBackend::Cpu(_));
     let label = spec.label.clone();
-    let (files, configs) = model::image_model(&spec)?;
-    let mut model = image::load(backend, &files, args.transformer.as_deref())?;
-    let (width, height) = args.size;
+    let mut model = image::open(backend, &spec, args.transformer.as_deref())?;
+    let defaults = model.defaults();
+    let (width, height) = args.size.unwrap_or(defaults.size);
     let mut req = Request {
-        prompt: args.prompt.clone(),
         negative_prompt: args.negative_prompt.clone(),
         width,
         height,
-        steps: args.steps,
-        guidance: args.guidance,
+        steps: args.steps.unwrap_or(defaults.steps),
+        guidance: args.guidance.unwrap_or(defaults.guidance),
         seed: args.seed,
-        init_latent: None,
-        shift: None,
         num_images: args.num_images,
+        ..Request::new(args.prompt.clone(), defaults)
     };
     if let Some((shape, values)) = init {
         let want = model.latent_shape(width, height);
-        let batch_of_one = shape.len() == 4 && shape[0] == 1 && shape[1..] == want;
+        let batch_of_one = shape.len() == want.len() + 1 && shape[0] == 1 && shape[1..] == want;
         if shape != want && !batch_of_one {
+            let dims: Vec<String> = want.iter().map(usize::to_string).collect();
             return Err(Error::input(format!(
-                "--init-latent has shape {shape:?}; a {width}x{height} image needs [1, {}, {}, {}]",
-                want[0], want[1], want[2]
+                "--init-latent has shape {shape:?}; a {width}x{height} image needs [1, {}]",
+                dims.join(", ")
             )));
         }
         req.init_latent = Some(values);
     }
-    let plan = model.plan(&req)?;
-    for w in &plan.warnings {
+    let checked = model.check(&req)?;
+    for w in &checked.warnings {
         eprintln!("warning: {w}");
     }
     if on_cpu {
-        let passes = if req.cfg() { 2 } else { 1 };
         let cores = rayon::current_num_threads();
-        let config = &configs.transformer;
-        if let Some(w) = cpu_time_warning(config, args.size, plan.schedule.steps(), passes, cores) {
+        if let Some(w) = cpu_time_warning(
+            (width, height),
+            checked.steps,
+            checked.denoiser_flops,
+            cores,
+        ) {
             eprintln!("warning: {w}");
         }
     }
 
     // indicatif draws nothing when stderr is not a terminal.
-    let bar = ProgressBar::new(plan.schedule.steps() as u64).with_style(
+    let bar = ProgressBar::new(checked.steps as u64).with_style(
         ProgressStyle::with_template(
             "{msg:>10} [{bar:30}] {pos}/{len} steps {elapsed_precise} {prefix}",
         )
@@ -438,7 +457,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     );
     bar.set_message("encoding");
     let mut last = Instant::now();
-    let images = model.generate(&req, &plan, &mut |e| match e {
+    let images = model.generate(&req, &mut |e| match e {
         Event::Encoded => {
             bar.set_message("denoising");
             last = Instant::now();
@@ -456,12 +475,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut text = vec![
         ("prompt", args.prompt.clone()),
         ("size", format!("{width}x{height}")),
-        ("steps", args.steps.to_string()),
-        ("guidance", args.guidance.to_string()),
+        ("steps", req.steps.to_string()),
+        ("guidance", req.guidance.to_string()),
         ("model", label),
         ("software", format!("tessera {}", env!("CARGO_PKG_VERSION"))),
     ];
-    if req.cfg() {
+    if checked.guided {
         text.push((
             "negative_prompt",
             args.negative_prompt.clone().unwrap_or_default(),
@@ -473,13 +492,17 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             Some(p) => text.push(("init_latent", p.display().to_string())),
             None => text.push(("seed", args.seed.wrapping_add(i as u64).to_string())),
         }
-        out.write(image, &text)?;
+        let image = match args.background {
+            Background::White => image.over_white(),
+            Background::Transparent => image.clone(),
+        };
+        out.write(&image, &text)?;
     }
     let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     eprintln!(
         "wrote {} ({width}x{height}, {} steps) in {:.1} s",
         shown.join(", "),
-        args.steps,
+        req.steps,
         started.elapsed().as_secs_f64()
     );
     Ok(())
@@ -542,12 +565,11 @@ mod tests {
 
     #[test]
     fn a_cpu_run_of_hours_is_announced() {
-        // The released Z-Image transformer: dim 3840, 30 layers and 2 refiner layers.
-        let (tflop, hours) = cpu_hours(3840, 32, (1024, 1024), 8, 2).unwrap();
+        // 440 TFLOP (Z-Image-Turbo at 1024², 8 steps) on 2 cores: over an hour.
+        assert!(cpu_hours(440e12, 2).is_some_and(|h| h > 1.0));
+        assert!(cpu_hours(440e12 / 16.0, 64).is_none());
         assert!(
-            (400.0..480.0).contains(&tflop) && hours > 1.0,
-            "{tflop} {hours}"
+            cpu_time_warning((1024, 1024), 8, 440e12, 2).is_some_and(|w| w.contains("440 TFLOP"))
         );
-        assert!(cpu_hours(3840, 32, (256, 256), 8, 64).is_none());
     }
 }

@@ -3,7 +3,6 @@
 
 use tessera_core::{Error, Result};
 use tessera_models::lfm2vl::Lfm2VlConfig;
-use tessera_models::zimage::{ZImageConfigs, ZImageFiles};
 use tessera_models::{ModelFiles, egemma2};
 use tessera_runtime::{Capability, Family, ModelFilesOf, ModelSpec};
 
@@ -46,13 +45,5 @@ pub fn chat_model(spec: &ModelSpec) -> Result<(ModelFiles, &Lfm2VlConfig)> {
     match &spec.files {
         ModelFilesOf::Lfm2Vl(f, c) => Ok((f.clone(), c)),
         _ => Err(not_a(spec, "a chat model")),
-    }
-}
-
-/// The files of a text-to-image model and its configs as `spec` read them.
-pub fn image_model(spec: &ModelSpec) -> Result<(ZImageFiles, &ZImageConfigs)> {
-    match &spec.files {
-        ModelFilesOf::ZImage(f, c) => Ok((f.clone(), c)),
-        _ => Err(not_a(spec, "a text-to-image model")),
     }
 }

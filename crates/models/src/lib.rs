@@ -6,6 +6,7 @@
 //! - [`input`]: multimodal inputs (ordered text and image parts);
 //! - [`egemma2`]: EmbeddingGemma 2 text, image and mixed embeddings;
 //! - [`imageproc`]: image decoding, the reference's resampler and patches;
+//! - [`text_to_image`]: requests, progress and images of every text-to-image family;
 //! - [`zimage`]: Z-Image-Turbo text-to-image;
 //! - [`qwen3`]: Qwen3 text models (Z-Image's caption encoder);
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
@@ -22,6 +23,7 @@ pub mod input;
 pub mod lfm2vl;
 pub mod loader;
 pub mod qwen3;
+pub mod text_to_image;
 pub mod tokenize;
 pub mod zimage;
 

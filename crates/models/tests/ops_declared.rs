@@ -6,7 +6,8 @@ use tessera_backend::Op;
 use tessera_backend::cpu::CpuBackend;
 use tessera_models::egemma2::{self, EmbeddingGemma2, Input, Part, TextOptions};
 use tessera_models::imageproc::{Image, ImageBudget};
-use tessera_models::zimage::{self, BUNDLED, Request, ZImage, ZImageConfigs};
+use tessera_models::text_to_image::Request;
+use tessera_models::zimage::{self, BUNDLED, ZImage, ZImageConfigs};
 
 fn assert_declared(family: &str, declared: &[Op], recorded: &[Op]) {
     let missing: Vec<String> = recorded
@@ -61,7 +62,7 @@ fn zimage_declares_every_op_of_a_guided_generation() {
         height: 64,
         steps: 2,
         guidance: 2.0,
-        ..Request::new("a red fox")
+        ..Request::new("a red fox", zimage::DEFAULTS)
     };
     let plan = model.plan(&req).unwrap();
     model.generate(&req, &plan, |_| {}).unwrap();

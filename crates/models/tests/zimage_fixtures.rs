@@ -17,6 +17,7 @@ use tessera_core::Weights;
 use tessera_models::ModelFiles;
 use tessera_models::qwen3::BpeTokenizer;
 use tessera_models::qwen3::{Qwen3Config, Qwen3TextModel};
+use tessera_models::text_to_image::{Event, Request};
 use tessera_models::zimage::config::{SchedulerConfig, TransformerConfig, VaeConfig};
 use tessera_models::zimage::scheduler::FlowMatchEuler;
 use tessera_models::zimage::text::{PromptTemplate, builtin_template, prompt_ids};
@@ -24,7 +25,7 @@ use tessera_models::zimage::transformer::{
     Taps, ZImageTransformer, timestep_features, timestep_frequencies,
 };
 use tessera_models::zimage::vae::{VaeDecoder, VaeTaps};
-use tessera_models::zimage::{BUNDLED, Event, Request, ZImage, ZImageFiles};
+use tessera_models::zimage::{self, BUNDLED, ZImage, ZImageFiles};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -632,7 +633,7 @@ fn the_bundled_model_is_the_fixture_model() {
         width: c.width,
         height: c.height,
         init_latent: Some(ex.f32(&format!("e2e/{}/init_latent", c.name))),
-        ..Request::new("")
+        ..Request::new("", zimage::DEFAULTS)
     };
     let plan = z.plan(&req).unwrap();
     let image = z.generate(&req, &plan, |_| {}).unwrap();
@@ -724,7 +725,7 @@ fn a_shipped_chat_template_gives_the_reference_image() {
         guidance: 0.0,
         init_latent: Some(ex.f32("init_latent")),
         shift: Some(c.shift),
-        ..Request::new(&c.prompt)
+        ..Request::new(&c.prompt, zimage::DEFAULTS)
     };
     let plan = z.plan(&req).unwrap();
     assert_eq!(plan.prompts[0].ids, c.ids_pos);

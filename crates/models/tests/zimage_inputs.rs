@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 
 use tessera_backend::cpu::CpuBackend;
 use tessera_core::Error;
+use tessera_models::text_to_image::Request;
 use tessera_models::zimage::text::MAX_PROMPT_TOKENS;
-use tessera_models::zimage::{BUNDLED, Request, ZImage, ZImageFiles};
+use tessera_models::zimage::{self, BUNDLED, ZImage, ZImageFiles};
 
 fn mini() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/zimage-mini")
@@ -46,7 +47,7 @@ fn small(prompt: &str) -> Request {
         width: 32,
         height: 48,
         steps: 2,
-        ..Request::new(prompt)
+        ..Request::new(prompt, zimage::DEFAULTS)
     }
 }
 
@@ -57,7 +58,7 @@ fn a_size_off_the_grid_names_the_nearest_valid_size() {
         .plan(&Request {
             width: 1000,
             height: 500,
-            ..Request::new("x")
+            ..Request::new("x", zimage::DEFAULTS)
         })
         .unwrap_err()
         .to_string();

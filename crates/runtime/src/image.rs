@@ -1,49 +1,50 @@
-//! Text-to-image models as front ends use them: Z-Image on whichever device was opened, behind
-//! one trait object ([`GenerateImage`]).
+//! Text-to-image models as front ends use them: each family on whichever device was opened,
+//! behind one trait object ([`GenerateImage`]).
 
 use std::path::{Path, PathBuf};
 
 use tessera_backend::{AnyBackend, Backend, BackendFn};
-use tessera_core::Result;
-use tessera_models::zimage::{Event, Plan, Request, RgbImage, ZImage, ZImageFiles};
+use tessera_core::{Error, Result};
+use tessera_models::text_to_image::{Checked, Defaults, Event, Image, Request};
+use tessera_models::zimage::{self, ZImage, ZImageFiles};
+
+use crate::{ModelFilesOf, ModelSpec};
 
 /// A text-to-image model on its device. Front ends hold a `Box<dyn GenerateImage>`.
 pub trait GenerateImage: Send {
     /// Device and precision, one line.
     fn describe(&self) -> String;
-    /// The shape `[channels, height, width]` of the initial latent of a `width × height` image.
-    fn latent_shape(&self, width: usize, height: usize) -> [usize; 3];
-    /// Check a request and tokenise its prompts: everything that can be refused is refused here.
-    fn plan(&self, req: &Request) -> Result<Plan>;
-    /// Run a planned request (`req.num_images` images, one batch), reporting progress through
-    /// `on`.
-    fn generate(
-        &mut self,
-        req: &Request,
-        plan: &Plan,
-        on: &mut dyn FnMut(Event<'_>),
-    ) -> Result<Vec<RgbImage>>;
+    /// The family's recommended steps, guidance and size.
+    fn defaults(&self) -> Defaults;
+    /// The shape of the initial latent of a `width × height` image, as the reference pipeline's
+    /// `latents=` argument takes it without the batch axis.
+    fn latent_shape(&self, width: usize, height: usize) -> Vec<usize>;
+    /// Check a request and tokenise its prompts: everything that can be refused is refused
+    /// here, before any compute.
+    fn check(&self, req: &Request) -> Result<Checked>;
+    /// Run a request (`req.num_images` images, one batch), reporting progress through `on`.
+    fn generate(&mut self, req: &Request, on: &mut dyn FnMut(Event<'_>)) -> Result<Vec<Image>>;
 }
 
 impl<B: Backend> GenerateImage for ZImage<B> {
     fn describe(&self) -> String {
         self.backend().describe()
     }
-    fn latent_shape(&self, width: usize, height: usize) -> [usize; 3] {
+    fn defaults(&self) -> Defaults {
+        zimage::DEFAULTS
+    }
+    fn latent_shape(&self, width: usize, height: usize) -> Vec<usize> {
         let scale = self.size_multiple() / 2;
         let channels = self.transformer().config().in_channels;
-        [channels, height / scale, width / scale]
+        vec![channels, height / scale, width / scale]
     }
-    fn plan(&self, req: &Request) -> Result<Plan> {
-        ZImage::plan(self, req)
+    fn check(&self, req: &Request) -> Result<Checked> {
+        let plan = ZImage::plan(self, req)?;
+        Ok(self.summary(req, &plan))
     }
-    fn generate(
-        &mut self,
-        req: &Request,
-        plan: &Plan,
-        on: &mut dyn FnMut(Event<'_>),
-    ) -> Result<Vec<RgbImage>> {
-        ZImage::generate_images(self, req, plan, on)
+    fn generate(&mut self, req: &Request, on: &mut dyn FnMut(Event<'_>)) -> Result<Vec<Image>> {
+        let plan = ZImage::plan(self, req)?;
+        ZImage::generate_images(self, req, &plan, on)
     }
 }
 
@@ -62,4 +63,21 @@ pub fn load(
         }
     }
     backend.run(Load(files.clone(), transformer_file.map(Path::to_path_buf)))
+}
+
+/// Load the text-to-image model `spec` names onto `backend`; `transformer_file` replaces the
+/// transformer's weights where the family allows it (Z-Image).
+pub fn open(
+    backend: AnyBackend,
+    spec: &ModelSpec,
+    transformer_file: Option<&Path>,
+) -> Result<Box<dyn GenerateImage>> {
+    match &spec.files {
+        ModelFilesOf::ZImage(files, _) => load(backend, files, transformer_file),
+        _ => Err(Error::input(format!(
+            "{} is a {} model, not a text-to-image model",
+            spec.label,
+            spec.family.name()
+        ))),
+    }
 }

@@ -18,7 +18,8 @@
 
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, Precision, cuda};
-use tessera_models::zimage::{self, Event, Request, ZImage, ZImageFiles};
+use tessera_models::text_to_image::{Event, Request};
+use tessera_models::zimage::{self, ZImage, ZImageFiles};
 
 /// Everything one generation exposes, read back as `f32`.
 #[derive(Default)]
@@ -167,7 +168,7 @@ fn request(prompt: &str, (width, height): (usize, usize), steps: usize) -> Reque
         height,
         steps,
         seed: 7,
-        ..Request::new(prompt)
+        ..Request::new(prompt, zimage::DEFAULTS)
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use tessera_core::{Error, Result};
-use tessera_models::zimage::{Event, Request};
+use tessera_models::text_to_image::{Event, Request};
 use tessera_runtime::family::Capability;
 use tessera_runtime::image;
 
@@ -20,19 +20,23 @@ pub struct GenerateBench {
     /// miniature model.
     #[arg(long)]
     model: Option<String>,
-    /// Image size WIDTHxHEIGHT.
-    #[arg(long, default_value = "1024x1024", value_parser = parse_size)]
-    size: (usize, usize),
-    #[arg(long, default_value_t = 8)]
-    steps: usize,
+    /// Image size WIDTHxHEIGHT (default: the model's, 1024x1024).
+    #[arg(long, value_parser = parse_size)]
+    size: Option<(usize, usize)>,
+    /// Denoising steps (default: the model's).
+    #[arg(long)]
+    steps: Option<usize>,
     #[arg(
         long,
         default_value = "a lighthouse on a cliff at dusk, dramatic sky, oil painting"
     )]
     prompt: String,
-    /// Classifier-free guidance (its two passes run as one batch).
-    #[arg(long, default_value_t = 0.0)]
-    guidance: f32,
+    /// Classifier-free guidance in the model's convention (default: the model's, none).
+    #[arg(long)]
+    guidance: Option<f32>,
+    /// The negative prompt (Qwen-Image-2.1's true CFG needs one).
+    #[arg(long)]
+    negative_prompt: Option<String>,
     /// Images per run, denoised as one batch.
     #[arg(long, default_value_t = 1)]
     num_images: usize,
@@ -72,23 +76,24 @@ pub fn run(b: GenerateBench) -> Result<()> {
     let started = Instant::now();
     let spec = model::open(b.model.as_deref(), Capability::GenerateImage)?;
     let backend = b.device.open_for(&spec)?;
-    let (files, _) = model::image_model(&spec)?;
-    let mut model = image::load(backend, &files, None)?;
+    let mut model = image::open(backend, &spec, None)?;
     let load = started.elapsed();
-    let (width, height) = b.size;
+    let defaults = model.defaults();
+    let (width, height) = b.size.unwrap_or(defaults.size);
     let req = Request {
         width,
         height,
-        steps: b.steps,
-        guidance: b.guidance,
+        steps: b.steps.unwrap_or(defaults.steps),
+        guidance: b.guidance.unwrap_or(defaults.guidance),
+        negative_prompt: b.negative_prompt.clone(),
         num_images: b.num_images,
-        ..Request::new(b.prompt.clone())
+        ..Request::new(b.prompt.clone(), model.defaults())
     };
     let mut once = || -> Result<Run> {
         let t0 = Instant::now();
-        let plan = model.plan(&req)?;
+        model.check(&req)?;
         let mut marks = Vec::with_capacity(req.steps + 2);
-        let images = model.generate(&req, &plan, &mut |e| {
+        let images = model.generate(&req, &mut |e| {
             if !matches!(e, Event::Decoding) {
                 marks.push(t0.elapsed());
             }
@@ -133,7 +138,7 @@ pub fn run(b: GenerateBench) -> Result<()> {
     });
     let json = serde_json::json!({
         "bench": "generate", "model": spec.label, "device": model.describe(),
-        "size": format!("{width}x{height}"), "steps": b.steps, "guidance": b.guidance,
+        "size": format!("{width}x{height}"), "steps": req.steps, "guidance": req.guidance,
         "num_images": b.num_images,
         "images_per_s": b.num_images as f64 / (median(&runs, |r| ms(r.total)) / 1e3),
         "load_s": load.as_secs_f64(), "first_run_ms": ms(first.total),
@@ -144,7 +149,7 @@ pub fn run(b: GenerateBench) -> Result<()> {
     println!(
         "{} × {width}x{height}, {} steps on {}: end to end {:.1} ms (encode {:.1}, step {:.1}, decode {:.1}, png {:.1}); load {:.2} s, first run {:.0} ms",
         b.num_images,
-        b.steps,
+        req.steps,
         model.describe(),
         json["e2e_ms"].as_f64().unwrap_or(0.0),
         json["encode_ms"].as_f64().unwrap_or(0.0),

@@ -26,7 +26,7 @@ use tessera_core::{Error, Result};
 
 use crate::files::ModelFiles;
 pub use ops::ops;
-pub use pipeline::{Event, Plan, Request, RgbImage, ZImage, ZImageConfigs};
+pub use pipeline::{DEFAULTS, Plan, ZImage, ZImageConfigs};
 
 /// The component folders of a diffusers Z-Image checkpoint, in the order of `model_index.json`.
 pub const COMPONENTS: [&str; 5] = [

@@ -15,11 +15,14 @@ use super::text::{MAX_PROMPT_TOKENS, PromptIds, PromptTemplate, prompt_ids};
 use super::transformer::ZImageTransformer;
 use super::vae::{VaeDecoder, to_rgb8};
 use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
+use crate::text_to_image::{Checked, Defaults, Event, Image, MAX_IMAGES, Request};
 
 /// Z-Image-Turbo's defaults (spec §1). The base model wants about 50 steps and guidance 4.
-pub const DEFAULT_STEPS: usize = 8;
-pub const DEFAULT_GUIDANCE: f32 = 0.0;
-pub const DEFAULT_SIZE: (usize, usize) = (1024, 1024);
+pub const DEFAULTS: Defaults = Defaults {
+    steps: 8,
+    guidance: 0.0,
+    size: (1024, 1024),
+};
 /// The largest guidance scale accepted. Useful scales are single digits; far beyond this the
 /// guided velocity is noise amplified (and near `f32::MAX` it overflows to infinity).
 pub const MAX_GUIDANCE: f32 = 100.0;
@@ -34,52 +37,14 @@ pub fn check_guidance(g: f32) -> Result<()> {
     )))
 }
 
-/// What to generate.
-#[derive(Clone, Debug)]
-pub struct Request {
-    pub prompt: String,
-    /// Used only with guidance > 0; `None` means `""`, as in diffusers.
-    pub negative_prompt: Option<String>,
-    pub width: usize,
-    pub height: usize,
-    pub steps: usize,
-    /// Classifier-free guidance `g`: CFG runs when `g > 0` (diffusers' rule).
-    pub guidance: f32,
-    pub seed: u64,
-    /// A starting latent `[latent_channels, height/8, width/8]` instead of the seeded one.
-    pub init_latent: Option<Vec<f32>>,
-    /// Override the scheduler's `shift` (from `scheduler_config.json` otherwise).
-    pub shift: Option<f64>,
-    /// Images to make from the prompt, seeds `seed, seed + 1, …`, denoised as one batch.
-    pub num_images: usize,
-}
-
-/// The most images one request makes.
-pub const MAX_IMAGES: usize = 16;
-
 /// Device memory a request needs besides its own buffers: the backend's fixed workspaces
 /// (product, im2col columns, split-key attention: 448 MiB) and the text encoder's passes.
 const FIXED_DEVICE_BYTES: usize = 640 << 20;
 
-impl Request {
-    pub fn new(prompt: impl Into<String>) -> Self {
-        Request {
-            prompt: prompt.into(),
-            negative_prompt: None,
-            width: DEFAULT_SIZE.0,
-            height: DEFAULT_SIZE.1,
-            steps: DEFAULT_STEPS,
-            guidance: DEFAULT_GUIDANCE,
-            seed: 0,
-            init_latent: None,
-            shift: None,
-            num_images: 1,
-        }
-    }
-
-    pub fn cfg(&self) -> bool {
-        self.guidance > 0.0
-    }
+/// Whether classifier-free guidance runs: when the guidance is positive (diffusers' rule for
+/// Z-Image; the negative prompt defaults to `""`).
+pub fn guided(req: &Request) -> bool {
+    req.guidance > 0.0
 }
 
 /// A checked request: everything that can be refused is refused here, before any compute.
@@ -91,30 +56,6 @@ pub struct Plan {
     pub prompts: Vec<PromptIds>,
     /// Things the user should know (truncation, ignored options), one line each.
     pub warnings: Vec<String>,
-}
-
-/// An 8-bit RGB image, rows top to bottom, `[height, width, 3]`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RgbImage {
-    pub width: usize,
-    pub height: usize,
-    pub pixels: Vec<u8>,
-}
-
-/// Progress reports from [`ZImage::generate`].
-pub enum Event<'a> {
-    /// The prompts are encoded; the loop starts.
-    Encoded,
-    /// Step `index` of `steps` is done: the transformer's output per item (each image's prompt,
-    /// then its negative prompt under CFG) and each image's latent after the Euler update.
-    Step {
-        index: usize,
-        steps: usize,
-        v: &'a [Vec<f32>],
-        latents: &'a [Vec<f32>],
-    },
-    /// The VAE is about to run.
-    Decoding,
 }
 
 /// The configs of a Z-Image folder's components, read and checked against each other before
@@ -323,7 +264,7 @@ impl<B: Backend> ZImage<B> {
         let mut warnings = Vec::new();
         let ids = |prompt: &str| prompt_ids(&self.tokenizer, &self.template, prompt);
         let mut prompts = vec![ids(&req.prompt)?];
-        if req.cfg() {
+        if guided(req) {
             prompts.push(ids(req.negative_prompt.as_deref().unwrap_or(""))?);
         } else if req.negative_prompt.is_some() {
             warnings.push(
@@ -346,6 +287,26 @@ impl<B: Backend> ZImage<B> {
             prompts,
             warnings,
         })
+    }
+
+    /// What a checked request will run, for front ends.
+    pub fn summary(&self, req: &Request, plan: &Plan) -> Checked {
+        let guided = guided(req);
+        let steps = plan.schedule.steps();
+        let passes = steps * if guided { 2 } else { 1 };
+        // Matmuls: 24·dim² per token and layer (the FFN is 8/3·dim wide); attention 4·tokens·dim.
+        let cfg = self.transformer.config();
+        let (lh, lw) = plan.latent_hw;
+        let tokens = (lh * lw / 4) as f64;
+        let (dim, layers) = (cfg.dim as f64, (cfg.n_layers + cfg.n_refiner_layers) as f64);
+        let per_pass = layers * tokens * (24.0 * dim * dim + 4.0 * tokens * dim);
+        Checked {
+            passes,
+            steps,
+            guided,
+            denoiser_flops: per_pass * (passes * req.num_images) as f64,
+            warnings: plan.warnings.clone(),
+        }
     }
 
     /// Device memory a request takes beyond the weights, in bytes: the larger of the denoising
@@ -440,7 +401,7 @@ impl<B: Backend> ZImage<B> {
         req: &Request,
         plan: &Plan,
         on: impl FnMut(Event<'_>),
-    ) -> Result<RgbImage> {
+    ) -> Result<Image> {
         if req.num_images != 1 {
             return Err(Error::input(format!(
                 "generate makes one image; {} were asked for (use generate_images)",
@@ -461,7 +422,7 @@ impl<B: Backend> ZImage<B> {
         req: &Request,
         plan: &Plan,
         on: impl FnMut(Event<'_>),
-    ) -> Result<Vec<RgbImage>> {
+    ) -> Result<Vec<Image>> {
         self.run(req, plan, on).map_err(|e| match e {
             // The plan's estimate let it start; something else took the memory meanwhile.
             Error::OutOfMemory(m) => Error::OutOfMemory(format!(
@@ -477,7 +438,7 @@ impl<B: Backend> ZImage<B> {
         req: &Request,
         plan: &Plan,
         mut on: impl FnMut(Event<'_>),
-    ) -> Result<Vec<RgbImage>> {
+    ) -> Result<Vec<Image>> {
         let be = &self.backend;
         let seqs: Vec<&[u32]> = plan.prompts.iter().map(|p| p.ids.as_slice()).collect();
         let hidden = self.text_encoder.forward(be, &seqs)?;
@@ -513,7 +474,7 @@ impl<B: Backend> ZImage<B> {
             let at = format!("denoising step {} of {}", step + 1, schedule.steps());
             for (i, latent) in latents.iter_mut().enumerate() {
                 let mut pred = v[i * per].clone();
-                if req.cfg() {
+                if guided(req) {
                     guide(&mut pred, &v[i * per + 1], req.guidance);
                 }
                 check_finite(&format!("{at}: transformer velocity"), &pred)?;
@@ -535,7 +496,8 @@ impl<B: Backend> ZImage<B> {
             .map(|latent| {
                 let image = self.vae.decode(be, latent, plan.latent_hw, None)?;
                 check_finite("VAE decoder output", &image)?;
-                Ok(RgbImage {
+                Ok(Image {
+                    channels: 3,
                     width: req.width,
                     height: req.height,
                     pixels: to_rgb8(&image),
