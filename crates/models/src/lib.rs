@@ -8,7 +8,8 @@
 //! - [`imageproc`]: image decoding, the reference's resampler and patches;
 //! - [`text_to_image`]: requests, progress and images of every text-to-image family;
 //! - [`zimage`]: Z-Image-Turbo text-to-image;
-//! - [`qwen3`]: Qwen3 text models (Z-Image's caption encoder);
+//! - [`qwen_image`]: Qwen-Image-2.1 text-to-image with its prefix K/V cache;
+//! - [`qwen3`]: Qwen3 text models (Z-Image's caption encoder, Qwen-Image's Qwen3-VL language model);
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
 //! - [`chat_template`]: the chat templates tokenizers ship, rendered as transformers renders them;
 //! - [`files`]: a model's files, from a folder or compiled into the binary.
@@ -23,6 +24,7 @@ pub mod input;
 pub mod lfm2vl;
 pub mod loader;
 pub mod qwen3;
+pub mod qwen_image;
 pub mod text_to_image;
 pub mod tokenize;
 pub mod zimage;

@@ -7,7 +7,6 @@
 //! every block output up to the last layer ≤ 1e-5; final layer and v ≤ 2e-4; text encoder
 //! ≤ 1e-4. The VAE and the per-step pipeline bounds are stated at their tests.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -26,6 +25,10 @@ use tessera_models::zimage::transformer::{
 };
 use tessera_models::zimage::vae::{VaeDecoder, VaeTaps};
 use tessera_models::zimage::{self, BUNDLED, ZImage, ZImageFiles};
+
+mod common;
+
+use common::{Expected, Worst, max_abs, rel};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -90,109 +93,6 @@ fn cases() -> Cases {
     let p = root().join("tests/fixtures/zimage/cases.json");
     let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     serde_json::from_str(&text).expect("cases.json parses")
-}
-
-/// Expected tensors by name: float64 taps, f32 inputs, uint8 images, all widened to f64.
-struct Expected {
-    tensors: BTreeMap<String, (Vec<usize>, Vec<f64>)>,
-}
-
-impl Expected {
-    fn load() -> Self {
-        Self::load_from(&root().join("tests/fixtures/zimage/expected.safetensors"))
-    }
-
-    fn load_from(p: &Path) -> Self {
-        let bytes = std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-        let st =
-            safetensors::SafeTensors::deserialize(&bytes).expect("expected.safetensors parses");
-        let mut tensors = BTreeMap::new();
-        for (name, t) in st.tensors() {
-            let d = t.data();
-            let values: Vec<f64> = match t.dtype() {
-                safetensors::Dtype::F64 => d
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                safetensors::Dtype::F32 => d
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-                safetensors::Dtype::U8 => d.iter().map(|&b| b as f64).collect(),
-                other => panic!("{name}: unexpected dtype {other:?}"),
-            };
-            tensors.insert(name, (t.shape().to_vec(), values));
-        }
-        Expected { tensors }
-    }
-
-    fn get(&self, name: &str) -> &[f64] {
-        &self
-            .tensors
-            .get(name)
-            .unwrap_or_else(|| panic!("fixture tensor {name} missing"))
-            .1
-    }
-
-    fn shape(&self, name: &str) -> &[usize] {
-        &self.tensors[name].0
-    }
-
-    /// An input tensor, exactly as the reference received it (f32).
-    fn f32(&self, name: &str) -> Vec<f32> {
-        self.get(name).iter().map(|&v| v as f32).collect()
-    }
-}
-
-/// `max |got − want| / max |want|`.
-fn rel(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length");
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    max_abs(got, want) / scale
-}
-
-fn max_abs(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length");
-    got.iter()
-        .zip(want)
-        .map(|(&g, &w)| {
-            if g.is_finite() {
-                (g as f64 - w).abs()
-            } else {
-                f64::INFINITY
-            }
-        })
-        .fold(0.0, f64::max)
-}
-
-/// Tracks the worst error per tap across cases; failures are collected so that one run shows
-/// every tap over its bound.
-#[derive(Default)]
-struct Worst {
-    taps: BTreeMap<String, (f64, f64)>,
-    failures: Vec<String>,
-}
-
-impl Worst {
-    fn check(&mut self, what: &str, case: &str, err: f64, bound: f64) {
-        // NaN fails too.
-        if err.is_nan() || err > bound {
-            self.failures
-                .push(format!("{case}: {what} error {err:.3e} > {bound:.0e}"));
-        }
-        let e = self.taps.entry(what.to_string()).or_insert((0.0, bound));
-        e.0 = e.0.max(err);
-    }
-    fn report(&self, title: &str) {
-        for (k, (e, b)) in &self.taps {
-            eprintln!("{title} {k:>12}: worst {e:.2e} (bound {b:.0e})");
-        }
-        assert!(
-            self.failures.is_empty(),
-            "{title}:\n{}",
-            self.failures.join("\n")
-        );
-    }
 }
 
 fn cpu_buf(be: &CpuBackend, v: &[f32]) -> <CpuBackend as Backend>::Buf {
@@ -276,7 +176,11 @@ fn dit_bound(tap: &str) -> (f64, bool) {
 
 #[test]
 fn dit_taps_match_the_reference_block_by_block() {
-    let (fx, ex, be) = (cases(), Expected::load(), CpuBackend::new());
+    let (fx, ex, be) = (
+        cases(),
+        Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors")),
+        CpuBackend::new(),
+    );
     let tr = load_transformer(&be, &diffusers_weights(), &ex);
     assert!(
         fx.dit.len() >= 5 && fx.dit.iter().any(|c| c.items == 2),
@@ -335,7 +239,7 @@ fn timestep_features_are_the_reference_sinusoid() {
 /// difference it isolates is measured, and the pipeline test runs with our own table.
 #[test]
 fn timestep_frequencies_are_correctly_rounded_and_within_an_ulp_of_torch() {
-    let ex = Expected::load();
+    let ex = Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors"));
     let ours = timestep_frequencies();
     let theirs = ex.f32("timestep_freqs");
     let mut differ = 0;
@@ -356,7 +260,11 @@ fn timestep_frequencies_are_correctly_rounded_and_within_an_ulp_of_torch() {
 
 #[test]
 fn comfyui_sharded_and_f32_transformer_files_give_identical_outputs() {
-    let (fx, ex, be) = (cases(), Expected::load(), CpuBackend::new());
+    let (fx, ex, be) = (
+        cases(),
+        Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors")),
+        CpuBackend::new(),
+    );
     let c = &fx.dit[2];
     let v = |w: &Weights| {
         run_dit(&be, &load_transformer(&be, w, &ex), &ex, c).values[&("v".to_string(), 0)].clone()
@@ -410,7 +318,10 @@ fn write_sharded_f32(w: &Weights, dir: &Path, n: usize) {
 
 #[test]
 fn vae_blocks_match_the_reference() {
-    let (ex, be) = (Expected::load(), CpuBackend::new());
+    let (ex, be) = (
+        Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors")),
+        CpuBackend::new(),
+    );
     let dir = mini().join("vae");
     let cfg = VaeConfig::parse(&dir.join("config.json"), &read(&dir, "config.json")).unwrap();
     let w = Weights::open_dir(&dir, "diffusion_pytorch_model").unwrap();
@@ -442,7 +353,11 @@ fn vae_blocks_match_the_reference() {
 
 #[test]
 fn text_encoder_ids_and_layers_match_the_reference() {
-    let (fx, ex, be) = (cases(), Expected::load(), CpuBackend::new());
+    let (fx, ex, be) = (
+        cases(),
+        Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors")),
+        CpuBackend::new(),
+    );
     let files = ZImageFiles::dir(&mini()).unwrap();
     let tok = BpeTokenizer::load(&files.tokenizer).unwrap();
     let template = PromptTemplate::load(&files.tokenizer).unwrap();
@@ -515,7 +430,10 @@ fn sigma_schedules_are_bit_identical() {
 /// decode decides the rounding.
 #[test]
 fn pipeline_reproduces_the_reference_steps_and_image() {
-    let (fx, ex) = (cases(), Expected::load());
+    let (fx, ex) = (
+        cases(),
+        Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors")),
+    );
     assert_eq!(fx.e2e.len(), 2);
     let mut z = ZImage::load(CpuBackend::new(), &ZImageFiles::dir(&mini()).unwrap(), None).unwrap();
     let mut worst = Worst::default();
@@ -625,7 +543,10 @@ fn assert_image_matches(name: &str, got: &[u8], ex: &Expected, prefix: &str) {
 
 #[test]
 fn the_bundled_model_is_the_fixture_model() {
-    let (fx, ex) = (cases(), Expected::load());
+    let (fx, ex) = (
+        cases(),
+        Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors")),
+    );
     let c = &fx.e2e[0];
     let mut z = ZImage::load(CpuBackend::new(), &BUNDLED, None).unwrap();
     let req = Request {

@@ -3,13 +3,15 @@
 //! - [`mlp`]: the gated MLP;
 //! - [`layers`]: the pre-norm (Qwen-style) and sandwich-normed (Gemma) layers built from them;
 //! - [`scratch`]: the activations a block works in;
-//! - [`rope`]: RoPE angle tables (1-D, 2-D axial, multi-axis).
+//! - [`rope`]: RoPE angle tables (1-D, 2-D axial, multi-axis);
+//! - [`timestep`]: the sinusoidal timestep features of diffusion transformers.
 
 pub mod attention;
 pub mod layers;
 pub mod mlp;
 pub mod rope;
 pub mod scratch;
+pub mod timestep;
 
 pub use attention::{AttentionWeights, AttnNames, HF_ATTENTION, QkvNames, SelfAttention};
 pub use layers::{LayerShape, PreNormLayer, SandwichLayer};

@@ -10,7 +10,12 @@ use tessera_core::{Error, Result};
 struct RawRope {
     #[serde(default)]
     rope_type: Option<String>,
-    rope_theta: f64,
+    rope_theta: Option<f64>,
+    /// Qwen3-VL's multimodal RoPE: how the rotated pairs split between the (time, height,
+    /// width) position axes. Text-only input puts a token at the same position on all three,
+    /// where any split rotates exactly as the 1-D RoPE does.
+    #[serde(default)]
+    mrope_section: Option<Vec<usize>>,
 }
 
 /// transformers' class default when a file omits `head_dim`.
@@ -58,12 +63,40 @@ pub struct Qwen3Config {
 }
 
 impl Qwen3Config {
+    /// The language model of a Qwen3-VL `config.json` (`model_type` `qwen3_vl`, the model under
+    /// `text_config`), as Qwen-Image-2.1's text encoder ships it. Only text-only input is run,
+    /// where the multimodal RoPE is the 1-D one.
+    pub fn parse_vl(path: &Path, json: &str) -> Result<Self> {
+        #[derive(Deserialize)]
+        struct Outer {
+            model_type: Option<String>,
+            text_config: Option<serde_json::Value>,
+        }
+        let outer: Outer = tessera_core::config::parse_json(path, json)?;
+        if let Some(t) = outer.model_type.as_deref()
+            && t != "qwen3_vl"
+        {
+            return Err(Error::config(
+                path,
+                "model_type",
+                format!(
+                    "{t:?} is not a Qwen3-VL model (expected \"qwen3_vl\"): Qwen-Image-2.1's text encoder is Qwen3-VL"
+                ),
+            ));
+        }
+        let text = outer
+            .text_config
+            .ok_or_else(|| Error::config(path, "text_config", "missing"))?;
+        Self::parse(path, &text.to_string())
+    }
+
     /// Parse `json`, which came from `path` (named in errors).
     pub fn parse(path: &Path, json: &str) -> Result<Self> {
         let raw: Raw = tessera_core::config::parse_json(path, json)?;
         let err = |field: &str, msg: String| Error::config(path, field, msg);
         if let Some(t) = raw.model_type.as_deref()
             && t != "qwen3"
+            && t != "qwen3_vl_text"
         {
             return Err(err(
                 "model_type",
@@ -82,25 +115,47 @@ impl Qwen3Config {
         if raw.use_sliding_window {
             return Err(err("use_sliding_window", "true is not supported".into()));
         }
-        if raw.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(err(
-                "rope_scaling",
-                "only the default RoPE is supported".into(),
-            ));
-        }
-        let rope_theta = match (&raw.rope_parameters, raw.rope_theta) {
-            (Some(p), _) => {
-                if let Some(t) = p.rope_type.as_deref()
-                    && t != "default"
-                {
+        // transformers 4.x wrote Qwen3-VL's multimodal sections under `rope_scaling`; plain
+        // Qwen3 files have it null.
+        let scaling: Option<RawRope> = match &raw.rope_scaling {
+            Some(v) if !v.is_null() => {
+                let r: RawRope = serde_json::from_value(v.clone())
+                    .map_err(|e| err("rope_scaling", e.to_string()))?;
+                if r.mrope_section.is_none() {
                     return Err(err(
-                        "rope_parameters.rope_type",
-                        format!("{t:?} is not supported (only \"default\")"),
+                        "rope_scaling",
+                        "only the default RoPE is supported".into(),
                     ));
                 }
-                p.rope_theta
+                Some(r)
             }
-            (None, Some(theta)) => theta,
+            _ => None,
+        };
+        let params = raw.rope_parameters.as_ref().or(scaling.as_ref());
+        if let Some(p) = params {
+            if let Some(t) = p.rope_type.as_deref()
+                && t != "default"
+            {
+                return Err(err(
+                    "rope_parameters.rope_type",
+                    format!("{t:?} is not supported (only \"default\")"),
+                ));
+            }
+            if let Some(sec) = &p.mrope_section
+                && sec.iter().sum::<usize>() != raw.head_dim / 2
+            {
+                return Err(err(
+                    "rope_parameters.mrope_section",
+                    format!(
+                        "{sec:?} does not split the {} rotated pairs of head_dim {}",
+                        raw.head_dim / 2,
+                        raw.head_dim
+                    ),
+                ));
+            }
+        }
+        let rope_theta = match (params.and_then(|p| p.rope_theta), raw.rope_theta) {
+            (Some(theta), _) | (None, Some(theta)) => theta,
             (None, None) => return Err(err("rope_theta", "missing (nor rope_parameters)".into())),
         };
         let heads_kv = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);

@@ -29,6 +29,7 @@ use super::config::{T_FREQ_DIM, T_MID_DIM, TransformerConfig};
 use super::layout::{ItemLayout, patchify, unpatchify};
 use crate::blocks::layers::attention_then_mlp;
 use crate::blocks::rope::MultiAxis;
+pub use crate::blocks::timestep::{timestep_features, timestep_frequencies};
 use crate::blocks::{
     AttentionWeights, AttnNames, MlpNames, MlpWeights, QkvNames, Scratch, ScratchDims,
     SelfAttention,
@@ -39,8 +40,6 @@ use crate::loader::{Linear, Loader};
 const QK_NORM_EPS: f32 = 1e-5;
 /// The final LayerNorm (no affine weight).
 const FINAL_NORM_EPS: f32 = 1e-6;
-/// `TimestepEmbedder.timestep_embedding`'s `max_period`.
-const MAX_PERIOD: f64 = 10_000.0;
 
 /// Intermediate tensors recorded for parity tests, by `(name, item)`; names follow the fixture
 /// (`temb`, `mod_nr0`, `rope_cos`, `cap_seq`, `cr1_out`, `x_seq`, `nr0_out`, `u_in`, `l0_out`,
@@ -240,36 +239,6 @@ impl<B: Backend> Prepared<B> {
     pub fn steps(&self) -> usize {
         self.steps
     }
-}
-
-/// The 128 frequencies of diffusers' `TimestepEmbedder.timestep_embedding`,
-/// `f_i = exp(−ln(10⁴) · i / 128)`: the exponent rounded to `f32` in torch's order, the
-/// exponential correctly rounded.
-///
-/// Measured: torch's CPU `exp` (Sleef, ≤ 1 ulp) rounds 3 of these 128 values (i = 13, 44, 119)
-/// one ulp the other way. Multiplied by τ ≈ 700 that moves those features by ~2e-5 and the
-/// modulations by ~3e-6 relative; parity tests substitute the reference's own table
-/// ([`ZImageTransformer::set_timestep_frequencies`]) to see the rest of the model at 1e-7.
-pub fn timestep_frequencies() -> Vec<f32> {
-    let half = T_FREQ_DIM / 2;
-    let k = -(MAX_PERIOD.ln()) as f32;
-    (0..half)
-        .map(|i| {
-            let e = (k * i as f32) / half as f32;
-            (e as f64).exp() as f32
-        })
-        .collect()
-}
-
-/// The sinusoidal timestep features `[cos(τ·f) | sin(τ·f)]`, `τ = t_model · t_scale` (cosine
-/// first), with `τ·f` rounded to `f32` as torch does.
-pub fn timestep_features(freqs: &[f32], t_model: f32, t_scale: f32) -> Vec<f32> {
-    let tau = t_model * t_scale;
-    let args: Vec<f64> = freqs.iter().map(|&f| (tau * f) as f64).collect();
-    args.iter()
-        .map(|a| a.cos() as f32)
-        .chain(args.iter().map(|a| a.sin() as f32))
-        .collect()
 }
 
 impl<B: Backend> ZImageTransformer<B> {
