@@ -4,6 +4,7 @@
 //! - [`blocks`]: blocks shared by the transformer families (attention, MLP, layers, RoPE tables);
 //! - [`loader`]: loading a checkpoint's tensors onto a backend, for every family;
 //! - [`input`]: multimodal inputs (ordered text and image parts);
+//! - [`noise`]: the seeded initial latents of the text-to-image families;
 //! - [`egemma2`]: EmbeddingGemma 2 text, image and mixed embeddings;
 //! - [`imageproc`]: image decoding, the reference's resampler and patches;
 //! - [`text_to_image`]: requests, progress and images of every text-to-image family;
@@ -23,6 +24,7 @@ pub mod imageproc;
 pub mod input;
 pub mod lfm2vl;
 pub mod loader;
+pub mod noise;
 pub mod qwen3;
 pub mod qwen_image;
 pub mod text_to_image;

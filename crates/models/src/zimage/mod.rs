@@ -7,12 +7,10 @@
 //! - [`transformer`]: the DiT (diffusers and ComfyUI weight layouts);
 //! - [`scheduler`]: the FlowMatch Euler σ schedule, step and CFG;
 //! - [`vae`]: the VAE decoder and the 8-bit conversion;
-//! - [`noise`]: the seeded initial latent;
 //! - [`pipeline`]: all of it end to end.
 
 pub mod config;
 pub mod layout;
-pub mod noise;
 mod ops;
 pub mod pipeline;
 pub mod scheduler;

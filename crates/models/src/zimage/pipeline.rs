@@ -9,7 +9,7 @@ use tessera_core::{Error, Result, Weights, check_finite};
 
 use super::ZImageFiles;
 use super::config::{SchedulerConfig, TransformerConfig, VaeConfig, check_model_index};
-use super::noise;
+use crate::noise;
 use super::scheduler::{FlowMatchEuler, Schedule, euler_step, guide};
 use super::text::{MAX_PROMPT_TOKENS, PromptIds, PromptTemplate, prompt_ids};
 use super::transformer::ZImageTransformer;

@@ -5,7 +5,7 @@
 //! advanced by `0x9E3779B97F4A7C15`) yields 64-bit words; each word's top 53 bits make a uniform
 //! `u ∈ (0, 1]`; consecutive pairs `(u₁, u₂)` become two standard normals by Box–Muller in `f64`,
 //! `√(−2 ln u₁)·(cos 2πu₂, sin 2πu₂)`, rounded to `f32` and written in order over the
-//! `[channels, h, w]` latent. It is not torch's `randn` stream: a diffusers image for the same
+//! latent in its family's layout (Z-Image `[channels, h, w]`, Qwen-Image packed `[tokens, channels]`). It is not torch's `randn` stream: a diffusers image for the same
 //! seed differs (use `--init-latent` to feed diffusers' latent instead).
 
 /// SplitMix64.

@@ -1,0 +1,441 @@
+//! The whole text-to-image pipeline (diffusers 0.42.1 `QwenImage21Pipeline.__call__`, spec A8):
+//! prompt → Qwen3-VL features → the prefix of each prompt (and of the negative prompt under
+//! true CFG) computed once → `N` Euler steps of the target rows from a seeded (or given) latent
+//! → VAE decode → straight 8-bit RGBA.
+//!
+//! True CFG runs when the guidance is above 1 **and** a negative prompt is given (an empty one
+//! counts: it is encoded as `" "`); `v = v_neg + g·(v_pos − v_neg)`, each branch over its own
+//! prefix and RoPE table. Sizes are multiples of 32 pixels: the VAE's 16× and the 2×2 latent
+//! groups of the prompt's image slots (diffusers floors other sizes silently; we refuse them).
+//!
+//! The seeded latent is Tessera's own generator (SplitMix64 + Box–Muller, as for Z-Image), not
+//! torch's `randn`; to reproduce a diffusers image, pass its packed latent as `init_latent`.
+
+use tessera_backend::{Backend, Precision, View};
+use tessera_core::{Error, Result, check_finite};
+
+use super::QwenImageFiles;
+use super::config::{ModelIndex, TransformerConfig, parse_model_index};
+use super::layout::Layout;
+use super::scheduler::{self, SchedulerConfig};
+use super::text::{PromptIds, TextEncoder, prompt_ids};
+use super::transformer::{Prefix, QwenImageTransformer};
+use super::vae::{VaeConfig, VaeDecoder, to_rgba8};
+use crate::flow_match::{Schedule, euler_step};
+use crate::qwen3::{BpeTokenizer, Qwen3Config};
+use crate::text_to_image::{Checked, Defaults, Event, Image, MAX_IMAGES, Request};
+use crate::noise;
+
+/// Device memory a request needs besides its own buffers: the backend's fixed workspaces and
+/// the text encoder's passes.
+const FIXED_DEVICE_BYTES: usize = 768 << 20;
+
+/// The configs of a Qwen-Image-2.1 folder's components, read and checked against each other
+/// before any weight loads.
+#[derive(Clone, Debug)]
+pub struct QwenImageConfigs {
+    pub index: ModelIndex,
+    pub text_encoder: Qwen3Config,
+    pub transformer: TransformerConfig,
+    pub vae: VaeConfig,
+    pub scheduler: SchedulerConfig,
+}
+
+impl QwenImageConfigs {
+    pub fn read(files: &QwenImageFiles) -> Result<Self> {
+        let index = parse_model_index(
+            &files.root.path("model_index.json"),
+            &files.root.read("model_index.json")?,
+        )?;
+        let te_path = files.text_encoder.path("config.json");
+        let te = Qwen3Config::parse_vl(&te_path, &files.text_encoder.read("config.json")?)?;
+        let tr_path = files.transformer.path("config.json");
+        let tr = TransformerConfig::parse(&tr_path, &files.transformer.read("config.json")?)?;
+        if tr.context_in_dim != te.hidden_size {
+            return Err(Error::config(
+                tr_path,
+                "context_in_dim",
+                format!(
+                    "{} does not match the text encoder's hidden_size {}",
+                    tr.context_in_dim, te.hidden_size
+                ),
+            ));
+        }
+        let vae_path = files.vae.path("config.json");
+        let vae = VaeConfig::parse(&vae_path, &files.vae.read("config.json")?)?;
+        if vae.z_dim != tr.in_channels || tr.out_channels != tr.in_channels {
+            return Err(Error::config(
+                vae_path,
+                "z_dim",
+                format!(
+                    "{} does not match the transformer's in/out channels {}/{}",
+                    vae.z_dim, tr.in_channels, tr.out_channels
+                ),
+            ));
+        }
+        let sched_path = files.scheduler.path("scheduler_config.json");
+        let scheduler =
+            SchedulerConfig::parse(&sched_path, &files.scheduler.read("scheduler_config.json")?)?;
+        Ok(QwenImageConfigs {
+            index,
+            text_encoder: te,
+            transformer: tr,
+            vae,
+            scheduler,
+        })
+    }
+}
+
+/// A checked request: everything that can be refused is refused here, before any compute.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// The target in latent tokens.
+    pub latent_hw: (usize, usize),
+    pub schedule: Schedule,
+    /// The prompt's ids, then the negative prompt's under true CFG.
+    pub prompts: Vec<PromptIds>,
+    pub guided: bool,
+    pub warnings: Vec<String>,
+}
+
+pub struct QwenImage<B: Backend> {
+    backend: B,
+    tokenizer: BpeTokenizer,
+    text_encoder: TextEncoder<B>,
+    transformer: QwenImageTransformer<B>,
+    vae: VaeDecoder<B>,
+    configs: QwenImageConfigs,
+}
+
+impl<B: Backend> QwenImage<B> {
+    pub fn load(backend: B, files: &QwenImageFiles) -> Result<Self> {
+        let be = &backend;
+        let configs = QwenImageConfigs::read(files)?;
+        let tokenizer = BpeTokenizer::load(&files.processor)?;
+        if tokenizer.vocab_size() > configs.text_encoder.vocab_size {
+            return Err(Error::config(
+                files.processor.path("tokenizer.json"),
+                "vocab",
+                format!(
+                    "{} tokens, more than the text encoder's vocab_size {}",
+                    tokenizer.vocab_size(),
+                    configs.text_encoder.vocab_size
+                ),
+            ));
+        }
+        let text_encoder =
+            TextEncoder::load(be, &configs.text_encoder, &files.text_encoder.weights("model")?)?;
+        let transformer = QwenImageTransformer::load(
+            be,
+            &configs.transformer,
+            &files.transformer.weights("diffusion_pytorch_model")?,
+        )?;
+        let vae = VaeDecoder::load(be, &configs.vae, &files.vae.weights("diffusion_pytorch_model")?)?;
+        Ok(QwenImage {
+            backend,
+            tokenizer,
+            text_encoder,
+            transformer,
+            vae,
+            configs,
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+    pub fn transformer(&self) -> &QwenImageTransformer<B> {
+        &self.transformer
+    }
+    pub fn vae(&self) -> &VaeDecoder<B> {
+        &self.vae
+    }
+    pub fn configs(&self) -> &QwenImageConfigs {
+        &self.configs
+    }
+
+    /// The pipeline's defaults, with the step count of the author's σ grid when the folder
+    /// sets one.
+    pub fn defaults(&self) -> Defaults {
+        Defaults {
+            steps: self
+                .configs
+                .index
+                .sample_sigmas
+                .as_ref()
+                .map_or(super::DEFAULTS.steps, Vec::len),
+            ..super::DEFAULTS
+        }
+    }
+
+    /// Image sides must be multiples of this: the VAE's factor times the 2×2 latent groups.
+    pub fn size_multiple(&self) -> usize {
+        2 * self.vae.config().scale()
+    }
+
+    /// The initial latent's length for a `width × height` image: packed `[tokens, channels]`.
+    pub fn latent_len(&self, width: usize, height: usize) -> usize {
+        let s = self.vae.config().scale();
+        (width / s) * (height / s) * self.configs.transformer.in_channels
+    }
+
+    /// Check a request and tokenise its prompts; nothing heavy runs.
+    pub fn plan(&self, req: &Request) -> Result<Plan> {
+        let m = self.size_multiple();
+        let (w, h) = (req.width, req.height);
+        if w == 0 || h == 0 || w % m != 0 || h % m != 0 {
+            let near = |v: usize| ((v + m / 2) / m).max(1) * m;
+            return Err(Error::input(format!(
+                "--size {w}x{h}: Qwen-Image-2.1 makes images whose sides are positive multiples of {m}; the nearest valid size is {}x{}",
+                near(w),
+                near(h)
+            )));
+        }
+        if !(req.guidance.is_finite() && req.guidance >= 0.0) {
+            return Err(Error::input(format!(
+                "--guidance {}: use a scale of 1 (no guidance) or more",
+                req.guidance
+            )));
+        }
+        if !(1..=MAX_IMAGES).contains(&req.num_images) {
+            return Err(Error::input(format!(
+                "--num-images {}: make 1 to {MAX_IMAGES} images per request",
+                req.num_images
+            )));
+        }
+        if req.shift.is_some() {
+            return Err(Error::input(
+                "Qwen-Image-2.1 shifts its schedule by the image size; a fixed shift does not apply",
+            ));
+        }
+        let scale = self.vae.config().scale();
+        let latent_hw = (h / scale, w / scale);
+        let tokens = latent_hw.0 * latent_hw.1;
+        let mut warnings = Vec::new();
+        let sample = self.configs.index.sample_sigmas.as_deref();
+        if let Some(s) = sample
+            && s.len() != req.steps
+        {
+            warnings.push(format!(
+                "this model's σ grid (model_index.json sample_sigmas) has {} steps; --steps {} is ignored, as in the reference",
+                s.len(),
+                req.steps
+            ));
+        }
+        let schedule = scheduler::schedule(&self.configs.scheduler, req.steps, tokens, sample)?;
+        if let Some(l) = &req.init_latent {
+            if req.num_images > 1 {
+                return Err(Error::input(
+                    "an initial latent starts one image: --init-latent needs --num-images 1",
+                ));
+            }
+            let want = self.latent_len(w, h);
+            if l.len() != want {
+                return Err(Error::input(format!(
+                    "the initial latent has {} values; a {w}x{h} image needs {tokens} tokens × {} channels = {want}",
+                    l.len(),
+                    self.configs.transformer.in_channels
+                )));
+            }
+        }
+        let guided = req.guidance > 1.0 && req.negative_prompt.is_some();
+        if req.guidance > 1.0 && !guided {
+            warnings.push(format!(
+                "--guidance {} has no effect without a negative prompt: true CFG is off (give --negative-prompt; an empty one counts)",
+                req.guidance
+            ));
+        } else if req.negative_prompt.is_some() && !guided {
+            warnings.push(
+                "the negative prompt is ignored: true CFG runs only with --guidance above 1".into(),
+            );
+        }
+        let mut prompts = vec![prompt_ids(&self.tokenizer, &req.prompt)?];
+        if guided {
+            let neg = req.negative_prompt.as_deref().unwrap_or_default();
+            prompts.push(prompt_ids(&self.tokenizer, neg)?);
+        }
+        let max = self.configs.text_encoder.max_positions;
+        if let Some(p) = prompts.iter().find(|p| p.ids.len() > max) {
+            return Err(Error::input(format!(
+                "the prompt is {} tokens with its template; the text encoder takes at most {max}",
+                p.ids.len()
+            )));
+        }
+        let plan = Plan {
+            latent_hw,
+            schedule,
+            prompts,
+            guided,
+            warnings,
+        };
+        self.check_memory(req, &plan)?;
+        Ok(plan)
+    }
+
+    /// What a planned request will run, for front ends.
+    pub fn summary(&self, req: &Request, plan: &Plan) -> Checked {
+        let steps = plan.schedule.steps();
+        let passes = steps * if plan.guided { 2 } else { 1 };
+        let c = &self.configs.transformer;
+        let n = (plan.latent_hw.0 * plan.latent_hw.1) as f64;
+        let lp = plan.prompts[0].rows() as f64;
+        let d = c.dim() as f64;
+        // Per target row and layer: q|k|v|o (4·d²) and the SwiGLU (3·d·ffn) products, and the
+        // attention over prefix + target keys.
+        let per_pass = c.num_layers as f64
+            * n
+            * (2.0 * (4.0 * d * d + 3.0 * d * c.ffn_dim() as f64) + 4.0 * (lp + n) * d);
+        Checked {
+            passes,
+            steps,
+            guided: plan.guided,
+            denoiser_flops: per_pass * (passes * req.num_images) as f64,
+            warnings: plan.warnings.clone(),
+        }
+    }
+
+    /// Device memory a request takes beyond the weights, in bytes.
+    fn request_bytes(&self, req: &Request, plan: &Plan, (w, h): (usize, usize)) -> usize {
+        let compute = match self.backend.precision() {
+            Precision::Bf16 => 2,
+            Precision::F32 => 4,
+        };
+        let scale = self.vae.config().scale();
+        let hw = (h / scale, w / scale);
+        let rows: Vec<usize> = plan.prompts.iter().map(PromptIds::rows).collect();
+        let items: Vec<usize> = (0..req.num_images)
+            .flat_map(|_| rows.iter().copied())
+            .collect();
+        let tr = &self.transformer;
+        let prefixes: usize = rows.iter().map(|&r| tr.prefix_bytes(r, compute)).sum();
+        let steps = tr.step_bytes(&items, hw, plan.schedule.steps(), compute) + prefixes;
+        let decode = self.vae.activation_bytes(hw, compute);
+        steps.max(decode) + FIXED_DEVICE_BYTES
+    }
+
+    /// Refuse, before any compute, a request whose buffers would not fit in the device memory
+    /// left after loading, naming the largest size of the same shape that fits.
+    fn check_memory(&self, req: &Request, plan: &Plan) -> Result<()> {
+        let Some(available) = self.backend.memory_available()? else {
+            return Ok(());
+        };
+        let (w, h) = (req.width, req.height);
+        let need = self.request_bytes(req, plan, (w, h));
+        if need <= available {
+            return Ok(());
+        }
+        let m = self.size_multiple();
+        let largest = (1..=w / m).rev().find_map(|side| {
+            let w2 = side * m;
+            let h2 = ((h * w2) as f64 / (w * m) as f64).round().max(1.0) as usize * m;
+            (self.request_bytes(req, plan, (w2, h2)) <= available).then_some((w2, h2))
+        });
+        let gb = |b: usize| b as f64 / 1e9;
+        let hint = match largest {
+            Some((w2, h2)) => format!("the largest size of this shape that fits is {w2}x{h2}"),
+            None => "no size fits; free device memory or use --device cpu".to_string(),
+        };
+        Err(Error::input(format!(
+            "--size {w}x{h}{} needs about {:.1} GB of device memory beyond the model's weights, and {:.1} GB are free: {hint}",
+            if req.num_images > 1 {
+                format!(" × {} images", req.num_images)
+            } else {
+                String::new()
+            },
+            gb(need),
+            gb(available)
+        )))
+    }
+
+    /// The text encoder's features of each planned prompt, `[rows, hidden]` each.
+    pub fn prompt_features(&mut self, plan: &Plan) -> Result<Vec<Vec<f32>>> {
+        self.text_encoder.features(&self.backend, &plan.prompts)
+    }
+
+    /// Run a planned request: `req.num_images` images, seeds `seed, seed + 1, …`, every step one
+    /// batch through the DiT (under true CFG each image's two branches are items of it).
+    pub fn generate_images(
+        &mut self,
+        req: &Request,
+        plan: &Plan,
+        on: impl FnMut(Event<'_>),
+    ) -> Result<Vec<Image>> {
+        self.run(req, plan, on).map_err(|e| match e {
+            Error::OutOfMemory(m) => Error::OutOfMemory(format!(
+                "{m} while making {} image(s) of {}x{}: try a smaller --size or fewer --num-images",
+                req.num_images, req.width, req.height
+            )),
+            e => e,
+        })
+    }
+
+    fn run(&mut self, req: &Request, plan: &Plan, mut on: impl FnMut(Event<'_>)) -> Result<Vec<Image>> {
+        let feats = self.prompt_features(plan)?;
+        let be = &self.backend;
+        let ctx = self.configs.transformer.context_in_dim;
+        let mut prefixes: Vec<Prefix<B>> = Vec::with_capacity(feats.len());
+        for (f, p) in feats.iter().zip(&plan.prompts) {
+            check_finite("text encoder features", f)?;
+            let layout = Layout::text_to_image(p.rows(), plan.latent_hw)?;
+            let mut buf = be.alloc(f.len(), tessera_backend::Role::Stream)?;
+            be.write_f32(&mut buf, f)?;
+            prefixes.push(self.transformer.prefill(be, &layout, View::new(&buf, p.rows(), ctx), &[])?);
+        }
+        let per = prefixes.len();
+        let n = req.num_images;
+        let items: Vec<usize> = (0..n).flat_map(|_| 0..per).collect();
+        let refs: Vec<&Prefix<B>> = prefixes.iter().collect();
+        let schedule = &plan.schedule;
+        let mut steps = self
+            .transformer
+            .prepare_steps(be, &refs, &items, &schedule.t_model)?;
+        on(Event::Encoded);
+        let len = self.latent_len(req.width, req.height);
+        let mut latents: Vec<Vec<f32>> = match &req.init_latent {
+            Some(l) => vec![l.clone()],
+            None => (0..n as u64)
+                .map(|i| noise::gaussian(req.seed.wrapping_add(i), len))
+                .collect(),
+        };
+        for step in 0..schedule.steps() {
+            let of_items: Vec<&[f32]> = (0..n * per).map(|i| latents[i / per].as_slice()).collect();
+            let v = self.transformer.step(be, &mut steps, &refs, &of_items, step)?;
+            let at = format!("denoising step {} of {}", step + 1, schedule.steps());
+            for (i, latent) in latents.iter_mut().enumerate() {
+                let mut pred = v[i * per].clone();
+                if plan.guided {
+                    // v_neg + g·(v_pos − v_neg), in the reference's order.
+                    for (p, &neg) in pred.iter_mut().zip(&v[i * per + 1]) {
+                        *p = neg + req.guidance * (*p - neg);
+                    }
+                }
+                check_finite(&format!("{at}: transformer velocity"), &pred)?;
+                euler_step(latent, &pred, schedule, step);
+                check_finite(&format!("{at}: latent"), latent)?;
+            }
+            on(Event::Step {
+                index: step,
+                steps: schedule.steps(),
+                v: &v,
+                latents: &latents,
+            });
+        }
+        // The loop's buffers go before the decoder's are made: the pool reuses their memory.
+        drop(steps);
+        drop(prefixes);
+        on(Event::Decoding);
+        latents
+            .iter()
+            .map(|latent| {
+                let image = self.vae.decode(be, latent, plan.latent_hw, None)?;
+                check_finite("VAE decoder output", &image)?;
+                Ok(Image {
+                    width: req.width,
+                    height: req.height,
+                    channels: 4,
+                    pixels: to_rgba8(&image),
+                })
+            })
+            .collect()
+    }
+}

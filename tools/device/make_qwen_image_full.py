@@ -1,0 +1,87 @@
+"""A full-size random-weight Qwen-Image-2.1 folder in the published diffusers layout, for speed
+tests and full-size parity (the weights are random; speed does not depend on them).
+
+    python3 make_qwen_image_full.py OUT_DIR MINI_DIR [--vision-depth N]
+
+OUT_DIR gets model_index.json, transformer/ (QwenImage21Transformer2DModel, 7.1B, bf16, sharded),
+text_encoder/ (Qwen3VLForConditionalGeneration with the Qwen3-VL-8B language model, bf16,
+sharded), vae/ (AutoencoderKLQwenImage21, the class defaults: 64 latent channels) and
+scheduler/; processor/ (tokenizer and chat template) and the scheduler config are copied from
+MINI_DIR (Tessera's bundled qwen-image-mini: the real file layout with a smaller vocabulary).
+Shapes as ../../shared/tools/refbench_qi21_lfm2vl.py builds them (the published model's). The
+vision tower, which text-to-image never runs, has --vision-depth layers (default 1 instead of
+27) to save writing 1.1 GB; its tensor names are the published ones. Weights are N(0, 0.02)
+with unit norm scales, as the reference bench initialises them, so activations stay in range.
+Models are built on the GPU when there is one."""
+import argparse, json, shutil, sys, time
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("mini")
+ap.add_argument("--vision-depth", type=int, default=1)
+a = ap.parse_args()
+out, mini = Path(a.out), Path(a.mini)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+dt = torch.bfloat16
+t0 = time.time()
+out.mkdir(parents=True, exist_ok=True)
+torch.manual_seed(0)
+
+
+@torch.no_grad()
+def init(module):
+    """N(0, 0.02) for matrices and embeddings, 1 for norm scales (0 for zero-centred ones)."""
+    for name, p in module.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0, 0.02)
+        elif name.endswith("text_norm.weight") or name.endswith("bias"):
+            p.zero_()
+        else:
+            p.fill_(1.0)
+    return module
+
+
+dit_cfg = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
+               num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56), eps=1e-6,
+               causal_condition=True)
+with torch.device(dev):
+    tr = init(QwenImage21Transformer2DModel(**dit_cfg)).to(dt).eval()
+tr.save_pretrained(out / "transformer", max_shard_size="5GB")
+del tr
+print(f"transformer saved ({time.time() - t0:.0f} s)", flush=True)
+
+special = {"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+te_cfg = Qwen3VLConfig(
+    text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                     rms_norm_eps=1e-6, hidden_act="silu",
+                     rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                          mrope_interleaved=True)),
+    vision_config=dict(depth=a.vision_depth, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                       out_hidden_size=4096, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                       num_position_embeddings=2304, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh"),
+    image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
+    vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"],
+    tie_word_embeddings=False)
+with torch.device(dev):
+    te = init(Qwen3VLForConditionalGeneration(te_cfg)).to(dt).eval()
+te.save_pretrained(out / "text_encoder", max_shard_size="5GB")
+del te
+print(f"text encoder saved ({time.time() - t0:.0f} s)", flush=True)
+
+with torch.device(dev):
+    vae = init(AutoencoderKLQwenImage21()).to(dt).eval()
+vae.save_pretrained(out / "vae")
+del vae
+print(f"vae saved ({time.time() - t0:.0f} s)", flush=True)
+
+for part in ("processor", "scheduler"):
+    shutil.rmtree(out / part, ignore_errors=True)
+    shutil.copytree(mini / part, out / part)
+shutil.copy(mini / "model_index.json", out / "model_index.json")
+print(json.dumps({"dir": str(out), "seconds": round(time.time() - t0, 1)}))
