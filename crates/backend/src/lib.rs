@@ -19,9 +19,9 @@ mod view;
 
 pub use device::{AnyBackend, BackendFn, DeviceRequest};
 pub use op::{
-    Activation, After, AttnSpec, Conv2d, ConvSeq, Epilogue, Gate, Grids, GroupNorm, KvRanges, Mask,
-    NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, Run,
-    Segments, ShortConv, block_causal_limits, offsets_of,
+    Activation, After, AttnSpec, Conv2d, ConvSeq, DupUp, Epilogue, Gate, Grids, GroupNorm,
+    KvRanges, Mask, NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable,
+    RowNorm, Run, Segments, ShortConv, block_causal_limits, offsets_of,
 };
 pub use tessera_core::{Error, Result, Tensor};
 pub use view::{View, ViewMut};
@@ -434,8 +434,9 @@ pub trait Backend: Send + Sync {
     where
         Self: Sized;
 
-    /// `out = conv(x) + bias` over one channels-last image (see [`Conv2d`] for the layouts):
-    /// `x` `[height · width, in]`, `w` `[out, k · k · in]`, `out` `[out_h · out_w, out]`.
+    /// `out = conv(act(x)) + bias` over one channels-last image (see [`Conv2d`] for the layouts
+    /// and the optional input activation): `x` `[height · width, in]`, `w` `[out, k · k · in]`,
+    /// `out` `[out_h · out_w, out]`.
     fn conv2d(
         &self,
         x: View<'_, Self>,
@@ -444,6 +445,12 @@ pub trait Backend: Send + Sync {
         spec: &Conv2d,
         out: ViewMut<'_, Self>,
     ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out += DupUp(x)`, the 2× channel-to-space shortcut of residual VAE up blocks (see
+    /// [`DupUp`]): `x` `[height · width, in]`, `out` `[2·height · 2·width, out]`.
+    fn dup_up(&self, x: View<'_, Self>, spec: &DupUp, out: ViewMut<'_, Self>) -> Result<()>
     where
         Self: Sized;
 

@@ -25,7 +25,7 @@ use std::collections::HashSet;
 
 use ops::attention::{attention, qkv};
 use ops::gemm::matmul;
-use ops::image::{conv2d, group_norm};
+use ops::image::{conv2d, dup_up, group_norm};
 use ops::norm::{layer, norm, plain, residual, rms};
 use ops::rows::{add_positions_2d, avg_pool2d, cast, embed, gated, scatter_rows, segment_mean};
 use ops::short_conv::short_conv;
@@ -269,6 +269,19 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(conv2d(6, 5, 16, 512, 3).from(Stream)); // conv_in reads the f32 latent
     t.add(conv2d(5, 3, 64, 64, 3).upsampled().from(Stream)); // upsampling reads the f32 stream
     t.add(conv2d(7, 9, 512, 256, 1).from(Stream)); // the shortcut reads the f32 stream
+    // Qwen-Image-2.1's VAE: RMS_norm → SiLU → conv, the activation fused into the gather.
+    t.add(conv2d(6, 5, 288, 144, 3).of(Silu)); // a resnet's first conv, 288→144
+    t.add(conv2d(5, 3, 144, 4, 3).of(Silu)); // conv_out into RGBA
+    t.add(conv2d(4, 6, 72, 40, 1).of(Silu)); // 1×1: the activation skips the bare product
+    t.add(conv2d(5, 3, 7, 9, 3).of(GeluTanh).from(Stream)); // odd widths: one channel a thread
+
+    // ---- dup_up (Qwen-Image-2.1's / Wan 2.2's residual up blocks), added into the f32 stream.
+    t.add(dup_up(6, 5, 64, 64, 2)); // in = out: a nearest 2× upsampling
+    t.add(dup_up(5, 7, 96, 48, 2)); // 1152→576: channel 2o + 1, the last temporal slot
+    t.add(dup_up(7, 3, 48, 24, 1)); // 576→288: channel 2o + sy
+    t.add(dup_up(3, 4, 40, 10, 2)); // in = 4·out
+    t.add(dup_up(1, 1, 3, 6, 1)); // more output than input channels, one pixel
+    t.add(dup_up(5, 7, 96, 48, 2).from(Compute)); // from the compute type
 
     // ---- group_norm.
     t.add(group_norm(63, 128, 32).then(Silu)); // the VAE's GroupNorm(32) → SiLU

@@ -2,11 +2,13 @@
 //! pixels gather their `k × k × in` input patches into a small column matrix (zeros outside the
 //! image; with `upsample`, each upsampled pixel reads its nearest source pixel), which one GEMM
 //! multiplies by the `[out, k·k·in]` weight. Blocks run in parallel; no full im2col is stored.
+//! An input activation is applied to the gathered values (each input value once per tap: a small
+//! cost beside the product's `out` multiply-adds per gathered value).
 
 use rayon::prelude::*;
 use tessera_core::Result;
 
-use super::{CpuBackend, CpuMat, slice};
+use super::{CpuBackend, CpuMat, slice, vmath};
 use crate::{Conv2d, View, ViewMut};
 
 /// Column-matrix budget per block, in floats (about 1 MiB): big enough for efficient GEMMs,
@@ -66,7 +68,11 @@ pub(super) fn conv2d(
                         debug_assert!(iy < ih && ix < iw);
                         let src = (iy * iw + ix) * xstride;
                         let at = (ky * k + kx) * cin;
-                        crow[at..at + cin].copy_from_slice(&xs[src..src + cin]);
+                        let dst = &mut crow[at..at + cin];
+                        dst.copy_from_slice(&xs[src..src + cin]);
+                        if let Some(act) = spec.act {
+                            vmath::activate(dst, act);
+                        }
                     }
                 }
             }
@@ -106,7 +112,12 @@ pub(super) fn conv2d(
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use crate::{Backend, Conv2d, View, ViewMut};
+    use crate::{Activation, Backend, Conv2d, View, ViewMut};
+
+    /// SiLU in f64, applied to the naive convolution's input.
+    fn silu(x: f64) -> f64 {
+        x / (1.0 + (-x).exp())
+    }
 
     /// PyTorch's definition on an NCHW-indexed weight `[out, in, k, k]`, in f64.
     #[allow(clippy::too_many_arguments)]
@@ -118,6 +129,7 @@ mod tests {
         cout: usize,
         k: usize,
         up: bool,
+        act: Option<fn(f64) -> f64>,
     ) -> Vec<f64> {
         let s = if up { 2 } else { 1 };
         let (oh, ow) = (h * s, w * s);
@@ -138,8 +150,9 @@ mod tests {
                                     continue;
                                 }
                                 let (iy, ix) = (uy as usize / s, ux as usize / s);
-                                acc += x[(iy * w + ix) * cin + ci] as f64
-                                    * wt[((co * cin + ci) * k + ky) * k + kx] as f64;
+                                let v = x[(iy * w + ix) * cin + ci] as f64;
+                                let v = act.map_or(v, |f| f(v));
+                                acc += v * wt[((co * cin + ci) * k + ky) * k + kx] as f64;
                             }
                         }
                     }
@@ -153,16 +166,20 @@ mod tests {
     #[test]
     fn same_conv_with_and_without_upsampling_matches_naive() {
         let be = cpu();
-        // (h, w, in, out, kernel, upsample): odd sizes, 1×1 shortcuts, blocks cut mid-row.
-        for &(h, w, cin, cout, k, up) in &[
-            (1, 1, 1, 1, 3, false),
-            (5, 7, 3, 4, 3, false),
-            (6, 3, 5, 2, 1, false),
-            (4, 5, 6, 7, 3, true),
-            (23, 41, 8, 5, 3, false),
-            (9, 13, 19, 33, 3, true),
+        // (h, w, in, out, kernel, upsample, SiLU input): odd sizes, 1×1 shortcuts, blocks cut
+        // mid-row, pre-activated inputs.
+        for &(h, w, cin, cout, k, up, pre) in &[
+            (1, 1, 1, 1, 3, false, false),
+            (5, 7, 3, 4, 3, false, false),
+            (6, 3, 5, 2, 1, false, false),
+            (4, 5, 6, 7, 3, true, false),
+            (23, 41, 8, 5, 3, false, false),
+            (9, 13, 19, 33, 3, true, false),
+            (5, 7, 3, 4, 3, false, true),
+            (6, 3, 5, 2, 1, false, true),
+            (9, 13, 19, 33, 3, true, true),
         ] {
-            let mut rng = Rng::new((h * w * cin * cout * k) as u64 + up as u64);
+            let mut rng = Rng::new((h * w * cin * cout * k) as u64 + up as u64 + pre as u64);
             let x = rng.vec(h * w * cin, 2.0);
             let wt = rng.vec(cout * cin * k * k, 1.0);
             let bias = rng.vec(cout, 1.0);
@@ -175,12 +192,13 @@ mod tests {
                     }
                 }
             }
-            let spec = Conv2d {
-                height: h,
-                width: w,
-                kernel: k,
-                upsample: up,
-            };
+            let mut spec = Conv2d::same(h, w, k);
+            if up {
+                spec = spec.upsampled();
+            }
+            if pre {
+                spec = spec.of_activated(Activation::Silu);
+            }
             let (oh, ow) = spec.out_size();
             let xb = buf(&be, &x);
             let mat = be.matrix_f32(&[(&wr, cout)], k * k * cin).unwrap();
@@ -197,7 +215,8 @@ mod tests {
             )
             .unwrap();
             let all = be.read_f32(View::new(&o, oh * ow, stride)).unwrap();
-            let want = naive(&x, (h, w, cin), &wt, &bias, cout, k, up);
+            let act = pre.then_some(silu as fn(f64) -> f64);
+            let want = naive(&x, (h, w, cin), &wt, &bias, cout, k, up, act);
             for p in 0..oh * ow {
                 assert!(all[p * stride].is_nan(), "column 0 written");
                 for c in 0..cout {

@@ -6,6 +6,7 @@
 
 mod attention;
 mod conv;
+mod dup_up;
 mod elementwise;
 mod group_norm;
 mod matmul;
@@ -23,7 +24,7 @@ use tessera_core::{Error, Result, Tensor, Weights};
 
 use crate::view::same_shape;
 use crate::{
-    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Op, Precision,
+    Activation, After, AttnSpec, Backend, Conv2d, DupUp, Epilogue, Grids, GroupNorm, Op, Precision,
     QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
 };
 
@@ -387,11 +388,13 @@ impl Backend for CpuBackend {
         spec: &Conv2d,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.enter(Op::Conv2d {
-            kernel: spec.kernel,
-            upsample: spec.upsample,
-        })?;
+        self.enter(spec.op())?;
         conv::conv2d(x, w, bias, spec, out)
+    }
+
+    fn dup_up(&self, x: View<'_, Self>, spec: &DupUp, out: ViewMut<'_, Self>) -> Result<()> {
+        self.enter(Op::DupUp)?;
+        dup_up::dup_up(x, spec, out)
     }
 
     fn short_conv(

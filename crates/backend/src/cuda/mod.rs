@@ -45,7 +45,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use tessera_core::{Result, Tensor, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, Backend, Conv2d, Epilogue, Grids, GroupNorm, Op, Precision,
+    Activation, After, AttnSpec, Backend, Conv2d, DupUp, Epilogue, Grids, GroupNorm, Op, Precision,
     QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
 };
 pub use attention::{FlashChoice, FlashKernel};
@@ -272,11 +272,13 @@ impl Backend for CudaBackend {
         spec: &Conv2d,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.enter(&Op::Conv2d {
-            kernel: spec.kernel,
-            upsample: spec.upsample,
-        })?;
+        self.enter(&spec.op())?;
         image::conv2d(self, x, w, bias, spec, out)
+    }
+
+    fn dup_up(&self, x: View<'_, Self>, spec: &DupUp, out: ViewMut<'_, Self>) -> Result<()> {
+        self.enter(&Op::DupUp)?;
+        image::dup_up(self, x, spec, out)
     }
 
     fn group_norm(

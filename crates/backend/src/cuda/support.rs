@@ -32,14 +32,18 @@ impl CudaBackend {
             | Op::AddPositions2d
             | Op::AvgPool2d
             | Op::ScatterRows
-            | Op::Conv2d { .. }
+            | Op::DupUp
             | Op::ShortConv { .. } => Ok(()),
             // The erf GELU is only a product epilogue so far (LFM2-VL's projector).
             Op::Gated(Activation::Gelu)
             | Op::GroupNorm {
                 act: Some(Activation::Gelu),
+            }
+            | Op::Conv2d {
+                act: Some(Activation::Gelu),
+                ..
             } => Err(not_yet("the erf GELU outside a product epilogue is")),
-            Op::Gated(_) | Op::GroupNorm { .. } => Ok(()),
+            Op::Gated(_) | Op::GroupNorm { .. } | Op::Conv2d { .. } => Ok(()),
             Op::QkvNormRope { head_dim, .. } => {
                 if *head_dim == 0 || !head_dim.is_multiple_of(2) || *head_dim > 512 {
                     return Err(Error::Device(

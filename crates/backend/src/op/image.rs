@@ -1,5 +1,5 @@
-//! Ops on images: pooling of packed patch grids (vision towers) and the VAE's convolution and
-//! GroupNorm over channels-last images.
+//! Ops on images: pooling of packed patch grids (vision towers) and the VAEs' convolution,
+//! GroupNorm and channel-to-space upsampling shortcut over channels-last images.
 
 use tessera_core::{Error, Result};
 
@@ -77,9 +77,41 @@ pub struct Conv2d {
     /// Upsample the input 2× by nearest neighbour first (fused: the upsampled image is never
     /// stored), so the output is `2·height × 2·width`. This is `Upsample2D`'s interpolate + conv.
     pub upsample: bool,
+    /// An activation applied to every input value as the convolution reads it (fused: the
+    /// activated image is never stored); the zero padding stays zero. This is the pre-activation
+    /// of VAEs whose norms have no activation of their own (`RMS_norm → SiLU → conv` in Wan-style
+    /// decoders). `None`: the input as it is.
+    pub act: Option<Activation>,
 }
 
 impl Conv2d {
+    /// A plain "same" `kernel × kernel` convolution of a `height × width` image.
+    pub fn same(height: usize, width: usize, kernel: usize) -> Self {
+        Conv2d {
+            height,
+            width,
+            kernel,
+            upsample: false,
+            act: None,
+        }
+    }
+
+    /// The same convolution of the image upsampled 2× by nearest neighbour.
+    pub fn upsampled(self) -> Self {
+        Conv2d {
+            upsample: true,
+            ..self
+        }
+    }
+
+    /// The same convolution of `act(x)`.
+    pub fn of_activated(self, act: Activation) -> Self {
+        Conv2d {
+            act: Some(act),
+            ..self
+        }
+    }
+
     /// Output size in pixels.
     pub fn out_size(&self) -> (usize, usize) {
         let s = if self.upsample { 2 } else { 1 };
@@ -122,4 +154,65 @@ pub struct GroupNorm {
     pub groups: usize,
     pub eps: f32,
     pub act: Option<Activation>,
+}
+
+/// The 2× upsampling shortcut of Wan-2.2-style residual VAE decoders (diffusers' `DupUp3D` of
+/// `autoencoder_kl_wan.py` / `autoencoder_kl_qwenimage21.py` on the first — for an image the
+/// only — frame), added into `out`, over one channels-last image.
+///
+/// The reference repeats every input channel `r = 4 · frames · out_channels / in_channels` times,
+/// reads the result as `[out_channels, frames, 2, 2]` (temporal slot, sub-pixel row, sub-pixel
+/// column), moves the slots to time and the sub-pixels to space, and of the first chunk keeps
+/// only the **last** temporal slot. For an `height × width` input `x` `[h·w, in]` into `out`
+/// `[2h · 2w, out]`:
+///
+/// `out[(2y + sy)·2w + 2x + sx, o] += x[y·w + x, ((o·frames + frames − 1)·4 + 2·sy + sx) / r]`.
+///
+/// With `in == out` that is a nearest 2× upsampling; with fewer output channels each output
+/// channel reads its own input channels (`2o + 1` for `frames = 2, in = 2·out`; `2o + sy` for
+/// `frames = 1`). `4 · frames · out` must be a multiple of `in`, and `in ≤ 4 · frames · out`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DupUp {
+    /// Input image size in pixels.
+    pub height: usize,
+    pub width: usize,
+    /// The block's temporal factor: 2 where it also upsamples time, else 1.
+    pub frames: usize,
+}
+
+impl DupUp {
+    /// Output size in pixels.
+    pub fn out_size(&self) -> (usize, usize) {
+        (2 * self.height, 2 * self.width)
+    }
+
+    /// The repeat count `r` for `cin` input and `cout` output channels, if they fit.
+    pub fn repeats(&self, cin: usize, cout: usize) -> Option<usize> {
+        let slots = 4 * self.frames * cout;
+        (self.frames > 0 && cin > 0 && slots >= cin && slots.is_multiple_of(cin))
+            .then(|| slots / cin)
+    }
+
+    /// The input channel output channel `o` of sub-pixel `(sy, sx)` reads, `r` the repeat count.
+    pub fn source(&self, r: usize, o: usize, sy: usize, sx: usize) -> usize {
+        ((o * self.frames + self.frames - 1) * 4 + 2 * sy + sx) / r
+    }
+
+    /// Every backend's shape check for `dup_up`: `x` `[height · width, in]`, `out`
+    /// `[2·height · 2·width, out]`, channel counts that fit (see [`repeats`](Self::repeats)).
+    /// Returns the repeat count.
+    pub fn check(&self, x: (usize, usize), out: (usize, usize)) -> Result<usize> {
+        let (oh, ow) = self.out_size();
+        match self.repeats(x.1, out.1) {
+            Some(r) if x.0 == self.height * self.width && out.0 == oh * ow => Ok(r),
+            _ => Err(Error::backend(
+                "dup_up",
+                format!(
+                    "x {}×{} ({}×{} image) into out {}×{} ({oh}×{ow}) with {} frames: 4·frames·out \
+                     must be a multiple of in and at least in",
+                    x.0, x.1, self.height, self.width, out.0, out.1, self.frames
+                ),
+            )),
+        }
+    }
 }

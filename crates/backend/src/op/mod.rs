@@ -19,7 +19,7 @@ pub use attention::{
 };
 pub(crate) use gemm::check_product;
 pub use gemm::{Activation, Epilogue, Gate};
-pub use image::{Conv2d, Grids, GroupNorm};
+pub use image::{Conv2d, DupUp, Grids, GroupNorm};
 pub use norm::{After, NormKind, Residual, RowNorm};
 pub use rope::{RopeStyle, RopeTable};
 pub use short_conv::{ConvSeq, ShortConv};
@@ -54,7 +54,10 @@ pub enum Op {
     Conv2d {
         kernel: usize,
         upsample: bool,
+        /// The activation applied to the input as it is read.
+        act: Option<Activation>,
     },
+    DupUp,
     GroupNorm {
         act: Option<Activation>,
     },
@@ -161,6 +164,7 @@ op_kinds! {
     AvgPool2d => "avg_pool2d",
     ScatterRows => "scatter_rows",
     Conv2d => "conv2d",
+    DupUp => "dup_up",
     GroupNorm => "group_norm",
     ShortConv => "short_conv",
 }
@@ -181,6 +185,7 @@ impl Op {
             Op::AvgPool2d => OpKind::AvgPool2d,
             Op::ScatterRows => OpKind::ScatterRows,
             Op::Conv2d { .. } => OpKind::Conv2d,
+            Op::DupUp => OpKind::DupUp,
             Op::GroupNorm { .. } => OpKind::GroupNorm,
             Op::ShortConv { .. } => OpKind::ShortConv,
         }
@@ -251,14 +256,19 @@ impl std::fmt::Display for Op {
                 if a.cached { ", key ranges" } else { "" }
             ),
             Op::Gated(a) => write!(f, "{name} ({a:?})"),
-            Op::Conv2d { kernel, upsample } => write!(
+            Op::Conv2d {
+                kernel,
+                upsample,
+                act,
+            } => write!(
                 f,
-                "{name} ({kernel}×{kernel}{})",
+                "{name} ({kernel}×{kernel}{}{})",
                 if *upsample {
                     ", 2× upsampled input"
                 } else {
                     ""
-                }
+                },
+                act.map_or(String::new(), |a| format!(", of {a:?}(input)"))
             ),
             Op::GroupNorm { act: Some(a) } => write!(f, "{name} (then {a:?})"),
             Op::ShortConv { kernel, bias } => write!(
@@ -309,6 +319,17 @@ impl<B: Backend> Residual<'_, B> {
                 After::Copy(_) => AfterOp::Copy,
             },
         })
+    }
+}
+
+impl crate::Conv2d {
+    /// This convolution as an [`Op`].
+    pub fn op(&self) -> Op {
+        Op::Conv2d {
+            kernel: self.kernel,
+            upsample: self.upsample,
+            act: self.act,
+        }
     }
 }
 

@@ -1,6 +1,6 @@
-//! The VAE's ops over channels-last images: `conv2d` and `group_norm`.
+//! The VAEs' ops over channels-last images: `conv2d`, `group_norm` and `dup_up`.
 
-use tessera_backend::{Activation, Conv2d, GroupNorm, Op, Role};
+use tessera_backend::{Activation, Conv2d, DupUp, GroupNorm, Op, Role};
 
 use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng};
 
@@ -17,12 +17,7 @@ pub struct ConvCase {
 
 pub fn conv2d(height: usize, width: usize, cin: usize, cout: usize, kernel: usize) -> ConvCase {
     ConvCase {
-        spec: Conv2d {
-            height,
-            width,
-            kernel,
-            upsample: false,
-        },
+        spec: Conv2d::same(height, width, kernel),
         cin,
         cout,
         input: Role::Compute,
@@ -38,10 +33,15 @@ impl ConvCase {
     /// Of the image upsampled 2× by nearest neighbour first.
     pub fn upsampled(self) -> Self {
         ConvCase {
-            spec: Conv2d {
-                upsample: true,
-                ..self.spec
-            },
+            spec: self.spec.upsampled(),
+            ..self
+        }
+    }
+
+    /// Of `act(input)` (the Wan-style VAEs' `RMS_norm → SiLU → conv`).
+    pub fn of(self, act: Activation) -> Self {
+        ConvCase {
+            spec: self.spec.of_activated(act),
             ..self
         }
     }
@@ -54,19 +54,18 @@ impl OpCase for ConvCase {
             width,
             kernel,
             upsample,
+            act,
         } = self.spec;
         let up = if upsample { " upsampled 2×" } else { "" };
+        let act = act.map_or(String::new(), |a| format!(" of {a:?}(x)"));
         format!(
-            "conv2d {kernel}×{kernel} {}→{} over a {height}×{width} image{up} from {:?}",
+            "conv2d {kernel}×{kernel} {}→{}{act} over a {height}×{width} image{up} from {:?}",
             self.cin, self.cout, self.input
         )
     }
 
     fn op(&self) -> Op {
-        Op::Conv2d {
-            kernel: self.spec.kernel,
-            upsample: self.spec.upsample,
-        }
+        self.spec.op()
     }
 
     fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
@@ -153,6 +152,82 @@ impl OpCase for GroupNormCase {
         let bias = be.vector_f32(&rng.vec(channels, 0.5))?;
         let mut out = Guarded::empty(be, Role::Compute, at)?;
         be.group_norm(x.view(), &weight, &bias, &self.spec, out.view_mut())?;
+        Ok(vec![out.read(be, "out")?])
+    }
+}
+
+/// `out += DupUp(x)`: a `height × width × cin` image into `2·height × 2·width × cout`, with
+/// `frames` temporal slots of which the last is kept.
+#[derive(Clone, Debug)]
+pub struct DupUpCase {
+    spec: DupUp,
+    cin: usize,
+    cout: usize,
+    /// The input buffer's role (the decoder keeps its block input in the f32 stream).
+    input: Role,
+}
+
+pub fn dup_up(height: usize, width: usize, cin: usize, cout: usize, frames: usize) -> DupUpCase {
+    DupUpCase {
+        spec: DupUp {
+            height,
+            width,
+            frames,
+        },
+        cin,
+        cout,
+        input: Role::Stream,
+    }
+}
+
+impl DupUpCase {
+    /// Reading its input from a buffer of this role.
+    pub fn from(self, input: Role) -> Self {
+        DupUpCase { input, ..self }
+    }
+}
+
+impl OpCase for DupUpCase {
+    fn name(&self) -> String {
+        let DupUp {
+            height,
+            width,
+            frames,
+        } = self.spec;
+        format!(
+            "dup_up {}→{} over a {height}×{width} image, {frames} frames, from {:?}",
+            self.cin, self.cout, self.input
+        )
+    }
+
+    fn op(&self) -> Op {
+        Op::DupUp
+    }
+
+    fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
+        let DupUpCase {
+            spec,
+            cin,
+            cout,
+            input,
+        } = *self;
+        let (oh, ow) = spec.out_size();
+        let x = Guarded::drawn(
+            be,
+            input,
+            Layout::padded(spec.height * spec.width, cin, 8, 8),
+            rng,
+            2.0,
+        )?;
+        // Added into an f32 stream holding the upsampling convolution's output.
+        let mut out = Guarded::drawn(
+            be,
+            Role::Stream,
+            Layout::padded(oh * ow, cout, 8, 8),
+            rng,
+            1.0,
+        )?;
+        be.dup_up(x.view(), &spec, out.view_mut())?;
         Ok(vec![out.read(be, "out")?])
     }
 }

@@ -66,6 +66,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
         Op::Conv2d {
             kernel: 3,
             upsample: false,
+            act: None,
         },
         Op::GroupNorm {
             act: Some(Activation::Silu),
@@ -76,12 +77,14 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
         ops.push(Op::Conv2d {
             kernel: 1,
             upsample: false,
+            act: None,
         });
     }
     if vae.block_out_channels.len() > 1 {
         ops.push(Op::Conv2d {
             kernel: 3,
             upsample: true,
+            act: None,
         });
     }
     if vae.mid_attention {

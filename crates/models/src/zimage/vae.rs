@@ -56,12 +56,10 @@ impl<B: Backend> Conv<B> {
         upsample: bool,
         out: &mut B::Buf,
     ) -> Result<()> {
-        let spec = Conv2d {
-            height: hw.0,
-            width: hw.1,
-            kernel: self.kernel,
-            upsample,
-        };
+        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel);
+        if upsample {
+            spec = spec.upsampled();
+        }
         let (oh, ow) = spec.out_size();
         be.conv2d(
             x,

@@ -1,11 +1,21 @@
-// The VAE decoder's image ops over channels-last images `[pixels, channels]`: the column blocks
-// of a convolution as an implicit GEMM (the product itself is cuBLASLt's), and GroupNorm. CPU
-// references: crates/backend/src/cpu/conv.rs and crates/backend/src/cpu/group_norm.rs.
+// The VAE decoders' image ops over channels-last images `[pixels, channels]`: the column blocks
+// of a convolution as an implicit GEMM (the product itself is cuBLASLt's), GroupNorm, and the
+// DupUp channel-to-space shortcut. CPU references: crates/backend/src/cpu/conv.rs,
+// crates/backend/src/cpu/group_norm.rs and crates/backend/src/cpu/dup_up.rs.
+
+// The activation codes of `act_code` (cuda/gemm.rs): −1 none, 0 GELU (tanh), 1 SiLU. The erf
+// GELU (2) is declined before any image kernel runs.
+__device__ __forceinline__ float image_act(int act, float v) {
+    if (act == 0) return gelu_tanh(v);
+    if (act == 1) return silu(v);
+    return v;
+}
 
 // Column rows of output pixels p0 … p0 + n − 1 of a "same" k × k convolution: row i, column
 // (ky·k + kx)·c + ch holds the input at (oy + ky − k/2, ox + kx − k/2) of the image upsampled
-// `up`× by nearest neighbour (up 1: as it is), 0 outside. V channels per thread (4: aligned
-// 4-wide accesses). Fewer than 2^32 values per launch (the host's blocks of rows).
+// `up`× by nearest neighbour (up 1: as it is), passed through activation `act`, 0 outside (the
+// padding is not activated). V channels per thread (4: aligned 4-wide accesses). Fewer than 2^32
+// values per launch (the host's blocks of rows).
 // Column entry i of a block (its row pi, tap and first channel ch, V channels an entry) and the
 // input pixel it reads, or −1 where the tap falls on the zero padding.
 struct ColumnAt {
@@ -30,8 +40,8 @@ __device__ __forceinline__ ColumnAt column_at(u32 i, u32 taps, u32 cv, int v, in
 }
 
 template <typename TI, typename TO, int V>
-__device__ __forceinline__ void im2col_impl(const TI* x, long xs, int h, int w, int c, int k, int up, long p0,
-                                            long n, TO* cols) {
+__device__ __forceinline__ void im2col_impl(const TI* x, long xs, int h, int w, int c, int k, int up, int act,
+                                            long p0, long n, TO* cols) {
     const u32 cv = (u32)(c / V);
     const u32 taps = (u32)(k * k) * cv;
     const u32 total = (u32)n * taps;
@@ -50,6 +60,10 @@ __device__ __forceinline__ void im2col_impl(const TI* x, long xs, int h, int w, 
             } else {
 #pragma unroll
                 for (int j = 0; j < V; j++) v[j] = to_f(src[j]);
+            }
+            if (act >= 0) {
+#pragma unroll
+                for (int j = 0; j < V; j++) v[j] = image_act(act, v[j]);
             }
         }
         if (V == 4) {
@@ -125,9 +139,10 @@ __device__ __forceinline__ void group_apply_impl(const TI* x, long xs, long pixe
     }
 }
 
-// The same for bf16 → bf16 with eight channels a thread: one 16-byte load and store, no conversion.
-__device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int w, int c, int k, int up, long p0,
-                                             long n, bf16* cols) {
+// The same for bf16 → bf16 with eight channels a thread: one 16-byte load and store, converted
+// only to apply an activation.
+__device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int w, int c, int k, int up, int act,
+                                             long p0, long n, bf16* cols) {
     const u32 cv = (u32)(c / 8);
     const u32 taps = (u32)(k * k) * cv;
     const u32 total = (u32)n * taps;
@@ -135,20 +150,27 @@ __device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int 
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         const ColumnAt at = column_at(i, taps, cv, 8, h, w, k, up, p0);
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (at.src >= 0) v = *reinterpret_cast<const uint4*>(x + at.src * xs + at.ch);
+        if (at.src >= 0) {
+            v = *reinterpret_cast<const uint4*>(x + at.src * xs + at.ch);
+            if (act >= 0) {
+                bf16* e = reinterpret_cast<bf16*>(&v);
+#pragma unroll
+                for (int j = 0; j < 8; j++) e[j] = from_f<bf16>(image_act(act, to_f(e[j])));
+            }
+        }
         *reinterpret_cast<uint4*>(cols + (long)at.pi * row + (long)at.tap * c + at.ch) = v;
     }
 }
 
-extern "C" __global__ void im2col8_bf16_bf16(const bf16* x, long xs, int h, int w, int c, int k, int up, long p0,
-                                             long n, bf16* cols) {
-    im2col8_impl(x, xs, h, w, c, k, up, p0, n, cols);
+extern "C" __global__ void im2col8_bf16_bf16(const bf16* x, long xs, int h, int w, int c, int k, int up, int act,
+                                             long p0, long n, bf16* cols) {
+    im2col8_impl(x, xs, h, w, c, k, up, act, p0, n, cols);
 }
 
 #define IM2COL(TI, TO, V, NAME)                                                                           \
-    extern "C" __global__ void NAME(const TI* x, long xs, int h, int w, int c, int k, int up, long p0, long n, \
-                                    TO* cols) {                                                           \
-        im2col_impl<TI, TO, V>(x, xs, h, w, c, k, up, p0, n, cols);                                       \
+    extern "C" __global__ void NAME(const TI* x, long xs, int h, int w, int c, int k, int up, int act, long p0, \
+                                    long n, TO* cols) {                                                   \
+        im2col_impl<TI, TO, V>(x, xs, h, w, c, k, up, act, p0, n, cols);                                  \
     }
 IM2COL(float, float, 1, im2col_f32_f32)
 IM2COL(float, bf16, 1, im2col_f32_bf16)
@@ -181,3 +203,31 @@ GROUP_APPLY(float, float, group_apply_f32_f32)
 GROUP_APPLY(float, bf16, group_apply_f32_bf16)
 GROUP_APPLY(bf16, float, group_apply_bf16_f32)
 GROUP_APPLY(bf16, bf16, group_apply_bf16_bf16)
+
+// DupUp (diffusers' DupUp3D on one frame), added: out[(2y + sy)·2w + 2x + sx, o] +=
+// x[y·w + x, ((o·frames + frames − 1)·4 + 2·sy + sx) / repeats] for `n` = 4·h·w·cout output
+// elements, one a thread, grid-stride (consecutive threads: consecutive output channels).
+template <typename TI, typename TO>
+__device__ __forceinline__ void dup_up_impl(const TI* x, long xs, int w, int cout, int frames, int repeats, long n,
+                                            TO* out, long os) {
+    const long ow = 2L * w;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long p = i / cout;
+        const int o = (int)(i - p * cout);
+        const long oy = p / ow, ox = p - oy * ow;
+        const int s = (int)(oy & 1) * 2 + (int)(ox & 1);
+        const int src = ((o * frames + frames - 1) * 4 + s) / repeats;
+        TO* dst = out + p * os + o;
+        *dst = from_f<TO>(to_f(*dst) + to_f(x[((oy >> 1) * w + (ox >> 1)) * xs + src]));
+    }
+}
+
+#define DUP_UP(TI, TO, NAME)                                                                              \
+    extern "C" __global__ void NAME(const TI* x, long xs, int w, int cout, int frames, int repeats, long n,   \
+                                    TO* out, long os) {                                                   \
+        dup_up_impl<TI, TO>(x, xs, w, cout, frames, repeats, n, out, os);                                 \
+    }
+DUP_UP(float, float, dup_up_f32_f32)
+DUP_UP(float, bf16, dup_up_f32_bf16)
+DUP_UP(bf16, float, dup_up_bf16_f32)
+DUP_UP(bf16, bf16, dup_up_bf16_bf16)
