@@ -10,6 +10,7 @@
 //! - [`text_to_image`]: requests, progress and images of every text-to-image family;
 //! - [`zimage`]: Z-Image-Turbo text-to-image;
 //! - [`qwen_image`]: Qwen-Image-2.1 text-to-image with its prefix K/V cache;
+//! - [`flow_match`]: the FlowMatch Euler scheduler both text-to-image families sample with;
 //! - [`qwen3`]: Qwen3 text models (Z-Image's caption encoder, Qwen-Image's Qwen3-VL language model);
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
 //! - [`chat_template`]: the chat templates tokenizers ship, rendered as transformers renders them;
@@ -19,6 +20,7 @@ pub mod blocks;
 pub mod chat_template;
 pub mod egemma2;
 pub mod files;
+pub mod flow_match;
 pub mod generation;
 pub mod imageproc;
 pub mod input;

@@ -6,12 +6,16 @@
 //! - [`layout`]: the joint sequence's runs (text, image blocks), 3-axis positions and RoPE angles;
 //! - [`text`]: the prompt template and the Qwen3-VL language model's features;
 //! - [`transformer`]: the single-stream DiT with its prefix K/V cache;
+//! - [`scheduler`]: the FlowMatch Euler σ schedule with its resolution-dependent shift;
+//! - [`vae`]: the RGBA VAE decoder (`AutoencoderKLQwenImage21`) and the 8-bit conversion;
 //! - [`pipeline`]: all of it end to end.
 
 pub mod config;
 pub mod layout;
+pub mod scheduler;
 pub mod text;
 pub mod transformer;
+pub mod vae;
 
 use std::path::Path;
 

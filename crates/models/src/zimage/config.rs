@@ -289,28 +289,6 @@ impl VaeConfig {
     }
 }
 
-#[derive(Deserialize)]
-struct RawScheduler {
-    #[serde(rename = "_class_name")]
-    class_name: Option<String>,
-    num_train_timesteps: usize,
-    shift: f64,
-    #[serde(default)]
-    use_dynamic_shifting: bool,
-    #[serde(default)]
-    invert_sigmas: bool,
-    #[serde(default)]
-    shift_terminal: Option<f64>,
-    #[serde(default)]
-    use_karras_sigmas: bool,
-    #[serde(default)]
-    use_exponential_sigmas: bool,
-    #[serde(default)]
-    use_beta_sigmas: bool,
-    #[serde(default)]
-    stochastic_sampling: bool,
-}
-
 /// `scheduler/scheduler_config.json` (`FlowMatchEulerDiscreteScheduler`, static shift).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SchedulerConfig {
@@ -320,40 +298,18 @@ pub struct SchedulerConfig {
 
 impl SchedulerConfig {
     pub fn parse(path: &Path, json: &str) -> Result<Self> {
-        let raw: RawScheduler = tessera_core::config::parse_json(path, json)?;
-        let err = |field: &str, msg: String| Error::config(path, field, msg);
-        if let Some(c) = raw.class_name.as_deref()
-            && c != "FlowMatchEulerDiscreteScheduler"
-        {
-            return Err(err(
-                "_class_name",
-                format!("{c:?} is not supported (only FlowMatchEulerDiscreteScheduler)"),
-            ));
-        }
+        let raw = crate::flow_match::FlowMatchConfig::parse(path, json)?;
         for (on, field) in [
             (raw.use_dynamic_shifting, "use_dynamic_shifting"),
-            (raw.invert_sigmas, "invert_sigmas"),
             (raw.shift_terminal.is_some(), "shift_terminal"),
-            (raw.use_karras_sigmas, "use_karras_sigmas"),
-            (raw.use_exponential_sigmas, "use_exponential_sigmas"),
-            (raw.use_beta_sigmas, "use_beta_sigmas"),
-            (raw.stochastic_sampling, "stochastic_sampling"),
         ] {
             if on {
-                return Err(err(
+                return Err(Error::config(
+                    path,
                     field,
-                    "is set; only the static-shift Euler schedule Z-Image uses is supported".into(),
+                    "is set; only the static-shift Euler schedule Z-Image uses is supported",
                 ));
             }
-        }
-        if raw.num_train_timesteps == 0 {
-            return Err(err("num_train_timesteps", "must be at least 1".into()));
-        }
-        if !(raw.shift.is_finite() && raw.shift > 0.0) {
-            return Err(err(
-                "shift",
-                format!("{} must be a positive number", raw.shift),
-            ));
         }
         Ok(SchedulerConfig {
             num_train_timesteps: raw.num_train_timesteps,

@@ -1,0 +1,844 @@
+//! The VAE decoder of Qwen-Image-2.1 (`AutoencoderKLQwenImage21`, spec A7): a Wan-2.2-style
+//! residual decoder specialised to one frame, RGBA out, 2× per up block (16× for the release).
+//!
+//! Reference: diffusers 0.42.1 `models/autoencoders/autoencoder_kl_qwenimage21.py` and the
+//! pipeline's decode (`pipeline_qwenimage21.py`). The decoder takes the DiT's latent tokens
+//! `[h·w, z_dim]` (row `y·w + x`, channels last) and
+//!
+//! 1. de-normalises them, `z · latents_std + latents_mean` per channel (the pipeline's step;
+//!    the statistics are the config's, rounded to `f32` as `torch.tensor` makes them);
+//! 2. `post_quant_conv` (1×1, z → z), `conv_in` (3×3, z → C₀);
+//! 3. the mid block: resnet → single-head self-attention → resnet;
+//! 4. `len(dim_mult)` up blocks of `num_res_blocks + 1` resnets each; all but the last then
+//!    upsample (nearest 2× + 3×3 conv) and add the `DupUp3D` shortcut of the block's input
+//!    ([`tessera_backend::DupUp`]);
+//! 5. `norm_out` → SiLU → `conv_out` (3×3, → `out_channels`), clamped to [−1, 1].
+//!
+//! Blocks, single-frame semantics:
+//! - `RMS_norm`: `x / max(‖x‖₂, 1e-12) · √C · γ` over the channels of each pixel — a row RMS norm
+//!   (`RowNorm`, weight γ) in channels-last layout, since `x·√C/‖x‖ = x / rms(x)`. The backend's
+//!   norm computes `x · (mean(x²) + eps)^-½`; with `eps = 10⁻²⁴ / C` (the reference's floor
+//!   `1e-12` on the norm, squared and divided by C) the two agree to `f32` precision whenever
+//!   `rms(x) ≫ 10⁻¹²/√C`, and both give 0 for an all-zero pixel (eps 0 would give NaN). None of
+//!   this model's norms has a bias.
+//! - resnet: `conv2(φ(conv1(φ(x)))) + shortcut(x)`, `φ = SiLU ∘ RMS_norm`, 3×3 same-padding
+//!   convolutions, a 1×1 `conv_shortcut` where the channel count changes. The SiLU is fused into
+//!   the following convolution's input ([`Conv2d::of_activated`]).
+//! - mid attention: `x + proj(softmax(q kᵀ/√C) v)`, `q|k|v = to_qkv(RMS_norm(x))`, one head of
+//!   width C, all pixels (1×1 convolutions are products over the pixel rows).
+//! - `DupUp3D` on the first chunk keeps the **last** temporal slot (checked in the reference:
+//!   `x[:, :, factor_t − 1:]`); AvgDown/`time_conv` are encoder-side or multi-frame only and never
+//!   run here. Nearest 2× in `nearest-exact` mode equals plain nearest for a factor of 2.
+//!
+//! What the reference showed beyond the spec (A7): the decoder's dims are
+//! `decoder_base_dim · [dim_mult[-1]] + decoder_base_dim · reversed(dim_mult)` and every up block
+//! but the last has the DupUp shortcut (temporal factor 2 where `reversed(temperal_downsample)`
+//! says so — for the release (1152→1152, 1152→1152, 1152→576: factor 2; 576→288: factor 1); the
+//! last block (288→144) neither upsamples nor adds a shortcut. `attn_scales` and `dropout` do not
+//! reach the residual decoder. The pipeline's `_unpack_latents` only makes even latent sides (one
+//! DiT slot is 2×2 tokens); the decoder itself takes any `h × w`.
+//!
+//! Only `post_quant_conv.*` and `decoder.*` are read; the encoder and the unused `time_conv`
+//! weights are ignored.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Deserialize;
+use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
+use tessera_backend::{
+    Activation, After, AttnSpec, Backend, Conv2d, DupUp, Mask, Op, QkvLayout, Residual, Role,
+    RowNorm, View, ViewMut,
+};
+use tessera_core::{Error, Result, Weights};
+
+use crate::loader::{Linear, Loader};
+
+/// The reference's floor on the L2 norm of a pixel's channels (`F.normalize`'s eps).
+const NORM_FLOOR: f64 = 1e-12;
+
+fn default_base_dim() -> usize {
+    96
+}
+fn default_decoder_base_dim() -> Option<usize> {
+    Some(144)
+}
+fn default_z_dim() -> usize {
+    64
+}
+fn default_dim_mult() -> Vec<usize> {
+    vec![1, 2, 4, 8, 8]
+}
+fn default_res_blocks() -> usize {
+    2
+}
+fn default_temporal() -> Vec<bool> {
+    vec![false, true, true, true]
+}
+fn default_true() -> bool {
+    true
+}
+fn default_rgba() -> usize {
+    4
+}
+
+/// `vae/config.json` as diffusers reads it: the defaults of `AutoencoderKLQwenImage21.__init__`
+/// for keys a file leaves out, except the latent statistics, which must be the checkpoint's.
+#[derive(Deserialize)]
+struct RawVae {
+    #[serde(rename = "_class_name")]
+    class_name: Option<String>,
+    #[serde(default = "default_base_dim")]
+    base_dim: usize,
+    #[serde(default = "default_decoder_base_dim")]
+    decoder_base_dim: Option<usize>,
+    #[serde(default = "default_z_dim")]
+    z_dim: usize,
+    #[serde(default = "default_dim_mult")]
+    dim_mult: Vec<usize>,
+    #[serde(default = "default_res_blocks")]
+    num_res_blocks: usize,
+    /// Only the non-residual encoder reads it.
+    #[serde(default)]
+    #[allow(dead_code)]
+    attn_scales: Vec<f64>,
+    #[serde(default = "default_temporal")]
+    temperal_downsample: Vec<bool>,
+    /// Training only.
+    #[serde(default)]
+    #[allow(dead_code)]
+    dropout: f64,
+    latents_mean: Option<Vec<f64>>,
+    latents_std: Option<Vec<f64>>,
+    #[serde(default = "default_true")]
+    is_residual: bool,
+    #[serde(default = "default_rgba")]
+    in_channels: usize,
+    #[serde(default = "default_rgba")]
+    out_channels: usize,
+    #[serde(default)]
+    patch_size: Option<usize>,
+    /// Frames per latent frame; one image is one frame.
+    #[serde(default)]
+    #[allow(dead_code)]
+    scale_factor_temporal: Option<usize>,
+    #[serde(default)]
+    scale_factor_spatial: Option<usize>,
+}
+
+/// `vae/config.json` (`AutoencoderKLQwenImage21`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct VaeConfig {
+    /// The encoder's width (decoder-irrelevant; kept for completeness).
+    pub base_dim: usize,
+    /// The decoder's width (`decoder_base_dim`, or `base_dim` when null).
+    pub decoder_base_dim: usize,
+    /// Latent channels: the DiT's `in_channels`.
+    pub z_dim: usize,
+    pub dim_mult: Vec<usize>,
+    pub num_res_blocks: usize,
+    /// As in the file (encoder order); the decoder reads it reversed.
+    pub temperal_downsample: Vec<bool>,
+    /// Per-channel statistics of the DiT's latent space, `f32` as the pipeline uses them.
+    pub latents_mean: Vec<f32>,
+    pub latents_std: Vec<f32>,
+    /// Image channels in (encoder) and out (decoder): 4, RGBA.
+    pub in_channels: usize,
+    pub out_channels: usize,
+}
+
+impl VaeConfig {
+    /// Parse `json` (read from `path`, named in every error).
+    pub fn parse(path: &Path, json: &str) -> Result<Self> {
+        let raw: RawVae = tessera_core::config::parse_json(path, json)?;
+        let err = |field: &str, msg: String| Error::config(path, field, msg);
+        if let Some(c) = raw.class_name.as_deref()
+            && c != "AutoencoderKLQwenImage21"
+        {
+            return Err(err(
+                "_class_name",
+                format!(
+                    "{c:?} is not a Qwen-Image-2.1 VAE (expected \"AutoencoderKLQwenImage21\")"
+                ),
+            ));
+        }
+        if !raw.is_residual {
+            return Err(err(
+                "is_residual",
+                "false (the Wan-2.1-style decoder) is not supported; Qwen-Image-2.1's is residual"
+                    .into(),
+            ));
+        }
+        if raw.patch_size.is_some_and(|p| p != 1) {
+            return Err(err(
+                "patch_size",
+                format!(
+                    "{:?} is not supported (only null: Qwen-Image-2.1 does not patchify)",
+                    raw.patch_size
+                ),
+            ));
+        }
+        let z = raw.z_dim;
+        for (v, field) in [
+            (z, "z_dim"),
+            (raw.base_dim, "base_dim"),
+            (raw.in_channels, "in_channels"),
+            (raw.out_channels, "out_channels"),
+        ] {
+            if v == 0 {
+                return Err(err(field, "must be at least 1".into()));
+            }
+        }
+        let decoder_base_dim = raw.decoder_base_dim.unwrap_or(raw.base_dim);
+        if decoder_base_dim == 0 {
+            return Err(err("decoder_base_dim", "must be at least 1".into()));
+        }
+        if raw.dim_mult.is_empty() || raw.dim_mult.contains(&0) {
+            return Err(err(
+                "dim_mult",
+                format!(
+                    "{:?}: expected one or more positive multipliers",
+                    raw.dim_mult
+                ),
+            ));
+        }
+        let ups = raw.dim_mult.len() - 1;
+        if raw.temperal_downsample.len() != ups {
+            return Err(err(
+                "temperal_downsample",
+                format!(
+                    "{} entries for {} dim_mult stages (expected {ups}, one per 2× step)",
+                    raw.temperal_downsample.len(),
+                    raw.dim_mult.len()
+                ),
+            ));
+        }
+        if let Some(s) = raw.scale_factor_spatial
+            && s != 1 << ups
+        {
+            return Err(err(
+                "scale_factor_spatial",
+                format!(
+                    "{s}, but {} dim_mult stages upsample {}×",
+                    raw.dim_mult.len(),
+                    1 << ups
+                ),
+            ));
+        }
+        let stats = |v: Option<Vec<f64>>, field: &str| -> Result<Vec<f32>> {
+            let v = v.ok_or_else(|| {
+                err(
+                    field,
+                    "missing VAE stats: the pipeline de-normalises the latent with the \
+                     checkpoint's latents_mean and latents_std"
+                        .into(),
+                )
+            })?;
+            if v.len() != z {
+                return Err(err(
+                    field,
+                    format!("{} values for z_dim {z} (one per latent channel)", v.len()),
+                ));
+            }
+            if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+                return Err(err(field, format!("{x} is not a finite number")));
+            }
+            Ok(v.iter().map(|&x| x as f32).collect())
+        };
+        let latents_mean = stats(raw.latents_mean, "latents_mean")?;
+        let latents_std = stats(raw.latents_std, "latents_std")?;
+        let cfg = VaeConfig {
+            base_dim: raw.base_dim,
+            decoder_base_dim,
+            z_dim: z,
+            dim_mult: raw.dim_mult,
+            num_res_blocks: raw.num_res_blocks,
+            temperal_downsample: raw.temperal_downsample,
+            latents_mean,
+            latents_std,
+            in_channels: raw.in_channels,
+            out_channels: raw.out_channels,
+        };
+        for b in cfg.up_blocks() {
+            if let Some(f) = b.frames {
+                let spec = DupUp {
+                    height: 1,
+                    width: 1,
+                    frames: f,
+                };
+                if spec.repeats(b.cin, b.cout).is_none() {
+                    return Err(err(
+                        "dim_mult",
+                        format!(
+                            "the up block {}→{} channels (temporal factor {f}) cannot carry the \
+                             DupUp shortcut: 4·{f}·{} must be a multiple of {} and at least it",
+                            b.cin, b.cout, b.cout, b.cin
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// Output pixels per latent pixel along each side (16 for the release's 5 stages).
+    pub fn scale(&self) -> usize {
+        1 << (self.dim_mult.len() - 1)
+    }
+
+    /// The decoder's widths: `conv_in`'s output, then each up block's.
+    fn dims(&self) -> Vec<usize> {
+        let d = self.decoder_base_dim;
+        let last = self.dim_mult.last().copied().unwrap_or(1);
+        std::iter::once(d * last)
+            .chain(self.dim_mult.iter().rev().map(|m| d * m))
+            .collect()
+    }
+
+    /// Each up block's channels in and out and, for those that upsample, its temporal factor.
+    pub fn up_blocks(&self) -> Vec<UpBlockShape> {
+        let dims = self.dims();
+        let n = self.dim_mult.len();
+        (0..n)
+            .map(|i| UpBlockShape {
+                cin: dims[i],
+                cout: dims[i + 1],
+                frames: (i + 1 < n).then(|| {
+                    if self.temperal_downsample[n - 2 - i] {
+                        2
+                    } else {
+                        1
+                    }
+                }),
+            })
+            .collect()
+    }
+
+    /// The mid block's width (the attention's head width).
+    pub fn mid_channels(&self) -> usize {
+        self.dims()[0]
+    }
+}
+
+/// One decoder up block's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UpBlockShape {
+    pub cin: usize,
+    pub cout: usize,
+    /// `Some(temporal factor)` when the block upsamples 2× (and adds the DupUp shortcut).
+    pub frames: Option<usize>,
+}
+
+/// The ops a decode with `cfg` calls, so a backend can decline before the VAE loads.
+pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
+    let conv = |kernel, upsample, act| Op::Conv2d {
+        kernel,
+        upsample,
+        act,
+    };
+    let bias = MatmulOp {
+        bias: true,
+        ..MatmulOp::default()
+    };
+    let mut ops = vec![
+        conv(1, false, None),                   // post_quant_conv, resnet shortcuts
+        conv(3, false, None),                   // conv_in
+        conv(3, false, Some(Activation::Silu)), // resnets, conv_out
+        Op::Norm(NormOp::RMS),
+        Op::Residual(ResidualOp {
+            post: None,
+            gate: false,
+            after: AfterOp::Nothing,
+        }),
+        Op::Matmul(bias),
+        Op::Matmul(MatmulOp {
+            accumulate: true,
+            ..bias
+        }),
+        Op::Attention(AttentionOp {
+            head_dim: cfg.mid_channels(),
+            mask: MaskKind::Full,
+            cached: false,
+        }),
+    ];
+    let blocks = cfg.up_blocks();
+    if blocks.iter().any(|b| b.frames.is_some()) {
+        ops.extend([conv(3, true, None), Op::DupUp]);
+    }
+    // The 1×1 shortcuts of channel-changing resnets are `post_quant_conv`'s op.
+    ops
+}
+
+/// A convolution with its weight reordered to the backend's `[out, k·k·in]` layout.
+struct Conv<B: Backend> {
+    w: B::Mat,
+    b: B::Vector,
+    kernel: usize,
+    cout: usize,
+}
+
+impl<B: Backend> Conv<B> {
+    fn load(l: &Loader<'_, B>, name: &str, cin: usize, cout: usize, kernel: usize) -> Result<Self> {
+        // [out, in, ky, kx] → [out, ky, kx, in], in the stored dtype.
+        let mut t = l
+            .tensor(&format!("{name}.weight"), &[cout, cin, kernel, kernel])?
+            .permuted(&[0, 2, 3, 1])?;
+        t.shape = vec![cout, kernel * kernel * cin];
+        Ok(Conv {
+            w: l.backend().matrix(&[t])?,
+            b: l.vector(&format!("{name}.bias"), cout)?,
+            kernel,
+            cout,
+        })
+    }
+
+    /// `out = conv(act(x))` for an `hw` image (upsampled 2× first when `upsample`).
+    fn run(
+        &self,
+        be: &B,
+        x: View<'_, B>,
+        hw: (usize, usize),
+        upsample: bool,
+        act: Option<Activation>,
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel);
+        if upsample {
+            spec = spec.upsampled();
+        }
+        if let Some(a) = act {
+            spec = spec.of_activated(a);
+        }
+        let (oh, ow) = spec.out_size();
+        be.conv2d(
+            x,
+            &self.w,
+            &self.b,
+            &spec,
+            ViewMut::new(out, oh * ow, self.cout),
+        )
+    }
+}
+
+/// An `RMS_norm`'s γ (`[C, 1, 1, 1]` or, in the attention, `[C, 1, 1]`) as a norm weight.
+struct Norm<B: Backend> {
+    gamma: B::Vector,
+    eps: f32,
+}
+
+impl<B: Backend> Norm<B> {
+    fn load(l: &Loader<'_, B>, name: &str, c: usize, image: bool) -> Result<Self> {
+        let shape: &[usize] = if image { &[c, 1, 1] } else { &[c, 1, 1, 1] };
+        let mut t = l.tensor(&format!("{name}.gamma"), shape)?;
+        t.shape = vec![c];
+        Ok(Norm {
+            gamma: l.backend().vector(&t)?,
+            eps: (NORM_FLOOR * NORM_FLOOR / c as f64) as f32,
+        })
+    }
+
+    fn row_norm(&self) -> RowNorm<'_, B> {
+        RowNorm::rms(&self.gamma, self.eps)
+    }
+}
+
+struct Resnet<B: Backend> {
+    cin: usize,
+    cout: usize,
+    norm1: Norm<B>,
+    conv1: Conv<B>,
+    norm2: Norm<B>,
+    conv2: Conv<B>,
+    shortcut: Option<Conv<B>>,
+}
+
+impl<B: Backend> Resnet<B> {
+    fn load(l: &Loader<'_, B>, cin: usize, cout: usize) -> Result<Self> {
+        Ok(Resnet {
+            cin,
+            cout,
+            norm1: Norm::load(l, "norm1", cin, false)?,
+            conv1: Conv::load(l, "conv1", cin, cout, 3)?,
+            norm2: Norm::load(l, "norm2", cout, false)?,
+            conv2: Conv::load(l, "conv2", cout, cout, 3)?,
+            shortcut: if cin != cout {
+                Some(Conv::load(l, "conv_shortcut", cin, cout, 1)?)
+            } else {
+                None
+            },
+        })
+    }
+}
+
+/// The mid block's single-head self-attention.
+struct Attention<B: Backend> {
+    c: usize,
+    norm: Norm<B>,
+    /// `to_qkv` (a 1×1 convolution `[3C, C, 1, 1]`) as a product.
+    qkv: Linear<B>,
+    proj: Linear<B>,
+}
+
+impl<B: Backend> Attention<B> {
+    fn load(l: &Loader<'_, B>, c: usize) -> Result<Self> {
+        let linear = |name: &str, out: usize| -> Result<Linear<B>> {
+            let mut t = l.tensor(&format!("{name}.weight"), &[out, c, 1, 1])?;
+            t.shape = vec![out, c];
+            Ok(Linear {
+                w: l.backend().matrix(&[t])?,
+                b: l.vector(&format!("{name}.bias"), out)?,
+            })
+        };
+        Ok(Attention {
+            c,
+            norm: Norm::load(l, "norm", c, true)?,
+            qkv: linear("to_qkv", 3 * c)?,
+            proj: linear("proj", c)?,
+        })
+    }
+}
+
+struct UpBlock<B: Backend> {
+    resnets: Vec<Resnet<B>>,
+    /// The upsampler's convolution and the DupUp shortcut's temporal factor.
+    upsample: Option<(Conv<B>, usize)>,
+}
+
+/// Intermediate images recorded for parity tests, channels-last `[pixels, channels]`:
+/// `post_quant`, `conv_in`, `mid`, `up0` … (after each up block, shortcut included).
+#[derive(Default, Debug)]
+pub struct VaeTaps {
+    pub values: BTreeMap<String, Vec<f32>>,
+}
+
+pub struct VaeDecoder<B: Backend> {
+    cfg: VaeConfig,
+    post_quant: Conv<B>,
+    conv_in: Conv<B>,
+    mid: [Resnet<B>; 2],
+    attention: Attention<B>,
+    up: Vec<UpBlock<B>>,
+    norm_out: Norm<B>,
+    conv_out: Conv<B>,
+    /// Channels into the head (the last up block's).
+    head: usize,
+}
+
+/// The decoder's activations, each sized for the largest stage. `x` is the residual stream;
+/// `s` takes a resnet's or the upsampler's output before it is swapped into `x`; `k` keeps an up
+/// block's input for its DupUp shortcut (and takes a shortcut convolution's output). `c` (norm
+/// outputs, the attention's operands) and `h` (a resnet's first convolution, q|k|v) are only
+/// read by products and convolutions, so they are in the compute type.
+struct Bufs<B: Backend> {
+    x: B::Buf,
+    s: B::Buf,
+    k: B::Buf,
+    c: B::Buf,
+    h: B::Buf,
+}
+
+impl<B: Backend> VaeDecoder<B> {
+    /// Load `post_quant_conv.*` and `decoder.*` from the VAE checkpoint, checking every shape
+    /// against `cfg`.
+    pub fn load(be: &B, cfg: &VaeConfig, weights: &Weights) -> Result<Self> {
+        let root = Loader::new(be, weights);
+        let l = root.pp("decoder");
+        let top = cfg.mid_channels();
+        let up = cfg
+            .up_blocks()
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let block = l.pp(format_args!("up_blocks.{i}"));
+                let resnets = (0..cfg.num_res_blocks + 1)
+                    .map(|j| {
+                        let cin = if j == 0 { b.cin } else { b.cout };
+                        Resnet::load(&block.pp(format_args!("resnets.{j}")), cin, b.cout)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let upsample = match b.frames {
+                    Some(f) => Some((
+                        Conv::load(&block, "upsampler.resample.1", b.cout, b.cout, 3)?,
+                        f,
+                    )),
+                    None => None,
+                };
+                Ok(UpBlock { resnets, upsample })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let c0 = up
+            .last()
+            .and_then(|b| b.resnets.last())
+            .map_or(top, |r| r.cout);
+        let mid = l.pp("mid_block");
+        Ok(VaeDecoder {
+            post_quant: Conv::load(&root, "post_quant_conv", cfg.z_dim, cfg.z_dim, 1)?,
+            conv_in: Conv::load(&l, "conv_in", cfg.z_dim, top, 3)?,
+            mid: [
+                Resnet::load(&mid.pp("resnets.0"), top, top)?,
+                Resnet::load(&mid.pp("resnets.1"), top, top)?,
+            ],
+            attention: Attention::load(&mid.pp("attentions.0"), top)?,
+            up,
+            norm_out: Norm::load(&l, "norm_out", c0, false)?,
+            conv_out: Conv::load(&l, "conv_out", c0, cfg.out_channels, 3)?,
+            head: c0,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &VaeConfig {
+        &self.cfg
+    }
+
+    /// Bytes of device memory [`decode`](Self::decode) allocates for one `(h, w)` latent,
+    /// compute-type elements being `compute` bytes.
+    pub fn activation_bytes(&self, hw: (usize, usize), compute: usize) -> usize {
+        self.max_elems(hw) * (3 * 4 + 2 * compute)
+    }
+
+    /// The largest activation any stage holds for an `h × w` latent, in elements (the
+    /// attention's q|k|v included).
+    fn max_elems(&self, (h, w): (usize, usize)) -> usize {
+        let top = self.attention.c;
+        let mut px = h * w;
+        let mut most = px * top.max(self.cfg.z_dim).max(3 * top);
+        for b in &self.up {
+            for r in &b.resnets {
+                most = most.max(px * r.cin.max(r.cout));
+            }
+            if let Some((conv, _)) = &b.upsample {
+                px *= 4;
+                most = most.max(px * conv.cout);
+            }
+        }
+        most.max(px * self.cfg.out_channels)
+    }
+
+    /// Decode the DiT's latent tokens `[h·w, z_dim]` (row `y·w + x`, channels last) into the
+    /// image `[H·W, out_channels]`, channels last, clamped to [−1, 1], `H = h · scale`: the
+    /// pipeline's de-normalisation `z · std + mean`, then the decoder.
+    pub fn decode(
+        &self,
+        be: &B,
+        latent: &[f32],
+        (h, w): (usize, usize),
+        mut taps: Option<&mut VaeTaps>,
+    ) -> Result<Vec<f32>> {
+        let zc = self.cfg.z_dim;
+        if latent.len() != zc * h * w || h == 0 || w == 0 {
+            return Err(Error::input(format!(
+                "latent of {} values; expected {h}×{w} tokens of {zc} channels",
+                latent.len()
+            )));
+        }
+        let (mean, std) = (&self.cfg.latents_mean, &self.cfg.latents_std);
+        let z: Vec<f32> = latent
+            .chunks_exact(zc)
+            .flat_map(|t| t.iter().zip(std).zip(mean).map(|((&v, &s), &m)| v * s + m))
+            .collect();
+        let n = self.max_elems((h, w));
+        let (stream, compute) = (|| be.alloc(n, Role::Stream), || be.alloc(n, Role::Compute));
+        let mut b = Bufs {
+            x: stream()?,
+            s: stream()?,
+            k: stream()?,
+            c: compute()?,
+            h: compute()?,
+        };
+        let mut record = |name: &str, buf: &B::Buf, px: usize, ch: usize| -> Result<()> {
+            if let Some(t) = taps.as_deref_mut() {
+                t.values
+                    .insert(name.to_string(), be.read_f32(View::new(buf, px, ch))?);
+            }
+            Ok(())
+        };
+        let mut hw = (h, w);
+        let px = h * w;
+        be.write_f32(&mut b.k, &z)?;
+        self.post_quant
+            .run(be, View::new(&b.k, px, zc), hw, false, None, &mut b.s)?;
+        record("post_quant", &b.s, px, zc)?;
+        let top = self.attention.c;
+        self.conv_in
+            .run(be, View::new(&b.s, px, zc), hw, false, None, &mut b.x)?;
+        record("conv_in", &b.x, px, top)?;
+
+        self.resnet_in_place(be, &self.mid[0], &mut b, hw)?;
+        self.attention(be, &mut b, hw)?;
+        self.resnet_in_place(be, &self.mid[1], &mut b, hw)?;
+        record("mid", &b.x, px, top)?;
+
+        for (i, block) in self.up.iter().enumerate() {
+            // The block's input stays in `k` for the shortcut; the first resnet writes `x`.
+            std::mem::swap(&mut b.x, &mut b.k);
+            let (first, rest) = block
+                .resnets
+                .split_first()
+                .ok_or_else(|| Error::backend("vae", "an up block without resnets"))?;
+            self.resnet(
+                be,
+                first,
+                &b.k,
+                &mut b.x,
+                Some(&mut b.s),
+                (&mut b.c, &mut b.h),
+                hw,
+            )?;
+            for r in rest {
+                self.resnet_in_place(be, r, &mut b, hw)?;
+            }
+            let mut ch = first.cout;
+            if let Some((conv, frames)) = &block.upsample {
+                let (ih, iw) = hw;
+                conv.run(be, View::new(&b.x, ih * iw, ch), hw, true, None, &mut b.s)?;
+                hw = (2 * ih, 2 * iw);
+                let spec = DupUp {
+                    height: ih,
+                    width: iw,
+                    frames: *frames,
+                };
+                be.dup_up(
+                    View::new(&b.k, ih * iw, first.cin),
+                    &spec,
+                    ViewMut::new(&mut b.s, hw.0 * hw.1, conv.cout),
+                )?;
+                std::mem::swap(&mut b.x, &mut b.s);
+                ch = conv.cout;
+            }
+            record(&format!("up{i}"), &b.x, hw.0 * hw.1, ch)?;
+        }
+
+        let px = hw.0 * hw.1;
+        let c0 = self.head;
+        be.norm(
+            View::new(&b.x, px, c0),
+            &self.norm_out.row_norm(),
+            ViewMut::new(&mut b.c, px, c0),
+        )?;
+        self.conv_out.run(
+            be,
+            View::new(&b.c, px, c0),
+            hw,
+            false,
+            Some(Activation::Silu),
+            &mut b.s,
+        )?;
+        let mut image = be.read_f32(View::new(&b.s, px, self.cfg.out_channels))?;
+        for v in &mut image {
+            *v = v.clamp(-1.0, 1.0);
+        }
+        Ok(image)
+    }
+
+    /// `out = conv2(φ(conv1(φ(x)))) + shortcut(x)`, φ = SiLU ∘ RMS_norm, leaving `x` as it was;
+    /// a shortcut convolution writes `spare` first.
+    #[allow(clippy::too_many_arguments)]
+    fn resnet(
+        &self,
+        be: &B,
+        r: &Resnet<B>,
+        x: &B::Buf,
+        out: &mut B::Buf,
+        spare: Option<&mut B::Buf>,
+        (c, h): (&mut B::Buf, &mut B::Buf),
+        hw: (usize, usize),
+    ) -> Result<()> {
+        let px = hw.0 * hw.1;
+        let silu = Some(Activation::Silu);
+        be.norm(
+            View::new(x, px, r.cin),
+            &r.norm1.row_norm(),
+            ViewMut::new(c, px, r.cin),
+        )?;
+        r.conv1
+            .run(be, View::new(c, px, r.cin), hw, false, silu, h)?;
+        be.norm(
+            View::new(h, px, r.cout),
+            &r.norm2.row_norm(),
+            ViewMut::new(c, px, r.cout),
+        )?;
+        r.conv2
+            .run(be, View::new(c, px, r.cout), hw, false, silu, out)?;
+        // `conv2(…) + x` is `x + conv2(…)` bit for bit; the sum lands in `out`.
+        let skip: &B::Buf = match &r.shortcut {
+            Some(sc) => {
+                let spare = spare.ok_or_else(|| {
+                    Error::backend("vae", "a channel-changing resnet without a spare buffer")
+                })?;
+                sc.run(be, View::new(x, px, r.cin), hw, false, None, spare)?;
+                spare
+            }
+            None => x,
+        };
+        be.residual(
+            ViewMut::new(out, px, r.cout),
+            View::new(skip, px, r.cout),
+            &Residual::plain(),
+            After::Nothing,
+        )
+    }
+
+    /// [`resnet`](Self::resnet) on the stream, `x ← resnet(x)` through `s`, for the resnets that
+    /// keep their channel count (all but an up block's first): `k` is left alone.
+    fn resnet_in_place(
+        &self,
+        be: &B,
+        r: &Resnet<B>,
+        b: &mut Bufs<B>,
+        hw: (usize, usize),
+    ) -> Result<()> {
+        self.resnet(be, r, &b.x, &mut b.s, None, (&mut b.c, &mut b.h), hw)?;
+        std::mem::swap(&mut b.x, &mut b.s);
+        Ok(())
+    }
+
+    /// `x ← x + proj(softmax(q kᵀ/√C) v)` over the pixels, `q|k|v = to_qkv(RMS_norm(x))`.
+    fn attention(&self, be: &B, b: &mut Bufs<B>, hw: (usize, usize)) -> Result<()> {
+        let a = &self.attention;
+        let (px, c) = (hw.0 * hw.1, a.c);
+        be.norm(
+            View::new(&b.x, px, c),
+            &a.norm.row_norm(),
+            ViewMut::new(&mut b.c, px, c),
+        )?;
+        be.matmul(
+            View::new(&b.c, px, c),
+            &a.qkv.w,
+            ViewMut::new(&mut b.h, px, 3 * c),
+            &a.qkv.epilogue(),
+        )?;
+        let layout = QkvLayout {
+            heads_q: 1,
+            heads_kv: 1,
+            head_dim: c,
+        };
+        let spec = AttnSpec::new(layout, (c as f32).powf(-0.5), Mask::Full);
+        let segs = be.segments(&[px])?;
+        let qkv = View::new(&b.h, px, 3 * c);
+        be.attention(
+            qkv.cols(0, c),
+            qkv.cols(c, c),
+            qkv.cols(2 * c, c),
+            ViewMut::new(&mut b.c, px, c),
+            &spec,
+            &segs,
+        )?;
+        // x += proj(a) + bias, folded into the product.
+        be.matmul(
+            View::new(&b.c, px, c),
+            &a.proj.w,
+            ViewMut::new(&mut b.x, px, c),
+            &a.proj.epilogue().accumulate(),
+        )
+    }
+}
+
+/// The decoder's image `[pixels, channels]` in [−1, 1] as 8-bit values, exactly as the
+/// pipeline's `VaeImageProcessor.postprocess` + `numpy_to_pil` make them in `f32`:
+/// `clamp(x·0.5 + 0.5, 0, 1)`, then `round(v·255)` with ties to even. Four channels stay a
+/// straight (not premultiplied) RGBA image. The conversion is elementwise and shared with
+/// Z-Image ([`crate::zimage::vae::to_rgb8`]).
+pub fn to_rgba8(image: &[f32]) -> Vec<u8> {
+    crate::zimage::vae::to_rgb8(image)
+}
