@@ -188,7 +188,7 @@ impl FlowMatchConfig {
         };
         // diffusers stretches when `shift_terminal` is truthy: 0 means no stretch.
         let shift_terminal = match raw.shift_terminal {
-            Some(t) if t == 0.0 => None,
+            Some(0.0) => None,
             Some(t) if !(0.0..1.0).contains(&t) => {
                 return Err(err(
                     "shift_terminal",

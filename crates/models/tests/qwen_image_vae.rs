@@ -285,8 +285,7 @@ fn sigma_schedules_are_bit_identical() {
 fn declares_every_op_it_calls() {
     let be = CpuBackend::recording();
     let vae = decoder(&be);
-    vae.decode(&be, &vec![0.25; 3 * 2 * 8], (3, 2), None)
-        .unwrap();
+    vae.decode(&be, &[0.25; 3 * 2 * 8], (3, 2), None).unwrap();
     let declared = vae::ops(vae.config());
     let recorded = be.recorded();
     assert!(!recorded.is_empty());
