@@ -1,9 +1,9 @@
 //! FlowMatch Euler sampling as the Qwen-Image-2.1 pipeline drives it (diffusers 0.42.1
 //! `QwenImage21Pipeline.__call__` step 4 + `scheduling_flow_match_euler_discrete.py`), spec A8.
 //!
-//! - The base list is the model's `sample_sigmas` (`model_index.json`, when not null; the step
-//!   count is then ignored, as the pipeline ignores it) or `np.linspace(1.0, 1/N, N)` in `f64`,
-//!   cast to `f32` by `set_timesteps`.
+//! - The base list is the model's `sample_sigmas` (`model_index.json`, when not null, read by
+//!   [`super::config::parse_model_index`]; the step count is then ignored, as the pipeline
+//!   ignores it) or `np.linspace(1.0, 1/N, N)` in `f64`, cast to `f32` by `set_timesteps`.
 //! - `μ = calculate_shift(target image tokens)`, in `f64`: linear from `base_shift` at
 //!   `base_image_seq_len` tokens to `max_shift` at `max_image_seq_len` (0.5 at 256, 0.9 at 8192
 //!   for the release; extrapolated beyond). Condition-image and text tokens do not count.
@@ -22,7 +22,6 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
 use tessera_core::{Error, Result};
 
 use crate::flow_match::{FlowMatchConfig, numpy_linspace_to_reciprocal, schedule_from};
@@ -79,102 +78,59 @@ impl SchedulerConfig {
     }
 }
 
-#[derive(Deserialize)]
-struct RawIndex {
-    #[serde(default)]
-    sample_sigmas: Option<Vec<f64>>,
-}
-
-/// The pipeline's configured `sample_sigmas` from `model_index.json` (`None` when absent or
-/// null), checked as [`FlowMatchEuler::with_sample_sigmas`] checks them.
-pub fn sample_sigmas(path: &Path, json: &str) -> Result<Option<Vec<f64>>> {
-    let raw: RawIndex = tessera_core::config::parse_json(path, json)?;
-    match raw.sample_sigmas {
-        Some(s) => check_sigmas(&s)
-            .map(|()| Some(s))
-            .map_err(|e| Error::config(path, "sample_sigmas", e)),
-        None => Ok(None),
-    }
-}
-
 /// An explicit σ list must have 1 ..= [`MAX_STEPS`] values in (0, 1] (stricter than the
 /// reference, which computes garbage from others).
-fn check_sigmas(sigmas: &[f64]) -> std::result::Result<(), String> {
+fn check_sigmas(sigmas: &[f64]) -> Result<()> {
     if sigmas.is_empty() || sigmas.len() > MAX_STEPS {
-        return Err(format!(
+        return Err(Error::input(format!(
             "{} σ values: give between 1 and {MAX_STEPS}",
             sigmas.len()
-        ));
+        )));
     }
     if let Some((i, s)) = sigmas
         .iter()
         .enumerate()
         .find(|(_, s)| !(**s > 0.0 && **s <= 1.0))
     {
-        return Err(format!("σ[{i}] = {s}: every σ must be in (0, 1]"));
+        return Err(Error::input(format!(
+            "σ[{i}] = {s}: every σ must be in (0, 1]"
+        )));
     }
     Ok(())
 }
 
-/// Qwen-Image-2.1's sampler: the scheduler config and the pipeline's `sample_sigmas`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct FlowMatchEuler {
-    pub config: SchedulerConfig,
-    /// The model's default σ list (`model_index.json`'s `sample_sigmas`); when set it decides
-    /// the step count.
-    pub sample_sigmas: Option<Vec<f64>>,
-}
-
-impl FlowMatchEuler {
-    pub fn new(config: SchedulerConfig) -> Self {
-        FlowMatchEuler {
-            config,
-            sample_sigmas: None,
+/// The schedule `QwenImage21Pipeline.__call__` makes for an image of `image_tokens` target
+/// latent tokens (`h/16 · w/16`): from `sample_sigmas` when given (the model's
+/// `model_index.json` list or the call's `sigmas`; `steps` is then ignored, as in the
+/// reference), else from `steps` evenly spaced values.
+pub fn schedule(
+    cfg: &SchedulerConfig,
+    steps: usize,
+    image_tokens: usize,
+    sample_sigmas: Option<&[f64]>,
+) -> Result<Schedule> {
+    let base: Vec<f32> = match sample_sigmas {
+        Some(s) => {
+            check_sigmas(s)?;
+            s.iter().map(|&v| v as f32).collect()
         }
-    }
-
-    /// The same sampler with the pipeline's configured `sample_sigmas` (from [`sample_sigmas`]).
-    pub fn with_sample_sigmas(self, sigmas: Option<Vec<f64>>) -> Result<Self> {
-        if let Some(s) = &sigmas {
-            check_sigmas(s).map_err(|e| Error::input(format!("sample_sigmas: {e}")))?;
+        None => {
+            if steps == 0 || steps > MAX_STEPS {
+                return Err(Error::input(format!(
+                    "--steps {steps}: choose between 1 and {MAX_STEPS} (Qwen-Image-2.1 uses 40)"
+                )));
+            }
+            numpy_linspace_to_reciprocal(steps)
         }
-        Ok(FlowMatchEuler {
-            sample_sigmas: sigmas,
-            ..self
-        })
-    }
-
-    /// The schedule the pipeline makes for `steps` steps (ignored when `sample_sigmas` is set)
-    /// of an image of `image_tokens` latent tokens (`h/16 · w/16`).
-    pub fn schedule(&self, steps: usize, image_tokens: usize) -> Result<Schedule> {
-        if let Some(s) = &self.sample_sigmas {
-            return self.schedule_with_sigmas(s, image_tokens);
-        }
-        if steps == 0 || steps > MAX_STEPS {
-            return Err(Error::input(format!(
-                "--steps {steps}: choose between 1 and {MAX_STEPS} (Qwen-Image-2.1 uses 40)"
-            )));
-        }
-        self.shifted(&numpy_linspace_to_reciprocal(steps), image_tokens)
-    }
-
-    /// The schedule of an explicit σ list (the pipeline's `sigmas` argument; one step each).
-    pub fn schedule_with_sigmas(&self, sigmas: &[f64], image_tokens: usize) -> Result<Schedule> {
-        check_sigmas(sigmas).map_err(|e| Error::input(format!("sigmas: {e}")))?;
-        let base: Vec<f32> = sigmas.iter().map(|&s| s as f32).collect();
-        self.shifted(&base, image_tokens)
-    }
-
-    fn shifted(&self, base: &[f32], image_tokens: usize) -> Result<Schedule> {
-        let f = &self.config.flow;
-        schedule_from(
-            base,
-            f.shift_for(self.config.mu(image_tokens)),
-            f.shift_terminal,
-            f.num_train_timesteps,
-            |t| t / 1000.0,
-        )
-    }
+    };
+    let f = &cfg.flow;
+    schedule_from(
+        &base,
+        f.shift_for(cfg.mu(image_tokens)),
+        f.shift_terminal,
+        f.num_train_timesteps,
+        |t| t / 1000.0,
+    )
 }
 
 #[cfg(test)]
@@ -188,14 +144,13 @@ mod tests {
         "use_beta_sigmas": false, "use_dynamic_shifting": true, "use_exponential_sigmas": false,
         "use_karras_sigmas": false}"#;
 
-    fn released() -> FlowMatchEuler {
-        let p = Path::new("scheduler/scheduler_config.json");
-        FlowMatchEuler::new(SchedulerConfig::parse(p, RELEASED).unwrap())
+    fn released() -> SchedulerConfig {
+        SchedulerConfig::parse(Path::new("scheduler/scheduler_config.json"), RELEASED).unwrap()
     }
 
     #[test]
     fn mu_spans_the_configured_range() {
-        let c = released().config;
+        let c = released();
         assert_eq!(c.mu(256), 0.5);
         assert!((c.mu(8192) - 0.9).abs() < 1e-15);
         assert!((c.mu(4096) - (0.5 + 0.4 * 3840.0 / 7936.0)).abs() < 1e-15);
@@ -203,7 +158,7 @@ mod tests {
 
     #[test]
     fn schedules_end_at_the_terminal_then_zero() {
-        let s = released().schedule(40, 4096).unwrap();
+        let s = schedule(&released(), 40, 4096, None).unwrap();
         assert_eq!((s.steps(), s.sigmas.len()), (40, 41));
         assert_eq!(s.sigmas[0], 1.0);
         assert!((s.sigmas[39] - 0.02).abs() < 1e-6, "{:?}", s.sigmas);
@@ -214,36 +169,25 @@ mod tests {
 
     #[test]
     fn sample_sigmas_decide_the_step_count() {
-        let turbo = vec![1.0, 0.9375, 0.875, 0.75, 0.5, 0.25];
-        let f = released().with_sample_sigmas(Some(turbo)).unwrap();
-        assert_eq!(f.schedule(40, 1024).unwrap().steps(), 6);
-        let p = Path::new("model_index.json");
-        assert_eq!(
-            sample_sigmas(p, r#"{"sample_sigmas": null}"#).unwrap(),
-            None
-        );
-        assert_eq!(sample_sigmas(p, "{}").unwrap(), None);
-        assert_eq!(
-            sample_sigmas(p, r#"{"sample_sigmas": [1.0, 0.5]}"#).unwrap(),
-            Some(vec![1.0, 0.5])
-        );
-        let e = sample_sigmas(p, r#"{"sample_sigmas": [1.0, 0.0]}"#)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("model_index.json") && e.contains("sample_sigmas") && e.contains("σ[1]"),
-            "{e}"
-        );
+        let turbo = [1.0, 0.9375, 0.875, 0.75, 0.5, 0.25];
+        let s = schedule(&released(), 40, 1024, Some(&turbo)).unwrap();
+        assert_eq!(s.steps(), 6);
+        for bad in [&[][..], &[1.0, 0.0][..], &[1.5][..], &[f64::NAN][..]] {
+            let e = schedule(&released(), 40, 1024, Some(bad))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("σ"), "{bad:?}: {e}");
+        }
     }
 
     #[test]
     fn bad_step_counts_and_configs_are_refused() {
-        let f = released();
+        let c = released();
         for n in [0, MAX_STEPS + 1] {
-            let e = f.schedule(n, 4096).unwrap_err().to_string();
+            let e = schedule(&c, n, 4096, None).unwrap_err().to_string();
             assert!(e.contains("--steps"), "{e}");
         }
-        let e = f.schedule(1, 4096).unwrap_err().to_string();
+        let e = schedule(&c, 1, 4096, None).unwrap_err().to_string();
         assert!(e.contains("shift_terminal"), "{e}");
         let p = Path::new("scheduler/scheduler_config.json");
         let e = SchedulerConfig::parse(p, &RELEASED.replace("0.9,", "null,"))
