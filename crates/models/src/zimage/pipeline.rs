@@ -9,11 +9,11 @@ use tessera_core::{Error, Result, Weights, check_finite};
 
 use super::ZImageFiles;
 use super::config::{SchedulerConfig, TransformerConfig, VaeConfig, check_model_index};
-use crate::noise;
 use super::scheduler::{FlowMatchEuler, Schedule, euler_step, guide};
 use super::text::{MAX_PROMPT_TOKENS, PromptIds, PromptTemplate, prompt_ids};
 use super::transformer::ZImageTransformer;
 use super::vae::{VaeDecoder, to_rgb8};
+use crate::noise;
 use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
 use crate::text_to_image::{Checked, Defaults, Event, Image, MAX_IMAGES, Request};
 
