@@ -32,9 +32,10 @@
 //!
 //! What the reference showed beyond the spec (A7): the decoder's dims are
 //! `decoder_base_dim · [dim_mult[-1]] + decoder_base_dim · reversed(dim_mult)` and every up block
-//! but the last has the DupUp shortcut (temporal factor 2 where `reversed(temperal_downsample)`
-//! says so — for the release (1152→1152, 1152→1152, 1152→576: factor 2; 576→288: factor 1); the
-//! last block (288→144) neither upsamples nor adds a shortcut. `attn_scales` and `dropout` do not
+//! but the last has the DupUp shortcut, with a temporal factor of 2 where
+//! `reversed(temperal_downsample)` says so. For the release: 1152→1152, 1152→1152 and 1152→576
+//! with factor 2, 576→288 with factor 1; the last block (288→144) neither upsamples nor adds a
+//! shortcut. The mid attention is one head of 1152. `attn_scales` and `dropout` do not
 //! reach the residual decoder. The pipeline's `_unpack_latents` only makes even latent sides (one
 //! DiT slot is 2×2 tokens); the decoder itself takes any `h × w`.
 //!
