@@ -12,7 +12,7 @@ cp target/release/tessera .dev/bin/
 # TESTS picks the GPU test executables (default all); the carried tree must stay under 64 MiB, so
 # a run of one family stages only its own: TESTS="cuda_ops zimage_cuda" tools/device/stage.sh
 TESTS=${TESTS:-cuda_ops egemma2_cuda zimage_cuda}
-rm -f .dev/bin/cuda_ops .dev/bin/egemma2_cuda .dev/bin/zimage_cuda .dev/bin/lfm2vl_cuda
+rm -f .dev/bin/cuda_ops .dev/bin/egemma2_cuda .dev/bin/zimage_cuda .dev/bin/lfm2vl_cuda .dev/bin/qwen_image_cuda
 for t in $TESTS; do
   case $t in
     cuda_ops) spec="tessera-backend --test cuda_ops" ;;
@@ -27,7 +27,8 @@ done
 # The binary of a baseline commit, for before/after measurements (BASELINE=path/to/tessera).
 if [ -n "${BASELINE:-}" ]; then cp "$BASELINE" .dev/bin/tessera-base; fi
 strip .dev/bin/*  # the device tool carries at most 64 MiB
-cp ../shared/tools/make_eg2_full.py ../shared/tools/refbench.py ../shared/tools/zimage_compile.py .dev/tools/
+cp ../shared/tools/make_eg2_full.py ../shared/tools/refbench.py ../shared/tools/zimage_compile.py \
+  ../shared/tools/refbench_qi21_lfm2vl.py ../shared/tools/refbench_qi21_lfm2vl.sh .dev/tools/
 if [ ! -f .dev/whl/transformers-5.25.0-py3-none-any.whl ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

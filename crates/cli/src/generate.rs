@@ -398,8 +398,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let init = args.init_latent.as_deref().map(npy::read_f32).transpose()?;
     let spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
     if spec.is_bundled() {
+        let which = match &args.model {
+            None => "no --model given: using the bundled miniature",
+            Some(_) => "the bundled miniature",
+        };
         eprintln!(
-            "note: no --model given: using the bundled miniature {} (random weights: the image is structured noise, for checking an install)",
+            "note: {which} {} (random weights: the image is structured noise, for checking an install)",
             spec.family.name()
         );
     }

@@ -110,6 +110,36 @@ pub fn run(args: InfoArgs) -> Result<()> {
                 &files.transformer.weights("diffusion_pytorch_model")?,
             );
         }
+        ModelFilesOf::QwenImage(files, c) => {
+            let (te, tr, vae) = (&c.text_encoder, &c.transformer, &c.vae);
+            println!(
+                "text:        Qwen3-VL language model, {} layers, width {}, {} heads ({} kv), vocab {}; features before the final norm",
+                te.num_layers, te.hidden_size, te.heads_q, te.heads_kv, te.vocab_size
+            );
+            println!(
+                "transformer: {} single-stream blocks, width {}, {} heads of {}, FFN {}, RoPE axes {:?}; prefix K/V cached",
+                tr.num_layers,
+                tr.dim(),
+                tr.heads,
+                tr.head_dim,
+                tr.ffn_dim(),
+                tr.axes_dims
+            );
+            println!(
+                "vae:         RGBA, {}× per side, {} latent channels, decoder width {} × {:?}",
+                vae.scale(),
+                vae.z_dim,
+                vae.decoder_base_dim,
+                vae.dim_mult
+            );
+            if let Some(s) = &c.index.sample_sigmas {
+                println!("schedule:    the author's σ grid of {} steps", s.len());
+            }
+            weights_line(
+                "weights:",
+                &files.transformer.weights("diffusion_pytorch_model")?,
+            );
+        }
     }
     println!("ops:         {} distinct", spec.ops().len());
     for (device, support) in spec.support() {

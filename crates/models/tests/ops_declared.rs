@@ -124,3 +124,23 @@ fn lfm2vl_declares_every_op_of_prefill_with_images_and_decoding() {
     .unwrap();
     assert_declared("LFM2-VL", &lfm2vl::ops(&cfg), &be.recorded());
 }
+
+#[test]
+fn qwen_image_declares_every_op_of_a_guided_generation() {
+    use tessera_models::qwen_image::{self, QwenImage, QwenImageConfigs};
+    let be = CpuBackend::recording();
+    let mut model = QwenImage::load(be.clone(), &qwen_image::BUNDLED).unwrap();
+    let req = Request {
+        width: 64,
+        height: 32,
+        steps: 2,
+        guidance: 3.0,
+        negative_prompt: Some(String::new()),
+        num_images: 2,
+        ..Request::new("a red fox", qwen_image::DEFAULTS)
+    };
+    let plan = model.plan(&req).unwrap();
+    model.generate_images(&req, &plan, |_| {}).unwrap();
+    let cfg = QwenImageConfigs::read(&qwen_image::BUNDLED).unwrap();
+    assert_declared("Qwen-Image-2.1", &qwen_image::ops(&cfg), &be.recorded());
+}

@@ -12,12 +12,13 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, Role, View};
-use tessera_models::qwen_image::BUNDLED;
 use tessera_models::qwen_image::config::TransformerConfig;
 use tessera_models::qwen_image::layout::{Layout, Part};
 use tessera_models::qwen_image::text::{TextEncoder, prompt_ids};
 use tessera_models::qwen_image::transformer::QwenImageTransformer;
+use tessera_models::qwen_image::{self, BUNDLED, QwenImage};
 use tessera_models::qwen3::{BpeTokenizer, Qwen3Config};
+use tessera_models::text_to_image::{Event, Request};
 
 use common::{Expected, Worst, rel};
 
@@ -31,6 +32,19 @@ fn root() -> PathBuf {
 struct Cases {
     text: Vec<TextCase>,
     dit: Vec<DitCase>,
+    e2e: Vec<E2eCase>,
+}
+
+#[derive(Deserialize)]
+struct E2eCase {
+    name: String,
+    prompt: String,
+    negative_prompt: Option<String>,
+    width: usize,
+    height: usize,
+    steps: usize,
+    guidance: f32,
+    sigmas: Vec<f64>,
 }
 
 #[derive(Deserialize)]
@@ -244,4 +258,118 @@ fn text_encoder_ids_and_features_match_the_reference() {
         worst.check("features", &c.name, rel(&feats[0], want), BOUND);
     }
     worst.report("text encoder");
+}
+
+#[test]
+fn the_pipeline_reproduces_the_reference_steps_and_image() {
+    let ex = expected();
+    let mut worst = Worst::default();
+    for c in cases().e2e {
+        let p = format!("e2e/{}/", c.name);
+        let mut m = QwenImage::load(CpuBackend::new(), &BUNDLED).unwrap();
+        let req = Request {
+            negative_prompt: c.negative_prompt.clone(),
+            width: c.width,
+            height: c.height,
+            steps: c.steps,
+            guidance: c.guidance,
+            init_latent: Some(ex.f32(&format!("{p}latents"))),
+            ..Request::new(c.prompt.clone(), qwen_image::DEFAULTS)
+        };
+        let plan = m.plan(&req).unwrap();
+        // The reference's σ are f32 values written as decimals; serde_json's parse of the
+        // decimal may be an ulp off in f64, never in f32.
+        let want: Vec<f32> = c.sigmas.iter().map(|&s| s as f32).collect();
+        assert_eq!(plan.schedule.sigmas, want, "{}: σ schedule", c.name);
+        assert_eq!(plan.guided, c.negative_prompt.is_some() && c.guidance > 1.0);
+        let mut last = Vec::new();
+        let images = m
+            .generate_images(&req, &plan, |e| {
+                if let Event::Step { index, latents, .. } = e {
+                    let want = ex.get(&format!("{p}latent{index}"));
+                    worst.check("latent", &c.name, rel(&latents[0], want), BOUND);
+                    last = latents[0].clone();
+                }
+            })
+            .unwrap();
+        // The decoded image in floats, as the pipeline's postprocess gives it: x/2 + 1/2.
+        let image = m
+            .vae()
+            .decode(m.backend(), &last, plan.latent_hw, None)
+            .unwrap();
+        let as_unit: Vec<f32> = image
+            .iter()
+            .map(|&x| (x * 0.5 + 0.5).clamp(0.0, 1.0))
+            .collect();
+        let want_f = ex.get(&format!("{p}image_f"));
+        worst.check("image", &c.name, rel(&as_unit, want_f), BOUND);
+        // 8-bit RGBA: equal, except a value whose reference sits on a rounding boundary
+        // (within 1e-4 of a half level), where a 1e-6 difference decides the level.
+        let want = ex.get(&format!("{p}image"));
+        let img = &images[0];
+        assert_eq!(
+            (img.width, img.height, img.channels),
+            (c.width, c.height, 4)
+        );
+        for (i, (&g, &w)) in img.pixels.iter().zip(want).enumerate() {
+            if g as f64 == w {
+                continue;
+            }
+            let scaled = want_f[i] * 255.0;
+            let off_half = (scaled - scaled.floor() - 0.5).abs();
+            assert!(
+                (g as f64 - w).abs() == 1.0 && off_half < 1e-4,
+                "{}: value {i} is {g}, the reference {w} (reference {scaled:.6} / 255)",
+                c.name
+            );
+        }
+    }
+    worst.report("pipeline");
+}
+
+#[test]
+fn bad_requests_are_refused_before_any_compute() {
+    let m = QwenImage::load(CpuBackend::new(), &BUNDLED).unwrap();
+    let req = |f: &dyn Fn(&mut Request)| {
+        let mut r = Request {
+            width: 64,
+            height: 64,
+            steps: 2,
+            ..Request::new("a fox", qwen_image::DEFAULTS)
+        };
+        f(&mut r);
+        r
+    };
+    let e = m.plan(&req(&|r| r.width = 48)).unwrap_err().to_string();
+    assert!(e.contains("multiples of 32") && e.contains("64x64"), "{e}");
+    let e = m.plan(&req(&|r| r.steps = 0)).unwrap_err().to_string();
+    assert!(e.contains("step"), "{e}");
+    let e = m
+        .plan(&req(&|r| r.init_latent = Some(vec![0.0; 3])))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("initial latent") && e.contains("16 tokens × 8 channels"),
+        "{e}"
+    );
+    // Guidance without a negative prompt: CFG is off, and the user is told.
+    let plan = m.plan(&req(&|r| r.guidance = 4.0)).unwrap();
+    assert!(!plan.guided);
+    assert!(
+        plan.warnings.iter().any(|w| w.contains("true CFG is off")),
+        "{:?}",
+        plan.warnings
+    );
+    // An empty negative prompt counts (encoded as " ", like an empty prompt).
+    let plan = m
+        .plan(&req(&|r| {
+            r.guidance = 4.0;
+            r.negative_prompt = Some(String::new());
+        }))
+        .unwrap();
+    assert!(plan.guided && plan.prompts.len() == 2);
+    assert_eq!(plan.prompts[1], plan.prompts[1].clone());
+    let empty = m.plan(&req(&|r| r.prompt = String::new())).unwrap();
+    let space = m.plan(&req(&|r| r.prompt = " ".into())).unwrap();
+    assert_eq!(empty.prompts[0], space.prompts[0]);
 }

@@ -10,6 +10,7 @@ use tessera_core::{Error, Result, config::read_json, model_dir};
 use tessera_models::ModelFiles;
 use tessera_models::egemma2::{self, Config as Egemma2Config};
 use tessera_models::lfm2vl::{self, Lfm2VlConfig};
+use tessera_models::qwen_image::{self, QwenImageConfigs, QwenImageFiles};
 use tessera_models::zimage::{self, ZImageConfigs, ZImageFiles};
 
 /// A model family Tessera runs.
@@ -18,6 +19,7 @@ pub enum Family {
     EmbeddingGemma2,
     ZImage,
     Lfm2Vl,
+    QwenImage,
 }
 
 /// What a family does, and so which front end serves it.
@@ -37,6 +39,7 @@ impl Family {
             Family::EmbeddingGemma2 => "EmbeddingGemma 2",
             Family::ZImage => "Z-Image",
             Family::Lfm2Vl => "LFM2-VL",
+            Family::QwenImage => "Qwen-Image-2.1",
         }
     }
 
@@ -46,13 +49,14 @@ impl Family {
             Family::EmbeddingGemma2 => "bundled egemma2-mini",
             Family::ZImage => "bundled zimage-mini",
             Family::Lfm2Vl => "bundled lfm2vl-mini",
+            Family::QwenImage => "bundled qwen-image-mini",
         }
     }
 
     pub fn capability(self) -> Capability {
         match self {
             Family::EmbeddingGemma2 => Capability::Embed,
-            Family::ZImage => Capability::GenerateImage,
+            Family::ZImage | Family::QwenImage => Capability::GenerateImage,
             Family::Lfm2Vl => Capability::Chat,
         }
     }
@@ -83,6 +87,7 @@ pub enum ModelFilesOf {
     EmbeddingGemma2(ModelFiles, Box<Egemma2Config>),
     ZImage(ZImageFiles, Box<ZImageConfigs>),
     Lfm2Vl(ModelFiles, Box<Lfm2VlConfig>),
+    QwenImage(QwenImageFiles, Box<QwenImageConfigs>),
 }
 
 impl ModelFilesOf {
@@ -94,6 +99,11 @@ impl ModelFilesOf {
     fn lfm2vl(files: ModelFiles) -> Result<Self> {
         let config = Lfm2VlConfig::read(&files)?;
         Ok(ModelFilesOf::Lfm2Vl(files, Box::new(config)))
+    }
+
+    fn qwen_image(files: QwenImageFiles) -> Result<Self> {
+        let configs = QwenImageConfigs::read(&files)?;
+        Ok(ModelFilesOf::QwenImage(files, Box::new(configs)))
     }
 
     fn zimage(files: ZImageFiles) -> Result<Self> {
@@ -129,13 +139,21 @@ struct ModelConfig {
 fn planned(name: &str) -> Option<&'static str> {
     let n = name.to_ascii_lowercase();
     if n.contains("qwenimage") {
-        Some("Qwen-Image-2.1")
+        Some("Qwen-Image (the 2025 20B MMDiT; Tessera runs Qwen-Image-2.1)")
     } else {
         None
     }
 }
 
-const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2), LFM2-VL (model_type lfm2_vl) and Z-Image (model_index.json ZImagePipeline)";
+const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2), LFM2-VL (model_type lfm2_vl), Z-Image (model_index.json ZImagePipeline) and Qwen-Image-2.1 (QwenImage21Pipeline)";
+
+/// The bundled miniatures by the names `--model bundled:NAME` takes (`-mini` may be added).
+pub const BUNDLED_NAMES: [(&str, Family); 4] = [
+    ("egemma2", Family::EmbeddingGemma2),
+    ("zimage", Family::ZImage),
+    ("lfm2vl", Family::Lfm2Vl),
+    ("qwen-image", Family::QwenImage),
+];
 
 /// The family of the model in `dir`.
 pub fn detect(dir: &Path) -> Result<Family> {
@@ -155,6 +173,7 @@ pub fn detect(dir: &Path) -> Result<Family> {
         let class = idx.class_name.unwrap_or_default();
         return match class.as_str() {
             "ZImagePipeline" => Ok(Family::ZImage),
+            "QwenImage21Pipeline" => Ok(Family::QwenImage),
             other => Err(unknown("the diffusers pipeline", other)),
         };
     }
@@ -188,12 +207,31 @@ impl ModelSpec {
         let Some(spec) = spec else {
             return Self::bundled(bundled);
         };
+        if let Some(name) = spec.strip_prefix("bundled:") {
+            let name = name.strip_suffix("-mini").unwrap_or(name);
+            let family = BUNDLED_NAMES
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|&(_, f)| f)
+                .ok_or_else(|| {
+                    let names: Vec<String> = BUNDLED_NAMES
+                        .iter()
+                        .map(|(n, _)| format!("bundled:{n}"))
+                        .collect();
+                    Error::input(format!(
+                        "--model {spec}: no such bundled model (there are {})",
+                        names.join(", ")
+                    ))
+                })?;
+            return Self::bundled(family);
+        }
         let dir = model_dir::resolve_any(spec, &["model_index.json", "config.json"])?;
         let family = detect(&dir)?;
         let files = match family {
             Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(ModelFiles::Dir(dir))?,
             Family::ZImage => ModelFilesOf::zimage(ZImageFiles::dir(&dir)?)?,
             Family::Lfm2Vl => ModelFilesOf::lfm2vl(ModelFiles::Dir(dir))?,
+            Family::QwenImage => ModelFilesOf::qwen_image(QwenImageFiles::dir(&dir)?)?,
         };
         Self::with(family, files, spec.to_string())
     }
@@ -204,6 +242,7 @@ impl ModelSpec {
             Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(egemma2::BUNDLED)?,
             Family::ZImage => ModelFilesOf::zimage(zimage::BUNDLED)?,
             Family::Lfm2Vl => ModelFilesOf::lfm2vl(lfm2vl::BUNDLED)?,
+            Family::QwenImage => ModelFilesOf::qwen_image(qwen_image::BUNDLED)?,
         };
         Self::with(
             family,
@@ -217,6 +256,7 @@ impl ModelSpec {
             ModelFilesOf::EmbeddingGemma2(_, c) => egemma2::ops(c),
             ModelFilesOf::ZImage(_, c) => zimage::ops(c),
             ModelFilesOf::Lfm2Vl(_, c) => lfm2vl::ops(c),
+            ModelFilesOf::QwenImage(_, c) => qwen_image::ops(c),
         };
         Ok(ModelSpec {
             family,
@@ -249,6 +289,7 @@ impl ModelSpec {
             ModelFilesOf::EmbeddingGemma2(f, _) => f.is_embedded(),
             ModelFilesOf::ZImage(f, _) => f.is_bundled(),
             ModelFilesOf::Lfm2Vl(f, _) => f.is_embedded(),
+            ModelFilesOf::QwenImage(f, _) => f.is_bundled(),
         }
     }
 
@@ -258,6 +299,7 @@ impl ModelSpec {
             ModelFilesOf::EmbeddingGemma2(f, _) => f.location(),
             ModelFilesOf::ZImage(f, _) => f.location(),
             ModelFilesOf::Lfm2Vl(f, _) => f.location(),
+            ModelFilesOf::QwenImage(f, _) => f.location(),
         }
     }
 
@@ -313,7 +355,12 @@ mod tests {
             "model_index.json",
             r#"{"_class_name": "QwenImage21Pipeline"}"#,
         )]);
-        let e = detect(qi.path()).unwrap_err().to_string();
+        assert_eq!(detect(qi.path()).unwrap(), Family::QwenImage);
+        let old = folder(&[(
+            "model_index.json",
+            r#"{"_class_name": "QwenImagePipeline"}"#,
+        )]);
+        let e = detect(old.path()).unwrap_err().to_string();
         assert!(
             e.contains("Qwen-Image-2.1") && e.contains("does not run yet"),
             "{e}"
@@ -350,7 +397,12 @@ mod tests {
 
     #[test]
     fn the_cpu_runs_every_family() {
-        for f in [Family::EmbeddingGemma2, Family::ZImage, Family::Lfm2Vl] {
+        for f in [
+            Family::EmbeddingGemma2,
+            Family::ZImage,
+            Family::Lfm2Vl,
+            Family::QwenImage,
+        ] {
             let spec = ModelSpec::bundled(f).unwrap();
             let be = spec
                 .device(DeviceRequest::Cpu, None, |_| {})

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use tessera_backend::{AnyBackend, Backend, BackendFn};
 use tessera_core::{Error, Result};
+use tessera_models::qwen_image::{QwenImage, QwenImageFiles};
 use tessera_models::text_to_image::{Checked, Defaults, Event, Image, Request};
 use tessera_models::zimage::{self, ZImage, ZImageFiles};
 
@@ -48,6 +49,42 @@ impl<B: Backend> GenerateImage for ZImage<B> {
     }
 }
 
+impl<B: Backend> GenerateImage for QwenImage<B> {
+    fn describe(&self) -> String {
+        self.backend().describe()
+    }
+    fn defaults(&self) -> Defaults {
+        QwenImage::defaults(self)
+    }
+    fn latent_shape(&self, width: usize, height: usize) -> Vec<usize> {
+        let channels = self.configs().transformer.in_channels;
+        vec![self.latent_len(width, height) / channels, channels]
+    }
+    fn check(&self, req: &Request) -> Result<Checked> {
+        let plan = QwenImage::plan(self, req)?;
+        Ok(self.summary(req, &plan))
+    }
+    fn generate(&mut self, req: &Request, on: &mut dyn FnMut(Event<'_>)) -> Result<Vec<Image>> {
+        let plan = QwenImage::plan(self, req)?;
+        QwenImage::generate_images(self, req, &plan, on)
+    }
+}
+
+/// Load Qwen-Image-2.1 from `files` onto whichever device `backend` is.
+pub fn load_qwen_image(
+    backend: AnyBackend,
+    files: &QwenImageFiles,
+) -> Result<Box<dyn GenerateImage>> {
+    struct Load(QwenImageFiles);
+    impl BackendFn for Load {
+        type Output = Result<Box<dyn GenerateImage>>;
+        fn call<B: Backend + 'static>(self, backend: B) -> Self::Output {
+            Ok(Box::new(QwenImage::load(backend, &self.0)?))
+        }
+    }
+    backend.run(Load(files.clone()))
+}
+
 /// Load Z-Image from `files` onto whichever device `backend` is; `transformer_file` replaces
 /// the transformer's weights with one safetensors file (diffusers or ComfyUI names).
 pub fn load(
@@ -74,6 +111,13 @@ pub fn open(
 ) -> Result<Box<dyn GenerateImage>> {
     match &spec.files {
         ModelFilesOf::ZImage(files, _) => load(backend, files, transformer_file),
+        ModelFilesOf::QwenImage(files, _) => match transformer_file {
+            Some(p) => Err(Error::input(format!(
+                "--transformer {}: a separate transformer file is taken for Z-Image only; put Qwen-Image-2.1's weights in the folder's transformer/",
+                p.display()
+            ))),
+            None => load_qwen_image(backend, files),
+        },
         _ => Err(Error::input(format!(
             "{} is a {} model, not a text-to-image model",
             spec.label,

@@ -16,6 +16,9 @@
 //! reported, and its 8-bit image must be the same picture (PSNR ≥ 30 dB on the miniature).
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::text_to_image::{FLOOR_FACTOR, floor_cases, max_level_diff, psnr, rel, worst};
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, Precision, cuda};
 use tessera_models::text_to_image::{Event, Request};
@@ -60,42 +63,9 @@ fn run<B: Backend>(be: B, files: &ZImageFiles, req: &Request) -> Taps {
     taps
 }
 
-/// `max |a − b| / max |b|`.
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len(), "tap lengths differ");
-    let num = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (x as f64 - y as f64).abs())
-        .fold(0.0, f64::max);
-    let den = b.iter().map(|&y| (y as f64).abs()).fold(0.0, f64::max);
-    if den == 0.0 { num } else { num / den }
-}
-
-/// PSNR of 8-bit images in dB.
-fn psnr(a: &[u8], b: &[u8]) -> f64 {
-    let mse = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
-        .sum::<f64>()
-        / a.len() as f64;
-    if mse == 0.0 {
-        f64::INFINITY
-    } else {
-        10.0 * (255.0f64.powi(2) / mse).log10()
-    }
-}
-
 /// Each tap's relative error of `got` against `want`, by name (the worst over items and steps).
 fn errors(got: &Taps, want: &Taps) -> Vec<(&'static str, f64)> {
-    let worst = |pairs: Vec<(&Vec<f32>, &Vec<f32>)>| {
-        pairs
-            .into_iter()
-            .map(|(a, b)| rel(a, b))
-            .fold(0.0, f64::max)
-    };
-    let velocity = got
+    let velocity: Vec<_> = got
         .velocity
         .iter()
         .zip(&want.velocity)
@@ -104,23 +74,12 @@ fn errors(got: &Taps, want: &Taps) -> Vec<(&'static str, f64)> {
     vec![
         (
             "caption features",
-            worst(got.features.iter().zip(&want.features).collect()),
+            worst(got.features.iter().zip(&want.features)),
         ),
         ("velocity", worst(velocity)),
-        (
-            "latent",
-            worst(got.latent.iter().zip(&want.latent).collect()),
-        ),
+        ("latent", worst(got.latent.iter().zip(&want.latent))),
         ("decoded image", rel(&got.decoded, &want.decoded)),
     ]
-}
-
-fn max_level_diff(a: &[u8], b: &[u8]) -> u8 {
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| x.abs_diff(y))
-        .max()
-        .unwrap_or(0)
 }
 
 fn gpu(p: Precision) -> cuda::CudaBackend {
@@ -216,38 +175,11 @@ fn a_full_size_model_matches_the_cpu_at_a_small_size() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// A case of `tests/fixtures/zimage/bf16_floor.json` (tools/device/zimage_bf16_floor.py): the
-/// float64 reference with only a bf16 engine's storage roundings, per tap, on the miniature.
-#[derive(serde::Deserialize)]
-struct FloorCase {
-    label: String,
-    prompt: String,
-    negative_prompt: Option<String>,
-    height: usize,
-    width: usize,
-    steps: usize,
-    guidance: f32,
-    init_latent: Vec<f32>,
-    floor: std::collections::BTreeMap<String, f64>,
-}
-
-#[derive(serde::Deserialize)]
-struct Floors {
-    cases: Vec<FloorCase>,
-}
-
-/// A bf16 result may be this many times further from the reference than the storage floor.
-const FLOOR_FACTOR: f64 = 1.5;
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bf16_stays_within_1_5x_of_its_storage_floor_per_tap() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/zimage/bf16_floor.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let floors: Floors = serde_json::from_str(&text).expect("bf16_floor.json");
     let mut failures = Vec::new();
-    for c in &floors.cases {
+    for c in &floor_cases("zimage") {
         let req = Request {
             negative_prompt: c.negative_prompt.clone(),
             guidance: c.guidance,

@@ -12,6 +12,8 @@
 
 pub mod config;
 pub mod layout;
+mod ops;
+pub mod pipeline;
 pub mod scheduler;
 pub mod text;
 pub mod transformer;
@@ -23,6 +25,8 @@ use tessera_core::{Error, Result};
 
 use crate::files::ModelFiles;
 use crate::text_to_image::Defaults;
+pub use ops::ops;
+pub use pipeline::{QwenImage, QwenImageConfigs};
 
 /// The pipeline's defaults: 40 steps without guidance at 1024² (`true_cfg_scale` 1.0).
 pub const DEFAULTS: Defaults = Defaults {

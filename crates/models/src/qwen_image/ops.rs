@@ -1,4 +1,4 @@
-//! The ops a Qwen-Image-2.1 generation calls (text encoder, DiT), from its configs alone: what a
+//! The ops a Qwen-Image-2.1 generation calls (text encoder, DiT, VAE), from its configs alone: what a
 //! device must run before the model is loaded onto it.
 
 use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
@@ -24,7 +24,7 @@ pub fn ops(cfg: &QwenImageConfigs) -> Vec<Op> {
         modulated: true,
     };
     let plain = MatmulOp::default();
-    vec![
+    let mut ops = vec![
         // The Qwen3-VL language model: pre-norm layers, causal.
         Op::Embed,
         Op::Norm(NormOp::RMS),
@@ -58,5 +58,7 @@ pub fn ops(cfg: &QwenImageConfigs) -> Vec<Op> {
         attention(tr.head_dim, MaskKind::Full, false),
         residual(None, true, AfterOp::Norm(layer_norm)),
         residual(None, true, AfterOp::Nothing),
-    ]
+    ];
+    ops.extend(super::vae::ops(&cfg.vae));
+    ops
 }

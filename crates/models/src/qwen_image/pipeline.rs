@@ -22,9 +22,9 @@ use super::text::{PromptIds, TextEncoder, prompt_ids};
 use super::transformer::{Prefix, QwenImageTransformer};
 use super::vae::{VaeConfig, VaeDecoder, to_rgba8};
 use crate::flow_match::{Schedule, euler_step};
+use crate::noise;
 use crate::qwen3::{BpeTokenizer, Qwen3Config};
 use crate::text_to_image::{Checked, Defaults, Event, Image, MAX_IMAGES, Request};
-use crate::noise;
 
 /// Device memory a request needs besides its own buffers: the backend's fixed workspaces and
 /// the text encoder's passes.
@@ -123,14 +123,21 @@ impl<B: Backend> QwenImage<B> {
                 ),
             ));
         }
-        let text_encoder =
-            TextEncoder::load(be, &configs.text_encoder, &files.text_encoder.weights("model")?)?;
+        let text_encoder = TextEncoder::load(
+            be,
+            &configs.text_encoder,
+            &files.text_encoder.weights("model")?,
+        )?;
         let transformer = QwenImageTransformer::load(
             be,
             &configs.transformer,
             &files.transformer.weights("diffusion_pytorch_model")?,
         )?;
-        let vae = VaeDecoder::load(be, &configs.vae, &files.vae.weights("diffusion_pytorch_model")?)?;
+        let vae = VaeDecoder::load(
+            be,
+            &configs.vae,
+            &files.vae.weights("diffusion_pytorch_model")?,
+        )?;
         Ok(QwenImage {
             backend,
             tokenizer,
@@ -349,7 +356,12 @@ impl<B: Backend> QwenImage<B> {
 
     /// The text encoder's features of each planned prompt, `[rows, hidden]` each.
     pub fn prompt_features(&mut self, plan: &Plan) -> Result<Vec<Vec<f32>>> {
-        self.text_encoder.features(&self.backend, &plan.prompts)
+        self.encode(&plan.prompts)
+    }
+
+    /// The text encoder's features of `prompts`, `[rows, hidden]` each.
+    pub fn encode(&mut self, prompts: &[PromptIds]) -> Result<Vec<Vec<f32>>> {
+        self.text_encoder.features(&self.backend, prompts)
     }
 
     /// Run a planned request: `req.num_images` images, seeds `seed, seed + 1, …`, every step one
@@ -369,7 +381,12 @@ impl<B: Backend> QwenImage<B> {
         })
     }
 
-    fn run(&mut self, req: &Request, plan: &Plan, mut on: impl FnMut(Event<'_>)) -> Result<Vec<Image>> {
+    fn run(
+        &mut self,
+        req: &Request,
+        plan: &Plan,
+        mut on: impl FnMut(Event<'_>),
+    ) -> Result<Vec<Image>> {
         let feats = self.prompt_features(plan)?;
         let be = &self.backend;
         let ctx = self.configs.transformer.context_in_dim;
@@ -379,7 +396,12 @@ impl<B: Backend> QwenImage<B> {
             let layout = Layout::text_to_image(p.rows(), plan.latent_hw)?;
             let mut buf = be.alloc(f.len(), tessera_backend::Role::Stream)?;
             be.write_f32(&mut buf, f)?;
-            prefixes.push(self.transformer.prefill(be, &layout, View::new(&buf, p.rows(), ctx), &[])?);
+            prefixes.push(self.transformer.prefill(
+                be,
+                &layout,
+                View::new(&buf, p.rows(), ctx),
+                &[],
+            )?);
         }
         let per = prefixes.len();
         let n = req.num_images;
@@ -399,7 +421,9 @@ impl<B: Backend> QwenImage<B> {
         };
         for step in 0..schedule.steps() {
             let of_items: Vec<&[f32]> = (0..n * per).map(|i| latents[i / per].as_slice()).collect();
-            let v = self.transformer.step(be, &mut steps, &refs, &of_items, step)?;
+            let v = self
+                .transformer
+                .step(be, &mut steps, &refs, &of_items, step)?;
             let at = format!("denoising step {} of {}", step + 1, schedule.steps());
             for (i, latent) in latents.iter_mut().enumerate() {
                 let mut pred = v[i * per].clone();

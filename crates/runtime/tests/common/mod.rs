@@ -1,4 +1,4 @@
-//! What the model tests share ([`lfm2vl`]: LFM2-VL's). EmbeddingGemma 2's: the PyTorch reference's fixtures
+//! What the model tests share ([`lfm2vl`]: LFM2-VL's; [`text_to_image`]: the image generators'). EmbeddingGemma 2's: the PyTorch reference's fixtures
 //! (`tests/fixtures/egemma2/`: `cases.json` from `tools/fixtures/egemma2.py`, `vision_cases.json`
 //! from `tools/fixtures/egemma2_vision.py`), the inputs and options each case describes, and the
 //! distance of an embedding from the reference.
@@ -6,6 +6,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 pub mod lfm2vl;
+pub mod text_to_image;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
