@@ -2,7 +2,8 @@
 //! f32 row kernel, and for bf16 the tensor-core flash kernels — `flash_wgmma_d{D}` on Hopper
 //! where it exists, else `flash_bf16_d{D}` — with `flash_combine` after a split-key launch.
 //! Launch planning (shapes, key chunks, workspace) is in [`flash`]. Attention over cached key
-//! ranges (decoding) has its own kernel in both precisions, [`cached`].
+//! ranges (decoding) has its own kernel in both precisions, [`cached`], which also takes
+//! self-attention at the widths the others do not ([`self_kernel`] decides).
 
 mod cached;
 mod flash;
@@ -17,7 +18,7 @@ pub use flash::{
 };
 use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
 
-pub use cached::{CACHED_HEAD_DIMS, MAX_CACHED_SPLITS, cached_splits};
+pub use cached::{CACHED_HEAD_DIMS, MAX_CACHED_SPLITS, cached_splits, heads_per_cta};
 
 use super::device::drv;
 use super::launch::{ByDim, ByElem, DevPtr, Kernel, cfg, kernel_args, kernel_table};
@@ -58,8 +59,9 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `attn_cached_{T}_d{D}`: a CTA per (query row, block of up to four q heads of one kv head,
-    /// key chunk); `limits` is null without per-row limits, `part` when the launch is not split.
+    /// `attn_cached_{T}_d{D}`: a CTA per (query row, block of q heads of one kv head — up to
+    /// [`heads_per_cta`] — key chunk); `ranges` is null over each segment's own rows, `limits`
+    /// without per-row limits, `part` when the launch is not split.
     pub(super) struct CachedArgs {
         ops: Operands, offsets: DevPtr, nseg: i32, ranges: DevPtr, limits: DevPtr, hq: i32,
         group: i32, scale_log2: f32, window: i32, causal: i32, part: DevPtr,
@@ -153,8 +155,34 @@ impl Operands {
     }
 }
 
-/// The attention op: over key ranges the cached kernel ([`cached`]); else the flash kernels
-/// under [`Precision::Bf16`], the exact f32 row kernel otherwise.
+/// Widest head `attn_rows_f32` takes (a lane holds 16 of a head's columns).
+pub const ROWS_MAX_HEAD_DIM: usize = 512;
+
+/// The kernel that runs self-attention (no key ranges) over heads of one width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SelfKernel {
+    /// bf16 on the tensor cores ([`FLASH_HEAD_DIMS`]).
+    Flash,
+    /// f32, a warp per (row, head), up to [`ROWS_MAX_HEAD_DIM`].
+    Rows,
+    /// The key-range kernel over each segment's own rows ([`CACHED_HEAD_DIMS`]), slower: bf16
+    /// widths without a tensor-core kernel (72), f32 widths beyond the row kernel (1152).
+    Cached,
+}
+
+/// Which kernel runs self-attention at `head_dim` under `precision`, if any: the one place that
+/// decides, asked by [`CudaBackend::check`] and by [`attention`].
+pub fn self_kernel(precision: Precision, head_dim: usize) -> Option<SelfKernel> {
+    match precision {
+        Precision::Bf16 if FLASH_HEAD_DIMS.contains(&head_dim) => Some(SelfKernel::Flash),
+        Precision::F32 if head_dim <= ROWS_MAX_HEAD_DIM => Some(SelfKernel::Rows),
+        _ if CACHED_HEAD_DIMS.contains(&head_dim) => Some(SelfKernel::Cached),
+        _ => None,
+    }
+}
+
+/// The attention op: over key ranges the cached kernel ([`cached`]); else the kernel
+/// [`self_kernel`] picks for the head width and precision.
 pub(super) fn attention(
     be: &CudaBackend,
     q: View<'_, CudaBackend>,
@@ -167,18 +195,35 @@ pub(super) fn attention(
     if spec.kv.is_some() {
         return cached::attention(be, q, k, v, out, spec, segs, None).map(|_| ());
     }
-    if be.precision == Precision::Bf16 {
-        if !FLASH_HEAD_DIMS.contains(&spec.head_dim) && CACHED_HEAD_DIMS.contains(&spec.head_dim) {
-            // No tensor-core kernel for this head width (LFM2-VL-1.6B's tower: 72): the key-range
-            // kernel over each segment's own rows computes the same attention, more slowly. Its
-            // ranges are uploaded here, so this path is not for a captured graph.
-            let ranges: Vec<(usize, usize)> = segs.ranges().map(|(a, b)| (a, b - a)).collect();
-            let kv = be.kv_ranges(&ranges)?;
-            return cached::attention(be, q, k, v, out, &spec.over(&kv), segs, None).map(|_| ());
-        }
+    match self_kernel(be.precision, spec.head_dim) {
         // The tensor-core kernel checks its own operands.
-        return flash(be, q, k, v, out, spec, segs, FlashChoice::default()).map(|_| ());
+        Some(SelfKernel::Flash) => {
+            flash(be, q, k, v, out, spec, segs, FlashChoice::default()).map(|_| ())
+        }
+        Some(SelfKernel::Cached) => {
+            cached::attention(be, q, k, v, out, spec, segs, None).map(|_| ())
+        }
+        Some(SelfKernel::Rows) => rows_f32(be, q, k, v, out, spec, segs),
+        None => Err(Error::backend(
+            "attention",
+            format!(
+                "no {:?} self-attention kernel for head_dim {}",
+                be.precision, spec.head_dim
+            ),
+        )),
     }
+}
+
+/// The exact f32 attention: `attn_rows_f32`, a warp per (query row, head).
+fn rows_f32(
+    be: &CudaBackend,
+    q: View<'_, CudaBackend>,
+    k: View<'_, CudaBackend>,
+    v: View<'_, CudaBackend>,
+    out: ViewMut<'_, CudaBackend>,
+    spec: &AttnSpec<'_, CudaBackend>,
+    segs: &Segments<CudaBackend>,
+) -> Result<()> {
     let hd = spec.head_dim;
     let total = segs.total();
     spec.check(&q, &k, &v, &out, segs)?;
@@ -186,11 +231,11 @@ pub(super) fn attention(
     if [q.buf.elem, k.buf.elem, v.buf.elem, out.buf.elem]
         .iter()
         .any(|&e| e != Elem::F32)
-        || hd > 512
+        || hd > ROWS_MAX_HEAD_DIM
     {
         return Err(Error::backend(
             "attention",
-            "f32 attention needs f32 operands and head_dim ≤ 512",
+            format!("f32 attention needs f32 operands and head_dim ≤ {ROWS_MAX_HEAD_DIM}"),
         ));
     }
     let warps = (total * spec.heads_q) as u32;
@@ -432,4 +477,32 @@ pub(super) fn set_segments(
     segs.offsets = offsets;
     segs.tiles = tiles;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_width_runs_in_both_precisions() {
+        for d in FLASH_HEAD_DIMS.iter().chain(&CACHED_HEAD_DIMS) {
+            for p in [Precision::F32, Precision::Bf16] {
+                assert!(self_kernel(p, *d).is_some(), "head_dim {d} under {p:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn wide_single_heads_take_the_tensor_cores_in_bf16() {
+        // Qwen-Image-2.1's VAE mid-block: one head of 1152.
+        assert_eq!(self_kernel(Precision::Bf16, 1152), Some(SelfKernel::Flash));
+        assert_eq!(self_kernel(Precision::F32, 1152), Some(SelfKernel::Cached));
+        assert_eq!(heads_per_cta(1152), 1);
+        // Unchanged: 72 (no tensor-core kernel) and the row kernel's widths.
+        assert_eq!(self_kernel(Precision::Bf16, 72), Some(SelfKernel::Cached));
+        assert_eq!(self_kernel(Precision::F32, 512), Some(SelfKernel::Rows));
+        assert_eq!(heads_per_cta(256), 4);
+        assert_eq!(self_kernel(Precision::F32, 1024), None);
+        assert_eq!(self_kernel(Precision::Bf16, 1024), None);
+    }
 }

@@ -10,7 +10,7 @@
 use tessera_core::{Error, Result};
 
 use super::CudaBackend;
-use super::attention::{CACHED_HEAD_DIMS, FLASH_HEAD_DIMS};
+use super::attention::{CACHED_HEAD_DIMS, FLASH_HEAD_DIMS, ROWS_MAX_HEAD_DIM, self_kernel};
 use crate::op::{AttentionOp, MaskKind};
 use crate::{Activation, Backend, Op, Precision};
 
@@ -76,21 +76,20 @@ impl CudaBackend {
         if a.mask == MaskKind::Limits {
             return Err(not_yet("per-row key limits (block-causal masks) are"));
         }
-        match self.precision {
-            // Widths without a tensor-core kernel run on the key-range kernel (slower).
-            Precision::Bf16
-                if !FLASH_HEAD_DIMS.contains(&a.head_dim)
-                    && !CACHED_HEAD_DIMS.contains(&a.head_dim) =>
-            {
-                Err(Error::Device(format!(
-                    "no bf16 attention kernel for head_dim {} (have {FLASH_HEAD_DIMS:?}, and {CACHED_HEAD_DIMS:?} without tensor cores)",
-                    a.head_dim
-                )))
-            }
-            Precision::F32 if a.head_dim > 512 => Err(Error::Device(
-                "the f32 attention kernel takes head_dim ≤ 512".into(),
-            )),
-            _ => Ok(()),
+        // Widths without a tensor-core kernel (bf16) or beyond the row kernel (f32) run on the
+        // key-range kernel (slower).
+        if self_kernel(self.precision, a.head_dim).is_some() {
+            return Ok(());
         }
+        Err(Error::Device(match self.precision {
+            Precision::Bf16 => format!(
+                "no bf16 attention kernel for head_dim {} (have {FLASH_HEAD_DIMS:?}, and {CACHED_HEAD_DIMS:?} without tensor cores)",
+                a.head_dim
+            ),
+            Precision::F32 => format!(
+                "no f32 attention kernel for head_dim {} (have up to {ROWS_MAX_HEAD_DIM}, and {CACHED_HEAD_DIMS:?})",
+                a.head_dim
+            ),
+        }))
     }
 }

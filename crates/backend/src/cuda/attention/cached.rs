@@ -10,6 +10,11 @@
 //!
 //! The chunk count depends only on the launch's rows, heads and the longest range, and the kernel
 //! cuts each row's own visible keys into that many chunks, so any count covers every key.
+//!
+//! Without key ranges the same kernel attends each segment's own rows (the device's segment
+//! offsets stand in for the ranges, so nothing is uploaded): self-attention at head widths that
+//! have no tensor-core kernel (72: LFM2-VL-1.6B's tower), and f32 self-attention wider than the
+//! row kernel's 512 (1152: Qwen-Image-2.1's VAE).
 
 use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};
@@ -22,11 +27,14 @@ use crate::{AttnSpec, Mask, Segments, View, ViewMut};
 
 /// Head widths the cached kernel is instantiated for (each a multiple of 4, as its key loads
 /// need).
-pub const CACHED_HEAD_DIMS: [usize; 8] = [16, 32, 64, 72, 80, 96, 128, 256];
+pub const CACHED_HEAD_DIMS: [usize; 9] = [16, 32, 64, 72, 80, 96, 128, 256, 1152];
 
-/// q heads per CTA (`CACHED_HEADS` in attention.cu): a kv head's group of q heads takes
-/// ⌈group / 4⌉ CTAs per row and chunk.
-const HEADS_PER_CTA: usize = 4;
+/// q heads per CTA at `head_dim` (`CachedCfg<D>::HEADS` in attention.cu): a kv head's group of q
+/// heads takes ⌈group / heads⌉ CTAs per row and chunk. Four share each key load up to 256-wide
+/// heads; wider heads take one, which keeps the CTA's shared memory and accumulators small.
+pub fn heads_per_cta(head_dim: usize) -> usize {
+    if head_dim > 256 { 1 } else { 4 }
+}
 
 /// Threads per CTA (`CACHED_WARPS` warps in attention.cu).
 const THREADS: u32 = 128;
@@ -36,7 +44,9 @@ pub const MAX_CACHED_SPLITS: usize = 64;
 
 /// CTAs per multiprocessor a planned split aims for: each has 4 warps, at most 72 registers a
 /// thread and 5 KB (64-wide heads) to 20 KB (256) of static shared memory, so that many fit at
-/// once, and streaming the keys needs that many warps in flight.
+/// once, and streaming the keys needs that many warps in flight. (1152-wide heads take more
+/// registers, so fewer fit; their launches are self-attention over thousands of rows, which the
+/// rows alone fill.)
 const CTAS_PER_SM: usize = 8;
 
 /// Keys a planned chunk holds at least: a 32-key block for each of the CTA's warps.
@@ -51,8 +61,9 @@ pub fn cached_splits(units: usize, sms: usize, keys: usize) -> usize {
         .clamp(1, MAX_CACHED_SPLITS)
 }
 
-/// The attention op over `spec.kv`, with `force` fixing the key chunks per row (tests); returns
-/// the chunk count used (1 when a split would not fit the workspace).
+/// The attention op over `spec.kv`, or without key ranges over each segment's own rows, with
+/// `force` fixing the key chunks per row (tests); returns the chunk count used (1 when a split
+/// would not fit the workspace).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention(
     be: &CudaBackend,
@@ -64,9 +75,6 @@ pub(super) fn attention(
     segs: &Segments<CudaBackend>,
     force: Option<usize>,
 ) -> Result<usize> {
-    let kv = spec
-        .kv
-        .ok_or_else(|| Error::backend("attention", "the cached kernel without key ranges"))?;
     spec.check(&q, &k, &v, &out, segs)?;
     let (hd, rows) = (spec.head_dim, segs.total());
     let elem = q.buf.elem;
@@ -105,18 +113,26 @@ pub(super) fn attention(
             (-1, 0, l.ptr)
         }
     };
-    if kv.dev.elem != Elem::U32 || kv.dev.len < 2 * segs.count() {
-        return Err(Error::backend(
-            "attention",
-            format!(
-                "{} key-range entries for {} segments",
-                kv.dev.len / 2,
-                segs.count()
-            ),
-        ));
-    }
+    // The longest key range, and the device ranges (null: each segment's own rows).
+    let (keys, ranges) = match spec.kv {
+        Some(kv) => {
+            if kv.dev.elem != Elem::U32 || kv.dev.len < 2 * segs.count() {
+                return Err(Error::backend(
+                    "attention",
+                    format!(
+                        "{} key-range entries for {} segments",
+                        kv.dev.len / 2,
+                        segs.count()
+                    ),
+                ));
+            }
+            let keys = kv.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0);
+            (keys, kv.dev.ptr)
+        }
+        None => (segs.max_len(), DevPtr::NULL),
+    };
     let group = spec.heads_q / spec.heads_kv;
-    let blocks = spec.heads_kv * group.div_ceil(HEADS_PER_CTA);
+    let blocks = spec.heads_kv * group.div_ceil(heads_per_cta(hd));
     if rows > i32::MAX as usize || blocks > u16::MAX as usize || segs.count() > i32::MAX as usize {
         return Err(Error::backend(
             "attention",
@@ -128,10 +144,7 @@ pub(super) fn attention(
     }
     let splits = match force {
         Some(s) => s.clamp(1, MAX_CACHED_SPLITS),
-        None => {
-            let keys = kv.ranges.iter().map(|r| r.1 as usize).max().unwrap_or(0);
-            cached_splits(rows * blocks, be.sm_count as usize, keys)
-        }
+        None => cached_splits(rows * blocks, be.sm_count as usize, keys),
     };
     let fits = part_elems(splits, rows, spec.heads_q, hd) <= PART_ELEMS;
     let splits = if splits > 1 && fits { splits } else { 1 };
@@ -144,7 +157,7 @@ pub(super) fn attention(
         ops: Operands::of(&q, &k, &v, &out)?,
         offsets: segs.dev.ptr,
         nseg: segs.count() as i32,
-        ranges: kv.dev.ptr,
+        ranges,
         limits,
         hq: spec.heads_q as i32,
         group: group as i32,

@@ -7,8 +7,8 @@
 /// both flash kernels take one (or a part of one) per CTA.
 pub const QUERY_TILE: usize = 64;
 
-/// Head dims the tensor-core attention kernel is instantiated for.
-pub const FLASH_HEAD_DIMS: [usize; 6] = [16, 32, 64, 128, 256, 512];
+/// Head dims the tensor-core attention kernel is instantiated for (1152: Qwen-Image-2.1's VAE).
+pub const FLASH_HEAD_DIMS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1152];
 
 /// Launch shape of `flash_bf16_d{D}`, mirroring `FlashCfg` in attention.cu.
 pub struct FlashConfig {
@@ -26,6 +26,7 @@ pub fn flash_config(d: usize) -> FlashConfig {
     let (wm, wd, bn) = match d {
         256 => (4, 1, 32),
         512 => (2, 2, 32),
+        1152 => (2, 4, 16),
         _ => (4, 1, 64),
     };
     let bm = 16 * wm;
@@ -155,6 +156,16 @@ mod tests {
         assert_eq!(kv_splits(280, 264, 2208, 32), 3);
         // Never more chunks than key blocks.
         assert!(kv_splits(300, 264, 64, 32) <= 2);
+    }
+
+    #[test]
+    fn wide_heads_fit_an_a100s_shared_memory() {
+        // 1152: 32 query rows and 16-key blocks, 4 warps across the head; one CTA per
+        // multiprocessor, under the 163 KB a CTA may take on an A100 (227 KB on Hopper).
+        let c = flash_config(1152);
+        assert_eq!((c.smem, c.threads, c.splits, c.bn), (156_672, 256, 2, 16));
+        assert!(c.smem <= 163 * 1024);
+        assert!(part_elems(8, 1000, 1, 1152) <= PART_ELEMS);
     }
 
     #[test]

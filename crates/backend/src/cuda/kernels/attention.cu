@@ -22,7 +22,8 @@
 // attn_rows_f32: the exact (f32) mode; one warp per (query row, head), scalar FMAs.
 //
 // attn_cached_{T}_d{D}, attn_cached_combine_{T}: attention over cached key ranges, both
-// precisions, every mask (at the end of this file).
+// precisions, every mask; also over a segment's own rows where neither kernel above applies (at
+// the end of this file).
 
 // WM warps along query rows (BM = 16·WM rows per CTA; a 64-row tile takes 64/BM CTAs along z),
 // WD warps along the head dimension, BN keys per block, MIN_CTAS resident per multiprocessor.
@@ -40,6 +41,16 @@ template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64,
 // (BENCHMARKS.md, attention rows).
 template <> struct FlashCfg<256> { static constexpr int WM = 4, WD = 1, BN = 32, MIN_CTAS = 2; };
 template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 2, BN = 32, MIN_CTAS = 2; };
+// 1152-wide heads (Qwen-Image-2.1's VAE mid-block: one head, up to 16,384 rows): 32-row CTAs of
+// 2 × 4 warps, each warp owning 288 output columns (144 accumulators), and 16-key blocks:
+// (32 + 2·16) rows × 2,320 B + 8 KB of partial scores = 153 KB of shared memory, one CTA per
+// multiprocessor (it fits an A100's 163 KB too). Each K/V row read from L2 serves 32 query rows;
+// a CTA per query row on CUDA cores (the key-range kernel) would read K and V once per row.
+// Expected on an H200 (not yet measured): at 4,096 rows and keys (a 1024² image) 128 CTAs in one
+// wave stream 2.4 GB of K|V from L2 (19 MB in bf16, resident) in ~0.5–1 ms, latency-bound on
+// the 37 KB tile loads; at 16,384 (2048²) 512 CTAs, ~39 GB, ~7–10 ms. The key-range kernel would
+// take ~15 ms and ~250 ms.
+template <> struct FlashCfg<1152> { static constexpr int WM = 2, WD = 4, BN = 16, MIN_CTAS = 1; };
 
 __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -204,6 +215,7 @@ FLASH(64)
 FLASH(128)
 FLASH(256)
 FLASH(512)
+FLASH(1152)
 
 // The split-key chunks of flash_bf16_d{D} → the bf16 output: one warp per (row, head), each chunk
 // weighted by 2^(its log2-sum-exp − the largest); a row no chunk saw stays 0, as in one pass.
@@ -305,21 +317,32 @@ extern "C" __global__ void attn_rows_f32(const float* q, long qs, const float* k
 //
 // Segment s's queries are its packed rows; its keys are rows ranges[2s] .. ranges[2s] +
 // ranges[2s + 1] of k and v, of which the queries are the last q_len positions (op/attention.rs).
+// Without ranges (null) its keys are its own rows, offsets[s] .. offsets[s + 1]: self-attention
+// at head widths no tensor-core kernel takes, and in f32 at widths beyond attn_rows_f32's 512.
 // Every mask leaves a query row one interval [k_lo, k_hi) of those keys: all of them, cut to the
 // window around the row's position, to the position itself (causal), or to limits[row].
 //
-// attn_cached_{T}_d{D}: one CTA of CACHED_WARPS warps per (query row, block of up to CACHED_HEADS
-// q heads sharing one kv head, key chunk). The row's interval is cut into gridDim.z chunks of
-// whole 32-key blocks (trailing chunks may be empty), so any chunk count covers every key. Each
-// warp walks its chunk's 32-key blocks round-robin: lane i scores key i of the block against every
-// head of the CTA (the q rows in shared memory, pre-scaled to log2 units), the warp takes the
-// block's maximum and rescales its running state, then accumulates P·V with each lane owning
-// head columns lane, lane + 32, … and the block's probabilities broadcast by shuffles. The warps'
-// states are merged through shared memory. Unsplit (part null) the CTA writes its output rows;
-// split, its chunk's normalised f32 outputs and log2-sum-exps into `part` ([chunks][rows][hq][D],
-// then [chunks][rows][hq]), which attn_cached_combine_{T} weighs into the output. Keys outside the
-// interval, and cache rows outside the ranges, are never read.
-constexpr int CACHED_HEADS = 4, CACHED_WARPS = 4;
+// attn_cached_{T}_d{D}: one CTA of CACHED_WARPS warps per (query row, block of up to
+// CachedCfg<D>::HEADS q heads sharing one kv head, key chunk). The row's interval is cut into
+// gridDim.z chunks of whole 32-key blocks (trailing chunks may be empty), so any chunk count covers
+// every key. Each warp walks its chunk's 32-key blocks round-robin: lane i scores key i of the
+// block against every head of the CTA (the q rows in shared memory, pre-scaled to log2 units), the
+// warp takes the block's maximum and rescales its running state, then accumulates P·V with each
+// lane owning head columns lane, lane + 32, … and the block's probabilities broadcast by shuffles.
+// The warps' states are merged through shared memory. Unsplit (part null) the CTA writes its output
+// rows; split, its chunk's normalised f32 outputs and log2-sum-exps into `part`
+// ([chunks][rows][hq][D], then [chunks][rows][hq]), which attn_cached_combine_{T} weighs into the
+// output. Keys outside the interval, and cache rows outside the ranges, are never read.
+constexpr int CACHED_WARPS = 4;
+
+// q heads per CTA, mirrored by `heads_per_cta` in attention/cached.rs. Four share each key load
+// (decoding with grouped kv heads); heads wider than 256 take one, so that the merge buffer
+// so[4][HEADS][D] and the accumulators acc[HEADS][D / 32] stay small: at 1152 (Qwen-Image-2.1's
+// VAE, a single head) 23 KB of static shared memory and 36 accumulators a lane. There it runs
+// f32 self-attention (bf16 takes flash_bf16_d1152), a CTA per query row reading every key and
+// value row once: at 4,096 rows and keys 155 GB from L2 (K|V, 38 MB in f32, stays resident),
+// expected ~30–40 ms on an H200 (not yet measured), and ~0.5 s at 16,384.
+template <int D> struct CachedCfg { static constexpr int HEADS = D > 256 ? 1 : 4; };
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -334,7 +357,7 @@ __device__ __forceinline__ void attn_cached_impl(const T* __restrict__ q, long q
                                                  const u32* __restrict__ ranges, const u32* __restrict__ limits,
                                                  int hq, int group, float scale_log2, int window, int causal,
                                                  float* __restrict__ part) {
-    constexpr int GB = CACHED_HEADS, NW = CACHED_WARPS, NT = 32 * NW, TD = (D + 31) / 32;
+    constexpr int GB = CachedCfg<D>::HEADS, NW = CACHED_WARPS, NT = 32 * NW, TD = (D + 31) / 32;
     static_assert(D % 4 == 0, "keys are read four values at a time");
     __shared__ __align__(16) float sq[GB][D];
     __shared__ float sm[NW][GB], sl[NW][GB];
@@ -354,8 +377,8 @@ __device__ __forceinline__ void attn_cached_impl(const T* __restrict__ q, long q
         if ((long)offsets[mid] <= r) lo = mid; else hi = mid;
     }
     const int q_len = (int)(offsets[lo + 1] - offsets[lo]);
-    const long kstart = ranges[2 * lo];
-    const int n = (int)ranges[2 * lo + 1];
+    const long kstart = ranges ? (long)ranges[2 * lo] : (long)offsets[lo];
+    const int n = ranges ? (int)ranges[2 * lo + 1] : q_len;
     const int pos = n - q_len + (int)(r - offsets[lo]);  // the row's position among the keys
     int k_lo = 0, k_hi = n;
     if (window >= 0) {
@@ -400,7 +423,9 @@ __device__ __forceinline__ void attn_cached_impl(const T* __restrict__ q, long q
         for (int h = 0; h < GB; h++) s[h] = 0.f;
         if (valid) {
             const T* kr = kb + (long)j * ks;
-#pragma unroll
+            // Whole rows unrolled up to 256 wide; 64 columns at a time beyond (1152 unrolled
+            // whole spills in f32).
+#pragma unroll(D > 256 ? 16 : D / 4)
             for (int d = 0; d < D; d += 4) {
                 float kk[4];
                 if (vec) {
@@ -545,7 +570,8 @@ __device__ __forceinline__ void attn_cached_combine_impl(const float* __restrict
     ATTN_CACHED(T, TAG, 80)                                                                               \
     ATTN_CACHED(T, TAG, 96)                                                                               \
     ATTN_CACHED(T, TAG, 128)                                                                              \
-    ATTN_CACHED(T, TAG, 256)
+    ATTN_CACHED(T, TAG, 256)                                                                              \
+    ATTN_CACHED(T, TAG, 1152)
 ATTN_CACHED_DIMS(float, f32)
 ATTN_CACHED_DIMS(bf16, bf16)
 
