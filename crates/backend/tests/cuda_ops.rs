@@ -179,6 +179,15 @@ fn cases() -> Vec<Box<dyn Case>> {
     every(&mut t, attention(&[85], 2, 1, 64).causal()); // the miniature's LM now (heads of 64)
     // 72-wide heads (LFM2-VL-1.6B's tower): bf16 runs the key-range kernel over each segment.
     t.add(attention(&[1024, 234], 16, 16, 72));
+    // 1152-wide single heads (Qwen-Image-2.1's VAE mid-block, q|k|v slices of one 3456-wide
+    // row): bf16 on the tensor cores, f32 on the key-range kernel over each segment's own rows.
+    every(&mut t, attention(&[37, 300], 1, 1, 1152)); // ragged tiles, logits up to ±10
+    let vae = attention(&[1, 129], 1, 1, 1152).scale(1152f32.sqrt().recip());
+    every(&mut t, vae); // a one-row segment; the model's scale
+    every(&mut t, attention(&[77, 150], 1, 1, 1152).causal()); // the other masks run too
+    t.add(attention(&[4096], 1, 1, 1152)); // a 1024² image's 64×64 latent
+    let wide = attention(&[3, 1], 1, 1, 1152).cached(&[(40, 33), (0, 39)], 80);
+    every(&mut t, wide); // over key ranges: one head per CTA
     every(&mut t, attention(&[64, 63, 65], 4, 2, 64).window(0)); // each token sees itself
     let qwen3 = attention(&[33, 1, 130], 32, 8, 128).causal();
     every(&mut t, qwen3.scale(128f32.sqrt().recip())); // Qwen3-4B prompts
