@@ -16,6 +16,10 @@ Models are built on the GPU when there is one."""
 import argparse, json, shutil, sys, time
 from pathlib import Path
 
+# peft (on the GPU machine) is irrelevant here and imports model classes a trimmed transformers
+# wheel leaves out; a None entry makes diffusers and transformers treat it as absent.
+sys.modules.setdefault("peft", None)
+
 import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -24,6 +28,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("mini")
 ap.add_argument("--vision-depth", type=int, default=1)
+ap.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script on a CPU")
 a = ap.parse_args()
 out, mini = Path(a.out), Path(a.mini)
 dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,6 +54,17 @@ def init(module):
 dit_cfg = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
                num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56), eps=1e-6,
                causal_condition=True)
+text_cfg = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                rms_norm_eps=1e-6, hidden_act="silu",
+                rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                     mrope_interleaved=True))
+vae_cfg = {}
+if a.tiny:
+    dit_cfg.update(num_layers=1, num_attention_heads=1, context_in_dim=256)
+    text_cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1)
+    vae_cfg = dict(base_dim=16, decoder_base_dim=16, dim_mult=[1, 2, 2, 2, 2])
 with torch.device(dev):
     tr = init(QwenImage21Transformer2DModel(**dit_cfg)).to(dt).eval()
 tr.save_pretrained(out / "transformer", max_shard_size="5GB")
@@ -57,13 +73,9 @@ print(f"transformer saved ({time.time() - t0:.0f} s)", flush=True)
 
 special = {"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656}
 te_cfg = Qwen3VLConfig(
-    text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-                     rms_norm_eps=1e-6, hidden_act="silu",
-                     rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
-                                          mrope_interleaved=True)),
+    text_config=text_cfg,
     vision_config=dict(depth=a.vision_depth, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                       out_hidden_size=4096, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                       out_hidden_size=text_cfg["hidden_size"], patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                        num_position_embeddings=2304, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh"),
     image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
     vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"],
@@ -75,7 +87,7 @@ del te
 print(f"text encoder saved ({time.time() - t0:.0f} s)", flush=True)
 
 with torch.device(dev):
-    vae = init(AutoencoderKLQwenImage21()).to(dt).eval()
+    vae = init(AutoencoderKLQwenImage21(**vae_cfg)).to(dt).eval()
 vae.save_pretrained(out / "vae")
 del vae
 print(f"vae saved ({time.time() - t0:.0f} s)", flush=True)
