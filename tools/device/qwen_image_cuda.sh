@@ -36,7 +36,7 @@ if [[ $PARTS == *ops* ]]; then
 fi
 if [[ $PARTS == *parity* ]]; then
   echo "== model parity: the miniature, cuda vs cpu; bf16 against its storage floor"
-  .dev/bin/qwen_image_cuda --ignored --test-threads=1 --nocapture --skip full_size > "$OUT/qi_cuda_mini.log" 2>&1; r=$?; status=$((status|r))
+  .dev/bin/qwen_image_cuda --ignored --test-threads=1 --nocapture --skip full_size --skip component_timings > "$OUT/qi_cuda_mini.log" 2>&1; r=$?; status=$((status|r))
   grep -E "f32:|bf16:|test result|panicked" "$OUT/qi_cuda_mini.log" | head -20
 fi
 if [[ $PARTS =~ full|parts|bench|profile ]] && [ ! -f $Q/model_index.json ]; then
