@@ -9,6 +9,7 @@
 
 mod npy;
 
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -461,18 +462,21 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     );
     bar.set_message("encoding");
     let mut last = Instant::now();
-    let images = model.generate(&req, &mut |e| match e {
-        Event::Encoded => {
-            bar.set_message("denoising");
-            last = Instant::now();
+    let images = model.generate(&req, &mut |e| {
+        match e {
+            Event::Encoded => {
+                bar.set_message("denoising");
+                last = Instant::now();
+            }
+            Event::Step { .. } => {
+                let ms = last.elapsed().as_secs_f64() * 1e3;
+                bar.set_prefix(format!("({ms:.0} ms/step)"));
+                bar.inc(1);
+                last = Instant::now();
+            }
+            Event::Decoding => bar.set_message("decoding"),
         }
-        Event::Step { .. } => {
-            let ms = last.elapsed().as_secs_f64() * 1e3;
-            bar.set_prefix(format!("({ms:.0} ms/step)"));
-            bar.inc(1);
-            last = Instant::now();
-        }
-        Event::Decoding => bar.set_message("decoding"),
+        ControlFlow::Continue(())
     })?;
     bar.finish_and_clear();
 

@@ -72,6 +72,11 @@ pub enum Error {
     #[error("{op}: {message}")]
     Backend { op: String, message: String },
 
+    /// The caller asked to stop (a progress callback returned `Break`: the client went away or
+    /// its time ran out); the message says where it stopped.
+    #[error("cancelled {0}")]
+    Cancelled(String),
+
     /// A stage of a model produced NaN or infinity (broken weights, or an overflow).
     #[error(
         "{stage}: {count} of {len} values are not finite (NaN or infinity; the first at index {first}): the model's weights or its input are broken"

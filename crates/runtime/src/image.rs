@@ -1,15 +1,29 @@
 //! Text-to-image models as front ends use them: each family on whichever device was opened,
 //! behind one trait object ([`GenerateImage`]).
 
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tessera_backend::{AnyBackend, Backend, BackendFn};
 use tessera_core::{Error, Result};
 use tessera_models::qwen_image::{QwenImage, QwenImageFiles};
-use tessera_models::text_to_image::{Checked, Defaults, Event, Image, Request};
+use tessera_models::text_to_image::{Checked, Defaults, Event, Image, LatentPreview, Request};
 use tessera_models::zimage::{self, ZImage, ZImageFiles};
 
 use crate::{ModelFilesOf, ModelSpec};
+
+/// Checks requests for a model from any thread, while the model itself runs others (see
+/// [`GenerateImage::checker`]).
+pub type Checker = Arc<dyn Fn(&Request) -> Result<Checked> + Send + Sync>;
+
+/// Progress of one request: `Break` stops it at the next step boundary, and
+/// [`GenerateImage::generate`] then returns [`Error::Cancelled`].
+pub type Progress<'a> = dyn FnMut(Event<'_>) -> ControlFlow<()> + 'a;
+
+/// Progress of the requests of a batch: `on(i, event)` for request `i`; `Break` stops request
+/// `i` alone.
+pub type BatchProgress<'a> = dyn FnMut(usize, Event<'_>) -> ControlFlow<()> + 'a;
 
 /// A text-to-image model on its device. Front ends hold a `Box<dyn GenerateImage>`.
 pub trait GenerateImage: Send {
@@ -23,8 +37,38 @@ pub trait GenerateImage: Send {
     /// Check a request and tokenise its prompts: everything that can be refused is refused
     /// here, before any compute.
     fn check(&self, req: &Request) -> Result<Checked>;
-    /// Run a request (`req.num_images` images, one batch), reporting progress through `on`.
-    fn generate(&mut self, req: &Request, on: &mut dyn FnMut(Event<'_>)) -> Result<Vec<Image>>;
+    /// Run a request (`req.num_images` images, one batch), reporting progress through `on`;
+    /// `on` returning `Break` stops it at the next step boundary with [`Error::Cancelled`].
+    fn generate(&mut self, req: &Request, on: &mut Progress<'_>) -> Result<Vec<Image>>;
+
+    /// Run several requests, one result each, reporting request `i`'s progress as `on(i, …)`;
+    /// `Break` stops that request alone. Families that can put different requests of one size
+    /// and schedule through the same denoiser forwards do (Z-Image), each request's images
+    /// being those it makes alone; by default they run one after another.
+    fn generate_batch(
+        &mut self,
+        reqs: &[Request],
+        on: &mut BatchProgress<'_>,
+    ) -> Vec<Result<Vec<Image>>> {
+        reqs.iter()
+            .enumerate()
+            .map(|(i, req)| self.generate(req, &mut |e| on(i, e)))
+            .collect()
+    }
+
+    /// A checker that needs neither the device nor `&mut self`, for front ends that check
+    /// requests while others run (the server); what it accepts, `generate` may still refuse for
+    /// the device's memory. `None` (the default): [`check`](Self::check) is the only way.
+    fn checker(&self) -> Option<Checker> {
+        None
+    }
+
+    /// The cheap latent → RGB(A) map for previews of [`Event::Step`]'s latents, derived from the
+    /// model (fitted to its decoder on first use); `None` (the default) when the family has
+    /// none.
+    fn preview(&mut self) -> Result<Option<LatentPreview>> {
+        Ok(None)
+    }
 }
 
 impl<B: Backend> GenerateImage for ZImage<B> {
@@ -43,9 +87,28 @@ impl<B: Backend> GenerateImage for ZImage<B> {
         let plan = ZImage::plan(self, req)?;
         Ok(self.summary(req, &plan))
     }
-    fn generate(&mut self, req: &Request, on: &mut dyn FnMut(Event<'_>)) -> Result<Vec<Image>> {
-        let plan = ZImage::plan(self, req)?;
-        ZImage::generate_images(self, req, &plan, on)
+    fn generate(&mut self, req: &Request, on: &mut Progress<'_>) -> Result<Vec<Image>> {
+        let mut results = ZImage::generate_batch(self, std::slice::from_ref(req), &mut |_, e| on(e));
+        results
+            .pop()
+            .unwrap_or_else(|| Err(Error::input("no image was made")))
+    }
+    fn generate_batch(
+        &mut self,
+        reqs: &[Request],
+        on: &mut BatchProgress<'_>,
+    ) -> Vec<Result<Vec<Image>>> {
+        ZImage::generate_batch(self, reqs, on)
+    }
+    fn checker(&self) -> Option<Checker> {
+        let planner = self.planner();
+        Some(Arc::new(move |req: &Request| {
+            let plan = planner.plan(req)?;
+            Ok(planner.summary(req, &plan))
+        }))
+    }
+    fn preview(&mut self) -> Result<Option<LatentPreview>> {
+        ZImage::preview(self).map(Some)
     }
 }
 
@@ -64,9 +127,9 @@ impl<B: Backend> GenerateImage for QwenImage<B> {
         let plan = QwenImage::plan(self, req)?;
         Ok(self.summary(req, &plan))
     }
-    fn generate(&mut self, req: &Request, on: &mut dyn FnMut(Event<'_>)) -> Result<Vec<Image>> {
+    fn generate(&mut self, req: &Request, on: &mut Progress<'_>) -> Result<Vec<Image>> {
         let plan = QwenImage::plan(self, req)?;
-        QwenImage::generate_images(self, req, &plan, on)
+        QwenImage::generate_images_until(self, req, &plan, on)
     }
 }
 

@@ -27,6 +27,7 @@ pub(super) fn matmul(
     w: &CpuMat,
     mut out: ViewMut<'_, CpuBackend>,
     ep: &Epilogue<'_, CpuBackend>,
+    invariant: bool,
 ) -> Result<()> {
     check_product(&x, (w.out, w.inner), &out)?;
     let (m, n) = (x.rows, w.out);
@@ -58,7 +59,7 @@ pub(super) fn matmul(
     // computed first and folded in row by row.
     let plain = ep.bias.is_none() && ep.act.is_none() && gate.is_none();
     if plain {
-        product(x, w, out.reborrow(), ep.alpha, ep.accumulate);
+        product(x, w, out.reborrow(), ep.alpha, ep.accumulate, invariant);
         return Ok(());
     }
     let bias = ep.bias.map(Vec::as_slice);
@@ -79,7 +80,7 @@ pub(super) fn matmul(
     };
     if ep.accumulate {
         let mut tmp = CpuBuf::F32(vec![0.0; m * n]);
-        product(x, w, ViewMut::new(&mut tmp, m, n), ep.alpha, false);
+        product(x, w, ViewMut::new(&mut tmp, m, n), ep.alpha, false, invariant);
         let tmp = tmp.f32();
         rows_mut(out)
             .zip(tmp.par_chunks(n))
@@ -91,20 +92,22 @@ pub(super) fn matmul(
                 o.iter_mut().zip(y.iter()).for_each(|(o, &v)| *o += v);
             });
     } else {
-        product(x, w, out.reborrow(), ep.alpha, false);
+        product(x, w, out.reborrow(), ep.alpha, false, invariant);
         rows_mut(out).enumerate().for_each(|(r, o)| apply(r, o));
     }
     Ok(())
 }
 
-/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`, through the `gemm` crate. Shapes
-/// were checked by the caller.
+/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`: few rows through [`skinny`], more
+/// through the `gemm` crate; `invariant` picks the kernel without looking at the row count
+/// (see `CpuBackend::set_batch_invariant`). Shapes were checked by the caller.
 fn product(
     x: View<'_, CpuBackend>,
     w: &CpuMat,
     out: ViewMut<'_, CpuBackend>,
     alpha: f32,
     accumulate: bool,
+    invariant: bool,
 ) {
     let (m, k, n) = (x.rows, x.cols, w.out);
     let xs = super::slice(&x);
@@ -116,7 +119,7 @@ fn product(
     } else {
         gemm::Parallelism::None
     };
-    if m <= SKINNY_ROWS && k > 0 && vmath::dot4_is_fast() {
+    if (invariant || m <= SKINNY_ROWS) && k > 0 && vmath::dot4_is_fast() {
         skinny(
             xs, x.stride, m, k, w, dst, out_stride, alpha, accumulate, par,
         );
@@ -218,7 +221,43 @@ fn skinny(
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
+    use super::super::{CpuBackend, CpuBuf};
     use crate::{Activation, Backend, Epilogue, Gate, View, ViewMut};
+
+    /// Batch-invariant products give a block of rows the same bits alone and inside a larger
+    /// product, on either side of the few-row threshold; the default products do not promise it.
+    #[test]
+    fn batch_invariant_products_do_not_depend_on_the_row_count() {
+        let mut be = CpuBackend::new();
+        be.set_batch_invariant(true);
+        let (k, n) = (200, 300);
+        let mut rng = Rng::new(5);
+        let w = rng.vec(n * k, 1.0);
+        let mat = be.matrix_f32(&[(&w, n)], k).unwrap();
+        let rows = rng.vec(400 * k, 1.0);
+        let run = |first: usize, m: usize| -> Vec<f32> {
+            let x = buf(&be, &rows[first * k..(first + m) * k]);
+            let mut o = CpuBuf::F32(vec![0.0; m * n]);
+            be.matmul(
+                View::new(&x, m, k),
+                &mat,
+                ViewMut::new(&mut o, m, n),
+                &Epilogue::scaled(1.0),
+            )
+            .unwrap();
+            be.read_f32(View::new(&o, m, n)).unwrap()
+        };
+        // Rows 40..80 alone (few rows), then inside products of 120 and 400 rows.
+        let alone = run(40, 40);
+        for (first, m) in [(0, 120), (40, 96), (0, 400)] {
+            let all = run(first, m);
+            let at = (40 - first) * n;
+            assert!(
+                all[at..at + 40 * n] == alone[..],
+                "rows 40..80 differ inside a product of {m} rows"
+            );
+        }
+    }
 
     #[test]
     fn matches_naive_on_odd_sizes_and_strided_views() {

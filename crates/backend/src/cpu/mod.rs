@@ -35,6 +35,9 @@ pub struct CpuBackend {
     record: Option<Arc<Mutex<HashSet<Op>>>>,
     /// Memory reported as available, when budgeted (see [`CpuBackend::budgeted`]).
     budget: Option<usize>,
+    /// Products pick their kernel without looking at the row count (see
+    /// [`CpuBackend::set_batch_invariant`]).
+    invariant: bool,
 }
 
 impl CpuBackend {
@@ -47,7 +50,7 @@ impl CpuBackend {
     pub fn recording() -> Self {
         CpuBackend {
             record: Some(Arc::default()),
-            budget: None,
+            ..CpuBackend::default()
         }
     }
 
@@ -55,9 +58,22 @@ impl CpuBackend {
     /// memory checks can be tested without one. It allocates as the plain CPU backend does.
     pub fn budgeted(bytes: usize) -> Self {
         CpuBackend {
-            record: None,
             budget: Some(bytes),
+            ..CpuBackend::default()
         }
+    }
+
+    /// Make every matrix product give each row the same bits whatever the number of rows it
+    /// comes with, so that work batched with other work (a server's requests through one
+    /// forward) equals the same work alone. By default a product of few rows takes a kernel of
+    /// its own (which streams the weights once) and a larger one the `gemm` crate: their sums
+    /// run in different orders, so a row's last bits depend on its company. Batch-invariant,
+    /// every product takes one kernel: the few-row kernel where the CPU has AVX-512 (each row's
+    /// dot products in a fixed order), else the `gemm` crate (whose K blocking depends on K and
+    /// the caches only). Costs some speed on large products where the `gemm` crate would have
+    /// been faster.
+    pub fn set_batch_invariant(&mut self, on: bool) {
+        self.invariant = on;
     }
 
     /// The ops run so far (recording backends only), in no particular order.
@@ -282,7 +298,7 @@ impl Backend for CpuBackend {
         ep: &Epilogue<'_, Self>,
     ) -> Result<()> {
         self.enter(ep.op())?;
-        matmul::matmul(x, w, out, ep)
+        matmul::matmul(x, w, out, ep, self.invariant)
     }
 
     fn norm(&self, x: View<'_, Self>, n: &RowNorm<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {

@@ -2,6 +2,7 @@
 //! and by stage, each run timed from the host with the device synchronised at each stage's end
 //! (the pipeline reads every step's velocity back).
 
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -97,6 +98,7 @@ pub fn run(b: GenerateBench) -> Result<()> {
             if !matches!(e, Event::Decoding) {
                 marks.push(t0.elapsed());
             }
+            ControlFlow::Continue(())
         })?;
         let decoded = t0.elapsed();
         for image in &images {

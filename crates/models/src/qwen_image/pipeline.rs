@@ -11,6 +11,8 @@
 //! The seeded latent is Tessera's own generator (SplitMix64 + Box–Muller, as for Z-Image), not
 //! torch's `randn`; to reproduce a diffusers image, pass its packed latent as `init_latent`.
 
+use std::ops::ControlFlow;
+
 use tessera_backend::{Backend, Precision, View};
 use tessera_core::{Error, Result, check_finite};
 
@@ -370,7 +372,21 @@ impl<B: Backend> QwenImage<B> {
         &mut self,
         req: &Request,
         plan: &Plan,
-        on: impl FnMut(Event<'_>),
+        mut on: impl FnMut(Event<'_>),
+    ) -> Result<Vec<Image>> {
+        self.generate_images_until(req, plan, |e| {
+            on(e);
+            ControlFlow::Continue(())
+        })
+    }
+
+    /// [`QwenImage::generate_images`], stopped at the next step boundary when `on` returns
+    /// `Break` (the result is then [`Error::Cancelled`]): a server's request whose client left.
+    pub fn generate_images_until(
+        &mut self,
+        req: &Request,
+        plan: &Plan,
+        on: impl FnMut(Event<'_>) -> ControlFlow<()>,
     ) -> Result<Vec<Image>> {
         self.run(req, plan, on).map_err(|e| match e {
             Error::OutOfMemory(m) => Error::OutOfMemory(format!(
@@ -385,7 +401,7 @@ impl<B: Backend> QwenImage<B> {
         &mut self,
         req: &Request,
         plan: &Plan,
-        mut on: impl FnMut(Event<'_>),
+        mut on: impl FnMut(Event<'_>) -> ControlFlow<()>,
     ) -> Result<Vec<Image>> {
         let feats = self.prompt_features(plan)?;
         let be = &self.backend;
@@ -411,7 +427,9 @@ impl<B: Backend> QwenImage<B> {
         let mut steps = self
             .transformer
             .prepare_steps(be, &refs, &items, &schedule.t_model)?;
-        on(Event::Encoded);
+        if on(Event::Encoded).is_break() {
+            return Err(Error::Cancelled("before the first step".into()));
+        }
         let len = self.latent_len(req.width, req.height);
         let mut latents: Vec<Vec<f32>> = match &req.init_latent {
             Some(l) => vec![l.clone()],
@@ -437,17 +455,26 @@ impl<B: Backend> QwenImage<B> {
                 euler_step(latent, &pred, schedule, step);
                 check_finite(&format!("{at}: latent"), latent)?;
             }
-            on(Event::Step {
+            let stop = on(Event::Step {
                 index: step,
                 steps: schedule.steps(),
                 v: &v,
                 latents: &latents,
             });
+            if stop.is_break() {
+                return Err(Error::Cancelled(format!(
+                    "after denoising step {} of {}",
+                    step + 1,
+                    schedule.steps()
+                )));
+            }
         }
         // The loop's buffers go before the decoder's are made: the pool reuses their memory.
         drop(steps);
         drop(prefixes);
-        on(Event::Decoding);
+        if on(Event::Decoding).is_break() {
+            return Err(Error::Cancelled("before decoding".into()));
+        }
         latents
             .iter()
             .map(|latent| {

@@ -2,7 +2,9 @@
 //! caption features → `N` Euler steps of the DiT from a seeded (or given) latent, with CFG when
 //! the guidance is positive → VAE decode → 8-bit RGB.
 
+use std::ops::ControlFlow;
 use std::path::Path;
+use std::sync::Arc;
 
 use tessera_backend::{Backend, Precision, View};
 use tessera_core::{Error, Result, Weights, check_finite};
@@ -15,7 +17,9 @@ use super::transformer::ZImageTransformer;
 use super::vae::{VaeDecoder, to_rgb8};
 use crate::noise;
 use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
-use crate::text_to_image::{Checked, Defaults, Event, Image, MAX_IMAGES, Request};
+use crate::text_to_image::{
+    Checked, Defaults, Event, Image, LatentLayout, LatentPreview, MAX_IMAGES, Request, fit_affine,
+};
 
 /// Z-Image-Turbo's defaults (spec §1). The base model wants about 50 steps and guidance 4.
 pub const DEFAULTS: Defaults = Defaults {
@@ -119,16 +123,34 @@ impl ZImageConfigs {
     }
 }
 
-pub struct ZImage<B: Backend> {
-    backend: B,
+/// Everything checking a request needs — the tokenizer, the prompt template, the configs and
+/// the scheduler — and nothing of the device, so that requests can be checked on other threads
+/// while the model runs others (a server checks each request as it arrives). Shared by the
+/// model ([`ZImage::planner`]).
+pub struct Planner {
     tokenizer: BpeTokenizer,
     /// How a prompt becomes the tokenizer's text: the folder's chat template.
     template: PromptTemplate,
+    transformer: TransformerConfig,
+    vae: VaeConfig,
+    scheduler: FlowMatchEuler,
+}
+
+pub struct ZImage<B: Backend> {
+    backend: B,
+    planner: Arc<Planner>,
     text_encoder: Qwen3TextModel<B>,
     transformer: ZImageTransformer<B>,
     vae: VaeDecoder<B>,
-    scheduler: FlowMatchEuler,
+    /// The latent preview map, fitted on first use ([`ZImage::preview`]).
+    preview: Option<LatentPreview>,
 }
+
+/// Side of the seeded latent the preview map is fitted on: 32² latent pixels are 1,024 samples
+/// for the 17 unknowns of each colour (16 channels and a bias), one 256² decode.
+const PREVIEW_FIT_SIDE: usize = 32;
+/// Seed of that latent.
+const PREVIEW_FIT_SEED: u64 = 0x5EED_0F_F17;
 
 /// The text encoder's tensors, under `model.` in the published files or at the top level when
 /// saved from a bare `Qwen3Model`.
@@ -140,72 +162,14 @@ fn text_encoder_root(w: &Weights) -> Weights {
     }
 }
 
-impl<B: Backend> ZImage<B> {
-    /// Load every component. `transformer_file` replaces the transformer's weights with a single
-    /// safetensors file (diffusers or ComfyUI names); its shapes must match
-    /// `transformer/config.json`.
-    pub fn load(backend: B, files: &ZImageFiles, transformer_file: Option<&Path>) -> Result<Self> {
-        let be = &backend;
-        let cfg = ZImageConfigs::read(files)?;
-        let tokenizer = BpeTokenizer::load(&files.tokenizer)?;
-        if tokenizer.vocab_size() > cfg.text_encoder.vocab_size {
-            return Err(Error::config(
-                files.tokenizer.path("tokenizer.json"),
-                "vocab",
-                format!(
-                    "{} tokens, more than the text encoder's vocab_size {}",
-                    tokenizer.vocab_size(),
-                    cfg.text_encoder.vocab_size
-                ),
-            ));
-        }
-        let template = PromptTemplate::load(&files.tokenizer)?;
-        // hidden_states[-2]: the residual stream after all layers but the last.
-        let te_weights = text_encoder_root(&files.text_encoder.weights("model")?);
-        let te = &cfg.text_encoder;
-        let text_encoder = Qwen3TextModel::load(be, te, &te_weights, te.num_layers - 1)?;
-        let tr_weights = match transformer_file {
-            Some(p) => Weights::open_file(p)?,
-            None => files.transformer.weights("diffusion_pytorch_model")?,
-        };
-        let transformer = ZImageTransformer::load(be, &cfg.transformer, &tr_weights)?;
-        let vae = VaeDecoder::load(be, &cfg.vae, &files.vae.weights("diffusion_pytorch_model")?)?;
-        Ok(ZImage {
-            backend,
-            tokenizer,
-            template,
-            text_encoder,
-            transformer,
-            vae,
-            scheduler: FlowMatchEuler::new(cfg.scheduler),
-        })
-    }
-
-    pub fn backend(&self) -> &B {
-        &self.backend
-    }
-    pub fn transformer(&self) -> &ZImageTransformer<B> {
-        &self.transformer
-    }
-    pub fn vae(&self) -> &VaeDecoder<B> {
-        &self.vae
-    }
-    pub fn scheduler(&self) -> &FlowMatchEuler {
-        &self.scheduler
-    }
-    pub fn tokenizer(&self) -> &BpeTokenizer {
-        &self.tokenizer
-    }
-    pub fn template(&self) -> &PromptTemplate {
-        &self.template
-    }
-
+impl Planner {
     /// Image sides must be multiples of this (the VAE's 8× times the DiT's 2× patches).
     pub fn size_multiple(&self) -> usize {
-        2 * self.vae.config().scale()
+        2 * self.vae.scale()
     }
 
-    /// Check a request and tokenise its prompts; nothing heavy runs.
+    /// Check a request and tokenise its prompts, all but the device's memory (which
+    /// [`ZImage::plan`] adds); nothing heavy runs.
     pub fn plan(&self, req: &Request) -> Result<Plan> {
         let m = self.size_multiple();
         let (w, h) = (req.width, req.height);
@@ -218,9 +182,9 @@ impl<B: Backend> ZImage<B> {
             )));
         }
         check_guidance(req.guidance)?;
-        let scale = self.vae.config().scale();
+        let scale = self.vae.scale();
         let latent_hw = (h / scale, w / scale);
-        let cfg = self.transformer.config();
+        let cfg = &self.transformer;
         let [_, rows, cols] = cfg.axes_lens;
         let (max_h, max_w) = (rows * m, cols * m);
         if h > max_h || w > max_w {
@@ -272,7 +236,6 @@ impl<B: Backend> ZImage<B> {
                     .into(),
             );
         }
-        self.check_memory(req, &prompts, schedule.steps())?;
         for (p, what) in prompts.iter().zip(["prompt", "negative prompt"]) {
             if p.truncated() {
                 warnings.push(format!(
@@ -295,7 +258,7 @@ impl<B: Backend> ZImage<B> {
         let steps = plan.schedule.steps();
         let passes = steps * if guided { 2 } else { 1 };
         // Matmuls: 24·dim² per token and layer (the FFN is 8/3·dim wide); attention 4·tokens·dim.
-        let cfg = self.transformer.config();
+        let cfg = &self.transformer;
         let (lh, lw) = plan.latent_hw;
         let tokens = (lh * lw / 4) as f64;
         let (dim, layers) = (cfg.dim as f64, (cfg.n_layers + cfg.n_refiner_layers) as f64);
@@ -308,7 +271,96 @@ impl<B: Backend> ZImage<B> {
             warnings: plan.warnings.clone(),
         }
     }
+}
 
+impl<B: Backend> ZImage<B> {
+    /// Load every component. `transformer_file` replaces the transformer's weights with a single
+    /// safetensors file (diffusers or ComfyUI names); its shapes must match
+    /// `transformer/config.json`.
+    pub fn load(backend: B, files: &ZImageFiles, transformer_file: Option<&Path>) -> Result<Self> {
+        let be = &backend;
+        let cfg = ZImageConfigs::read(files)?;
+        let tokenizer = BpeTokenizer::load(&files.tokenizer)?;
+        if tokenizer.vocab_size() > cfg.text_encoder.vocab_size {
+            return Err(Error::config(
+                files.tokenizer.path("tokenizer.json"),
+                "vocab",
+                format!(
+                    "{} tokens, more than the text encoder's vocab_size {}",
+                    tokenizer.vocab_size(),
+                    cfg.text_encoder.vocab_size
+                ),
+            ));
+        }
+        let template = PromptTemplate::load(&files.tokenizer)?;
+        // hidden_states[-2]: the residual stream after all layers but the last.
+        let te_weights = text_encoder_root(&files.text_encoder.weights("model")?);
+        let te = &cfg.text_encoder;
+        let text_encoder = Qwen3TextModel::load(be, te, &te_weights, te.num_layers - 1)?;
+        let tr_weights = match transformer_file {
+            Some(p) => Weights::open_file(p)?,
+            None => files.transformer.weights("diffusion_pytorch_model")?,
+        };
+        let transformer = ZImageTransformer::load(be, &cfg.transformer, &tr_weights)?;
+        let vae = VaeDecoder::load(be, &cfg.vae, &files.vae.weights("diffusion_pytorch_model")?)?;
+        Ok(ZImage {
+            backend,
+            planner: Arc::new(Planner {
+                tokenizer,
+                template,
+                transformer: cfg.transformer,
+                vae: cfg.vae,
+                scheduler: FlowMatchEuler::new(cfg.scheduler),
+            }),
+            text_encoder,
+            transformer,
+            vae,
+            preview: None,
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+    pub fn transformer(&self) -> &ZImageTransformer<B> {
+        &self.transformer
+    }
+    pub fn vae(&self) -> &VaeDecoder<B> {
+        &self.vae
+    }
+    pub fn scheduler(&self) -> &FlowMatchEuler {
+        &self.planner.scheduler
+    }
+    pub fn tokenizer(&self) -> &BpeTokenizer {
+        &self.planner.tokenizer
+    }
+    pub fn template(&self) -> &PromptTemplate {
+        &self.planner.template
+    }
+
+    /// What checks requests, shareable with other threads.
+    pub fn planner(&self) -> Arc<Planner> {
+        self.planner.clone()
+    }
+
+    /// Image sides must be multiples of this (the VAE's 8× times the DiT's 2× patches).
+    pub fn size_multiple(&self) -> usize {
+        self.planner.size_multiple()
+    }
+
+    /// Check a request and tokenise its prompts; nothing heavy runs. Besides
+    /// [`Planner::plan`]'s checks, refuses a request whose buffers would not fit in the
+    /// device memory left.
+    pub fn plan(&self, req: &Request) -> Result<Plan> {
+        let plan = self.planner.plan(req)?;
+        self.check_memory(req, &plan.prompts, plan.schedule.steps())?;
+        Ok(plan)
+    }
+
+    /// What a checked request will run, for front ends.
+    pub fn summary(&self, req: &Request, plan: &Plan) -> Checked {
+        self.planner.summary(req, plan)
+    }
     /// Device memory a request takes beyond the weights, in bytes: the larger of the denoising
     /// loop's buffers (every item of the batch) and one image's decoding, plus the fixed
     /// workspaces and the text encoder's passes. The decoder runs after the loop's buffers are
@@ -421,88 +473,399 @@ impl<B: Backend> ZImage<B> {
         &mut self,
         req: &Request,
         plan: &Plan,
-        on: impl FnMut(Event<'_>),
-    ) -> Result<Vec<Image>> {
-        self.run(req, plan, on).map_err(|e| match e {
-            // The plan's estimate let it start; something else took the memory meanwhile.
-            Error::OutOfMemory(m) => Error::OutOfMemory(format!(
-                "{m} while making {} image(s) of {}x{}: try a smaller --size or fewer --num-images",
-                req.num_images, req.width, req.height
-            )),
-            e => e,
-        })
-    }
-
-    fn run(
-        &mut self,
-        req: &Request,
-        plan: &Plan,
         mut on: impl FnMut(Event<'_>),
     ) -> Result<Vec<Image>> {
-        let be = &self.backend;
-        let seqs: Vec<&[u32]> = plan.prompts.iter().map(|p| p.ids.as_slice()).collect();
-        let hidden = self.text_encoder.forward(be, &seqs)?;
-        let mut caps: Vec<View<'_, B>> = Vec::with_capacity(seqs.len());
-        let mut off = 0;
-        for s in &seqs {
-            caps.push(hidden.rows(off, s.len()));
-            off += s.len();
-        }
-        check_finite("text encoder features", &be.read_f32(hidden.rows(0, off))?)?;
-        // Items: each image's prompt, then (CFG) its negative prompt.
-        let per = caps.len();
-        let n = req.num_images;
-        let items: Vec<View<'_, B>> = (0..n).flat_map(|_| caps.iter().copied()).collect();
-        let schedule = &plan.schedule;
-        let mut prep =
-            self.transformer
-                .prepare(be, &items, plan.latent_hw, &schedule.t_model, None)?;
-        on(Event::Encoded);
-        let (lh, lw) = plan.latent_hw;
-        let len = self.transformer.config().in_channels * lh * lw;
-        let mut latents: Vec<Vec<f32>> = match &req.init_latent {
-            Some(l) => vec![l.clone()],
-            None => (0..n as u64)
-                .map(|i| noise::gaussian(req.seed.wrapping_add(i), len))
-                .collect(),
+        let mut progress = |_: usize, e: Event<'_>| {
+            on(e);
+            ControlFlow::Continue(())
         };
-        for step in 0..schedule.steps() {
-            let of_items: Vec<&[f32]> = (0..n * per).map(|i| latents[i / per].as_slice()).collect();
+        let mut results = self.run(&[(req, plan)], &mut progress);
+        let result = results
+            .pop()
+            .unwrap_or_else(|| Err(Error::input("no image was made")));
+        result.map_err(|e| out_of_memory_hint(e, &[req]))
+    }
+
+    /// Run several requests, each step of all of them one batch through the transformer:
+    /// every image of every request (and its negative prompt under guidance) is an item of the
+    /// same forward. Requests must share the size and the σ schedule (steps, shift) to share
+    /// forwards; the others run after, one at a time, as does everything when the batch would
+    /// not fit the device's memory. Each request gets its own result, and each image is the
+    /// one the request makes alone: items do not interact in a forward (bit for bit where the
+    /// backend's products do not depend on how many rows they have — the CPU backend made
+    /// batch-invariant; a GPU picks its product kernels by shape, so there the last bits may
+    /// differ, as with `num_images`).
+    ///
+    /// `on(i, event)` reports request `i`'s progress; `Break` stops request `i` at the next
+    /// step boundary (its result is [`Error::Cancelled`]) while the others go on.
+    pub fn generate_batch(
+        &mut self,
+        reqs: &[Request],
+        on: &mut dyn FnMut(usize, Event<'_>) -> ControlFlow<()>,
+    ) -> Vec<Result<Vec<Image>>> {
+        let mut results: Vec<Option<Result<Vec<Image>>>> = (0..reqs.len()).map(|_| None).collect();
+        let mut plans = Vec::with_capacity(reqs.len());
+        for (i, req) in reqs.iter().enumerate() {
+            match self.plan(req) {
+                Ok(p) => plans.push((i, p)),
+                Err(e) => results[i] = Some(Err(e)),
+            }
+        }
+        // The first request that planned leads; the requests of its size and schedule join it
+        // while the whole batch fits the device's memory. The others run alone, after.
+        let mut group: Vec<usize> = Vec::new();
+        let mut alone: Vec<usize> = Vec::new();
+        for k in 0..plans.len() {
+            let joins = group.first().is_none_or(|&g| {
+                let (lead, plan) = (&plans[g].1, &plans[k].1);
+                lead.latent_hw == plan.latent_hw && lead.schedule == plan.schedule
+            });
+            let fits = joins && {
+                let members: Vec<(&Request, &Plan)> = group
+                    .iter()
+                    .chain(std::iter::once(&k))
+                    .map(|&m| (&reqs[plans[m].0], &plans[m].1))
+                    .collect();
+                group.is_empty() || self.batch_fits(&members)
+            };
+            if fits {
+                group.push(k);
+            } else {
+                alone.push(k);
+            }
+        }
+        let runs: Vec<Vec<usize>> = std::iter::once(group)
+            .filter(|g| !g.is_empty())
+            .chain(alone.into_iter().map(|k| vec![k]))
+            .collect();
+        for members in runs {
+            let batch: Vec<(&Request, &Plan)> = members
+                .iter()
+                .map(|&k| (&reqs[plans[k].0], &plans[k].1))
+                .collect();
+            let index: Vec<usize> = members.iter().map(|&k| plans[k].0).collect();
+            let mut progress = |j: usize, e: Event<'_>| on(index[j], e);
+            let out = self.run(&batch, &mut progress);
+            for (j, r) in out.into_iter().enumerate() {
+                let req = batch[j].0;
+                results[index[j]] = Some(r.map_err(|e| out_of_memory_hint(e, &[req])));
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::input("the request was not run"))))
+            .collect()
+    }
+
+    /// Whether the denoising of every request of `batch` together fits the device's memory.
+    fn batch_fits(&self, batch: &[(&Request, &Plan)]) -> bool {
+        let Ok(Some(available)) = self.backend.memory_available() else {
+            return true;
+        };
+        let compute = match self.backend.precision() {
+            Precision::Bf16 => 2,
+            Precision::F32 => 4,
+        };
+        let Some(&(_, lead)) = batch.first() else {
+            return true;
+        };
+        let items: Vec<usize> = batch
+            .iter()
+            .flat_map(|(req, plan)| {
+                (0..req.num_images).flat_map(|_| plan.prompts.iter().map(|p| p.ids.len()))
+            })
+            .collect();
+        let denoise = self.transformer.activation_bytes(
+            lead.latent_hw,
+            &items,
+            lead.schedule.steps(),
+            compute,
+        );
+        let decode = self.vae.activation_bytes(lead.latent_hw, compute);
+        denoise.is_ok_and(|d| d.max(decode) + FIXED_DEVICE_BYTES <= available)
+    }
+
+    /// The preview map of this model's latents ([`LatentPreview`]): fitted on first use by least
+    /// squares to the VAE's own decode of a seeded N(0, 1) latent of 32² pixels — the scale of
+    /// the sampler's latents from start to end (the VAE's scaling factor normalises clean
+    /// latents to unit variance) — each latent pixel's channels against the mean colour of the
+    /// 8×8 pixels it decodes to. One 256² decode, once.
+    pub fn preview(&mut self) -> Result<LatentPreview> {
+        if let Some(p) = &self.preview {
+            return Ok(p.clone());
+        }
+        let cfg = self.vae.config();
+        let (c, outs, scale) = (cfg.latent_channels, cfg.out_channels, cfg.scale());
+        let side = PREVIEW_FIT_SIDE;
+        let z = noise::gaussian(PREVIEW_FIT_SEED, c * side * side);
+        let image = self.vae.decode(&self.backend, &z, (side, side), None)?;
+        check_finite("VAE decoder output (fitting the preview map)", &image)?;
+        let width = side * scale;
+        let samples = side * side;
+        let mut inputs = vec![0f32; samples * c];
+        let mut targets = vec![0f32; samples * outs];
+        let per = (scale * scale) as f32;
+        for p in 0..samples {
+            for ch in 0..c {
+                inputs[p * c + ch] = z[ch * samples + p];
+            }
+            let (ly, lx) = (p / side, p % side);
+            for dy in 0..scale {
+                for dx in 0..scale {
+                    let px = (ly * scale + dy) * width + lx * scale + dx;
+                    for o in 0..outs {
+                        targets[p * outs + o] += image[px * outs + o] / per;
+                    }
+                }
+            }
+        }
+        let (matrix, bias, r2) = fit_affine(&inputs, &targets, c, outs)?;
+        let preview = LatentPreview {
+            channels: c,
+            outputs: outs,
+            matrix,
+            bias,
+            layout: LatentLayout::ChannelsFirst { scale },
+            to_unit: (0.5, 0.5),
+            r2,
+        };
+        self.preview = Some(preview.clone());
+        Ok(preview)
+    }
+
+    /// The denoising loop and the decode of `batch` (requests of one size and schedule; see
+    /// [`ZImage::generate_batch`]). A failure of one request (non-finite numbers) or its
+    /// cancellation drops it from the batch; a device failure fails them all.
+    fn run(
+        &mut self,
+        batch: &[(&Request, &Plan)],
+        on: &mut dyn FnMut(usize, Event<'_>) -> ControlFlow<()>,
+    ) -> Vec<Result<Vec<Image>>> {
+        let mut results: Vec<Option<Result<Vec<Image>>>> = (0..batch.len()).map(|_| None).collect();
+        if let Err(e) = self.denoise_and_decode(batch, on, &mut results) {
+            for r in results.iter_mut().filter(|r| r.is_none()) {
+                *r = Some(Err(share(&e)));
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::input("the request was not run"))))
+            .collect()
+    }
+
+    /// [`ZImage::run`]'s work: requests that end early (failed, cancelled) and those that
+    /// finish get their entry of `results`; an error returned is the whole batch's.
+    fn denoise_and_decode(
+        &mut self,
+        batch: &[(&Request, &Plan)],
+        on: &mut dyn FnMut(usize, Event<'_>) -> ControlFlow<()>,
+        results: &mut [Option<Result<Vec<Image>>>],
+    ) -> Result<()> {
+        let Some(&(_, lead)) = batch.first() else {
+            return Ok(());
+        };
+        let be = &self.backend;
+        let (latent_hw, schedule) = (lead.latent_hw, &lead.schedule);
+        let steps = schedule.steps();
+        // Every request's prompts (its prompt, then its negative prompt under CFG) in one pass.
+        let seqs: Vec<&[u32]> = batch
+            .iter()
+            .flat_map(|(_, plan)| plan.prompts.iter().map(|p| p.ids.as_slice()))
+            .collect();
+        let hidden = self.text_encoder.forward(be, &seqs)?;
+        let mut caps: Vec<Vec<View<'_, B>>> = Vec::with_capacity(batch.len());
+        let mut off = 0;
+        for (r, (_, plan)) in batch.iter().enumerate() {
+            let start = off;
+            let views: Vec<View<'_, B>> = plan
+                .prompts
+                .iter()
+                .map(|p| {
+                    let v = hidden.rows(off, p.ids.len());
+                    off += p.ids.len();
+                    v
+                })
+                .collect();
+            let features = be.read_f32(hidden.rows(start, off - start))?;
+            match check_finite("text encoder features", &features) {
+                Ok(()) => caps.push(views),
+                Err(e) => {
+                    results[r] = Some(Err(e));
+                    caps.push(Vec::new());
+                }
+            }
+        }
+        let (lh, lw) = latent_hw;
+        let len = self.transformer.config().in_channels * lh * lw;
+        // Each request's latents, one per image.
+        let mut latents: Vec<Vec<Vec<f32>>> = batch
+            .iter()
+            .map(|(req, _)| match &req.init_latent {
+                Some(l) => vec![l.clone()],
+                None => (0..req.num_images as u64)
+                    .map(|i| noise::gaussian(req.seed.wrapping_add(i), len))
+                    .collect(),
+            })
+            .collect();
+        let counts: Vec<usize> = batch.iter().map(|(req, _)| req.num_images).collect();
+        let mut live: Vec<usize> = (0..batch.len()).filter(|&r| results[r].is_none()).collect();
+        live.retain(|&r| {
+            let go = on(r, Event::Encoded).is_continue();
+            if !go {
+                results[r] = Some(Err(Error::Cancelled("before the first step".into())));
+            }
+            go
+        });
+        if live.is_empty() {
+            return Ok(());
+        }
+        let mut prep = self.transformer.prepare(
+            be,
+            &items_of(&live, &caps, &counts),
+            latent_hw,
+            &schedule.t_model,
+            None,
+        )?;
+        for step in 0..steps {
+            let of_items: Vec<&[f32]> = live
+                .iter()
+                .flat_map(|&r| {
+                    let per = caps[r].len();
+                    latents[r].iter().flat_map(move |l| std::iter::repeat_n(l.as_slice(), per))
+                })
+                .collect();
             let v = self
                 .transformer
                 .forward(be, &mut prep, &of_items, step, None)?;
-            let at = format!("denoising step {} of {}", step + 1, schedule.steps());
-            for (i, latent) in latents.iter_mut().enumerate() {
-                let mut pred = v[i * per].clone();
-                if guided(req) {
-                    guide(&mut pred, &v[i * per + 1], req.guidance);
+            let at = format!("denoising step {} of {steps}", step + 1);
+            let mut first = 0;
+            let mut ended = false;
+            for &r in &live {
+                let (req, per) = (batch[r].0, caps[r].len());
+                let n = req.num_images;
+                let own = &v[first..first + n * per];
+                first += n * per;
+                let stepped = latents[r].iter_mut().enumerate().try_for_each(|(i, latent)| {
+                    let mut pred = own[i * per].clone();
+                    if guided(req) {
+                        guide(&mut pred, &own[i * per + 1], req.guidance);
+                    }
+                    check_finite(&format!("{at}: transformer velocity"), &pred)?;
+                    euler_step(latent, &pred, schedule, step);
+                    check_finite(&format!("{at}: latent"), latent)
+                });
+                if let Err(e) = stepped {
+                    results[r] = Some(Err(e));
+                    ended = true;
+                    continue;
                 }
-                check_finite(&format!("{at}: transformer velocity"), &pred)?;
-                euler_step(latent, &pred, schedule, step);
-                check_finite(&format!("{at}: latent"), latent)?;
+                let event = Event::Step {
+                    index: step,
+                    steps,
+                    v: own,
+                    latents: &latents[r],
+                };
+                if on(r, event).is_break() {
+                    results[r] = Some(Err(Error::Cancelled(format!(
+                        "after denoising step {} of {steps}",
+                        step + 1
+                    ))));
+                    ended = true;
+                }
             }
-            on(Event::Step {
-                index: step,
-                steps: schedule.steps(),
-                v: &v,
-                latents: &latents,
-            });
+            if ended {
+                live.retain(|&r| results[r].is_none());
+                if live.is_empty() {
+                    return Ok(());
+                }
+                if step + 1 < steps {
+                    // The remaining items, prepared again (the caption path is per item, so
+                    // each keeps its values).
+                    drop(prep);
+                    prep = self.transformer.prepare(
+                        be,
+                        &items_of(&live, &caps, &counts),
+                        latent_hw,
+                        &schedule.t_model,
+                        None,
+                    )?;
+                }
+            }
         }
         // The loop's buffers go before the decoder's are made: the pool reuses their memory.
         drop(prep);
-        on(Event::Decoding);
-        latents
-            .iter()
-            .map(|latent| {
-                let image = self.vae.decode(be, latent, plan.latent_hw, None)?;
-                check_finite("VAE decoder output", &image)?;
-                Ok(Image {
-                    channels: 3,
-                    width: req.width,
-                    height: req.height,
-                    pixels: to_rgb8(&image),
+        for &r in &live {
+            if on(r, Event::Decoding).is_break() {
+                results[r] = Some(Err(Error::Cancelled("before decoding".into())));
+                continue;
+            }
+            let req = batch[r].0;
+            let decoded: Result<Vec<Image>> = latents[r]
+                .iter()
+                .map(|latent| {
+                    let image = self.vae.decode(be, latent, latent_hw, None)?;
+                    check_finite("VAE decoder output", &image)?;
+                    Ok(Image {
+                        channels: 3,
+                        width: req.width,
+                        height: req.height,
+                        pixels: to_rgb8(&image),
+                    })
                 })
-            })
-            .collect()
+                .collect();
+            results[r] = Some(decoded);
+        }
+        Ok(())
+    }
+}
+
+/// The transformer's items of the requests `live`: for each of its `counts[r]` images, its
+/// prompt's caption features, then (CFG) its negative prompt's.
+fn items_of<'v, B: Backend>(
+    live: &[usize],
+    caps: &[Vec<View<'v, B>>],
+    counts: &[usize],
+) -> Vec<View<'v, B>> {
+    live.iter()
+        .flat_map(|&r| (0..counts[r]).flat_map(move |_| caps[r].iter().copied()))
+        .collect()
+}
+
+/// The out-of-memory error of a request, with what to change.
+fn out_of_memory_hint(e: Error, reqs: &[&Request]) -> Error {
+    match (e, reqs.first()) {
+        // The plan's estimate let it start; something else took the memory meanwhile.
+        (Error::OutOfMemory(m), Some(req)) => Error::OutOfMemory(format!(
+            "{m} while making {} image(s) of {}x{}: try a smaller --size or fewer --num-images",
+            req.num_images, req.width, req.height
+        )),
+        (e, _) => e,
+    }
+}
+
+/// The same error again, for each request of a batch that one failure stopped (errors are not
+/// `Clone`: their sources need not be).
+fn share(e: &Error) -> Error {
+    match e {
+        Error::Input(m) => Error::Input(m.clone()),
+        Error::OutOfMemory(m) => Error::OutOfMemory(m.clone()),
+        Error::Cancelled(m) => Error::Cancelled(m.clone()),
+        Error::Device(m) => Error::Device(m.clone()),
+        Error::NonFinite {
+            stage,
+            count,
+            len,
+            first,
+        } => Error::NonFinite {
+            stage: stage.clone(),
+            count: *count,
+            len: *len,
+            first: *first,
+        },
+        Error::Backend { op, message } => Error::Backend {
+            op: op.clone(),
+            message: message.clone(),
+        },
+        other => Error::backend("image generation", other),
     }
 }
