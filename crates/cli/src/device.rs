@@ -18,6 +18,14 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
+    /// The same precision on another device (`cpu`, `cuda`, `cuda:N`, `auto`).
+    pub fn with_device(&self, device: &str) -> DeviceArgs {
+        DeviceArgs {
+            device: device.to_string(),
+            precision: self.precision.clone(),
+        }
+    }
+
     /// The same choice as command-line arguments, for a child `tessera` process.
     pub fn to_args(&self) -> Vec<String> {
         let mut args = vec!["--device".to_string(), self.device.clone()];

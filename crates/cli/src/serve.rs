@@ -1,37 +1,47 @@
-//! `tessera serve`: the OpenAI-compatible server (crate `tessera-server`): embeddings or chat,
-//! as the family of `--model` decides.
+//! `tessera serve`: the OpenAI-compatible server (crate `tessera-server`) for one or several
+//! models: embeddings, chat and image generation, as each model's family decides.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
-use tessera_runtime::{Capability, Family, ModelSpec, embed};
-use tessera_server::{Limits, ModelLoader, Schedule, ServerConfig};
+use tessera_runtime::{Capability, Family, ModelSpec, embed, image};
+use tessera_server::{Limits, ModelLoader, Schedule, ServedModel, ServerConfig};
 
 use crate::device::DeviceArgs;
 use crate::model;
 
 /// `--model` values naming the miniature models compiled into the binary.
-const BUNDLED: [(&str, Family); 2] = [
+const BUNDLED: [(&str, Family); 3] = [
     ("bundled:egemma2", Family::EmbeddingGemma2),
     ("bundled:lfm2vl", Family::Lfm2Vl),
+    ("bundled:zimage", Family::ZImage),
 ];
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Model folder or Hugging Face repo id in the local cache; its family decides what is
-    /// served: an embedding model (EmbeddingGemma 2) answers /v1/embeddings, a chat model
-    /// (LFM2-VL) /v1/chat/completions. `bundled:egemma2` and `bundled:lfm2vl` name the bundled
-    /// miniatures (random weights, for checking an install); the default is `bundled:egemma2`.
+    /// Model folder or Hugging Face repo id in the local cache, optionally `=NAME` for the id
+    /// clients send as `model` (e.g. `--model ./Z-Image-Turbo=z-image-turbo`). Repeat it to serve
+    /// several models in one process; each model's family decides its route: an embedding model
+    /// (EmbeddingGemma 2) answers /v1/embeddings, a chat model (LFM2-VL) /v1/chat/completions, a
+    /// text-to-image model (Z-Image) /v1/images/generations. `bundled:egemma2`, `bundled:lfm2vl`
+    /// and `bundled:zimage` name the bundled miniatures (random weights, for checking an
+    /// install); the default is `bundled:egemma2`.
     #[arg(long, env = "TESSERA_MODEL")]
-    model: Option<String>,
-    /// The id clients send as `model` (default: the folder's or repo's last name; `egemma2-mini`
-    /// or `lfm2vl-mini` for a bundled model). For an embedding model, `ID:PROMPT` then selects a
-    /// task prompt.
+    model: Vec<String>,
+    /// The id clients send as `model` when one model is served (default: the folder's or repo's
+    /// last name; `egemma2-mini`, `lfm2vl-mini` or `zimage-mini` for a bundled model). With
+    /// several models, give each its own with `--model PATH=NAME`. For an embedding model,
+    /// `ID:PROMPT` then selects a task prompt.
     #[arg(long, env = "TESSERA_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
+    /// Run the model served as NAME on another device than --device: `NAME=DEVICE` (cpu, cuda,
+    /// cuda:N), repeatable.
+    #[arg(long, value_name = "NAME=DEVICE")]
+    model_device: Vec<String>,
     /// Address to bind. The default answers only this machine; 0.0.0.0 exposes the server to the
     /// network, so set --api-key then.
     #[arg(long, env = "TESSERA_HOST", default_value = "127.0.0.1")]
@@ -57,10 +67,11 @@ pub struct ServeArgs {
     /// behind images.
     #[arg(long, env = "TESSERA_MAX_BATCH_IMAGES", default_value_t = 8)]
     max_batch_images: usize,
-    /// Requests admitted at once (checked, queued or run; a request is admitted once its body
-    /// has arrived), and bodies arriving at once; more get 429 with Retry-After. Together with
-    /// --max-request-mb and --max-image-memory-mb it bounds memory. Chat: requests waiting
-    /// beyond the --max-sequences being generated.
+    /// Requests admitted at once per model (checked, queued or run; a request is admitted once
+    /// its body has arrived), and bodies arriving at once; more get 429 with Retry-After.
+    /// Together with --max-request-mb and --max-image-memory-mb it bounds memory. Chat: requests
+    /// waiting beyond the --max-sequences being generated. Images: also bounded by
+    /// --max-image-queue-mps.
     #[arg(long, env = "TESSERA_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
     /// Seconds a request's body has to arrive once its headers have; slower bodies get 408.
@@ -87,7 +98,7 @@ pub struct ServeArgs {
     #[arg(long, env = "TESSERA_MAX_IMAGE_MEMORY_MB", default_value_t = 2048)]
     max_image_memory_mb: usize,
     /// Seconds from a request's arrival to its answer before it fails with 504 (a streamed chat
-    /// reply: to its first text; the stream then runs to its end).
+    /// reply: to its first text; the stream then runs to its end). Images: --image-timeout.
     #[arg(long, env = "TESSERA_REQUEST_TIMEOUT", default_value_t = 60)]
     request_timeout: u64,
     /// Chat: replies generated at once, each in its own cache slot (continuous batching: they
@@ -98,6 +109,29 @@ pub struct ServeArgs {
     /// sized for it. Capped at the model's limit (max_position_embeddings).
     #[arg(long, env = "TESSERA_CONTEXT", default_value_t = 8192)]
     context: usize,
+    /// Images: the most pixels of one generated image (width × height); larger sizes get 400.
+    #[arg(long, env = "TESSERA_MAX_IMAGE_PIXELS", default_value_t = 2 << 20)]
+    max_image_pixels: usize,
+    /// Images: the most denoising steps a request may ask for (num_inference_steps).
+    #[arg(long, env = "TESSERA_MAX_IMAGE_STEPS", default_value_t = 100)]
+    max_image_steps: usize,
+    /// Images: the work the requests admitted at once may hold together, in megapixel-steps
+    /// (width × height × steps × n / 2^20: a 1024² Turbo image is 8); beyond it requests get 429
+    /// with Retry-After, and one that could never fit 413.
+    #[arg(long, env = "TESSERA_MAX_IMAGE_QUEUE_MPS", default_value_t = 512)]
+    max_image_queue_mps: usize,
+    /// Images: the most images denoised together: requests of one size and step count that wait
+    /// together run as one batch through the denoiser.
+    #[arg(long, env = "TESSERA_MAX_IMAGE_BATCH", default_value_t = 8)]
+    max_image_batch: usize,
+    /// Images: run one request at a time instead of batching requests that wait together (for
+    /// comparison).
+    #[arg(long, env = "TESSERA_NO_IMAGE_BATCHING")]
+    no_image_batching: bool,
+    /// Images: seconds from a request's arrival to its last image before it fails with 504; its
+    /// generation stops at the next step.
+    #[arg(long, env = "TESSERA_IMAGE_TIMEOUT", default_value_t = 600)]
+    image_timeout: u64,
     /// Embeddings: lanes: text first, images in their own lane (short queries do not wait behind
     /// images); fifo: one lane in arrival order (for comparison).
     #[arg(long, env = "TESSERA_SCHEDULE", value_enum, default_value = "lanes")]
@@ -123,12 +157,8 @@ enum LogFormat {
 
 pub fn run(args: ServeArgs) -> Result<()> {
     init_logs(args.log_format);
-    let spec = open_model(args.model.as_deref())?;
+    let specs = model_specs(&args.model, args.served_model_name.as_deref())?;
     let config = ServerConfig {
-        served_model_name: args
-            .served_model_name
-            .clone()
-            .unwrap_or_else(|| default_name(args.model.as_deref())),
         api_key: args.api_key.clone(),
         allow_origins: args.allow_origin.clone(),
         allow_file_paths: args.allow_file_paths,
@@ -145,6 +175,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
             request_timeout: Duration::from_secs(args.request_timeout),
             max_sequences: args.max_sequences,
             context: args.context,
+            max_image_pixels: args.max_image_pixels,
+            max_image_steps: args.max_image_steps,
+            max_image_queue_mps: args.max_image_queue_mps,
+            max_image_batch: args.max_image_batch,
+            batch_images: !args.no_image_batching,
+            image_timeout: Duration::from_secs(args.image_timeout),
         },
         schedule: match args.schedule {
             ScheduleArg::Lanes => Schedule::Lanes,
@@ -152,17 +188,50 @@ pub fn run(args: ServeArgs) -> Result<()> {
         },
     };
     config.validate()?;
+    tessera_server::config::check_names(specs.iter().map(|(n, _)| n.as_str()))?;
+    let devices = model_devices(&args.model_device, &specs)?;
     if args.api_key.is_none() && !args.host.is_loopback() {
         tracing::warn!(host = %args.host, "serving beyond this machine without --api-key");
     }
-    if spec.is_bundled() {
-        tracing::warn!(
-            "serving the {} (random weights: for checking an install, not for use)",
-            spec.family.bundled_name()
-        );
+    let mut models = Vec::with_capacity(specs.len());
+    for (name, spec) in specs {
+        if spec.is_bundled() {
+            tracing::warn!(
+                model = %name,
+                "serving the {} (random weights: for checking an install, not for use)",
+                spec.family.bundled_name()
+            );
+        }
+        let device = match devices.iter().find(|(n, _)| *n == name) {
+            Some((_, d)) => args.device.with_device(d),
+            None => args.device.clone(),
+        };
+        models.push(ServedModel {
+            loader: loader(spec, device)?,
+            name,
+        });
     }
-    let device = args.device.clone();
-    let loader: ModelLoader = match spec.family.capability() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::backend("tokio", e))?;
+    runtime.block_on(async move {
+        let addr = SocketAddr::new(args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::input(format!("cannot listen on {addr}: {e}")))?;
+        tessera_server::serve(listener, config, models, shutdown_signal())
+            .await
+            .map_err(|e| match e {
+                tessera_server::ServeError::Config(e) => e,
+                other => Error::backend("serve", other),
+            })
+    })
+}
+
+/// How `spec` is loaded, on the device `device` opens, on its worker's thread.
+fn loader(spec: ModelSpec, device: DeviceArgs) -> Result<ModelLoader> {
+    Ok(match spec.family.capability() {
         Capability::Embed => {
             let files = model::embedding_model(&spec)?.0;
             let loader: tessera_server::Loader =
@@ -174,30 +243,77 @@ pub fn run(args: ServeArgs) -> Result<()> {
             let cfg = cfg.clone();
             tessera_server::chat::loader(files, cfg, move || device.open_for(&spec)).into()
         }
-        Capability::GenerateImage => {
-            return Err(Error::input(format!(
-                "{} is {} (text to image): `tessera serve` serves embedding and chat models; use `tessera generate` with it",
-                spec.label,
-                spec.family.name()
-            )));
-        }
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| Error::backend("tokio", e))?;
-    runtime.block_on(async move {
-        let addr = SocketAddr::new(args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|e| Error::input(format!("cannot listen on {addr}: {e}")))?;
-        tessera_server::serve(listener, config, loader, shutdown_signal())
-            .await
-            .map_err(|e| match e {
-                tessera_server::ServeError::Config(e) => e,
-                other => Error::backend("serve", other),
-            })
+        Capability::GenerateImage => ModelLoader::Image(Box::new(move || {
+            let mut backend = device.open_for(&spec)?;
+            // Requests batched together give the bytes they give alone (on a GPU, within the
+            // last bits: its product kernels are chosen by shape).
+            if let AnyBackend::Cpu(cpu) = &mut backend {
+                cpu.set_batch_invariant(true);
+            }
+            image::open(backend, &spec, None)
+        })),
     })
+}
+
+/// Each `--model` (the bundled embedding model when none) with its served name.
+fn model_specs(models: &[String], served_name: Option<&str>) -> Result<Vec<(String, ModelSpec)>> {
+    if models.len() > 1 && served_name.is_some() {
+        return Err(Error::input(
+            "--served-model-name names the one model served; with several --model, name each one with --model PATH=NAME",
+        ));
+    }
+    if models.is_empty() {
+        let name = served_name.map_or_else(|| default_name(None), str::to_string);
+        return Ok(vec![(name, open_model(None)?)]);
+    }
+    models
+        .iter()
+        .map(|m| {
+            let (path, name) = split_name(m);
+            let name = served_name
+                .map(str::to_string)
+                .or(name)
+                .unwrap_or_else(|| default_name(Some(path)));
+            Ok((name, open_model(Some(path))?))
+        })
+        .collect()
+}
+
+/// `PATH=NAME` into the path and the name; a value whose part after the last `=` looks like a
+/// path (it has a `/`) is a path as a whole.
+fn split_name(value: &str) -> (&str, Option<String>) {
+    match value.rsplit_once('=') {
+        Some((path, name)) if !path.is_empty() && !name.contains('/') => {
+            (path, Some(name.to_string()))
+        }
+        _ => (value, None),
+    }
+}
+
+/// `--model-device NAME=DEVICE` for served names only.
+fn model_devices(
+    values: &[String],
+    specs: &[(String, ModelSpec)],
+) -> Result<Vec<(String, String)>> {
+    values
+        .iter()
+        .map(|v| {
+            let (name, device) = v.split_once('=').ok_or_else(|| {
+                Error::input(format!(
+                    "--model-device {v:?}: expected NAME=DEVICE, e.g. z-image=cuda:1"
+                ))
+            })?;
+            if !specs.iter().any(|(n, _)| n == name) {
+                let names: Vec<&str> = specs.iter().map(|(n, _)| n.as_str()).collect();
+                return Err(Error::input(format!(
+                    "--model-device {v:?}: no model is served as {name:?} (served: {})",
+                    names.join(", ")
+                )));
+            }
+            device.parse::<tessera_backend::DeviceRequest>()?;
+            Ok((name.to_string(), device.to_string()))
+        })
+        .collect()
 }
 
 /// The model `--model` names: a bundled miniature (`bundled:NAME`), a folder or a cached repo
@@ -211,7 +327,7 @@ fn open_model(spec: Option<&str>) -> Result<ModelSpec> {
         Some(&(_, family)) => ModelSpec::bundled(family),
         None => Err(Error::input(format!(
             "--model {name:?}: the bundled models are {}",
-            BUNDLED.map(|(n, _)| n).join(" and ")
+            BUNDLED.map(|(n, _)| n).join(", ")
         ))),
     }
 }
@@ -286,9 +402,42 @@ mod tests {
         let embed = super::open_model(None).unwrap();
         assert_eq!(embed.family.capability(), Capability::Embed);
         assert!(super::open_model(Some("bundled:egemma2-mini")).is_ok());
-        let e = super::open_model(Some("bundled:zimage"))
+        let image = super::open_model(Some("bundled:zimage")).unwrap();
+        assert_eq!(image.family.capability(), Capability::GenerateImage);
+        let e = super::open_model(Some("bundled:qwen"))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("bundled:lfm2vl"), "{e}");
+        assert!(e.contains("bundled:zimage"), "{e}");
+    }
+
+    #[test]
+    fn several_models_each_with_a_name() {
+        use super::{model_devices, model_specs, split_name};
+        assert_eq!(split_name("./z-image=z"), ("./z-image", Some("z".into())));
+        assert_eq!(split_name("/a=b/c"), ("/a=b/c", None));
+        assert_eq!(split_name("bundled:zimage"), ("bundled:zimage", None));
+        let specs = model_specs(
+            &["bundled:zimage=painter".into(), "bundled:egemma2".into()],
+            None,
+        )
+        .unwrap();
+        let names: Vec<&str> = specs.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["painter", "egemma2-mini"]);
+        let e = model_specs(
+            &["bundled:zimage".into(), "bundled:egemma2".into()],
+            Some("x"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("PATH=NAME"), "{e}");
+        let one = model_specs(&[], Some("emb")).unwrap();
+        assert_eq!(one[0].0, "emb");
+        assert!(model_devices(&["painter=cpu".into()], &specs).is_ok());
+        let e = model_devices(&["nobody=cpu".into()], &specs)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("painter, egemma2-mini"), "{e}");
+        assert!(model_devices(&["painter".into()], &specs).is_err());
+        assert!(model_devices(&["painter=gpu7".into()], &specs).is_err());
     }
 }

@@ -267,7 +267,10 @@ pub fn fit_affine(
 /// Solve `G · C = R` for `C` (`G` `k × k`, `R` and `C` `k × m`) by Gaussian elimination with
 /// partial pivoting; `G` and `R` are overwritten.
 fn solve(g: &mut [f64], r: &mut [f64], k: usize, m: usize) -> Result<Vec<f64>> {
-    let scale = g.iter().fold(0f64, |a, v| a.max(v.abs())).max(f64::MIN_POSITIVE);
+    let scale = g
+        .iter()
+        .fold(0f64, |a, v| a.max(v.abs()))
+        .max(f64::MIN_POSITIVE);
     for col in 0..k {
         let pivot = (col..k)
             .max_by(|&a, &b| g[a * k + col].abs().total_cmp(&g[b * k + col].abs()))

@@ -88,7 +88,8 @@ impl<B: Backend> GenerateImage for ZImage<B> {
         Ok(self.summary(req, &plan))
     }
     fn generate(&mut self, req: &Request, on: &mut Progress<'_>) -> Result<Vec<Image>> {
-        let mut results = ZImage::generate_batch(self, std::slice::from_ref(req), &mut |_, e| on(e));
+        let mut results =
+            ZImage::generate_batch(self, std::slice::from_ref(req), &mut |_, e| on(e));
         results
             .pop()
             .unwrap_or_else(|| Err(Error::input("no image was made")))

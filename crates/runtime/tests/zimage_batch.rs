@@ -66,7 +66,10 @@ fn a_batch_of_different_requests_gives_each_its_own_images() {
         assert_eq!(got.len(), r.num_images);
         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!((g.width, g.height), (r.width, r.height));
-            assert!(g.pixels == w.pixels, "request {i}, image {k}: batched differs from alone");
+            assert!(
+                g.pixels == w.pixels,
+                "request {i}, image {k}: batched differs from alone"
+            );
         }
     }
     // The images differ between requests and seeds (the comparison above is not vacuous).
@@ -184,7 +187,10 @@ fn the_preview_map_tracks_the_decoded_image() {
         .unwrap()
         .remove(0);
     let preview = p.image(&last, r.width, r.height).unwrap();
-    assert_eq!((preview.width, preview.height, preview.channels), (16, 16, 3));
+    assert_eq!(
+        (preview.width, preview.height, preview.channels),
+        (16, 16, 3)
+    );
     // The image averaged over each 8×8 block, the preview's resolution.
     let mut blocks = vec![0f64; 16 * 16 * 3];
     for y in 0..128 {

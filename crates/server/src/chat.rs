@@ -105,6 +105,8 @@ pub struct ChatQueue {
     waiting: Mutex<Waiting>,
     ready: Condvar,
     metrics: Arc<Metrics>,
+    /// The served model's name, for the depth metrics.
+    model: String,
 }
 
 #[derive(Default)]
@@ -114,11 +116,12 @@ struct Waiting {
 }
 
 impl ChatQueue {
-    pub fn new(metrics: Arc<Metrics>) -> Self {
+    pub fn new(metrics: Arc<Metrics>, model: &str) -> Self {
         ChatQueue {
             waiting: Mutex::new(Waiting::default()),
             ready: Condvar::new(),
             metrics,
+            model: model.to_string(),
         }
     }
 
@@ -133,7 +136,7 @@ impl ChatQueue {
             return Err(Closed);
         }
         w.jobs.push_back(job);
-        self.metrics.chat_queue_depth(w.jobs.len());
+        self.metrics.chat_queue_depth(&self.model, w.jobs.len());
         drop(w);
         self.ready.notify_one();
         Ok(())
@@ -156,11 +159,11 @@ impl ChatQueue {
             if !wait || !w.jobs.is_empty() {
                 let n = max.min(w.jobs.len());
                 let jobs: Vec<Job> = w.jobs.drain(..n).collect();
-                self.metrics.chat_queue_depth(w.jobs.len());
+                self.metrics.chat_queue_depth(&self.model, w.jobs.len());
                 return Some(jobs);
             }
             if w.closed {
-                self.metrics.chat_queue_depth(0);
+                self.metrics.chat_queue_depth(&self.model, 0);
                 return None;
             }
             w = self.ready.wait(w).unwrap_or_else(|p| p.into_inner());
@@ -399,7 +402,7 @@ mod tests {
 
     #[test]
     fn the_queue_gives_at_most_the_free_slots_in_order_and_skips_the_gone() {
-        let q = ChatQueue::new(Arc::new(Metrics::new()));
+        let q = ChatQueue::new(Arc::new(Metrics::new()), "m");
         let (a, _ra) = job(1);
         let (gone, rg) = job(2);
         let (b, _rb) = job(3);

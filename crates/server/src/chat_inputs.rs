@@ -181,7 +181,7 @@ fn asks(v: &Value) -> bool {
 }
 
 /// The sampler's seed: the request's (any integer), or a fresh one.
-fn seed(v: Option<&Value>) -> Result<u64, ApiError> {
+pub(crate) fn seed(v: Option<&Value>) -> Result<u64, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(random_u64()),
         Some(v) => v

@@ -4,11 +4,10 @@ use std::time::Duration;
 
 use tessera_core::{Error, Result};
 
-/// Everything `tessera serve` decides at start; checked once by [`ServerConfig::validate`].
+/// Everything `tessera serve` decides at start but the models; checked once by
+/// [`ServerConfig::validate`].
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    /// The id clients put in `model` (and the prefix of `id:prompt` names).
-    pub served_model_name: String,
     /// Bearer token required on every route but `/health`; `None` leaves the API open.
     pub api_key: Option<String>,
     /// Origins allowed by CORS (`*` for any); empty means no CORS headers.
@@ -51,7 +50,28 @@ pub struct Limits {
     /// Chat: the most tokens of one conversation (prompt and reply); capped at the model's
     /// limit.
     pub context: usize,
+    /// Images: the most pixels of one image, width × height (400 above it).
+    pub max_image_pixels: usize,
+    /// Images: the most denoising steps a request may ask for (400 above it).
+    pub max_image_steps: usize,
+    /// Images: what the requests admitted at once may cost together, in megapixel-steps
+    /// (width × height × steps × n / 2²⁰; 429 beyond it, 413 for one request that could never
+    /// fit). Bounds the queue by the work it holds rather than by its length.
+    pub max_image_queue_mps: usize,
+    /// Images: the most images put through the denoiser together (a batch of requests of one
+    /// size and step count; a request of more images than this runs alone).
+    pub max_image_batch: usize,
+    /// Images: whether requests of one size and step count that wait together share denoiser
+    /// forwards (off: one request at a time, for comparison).
+    pub batch_images: bool,
+    /// Images: time from a request's arrival to its last image before it fails with 504 and
+    /// its generation stops at the next step.
+    pub image_timeout: Duration,
 }
+
+/// Cost units of the image queue per megapixel-step: a unit is 2¹⁶ pixel-steps, so that small
+/// requests still count.
+pub const COST_UNITS_PER_MPS: usize = 16;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -68,6 +88,12 @@ impl Default for Limits {
             request_timeout: Duration::from_secs(60),
             max_sequences: 8,
             context: 8192,
+            max_image_pixels: 2 << 20,
+            max_image_steps: 100,
+            max_image_queue_mps: 512,
+            max_image_batch: 8,
+            batch_images: true,
+            image_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -96,6 +122,10 @@ impl ServerConfig {
             ("--max-image-memory-mb", l.max_image_memory_mb),
             ("--max-batch-images", l.max_batch_images),
             ("--max-sequences", l.max_sequences),
+            ("--max-image-pixels", l.max_image_pixels),
+            ("--max-image-steps", l.max_image_steps),
+            ("--max-image-queue-mps", l.max_image_queue_mps),
+            ("--max-image-batch", l.max_image_batch),
         ];
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(Error::input(format!("{flag} must be at least 1")));
@@ -122,10 +152,13 @@ impl ServerConfig {
         if l.body_timeout.is_zero() {
             return Err(Error::input("--body-timeout must be at least 1 second"));
         }
-        if self.served_model_name.is_empty() || self.served_model_name.contains(':') {
+        if l.image_timeout.is_zero() {
+            return Err(Error::input("--image-timeout must be at least 1 second"));
+        }
+        if l.max_image_queue_mps > usize::MAX / 16 / COST_UNITS_PER_MPS {
             return Err(Error::input(format!(
-                "--served-model-name {:?} must be non-empty and without ':' (the prompt separator)",
-                self.served_model_name
+                "--max-image-queue-mps {} is too large",
+                l.max_image_queue_mps
             )));
         }
         if self.api_key.as_deref() == Some("") {
@@ -135,13 +168,34 @@ impl ServerConfig {
     }
 }
 
+/// Refuse a served name clients could not use: empty, with ':' (the prompt separator of
+/// embedding models), or given twice.
+pub fn check_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for name in names {
+        if name.is_empty() || name.contains(':') || name.chars().any(char::is_whitespace) {
+            return Err(Error::input(format!(
+                "the served model name {name:?} must be non-empty, without ':' (the prompt separator) and without spaces"
+            )));
+        }
+        if !seen.insert(name) {
+            return Err(Error::input(format!(
+                "two models are served as {name:?}: give each --model its own name (--model PATH=NAME)"
+            )));
+        }
+    }
+    if seen.is_empty() {
+        return Err(Error::input("the server needs at least one model"));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn config() -> ServerConfig {
         ServerConfig {
-            served_model_name: "m".into(),
             api_key: None,
             allow_origins: vec![],
             allow_file_paths: false,
@@ -166,7 +220,18 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("--max-batch-tokens 100"), "{e}");
         let mut c = config();
-        c.served_model_name = "a:b".into();
-        assert!(c.validate().is_err());
+        c.limits.max_image_pixels = 0;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("--max-image-pixels"), "{e}");
+    }
+
+    #[test]
+    fn served_names_must_be_usable_and_distinct() {
+        assert!(check_names(["a", "b-2"]).is_ok());
+        for bad in [vec!["a:b"], vec![""], vec!["a b"], vec![]] {
+            assert!(check_names(bad.clone()).is_err(), "{bad:?}");
+        }
+        let e = check_names(["m", "m"]).unwrap_err().to_string();
+        assert!(e.contains("two models are served as \"m\""), "{e}");
     }
 }

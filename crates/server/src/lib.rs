@@ -1,22 +1,31 @@
-//! `tessera serve`: an OpenAI-compatible server for one model: embeddings (EmbeddingGemma 2,
-//! `/v1/embeddings`) or chat (LFM2-VL, `/v1/chat/completions`), as the loader given to [`serve`]
-//! decides; the route of the other kind answers 400.
+//! `tessera serve`: an OpenAI-compatible server for one or several models at once: embeddings
+//! (EmbeddingGemma 2, `/v1/embeddings`), chat (LFM2-VL, `/v1/chat/completions`) and image
+//! generation (Z-Image and any `GenerateImage` family, `/v1/images/generations`). Each request is
+//! routed by its `model` field to the model of that name; a model of another route answers 400
+//! saying which models serve which route.
 //!
 //! Layers, from the socket in:
-//! - [`http`]: axum routes, OpenAI-shaped errors, the API key and CORS; `POST /v1/embeddings`
-//!   receives the whole body first (JSON only, within `--body-timeout`, a few bodies per client
-//!   at a time), then takes a request slot (`--max-queue`, else 429), then checks the inputs and
-//!   decodes and preprocesses the images off the async threads ([`inputs`]) before anything is
-//!   queued;
-//! - [`queue`]: text and image lanes, batches under a token and an image budget, generic over
-//!   the job type;
-//! - [`worker`]: one thread that loads and owns the model and runs the batches, generic over
-//!   what runs them ([`worker::Runner`]);
+//! - [`http`]: axum routes, OpenAI-shaped errors, the API key and CORS; a request's body is
+//!   received whole first (JSON only, within `--body-timeout`, a few bodies per client at a
+//!   time), then routed to its model, which must be loaded, then takes one of that model's
+//!   request slots (`--max-queue`, else 429); its inputs are checked (images decoded, prompts
+//!   built, generation requests checked by the model's own rules) off the async threads before
+//!   anything is queued;
+//! - [`model`]: the served models as the HTTP side sees them (name, route, queue, limits) and
+//!   the routing by `model`;
+//! - [`queue`]: lanes and size-aware batches, generic over the job type;
+//! - [`worker`]: one thread per model that loads and owns it and runs its batches, generic over
+//!   what runs them ([`worker::Runner`]). Models do not wait for each other: each has its own
+//!   thread and queue, and on a GPU its own CUDA stream, so a short embedding request runs while
+//!   a long generation is under way (the device interleaves their kernels);
 //! - [`embeddings`]: the embeddings job and its runner, which retries a failed merged batch
 //!   request by request;
 //! - [`chat_inputs`] and [`chat`]: a chat request checked and its prompt built before it is
 //!   queued, then the device worker's step loop with continuous batching (sequences join and
 //!   leave between steps, bounded by the cache slots, `--max-sequences`);
+//! - [`images`]: the generation job and its runner: requests of one size and step count that
+//!   wait together share denoiser forwards, progress and previews go back after each step, and a
+//!   request whose client is gone stops at the next step;
 //! - [`metrics`]: Prometheus counters and histograms.
 //!
 //! [`serve`] runs it all on a bound listener, so tests start it on port 0.
@@ -26,6 +35,7 @@ pub mod chat_inputs;
 pub mod config;
 pub mod embeddings;
 pub mod http;
+pub mod images;
 pub mod inputs;
 pub mod metrics;
 pub mod model;
@@ -35,24 +45,39 @@ pub mod worker;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub use chat::{ChatLoader, ChatModel};
 pub use config::{Limits, Schedule, ServerConfig};
 pub use embeddings::Loader;
+pub use images::ImageLoader;
 
 use chat::ChatQueue;
+use config::COST_UNITS_PER_MPS;
 use http::AppState;
 use metrics::Metrics;
-use model::Served;
+use model::{ModelQueue, ModelSlot, Models, Route, Served};
 use queue::Queue;
+use tokio::sync::Semaphore;
 
-/// The model a server loads, which decides what it serves.
+/// A model a server loads, which decides what it serves.
 pub enum ModelLoader {
     /// An embedding model: `/v1/embeddings`.
     Embed(Loader),
     /// A chat model: `/v1/chat/completions`.
     Chat(ChatLoader),
+    /// A text-to-image model: `/v1/images/generations`.
+    Image(ImageLoader),
+}
+
+impl ModelLoader {
+    pub fn route(&self) -> Route {
+        match self {
+            ModelLoader::Embed(_) => Route::Embeddings,
+            ModelLoader::Chat(_) => Route::Chat,
+            ModelLoader::Image(_) => Route::Images,
+        }
+    }
 }
 
 impl From<Loader> for ModelLoader {
@@ -67,12 +92,39 @@ impl From<ChatLoader> for ModelLoader {
     }
 }
 
+/// A model to serve under a name (the id clients send as `model`).
+pub struct ServedModel {
+    pub name: String,
+    pub loader: ModelLoader,
+}
+
+impl ServedModel {
+    pub fn new(name: impl Into<String>, loader: impl Into<ModelLoader>) -> Self {
+        ServedModel {
+            name: name.into(),
+            loader: loader.into(),
+        }
+    }
+
+    /// A text-to-image model.
+    pub fn image(name: impl Into<String>, loader: ImageLoader) -> Self {
+        ServedModel {
+            name: name.into(),
+            loader: ModelLoader::Image(loader),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error(transparent)]
     Config(#[from] tessera_core::Error),
-    #[error("loading the model: {0}")]
-    Load(tessera_core::Error),
+    #[error("loading the model {model:?}: {source}")]
+    Load {
+        model: String,
+        #[source]
+        source: tessera_core::Error,
+    },
     #[error("{what}: {source}")]
     Io {
         what: &'static str,
@@ -81,70 +133,121 @@ pub enum ServeError {
     },
 }
 
-/// Serve on `listener` until `shutdown` completes, then finish the requests in flight and stop.
+/// Serve `models` on `listener` until `shutdown` completes, then finish the requests in flight
+/// and stop.
 ///
-/// The model is loaded by `loader` on the device worker's thread while the listener already
-/// answers (`/health` says `loading`, embeddings get 503). A failed load stops the server and
-/// is returned.
+/// Each model is loaded by its loader on its own device worker's thread, all at once, while the
+/// listener already answers (`/health` says `loading` until every model is loaded; a model's
+/// requests get 503 until it is). A failed load stops the server and is returned.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     config: ServerConfig,
-    loader: impl Into<ModelLoader>,
+    models: Vec<ServedModel>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     config.validate()?;
+    config::check_names(models.iter().map(|m| m.name.as_str()))?;
     let metrics = Arc::new(Metrics::new());
-    let queue = Arc::new(Queue::new(config.schedule, &config.limits, metrics.clone()));
-    let chat_queue = Arc::new(ChatQueue::new(metrics.clone()));
-    let name = config.served_model_name.clone();
     let limits = &config.limits;
-    let (spawned, slots) = match loader.into() {
-        ModelLoader::Embed(loader) => {
-            let load = embeddings::load(name, loader, limits, metrics.clone());
-            let load: worker::Load<_, Served> = Box::new(move || {
-                load().map(|(runner, info)| (runner, Served::Embed(Arc::new(info))))
-            });
-            (worker::spawn(load, queue.clone()), limits.max_queue)
-        }
-        ModelLoader::Chat(loader) => {
-            let load = chat::load(name, loader, limits);
-            let (q, m) = (chat_queue.clone(), metrics.clone());
-            let spawned = worker::spawn_with(load, move |model| chat::drive(model, q, m));
-            (
-                spawned,
-                limits.max_queue.saturating_add(limits.max_sequences),
-            )
-        }
-    };
-    let (worker, loaded) = spawned.map_err(|source| ServeError::Io {
-        what: "starting the device worker",
-        source,
-    })?;
-    let app = AppState::new(config, queue.clone(), chat_queue.clone(), slots, metrics);
+    let mut slots = Vec::with_capacity(models.len());
+    let mut workers = Vec::with_capacity(models.len());
+    let mut loads = Vec::with_capacity(models.len());
+    for ServedModel { name, loader } in models {
+        let route = loader.route();
+        let spawn_failed = |source| ServeError::Io {
+            what: "starting a device worker",
+            source,
+        };
+        let (queue, (worker, loaded), admitted, cost) = match loader {
+            ModelLoader::Embed(loader) => {
+                let queue =
+                    Arc::new(Queue::new(config.schedule, limits, metrics.clone()).for_model(&name));
+                let load = embeddings::load(name.clone(), loader, limits, metrics.clone());
+                let load: worker::Load<_, Served> = Box::new(move || {
+                    load().map(|(runner, info)| (runner, Served::Embed(Arc::new(info))))
+                });
+                let spawned = worker::spawn(load, queue.clone()).map_err(spawn_failed)?;
+                (ModelQueue::Embed(queue), spawned, limits.max_queue, None)
+            }
+            ModelLoader::Chat(loader) => {
+                let queue = Arc::new(ChatQueue::new(metrics.clone(), &name));
+                let load = chat::load(name.clone(), loader, limits);
+                let (q, m) = (queue.clone(), metrics.clone());
+                let spawned = worker::spawn_with(load, move |model| chat::drive(model, q, m))
+                    .map_err(spawn_failed)?;
+                let admitted = limits.max_queue.saturating_add(limits.max_sequences);
+                (ModelQueue::Chat(queue), spawned, admitted, None)
+            }
+            ModelLoader::Image(loader) => {
+                let queue = Arc::new(
+                    Queue::generations(limits.max_image_batch, metrics.clone()).for_model(&name),
+                );
+                let load = images::load(name.clone(), loader, limits, metrics.clone());
+                let spawned = worker::spawn(load, queue.clone()).map_err(spawn_failed)?;
+                let budget = limits.max_image_queue_mps * COST_UNITS_PER_MPS;
+                (
+                    ModelQueue::Image(queue),
+                    spawned,
+                    limits.max_queue,
+                    Some(Arc::new(Semaphore::new(budget))),
+                )
+            }
+        };
+        let slot = Arc::new(ModelSlot {
+            name,
+            route,
+            served: OnceLock::new(),
+            queue,
+            slots: Arc::new(Semaphore::new(admitted)),
+            cost,
+        });
+        slots.push(slot.clone());
+        workers.push((slot.name.clone(), worker));
+        loads.push((slot, loaded));
+    }
+    let app = AppState::new(config, Models(slots), metrics);
     let router = http::router(app.clone())?;
     if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, model = %app.config.served_model_name, "listening; loading the model");
+        tracing::info!(%addr, models = %app.models.listing(), "listening; loading the models");
     }
 
+    // Each model is set as soon as it is loaded; the first failure stops the server.
+    let (failed, mut failures) = tokio::sync::mpsc::unbounded_channel::<ServeError>();
+    for (slot, loaded) in loads {
+        let (failed, app) = (failed.clone(), app.clone());
+        tokio::spawn(async move {
+            let model = slot.name.clone();
+            match loaded.await {
+                Ok(Ok(served)) => {
+                    tracing::info!(model = %model, device = %served.device(), capability = slot.route.capability(), "ready");
+                    let _ = slot.served.set(served);
+                    if app.models.all_loaded() {
+                        tracing::info!("every model is loaded");
+                    }
+                }
+                Ok(Err(source)) => {
+                    let _ = failed.send(ServeError::Load { model, source });
+                }
+                Err(_) => {
+                    let _ = failed.send(ServeError::Load {
+                        model,
+                        source: tessera_core::Error::backend(
+                            "load",
+                            "the device worker stopped while loading",
+                        ),
+                    });
+                }
+            }
+        });
+    }
+    drop(failed);
     let load_error = Arc::new(Mutex::new(None));
     let signal = {
         let (app, load_error) = (app.clone(), load_error.clone());
         async move {
-            tokio::pin!(shutdown);
             tokio::select! {
-                () = &mut shutdown => {}
-                loaded = loaded => match loaded {
-                    Ok(Ok(served)) => {
-                        tracing::info!(device = %served.device(), capability = served.capability(), "ready");
-                        let _ = app.model.set(served);
-                        shutdown.await;
-                    }
-                    Ok(Err(e)) => set(&load_error, e),
-                    Err(_) => set(
-                        &load_error,
-                        tessera_core::Error::backend("load", "the device worker stopped while loading"),
-                    ),
-                },
+                () = shutdown => {}
+                Some(e) = failures.recv() => set(&load_error, e),
             }
             app.stopping.store(true, Ordering::Relaxed);
             tracing::info!("shutting down: finishing the requests in flight");
@@ -155,11 +258,14 @@ pub async fn serve(
     let served = axum::serve(listener, service)
         .with_graceful_shutdown(signal)
         .await;
-    queue.close();
-    chat_queue.close();
-    let joined = tokio::task::spawn_blocking(move || worker.join()).await;
-    if !matches!(joined, Ok(Ok(()))) {
-        tracing::error!("the device worker panicked");
+    for m in &app.models.0 {
+        m.queue.close();
+    }
+    for (name, worker) in workers {
+        let joined = tokio::task::spawn_blocking(move || worker.join()).await;
+        if !matches!(joined, Ok(Ok(()))) {
+            tracing::error!(model = %name, "the device worker panicked");
+        }
     }
     served.map_err(|source| ServeError::Io {
         what: "serving HTTP",
@@ -167,7 +273,7 @@ pub async fn serve(
     })?;
     let load_error = load_error.lock().unwrap_or_else(|p| p.into_inner()).take();
     match load_error {
-        Some(e) => Err(ServeError::Load(e)),
+        Some(e) => Err(e),
         None => {
             tracing::info!("stopped");
             Ok(())
@@ -175,6 +281,6 @@ pub async fn serve(
     }
 }
 
-fn set(slot: &Mutex<Option<tessera_core::Error>>, e: tessera_core::Error) {
+fn set(slot: &Mutex<Option<ServeError>>, e: ServeError) {
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
 }

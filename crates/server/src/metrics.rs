@@ -5,7 +5,13 @@
 //! latencies as histograms with geometric buckets. Chat adds its own lane (`chat`) to the queue
 //! depth, queue-wait and request histograms, and: replies by how they ended, prompt and
 //! generated tokens, replies running, time to first token, each reply's decode speed, and each
-//! step's sequences and duration.
+//! step's sequences and duration. Image generation adds: images generated and requests by how
+//! they ended, per model; the duration of each denoising step and the images of each batch, per
+//! model; its own lane (`generation`) in the queue-wait and request histograms. Queue depths are
+//! kept per model and lane (`model_queue_depth`) and summed per lane (`queue_depth`).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -35,15 +41,41 @@ struct FinishLabels {
     finish: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelLaneLabels {
+    model: String,
+    lane: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelLabels {
+    model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    model: String,
+    /// `done`, `cancelled` (the client went away or its time ran out) or `failed`.
+    outcome: &'static str,
+}
+
 /// The lane label of chat requests.
 const CHAT: LaneLabels = LaneLabels { lane: "chat" };
 
 type Histograms = Family<LaneLabels, Histogram, fn() -> Histogram>;
+type ModelHistograms = Family<ModelLabels, Histogram, fn() -> Histogram>;
 
 pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     queue_depth: Family<LaneLabels, Gauge>,
+    model_queue_depth: Family<ModelLaneLabels, Gauge>,
+    /// Each model's depth per lane, summed into `queue_depth`.
+    depths: Mutex<HashMap<(String, &'static str), usize>>,
+    images_generated: Family<ModelLabels, Counter>,
+    image_requests: Family<OutcomeLabels, Counter>,
+    image_step_seconds: ModelHistograms,
+    image_batch_images: ModelHistograms,
     batch_inputs: Histograms,
     batch_tokens: Histograms,
     tokens: Counter,
@@ -87,6 +119,12 @@ impl Metrics {
             registry: Registry::with_prefix("tessera"),
             requests: Family::default(),
             queue_depth: Family::default(),
+            model_queue_depth: Family::default(),
+            depths: Mutex::new(HashMap::new()),
+            images_generated: Family::default(),
+            image_requests: Family::default(),
+            image_step_seconds: Family::new_with_constructor(seconds),
+            image_batch_images: Family::new_with_constructor(sizes),
             batch_inputs: Family::new_with_constructor(sizes),
             batch_tokens: Family::new_with_constructor(sizes),
             tokens: Counter::default(),
@@ -117,6 +155,31 @@ impl Metrics {
             "queue_depth",
             "Requests waiting for the device, per lane",
             self.queue_depth.clone(),
+        );
+        r.register(
+            "model_queue_depth",
+            "Requests waiting for the device, per model and lane",
+            self.model_queue_depth.clone(),
+        );
+        r.register(
+            "images_generated",
+            "Images generated, per model",
+            self.images_generated.clone(),
+        );
+        r.register(
+            "image_requests",
+            "Image generation requests by how they ended (done, cancelled, failed), per model",
+            self.image_requests.clone(),
+        );
+        r.register(
+            "image_step_duration_seconds",
+            "Device time of one denoising step of a batch, per model",
+            self.image_step_seconds.clone(),
+        );
+        r.register(
+            "image_batch_images",
+            "Images denoised together in one batch, per model",
+            self.image_batch_images.clone(),
         );
         r.register(
             "batch_inputs",
@@ -197,10 +260,30 @@ impl Metrics {
             .inc();
     }
 
-    pub fn queue_depth(&self, lane: Lane, depth: usize) {
+    /// `model`'s queue holds `depth` requests in `lane`.
+    pub fn queue_depth(&self, model: &str, lane: Lane, depth: usize) {
+        self.depth(model, lane.label(), depth);
+    }
+
+    fn depth(&self, model: &str, label: &'static str, depth: usize) {
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.model_queue_depth
+            .get_or_create(&ModelLaneLabels {
+                model: model.to_string(),
+                lane: label,
+            })
+            .set(gauge(depth));
+        // Every change is one insert and a sum: a poisoned lock is still consistent.
+        let mut depths = self.depths.lock().unwrap_or_else(|p| p.into_inner());
+        depths.insert((model.to_string(), label), depth);
+        let total: usize = depths
+            .iter()
+            .filter(|((_, l), _)| *l == label)
+            .map(|(_, d)| d)
+            .sum();
         self.queue_depth
-            .get_or_create(&lanes(lane))
-            .set(i64::try_from(depth).unwrap_or(i64::MAX));
+            .get_or_create(&LaneLabels { lane: label })
+            .set(gauge(total));
     }
 
     pub fn batch(&self, lane: Lane, inputs: usize, tokens: usize, seconds: f64) {
@@ -223,10 +306,8 @@ impl Metrics {
             .observe(seconds);
     }
 
-    pub fn chat_queue_depth(&self, depth: usize) {
-        self.queue_depth
-            .get_or_create(&CHAT)
-            .set(i64::try_from(depth).unwrap_or(i64::MAX));
+    pub fn chat_queue_depth(&self, model: &str, depth: usize) {
+        self.depth(model, CHAT.lane, depth);
     }
 
     pub fn chat_waited(&self, seconds: f64) {
@@ -268,6 +349,45 @@ impl Metrics {
         self.request_seconds
             .get_or_create(&CHAT)
             .observe(request_seconds);
+    }
+
+    /// A batch of `images` images began denoising.
+    pub fn image_batch(&self, model: &str, images: usize) {
+        self.image_batch_images
+            .get_or_create(&ModelLabels {
+                model: model.to_string(),
+            })
+            .observe(images as f64);
+    }
+
+    /// One denoising step of a batch took `seconds`.
+    pub fn image_step(&self, model: &str, seconds: f64) {
+        self.image_step_seconds
+            .get_or_create(&ModelLabels {
+                model: model.to_string(),
+            })
+            .observe(seconds);
+    }
+
+    /// A generation request ended (`outcome`: done, cancelled, failed) with `images` images,
+    /// `seconds` after it arrived.
+    pub fn image_request(&self, model: &str, outcome: &'static str, images: usize, seconds: f64) {
+        self.image_requests
+            .get_or_create(&OutcomeLabels {
+                model: model.to_string(),
+                outcome,
+            })
+            .inc();
+        if images > 0 {
+            self.images_generated
+                .get_or_create(&ModelLabels {
+                    model: model.to_string(),
+                })
+                .inc_by(images as u64);
+        }
+        self.request_seconds
+            .get_or_create(&lanes(Lane::Generation))
+            .observe(seconds);
     }
 
     /// The OpenMetrics text.

@@ -22,8 +22,12 @@ pub const TEXT_TURNS: usize = 4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Lane {
+    /// Embeddings of text only.
     Text,
+    /// Embeddings with images.
     Image,
+    /// Image generations (a queue of their own, one lane).
+    Generation,
 }
 
 impl Lane {
@@ -31,6 +35,7 @@ impl Lane {
         match self {
             Lane::Text => "text",
             Lane::Image => "image",
+            Lane::Generation => "generation",
         }
     }
 }
@@ -69,6 +74,8 @@ pub trait Job: Send + 'static {
     fn joins(&self, head: &Self) -> bool;
     /// Whether its client is gone (timed out, disconnected): it gets no device time.
     fn abandoned(&self) -> bool;
+    /// Called when the queue drops it as abandoned, before it ran (for the metrics).
+    fn dropped(&self) {}
 }
 
 /// Jobs the worker runs as one model call.
@@ -108,6 +115,10 @@ pub struct Queue<J> {
     schedule: Schedule,
     budget: Cost,
     metrics: Arc<Metrics>,
+    /// The served model's name, for the depth metrics.
+    model: String,
+    /// The lanes whose depth is reported.
+    reported: &'static [Lane],
 }
 
 /// The queue was closed: the server is stopping.
@@ -125,7 +136,28 @@ impl<J: Job> Queue<J> {
                 images: limits.max_batch_images,
             },
             metrics,
+            model: String::new(),
+            reported: &[Lane::Text, Lane::Image],
         }
+    }
+
+    /// The queue of image generations: one lane, batches of at most `images` images.
+    pub fn generations(images: usize, metrics: Arc<Metrics>) -> Self {
+        Queue {
+            lanes: Mutex::new(Lanes::default()),
+            ready: Condvar::new(),
+            schedule: Schedule::Lanes,
+            budget: Cost { tokens: 0, images },
+            metrics,
+            model: String::new(),
+            reported: &[Lane::Generation],
+        }
+    }
+
+    /// The served model's name, for the depth metrics.
+    pub fn for_model(mut self, name: &str) -> Self {
+        self.model = name.to_string();
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, Lanes<J>> {
@@ -145,7 +177,7 @@ impl<J: Job> Queue<J> {
         };
         match lane {
             Lane::Text => lanes.text.push_back(job),
-            Lane::Image => lanes.image.push_back(job),
+            Lane::Image | Lane::Generation => lanes.image.push_back(job),
         }
         self.update_depth(&lanes);
         drop(lanes);
@@ -183,7 +215,7 @@ impl<J: Job> Queue<J> {
                 };
                 let deque = match lane {
                     Lane::Text => &mut lanes.text,
-                    Lane::Image => &mut lanes.image,
+                    Lane::Image | Lane::Generation => &mut lanes.image,
                 };
                 let batch = take_batch(deque, self.budget);
                 self.update_depth(&lanes);
@@ -197,14 +229,25 @@ impl<J: Job> Queue<J> {
     }
 
     fn update_depth(&self, lanes: &Lanes<J>) {
-        self.metrics.queue_depth(Lane::Text, lanes.text.len());
-        self.metrics.queue_depth(Lane::Image, lanes.image.len());
+        for &lane in self.reported {
+            let depth = match lane {
+                Lane::Text => lanes.text.len(),
+                Lane::Image | Lane::Generation => lanes.image.len(),
+            };
+            self.metrics.queue_depth(&self.model, lane, depth);
+        }
     }
 }
 
 /// Forget jobs whose client is gone (timed out or disconnected): no device time for them.
 fn drop_abandoned<J: Job>(deque: &mut VecDeque<J>) {
-    deque.retain(|j| !j.abandoned());
+    deque.retain(|j| {
+        let gone = j.abandoned();
+        if gone {
+            j.dropped();
+        }
+        !gone
+    });
 }
 
 /// The head job and every later job that joins it and still fits the budget (a job larger than

@@ -1,6 +1,7 @@
 //! The official `openai` Python client against the running server: embeddings (one text and one
-//! image request, crates/server/tests/openai_client.py) and chat (an image question, whole and
-//! streamed, crates/server/tests/openai_chat_client.py). The client comes from the virtual
+//! image request, crates/server/tests/openai_client.py), chat (an image question, whole and
+//! streamed, crates/server/tests/openai_chat_client.py) and image generation (PNGs of the size
+//! asked, n = 2, seeds, streaming, errors: crates/server/tests/openai_images_client.py). The client comes from the virtual
 //! environment `tools/test` creates in `target/py`; without it these tests fail, they never skip.
 
 mod common;
@@ -48,6 +49,26 @@ async fn the_official_openai_client_embeds_text_and_images() {
     cfg.api_key = Some("test-key".into());
     let s = Server::start(cfg).await;
     run_script("openai_client.py", vec![s.url.clone(), "test-key".into()]).await;
+    s.stop().await.unwrap();
+}
+
+/// The client's `images.generate` against the bundled Z-Image (served beside the bundled
+/// embedding model, as a server of several models does).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_official_openai_client_generates_images() {
+    let mut cfg = config();
+    cfg.api_key = Some("test-key".into());
+    let s = Server::start_models(
+        cfg,
+        vec![
+            tessera_server::ServedModel::new(common::NAME, common::bundled()),
+            tessera_server::ServedModel::image(common::IMAGE_NAME, common::image_bundled()),
+        ],
+    )
+    .await;
+    s.wait_ready().await;
+    let args = vec![s.url.clone(), "test-key".into(), common::IMAGE_NAME.into()];
+    run_script("openai_images_client.py", args).await;
     s.stop().await.unwrap();
 }
 

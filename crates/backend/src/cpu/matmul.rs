@@ -80,7 +80,14 @@ pub(super) fn matmul(
     };
     if ep.accumulate {
         let mut tmp = CpuBuf::F32(vec![0.0; m * n]);
-        product(x, w, ViewMut::new(&mut tmp, m, n), ep.alpha, false, invariant);
+        product(
+            x,
+            w,
+            ViewMut::new(&mut tmp, m, n),
+            ep.alpha,
+            false,
+            invariant,
+        );
         let tmp = tmp.f32();
         rows_mut(out)
             .zip(tmp.par_chunks(n))

@@ -731,7 +731,9 @@ impl<B: Backend> ZImage<B> {
                 .iter()
                 .flat_map(|&r| {
                     let per = caps[r].len();
-                    latents[r].iter().flat_map(move |l| std::iter::repeat_n(l.as_slice(), per))
+                    latents[r]
+                        .iter()
+                        .flat_map(move |l| std::iter::repeat_n(l.as_slice(), per))
                 })
                 .collect();
             let v = self
@@ -745,15 +747,18 @@ impl<B: Backend> ZImage<B> {
                 let n = req.num_images;
                 let own = &v[first..first + n * per];
                 first += n * per;
-                let stepped = latents[r].iter_mut().enumerate().try_for_each(|(i, latent)| {
-                    let mut pred = own[i * per].clone();
-                    if guided(req) {
-                        guide(&mut pred, &own[i * per + 1], req.guidance);
-                    }
-                    check_finite(&format!("{at}: transformer velocity"), &pred)?;
-                    euler_step(latent, &pred, schedule, step);
-                    check_finite(&format!("{at}: latent"), latent)
-                });
+                let stepped = latents[r]
+                    .iter_mut()
+                    .enumerate()
+                    .try_for_each(|(i, latent)| {
+                        let mut pred = own[i * per].clone();
+                        if guided(req) {
+                            guide(&mut pred, &own[i * per + 1], req.guidance);
+                        }
+                        check_finite(&format!("{at}: transformer velocity"), &pred)?;
+                        euler_step(latent, &pred, schedule, step);
+                        check_finite(&format!("{at}: latent"), latent)
+                    });
                 if let Err(e) = stepped {
                     results[r] = Some(Err(e));
                     ended = true;

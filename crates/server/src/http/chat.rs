@@ -14,7 +14,6 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
@@ -29,37 +28,24 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::AppState;
 use super::error::ApiError;
-use super::routes::{drain, ready, take_slot};
+use super::json;
+use super::routes::{Admitted, admit};
 use super::types::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatRequest, ChatUsage, ChunkChoice,
     Delta,
 };
-use super::{json, upload};
-use crate::chat::{ChatInfo, Event, Job, finish_reason};
+use crate::chat::{Event, Job, finish_reason};
 use crate::chat_inputs::{self, random_u64};
-use crate::model::Served;
-
-const ROUTE: &str = "/v1/chat/completions";
+use crate::model::{ModelQueue, Route, Served};
 
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(app): State<AppState>,
     req: Request,
 ) -> Result<Response, ApiError> {
-    let info = match ready(&app) {
-        Ok(Served::Chat(info)) => info,
-        Ok(other) => {
-            drain(req, app.config.limits.max_request_bytes).await;
-            return Err(other.wrong_route(ROUTE));
-        }
-        Err(e) => {
-            drain(req, app.config.limits.max_request_bytes).await;
-            return Err(e);
-        }
-    };
     let limit = app.config.limits.request_timeout;
     let deadline = tokio::time::Instant::now() + limit;
-    let started = tokio::time::timeout_at(deadline, start(app, info, req))
+    let started = tokio::time::timeout_at(deadline, start(app, req))
         .await
         .unwrap_or(Err(ApiError::Timeout(limit)))?;
     if started.stream {
@@ -89,18 +75,22 @@ struct Started {
 }
 
 /// Receive, check, build the prompt, queue, and wait for the first event.
-async fn start(app: AppState, info: Arc<ChatInfo>, req: Request) -> Result<Started, ApiError> {
+async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
     let arrived = Instant::now();
-    let bytes = upload::receive(&app, req).await?;
-    let slot = take_slot(&app)?;
+    let Admitted {
+        bytes,
+        model,
+        served,
+        slot,
+    } = admit(&app, req, Route::Chat).await?;
+    let (Served::Chat(info), ModelQueue::Chat(queue)) = (served, &model.queue) else {
+        return Err(ApiError::Internal(format!(
+            "{} is not a chat model",
+            model.name
+        )));
+    };
     let body: ChatRequest = json::parse(&bytes)?;
     drop(bytes);
-    if let Some(m) = body.model.as_deref().filter(|m| *m != info.name) {
-        return Err(ApiError::ModelNotFound(format!(
-            "the model {m:?} is not served here; this server serves {:?}",
-            info.name
-        )));
-    }
     let settings = chat_inputs::settings(&body, &info)?;
     let (messages, images) =
         chat_inputs::messages(body.messages.as_ref(), app.config.limits.max_inputs)?;
@@ -121,7 +111,7 @@ async fn start(app: AppState, info: Arc<ChatInfo>, req: Request) -> Result<Start
     };
     let params = settings.params(prompt.ids.len(), info.context);
     let (tx, mut events) = unbounded_channel();
-    app.chat
+    queue
         .push(Job {
             prompt,
             params,

@@ -6,18 +6,18 @@
 //! | status | code | when |
 //! |---|---|---|
 //! | 400 | `invalid_json` | the body is not JSON |
-//! | 400 | `invalid_request` | wrong types, unknown fields, empty or bad inputs, bad images, prompt names, `dimensions`; bad messages, roles or sampling, what chat does not support (`n` > 1, `tools`, …), the route of the other kind of model |
+//! | 400 | `invalid_request` | wrong types, unknown fields, empty or bad inputs, bad images, prompt names, `dimensions`; bad messages, roles or sampling, what chat does not support (`n` > 1, `tools`, …); a bad prompt, size, `n`, step count or output setting of an image request, a size the model refuses; a model of another route |
 //! | 401 | `invalid_api_key` | a missing or wrong `Authorization: Bearer` key |
 //! | 403 | `file_paths_not_allowed` | a file path while the server runs without `--allow-file-paths` |
 //! | 404 | `model_not_found`, `not_found` | an unknown model, an unknown route |
 //! | 405 | `method_not_allowed` | a known route with the wrong method |
 //! | 408 | `body_timeout` | the body did not arrive within `--body-timeout` |
-//! | 413 | `body_too_large`, `too_many_inputs`, `input_too_large` | a body, input count or input over its limit |
+//! | 413 | `body_too_large`, `too_many_inputs`, `input_too_large` | a body, input count or input over its limit; an image request costing more than the image queue holds |
 //! | 415 | `unsupported_media_type` | a body whose `Content-Type` is not JSON |
-//! | 429 | `queue_full`, `too_many_uploads` | the queue (chat: `--max-sequences` generating and `--max-queue` waiting) or the image memory is full, or the client has `--max-uploads-per-client` bodies still arriving (with `Retry-After`) |
+//! | 429 | `queue_full`, `too_many_uploads` | the queue (chat: `--max-sequences` generating and `--max-queue` waiting; images: also its cost budget) or the image memory is full, or the client has `--max-uploads-per-client` bodies still arriving (with `Retry-After`) |
 //! | 500 | `internal_error` | the device failed; the message says how |
 //! | 503 | `model_loading`, `shutting_down` | not ready yet, or stopping (with `Retry-After`) |
-//! | 504 | `timeout` | no answer within `--request-timeout` |
+//! | 504 | `timeout` | no answer within `--request-timeout` (images: `--image-timeout`) |
 
 use std::time::Duration;
 
@@ -88,6 +88,8 @@ pub enum ApiError {
     ShuttingDown,
     #[error("no answer within {0:?} (--request-timeout)")]
     Timeout(Duration),
+    #[error("the images were not made within {0:?} (--image-timeout)")]
+    ImageTimeout(Duration),
 }
 
 impl ApiError {
@@ -124,7 +126,7 @@ impl ApiError {
             | ApiError::TooManyUploads(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Loading | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Timeout(_) | ApiError::ImageTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -150,7 +152,7 @@ impl ApiError {
             ApiError::Internal(_) => "internal_error",
             ApiError::Loading => "model_loading",
             ApiError::ShuttingDown => "shutting_down",
-            ApiError::Timeout(_) => "timeout",
+            ApiError::Timeout(_) | ApiError::ImageTimeout(_) => "timeout",
         }
     }
 
@@ -207,6 +209,7 @@ impl ApiError {
             ApiError::Loading,
             ApiError::ShuttingDown,
             ApiError::Timeout(Duration::ZERO),
+            ApiError::ImageTimeout(Duration::ZERO),
         ]
     }
 }

@@ -3,13 +3,14 @@
 pub mod auth;
 pub mod chat;
 pub mod error;
+pub mod images;
 pub mod json;
 pub mod routes;
 pub mod types;
 pub mod upload;
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use axum::Router;
@@ -22,12 +23,9 @@ use tokio::sync::Semaphore;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::trace::TraceLayer;
 
-use crate::chat::ChatQueue;
 use crate::config::ServerConfig;
-use crate::embeddings::Job;
 use crate::metrics::Metrics;
-use crate::model::Served;
-use crate::queue::Queue;
+use crate::model::Models;
 use error::ErrorCode;
 use upload::Uploads;
 
@@ -35,48 +33,32 @@ use upload::Uploads;
 #[derive(Clone)]
 pub struct AppState {
     pub config: Arc<ServerConfig>,
-    /// Set once the worker has loaded the model; `/health` is ready from then on.
-    pub model: Arc<OnceLock<Served>>,
-    /// Embedding requests for the device worker (an embedding server's).
-    pub queue: Arc<Queue<Job>>,
-    /// Chat requests waiting for a cache slot (a chat server's).
-    pub chat: Arc<ChatQueue>,
-    /// Request slots (`slots` of [`AppState::new`]), taken once the body has arrived and held
-    /// until the answer.
-    pub slots: Arc<Semaphore>,
+    /// The served models: each one's route, queue, request slots and, once loaded, metadata.
+    pub models: Arc<Models>,
     /// Bodies arriving now, per client and in all.
     pub uploads: Arc<Uploads>,
     /// `--max-image-memory-mb`, in MiB of decoded images.
     pub image_memory: Arc<Semaphore>,
     pub metrics: Arc<Metrics>,
-    /// Set when shutdown begins: new embedding requests get 503.
+    /// Set when shutdown begins: new requests get 503.
     pub stopping: Arc<AtomicBool>,
     /// Unix time of the start (`created` in `/v1/models`).
     pub started: u64,
 }
 
 impl AppState {
-    /// `slots`: requests admitted at once, and bodies arriving at once (`--max-queue` for
-    /// embeddings; chat adds the `--max-sequences` being generated).
-    pub fn new(
-        config: ServerConfig,
-        queue: Arc<Queue<Job>>,
-        chat: Arc<ChatQueue>,
-        slots: usize,
-        metrics: Arc<Metrics>,
-    ) -> Self {
+    /// Bodies may arrive for as many requests as the models admit together.
+    pub fn new(config: ServerConfig, models: Models, metrics: Arc<Metrics>) -> Self {
         let limits = &config.limits;
         let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
+        let slots: usize = models.0.iter().map(|m| m.slots.available_permits()).sum();
         AppState {
-            slots: Arc::new(Semaphore::new(slots)),
-            uploads: Arc::new(Uploads::new(limits.max_uploads_per_client, slots)),
+            uploads: Arc::new(Uploads::new(limits.max_uploads_per_client, slots.max(1))),
             image_memory: Arc::new(Semaphore::new(limits.max_image_memory_mb)),
             config: Arc::new(config),
-            model: Arc::new(OnceLock::new()),
-            queue,
-            chat,
+            models: Arc::new(models),
             metrics,
             stopping: Arc::new(AtomicBool::new(false)),
             started,
@@ -91,6 +73,7 @@ pub fn router(app: AppState) -> Result<Router, tessera_core::Error> {
     let protected = Router::new()
         .route("/v1/embeddings", post(routes::embeddings))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/images/generations", post(images::generations))
         .route("/v1/models", get(routes::models))
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(routes::openapi))

@@ -17,65 +17,105 @@ use super::AppState;
 use super::error::ApiError;
 use super::types::{
     EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingValue, EncodingFormat, Health,
-    ModelCard, ModelList, Usage,
+    ModelCard, ModelHealth, ModelList, Usage,
 };
 use super::{json, upload};
 use crate::embeddings::Job;
 use crate::inputs::{self, Context};
-use crate::model::{ModelInfo, Served};
+use crate::model::{ModelInfo, ModelQueue, ModelSlot, Route, Served};
 use crate::queue::Lane;
 
-/// A request slot, taken once the body has arrived so that admitted requests bound the memory
-/// held, and held until the answer; 429 when all are taken. An embedding server has
-/// `--max-queue` of them; a chat server `--max-queue` more than the `--max-sequences` it
-/// generates at once.
-pub(crate) fn take_slot(app: &AppState) -> Result<OwnedSemaphorePermit, ApiError> {
-    app.slots.clone().try_acquire_owned().map_err(|_| {
+/// A request let in: its body, its model (loaded) and a request slot of that model, held until
+/// the answer.
+pub(crate) struct Admitted {
+    pub bytes: axum::body::Bytes,
+    pub model: Arc<ModelSlot>,
+    pub served: Served,
+    pub slot: OwnedSemaphorePermit,
+}
+
+/// Refuse a request that arrives while the server stops (503), receive the body (within
+/// `--body-timeout`, a few bodies per client at a time), find the model its `model` field names
+/// for `route` (404 unknown, 400 a model of another route), check that the model is loaded
+/// (503), and take one of the model's request slots (429 when all are taken). The body is parsed in full only after that, so the
+/// slots bound the memory that parsed requests hold.
+pub(crate) async fn admit(
+    app: &AppState,
+    req: Request,
+    route: Route,
+) -> Result<Admitted, ApiError> {
+    // A request that arrived before shutdown began is finished, body and all.
+    if app.stopping.load(Ordering::Relaxed) {
+        drain(req, app.config.limits.max_request_bytes).await;
+        return Err(ApiError::ShuttingDown);
+    }
+    let bytes = upload::receive(app, req).await?;
+    let name = model_field(&bytes);
+    let model = app.models.route(name.as_deref(), route)?;
+    let served = model.served.get().ok_or(ApiError::Loading)?.clone();
+    let slot = take_slot(app, &model)?;
+    Ok(Admitted {
+        bytes,
+        model,
+        served,
+        slot,
+    })
+}
+
+/// The `model` field of a JSON body, when it is a string (anything else is reported by the full
+/// parse that follows).
+fn model_field(bytes: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct ModelOnly {
+        #[serde(default)]
+        model: Option<serde_json::Value>,
+    }
+    match serde_json::from_slice::<ModelOnly>(bytes) {
+        Ok(ModelOnly {
+            model: Some(serde_json::Value::String(m)),
+        }) => Some(m),
+        _ => None,
+    }
+}
+
+/// One of `model`'s request slots; 429 when all are taken.
+fn take_slot(app: &AppState, model: &ModelSlot) -> Result<OwnedSemaphorePermit, ApiError> {
+    model.slots.clone().try_acquire_owned().map_err(|_| {
         let l = &app.config.limits;
-        match app.model.get() {
-            Some(Served::Chat(_)) => ApiError::ChatQueueFull {
+        match model.route {
+            Route::Chat => ApiError::ChatQueueFull {
                 max_queue: l.max_queue,
                 max_sequences: l.max_sequences,
             },
-            _ => ApiError::QueueFull {
+            Route::Embeddings | Route::Images => ApiError::QueueFull {
                 max_queue: l.max_queue,
             },
         }
     })
 }
 
-/// The model, for a request that arrives while the server is ready: 503 while loading or
-/// stopping. A request that arrived before shutdown began is finished, body and all.
-pub(crate) fn ready(app: &AppState) -> Result<Served, ApiError> {
-    if app.stopping.load(Ordering::Relaxed) {
-        return Err(ApiError::ShuttingDown);
-    }
-    Ok(app.model.get().ok_or(ApiError::Loading)?.clone())
-}
-
 /// `POST /v1/embeddings`.
 pub async fn embeddings(State(app): State<AppState>, req: Request) -> Result<Response, ApiError> {
-    let info = match ready(&app) {
-        Ok(Served::Embed(info)) => info,
-        Ok(other) => {
-            drain(req, app.config.limits.max_request_bytes).await;
-            return Err(other.wrong_route("/v1/embeddings"));
-        }
-        Err(e) => {
-            drain(req, app.config.limits.max_request_bytes).await;
-            return Err(e);
-        }
-    };
     let limit = app.config.limits.request_timeout;
-    tokio::time::timeout(limit, embed(app, info, req))
+    tokio::time::timeout(limit, embed(app, req))
         .await
         .unwrap_or(Err(ApiError::Timeout(limit)))
 }
 
-async fn embed(app: AppState, info: Arc<ModelInfo>, req: Request) -> Result<Response, ApiError> {
+async fn embed(app: AppState, req: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let bytes = upload::receive(&app, req).await?;
-    let slot = take_slot(&app)?;
+    let Admitted {
+        bytes,
+        model: slot_model,
+        served,
+        slot,
+    } = admit(&app, req, Route::Embeddings).await?;
+    let (Served::Embed(info), ModelQueue::Embed(queue)) = (served, &slot_model.queue) else {
+        return Err(ApiError::Internal(format!(
+            "{} is not an embedding model",
+            slot_model.name
+        )));
+    };
     let body: EmbeddingRequest = json::parse(&bytes)?;
     drop(bytes);
     let prompt_name = prompt_name(&info, &body)?;
@@ -117,7 +157,7 @@ async fn embed(app: AppState, info: Arc<ModelInfo>, req: Request) -> Result<Resp
         Lane::Text
     };
     let (reply, answer) = oneshot::channel();
-    app.queue
+    queue
         .push(Job {
             inputs: checked.inputs,
             tokens: checked.tokens.iter().sum(),
@@ -198,57 +238,72 @@ fn base64_f32(v: &[f32]) -> String {
     STANDARD.encode(bytes)
 }
 
-/// `GET /v1/models`: the model (an embedding model also with each prompt name), and what it does
-/// (`capability`: `embeddings` or `chat`; absent while loading).
+/// `GET /v1/models`: every model (an embedding model also with each prompt name, once loaded),
+/// and what it does (`capability`: `embeddings`, `chat` or `images`).
 pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
-    let (ids, capability) = match app.model.get() {
-        Some(served) => (served.ids(), Some(served.capability())),
-        None => (vec![app.config.served_model_name.clone()], None),
-    };
-    Json(ModelList {
-        object: "list",
-        data: ids
-            .into_iter()
-            .map(|id| ModelCard {
+    let data = app
+        .models
+        .0
+        .iter()
+        .flat_map(|m| {
+            let ids = m
+                .served
+                .get()
+                .map_or_else(|| vec![m.name.clone()], Served::ids);
+            let capability = m.route.capability();
+            ids.into_iter().map(move |id| ModelCard {
                 id,
                 object: "model",
                 created: app.started,
                 owned_by: "tessera",
-                capability,
+                capability: Some(capability),
             })
-            .collect(),
+        })
+        .collect();
+    Json(ModelList {
+        object: "list",
+        data,
     })
 }
 
-/// `GET /health`: 200 once the model is loaded, 503 before and while stopping.
+/// `GET /health`: 200 once every model is loaded, 503 before and while stopping; each model's
+/// state in `models`.
 pub async fn health(State(app): State<AppState>) -> (StatusCode, Json<Health>) {
-    let model = app.config.served_model_name.clone();
-    match app.model.get() {
-        Some(info) if !app.stopping.load(Ordering::Relaxed) => (
-            StatusCode::OK,
-            Json(Health {
-                status: "ready",
-                model,
-                device: Some(info.device().to_string()),
-            }),
-        ),
-        Some(_) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(Health {
-                status: "stopping",
-                model,
-                device: None,
-            }),
-        ),
-        None => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(Health {
-                status: "loading",
-                model,
-                device: None,
-            }),
-        ),
-    }
+    let models: Vec<ModelHealth> = app
+        .models
+        .0
+        .iter()
+        .map(|m| ModelHealth {
+            id: m.name.clone(),
+            capability: m.route.capability(),
+            status: if m.served.get().is_some() {
+                "ready"
+            } else {
+                "loading"
+            },
+            device: m.served.get().map(|s| s.device().to_string()),
+        })
+        .collect();
+    let first = models.first();
+    let model = first.map_or_else(String::new, |m| m.id.clone());
+    let device = first.and_then(|m| m.device.clone());
+    let (code, status) = if !app.models.all_loaded() {
+        (StatusCode::SERVICE_UNAVAILABLE, "loading")
+    } else if app.stopping.load(Ordering::Relaxed) {
+        (StatusCode::SERVICE_UNAVAILABLE, "stopping")
+    } else {
+        (StatusCode::OK, "ready")
+    };
+    let ready = code == StatusCode::OK;
+    (
+        code,
+        Json(Health {
+            status,
+            model,
+            device: device.filter(|_| ready),
+            models,
+        }),
+    )
 }
 
 /// `GET /metrics`: Prometheus (OpenMetrics text).

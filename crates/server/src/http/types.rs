@@ -1,6 +1,7 @@
-//! The JSON shapes of the API (OpenAI's `/v1/embeddings`, `/v1/chat/completions` and
-//! `/v1/models`, plus Tessera's extensions: `prompt_name`; `top_k`, `min_p` and
-//! `repetition_penalty`).
+//! The JSON shapes of the API (OpenAI's `/v1/embeddings`, `/v1/chat/completions`,
+//! `/v1/images/generations` and `/v1/models`, plus Tessera's extensions: `prompt_name`; `top_k`,
+//! `min_p` and `repetition_penalty`; `seed`, `num_inference_steps`, `guidance_scale` and
+//! `negative_prompt`).
 
 use serde::{Deserialize, Serialize};
 
@@ -93,7 +94,7 @@ pub struct ModelCard {
     /// Unix time the server started.
     pub created: u64,
     pub owned_by: &'static str,
-    /// What the model does here: `embeddings` or `chat` (a Tessera extension).
+    /// What the model does here: `embeddings`, `chat` or `images` (a Tessera extension).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capability: Option<&'static str>,
 }
@@ -227,9 +228,143 @@ pub struct Delta {
 /// `GET /health`.
 #[derive(Debug, Serialize)]
 pub struct Health {
-    /// `ready` or `loading`.
+    /// `ready` (every model loaded), `loading` or `stopping`.
     pub status: &'static str,
+    /// The first model's id.
     pub model: String,
+    /// The first model's device, once ready.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// Every model.
+    pub models: Vec<ModelHealth>,
+}
+
+/// One model in `GET /health`.
+#[derive(Debug, Serialize)]
+pub struct ModelHealth {
+    pub id: String,
+    /// `embeddings`, `chat` or `images`.
+    pub capability: &'static str,
+    /// `ready` or `loading`.
+    pub status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+}
+
+/// `POST /v1/images/generations`, OpenAI's fields and Tessera's extensions (`seed`,
+/// `num_inference_steps`, `guidance_scale`, `negative_prompt`). Unknown fields are refused so a
+/// typo is not silently ignored; numbers are taken as they come and range-checked by
+/// [`crate::http::images`], which names the field at fault.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageRequest {
+    pub prompt: String,
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Images to make, 1 to 8.
+    #[serde(default)]
+    pub n: Option<i64>,
+    /// `WIDTHxHEIGHT` or `auto` (the model's default).
+    #[serde(default)]
+    pub size: Option<String>,
+    /// `b64_json` (the only one: images come inline).
+    #[serde(default)]
+    pub response_format: Option<String>,
+    /// `png` (default), `jpeg` or `webp`.
+    #[serde(default)]
+    pub output_format: Option<String>,
+    /// JPEG quality, 0–100 (default 100).
+    #[serde(default)]
+    pub output_compression: Option<i64>,
+    /// `auto` (as the model makes it), `opaque` (over white) or `transparent` (keep alpha).
+    #[serde(default)]
+    pub background: Option<String>,
+    /// OpenAI's; accepted for compatibility, no effect (the steps decide).
+    #[serde(default)]
+    pub quality: Option<String>,
+    /// OpenAI's (DALL·E 3); accepted for compatibility, no effect.
+    #[serde(default)]
+    pub style: Option<String>,
+    /// OpenAI's; accepted for compatibility, no effect.
+    #[serde(default)]
+    pub moderation: Option<String>,
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Server-sent events: each step, previews, then the images.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Previews in the stream, 0–3.
+    #[serde(default)]
+    pub partial_images: Option<i64>,
+    /// Extension: the seed of the first image (the others `seed + 1, …`); any integer, negative
+    /// ones as their two's complement. A fresh one when absent.
+    #[serde(default)]
+    pub seed: Option<serde_json::Value>,
+    /// Extension: denoising steps (the model's default when absent).
+    #[serde(default)]
+    pub num_inference_steps: Option<i64>,
+    /// Extension: the guidance scale, in the model's convention.
+    #[serde(default)]
+    pub guidance_scale: Option<f64>,
+    /// Extension: what to steer away from (used under guidance).
+    #[serde(default)]
+    pub negative_prompt: Option<String>,
+}
+
+/// The answer of `POST /v1/images/generations`.
+#[derive(Debug, Serialize)]
+pub struct ImagesResponse {
+    pub created: u64,
+    pub data: Vec<ImageData>,
+    pub output_format: &'static str,
+    /// `WIDTHxHEIGHT`.
+    pub size: String,
+    /// `opaque` or `transparent`.
+    pub background: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ImageData {
+    pub b64_json: String,
+    /// The seed this image was made from (extension).
+    pub seed: u64,
+}
+
+/// One server-sent event of a streamed generation (`type` says which).
+#[derive(Debug, Default, Serialize)]
+pub struct ImageStreamEvent {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// Steps: the step done (from 1), the step count, the step's device time and the time
+    /// since the request arrived, in milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub elapsed_ms: Option<f64>,
+    /// Previews and images.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub b64_json: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output_format: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub size: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub background: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quality: Option<&'static str>,
+    /// Which of the request's images (extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_index: Option<usize>,
+    /// Previews: the how-manieth of the request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partial_image_index: Option<usize>,
+    /// Images: the seed (extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
 }

@@ -1,6 +1,6 @@
-//! A real server on a loopback port for the integration tests: a bundled miniature model on the
-//! CPU (the embedding model, or the chat model for the chat tests), stopped (gracefully) when the
-//! test ends.
+//! A real server on a loopback port for the integration tests: bundled miniature models on the
+//! CPU (the embedding model, the chat model for the chat tests, the text-to-image model for the
+//! image tests, or several at once), stopped (gracefully) when the test ends.
 
 #![allow(dead_code)] // each test file uses its own subset
 
@@ -16,7 +16,10 @@ use tessera_models::egemma2::BUNDLED;
 use tessera_models::lfm2vl::{self, CacheShape, Lfm2VlConfig};
 use tessera_runtime::chat::{self, Chat};
 use tessera_runtime::embed::{self, Embed};
-use tessera_server::{ChatLoader, Limits, Loader, ModelLoader, Schedule, ServeError, ServerConfig};
+use tessera_server::{
+    ChatLoader, ImageLoader, Limits, Loader, ModelLoader, Schedule, ServeError, ServedModel,
+    ServerConfig,
+};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -24,7 +27,6 @@ pub const NAME: &str = "egemma2-mini";
 
 pub fn config() -> ServerConfig {
     ServerConfig {
-        served_model_name: NAME.into(),
         api_key: None,
         allow_origins: vec![],
         allow_file_paths: false,
@@ -45,10 +47,20 @@ pub fn bundled() -> Loader {
 pub const CHAT_NAME: &str = "lfm2vl-mini";
 
 pub fn chat_config() -> ServerConfig {
-    ServerConfig {
-        served_model_name: CHAT_NAME.into(),
-        ..config()
-    }
+    config()
+}
+
+/// The served id of the bundled text-to-image model.
+pub const IMAGE_NAME: &str = "zimage-mini";
+
+/// The bundled Z-Image on the CPU, its products batch-invariant (as `tessera serve` loads image
+/// models on the CPU), so batched requests give the bytes they give alone.
+pub fn image_bundled() -> ImageLoader {
+    Box::new(|| {
+        let mut cpu = CpuBackend::new();
+        cpu.set_batch_invariant(true);
+        tessera_runtime::image::load(AnyBackend::Cpu(cpu), &tessera_models::zimage::BUNDLED, None)
+    })
 }
 
 /// The bundled LFM2-VL on the CPU.
@@ -104,13 +116,41 @@ impl Server {
         server
     }
 
-    /// Start without waiting for the model.
+    /// Start the bundled text-to-image model and wait until `/health` is ready.
+    pub async fn start_images(config: ServerConfig) -> Server {
+        let server = Self::start_models(
+            config,
+            vec![ServedModel::image(IMAGE_NAME, image_bundled())],
+        )
+        .await;
+        server.wait_ready().await;
+        server
+    }
+
+    /// Start one model without waiting for it, under the test name of its kind.
     pub async fn start_with(config: ServerConfig, loader: impl Into<ModelLoader>) -> Server {
+        let loader = loader.into();
+        let name = match loader {
+            ModelLoader::Embed(_) => NAME,
+            ModelLoader::Chat(_) => CHAT_NAME,
+            ModelLoader::Image(_) => IMAGE_NAME,
+        };
+        Self::start_models(
+            config,
+            vec![ServedModel {
+                name: name.into(),
+                loader,
+            }],
+        )
+        .await
+    }
+
+    /// Start several models without waiting for them.
+    pub async fn start_models(config: ServerConfig, models: Vec<ServedModel>) -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
-        let loader = loader.into();
-        let task = tokio::spawn(tessera_server::serve(listener, config, loader, async {
+        let task = tokio::spawn(tessera_server::serve(listener, config, models, async {
             let _ = rx.await;
         }));
         Server {
@@ -152,6 +192,19 @@ impl Server {
         let r = self
             .http
             .post(format!("{}/v1/chat/completions", self.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap())
+    }
+
+    /// POST a JSON body to /v1/images/generations: status and parsed body.
+    pub async fn generate(&self, body: serde_json::Value) -> (u16, serde_json::Value) {
+        let r = self
+            .http
+            .post(format!("{}/v1/images/generations", self.url))
             .json(&body)
             .send()
             .await
