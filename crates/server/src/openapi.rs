@@ -12,7 +12,7 @@ mod tests {
     use super::DOCUMENT;
     use crate::http::error::ApiError;
     use crate::http::json::parse;
-    use crate::http::types::{ChatRequest, EmbeddingRequest};
+    use crate::http::types::{ChatRequest, EmbeddingRequest, ImageRequest};
 
     fn doc() -> Value {
         serde_json::from_str(DOCUMENT).unwrap()
@@ -29,6 +29,7 @@ mod tests {
         let want: BTreeSet<String> = [
             "/v1/embeddings",
             "/v1/chat/completions",
+            "/v1/images/generations",
             "/v1/models",
             "/health",
             "/metrics",
@@ -50,15 +51,19 @@ mod tests {
     #[test]
     fn every_error_status_and_code_is_documented() {
         let doc = doc();
-        // Both model routes answer every error of the table (each refuses the other's model).
+        // Every model route answers every error of the table (each refuses the others' models).
         let responses = doc["paths"]["/v1/embeddings"]["post"]["responses"]
             .as_object()
             .unwrap();
         let chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
             .as_object()
             .unwrap();
+        let images = doc["paths"]["/v1/images/generations"]["post"]["responses"]
+            .as_object()
+            .unwrap();
         let keys = |m: &serde_json::Map<String, Value>| m.keys().cloned().collect::<Vec<_>>();
         assert_eq!(keys(responses), keys(chat));
+        assert_eq!(keys(responses), keys(images));
         let codes: BTreeSet<&str> = doc["components"]["schemas"]["Error"]["properties"]["error"]
             ["properties"]["code"]["enum"]
             .as_array()
@@ -172,5 +177,25 @@ mod tests {
         // Unknown fields are ignored, as OpenAI ignores them.
         let body = json!({"messages": [], "user": "u", "metadata": {"a": 1}, "store": false});
         parse::<ChatRequest>(&serde_json::to_vec(&body).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn image_request_fields_match_the_type() {
+        let doc = doc();
+        let schema = &doc["components"]["schemas"]["ImageRequest"];
+        let documented: BTreeSet<&str> = schema["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let fields: BTreeSet<&str> = fields_of::<ImageRequest>().into_iter().collect();
+        assert_eq!(documented, fields);
+        // Unknown fields are refused, as the document says.
+        assert_eq!(schema["additionalProperties"], false);
+        let e = parse::<ImageRequest>(br#"{"prompt": "x", "steps": 4}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `steps`"), "{e}");
     }
 }
