@@ -60,6 +60,14 @@ enum What {
     /// On a GPU machine with a full-size model:
     /// tessera bench serve --model DIR --device cuda --requests 2000 --clients 1,16 --image-clients 4
     Serve(Box<crate::loadtest::LoadTest>),
+    /// Load-test `tessera serve` generating images beside an embedding model: images/s per size
+    /// and client count, the latency of embedding requests idle and while generations run, and
+    /// a queue-overflowing burst (only 200s and 429s, bounded memory).
+    ///
+    /// On a GPU machine with full-size models (run twice, the second time with
+    /// --server-args --no-image-batching, to compare batching):
+    /// tessera bench serve-images --image-model DIR --embed-model DIR --device cuda
+    ServeImages(Box<crate::loadtest_images::ImageLoadTest>),
 }
 
 #[derive(Args)]
@@ -193,6 +201,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         What::Generate(b) => generate::run(b),
         What::Chat(b) => chat::run(b),
         What::Serve(b) => crate::loadtest::run(*b),
+        What::ServeImages(b) => crate::loadtest_images::run(*b),
     }
 }
 

@@ -118,7 +118,7 @@ pub fn run(args: LoadTest) -> Result<()> {
 }
 
 /// The server under test: started here (and stopped at the end) or found at --url.
-struct Target {
+pub(crate) struct Target {
     url: String,
     pid: Option<u32>,
     child: Option<Child>,
@@ -128,10 +128,40 @@ struct Target {
 
 impl Target {
     fn start(args: &LoadTest) -> Result<Self> {
-        if let Some(url) = &args.url {
+        let mut serve = vec![
+            "--max-queue".to_string(),
+            args.max_queue.to_string(),
+            "--schedule".to_string(),
+            args.schedule.clone(),
+        ];
+        serve.extend(args.device.to_args());
+        if let Some(m) = &args.model {
+            serve.extend(["--model".to_string(), m.clone()]);
+        }
+        if let Some(extra) = &args.server_args {
+            serve.extend(extra.split_whitespace().map(str::to_string));
+        }
+        Target::spawn(
+            args.url.as_deref(),
+            args.server_pid,
+            &serve,
+            args.server_log.as_ref(),
+        )
+    }
+
+    /// The server at `url` (`pid` for its memory figures), or a `tessera serve` started here on
+    /// a free loopback port with `serve` arguments, its log in `log` (a temporary file when
+    /// `None`).
+    pub(crate) fn spawn(
+        url: Option<&str>,
+        pid: Option<u32>,
+        serve: &[String],
+        log: Option<&PathBuf>,
+    ) -> Result<Self> {
+        if let Some(url) = url {
             return Ok(Target {
                 url: url.trim_end_matches('/').to_string(),
-                pid: args.server_pid,
+                pid,
                 child: None,
                 log: None,
                 _log_dir: None,
@@ -141,7 +171,7 @@ impl Target {
             .and_then(|l| l.local_addr())
             .map_err(|e| Error::backend("loadtest", format!("no free loopback port: {e}")))?
             .port();
-        let (log, log_dir) = match &args.server_log {
+        let (log, log_dir) = match log {
             Some(p) => (p.clone(), None),
             None => {
                 let dir = tempfile::tempdir().map_err(|e| Error::io("<tempdir>", e))?;
@@ -152,16 +182,9 @@ impl Target {
         let exe = std::env::current_exe().map_err(|e| Error::io("<current exe>", e))?;
         let mut cmd = Command::new(exe);
         cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--max-queue", &args.max_queue.to_string()])
-            .args(["--schedule", &args.schedule])
-            .args(args.device.to_args());
-        if let Some(m) = &args.model {
-            cmd.args(["--model", m]);
-        }
-        if let Some(extra) = &args.server_args {
-            cmd.args(extra.split_whitespace());
-        }
+            .args(serve);
         cmd.env_remove("TESSERA_API_KEY")
+            .env_remove("TESSERA_MODEL")
             .env("RUST_LOG", "warn,tessera_server=info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -178,8 +201,16 @@ impl Target {
         })
     }
 
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
     /// The server's log, for error messages.
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let Some(p) = &self.log else {
             return String::new();
         };
@@ -196,7 +227,7 @@ impl Target {
     }
 
     /// SIGTERM, then wait for a clean exit (graceful shutdown).
-    fn stop(&mut self) -> Result<()> {
+    pub(crate) fn stop(&mut self) -> Result<()> {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
@@ -248,7 +279,7 @@ impl Drop for Target {
 }
 
 /// Resident and peak resident memory of a process, in MiB, from /proc.
-fn rss_mb(pid: Option<u32>) -> Option<(f64, f64)> {
+pub(crate) fn rss_mb(pid: Option<u32>) -> Option<(f64, f64)> {
     let status = std::fs::read_to_string(format!("/proc/{}/status", pid?)).ok()?;
     let field = |name: &str| -> Option<f64> {
         let line = status.lines().find(|l| l.starts_with(name))?;
@@ -260,18 +291,18 @@ fn rss_mb(pid: Option<u32>) -> Option<(f64, f64)> {
 
 /// What one phase saw.
 #[derive(Default)]
-struct Stats {
+pub(crate) struct Stats {
     /// Latency of each answered request, ms.
-    latencies: Vec<f64>,
+    pub latencies: Vec<f64>,
     /// Answers by status; `0` counts transport errors.
-    statuses: BTreeMap<u16, usize>,
+    pub statuses: BTreeMap<u16, usize>,
     /// A few error messages to show.
-    samples: Vec<String>,
-    inputs: usize,
+    pub samples: Vec<String>,
+    pub inputs: usize,
 }
 
 impl Stats {
-    fn merge(&mut self, other: Stats) {
+    pub(crate) fn merge(&mut self, other: Stats) {
         self.latencies.extend(other.latencies);
         for (k, v) in other.statuses {
             *self.statuses.entry(k).or_default() += v;
@@ -284,12 +315,12 @@ impl Stats {
         self.inputs += other.inputs;
     }
 
-    fn count(&self, status: u16) -> usize {
+    pub(crate) fn count(&self, status: u16) -> usize {
         self.statuses.get(&status).copied().unwrap_or(0)
     }
 
     /// Answers other than 200 and the allowed statuses.
-    fn unexpected(&self, allowed: &[u16]) -> usize {
+    pub(crate) fn unexpected(&self, allowed: &[u16]) -> usize {
         self.statuses
             .iter()
             .filter(|(s, _)| **s != 200 && !allowed.contains(s))
@@ -297,7 +328,7 @@ impl Stats {
             .sum()
     }
 
-    fn percentile(&self, q: f64) -> Option<f64> {
+    pub(crate) fn percentile(&self, q: f64) -> Option<f64> {
         let mut v = self.latencies.clone();
         if v.is_empty() {
             return None;
@@ -309,20 +340,36 @@ impl Stats {
 }
 
 /// A request body, shared by every request that sends it.
-type Body = Arc<dyn Fn(usize) -> reqwest::Body + Send + Sync>;
+pub(crate) type Body = Arc<dyn Fn(usize) -> reqwest::Body + Send + Sync>;
 
-struct Client {
-    http: reqwest::Client,
-    url: String,
-    key: Option<String>,
+pub(crate) struct Client {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub key: Option<String>,
+    /// The route posted to.
+    pub path: &'static str,
 }
 
 impl Client {
+    /// A client of the server at `url` posting to `path`.
+    pub(crate) fn new(url: &str, key: Option<String>, path: &'static str) -> Result<Self> {
+        Ok(Client {
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(900))
+                .pool_max_idle_per_host(256)
+                .build()
+                .map_err(|e| Error::backend("http client", e))?,
+            url: url.to_string(),
+            key,
+            path,
+        })
+    }
+
     async fn post(&self, body: reqwest::Body, inputs: usize) -> Stats {
         let mut stats = Stats::default();
         let mut req = self
             .http
-            .post(format!("{}/v1/embeddings", self.url))
+            .post(format!("{}{}", self.url, self.path))
             .header("content-type", "application/json")
             .body(body);
         if let Some(k) = &self.key {
@@ -358,7 +405,7 @@ fn first_line(s: &str) -> &str {
 }
 
 /// `clients` tasks sending `body(i)` until `requests` are sent, the deadline passes or `stop`.
-async fn phase(
+pub(crate) async fn phase(
     client: &Arc<Client>,
     clients: usize,
     requests: usize,
@@ -396,7 +443,7 @@ async fn phase(
     (total, started.elapsed().as_secs_f64())
 }
 
-fn text_body() -> Body {
+pub(crate) fn text_body() -> Body {
     Arc::new(|i| {
         let text =
             format!("query {i}: which planet in the solar system has the largest number of moons?");
@@ -441,13 +488,13 @@ fn parse_size(s: &str) -> Result<(u32, u32)> {
         .ok_or_else(|| Error::input(format!("--image-size {s:?}: expected WIDTHxHEIGHT")))
 }
 
-struct Report {
-    lines: Vec<serde_json::Value>,
-    failures: Vec<String>,
+pub(crate) struct Report {
+    pub lines: Vec<serde_json::Value>,
+    pub failures: Vec<String>,
 }
 
 impl Report {
-    fn phase(
+    pub(crate) fn phase(
         &mut self,
         name: &str,
         stats: &Stats,
@@ -455,8 +502,21 @@ impl Report {
         rss: Option<(f64, f64)>,
         allowed: &[u16],
     ) {
+        self.phase_with(name, stats, seconds, rss, allowed, json!({}));
+    }
+
+    /// [`Report::phase`] with `extra` fields in its line.
+    pub(crate) fn phase_with(
+        &mut self,
+        name: &str,
+        stats: &Stats,
+        seconds: f64,
+        rss: Option<(f64, f64)>,
+        allowed: &[u16],
+        extra: serde_json::Value,
+    ) {
         let unexpected = stats.unexpected(allowed);
-        let line = json!({
+        let mut line = json!({
             "phase": name,
             "ok": stats.count(200),
             "rejected_429": stats.count(429),
@@ -466,12 +526,18 @@ impl Report {
             "requests_per_s": stats.count(200) as f64 / seconds.max(1e-9),
             "inputs_per_s": stats.inputs as f64 / seconds.max(1e-9),
             "p50_ms": stats.percentile(0.50),
+            "p95_ms": stats.percentile(0.95),
             "p99_ms": stats.percentile(0.99),
             "max_ms": stats.percentile(1.0),
             "server_rss_mb": rss.map(|r| r.0),
             "server_peak_rss_mb": rss.map(|r| r.1),
             "errors": stats.samples,
         });
+        if let (Some(l), Some(e)) = (line.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                l.insert(k.clone(), v.clone());
+            }
+        }
         println!("{line}");
         if unexpected > 0 {
             self.failures.push(format!(
@@ -482,7 +548,7 @@ impl Report {
         self.lines.push(line);
     }
 
-    fn table(&self) {
+    pub(crate) fn table(&self) {
         eprintln!(
             "{:<12} {:>6} {:>6} {:>6} {:>10} {:>10} {:>10} {:>10}",
             "phase", "ok", "429", "errors", "inputs/s", "p50 ms", "p99 ms", "peak MiB"
@@ -508,15 +574,11 @@ impl Report {
 async fn drive(args: LoadTest) -> Result<()> {
     let (w, h) = parse_size(&args.image_size)?;
     let mut target = Target::start(&args)?;
-    let client = Arc::new(Client {
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(300))
-            .pool_max_idle_per_host(256)
-            .build()
-            .map_err(|e| Error::backend("http client", e))?,
-        url: target.url.clone(),
-        key: args.api_key.clone(),
-    });
+    let client = Arc::new(Client::new(
+        &target.url,
+        args.api_key.clone(),
+        "/v1/embeddings",
+    )?);
     wait_ready(&client, &mut target, Duration::from_secs(args.load_secs)).await?;
     let result = phases(&args, &client, &target, (w, h)).await;
     let stopped = target.stop();
@@ -532,7 +594,11 @@ async fn drive(args: LoadTest) -> Result<()> {
     Ok(())
 }
 
-async fn wait_ready(client: &Client, target: &mut Target, limit: Duration) -> Result<()> {
+pub(crate) async fn wait_ready(
+    client: &Client,
+    target: &mut Target,
+    limit: Duration,
+) -> Result<()> {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(status) = target.exited() {

@@ -10,6 +10,7 @@ mod generate;
 mod info;
 mod input;
 mod loadtest;
+mod loadtest_images;
 mod model;
 mod noise;
 mod output;
