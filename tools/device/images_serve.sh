@@ -4,11 +4,14 @@
 # one GPU, driven by `tessera bench serve-images`:
 #   - images/s (and request latency) at 512² and 1024² for 1 and 8 concurrent clients, with requests
 #     batched through the DiT and one at a time (`--no-image-batching`);
-#   - the p50/p95 latency of an embedding request idle and while 4 clients generate without pause.
+#   - the p50/p95 latency of an embedding request idle and while 4 clients generate without pause,
+#     with the embedding model's CUDA stream at the highest priority (the server's default beside an
+#     image model) and, in the `nopriority` part, without (`--no-stream-priority`).
 # Builds nothing: stage first (TESTS= tools/device/stage.sh: .dev/bin/tessera, .dev/tools/
 # make_eg2_full.py and the wheels that make_zimage_full.py and make_eg2_full.py need).
-#   PARTS=make,batched,single (default all; the models stay in /tmp/zfull and /tmp/eg2 while the
-#   machine is warm, so a later call may run the modes alone)
+#   PARTS=make,batched,single,nopriority (default all; about 7 minutes on an H200. The models stay in
+#   /tmp/zfull and /tmp/eg2 while the machine is warm, so the parts may be split over calls:
+#   PARTS=make,batched, then PARTS=single,nopriority)
 #   SIZES=512x512,1024x1024 CLIENTS=1,8 STEPS=8 REQUESTS=24 EMBED_REQUESTS=200 GEN_CLIENTS=4
 #   PHASE_SECS=60 DEVICE=cuda PRECISION=bf16 TESSERA_BIN=.dev/bin/tessera
 # TINY=1 checks the script's logic on a CPU with the bundled miniatures (no Python models, no GPU):
@@ -17,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-make,batched,single}
+PARTS=${PARTS:-make,batched,single,nopriority}
 B=${TESSERA_BIN:-.dev/bin/tessera}
 if [ -n "${TINY:-}" ]; then
   SIZES=${SIZES:-64x64,128x128} CLIENTS=${CLIENTS:-1,8} STEPS=${STEPS:-2} REQUESTS=${REQUESTS:-16}
@@ -55,13 +58,18 @@ if [[ $PARTS == *make* ]]; then
   fi
 fi
 
-# One run of the load test: batched (the default) or single (one request at a time).
+# One run of the load test: batched (the default), single (one request at a time) or nopriority
+# (batched, every stream at one priority; only the first size at one client, for the embedding
+# phases).
 bench() {
-  local mode=$1 extra=()
+  local mode=$1 extra=() sizes=$SIZES clients=$CLIENTS requests=$REQUESTS
   [ "$mode" = single ] && extra=(--server-args "--no-image-batching")
-  echo "== tessera bench serve-images: $mode ($SIZES, $STEPS steps, clients $CLIENTS; embeddings beside)"
+  if [ "$mode" = nopriority ]; then
+    extra=(--server-args "--no-stream-priority") sizes=${SIZES%%,*} clients=1 requests=4
+  fi
+  echo "== tessera bench serve-images: $mode ($sizes, $STEPS steps, clients $clients; embeddings beside)"
   "$B" bench serve-images --image-model "$Z" --embed-model "$M" --device "$DEVICE" --precision "$PRECISION" \
-    --sizes "$SIZES" --clients "$CLIENTS" --steps "$STEPS" --requests "$REQUESTS" \
+    --sizes "$sizes" --clients "$clients" --steps "$STEPS" --requests "$requests" \
     --embed-requests "$EMBED_REQUESTS" --gen-clients "$GEN_CLIENTS" --phase-secs "$PHASE_SECS" \
     --max-queue 64 --server-log "$OUT/server_$mode.log" "${extra[@]}" --check \
     > "$OUT/bench_$mode.jsonl" 2> "$OUT/bench_$mode.err"
@@ -69,7 +77,7 @@ bench() {
   grep -v '^{' "$OUT/bench_$mode.err" | tail -12
   return $r
 }
-for mode in batched single; do
+for mode in batched single nopriority; do
   if [[ $PARTS == *$mode* ]]; then
     bench $mode; r=$?; status=$((status|r))
   fi
@@ -80,7 +88,7 @@ python3 - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 runs = {}
-for mode in ("batched", "single"):
+for mode in ("batched", "single", "nopriority"):
     f = out / f"bench_{mode}.jsonl"
     if f.exists():
         lines = [json.loads(l) for l in f.read_text().splitlines() if l.strip().startswith("{")]
@@ -88,7 +96,7 @@ for mode in ("batched", "single"):
 def num(v, fmt="{:.2f}"):
     return "-" if v is None else fmt.format(v)
 rows, summary = [], {"generation": [], "embedding": {}}
-phases = sorted({p for r in runs.values() for p in r if p.startswith("gen_") and p != "gen_beside_embed"},
+phases = sorted({p for m in ("batched", "single") for p in runs.get(m, {}) if p.startswith("gen_") and p != "gen_beside_embed"},
                 key=lambda p: (int(p.split("_")[1].split("x")[0]), int(p.split("_c")[1])))
 lines = ["| size | clients | batched images/s | one-at-a-time images/s | batched / one | p50 / p95 latency batched (s) | p50 / p95 one-at-a-time (s) |",
          "|---|---|---|---|---|---|---|"]

@@ -45,7 +45,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Generate an image from a prompt with Z-Image (PNG out).
     Generate(generate::GenerateArgs),
-    /// Serve a model over HTTP: OpenAI-compatible /v1/embeddings or /v1/chat/completions.
+    /// Serve one or several models over HTTP: OpenAI-compatible /v1/embeddings,
+    /// /v1/chat/completions and /v1/images/generations.
     Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency (see BENCHMARKS.md).
     Bench(bench::BenchArgs),

@@ -128,6 +128,11 @@ pub struct ServeArgs {
     /// comparison).
     #[arg(long, env = "TESSERA_NO_IMAGE_BATCHING")]
     no_image_batching: bool,
+    /// Keep every model's GPU work at the same priority. By default, when an image model is
+    /// served, the embedding and chat models queue their work on CUDA streams of the highest
+    /// priority, so their short requests are dispatched first while a generation runs.
+    #[arg(long, env = "TESSERA_NO_STREAM_PRIORITY")]
+    no_stream_priority: bool,
     /// Images: seconds from a request's arrival to its last image before it fails with 504; its
     /// generation stops at the next step.
     #[arg(long, env = "TESSERA_IMAGE_TIMEOUT", default_value_t = 600)]
@@ -193,6 +198,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if args.api_key.is_none() && !args.host.is_loopback() {
         tracing::warn!(host = %args.host, "serving beyond this machine without --api-key");
     }
+    let prioritise = !args.no_stream_priority
+        && specs
+            .iter()
+            .any(|(_, s)| s.family.capability() == Capability::GenerateImage);
     let mut models = Vec::with_capacity(specs.len());
     for (name, spec) in specs {
         if spec.is_bundled() {
@@ -207,7 +216,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             None => args.device.clone(),
         };
         models.push(ServedModel {
-            loader: loader(spec, device)?,
+            loader: loader(spec, device, prioritise)?,
             name,
         });
     }
@@ -229,22 +238,31 @@ pub fn run(args: ServeArgs) -> Result<()> {
     })
 }
 
-/// How `spec` is loaded, on the device `device` opens, on its worker's thread.
-fn loader(spec: ModelSpec, device: DeviceArgs) -> Result<ModelLoader> {
+/// How `spec` is loaded, on the device `device` opens, on its worker's thread; with
+/// `prioritise`, an embedding or chat model's GPU work goes to a high-priority stream (it shares
+/// the server with an image model's long generations).
+fn loader(spec: ModelSpec, device: DeviceArgs, prioritise: bool) -> Result<ModelLoader> {
+    let image_device = device.clone();
+    let open = move |spec: &ModelSpec| -> Result<AnyBackend> {
+        let mut backend = device.open_for(spec)?;
+        if prioritise {
+            backend.prefer_latency()?;
+        }
+        Ok(backend)
+    };
     Ok(match spec.family.capability() {
         Capability::Embed => {
             let files = model::embedding_model(&spec)?.0;
-            let loader: tessera_server::Loader =
-                Box::new(move || embed::load(device.open_for(&spec)?, files));
+            let loader: tessera_server::Loader = Box::new(move || embed::load(open(&spec)?, files));
             loader.into()
         }
         Capability::Chat => {
             let (files, cfg) = model::chat_model(&spec)?;
             let cfg = cfg.clone();
-            tessera_server::chat::loader(files, cfg, move || device.open_for(&spec)).into()
+            tessera_server::chat::loader(files, cfg, move || open(&spec)).into()
         }
         Capability::GenerateImage => ModelLoader::Image(Box::new(move || {
-            let mut backend = device.open_for(&spec)?;
+            let mut backend = image_device.open_for(&spec)?;
             // Requests batched together give the bytes they give alone (on a GPU, within the
             // last bits: its product kernels are chosen by shape).
             if let AnyBackend::Cpu(cpu) = &mut backend {

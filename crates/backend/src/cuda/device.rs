@@ -150,6 +150,24 @@ impl CudaBackend {
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(drv("synchronize"))
     }
+
+    /// Queue this backend's work on a stream of the device's highest priority, so that where
+    /// several backends share a GPU (a server's models) this one's thread blocks are dispatched
+    /// first as SMs free up: for a latency-sensitive model beside a long-running one. Call it
+    /// before loading anything; what the old stream had queued is finished first.
+    pub fn use_high_priority_stream(&mut self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(drv("bind the context"))?;
+        let (_least, greatest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(drv("stream priorities"))?;
+        let stream = self
+            .ctx
+            .new_stream_with_priority(greatest)
+            .map_err(drv("stream"))?;
+        // The product workspace was zeroed on the old stream: done before the new one uses it.
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        self.stream = stream;
+        Ok(())
+    }
 }
 
 impl CudaBackend {
