@@ -265,9 +265,7 @@ fn loader(spec: ModelSpec, device: DeviceArgs, prioritise: bool) -> Result<Model
             let mut backend = image_device.open_for(&spec)?;
             // Requests batched together give the bytes they give alone (on a GPU, within the
             // last bits: its product kernels are chosen by shape).
-            if let AnyBackend::Cpu(cpu) = &mut backend {
-                cpu.set_batch_invariant(true);
-            }
+            backend.set_batch_invariant(true);
             image::open(backend, &spec, None)
         })),
     })

@@ -84,7 +84,7 @@ fn a_batch_of_different_requests_gives_each_its_own_images() {
 fn a_cancelled_request_leaves_its_batch_as_it_would_be() {
     let mut m = model();
     let reqs = vec![req("stop me", 2, 1), req("keep going", 7, 2)];
-    let mut seen = vec![Vec::new(), Vec::new()];
+    let mut seen = [Vec::new(), Vec::new()];
     let results = m.generate_batch(&reqs, &mut |i, e| match e {
         Event::Step { index, .. } => {
             seen[i].push(index);
