@@ -14,26 +14,19 @@ use tessera_server::{Limits, ModelLoader, Schedule, ServedModel, ServerConfig};
 use crate::device::DeviceArgs;
 use crate::model;
 
-/// `--model` values naming the miniature models compiled into the binary.
-const BUNDLED: [(&str, Family); 3] = [
-    ("bundled:egemma2", Family::EmbeddingGemma2),
-    ("bundled:lfm2vl", Family::Lfm2Vl),
-    ("bundled:zimage", Family::ZImage),
-];
-
 #[derive(Args)]
 pub struct ServeArgs {
     /// Model folder or Hugging Face repo id in the local cache, optionally `=NAME` for the id
     /// clients send as `model` (e.g. `--model ./Z-Image-Turbo=z-image-turbo`). Repeat it to serve
     /// several models in one process; each model's family decides its route: an embedding model
     /// (EmbeddingGemma 2) answers /v1/embeddings, a chat model (LFM2-VL) /v1/chat/completions, a
-    /// text-to-image model (Z-Image) /v1/images/generations. `bundled:egemma2`, `bundled:lfm2vl`
-    /// and `bundled:zimage` name the bundled miniatures (random weights, for checking an
-    /// install); the default is `bundled:egemma2`.
+    /// text-to-image model (Z-Image, Qwen-Image-2.1) /v1/images/generations. `bundled:egemma2`,
+    /// `bundled:lfm2vl`, `bundled:zimage` and `bundled:qwen-image` name the bundled miniatures
+    /// (random weights, for checking an install); the default is `bundled:egemma2`.
     #[arg(long, env = "TESSERA_MODEL")]
     model: Vec<String>,
     /// The id clients send as `model` when one model is served (default: the folder's or repo's
-    /// last name; `egemma2-mini`, `lfm2vl-mini` or `zimage-mini` for a bundled model). With
+    /// last name; `egemma2-mini`, `zimage-mini`, … for a bundled model). With
     /// several models, give each its own with `--model PATH=NAME`. For an embedding model,
     /// `ID:PROMPT` then selects a task prompt.
     #[arg(long, env = "TESSERA_SERVED_MODEL_NAME")]
@@ -335,17 +328,7 @@ fn model_devices(
 /// The model `--model` names: a bundled miniature (`bundled:NAME`), a folder or a cached repo
 /// id; the bundled embedding model when absent.
 fn open_model(spec: Option<&str>) -> Result<ModelSpec> {
-    let Some(name) = spec.filter(|s| s.starts_with("bundled:")) else {
-        return ModelSpec::open(spec, Family::EmbeddingGemma2);
-    };
-    let name = name.trim_end_matches("-mini");
-    match BUNDLED.iter().find(|(n, _)| *n == name) {
-        Some(&(_, family)) => ModelSpec::bundled(family),
-        None => Err(Error::input(format!(
-            "--model {name:?}: the bundled models are {}",
-            BUNDLED.map(|(n, _)| n).join(", ")
-        ))),
-    }
+    ModelSpec::open(spec, Family::EmbeddingGemma2)
 }
 
 /// The last component of a folder or repo id; a bundled model's own name.

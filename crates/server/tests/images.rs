@@ -972,3 +972,97 @@ async fn a_generation_past_its_timeout_gets_504_and_stops() {
     assert_eq!(cancelled, 1.0);
     s.stop().await.unwrap();
 }
+
+/// Qwen-Image-2.1 (the bundled miniature) is served through the same route unchanged: its RGBA
+/// images keep their alpha in PNG and are composited over white in JPEG, its own size rule
+/// (multiples of 32) comes back as a 400, it has no previews, and a disconnect stops it.
+#[tokio::test(flavor = "multi_thread")]
+async fn qwen_image_is_served_through_the_same_route() {
+    // As `tessera serve` loads an image model on the CPU.
+    let loader: tessera_server::ImageLoader = Box::new(|| {
+        let mut cpu = tessera_backend::cpu::CpuBackend::new();
+        cpu.set_batch_invariant(true);
+        tessera_runtime::image::load_qwen_image(
+            tessera_backend::AnyBackend::Cpu(cpu),
+            &tessera_models::qwen_image::BUNDLED,
+        )
+    });
+    let s = Server::start_models(
+        config(),
+        vec![ServedModel::image("qwen-image-mini", loader)],
+    )
+    .await;
+    s.wait_ready().await;
+    let req = |size: &str| {
+        json!({"model": "qwen-image-mini", "prompt": "a glass of water", "size": size,
+               "num_inference_steps": 2, "seed": 5})
+    };
+    let (status, b) = s.generate(req("64x64")).await;
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(b["background"], "transparent");
+    let (w, h, c, rgba) = decode(b["data"][0]["b64_json"].as_str().unwrap());
+    assert_eq!((w, h, c), (64, 64, 4));
+    let want = {
+        let mut cpu = tessera_backend::cpu::CpuBackend::new();
+        cpu.set_batch_invariant(true);
+        let mut model = tessera_runtime::image::load_qwen_image(
+            tessera_backend::AnyBackend::Cpu(cpu),
+            &tessera_models::qwen_image::BUNDLED,
+        )
+        .unwrap();
+        let defaults = model.defaults();
+        let r = Request {
+            width: 64,
+            height: 64,
+            steps: 2,
+            seed: 5,
+            ..Request::new("a glass of water", defaults)
+        };
+        model
+            .generate(&r, &mut |_| ControlFlow::Continue(()))
+            .unwrap()
+            .remove(0)
+    };
+    assert_eq!(rgba, want.pixels);
+    let mut jpeg = req("64x64");
+    jpeg["output_format"] = json!("jpeg");
+    let (status, j) = s.generate(jpeg).await;
+    assert_eq!(status, 200, "{j}");
+    assert_eq!(j["background"], "opaque");
+    assert_eq!(decode(j["data"][0]["b64_json"].as_str().unwrap()).2, 3);
+    let (status, e) = s.generate(req("48x48")).await;
+    assert_openai_error(status, &e, 400, "invalid_request", "off Qwen-Image's grid");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("32"),
+        "{e}"
+    );
+    let mut previews = req("64x64");
+    previews["stream"] = json!(true);
+    previews["partial_images"] = json!(1);
+    let (status, e) = s.generate(previews).await;
+    assert_openai_error(
+        status,
+        &e,
+        400,
+        "invalid_request",
+        "previews of a model without a map",
+    );
+    // A streamed request dropped after its first step is cancelled.
+    let mut long = req("64x64");
+    long["num_inference_steps"] = json!(60);
+    long["stream"] = json!(true);
+    let mut watch = send(s.addr, "/v1/images/generations", &long).await;
+    read_steps(&mut watch, 1).await;
+    drop(watch);
+    let name = r#"tessera_image_requests_total{model="qwen-image-mini",outcome="cancelled"}"#;
+    let mut cancelled = 0.0;
+    for _ in 0..200 {
+        cancelled = metric(&s, name).await;
+        if cancelled > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(cancelled, 1.0);
+    s.stop().await.unwrap();
+}
