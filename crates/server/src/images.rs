@@ -233,11 +233,9 @@ impl Runner for ImageRunner {
                 return ControlFlow::Break(());
             };
             match e {
-                text_to_image::Event::Encoded => {
-                    if clock.0.is_none() {
-                        clock.1 = Instant::now();
-                    }
-                }
+                // A request's loop starts (all of a batch at once; one after another where the
+                // family runs its requests in turn): its first step is timed from here.
+                text_to_image::Event::Encoded => clock = (None, Instant::now(), clock.2),
                 text_to_image::Event::Step {
                     index,
                     steps,
