@@ -7,8 +7,9 @@
 #   - the p50/p95 latency of an embedding request idle and while 4 clients generate without pause,
 #     with the embedding model's CUDA stream at the highest priority (the server's default beside an
 #     image model) and, in the `nopriority` part, without (`--no-stream-priority`).
-# Builds nothing: stage first (TESTS= tools/device/stage.sh: .dev/bin/tessera, .dev/tools/
-# make_eg2_full.py and the wheels that make_zimage_full.py and make_eg2_full.py need).
+# Builds nothing: stage first (TESTS=" " tools/device/stage.sh — no test executables are needed —
+# puts .dev/bin/tessera, .dev/tools/make_eg2_full.py and the wheels that make_zimage_full.py and
+# make_eg2_full.py need).
 #   PARTS=make,batched,single,nopriority (default all; about 7 minutes on an H200. The models stay in
 #   /tmp/zfull and /tmp/eg2 while the machine is warm, so the parts may be split over calls:
 #   PARTS=make,batched, then PARTS=single,nopriority)
@@ -35,7 +36,7 @@ else
   Z=/tmp/zfull M=/tmp/eg2
   export TESSERA_CACHE_DIR=/tmp/tessera-cache
 fi
-[ -x "$B" ] || { echo "no tessera binary at $B: stage it first (tools/device/stage.sh)"; exit 1; }
+[ -x "$B" ] || { echo "no tessera binary at $B: stage it first (TESTS=\" \" tools/device/stage.sh)"; exit 1; }
 status=0
 
 if [[ $PARTS == *make* ]]; then
