@@ -6,9 +6,11 @@
 //! Errors are `rel = max |got − want| / max |want|` per tap. Bound: 1e-5 on every tap (f32
 //! convolutions of ≤ 288 terms, norm statistics in f64, one f32 softmax over ≤ 20 keys).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod common;
+
+use common::{Expected, max_abs, rel};
 use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_core::Weights;
@@ -23,56 +25,17 @@ fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-/// Expected tensors by name (float64 taps, f32 inputs, uint8 images), widened to f64.
-struct Expected {
-    tensors: BTreeMap<String, (Vec<usize>, Vec<f64>)>,
-}
-
-impl Expected {
-    fn load() -> Self {
-        let p = fixtures().join("vae_expected.safetensors");
-        let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-        let st = safetensors::SafeTensors::deserialize(&bytes).expect("fixture parses");
-        let mut tensors = BTreeMap::new();
-        for (name, t) in st.tensors() {
-            let d = t.data();
-            let values: Vec<f64> = match t.dtype() {
-                safetensors::Dtype::F64 => d
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-                safetensors::Dtype::F32 => d
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-                safetensors::Dtype::U8 => d.iter().map(|&b| b as f64).collect(),
-                other => panic!("{name}: unexpected dtype {other:?}"),
-            };
-            tensors.insert(name, (t.shape().to_vec(), values));
+/// A `[C, H, W]` tap as channels-last `[H·W, C]`.
+fn channels_last(ex: &Expected, name: &str) -> Vec<f64> {
+    let (shape, v) = (ex.shape(name), ex.get(name));
+    let [c, h, w]: [usize; 3] = shape.try_into().unwrap();
+    let mut out = vec![0.0; v.len()];
+    for ch in 0..c {
+        for p in 0..h * w {
+            out[p * c + ch] = v[ch * h * w + p];
         }
-        Expected { tensors }
     }
-
-    fn get(&self, name: &str) -> (&[usize], &[f64]) {
-        let (s, v) = self
-            .tensors
-            .get(name)
-            .unwrap_or_else(|| panic!("fixture tensor {name} missing"));
-        (s, v)
-    }
-
-    /// A `[C, H, W]` tap as channels-last `[H·W, C]`.
-    fn channels_last(&self, name: &str) -> Vec<f64> {
-        let (shape, v) = self.get(name);
-        let [c, h, w]: [usize; 3] = shape.try_into().unwrap();
-        let mut out = vec![0.0; v.len()];
-        for ch in 0..c {
-            for p in 0..h * w {
-                out[p * c + ch] = v[ch * h * w + p];
-            }
-        }
-        out
-    }
+    out
 }
 
 #[derive(Deserialize)]
@@ -86,24 +49,6 @@ struct VaeCase {
     latent_hw: [usize; 2],
     image_hw: [usize; 2],
     taps: Vec<String>,
-}
-
-fn max_abs(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length");
-    got.iter()
-        .zip(want)
-        .map(|(&g, &w)| {
-            if g.is_finite() {
-                (g as f64 - w).abs()
-            } else {
-                f64::INFINITY
-            }
-        })
-        .fold(0.0, f64::max)
-}
-
-fn rel(got: &[f32], want: &[f64]) -> f64 {
-    max_abs(got, want) / want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30)
 }
 
 fn config() -> VaeConfig {
@@ -151,7 +96,10 @@ fn the_fixture_config_is_read_whole() {
 /// handful of such values may exist.
 #[test]
 fn decodes_like_the_reference() {
-    let (ex, be) = (Expected::load(), CpuBackend::new());
+    let (ex, be) = (
+        Expected::load_from(&fixtures().join("vae_expected.safetensors")),
+        CpuBackend::new(),
+    );
     let cases: VaeCases = serde_json::from_str(&read(&fixtures().join("vae_cases.json"))).unwrap();
     assert_eq!(cases.cases.len(), 2);
     let vae = decoder(&be);
@@ -159,7 +107,8 @@ fn decodes_like_the_reference() {
     let mut failures = Vec::new();
     for c in &cases.cases {
         let [h, w] = c.latent_hw;
-        let (shape, latent) = ex.get(&format!("{}/latent", c.name));
+        let name = format!("{}/latent", c.name);
+        let (shape, latent) = (ex.shape(&name), ex.get(&name));
         assert_eq!(shape, [h * w, 8]);
         let latent: Vec<f32> = latent.iter().map(|&v| v as f32).collect();
         let mut taps = VaeTaps::default();
@@ -174,7 +123,7 @@ fn decodes_like_the_reference() {
         want_names.sort();
         assert_eq!(names, want_names, "{}: every tap compared", c.name);
         for (name, got) in &taps.values {
-            let want = ex.channels_last(&format!("{}/{name}", c.name));
+            let want = channels_last(&ex, &format!("{}/{name}", c.name));
             let err = rel(got, &want);
             report.push(format!("{:>10} {name:>10}: rel {err:.2e}", c.name));
             if err.is_nan() || err > 1e-5 {
@@ -183,8 +132,9 @@ fn decodes_like_the_reference() {
         }
 
         // The 8-bit image.
-        let sample = ex.channels_last(&format!("{}/sample", c.name));
-        let (shape, want_u8) = ex.get(&format!("{}/rgba8", c.name));
+        let sample = channels_last(&ex, &format!("{}/sample", c.name));
+        let name = format!("{}/rgba8", c.name);
+        let (shape, want_u8) = (ex.shape(&name), ex.get(&name));
         assert_eq!(shape, [ih, iw, 4]);
         let got_u8 = to_rgba8(&image);
         let slack = 127.5 * 2.0 * max_abs(&image, &sample) + 1e-4;
