@@ -238,4 +238,25 @@ mod tests {
         let e = Qwen3Config::parse(p, &no_vocab).unwrap_err().to_string();
         assert!(e.contains("vocab_size"), "{e}");
     }
+
+    #[test]
+    fn a_text_encoder_of_another_architecture_is_named() {
+        let p = Path::new("text_encoder/config.json");
+        let vl = format!(
+            "{{\"model_type\":\"qwen3_vl\",\"text_config\":{}}}",
+            format!("{BASE},\"rope_parameters\":{{\"rope_type\":\"default\",\"rope_theta\":5e6,\"mrope_section\":[1,1]}}}}")
+                .replace("\"model_type\":\"qwen3\"", "\"model_type\":\"qwen3_vl_text\"")
+        );
+        let c = Qwen3Config::parse_vl(p, &vl).unwrap();
+        assert_eq!(c.rope_theta, 5e6);
+        // Z-Image's Qwen3 text encoder where Qwen-Image wants Qwen3-VL.
+        let e = Qwen3Config::parse_vl(p, &format!("{BASE},\"rope_theta\":1.0}}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"qwen3\"") && e.contains("Qwen3-VL"), "{e}");
+        // Sections that do not split the rotated pairs.
+        let bad = vl.replace("[1,1]", "[1,2]");
+        let e = Qwen3Config::parse_vl(p, &bad).unwrap_err().to_string();
+        assert!(e.contains("mrope_section"), "{e}");
+    }
 }
