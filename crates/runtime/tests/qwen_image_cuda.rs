@@ -284,3 +284,73 @@ fn component_timings() {
     });
     println!("timing vae_decode_1024sq_ms {vae:.2}");
 }
+
+/// The full-size DiT alone, CUDA f32 against the CPU, from the same random text features: the
+/// prefix K/V of every layer (how an error grows with depth) and one cached step's velocity.
+#[test]
+#[ignore = "needs a CUDA GPU and TESSERA_QI_FULL"]
+fn full_size_dit_layer_by_layer() {
+    use tessera_backend::{Role, View};
+    use tessera_core::Weights;
+    use tessera_models::qwen_image::config::TransformerConfig;
+    use tessera_models::qwen_image::layout::Layout;
+    use tessera_models::qwen_image::transformer::QwenImageTransformer;
+
+    let dir = std::env::var_os("TESSERA_QI_FULL")
+        .expect("TESSERA_QI_FULL: a folder from tools/device/make_qwen_image_full.py");
+    let dir = std::path::Path::new(&dir).join("transformer");
+    let cfg_text = std::fs::read_to_string(dir.join("config.json")).expect("config");
+    let cfg = TransformerConfig::parse(&dir.join("config.json"), &cfg_text).expect("config");
+    let w = Weights::open_dir(&dir, "diffusion_pytorch_model").expect("weights");
+    let (rows, (h, w_)) = (20usize, (16usize, 16usize));
+    let feats: Vec<f32> = (0..rows * cfg.context_in_dim)
+        .map(|i| (((i as u32).wrapping_mul(2654435761) >> 8) as f32 / 16777216.0 - 0.5) * 4.0)
+        .collect();
+    let lat: Vec<f32> = (0..h * w_ * cfg.in_channels)
+        .map(|i| (((i as u32).wrapping_mul(2246822519) >> 8) as f32 / 16777216.0 - 0.5) * 3.4)
+        .collect();
+    let layout = Layout::text_to_image(rows, (h, w_)).unwrap();
+    fn run<B: Backend>(
+        be: &B,
+        cfg: &TransformerConfig,
+        w: &Weights,
+        f: &[f32],
+        lat: &[f32],
+        layout: &Layout,
+    ) -> (Vec<Vec<f32>>, Vec<f32>) {
+        let tr = QwenImageTransformer::load(be, cfg, w).expect("load");
+        let mut buf = be.alloc(f.len(), Role::Stream).unwrap();
+        be.write_f32(&mut buf, f).unwrap();
+        let p = tr
+            .prefill(
+                be,
+                layout,
+                View::new(&buf, layout.prefix_rows(), cfg.context_in_dim),
+                &[],
+            )
+            .unwrap();
+        let d = cfg.dim();
+        let kv = (0..cfg.num_layers)
+            .map(|l| {
+                be.read_f32(View::new(p.kv(l).unwrap().0, layout.prefix_rows(), d))
+                    .unwrap()
+            })
+            .collect();
+        let mut st = tr.prepare_steps(be, &[&p], &[0], &[0.7]).unwrap();
+        let v = tr.step(be, &mut st, &[&p], &[lat], 0).unwrap().remove(0);
+        (kv, v)
+    }
+    let (kc, vc) = run(&CpuBackend::new(), &cfg, &w, &feats, &lat, &layout);
+    let (kg, vg) = run(&gpu(Precision::F32), &cfg, &w, &feats, &lat, &layout);
+    let per: Vec<String> = kc
+        .iter()
+        .zip(&kg)
+        .enumerate()
+        .map(|(l, (a, b))| format!("k{l} {:.1e}", rel(b, a)))
+        .collect();
+    println!("full-size DiT f32, prefix keys by layer: {}", per.join(" "));
+    println!(
+        "full-size DiT f32, cached step velocity: {:.2e}",
+        rel(&vg, &vc)
+    );
+}
