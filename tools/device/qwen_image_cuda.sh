@@ -5,7 +5,12 @@
 # `tessera bench generate` at 1024² / 40 steps, a profile, and diffusers beside it in the same call.
 #   PARTS=ops,parity,full,parts,bench,profile,ref,compile (default all but compile)
 # Writes logs, JSON and the generated PNGs under $OUT. Build everything first with
-# TESTS="cuda_ops qwen_image_cuda" tools/device/stage.sh.
+# PACK=1 TESTS="cuda_ops qwen_image_cuda" tools/device/stage.sh, and carry .dev/pack, .dev/whl and
+# .dev/tools. To fit the 64 MiB carry, the transformers wheel was trimmed (run q1/q2) with
+#   python3 ../shared/tools/trim_wheel.py IN.whl .dev/whl/transformers-5.25.0-py3-none-any.whl \
+#     transformers/models/ auto,qwen3_vl,qwen2_vl,qwen2,qwen3,llama,clip,t5,siglip,siglip2,gemma,\
+#     gemma2,gemma3,bert,lfm2,lfm2_vl,dinov2_with_registers,vit_mae
+# (diffusers imports the last two; the reference script hides peft, which would import more).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
