@@ -1,12 +1,14 @@
 //! Blocks shared by the transformer families, each written once against the backend ops:
 //! - [`attention`]: self-attention with fused q|k|v, per-head norms and RoPE;
 //! - [`mlp`]: the gated MLP;
+//! - [`conv`]: the VAE decoders' 2-D convolution;
 //! - [`layers`]: the pre-norm (Qwen-style) and sandwich-normed (Gemma) layers built from them;
 //! - [`scratch`]: the activations a block works in;
 //! - [`rope`]: RoPE angle tables (1-D, 2-D axial, multi-axis);
 //! - [`timestep`]: the sinusoidal timestep features of diffusion transformers.
 
 pub mod attention;
+pub mod conv;
 pub mod layers;
 pub mod mlp;
 pub mod rope;

@@ -48,11 +48,12 @@ use std::path::Path;
 use serde::Deserialize;
 use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, Conv2d, DupUp, Mask, Op, QkvLayout, Residual, Role,
-    RowNorm, View, ViewMut,
+    Activation, After, AttnSpec, Backend, DupUp, Mask, Op, QkvLayout, Residual, Role, RowNorm,
+    View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
+use crate::blocks::conv::Conv;
 use crate::loader::{Linear, Loader};
 
 /// The reference's floor on the L2 norm of a pixel's channels (`F.normalize`'s eps).
@@ -368,57 +369,6 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
     }
     // The 1×1 shortcuts of channel-changing resnets are `post_quant_conv`'s op.
     ops
-}
-
-/// A convolution with its weight reordered to the backend's `[out, k·k·in]` layout.
-struct Conv<B: Backend> {
-    w: B::Mat,
-    b: B::Vector,
-    kernel: usize,
-    cout: usize,
-}
-
-impl<B: Backend> Conv<B> {
-    fn load(l: &Loader<'_, B>, name: &str, cin: usize, cout: usize, kernel: usize) -> Result<Self> {
-        // [out, in, ky, kx] → [out, ky, kx, in], in the stored dtype.
-        let mut t = l
-            .tensor(&format!("{name}.weight"), &[cout, cin, kernel, kernel])?
-            .permuted(&[0, 2, 3, 1])?;
-        t.shape = vec![cout, kernel * kernel * cin];
-        Ok(Conv {
-            w: l.backend().matrix(&[t])?,
-            b: l.vector(&format!("{name}.bias"), cout)?,
-            kernel,
-            cout,
-        })
-    }
-
-    /// `out = conv(act(x))` for an `hw` image (upsampled 2× first when `upsample`).
-    fn run(
-        &self,
-        be: &B,
-        x: View<'_, B>,
-        hw: (usize, usize),
-        upsample: bool,
-        act: Option<Activation>,
-        out: &mut B::Buf,
-    ) -> Result<()> {
-        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel);
-        if upsample {
-            spec = spec.upsampled();
-        }
-        if let Some(a) = act {
-            spec = spec.of_activated(a);
-        }
-        let (oh, ow) = spec.out_size();
-        be.conv2d(
-            x,
-            &self.w,
-            &self.b,
-            &spec,
-            ViewMut::new(out, oh * ow, self.cout),
-        )
-    }
 }
 
 /// An `RMS_norm`'s γ (`[C, 1, 1, 1]` or, in the attention, `[C, 1, 1]`) as a norm weight.

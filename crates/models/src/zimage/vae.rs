@@ -14,62 +14,15 @@
 use std::collections::BTreeMap;
 
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, Conv2d, GroupNorm, Mask, QkvLayout, Residual, Role, View,
-    ViewMut,
+    Activation, After, AttnSpec, Backend, GroupNorm, Mask, QkvLayout, Residual, Role, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
 use super::config::VaeConfig;
+use crate::blocks::conv::Conv;
 use crate::loader::{Linear, Loader};
 
 const GN_EPS: f32 = 1e-6;
-
-/// An `nn.Conv2d` with its weight reordered to the backend's `[out, k·k·in]` layout.
-struct Conv<B: Backend> {
-    w: B::Mat,
-    b: B::Vector,
-    kernel: usize,
-    cout: usize,
-}
-
-impl<B: Backend> Conv<B> {
-    fn load(l: &Loader<'_, B>, name: &str, cin: usize, cout: usize, kernel: usize) -> Result<Self> {
-        // [out, in, ky, kx] → [out, ky, kx, in], in the stored dtype.
-        let mut t = l
-            .tensor(&format!("{name}.weight"), &[cout, cin, kernel, kernel])?
-            .permuted(&[0, 2, 3, 1])?;
-        t.shape = vec![cout, kernel * kernel * cin];
-        Ok(Conv {
-            w: l.backend().matrix(&[t])?,
-            b: l.vector(&format!("{name}.bias"), cout)?,
-            kernel,
-            cout,
-        })
-    }
-
-    /// `out = conv(x)` for an `hw` image (upsampled 2× first when `upsample`).
-    fn run(
-        &self,
-        be: &B,
-        x: View<'_, B>,
-        hw: (usize, usize),
-        upsample: bool,
-        out: &mut B::Buf,
-    ) -> Result<()> {
-        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel);
-        if upsample {
-            spec = spec.upsampled();
-        }
-        let (oh, ow) = spec.out_size();
-        be.conv2d(
-            x,
-            &self.w,
-            &self.b,
-            &spec,
-            ViewMut::new(out, oh * ow, self.cout),
-        )
-    }
-}
 
 /// GroupNorm weight and bias.
 struct Norm<B: Backend> {
@@ -286,8 +239,14 @@ impl<B: Backend> VaeDecoder<B> {
         be.write_f32(&mut bufs.n, &z)?;
         let mut hw = (h, w);
         let top = self.conv_in.cout;
-        self.conv_in
-            .run(be, View::new(&bufs.n, h * w, lc), hw, false, &mut bufs.x)?;
+        self.conv_in.run(
+            be,
+            View::new(&bufs.n, h * w, lc),
+            hw,
+            false,
+            None,
+            &mut bufs.x,
+        )?;
         let mut record = |name: &str, b: &B::Buf, px: usize, ch: usize| -> Result<()> {
             if let Some(t) = taps.as_deref_mut() {
                 t.values
@@ -317,6 +276,7 @@ impl<B: Backend> VaeDecoder<B> {
                     View::new(&bufs.x, hw.0 * hw.1, ch),
                     hw,
                     true,
+                    None,
                     &mut bufs.y,
                 )?;
                 std::mem::swap(&mut bufs.x, &mut bufs.y);
@@ -338,7 +298,7 @@ impl<B: Backend> VaeDecoder<B> {
             ViewMut::new(&mut bufs.c, px, c0),
         )?;
         self.conv_out
-            .run(be, View::new(&bufs.c, px, c0), hw, false, &mut bufs.y)?;
+            .run(be, View::new(&bufs.c, px, c0), hw, false, None, &mut bufs.y)?;
         be.read_f32(View::new(&bufs.y, px, c.out_channels))
     }
 
@@ -369,7 +329,7 @@ impl<B: Backend> VaeDecoder<B> {
             ViewMut::new(&mut b.c, px, r.cin),
         )?;
         r.conv1
-            .run(be, View::new(&b.c, px, r.cin), hw, false, &mut b.h)?;
+            .run(be, View::new(&b.c, px, r.cin), hw, false, None, &mut b.h)?;
         self.group_norm(
             be,
             &r.norm2,
@@ -378,9 +338,9 @@ impl<B: Backend> VaeDecoder<B> {
             ViewMut::new(&mut b.c, px, r.cout),
         )?;
         r.conv2
-            .run(be, View::new(&b.c, px, r.cout), hw, false, &mut b.y)?;
+            .run(be, View::new(&b.c, px, r.cout), hw, false, None, &mut b.y)?;
         if let Some(sc) = &r.shortcut {
-            sc.run(be, View::new(&b.x, px, r.cin), hw, false, &mut b.n)?;
+            sc.run(be, View::new(&b.x, px, r.cin), hw, false, None, &mut b.n)?;
             std::mem::swap(&mut b.x, &mut b.n);
         }
         be.residual(

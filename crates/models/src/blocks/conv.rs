@@ -1,0 +1,65 @@
+//! The VAE decoders' convolution: an `nn.Conv2d`'s weight reordered for the backend's
+//! channels-last `conv2d` (see [`tessera_backend::op::Conv2d`]).
+
+use tessera_backend::{Activation, Backend, Conv2d, View, ViewMut};
+use tessera_core::Result;
+
+use crate::loader::Loader;
+
+/// An `nn.Conv2d` (the VAEs') with its weight reordered to the backend's `[out, k·k·in]` layout.
+pub struct Conv<B: Backend> {
+    pub w: B::Mat,
+    pub b: B::Vector,
+    pub kernel: usize,
+    pub cout: usize,
+}
+
+impl<B: Backend> Conv<B> {
+    /// `{name}.weight` `[cout, cin, k, k]` and `{name}.bias` `[cout]` of an `nn.Conv2d`.
+    pub fn load(
+        l: &Loader<'_, B>,
+        name: &str,
+        cin: usize,
+        cout: usize,
+        kernel: usize,
+    ) -> Result<Self> {
+        // [out, in, ky, kx] → [out, ky, kx, in], in the stored dtype.
+        let mut t = l
+            .tensor(&format!("{name}.weight"), &[cout, cin, kernel, kernel])?
+            .permuted(&[0, 2, 3, 1])?;
+        t.shape = vec![cout, kernel * kernel * cin];
+        Ok(Conv {
+            w: l.backend().matrix(&[t])?,
+            b: l.vector(&format!("{name}.bias"), cout)?,
+            kernel,
+            cout,
+        })
+    }
+
+    /// `out = conv(act(x))` for an `hw` image (upsampled 2× first when `upsample`).
+    pub fn run(
+        &self,
+        be: &B,
+        x: View<'_, B>,
+        hw: (usize, usize),
+        upsample: bool,
+        act: Option<Activation>,
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel);
+        if upsample {
+            spec = spec.upsampled();
+        }
+        if let Some(a) = act {
+            spec = spec.of_activated(a);
+        }
+        let (oh, ow) = spec.out_size();
+        be.conv2d(
+            x,
+            &self.w,
+            &self.b,
+            &spec,
+            ViewMut::new(out, oh * ow, self.cout),
+        )
+    }
+}
