@@ -15,111 +15,42 @@
 
 mod common;
 
-use common::text_to_image::{FLOOR_FACTOR, floor_cases, max_level_diff, psnr, rel, worst};
+use common::text_to_image::{Family, Taps, compare, floor_failures, gpu, rel};
 use tessera_backend::cpu::CpuBackend;
-use tessera_backend::{Backend, Precision, cuda};
+use tessera_backend::{Backend, Precision};
 use tessera_models::qwen_image::{self, QwenImage, QwenImageFiles};
 use tessera_models::text_to_image::{Event, Request};
 
-/// Everything one generation exposes, read back as `f32`.
-#[derive(Default)]
-struct Taps {
-    features: Vec<Vec<f32>>,
-    velocity: Vec<Vec<Vec<f32>>>,
-    latent: Vec<Vec<f32>>,
-    decoded: Vec<f32>,
-    rgba: Vec<u8>,
-}
+impl Family for QwenImageFiles {
+    const FEATURES: &'static str = "prompt features";
 
-fn run<B: Backend>(be: B, files: &QwenImageFiles, req: &Request) -> Taps {
-    let mut m = QwenImage::load(be, files).expect("load");
-    let plan = m.plan(req).expect("plan");
-    let mut taps = Taps {
-        features: m.prompt_features(&plan).expect("text encoder"),
-        ..Taps::default()
-    };
-    let mut last: Vec<Vec<f32>> = Vec::new();
-    let images = m
-        .generate_images(req, &plan, |e| {
-            if let Event::Step { v, latents, .. } = e {
-                taps.velocity.push(v.to_vec());
-                taps.latent.push(latents.concat());
-                last = latents.to_vec();
-            }
-        })
-        .expect("generate");
-    for latent in &last {
-        let image = m
-            .vae()
-            .decode(m.backend(), latent, plan.latent_hw, None)
-            .expect("decode");
-        taps.decoded.extend(image);
-    }
-    taps.rgba = images.into_iter().flat_map(|i| i.pixels).collect();
-    taps
-}
-
-/// Each tap's relative error of `got` against `want` (the worst over items and steps).
-fn errors(got: &Taps, want: &Taps) -> Vec<(&'static str, f64)> {
-    let velocity: Vec<_> = got
-        .velocity
-        .iter()
-        .zip(&want.velocity)
-        .flat_map(|(a, b)| a.iter().zip(b))
-        .collect();
-    vec![
-        (
-            "prompt features",
-            worst(got.features.iter().zip(&want.features)),
-        ),
-        ("velocity", worst(velocity)),
-        ("latent", worst(got.latent.iter().zip(&want.latent))),
-        ("decoded image", rel(&got.decoded, &want.decoded)),
-    ]
-}
-
-fn gpu(p: Precision) -> cuda::CudaBackend {
-    cuda::open(0, p).unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
-}
-
-/// The CPU, then CUDA in f32 and bf16; returns failures.
-fn compare(
-    label: &str,
-    files: &QwenImageFiles,
-    req: &Request,
-    bf16_psnr: Option<f64>,
-) -> Vec<String> {
-    let cpu = run(CpuBackend::new(), files, req);
-    let mut failures = Vec::new();
-    for p in [Precision::F32, Precision::Bf16] {
-        let got = run(gpu(p), files, req);
-        assert_eq!(got.velocity.len(), cpu.velocity.len());
-        let db = psnr(&got.rgba, &cpu.rgba);
-        let levels = max_level_diff(&got.rgba, &cpu.rgba);
-        let taps: Vec<String> = errors(&got, &cpu)
-            .into_iter()
-            .map(|(name, e)| {
-                if p == Precision::F32 && (e.is_nan() || e > 1e-5) {
-                    failures.push(format!("{label} f32: {name} rel {e:.2e} > 1e-5"));
+    fn run<B: Backend + 'static>(&self, be: B, req: &Request) -> Taps {
+        let mut m = QwenImage::load(be, self).expect("load");
+        let plan = m.plan(req).expect("plan");
+        let mut taps = Taps {
+            features: m.prompt_features(&plan).expect("text encoder"),
+            ..Taps::default()
+        };
+        let mut last: Vec<Vec<f32>> = Vec::new();
+        let images = m
+            .generate_images(req, &plan, |e| {
+                if let Event::Step { v, latents, .. } = e {
+                    taps.velocity.push(v.to_vec());
+                    taps.latent.push(latents.concat());
+                    last = latents.to_vec();
                 }
-                format!("{name} {e:.2e}")
             })
-            .collect();
-        println!(
-            "{label} {p}: {}; 8-bit RGBA: max diff {levels} levels, PSNR {db:.1} dB vs CPU f32",
-            taps.join(", ")
-        );
-        match p {
-            Precision::F32 if levels > 1 => {
-                failures.push(format!("{label} f32: 8-bit image off by {levels} levels"))
-            }
-            Precision::Bf16 if bf16_psnr.is_some_and(|min| db < min) => failures.push(format!(
-                "{label} bf16: PSNR {db:.1} dB against the f32 image"
-            )),
-            _ => {}
+            .expect("generate");
+        for latent in &last {
+            let image = m
+                .vae()
+                .decode(m.backend(), latent, plan.latent_hw, None)
+                .expect("decode");
+            taps.decoded.extend(image);
         }
+        taps.pixels = images.into_iter().flat_map(|i| i.pixels).collect();
+        taps
     }
-    failures
 }
 
 fn request(prompt: &str, (width, height): (usize, usize), steps: usize) -> Request {
@@ -179,32 +110,9 @@ fn a_full_size_model_matches_the_cpu_at_a_small_size() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bf16_stays_within_1_5x_of_its_storage_floor_per_tap() {
-    let mut failures = Vec::new();
-    for c in &floor_cases("qwen_image") {
-        let req = Request {
-            negative_prompt: c.negative_prompt.clone(),
-            guidance: c.guidance,
-            init_latent: Some(c.init_latent.clone()),
-            ..request(&c.prompt, (c.width, c.height), c.steps)
-        };
-        // The CPU's f32 run stands for the float64 reference (they agree to ~1e-6).
-        let cpu = run(CpuBackend::new(), &qwen_image::BUNDLED, &req);
-        let got = run(gpu(Precision::Bf16), &qwen_image::BUNDLED, &req);
-        let rows: Vec<String> = errors(&got, &cpu)
-            .into_iter()
-            .map(|(tap, e)| {
-                let floor = c.floor[tap];
-                if e.is_nan() || e > FLOOR_FACTOR * floor {
-                    failures.push(format!(
-                        "{} bf16: {tap} {e:.2e} > 1.5 × floor {floor:.2e}",
-                        c.label
-                    ));
-                }
-                format!("{tap} {e:.2e} (floor {floor:.2e}, {:.2}×)", e / floor)
-            })
-            .collect();
-        println!("{} bf16: {}", c.label, rows.join(", "));
-    }
+    let failures = floor_failures("qwen_image", &qwen_image::BUNDLED, |c| {
+        request(&c.prompt, (c.width, c.height), c.steps)
+    });
     assert!(failures.is_empty(), "{failures:#?}");
 }
 

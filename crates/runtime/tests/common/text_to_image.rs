@@ -79,3 +79,131 @@ pub fn floor_cases(family: &str) -> Vec<FloorCase> {
     let floors: Floors = serde_json::from_str(&text).expect("bf16_floor.json");
     floors.cases
 }
+
+/// Everything one generation exposes, read back as `f32`.
+#[derive(Default)]
+pub struct Taps {
+    /// The text encoder's features per prompt.
+    pub features: Vec<Vec<f32>>,
+    /// Per step: the velocity of each item.
+    pub velocity: Vec<Vec<Vec<f32>>>,
+    /// Per step: every image's latent after the update.
+    pub latent: Vec<Vec<f32>>,
+    /// The decoder's output in floats, every image.
+    pub decoded: Vec<f32>,
+    /// The 8-bit images.
+    pub pixels: Vec<u8>,
+}
+
+/// A text-to-image family as the GPU tests drive it.
+pub trait Family {
+    /// The features tap's name (as in the family's `bf16_floor.json`).
+    const FEATURES: &'static str;
+    /// One generation of `req` on `be`, every tap recorded.
+    fn run<B: tessera_backend::Backend + 'static>(
+        &self,
+        be: B,
+        req: &tessera_models::text_to_image::Request,
+    ) -> Taps;
+}
+
+/// Each tap's relative error of `got` against `want`, by name (the worst over items and steps).
+pub fn errors<F: Family>(got: &Taps, want: &Taps) -> Vec<(&'static str, f64)> {
+    let velocity: Vec<_> = got
+        .velocity
+        .iter()
+        .zip(&want.velocity)
+        .flat_map(|(a, b)| a.iter().zip(b))
+        .collect();
+    vec![
+        (F::FEATURES, worst(got.features.iter().zip(&want.features))),
+        ("velocity", worst(velocity)),
+        ("latent", worst(got.latent.iter().zip(&want.latent))),
+        ("decoded image", rel(&got.decoded, &want.decoded)),
+    ]
+}
+
+#[cfg(feature = "cuda")]
+pub fn gpu(p: tessera_backend::Precision) -> tessera_backend::cuda::CudaBackend {
+    tessera_backend::cuda::open(0, p).unwrap_or_else(|e| panic!("CUDA device 0: {e}"))
+}
+
+/// The CPU, then CUDA in f32 and bf16, with `req`; returns failures: an f32 tap over 1e-5 of the
+/// CPU, an f32 8-bit image more than one level off, a bf16 image under `bf16_psnr` dB.
+#[cfg(feature = "cuda")]
+pub fn compare<F: Family>(
+    label: &str,
+    family: &F,
+    req: &tessera_models::text_to_image::Request,
+    bf16_psnr: Option<f64>,
+) -> Vec<String> {
+    use tessera_backend::Precision;
+    let cpu = family.run(tessera_backend::cpu::CpuBackend::new(), req);
+    let mut failures = Vec::new();
+    for p in [Precision::F32, Precision::Bf16] {
+        let got = family.run(gpu(p), req);
+        assert_eq!(got.velocity.len(), cpu.velocity.len());
+        let db = psnr(&got.pixels, &cpu.pixels);
+        let levels = max_level_diff(&got.pixels, &cpu.pixels);
+        let taps: Vec<String> = errors::<F>(&got, &cpu)
+            .into_iter()
+            .map(|(name, e)| {
+                if p == Precision::F32 && (e.is_nan() || e > 1e-5) {
+                    failures.push(format!("{label} f32: {name} rel {e:.2e} > 1e-5"));
+                }
+                format!("{name} {e:.2e}")
+            })
+            .collect();
+        println!(
+            "{label} {p}: {}; 8-bit image: max diff {levels} levels, PSNR {db:.1} dB vs CPU f32",
+            taps.join(", ")
+        );
+        match p {
+            Precision::F32 if levels > 1 => {
+                failures.push(format!("{label} f32: 8-bit image off by {levels} levels"))
+            }
+            Precision::Bf16 if bf16_psnr.is_some_and(|min| db < min) => failures.push(format!(
+                "{label} bf16: PSNR {db:.1} dB against the f32 image"
+            )),
+            _ => {}
+        }
+    }
+    failures
+}
+
+/// Every case of `tests/fixtures/{name}/bf16_floor.json` on the CPU and on CUDA in bf16 (the
+/// CPU's f32 run stands for the float64 reference: they agree to ~1e-6); returns the taps over
+/// [`FLOOR_FACTOR`] × their floor. `request` makes a case's request (its init latent is set here).
+#[cfg(feature = "cuda")]
+pub fn floor_failures<F: Family>(
+    name: &str,
+    family: &F,
+    request: impl Fn(&FloorCase) -> tessera_models::text_to_image::Request,
+) -> Vec<String> {
+    let mut failures = Vec::new();
+    for c in &floor_cases(name) {
+        let req = tessera_models::text_to_image::Request {
+            negative_prompt: c.negative_prompt.clone(),
+            guidance: c.guidance,
+            init_latent: Some(c.init_latent.clone()),
+            ..request(c)
+        };
+        let cpu = family.run(tessera_backend::cpu::CpuBackend::new(), &req);
+        let got = family.run(gpu(tessera_backend::Precision::Bf16), &req);
+        let rows: Vec<String> = errors::<F>(&got, &cpu)
+            .into_iter()
+            .map(|(tap, e)| {
+                let floor = c.floor[tap];
+                if e.is_nan() || e > FLOOR_FACTOR * floor {
+                    failures.push(format!(
+                        "{} bf16: {tap} {e:.2e} > 1.5 × floor {floor:.2e}",
+                        c.label
+                    ));
+                }
+                format!("{tap} {e:.2e} (floor {floor:.2e}, {:.2}×)", e / floor)
+            })
+            .collect();
+        println!("{} bf16: {}", c.label, rows.join(", "));
+    }
+    failures
+}
