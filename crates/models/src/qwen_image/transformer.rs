@@ -116,9 +116,8 @@ pub struct Steps<B: Backend> {
     h: B::Buf,
     latents: B::Buf,
     out: B::Buf,
-    /// Joint q|k|v and attention output `[Σ (prefix + n), ·]`.
-    qkv: B::Buf,
-    attn: B::Buf,
+    /// The blocks' activations, sized for the joint rows `Σ (prefix + n)`: its q|k|v and
+    /// attention output are the joint buffers, the rest is used for the target rows only.
     scratch: Scratch<B>,
 }
 
@@ -557,10 +556,9 @@ impl<B: Backend> QwenImageTransformer<B> {
         let dims = self.dims();
         let scratch = joint * (2 * dims.width + dims.qkv + dims.attn + 3 * dims.mlp) * compute;
         let stream = items * n * (d + 2 * self.cfg.in_channels) * 4;
-        let joint_bufs = joint * (dims.qkv + dims.attn) * compute;
         let rope = items * n * self.cfg.head_dim * 4;
         let mods = steps * 5 * d * 4;
-        scratch + stream + joint_bufs + rope + mods
+        scratch + stream + rope + mods
     }
 
     /// Bytes of one prefix's cache: K and V of every layer.
@@ -621,9 +619,9 @@ impl<B: Backend> QwenImageTransformer<B> {
         let dims = self.dims();
         let rows = items.len() * n;
         let (s, e) = (Role::Stream, Role::Compute);
-        let mut qkv = be.alloc(joint * dims.qkv, e)?;
+        let mut scratch = Scratch::alloc(be, joint, dims)?;
         // The prefix rows' queries are never read, but keep them finite.
-        be.write_f32(&mut qkv, &vec![0.0; joint * dims.qkv])?;
+        be.write_f32(&mut scratch.qkv, &vec![0.0; joint * dims.qkv])?;
         Ok(Steps {
             items: joint_items,
             prefix_rows,
@@ -637,9 +635,7 @@ impl<B: Backend> QwenImageTransformer<B> {
             h: be.alloc(rows * d, s)?,
             latents: be.alloc(rows * self.cfg.in_channels, e)?,
             out: be.alloc(rows * self.cfg.out_channels, s)?,
-            qkv,
-            attn: be.alloc(joint * dims.attn, e)?,
-            scratch: Scratch::alloc(be, rows, dims)?,
+            scratch,
         })
     }
 
@@ -709,8 +705,6 @@ impl<B: Backend> QwenImageTransformer<B> {
             pos,
             segs,
             h,
-            qkv,
-            attn,
             scratch: s,
             ..
         } = st;
@@ -719,7 +713,7 @@ impl<B: Backend> QwenImageTransformer<B> {
         for (li, b) in self.blocks.iter().enumerate() {
             for (i, &(p, off)) in items.iter().enumerate() {
                 let lp = prefix_rows[p];
-                let own = ViewMut::new(qkv, joint, w).rows(off + lp, n);
+                let own = ViewMut::new(&mut s.qkv, joint, w).rows(off + lp, n);
                 be.matmul(
                     View::new(&s.a, rows, d).rows(i * n, n),
                     &b.attn.qkv,
@@ -727,30 +721,30 @@ impl<B: Backend> QwenImageTransformer<B> {
                     &Epilogue::default(),
                 )?;
                 be.qkv_norm_rope(
-                    ViewMut::new(qkv, joint, w).rows(off + lp, n),
+                    ViewMut::new(&mut s.qkv, joint, w).rows(off + lp, n),
                     &qk_norm(&b.attn, lay, eps),
                     Some((rope, &pos[i])),
                 )?;
                 let (ck, cv) = prefixes[p]
                     .kv(li)
                     .ok_or_else(|| Error::backend("qwen-image", "prefix without this layer"))?;
-                let cached = ViewMut::new(qkv, joint, w).rows(off, lp);
+                let cached = ViewMut::new(&mut s.qkv, joint, w).rows(off, lp);
                 be.cast(View::new(ck, lp, qc), cached.cols(qc, qc))?;
-                let cached = ViewMut::new(qkv, joint, w).rows(off, lp);
+                let cached = ViewMut::new(&mut s.qkv, joint, w).rows(off, lp);
                 be.cast(View::new(cv, lp, qc), cached.cols(2 * qc, qc))?;
             }
-            let all = View::new(qkv, joint, w);
+            let all = View::new(&s.qkv, joint, w);
             be.attention(
                 all.cols(0, qc),
                 all.cols(qc, qc),
                 all.cols(2 * qc, qc),
-                ViewMut::new(attn, joint, qc),
+                ViewMut::new(&mut s.attn, joint, qc),
                 &spec,
                 segs,
             )?;
             for (i, &(p, off)) in items.iter().enumerate() {
                 be.matmul(
-                    View::new(attn, joint, qc).rows(off + prefix_rows[p], n),
+                    View::new(&s.attn, joint, qc).rows(off + prefix_rows[p], n),
                     &b.attn.o,
                     ViewMut::new(&mut s.y, rows, d).rows(i * n, n),
                     &Epilogue::default(),
