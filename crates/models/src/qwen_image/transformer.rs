@@ -261,7 +261,7 @@ impl<B: Backend> QwenImageTransformer<B> {
         text: View<'_, B>,
         latents: &[f32],
         x: &mut B::Buf,
-    ) -> Result<usize> {
+    ) -> Result<()> {
         let (d, c, ci) = (
             self.cfg.dim(),
             self.cfg.context_in_dim,
@@ -335,7 +335,7 @@ impl<B: Backend> QwenImageTransformer<B> {
             }
             row += n;
         }
-        Ok(rows)
+        Ok(())
     }
 
     /// A RoPE table over `positions` and the identity row map.
