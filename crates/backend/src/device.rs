@@ -107,13 +107,11 @@ impl AnyBackend {
         ops: &[Op],
         mut note: impl FnMut(&str),
     ) -> Result<Self> {
+        // The CPU computes in f32 unless bf16 is asked for (where the GPU defaults to bf16).
         let cpu = |precision: Option<Precision>| -> Result<AnyBackend> {
-            if precision == Some(Precision::Bf16) {
-                return Err(Error::input(
-                    "the CPU backend computes in f32 only: drop --precision bf16 or use --device cuda",
-                ));
-            }
-            Ok(AnyBackend::Cpu(CpuBackend::new()))
+            Ok(AnyBackend::Cpu(CpuBackend::with_precision(
+                precision.unwrap_or_default(),
+            )))
         };
         let cuda = |ordinal: usize| -> Result<AnyBackend> {
             let be = open_cuda(ordinal, precision.unwrap_or(Precision::Bf16))?;
@@ -127,7 +125,7 @@ impl AnyBackend {
                 Ok(b) => Ok(b),
                 Err(e) => {
                     note(&format!("running on the CPU: {e}"));
-                    cpu(precision.filter(|&p| p != Precision::Bf16))
+                    cpu(precision)
                 }
             },
         }
@@ -210,10 +208,10 @@ mod tests {
     }
 
     #[test]
-    fn cpu_refuses_bf16() {
-        let e = AnyBackend::open(DeviceRequest::Cpu, Some(Precision::Bf16), |_| {})
-            .err()
-            .unwrap();
-        assert!(e.to_string().contains("f32 only"));
+    fn cpu_runs_f32_unless_bf16_is_asked_for() {
+        let be = AnyBackend::open(DeviceRequest::Cpu, Some(Precision::Bf16), |_| {}).unwrap();
+        assert!(be.describe().contains("bf16"), "{}", be.describe());
+        let be = AnyBackend::open(DeviceRequest::Cpu, None, |_| {}).unwrap();
+        assert!(be.describe().contains("f32"), "{}", be.describe());
     }
 }

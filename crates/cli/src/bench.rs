@@ -38,7 +38,8 @@ enum What {
     Embed(EmbedBench),
     /// cuBLASLt bf16 GEMM rate on random data (the ceiling for utilisation figures).
     Gemm(GemmBench),
-    /// The CPU's peak: an FMA loop on every thread, and the f32 matrix product at --size.
+    /// The CPU's peak: FMA and bf16 dot-product loops on every thread, and the f32 and bf16
+    /// matrix products at --size and at EmbeddingGemma 2's shapes.
     Peak(PeakBench),
     /// The attention op alone on the EmbeddingGemma 2 shapes.
     Attention(AttentionBench),
@@ -420,11 +421,12 @@ const MODEL_GEMMS: [(&str, (usize, usize, usize)); 10] = [
     ("image down", (2394, 768, 3072)),
 ];
 
-/// The CPU's FMA peak over all threads and the backend's f32 product at `size`³ (random data,
-/// median of 5), the ceiling the CPU workloads are judged against.
+/// The CPU's FMA and bf16 dot-product peaks over all threads, and the backend's f32 and bf16
+/// products at `size`³ and at EmbeddingGemma 2's shapes (random data, median of 5): the
+/// ceilings the CPU workloads are judged against.
 fn peak(b: PeakBench) -> Result<()> {
-    use tessera_backend::cpu::{CpuBackend, peak};
-    use tessera_backend::{Backend, Epilogue, Role, View, ViewMut};
+    use tessera_backend::Precision;
+    use tessera_backend::cpu::{CpuBackend, bf16, peak};
     let threads = rayon::current_num_threads();
     // About a second on two cores at 200 GFLOP/s.
     match peak::fma_flops(50_000_000 / threads.max(1)) {
@@ -433,32 +435,69 @@ fn peak(b: PeakBench) -> Result<()> {
         None => emit(serde_json::json!({"name": "cpu_fma_peak", "isa": null,
             "note": "no AVX-512F or AVX2+FMA on this CPU"})),
     }
-    let n = b.size;
-    let be = CpuBackend::new();
+    match peak::bf16_dot_flops(50_000_000 / threads.max(1)) {
+        Some(flops) => emit(
+            serde_json::json!({"name": "cpu_bf16_dot_peak", "isa": "AVX512_BF16",
+            "threads": threads, "gflops": flops / 1e9, "load1": load1()}),
+        ),
+        None => emit(serde_json::json!({"name": "cpu_bf16_dot_peak", "isa": null,
+            "note": "no AVX512_BF16 on this CPU"})),
+    }
+    let mut shapes = vec![("square".to_string(), (b.size, b.size, b.size))];
+    shapes.extend(CPU_GEMMS.iter().map(|&(w, s)| (w.to_string(), s)));
+    for precision in [Precision::F32, Precision::Bf16] {
+        if precision == Precision::Bf16 && !bf16::native() {
+            continue;
+        }
+        let be = CpuBackend::with_precision(precision);
+        for (what, shape) in &shapes {
+            let gflops = product_rate(&be, *shape)?;
+            let (m, n, k) = *shape;
+            emit(
+                serde_json::json!({"name": "cpu_product", "precision": precision.to_string(),
+                "what": what, "m": m, "n": n, "k": k, "threads": threads, "gflops": gflops}),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `(what, (m, n, k))` of EmbeddingGemma 2's CPU workloads timed by `bench peak`.
+const CPU_GEMMS: [(&str, (usize, usize, usize)); 6] = [
+    ("W1 q|k|v sliding", (17, 2048, 512)),
+    ("W1 gate|up", (17, 4096, 512)),
+    ("W2 q|k|v", (2208, 2048, 512)),
+    ("W2 gate|up", (2208, 4096, 512)),
+    ("W2 down", (2208, 512, 2048)),
+    ("image gate|up", (2394, 6144, 768)),
+];
+
+/// GFLOP/s of the backend's product `(m × k) · (n × k)ᵀ` on random data, median of 5.
+fn product_rate(
+    be: &tessera_backend::cpu::CpuBackend,
+    (m, n, k): (usize, usize, usize),
+) -> Result<f64> {
+    use tessera_backend::{Backend, Epilogue, Role, View, ViewMut};
     let mut rng = XorShift::new(0x9E37_79B9_7F4A_7C15);
     let mut random = |len: usize| -> Vec<f32> {
         (0..len)
             .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
             .collect()
     };
-    let w = be.matrix_f32(&[(&random(n * n), n)], n)?;
-    let mut x = be.alloc(n * n, Role::Compute)?;
-    be.write_f32(&mut x, &random(n * n))?;
-    let mut out = be.alloc(n * n, Role::Compute)?;
-    let t = time_ms(5, 1, || {
+    let w = be.matrix_f32(&[(&random(n * k), n)], k)?;
+    let mut x = be.alloc(m * k, Role::Compute)?;
+    be.write_f32(&mut x, &random(m * k))?;
+    let mut out = be.alloc(m * n, Role::Compute)?;
+    let iters = if m * n * k < 1 << 26 { 50 } else { 5 };
+    let t = time_ms(iters, 2, || {
         be.matmul(
-            View::new(&x, n, n),
+            View::new(&x, m, k),
             &w,
-            ViewMut::new(&mut out, n, n),
+            ViewMut::new(&mut out, m, n),
             &Epilogue::default(),
         )
     })?;
-    emit(with(
-        t.json(),
-        serde_json::json!({"name": "cpu_f32_product", "size": n, "threads": threads,
-        "gflops": 2.0 * (n as f64).powi(3) / t.median() / 1e6}),
-    ));
-    Ok(())
+    Ok(2.0 * (m * n * k) as f64 / t.median() / 1e6)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -17,7 +17,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{image, root, text_fixture, vision_fixture};
+use common::floor::{self, Tally, assert_none, floor_from};
+use common::{image, root};
 use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda;
@@ -27,169 +28,17 @@ use tessera_models::ModelFiles;
 use tessera_models::egemma2::TextOptions;
 use tessera_runtime::embed::{Egemma2, Embed};
 
-/// The worst max abs and cosine of the float64 reference with only bf16 storage roundings, over a
-/// set of inputs.
-#[derive(Clone, Copy, Debug, Deserialize)]
-struct Floor {
-    max_abs: f64,
-    cosine: f64,
-}
-
-/// A bf16 result may be this many times further from the reference than the storage floor.
-const FLOOR_FACTOR: f64 = 1.5;
-
-/// (largest max abs, smallest cosine) allowed at `p`.
-fn bounds(p: Precision, floor: Floor) -> (f64, f64) {
-    match p {
-        Precision::Bf16 => (
-            FLOOR_FACTOR * floor.max_abs,
-            1.0 - FLOOR_FACTOR * (1.0 - floor.cosine),
-        ),
-        Precision::F32 => (1e-4, 0.999_999),
-    }
-}
-
-#[derive(Deserialize)]
-struct FloorRow {
-    model: String,
-    variant: String,
-    #[serde(flatten)]
-    floor: Floor,
-}
-
-/// The "ideal bf16" floor of `eg2_bf16_floor.py`'s JSON `path`, of the row whose model label
-/// starts with `label` (every row when `label` is empty: a full-size run has one).
-fn floor_from(path: &Path, label: &str) -> Floor {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (made by tools/device/eg2_bf16_floor.py)",
-            path.display()
-        )
-    });
-    let rows: Vec<FloorRow> = serde_json::from_str(&text).unwrap();
-    let mut found = rows
-        .iter()
-        .filter(|r| r.variant == "ideal bf16" && r.model.starts_with(label));
-    match (found.next(), found.next()) {
-        (Some(r), None) => r.floor,
-        _ => panic!(
-            "{}: not exactly one \"ideal bf16\" row for {label:?}",
-            path.display()
-        ),
-    }
-}
-
-/// The committed floor of a fixture set (`tools/device/eg2_bf16_floor.py fixtures`).
-fn fixture_floor(model: &str, set: &str) -> Floor {
-    let path = root().join("tests/fixtures/egemma2/bf16_floor.json");
-    floor_from(&path, &format!("{model} {set} fixtures"))
-}
-
 fn cuda_model(dir: &Path, p: Precision) -> Egemma2<cuda::CudaBackend> {
     let be = cuda::open(0, p).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
     Egemma2::load(be, ModelFiles::Dir(dir.to_path_buf())).unwrap()
 }
 
-/// (max abs diff, cosine) of two vectors.
-fn diff(a: &[f32], b: &[f64]) -> (f64, f64) {
-    assert_eq!(a.len(), b.len());
-    let (mut m, mut dot, mut na, mut nb) = (0f64, 0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        let x = x as f64;
-        m = m.max((x - y).abs());
-        dot += x * y;
-        na += x * x;
-        nb += y * y;
-    }
-    (m, dot / (na.sqrt() * nb.sqrt()).max(1e-30))
-}
-
-/// The worst error seen over a set of comparisons, and every comparison that broke the bound.
-/// Tests compare everything before failing, so a GPU run shows the whole picture at once.
-struct Tally {
-    precision: Precision,
-    floor: Floor,
-    worst: (f64, f64),
-    failures: Vec<String>,
-}
-
-impl Tally {
-    /// Comparisons at `precision`; bf16 ones judged by the storage floor of the same inputs.
-    fn new(precision: Precision, floor: Floor) -> Self {
-        Self {
-            precision,
-            floor,
-            worst: (0.0, 1.0),
-            failures: Vec::new(),
-        }
-    }
-
-    fn check(&mut self, what: &str, got: &[f32], want: &[f64]) {
-        let (m, cos) = diff(got, want);
-        self.worst.0 = self.worst.0.max(m);
-        self.worst.1 = self.worst.1.min(cos);
-        let (max_abs, min_cos) = bounds(self.precision, self.floor);
-        if !(m <= max_abs && cos >= min_cos) {
-            self.failures.push(format!(
-                "{what} ({}): max abs {m:.3e} (≤ {max_abs:.2e}), cosine {cos:.7} (≥ {min_cos:.7})",
-                self.precision
-            ));
-        }
-    }
-
-    /// Prints the worst error under `label` (with the bf16 floor and the ratio to it) and folds
-    /// the failures into `all`.
-    fn report(self, label: &str, all: &mut Vec<String>) {
-        let against_floor = match self.precision {
-            Precision::Bf16 => format!(
-                "; bf16 floor {:.2e} / {:.8}: ×{:.2} in max abs, ×{:.2} in 1 − cosine",
-                self.floor.max_abs,
-                self.floor.cosine,
-                self.worst.0 / self.floor.max_abs.max(1e-30),
-                (1.0 - self.worst.1) / (1.0 - self.floor.cosine).max(1e-30)
-            ),
-            Precision::F32 => String::new(),
-        };
-        eprintln!(
-            "{label}: worst max abs {:.2e}, worst cosine {:.8}{against_floor}, {} over the bound",
-            self.worst.0,
-            self.worst.1,
-            self.failures.len()
-        );
-        all.extend(self.failures);
-    }
-}
-
-/// Fails the test with every comparison that broke its bound.
-fn assert_none(failures: &[String]) {
-    assert!(
-        failures.is_empty(),
-        "{} comparisons over the bound:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
-}
-
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fixtures_match_the_reference_on_cuda() {
-    let fx = text_fixture();
     let mut failures = Vec::new();
     for p in [Precision::F32, Precision::Bf16] {
-        for (name, dir) in &fx.models {
-            let mut model = cuda_model(&root().join(dir), p);
-            let mut tally = Tally::new(p, fixture_floor(name, "text"));
-            for c in &fx.cases {
-                let got = model
-                    .embed_texts(&c.texts(), &c.opts(), c.dim, &mut |_| {})
-                    .unwrap();
-                for (i, (g, w)) in got.iter().zip(&c.expected[name]).enumerate() {
-                    tally.check(&format!("{name}/{} text {i}", c.name), &g.vector, w);
-                }
-            }
-            let label = format!("fixtures {name} on {}", model.model.backend().describe());
-            tally.report(&label, &mut failures);
-        }
+        floor::text_fixtures(p, floor::GPU, |dir| cuda_model(dir, p), &mut failures);
     }
     assert_none(&failures);
 }
@@ -234,7 +83,7 @@ fn full_size_model_matches_the_cpu() {
                 .collect()
         })
         .collect();
-    let floor = floor_from(&env_path("TESSERA_EG2_FLOOR"), "");
+    let floor = floor_from(&env_path("TESSERA_EG2_FLOOR"), "", floor::GPU);
     let mut failures = Vec::new();
     for p in [Precision::F32, Precision::Bf16] {
         let mut model = cuda_model(&dir, p);
@@ -311,59 +160,9 @@ fn a_batch_too_large_for_the_device_is_split() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn vision_fixtures_match_the_reference_on_cuda() {
-    use tessera_models::egemma2::Input;
-    use tessera_models::imageproc::ImageBudget;
-    let fx = vision_fixture();
-    let budget = ImageBudget::new(fx.budget).unwrap();
-    let inputs: Vec<Input> = fx.cases.iter().map(|c| c.input()).collect();
     let mut failures = Vec::new();
     for p in [Precision::F32, Precision::Bf16] {
-        for (name, dir) in &fx.models {
-            let mut model = cuda_model(&root().join(dir), p);
-            let floor = fixture_floor(name, "vision");
-            let mut tally = Tally::new(p, floor);
-            let mut packing = Tally::new(p, floor);
-            let mut alone = Vec::new();
-            for (c, input) in fx.cases.iter().zip(&inputs) {
-                let opts = c.opts();
-                let got = model
-                    .embed_inputs(
-                        std::slice::from_ref(input),
-                        &opts,
-                        budget,
-                        c.dim,
-                        &mut |_| {},
-                    )
-                    .unwrap();
-                tally.check(
-                    &format!("{name}/{}", c.name),
-                    &got[0].vector,
-                    &c.expected[name],
-                );
-                alone.push(got[0].vector.clone());
-            }
-            // The cases without a prompt or a Matryoshka size, packed into one call, embed as
-            // they do alone.
-            let plain: Vec<usize> = (0..inputs.len())
-                .filter(|&i| fx.cases[i].prompt_name.is_none() && fx.cases[i].dim.is_none())
-                .collect();
-            assert!(plain.len() >= 5, "too few plain cases to test packing");
-            let batch: Vec<Input> = plain.iter().map(|&i| inputs[i].clone()).collect();
-            let packed = model
-                .embed_inputs(&batch, &TextOptions::default(), budget, None, &mut |_| {})
-                .unwrap();
-            for (&i, v) in plain.iter().zip(&packed) {
-                let want: Vec<f64> = alone[i].iter().map(|&x| x as f64).collect();
-                let what = format!("{name}/{} packed", fx.cases[i].name);
-                packing.check(&what, &v.vector, &want);
-            }
-            let label = format!(
-                "vision fixtures {name} on {}",
-                model.model.backend().describe()
-            );
-            tally.report(&label, &mut failures);
-            packing.report(&format!("{label}, packed vs alone"), &mut failures);
-        }
+        floor::vision_fixtures(p, floor::GPU, |dir| cuda_model(dir, p), &mut failures);
     }
     assert_none(&failures);
 }

@@ -1,11 +1,15 @@
 //! Attention over packed query segments, blocked so the heavy parts are GEMMs: for each block of
 //! query rows and each head, scores against the keys the block can see (its segment's keys, cut
 //! to what the mask allows), masked softmax, then probabilities times values.
+//!
+//! In f32 both products go through the `gemm` crate. Under bf16 ([`attention_bf16`]) they take
+//! bf16 inputs as the GPU's flash kernels do: q, k and v rounded to bf16, scores summed in f32,
+//! the unnormalised probabilities rounded to bf16 before `P · V` and the row sums kept in f32.
 
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, slice, vmath};
+use super::{CpuBackend, bf16, slice, vmath};
 use crate::{AttnSpec, Mask, Segments, View, ViewMut};
 
 /// Query rows per task: large enough that the keys the `gemm` crate packs on every call serve
@@ -20,6 +24,8 @@ struct Task {
     pos0: usize,
     /// The segment's keys: first row in `k`/`v` and count.
     keys: (usize, usize),
+    /// Which segment.
+    seg: usize,
 }
 
 /// Which keys a query sees, by position.
@@ -57,16 +63,17 @@ impl Visible<'_> {
     }
 }
 
-pub(super) fn attention(
-    q: View<'_, CpuBackend>,
-    k: View<'_, CpuBackend>,
-    v: View<'_, CpuBackend>,
-    out: ViewMut<'_, CpuBackend>,
-    spec: &AttnSpec<'_, CpuBackend>,
+/// Check the call and cut it into tasks: blocks of at most [`QUERY_BLOCK`] query rows of one
+/// segment each, in row order.
+fn plan<'a>(
+    q: &View<'_, CpuBackend>,
+    k: &View<'_, CpuBackend>,
+    v: &View<'_, CpuBackend>,
+    out: &ViewMut<'_, CpuBackend>,
+    spec: &AttnSpec<'a, CpuBackend>,
     segs: &Segments<CpuBackend>,
-) -> Result<()> {
-    let hd = spec.head_dim;
-    spec.check(&q, &k, &v, &out, segs)?;
+) -> Result<(Visible<'a>, Vec<Task>)> {
+    spec.check(q, k, v, out, segs)?;
     let visible = match spec.mask {
         Mask::Full => Visible::Full,
         Mask::Window(w) => Visible::Window(w),
@@ -107,10 +114,28 @@ pub(super) fn attention(
                 rows: (i0, i1),
                 pos0: keys.1 - q_len + (i0 - q0),
                 keys,
+                seg: s,
             });
             i0 = i1;
         }
     }
+    Ok((visible, tasks))
+}
+
+pub(super) fn attention(
+    q: View<'_, CpuBackend>,
+    k: View<'_, CpuBackend>,
+    v: View<'_, CpuBackend>,
+    out: ViewMut<'_, CpuBackend>,
+    spec: &AttnSpec<'_, CpuBackend>,
+    segs: &Segments<CpuBackend>,
+    bf16: bool,
+) -> Result<()> {
+    let (visible, tasks) = plan(&q, &k, &v, &out, spec, segs)?;
+    if bf16 {
+        return attention_bf16(q, k, v, out, spec, segs, visible, &tasks);
+    }
+    let hd = spec.head_dim;
     // Hand each task the disjoint run of output rows it writes.
     let (ostride, ocols) = (out.stride, out.cols);
     let out_base = out.offset;
@@ -221,10 +246,155 @@ pub(super) fn attention(
     Ok(())
 }
 
+/// [`attention`] with bf16 products: each segment's keys and values are packed once per kv head
+/// (as the products' right-hand sides), then every (query block, head) pair is a task of its own.
+#[allow(clippy::too_many_arguments)]
+fn attention_bf16(
+    q: View<'_, CpuBackend>,
+    k: View<'_, CpuBackend>,
+    v: View<'_, CpuBackend>,
+    out: ViewMut<'_, CpuBackend>,
+    spec: &AttnSpec<'_, CpuBackend>,
+    segs: &Segments<CpuBackend>,
+    visible: Visible<'_>,
+    tasks: &[Task],
+) -> Result<()> {
+    use bf16::{Lhs, NR, Out, Panels};
+    let hd = spec.head_dim;
+    let (qs, ks, vs) = (slice(&q), slice(&k), slice(&v));
+    let group = spec.heads_q / spec.heads_kv;
+    // Keys (as `B` of `q · kᵀ`) and values (as `B` of `P · v`, transposed) per segment and kv head.
+    let segments: Vec<(usize, usize)> = segs
+        .ranges()
+        .enumerate()
+        .map(|(s, (q0, q1))| match spec.kv {
+            Some(kv) => (kv.ranges[s].0 as usize, kv.ranges[s].1 as usize),
+            None => (q0, q1 - q0),
+        })
+        .collect();
+    let packed: Vec<(Panels, Panels)> = (0..segments.len() * spec.heads_kv)
+        .into_par_iter()
+        .map(|i| {
+            let ((first, n), g) = (segments[i / spec.heads_kv], i % spec.heads_kv);
+            let keys = Panels::from_rows(n, hd, |j, dst| {
+                let row = &ks[(first + j) * k.stride + g * hd..][..hd];
+                for (d, &x) in dst.iter_mut().zip(row) {
+                    *d = bf16::round(x);
+                }
+            });
+            let values = match n {
+                0 => Panels::from_cols(&[], v.stride, 0, hd),
+                _ => Panels::from_cols(&vs[first * v.stride + g * hd..], v.stride, n, hd),
+            };
+            (keys, values)
+        })
+        .collect();
+    let (ostride, ocols) = (out.stride, out.cols);
+    let total_rows = out.rows;
+    let base = &mut out.buf.f32_mut()[out.offset..];
+    assert!(
+        total_rows == 0 || (total_rows - 1) * ostride + ocols <= base.len(),
+        "attention output out of bounds"
+    );
+    let dst = Out {
+        ptr: base.as_mut_ptr(),
+        stride: ostride,
+        alpha: 1.0,
+        accumulate: false,
+    };
+    (0..tasks.len() * spec.heads_q)
+        .into_par_iter()
+        .for_each_init(
+            || (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+            |(qa, scores, pa, inv), i| {
+                let (t, h) = (&tasks[i / spec.heads_q], i % spec.heads_q);
+                let g = h / group;
+                let (i0, i1) = t.rows;
+                let nq = i1 - i0;
+                let (keys, values) = &packed[t.seg * spec.heads_kv + g];
+                let (lo, hi) = visible.span(t.rows, t.pos0, t.keys.1);
+                let hi = hi.max(lo);
+                let lo = lo / NR * NR;
+                let nk = hi - lo;
+                let out_head = Out {
+                    ptr: dst.at(i0, h * hd),
+                    stride: ostride,
+                    alpha: 1.0,
+                    accumulate: false,
+                };
+                if nk == 0 {
+                    // No key is visible to any row of this block: its output is zero.
+                    for r in 0..nq {
+                        // SAFETY: row i0 + r < out.rows, columns h·hd..h·hd+hd < ocols (checked by
+                        // `plan`); each (task, head) writes its own rows × columns.
+                        unsafe {
+                            std::slice::from_raw_parts_mut(out_head.ptr.add(r * ostride), hd)
+                        }
+                        .fill(0.0);
+                    }
+                    return;
+                }
+                // scores = scale · q kᵀ over keys lo..hi.
+                let qst =
+                    bf16::round_rows(&qs[i0 * q.stride + h * hd..], q.stride, nq, hd, qa, false);
+                scores.clear();
+                scores.resize(nq * nk, 0.0);
+                let sc = Out {
+                    ptr: scores.as_mut_ptr(),
+                    stride: nk,
+                    alpha: spec.scale,
+                    accumulate: false,
+                };
+                let lhs = Lhs {
+                    data: qa,
+                    stride: qst,
+                    rows: nq,
+                };
+                // SAFETY: `scores` is nq × nk, exclusively ours; `lhs` holds nq rows of hd/2 pairs.
+                unsafe { bf16::gemm(&lhs, keys.view(lo..hi, 0..hd.div_ceil(2)), sc, false) };
+                inv.clear();
+                for (r, row) in scores.chunks_mut(nk).enumerate() {
+                    let (a, b) = visible.keys(i0 + r, t.pos0 + r, t.keys.1);
+                    let (a, b) = (a.clamp(lo, hi) - lo, b.clamp(lo, hi) - lo);
+                    let b = b.max(a);
+                    row[..a].fill(0.0);
+                    row[b..].fill(0.0);
+                    let seen = &mut row[a..b];
+                    let max = vmath::max(seen);
+                    let sum = vmath::exp_shifted(seen, max);
+                    // A row that sees no key at all gets zeros rather than 0/0.
+                    inv.push(if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 });
+                }
+                // out = (P in bf16) · v, then each row divided by its sum.
+                let pst = bf16::round_rows(scores, nk, nq, nk, pa, false);
+                let lhs = Lhs {
+                    data: pa,
+                    stride: pst,
+                    rows: nq,
+                };
+                let pairs = lo / 2..lo / 2 + nk.div_ceil(2);
+                // SAFETY: rows i0..i1, columns h·hd..h·hd+hd of the output are inside it (checked
+                // by `plan`) and written by this task alone.
+                unsafe { bf16::gemm(&lhs, values.view(0..hd, pairs), out_head, false) };
+                for (r, &s) in inv.iter().enumerate() {
+                    // SAFETY: as above.
+                    let row = unsafe {
+                        std::slice::from_raw_parts_mut(out_head.ptr.add(r * ostride), hd)
+                    };
+                    vmath::scale(row, s);
+                }
+            },
+        );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::CpuBackend;
     use super::super::testutil::*;
-    use crate::{AttnSpec, Backend, Mask, QkvLayout, Run, View, ViewMut, block_causal_limits};
+    use crate::{
+        AttnSpec, Backend, Mask, Precision, QkvLayout, Run, View, ViewMut, block_causal_limits,
+    };
 
     #[derive(Clone, Copy)]
     enum M {
@@ -258,7 +428,16 @@ mod tests {
         ranges: &[(usize, usize)],
         limits: &[u32],
         scale: f64,
+        bf16: bool,
     ) -> Vec<f64> {
+        // Under bf16: q, k and v as stored in bf16, the unnormalised probabilities rounded to
+        // bf16 before P·V, their sum exact.
+        let r = |x: f32| if bf16 { to_bf16(x) } else { x };
+        let (q, k, v): (Vec<f32>, Vec<f32>, Vec<f32>) = (
+            q.iter().map(|&x| r(x)).collect(),
+            k.iter().map(|&x| r(x)).collect(),
+            v.iter().map(|&x| r(x)).collect(),
+        );
         let (hq, hd) = (c.hq, c.hd);
         let (qw, kw) = (hq * hd, c.hkv * hd);
         let group = hq / c.hkv;
@@ -290,7 +469,8 @@ mod tests {
                     let m = logits.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = logits.iter().map(|x| (x.1 - m).exp()).sum();
                     for &(j, l) in &logits {
-                        let p = (l - m).exp() / z;
+                        let e = (l - m).exp();
+                        let p = if bf16 { to_bf16(e as f32) as f64 } else { e } / z;
                         for t in 0..hd {
                             out[i * qw + h * hd + t] += p * v[j * kw + g * hd + t] as f64;
                         }
@@ -302,9 +482,20 @@ mod tests {
         out
     }
 
+    fn to_bf16(x: f32) -> f32 {
+        half::bf16::from_f32(x).to_f32()
+    }
+
     #[test]
     fn packed_and_cached_attention_with_every_mask_matches_naive() {
-        let be = cpu();
+        for precision in [Precision::F32, Precision::Bf16] {
+            every_mask_matches_naive(precision);
+        }
+    }
+
+    fn every_mask_matches_naive(precision: Precision) {
+        let be = CpuBackend::with_precision(precision);
+        let bf16 = precision == Precision::Bf16;
         const TEXT_THEN_IMAGES: &[Run] = &[Run::Causal(5), Run::Block(12), Run::Block(20)];
         let cases = [
             Case {
@@ -490,10 +681,24 @@ mod tests {
             )
             .unwrap();
             let got = be.read_f32(View::new(&o, total, qw)).unwrap();
-            let want = naive(&q, &k, &v, c, &ranges, &limits, 0.7);
+            let want = naive(&q, &k, &v, c, &ranges, &limits, 0.7, bf16);
+            // Under bf16 a probability whose f32 and f64 values straddle a bf16 rounding
+            // boundary rounds one step apart (2⁻⁸ of it, ≤ 2⁻⁸ · max|v| = 8e-3 in an output):
+            // rare, so each element may be off by that much, but the mean error must stay at
+            // the f32 level (a missing or extra rounding shows as a mean near 1e-4).
+            let mut mean = 0f64;
             for (idx, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                assert_close(g, w, 1e-5, &format!("attention case {ci} idx {idx}"));
+                let what = format!("attention {precision} case {ci} idx {idx}");
+                let e = (g as f64 - w).abs();
+                mean += e / got.len() as f64;
+                if !(bf16 && g.is_finite() && e <= 8e-3) {
+                    assert_close(g, w, 1e-5, &what);
+                }
             }
+            assert!(
+                mean <= 1e-5,
+                "attention {precision} case {ci}: mean error {mean:.2e}"
+            );
         }
     }
 

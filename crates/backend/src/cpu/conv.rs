@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 use tessera_core::Result;
 
-use super::{CpuBackend, CpuMat, slice, vmath};
+use super::{CpuBackend, CpuMat, MatStore, bf16, slice, vmath};
 use crate::{Conv2d, View, ViewMut};
 
 /// Column-matrix budget per block, in floats (about 1 MiB): big enough for efficient GEMMs,
@@ -44,68 +44,92 @@ pub(super) fn conv2d(
     let dst = &mut out.buf.f32_mut()[off..end];
     dst.par_chunks_mut(block * ostride)
         .enumerate()
-        .for_each_init(Vec::new, |col, (bi, chunk)| {
-            let p0 = bi * block;
-            // Rows in this block: the slice's last row ends after `cout` columns, not at the stride.
-            let n = (chunk.len() + ostride - cout) / ostride;
-            col.clear();
-            col.resize(n * kk, 0.0);
-            for (r, crow) in col.chunks_mut(kk).enumerate() {
-                let p = p0 + r;
-                let (oy, ox) = ((p / ow) as isize, (p % ow) as isize);
-                for ky in 0..k {
-                    let uy = oy + ky as isize - pad;
-                    if uy < 0 || uy >= oh as isize {
-                        continue;
-                    }
-                    let iy = uy as usize / up;
-                    for kx in 0..k {
-                        let ux = ox + kx as isize - pad;
-                        if ux < 0 || ux >= ow as isize {
+        .for_each_init(
+            Default::default,
+            |(col, rounded): &mut (Vec<f32>, Vec<u32>), (bi, chunk)| {
+                let p0 = bi * block;
+                // Rows in this block: the slice's last row ends after `cout` columns, not at the stride.
+                let n = (chunk.len() + ostride - cout) / ostride;
+                col.clear();
+                col.resize(n * kk, 0.0);
+                for (r, crow) in col.chunks_mut(kk).enumerate() {
+                    let p = p0 + r;
+                    let (oy, ox) = ((p / ow) as isize, (p % ow) as isize);
+                    for ky in 0..k {
+                        let uy = oy + ky as isize - pad;
+                        if uy < 0 || uy >= oh as isize {
                             continue;
                         }
-                        let ix = ux as usize / up;
-                        debug_assert!(iy < ih && ix < iw);
-                        let src = (iy * iw + ix) * xstride;
-                        let at = (ky * k + kx) * cin;
-                        let dst = &mut crow[at..at + cin];
-                        dst.copy_from_slice(&xs[src..src + cin]);
-                        if let Some(act) = spec.act {
-                            vmath::activate(dst, act);
+                        let iy = uy as usize / up;
+                        for kx in 0..k {
+                            let ux = ox + kx as isize - pad;
+                            if ux < 0 || ux >= ow as isize {
+                                continue;
+                            }
+                            let ix = ux as usize / up;
+                            debug_assert!(iy < ih && ix < iw);
+                            let src = (iy * iw + ix) * xstride;
+                            let at = (ky * k + kx) * cin;
+                            let dst = &mut crow[at..at + cin];
+                            dst.copy_from_slice(&xs[src..src + cin]);
+                            if let Some(act) = spec.act {
+                                vmath::activate(dst, act);
+                            }
                         }
                     }
                 }
-            }
-            for r in 0..n {
-                chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
-            }
-            // SAFETY: `chunk` holds `n` output rows at stride `ostride`, each with `cout` columns;
-            // `col` is `n × kk` dense; `w.data` is `cout × kk` dense (all checked above). gemm
-            // reads and writes only within those extents, and the buffers are disjoint.
-            unsafe {
-                gemm::gemm(
-                    n,
-                    cout,
-                    kk,
-                    chunk.as_mut_ptr(),
-                    1,
-                    ostride as isize,
-                    true,
-                    col.as_ptr(),
-                    1,
-                    kk as isize,
-                    w.data.as_ptr(),
-                    kk as isize,
-                    1,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-        });
+                for r in 0..n {
+                    chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
+                }
+                let data = match &w.store {
+                    MatStore::F32(data) => data,
+                    MatStore::Bf16(panels) => {
+                        let stride = bf16::round_rows(col, kk, n, kk, rounded, false);
+                        let lhs = bf16::Lhs {
+                            data: rounded,
+                            stride,
+                            rows: n,
+                        };
+                        let out = bf16::Out {
+                            ptr: chunk.as_mut_ptr(),
+                            stride: ostride,
+                            alpha: 1.0,
+                            accumulate: true,
+                        };
+                        // SAFETY: `chunk` holds `n` output rows at stride `ostride` with `cout`
+                        // columns each, borrowed mutably here; `lhs` holds `n` rows of `kk`.
+                        unsafe { bf16::gemm(&lhs, panels.all(), out, false) };
+                        return;
+                    }
+                };
+                // SAFETY: `chunk` holds `n` output rows at stride `ostride`, each with `cout` columns;
+                // `col` is `n × kk` dense; `data` is `cout × kk` dense (all checked above). gemm
+                // reads and writes only within those extents, and the buffers are disjoint.
+                unsafe {
+                    gemm::gemm(
+                        n,
+                        cout,
+                        kk,
+                        chunk.as_mut_ptr(),
+                        1,
+                        ostride as isize,
+                        true,
+                        col.as_ptr(),
+                        1,
+                        kk as isize,
+                        data.as_ptr(),
+                        kk as isize,
+                        1,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            },
+        );
     Ok(())
 }
 

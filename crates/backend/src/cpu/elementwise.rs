@@ -33,7 +33,7 @@ pub(super) fn embed(
     }
     let t = table.weights.tensor(&table.name)?;
     rows_mut(out).zip(ids.par_iter()).for_each(|(o, &id)| {
-        t.read_f32_range(id as usize * table.dim, o);
+        table.read(&t, id as usize * table.dim, o);
         o.iter_mut().for_each(|v| *v *= scale);
     });
     Ok(())

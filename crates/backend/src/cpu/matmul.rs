@@ -1,10 +1,13 @@
-//! `out = epilogue(x · wᵀ)`: the product through the `gemm` crate, then bias, activation, gate
-//! and accumulation in one pass over the rows.
+//! `out = epilogue(x · wᵀ)`: the product (the `gemm` crate, the few-row kernel, or the bf16
+//! kernel for a bf16 matrix), then bias, activation, gate and accumulation in one pass over the
+//! rows.
+
+use std::cell::RefCell;
 
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, CpuBuf, CpuMat, rows_mut, slice, vmath};
+use super::{CpuBackend, CpuBuf, CpuMat, MatStore, bf16, rows_mut, slice, vmath};
 use crate::op::check_product;
 use crate::{Epilogue, View, ViewMut};
 
@@ -105,9 +108,10 @@ pub(super) fn matmul(
     Ok(())
 }
 
-/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`: few rows through [`skinny`], more
-/// through the `gemm` crate; `invariant` picks the kernel without looking at the row count
-/// (see `CpuBackend::set_batch_invariant`). Shapes were checked by the caller.
+/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`: a bf16 matrix through the bf16
+/// kernel (the same for every row count, so batch-invariant as it is), else few rows through
+/// [`skinny`] and more through the `gemm` crate; `invariant` picks the kernel without looking at
+/// the row count (see `CpuBackend::set_batch_invariant`). Shapes were checked by the caller.
 fn product(
     x: View<'_, CpuBackend>,
     w: &CpuMat,
@@ -120,6 +124,13 @@ fn product(
     let xs = super::slice(&x);
     let (out_off, out_end, out_stride) = (out.offset, out.end(), out.stride);
     let dst = &mut out.buf.f32_mut()[out_off..out_end];
+    let data = match &w.store {
+        MatStore::F32(data) => data,
+        MatStore::Bf16(panels) => {
+            product_bf16(xs, x.stride, m, panels, dst, out_stride, alpha, accumulate);
+            return;
+        }
+    };
     let threads = rayon::current_num_threads();
     let par = if m * n * k >= PARALLEL_MIN_MACS && threads > 1 {
         gemm::Parallelism::Rayon(threads)
@@ -128,7 +139,7 @@ fn product(
     };
     if (invariant || m <= SKINNY_ROWS) && k > 0 && vmath::dot4_is_fast() {
         skinny(
-            xs, x.stride, m, k, w, dst, out_stride, alpha, accumulate, par,
+            xs, x.stride, m, k, data, n, dst, out_stride, alpha, accumulate, par,
         );
         return;
     }
@@ -142,7 +153,7 @@ fn product(
         return;
     }
     // SAFETY: `dst` covers rows `0..m` at stride `out_stride` with `n` columns each, `xs` covers
-    // `m` rows of `k` at `x.stride`, and `w.data` is `n × k` dense (checked by the caller). gemm
+    // `m` rows of `k` at `x.stride`, and `data` is `n × k` dense (checked by the caller). gemm
     // reads lhs/rhs (and dst when accumulating) and writes dst only within those extents; the
     // borrows are disjoint.
     unsafe {
@@ -157,7 +168,7 @@ fn product(
             xs.as_ptr(),
             1,
             x.stride as isize,
-            w.data.as_ptr(),
+            data.as_ptr(),
             k as isize,
             1,
             if accumulate { 1.0 } else { 0.0 },
@@ -178,14 +189,14 @@ fn skinny(
     xs: usize,
     m: usize,
     k: usize,
-    w: &CpuMat,
+    w: &[f32],
+    n: usize,
     dst: &mut [f32],
     ds: usize,
     alpha: f32,
     accumulate: bool,
     par: gemm::Parallelism,
 ) {
-    let n = w.out;
     // One block of weight rows: its dot products, four weight rows at a time, `[quad][row of x]`.
     let block = |j0: usize| -> Vec<[f32; 4]> {
         let j1 = (j0 + SKINNY_BLOCK).min(n);
@@ -194,10 +205,10 @@ fn skinny(
             let rows = (j1 - j).min(4);
             let o = &mut out[q * m..(q + 1) * m];
             if rows == 4 {
-                vmath::dot4(x, xs, &w.data[j * k..(j + 4) * k], k, o);
+                vmath::dot4(x, xs, &w[j * k..(j + 4) * k], k, o);
             } else {
                 let mut padded = vec![0f32; 4 * k];
-                padded[..rows * k].copy_from_slice(&w.data[j * k..(j + rows) * k]);
+                padded[..rows * k].copy_from_slice(&w[j * k..(j + rows) * k]);
                 vmath::dot4(x, xs, &padded, k, o);
             }
         }
@@ -223,6 +234,52 @@ fn skinny(
             }
         }
     }
+}
+
+thread_local! {
+    /// The bf16 copy of a product's rows, kept between products so a forward does not fault in
+    /// fresh pages for every one.
+    static ROUNDED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `dst = alpha · x · wᵀ` (or `+=`) for a bf16 matrix: `x` rounded to bf16 once, then the bf16
+/// kernel over every thread.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn product_bf16(
+    x: &[f32],
+    xs: usize,
+    m: usize,
+    w: &bf16::Panels,
+    dst: &mut [f32],
+    ds: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    let n = w.rows();
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        (m - 1) * ds + n <= dst.len() && (m - 1) * xs + w.cols() <= x.len(),
+        "bf16 product out of bounds"
+    );
+    ROUNDED.with_borrow_mut(|a| {
+        let stride = bf16::round_rows(x, xs, m, w.cols(), a, true);
+        let lhs = bf16::Lhs {
+            data: a,
+            stride,
+            rows: m,
+        };
+        let out = bf16::Out {
+            ptr: dst.as_mut_ptr(),
+            stride: ds,
+            alpha,
+            accumulate,
+        };
+        // SAFETY: `dst` holds `m` rows of `n` columns at `ds` (asserted above) and is borrowed
+        // mutably for the call; `lhs` holds `m` rows of the matrix's pair count.
+        unsafe { bf16::gemm(&lhs, w.all(), out, true) };
+    });
 }
 
 #[cfg(test)]

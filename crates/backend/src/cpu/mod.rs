@@ -1,10 +1,16 @@
 //! The CPU backend: every op in `f32`, the reference every other backend is tested against.
 //!
-//! GEMMs go through the `gemm` crate; row-wise ops are parallel over rows with rayon. Nothing here
-//! trades accuracy for speed: statistics are accumulated in `f64` where a long sum would lose
-//! digits, so the CPU path tracks the float64 PyTorch reference to ~1e-6.
+//! GEMMs go through the `gemm` crate (or, for few rows, a kernel of our own); row-wise ops are
+//! parallel over rows with rayon. Nothing here trades accuracy for speed: statistics are
+//! accumulated in `f64` where a long sum would lose digits, so the CPU path tracks the float64
+//! PyTorch reference to ~1e-6.
+//!
+//! Under [`Precision::Bf16`] the matrices are kept in bf16 and every product, attention's
+//! included, takes bf16 inputs with f32 accumulation (`bf16.rs`: `vdpbf16ps` where the CPU has
+//! AVX512_BF16); everything else stays as in f32.
 
 mod attention;
+pub mod bf16;
 mod conv;
 mod dup_up;
 mod elementwise;
@@ -28,9 +34,11 @@ use crate::{
     QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
 };
 
-/// The `f32` CPU backend.
+/// The CPU backend: `f32` by default, bf16 products with [`CpuBackend::with_precision`].
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend {
+    /// `Bf16`: matrices kept in bf16, products and attention with bf16 inputs.
+    precision: Precision,
     /// Every op called, when recording (see [`CpuBackend::recording`]).
     record: Option<Arc<Mutex<HashSet<Op>>>>,
     /// Memory reported as available, when budgeted (see [`CpuBackend::budgeted`]).
@@ -43,6 +51,15 @@ pub struct CpuBackend {
 impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend::default()
+    }
+
+    /// A backend computing at `precision`: under [`Precision::Bf16`] matrices are kept in bf16
+    /// and products take bf16 inputs with f32 sums, everything else as in f32.
+    pub fn with_precision(precision: Precision) -> Self {
+        CpuBackend {
+            precision,
+            ..CpuBackend::default()
+        }
     }
 
     /// A backend that also records every op it runs, so a test can check that a model's
@@ -124,11 +141,19 @@ impl CpuBuf {
     }
 }
 
-/// A weight matrix `[out, inner]`, row-major `f32`.
+/// A weight matrix `[out, inner]`.
 pub struct CpuMat {
-    data: Vec<f32>,
+    store: MatStore,
     out: usize,
     inner: usize,
+}
+
+/// How a [`CpuMat`] holds its values.
+enum MatStore {
+    /// Row-major `f32`.
+    F32(Vec<f32>),
+    /// bf16 panels for the bf16 products (under [`Precision::Bf16`]).
+    Bf16(bf16::Panels),
 }
 
 /// An embedding table left in the checkpoint's memory map, rows widened on lookup.
@@ -137,6 +162,20 @@ pub struct CpuTable {
     name: String,
     dim: usize,
     rows: usize,
+    /// Values rounded to bf16 as they are read (under [`Precision::Bf16`], where every parameter
+    /// but the vectors is bf16, as on the GPU; exact for a bf16 checkpoint).
+    bf16: bool,
+}
+
+impl CpuTable {
+    /// Row values from element `at` into `out`, as the backend's precision stores them.
+    fn read(&self, t: &Tensor<'_>, at: usize, out: &mut [f32]) {
+        t.read_f32_range(at, out);
+        if self.bf16 {
+            out.iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+        }
+    }
 }
 
 /// Borrow the `f32` slice a view covers, after checking it lies inside the buffer.
@@ -189,7 +228,49 @@ fn stack_f32(parts: &[Tensor<'_>]) -> Result<CpuMat> {
             .zip(t.bytes.par_chunks(SLICE * t.dtype.size()))
             .for_each(|(d, b)| tessera_core::dtype::widen_into(t.dtype, b, d));
     }
-    Ok(CpuMat { data, out, inner })
+    Ok(CpuMat {
+        store: MatStore::F32(data),
+        out,
+        inner,
+    })
+}
+
+/// Round every part to bf16 (a bf16 part's bits are taken as they are) and stack the parts along
+/// `out`, in panels.
+fn stack_bf16(parts: &[Tensor<'_>]) -> Result<CpuMat> {
+    use tessera_core::DType;
+    let (out, inner) = crate::stacked_shape(parts)?;
+    // First stacked row of each part.
+    let starts: Vec<usize> = parts
+        .iter()
+        .scan(0, |row, t| {
+            let first = *row;
+            *row += t.numel() / inner.max(1);
+            Some(first)
+        })
+        .collect();
+    let panels = bf16::Panels::from_rows(out, inner, |j, dst| {
+        let p = starts.partition_point(|&s| s <= j) - 1;
+        let t = &parts[p];
+        let size = t.dtype.size();
+        let bytes = &t.bytes[(j - starts[p]) * inner * size..(j - starts[p] + 1) * inner * size];
+        if t.dtype == DType::BF16 {
+            for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = u16::from_le_bytes([b[0], b[1]]);
+            }
+        } else {
+            let mut row = vec![0f32; inner];
+            tessera_core::dtype::widen_into(t.dtype, bytes, &mut row);
+            for (d, &x) in dst.iter_mut().zip(&row) {
+                *d = bf16::round(x);
+            }
+        }
+    });
+    Ok(CpuMat {
+        store: MatStore::Bf16(panels),
+        out,
+        inner,
+    })
 }
 
 impl Backend for CpuBackend {
@@ -199,11 +280,20 @@ impl Backend for CpuBackend {
     type Table = CpuTable;
 
     fn describe(&self) -> String {
-        format!("cpu (f32, {} threads)", rayon::current_num_threads())
+        let threads = rayon::current_num_threads();
+        match self.precision {
+            Precision::F32 => format!("cpu (f32, {threads} threads)"),
+            Precision::Bf16 if bf16::native() => {
+                format!("cpu (bf16 products with AVX512_BF16, {threads} threads)")
+            }
+            Precision::Bf16 => format!(
+                "cpu (bf16 products in a portable loop: this CPU lacks AVX512_BF16, so f32 is faster; {threads} threads)"
+            ),
+        }
     }
 
     fn precision(&self) -> Precision {
-        Precision::F32
+        self.precision
     }
 
     /// The CPU is the reference: it runs every op.
@@ -250,7 +340,10 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CpuMat> {
-        stack_f32(parts)
+        match self.precision {
+            Precision::F32 => stack_f32(parts),
+            Precision::Bf16 => stack_bf16(parts),
+        }
     }
 
     fn vector(&self, t: &Tensor<'_>) -> Result<Vec<f32>> {
@@ -266,6 +359,7 @@ impl Backend for CpuBackend {
             name: name.to_string(),
             rows,
             dim,
+            bf16: self.precision == Precision::Bf16,
         })
     }
 
@@ -340,7 +434,7 @@ impl Backend for CpuBackend {
         segs: &Segments<Self>,
     ) -> Result<()> {
         self.enter(spec.op())?;
-        attention::attention(q, k, v, out, spec, segs)
+        attention::attention(q, k, v, out, spec, segs, self.precision == Precision::Bf16)
     }
 
     fn gated(

@@ -82,6 +82,46 @@ unsafe fn fma_loop_avx2(iters: usize) -> f32 {
     total
 }
 
+/// The bf16 peak in FLOP/s (a multiply-add counting two) of every thread of the pool together,
+/// from `iters` rounds of [`CHAINS`] `vdpbf16ps` (32 multiply-adds each) per thread; `None`
+/// without AVX512_BF16.
+pub fn bf16_dot_flops(iters: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if super::bf16::native() {
+        let start = Instant::now();
+        // SAFETY: AVX-512F and AVX512_BF16 are present (`native`).
+        let sums = rayon::broadcast(|_| unsafe { dot_loop_bf16(iters) });
+        let seconds = start.elapsed().as_secs_f64();
+        std::hint::black_box(sums);
+        let threads = rayon::current_num_threads();
+        return Some(2.0 * (CHAINS * 32 * iters * threads) as f64 / seconds);
+    }
+    let _ = iters;
+    None
+}
+
+/// # Safety
+/// The CPU has AVX-512F and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_loop_bf16(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: 32 bf16 values are the 64 bytes of an f32 vector; any bits are a valid vector.
+    let (a, b): (__m512bh, __m512bh) = unsafe {
+        (
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x3f80)),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x3380)),
+        )
+    };
+    let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbf16_ps(*x, a, b);
+        }
+    }
+    acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

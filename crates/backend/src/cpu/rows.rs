@@ -38,8 +38,8 @@ pub(super) fn add_positions_2d(
     rows_mut(x).enumerate().for_each_init(
         || (vec![0f32; dim], vec![0f32; dim]),
         |(tx, ty), (r, row)| {
-            t.read_f32_range(pos[2 * r] as usize * dim, tx);
-            t.read_f32_range((axis_rows + pos[2 * r + 1] as usize) * dim, ty);
+            table.read(&t, pos[2 * r] as usize * dim, tx);
+            table.read(&t, (axis_rows + pos[2 * r + 1] as usize) * dim, ty);
             for ((v, a), b) in row.iter_mut().zip(tx.iter()).zip(ty.iter()) {
                 *v += a + b;
             }

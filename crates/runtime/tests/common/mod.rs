@@ -5,6 +5,7 @@
 
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod floor;
 pub mod lfm2vl;
 pub mod text_to_image;
 

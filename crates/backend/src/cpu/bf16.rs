@@ -1,0 +1,698 @@
+//! Products with bf16 inputs and f32 accumulation, for [`Precision::Bf16`](crate::Precision) on
+//! the CPU: `C = alpha · A · Bᵀ (+ C)`, with `A` a row-major bf16 copy of the activations and `B`
+//! in [`Panels`], the layout `vdpbf16ps` (AVX512_BF16) multiplies against a broadcast pair of `A`.
+//!
+//! Each product of two bf16 values is exact in f32, so the only roundings are the inputs' (to
+//! bf16, to nearest even) and the f32 sums — the GPU's bf16 rule. Every output element's sum runs
+//! over `k` in order in one accumulator lane, whatever the tile, so a row's result does not
+//! depend on the rows it comes with. CPUs without AVX512_BF16 run the same arithmetic in a
+//! portable loop (slowly; `describe` says which).
+
+use std::sync::OnceLock;
+
+use half::bf16;
+use rayon::prelude::*;
+
+/// Output columns per panel: two 16-lane f32 registers.
+pub(super) const NR: usize = 32;
+
+/// Rows of `A` per kernel tile: 2 × 12 accumulators, two panel registers and a broadcast fit
+/// AVX-512's 32 registers.
+const MR: usize = 12;
+
+/// Rows of `A` per parallel task: a task's `A` rows stay in L2 while its panels stream past.
+const CHUNK_ROWS: usize = 16 * MR;
+
+/// Bytes of panels per parallel task: what stays in L2 while the task's row tiles pass.
+const BLOCK_BYTES: usize = 256 << 10;
+
+/// Whether this CPU multiplies bf16 in hardware (AVX512_BF16's `vdpbf16ps`).
+pub fn native() -> bool {
+    static NATIVE: OnceLock<bool> = OnceLock::new();
+    *NATIVE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// `x` rounded to bf16 (nearest, ties to even; NaN stays NaN), as bits.
+#[inline]
+pub(super) fn round(x: f32) -> u16 {
+    bf16::from_f32(x).to_bits()
+}
+
+/// The f32 value of bf16 bits.
+#[inline]
+fn widen(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// A matrix `B` (`[n, k]`, used as `A · Bᵀ`) in bf16, as panels of [`NR`] rows of `B`: panel `p`
+/// holds, for each pair of columns `2q, 2q + 1` of `B` in order, its rows' values as `(even, odd)`
+/// pairs, one `u32` per row. `k` is padded to even and `n` to whole panels with zeros.
+pub struct Panels {
+    data: Vec<u32>,
+    n: usize,
+    k: usize,
+}
+
+impl Panels {
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+    /// Column pairs per panel.
+    fn pairs(&self) -> usize {
+        self.k.div_ceil(2)
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 4
+    }
+
+    /// Pack `n` rows of `k`, `row(j, out)` writing row `j`'s bf16 bits into `out` (`k` long);
+    /// panels in parallel.
+    pub fn from_rows(n: usize, k: usize, row: impl Fn(usize, &mut [u16]) + Sync) -> Panels {
+        let pairs = k.div_ceil(2);
+        let mut data = vec![0u32; n.div_ceil(NR) * pairs * NR];
+        if pairs > 0 {
+            data.par_chunks_mut(pairs * NR).enumerate().for_each_init(
+                Vec::new,
+                |rows, (p, panel)| {
+                    let live = (n - p * NR).min(NR);
+                    rows.clear();
+                    rows.resize(NR * pairs * 2, 0u16);
+                    for (c, r) in rows.chunks_mut(pairs * 2).take(live).enumerate() {
+                        row(p * NR + c, &mut r[..k]);
+                    }
+                    for (c, r) in rows.chunks(pairs * 2).take(live).enumerate() {
+                        for (q, pair) in r.chunks_exact(2).enumerate() {
+                            panel[q * NR + c] = pair[0] as u32 | (pair[1] as u32) << 16;
+                        }
+                    }
+                },
+            );
+        }
+        Panels { data, n, k }
+    }
+
+    /// Pack the transpose of `src` (`k` rows of `n` f32 values at `stride`): `B[j][i] =
+    /// src[i][j]`, as `P · V` needs `V`. Rounds to bf16.
+    pub fn from_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels {
+        let pairs = k.div_ceil(2);
+        let mut data = vec![0u32; n.div_ceil(NR) * pairs * NR];
+        for q in 0..pairs {
+            let even = &src[2 * q * stride..2 * q * stride + n];
+            let odd = (2 * q + 1 < k).then(|| &src[(2 * q + 1) * stride..(2 * q + 1) * stride + n]);
+            for j in 0..n {
+                let hi = odd.map_or(0, |o| round(o[j]));
+                let (p, c) = (j / NR, j % NR);
+                data[(p * pairs + q) * NR + c] = round(even[j]) as u32 | (hi as u32) << 16;
+            }
+        }
+        Panels { data, n, k }
+    }
+
+    /// Row `j` of `B` widened to f32 (`k` long), for ops that read a matrix row by row.
+    pub fn row_f32(&self, j: usize, out: &mut [f32]) {
+        let pairs = self.pairs();
+        let (p, c) = (j / NR, j % NR);
+        let panel = &self.data[p * pairs * NR..(p + 1) * pairs * NR];
+        for (q, o) in out[..self.k].chunks_mut(2).enumerate() {
+            let pair = panel[q * NR + c];
+            o[0] = widen(pair as u16);
+            if let Some(o1) = o.get_mut(1) {
+                *o1 = widen((pair >> 16) as u16);
+            }
+        }
+    }
+
+    /// Rows `rows` of `B` (whole panels: `rows.start` a multiple of [`NR`]) and column pairs
+    /// `pairs`, as one product's right-hand side.
+    pub fn view(
+        &self,
+        rows: std::ops::Range<usize>,
+        pairs: std::ops::Range<usize>,
+    ) -> PanelView<'_> {
+        assert!(
+            rows.start.is_multiple_of(NR) && rows.end <= self.n && pairs.end <= self.pairs(),
+            "panel view out of range"
+        );
+        PanelView {
+            data: &self.data[rows.start / NR * self.pairs() * NR..],
+            stride: self.pairs() * NR,
+            first_pair: pairs.start,
+            pairs: pairs.len(),
+            n: rows.len(),
+        }
+    }
+
+    /// Every row and column.
+    pub fn all(&self) -> PanelView<'_> {
+        self.view(0..self.n, 0..self.pairs())
+    }
+}
+
+/// Part of a [`Panels`]: the right-hand side of one product.
+#[derive(Clone, Copy)]
+pub struct PanelView<'a> {
+    data: &'a [u32],
+    /// `u32`s from one panel to the next.
+    stride: usize,
+    first_pair: usize,
+    pairs: usize,
+    /// Rows of `B` (output columns).
+    n: usize,
+}
+
+/// `A` in bf16: `m` rows of `k` columns (padded to even) as `u32` pairs, row-major.
+pub struct Lhs<'a> {
+    pub data: &'a [u32],
+    /// `u32`s from one row to the next.
+    pub stride: usize,
+    pub rows: usize,
+}
+
+/// Round `m` rows of `k` f32 values (at `stride`) to bf16 pairs in `out` (resized to `m` rows of
+/// `⌈k/2⌉`), in parallel when `par`; returns the row stride in `u32`s.
+pub fn round_rows(
+    src: &[f32],
+    stride: usize,
+    m: usize,
+    k: usize,
+    out: &mut Vec<u32>,
+    par: bool,
+) -> usize {
+    let pairs = k.div_ceil(2);
+    out.clear();
+    out.resize(m * pairs, 0);
+    if pairs == 0 {
+        return pairs;
+    }
+    let one = |(r, o): (usize, &mut [u32])| round_row(&src[r * stride..r * stride + k], o);
+    if par && m * k >= 1 << 16 {
+        out.par_chunks_mut(pairs).enumerate().for_each(one);
+    } else {
+        out.chunks_mut(pairs).enumerate().for_each(one);
+    }
+    pairs
+}
+
+/// One row of f32 values to bf16 pairs (`out` is `⌈x.len()/2⌉` long).
+pub fn round_row(x: &[f32], out: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if native() {
+        // SAFETY: AVX-512F and AVX512_BF16 are present (`native`); the lengths are as documented.
+        unsafe { round_row_avx512(x, out) };
+        return;
+    }
+    round_row_plain(x, out);
+}
+
+fn round_row_plain(x: &[f32], out: &mut [u32]) {
+    for (o, pair) in out.iter_mut().zip(x.chunks(2)) {
+        let hi = pair.get(1).map_or(0, |&v| round(v));
+        *o = round(pair[0]) as u32 | (hi as u32) << 16;
+    }
+}
+
+/// # Safety
+/// The CPU has AVX-512F and AVX512_BF16; `out.len() == x.len().div_ceil(2)`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn round_row_avx512(x: &[f32], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let full = x.len() / 32;
+    for i in 0..full {
+        // SAFETY: elements 32i..32i+32 of `x` and 16i..16i+16 of `out` are in bounds.
+        unsafe {
+            let lo = _mm512_loadu_ps(x.as_ptr().add(32 * i));
+            let hi = _mm512_loadu_ps(x.as_ptr().add(32 * i + 16));
+            // Rounds to nearest even and keeps NaN a NaN, as `round` does.
+            let b = _mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_storeu_si512(
+                out.as_mut_ptr().add(16 * i).cast(),
+                std::mem::transmute::<__m512bh, __m512i>(b),
+            );
+        }
+    }
+    round_row_plain(&x[32 * full..], &mut out[16 * full..]);
+}
+
+/// Where one product writes: `C` rows at `stride` from `ptr`, `alpha · A·Bᵀ` added to them
+/// (`accumulate`) or stored.
+#[derive(Clone, Copy)]
+pub struct Out {
+    pub ptr: *mut f32,
+    pub stride: usize,
+    pub alpha: f32,
+    pub accumulate: bool,
+}
+
+impl Out {
+    /// Where row `r`, column `col` of `C` is (a method, so closures capture the whole `Out`,
+    /// which is `Sync`, rather than its raw pointer).
+    pub fn at(&self, r: usize, col: usize) -> *mut f32 {
+        self.ptr.wrapping_add(r * self.stride + col)
+    }
+}
+
+// SAFETY: `Out` is a pointer into a buffer the caller borrows mutably for the whole product;
+// tasks write disjoint tiles of it.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+/// `C = alpha · A · Bᵀ` (or `+=`), `A` `m × k` and `B` `n × k` in bf16, tiles over threads
+/// when `par`.
+///
+/// # Safety
+/// `c.ptr` addresses `a.rows` rows of at least `b`'s row count of columns at `c.stride`, valid
+/// for writes (and reads when accumulating), not aliased for the duration; `a` holds `a.rows`
+/// rows of at least `b`'s pair count.
+pub unsafe fn gemm(a: &Lhs<'_>, b: PanelView<'_>, c: Out, par: bool) {
+    let (m, n) = (a.rows, b.n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        b.pairs <= a.stride && (m - 1) * a.stride + b.pairs <= a.data.len(),
+        "bf16 gemm: A too short for its rows"
+    );
+    let panels = n.div_ceil(NR);
+    let per_block = (BLOCK_BYTES / (b.pairs * NR * 4).max(1)).clamp(1, 16);
+    let blocks = panels.div_ceil(per_block);
+    let chunks = m.div_ceil(CHUNK_ROWS);
+    let task = |t: usize| {
+        let (bi, ci) = (t % blocks, t / blocks);
+        let rows = ci * CHUNK_ROWS..((ci + 1) * CHUNK_ROWS).min(m);
+        for p in bi * per_block..((bi + 1) * per_block).min(panels) {
+            let cols = (n - p * NR).min(NR);
+            let panel = &b.data[p * b.stride + b.first_pair * NR..];
+            let mut r = rows.start;
+            while r < rows.end {
+                let h = (rows.end - r).min(MR);
+                // SAFETY: rows r..r+h of A and C, columns p·NR..p·NR+cols of C and the panel's
+                // pairs are inside the extents the caller guarantees; tasks own disjoint
+                // (rows, panels) tiles.
+                unsafe {
+                    tile(
+                        &a.data[r * a.stride..],
+                        a.stride,
+                        h,
+                        panel,
+                        b.pairs,
+                        c.at(r, p * NR),
+                        c.stride,
+                        cols,
+                        c.alpha,
+                        c.accumulate,
+                    )
+                };
+                r += h;
+            }
+        }
+    };
+    let tasks = blocks * chunks;
+    if par && tasks > 1 && m * n * b.pairs >= 1 << 18 {
+        (0..tasks).into_par_iter().for_each(task);
+    } else {
+        (0..tasks).for_each(task);
+    }
+}
+
+/// One tile: `h ≤ MR` rows of `A` against one panel.
+///
+/// # Safety
+/// `c` addresses `h` rows of `cols ≤ NR` at `ldc`, valid for writes (reads when accumulating);
+/// `a` holds `h` rows at `lda` of `pairs` each; `b` holds `pairs · NR` values.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(
+    a: &[u32],
+    lda: usize,
+    h: usize,
+    b: &[u32],
+    pairs: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    debug_assert!(h <= MR && cols <= NR && b.len() >= pairs * NR);
+    #[cfg(target_arch = "x86_64")]
+    if native() {
+        macro_rules! go {
+            ($($h:literal)*) => {
+                match h {
+                    // SAFETY: the features are present (`native`); extents as this function's.
+                    $($h => unsafe { tile_avx512::<$h>(a, lda, b, pairs, c, ldc, cols, alpha, accumulate) },)*
+                    _ => unreachable!("tile of {h} rows"),
+                }
+            };
+        }
+        go!(1 2 3 4 5 6 7 8 9 10 11 12);
+        return;
+    }
+    // SAFETY: as this function's.
+    unsafe { tile_plain(a, lda, h, b, pairs, c, ldc, cols, alpha, accumulate) }
+}
+
+/// [`tile`] in plain Rust: products of bf16 values (exact in f32), summed in f32 pair by pair.
+///
+/// # Safety
+/// As [`tile`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_plain(
+    a: &[u32],
+    lda: usize,
+    h: usize,
+    b: &[u32],
+    pairs: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    for r in 0..h {
+        let ar = &a[r * lda..r * lda + pairs];
+        for j in 0..cols {
+            let mut s = 0f32;
+            for (q, &x) in ar.iter().enumerate() {
+                let y = b[q * NR + j];
+                s += widen(x as u16) * widen(y as u16);
+                s += widen((x >> 16) as u16) * widen((y >> 16) as u16);
+            }
+            // SAFETY: row r < h, column j < cols of the caller's C.
+            let o = unsafe { &mut *c.add(r * ldc + j) };
+            *o = if accumulate {
+                *o + alpha * s
+            } else {
+                alpha * s
+            };
+        }
+    }
+}
+
+/// [`tile`] with `vdpbf16ps`: `H` rows × 32 columns of f32 accumulators, one broadcast pair of
+/// `A` against the panel's two registers per row and pair.
+///
+/// # Safety
+/// As [`tile`], and the CPU has AVX-512F and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx512<const H: usize>(
+    a: &[u32],
+    lda: usize,
+    b: &[u32],
+    pairs: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; H];
+    let (ap, bp) = (a.as_ptr(), b.as_ptr());
+    for q in 0..pairs {
+        // SAFETY: pair q of the panel (32 u32s at q·NR) and of rows 0..H of A are in bounds (see
+        // `tile`); `__m512bh` is 32 bf16 bits, the same 64 bytes as the integer vector.
+        unsafe {
+            let b0 =
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp.add(q * NR).cast()));
+            let b1 = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                bp.add(q * NR + 16).cast(),
+            ));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*ap.add(r * lda + q) as i32));
+                acc[0] = _mm512_dpbf16_ps(acc[0], x, b0);
+                acc[1] = _mm512_dpbf16_ps(acc[1], x, b1);
+            }
+        }
+    }
+    let scale = _mm512_set1_ps(alpha);
+    let lanes = |n: usize| -> __mmask16 { if n >= 16 { 0xffff } else { (1u16 << n) - 1 } };
+    let masks = [lanes(cols), lanes(cols.saturating_sub(16))];
+    for (r, acc) in acc.iter().enumerate() {
+        for (half, (&v, &mask)) in acc.iter().zip(&masks).enumerate() {
+            if mask == 0 {
+                continue;
+            }
+            // SAFETY: row r < H and the masked columns (< cols) are inside the caller's C.
+            unsafe {
+                let dst = c.add(r * ldc + 16 * half);
+                let mut y = _mm512_mul_ps(v, scale);
+                if accumulate {
+                    y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, dst));
+                }
+                _mm512_mask_storeu_ps(dst, mask, y);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::Rng;
+
+    fn bits(v: &[f32]) -> Vec<u16> {
+        v.iter().map(|&x| round(x)).collect()
+    }
+
+    /// `alpha · A · Bᵀ` in f64 from the bf16-rounded inputs.
+    fn naive(a: &[f32], b: &[f32], m: usize, n: usize, k: usize, alpha: f64) -> Vec<f64> {
+        let (a, b) = (bits(a), bits(b));
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = alpha
+                    * (0..k)
+                        .map(|t| widen(a[i * k + t]) as f64 * widen(b[j * k + t]) as f64)
+                        .sum::<f64>();
+            }
+        }
+        c
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        a: &[f32],
+        m: usize,
+        k: usize,
+        b: &Panels,
+        c: &mut [f32],
+        ldc: usize,
+        alpha: f32,
+        acc: bool,
+    ) {
+        let mut packed = Vec::new();
+        let stride = round_rows(a, k, m, k, &mut packed, true);
+        let lhs = Lhs {
+            data: &packed,
+            stride,
+            rows: m,
+        };
+        // SAFETY: `c` holds m rows of ldc ≥ n columns.
+        unsafe {
+            gemm(
+                &lhs,
+                b.all(),
+                Out {
+                    ptr: c.as_mut_ptr(),
+                    stride: ldc,
+                    alpha,
+                    accumulate: acc,
+                },
+                true,
+            )
+        };
+    }
+
+    #[test]
+    fn products_match_f64_of_the_rounded_inputs_at_odd_sizes() {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (7, 17, 33),
+            (13, 33, 7),
+            (17, 512, 2048),
+            (33, 4099, 65),
+            (200, 64, 97),
+        ] {
+            let mut rng = Rng::new((m * 7919 + k * 31 + n) as u64);
+            let (a, b) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
+            let panels = Panels::from_rows(n, k, |j, out| {
+                out.copy_from_slice(&bits(&b[j * k..(j + 1) * k]))
+            });
+            let ldc = n + 3;
+            let mut c = vec![f32::NAN; m * ldc];
+            run(&a, m, k, &panels, &mut c, ldc, 0.5, false);
+            let want = naive(&a, &b, m, n, k, 0.5);
+            for i in 0..m {
+                for j in 0..n {
+                    let (g, w) = (c[i * ldc + j], want[i * n + j]);
+                    // f32 sums of k exact products: k · 2⁻²⁴ relative to the sum of |terms|.
+                    let tol = 1e-6 * (k as f64).sqrt() * 4.0 + 1e-6;
+                    assert!(
+                        (g as f64 - w).abs() <= tol * w.abs().max(1.0),
+                        "{m}×{k}×{n} [{i},{j}]: {g} vs {w}"
+                    );
+                }
+                assert!(
+                    c[i * ldc + n..(i + 1) * ldc].iter().all(|x| x.is_nan()),
+                    "wrote past column {n}"
+                );
+            }
+            // Accumulating adds to what is there.
+            let mut c2: Vec<f32> = (0..m * ldc).map(|i| i as f32 * 0.25).collect();
+            run(&a, m, k, &panels, &mut c2, ldc, 1.0, true);
+            for i in 0..m {
+                for j in 0..n {
+                    let w = (i * ldc + j) as f64 * 0.25 + 2.0 * want[i * n + j];
+                    let g = c2[i * ldc + j] as f64;
+                    assert!(
+                        (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                        "accumulate {m}×{k}×{n}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The portable tile (what CPUs without AVX512_BF16 run) computes the same product.
+    #[test]
+    fn the_portable_tile_matches_f64_of_the_rounded_inputs() {
+        let (m, k, n) = (5, 33, 29);
+        let mut rng = Rng::new(11);
+        let (a, b) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
+        let panels = Panels::from_rows(n, k, |j, out| {
+            out.copy_from_slice(&bits(&b[j * k..(j + 1) * k]))
+        });
+        let mut packed = Vec::new();
+        let stride = round_rows(&a, k, m, k, &mut packed, false);
+        let mut c = vec![1f32; m * n];
+        // SAFETY: `c` holds m rows of n; A has m rows of `stride` pairs; the panel k/2 pairs.
+        unsafe {
+            tile_plain(
+                &packed,
+                stride,
+                m,
+                &panels.data,
+                stride,
+                c.as_mut_ptr(),
+                n,
+                n,
+                2.0,
+                true,
+            )
+        };
+        let want = naive(&a, &b, m, n, k, 2.0);
+        for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
+            assert!(
+                (g as f64 - 1.0 - w).abs() <= 1e-5 * w.abs().max(1.0),
+                "[{i}]: {g} vs 1 + {w}"
+            );
+        }
+    }
+
+    /// The hardware kernel and the portable loop agree on every element, NaN and ∞ included.
+    #[test]
+    fn rounding_keeps_specials_and_matches_the_scalar_rounding() {
+        for n in [1usize, 7, 17, 33, 4099] {
+            let mut rng = Rng::new(n as u64);
+            let mut x = rng.vec(n, 100.0);
+            for (i, v) in x.iter_mut().enumerate() {
+                match i % 11 {
+                    3 => *v = f32::NAN,
+                    5 => *v = f32::INFINITY,
+                    7 => *v = f32::NEG_INFINITY,
+                    9 => *v = 1.0 + f32::EPSILON * 128.0, // a tie: rounds to even
+                    _ => {}
+                }
+            }
+            let mut fast = vec![0u32; n.div_ceil(2)];
+            let mut plain = vec![0u32; n.div_ceil(2)];
+            round_row(&x, &mut fast);
+            round_row_plain(&x, &mut plain);
+            for (i, (&f, &p)) in fast.iter().zip(&plain).enumerate() {
+                for s in [0, 16] {
+                    let (f, p) = ((f >> s) as u16, (p >> s) as u16);
+                    assert!(
+                        f == p || (widen(f).is_nan() && widen(p).is_nan()),
+                        "pair {i}: {f:#x} vs {p:#x}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transposed_packing_and_row_reads_round_trip() {
+        let (k, n) = (37, 45);
+        let mut rng = Rng::new(9);
+        let v = rng.vec(k * n, 3.0);
+        let t = Panels::from_cols(&v, n, k, n);
+        let mut row = vec![0f32; k];
+        for j in 0..n {
+            t.row_f32(j, &mut row);
+            for (i, &x) in row.iter().enumerate() {
+                assert_eq!(x.to_bits(), widen(round(v[i * n + j])).to_bits());
+            }
+        }
+    }
+
+    /// A view of later panels and later column pairs computes that part of the product.
+    #[test]
+    fn views_select_rows_and_pairs() {
+        let (m, k, n) = (5, 40, 100);
+        let mut rng = Rng::new(3);
+        let (a, b) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
+        let panels = Panels::from_rows(n, k, |j, out| {
+            out.copy_from_slice(&bits(&b[j * k..(j + 1) * k]))
+        });
+        let mut packed = Vec::new();
+        let stride = round_rows(&a, k, m, k, &mut packed, false);
+        // Columns 10..30 of A as pairs 5..15, against B rows 32..100.
+        let lhs = Lhs {
+            data: &packed[5..],
+            stride,
+            rows: m,
+        };
+        let mut c = vec![0f32; m * 68];
+        // SAFETY: c holds m rows of 68.
+        unsafe {
+            gemm(
+                &lhs,
+                panels.view(32..100, 5..15),
+                Out {
+                    ptr: c.as_mut_ptr(),
+                    stride: 68,
+                    alpha: 1.0,
+                    accumulate: false,
+                },
+                false,
+            )
+        };
+        let (ab, bb) = (bits(&a), bits(&b));
+        for i in 0..m {
+            for j in 0..68 {
+                let w: f64 = (10..30)
+                    .map(|t| widen(ab[i * k + t]) as f64 * widen(bb[(32 + j) * k + t]) as f64)
+                    .sum();
+                assert!((c[i * 68 + j] as f64 - w).abs() < 1e-5, "[{i},{j}]");
+            }
+        }
+    }
+}
