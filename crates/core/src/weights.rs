@@ -383,6 +383,35 @@ impl Weights {
         })
     }
 
+    /// Give back this process's resident pages of tensor `name` (the whole pages inside its
+    /// bytes) once a backend has made its own copy: the mapped checkpoint's pages count as
+    /// the process's memory for as long as they stay mapped in, and a bf16 model on the CPU
+    /// would otherwise hold every matrix twice. The bytes stay readable: a later read faults
+    /// them in again from the file. A no-op for weights not mapped from a file.
+    pub fn release(&self, name: &str) {
+        let full = self.full_name(name);
+        let Some(&fi) = self.index.get(&full) else {
+            return;
+        };
+        let file = &self.files[fi];
+        let (Bytes::Mapped(map), Some(e)) = (&file.bytes, file.entries.get(&full)) else {
+            return;
+        };
+        let page = page_size();
+        let (start, end) = (e.start.next_multiple_of(page), e.end / page * page);
+        #[cfg(unix)]
+        if end > start {
+            // SAFETY: a read-only private mapping of a file Tessera never writes: MADV_DONTNEED
+            // drops the process's copies of these pages and the next read maps the same bytes
+            // in again from the file (or page cache), so every borrow of them stays valid and
+            // sees the same values.
+            // A failure only means the pages stay resident.
+            let _ = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+    }
+
     /// The tensor `name`, which must have exactly `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor<'_>> {
         let t = self.tensor(name)?;
@@ -416,6 +445,19 @@ fn map_file(path: &Path) -> Result<File1> {
     File1::parse(path.to_path_buf(), Bytes::Mapped(map))
 }
 
+/// The virtual memory page size.
+fn page_size() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if n > 0 {
+            return n as usize;
+        }
+    }
+    4096
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -438,6 +480,28 @@ mod tests {
             })
             .collect();
         safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    /// Giving back a tensor's pages keeps its bytes readable and unchanged.
+    #[test]
+    fn released_tensors_read_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let big: Vec<f32> = (0..100_000).map(|i| i as f32 * 0.5).collect();
+        write_st(
+            &path,
+            &[
+                ("a", vec![100, 1000], big.clone()),
+                ("b", vec![3], vec![1.0, 2.0, 3.0]),
+            ],
+        );
+        let w = Weights::open_file(&path).unwrap();
+        assert_eq!(w.tensor("a").unwrap().to_f32(), big);
+        w.release("a");
+        w.release("b");
+        w.release("missing");
+        assert_eq!(w.tensor("a").unwrap().to_f32(), big);
+        assert_eq!(w.tensor("b").unwrap().to_f32(), vec![1.0, 2.0, 3.0]);
     }
 
     #[test]

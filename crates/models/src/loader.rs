@@ -106,7 +106,10 @@ impl<'a, B: Backend> Loader<'a, B> {
 
     /// A weight matrix `[out, inner]`.
     pub fn matrix(&self, name: &str, out: usize, inner: usize) -> Result<B::Mat> {
-        self.be.matrix(&[self.tensor(name, &[out, inner])?])
+        let m = self.be.matrix(&[self.tensor(name, &[out, inner])?])?;
+        // The backend holds its own copy now: the mapped pages need not stay resident.
+        self.root.release(&self.stored(name));
+        Ok(m)
     }
 
     /// Matrices `[rows_i, inner]` stacked along their rows into one (q|k|v, gate|up), so a
@@ -116,7 +119,12 @@ impl<'a, B: Backend> Loader<'a, B> {
             .iter()
             .map(|&(name, rows)| self.tensor(name, &[rows, inner]))
             .collect::<Result<Vec<_>>>()?;
-        self.be.matrix(&tensors)
+        let m = self.be.matrix(&tensors)?;
+        drop(tensors);
+        for &(name, _) in parts {
+            self.root.release(&self.stored(name));
+        }
+        Ok(m)
     }
 
     /// Vectors `[n_i]` joined end to end (the biases of stacked matrices).
