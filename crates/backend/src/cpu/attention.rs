@@ -276,12 +276,10 @@ fn attention_bf16(
         .into_par_iter()
         .map(|i| {
             let ((first, n), g) = (segments[i / spec.heads_kv], i % spec.heads_kv);
-            let keys = Panels::from_rows(n, hd, |j, dst| {
-                let row = &ks[(first + j) * k.stride + g * hd..][..hd];
-                for (d, &x) in dst.iter_mut().zip(row) {
-                    *d = bf16::round(x);
-                }
-            });
+            let keys = match n {
+                0 => Panels::from_f32_rows(&[], k.stride, 0, hd),
+                _ => Panels::from_f32_rows(&ks[first * k.stride + g * hd..], k.stride, n, hd),
+            };
             let values = match n {
                 0 => Panels::from_cols(&[], v.stride, 0, hd),
                 _ => Panels::from_cols(&vs[first * v.stride + g * hd..], v.stride, n, hd),

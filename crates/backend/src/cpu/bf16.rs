@@ -79,24 +79,21 @@ impl Panels {
         self.data.len() * 4
     }
 
-    /// Pack `n` rows of `k`, `row(j, out)` writing row `j`'s bf16 bits into `out` (`k` long);
-    /// panels in parallel.
-    pub fn from_rows(n: usize, k: usize, row: impl Fn(usize, &mut [u16]) + Sync) -> Panels {
+    /// Pack `n` rows of `k`, `row(j, out)` writing row `j`'s bf16 bits into `out` as pairs
+    /// (`⌈k/2⌉` long, the first of a pair in the low half, an odd `k`'s last pair padded with
+    /// zero bits); panels in parallel.
+    pub fn from_rows(n: usize, k: usize, row: impl Fn(usize, &mut [u32]) + Sync) -> Panels {
         let pairs = k.div_ceil(2);
         let mut data = vec![0u32; n.div_ceil(NR) * pairs * NR];
         if pairs > 0 {
             data.par_chunks_mut(pairs * NR).enumerate().for_each_init(
                 Vec::new,
-                |rows, (p, panel)| {
-                    let live = (n - p * NR).min(NR);
-                    rows.clear();
-                    rows.resize(NR * pairs * 2, 0u16);
-                    for (c, r) in rows.chunks_mut(pairs * 2).take(live).enumerate() {
-                        row(p * NR + c, &mut r[..k]);
-                    }
-                    for (c, r) in rows.chunks(pairs * 2).take(live).enumerate() {
-                        for (q, pair) in r.chunks_exact(2).enumerate() {
-                            panel[q * NR + c] = pair[0] as u32 | (pair[1] as u32) << 16;
+                |tmp, (p, panel)| {
+                    tmp.resize(pairs, 0u32);
+                    for c in 0..(n - p * NR).min(NR) {
+                        row(p * NR + c, tmp);
+                        for (q, &pair) in tmp.iter().enumerate() {
+                            panel[q * NR + c] = pair;
                         }
                     }
                 },
@@ -105,18 +102,31 @@ impl Panels {
         Panels { data, n, k }
     }
 
+    /// Pack `n` rows of `k` f32 values at `stride` in `src`, rounded to bf16.
+    pub fn from_f32_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Panels {
+        Panels::from_rows(n, k, |j, out| {
+            round_row(&src[j * stride..j * stride + k], out)
+        })
+    }
+
     /// Pack the transpose of `src` (`k` rows of `n` f32 values at `stride`): `B[j][i] =
     /// src[i][j]`, as `P · V` needs `V`. Rounds to bf16.
     pub fn from_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels {
         let pairs = k.div_ceil(2);
         let mut data = vec![0u32; n.div_ceil(NR) * pairs * NR];
+        let mut zeros = Vec::new();
         for q in 0..pairs {
             let even = &src[2 * q * stride..2 * q * stride + n];
-            let odd = (2 * q + 1 < k).then(|| &src[(2 * q + 1) * stride..(2 * q + 1) * stride + n]);
-            for j in 0..n {
-                let hi = odd.map_or(0, |o| round(o[j]));
-                let (p, c) = (j / NR, j % NR);
-                data[(p * pairs + q) * NR + c] = round(even[j]) as u32 | (hi as u32) << 16;
+            let odd = if 2 * q + 1 < k {
+                &src[(2 * q + 1) * stride..(2 * q + 1) * stride + n]
+            } else {
+                zeros.resize(n, 0f32);
+                &zeros
+            };
+            for (p, cols) in (0..n).step_by(NR).enumerate() {
+                let live = (n - cols).min(NR);
+                let dst = &mut data[(p * pairs + q) * NR..][..live];
+                interleave(&even[cols..cols + live], &odd[cols..cols + live], dst);
             }
         }
         Panels { data, n, k }
@@ -246,6 +256,47 @@ unsafe fn round_row_avx512(x: &[f32], out: &mut [u32]) {
         }
     }
     round_row_plain(&x[32 * full..], &mut out[16 * full..]);
+}
+
+/// `out[j] = (even[j], odd[j])` rounded to bf16, as a pair.
+fn interleave(even: &[f32], odd: &[f32], out: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if native() {
+        // SAFETY: AVX-512F and AVX512_BF16 are present (`native`).
+        unsafe { interleave_avx512(even, odd, out) };
+        return;
+    }
+    interleave_plain(even, odd, out);
+}
+
+fn interleave_plain(even: &[f32], odd: &[f32], out: &mut [u32]) {
+    for ((o, &e), &d) in out.iter_mut().zip(even).zip(odd) {
+        *o = round(e) as u32 | (round(d) as u32) << 16;
+    }
+}
+
+/// # Safety
+/// The CPU has AVX-512F and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn interleave_avx512(even: &[f32], odd: &[f32], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let n = out.len().min(even.len()).min(odd.len());
+    let mut j = 0;
+    while j + 16 <= n {
+        // SAFETY: elements j..j+16 of all three slices are in bounds; a `__m256bh` is 16 bf16
+        // bits, the same 32 bytes as the integer vector.
+        unsafe {
+            let e = _mm512_cvtneps_pbh(_mm512_loadu_ps(even.as_ptr().add(j)));
+            let d = _mm512_cvtneps_pbh(_mm512_loadu_ps(odd.as_ptr().add(j)));
+            let e = _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(e));
+            let d = _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(d));
+            let pair = _mm512_or_si512(e, _mm512_slli_epi32::<16>(d));
+            _mm512_storeu_si512(out.as_mut_ptr().add(j).cast(), pair);
+        }
+        j += 16;
+    }
+    interleave_plain(&even[j..n], &odd[j..n], &mut out[j..n]);
 }
 
 /// Where one product writes: `C` rows at `stride` from `ptr`, `alpha · A·Bᵀ` added to them
@@ -533,9 +584,7 @@ mod tests {
         ] {
             let mut rng = Rng::new((m * 7919 + k * 31 + n) as u64);
             let (a, b) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
-            let panels = Panels::from_rows(n, k, |j, out| {
-                out.copy_from_slice(&bits(&b[j * k..(j + 1) * k]))
-            });
+            let panels = Panels::from_f32_rows(&b, k, n, k);
             let ldc = n + 3;
             let mut c = vec![f32::NAN; m * ldc];
             run(&a, m, k, &panels, &mut c, ldc, 0.5, false);
@@ -577,9 +626,7 @@ mod tests {
         let (m, k, n) = (5, 33, 29);
         let mut rng = Rng::new(11);
         let (a, b) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
-        let panels = Panels::from_rows(n, k, |j, out| {
-            out.copy_from_slice(&bits(&b[j * k..(j + 1) * k]))
-        });
+        let panels = Panels::from_f32_rows(&b, k, n, k);
         let mut packed = Vec::new();
         let stride = round_rows(&a, k, m, k, &mut packed, false);
         let mut c = vec![1f32; m * n];
@@ -640,15 +687,28 @@ mod tests {
 
     #[test]
     fn transposed_packing_and_row_reads_round_trip() {
-        let (k, n) = (37, 45);
-        let mut rng = Rng::new(9);
-        let v = rng.vec(k * n, 3.0);
-        let t = Panels::from_cols(&v, n, k, n);
-        let mut row = vec![0f32; k];
-        for j in 0..n {
-            t.row_f32(j, &mut row);
-            for (i, &x) in row.iter().enumerate() {
-                assert_eq!(x.to_bits(), widen(round(v[i * n + j])).to_bits());
+        for (k, n) in [(1, 1), (7, 17), (37, 45), (33, 4099)] {
+            let mut rng = Rng::new((k * n) as u64);
+            let mut v = rng.vec(k * n, 3.0);
+            for (i, x) in v.iter_mut().enumerate() {
+                match i % 13 {
+                    2 => *x = f32::NAN,
+                    4 => *x = f32::INFINITY,
+                    6 => *x = f32::NEG_INFINITY,
+                    _ => {}
+                }
+            }
+            let t = Panels::from_cols(&v, n, k, n);
+            let mut row = vec![0f32; k];
+            for j in 0..n {
+                t.row_f32(j, &mut row);
+                for (i, &x) in row.iter().enumerate() {
+                    let want = widen(round(v[i * n + j]));
+                    assert!(
+                        x.to_bits() == want.to_bits() || (x.is_nan() && want.is_nan()),
+                        "{k}×{n} [{i}, {j}]: {x} vs {want}"
+                    );
+                }
             }
         }
     }
@@ -659,9 +719,7 @@ mod tests {
         let (m, k, n) = (5, 40, 100);
         let mut rng = Rng::new(3);
         let (a, b) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
-        let panels = Panels::from_rows(n, k, |j, out| {
-            out.copy_from_slice(&bits(&b[j * k..(j + 1) * k]))
-        });
+        let panels = Panels::from_f32_rows(&b, k, n, k);
         let mut packed = Vec::new();
         let stride = round_rows(&a, k, m, k, &mut packed, false);
         // Columns 10..30 of A as pairs 5..15, against B rows 32..100.

@@ -255,15 +255,19 @@ fn stack_bf16(parts: &[Tensor<'_>]) -> Result<CpuMat> {
         let size = t.dtype.size();
         let bytes = &t.bytes[(j - starts[p]) * inner * size..(j - starts[p] + 1) * inner * size];
         if t.dtype == DType::BF16 {
-            for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
-                *d = u16::from_le_bytes([b[0], b[1]]);
+            // Two bf16 values little-endian are the pair as one u32; an odd row's last is alone.
+            let pairs = bytes.chunks(4);
+            for (d, b) in dst.iter_mut().zip(pairs) {
+                *d = match *b {
+                    [a, b, c, e] => u32::from_le_bytes([a, b, c, e]),
+                    [a, b] => u16::from_le_bytes([a, b]) as u32,
+                    _ => unreachable!("bf16 bytes come in pairs"),
+                };
             }
         } else {
             let mut row = vec![0f32; inner];
             tessera_core::dtype::widen_into(t.dtype, bytes, &mut row);
-            for (d, &x) in dst.iter_mut().zip(&row) {
-                *d = bf16::round(x);
-            }
+            bf16::round_row(&row, dst);
         }
     });
     Ok(CpuMat {

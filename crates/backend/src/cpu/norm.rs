@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, rows, rows_mut, slice};
+use super::{CpuBackend, rows, rows_mut, slice, vmath};
 use crate::view::same_shape;
 use crate::{After, NormKind, Residual, RowNorm, View, ViewMut};
 
@@ -71,23 +71,12 @@ impl<'a> Norm<'a> {
         let n = x.len() as f64;
         let mean = match self.kind {
             NormKind::Rms => 0.0,
-            NormKind::Layer => x.iter().map(|&v| v as f64).sum::<f64>() / n,
+            NormKind::Layer => vmath::sum(x) / n,
         };
-        let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+        let var = vmath::sum_sq(x, mean) / n;
         let inv = 1.0 / (var + self.eps as f64).sqrt();
-        for (j, (o, &v)) in out.iter_mut().zip(x).enumerate() {
-            let mut y = ((v as f64 - mean) * inv) as f32;
-            if let Some(w) = self.weight {
-                y *= w[j];
-            }
-            if let Some(b) = self.bias {
-                y += b[j];
-            }
-            if let Some(m) = &self.one_plus_scale {
-                y *= m[j];
-            }
-            *o = y;
-        }
+        let scale = self.one_plus_scale.as_deref();
+        vmath::normalize(x, mean, inv, self.weight, self.bias, scale, out);
     }
 }
 

@@ -245,6 +245,70 @@ multiversioned! {
     }
 }
 
+multiversioned! {
+    /// `Σ (x − mean)²` and, with `mean` = 0, `Σ x²`, in f64 over [`LANES`] partial sums (the row
+    /// norms' statistics).
+    pub(super) fn sum_sq(xs: &[f32], mean: f64) -> f64 {
+        let mut acc = [0f64; LANES];
+        let chunks = xs.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (a, &x) in acc.iter_mut().zip(c) {
+                let d = x as f64 - mean;
+                *a += d * d;
+            }
+        }
+        let mut sum: f64 = acc.iter().sum();
+        for &x in tail {
+            let d = x as f64 - mean;
+            sum += d * d;
+        }
+        sum
+    }
+}
+
+multiversioned! {
+    /// `Σ x` in f64 over [`LANES`] partial sums.
+    pub(super) fn sum(xs: &[f32]) -> f64 {
+        let mut acc = [0f64; LANES];
+        let chunks = xs.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (a, &x) in acc.iter_mut().zip(c) {
+                *a += x as f64;
+            }
+        }
+        tail.iter().fold(acc.iter().sum(), |s, &x| s + x as f64)
+    }
+}
+
+multiversioned! {
+    /// `out[j] = ((x[j] − mean) · inv)` rounded once to f32, then `· w[j]`, `+ b[j]`, `· m[j]`
+    /// in f32 for each of them given, in that order: a row norm after its statistics.
+    pub(super) fn normalize(
+        x: &[f32],
+        mean: f64,
+        inv: f64,
+        w: Option<&[f32]>,
+        b: Option<&[f32]>,
+        m: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = ((v as f64 - mean) * inv) as f32;
+        }
+        if let Some(w) = w {
+            out.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
+        }
+        if let Some(b) = b {
+            out.iter_mut().zip(b).for_each(|(o, &b)| *o += b);
+        }
+        if let Some(m) = m {
+            out.iter_mut().zip(m).for_each(|(o, &m)| *o *= m);
+        }
+    }
+}
+
 /// Whether [`dot4`] runs its AVX-512 kernel here; elsewhere it is a plain loop, and a product
 /// with few rows does better through the `gemm` crate.
 pub(super) fn dot4_is_fast() -> bool {
@@ -505,6 +569,56 @@ mod tests {
                 for (i, &v) in x.iter().enumerate() {
                     same(got[i], f(v), &format!("{act:?}({v})"));
                     same(out[i], f(v) * up[i], &format!("{act:?}({v})·{}", up[i]));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn norm_pieces_match_the_scalar_reference_at_odd_sizes() {
+        for n in SIZES {
+            let x = inputs(n, 7.0);
+            let finite: Vec<f32> = x
+                .iter()
+                .map(|v| if v.is_finite() { *v } else { 0.5 })
+                .collect();
+            let want_sum: f64 = finite.iter().map(|&v| v as f64).sum();
+            assert!(
+                (sum(&finite) - want_sum).abs() <= 1e-12 * want_sum.abs().max(1.0),
+                "sum of {n}"
+            );
+            let mean = want_sum / n as f64;
+            let want_sq: f64 = finite.iter().map(|&v| (v as f64 - mean).powi(2)).sum();
+            assert!(
+                (sum_sq(&finite, mean) - want_sq).abs() <= 1e-12 * want_sq.max(1.0),
+                "Σ(x − mean)² of {n}"
+            );
+            // Specials propagate as in the scalar sums.
+            assert_eq!(
+                sum(&x).is_nan(),
+                x.iter().map(|&v| v as f64).sum::<f64>().is_nan()
+            );
+            assert_eq!(sum_sq(&x, 0.0).is_nan(), x.iter().any(|v| v.is_nan()));
+            let (w, b, m) = (inputs(n + 1, 2.0), inputs(n + 2, 1.0), inputs(n + 3, 1.5));
+            let inv = 1.0 / (want_sq / n as f64 + 1e-6).sqrt();
+            for opts in 0..8 {
+                let w = (opts & 1 != 0).then(|| &w[..n]);
+                let b = (opts & 2 != 0).then(|| &b[..n]);
+                let m = (opts & 4 != 0).then(|| &m[..n]);
+                let mut got = vec![0f32; n];
+                normalize(&x, mean, inv, w, b, m, &mut got);
+                for (j, &v) in x.iter().enumerate() {
+                    let mut y = ((v as f64 - mean) * inv) as f32;
+                    if let Some(w) = w {
+                        y *= w[j];
+                    }
+                    if let Some(b) = b {
+                        y += b[j];
+                    }
+                    if let Some(m) = m {
+                        y *= m[j];
+                    }
+                    same(got[j], y, &format!("normalize {n} opts {opts} at {j}"));
                 }
             }
         }
