@@ -68,17 +68,6 @@ pub trait BackendFn {
 impl AnyBackend {
     /// Open the requested device. `precision` `None` means the device's default (bf16 on CUDA,
     /// f32 on the CPU). `note` receives the one line that explains an `auto` choice of the CPU.
-    /// Make every product give a row the same bits whatever its company (work batched with
-    /// other work equals it alone): on the CPU `CpuBackend::set_batch_invariant`; a GPU picks its
-    /// product kernels by shape, and there nothing changes.
-    pub fn set_batch_invariant(&mut self, on: bool) {
-        match self {
-            AnyBackend::Cpu(cpu) => cpu.set_batch_invariant(on),
-            #[cfg(feature = "cuda")]
-            AnyBackend::Cuda(_) => {}
-        }
-    }
-
     /// Favour this backend's latency where it shares a device with others: on CUDA its work
     /// goes to a stream of the highest priority (`CudaBackend::use_high_priority_stream`); on
     /// the CPU there is nothing to do. Call it before loading anything.

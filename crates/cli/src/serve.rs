@@ -255,10 +255,10 @@ fn loader(spec: ModelSpec, device: DeviceArgs, prioritise: bool) -> Result<Model
             tessera_server::chat::loader(files, cfg, move || open(&spec)).into()
         }
         Capability::GenerateImage => ModelLoader::Image(Box::new(move || {
-            let mut backend = image_device.open_for(&spec)?;
-            // Requests batched together give the bytes they give alone (on a GPU, within the
-            // last bits: its product kernels are chosen by shape).
-            backend.set_batch_invariant(true);
+            // Requests batched together give the bytes they give alone on the CPU, whose
+            // products do not depend on the row count (on a GPU, within the last bits: its
+            // product kernels are chosen by shape).
+            let backend = image_device.open_for(&spec)?;
             image::open(backend, &spec, None)
         })),
     })

@@ -12,10 +12,9 @@ use tessera_models::text_to_image::{Event, Image, Request};
 use tessera_models::zimage::{self, BUNDLED};
 use tessera_runtime::image::{self, GenerateImage};
 
-/// The bundled miniature on a CPU backend whose products do not depend on the row count.
+/// The bundled miniature on a CPU backend (whose products do not depend on the row count).
 fn model() -> Box<dyn GenerateImage> {
-    let mut cpu = CpuBackend::new();
-    cpu.set_batch_invariant(true);
+    let cpu = CpuBackend::new();
     image::load(AnyBackend::Cpu(cpu), &BUNDLED, None).unwrap()
 }
 

@@ -952,7 +952,9 @@ async fn a_generation_past_its_timeout_gets_504_and_stops() {
     cfg.limits.image_timeout = Duration::from_secs(1);
     let s = Server::start_images(cfg).await;
     let t = Instant::now();
-    let (status, answer) = s.generate(body("too slow", "256x256", 100, 1)).await;
+    // Far more work than a second holds on any CPU (100 steps of 4,096 image tokens), in steps
+    // short enough that the cancellation lands well within the 5 s checked below.
+    let (status, answer) = s.generate(body("too slow", "1024x1024", 100, 1)).await;
     assert_openai_error(status, &answer, 504, "timeout", "a slow generation");
     assert!(
         answer["error"]["message"]
@@ -978,10 +980,8 @@ async fn a_generation_past_its_timeout_gets_504_and_stops() {
 /// (multiples of 32) comes back as a 400, it has no previews, and a disconnect stops it.
 #[tokio::test(flavor = "multi_thread")]
 async fn qwen_image_is_served_through_the_same_route() {
-    // As `tessera serve` loads an image model on the CPU.
     let loader: tessera_server::ImageLoader = Box::new(|| {
-        let mut cpu = tessera_backend::cpu::CpuBackend::new();
-        cpu.set_batch_invariant(true);
+        let cpu = tessera_backend::cpu::CpuBackend::new();
         tessera_runtime::image::load_qwen_image(
             tessera_backend::AnyBackend::Cpu(cpu),
             &tessera_models::qwen_image::BUNDLED,
@@ -1003,8 +1003,7 @@ async fn qwen_image_is_served_through_the_same_route() {
     let (w, h, c, rgba) = decode(b["data"][0]["b64_json"].as_str().unwrap());
     assert_eq!((w, h, c), (64, 64, 4));
     let want = {
-        let mut cpu = tessera_backend::cpu::CpuBackend::new();
-        cpu.set_batch_invariant(true);
+        let cpu = tessera_backend::cpu::CpuBackend::new();
         let mut model = tessera_runtime::image::load_qwen_image(
             tessera_backend::AnyBackend::Cpu(cpu),
             &tessera_models::qwen_image::BUNDLED,

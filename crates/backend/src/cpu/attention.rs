@@ -2,14 +2,15 @@
 //! query rows and each head, scores against the keys the block can see (its segment's keys, cut
 //! to what the mask allows), masked softmax, then probabilities times values.
 //!
-//! In f32 both products go through the `gemm` crate. Under bf16 ([`attention_bf16`]) they take
-//! bf16 inputs as the GPU's flash kernels do: q, k and v rounded to bf16, scores summed in f32,
-//! the unnormalised probabilities rounded to bf16 before `P · V` and the row sums kept in f32.
+//! Both products go through the panel kernels ([`attention_panels`]) where the CPU has AVX-512,
+//! else through the `gemm` crate. Under bf16 they take bf16 inputs as the GPU's flash kernels
+//! do: q, k and v rounded to bf16, scores summed in f32, the unnormalised probabilities rounded
+//! to bf16 before `P · V` and the row sums kept in f32.
 
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::{CpuBackend, bf16, slice, vmath};
+use super::{CpuBackend, panels, slice, vmath};
 use crate::{AttnSpec, Mask, Segments, View, ViewMut};
 
 /// Query rows per task: large enough that the keys the `gemm` crate packs on every call serve
@@ -122,6 +123,28 @@ fn plan<'a>(
     Ok((visible, tasks))
 }
 
+/// Which products attention runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kernel {
+    /// The `gemm` crate, f32 (CPUs without AVX-512).
+    Gemm,
+    /// The panel kernels, f32.
+    PanelsF32,
+    /// The panel kernels with bf16 operands.
+    PanelsBf16,
+}
+
+impl Kernel {
+    /// The kernel for this CPU at `bf16` or f32.
+    pub(super) fn for_cpu(bf16: bool) -> Kernel {
+        match (bf16, panels::f32_native()) {
+            (true, _) => Kernel::PanelsBf16,
+            (false, true) => Kernel::PanelsF32,
+            (false, false) => Kernel::Gemm,
+        }
+    }
+}
+
 pub(super) fn attention(
     q: View<'_, CpuBackend>,
     k: View<'_, CpuBackend>,
@@ -129,12 +152,26 @@ pub(super) fn attention(
     out: ViewMut<'_, CpuBackend>,
     spec: &AttnSpec<'_, CpuBackend>,
     segs: &Segments<CpuBackend>,
-    bf16: bool,
+    kernel: Kernel,
 ) -> Result<()> {
     let (visible, tasks) = plan(&q, &k, &v, &out, spec, segs)?;
-    if bf16 {
-        return attention_bf16(q, k, v, out, spec, segs, visible, &tasks);
+    match kernel {
+        Kernel::PanelsBf16 => attention_panels::<u32>(q, k, v, out, spec, segs, visible, &tasks),
+        Kernel::PanelsF32 => attention_panels::<f32>(q, k, v, out, spec, segs, visible, &tasks),
+        Kernel::Gemm => attention_gemm(q, k, v, out, spec, visible, &tasks),
     }
+}
+
+/// [`attention`] through the `gemm` crate, in f32.
+fn attention_gemm(
+    q: View<'_, CpuBackend>,
+    k: View<'_, CpuBackend>,
+    v: View<'_, CpuBackend>,
+    out: ViewMut<'_, CpuBackend>,
+    spec: &AttnSpec<'_, CpuBackend>,
+    visible: Visible<'_>,
+    tasks: &[Task],
+) -> Result<()> {
     let hd = spec.head_dim;
     // Hand each task the disjoint run of output rows it writes.
     let (ostride, ocols) = (out.stride, out.cols);
@@ -143,7 +180,7 @@ pub(super) fn attention(
     let data = &mut out.buf.f32_mut()[out_base..out_end];
     let mut chunks = Vec::with_capacity(tasks.len());
     let mut rest = data;
-    for t in &tasks {
+    for t in tasks {
         let len = ((t.rows.1 - t.rows.0) * ostride).min(rest.len());
         let (head, tail) = rest.split_at_mut(len);
         chunks.push(head);
@@ -246,10 +283,13 @@ pub(super) fn attention(
     Ok(())
 }
 
-/// [`attention`] with bf16 products: each segment's keys and values are packed once per kv head
-/// (as the products' right-hand sides), then every (query block, head) pair is a task of its own.
+/// [`attention`] through the panel products, in f32 or with bf16 operands (`E`): each
+/// segment's keys and values are packed once per kv head (as the products' right-hand sides),
+/// then every (query block, head) pair is a task of its own. The probabilities multiply the
+/// values unnormalised (rounded to bf16 under bf16, as the GPU's flash kernels do) and each
+/// output row is divided by its f32 sum after.
 #[allow(clippy::too_many_arguments)]
-fn attention_bf16(
+fn attention_panels<E: panels::Operand>(
     q: View<'_, CpuBackend>,
     k: View<'_, CpuBackend>,
     v: View<'_, CpuBackend>,
@@ -259,7 +299,7 @@ fn attention_bf16(
     visible: Visible<'_>,
     tasks: &[Task],
 ) -> Result<()> {
-    use bf16::{Lhs, NR, Out, Panels};
+    use panels::{NR, Out, Panels};
     let hd = spec.head_dim;
     let (qs, ks, vs) = (slice(&q), slice(&k), slice(&v));
     let group = spec.heads_q / spec.heads_kv;
@@ -272,17 +312,17 @@ fn attention_bf16(
             None => (q0, q1 - q0),
         })
         .collect();
-    let packed: Vec<(Panels, Panels)> = (0..segments.len() * spec.heads_kv)
+    let packed: Vec<(Panels<E>, Panels<E>)> = (0..segments.len() * spec.heads_kv)
         .into_par_iter()
         .map(|i| {
             let ((first, n), g) = (segments[i / spec.heads_kv], i % spec.heads_kv);
             let keys = match n {
-                0 => Panels::from_f32_rows(&[], k.stride, 0, hd),
-                _ => Panels::from_f32_rows(&ks[first * k.stride + g * hd..], k.stride, n, hd),
+                0 => E::pack_rows(&[], k.stride, 0, hd),
+                _ => E::pack_rows(&ks[first * k.stride + g * hd..], k.stride, n, hd),
             };
             let values = match n {
-                0 => Panels::from_cols(&[], v.stride, 0, hd),
-                _ => Panels::from_cols(&vs[first * v.stride + g * hd..], v.stride, n, hd),
+                0 => E::pack_cols(&[], v.stride, 0, hd),
+                _ => E::pack_cols(&vs[first * v.stride + g * hd..], v.stride, n, hd),
             };
             (keys, values)
         })
@@ -333,8 +373,6 @@ fn attention_bf16(
                     return;
                 }
                 // scores = scale · q kᵀ over keys lo..hi.
-                let qst =
-                    bf16::round_rows(&qs[i0 * q.stride + h * hd..], q.stride, nq, hd, qa, false);
                 scores.clear();
                 scores.resize(nq * nk, 0.0);
                 let sc = Out {
@@ -343,13 +381,9 @@ fn attention_bf16(
                     alpha: spec.scale,
                     accumulate: false,
                 };
-                let lhs = Lhs {
-                    data: qa,
-                    stride: qst,
-                    rows: nq,
-                };
-                // SAFETY: `scores` is nq × nk, exclusively ours; `lhs` holds nq rows of hd/2 pairs.
-                unsafe { bf16::gemm(&lhs, keys.view(lo..hi, 0..hd.div_ceil(2)), sc, false) };
+                let lhs = E::lhs(&qs[i0 * q.stride + h * hd..], q.stride, nq, hd, qa);
+                // SAFETY: `scores` is nq × nk, exclusively ours; `lhs` holds nq rows of hd.
+                unsafe { panels::gemm(&lhs, keys.view(lo..hi, 0..E::depth(hd)), sc, false) };
                 inv.clear();
                 for (r, row) in scores.chunks_mut(nk).enumerate() {
                     let (a, b) = visible.keys(i0 + r, t.pos0 + r, t.keys.1);
@@ -363,17 +397,13 @@ fn attention_bf16(
                     // A row that sees no key at all gets zeros rather than 0/0.
                     inv.push(if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 });
                 }
-                // out = (P in bf16) · v, then each row divided by its sum.
-                let pst = bf16::round_rows(scores, nk, nq, nk, pa, false);
-                let lhs = Lhs {
-                    data: pa,
-                    stride: pst,
-                    rows: nq,
-                };
-                let pairs = lo / 2..lo / 2 + nk.div_ceil(2);
+                // out = P · v (P unnormalised, in the operand type), then each row divided by
+                // its sum; `lo` is even, so its keys start a bf16 pair.
+                let lhs = E::lhs(scores, nk, nq, nk, pa);
+                let steps = E::depth(lo)..E::depth(lo) + E::depth(nk);
                 // SAFETY: rows i0..i1, columns h·hd..h·hd+hd of the output are inside it (checked
                 // by `plan`) and written by this task alone.
-                unsafe { bf16::gemm(&lhs, values.view(0..hd, pairs), out_head, false) };
+                unsafe { panels::gemm(&lhs, values.view(0..hd, steps), out_head, false) };
                 for (r, &s) in inv.iter().enumerate() {
                     // SAFETY: as above.
                     let row = unsafe {
@@ -388,8 +418,8 @@ fn attention_bf16(
 
 #[cfg(test)]
 mod tests {
-    use super::super::CpuBackend;
     use super::super::testutil::*;
+    use super::Kernel;
     use crate::{
         AttnSpec, Backend, Mask, Precision, QkvLayout, Run, View, ViewMut, block_causal_limits,
     };
@@ -486,14 +516,19 @@ mod tests {
 
     #[test]
     fn packed_and_cached_attention_with_every_mask_matches_naive() {
-        for precision in [Precision::F32, Precision::Bf16] {
-            every_mask_matches_naive(precision);
+        for kernel in [Kernel::Gemm, Kernel::PanelsF32, Kernel::PanelsBf16] {
+            every_mask_matches_naive(kernel);
         }
     }
 
-    fn every_mask_matches_naive(precision: Precision) {
-        let be = CpuBackend::with_precision(precision);
-        let bf16 = precision == Precision::Bf16;
+    fn every_mask_matches_naive(kernel: Kernel) {
+        let be = cpu();
+        let bf16 = kernel == Kernel::PanelsBf16;
+        let _precision = if bf16 {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        };
         const TEXT_THEN_IMAGES: &[Run] = &[Run::Causal(5), Run::Block(12), Run::Block(20)];
         let cases = [
             Case {
@@ -669,13 +704,14 @@ mod tests {
                 spec = spec.over(&kv);
             }
             let mut o = buf(&be, &vec![f32::NAN; total * qw]);
-            be.attention(
+            super::attention(
                 View::new(&qb, total, qw),
                 View::new(&kb, key_rows, kw),
                 View::new(&vb, key_rows, kw),
                 ViewMut::new(&mut o, total, qw),
                 &spec,
                 &segs,
+                kernel,
             )
             .unwrap();
             let got = be.read_f32(View::new(&o, total, qw)).unwrap();
@@ -686,7 +722,7 @@ mod tests {
             // the f32 level (a missing or extra rounding shows as a mean near 1e-4).
             let mut mean = 0f64;
             for (idx, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                let what = format!("attention {precision} case {ci} idx {idx}");
+                let what = format!("attention {kernel:?} case {ci} idx {idx}");
                 let e = (g as f64 - w).abs();
                 mean += e / got.len() as f64;
                 if !(bf16 && g.is_finite() && e <= 8e-3) {
@@ -695,7 +731,7 @@ mod tests {
             }
             assert!(
                 mean <= 1e-5,
-                "attention {precision} case {ci}: mean error {mean:.2e}"
+                "attention {kernel:?} case {ci}: mean error {mean:.2e}"
             );
         }
     }

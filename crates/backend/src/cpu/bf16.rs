@@ -1,30 +1,17 @@
-//! Products with bf16 inputs and f32 accumulation, for [`Precision::Bf16`](crate::Precision) on
-//! the CPU: `C = alpha · A · Bᵀ (+ C)`, with `A` a row-major bf16 copy of the activations and `B`
-//! in [`Panels`], the layout `vdpbf16ps` (AVX512_BF16) multiplies against a broadcast pair of `A`.
+//! bf16 for [`Precision::Bf16`](crate::Precision) on the CPU: rounding to bf16 and the bf16
+//! element of the panel products (`panels.rs`), a pair of bf16 values per `u32` multiplied with
+//! `vdpbf16ps` (AVX512_BF16) where the CPU has it.
 //!
 //! Each product of two bf16 values is exact in f32, so the only roundings are the inputs' (to
-//! bf16, to nearest even) and the f32 sums — the GPU's bf16 rule. Every output element's sum runs
-//! over `k` in order in one accumulator lane, whatever the tile, so a row's result does not
-//! depend on the rows it comes with. CPUs without AVX512_BF16 run the same arithmetic in a
-//! portable loop (slowly; `describe` says which).
+//! bf16, to nearest even) and the f32 sums — the GPU's bf16 rule. CPUs without AVX512_BF16 run
+//! the same arithmetic in a portable loop (slowly; the backend's `describe` says so).
 
 use std::sync::OnceLock;
 
 use half::bf16;
 use rayon::prelude::*;
 
-/// Output columns per panel: two 16-lane f32 registers.
-pub(super) const NR: usize = 32;
-
-/// Rows of `A` per kernel tile: 2 × 12 accumulators, two panel registers and a broadcast fit
-/// AVX-512's 32 registers.
-const MR: usize = 12;
-
-/// Rows of `A` per parallel task: a task's `A` rows stay in L2 while its panels stream past.
-const CHUNK_ROWS: usize = 16 * MR;
-
-/// Bytes of panels per parallel task: what stays in L2 while the task's row tiles pass.
-const BLOCK_BYTES: usize = 256 << 10;
+use super::panels::{Element, Lhs, MR, NR, Operand, Panels};
 
 /// Whether this CPU multiplies bf16 in hardware (AVX512_BF16's `vdpbf16ps`).
 pub fn native() -> bool {
@@ -54,56 +41,9 @@ fn widen(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-/// A matrix `B` (`[n, k]`, used as `A · Bᵀ`) in bf16, as panels of [`NR`] rows of `B`: panel `p`
-/// holds, for each pair of columns `2q, 2q + 1` of `B` in order, its rows' values as `(even, odd)`
-/// pairs, one `u32` per row. `k` is padded to even and `n` to whole panels with zeros.
-pub struct Panels {
-    data: Vec<u32>,
-    n: usize,
-    k: usize,
-}
-
-impl Panels {
-    pub fn rows(&self) -> usize {
-        self.n
-    }
-    pub fn cols(&self) -> usize {
-        self.k
-    }
-    /// Column pairs per panel.
-    fn pairs(&self) -> usize {
-        self.k.div_ceil(2)
-    }
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.data.len() * 4
-    }
-
-    /// Pack `n` rows of `k`, `row(j, out)` writing row `j`'s bf16 bits into `out` as pairs
-    /// (`⌈k/2⌉` long, the first of a pair in the low half, an odd `k`'s last pair padded with
-    /// zero bits); panels in parallel.
-    pub fn from_rows(n: usize, k: usize, row: impl Fn(usize, &mut [u32]) + Sync) -> Panels {
-        let pairs = k.div_ceil(2);
-        let mut data = vec![0u32; n.div_ceil(NR) * pairs * NR];
-        if pairs > 0 {
-            data.par_chunks_mut(pairs * NR).enumerate().for_each_init(
-                Vec::new,
-                |tmp, (p, panel)| {
-                    tmp.resize(pairs, 0u32);
-                    for c in 0..(n - p * NR).min(NR) {
-                        row(p * NR + c, tmp);
-                        for (q, &pair) in tmp.iter().enumerate() {
-                            panel[q * NR + c] = pair;
-                        }
-                    }
-                },
-            );
-        }
-        Panels { data, n, k }
-    }
-
+impl Panels<u32> {
     /// Pack `n` rows of `k` f32 values at `stride` in `src`, rounded to bf16.
-    pub fn from_f32_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Panels {
+    pub fn from_f32_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Self {
         Panels::from_rows(n, k, |j, out| {
             round_row(&src[j * stride..j * stride + k], out)
         })
@@ -111,7 +51,7 @@ impl Panels {
 
     /// Pack the transpose of `src` (`k` rows of `n` f32 values at `stride`): `B[j][i] =
     /// src[i][j]`, as `P · V` needs `V`. Rounds to bf16.
-    pub fn from_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels {
+    pub fn from_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Self {
         let pairs = k.div_ceil(2);
         let mut data = vec![0u32; n.div_ceil(NR) * pairs * NR];
         let mut zeros = Vec::new();
@@ -132,64 +72,16 @@ impl Panels {
         Panels { data, n, k }
     }
 
-    /// Row `j` of `B` widened to f32 (`k` long), for ops that read a matrix row by row.
+    /// Row `j` of `B` widened to f32 (`k` long).
     pub fn row_f32(&self, j: usize, out: &mut [f32]) {
-        let pairs = self.pairs();
-        let (p, c) = (j / NR, j % NR);
-        let panel = &self.data[p * pairs * NR..(p + 1) * pairs * NR];
         for (q, o) in out[..self.k].chunks_mut(2).enumerate() {
-            let pair = panel[q * NR + c];
+            let pair = self.at(j, q);
             o[0] = widen(pair as u16);
             if let Some(o1) = o.get_mut(1) {
                 *o1 = widen((pair >> 16) as u16);
             }
         }
     }
-
-    /// Rows `rows` of `B` (whole panels: `rows.start` a multiple of [`NR`]) and column pairs
-    /// `pairs`, as one product's right-hand side.
-    pub fn view(
-        &self,
-        rows: std::ops::Range<usize>,
-        pairs: std::ops::Range<usize>,
-    ) -> PanelView<'_> {
-        assert!(
-            rows.start.is_multiple_of(NR) && rows.end <= self.n && pairs.end <= self.pairs(),
-            "panel view out of range"
-        );
-        PanelView {
-            data: &self.data[rows.start / NR * self.pairs() * NR..],
-            stride: self.pairs() * NR,
-            first_pair: pairs.start,
-            pairs: pairs.len(),
-            n: rows.len(),
-        }
-    }
-
-    /// Every row and column.
-    pub fn all(&self) -> PanelView<'_> {
-        self.view(0..self.n, 0..self.pairs())
-    }
-}
-
-/// Part of a [`Panels`]: the right-hand side of one product.
-#[derive(Clone, Copy)]
-pub struct PanelView<'a> {
-    data: &'a [u32],
-    /// `u32`s from one panel to the next.
-    stride: usize,
-    first_pair: usize,
-    pairs: usize,
-    /// Rows of `B` (output columns).
-    n: usize,
-}
-
-/// `A` in bf16: `m` rows of `k` columns (padded to even) as `u32` pairs, row-major.
-pub struct Lhs<'a> {
-    pub data: &'a [u32],
-    /// `u32`s from one row to the next.
-    pub stride: usize,
-    pub rows: usize,
 }
 
 /// Round `m` rows of `k` f32 values (at `stride`) to bf16 pairs in `out` (resized to `m` rows of
@@ -299,128 +191,70 @@ unsafe fn interleave_avx512(even: &[f32], odd: &[f32], out: &mut [u32]) {
     interleave_plain(&even[j..n], &odd[j..n], &mut out[j..n]);
 }
 
-/// Where one product writes: `C` rows at `stride` from `ptr`, `alpha · A·Bᵀ` added to them
-/// (`accumulate`) or stored.
-#[derive(Clone, Copy)]
-pub struct Out {
-    pub ptr: *mut f32,
-    pub stride: usize,
-    pub alpha: f32,
-    pub accumulate: bool,
-}
-
-impl Out {
-    /// Where row `r`, column `col` of `C` is (a method, so closures capture the whole `Out`,
-    /// which is `Sync`, rather than its raw pointer).
-    pub fn at(&self, r: usize, col: usize) -> *mut f32 {
-        self.ptr.wrapping_add(r * self.stride + col)
+impl Operand for u32 {
+    fn pack_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Panels<u32> {
+        Panels::from_f32_rows(src, stride, n, k)
     }
-}
 
-// SAFETY: `Out` is a pointer into a buffer the caller borrows mutably for the whole product;
-// tasks write disjoint tiles of it.
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
-
-/// `C = alpha · A · Bᵀ` (or `+=`), `A` `m × k` and `B` `n × k` in bf16, tiles over threads
-/// when `par`.
-///
-/// # Safety
-/// `c.ptr` addresses `a.rows` rows of at least `b`'s row count of columns at `c.stride`, valid
-/// for writes (and reads when accumulating), not aliased for the duration; `a` holds `a.rows`
-/// rows of at least `b`'s pair count.
-pub unsafe fn gemm(a: &Lhs<'_>, b: PanelView<'_>, c: Out, par: bool) {
-    let (m, n) = (a.rows, b.n);
-    if m == 0 || n == 0 {
-        return;
+    fn pack_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels<u32> {
+        Panels::from_cols(src, stride, k, n)
     }
-    assert!(
-        b.pairs <= a.stride && (m - 1) * a.stride + b.pairs <= a.data.len(),
-        "bf16 gemm: A too short for its rows"
-    );
-    let panels = n.div_ceil(NR);
-    let per_block = (BLOCK_BYTES / (b.pairs * NR * 4).max(1)).clamp(1, 16);
-    let blocks = panels.div_ceil(per_block);
-    let chunks = m.div_ceil(CHUNK_ROWS);
-    let task = |t: usize| {
-        let (bi, ci) = (t % blocks, t / blocks);
-        let rows = ci * CHUNK_ROWS..((ci + 1) * CHUNK_ROWS).min(m);
-        for p in bi * per_block..((bi + 1) * per_block).min(panels) {
-            let cols = (n - p * NR).min(NR);
-            let panel = &b.data[p * b.stride + b.first_pair * NR..];
-            let mut r = rows.start;
-            while r < rows.end {
-                let h = (rows.end - r).min(MR);
-                // SAFETY: rows r..r+h of A and C, columns p·NR..p·NR+cols of C and the panel's
-                // pairs are inside the extents the caller guarantees; tasks own disjoint
-                // (rows, panels) tiles.
-                unsafe {
-                    tile(
-                        &a.data[r * a.stride..],
-                        a.stride,
-                        h,
-                        panel,
-                        b.pairs,
-                        c.at(r, p * NR),
-                        c.stride,
-                        cols,
-                        c.alpha,
-                        c.accumulate,
-                    )
-                };
-                r += h;
-            }
+
+    fn lhs<'a>(
+        src: &'a [f32],
+        stride: usize,
+        m: usize,
+        k: usize,
+        scratch: &'a mut Vec<u32>,
+    ) -> Lhs<'a, u32> {
+        let stride = round_rows(src, stride, m, k, scratch, false);
+        Lhs {
+            data: scratch,
+            stride,
+            rows: m,
         }
-    };
-    let tasks = blocks * chunks;
-    if par && tasks > 1 && m * n * b.pairs >= 1 << 18 {
-        (0..tasks).into_par_iter().for_each(task);
-    } else {
-        (0..tasks).for_each(task);
     }
 }
 
-/// One tile: `h ≤ MR` rows of `A` against one panel.
-///
-/// # Safety
-/// `c` addresses `h` rows of `cols ≤ NR` at `ldc`, valid for writes (reads when accumulating);
-/// `a` holds `h` rows at `lda` of `pairs` each; `b` holds `pairs · NR` values.
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile(
-    a: &[u32],
-    lda: usize,
-    h: usize,
-    b: &[u32],
-    pairs: usize,
-    c: *mut f32,
-    ldc: usize,
-    cols: usize,
-    alpha: f32,
-    accumulate: bool,
-) {
-    debug_assert!(h <= MR && cols <= NR && b.len() >= pairs * NR);
-    #[cfg(target_arch = "x86_64")]
-    if native() {
-        macro_rules! go {
-            ($($h:literal)*) => {
-                match h {
-                    // SAFETY: the features are present (`native`); extents as this function's.
-                    $($h => unsafe { tile_avx512::<$h>(a, lda, b, pairs, c, ldc, cols, alpha, accumulate) },)*
-                    _ => unreachable!("tile of {h} rows"),
-                }
+impl Element for u32 {
+    fn depth(k: usize) -> usize {
+        k.div_ceil(2)
+    }
+
+    unsafe fn tile(
+        a: &[u32],
+        lda: usize,
+        h: usize,
+        b: &[u32],
+        depth: usize,
+        c: *mut f32,
+        ldc: usize,
+        cols: usize,
+        alpha: f32,
+        accumulate: bool,
+    ) {
+        debug_assert!(h <= MR && cols <= NR && b.len() >= depth * NR);
+        #[cfg(target_arch = "x86_64")]
+        if native() {
+            // SAFETY: the features are present (`native`); extents as this function's.
+            unsafe {
+                super::panels::dispatch_rows!(
+                    h,
+                    tile_avx512(a, lda, b, depth, c, ldc, cols, alpha, accumulate)
+                )
             };
+            return;
         }
-        go!(1 2 3 4 5 6 7 8 9 10 11 12);
-        return;
+        // SAFETY: as this function's.
+        unsafe { tile_plain(a, lda, h, b, depth, c, ldc, cols, alpha, accumulate) }
     }
-    // SAFETY: as this function's.
-    unsafe { tile_plain(a, lda, h, b, pairs, c, ldc, cols, alpha, accumulate) }
 }
 
-/// [`tile`] in plain Rust: products of bf16 values (exact in f32), summed in f32 pair by pair.
+/// The bf16 tile in plain Rust: products of bf16 values (exact in f32), summed in f32 pair by
+/// pair.
 ///
 /// # Safety
-/// As [`tile`].
+/// As [`Element::tile`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_plain(
     a: &[u32],
@@ -454,11 +288,11 @@ unsafe fn tile_plain(
     }
 }
 
-/// [`tile`] with `vdpbf16ps`: `H` rows × 32 columns of f32 accumulators, one broadcast pair of
-/// `A` against the panel's two registers per row and pair.
+/// The bf16 tile with `vdpbf16ps`: `H` rows × 32 columns of f32 accumulators, one broadcast
+/// pair of `A` against the panel's two registers per row and pair.
 ///
 /// # Safety
-/// As [`tile`], and the CPU has AVX-512F and AVX512_BF16.
+/// As [`Element::tile`], and the CPU has AVX-512F and AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
@@ -493,30 +327,14 @@ unsafe fn tile_avx512<const H: usize>(
             }
         }
     }
-    let scale = _mm512_set1_ps(alpha);
-    let lanes = |n: usize| -> __mmask16 { if n >= 16 { 0xffff } else { (1u16 << n) - 1 } };
-    let masks = [lanes(cols), lanes(cols.saturating_sub(16))];
-    for (r, acc) in acc.iter().enumerate() {
-        for (half, (&v, &mask)) in acc.iter().zip(&masks).enumerate() {
-            if mask == 0 {
-                continue;
-            }
-            // SAFETY: row r < H and the masked columns (< cols) are inside the caller's C.
-            unsafe {
-                let dst = c.add(r * ldc + 16 * half);
-                let mut y = _mm512_mul_ps(v, scale);
-                if accumulate {
-                    y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, dst));
-                }
-                _mm512_mask_storeu_ps(dst, mask, y);
-            }
-        }
-    }
+    // SAFETY: as this function's.
+    unsafe { super::panels::store_tile(&acc, c, ldc, cols, alpha, accumulate) };
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::panels::{Lhs, Out, gemm};
     use crate::cpu::testutil::Rng;
 
     fn bits(v: &[f32]) -> Vec<u16> {
@@ -543,7 +361,7 @@ mod tests {
         a: &[f32],
         m: usize,
         k: usize,
-        b: &Panels,
+        b: &Panels<u32>,
         c: &mut [f32],
         ldc: usize,
         alpha: f32,

@@ -8,6 +8,7 @@
 use rayon::prelude::*;
 use tessera_core::Result;
 
+use super::panels::{self, Lhs, Out};
 use super::{CpuBackend, CpuMat, MatStore, bf16, slice, vmath};
 use crate::{Conv2d, View, ViewMut};
 
@@ -81,24 +82,35 @@ pub(super) fn conv2d(
                 for r in 0..n {
                     chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
                 }
+                // The panel kernels add the product to the bias rows in place.
+                let out = Out {
+                    ptr: chunk.as_mut_ptr(),
+                    stride: ostride,
+                    alpha: 1.0,
+                    accumulate: true,
+                };
                 let data = match &w.store {
                     MatStore::F32(data) => data,
-                    MatStore::Bf16(panels) => {
+                    MatStore::F32Panels(w) => {
+                        let lhs = Lhs {
+                            data: col,
+                            stride: kk,
+                            rows: n,
+                        };
+                        // SAFETY: `chunk` holds `n` output rows at stride `ostride` with `cout`
+                        // columns each, borrowed mutably here; `lhs` holds `n` rows of `kk`.
+                        unsafe { panels::gemm(&lhs, w.all(), out, false) };
+                        return;
+                    }
+                    MatStore::Bf16(w) => {
                         let stride = bf16::round_rows(col, kk, n, kk, rounded, false);
-                        let lhs = bf16::Lhs {
+                        let lhs = Lhs {
                             data: rounded,
                             stride,
                             rows: n,
                         };
-                        let out = bf16::Out {
-                            ptr: chunk.as_mut_ptr(),
-                            stride: ostride,
-                            alpha: 1.0,
-                            accumulate: true,
-                        };
-                        // SAFETY: `chunk` holds `n` output rows at stride `ostride` with `cout`
-                        // columns each, borrowed mutably here; `lhs` holds `n` rows of `kk`.
-                        unsafe { bf16::gemm(&lhs, panels.all(), out, false) };
+                        // SAFETY: as above.
+                        unsafe { panels::gemm(&lhs, w.all(), out, false) };
                         return;
                     }
                 };

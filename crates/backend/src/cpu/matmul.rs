@@ -1,12 +1,12 @@
-//! `out = epilogue(x · wᵀ)`: the product (the `gemm` crate, the few-row kernel, or the bf16
-//! kernel for a bf16 matrix), then bias, activation, gate and accumulation in one pass over the
-//! rows.
+//! `out = epilogue(x · wᵀ)`: the product (the panel kernels, f32 or bf16, or the `gemm` crate),
+//! then bias, activation, gate and accumulation in one pass over the rows.
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
+use super::panels::{self, Lhs, Out, Panels};
 use super::{CpuBackend, CpuBuf, CpuMat, MatStore, bf16, rows_mut, slice, vmath};
 use crate::op::check_product;
 use crate::{Epilogue, View, ViewMut};
@@ -14,23 +14,11 @@ use crate::{Epilogue, View, ViewMut};
 /// Products below this many multiply-adds run on one thread: spawning costs more than it saves.
 const PARALLEL_MIN_MACS: usize = 1 << 20;
 
-/// Products with at most this many rows skip the `gemm` crate, which packs the whole weight
-/// matrix on every call (for a 17-token query that packing took as long as the arithmetic):
-/// [`skinny`] streams each weight row once instead, where the CPU has AVX-512. Measured on the
-/// full-size EmbeddingGemma 2 (2 Zen 4 cores, best of 4 passes, threshold 32 → unlimited):
-/// 40 tokens 142 → 120 ms, 64 tokens 190 → 178 ms, 96 tokens 237 → 219 ms, 128 tokens level,
-/// 192 tokens 385 → 485 ms; hence 96.
-const SKINNY_ROWS: usize = 96;
-
-/// Weight rows per parallel task of [`skinny`].
-const SKINNY_BLOCK: usize = 64;
-
 pub(super) fn matmul(
     x: View<'_, CpuBackend>,
     w: &CpuMat,
     mut out: ViewMut<'_, CpuBackend>,
     ep: &Epilogue<'_, CpuBackend>,
-    invariant: bool,
 ) -> Result<()> {
     check_product(&x, (w.out, w.inner), &out)?;
     let (m, n) = (x.rows, w.out);
@@ -62,7 +50,7 @@ pub(super) fn matmul(
     // computed first and folded in row by row.
     let plain = ep.bias.is_none() && ep.act.is_none() && gate.is_none();
     if plain {
-        product(x, w, out.reborrow(), ep.alpha, ep.accumulate, invariant);
+        product(x, w, out.reborrow(), ep.alpha, ep.accumulate);
         return Ok(());
     }
     let bias = ep.bias.map(Vec::as_slice);
@@ -83,14 +71,7 @@ pub(super) fn matmul(
     };
     if ep.accumulate {
         let mut tmp = CpuBuf::F32(vec![0.0; m * n]);
-        product(
-            x,
-            w,
-            ViewMut::new(&mut tmp, m, n),
-            ep.alpha,
-            false,
-            invariant,
-        );
+        product(x, w, ViewMut::new(&mut tmp, m, n), ep.alpha, false);
         let tmp = tmp.f32();
         rows_mut(out)
             .zip(tmp.par_chunks(n))
@@ -102,23 +83,21 @@ pub(super) fn matmul(
                 o.iter_mut().zip(y.iter()).for_each(|(o, &v)| *o += v);
             });
     } else {
-        product(x, w, out.reborrow(), ep.alpha, false, invariant);
+        product(x, w, out.reborrow(), ep.alpha, false);
         rows_mut(out).enumerate().for_each(|(r, o)| apply(r, o));
     }
     Ok(())
 }
 
-/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`: a bf16 matrix through the bf16
-/// kernel (the same for every row count, so batch-invariant as it is), else few rows through
-/// [`skinny`] and more through the `gemm` crate; `invariant` picks the kernel without looking at
-/// the row count (see `CpuBackend::set_batch_invariant`). Shapes were checked by the caller.
+/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`, by the kernel the matrix was packed
+/// for: the panel kernels (f32 or bf16), else the `gemm` crate. None depends on the row count in
+/// the order it sums a row's products. Shapes were checked by the caller.
 fn product(
     x: View<'_, CpuBackend>,
     w: &CpuMat,
     out: ViewMut<'_, CpuBackend>,
     alpha: f32,
     accumulate: bool,
-    invariant: bool,
 ) {
     let (m, k, n) = (x.rows, x.cols, w.out);
     let xs = super::slice(&x);
@@ -130,6 +109,27 @@ fn product(
             product_bf16(xs, x.stride, m, panels, dst, out_stride, alpha, accumulate);
             return;
         }
+        MatStore::F32Panels(w) => {
+            let lhs = Lhs {
+                data: xs,
+                stride: x.stride,
+                rows: m,
+            };
+            let out = Out {
+                ptr: dst.as_mut_ptr(),
+                stride: out_stride,
+                alpha,
+                accumulate,
+            };
+            assert!(
+                m == 0 || (m - 1) * out_stride + n <= dst.len(),
+                "product out of bounds"
+            );
+            // SAFETY: `dst` holds `m` rows of `n` columns at `out_stride` (asserted) and is
+            // borrowed mutably for the call; `lhs` holds `m` rows of `k` at `x.stride`.
+            unsafe { panels::gemm(&lhs, w.all(), out, true) };
+            return;
+        }
     };
     let threads = rayon::current_num_threads();
     let par = if m * n * k >= PARALLEL_MIN_MACS && threads > 1 {
@@ -137,12 +137,6 @@ fn product(
     } else {
         gemm::Parallelism::None
     };
-    if (invariant || m <= SKINNY_ROWS) && k > 0 && vmath::dot4_is_fast() {
-        skinny(
-            xs, x.stride, m, k, data, n, dst, out_stride, alpha, accumulate, par,
-        );
-        return;
-    }
     if k == 0 {
         if !accumulate {
             for r in dst.chunks_mut(out_stride) {
@@ -181,61 +175,6 @@ fn product(
     }
 }
 
-/// `out = alpha · x · wᵀ` (or `+=`) for few rows: four weight rows at a time against every row of
-/// `x` ([`vmath::dot4`]), blocks of weight rows split across threads under `par`.
-#[allow(clippy::too_many_arguments)]
-fn skinny(
-    x: &[f32],
-    xs: usize,
-    m: usize,
-    k: usize,
-    w: &[f32],
-    n: usize,
-    dst: &mut [f32],
-    ds: usize,
-    alpha: f32,
-    accumulate: bool,
-    par: gemm::Parallelism,
-) {
-    // One block of weight rows: its dot products, four weight rows at a time, `[quad][row of x]`.
-    let block = |j0: usize| -> Vec<[f32; 4]> {
-        let j1 = (j0 + SKINNY_BLOCK).min(n);
-        let mut out = vec![[0f32; 4]; m * (j1 - j0).div_ceil(4)];
-        for (q, j) in (j0..j1).step_by(4).enumerate() {
-            let rows = (j1 - j).min(4);
-            let o = &mut out[q * m..(q + 1) * m];
-            if rows == 4 {
-                vmath::dot4(x, xs, &w[j * k..(j + 4) * k], k, o);
-            } else {
-                let mut padded = vec![0f32; 4 * k];
-                padded[..rows * k].copy_from_slice(&w[j * k..(j + rows) * k]);
-                vmath::dot4(x, xs, &padded, k, o);
-            }
-        }
-        out
-    };
-    let starts: Vec<usize> = (0..n).step_by(SKINNY_BLOCK).collect();
-    let blocks: Vec<Vec<[f32; 4]>> = match par {
-        gemm::Parallelism::None => starts.iter().map(|&j0| block(j0)).collect(),
-        _ => starts.par_iter().map(|&j0| block(j0)).collect(),
-    };
-    for (&j0, b) in starts.iter().zip(&blocks) {
-        let j1 = (j0 + SKINNY_BLOCK).min(n);
-        for (q, j) in (j0..j1).step_by(4).enumerate() {
-            for r in 0..m {
-                let row = &mut dst[r * ds + j..r * ds + (j + 4).min(j1)];
-                for (o, &d) in row.iter_mut().zip(&b[q * m + r]) {
-                    *o = if accumulate {
-                        *o + alpha * d
-                    } else {
-                        alpha * d
-                    };
-                }
-            }
-        }
-    }
-}
-
 thread_local! {
     /// The bf16 copy of a product's rows, kept between products so a forward does not fault in
     /// fresh pages for every one.
@@ -249,7 +188,7 @@ pub(super) fn product_bf16(
     x: &[f32],
     xs: usize,
     m: usize,
-    w: &bf16::Panels,
+    w: &Panels<u32>,
     dst: &mut [f32],
     ds: usize,
     alpha: f32,
@@ -265,12 +204,12 @@ pub(super) fn product_bf16(
     );
     ROUNDED.with_borrow_mut(|a| {
         let stride = bf16::round_rows(x, xs, m, w.cols(), a, true);
-        let lhs = bf16::Lhs {
+        let lhs = Lhs {
             data: a,
             stride,
             rows: m,
         };
-        let out = bf16::Out {
+        let out = Out {
             ptr: dst.as_mut_ptr(),
             stride: ds,
             alpha,
@@ -278,7 +217,7 @@ pub(super) fn product_bf16(
         };
         // SAFETY: `dst` holds `m` rows of `n` columns at `ds` (asserted above) and is borrowed
         // mutably for the call; `lhs` holds `m` rows of the matrix's pair count.
-        unsafe { bf16::gemm(&lhs, w.all(), out, true) };
+        unsafe { panels::gemm(&lhs, w.all(), out, true) };
     });
 }
 
@@ -286,14 +225,19 @@ pub(super) fn product_bf16(
 mod tests {
     use super::super::testutil::*;
     use super::super::{CpuBackend, CpuBuf};
+    use super::super::{CpuMat, MatStore};
     use crate::{Activation, Backend, Epilogue, Gate, View, ViewMut};
 
-    /// Batch-invariant products give a block of rows the same bits alone and inside a larger
-    /// product, on either side of the few-row threshold; the default products do not promise it.
+    /// A block of rows gets the same bits alone and inside a larger product, at either
+    /// precision: what lets batched work equal the same work alone.
     #[test]
-    fn batch_invariant_products_do_not_depend_on_the_row_count() {
-        let mut be = CpuBackend::new();
-        be.set_batch_invariant(true);
+    fn products_do_not_depend_on_the_row_count() {
+        for p in [crate::Precision::F32, crate::Precision::Bf16] {
+            row_count_invariance(CpuBackend::with_precision(p));
+        }
+    }
+
+    fn row_count_invariance(be: CpuBackend) {
         let (k, n) = (200, 300);
         let mut rng = Rng::new(5);
         let w = rng.vec(n * k, 1.0);
@@ -311,7 +255,7 @@ mod tests {
             .unwrap();
             be.read_f32(View::new(&o, m, n)).unwrap()
         };
-        // Rows 40..80 alone (few rows), then inside products of 120 and 400 rows.
+        // Rows 40..80 alone, then inside products of 120, 96 and 400 rows.
         let alone = run(40, 40);
         for (first, m) in [(0, 120), (40, 96), (0, 400)] {
             let all = run(first, m);
@@ -330,8 +274,8 @@ mod tests {
             (1, 1, 1),
             (3, 5, 7),
             (17, 33, 9),
-            // Few rows (the skinny path) with a weight-row count off its blocks, parallel; its
-            // last row count, and the first past it (the gemm crate).
+            // Row counts off the kernel's 12-row tiles and 192-row chunks, output columns off its
+            // 32-column panels, parallel.
             (32, 40, 2053),
             (96, 40, 2053),
             (97, 40, 2053),
@@ -345,30 +289,37 @@ mod tests {
             let xh = rng.vec(m * xw, 1.0);
             let w = rng.vec(n * k, 1.0);
             let x = buf(&be, &xh);
-            let mat = be.matrix_f32(&[(&w, n)], k).unwrap();
-            let ow = n + 2;
-            let mut o = buf(&be, &vec![f32::NAN; m * ow]);
-            let xv = View::new(&x, m, xw).cols(2, k);
-            be.matmul(
-                xv,
-                &mat,
-                ViewMut::new(&mut o, m, ow).cols(1, n),
-                &Epilogue::scaled(0.5),
-            )
-            .unwrap();
-            let got = be.read_f32(View::new(&o, m, ow).cols(1, n)).unwrap();
-            for i in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|t| xh[i * xw + 2 + t] as f64 * w[j * k + t] as f64)
-                        .sum::<f64>()
-                        * 0.5;
-                    assert_close(got[i * n + j], want, 1e-5, "matmul");
+            // As this CPU packs it, and row-major for the `gemm` crate (CPUs without AVX-512).
+            let row_major = CpuMat {
+                store: MatStore::F32(w.clone()),
+                out: n,
+                inner: k,
+            };
+            for mat in [be.matrix_f32(&[(&w, n)], k).unwrap(), row_major] {
+                let ow = n + 2;
+                let mut o = buf(&be, &vec![f32::NAN; m * ow]);
+                let xv = View::new(&x, m, xw).cols(2, k);
+                be.matmul(
+                    xv,
+                    &mat,
+                    ViewMut::new(&mut o, m, ow).cols(1, n),
+                    &Epilogue::scaled(0.5),
+                )
+                .unwrap();
+                let got = be.read_f32(View::new(&o, m, ow).cols(1, n)).unwrap();
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|t| xh[i * xw + 2 + t] as f64 * w[j * k + t] as f64)
+                            .sum::<f64>()
+                            * 0.5;
+                        assert_close(got[i * n + j], want, 1e-5, "matmul");
+                    }
                 }
+                // Column 0 of every output row is untouched.
+                let all = be.read_f32(View::new(&o, m, ow)).unwrap();
+                assert!(all.chunks(ow).all(|r| r[0].is_nan()));
             }
-            // Column 0 of every output row is untouched.
-            let all = be.read_f32(View::new(&o, m, ow)).unwrap();
-            assert!(all.chunks(ow).all(|r| r[0].is_nan()));
         }
     }
 

@@ -1,7 +1,9 @@
 //! The CPU backend: every op in `f32`, the reference every other backend is tested against.
 //!
-//! GEMMs go through the `gemm` crate (or, for few rows, a kernel of our own); row-wise ops are
-//! parallel over rows with rayon. Nothing here trades accuracy for speed: statistics are
+//! Matrix products go through the panel kernels (`panels.rs`) where the CPU has AVX-512, else
+//! the `gemm` crate; either way a row's result does not depend on the rows it comes with, so
+//! work batched with other work (a server's requests through one forward) equals the same work
+//! alone, bit for bit. Row-wise ops are parallel over rows with rayon. Nothing here trades accuracy for speed: statistics are
 //! accumulated in `f64` where a long sum would lose digits, so the CPU path tracks the float64
 //! PyTorch reference to ~1e-6.
 //!
@@ -17,6 +19,7 @@ mod elementwise;
 mod group_norm;
 mod matmul;
 mod norm;
+pub mod panels;
 pub mod peak;
 mod rope;
 mod rows;
@@ -43,9 +46,6 @@ pub struct CpuBackend {
     record: Option<Arc<Mutex<HashSet<Op>>>>,
     /// Memory reported as available, when budgeted (see [`CpuBackend::budgeted`]).
     budget: Option<usize>,
-    /// Products pick their kernel without looking at the row count (see
-    /// [`CpuBackend::set_batch_invariant`]).
-    invariant: bool,
 }
 
 impl CpuBackend {
@@ -78,19 +78,6 @@ impl CpuBackend {
             budget: Some(bytes),
             ..CpuBackend::default()
         }
-    }
-
-    /// Make every matrix product give each row the same bits whatever the number of rows it
-    /// comes with, so that work batched with other work (a server's requests through one
-    /// forward) equals the same work alone. By default a product of few rows takes a kernel of
-    /// its own (which streams the weights once) and a larger one the `gemm` crate: their sums
-    /// run in different orders, so a row's last bits depend on its company. Batch-invariant,
-    /// every product takes one kernel: the few-row kernel where the CPU has AVX-512 (each row's
-    /// dot products in a fixed order), else the `gemm` crate (whose K blocking depends on K and
-    /// the caches only). Costs some speed on large products where the `gemm` crate would have
-    /// been faster.
-    pub fn set_batch_invariant(&mut self, on: bool) {
-        self.invariant = on;
     }
 
     /// The ops run so far (recording backends only), in no particular order.
@@ -150,10 +137,12 @@ pub struct CpuMat {
 
 /// How a [`CpuMat`] holds its values.
 enum MatStore {
-    /// Row-major `f32`.
+    /// Row-major `f32`, for the `gemm` crate (CPUs without AVX-512).
     F32(Vec<f32>),
+    /// `f32` panels for the panel products (`panels.rs`; CPUs with AVX-512).
+    F32Panels(panels::Panels<f32>),
     /// bf16 panels for the bf16 products (under [`Precision::Bf16`]).
-    Bf16(bf16::Panels),
+    Bf16(panels::Panels<u32>),
 }
 
 /// An embedding table left in the checkpoint's memory map, rows widened on lookup.
@@ -212,13 +201,64 @@ fn rows<'a>(
         .map(move |r| &r[..cols])
 }
 
-/// Widen every part to `f32` and stack the parts along `out`.
+/// Stacked matrix parts: which part, and which of its byte rows, row `j` of the stack is.
+struct Stack<'p, 't> {
+    parts: &'p [Tensor<'t>],
+    /// First stacked row of each part.
+    starts: Vec<usize>,
+    out: usize,
+    inner: usize,
+}
+
+impl<'p, 't> Stack<'p, 't> {
+    fn new(parts: &'p [Tensor<'t>]) -> Result<Self> {
+        let (out, inner) = crate::stacked_shape(parts)?;
+        let starts = parts
+            .iter()
+            .scan(0, |row, t| {
+                let first = *row;
+                *row += t.numel() / inner.max(1);
+                Some(first)
+            })
+            .collect();
+        Ok(Stack {
+            parts,
+            starts,
+            out,
+            inner,
+        })
+    }
+
+    /// Row `j`: its part's dtype and stored bytes.
+    fn row(&self, j: usize) -> (tessera_core::DType, &[u8]) {
+        let p = self.starts.partition_point(|&s| s <= j) - 1;
+        let t = &self.parts[p];
+        let len = self.inner * t.dtype.size();
+        let at = (j - self.starts[p]) * len;
+        (t.dtype, &t.bytes[at..at + len])
+    }
+}
+
+/// Widen every part to `f32` and stack the parts along `out`: in panels where the CPU runs the
+/// panel products, else row-major.
 fn stack_f32(parts: &[Tensor<'_>]) -> Result<CpuMat> {
     use rayon::prelude::*;
+    let stack = Stack::new(parts)?;
+    let (out, inner) = (stack.out, stack.inner);
+    if panels::f32_native() {
+        let p = panels::Panels::<f32>::from_rows(out, inner, |j, dst| {
+            let (dtype, bytes) = stack.row(j);
+            tessera_core::dtype::widen_into(dtype, bytes, dst);
+        });
+        return Ok(CpuMat {
+            store: MatStore::F32Panels(p),
+            out,
+            inner,
+        });
+    }
     // Elements widened per task: loading uses every core, which also splits the page faults of
     // the fresh f32 buffer and of the mapped checkpoint (most of a warm load's time).
     const SLICE: usize = 1 << 18;
-    let (out, inner) = crate::stacked_shape(parts)?;
     let mut data = vec![0f32; out * inner];
     let mut rest = data.as_mut_slice();
     for t in parts {
@@ -239,25 +279,13 @@ fn stack_f32(parts: &[Tensor<'_>]) -> Result<CpuMat> {
 /// `out`, in panels.
 fn stack_bf16(parts: &[Tensor<'_>]) -> Result<CpuMat> {
     use tessera_core::DType;
-    let (out, inner) = crate::stacked_shape(parts)?;
-    // First stacked row of each part.
-    let starts: Vec<usize> = parts
-        .iter()
-        .scan(0, |row, t| {
-            let first = *row;
-            *row += t.numel() / inner.max(1);
-            Some(first)
-        })
-        .collect();
-    let panels = bf16::Panels::from_rows(out, inner, |j, dst| {
-        let p = starts.partition_point(|&s| s <= j) - 1;
-        let t = &parts[p];
-        let size = t.dtype.size();
-        let bytes = &t.bytes[(j - starts[p]) * inner * size..(j - starts[p] + 1) * inner * size];
-        if t.dtype == DType::BF16 {
+    let stack = Stack::new(parts)?;
+    let (out, inner) = (stack.out, stack.inner);
+    let panels = panels::Panels::<u32>::from_rows(out, inner, |j, dst| {
+        let (dtype, bytes) = stack.row(j);
+        if dtype == DType::BF16 {
             // Two bf16 values little-endian are the pair as one u32; an odd row's last is alone.
-            let pairs = bytes.chunks(4);
-            for (d, b) in dst.iter_mut().zip(pairs) {
+            for (d, b) in dst.iter_mut().zip(bytes.chunks(4)) {
                 *d = match *b {
                     [a, b, c, e] => u32::from_le_bytes([a, b, c, e]),
                     [a, b] => u16::from_le_bytes([a, b]) as u32,
@@ -266,7 +294,7 @@ fn stack_bf16(parts: &[Tensor<'_>]) -> Result<CpuMat> {
             }
         } else {
             let mut row = vec![0f32; inner];
-            tessera_core::dtype::widen_into(t.dtype, bytes, &mut row);
+            tessera_core::dtype::widen_into(dtype, bytes, &mut row);
             bf16::round_row(&row, dst);
         }
     });
@@ -396,7 +424,7 @@ impl Backend for CpuBackend {
         ep: &Epilogue<'_, Self>,
     ) -> Result<()> {
         self.enter(ep.op())?;
-        matmul::matmul(x, w, out, ep, self.invariant)
+        matmul::matmul(x, w, out, ep)
     }
 
     fn norm(&self, x: View<'_, Self>, n: &RowNorm<'_, Self>, out: ViewMut<'_, Self>) -> Result<()> {
@@ -438,7 +466,8 @@ impl Backend for CpuBackend {
         segs: &Segments<Self>,
     ) -> Result<()> {
         self.enter(spec.op())?;
-        attention::attention(q, k, v, out, spec, segs, self.precision == Precision::Bf16)
+        let kernel = attention::Kernel::for_cpu(self.precision == Precision::Bf16);
+        attention::attention(q, k, v, out, spec, segs, kernel)
     }
 
     fn gated(

@@ -53,12 +53,11 @@ pub fn chat_config() -> ServerConfig {
 /// The served id of the bundled text-to-image model.
 pub const IMAGE_NAME: &str = "zimage-mini";
 
-/// The bundled Z-Image on the CPU, its products batch-invariant (as `tessera serve` loads image
-/// models on the CPU), so batched requests give the bytes they give alone.
+/// The bundled Z-Image on the CPU (whose products do not depend on the row count, so batched
+/// requests give the bytes they give alone).
 pub fn image_bundled() -> ImageLoader {
     Box::new(|| {
-        let mut cpu = CpuBackend::new();
-        cpu.set_batch_invariant(true);
+        let cpu = CpuBackend::new();
         tessera_runtime::image::load(AnyBackend::Cpu(cpu), &tessera_models::zimage::BUNDLED, None)
     })
 }

@@ -1,0 +1,537 @@
+//! The CPU's matrix products where the CPU has AVX-512: `C = alpha · A · Bᵀ (+ C)` with `B` (a
+//! weight matrix, or attention's keys and values) in [`Panels`] of [`NR`] of its rows, laid out
+//! so that a broadcast element of `A` multiplies a whole panel row at once. Tiles of up to
+//! [`MR`] rows of `A` against one panel keep `2·MR` accumulators of 16 f32 lanes in registers:
+//! no horizontal sums, and each output's sum runs over `k` in order in one lane whatever the
+//! tile, so a row's result does not depend on the rows it comes with (batch-invariant).
+//!
+//! The element type is the arithmetic: `f32` (FMA), or a bf16 pair in a `u32` (`vdpbf16ps`,
+//! `bf16.rs`), each with a portable tile for CPUs without the instructions.
+
+use rayon::prelude::*;
+
+/// Output columns per panel: two 16-lane f32 registers.
+pub const NR: usize = 32;
+
+/// Rows of `A` per kernel tile: 2 × 12 accumulators, two panel registers and a broadcast fit
+/// AVX-512's 32 registers.
+pub const MR: usize = 12;
+
+/// Rows of `A` per parallel task: a task's `A` rows stay in L2 while its panels stream past.
+const CHUNK_ROWS: usize = 16 * MR;
+
+/// Bytes of panels per parallel task: what stays in L2 while the task's row tiles pass.
+const BLOCK_BYTES: usize = 256 << 10;
+
+/// What one depth step of a product multiplies: an `f32`, or a pair of bf16 values.
+pub trait Element: Copy + Default + Send + Sync + 'static {
+    /// Depth steps for `k` columns.
+    fn depth(k: usize) -> usize;
+
+    /// One tile: `c[r][j] = alpha · Σ_q a[r·lda + q] ∘ b[q·NR + j]` (or `+=` when
+    /// `accumulate`) for `r < h ≤ MR`, `j < cols ≤ NR`, `q < depth`.
+    ///
+    /// # Safety
+    /// `c` addresses `h` rows of `cols` at `ldc`, valid for writes (reads when accumulating)
+    /// and not aliased; `a` holds `h` rows at `lda` of `depth` each; `b` holds `depth · NR`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile(
+        a: &[Self],
+        lda: usize,
+        h: usize,
+        b: &[Self],
+        depth: usize,
+        c: *mut f32,
+        ldc: usize,
+        cols: usize,
+        alpha: f32,
+        accumulate: bool,
+    );
+}
+
+/// An [`Element`] attention can take its operands in: keys, values and queries arrive as f32
+/// activations and are packed (and, for bf16, rounded) per call.
+pub trait Operand: Element {
+    /// `n` rows of `k` of `src` (at `stride`) as `B`: attention's keys.
+    fn pack_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Panels<Self>;
+    /// The transpose of `k` rows of `n` of `src` (at `stride`) as `B`: attention's values.
+    fn pack_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels<Self>;
+    /// `m` rows of `k` of `src` (at `stride`) as `A`: as they are, or converted into `scratch`.
+    fn lhs<'a>(
+        src: &'a [f32],
+        stride: usize,
+        m: usize,
+        k: usize,
+        scratch: &'a mut Vec<Self>,
+    ) -> Lhs<'a, Self>;
+}
+
+impl Operand for f32 {
+    fn pack_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Panels<f32> {
+        Panels::from_rows(n, k, |j, out| {
+            out.copy_from_slice(&src[j * stride..j * stride + k])
+        })
+    }
+
+    fn pack_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels<f32> {
+        let mut data = vec![0f32; n.div_ceil(NR) * k * NR];
+        for i in 0..k {
+            let row = &src[i * stride..i * stride + n];
+            for (p, cols) in (0..n).step_by(NR).enumerate() {
+                let live = (n - cols).min(NR);
+                data[(p * k + i) * NR..][..live].copy_from_slice(&row[cols..cols + live]);
+            }
+        }
+        Panels { data, n, k }
+    }
+
+    fn lhs<'a>(
+        src: &'a [f32],
+        stride: usize,
+        m: usize,
+        _k: usize,
+        _scratch: &'a mut Vec<f32>,
+    ) -> Lhs<'a, f32> {
+        Lhs {
+            data: src,
+            stride,
+            rows: m,
+        }
+    }
+}
+
+/// A matrix `B` (`[n, k]`, used as `A · Bᵀ`) as panels of [`NR`] rows: panel `p` holds, for each
+/// depth step in order, its rows' elements, one per row. `n` is padded to whole panels (and a
+/// bf16 `k` to even) with zeros.
+pub struct Panels<E> {
+    pub(super) data: Vec<E>,
+    pub(super) n: usize,
+    pub(super) k: usize,
+}
+
+impl<E: Element> Panels<E> {
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+    /// Depth steps per panel.
+    pub fn depth(&self) -> usize {
+        E::depth(self.k)
+    }
+
+    /// Pack `n` rows of `k`, `row(j, out)` writing row `j`'s elements into `out` (`depth` long);
+    /// panels in parallel.
+    pub fn from_rows(n: usize, k: usize, row: impl Fn(usize, &mut [E]) + Sync) -> Self {
+        let depth = E::depth(k);
+        let mut data = vec![E::default(); n.div_ceil(NR) * depth * NR];
+        if depth > 0 {
+            data.par_chunks_mut(depth * NR).enumerate().for_each_init(
+                Vec::new,
+                |tmp, (p, panel)| {
+                    tmp.resize(depth, E::default());
+                    for c in 0..(n - p * NR).min(NR) {
+                        row(p * NR + c, tmp);
+                        for (q, &x) in tmp.iter().enumerate() {
+                            panel[q * NR + c] = x;
+                        }
+                    }
+                },
+            );
+        }
+        Panels { data, n, k }
+    }
+
+    /// Element `q` of row `j`.
+    pub(super) fn at(&self, j: usize, q: usize) -> E {
+        let (p, c) = (j / NR, j % NR);
+        self.data[(p * self.depth() + q) * NR + c]
+    }
+
+    /// Rows `rows` of `B` (whole panels: `rows.start` a multiple of [`NR`]) and depth steps
+    /// `steps`, as one product's right-hand side.
+    pub fn view(
+        &self,
+        rows: std::ops::Range<usize>,
+        steps: std::ops::Range<usize>,
+    ) -> PanelView<'_, E> {
+        assert!(
+            rows.start.is_multiple_of(NR) && rows.end <= self.n && steps.end <= self.depth(),
+            "panel view out of range"
+        );
+        PanelView {
+            data: &self.data[rows.start / NR * self.depth() * NR..],
+            stride: self.depth() * NR,
+            first: steps.start,
+            depth: steps.len(),
+            n: rows.len(),
+        }
+    }
+
+    /// Every row and column.
+    pub fn all(&self) -> PanelView<'_, E> {
+        self.view(0..self.n, 0..self.depth())
+    }
+}
+
+/// Part of a [`Panels`]: the right-hand side of one product.
+#[derive(Clone, Copy)]
+pub struct PanelView<'a, E> {
+    data: &'a [E],
+    /// Elements from one panel to the next.
+    stride: usize,
+    first: usize,
+    depth: usize,
+    /// Rows of `B` (output columns).
+    n: usize,
+}
+
+/// `A`: `rows` rows of depth steps at `stride`.
+pub struct Lhs<'a, E> {
+    pub data: &'a [E],
+    pub stride: usize,
+    pub rows: usize,
+}
+
+/// Where one product writes: `C` rows at `stride` from `ptr`, `alpha · A·Bᵀ` added to them
+/// (`accumulate`) or stored.
+#[derive(Clone, Copy)]
+pub struct Out {
+    pub ptr: *mut f32,
+    pub stride: usize,
+    pub alpha: f32,
+    pub accumulate: bool,
+}
+
+impl Out {
+    /// Where row `r`, column `col` of `C` is (a method, so closures capture the whole `Out`,
+    /// which is `Sync`, rather than its raw pointer).
+    pub fn at(&self, r: usize, col: usize) -> *mut f32 {
+        self.ptr.wrapping_add(r * self.stride + col)
+    }
+}
+
+// SAFETY: `Out` is a pointer into a buffer the caller borrows mutably for the whole product;
+// tasks write disjoint tiles of it.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+/// `C = alpha · A · Bᵀ` (or `+=`), tiles over threads when `par`.
+///
+/// # Safety
+/// `c.ptr` addresses `a.rows` rows of at least `b`'s row count of columns at `c.stride`, valid
+/// for writes (and reads when accumulating), not aliased for the duration.
+pub unsafe fn gemm<E: Element>(a: &Lhs<'_, E>, b: PanelView<'_, E>, c: Out, par: bool) {
+    let (m, n) = (a.rows, b.n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        b.depth <= a.stride.max(b.depth * usize::from(m == 1))
+            && (m - 1) * a.stride + b.depth <= a.data.len(),
+        "panel gemm: A too short for its rows"
+    );
+    let panels = n.div_ceil(NR);
+    let bytes = b.depth * NR * std::mem::size_of::<E>();
+    let per_block = (BLOCK_BYTES / bytes.max(1)).clamp(1, 16);
+    let blocks = panels.div_ceil(per_block);
+    let chunks = m.div_ceil(CHUNK_ROWS);
+    let task = |t: usize| {
+        let (bi, ci) = (t % blocks, t / blocks);
+        let rows = ci * CHUNK_ROWS..((ci + 1) * CHUNK_ROWS).min(m);
+        for p in bi * per_block..((bi + 1) * per_block).min(panels) {
+            let cols = (n - p * NR).min(NR);
+            let panel = &b.data[p * b.stride + b.first * NR..];
+            let mut r = rows.start;
+            while r < rows.end {
+                let h = (rows.end - r).min(MR);
+                // SAFETY: rows r..r+h of A and C, columns p·NR..p·NR+cols of C and the panel's
+                // steps are inside the extents the caller guarantees; tasks own disjoint
+                // (rows, panels) tiles.
+                unsafe {
+                    E::tile(
+                        &a.data[r * a.stride..],
+                        a.stride,
+                        h,
+                        panel,
+                        b.depth,
+                        c.at(r, p * NR),
+                        c.stride,
+                        cols,
+                        c.alpha,
+                        c.accumulate,
+                    )
+                };
+                r += h;
+            }
+        }
+    };
+    let tasks = blocks * chunks;
+    if par && tasks > 1 && m * n * b.depth >= 1 << 18 {
+        (0..tasks).into_par_iter().for_each(task);
+    } else {
+        (0..tasks).for_each(task);
+    }
+}
+
+/// Whether this CPU runs the f32 panel kernel (AVX-512F); elsewhere f32 matrices stay row-major
+/// for the `gemm` crate.
+pub fn f32_native() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Stores one tile's accumulators (`H` rows × two registers) into `C`: `alpha ·` them, added to
+/// what is there when `accumulate`, the columns past `cols` untouched.
+///
+/// # Safety
+/// As [`Element::tile`], and the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn store_tile<const H: usize>(
+    acc: &[[std::arch::x86_64::__m512; 2]; H],
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    let scale = _mm512_set1_ps(alpha);
+    let lanes = |n: usize| -> __mmask16 { if n >= 16 { 0xffff } else { (1u16 << n) - 1 } };
+    let masks = [lanes(cols), lanes(cols.saturating_sub(16))];
+    for (r, acc) in acc.iter().enumerate() {
+        for (half, (&v, &mask)) in acc.iter().zip(&masks).enumerate() {
+            if mask == 0 {
+                continue;
+            }
+            // SAFETY: row r < H and the masked columns (< cols) are inside the caller's C.
+            unsafe {
+                let dst = c.add(r * ldc + 16 * half);
+                let mut y = _mm512_mul_ps(v, scale);
+                if accumulate {
+                    y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, dst));
+                }
+                _mm512_mask_storeu_ps(dst, mask, y);
+            }
+        }
+    }
+}
+
+/// Picks the `const H` instantiation of an AVX-512 tile for `h` rows.
+macro_rules! dispatch_rows {
+    ($h:expr, $f:ident($($arg:expr),*)) => {
+        match $h {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            4 => $f::<4>($($arg),*),
+            5 => $f::<5>($($arg),*),
+            6 => $f::<6>($($arg),*),
+            7 => $f::<7>($($arg),*),
+            8 => $f::<8>($($arg),*),
+            9 => $f::<9>($($arg),*),
+            10 => $f::<10>($($arg),*),
+            11 => $f::<11>($($arg),*),
+            12 => $f::<12>($($arg),*),
+            h => unreachable!("a tile of {h} rows"),
+        }
+    };
+}
+pub(super) use dispatch_rows;
+
+impl Element for f32 {
+    fn depth(k: usize) -> usize {
+        k
+    }
+
+    unsafe fn tile(
+        a: &[f32],
+        lda: usize,
+        h: usize,
+        b: &[f32],
+        depth: usize,
+        c: *mut f32,
+        ldc: usize,
+        cols: usize,
+        alpha: f32,
+        accumulate: bool,
+    ) {
+        debug_assert!(h <= MR && cols <= NR && b.len() >= depth * NR);
+        #[cfg(target_arch = "x86_64")]
+        if f32_native() {
+            // SAFETY: AVX-512F is present; extents as this function's.
+            unsafe {
+                dispatch_rows!(
+                    h,
+                    tile_f32_avx512(a, lda, b, depth, c, ldc, cols, alpha, accumulate)
+                )
+            };
+            return;
+        }
+        // SAFETY: as this function's.
+        unsafe { tile_f32_plain(a, lda, h, b, depth, c, ldc, cols, alpha, accumulate) }
+    }
+}
+
+/// The f32 tile in plain Rust (CPUs without AVX-512).
+///
+/// # Safety
+/// As [`Element::tile`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_f32_plain(
+    a: &[f32],
+    lda: usize,
+    h: usize,
+    b: &[f32],
+    depth: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    for r in 0..h {
+        for j in 0..cols {
+            let s = (0..depth).fold(0f32, |s, q| a[r * lda + q].mul_add(b[q * NR + j], s));
+            // SAFETY: row r < h, column j < cols of the caller's C.
+            let o = unsafe { &mut *c.add(r * ldc + j) };
+            *o = if accumulate {
+                *o + alpha * s
+            } else {
+                alpha * s
+            };
+        }
+    }
+}
+
+/// The f32 tile: `H` rows × 32 columns of accumulators, one broadcast element of `A` against
+/// the panel's two registers per row and step (FMA).
+///
+/// # Safety
+/// As [`Element::tile`], and the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_f32_avx512<const H: usize>(
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    depth: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; H];
+    let (ap, bp) = (a.as_ptr(), b.as_ptr());
+    for q in 0..depth {
+        // SAFETY: step q of the panel (32 values at q·NR) and of rows 0..H of A are in bounds.
+        unsafe {
+            let b0 = _mm512_loadu_ps(bp.add(q * NR));
+            let b1 = _mm512_loadu_ps(bp.add(q * NR + 16));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*ap.add(r * lda + q));
+                acc[0] = _mm512_fmadd_ps(x, b0, acc[0]);
+                acc[1] = _mm512_fmadd_ps(x, b1, acc[1]);
+            }
+        }
+    }
+    // SAFETY: as this function's.
+    unsafe { store_tile(&acc, c, ldc, cols, alpha, accumulate) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::Rng;
+
+    /// f32 products at odd sizes against f64, through the AVX-512 tile where present and the
+    /// portable one.
+    #[test]
+    fn f32_products_match_f64_at_odd_sizes() {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (7, 17, 33),
+            (13, 33, 7),
+            (17, 512, 2048),
+            (33, 4099, 65),
+            (200, 64, 97),
+        ] {
+            let mut rng = Rng::new((m * 7919 + k * 31 + n) as u64);
+            let (a, b) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
+            let panels = Panels::<f32>::from_rows(n, k, |j, out| {
+                out.copy_from_slice(&b[j * k..(j + 1) * k])
+            });
+            let ldc = n + 3;
+            let mut c = vec![f32::NAN; m * ldc];
+            let lhs = Lhs {
+                data: &a,
+                stride: k,
+                rows: m,
+            };
+            let out = Out {
+                ptr: c.as_mut_ptr(),
+                stride: ldc,
+                alpha: 0.5,
+                accumulate: false,
+            };
+            // SAFETY: c holds m rows of ldc ≥ n.
+            unsafe { gemm(&lhs, panels.all(), out, true) };
+            let mut plain = vec![0.25f32; m * n];
+            for r in (0..m).step_by(MR) {
+                let h = (m - r).min(MR);
+                for p in 0..n.div_ceil(NR) {
+                    let view = panels.all();
+                    // SAFETY: rows r..r+h and columns p·NR.. of `plain` (m × n) are in bounds.
+                    unsafe {
+                        tile_f32_plain(
+                            &a[r * k..],
+                            k,
+                            h,
+                            &view.data[p * view.stride..],
+                            k,
+                            plain.as_mut_ptr().add(r * n + p * NR),
+                            n,
+                            (n - p * NR).min(NR),
+                            0.5,
+                            true,
+                        )
+                    };
+                }
+            }
+            for i in 0..m {
+                for j in 0..n {
+                    let w: f64 = 0.5
+                        * (0..k)
+                            .map(|t| a[i * k + t] as f64 * b[j * k + t] as f64)
+                            .sum::<f64>();
+                    let tol = 1e-6 * (k as f64).sqrt() * 2.0 + 1e-6;
+                    let g = c[i * ldc + j] as f64;
+                    assert!(
+                        (g - w).abs() <= tol * w.abs().max(1.0),
+                        "{m}×{k}×{n} [{i},{j}]: {g} vs {w}"
+                    );
+                    let g = plain[i * n + j] as f64 - 0.25;
+                    assert!(
+                        (g - w).abs() <= tol * w.abs().max(1.0),
+                        "portable {m}×{k}×{n} [{i},{j}]: {g} vs {w}"
+                    );
+                }
+                assert!(
+                    c[i * ldc + n..(i + 1) * ldc].iter().all(|x| x.is_nan()),
+                    "wrote past column {n}"
+                );
+            }
+        }
+    }
+}
