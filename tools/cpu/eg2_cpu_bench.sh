@@ -8,7 +8,8 @@
 # MODEL_DIR/DATA_DIR from ../shared/tools/make_eg2_full.py. Environment: BIN (tessera binary,
 # default target/release/tessera), PY (python with torch 2.15 and transformers 5.25, default
 # .venv-ref/bin/python), THREADS (default 2), ITERS_QUERY/ITERS_DOC/ITERS_BATCH/ITERS_IMAGE,
-# BATCH (default 64x64), TORCH_BF16=1 to add PyTorch's bf16 autocast runs.
+# BATCH (default 64x64), TORCH_BF16=1 to add PyTorch's bf16 autocast runs, TESSERA_BF16=1 to add
+# Tessera's --precision bf16 runs (each with its own peak RSS).
 set -euo pipefail
 M=$1 D=$2 OUT=$3
 BIN=${BIN:-target/release/tessera} PY=${PY:-.venv-ref/bin/python} THREADS=${THREADS:-2}
@@ -30,6 +31,11 @@ for w in query document batch image; do
   /usr/bin/time -f '{"name": "peak_rss", "engine": "torch", "workload": "'$w'", "kib": %M}' \
     -o "$OUT/rss_torch_$w.json" "$PY" "$here/eg2_cpu_ref.py" "$M" --threads "$THREADS" --workloads "$w" \
     --batch "$BATCH" --iters "$it" | tee -a "$OUT/torch.jsonl"
+  if [ -n "${TESSERA_BF16:-}" ]; then
+    /usr/bin/time -f '{"name": "peak_rss", "engine": "tessera-bf16", "workload": "'$w'", "kib": %M}' \
+      -o "$OUT/rss_tessera-bf16_$w.json" "$BIN" --threads "$THREADS" bench "${t_args[@]}" --device cpu \
+      --precision bf16 --iters "$it" | tee -a "$OUT/tessera_bf16.jsonl"
+  fi
   if [ -n "${TORCH_BF16:-}" ]; then
     torch_ref --bf16 --workloads "$w" --batch "$BATCH" --iters "$it" | tee -a "$OUT/torch_bf16.jsonl"
   fi

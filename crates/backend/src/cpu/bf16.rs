@@ -95,8 +95,11 @@ pub fn round_rows(
     par: bool,
 ) -> usize {
     let pairs = k.div_ceil(2);
-    out.clear();
-    out.resize(m * pairs, 0);
+    // Every pair is written below: grow the buffer, never clear it.
+    if out.len() < m * pairs {
+        out.resize(m * pairs, 0);
+    }
+    let out = &mut out[..m * pairs];
     if pairs == 0 {
         return pairs;
     }

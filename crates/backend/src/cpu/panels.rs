@@ -56,13 +56,14 @@ pub trait Operand: Element {
     fn pack_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Panels<Self>;
     /// The transpose of `k` rows of `n` of `src` (at `stride`) as `B`: attention's values.
     fn pack_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels<Self>;
-    /// `m` rows of `k` of `src` (at `stride`) as `A`: as they are, or converted into `scratch`.
+    /// `m` rows of `k` of `src` (at `stride`) as `A`: as they are, or converted into `scratch`
+    /// (bf16 pairs).
     fn lhs<'a>(
         src: &'a [f32],
         stride: usize,
         m: usize,
         k: usize,
-        scratch: &'a mut Vec<Self>,
+        scratch: &'a mut Vec<u32>,
     ) -> Lhs<'a, Self>;
 }
 
@@ -90,7 +91,7 @@ impl Operand for f32 {
         stride: usize,
         m: usize,
         _k: usize,
-        _scratch: &'a mut Vec<f32>,
+        _scratch: &'a mut Vec<u32>,
     ) -> Lhs<'a, f32> {
         Lhs {
             data: src,
