@@ -11,8 +11,8 @@ pub struct DeviceArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto", env = "TESSERA_DEVICE")]
     device: String,
-    /// bf16 (CUDA default: bf16 weights and GEMM inputs, f32 accumulation and statistics) or f32
-    /// (exact mode; the CPU always runs f32).
+    /// bf16 (bf16 weights and GEMM inputs, f32 accumulation and statistics; the CUDA default)
+    /// or f32 (the exact mode; the CPU default).
     #[arg(long, env = "TESSERA_PRECISION")]
     precision: Option<String>,
 }
