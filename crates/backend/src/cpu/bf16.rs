@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::panels::{Element, Lhs, MR, NR, Operand, Panels};
+use super::panels::{Element, Lhs, MR, NR, Operand, Panels, Tile, tile_plain};
 
 /// Whether this CPU multiplies bf16 in hardware (AVX512_BF16's `vdpbf16ps`).
 pub fn native() -> bool {
@@ -224,70 +224,23 @@ impl Element for u32 {
         k.div_ceil(2)
     }
 
-    unsafe fn tile(
-        a: &[u32],
-        lda: usize,
-        h: usize,
-        b: &[u32],
-        depth: usize,
-        c: *mut f32,
-        ldc: usize,
-        cols: usize,
-        alpha: f32,
-        accumulate: bool,
-    ) {
-        debug_assert!(h <= MR && cols <= NR && b.len() >= depth * NR);
+    /// The pair's two products (exact in f32), added in turn.
+    fn madd(acc: f32, x: u32, y: u32) -> f32 {
+        let lo = widen(x as u16) * widen(y as u16);
+        let hi = widen((x >> 16) as u16) * widen((y >> 16) as u16);
+        acc + lo + hi
+    }
+
+    unsafe fn tile(t: Tile<'_, u32>) {
+        debug_assert!(t.h <= MR && t.cols <= NR && t.b.len() >= t.depth * NR);
         #[cfg(target_arch = "x86_64")]
         if native() {
-            // SAFETY: the features are present (`native`); extents as this function's.
-            unsafe {
-                super::panels::dispatch_rows!(
-                    h,
-                    tile_avx512(a, lda, b, depth, c, ldc, cols, alpha, accumulate)
-                )
-            };
+            // SAFETY: the features are present (`native`); the tile's promises are the caller's.
+            unsafe { super::panels::dispatch_rows!(tile_avx512(t)) };
             return;
         }
         // SAFETY: as this function's.
-        unsafe { tile_plain(a, lda, h, b, depth, c, ldc, cols, alpha, accumulate) }
-    }
-}
-
-/// The bf16 tile in plain Rust: products of bf16 values (exact in f32), summed in f32 pair by
-/// pair.
-///
-/// # Safety
-/// As [`Element::tile`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_plain(
-    a: &[u32],
-    lda: usize,
-    h: usize,
-    b: &[u32],
-    pairs: usize,
-    c: *mut f32,
-    ldc: usize,
-    cols: usize,
-    alpha: f32,
-    accumulate: bool,
-) {
-    for r in 0..h {
-        let ar = &a[r * lda..r * lda + pairs];
-        for j in 0..cols {
-            let mut s = 0f32;
-            for (q, &x) in ar.iter().enumerate() {
-                let y = b[q * NR + j];
-                s += widen(x as u16) * widen(y as u16);
-                s += widen((x >> 16) as u16) * widen((y >> 16) as u16);
-            }
-            // SAFETY: row r < h, column j < cols of the caller's C.
-            let o = unsafe { &mut *c.add(r * ldc + j) };
-            *o = if accumulate {
-                *o + alpha * s
-            } else {
-                alpha * s
-            };
-        }
+        unsafe { tile_plain(t) }
     }
 }
 
@@ -295,27 +248,16 @@ unsafe fn tile_plain(
 /// pair of `A` against the panel's two registers per row and pair.
 ///
 /// # Safety
-/// As [`Element::tile`], and the CPU has AVX-512F and AVX512_BF16.
+/// As [`Tile`] says of its fields, `t.h == H`, and the CPU has AVX-512F and AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_avx512<const H: usize>(
-    a: &[u32],
-    lda: usize,
-    b: &[u32],
-    pairs: usize,
-    c: *mut f32,
-    ldc: usize,
-    cols: usize,
-    alpha: f32,
-    accumulate: bool,
-) {
+unsafe fn tile_avx512<const H: usize>(t: Tile<'_, u32>) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; H];
-    let (ap, bp) = (a.as_ptr(), b.as_ptr());
-    for q in 0..pairs {
+    let (ap, bp, lda) = (t.a.as_ptr(), t.b.as_ptr(), t.lda);
+    for q in 0..t.depth {
         // SAFETY: pair q of the panel (32 u32s at q·NR) and of rows 0..H of A are in bounds (see
-        // `tile`); `__m512bh` is 32 bf16 bits, the same 64 bytes as the integer vector.
+        // `Tile`); `__m512bh` is 32 bf16 bits, the same 64 bytes as the integer vector.
         unsafe {
             let b0 =
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp.add(q * NR).cast()));
@@ -323,15 +265,16 @@ unsafe fn tile_avx512<const H: usize>(
                 bp.add(q * NR + 16).cast(),
             ));
             for (r, acc) in acc.iter_mut().enumerate() {
-                let x: __m512bh =
-                    std::mem::transmute(_mm512_set1_epi32(*ap.add(r * lda + q) as i32));
+                let x = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                    *ap.add(r * lda + q) as i32,
+                ));
                 acc[0] = _mm512_dpbf16_ps(acc[0], x, b0);
                 acc[1] = _mm512_dpbf16_ps(acc[1], x, b1);
             }
         }
     }
     // SAFETY: as this function's.
-    unsafe { super::panels::store_tile(&acc, c, ldc, cols, alpha, accumulate) };
+    unsafe { super::panels::store_tile(&acc, &t) };
 }
 
 #[cfg(test)]
@@ -453,18 +396,18 @@ mod tests {
         let mut c = vec![1f32; m * n];
         // SAFETY: `c` holds m rows of n; A has m rows of `stride` pairs; the panel k/2 pairs.
         unsafe {
-            tile_plain(
-                &packed,
-                stride,
-                m,
-                &panels.data,
-                stride,
-                c.as_mut_ptr(),
-                n,
-                n,
-                2.0,
-                true,
-            )
+            tile_plain(Tile {
+                a: &packed,
+                lda: stride,
+                h: m,
+                b: &panels.data,
+                depth: stride,
+                c: c.as_mut_ptr(),
+                ldc: n,
+                cols: n,
+                alpha: 2.0,
+                accumulate: true,
+            })
         };
         let want = naive(&a, &b, m, n, k, 2.0);
         for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {

@@ -28,25 +28,53 @@ pub trait Element: Copy + Default + Send + Sync + 'static {
     /// Depth steps for `k` columns.
     fn depth(k: usize) -> usize;
 
-    /// One tile: `c[r][j] = alpha · Σ_q a[r·lda + q] ∘ b[q·NR + j]` (or `+=` when
-    /// `accumulate`) for `r < h ≤ MR`, `j < cols ≤ NR`, `q < depth`.
+    /// `acc + x ∘ y` in f32: one depth step of one output, as the portable tile sums it.
+    fn madd(acc: f32, x: Self, y: Self) -> f32;
+
+    /// Computes one tile, with this CPU's best kernel.
     ///
     /// # Safety
-    /// `c` addresses `h` rows of `cols` at `ldc`, valid for writes (reads when accumulating)
-    /// and not aliased; `a` holds `h` rows at `lda` of `depth` each; `b` holds `depth · NR`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile(
-        a: &[Self],
-        lda: usize,
-        h: usize,
-        b: &[Self],
-        depth: usize,
-        c: *mut f32,
-        ldc: usize,
-        cols: usize,
-        alpha: f32,
-        accumulate: bool,
-    );
+    /// As [`Tile`] says of its fields.
+    unsafe fn tile(t: Tile<'_, Self>);
+}
+
+/// One tile: `c[r][j] = alpha · Σ_q a[r·lda + q] ∘ b[q·NR + j]` (or `+=` when `accumulate`)
+/// for `r < h ≤ MR`, `j < cols ≤ NR`, `q < depth`. Whoever makes one promises that `c`
+/// addresses `h` rows of `cols` at `ldc`, valid for writes (reads when accumulating) and not
+/// aliased, that `a` holds `h` rows at `lda` of `depth` each, and `b` `depth · NR` elements.
+#[derive(Clone, Copy)]
+pub struct Tile<'a, E> {
+    pub a: &'a [E],
+    pub lda: usize,
+    pub h: usize,
+    pub b: &'a [E],
+    pub depth: usize,
+    pub c: *mut f32,
+    pub ldc: usize,
+    pub cols: usize,
+    pub alpha: f32,
+    pub accumulate: bool,
+}
+
+/// [`Element::tile`] in plain Rust, for CPUs without the vector instructions: each output's
+/// depth steps summed in order with [`Element::madd`].
+///
+/// # Safety
+/// As [`Tile`] says of its fields.
+pub(super) unsafe fn tile_plain<E: Element>(t: Tile<'_, E>) {
+    for r in 0..t.h {
+        let ar = &t.a[r * t.lda..r * t.lda + t.depth];
+        for j in 0..t.cols {
+            let s = (0..t.depth).fold(0f32, |s, q| E::madd(s, ar[q], t.b[q * NR + j]));
+            // SAFETY: row r < h, column j < cols of the tile's C.
+            let o = unsafe { &mut *t.c.add(r * t.ldc + j) };
+            *o = if t.accumulate {
+                *o + t.alpha * s
+            } else {
+                t.alpha * s
+            };
+        }
+    }
 }
 
 /// An [`Element`] attention can take its operands in: keys, values and queries arrive as f32
@@ -251,18 +279,18 @@ pub unsafe fn gemm<E: Element>(a: &Lhs<'_, E>, b: PanelView<'_, E>, c: Out, par:
                 // steps are inside the extents the caller guarantees; tasks own disjoint
                 // (rows, panels) tiles.
                 unsafe {
-                    E::tile(
-                        &a.data[r * a.stride..],
-                        a.stride,
+                    E::tile(Tile {
+                        a: &a.data[r * a.stride..],
+                        lda: a.stride,
                         h,
-                        panel,
-                        b.depth,
-                        c.at(r, p * NR),
-                        c.stride,
+                        b: panel,
+                        depth: b.depth,
+                        c: c.at(r, p * NR),
+                        ldc: c.stride,
                         cols,
-                        c.alpha,
-                        c.accumulate,
-                    )
+                        alpha: c.alpha,
+                        accumulate: c.accumulate,
+                    })
                 };
                 r += h;
             }
@@ -293,19 +321,16 @@ pub fn f32_native() -> bool {
 /// what is there when `accumulate`, the columns past `cols` untouched.
 ///
 /// # Safety
-/// As [`Element::tile`], and the CPU has AVX-512F.
+/// As [`Tile`] says of its fields, and the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn store_tile<const H: usize>(
+pub(super) unsafe fn store_tile<const H: usize, E>(
     acc: &[[std::arch::x86_64::__m512; 2]; H],
-    c: *mut f32,
-    ldc: usize,
-    cols: usize,
-    alpha: f32,
-    accumulate: bool,
+    t: &Tile<'_, E>,
 ) {
     use std::arch::x86_64::*;
-    let scale = _mm512_set1_ps(alpha);
+    let (c, ldc, cols, accumulate) = (t.c, t.ldc, t.cols, t.accumulate);
+    let scale = _mm512_set1_ps(t.alpha);
     let lanes = |n: usize| -> __mmask16 { if n >= 16 { 0xffff } else { (1u16 << n) - 1 } };
     let masks = [lanes(cols), lanes(cols.saturating_sub(16))];
     for (r, acc) in acc.iter().enumerate() {
@@ -328,20 +353,20 @@ pub(super) unsafe fn store_tile<const H: usize>(
 
 /// Picks the `const H` instantiation of an AVX-512 tile for `h` rows.
 macro_rules! dispatch_rows {
-    ($h:expr, $f:ident($($arg:expr),*)) => {
-        match $h {
-            1 => $f::<1>($($arg),*),
-            2 => $f::<2>($($arg),*),
-            3 => $f::<3>($($arg),*),
-            4 => $f::<4>($($arg),*),
-            5 => $f::<5>($($arg),*),
-            6 => $f::<6>($($arg),*),
-            7 => $f::<7>($($arg),*),
-            8 => $f::<8>($($arg),*),
-            9 => $f::<9>($($arg),*),
-            10 => $f::<10>($($arg),*),
-            11 => $f::<11>($($arg),*),
-            12 => $f::<12>($($arg),*),
+    ($f:ident($t:expr)) => {
+        match $t.h {
+            1 => $f::<1>($t),
+            2 => $f::<2>($t),
+            3 => $f::<3>($t),
+            4 => $f::<4>($t),
+            5 => $f::<5>($t),
+            6 => $f::<6>($t),
+            7 => $f::<7>($t),
+            8 => $f::<8>($t),
+            9 => $f::<9>($t),
+            10 => $f::<10>($t),
+            11 => $f::<11>($t),
+            12 => $f::<12>($t),
             h => unreachable!("a tile of {h} rows"),
         }
     };
@@ -353,63 +378,20 @@ impl Element for f32 {
         k
     }
 
-    unsafe fn tile(
-        a: &[f32],
-        lda: usize,
-        h: usize,
-        b: &[f32],
-        depth: usize,
-        c: *mut f32,
-        ldc: usize,
-        cols: usize,
-        alpha: f32,
-        accumulate: bool,
-    ) {
-        debug_assert!(h <= MR && cols <= NR && b.len() >= depth * NR);
+    fn madd(acc: f32, x: f32, y: f32) -> f32 {
+        x.mul_add(y, acc)
+    }
+
+    unsafe fn tile(t: Tile<'_, f32>) {
+        debug_assert!(t.h <= MR && t.cols <= NR && t.b.len() >= t.depth * NR);
         #[cfg(target_arch = "x86_64")]
         if f32_native() {
-            // SAFETY: AVX-512F is present; extents as this function's.
-            unsafe {
-                dispatch_rows!(
-                    h,
-                    tile_f32_avx512(a, lda, b, depth, c, ldc, cols, alpha, accumulate)
-                )
-            };
+            // SAFETY: AVX-512F is present; the tile's promises are the caller's.
+            unsafe { dispatch_rows!(tile_f32_avx512(t)) };
             return;
         }
         // SAFETY: as this function's.
-        unsafe { tile_f32_plain(a, lda, h, b, depth, c, ldc, cols, alpha, accumulate) }
-    }
-}
-
-/// The f32 tile in plain Rust (CPUs without AVX-512).
-///
-/// # Safety
-/// As [`Element::tile`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_f32_plain(
-    a: &[f32],
-    lda: usize,
-    h: usize,
-    b: &[f32],
-    depth: usize,
-    c: *mut f32,
-    ldc: usize,
-    cols: usize,
-    alpha: f32,
-    accumulate: bool,
-) {
-    for r in 0..h {
-        for j in 0..cols {
-            let s = (0..depth).fold(0f32, |s, q| a[r * lda + q].mul_add(b[q * NR + j], s));
-            // SAFETY: row r < h, column j < cols of the caller's C.
-            let o = unsafe { &mut *c.add(r * ldc + j) };
-            *o = if accumulate {
-                *o + alpha * s
-            } else {
-                alpha * s
-            };
-        }
+        unsafe { tile_plain(t) }
     }
 }
 
@@ -417,25 +399,14 @@ unsafe fn tile_f32_plain(
 /// the panel's two registers per row and step (FMA).
 ///
 /// # Safety
-/// As [`Element::tile`], and the CPU has AVX-512F.
+/// As [`Tile`] says of its fields, `t.h == H`, and the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_f32_avx512<const H: usize>(
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    depth: usize,
-    c: *mut f32,
-    ldc: usize,
-    cols: usize,
-    alpha: f32,
-    accumulate: bool,
-) {
+unsafe fn tile_f32_avx512<const H: usize>(t: Tile<'_, f32>) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; H];
-    let (ap, bp) = (a.as_ptr(), b.as_ptr());
-    for q in 0..depth {
+    let (ap, bp, lda) = (t.a.as_ptr(), t.b.as_ptr(), t.lda);
+    for q in 0..t.depth {
         // SAFETY: step q of the panel (32 values at q·NR) and of rows 0..H of A are in bounds.
         unsafe {
             let b0 = _mm512_loadu_ps(bp.add(q * NR));
@@ -448,7 +419,7 @@ unsafe fn tile_f32_avx512<const H: usize>(
         }
     }
     // SAFETY: as this function's.
-    unsafe { store_tile(&acc, c, ldc, cols, alpha, accumulate) };
+    unsafe { store_tile(&acc, &t) };
 }
 
 #[cfg(test)]
@@ -495,18 +466,18 @@ mod tests {
                     let view = panels.all();
                     // SAFETY: rows r..r+h and columns p·NR.. of `plain` (m × n) are in bounds.
                     unsafe {
-                        tile_f32_plain(
-                            &a[r * k..],
-                            k,
+                        tile_plain(Tile {
+                            a: &a[r * k..],
+                            lda: k,
                             h,
-                            &view.data[p * view.stride..],
-                            k,
-                            plain.as_mut_ptr().add(r * n + p * NR),
-                            n,
-                            (n - p * NR).min(NR),
-                            0.5,
-                            true,
-                        )
+                            b: &view.data[p * view.stride..],
+                            depth: k,
+                            c: plain.as_mut_ptr().add(r * n + p * NR),
+                            ldc: n,
+                            cols: (n - p * NR).min(NR),
+                            alpha: 0.5,
+                            accumulate: true,
+                        })
                     };
                 }
             }
