@@ -147,8 +147,9 @@ pub(super) fn conv2d(
 
 #[cfg(test)]
 mod tests {
+    use super::super::CpuBackend;
     use super::super::testutil::*;
-    use crate::{Activation, Backend, Conv2d, View, ViewMut};
+    use crate::{Activation, Backend, Conv2d, Precision, View, ViewMut};
 
     /// SiLU in f64, applied to the naive convolution's input.
     fn silu(x: f64) -> f64 {
@@ -166,7 +167,17 @@ mod tests {
         k: usize,
         up: bool,
         act: Option<fn(f64) -> f64>,
+        bf16: bool,
     ) -> Vec<f64> {
+        // Under bf16 the product's inputs (the activated input as f32, and the weights) are
+        // rounded to bf16.
+        let r = |v: f64| {
+            if bf16 {
+                half::bf16::from_f32(v as f32).to_f32() as f64
+            } else {
+                v
+            }
+        };
         let s = if up { 2 } else { 1 };
         let (oh, ow) = (h * s, w * s);
         let pad = (k / 2) as isize;
@@ -187,8 +198,8 @@ mod tests {
                                 }
                                 let (iy, ix) = (uy as usize / s, ux as usize / s);
                                 let v = x[(iy * w + ix) * cin + ci] as f64;
-                                let v = act.map_or(v, |f| f(v));
-                                acc += v * wt[((co * cin + ci) * k + ky) * k + kx] as f64;
+                                let v = r(act.map_or(v, |f| f(v) as f32 as f64));
+                                acc += v * r(wt[((co * cin + ci) * k + ky) * k + kx] as f64);
                             }
                         }
                     }
@@ -201,7 +212,13 @@ mod tests {
 
     #[test]
     fn same_conv_with_and_without_upsampling_matches_naive() {
-        let be = cpu();
+        for p in [Precision::F32, Precision::Bf16] {
+            same_conv_matches_naive(p);
+        }
+    }
+
+    fn same_conv_matches_naive(precision: Precision) {
+        let be = CpuBackend::with_precision(precision);
         // (h, w, in, out, kernel, upsample, SiLU input): odd sizes, 1×1 shortcuts, blocks cut
         // mid-row, pre-activated inputs.
         for &(h, w, cin, cout, k, up, pre) in &[
@@ -252,11 +269,13 @@ mod tests {
             .unwrap();
             let all = be.read_f32(View::new(&o, oh * ow, stride)).unwrap();
             let act = pre.then_some(silu as fn(f64) -> f64);
-            let want = naive(&x, (h, w, cin), &wt, &bias, cout, k, up, act);
+            let bf16 = precision == Precision::Bf16;
+            let want = naive(&x, (h, w, cin), &wt, &bias, cout, k, up, act, bf16);
             for p in 0..oh * ow {
                 assert!(all[p * stride].is_nan(), "column 0 written");
                 for c in 0..cout {
-                    assert_close(all[p * stride + 1 + c], want[p * cout + c], 1e-5, "conv2d");
+                    let what = format!("conv2d {precision}");
+                    assert_close(all[p * stride + 1 + c], want[p * cout + c], 1e-5, &what);
                 }
             }
         }
