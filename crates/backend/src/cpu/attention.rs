@@ -343,7 +343,7 @@ fn attention_panels<E: panels::Operand>(
     (0..tasks.len() * spec.heads_q)
         .into_par_iter()
         .for_each(|i| {
-            SCRATCH.with_borrow_mut(|scratch| {
+            let task = |scratch: &mut Scratch| {
                 let Scratch {
                     qa,
                     scores,
@@ -419,6 +419,11 @@ fn attention_panels<E: panels::Operand>(
                     };
                     vmath::scale(row, s);
                 }
+            };
+            // A task reached again on this thread while its buffers are in use takes fresh ones.
+            SCRATCH.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut s) => task(&mut s),
+                Err(_) => task(&mut Scratch::default()),
             })
         });
     Ok(())

@@ -202,7 +202,7 @@ pub(super) fn product_bf16(
         (m - 1) * ds + n <= dst.len() && (m - 1) * xs + w.cols() <= x.len(),
         "bf16 product out of bounds"
     );
-    ROUNDED.with_borrow_mut(|a| {
+    let mut run = |a: &mut Vec<u32>| {
         let stride = bf16::round_rows(x, xs, m, w.cols(), a, true);
         let lhs = Lhs {
             data: a,
@@ -218,6 +218,12 @@ pub(super) fn product_bf16(
         // SAFETY: `dst` holds `m` rows of `n` columns at `ds` (asserted above) and is borrowed
         // mutably for the call; `lhs` holds `m` rows of the matrix's pair count.
         unsafe { panels::gemm(&lhs, w.all(), out, true) };
+    };
+    // A product reached again on this thread while the buffer is in use (a rayon worker that
+    // picked up other work while it waited) takes a buffer of its own.
+    ROUNDED.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut a) => run(&mut a),
+        Err(_) => run(&mut Vec::new()),
     });
 }
 
