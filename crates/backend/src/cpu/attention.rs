@@ -64,8 +64,16 @@ impl Visible<'_> {
     }
 }
 
-/// Check the call and cut it into tasks: blocks of at most [`QUERY_BLOCK`] query rows of one
-/// segment each, in row order.
+/// A checked call cut into tasks.
+struct Plan<'a> {
+    visible: Visible<'a>,
+    /// Blocks of at most [`QUERY_BLOCK`] query rows of one segment each, in row order.
+    tasks: Vec<Task>,
+    /// Each segment's keys: first row in `k`/`v` and count.
+    keys: Vec<(usize, usize)>,
+}
+
+/// Check the call and cut it into tasks.
 fn plan<'a>(
     q: &View<'_, CpuBackend>,
     k: &View<'_, CpuBackend>,
@@ -73,7 +81,7 @@ fn plan<'a>(
     out: &ViewMut<'_, CpuBackend>,
     spec: &AttnSpec<'a, CpuBackend>,
     segs: &Segments<CpuBackend>,
-) -> Result<(Visible<'a>, Vec<Task>)> {
+) -> Result<Plan<'a>> {
     spec.check(q, k, v, out, segs)?;
     let visible = match spec.mask {
         Mask::Full => Visible::Full,
@@ -91,6 +99,7 @@ fn plan<'a>(
         }
     };
     let mut tasks = Vec::new();
+    let mut seg_keys = Vec::with_capacity(segs.count());
     for (s, (q0, q1)) in segs.ranges().enumerate() {
         let q_len = q1 - q0;
         let keys = match spec.kv {
@@ -100,6 +109,7 @@ fn plan<'a>(
             }
             None => (q0, q_len),
         };
+        seg_keys.push(keys);
         if let Visible::Limits(l) = visible
             && let Some(&bad) = l[q0..q1].iter().find(|&&m| m as usize > keys.1)
         {
@@ -120,7 +130,38 @@ fn plan<'a>(
             i0 = i1;
         }
     }
-    Ok((visible, tasks))
+    Ok(Plan {
+        visible,
+        tasks,
+        keys: seg_keys,
+    })
+}
+
+impl Task {
+    /// Mask and exponentiate `scores`, this task's rows against keys `lo..lo + nk` of its
+    /// segment: keys a row does not see get 0, the others `e^(s − max)` of the row. Each row's
+    /// `1 / Σ` goes into `inv` (0 for a row that sees no key, rather than 0/0).
+    fn exp_rows(
+        &self,
+        visible: Visible<'_>,
+        scores: &mut [f32],
+        lo: usize,
+        nk: usize,
+        inv: &mut Vec<f32>,
+    ) {
+        let (i0, _) = self.rows;
+        inv.clear();
+        for (r, row) in scores.chunks_mut(nk).enumerate() {
+            let (a, b) = visible.keys(i0 + r, self.pos0 + r, self.keys.1);
+            let (a, b) = (a.clamp(lo, lo + nk) - lo, b.clamp(lo, lo + nk) - lo);
+            let b = b.max(a);
+            row[..a].fill(0.0);
+            row[b..].fill(0.0);
+            let seen = &mut row[a..b];
+            let sum = vmath::exp_shifted(seen, vmath::max(seen));
+            inv.push(if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 });
+        }
+    }
 }
 
 /// Which products attention runs on.
@@ -154,11 +195,11 @@ pub(super) fn attention(
     segs: &Segments<CpuBackend>,
     kernel: Kernel,
 ) -> Result<()> {
-    let (visible, tasks) = plan(&q, &k, &v, &out, spec, segs)?;
+    let plan = plan(&q, &k, &v, &out, spec, segs)?;
     match kernel {
-        Kernel::PanelsBf16 => attention_panels::<u32>(q, k, v, out, spec, segs, visible, &tasks),
-        Kernel::PanelsF32 => attention_panels::<f32>(q, k, v, out, spec, segs, visible, &tasks),
-        Kernel::Gemm => attention_gemm(q, k, v, out, spec, visible, &tasks),
+        Kernel::PanelsBf16 => attention_panels::<u32>(q, k, v, out, spec, &plan),
+        Kernel::PanelsF32 => attention_panels::<f32>(q, k, v, out, spec, &plan),
+        Kernel::Gemm => attention_gemm(q, k, v, out, spec, &plan),
     }
 }
 
@@ -169,9 +210,9 @@ fn attention_gemm(
     v: View<'_, CpuBackend>,
     out: ViewMut<'_, CpuBackend>,
     spec: &AttnSpec<'_, CpuBackend>,
-    visible: Visible<'_>,
-    tasks: &[Task],
+    plan: &Plan<'_>,
 ) -> Result<()> {
+    let (visible, tasks) = (plan.visible, &plan.tasks);
     let hd = spec.head_dim;
     // Hand each task the disjoint run of output rows it writes.
     let (ostride, ocols) = (out.stride, out.cols);
@@ -188,10 +229,9 @@ fn attention_gemm(
     }
     let (qs, ks, vs) = (slice(&q), slice(&k), slice(&v));
     let group = spec.heads_q / spec.heads_kv;
-    tasks
-        .par_iter()
-        .zip(chunks.into_par_iter())
-        .for_each_init(Vec::new, |scores, (t, dst)| {
+    tasks.par_iter().zip(chunks.into_par_iter()).for_each_init(
+        Default::default,
+        |(scores, inv): &mut (Vec<f32>, Vec<f32>), (t, dst)| {
             let (i0, i1) = t.rows;
             let nq = i1 - i0;
             // Keys of the segment any row of this block sees, as rows of `k`/`v`.
@@ -235,20 +275,10 @@ fn attention_gemm(
                         gemm::Parallelism::None,
                     );
                 }
-                for (r, row) in scores.chunks_mut(nk).enumerate() {
-                    // The row's keys as columns of `row` (which holds keys lo..hi); the rest get
-                    // probability 0.
-                    let (a, b) = visible.keys(i0 + r, t.pos0 + r, t.keys.1);
-                    let (a, b) = (a.clamp(lo, lo + nk) - lo, b.clamp(lo, lo + nk) - lo);
-                    let b = b.max(a);
-                    row[..a].fill(0.0);
-                    row[b..].fill(0.0);
-                    let seen = &mut row[a..b];
-                    let max = vmath::max(seen);
-                    let sum = vmath::exp_shifted(seen, max);
-                    // A row that sees no key at all gets zeros rather than 0/0.
-                    let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
-                    vmath::scale(seen, inv);
+                // Probabilities, normalised before `P · V`.
+                t.exp_rows(visible, scores, lo, nk, inv);
+                for (row, &s) in scores.chunks_mut(nk).zip(inv.iter()) {
+                    vmath::scale(row, s);
                 }
                 // SAFETY: dst holds rows i0..i1 of the output at stride `ostride`, each at least
                 // h·hd + hd ≤ ocols wide; the rhs covers rows k0..k1 of kv head g inside `vs`.
@@ -279,7 +309,8 @@ fn attention_gemm(
                     );
                 }
             }
-        });
+        },
+    );
     Ok(())
 }
 
@@ -288,30 +319,20 @@ fn attention_gemm(
 /// then every (query block, head) pair is a task of its own. The probabilities multiply the
 /// values unnormalised (rounded to bf16 under bf16, as the GPU's flash kernels do) and each
 /// output row is divided by its f32 sum after.
-#[allow(clippy::too_many_arguments)]
 fn attention_panels<E: panels::Operand>(
     q: View<'_, CpuBackend>,
     k: View<'_, CpuBackend>,
     v: View<'_, CpuBackend>,
     out: ViewMut<'_, CpuBackend>,
     spec: &AttnSpec<'_, CpuBackend>,
-    segs: &Segments<CpuBackend>,
-    visible: Visible<'_>,
-    tasks: &[Task],
+    plan: &Plan<'_>,
 ) -> Result<()> {
     use panels::{NR, Out, Panels};
+    let (visible, tasks, segments) = (plan.visible, &plan.tasks, &plan.keys);
     let hd = spec.head_dim;
     let (qs, ks, vs) = (slice(&q), slice(&k), slice(&v));
     let group = spec.heads_q / spec.heads_kv;
     // Keys (as `B` of `q · kᵀ`) and values (as `B` of `P · v`, transposed) per segment and kv head.
-    let segments: Vec<(usize, usize)> = segs
-        .ranges()
-        .enumerate()
-        .map(|(s, (q0, q1))| match spec.kv {
-            Some(kv) => (kv.ranges[s].0 as usize, kv.ranges[s].1 as usize),
-            None => (q0, q1 - q0),
-        })
-        .collect();
     let packed: Vec<(Panels<E>, Panels<E>)> = (0..segments.len() * spec.heads_kv)
         .into_par_iter()
         .map(|i| {
@@ -392,19 +413,7 @@ fn attention_panels<E: panels::Operand>(
                 let lhs = E::lhs(&qs[i0 * q.stride + h * hd..], q.stride, nq, hd, qa);
                 // SAFETY: `scores` is nq × nk, exclusively ours; `lhs` holds nq rows of hd.
                 unsafe { panels::gemm(&lhs, keys.view(lo..hi, 0..E::depth(hd)), sc, false) };
-                inv.clear();
-                for (r, row) in scores.chunks_mut(nk).enumerate() {
-                    let (a, b) = visible.keys(i0 + r, t.pos0 + r, t.keys.1);
-                    let (a, b) = (a.clamp(lo, hi) - lo, b.clamp(lo, hi) - lo);
-                    let b = b.max(a);
-                    row[..a].fill(0.0);
-                    row[b..].fill(0.0);
-                    let seen = &mut row[a..b];
-                    let max = vmath::max(seen);
-                    let sum = vmath::exp_shifted(seen, max);
-                    // A row that sees no key at all gets zeros rather than 0/0.
-                    inv.push(if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 });
-                }
+                t.exp_rows(visible, scores, lo, nk, inv);
                 // out = P · v (P unnormalised, in the operand type), then each row divided by
                 // its sum; `lo` is even, so its keys start a bf16 pair.
                 let lhs = E::lhs(scores, nk, nq, nk, pa);

@@ -52,24 +52,16 @@ impl Panels<u32> {
     /// Pack the transpose of `src` (`k` rows of `n` f32 values at `stride`): `B[j][i] =
     /// src[i][j]`, as `P · V` needs `V`. Rounds to bf16.
     pub fn from_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Self {
-        let pairs = k.div_ceil(2);
-        let mut data = vec![0u32; n.div_ceil(NR) * pairs * NR];
-        let mut zeros = Vec::new();
-        for q in 0..pairs {
-            let even = &src[2 * q * stride..2 * q * stride + n];
-            let odd = if 2 * q + 1 < k {
-                &src[(2 * q + 1) * stride..(2 * q + 1) * stride + n]
-            } else {
-                zeros.resize(n, 0f32);
-                &zeros
+        // An odd `k`'s last pair has no odd row: it pairs with zeros.
+        let zeros = vec![0f32; n];
+        Panels::from_steps(n, k, |q, cols, out| {
+            let even = &src[2 * q * stride..][cols.clone()];
+            let odd = match 2 * q + 1 < k {
+                true => &src[(2 * q + 1) * stride..][cols],
+                false => &zeros[cols],
             };
-            for (p, cols) in (0..n).step_by(NR).enumerate() {
-                let live = (n - cols).min(NR);
-                let dst = &mut data[(p * pairs + q) * NR..][..live];
-                interleave(&even[cols..cols + live], &odd[cols..cols + live], dst);
-            }
-        }
-        Panels { data, n, k }
+            interleave(even, odd, out);
+        })
     }
 
     /// Row `j` of `B` widened to f32 (`k` long).

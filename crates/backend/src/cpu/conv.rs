@@ -8,8 +8,7 @@
 use rayon::prelude::*;
 use tessera_core::Result;
 
-use super::panels::{self, Lhs, Out};
-use super::{CpuBackend, CpuMat, MatStore, bf16, slice, vmath};
+use super::{CpuBackend, CpuMat, slice, vmath};
 use crate::{Conv2d, View, ViewMut};
 
 /// Column-matrix budget per block, in floats (about 1 MiB): big enough for efficient GEMMs,
@@ -45,103 +44,44 @@ pub(super) fn conv2d(
     let dst = &mut out.buf.f32_mut()[off..end];
     dst.par_chunks_mut(block * ostride)
         .enumerate()
-        .for_each_init(
-            Default::default,
-            |(col, rounded): &mut (Vec<f32>, Vec<u32>), (bi, chunk)| {
-                let p0 = bi * block;
-                // Rows in this block: the slice's last row ends after `cout` columns, not at the stride.
-                let n = (chunk.len() + ostride - cout) / ostride;
-                col.clear();
-                col.resize(n * kk, 0.0);
-                for (r, crow) in col.chunks_mut(kk).enumerate() {
-                    let p = p0 + r;
-                    let (oy, ox) = ((p / ow) as isize, (p % ow) as isize);
-                    for ky in 0..k {
-                        let uy = oy + ky as isize - pad;
-                        if uy < 0 || uy >= oh as isize {
+        .for_each_init(Vec::new, |col, (bi, chunk)| {
+            let p0 = bi * block;
+            // Rows in this block: the slice's last row ends after `cout` columns, not at the stride.
+            let n = (chunk.len() + ostride - cout) / ostride;
+            col.clear();
+            col.resize(n * kk, 0.0);
+            for (r, crow) in col.chunks_mut(kk).enumerate() {
+                let p = p0 + r;
+                let (oy, ox) = ((p / ow) as isize, (p % ow) as isize);
+                for ky in 0..k {
+                    let uy = oy + ky as isize - pad;
+                    if uy < 0 || uy >= oh as isize {
+                        continue;
+                    }
+                    let iy = uy as usize / up;
+                    for kx in 0..k {
+                        let ux = ox + kx as isize - pad;
+                        if ux < 0 || ux >= ow as isize {
                             continue;
                         }
-                        let iy = uy as usize / up;
-                        for kx in 0..k {
-                            let ux = ox + kx as isize - pad;
-                            if ux < 0 || ux >= ow as isize {
-                                continue;
-                            }
-                            let ix = ux as usize / up;
-                            debug_assert!(iy < ih && ix < iw);
-                            let src = (iy * iw + ix) * xstride;
-                            let at = (ky * k + kx) * cin;
-                            let dst = &mut crow[at..at + cin];
-                            dst.copy_from_slice(&xs[src..src + cin]);
-                            if let Some(act) = spec.act {
-                                vmath::activate(dst, act);
-                            }
+                        let ix = ux as usize / up;
+                        debug_assert!(iy < ih && ix < iw);
+                        let src = (iy * iw + ix) * xstride;
+                        let at = (ky * k + kx) * cin;
+                        let dst = &mut crow[at..at + cin];
+                        dst.copy_from_slice(&xs[src..src + cin]);
+                        if let Some(act) = spec.act {
+                            vmath::activate(dst, act);
                         }
                     }
                 }
-                for r in 0..n {
-                    chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
-                }
-                // The panel kernels add the product to the bias rows in place.
-                let out = Out {
-                    ptr: chunk.as_mut_ptr(),
-                    stride: ostride,
-                    alpha: 1.0,
-                    accumulate: true,
-                };
-                let data = match &w.store {
-                    MatStore::F32(data) => data,
-                    MatStore::F32Panels(w) => {
-                        let lhs = Lhs {
-                            data: col,
-                            stride: kk,
-                            rows: n,
-                        };
-                        // SAFETY: `chunk` holds `n` output rows at stride `ostride` with `cout`
-                        // columns each, borrowed mutably here; `lhs` holds `n` rows of `kk`.
-                        unsafe { panels::gemm(&lhs, w.all(), out, false) };
-                        return;
-                    }
-                    MatStore::Bf16(w) => {
-                        let stride = bf16::round_rows(col, kk, n, kk, rounded, false);
-                        let lhs = Lhs {
-                            data: rounded,
-                            stride,
-                            rows: n,
-                        };
-                        // SAFETY: as above.
-                        unsafe { panels::gemm(&lhs, w.all(), out, false) };
-                        return;
-                    }
-                };
-                // SAFETY: `chunk` holds `n` output rows at stride `ostride`, each with `cout` columns;
-                // `col` is `n × kk` dense; `data` is `cout × kk` dense (all checked above). gemm
-                // reads and writes only within those extents, and the buffers are disjoint.
-                unsafe {
-                    gemm::gemm(
-                        n,
-                        cout,
-                        kk,
-                        chunk.as_mut_ptr(),
-                        1,
-                        ostride as isize,
-                        true,
-                        col.as_ptr(),
-                        1,
-                        kk as isize,
-                        data.as_ptr(),
-                        kk as isize,
-                        1,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-            },
-        );
+            }
+            for r in 0..n {
+                chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
+            }
+            // The product is added to the bias rows in place.
+            super::matmul::product_rows(col, kk, n, w, chunk, ostride, 1.0, true, false);
+        });
     Ok(())
 }
 

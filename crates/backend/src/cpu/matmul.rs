@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
-use super::panels::{self, Lhs, Out, Panels};
+use super::panels::{self, Lhs, Out};
 use super::{CpuBackend, CpuBuf, CpuMat, MatStore, bf16, rows_mut, slice, vmath};
 use crate::op::check_product;
 use crate::{Epilogue, View, ViewMut};
@@ -89,9 +89,8 @@ pub(super) fn matmul(
     Ok(())
 }
 
-/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`, by the kernel the matrix was packed
-/// for: the panel kernels (f32 or bf16), else the `gemm` crate. None depends on the row count in
-/// the order it sums a row's products. Shapes were checked by the caller.
+/// `out = alpha · x · wᵀ`, or `out += …` when `accumulate`, over every thread ([`product_rows`]).
+/// Shapes were checked by the caller.
 fn product(
     x: View<'_, CpuBackend>,
     w: &CpuMat,
@@ -99,57 +98,103 @@ fn product(
     alpha: f32,
     accumulate: bool,
 ) {
-    let (m, k, n) = (x.rows, x.cols, w.out);
-    let xs = super::slice(&x);
-    let (out_off, out_end, out_stride) = (out.offset, out.end(), out.stride);
-    let dst = &mut out.buf.f32_mut()[out_off..out_end];
+    let (off, end, stride) = (out.offset, out.end(), out.stride);
+    let dst = &mut out.buf.f32_mut()[off..end];
+    product_rows(
+        slice(&x),
+        x.stride,
+        x.rows,
+        w,
+        dst,
+        stride,
+        alpha,
+        accumulate,
+        true,
+    );
+}
+
+/// `dst = alpha · x · wᵀ`, or `dst += …` when `accumulate`, for `m` rows of `x` (at stride `xs`)
+/// into `m` rows of `dst` (at stride `ds`), by the kernel the matrix was packed for: the panel
+/// kernels (f32, or bf16 with `x` rounded once), else the `gemm` crate. None sums a row's
+/// products in an order that depends on the row count. `par`: over every thread, else on this
+/// one (the caller is parallel already).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn product_rows(
+    x: &[f32],
+    xs: usize,
+    m: usize,
+    w: &CpuMat,
+    dst: &mut [f32],
+    ds: usize,
+    alpha: f32,
+    accumulate: bool,
+    par: bool,
+) {
+    let (k, n) = (w.inner, w.out);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        (m - 1) * ds + n <= dst.len() && (m - 1) * xs + k <= x.len(),
+        "product out of bounds: {m} rows of {k} into rows of {n}"
+    );
+    let out = Out {
+        ptr: dst.as_mut_ptr(),
+        stride: ds,
+        alpha,
+        accumulate,
+    };
     let data = match &w.store {
         MatStore::F32(data) => data,
-        MatStore::Bf16(panels) => {
-            product_bf16(xs, x.stride, m, panels, dst, out_stride, alpha, accumulate);
-            return;
-        }
         MatStore::F32Panels(w) => {
             let lhs = Lhs {
-                data: xs,
-                stride: x.stride,
+                data: x,
+                stride: xs,
                 rows: m,
             };
-            let out = Out {
-                ptr: dst.as_mut_ptr(),
-                stride: out_stride,
-                alpha,
-                accumulate,
-            };
-            assert!(
-                m == 0 || (m - 1) * out_stride + n <= dst.len(),
-                "product out of bounds"
-            );
-            // SAFETY: `dst` holds `m` rows of `n` columns at `out_stride` (asserted) and is
-            // borrowed mutably for the call; `lhs` holds `m` rows of `k` at `x.stride`.
-            unsafe { panels::gemm(&lhs, w.all(), out, true) };
+            // SAFETY: `dst` holds `m` rows of `n` columns at `ds` (asserted) and is borrowed
+            // mutably for the call; `lhs` holds `m` rows of `k` at `xs`.
+            unsafe { panels::gemm(&lhs, w.all(), out, par) };
             return;
         }
-    };
-    let threads = rayon::current_num_threads();
-    let par = if m * n * k >= PARALLEL_MIN_MACS && threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
+        MatStore::Bf16(w) => {
+            let run = |a: &mut Vec<u32>| {
+                let stride = bf16::round_rows(x, xs, m, k, a, par);
+                let lhs = Lhs {
+                    data: a,
+                    stride,
+                    rows: m,
+                };
+                // SAFETY: as above; `lhs` holds `m` rows of the matrix's pair count.
+                unsafe { panels::gemm(&lhs, w.all(), out, par) };
+            };
+            // A product reached again on this thread while the buffer is in use (a rayon
+            // worker that picked up other work while it waited) takes a buffer of its own.
+            ROUNDED.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut a) => run(&mut a),
+                Err(_) => run(&mut Vec::new()),
+            });
+            return;
+        }
     };
     if k == 0 {
         if !accumulate {
-            for r in dst.chunks_mut(out_stride) {
+            for r in dst.chunks_mut(ds) {
                 let len = r.len().min(n);
                 r[..len].fill(0.0);
             }
         }
         return;
     }
-    // SAFETY: `dst` covers rows `0..m` at stride `out_stride` with `n` columns each, `xs` covers
-    // `m` rows of `k` at `x.stride`, and `data` is `n × k` dense (checked by the caller). gemm
-    // reads lhs/rhs (and dst when accumulating) and writes dst only within those extents; the
-    // borrows are disjoint.
+    let threads = rayon::current_num_threads();
+    let par = if par && m * n * k >= PARALLEL_MIN_MACS && threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: `dst` covers rows `0..m` at stride `ds` with `n` columns each, `x` covers `m` rows
+    // of `k` at `xs` (asserted), and `data` is `n × k` dense. gemm reads lhs/rhs (and dst when
+    // accumulating) and writes dst only within those extents; the borrows are disjoint.
     unsafe {
         gemm::gemm(
             m,
@@ -157,11 +202,11 @@ fn product(
             k,
             dst.as_mut_ptr(),
             1,
-            out_stride as isize,
+            ds as isize,
             accumulate,
-            xs.as_ptr(),
+            x.as_ptr(),
             1,
-            x.stride as isize,
+            xs as isize,
             data.as_ptr(),
             k as isize,
             1,
@@ -179,52 +224,6 @@ thread_local! {
     /// The bf16 copy of a product's rows, kept between products so a forward does not fault in
     /// fresh pages for every one.
     static ROUNDED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// `dst = alpha · x · wᵀ` (or `+=`) for a bf16 matrix: `x` rounded to bf16 once, then the bf16
-/// kernel over every thread.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn product_bf16(
-    x: &[f32],
-    xs: usize,
-    m: usize,
-    w: &Panels<u32>,
-    dst: &mut [f32],
-    ds: usize,
-    alpha: f32,
-    accumulate: bool,
-) {
-    let n = w.rows();
-    if m == 0 || n == 0 {
-        return;
-    }
-    assert!(
-        (m - 1) * ds + n <= dst.len() && (m - 1) * xs + w.cols() <= x.len(),
-        "bf16 product out of bounds"
-    );
-    let mut run = |a: &mut Vec<u32>| {
-        let stride = bf16::round_rows(x, xs, m, w.cols(), a, true);
-        let lhs = Lhs {
-            data: a,
-            stride,
-            rows: m,
-        };
-        let out = Out {
-            ptr: dst.as_mut_ptr(),
-            stride: ds,
-            alpha,
-            accumulate,
-        };
-        // SAFETY: `dst` holds `m` rows of `n` columns at `ds` (asserted above) and is borrowed
-        // mutably for the call; `lhs` holds `m` rows of the matrix's pair count.
-        unsafe { panels::gemm(&lhs, w.all(), out, true) };
-    };
-    // A product reached again on this thread while the buffer is in use (a rayon worker that
-    // picked up other work while it waited) takes a buffer of its own.
-    ROUNDED.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut a) => run(&mut a),
-        Err(_) => run(&mut Vec::new()),
-    });
 }
 
 #[cfg(test)]

@@ -3,9 +3,9 @@
 //! Matrix products go through the panel kernels (`panels.rs`) where the CPU has AVX-512, else
 //! the `gemm` crate; either way a row's result does not depend on the rows it comes with, so
 //! work batched with other work (a server's requests through one forward) equals the same work
-//! alone, bit for bit. Row-wise ops are parallel over rows with rayon. Nothing here trades accuracy for speed: statistics are
-//! accumulated in `f64` where a long sum would lose digits, so the CPU path tracks the float64
-//! PyTorch reference to ~1e-6.
+//! alone, bit for bit. Row-wise ops are parallel over rows with rayon. Nothing here trades
+//! accuracy for speed: statistics are accumulated in `f64` where a long sum would lose digits,
+//! so the CPU path tracks the float64 PyTorch reference to ~1e-6.
 //!
 //! Under [`Precision::Bf16`] the matrices are kept in bf16 and every product, attention's
 //! included, takes bf16 inputs with f32 accumulation (`bf16.rs`: `vdpbf16ps` where the CPU has

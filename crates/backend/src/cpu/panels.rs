@@ -8,6 +8,8 @@
 //! The element type is the arithmetic: `f32` (FMA), or a bf16 pair in a `u32` (`vdpbf16ps`,
 //! `bf16.rs`), each with a portable tile for CPUs without the instructions.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 /// Output columns per panel: two 16-lane f32 registers.
@@ -103,15 +105,9 @@ impl Operand for f32 {
     }
 
     fn pack_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels<f32> {
-        let mut data = vec![0f32; n.div_ceil(NR) * k * NR];
-        for i in 0..k {
-            let row = &src[i * stride..i * stride + n];
-            for (p, cols) in (0..n).step_by(NR).enumerate() {
-                let live = (n - cols).min(NR);
-                data[(p * k + i) * NR..][..live].copy_from_slice(&row[cols..cols + live]);
-            }
-        }
-        Panels { data, n, k }
+        Panels::from_steps(n, k, |i, cols, out| {
+            out.copy_from_slice(&src[i * stride..][cols]);
+        })
     }
 
     fn lhs<'a>(
@@ -172,6 +168,28 @@ impl<E: Element> Panels<E> {
         Panels { data, n, k }
     }
 
+    /// Pack `B` a depth step at a time: `step(q, cols, out)` writes step `q` of rows `cols`
+    /// (at most one panel's) into `out`. The layout a transposed source is read in.
+    pub fn from_steps(
+        n: usize,
+        k: usize,
+        mut step: impl FnMut(usize, Range<usize>, &mut [E]),
+    ) -> Self {
+        let depth = E::depth(k);
+        let mut data = vec![E::default(); n.div_ceil(NR) * depth * NR];
+        for q in 0..depth {
+            for (p, first) in (0..n).step_by(NR).enumerate() {
+                let cols = first..(first + NR).min(n);
+                step(
+                    q,
+                    cols.clone(),
+                    &mut data[(p * depth + q) * NR..][..cols.len()],
+                );
+            }
+        }
+        Panels { data, n, k }
+    }
+
     /// Element `q` of row `j`.
     pub(super) fn at(&self, j: usize, q: usize) -> E {
         let (p, c) = (j / NR, j % NR);
@@ -180,11 +198,7 @@ impl<E: Element> Panels<E> {
 
     /// Rows `rows` of `B` (whole panels: `rows.start` a multiple of [`NR`]) and depth steps
     /// `steps`, as one product's right-hand side.
-    pub fn view(
-        &self,
-        rows: std::ops::Range<usize>,
-        steps: std::ops::Range<usize>,
-    ) -> PanelView<'_, E> {
+    pub fn view(&self, rows: Range<usize>, steps: Range<usize>) -> PanelView<'_, E> {
         assert!(
             rows.start.is_multiple_of(NR) && rows.end <= self.n && steps.end <= self.depth(),
             "panel view out of range"
@@ -257,8 +271,7 @@ pub unsafe fn gemm<E: Element>(a: &Lhs<'_, E>, b: PanelView<'_, E>, c: Out, par:
         return;
     }
     assert!(
-        b.depth <= a.stride.max(b.depth * usize::from(m == 1))
-            && (m - 1) * a.stride + b.depth <= a.data.len(),
+        (m == 1 || b.depth <= a.stride) && (m - 1) * a.stride + b.depth <= a.data.len(),
         "panel gemm: A too short for its rows"
     );
     let panels = n.div_ceil(NR);
