@@ -66,8 +66,6 @@ pub trait BackendFn {
 }
 
 impl AnyBackend {
-    /// Open the requested device. `precision` `None` means the device's default (bf16 on CUDA,
-    /// f32 on the CPU). `note` receives the one line that explains an `auto` choice of the CPU.
     /// Favour this backend's latency where it shares a device with others: on CUDA its work
     /// goes to a stream of the highest priority (`CudaBackend::use_high_priority_stream`); on
     /// the CPU there is nothing to do. Call it before loading anything.
@@ -79,6 +77,8 @@ impl AnyBackend {
         }
     }
 
+    /// Open the requested device. `precision` `None` means the device's default (bf16 on CUDA,
+    /// f32 on the CPU). `note` receives the one line that explains an `auto` choice of the CPU.
     pub fn open(
         req: DeviceRequest,
         precision: Option<Precision>,

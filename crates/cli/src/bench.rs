@@ -443,16 +443,15 @@ fn peak(b: PeakBench) -> Result<()> {
         None => emit(serde_json::json!({"name": "cpu_bf16_dot_peak", "isa": null,
             "note": "no AVX512_BF16 on this CPU"})),
     }
-    let mut shapes = vec![("square".to_string(), (b.size, b.size, b.size))];
-    shapes.extend(CPU_GEMMS.iter().map(|&(w, s)| (w.to_string(), s)));
+    let square = ("square", (b.size, b.size, b.size));
     for precision in [Precision::F32, Precision::Bf16] {
         if precision == Precision::Bf16 && !bf16::native() {
             continue;
         }
         let be = CpuBackend::with_precision(precision);
-        for (what, shape) in &shapes {
-            let gflops = product_rate(&be, *shape)?;
-            let (m, n, k) = *shape;
+        for &(what, shape) in std::iter::once(&square).chain(&CPU_GEMMS) {
+            let gflops = product_rate(&be, shape)?;
+            let (m, n, k) = shape;
             emit(
                 serde_json::json!({"name": "cpu_product", "precision": precision.to_string(),
                 "what": what, "m": m, "n": n, "k": k, "threads": threads, "gflops": gflops}),
