@@ -14,15 +14,13 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::Json;
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::{Bytes, HttpBody};
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use http_body_util::Full;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -30,6 +28,7 @@ use super::AppState;
 use super::error::ApiError;
 use super::json;
 use super::routes::{Admitted, admit};
+use super::sse::{self, Polled, frame};
 use super::types::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatRequest, ChatUsage, ChunkChoice,
     Delta,
@@ -213,16 +212,7 @@ fn stream(s: Started) -> Response {
         },
         None,
     );
-    let mut response = Body::new(body).into_response();
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    // Proxies that buffer (nginx) would hold the events back.
-    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    response
+    sse::response(body)
 }
 
 /// A streamed reply's body: each event of the worker becomes one `data:` line, sent as soon as
@@ -305,17 +295,6 @@ impl EventStream {
             }
         }
     }
-}
-
-/// `http_body::Frame<Bytes>` polled, named through http-body-util (the server does not depend
-/// on http-body itself).
-type Polled = <http_body_util::combinators::Frame<'static, Full<Bytes>> as Future>::Output;
-
-/// One data frame.
-fn frame(bytes: Bytes) -> Poll<Polled> {
-    // A `Full` of non-empty bytes is ready at once with one data frame.
-    let mut full = Full::new(bytes);
-    Pin::new(&mut full).poll_frame(&mut Context::from_waker(Waker::noop()))
 }
 
 impl HttpBody for EventStream {

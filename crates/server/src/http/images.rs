@@ -22,17 +22,15 @@ use std::convert::Infallible;
 use std::io::Cursor;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::Json;
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::{Bytes, HttpBody};
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use http_body_util::Full;
 use tessera_models::text_to_image::{Image, Request as GenRequest};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -41,6 +39,7 @@ use super::AppState;
 use super::error::ApiError;
 use super::json;
 use super::routes::{Admitted, admit};
+use super::sse::{self, Polled, frame};
 use super::types::{ImageData, ImageRequest, ImageStreamEvent, ImagesResponse};
 use crate::chat_inputs::seed;
 use crate::config::{COST_UNITS_PER_MPS, Limits};
@@ -560,16 +559,7 @@ fn stream(s: Started, deadline: tokio::time::Instant, limit: std::time::Duration
         arrived: s.arrived,
         _held: s.held,
     };
-    let mut response = Body::new(body).into_response();
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    // Proxies that buffer (nginx) would hold the events back.
-    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    response
+    sse::response(body)
 }
 
 /// Encoded images on their way from the blocking pool.
@@ -705,17 +695,6 @@ impl EventStream {
         );
         self.end();
     }
-}
-
-/// `http_body::Frame<Bytes>` polled, named through http-body-util (the server does not depend
-/// on http-body itself).
-type Polled = <http_body_util::combinators::Frame<'static, Full<Bytes>> as Future>::Output;
-
-/// One data frame.
-fn frame(bytes: Bytes) -> Poll<Polled> {
-    // A `Full` of non-empty bytes is ready at once with one data frame.
-    let mut full = Full::new(bytes);
-    Pin::new(&mut full).poll_frame(&mut Context::from_waker(Waker::noop()))
 }
 
 impl HttpBody for EventStream {

@@ -6,6 +6,7 @@ pub mod error;
 pub mod images;
 pub mod json;
 pub mod routes;
+pub mod sse;
 pub mod types;
 pub mod upload;
 
