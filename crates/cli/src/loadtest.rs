@@ -404,6 +404,52 @@ fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or("").get(..300).unwrap_or(s)
 }
 
+/// Clients sending `body` over and over in the background of a measured phase.
+pub(crate) struct Load<'a> {
+    pub client: &'a Arc<Client>,
+    pub clients: usize,
+    pub body: Body,
+    /// How long they run before the measured phase starts, to get their first requests in.
+    pub settle: Duration,
+    /// Who they are, for the error if their task fails.
+    pub what: &'static str,
+}
+
+/// `requests` single-input requests of `body` from one client while `load` runs in the
+/// background (stopped once they are done): the foreground phase's and the background's stats
+/// and seconds. The foreground ends by `limit`, the background by twice that.
+pub(crate) async fn under_load(
+    load: Load<'_>,
+    client: &Arc<Client>,
+    requests: usize,
+    body: Body,
+    limit: Duration,
+) -> Result<((Stats, f64), (Stats, f64))> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let background = {
+        let (bg, stop, bg_body, n) = (load.client.clone(), stop.clone(), load.body, load.clients);
+        tokio::spawn(async move {
+            phase(
+                &bg,
+                n,
+                usize::MAX,
+                Instant::now() + limit * 2,
+                1,
+                bg_body,
+                Some(stop),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(load.settle).await;
+    let fg = phase(client, 1, requests, Instant::now() + limit, 1, body, None).await;
+    stop.store(true, Ordering::Relaxed);
+    let bg = background
+        .await
+        .map_err(|e| Error::backend("loadtest", format!("{}: {e}", load.what)))?;
+    Ok((fg, bg))
+}
+
 /// `clients` tasks sending `body(i)` until `requests` are sent, the deadline passes or `stop`.
 pub(crate) async fn phase(
     client: &Arc<Client>,
@@ -681,43 +727,20 @@ async fn phases(
     }
 
     if args.image_clients > 0 {
-        let stop = Arc::new(AtomicBool::new(false));
-        let images = {
-            let (client, stop, body) = (
-                client.clone(),
-                stop.clone(),
-                image_body(std::slice::from_ref(&image)),
-            );
-            let n = args.image_clients;
-            tokio::spawn(async move {
-                phase(
-                    &client,
-                    n,
-                    usize::MAX,
-                    Instant::now() + limit * 2,
-                    1,
-                    body,
-                    Some(stop),
-                )
-                .await
-            })
-        };
-        // Let the image clients get their first requests in.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let (text, secs) = phase(
+        let ((text, secs), (imgs, img_secs)) = under_load(
+            Load {
+                client,
+                clients: args.image_clients,
+                body: image_body(std::slice::from_ref(&image)),
+                settle: Duration::from_millis(200),
+                what: "image clients",
+            },
             client,
-            1,
             args.requests,
-            Instant::now() + limit,
-            1,
             text_body(),
-            None,
+            limit,
         )
-        .await;
-        stop.store(true, Ordering::Relaxed);
-        let (imgs, img_secs) = images
-            .await
-            .map_err(|e| Error::backend("loadtest", format!("image clients: {e}")))?;
+        .await?;
         report.phase("mixed_text", &text, secs, rss_mb(target.pid), &[]);
         report.phase("mixed_image", &imgs, img_secs, rss_mb(target.pid), &[]);
     }

@@ -19,7 +19,6 @@
 //! twice, the second time with `--server-args --no-image-batching`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -27,7 +26,7 @@ use serde_json::json;
 use tessera_core::{Error, Result};
 
 use crate::device::DeviceArgs;
-use crate::loadtest::{Body, Client, Report, Target, phase, rss_mb, wait_ready};
+use crate::loadtest::{Body, Client, Load, Report, Target, phase, rss_mb, under_load, wait_ready};
 
 #[derive(Args)]
 pub struct ImageLoadTest {
@@ -344,43 +343,21 @@ async fn phases(
         .await;
         report.phase("embed_idle", &idle, secs, rss_mb(pid), &[]);
 
-        let stop = Arc::new(AtomicBool::new(false));
         let size = sizes[0];
-        let generating = {
-            let (generator, stop) = (generator.clone(), stop.clone());
-            let (n, body) = (
-                args.gen_clients.max(1),
-                generation_body(IMAGE, size, args.steps),
-            );
-            tokio::spawn(async move {
-                phase(
-                    &generator,
-                    n,
-                    usize::MAX,
-                    Instant::now() + limit * 2,
-                    1,
-                    body,
-                    Some(stop),
-                )
-                .await
-            })
-        };
-        // Let the generations get under way before the first embedding.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let (during, secs) = phase(
+        let ((during, secs), (gens, gen_secs)) = under_load(
+            Load {
+                client: generator,
+                clients: args.gen_clients.max(1),
+                body: generation_body(IMAGE, size, args.steps),
+                settle: Duration::from_millis(500),
+                what: "generating clients",
+            },
             emb,
-            1,
             args.embed_requests,
-            Instant::now() + limit,
-            1,
             embed_body(EMBED),
-            None,
+            limit,
         )
-        .await;
-        stop.store(true, Ordering::Relaxed);
-        let (gens, gen_secs) = generating
-            .await
-            .map_err(|e| Error::backend("loadtest", format!("generating clients: {e}")))?;
+        .await?;
         let sized = format!("{}x{}", size.0, size.1);
         let extra = json!({"gen_clients": args.gen_clients, "size": sized});
         report.phase_with("embed_during", &during, secs, rss_mb(pid), &[], extra);
