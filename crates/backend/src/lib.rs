@@ -209,6 +209,7 @@ pub trait Backend: Send + Sync {
             max_rows,
             max_segs,
             tiles: 0,
+            wide_tiles: 0,
         })
     }
 

@@ -172,6 +172,10 @@ fn cases() -> Vec<Box<dyn Case>> {
     every(&mut t, attention(&[2394], 12, 12, 64)); // vision tower, one 280-budget image
     every(&mut t, attention(&[300, 129], 12, 12, 64)); // two images packed
     every(&mut t, attention(&[77, 150], 2, 2, 128).causal()); // text encoders of DiTs
+    // The warp-specialized kernel's 128-row tiles: ragged, a one-row segment, GQA, a window.
+    every(&mut t, attention(&[700, 129, 1], 4, 2, 128));
+    every(&mut t, attention(&[390], 2, 2, 128).window(100));
+    every(&mut t, attention(&[260, 3], 4, 4, 64).window(70));
     // 16-wide heads, causal over several query tiles: a bf16 run of the LFM2-VL miniature's
     // 4-head LM (85- and 393-row prompts) ended in an illegal address (2026-12-04, run 2).
     every(&mut t, attention(&[85, 50], 4, 2, 16).causal());

@@ -613,6 +613,10 @@ fn attention(b: AttentionBench) -> Result<()> {
         ("W3 sliding", w3.clone(), spec(4, 2, 256, Some(512))),
         ("W3 full", w3, spec(4, 1, 512, None)),
         ("image 2394 patches", vec![2394], spec(12, 12, 64, None)),
+        // Z-Image's DiT at 1024²: 4,096 image rows and the prompt's, 30 heads of 128.
+        ("dit 4224x30x128", vec![4224], spec(30, 30, 128, None)),
+        // The head-64 shape: 4,096 rows × 16 heads.
+        ("4096x16x64", vec![4096], spec(16, 16, 64, None)),
     ];
     for (name, lens, s) in &shapes {
         let pairs: f64 = lens
@@ -629,6 +633,9 @@ fn attention(b: AttentionBench) -> Result<()> {
         let mut kernels = vec![FlashKernel::Mma];
         if cuda::attention::wgmma_applies(be.arch(), s.head_dim) {
             kernels.push(FlashKernel::Wgmma);
+        }
+        if cuda::attention::ws_applies(be.arch(), s.head_dim) {
+            kernels.push(FlashKernel::Ws);
         }
         let fixed = kernels.iter().flat_map(|&k| {
             [1, 2, 3, 4, 6, 8].map(|n| FlashChoice {

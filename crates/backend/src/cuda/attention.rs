@@ -14,7 +14,8 @@ use tessera_core::{Error, Result};
 
 pub use flash::{
     FLASH_HEAD_DIMS, FlashChoice, FlashConfig, FlashKernel, QUERY_TILE, WGMMA_BN, WGMMA_HEAD_DIMS,
-    flash_config, wgmma_applies, wgmma_config,
+    WIDE_TILE, WS_BN, WS_HEAD_DIMS, WS_MIN_LEN, flash_config, wgmma_applies, wgmma_config,
+    ws_applies, ws_config,
 };
 use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
 
@@ -91,6 +92,7 @@ kernel_table! {
     /// The kernels of attention_sm90.cu (sm_90a alone).
     pub(super) struct Sm90Kernels from "attention_sm90.cu" {
         flash_wgmma: ByDim<FlashArgs> = ("flash_wgmma_d{}", &WGMMA_HEAD_DIMS),
+        flash_ws: ByDim<FlashArgs> = ("flash_ws_d{}", &WS_HEAD_DIMS),
     }
 }
 
@@ -108,7 +110,11 @@ pub(super) fn reserve_shared_memory(
         .into_iter()
         .flat_map(|t| t.flash_wgmma.iter())
         .map(|(d, k)| (k, wgmma_config(d).smem));
-    for (kernel, smem) in mma.chain(wgmma) {
+    let ws = hopper
+        .into_iter()
+        .flat_map(|t| t.flash_ws.iter())
+        .map(|(d, k)| (k, ws_config(d).smem));
+    for (kernel, smem) in mma.chain(wgmma).chain(ws) {
         kernel
             .func()
             .set_attribute(
@@ -296,6 +302,7 @@ pub(super) fn flash(
         ));
     }
     let hopper = wgmma_applies(&be.arch, hd);
+    let wide = ws_applies(&be.arch, hd);
     let choice = match force.kernel {
         Some(FlashKernel::Wgmma) if !hopper => {
             return Err(Error::backend(
@@ -306,7 +313,17 @@ pub(super) fn flash(
                 ),
             ));
         }
+        Some(FlashKernel::Ws) if !wide => {
+            return Err(Error::backend(
+                "attention",
+                format!(
+                    "the warp-specialized kernel needs sm_90a and head_dim in {WS_HEAD_DIMS:?} (here {}, head_dim {hd})",
+                    be.arch
+                ),
+            ));
+        }
         Some(k) => k,
+        None if wide && segs.max_len() >= WS_MIN_LEN && ws_default() => FlashKernel::Ws,
         None if hopper => FlashKernel::Wgmma,
         None => FlashKernel::Mma,
     };
@@ -324,6 +341,17 @@ pub(super) fn flash(
             .as_ref()
             .and_then(|t| t.flash_wgmma.get(hd))
             .map(|k| (k, wgmma_config(hd))),
+        FlashKernel::Ws => be
+            .kernels
+            .sm90
+            .as_ref()
+            .and_then(|t| t.flash_ws.get(hd))
+            .map(|k| (k, ws_config(hd))),
+    };
+    // The warp-specialized kernel walks the wide tiles listed after the 64-row ones.
+    let (tiles, tile_list) = match choice {
+        FlashKernel::Ws => (segs.wide_tiles, addr(&segs.dev, wide_tiles_at(segs))),
+        _ => (segs.tiles, addr(&segs.dev, segs.max_segs + 1)),
     };
     let (kernel, fc) = found.ok_or_else(|| {
         Error::backend(
@@ -343,7 +371,7 @@ pub(super) fn flash(
                 Mask::Window(w) => segs.max_len().min(QUERY_TILE + 2 * w),
                 _ => segs.max_len(),
             };
-            let ctas = segs.tiles * spec.heads_q * fc.splits as usize;
+            let ctas = tiles * spec.heads_q * fc.splits as usize;
             kv_splits(ctas, per_sm * be.sm_count as usize, keys, fc.bn)
         }
     };
@@ -355,7 +383,7 @@ pub(super) fn flash(
     let splits = if part.is_some() { splits } else { 1 };
     let args = FlashArgs {
         ops: Operands::of(&q, &k, &v, &out)?,
-        tiles: addr(&segs.dev, segs.max_segs + 1),
+        tiles: tile_list,
         group: (spec.heads_q / spec.heads_kv) as i32,
         scale_log2: spec.scale * std::f32::consts::LOG2_E,
         window,
@@ -365,11 +393,7 @@ pub(super) fn flash(
         kv_splits: splits as i32,
     };
     let config = LaunchConfig {
-        grid_dim: (
-            segs.tiles as u32,
-            spec.heads_q as u32,
-            fc.splits * splits as u32,
-        ),
+        grid_dim: (tiles as u32, spec.heads_q as u32, fc.splits * splits as u32),
         block_dim: (fc.threads, 1, 1),
         shared_mem_bytes: fc.smem,
     };
@@ -436,24 +460,53 @@ impl CudaBackend {
     }
 }
 
+/// Most query tiles of `rows` rows that `max_rows` rows in `max_segs` segments can make.
+fn max_tiles(max_rows: usize, max_segs: usize, rows: usize) -> usize {
+    max_rows.div_ceil(rows) + max_segs
+}
+
+/// Where the wide tiles start in a segment buffer: after the offsets and the room for every
+/// 64-row tile.
+fn wide_tiles_at(segs: &Segments<CudaBackend>) -> usize {
+    segs.max_segs + 1 + 4 * max_tiles(segs.max_rows, segs.max_segs, QUERY_TILE)
+}
+
 /// Segment storage with room for the query tiles the flash kernels walk.
 pub(super) fn alloc_segments(
     be: &CudaBackend,
     max_rows: usize,
     max_segs: usize,
 ) -> Result<Segments<CudaBackend>> {
-    let max_tiles = max_rows.div_ceil(QUERY_TILE) + max_segs;
+    let tiles =
+        max_tiles(max_rows, max_segs, QUERY_TILE) + max_tiles(max_rows, max_segs, WIDE_TILE);
     Ok(Segments {
         offsets: vec![0],
-        dev: be.alloc(max_segs + 1 + 4 * max_tiles, Role::Index)?,
+        dev: be.alloc(max_segs + 1 + 4 * tiles, Role::Index)?,
         max_rows,
         max_segs,
         tiles: 0,
+        wide_tiles: 0,
     })
 }
 
-/// Offsets, then the query tiles `(q0, q1, s0, s1)` of `QUERY_TILE` rows the flash kernels
-/// walk; the tiles start at element `max_segs + 1`.
+/// Query tiles `(q0, q1, s0, s1)` of at most `rows` rows, none crossing a segment.
+fn push_tiles(data: &mut Vec<u32>, offsets: &[u32], rows: usize) -> usize {
+    let mut tiles = 0;
+    for w in offsets.windows(2) {
+        let (s0, s1) = (w[0], w[1]);
+        let mut q0 = s0;
+        while q0 < s1 {
+            let q1 = (q0 + rows as u32).min(s1);
+            data.extend_from_slice(&[q0, q1, s0, s1]);
+            tiles += 1;
+            q0 = q1;
+        }
+    }
+    tiles
+}
+
+/// Offsets, then the query tiles of `QUERY_TILE` rows the flash kernels walk (from element
+/// `max_segs + 1`), then the `WIDE_TILE`-row tiles of `flash_ws_d{D}` (from [`wide_tiles_at`]).
 pub(super) fn set_segments(
     be: &CudaBackend,
     segs: &mut Segments<CudaBackend>,
@@ -462,21 +515,21 @@ pub(super) fn set_segments(
     let offsets = offsets_of(lens, segs.max_rows, segs.max_segs)?;
     let mut data = offsets.clone();
     data.resize(segs.max_segs + 1, 0);
-    let mut tiles = 0;
-    for w in offsets.windows(2) {
-        let (s0, s1) = (w[0], w[1]);
-        let mut q0 = s0;
-        while q0 < s1 {
-            let q1 = (q0 + QUERY_TILE as u32).min(s1);
-            data.extend_from_slice(&[q0, q1, s0, s1]);
-            tiles += 1;
-            q0 = q1;
-        }
-    }
+    let tiles = push_tiles(&mut data, &offsets, QUERY_TILE);
+    data.resize(wide_tiles_at(segs), 0);
+    let wide_tiles = push_tiles(&mut data, &offsets, WIDE_TILE);
     be.write_u32(&mut segs.dev, &data)?;
     segs.offsets = offsets;
     segs.tiles = tiles;
+    segs.wide_tiles = wide_tiles;
     Ok(())
+}
+
+/// Whether the op picks `flash_ws_d{D}` by itself where it applies. Until the kernel has been
+/// measured on a Hopper GPU it is opt-in (`TESSERA_FLASH_WS=1`); tests and benchmarks force it.
+fn ws_default() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TESSERA_FLASH_WS").is_ok_and(|v| v == "1"))
 }
 
 #[cfg(test)]

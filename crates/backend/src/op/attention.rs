@@ -209,6 +209,8 @@ pub struct Segments<B: Backend> {
     pub max_segs: usize,
     /// Number of backend-specific work items stored after the offsets.
     pub tiles: usize,
+    /// Number of a second kind of work items (CUDA: the 128-row query tiles).
+    pub wide_tiles: usize,
 }
 
 impl<B: Backend> Segments<B> {

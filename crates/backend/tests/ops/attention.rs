@@ -4,7 +4,7 @@
 
 use std::iter::once;
 
-use tessera_backend::cuda::attention::{MAX_CACHED_SPLITS, WGMMA_HEAD_DIMS};
+use tessera_backend::cuda::attention::{MAX_CACHED_SPLITS, WGMMA_HEAD_DIMS, WS_HEAD_DIMS};
 use tessera_backend::cuda::{FlashChoice, FlashKernel};
 use tessera_backend::op::{AttentionOp, MaskKind};
 use tessera_backend::{
@@ -121,6 +121,9 @@ impl AttentionCase {
         let mut kernels = vec![FlashKernel::Mma];
         if WGMMA_HEAD_DIMS.contains(&self.head_dim) {
             kernels.push(FlashKernel::Wgmma);
+        }
+        if WS_HEAD_DIMS.contains(&self.head_dim) {
+            kernels.push(FlashKernel::Ws);
         }
         let forced = kernels.into_iter().flat_map(|kernel| {
             [1, 2, 3, 8].map(|n| FlashChoice {

@@ -15,7 +15,7 @@ pub mod short_conv;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use tessera_backend::cpu::CpuBackend;
-use tessera_backend::cuda::attention::wgmma_applies;
+use tessera_backend::cuda::attention::{wgmma_applies, ws_applies};
 use tessera_backend::cuda::{CudaBackend, FlashChoice, FlashKernel};
 use tessera_backend::{AttnSpec, Backend, Error, Op, Precision, Role, Segments, View, ViewMut};
 use tessera_core::{DType, Weights};
@@ -401,6 +401,12 @@ impl Device for CudaBackend {
         if flash.kernel == Some(FlashKernel::Wgmma) && !wgmma_applies(self.arch(), head_dim) {
             return Err(Error::Device(format!(
                 "no wgmma kernel for head_dim {head_dim} on {}",
+                self.arch()
+            )));
+        }
+        if flash.kernel == Some(FlashKernel::Ws) && !ws_applies(self.arch(), head_dim) {
+            return Err(Error::Device(format!(
+                "no warp-specialized kernel for head_dim {head_dim} on {}",
                 self.arch()
             )));
         }

@@ -70,14 +70,51 @@ pub fn wgmma_config(d: usize) -> FlashConfig {
     }
 }
 
+/// Head dims the warp-specialized Hopper kernel is instantiated for.
+pub const WS_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Query rows per tile of `flash_ws_d{D}`: two consumer warpgroups of 64 rows share each key
+/// block. The host lists these wide tiles after the 64-row ones; they never cross a segment.
+pub const WIDE_TILE: usize = 128;
+
+/// Keys per block of `flash_ws_d{D}` (`WsCfg::BN`) and the stages of its K/V ring
+/// (`WsCfg::STAGES`).
+pub const WS_BN: usize = 128;
+const WS_STAGES: usize = 2;
+
+/// Whether `flash_ws_d{D}` exists on `arch` (sm_90a alone).
+pub fn ws_applies(arch: &str, d: usize) -> bool {
+    arch == "sm_90a" && WS_HEAD_DIMS.contains(&d)
+}
+
+/// Shortest segment for which the op picks `flash_ws_d{D}` by itself: below it, half of a
+/// wide tile's rows would often be padding.
+pub const WS_MIN_LEN: usize = 256;
+
+/// Launch shape of `flash_ws_d{D}`, mirroring `WsCfg` in attention_sm90.cu: a producer and two
+/// consumer warpgroups; shared memory for the 128-row Q tile, `WS_STAGES` K and V tiles of
+/// `WS_BN` keys, their mbarriers, and 1 KB to align the tiles to the swizzle's period.
+pub fn ws_config(d: usize) -> FlashConfig {
+    let barriers = 8 * (1 + 4 * WS_STAGES);
+    FlashConfig {
+        smem: (1024 + (WIDE_TILE + 2 * WS_STAGES * WS_BN) * d * 2 + barriers) as u32,
+        threads: 384,
+        splits: 1,
+        bn: WS_BN,
+    }
+}
+
 /// Which attention kernel a bf16 launch runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashKernel {
     /// `flash_bf16_d{D}` (mma.sync): every GPU from sm_80, every head width.
     Mma,
     /// `flash_wgmma_d{D}` (Hopper's warpgroup MMA): sm_90a, head widths in
-    /// [`WGMMA_HEAD_DIMS`]. The default wherever it applies.
+    /// [`WGMMA_HEAD_DIMS`]. The default wherever it applies and `Ws` does not.
     Wgmma,
+    /// `flash_ws_d{D}` (warp-specialized, 128-row tiles): sm_90a, head widths in
+    /// [`WS_HEAD_DIMS`]. The default there for segments of [`WS_MIN_LEN`] rows or more.
+    Ws,
 }
 
 /// Choices a test or benchmark fixes for one launch; `None` leaves it to the op.

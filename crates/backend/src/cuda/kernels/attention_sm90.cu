@@ -31,6 +31,17 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], u64 da, u64 db, int a
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// wgmma_ss, N = 128: D[64×128] (+)= A[64×16]·B[128×16]ᵀ (the warp-specialized kernel's 128-key blocks).
+__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
 // wgmma_rs: D[64×N] += A[64×16]·B[16×N], A from registers (each warp's 16 rows in the
 // mma.m16n8k16 A-fragment layout), B N-major in shared memory (transposed). N = 64, 128 or 256.
 __device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const u32 (&a)[4], u64 db) {
@@ -240,3 +251,167 @@ FLASH_WG(64)
 FLASH_WG(128)
 FLASH_WG(256)
 FLASH_WG(512)
+
+// ---- flash_ws_d{D}: warp-specialized, two consumer warpgroups sharing each key block ------------
+//
+// One CTA is one 128-row query tile (the host's wide tiles: 128 rows that never cross a segment)
+// of one head, in three warpgroups:
+//   warpgroup 0, the producer: loads Q once, then K and V blocks of 128 keys into a two-stage ring
+//     with cp.async (swizzled as above), and signals each landed tile on an mbarrier;
+//   warpgroups 1 and 2, the consumers: 64 query rows each, S = Q·Kᵀ (m64n128k16, both from shared
+//     memory), the online softmax, O += P·V (P from registers), as in flash_wgmma_d{D}; each frees
+//     a stage's K as soon as its scores are in registers and its V after the product.
+// So a block's K/V is loaded once for 128 rows (flash_wgmma_d{D}: once per 64), loads run a block
+// ahead of the products without any __syncthreads, and while one consumer computes its softmax the
+// other's wgmma can run. setmaxnreg gives the consumers the producer's registers (the scores, the
+// outputs and P take ~170 of them at D = 128).
+template <int D> struct WsCfg { static constexpr int BN = 128, STAGES = 2; };
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Wait until the barrier's phase of parity `parity` has completed (the phase before the current
+// one counts as completed, so a producer's first wait on a free stage returns at once).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void set_max_regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+template <int D>
+__device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k,
+                                              long ks, const bf16* __restrict__ v, long vs, bf16* __restrict__ o,
+                                              long os, const u32* __restrict__ tiles, int group, float scale_log2,
+                                              int window, int causal, float* __restrict__ part, int rows,
+                                              int kv_splits) {
+    using C = WsCfg<D>;
+    constexpr int BN = C::BN, S = C::STAGES, NS = BN / 8, NO = D / 8;
+    constexpr u32 QH = 64 * D * 2, TILE = BN * D * 2;  // bytes of a 64-row Q half, of a K or V tile
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 sQ = (smem_addr(smem) + 1023) & ~1023u;  // the host adds 1 KB of slack
+    const u32 sK = sQ + 2 * QH, sV = sK + S * TILE;
+    // mbarriers: Q landed; per stage K landed, V landed, K free, V free.
+    const u32 bar = sV + S * TILE, q_full = bar, k_full = bar + 8, v_full = k_full + 8 * S, k_free = v_full + 8 * S,
+              v_free = k_free + 8 * S;
+
+    const u32* tl = tiles + 4 * blockIdx.x;
+    const int chunk = blockIdx.z;
+    const int q0 = tl[0], q1 = tl[1], s0 = tl[2], s1 = tl[3];
+    const int h = blockIdx.y, g = h / group;
+    int k_lo, k_hi;
+    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, chunk, kv_splits);
+    const int nb = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
+
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 128);
+        for (int i = 0; i < S; i++) {
+            mbar_init(k_full + 8 * i, 128);
+            mbar_init(v_full + 8 * i, 128);
+            mbar_init(k_free + 8 * i, 256);
+            mbar_init(v_free + 8 * i, 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x < 128) {
+        // The producer. Each landed group is fenced into the async proxy (wgmma reads through it)
+        // by the threads that wrote it, then announced.
+        set_max_regs_dec<40>();
+        const bf16* qb = q + (long)h * D;
+        const bf16* kb = k + (long)g * D;
+        const bf16* vb = v + (long)g * D;
+        load_sw128<D, 64, 128>(sQ, qb, qs, q0, q0, q1);
+        load_sw128<D, 64, 128>(sQ + QH, qb, qs, q0 + 64, q0, q1);
+        cp_commit();
+        for (int j = 0; j < nb; j++) {
+            const int st = j % S;
+            const u32 par = ((j / S) & 1) ^ 1;
+            mbar_wait(k_free + 8 * st, par);
+            load_sw128<D, BN, 128>(sK + st * TILE, kb, ks, k_lo + j * BN, k_lo, k_hi);
+            cp_commit();
+            cp_wait1();  // all but this K: Q (j = 0) or the previous block's V has landed
+            fence_async_smem();
+            mbar_arrive(j == 0 ? q_full : v_full + 8 * ((j - 1) % S));
+            mbar_wait(v_free + 8 * st, par);
+            load_sw128<D, BN, 128>(sV + st * TILE, vb, vs, k_lo + j * BN, k_lo, k_hi);
+            cp_commit();
+            cp_wait1();  // this block's K has landed
+            fence_async_smem();
+            mbar_arrive(k_full + 8 * st);
+        }
+        cp_wait0();
+        fence_async_smem();
+        mbar_arrive(nb == 0 ? q_full : v_full + 8 * ((nb - 1) % S));
+        return;
+    }
+
+    // A consumer: 64 query rows of the tile.
+    set_max_regs_inc<232>();
+    const int c = (threadIdx.x >> 7) - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int qa = min(q1, q0 + 64 * c), qz = min(q1, qa + 64);
+    const int row_lo = qa + 16 * warp + (lane >> 2);
+    const u32 sQc = sQ + c * QH;
+
+    float oacc[NO][4];
+    zero(oacc);
+    RowStats stats;
+    float alpha_lo, alpha_hi;
+    u32 pa[BN / 16][4];
+    mbar_wait(q_full, 0);
+    // Block j's P·V is left running while block j + 1's scores are issued: the tensor cores get
+    // both back to back, and one wait covers the two.
+    for (int j = 0; j < nb; j++) {
+        const int st = j % S;
+        const u32 par = (j / S) & 1;
+        const int kb0 = k_lo + j * BN;
+        float s[NS][4];
+        zero(s);
+        mbar_wait(k_full + 8 * st, par);
+        wg_fence();
+        issue_qk<D / 16>(s, sQc, sK + st * TILE, 0);
+        wg_commit();
+        wg_wait<0>();
+        wg_keep(s);
+        wg_keep(oacc);
+        mbar_arrive(k_free + 8 * st);
+        if (j > 0) mbar_arrive(v_free + 8 * ((j - 1) % S));
+
+        softmax_block<NS>(s, stats, alpha_lo, alpha_hi, kb0, k_hi, qa, qz, row_lo, window, causal, scale_log2);
+        pack_p(s, pa);
+        rescale(oacc, alpha_lo, alpha_hi);
+
+        mbar_wait(v_full + 8 * st, par);
+        wg_fence();
+        issue_pv<BN>(oacc, pa, sV + st * TILE, 0);
+        wg_commit();
+    }
+    wg_wait<0>();
+    wg_keep(oacc);
+    if (nb > 0) mbar_arrive(v_free + 8 * ((nb - 1) % S));
+    flash_store<D, NO, bf16>(oacc, stats, 0, true, row_lo, qz, h, o, os, part, rows, chunk, kv_splits);
+}
+
+#define FLASH_WS(D)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                  \
+        flash_ws_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o,     \
+                      long os, const u32* tiles, int group, float scale_log2, int window, int causal,     \
+                      float* part, int rows, int kv_splits) {                                            \
+        flash_ws_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows, \
+                         kv_splits);                                                                     \
+    }
+FLASH_WS(64)
+FLASH_WS(128)
