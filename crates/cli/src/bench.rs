@@ -450,7 +450,7 @@ fn peak(b: PeakBench) -> Result<()> {
         }
         let be = CpuBackend::with_precision(precision);
         for &(what, shape) in std::iter::once(&square).chain(&CPU_GEMMS) {
-            let gflops = product_rate(&be, shape)?;
+            let gflops = product_rate(&be, shape, 1.0)?;
             let (m, n, k) = shape;
             emit(
                 serde_json::json!({"name": "cpu_product", "precision": precision.to_string(),
@@ -458,6 +458,19 @@ fn peak(b: PeakBench) -> Result<()> {
             );
         }
     }
+    // The denormal cliff (issue 32): the same product with every activation a denormal
+    // (~1e-40), as the far keys' probabilities of a long document's attention are. Intel cores
+    // assist on each such operand unless denormals are flushed (`cpu/denormals.rs`); a ratio
+    // well above 1 means the cliff is back.
+    let be = CpuBackend::new();
+    let shape = CPU_GEMMS[2].1;
+    let normal = product_rate(&be, shape, 1.0)?;
+    let denormal = product_rate(&be, shape, 1e-39)?;
+    emit(
+        serde_json::json!({"name": "cpu_denormal_ratio", "what": CPU_GEMMS[2].0,
+        "gflops_normal": normal, "gflops_denormal": denormal,
+        "slowdown": normal / denormal, "threads": threads}),
+    );
     Ok(())
 }
 
@@ -471,10 +484,12 @@ const CPU_GEMMS: [(&str, (usize, usize, usize)); 6] = [
     ("image gate|up", (2394, 6144, 768)),
 ];
 
-/// GFLOP/s of the backend's product `(m × k) · (n × k)ᵀ` on random data, median of 5.
+/// GFLOP/s of the backend's product `(m × k) · (n × k)ᵀ` on random data, the activations
+/// times `scale`; median of 5.
 fn product_rate(
     be: &tessera_backend::cpu::CpuBackend,
     (m, n, k): (usize, usize, usize),
+    scale: f32,
 ) -> Result<f64> {
     use tessera_backend::{Backend, Epilogue, Role, View, ViewMut};
     let mut rng = XorShift::new(0x9E37_79B9_7F4A_7C15);
@@ -485,7 +500,8 @@ fn product_rate(
     };
     let w = be.matrix_f32(&[(&random(n * k), n)], k)?;
     let mut x = be.alloc(m * k, Role::Compute)?;
-    be.write_f32(&mut x, &random(m * k))?;
+    let activations: Vec<f32> = random(m * k).into_iter().map(|v| v * scale).collect();
+    be.write_f32(&mut x, &activations)?;
     let mut out = be.alloc(m * n, Role::Compute)?;
     let iters = if m * n * k < 1 << 26 { 50 } else { 5 };
     let t = time_ms(iters, 2, || {

@@ -14,6 +14,7 @@
 mod attention;
 pub mod bf16;
 mod conv;
+pub mod denormals;
 mod dup_up;
 mod elementwise;
 mod group_norm;
@@ -91,8 +92,10 @@ impl CpuBackend {
         })
     }
 
-    /// Every op's entry: note the call when recording. The CPU runs every op.
+    /// Every op's entry: denormals flushed on this thread and the pool's (`denormals.rs`), the
+    /// call noted when recording. The CPU runs every op.
     fn enter(&self, op: Op) -> Result<()> {
+        denormals::flush_here();
         if let Some(r) = &self.record {
             r.lock().unwrap_or_else(|p| p.into_inner()).insert(op);
         }
