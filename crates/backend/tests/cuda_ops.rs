@@ -183,6 +183,10 @@ fn cases() -> Vec<Box<dyn Case>> {
     every(&mut t, attention(&[85], 2, 1, 64).causal()); // the miniature's LM now (heads of 64)
     // 72-wide heads (LFM2-VL-1.6B's tower): bf16 runs the key-range kernel over each segment.
     t.add(attention(&[1024, 234], 16, 16, 72));
+    // A width no tensor-core or key-range kernel is built for: bf16 takes the row kernel.
+    t.add(attention(&[70, 1, 33], 4, 2, 24));
+    t.add(attention(&[90], 2, 2, 40).window(9));
+    t.add(attention(&[90], 2, 2, 40).causal());
     // 1152-wide single heads (Qwen-Image-2.1's VAE mid-block, q|k|v slices of one 3456-wide
     // row): bf16 on the tensor cores, f32 on the key-range kernel over each segment's own rows.
     every(&mut t, attention(&[37, 300], 1, 1, 1152)); // ragged tiles, logits up to ±10

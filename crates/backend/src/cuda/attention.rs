@@ -36,7 +36,7 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `attn_rows_f32`: a warp per (query row, head).
+    /// `attn_rows_f32` and `attn_rows_bf16`: a warp per (query row, head).
     pub(super) struct AttnRowsArgs {
         ops: Operands, offsets: DevPtr, nseg: i32, rows: i32, hq: i32, group: i32, d: i32,
         scale: f32, window: i32, causal: i32,
@@ -82,6 +82,7 @@ kernel_table! {
         flash: ByDim<FlashArgs> = ("flash_bf16_d{}", &FLASH_HEAD_DIMS),
         flash_combine: Kernel<FlashCombineArgs> = "flash_combine",
         attn_rows: Kernel<AttnRowsArgs> = "attn_rows_f32",
+        attn_rows_bf16: Kernel<AttnRowsArgs> = "attn_rows_bf16",
         cached_f32: ByDim<CachedArgs> = ("attn_cached_f32_d{}", &CACHED_HEAD_DIMS),
         cached_bf16: ByDim<CachedArgs> = ("attn_cached_bf16_d{}", &CACHED_HEAD_DIMS),
         cached_combine: ByElem<CachedCombineArgs> = "attn_cached_combine_{}",
@@ -161,7 +162,7 @@ impl Operands {
     }
 }
 
-/// Widest head `attn_rows_f32` takes (a lane holds 16 of a head's columns).
+/// Widest head `attn_rows_{f32,bf16}` take (a lane holds 16 of a head's columns).
 pub const ROWS_MAX_HEAD_DIM: usize = 512;
 
 /// The kernel that runs self-attention (no key ranges) over heads of one width.
@@ -169,7 +170,8 @@ pub const ROWS_MAX_HEAD_DIM: usize = 512;
 pub enum SelfKernel {
     /// bf16 on the tensor cores ([`FLASH_HEAD_DIMS`]).
     Flash,
-    /// f32, a warp per (row, head), up to [`ROWS_MAX_HEAD_DIM`].
+    /// A warp per (row, head), up to [`ROWS_MAX_HEAD_DIM`]: f32's exact kernel, and bf16's for
+    /// widths neither kernel above is built for (slow, but no model is refused for its width).
     Rows,
     /// The key-range kernel over each segment's own rows ([`CACHED_HEAD_DIMS`]), slower: bf16
     /// widths without a tensor-core kernel (72), f32 widths beyond the row kernel (1152).
@@ -183,6 +185,7 @@ pub fn self_kernel(precision: Precision, head_dim: usize) -> Option<SelfKernel> 
         Precision::Bf16 if FLASH_HEAD_DIMS.contains(&head_dim) => Some(SelfKernel::Flash),
         Precision::F32 if head_dim <= ROWS_MAX_HEAD_DIM => Some(SelfKernel::Rows),
         _ if CACHED_HEAD_DIMS.contains(&head_dim) => Some(SelfKernel::Cached),
+        Precision::Bf16 if head_dim <= ROWS_MAX_HEAD_DIM => Some(SelfKernel::Rows),
         _ => None,
     }
 }
@@ -209,7 +212,7 @@ pub(super) fn attention(
         Some(SelfKernel::Cached) => {
             cached::attention(be, q, k, v, out, spec, segs, None).map(|_| ())
         }
-        Some(SelfKernel::Rows) => rows_f32(be, q, k, v, out, spec, segs),
+        Some(SelfKernel::Rows) => rows(be, q, k, v, out, spec, segs),
         None => Err(Error::backend(
             "attention",
             format!(
@@ -220,8 +223,9 @@ pub(super) fn attention(
     }
 }
 
-/// The exact f32 attention: `attn_rows_f32`, a warp per (query row, head).
-fn rows_f32(
+/// Attention a warp per (query row, head): `attn_rows_f32` (the exact mode) or `attn_rows_bf16`,
+/// by the operands' element type.
+fn rows(
     be: &CudaBackend,
     q: View<'_, CudaBackend>,
     k: View<'_, CudaBackend>,
@@ -234,16 +238,29 @@ fn rows_f32(
     let total = segs.total();
     spec.check(&q, &k, &v, &out, segs)?;
     let (window, causal) = mask_args(spec)?;
-    if [q.buf.elem, k.buf.elem, v.buf.elem, out.buf.elem]
+    let elem = q.buf.elem;
+    if [k.buf.elem, v.buf.elem, out.buf.elem]
         .iter()
-        .any(|&e| e != Elem::F32)
+        .any(|&e| e != elem)
         || hd > ROWS_MAX_HEAD_DIM
     {
         return Err(Error::backend(
             "attention",
-            format!("f32 attention needs f32 operands and head_dim ≤ {ROWS_MAX_HEAD_DIM}"),
+            format!(
+                "row attention needs operands of one element type and head_dim ≤ {ROWS_MAX_HEAD_DIM}"
+            ),
         ));
     }
+    let kernel = match elem {
+        Elem::F32 => &be.kernels.attention.attn_rows,
+        Elem::Bf16 => &be.kernels.attention.attn_rows_bf16,
+        other => {
+            return Err(Error::backend(
+                "attention",
+                format!("row attention takes f32 or bf16 operands, not {other:?}"),
+            ));
+        }
+    };
     let warps = (total * spec.heads_q) as u32;
     let args = AttnRowsArgs {
         ops: Operands::of(&q, &k, &v, &out)?,
@@ -259,7 +276,7 @@ fn rows_f32(
     };
     be.launch(
         "attention",
-        &be.kernels.attention.attn_rows,
+        kernel,
         cfg((warps.div_ceil(4), 1), 128, 0),
         &args,
     )
@@ -543,6 +560,19 @@ mod tests {
                 assert!(self_kernel(p, *d).is_some(), "head_dim {d} under {p:?}");
             }
         }
+    }
+
+    #[test]
+    fn no_bf16_width_up_to_the_row_kernels_is_refused() {
+        for d in 1..=ROWS_MAX_HEAD_DIM {
+            assert!(
+                self_kernel(Precision::Bf16, d).is_some(),
+                "head_dim {d} under bf16"
+            );
+        }
+        assert_eq!(self_kernel(Precision::Bf16, 24), Some(SelfKernel::Rows));
+        assert_eq!(self_kernel(Precision::Bf16, 128), Some(SelfKernel::Flash));
+        assert_eq!(self_kernel(Precision::Bf16, 72), Some(SelfKernel::Cached));
     }
 
     #[test]

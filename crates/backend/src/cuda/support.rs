@@ -77,13 +77,13 @@ impl CudaBackend {
             return Err(not_yet("per-row key limits (block-causal masks) are"));
         }
         // Widths without a tensor-core kernel (bf16) or beyond the row kernel (f32) run on the
-        // key-range kernel (slower).
+        // key-range kernel or (bf16, any width up to 512) the row kernel, slower.
         if self_kernel(self.precision, a.head_dim).is_some() {
             return Ok(());
         }
         Err(Error::Device(match self.precision {
             Precision::Bf16 => format!(
-                "no bf16 attention kernel for head_dim {} (have {FLASH_HEAD_DIMS:?}, and {CACHED_HEAD_DIMS:?} without tensor cores)",
+                "no bf16 attention kernel for head_dim {} (have {FLASH_HEAD_DIMS:?} on the tensor cores, and any width up to {ROWS_MAX_HEAD_DIM} without)",
                 a.head_dim
             ),
             Precision::F32 => format!(

@@ -257,10 +257,13 @@ extern "C" __global__ void flash_combine(const float* __restrict__ part, bf16* _
     }
 }
 
-// Exact mode: one warp per (query row, head); lane holds head channels lane, lane+32, … (D ≤ 512).
-extern "C" __global__ void attn_rows_f32(const float* q, long qs, const float* k, long ks, const float* v, long vs,
-                                         float* o, long os, const u32* offsets, int nseg, int rows, int hq,
-                                         int group, int D, float scale, int window, int causal) {
+// One warp per (query row, head); lane holds head channels lane, lane+32, … (D ≤ 512), f32 sums
+// and softmax. attn_rows_f32 is the exact mode; attn_rows_bf16 the bf16 mode's kernel for any head
+// width the tensor-core kernels are not built for (slow — scalar FMAs — but never a refusal).
+template <typename T>
+__device__ __forceinline__ void attn_rows_impl(const T* q, long qs, const T* k, long ks, const T* v, long vs, T* o,
+                                               long os, const u32* offsets, int nseg, int rows, int hq, int group,
+                                               int D, float scale, int window, int causal) {
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (gw >= (long)rows * hq) return;
@@ -277,41 +280,50 @@ extern "C" __global__ void attn_rows_f32(const float* q, long qs, const float* k
     }
     if (causal) k_hi = min(k_hi, i + 1);
     float qv[16], acc[16];
-    const float* qr = q + (long)i * qs + (long)h * D;
+    const T* qr = q + (long)i * qs + (long)h * D;
 #pragma unroll
     for (int t = 0; t < 16; t++) {
         const int c = lane + 32 * t;
-        qv[t] = c < D ? qr[c] : 0.f;
+        qv[t] = c < D ? to_f(qr[c]) : 0.f;
         acc[t] = 0.f;
     }
     float m = NEG_INF, l = 0.f;
     for (int j = k_lo; j < k_hi; j++) {
-        const float* kr = k + (long)j * ks + (long)g * D;
+        const T* kr = k + (long)j * ks + (long)g * D;
         float d = 0.f;
 #pragma unroll
         for (int t = 0; t < 16; t++) {
             const int c = lane + 32 * t;
-            if (c < D) d += qv[t] * kr[c];
+            if (c < D) d += qv[t] * to_f(kr[c]);
         }
         const float sc = warp_sum(d) * scale;
         const float mn = fmaxf(m, sc);
         const float a = expf(m - mn), p = expf(sc - mn);
         l = l * a + p;
-        const float* vr = v + (long)j * vs + (long)g * D;
+        const T* vr = v + (long)j * vs + (long)g * D;
 #pragma unroll
         for (int t = 0; t < 16; t++) {
             const int c = lane + 32 * t;
-            if (c < D) acc[t] = acc[t] * a + p * vr[c];
+            if (c < D) acc[t] = acc[t] * a + p * to_f(vr[c]);
         }
         m = mn;
     }
-    float* orow = o + (long)i * os + (long)h * D;
+    T* orow = o + (long)i * os + (long)h * D;
 #pragma unroll
     for (int t = 0; t < 16; t++) {
         const int c = lane + 32 * t;
-        if (c < D) orow[c] = acc[t] / l;
+        if (c < D) orow[c] = from_f<T>(acc[t] / l);
     }
 }
+
+#define ATTN_ROWS(T, NAME)                                                                                  \
+    extern "C" __global__ void NAME(const T* q, long qs, const T* k, long ks, const T* v, long vs, T* o, long os, \
+                                    const u32* offsets, int nseg, int rows, int hq, int group, int D, float scale, \
+                                    int window, int causal) {                                               \
+        attn_rows_impl<T>(q, qs, k, ks, v, vs, o, os, offsets, nseg, rows, hq, group, D, scale, window, causal); \
+    }
+ATTN_ROWS(float, attn_rows_f32)
+ATTN_ROWS(bf16, attn_rows_bf16)
 
 // ---- Attention over cached key ranges: decoding, and prompts appended to a cache.
 //
