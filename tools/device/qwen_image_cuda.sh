@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev): Qwen-Image-2.1 on CUDA — op parity,
 # model parity against the CPU (the miniature, then a full-size random-weight folder at 256²),
-# component timings (text encoder, prefill of 100 and 1,000 rows, a step over each, VAE), then
+# component timings (`tessera bench qwen-image-parts`: text encoder, prefill of 100 and 1,000
+# rows, a step over each, VAE), then
 # `tessera bench generate` at 1024² / 40 steps, a profile, and diffusers beside it in the same call.
 #   PARTS=ops,parity,full,parts,bench,profile,ref,compile (default all but compile)
 # Writes logs, JSON and the generated PNGs under $OUT. Build everything first with
@@ -41,7 +42,7 @@ if [[ $PARTS == *ops* ]]; then
 fi
 if [[ $PARTS == *parity* ]]; then
   echo "== model parity: the miniature, cuda vs cpu; bf16 against its storage floor"
-  .dev/bin/qwen_image_cuda --ignored --test-threads=1 --nocapture --skip full_size --skip component_timings > "$OUT/qi_cuda_mini.log" 2>&1; r=$?; status=$((status|r))
+  .dev/bin/qwen_image_cuda --ignored --test-threads=1 --nocapture --skip full_size > "$OUT/qi_cuda_mini.log" 2>&1; r=$?; status=$((status|r))
   grep -E "f32:|bf16:|test result|panicked" "$OUT/qi_cuda_mini.log" | head -20
 fi
 if [[ $PARTS =~ full|parts|bench|profile ]] && [ ! -f $Q/model_index.json ]; then
@@ -57,8 +58,8 @@ if [[ $PARTS == *full* ]]; then
 fi
 if [[ $PARTS == *parts* ]]; then
   echo "== component timings (bf16, full size)"
-  TESSERA_QI_FULL=$Q timeout 300 .dev/bin/qwen_image_cuda --ignored --test-threads=1 --nocapture component_timings > "$OUT/qi_parts.log" 2>&1; r=$?; status=$((status|r))
-  grep -E "^timing|test result|panicked" "$OUT/qi_parts.log" | head -20
+  timeout 300 $B bench qwen-image-parts --model $Q --device cuda --precision bf16 > "$OUT/qi_parts.log" 2>&1; r=$?; status=$((status|r))
+  grep -E "^timing|rror" "$OUT/qi_parts.log" | head -20
 fi
 if [[ $PARTS == *bench* ]]; then
   echo "== cuBLASLt bf16 ceiling"

@@ -7,7 +7,8 @@
 //! utilisation against a ceiling you pass (`--ceiling-tflops`, measured in the same run by
 //! `bench gemm` or torch). Every timing reports its first run (a fresh process's first pass), the
 //! median, best and worst of `--iters` runs, and the 1-minute load average when it ends.
-//! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data. `bench serve` load-tests
+//! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data. `bench qwen-image-parts`
+//! times Qwen-Image-2.1's components one at a time. `bench serve` load-tests
 //! `tessera serve` (see `loadtest.rs`). One JSON line per measurement on stdout.
 
 use std::path::PathBuf;
@@ -25,6 +26,7 @@ use crate::noise::XorShift;
 
 mod chat;
 mod generate;
+mod qwen_image_parts;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -50,6 +52,12 @@ enum What {
     /// On a GPU machine with a full-size folder:
     /// tessera bench generate --model DIR --device cuda --size 1024x1024 --steps 8
     Generate(generate::GenerateBench),
+    /// Qwen-Image-2.1 by component: the text encoder, the DiT's prefill and a cached step over
+    /// prefixes of several lengths, and the VAE decoder (synthetic inputs, median of --iters).
+    ///
+    /// On a GPU machine with a full-size folder:
+    /// tessera bench qwen-image-parts --model DIR --device cuda --precision bf16
+    QwenImageParts(qwen_image_parts::QwenImagePartsBench),
     /// LFM2-VL: an image's prompt, text prefill and decoding at batch sizes (continuous batching).
     ///
     /// On a GPU machine with a full-size folder:
@@ -200,6 +208,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         What::Attention(b) => attention(b),
         What::Image(b) => image(b),
         What::Generate(b) => generate::run(b),
+        What::QwenImageParts(b) => qwen_image_parts::run(b),
         What::Chat(b) => chat::run(b),
         What::Serve(b) => crate::loadtest::run(*b),
         What::ServeImages(b) => crate::loadtest_images::run(*b),

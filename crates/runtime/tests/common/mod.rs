@@ -158,6 +158,13 @@ pub fn max_abs(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len(), "embedding width");
     got.iter()
         .zip(want)
-        .map(|(&g, &w)| (g as f64 - w).abs())
+        .map(|(&g, &w)| {
+            // A non-finite output is an infinite error (`f64::max` would drop a NaN).
+            if g.is_finite() {
+                (g as f64 - w).abs()
+            } else {
+                f64::INFINITY
+            }
+        })
         .fold(0.0, f64::max)
 }

@@ -12,11 +12,21 @@ pub const FLOOR_FACTOR: f64 = 1.5;
 /// `max |a − b| / max |b|`.
 pub fn rel(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "tap lengths differ");
+    // A non-finite value on either side is an infinite error (`f64::max` would drop a NaN).
     let num = a
         .iter()
         .zip(b)
-        .map(|(&x, &y)| (x as f64 - y as f64).abs())
+        .map(|(&x, &y)| {
+            if x.is_finite() && y.is_finite() {
+                (x as f64 - y as f64).abs()
+            } else {
+                f64::INFINITY
+            }
+        })
         .fold(0.0, f64::max);
+    if num.is_infinite() {
+        return num;
+    }
     let den = b.iter().map(|&y| (y as f64).abs()).fold(0.0, f64::max);
     if den == 0.0 { num } else { num / den }
 }
@@ -31,6 +41,7 @@ pub fn worst<'a>(pairs: impl IntoIterator<Item = (&'a Vec<f32>, &'a Vec<f32>)>) 
 
 /// PSNR of 8-bit images in dB.
 pub fn psnr(a: &[u8], b: &[u8]) -> f64 {
+    assert_eq!(a.len(), b.len(), "8-bit image lengths differ");
     let mse = a
         .iter()
         .zip(b)
@@ -45,6 +56,7 @@ pub fn psnr(a: &[u8], b: &[u8]) -> f64 {
 }
 
 pub fn max_level_diff(a: &[u8], b: &[u8]) -> u8 {
+    assert_eq!(a.len(), b.len(), "8-bit image lengths differ");
     a.iter()
         .zip(b)
         .map(|(&x, &y)| x.abs_diff(y))
