@@ -456,7 +456,8 @@ fn declined_on_cuda() -> Vec<String> {
         "attention [61] 4/2×128 block-causal [[Causal(7), Block(33), Causal(1), Block(20)]]",
         "attention [12, 5] 2/1×64 block-causal [[Causal(5), Block(7)], [Block(4), Causal(1)]]",
     ];
-    let forced = ["Mma", "Wgmma"].into_iter().flat_map(|kernel| {
+    // Both cases' head widths (128, 64) have all three flash kernels.
+    let forced = ["Mma", "Wgmma", "Ws"].into_iter().flat_map(|kernel| {
         [
             "1 key chunk",
             "2 key chunks",

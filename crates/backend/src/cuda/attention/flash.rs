@@ -77,10 +77,13 @@ pub const WS_HEAD_DIMS: [usize; 2] = [64, 128];
 /// block. The host lists these wide tiles after the 64-row ones; they never cross a segment.
 pub const WIDE_TILE: usize = 128;
 
-/// Keys per block of `flash_ws_d{D}` (`WsCfg::BN`) and the stages of its K/V ring
-/// (`WsCfg::STAGES`).
+/// Keys per block of `flash_ws_d{D}` (`WsCfg::BN`).
 pub const WS_BN: usize = 128;
-const WS_STAGES: usize = 2;
+
+/// Stages of `flash_ws_d{D}`'s K/V ring (`WsCfg::STAGES`): as many as fit 227 KB.
+fn ws_stages(d: usize) -> usize {
+    if d == 128 { 3 } else { 4 }
+}
 
 /// Whether `flash_ws_d{D}` exists on `arch` (sm_90a alone).
 pub fn ws_applies(arch: &str, d: usize) -> bool {
@@ -92,12 +95,13 @@ pub fn ws_applies(arch: &str, d: usize) -> bool {
 pub const WS_MIN_LEN: usize = 256;
 
 /// Launch shape of `flash_ws_d{D}`, mirroring `WsCfg` in attention_sm90.cu: a producer and two
-/// consumer warpgroups; shared memory for the 128-row Q tile, `WS_STAGES` K and V tiles of
+/// consumer warpgroups; shared memory for the 128-row Q tile, [`ws_stages`] K and V tiles of
 /// `WS_BN` keys, their mbarriers, and 1 KB to align the tiles to the swizzle's period.
 pub fn ws_config(d: usize) -> FlashConfig {
-    let barriers = 8 * (1 + 4 * WS_STAGES);
+    let stages = ws_stages(d);
+    let barriers = 8 * (1 + 4 * stages);
     FlashConfig {
-        smem: (1024 + (WIDE_TILE + 2 * WS_STAGES * WS_BN) * d * 2 + barriers) as u32,
+        smem: (1024 + (WIDE_TILE + 2 * stages * WS_BN) * d * 2 + barriers) as u32,
         threads: 384,
         splits: 1,
         bn: WS_BN,

@@ -256,8 +256,10 @@ FLASH_WG(512)
 //
 // One CTA is one 128-row query tile (the host's wide tiles: 128 rows that never cross a segment)
 // of one head, in three warpgroups:
-//   warpgroup 0, the producer: loads Q once, then K and V blocks of 128 keys into a two-stage ring
-//     with cp.async (swizzled as above), and signals each landed tile on an mbarrier;
+//   warpgroup 0, the producer: loads Q once, then K and V blocks of 128 keys into a ring of STAGES
+//     with cp.async (swizzled as above); each thread's copies arrive on the tile's mbarrier as they
+//     land (cp.async.mbarrier.arrive.noinc), so the producer never waits for a load, only for a free
+//     stage;
 //   warpgroups 1 and 2, the consumers: 64 query rows each, S = Q·Kᵀ (m64n128k16, both from shared
 //     memory), the online softmax, O += P·V (P from registers), as in flash_wgmma_d{D}; each frees
 //     a stage's K as soon as its scores are in registers and its V after the product.
@@ -265,7 +267,10 @@ FLASH_WG(512)
 // ahead of the products without any __syncthreads, and while one consumer computes its softmax the
 // other's wgmma can run. setmaxnreg gives the consumers the producer's registers (the scores, the
 // outputs and P take ~170 of them at D = 128).
-template <int D> struct WsCfg { static constexpr int BN = 128, STAGES = 2; };
+// Mirrored by `ws_config` in attention/flash.rs. Three stages of 64 KB at D = 128 fill the 227 KB a
+// CTA may take; four of 32 KB at D = 64.
+template <int D> struct WsCfg { static constexpr int BN = 128, STAGES = 4; };
+template <> struct WsCfg<128> { static constexpr int BN = 128, STAGES = 3; };
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -284,6 +289,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
             : "r"(bar), "r"(parity)
             : "memory");
     }
+}
+// Arrive on `bar` once all of this thread's earlier cp.async copies have landed (the barrier's
+// count includes this arrival: .noinc).
+__device__ __forceinline__ void cp_arrive_on(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 template <int N>
 __device__ __forceinline__ void set_max_regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
@@ -328,34 +338,25 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     __syncthreads();
 
     if (threadIdx.x < 128) {
-        // The producer. Each landed group is fenced into the async proxy (wgmma reads through it)
-        // by the threads that wrote it, then announced.
+        // The producer: it only ever waits for a stage to be free.
         set_max_regs_dec<40>();
         const bf16* qb = q + (long)h * D;
         const bf16* kb = k + (long)g * D;
         const bf16* vb = v + (long)g * D;
         load_sw128<D, 64, 128>(sQ, qb, qs, q0, q0, q1);
         load_sw128<D, 64, 128>(sQ + QH, qb, qs, q0 + 64, q0, q1);
-        cp_commit();
+        cp_arrive_on(q_full);
         for (int j = 0; j < nb; j++) {
             const int st = j % S;
             const u32 par = ((j / S) & 1) ^ 1;
             mbar_wait(k_free + 8 * st, par);
             load_sw128<D, BN, 128>(sK + st * TILE, kb, ks, k_lo + j * BN, k_lo, k_hi);
-            cp_commit();
-            cp_wait1();  // all but this K: Q (j = 0) or the previous block's V has landed
-            fence_async_smem();
-            mbar_arrive(j == 0 ? q_full : v_full + 8 * ((j - 1) % S));
+            cp_arrive_on(k_full + 8 * st);
             mbar_wait(v_free + 8 * st, par);
             load_sw128<D, BN, 128>(sV + st * TILE, vb, vs, k_lo + j * BN, k_lo, k_hi);
-            cp_commit();
-            cp_wait1();  // this block's K has landed
-            fence_async_smem();
-            mbar_arrive(k_full + 8 * st);
+            cp_arrive_on(v_full + 8 * st);
         }
         cp_wait0();
-        fence_async_smem();
-        mbar_arrive(nb == 0 ? q_full : v_full + 8 * ((nb - 1) % S));
         return;
     }
 
@@ -372,6 +373,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     float alpha_lo, alpha_hi;
     u32 pa[BN / 16][4];
     mbar_wait(q_full, 0);
+    fence_async_smem();
     // Block j's P·V is left running while block j + 1's scores are issued: the tensor cores get
     // both back to back, and one wait covers the two.
     for (int j = 0; j < nb; j++) {
@@ -381,6 +383,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         float s[NS][4];
         zero(s);
         mbar_wait(k_full + 8 * st, par);
+        fence_async_smem();  // the copies landed through the generic proxy; wgmma reads through the async one
         wg_fence();
         issue_qk<D / 16>(s, sQc, sK + st * TILE, 0);
         wg_commit();
@@ -395,6 +398,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         rescale(oacc, alpha_lo, alpha_hi);
 
         mbar_wait(v_full + 8 * st, par);
+        fence_async_smem();
         wg_fence();
         issue_pv<BN>(oacc, pa, sV + st * TILE, 0);
         wg_commit();
