@@ -5,7 +5,7 @@
 #
 #   tools/cpu/eg2_cpu_bench.sh MODEL_DIR DATA_DIR OUT_DIR
 #
-# MODEL_DIR/DATA_DIR from ../shared/tools/make_eg2_full.py. Environment: BIN (tessera binary,
+# MODEL_DIR/DATA_DIR from tools/device/make_eg2_full.py. Environment: BIN (tessera binary,
 # default target/release/tessera), PY (python with torch 2.15 and transformers 5.25, default
 # .venv-ref/bin/python), THREADS (default 2), ITERS_QUERY/ITERS_DOC/ITERS_BATCH/ITERS_IMAGE,
 # BATCH (default 64x64), TORCH_BF16=1 to add PyTorch's bf16 autocast runs, TESSERA_BF16=1 to add

@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 M=/tmp/eg2 P=/tmp/eg2p D=/tmp/eg2data
 B=.dev/bin/tessera IMG=$D/image/img_a_641x479.png
 if [ ! -f $M/model.safetensors ]; then
-  python3 .dev/tools/make_eg2_full.py $M $D --no-audio > "$OUT/make_model.log" 2>&1 || { tail -20 "$OUT/make_model.log"; exit 1; }
+  python3 tools/device/make_eg2_full.py $M $D --no-audio > "$OUT/make_model.log" 2>&1 || { tail -20 "$OUT/make_model.log"; exit 1; }
   python3 tools/device/make_eg2_parity.py $M $P >> "$OUT/make_model.log" 2>&1 || { tail -5 "$OUT/make_model.log"; exit 1; }
 fi
 export TESSERA_EG2_FULL=$P TESSERA_EG2_INPUTS=$D/bench_inputs.json TESSERA_ROOT=$PWD

@@ -8,7 +8,7 @@
 #     with the embedding model's CUDA stream at the highest priority (the server's default beside an
 #     image model) and, in the `nopriority` part, without (`--no-stream-priority`).
 # Builds nothing: stage first (TESTS=" " tools/device/stage.sh — no test executables are needed —
-# puts .dev/bin/tessera, .dev/tools/make_eg2_full.py and the wheels that make_zimage_full.py and
+# puts .dev/bin/tessera, the wheels that make_zimage_full.py and
 # make_eg2_full.py need).
 #   PARTS=make,batched,single,nopriority (default all; about 7 minutes on an H200. The models stay in
 #   /tmp/zfull and /tmp/eg2 while the machine is warm, so the parts may be split over calls:
@@ -53,7 +53,7 @@ if [[ $PARTS == *make* ]]; then
   fi
   if [ ! -f $M/config.json ]; then
     echo "== making the full-size EmbeddingGemma 2 folder (random weights)"
-    python3 .dev/tools/make_eg2_full.py $M /tmp/eg2data --no-audio > "$OUT/make_eg2.log" 2>&1 \
+    python3 tools/device/make_eg2_full.py $M /tmp/eg2data --no-audio > "$OUT/make_eg2.log" 2>&1 \
       || { tail -20 "$OUT/make_eg2.log"; exit 1; }
     tail -1 "$OUT/make_eg2.log"
   fi

@@ -27,7 +27,7 @@ done
 # The binary of a baseline commit, for before/after measurements (BASELINE=path/to/tessera).
 if [ -n "${BASELINE:-}" ]; then cp "$BASELINE" .dev/bin/tessera-base; fi
 strip .dev/bin/*  # the device tool carries at most 64 MiB
-cp ../shared/tools/make_eg2_full.py ../shared/tools/refbench.py ../shared/tools/zimage_compile.py \
+cp ../shared/tools/refbench.py ../shared/tools/zimage_compile.py \
   ../shared/tools/refbench_qi21_lfm2vl.py ../shared/tools/refbench_qi21_lfm2vl.sh .dev/tools/
 if [ ! -f .dev/whl/transformers-5.25.0-py3-none-any.whl ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -363,15 +363,33 @@ fn bad_requests_are_refused_before_any_compute() {
         "{:?}",
         plan.warnings
     );
-    // An empty negative prompt counts (encoded as " ", like an empty prompt).
-    let plan = m
-        .plan(&req(&|r| {
+    // An empty negative prompt counts, and is encoded as " " as the reference encodes an empty
+    // prompt (`prompt or " "`): the ids of the fixture's empty-prompt case, and those of " ".
+    let negative = |n: &str| {
+        m.plan(&req(&|r| {
             r.guidance = 4.0;
-            r.negative_prompt = Some(String::new());
+            r.negative_prompt = Some(n.to_string());
         }))
-        .unwrap();
+        .unwrap()
+    };
+    let plan = negative("");
     assert!(plan.guided && plan.prompts.len() == 2);
-    assert_eq!(plan.prompts[1], plan.prompts[1].clone());
+    let reference = cases()
+        .text
+        .into_iter()
+        .find(|c| c.name == "empty")
+        .expect("the fixture's empty-prompt case");
+    assert_eq!(reference.prompt, "", "the fixture's empty-prompt case");
+    assert_eq!(
+        (&plan.prompts[1].ids, plan.prompts[1].drop),
+        (&reference.ids, reference.drop_idx),
+        "the empty negative prompt's ids"
+    );
+    assert_eq!(plan.prompts[1], negative(" ").prompts[1]);
+    assert_ne!(
+        plan.prompts[1], plan.prompts[0],
+        "the negative prompt is the prompt"
+    );
     let empty = m.plan(&req(&|r| r.prompt = String::new())).unwrap();
     let space = m.plan(&req(&|r| r.prompt = " ".into())).unwrap();
     assert_eq!(empty.prompts[0], space.prompts[0]);

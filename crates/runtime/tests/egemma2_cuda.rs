@@ -1,7 +1,7 @@
 //! EmbeddingGemma 2 on CUDA against the CPU reference and the PyTorch fixtures.
 //!
 //! Run on a GPU machine: `cargo test -p tessera-runtime --test egemma2_cuda -- --ignored`.
-//! The full-size tests need `TESSERA_EG2_FULL` = a folder made by `make_eg2_full.py` (model),
+//! The full-size tests need `TESSERA_EG2_FULL` = a folder made by `tools/device/make_eg2_full.py`,
 //! `TESSERA_EG2_INPUTS` = its `bench_inputs.json` and `TESSERA_EG2_FLOOR` = the bf16 floor of that
 //! model over those inputs (`tools/device/eg2_bf16_floor.py full … OUT_JSON`); without them they
 //! fail rather than skip.

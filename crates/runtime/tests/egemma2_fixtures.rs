@@ -10,8 +10,9 @@ use tessera_models::blocks::rope::inv_freq;
 use tessera_models::egemma2::TextOptions;
 use tessera_runtime::embed::{Egemma2, Embed};
 
-/// Max abs difference allowed on L2-normalised vectors (issue: 1e-5).
-const TOL: f64 = 1e-5;
+/// Max abs difference allowed on L2-normalised vectors: twice the worst measured (5.4e-7 on an
+/// AVX-512 machine, 4.8e-7 on AVX2), the figure README.md states (the issue asked for 1e-5).
+const TOL: f64 = 1.1e-6;
 
 #[test]
 fn every_case_matches_the_reference_on_f32_and_bf16_weights() {
@@ -23,6 +24,7 @@ fn every_case_matches_the_reference_on_f32_and_bf16_weights() {
         for c in &fx.cases {
             let texts = c.texts();
             let o = c.opts();
+            assert_eq!(texts.len(), c.ids.len(), "{model_name}/{}: texts", c.name);
             for (t, want_ids) in texts.iter().zip(&c.ids) {
                 assert_eq!(
                     &model.tokenize(t, &o).unwrap(),
@@ -32,7 +34,9 @@ fn every_case_matches_the_reference_on_f32_and_bf16_weights() {
                 );
             }
             let got = model.embed_texts(&texts, &o, c.dim, &mut |_| {}).unwrap();
-            for (i, (g, w)) in got.iter().zip(&c.expected[model_name]).enumerate() {
+            let want = &c.expected[model_name];
+            assert_eq!(got.len(), want.len(), "{model_name}/{}: embeddings", c.name);
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
                 let d = max_abs(&g.vector, w);
                 worst = worst.max(d);
                 assert!(
@@ -64,11 +68,21 @@ fn packed_members_embed_as_they_do_alone() {
     model.budget.tokens = 1; // one sequence per pass
     let alone = model.embed_ids(&c.ids, &mut |_| passes += 1).unwrap();
     assert_eq!(passes, c.ids.len());
+    assert_eq!(packed.len(), c.ids.len(), "packed embeddings");
+    assert_eq!(alone.len(), c.ids.len(), "embeddings alone");
     for (p, a) in packed.iter().zip(&alone) {
+        assert_eq!(p.len(), a.len(), "embedding widths");
+        // A non-finite value is an infinite difference (`f32::max` would drop a NaN).
         let d = p
             .iter()
             .zip(a)
-            .map(|(x, y)| (x - y).abs())
+            .map(|(x, y)| {
+                if x.is_finite() && y.is_finite() {
+                    (x - y).abs()
+                } else {
+                    f32::INFINITY
+                }
+            })
             .fold(0f32, f32::max);
         assert!(d <= 1e-6, "packed vs alone: {d:e}");
     }

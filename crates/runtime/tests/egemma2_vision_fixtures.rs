@@ -12,8 +12,9 @@ use tessera_models::egemma2::{Input, Part, TextOptions};
 use tessera_models::imageproc::ImageBudget;
 use tessera_runtime::embed::{Egemma2, Embed};
 
-/// Max abs difference allowed on L2-normalised vectors (issue: 1e-5).
-const TOL: f64 = 1e-5;
+/// Max abs difference allowed on L2-normalised vectors: twice the worst measured (1.6e-6 on an
+/// AVX-512 machine, 1.4e-6 on AVX2), the figure README.md states (the issue asked for 1e-5).
+const TOL: f64 = 3.2e-6;
 
 #[test]
 fn every_case_matches_the_reference_alone_and_packed() {
@@ -65,6 +66,7 @@ fn every_case_matches_the_reference_alone_and_packed() {
             })
             .unwrap();
         assert!(passes > 1 && passes < plain.len(), "{passes} passes");
+        assert_eq!(got.len(), plain.len(), "{model_name} packed: embeddings");
         for (c, g) in plain.iter().zip(&got) {
             let d = max_abs(&g.vector, &c.expected[model_name]);
             worst = worst.max(d);
@@ -118,6 +120,7 @@ fn text_only_inputs_embed_as_texts_do() {
     let got = model
         .embed_inputs(&inputs, &opts, ImageBudget::DEFAULT, Some(16), &mut |_| {})
         .unwrap();
+    assert_eq!((got.len(), want.len()), (texts.len(), texts.len()));
     for (g, w) in got.iter().zip(&want) {
         assert_eq!(g.vector, w.vector);
         assert_eq!(g.tokens, w.tokens);

@@ -124,11 +124,53 @@ unsafe fn dot_loop_bf16(iters: usize) -> f32 {
 
 #[cfg(test)]
 mod tests {
+    /// Whether this CPU has AVX-512F, or AVX2 and FMA: what [`super::fma_flops`] needs.
+    fn has_fma_unit() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            has!("avx512f") || (has!("avx2") && has!("fma"))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// Hardware-dependent: with a vector FMA unit the peak is measured and plausible; without one
+    /// there is no figure (the output says which branch ran).
     #[test]
-    fn the_peak_is_measured_where_there_is_a_vector_unit() {
-        if let Some((flops, isa)) = super::fma_flops(1_000_000) {
-            eprintln!("{isa}: {:.1} GFLOP/s", flops / 1e9);
-            assert!(flops > 1e9, "{isa}: {flops} FLOP/s");
+    fn the_fma_peak_is_measured_exactly_where_there_is_a_vector_unit() {
+        match super::fma_flops(1_000_000) {
+            Some((flops, isa)) => {
+                eprintln!("measured branch: {isa}: {:.1} GFLOP/s", flops / 1e9);
+                assert!(has_fma_unit(), "{isa} measured without the unit");
+                assert!(flops > 1e9, "{isa}: {flops} FLOP/s");
+            }
+            None => {
+                eprintln!("no-unit branch: this CPU has neither AVX-512F nor AVX2+FMA");
+                assert!(
+                    !has_fma_unit(),
+                    "the unit is there but no peak was measured"
+                );
+            }
+        }
+    }
+
+    /// Hardware-dependent, as above, for the bf16 dot-product peak (AVX512_BF16).
+    #[test]
+    fn the_bf16_peak_is_measured_exactly_where_there_is_avx512_bf16() {
+        match super::bf16_dot_flops(200_000) {
+            Some(flops) => {
+                eprintln!("measured branch: AVX512_BF16: {:.1} GFLOP/s", flops / 1e9);
+                assert!(super::super::bf16::native(), "measured without AVX512_BF16");
+                assert!(flops > 1e9, "{flops} FLOP/s");
+            }
+            None => {
+                eprintln!("no-unit branch: this CPU has no AVX512_BF16");
+                assert!(
+                    !super::super::bf16::native(),
+                    "AVX512_BF16 is there but no peak"
+                );
+            }
         }
     }
 }

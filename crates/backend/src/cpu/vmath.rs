@@ -18,25 +18,47 @@ enum Isa {
     Baseline,
 }
 
-fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
+/// What the CPU has that the kernels can use.
+#[derive(Clone, Copy, Debug)]
+struct Features {
+    /// AVX-512F, DQ and VL.
+    avx512: bool,
+    /// AVX2 and FMA.
+    avx2_fma: bool,
+}
+
+impl Features {
+    fn detect() -> Features {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512dq")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-            {
-                return Isa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2;
+            use std::arch::is_x86_feature_detected as has;
+            Features {
+                avx512: has!("avx512f") && has!("avx512dq") && has!("avx512vl"),
+                avx2_fma: has!("avx2") && has!("fma"),
             }
         }
-        Isa::Baseline
-    })
+        #[cfg(not(target_arch = "x86_64"))]
+        Features {
+            avx512: false,
+            avx2_fma: false,
+        }
+    }
+
+    /// The widest kernels these features run.
+    fn best(self) -> Isa {
+        if self.avx512 {
+            Isa::Avx512
+        } else if self.avx2_fma {
+            Isa::Avx2
+        } else {
+            Isa::Baseline
+        }
+    }
+}
+
+fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| Features::detect().best())
 }
 
 /// Defines `fn $name` that runs `$body` compiled for the best instruction set [`isa`] found.
@@ -529,12 +551,35 @@ mod tests {
         }
     }
 
+    /// Every branch of the choice, whatever this CPU has.
     #[test]
-    fn this_cpu_takes_its_best_kernels() {
+    fn the_widest_kernels_the_features_allow_are_chosen() {
+        let f = |avx512, avx2_fma| Features { avx512, avx2_fma }.best();
+        assert_eq!(f(true, true), Isa::Avx512);
+        assert_eq!(f(true, false), Isa::Avx512);
+        assert_eq!(f(false, true), Isa::Avx2);
+        assert_eq!(f(false, false), Isa::Baseline);
+    }
+
+    /// Hardware-dependent: which branch it checks depends on this CPU (the output says which).
+    #[test]
+    fn this_cpu_takes_its_best_kernels_whichever_they_are() {
+        let features = Features::detect();
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            assert_eq!(isa(), Isa::Avx512);
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx512 = has!("avx512f") && has!("avx512dq") && has!("avx512vl");
+            assert_eq!(features.avx512, avx512);
+            assert_eq!(features.avx2_fma, has!("avx2") && has!("fma"));
+            let want = if avx512 {
+                Isa::Avx512
+            } else if has!("avx2") && has!("fma") {
+                Isa::Avx2
+            } else {
+                Isa::Baseline
+            };
+            assert_eq!(isa(), want, "{features:?}");
         }
-        eprintln!("vector math on {:?}", isa());
+        eprintln!("this CPU ({features:?}) checked the {:?} branch", isa());
     }
 }
