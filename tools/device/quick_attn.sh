@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
-timeout 300 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture attention > "$OUT/cuda_ops_attn.log" 2>&1
+TESSERA_OP_CASE=attention timeout 300 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture ops_match_cpu > "$OUT/cuda_ops_attn.log" 2>&1
 echo "cuda_ops attention: rc=$?"
 grep -E "test result|panicked|FAIL|^total" -A2 "$OUT/cuda_ops_attn.log" | head -30
 timeout 200 .dev/bin/tessera bench attention --device cuda > "$OUT/bench_attention.jsonl" 2>&1
