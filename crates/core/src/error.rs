@@ -35,6 +35,10 @@ pub enum Error {
     #[error("{path}: not a valid safetensors file: {message}")]
     Safetensors { path: PathBuf, message: String },
 
+    /// A GGUF file that cannot be read; the message names the metadata key or tensor at fault.
+    #[error("{path}: {message}")]
+    Gguf { path: PathBuf, message: String },
+
     #[error("tensor `{name}` not found in {location}")]
     MissingTensor { name: String, location: String },
 

@@ -4,12 +4,15 @@
 //! - [`dtype`]: element types of checkpoint tensors and their conversion to `f32`;
 //! - [`weights`]: safetensors checkpoints (single, sharded, or embedded in the binary), read
 //!   through `mmap`, with shape checks by tensor name;
+//! - [`gguf`]: GGUF files (llama.cpp's format) through `mmap`: typed metadata, the tensor table,
+//!   and ggml's block formats (Q8_0, Q4_0, Q4_K, Q6_K, F32/F16/BF16) decoded to `f32`;
 //! - [`config`]: reading JSON configs with errors that name the file and field;
 //! - [`model_dir`]: turning `--model` (a folder or a Hugging Face repo id) into a folder.
 
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod gguf;
 pub mod model_dir;
 pub mod weights;
 
