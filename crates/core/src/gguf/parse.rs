@@ -1,7 +1,9 @@
 //! The header, metadata and tensor table of a GGUF file, parsed from untrusted bytes.
 //!
-//! Every count and length is checked against the bytes that remain before anything is allocated
-//! from it, so a corrupt header costs at most a small multiple of the file's size in memory.
+//! Every count and length is checked against the bytes that remain before it is used. Entry
+//! counts are never used to reserve memory (a multi-gigabyte model file would still allow a huge
+//! claimed count): tables grow as entries are parsed, so memory follows the bytes actually read,
+//! a small multiple of the metadata's size, and parsing stops at the first bad entry.
 //! Errors are messages naming the key or tensor; [`super::Gguf::open`] adds the file.
 
 use std::collections::HashMap;
@@ -200,8 +202,8 @@ pub fn parse(buf: &[u8]) -> Parse<Parsed> {
     let n_tensors = c.u64("the tensor count")?;
     let n_kv = c.count(MIN_KV_BYTES, "the metadata count", "metadata entries")?;
 
-    let mut metadata = Vec::with_capacity(n_kv);
-    let mut keys = HashMap::with_capacity(n_kv);
+    let mut metadata = Vec::new();
+    let mut keys = HashMap::new();
     for i in 0..n_kv {
         let key = c.string(&format!("metadata key #{i}"))?;
         let what = format!("metadata `{key}`");
@@ -235,9 +237,9 @@ pub fn parse(buf: &[u8]) -> Parse<Parsed> {
                 c.remaining()
             )
         })?;
-    let mut tensors = Vec::with_capacity(n_tensors);
-    let mut names = HashMap::with_capacity(n_tensors);
-    let mut offsets = Vec::with_capacity(n_tensors);
+    let mut tensors = Vec::new();
+    let mut names = HashMap::new();
+    let mut offsets = Vec::new();
     for i in 0..n_tensors {
         let name = c.string(&format!("tensor name #{i}"))?;
         let what = format!("tensor `{name}`");
