@@ -26,6 +26,16 @@ pub use op::{
 pub use tessera_core::{Error, Result, Tensor};
 pub use view::{View, ViewMut};
 
+/// Bytes of host memory available to a new allocation (`MemAvailable` of `/proc/meminfo`), or
+/// `None` where the system does not say: what a buffer on the CPU, whose backend keeps no
+/// budget, is checked against before it is allocated (an allocation that fails aborts).
+pub fn host_memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// The shape `(out, inner)` of matrices `[out_i, inner]` stacked along `out` (what
 /// [`Backend::matrix`] takes), checking that every part is 2-D and that they share `inner`.
 pub fn stacked_shape(parts: &[Tensor<'_>]) -> Result<(usize, usize)> {
@@ -288,6 +298,16 @@ pub trait Backend: Send + Sync {
     /// own pool holds unused), or `None` where the backend does not budget memory (the CPU).
     fn memory_available(&self) -> Result<Option<usize>> {
         Ok(None)
+    }
+
+    /// Bytes of one element of a buffer of `role`: what sizing a buffer before allocating it
+    /// (a cache that must fit the device) needs. By default `f32`, `u32`, and bf16 for
+    /// [`Role::Compute`] under [`Precision::Bf16`].
+    fn element_bytes(&self, role: Role) -> usize {
+        match (role, self.precision()) {
+            (Role::Compute, Precision::Bf16) => 2,
+            _ => 4,
+        }
     }
 
     /// Run `work`, which only enqueues device work on buffers that stay where they are (no

@@ -189,13 +189,32 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let mut pending = images;
     let base = messages.len();
     let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut stdin = stdin.lock();
+    // A line longer than any prompt the context can hold is skipped as it is read, never held.
+    let max_line = model.max_prompt_chars().saturating_mul(4).max(MIN_LINE_BYTES);
+    let mut number = 0usize;
     loop {
         if interactive {
             eprint!("> ");
         }
-        let Some(line) = lines.next() else { break };
-        let line = line.map_err(|e| Error::input(format!("reading stdin: {e}")))?;
+        number += 1;
+        let line = match read_line(&mut stdin, max_line)
+            .map_err(|e| Error::input(format!("reading stdin: {e}")))?
+        {
+            None => break,
+            Some(Line::Text(line)) => line,
+            Some(Line::TooLong) => {
+                eprintln!(
+                    "error: line {number} is longer than {max_line} bytes, more than the context can hold ({} characters of text); skipped",
+                    model.max_prompt_chars()
+                );
+                continue;
+            }
+            Some(Line::NotUtf8) => {
+                eprintln!("error: line {number} is not valid UTF-8; skipped");
+                continue;
+            }
+        };
         let line = line.trim();
         if line.is_empty() {
             continue;
@@ -234,4 +253,77 @@ pub fn run(args: ChatArgs) -> Result<()> {
     }
     model::note_if_bundled(&spec);
     Ok(())
+}
+
+/// Lines of at least this many bytes are always read (commands such as `/image PATH`).
+const MIN_LINE_BYTES: usize = 64 << 10;
+
+/// One line of input.
+#[derive(Debug, PartialEq)]
+enum Line {
+    Text(String),
+    /// Longer than the limit: its bytes were read and dropped up to its end.
+    TooLong,
+    NotUtf8,
+}
+
+/// The next line of `input` (without its `\n`, or `\r\n`), holding at most `max` bytes of it
+/// whatever its length; `None` at the end of input.
+fn read_line(input: &mut impl BufRead, max: usize) -> std::io::Result<Option<Line>> {
+    let mut line = Vec::new();
+    let mut too_long = false;
+    let mut any = false;
+    loop {
+        let buf = input.fill_buf()?;
+        if buf.is_empty() {
+            break;
+        }
+        any = true;
+        let (chunk, ended) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (&buf[..i], Some(i + 1)),
+            None => (buf, None),
+        };
+        if !too_long {
+            if line.len() + chunk.len() > max {
+                too_long = true;
+                line = Vec::new();
+            } else {
+                line.extend_from_slice(chunk);
+            }
+        }
+        let used = ended.unwrap_or(buf.len());
+        input.consume(used);
+        if ended.is_some() {
+            break;
+        }
+    }
+    if !any {
+        return Ok(None);
+    }
+    if too_long {
+        return Ok(Some(Line::TooLong));
+    }
+    if line.last() == Some(&b'\r') {
+        line.pop();
+    }
+    Ok(Some(match String::from_utf8(line) {
+        Ok(s) => Line::Text(s),
+        Err(_) => Line::NotUtf8,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Line, read_line};
+
+    #[test]
+    fn lines_are_read_within_their_limit_and_bad_ones_are_skipped() {
+        let mut input: &[u8] = b"hi\r\n\xff\xfe\n0123456789\nlast";
+        let text = |s: &str| Some(Line::Text(s.into()));
+        assert_eq!(read_line(&mut input, 8).unwrap(), text("hi"));
+        assert_eq!(read_line(&mut input, 8).unwrap(), Some(Line::NotUtf8));
+        assert_eq!(read_line(&mut input, 8).unwrap(), Some(Line::TooLong));
+        assert_eq!(read_line(&mut input, 8).unwrap(), text("last"));
+        assert_eq!(read_line(&mut input, 8).unwrap(), None);
+    }
 }

@@ -396,7 +396,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         .iter()
         .map(|p| Output::claim(p))
         .collect::<Result<Vec<_>>>()?;
-    let init = args.init_latent.as_deref().map(npy::read_f32).transpose()?;
+    // The header now (a wrong file fails before the model loads), the data once its shape is
+    // the one the model wants.
+    let init = args.init_latent.as_deref().map(npy::Npy::open).transpose()?;
     let spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
     if spec.is_bundled() {
         let which = match &args.model {
@@ -424,7 +426,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         num_images: args.num_images,
         ..Request::new(args.prompt.clone(), defaults)
     };
-    if let Some((shape, values)) = init {
+    if let Some(npy) = init {
+        let shape = npy.shape().to_vec();
         let want = model.latent_shape(width, height);
         let batch_of_one = shape.len() == want.len() + 1 && shape[0] == 1 && shape[1..] == want;
         if shape != want && !batch_of_one {
@@ -434,7 +437,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 dims.join(", ")
             )));
         }
-        req.init_latent = Some(values);
+        req.init_latent = Some(npy.read()?);
     }
     let checked = model.check(&req)?;
     for w in &checked.warnings {

@@ -130,6 +130,10 @@ pub struct ServeArgs {
     /// generation stops at the next step.
     #[arg(long, env = "TESSERA_IMAGE_TIMEOUT", default_value_t = 600)]
     image_timeout: u64,
+    /// Seconds from SIGTERM or Ctrl-C to the end of the process: requests in flight get this
+    /// long to finish; then the server exits whatever they are doing.
+    #[arg(long, env = "TESSERA_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    shutdown_timeout: u64,
     /// Embeddings: lanes: text first, images in their own lane (short queries do not wait behind
     /// images); fifo: one lane in arrival order (for comparison).
     #[arg(long, env = "TESSERA_SCHEDULE", value_enum, default_value = "lanes")]
@@ -179,6 +183,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             max_image_batch: args.max_image_batch,
             batch_images: !args.no_image_batching,
             image_timeout: Duration::from_secs(args.image_timeout),
+            shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
         },
         schedule: match args.schedule {
             ScheduleArg::Lanes => Schedule::Lanes,
@@ -217,7 +222,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .map_err(|e| Error::backend("tokio", e))?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let addr = SocketAddr::new(args.host, args.port);
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -228,7 +233,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 tessera_server::ServeError::Config(e) => e,
                 other => Error::backend("serve", other),
             })
-    })
+    });
+    // `serve` has given up on whatever was still running at its deadline (a blocking read, a
+    // long render): do not wait for those threads on the way out.
+    runtime.shutdown_timeout(Duration::from_millis(100));
+    served
 }
 
 /// How `spec` is loaded, on the device `device` opens, on its worker's thread; with

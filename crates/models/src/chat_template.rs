@@ -5,8 +5,15 @@
 //! `json.dumps` writes, and the tokenizer's special tokens (`bos_token`, `eos_token`, …) as
 //! variables. A model whose checkpoint ships its own template (a fine-tune, a default system
 //! prompt, other whitespace control) gets the prompt its reference gets.
+//!
+//! A template comes with the checkpoint, so it is untrusted input: a few lines of Jinja can
+//! double a string forty times or loop for hours. Every render runs on a budget ([`Budget`]):
+//! minijinja's fuel (instructions, and the bytes the template makes) and a cap on the text it
+//! writes, both scaled to the conversation's size, so a hostile template fails in milliseconds
+//! with an error naming its file instead of exhausting memory or a worker thread.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::PathBuf;
 
 use minijinja::syntax::SyntaxConfig;
@@ -19,6 +26,38 @@ use crate::ModelFiles;
 
 /// The template's name inside an [`Environment`].
 const NAME: &str = "chat_template";
+
+/// What one render may spend: minijinja's fuel (about one unit per instruction and per 64 bytes
+/// the template makes) and the bytes it may write, each a fixed allowance plus a share per byte
+/// of the conversation. Real templates use a few thousand units and write their input plus a
+/// few hundred bytes per turn; the allowances leave two orders of magnitude of headroom while
+/// bounding a hostile template to about 100 ms and some tens of MiB.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget {
+    pub fuel: u64,
+    pub output_bytes: usize,
+}
+
+impl Budget {
+    /// Fuel for any conversation: about a million instructions, or 64 MiB made.
+    const FUEL_BASE: u64 = 1_000_000;
+    /// Fuel per byte of conversation: each byte may be copied, sliced and written a few times.
+    const FUEL_PER_BYTE: u64 = 1;
+    /// Output for any conversation.
+    const OUTPUT_BASE: usize = 1 << 20;
+    /// Output per byte of conversation (a template may repeat a turn, JSON-escape it, …).
+    const OUTPUT_PER_BYTE: usize = 4;
+
+    /// The budget for a conversation of `input_bytes` bytes of text.
+    pub fn for_input(input_bytes: usize) -> Self {
+        Budget {
+            fuel: Self::FUEL_BASE
+                .saturating_add((input_bytes as u64).saturating_mul(Self::FUEL_PER_BYTE)),
+            output_bytes: Self::OUTPUT_BASE
+                .saturating_add(input_bytes.saturating_mul(Self::OUTPUT_PER_BYTE)),
+        }
+    }
+}
 
 /// One turn of a conversation.
 #[derive(Clone, Debug, Serialize)]
@@ -57,6 +96,37 @@ impl Message {
         Message {
             role: role.into(),
             content: Content::Parts(parts),
+        }
+    }
+
+    /// Bytes of text in this turn (role and every text part), what a template's budget scales
+    /// with.
+    pub fn text_bytes(&self) -> usize {
+        self.role.len()
+            + match &self.content {
+                Content::Text(t) => t.len(),
+                Content::Parts(p) => p
+                    .iter()
+                    .map(|p| match p {
+                        Part::Text { text } => text.len(),
+                        Part::Image => 0,
+                    })
+                    .sum(),
+            }
+    }
+
+    /// Characters of text in this turn's content (its text parts), what a prompt's length is
+    /// first judged by.
+    pub fn text_chars(&self) -> usize {
+        match &self.content {
+            Content::Text(t) => t.chars().count(),
+            Content::Parts(p) => p
+                .iter()
+                .map(|p| match p {
+                    Part::Text { text } => text.chars().count(),
+                    Part::Image => 0,
+                })
+                .sum(),
         }
     }
 
@@ -188,13 +258,75 @@ impl ChatTemplate {
             "add_generation_prompt".into(),
             Value::from(add_generation_prompt),
         );
-        let template = self
-            .env
+        let input: usize = messages.iter().map(|m| m.text_bytes() + 32).sum::<usize>()
+            + extra.iter().map(|(k, v)| k.len() + v.to_string().len()).sum::<usize>();
+        self.render_within(vars, Budget::for_input(input))
+    }
+
+    /// Render with `vars` on `budget`: fuel set on a copy of the environment (a cheap clone of
+    /// shared tables) and the output written through a writer that refuses to grow past the
+    /// cap, so neither a long loop nor a growing string outlives its budget.
+    fn render_within(&self, vars: BTreeMap<String, Value>, budget: Budget) -> Result<String> {
+        let mut env = self.env.clone();
+        env.set_fuel(Some(budget.fuel));
+        let template = env
             .get_template(NAME)
             .map_err(|e| template_error(&self.path, &e))?;
-        template
-            .render(vars)
-            .map_err(|e| template_error(&self.path, &e))
+        let mut out = Capped {
+            bytes: Vec::new(),
+            cap: budget.output_bytes,
+            over: false,
+        };
+        let rendered = template.render_captured_to(vars, &mut out);
+        match rendered {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => {
+                return Err(Error::input(format!(
+                    "chat template {}: the template ran out of its budget ({} units of work; \
+                     a checkpoint's template is untrusted and must not loop or grow without bound)",
+                    self.path.display(),
+                    budget.fuel
+                )));
+            }
+            Err(_) if out.over => {
+                return Err(Error::input(format!(
+                    "chat template {}: the template wrote more than {} bytes for this \
+                     conversation (its limit)",
+                    self.path.display(),
+                    budget.output_bytes
+                )));
+            }
+            Err(e) => return Err(template_error(&self.path, &e)),
+        }
+        String::from_utf8(out.bytes).map_err(|_| {
+            Error::input(format!(
+                "chat template {}: the output is not UTF-8",
+                self.path.display()
+            ))
+        })
+    }
+}
+
+/// The rendered text, refused once it would pass `cap` bytes.
+struct Capped {
+    bytes: Vec<u8>,
+    cap: usize,
+    /// A write was refused for the cap.
+    over: bool,
+}
+
+impl Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len().saturating_add(buf.len()) > self.cap {
+            self.over = true;
+            return Err(std::io::Error::other("the template's output is over its cap"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -513,6 +645,60 @@ mod tests {
             t.render(&[], false, &[("x", x)]).unwrap(),
             "[0, -3, 2.0, -0.0, 0.1, 0.0001, 1e-05, 1.5e-07, 1000000000000000.0, 1e+16, 1.5e+16, 123456.789]"
         );
+    }
+
+    /// Before the budget: the doubling string aborted the process ("memory allocation of
+    /// 2147483664 bytes failed") and the nested loops ran for hours.
+    #[test]
+    fn a_hostile_template_runs_out_of_its_budget_quickly_and_is_named() {
+        for source in [
+            "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            "{% macro m(n) %}{{ m(n) }}{{ m(n) }}{% endmacro %}{{ m(1) }}",
+        ] {
+            let started = std::time::Instant::now();
+            let e = template(source)
+                .render(&user("hi"), true, &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("t.jinja"), "{source}: {e}");
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(5),
+                "{source}: {:?}",
+                started.elapsed()
+            );
+        }
+    }
+
+    #[test]
+    fn the_output_cap_refuses_a_template_that_writes_too_much() {
+        let t = template("{% for m in messages %}{{ m.content }}{% endfor %}");
+        let vars = BTreeMap::from([(
+            "messages".to_string(),
+            Value::from(Serde(vec![Message::new("user", &"x".repeat(1000))])),
+        )]);
+        let budget = Budget {
+            fuel: 1_000_000,
+            output_bytes: 999,
+        };
+        let e = t.render_within(vars.clone(), budget).unwrap_err().to_string();
+        assert!(e.contains("t.jinja") && e.contains("999 bytes"), "{e}");
+        let budget = Budget {
+            output_bytes: 1000,
+            ..budget
+        };
+        assert_eq!(t.render_within(vars, budget).unwrap().len(), 1000);
+    }
+
+    #[test]
+    fn the_budget_grows_with_the_conversation() {
+        // A long but honest conversation renders whole.
+        let t = template("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}{% endfor %}");
+        let long = "word ".repeat(400_000);
+        let got = t.render(&user(&long), true, &[]).unwrap();
+        assert_eq!(got.len(), "<user>".len() + long.trim().len());
+        assert!(Budget::for_input(1 << 20).fuel > Budget::for_input(0).fuel);
     }
 
     #[test]

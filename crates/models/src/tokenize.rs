@@ -19,6 +19,8 @@ pub struct TextTokenizer {
     path: PathBuf,
     pub bos_id: u32,
     pub eos_id: u32,
+    /// Characters in the vocabulary's longest token (added tokens included).
+    longest_token: usize,
 }
 
 /// `"<bos>"` or `{"content": "<bos>", ...}` in `tokenizer_config.json`.
@@ -83,12 +85,35 @@ impl TextTokenizer {
             };
         let bos_id = resolve(&cfg.bos_token, fallback_bos_eos.0, "bos")?;
         let eos_id = resolve(&cfg.eos_token, fallback_bos_eos.1, "eos")?;
+        let longest_token = inner
+            .get_vocab(true)
+            .keys()
+            .map(|t| t.chars().count())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(TextTokenizer {
             inner,
             path,
             bos_id,
             eos_id,
+            longest_token,
         })
+    }
+
+    /// Characters in the longest token of the vocabulary. No token stands for more characters
+    /// of text than its own string has (a byte-level token's string has one character per
+    /// byte, which is at least one per character; a SentencePiece piece spells its text), so
+    /// a text of `n` characters has at least `n / longest_token_chars()` tokens: a bound that
+    /// refuses an over-long text before tokenising it, at about 190 bytes per character.
+    pub fn longest_token_chars(&self) -> usize {
+        self.longest_token
+    }
+
+    /// The most characters a text of at most `tokens` tokens can have (see
+    /// [`longest_token_chars`](Self::longest_token_chars)).
+    pub fn max_chars_for(&self, tokens: usize) -> usize {
+        tokens.saturating_mul(self.longest_token)
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -72,6 +72,9 @@ pub trait Chat: Send {
     fn default_sampling(&self) -> SamplingParams;
     /// The most tokens a conversation may hold.
     fn context_len(&self) -> usize;
+    /// The most characters of text a conversation can hold: longer text is refused before it
+    /// is tokenised, and front ends reading text can stop reading there.
+    fn max_prompt_chars(&self) -> usize;
     /// Conversations whose caches fit at once (running or kept between turns).
     fn slots(&self) -> usize;
     /// Conversations holding a cache now.
@@ -217,6 +220,9 @@ impl<B: Backend> Chat for Lfm2VlChat<B> {
     fn context_len(&self) -> usize {
         self.ctx()
     }
+    fn max_prompt_chars(&self) -> usize {
+        self.prompter.max_text_chars(self.ctx())
+    }
     fn slots(&self) -> usize {
         self.model.text.cache_shape().slots
     }
@@ -225,6 +231,7 @@ impl<B: Backend> Chat for Lfm2VlChat<B> {
     }
 
     fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<Prompt> {
+        self.prompter.check_length(messages, self.ctx())?;
         let p = self.prompter.build(messages, images, true)?;
         if p.ids.len() >= self.ctx() {
             return Err(Error::input(format!(

@@ -63,6 +63,11 @@ pub trait GenerateImage: Send {
         None
     }
 
+    /// Whether the images have an alpha channel (RGBA); `false` (the default): RGB.
+    fn has_alpha(&self) -> bool {
+        false
+    }
+
     /// The cheap latent → RGB(A) map for previews of [`Event::Step`]'s latents, derived from the
     /// model (fitted to its decoder on first use); `None` (the default) when the family has
     /// none.
@@ -131,6 +136,10 @@ impl<B: Backend> GenerateImage for QwenImage<B> {
     fn generate(&mut self, req: &Request, on: &mut Progress<'_>) -> Result<Vec<Image>> {
         let plan = QwenImage::plan(self, req)?;
         QwenImage::generate_images_until(self, req, &plan, on)
+    }
+    fn has_alpha(&self) -> bool {
+        // The RGBA VAE decoder (Qwen-Image-2.1's layered output).
+        true
     }
 }
 

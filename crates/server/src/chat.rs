@@ -31,6 +31,7 @@ use tessera_models::ModelFiles;
 use tessera_models::lfm2vl::{CacheShape, Lfm2VlConfig, Prompt, Prompter};
 use tessera_runtime::chat::{self, Chat, ChatEvent, ChatReply, ConversationId, GenerationParams};
 use tessera_runtime::decode::{Control, Finish, SamplingParams};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::Limits;
@@ -98,6 +99,8 @@ pub struct Job {
     pub enqueued: Instant,
     /// The request's span, so the worker's logs for it carry its fields.
     pub span: tracing::Span,
+    /// Its place in the queue's budget (`--max-queue`), given back when its reply begins.
+    pub waiting: Option<OwnedSemaphorePermit>,
 }
 
 /// Requests admitted and waiting for a cache slot, in arrival order.
@@ -219,6 +222,9 @@ pub fn drive(mut chat: Box<dyn Chat>, queue: Arc<ChatQueue>, metrics: Arc<Metric
             }
             !gone
         });
+        // Before waiting for work: with nothing left running the wait may be long, and the
+        // gauge must not keep counting the replies just cancelled.
+        metrics.chat_running(running.len());
         let free = slots.saturating_sub(running.len());
         let Some(jobs) = queue.take(free, running.is_empty()) else {
             break;
@@ -231,7 +237,9 @@ pub fn drive(mut chat: Box<dyn Chat>, queue: Arc<ChatQueue>, metrics: Arc<Metric
                 arrived,
                 enqueued,
                 span,
+                waiting,
             } = job;
+            drop(waiting);
             metrics.chat_waited(enqueued.elapsed().as_secs_f64());
             next += 1;
             let conv = next;
@@ -396,6 +404,7 @@ mod tests {
             arrived: Instant::now(),
             enqueued: Instant::now(),
             span: tracing::Span::none(),
+            waiting: None,
         };
         (job, rx)
     }
@@ -419,6 +428,92 @@ mod tests {
         q.close();
         assert!(q.take(8, true).is_none());
         assert!(q.push(job(1).0).is_err());
+    }
+
+    /// A model whose replies never produce text nor end: only the client's going away ends them.
+    struct Silent {
+        running: Vec<ConversationId>,
+    }
+
+    impl Chat for Silent {
+        fn describe(&self) -> String {
+            "silent".into()
+        }
+        fn default_sampling(&self) -> SamplingParams {
+            SamplingParams::default()
+        }
+        fn context_len(&self) -> usize {
+            64
+        }
+        fn max_prompt_chars(&self) -> usize {
+            64
+        }
+        fn slots(&self) -> usize {
+            2
+        }
+        fn conversations(&self) -> usize {
+            self.running.len()
+        }
+        fn prompt(
+            &self,
+            _: &[tessera_models::chat_template::Message],
+            _: &[tessera_models::imageproc::Image],
+        ) -> Result<Prompt> {
+            Err(Error::input("not used"))
+        }
+        fn begin(&mut self, conv: ConversationId, _: Prompt, _: &GenerationParams) -> Result<()> {
+            self.running.push(conv);
+            Ok(())
+        }
+        fn step(&mut self, _: &mut dyn FnMut(ConversationId, ChatEvent<'_>) -> Control) -> Result<usize> {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            Ok(self.running.len())
+        }
+        fn cancel(&mut self, conv: ConversationId) {
+            self.running.retain(|&c| c != conv);
+        }
+        fn end(&mut self, conv: ConversationId) {
+            self.cancel(conv);
+        }
+    }
+
+    fn running_gauge(metrics: &Metrics) -> String {
+        let text = metrics.encode().unwrap();
+        text.lines()
+            .find(|l| l.starts_with("tessera_chat_running "))
+            .unwrap_or("none")
+            .to_string()
+    }
+
+    /// Before: a reply cancelled when its client went away left `tessera_chat_running` at 1
+    /// until the next request arrived (64 cut streams left it at 6 for as long as the server
+    /// stayed idle).
+    #[test]
+    fn the_running_gauge_drops_when_a_cancelled_reply_leaves() {
+        let metrics = Arc::new(Metrics::new());
+        let queue = Arc::new(ChatQueue::new(metrics.clone(), "m"));
+        let worker = {
+            let (q, m) = (queue.clone(), metrics.clone());
+            std::thread::spawn(move || drive(Box::new(Silent { running: Vec::new() }), q, m))
+        };
+        let wait_for = |want: &str| {
+            let started = Instant::now();
+            while running_gauge(&metrics) != want {
+                assert!(
+                    started.elapsed() < std::time::Duration::from_secs(5),
+                    "{} after 5 s, expected {want}",
+                    running_gauge(&metrics)
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        let (j, events) = job(3);
+        queue.push(j).unwrap();
+        wait_for("tessera_chat_running 1");
+        drop(events);
+        wait_for("tessera_chat_running 0");
+        queue.close();
+        worker.join().unwrap();
     }
 
     #[test]

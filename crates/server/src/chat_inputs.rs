@@ -34,6 +34,8 @@ use crate::inputs::{image_bytes, keep, kind, prefixed, reserve, too_many_in};
 
 /// Most stop strings in one request.
 pub const MAX_STOPS: usize = 16;
+/// The longest stop string, in characters: each is matched against the reply's tail.
+pub const MAX_STOP_CHARS: usize = 1000;
 
 /// How a request wants its reply.
 #[derive(Debug)]
@@ -180,16 +182,22 @@ fn asks(v: &Value) -> bool {
     }
 }
 
-/// The sampler's seed: the request's (any integer), or a fresh one.
+/// The seed: the request's (an integer from 0 to 2⁶⁴−1, as the CLI's `--seed` takes), or a
+/// fresh one. A negative seed is refused rather than wrapped to a huge one.
 pub(crate) fn seed(v: Option<&Value>) -> Result<u64, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(random_u64()),
-        Some(v) => v
-            .as_u64()
-            .or_else(|| v.as_i64().map(|i| i as u64))
-            .ok_or_else(|| {
-                ApiError::invalid_param("seed", format!("seed must be an integer, not {v}"))
-            }),
+        Some(v) => v.as_u64().ok_or_else(|| {
+            let why = if v.as_i64().is_some() {
+                "must not be negative"
+            } else {
+                "must be an integer"
+            };
+            ApiError::invalid_param(
+                "seed",
+                format!("seed {why} (0 to 18446744073709551615), not {v}"),
+            )
+        }),
     }
 }
 
@@ -226,6 +234,10 @@ fn stops(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     list.iter()
         .enumerate()
         .map(|(i, s)| match s {
+            Value::String(s) if s.chars().count() > MAX_STOP_CHARS => Err(ApiError::invalid_param(
+                format!("stop[{i}]"),
+                format!("a stop string is longer than {MAX_STOP_CHARS} characters"),
+            )),
             Value::String(s) if !s.is_empty() => Ok(s.clone()),
             Value::String(_) => Err(ApiError::invalid_param(
                 format!("stop[{i}]"),
@@ -446,6 +458,11 @@ pub fn prompt(
     images: &[ImageRef],
     cx: &Context,
 ) -> Result<(Prompt, Vec<OwnedSemaphorePermit>), ApiError> {
+    // Judged by length before any image is read or any text rendered and tokenised.
+    cx.info
+        .prompter
+        .check_length(messages, cx.info.context)
+        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     let mut decoded = Vec::with_capacity(images.len());
     let mut memory = Vec::with_capacity(images.len());
     for im in images {
@@ -483,7 +500,7 @@ pub fn prompt(
 /// decoding and cutting take, reserved before a pixel is decoded.
 fn read_image(url: &str, cx: &Context) -> Result<(Image, OwnedSemaphorePermit), ApiError> {
     let invalid = |e: tessera_core::Error| ApiError::invalid(e.to_string());
-    let bytes = image_bytes(url, cx.allow_file_paths)?;
+    let bytes = image_bytes(url, cx.allow_file_paths, cx.limits)?;
     let header = Image::header(&bytes).map_err(invalid)?;
     let layout = cx
         .info
@@ -580,7 +597,8 @@ mod tests {
         assert!(stops(Some(&json!([""]))).is_err());
         assert!(stops(Some(&json!(3))).is_err());
         assert_eq!(seed(Some(&json!(7))).unwrap(), 7);
-        assert_eq!(seed(Some(&json!(-1))).unwrap(), u64::MAX);
+        assert_eq!(seed(Some(&json!(u64::MAX))).unwrap(), u64::MAX);
+        assert!(seed(Some(&json!(-1))).is_err());
         assert!(seed(Some(&json!("7"))).is_err());
         assert_ne!(random_u64(), random_u64());
     }

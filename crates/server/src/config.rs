@@ -67,6 +67,9 @@ pub struct Limits {
     /// Images: time from a request's arrival to its last image before it fails with 504 and
     /// its generation stops at the next step.
     pub image_timeout: Duration,
+    /// Time from a shutdown signal to the process's end: requests in flight get this long to
+    /// finish, then the server stops whatever its connections and workers are doing.
+    pub shutdown_timeout: Duration,
 }
 
 /// Cost units of the image queue per megapixel-step: a unit is 2¹⁶ pixel-steps, so that small
@@ -94,6 +97,7 @@ impl Default for Limits {
             max_image_batch: 8,
             batch_images: true,
             image_timeout: Duration::from_secs(600),
+            shutdown_timeout: Duration::from_secs(30),
         }
     }
 }

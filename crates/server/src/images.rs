@@ -47,6 +47,9 @@ pub struct ImageInfo {
     pub checker: Option<Checker>,
     /// Whether the model has a preview map (`partial_images` is refused without one).
     pub previews: bool,
+    /// Whether the model's images have an alpha channel (`background: "transparent"` is
+    /// refused without one).
+    pub alpha: bool,
     /// Device and precision, one line.
     pub device: String,
 }
@@ -120,6 +123,47 @@ impl queue::Job for Job {
     }
 }
 
+/// The CLI's flags a model's messages name, and the request fields they stand for here.
+const FIELDS: [(&str, &str); 6] = [
+    ("--negative-prompt", "negative_prompt"),
+    ("--num-images", "n"),
+    ("--guidance", "guidance_scale"),
+    ("--steps", "num_inference_steps"),
+    ("--size", "size"),
+    ("--seed", "seed"),
+];
+
+/// A model's refusal of a request as the HTTP side says it: the model's messages name the
+/// CLI's flags (`--size`, `--guidance`), a client knows the request's fields (`size`,
+/// `guidance_scale`), so the flags become fields and the first one named is the error's
+/// `param`.
+pub fn model_error(e: Error) -> ApiError {
+    let fields = |m: String| {
+        FIELDS
+            .iter()
+            .fold(m, |m, (flag, field)| m.replace(flag, field))
+    };
+    let message = match e {
+        Error::Input(message) => message,
+        other => {
+            return match ApiError::from(other) {
+                ApiError::InputTooLarge(m) => ApiError::InputTooLarge(fields(m)),
+                e => e,
+            };
+        }
+    };
+    let first = FIELDS
+        .iter()
+        .filter_map(|&(flag, field)| message.find(flag).map(|at| (at, field)))
+        .min_by_key(|&(at, _)| at)
+        .map(|(_, field)| field);
+    let message = fields(message);
+    match first {
+        Some(field) => ApiError::invalid_param(field, message),
+        None => ApiError::invalid(message),
+    }
+}
+
 /// The steps (from 1) after which a request of `steps` steps sends its `n` previews: evenly
 /// spaced, before the last step (whose image comes whole), at most one per step.
 pub fn preview_steps(steps: usize, n: usize) -> Vec<usize> {
@@ -161,6 +205,7 @@ pub fn load(
             defaults: model.defaults(),
             checker: checker.clone(),
             previews: preview.is_some(),
+            alpha: model.has_alpha(),
             device: model.describe(),
         };
         Ok((
@@ -333,7 +378,7 @@ impl ImageRunner {
             Err(e) => {
                 tracing::debug!(parent: &job.span, error = %e, "generation failed");
                 self.metrics.image_request(&self.name, "failed", 0, seconds);
-                let _ = job.events.send(Event::Failed(ApiError::from(e)));
+                let _ = job.events.send(Event::Failed(model_error(e)));
             }
         }
     }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use serde_json::Value;
-use tessera_models::imageproc::{Header, Image, ImageBudget, ImageLimits, read_file};
+use tessera_models::imageproc::{Header, Image, ImageBudget, ImageLimits};
 use tessera_models::input::{Input, Part};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -257,6 +257,16 @@ fn count_tokens(
     images: usize,
     budget: Option<ImageBudget>,
 ) -> Result<usize, ApiError> {
+    // Judged by length first: a text longer than `--max-input-tokens` tokens of the longest
+    // token cannot fit, and tokenising it would cost about 190 bytes per character.
+    let chars = cx.prompt.chars().count() + text.chars().count();
+    let max = cx.info.tokenizer.max_chars_for(cx.limits.max_input_tokens);
+    if chars > max {
+        return Err(ApiError::invalid(format!(
+            "the text has {chars} characters, more than {} tokens (--max-input-tokens) can hold ({max}); nothing is truncated",
+            cx.limits.max_input_tokens
+        )));
+    }
     let ids = cx
         .info
         .tokenizer
@@ -288,7 +298,7 @@ fn read_image(
     cx: &Context,
 ) -> Result<(Image, OwnedSemaphorePermit), ApiError> {
     let invalid = |e: tessera_core::Error| ApiError::invalid(e.to_string());
-    let bytes = image_bytes(url, cx.allow_file_paths)?;
+    let bytes = image_bytes(url, cx.allow_file_paths, cx.limits)?;
     let header = Image::header(&bytes).map_err(invalid)?;
     let plan = limits.plan(&header).map_err(invalid)?;
     let mut memory = reserve(&header, plan.peak_bytes, cx.limits, cx.image_memory)?;
@@ -347,9 +357,14 @@ enum Source<'a> {
     Path(&'a str),
 }
 
-/// The bytes of an image URL: decoded base64, or a file read (at most as much as an image
-/// within the pixel limit can take). Remote URLs are refused; paths only with `allow_paths`.
-pub(crate) fn image_bytes(url: &str, allow_paths: bool) -> Result<Vec<u8>, ApiError> {
+/// The bytes of an image URL: decoded base64, or a regular file read as an upload is (no larger
+/// than a body, within the body's time: [`crate::files`]). Remote URLs are refused; paths only
+/// with `allow_paths`.
+pub(crate) fn image_bytes(
+    url: &str,
+    allow_paths: bool,
+    limits: &Limits,
+) -> Result<Vec<u8>, ApiError> {
     match classify(url)? {
         Source::Data(b64) => STANDARD
             .decode(b64)
@@ -360,7 +375,11 @@ pub(crate) fn image_bytes(url: &str, allow_paths: bool) -> Result<Vec<u8>, ApiEr
                     "file paths are not accepted: send the image as a data URL or base64, or start the server with --allow-file-paths".into(),
                 ));
             }
-            read_file(Path::new(p)).map_err(|e| ApiError::invalid(e.to_string()))
+            crate::files::read_image_file(
+                Path::new(p),
+                limits.max_request_bytes,
+                limits.body_timeout,
+            )
         }
     }
 }

@@ -34,6 +34,7 @@ pub mod chat;
 pub mod chat_inputs;
 pub mod config;
 pub mod embeddings;
+pub mod files;
 pub mod http;
 pub mod images;
 pub mod inputs;
@@ -199,6 +200,7 @@ pub async fn serve(
             served: OnceLock::new(),
             queue,
             slots: Arc::new(Semaphore::new(admitted)),
+            waiting: (route == Route::Chat).then(|| Arc::new(Semaphore::new(limits.max_queue))),
             cost,
         });
         slots.push(slot.clone());
@@ -242,6 +244,9 @@ pub async fn serve(
     }
     drop(failed);
     let load_error = Arc::new(Mutex::new(None));
+    // Set when shutdown begins: the graceful part then has `shutdown_timeout` in all.
+    let (began, mut stop_began) = tokio::sync::watch::channel(None::<tokio::time::Instant>);
+    let grace = app.config.limits.shutdown_timeout;
     let signal = {
         let (app, load_error) = (app.clone(), load_error.clone());
         async move {
@@ -250,21 +255,56 @@ pub async fn serve(
                 Some(e) = failures.recv() => set(&load_error, e),
             }
             app.stopping.store(true, Ordering::Relaxed);
+            let _ = began.send(Some(tokio::time::Instant::now() + grace));
             tracing::info!("shutting down: finishing the requests in flight");
         }
     };
+    let stop_at = stop_began.clone();
+    // The deadline, once shutdown has begun (never before).
+    let deadline = async move {
+        let at = loop {
+            if let Some(at) = *stop_began.borrow_and_update() {
+                break at;
+            }
+            if stop_began.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::time::sleep_until(at).await;
+    };
+    tokio::pin!(deadline);
     // Client addresses: bodies still arriving are limited per client.
     let service = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    let served = axum::serve(listener, service)
-        .with_graceful_shutdown(signal)
-        .await;
+    let serving = axum::serve(listener, service).with_graceful_shutdown(signal);
+    // A connection that never ends (a body trickling in, a reply that streams for hours) must
+    // not keep the server from stopping: past the deadline it is dropped.
+    let served = tokio::select! {
+        served = serving => served,
+        () = &mut deadline => {
+            tracing::warn!(?grace, "requests still in flight at the shutdown deadline: stopping without them");
+            Ok(())
+        }
+    };
+    // What is left of the deadline (a moment at least) for the workers to finish.
+    let until = stop_at
+        .borrow()
+        .unwrap_or_else(|| tokio::time::Instant::now() + grace);
     for m in &app.models.0 {
         m.queue.close();
     }
     for (name, worker) in workers {
-        let joined = tokio::task::spawn_blocking(move || worker.join()).await;
-        if !matches!(joined, Ok(Ok(()))) {
-            tracing::error!(model = %name, "the device worker panicked");
+        let join = tokio::task::spawn_blocking(move || worker.join());
+        // A worker still busy after the deadline (or a moment after it, when the connections
+        // ended first) is left behind; the process's exit ends it.
+        let limit = until
+            .saturating_duration_since(tokio::time::Instant::now())
+            .max(std::time::Duration::from_millis(100));
+        match tokio::time::timeout(limit, join).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(_) => tracing::error!(model = %name, "the device worker panicked"),
+            Err(_) => {
+                tracing::warn!(model = %name, "the device worker is still busy: stopping without it")
+            }
         }
     }
     served.map_err(|source| ServeError::Io {

@@ -112,6 +112,11 @@ pub struct ModelSlot {
     pub slots: Arc<Semaphore>,
     /// Image generation: the queue's cost budget in cost units (`--max-image-queue-mps`).
     pub cost: Option<Arc<Semaphore>>,
+    /// Chat: requests being prepared (template, tokens, images) or waiting for a cache slot,
+    /// `--max-queue` at most (429 beyond). Preparing a prompt costs memory and CPU as waiting
+    /// does, so it counts against the same budget; a request gives its place back when the
+    /// worker starts its reply.
+    pub waiting: Option<Arc<Semaphore>>,
 }
 
 /// Every served model, in the order given.

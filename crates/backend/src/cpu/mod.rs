@@ -352,6 +352,12 @@ impl Backend for CpuBackend {
         Ok(self.budget)
     }
 
+    fn element_bytes(&self, role: Role) -> usize {
+        // Activations are f32 here under either precision (bf16 changes the products' inputs).
+        let _ = role;
+        4
+    }
+
     fn alloc(&self, len: usize, role: Role) -> Result<CpuBuf> {
         Ok(match role {
             Role::Index => CpuBuf::U32(vec![0; len]),

@@ -148,6 +148,51 @@ fn optional_vector<B: Backend>(
     on.then(|| l.vector(name, n)).transpose()
 }
 
+/// Refuse a cache that cannot fit before any of it is allocated (an allocation that fails
+/// aborts the process: `--max-sequences 1000000` asked for 500 GB): its bytes against what the
+/// device says is available, or on the CPU the host's available memory. Returns the cache's
+/// rows (`slots × ctx`).
+fn check_cache_fits<B: Backend>(be: &B, cfg: &TextConfig, shape: CacheShape) -> Result<usize> {
+    let too_large = |bytes: Option<usize>, available: Option<usize>| {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        Error::input(format!(
+            "a cache of {} sequences × {} tokens needs {} of memory{}: use fewer sequences (--max-sequences) or a shorter context (--context)",
+            shape.slots,
+            shape.ctx,
+            bytes.map_or_else(|| "more bytes than can be counted".into(), |b| format!("{:.1} GiB", gib(b))),
+            available.map_or_else(String::new, |a| format!(" and {:.1} GiB are available", gib(a)))
+        ))
+    };
+    let rows = shape
+        .slots
+        .checked_mul(shape.ctx)
+        .ok_or_else(|| too_large(None, None))?;
+    let attention = cfg.layers.iter().filter(|l| matches!(l, LayerKind::Attention)).count();
+    let convs = cfg.layers.len() - attention;
+    let kv_cols = cfg.heads_kv * cfg.head_dim;
+    let kv = rows
+        .checked_mul(kv_cols)
+        .and_then(|n| n.checked_mul(2 * attention))
+        .and_then(|n| n.checked_mul(be.element_bytes(Role::Compute)));
+    let conv = shape
+        .slots
+        .checked_mul(cfg.conv_kernel.saturating_sub(1) * cfg.hidden)
+        .and_then(|n| n.checked_mul(convs))
+        .and_then(|n| n.checked_mul(be.element_bytes(Role::Stream)));
+    let bytes = kv
+        .zip(conv)
+        .and_then(|(a, b)| a.checked_add(b))
+        .ok_or_else(|| too_large(None, None))?;
+    let available = match be.memory_available()? {
+        Some(a) => Some(a),
+        None => tessera_backend::host_memory_available(),
+    };
+    match available {
+        Some(a) if bytes > a => Err(too_large(Some(bytes), Some(a))),
+        _ => Ok(rows),
+    }
+}
+
 impl<B: Backend> Lfm2Text<B> {
     /// Load the language model (under `model.language_model.`, or `language_model.model.` in
     /// older files) with a cache of `shape`, checking every tensor's shape.
@@ -169,7 +214,7 @@ impl<B: Backend> Lfm2Text<B> {
             heads_kv: cfg.heads_kv,
             head_dim: cfg.head_dim,
         };
-        let rows = shape.slots * shape.ctx;
+        let rows = check_cache_fits(be, cfg, shape)?;
         let layers = cfg
             .layers
             .iter()

@@ -200,9 +200,12 @@ impl<B: Backend> QwenImage<B> {
                 near(h)
             )));
         }
-        if !(req.guidance.is_finite() && req.guidance >= 0.0) {
+        // Far above single digits the guided velocity is noise amplified: 1e30 made noise and
+        // 3.4e38 overflowed the VAE, so the bound is Z-Image's.
+        let max = crate::zimage::pipeline::MAX_GUIDANCE;
+        if !(req.guidance.is_finite() && (0.0..=max).contains(&req.guidance)) {
             return Err(Error::input(format!(
-                "--guidance {}: use a scale of 1 (no guidance) or more",
+                "--guidance {}: use a scale from 1 (no guidance) to {max}",
                 req.guidance
             )));
         }

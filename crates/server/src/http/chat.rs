@@ -88,6 +88,17 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
             model.name
         )));
     };
+    // Preparing the prompt counts against the queue's budget, as waiting does.
+    let waiting = match &model.waiting {
+        Some(w) => Some(w.clone().try_acquire_owned().map_err(|_| {
+            let l = &app.config.limits;
+            ApiError::ChatQueueFull {
+                max_queue: l.max_queue,
+                max_sequences: l.max_sequences,
+            }
+        })?),
+        None => None,
+    };
     let body: ChatRequest = json::parse(&bytes)?;
     drop(bytes);
     let settings = chat_inputs::settings(&body, &info)?;
@@ -118,6 +129,7 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
             arrived,
             enqueued: Instant::now(),
             span: tracing::Span::current(),
+            waiting,
         })
         .map_err(|_| ApiError::ShuttingDown)?;
     let first = events.recv().await.ok_or_else(worker_stopped)?;

@@ -43,7 +43,7 @@ use super::sse::{self, Polled, frame};
 use super::types::{ImageData, ImageRequest, ImageStreamEvent, ImagesResponse};
 use crate::chat_inputs::seed;
 use crate::config::{COST_UNITS_PER_MPS, Limits};
-use crate::images::{Event, ImageInfo, Job, cost_units};
+use crate::images::{Event, ImageInfo, Job, cost_units, model_error};
 use crate::model::{ModelQueue, Route, Served};
 
 /// The most images one request makes (OpenAI allows 10 for DALL·E 2; one batch of the DiT).
@@ -175,12 +175,20 @@ pub fn check_fields(
     if body.prompt.trim().is_empty() {
         return Err(invalid("prompt", "prompt is empty: say what to draw"));
     }
-    let chars = body.prompt.chars().count();
-    if chars > MAX_PROMPT_CHARS {
-        return Err(invalid(
-            "prompt",
-            format!("prompt is {chars} characters; at most {MAX_PROMPT_CHARS} are accepted"),
-        ));
+    // Every text field is capped before anything tokenises it (a 20 MiB negative prompt cost
+    // Z-Image 4.7 GB to tokenise).
+    for (field, text) in [
+        ("prompt", Some(&body.prompt)),
+        ("negative_prompt", body.negative_prompt.as_ref()),
+        ("user", body.user.as_ref()),
+    ] {
+        let chars = text.map_or(0, |t| t.chars().count());
+        if chars > MAX_PROMPT_CHARS {
+            return Err(invalid(
+                field,
+                format!("{field} is {chars} characters; at most {MAX_PROMPT_CHARS} are accepted"),
+            ));
+        }
     }
     let n = body.n.unwrap_or(1);
     if !(1..=MAX_N).contains(&n) {
@@ -288,6 +296,15 @@ pub fn check_fields(
             return Err(invalid(
                 "background",
                 "background transparent needs png or webp: jpeg has no alpha channel",
+            ));
+        }
+        Some("transparent") if !info.alpha => {
+            return Err(invalid(
+                "background",
+                format!(
+                    "background transparent: the model {:?} makes opaque images (no alpha channel); use auto or opaque, or a model with alpha such as Qwen-Image-2.1",
+                    info.name
+                ),
             ));
         }
         Some("transparent") => Background::Transparent,
@@ -424,7 +441,7 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
         tokio::task::spawn_blocking(move || -> Result<Checked, ApiError> {
             let checked = check_fields(body, &info, &app.config.limits)?;
             if let Some(check) = &info.checker {
-                check(&checked.request)?;
+                check(&checked.request).map_err(model_error)?;
             }
             Ok(checked)
         })
