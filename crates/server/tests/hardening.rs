@@ -84,7 +84,10 @@ async fn qwen_image_guidance_is_bounded_as_z_image_s_is() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn chat_fields_are_capped_and_checked() {
-    let s = Server::start_chat(chat_config()).await;
+    let mut config = chat_config();
+    config.limits.max_request_bytes = 16 << 20;
+    let over = max_text_chars(&config.limits) + 1;
+    let s = Server::start_chat(config).await;
     let ask = |extra: Value| {
         let mut r = json!({"model": CHAT_NAME, "max_tokens": 1,
                            "messages": [{"role": "user", "content": "hi"}]});
@@ -100,7 +103,7 @@ async fn chat_fields_are_capped_and_checked() {
     // Text longer than any prompt the context can hold: refused by its length in characters,
     // before it is rendered or tokenised.
     let (status, b) = s
-        .chat(ask(json!({"messages": [{"role": "user", "content": "a".repeat(4 << 20)}]})))
+        .chat(ask(json!({"messages": [{"role": "user", "content": "a".repeat(over)}]})))
         .await;
     assert_eq!((status, param(&b)), (400, "messages"), "{b}");
     assert!(message(&b).contains("characters"), "{b}");
