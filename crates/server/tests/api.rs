@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NAME, Server, assert_close, config, data_url, png, vectors};
+use common::{IMAGE_NAME, NAME, Server, assert_close, config, data_url, png, vectors};
 use serde_json::{Value, json};
 use tessera_models::egemma2::{Input, Part, TextOptions};
 use tessera_models::imageproc::Image;
@@ -628,49 +628,46 @@ async fn read_response(mut s: TcpStream) -> (u16, Value) {
 async fn a_full_queue_answers_429_with_retry_after() {
     let mut cfg = config();
     cfg.limits.max_queue = 1;
-    cfg.allow_file_paths = true;
-    let s = Server::start(cfg).await;
-    // A request is admitted once its body is here. This one then waits for its image, a FIFO
-    // that nothing writes to yet, holding the only slot.
-    let dir = tempfile::tempdir().unwrap();
-    let fifo = dir.path().join("image.png");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
+    let s = Server::start_images(cfg).await;
+    // A request holds its slot until its answer ends. This one is a streamed generation of many
+    // steps whose events are not read past the first: it holds the only slot. (A FIFO given
+    // as an image path held it before; such paths are now refused at once.)
+    let generation = json!({"model": IMAGE_NAME, "prompt": "a lighthouse", "size": "256x256",
+                            "num_inference_steps": 100, "stream": true, "seed": 1});
+    let mut held = s
+        .http
+        .post(format!("{}/v1/images/generations", s.url))
+        .json(&generation)
+        .send()
+        .await
         .unwrap();
-    assert!(made.success());
-    let url = fifo.to_str().unwrap().to_string();
-    let held = {
-        let (http, base) = (s.http.clone(), s.url.clone());
-        tokio::spawn(async move {
-            let r = http
-                .post(format!("{base}/v1/embeddings"))
-                .json(&json!({"input": [{"type": "image_url", "image_url": {"url": url}}]}))
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(held.status(), 200);
+    let first = held.chunk().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("image_generation.step"));
+    let small = json!({"model": IMAGE_NAME, "prompt": "x", "size": "64x64",
+                       "num_inference_steps": 1, "seed": 1});
     let r = s
         .http
-        .post(format!("{}/v1/embeddings", s.url))
-        .json(&json!({"input": "x"}))
+        .post(format!("{}/v1/images/generations", s.url))
+        .json(&small)
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
     assert_openai_error(&r.json().await.unwrap(), "queue_full", "full queue");
-    // The image arrives: the held request completes, and its slot is free again.
-    tokio::task::spawn_blocking(move || std::fs::write(&fifo, png(20, 12)).unwrap())
-        .await
-        .unwrap();
-    let (status, body) = held.await.unwrap();
-    assert_eq!(status, 200, "{body}");
-    let (status, _) = s.embed(json!({"input": "x"})).await;
-    assert_eq!(status, 200);
+    // Its client goes away: the generation stops at its next step, and the slot is free again.
+    drop(held);
+    let started = std::time::Instant::now();
+    loop {
+        let (status, body) = s.generate(small.clone()).await;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 429, "{body}");
+        assert!(started.elapsed() < Duration::from_secs(10), "the slot was not given back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     s.stop().await.unwrap();
 }
 
