@@ -191,7 +191,10 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let stdin = std::io::stdin();
     let mut stdin = stdin.lock();
     // A line longer than any prompt the context can hold is skipped as it is read, never held.
-    let max_line = model.max_prompt_chars().saturating_mul(4).max(MIN_LINE_BYTES);
+    let max_line = model
+        .max_prompt_chars()
+        .saturating_mul(4)
+        .max(MIN_LINE_BYTES);
     let mut number = 0usize;
     loop {
         if interactive {

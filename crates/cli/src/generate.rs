@@ -398,7 +398,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     // The header now (a wrong file fails before the model loads), the data once its shape is
     // the one the model wants.
-    let init = args.init_latent.as_deref().map(npy::Npy::open).transpose()?;
+    let init = args
+        .init_latent
+        .as_deref()
+        .map(npy::Npy::open)
+        .transpose()?;
     let spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
     if spec.is_bundled() {
         let which = match &args.model {

@@ -35,7 +35,12 @@ struct Run {
 
 impl Run {
     fn assert_within(&self, time: Duration, memory_mib: u64) {
-        assert!(self.elapsed < time, "took {:?}: {}", self.elapsed, self.stderr);
+        assert!(
+            self.elapsed < time,
+            "took {:?}: {}",
+            self.elapsed,
+            self.stderr
+        );
         assert!(
             self.peak_rss < memory_mib * MIB,
             "peak RSS {} MiB (limit {memory_mib} MiB): {}",
@@ -47,10 +52,20 @@ impl Run {
     fn assert_fails_with(&self, needles: &[&str]) {
         assert!(!self.status.success(), "expected failure: {}", self.stderr);
         // An error of ours exits 1; an abort (SIGABRT) or a kill is no answer.
-        assert_eq!(self.status.code(), Some(1), "{:?}: {}", self.status, self.stderr);
+        assert_eq!(
+            self.status.code(),
+            Some(1),
+            "{:?}: {}",
+            self.status,
+            self.stderr
+        );
         assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
         for n in needles {
-            assert!(self.stderr.contains(n), "stderr lacks {n:?}: {}", self.stderr);
+            assert!(
+                self.stderr.contains(n),
+                "stderr lacks {n:?}: {}",
+                self.stderr
+            );
         }
     }
 }
@@ -124,7 +139,9 @@ fn proc_status(pid: u32, field: &str) -> Option<u64> {
 
 /// A copy of a bundled miniature's folder (`crates/models/assets/NAME`) to edit.
 fn bundled_copy(name: &str, into: &Path) -> PathBuf {
-    let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/assets").join(name);
+    let from = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/assets")
+        .join(name);
     let to = into.join(name);
     copy_dir(&from, &to);
     to
@@ -158,7 +175,15 @@ fn a_chat_template_that_doubles_a_string_fails_naming_it_in_bounded_memory() {
     let model = bundled_copy("lfm2vl-mini", dir.path());
     std::fs::write(model.join("chat_template.jinja"), DOUBLING).unwrap();
     let run = measured(
-        &["chat", "--model", model.to_str().unwrap(), "--prompt", "hi", "--max-tokens", "1"],
+        &[
+            "chat",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+        ],
         b"",
         Duration::from_secs(60),
     );
@@ -178,7 +203,15 @@ fn a_looping_template_in_tokenizer_config_fails_in_time() {
     config["chat_template"] = serde_json::Value::String(LOOPING.into());
     std::fs::write(&config_path, config.to_string()).unwrap();
     let run = measured(
-        &["chat", "--model", model.to_str().unwrap(), "--prompt", "hi", "--max-tokens", "1"],
+        &[
+            "chat",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+        ],
         b"",
         Duration::from_secs(60),
     );
@@ -217,10 +250,22 @@ fn an_over_long_chat_line_is_skipped_in_bounded_memory_and_the_session_goes_on()
     // Before: one 10 MiB line cost 1.97 GB (and an invalid UTF-8 line ended the session, rc 1).
     let mut input = vec![b'a'; 10 << 20];
     input.extend_from_slice(b"\n\xff\xfe not UTF-8\nhi\n");
-    let run = measured(&["chat", "--max-tokens", "2"], &input, Duration::from_secs(60));
+    let run = measured(
+        &["chat", "--max-tokens", "2"],
+        &input,
+        Duration::from_secs(60),
+    );
     assert!(run.status.success(), "{:?}: {}", run.status, run.stderr);
-    for needle in ["line 1 is longer than", "line 2 is not valid UTF-8", "prompt tokens"] {
-        assert!(run.stderr.contains(needle), "stderr lacks {needle:?}: {}", run.stderr);
+    for needle in [
+        "line 1 is longer than",
+        "line 2 is not valid UTF-8",
+        "prompt tokens",
+    ] {
+        assert!(
+            run.stderr.contains(needle),
+            "stderr lacks {needle:?}: {}",
+            run.stderr
+        );
     }
     run.assert_within(Duration::from_secs(30), 300);
 }
@@ -258,7 +303,10 @@ fn init_latents_are_refused_from_their_header_and_size_in_both_families() {
             // Before: grew to 8.4 GB and ended "out of memory".
             ("/dev/zero", "not a float32 .npy array: missing the"),
             // Before: 3.1 GB read before the size error.
-            (huge.to_str().unwrap(), "data bytes for shape [1, 16, 64, 64]"),
+            (
+                huge.to_str().unwrap(),
+                "data bytes for shape [1, 16, 64, 64]",
+            ),
         ] {
             let run = measured(
                 &[
@@ -314,7 +362,10 @@ impl Server {
         };
         let started = Instant::now();
         while server.get("/health").0 != 200 {
-            assert!(started.elapsed() < Duration::from_secs(60), "not ready in 60 s");
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "not ready in 60 s"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         server
@@ -324,7 +375,9 @@ impl Server {
         let Ok(mut s) = TcpStream::connect(self.addr) else {
             return (0, String::new());
         };
-        let sent = s.write_all(head.as_bytes()).and_then(|()| s.write_all(body));
+        let sent = s
+            .write_all(head.as_bytes())
+            .and_then(|()| s.write_all(body));
         let mut raw = Vec::new();
         if sent.is_err() || s.read_to_end(&mut raw).is_err() || raw.len() < 12 {
             return (0, String::new());
@@ -336,7 +389,10 @@ impl Server {
     }
 
     fn get(&self, path: &str) -> (u16, String) {
-        self.request(&format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"), b"")
+        self.request(
+            &format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"),
+            b"",
+        )
     }
 
     fn post(&self, path: &str, body: &serde_json::Value) -> (u16, String) {
@@ -380,7 +436,15 @@ fn a_cache_larger_than_memory_is_refused_at_start_with_a_message() {
     // Before: "memory allocation of 524288000000 bytes failed", SIGABRT.
     let port = free_port().to_string();
     let run = measured(
-        &["serve", "--port", &port, "--model", "bundled:lfm2vl", "--max-sequences", "1000000"],
+        &[
+            "serve",
+            "--port",
+            &port,
+            "--model",
+            "bundled:lfm2vl",
+            "--max-sequences",
+            "1000000",
+        ],
         b"",
         Duration::from_secs(60),
     );
@@ -406,9 +470,15 @@ fn a_long_chat_message_is_refused_before_it_is_tokenised() {
     );
     let took = started.elapsed();
     let grew = server.memory("VmHWM").saturating_sub(baseline);
-    eprintln!("16 MiB message: {status} in {took:?}, peak grew by {} MiB", grew / MIB);
+    eprintln!(
+        "16 MiB message: {status} in {took:?}, peak grew by {} MiB",
+        grew / MIB
+    );
     assert_eq!(status, 400, "{body}");
-    assert!(body.contains("characters") && body.contains("\"param\":\"messages\""), "{body}");
+    assert!(
+        body.contains("characters") && body.contains("\"param\":\"messages\""),
+        "{body}"
+    );
     assert!(took < Duration::from_secs(5), "{took:?}");
     // The body itself (16 MiB, parsed into a string) is most of what remains.
     assert!(grew < 200 * MIB, "peak memory grew by {} MiB", grew / MIB);
@@ -426,7 +496,12 @@ fn padded_png(path: &Path, len: u64) {
     )
     .unwrap();
     std::fs::write(path, &png).unwrap();
-    std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(len).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
 }
 
 fn image_path_input(path: &Path) -> serde_json::Value {
@@ -459,14 +534,25 @@ fn file_paths_name_regular_files_sized_before_they_are_read_and_never_wedge_shut
     let (status, body) = server.post("/v1/embeddings", &image_path_input(&fifo));
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("not a regular file"), "{body}");
-    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
 
     // Before: 746 MiB read per request before the 400.
     let started = Instant::now();
     let (status, body) = server.post("/v1/embeddings", &image_path_input(&big));
     assert_eq!(status, 413, "{body}");
-    assert!(body.contains("big.png") && body.contains("2048 MiB"), "{body}");
-    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    assert!(
+        body.contains("big.png") && body.contains("2048 MiB"),
+        "{body}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
     let grew = server.memory("VmHWM").saturating_sub(baseline);
     assert!(grew < 64 * MIB, "peak memory grew by {} MiB", grew / MIB);
 

@@ -259,7 +259,10 @@ impl ChatTemplate {
             Value::from(add_generation_prompt),
         );
         let input: usize = messages.iter().map(|m| m.text_bytes() + 32).sum::<usize>()
-            + extra.iter().map(|(k, v)| k.len() + v.to_string().len()).sum::<usize>();
+            + extra
+                .iter()
+                .map(|(k, v)| k.len() + v.to_string().len())
+                .sum::<usize>();
         self.render_within(vars, Budget::for_input(input))
     }
 
@@ -319,7 +322,9 @@ impl Write for Capped {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if self.bytes.len().saturating_add(buf.len()) > self.cap {
             self.over = true;
-            return Err(std::io::Error::other("the template's output is over its cap"));
+            return Err(std::io::Error::other(
+                "the template's output is over its cap",
+            ));
         }
         self.bytes.extend_from_slice(buf);
         Ok(buf.len())
@@ -682,7 +687,10 @@ mod tests {
             fuel: 1_000_000,
             output_bytes: 999,
         };
-        let e = t.render_within(vars.clone(), budget).unwrap_err().to_string();
+        let e = t
+            .render_within(vars.clone(), budget)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("t.jinja") && e.contains("999 bytes"), "{e}");
         let budget = Budget {
             output_bytes: 1000,

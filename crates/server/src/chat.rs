@@ -465,7 +465,10 @@ mod tests {
             self.running.push(conv);
             Ok(())
         }
-        fn step(&mut self, _: &mut dyn FnMut(ConversationId, ChatEvent<'_>) -> Control) -> Result<usize> {
+        fn step(
+            &mut self,
+            _: &mut dyn FnMut(ConversationId, ChatEvent<'_>) -> Control,
+        ) -> Result<usize> {
             std::thread::sleep(std::time::Duration::from_millis(2));
             Ok(self.running.len())
         }
@@ -494,7 +497,15 @@ mod tests {
         let queue = Arc::new(ChatQueue::new(metrics.clone(), "m"));
         let worker = {
             let (q, m) = (queue.clone(), metrics.clone());
-            std::thread::spawn(move || drive(Box::new(Silent { running: Vec::new() }), q, m))
+            std::thread::spawn(move || {
+                drive(
+                    Box::new(Silent {
+                        running: Vec::new(),
+                    }),
+                    q,
+                    m,
+                )
+            })
         };
         let wait_for = |want: &str| {
             let started = Instant::now();

@@ -21,7 +21,11 @@ use crate::http::error::ApiError;
 const CHUNK: usize = 1 << 20;
 
 /// The bytes of the image file at `path`, at most `max_bytes` of them, read within `timeout`.
-pub fn read_image_file(path: &Path, max_bytes: usize, timeout: Duration) -> Result<Vec<u8>, ApiError> {
+pub fn read_image_file(
+    path: &Path,
+    max_bytes: usize,
+    timeout: Duration,
+) -> Result<Vec<u8>, ApiError> {
     let started = Instant::now();
     let shown = path.display();
     let file = open_nonblocking(path)
@@ -62,7 +66,9 @@ pub fn read_image_file(path: &Path, max_bytes: usize, timeout: Duration) -> Resu
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 // A regular file does not block; anything else is not read.
-                return Err(ApiError::invalid(format!("{shown} is not ready to be read")));
+                return Err(ApiError::invalid(format!(
+                    "{shown} is not ready to be read"
+                )));
             }
             Err(e) => return Err(ApiError::invalid(format!("reading {shown}: {e}"))),
         }

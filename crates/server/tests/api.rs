@@ -665,7 +665,10 @@ async fn a_full_queue_answers_429_with_retry_after() {
             break;
         }
         assert_eq!(status, 429, "{body}");
-        assert!(started.elapsed() < Duration::from_secs(10), "the slot was not given back");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the slot was not given back"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     s.stop().await.unwrap();

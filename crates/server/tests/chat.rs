@@ -683,9 +683,21 @@ async fn more_requests_than_slots_and_queue_get_429_never_a_broken_connection() 
     cfg.limits.max_sequences = 1;
     cfg.limits.max_queue = 1;
     let s = Server::start_chat(cfg).await;
-    // One reply generating and one waiting: every place is taken for a while.
+    // One reply generating and one waiting: every place is taken for a while. They are sent
+    // one after the other: a request being prepared holds a place in the queue (--max-queue) as
+    // a waiting one does, so two prepared at once would not both fit a queue of one.
     let long = greedy(&text_question("Tell me a story."), 800);
-    let admitted = [post(&s, long.clone()), post(&s, long.clone())];
+    let first = post(&s, long.clone());
+    let mut running = false;
+    for _ in 0..400 {
+        running = metric(&s, "tessera_chat_running").await == 1.0;
+        if running {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(running, "the first request did not start");
+    let admitted = [first, post(&s, long.clone())];
     let mut full = false;
     for _ in 0..400 {
         let running = metric(&s, "tessera_chat_running").await;

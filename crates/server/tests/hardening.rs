@@ -23,7 +23,10 @@ fn assert_refused(status: u16, body: &Value, field: &str) {
     assert_eq!(status, 400, "{body}");
     assert_eq!(param(body), field, "{body}");
     assert!(message(body).contains(field), "{body}");
-    assert!(!message(body).contains("--"), "a CLI flag in an HTTP error: {body}");
+    assert!(
+        !message(body).contains("--"),
+        "a CLI flag in an HTTP error: {body}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -39,7 +42,9 @@ async fn image_requests_are_refused_by_their_fields() {
     };
     // Before: only `prompt` was capped; a 20 MiB negative prompt cost 4.7 GB and answered 200.
     let long = "x".repeat(32_001);
-    let (status, b) = s.generate(req(json!({"negative_prompt": long, "guidance_scale": 2.0}))).await;
+    let (status, b) = s
+        .generate(req(json!({"negative_prompt": long, "guidance_scale": 2.0})))
+        .await;
     assert_refused(status, &b, "negative_prompt");
     // Before: "--size 1000x1000: …" with no param.
     let (status, b) = s.generate(req(json!({"size": "1000x1000"}))).await;
@@ -54,7 +59,11 @@ async fn image_requests_are_refused_by_their_fields() {
     let (status, b) = s.generate(req(json!({"background": "transparent"}))).await;
     assert_refused(status, &b, "background");
     // What stays accepted.
-    let (status, b) = s.generate(req(json!({"negative_prompt": "blurry", "guidance_scale": 2.0}))).await;
+    let (status, b) = s
+        .generate(req(
+            json!({"negative_prompt": "blurry", "guidance_scale": 2.0}),
+        ))
+        .await;
     assert_eq!(status, 200, "{b}");
     s.stop().await.unwrap();
 }
@@ -68,14 +77,20 @@ async fn qwen_image_guidance_is_bounded_as_z_image_s_is() {
             &tessera_models::qwen_image::BUNDLED,
         )
     });
-    let s = Server::start_models(config(), vec![ServedModel::image("qwen-image-mini", loader)]).await;
+    let s = Server::start_models(
+        config(),
+        vec![ServedModel::image("qwen-image-mini", loader)],
+    )
+    .await;
     s.wait_ready().await;
     // Before: 1e30 returned noise with 200, 3.4e38 a 500 from the VAE.
     for g in [1e30, 3.4e38, 100.5] {
         let (status, b) = s
-            .generate(json!({"model": "qwen-image-mini", "prompt": "water", "size": "64x64",
+            .generate(
+                json!({"model": "qwen-image-mini", "prompt": "water", "size": "64x64",
                              "num_inference_steps": 1, "guidance_scale": g,
-                             "negative_prompt": ""}))
+                             "negative_prompt": ""}),
+            )
             .await;
         assert_refused(status, &b, "guidance_scale");
     }
@@ -103,7 +118,9 @@ async fn chat_fields_are_capped_and_checked() {
     // Text longer than any prompt the context can hold: refused by its length in characters,
     // before it is rendered or tokenised.
     let (status, b) = s
-        .chat(ask(json!({"messages": [{"role": "user", "content": "a".repeat(over)}]})))
+        .chat(ask(
+            json!({"messages": [{"role": "user", "content": "a".repeat(over)}]}),
+        ))
         .await;
     assert_eq!((status, param(&b)), (400, "messages"), "{b}");
     assert!(message(&b).contains("characters"), "{b}");
@@ -136,8 +153,14 @@ async fn preparing_a_prompt_counts_against_the_queue() {
     let answers = futures_join(&s, &body, 6).await;
     let statuses: Vec<u16> = answers.iter().map(|(st, _)| *st).collect();
     eprintln!("statuses: {statuses:?}");
-    assert!(statuses.iter().all(|st| [200, 400, 429].contains(st)), "{answers:?}");
-    assert!(statuses.contains(&429), "no request was refused: {answers:?}");
+    assert!(
+        statuses.iter().all(|st| [200, 400, 429].contains(st)),
+        "{answers:?}"
+    );
+    assert!(
+        statuses.contains(&429),
+        "no request was refused: {answers:?}"
+    );
     s.stop().await.unwrap();
 }
 

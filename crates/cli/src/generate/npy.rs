@@ -28,7 +28,8 @@ impl Npy {
     /// Read and check the header of the `.npy` file at `path` (at most [`MAX_HEADER`] bytes),
     /// and, when the file is a regular one, its size against the shape.
     pub fn open(path: &Path) -> Result<Self> {
-        let named = |m: String| Error::input(format!("{}: not a float32 .npy array: {m}", path.display()));
+        let named =
+            |m: String| Error::input(format!("{}: not a float32 .npy array: {m}", path.display()));
         let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
         let mut head = Vec::new();
         (&mut file)
@@ -65,7 +66,8 @@ impl Npy {
     /// refused, having read at most one byte more).
     pub fn read(self) -> Result<Vec<f32>> {
         let path = &self.path;
-        let named = |m: String| Error::input(format!("{}: not a float32 .npy array: {m}", path.display()));
+        let named =
+            |m: String| Error::input(format!("{}: not a float32 .npy array: {m}", path.display()));
         let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
         file.seek(SeekFrom::Start(self.data_at))
             .map_err(|e| Error::io(path, e))?;

@@ -159,15 +159,25 @@ fn check_cache_fits<B: Backend>(be: &B, cfg: &TextConfig, shape: CacheShape) -> 
             "a cache of {} sequences × {} tokens needs {} of memory{}: use fewer sequences (--max-sequences) or a shorter context (--context)",
             shape.slots,
             shape.ctx,
-            bytes.map_or_else(|| "more bytes than can be counted".into(), |b| format!("{:.1} GiB", gib(b))),
-            available.map_or_else(String::new, |a| format!(" and {:.1} GiB are available", gib(a)))
+            bytes.map_or_else(
+                || "more bytes than can be counted".into(),
+                |b| format!("{:.1} GiB", gib(b))
+            ),
+            available.map_or_else(String::new, |a| format!(
+                " and {:.1} GiB are available",
+                gib(a)
+            ))
         ))
     };
     let rows = shape
         .slots
         .checked_mul(shape.ctx)
         .ok_or_else(|| too_large(None, None))?;
-    let attention = cfg.layers.iter().filter(|l| matches!(l, LayerKind::Attention)).count();
+    let attention = cfg
+        .layers
+        .iter()
+        .filter(|l| matches!(l, LayerKind::Attention))
+        .count();
     let convs = cfg.layers.len() - attention;
     let kv_cols = cfg.heads_kv * cfg.head_dim;
     let kv = rows
