@@ -63,7 +63,8 @@ pub struct ServeArgs {
     /// Requests admitted at once per model (checked, queued or run; a request is admitted once
     /// its body has arrived), and bodies arriving at once; more get 429 with Retry-After.
     /// Together with --max-request-mb and --max-image-memory-mb it bounds memory. Chat: requests
-    /// waiting beyond the --max-sequences being generated. Images: also bounded by
+    /// being prepared (template, tokens, images) or waiting, beyond the --max-sequences being
+    /// generated. Images: also bounded by
     /// --max-image-queue-mps.
     #[arg(long, env = "TESSERA_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
