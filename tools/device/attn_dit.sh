@@ -6,13 +6,14 @@
 #   3. Nsight Compute on one launch of each head-128 flash kernel (speed of light, warp stalls);
 #   4. Z-Image-Turbo full size, 1024², 8 steps: `bench generate` with the op's default attention
 #      (TESSERA_FLASH_WS=0, flash_wgmma) and with flash_ws (=1), alternating A B B A, then a
-#      TESSERA_PROFILE=kernels generation with flash_ws.
-#   PARTS=ops,attn,ncu,zimage (default all). Build first:
+#      TESSERA_PROFILE=kernels generation with flash_ws;
+#   5. the diffusers DiT step eager and with compile_repeated_blocks (../shared/tools/zimage_compile.py).
+#   PARTS=ops,attn,ncu,zimage,compile (default all). Build first:
 #   PACK=1 TESTS="cuda_ops zimage_cuda qwen_image_cuda" tools/device/stage.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-ops,attn,ncu,zimage}
+PARTS=${PARTS:-ops,attn,ncu,zimage,compile}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 if [ -f .dev/pack/bin.tar.xz ] && [ ! -x .dev/bin/tessera ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
@@ -70,6 +71,11 @@ if [[ $PARTS == *zimage* ]]; then
   TESSERA_FLASH_WS=1 TESSERA_PROFILE=kernels $B bench generate --model $Z --device cuda --precision bf16 \
     --size 1024x1024 --iters 1 > "$OUT/profile_ws1.log" 2>&1 || status=1
   grep "^profile" "$OUT/profile_ws1.log" | tail -10 | sed -n '5p' | tr ',' '\n' | grep -iE "attention|flash" | head -5
+fi
+if [[ $PARTS == *compile* ]]; then
+  echo "== diffusers 0.42.1 DiT step, eager and compile_repeated_blocks, same call"
+  timeout 200 python3 .dev/tools/zimage_compile.py > "$OUT/compile.log" 2>&1 || status=1
+  grep -E "step|warm-up" "$OUT/compile.log" | tail -3
 fi
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.jsonl 2>/dev/null && rm -f ./*.log ./*.jsonl)
 exit $status
