@@ -26,6 +26,28 @@ if [[ $PARTS == *ops* ]]; then
   timeout 300 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops.log" 2>&1; r=$?; status=$((status|r))
   grep -E "^attention |^total|test result|panicked|FAIL|newly|expected to be" "$OUT/cuda_ops.log" | head -20
 fi
+if [[ $PARTS == *zimage* ]]; then
+  if [ ! -f $Z/model_index.json ]; then
+    python3 tools/device/make_zimage_full.py $Z crates/models/assets/zimage-mini > "$OUT/make_zfull.log" 2>&1 \
+      || { tail -20 "$OUT/make_zfull.log"; exit 1; }
+  fi
+  $B bench gemm --device cuda > "$OUT/gemm.log" 2>&1; grep -v gemm_shape "$OUT/gemm.log" | head -3
+  echo "== Z-Image 1024², 8 steps, bf16: flash_wgmma (ws=0) and flash_ws (ws=1), A B B A"
+  for ws in 0 1 1 0; do
+    TESSERA_FLASH_WS=$ws $B bench generate --model $Z --device cuda --precision bf16 --size 1024x1024 --steps 8 \
+      --iters 3 > "$OUT/gen_ws$ws.log.tmp" 2>&1 || status=1
+    cat "$OUT/gen_ws$ws.log.tmp" >> "$OUT/gen_ws$ws.log"; rm -f "$OUT/gen_ws$ws.log.tmp"
+    grep -E "end to end" "$OUT/gen_ws$ws.log" | tail -1 | sed "s/^/ws=$ws /"
+  done
+  TESSERA_FLASH_WS=1 TESSERA_PROFILE=kernels $B bench generate --model $Z --device cuda --precision bf16 \
+    --size 1024x1024 --iters 1 > "$OUT/profile_ws1.log" 2>&1 || status=1
+  grep "^profile" "$OUT/profile_ws1.log" | tail -10 | sed -n '5p' | tr ',' '\n' | grep -iE "attention|flash" | head -5
+fi
+if [[ $PARTS == *compile* ]]; then
+  echo "== diffusers 0.42.1 DiT step, eager and compile_repeated_blocks, same call"
+  timeout 200 python3 .dev/tools/zimage_compile.py > "$OUT/compile.log" 2>&1 || status=1
+  grep -E "step|warm-up" "$OUT/compile.log" | tail -3
+fi
 if [[ $PARTS == *attn* ]]; then
   echo "== bench attention (median of 20) and PyTorch SDPA, same call"
   timeout 200 $B bench attention --device cuda > "$OUT/bench_attention.jsonl" 2>&1 || status=1
@@ -54,28 +76,6 @@ if [[ $PARTS == *ncu* ]]; then
       $B bench attention --device cuda > "$OUT/ncu_$k.log" 2>&1
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Achieved Occupancy|Stall|Warp Cycles Per Issued|Registers Per" "$OUT/ncu_$k.log" | head -14 | sed "s/^/$k /"
   done
-fi
-if [[ $PARTS == *zimage* ]]; then
-  if [ ! -f $Z/model_index.json ]; then
-    python3 tools/device/make_zimage_full.py $Z crates/models/assets/zimage-mini > "$OUT/make_zfull.log" 2>&1 \
-      || { tail -20 "$OUT/make_zfull.log"; exit 1; }
-  fi
-  $B bench gemm --device cuda > "$OUT/gemm.log" 2>&1; grep -v gemm_shape "$OUT/gemm.log" | head -3
-  echo "== Z-Image 1024², 8 steps, bf16: flash_wgmma (ws=0) and flash_ws (ws=1), A B B A"
-  for ws in 0 1 1 0; do
-    TESSERA_FLASH_WS=$ws $B bench generate --model $Z --device cuda --precision bf16 --size 1024x1024 --steps 8 \
-      --iters 3 > "$OUT/gen_ws$ws.log.tmp" 2>&1 || status=1
-    cat "$OUT/gen_ws$ws.log.tmp" >> "$OUT/gen_ws$ws.log"; rm -f "$OUT/gen_ws$ws.log.tmp"
-    grep -E "end to end" "$OUT/gen_ws$ws.log" | tail -1 | sed "s/^/ws=$ws /"
-  done
-  TESSERA_FLASH_WS=1 TESSERA_PROFILE=kernels $B bench generate --model $Z --device cuda --precision bf16 \
-    --size 1024x1024 --iters 1 > "$OUT/profile_ws1.log" 2>&1 || status=1
-  grep "^profile" "$OUT/profile_ws1.log" | tail -10 | sed -n '5p' | tr ',' '\n' | grep -iE "attention|flash" | head -5
-fi
-if [[ $PARTS == *compile* ]]; then
-  echo "== diffusers 0.42.1 DiT step, eager and compile_repeated_blocks, same call"
-  timeout 200 python3 .dev/tools/zimage_compile.py > "$OUT/compile.log" 2>&1 || status=1
-  grep -E "step|warm-up" "$OUT/compile.log" | tail -3
 fi
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.jsonl 2>/dev/null && rm -f ./*.log ./*.jsonl)
 exit $status
