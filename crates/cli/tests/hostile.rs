@@ -4,138 +4,13 @@
 //! (`VmHWM` of `/proc/PID/status`, read while it runs), with limits well below what each case
 //! cost before its fix (quoted beside it).
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
-
-fn tessera() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
-    c.env_remove("TESSERA_MODEL")
-        .env_remove("TESSERA_THREADS")
-        .env("TESSERA_DEVICE", "cpu")
-        .env(
-            "HF_HUB_CACHE",
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/no-hf-cache"),
-        );
-    c
-}
-
-/// A finished command: what it printed on stderr, how long it took and its peak `VmHWM`.
-struct Run {
-    status: ExitStatus,
-    stderr: String,
-    elapsed: Duration,
-    peak_rss: u64,
-}
-
-impl Run {
-    fn assert_within(&self, time: Duration, memory_mib: u64) {
-        assert!(
-            self.elapsed < time,
-            "took {:?}: {}",
-            self.elapsed,
-            self.stderr
-        );
-        assert!(
-            self.peak_rss < memory_mib * MIB,
-            "peak RSS {} MiB (limit {memory_mib} MiB): {}",
-            self.peak_rss / MIB,
-            self.stderr
-        );
-    }
-
-    fn assert_fails_with(&self, needles: &[&str]) {
-        assert!(!self.status.success(), "expected failure: {}", self.stderr);
-        // An error of ours exits 1; an abort (SIGABRT) or a kill is no answer.
-        assert_eq!(
-            self.status.code(),
-            Some(1),
-            "{:?}: {}",
-            self.status,
-            self.stderr
-        );
-        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
-        for n in needles {
-            assert!(
-                self.stderr.contains(n),
-                "stderr lacks {n:?}: {}",
-                self.stderr
-            );
-        }
-    }
-}
-
-fn drain(mut from: impl Read + Send + 'static) -> JoinHandle<String> {
-    std::thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = from.read_to_end(&mut s);
-        String::from_utf8_lossy(&s).into_owned()
-    })
-}
-
-/// Run `tessera args` with `stdin` as its input, killed after `deadline`, sampling `VmHWM`
-/// every millisecond (it only grows).
-fn measured(args: &[&str], stdin: &[u8], deadline: Duration) -> Run {
-    let mut child = tessera()
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("tessera runs");
-    let stderr = drain(child.stderr.take().unwrap());
-    let input = stdin.to_vec();
-    let mut pipe = child.stdin.take().unwrap();
-    let feeder = std::thread::spawn(move || {
-        // The child may stop reading (and close the pipe) early: not an error here.
-        let _ = pipe.write_all(&input);
-    });
-    let pid = child.id();
-    let started = Instant::now();
-    let mut peak = 0;
-    let mut killed = false;
-    let status = loop {
-        if let Some(hwm) = proc_status(pid, "VmHWM") {
-            peak = peak.max(hwm);
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if !killed && started.elapsed() > deadline {
-            let _ = child.kill();
-            killed = true;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    };
-    let _ = feeder.join();
-    let run = Run {
-        status,
-        stderr: stderr.join().unwrap(),
-        elapsed: started.elapsed(),
-        peak_rss: peak,
-    };
-    assert!(!killed, "still running after {deadline:?}: {}", run.stderr);
-    eprintln!(
-        "tessera {}: {:.2} s, peak RSS {} MiB",
-        args.join(" "),
-        run.elapsed.as_secs_f64(),
-        run.peak_rss / MIB
-    );
-    run
-}
-
-/// A memory line of `/proc/PID/status` in bytes; `None` once the process has exited.
-fn proc_status(pid: u32, field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with(field))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
+mod common;
+use common::{MIB, Server, free_port, measured};
 
 /// A copy of a bundled miniature's folder (`crates/models/assets/NAME`) to edit.
 fn bundled_copy(name: &str, into: &Path) -> PathBuf {
@@ -184,10 +59,10 @@ fn a_chat_template_that_doubles_a_string_fails_naming_it_in_bounded_memory() {
             "--max-tokens",
             "1",
         ],
-        b"",
+        Some(b""),
         Duration::from_secs(60),
     );
-    run.assert_fails_with(&["chat_template.jinja", "budget"]);
+    run.assert_errs_with(&["chat_template.jinja", "budget"]);
     run.assert_within(Duration::from_secs(15), 400);
 }
 
@@ -212,10 +87,10 @@ fn a_looping_template_in_tokenizer_config_fails_in_time() {
             "--max-tokens",
             "1",
         ],
-        b"",
+        Some(b""),
         Duration::from_secs(60),
     );
-    run.assert_fails_with(&["tokenizer_config.json", "budget"]);
+    run.assert_errs_with(&["tokenizer_config.json", "budget"]);
     run.assert_within(Duration::from_secs(15), 400);
 }
 
@@ -235,10 +110,10 @@ fn a_looping_z_image_template_fails_in_time() {
             "--out",
             out.to_str().unwrap(),
         ],
-        b"",
+        Some(b""),
         Duration::from_secs(60),
     );
-    run.assert_fails_with(&["chat_template.jinja", "budget"]);
+    run.assert_errs_with(&["chat_template.jinja", "budget"]);
     run.assert_within(Duration::from_secs(15), 400);
     assert!(!out.exists());
 }
@@ -252,7 +127,7 @@ fn an_over_long_chat_line_is_skipped_in_bounded_memory_and_the_session_goes_on()
     input.extend_from_slice(b"\n\xff\xfe not UTF-8\nhi\n");
     let run = measured(
         &["chat", "--max-tokens", "2"],
-        &input,
+        Some(&input),
         Duration::from_secs(60),
     );
     assert!(run.status.success(), "{:?}: {}", run.status, run.stderr);
@@ -320,116 +195,16 @@ fn init_latents_are_refused_from_their_header_and_size_in_both_families() {
                     "--out",
                     out.to_str().unwrap(),
                 ],
-                b"",
+                Some(b""),
                 Duration::from_secs(60),
             );
-            run.assert_fails_with(&[needle]);
+            run.assert_errs_with(&[needle]);
             run.assert_within(Duration::from_secs(10), 300);
         }
     }
 }
 
-// ---- the server, as a process of its own ------------------------------------------------------
-
-/// `tessera serve` on a free loopback port, killed when dropped.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Server {
-        let port = free_port();
-        let child = tessera()
-            .args(["serve", "--port", &port.to_string()])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("tessera serve runs");
-        let server = Server {
-            child,
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-        };
-        let started = Instant::now();
-        while server.get("/health").0 != 200 {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "not ready in 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        server
-    }
-
-    fn request(&self, head: &str, body: &[u8]) -> (u16, String) {
-        let Ok(mut s) = TcpStream::connect(self.addr) else {
-            return (0, String::new());
-        };
-        let sent = s
-            .write_all(head.as_bytes())
-            .and_then(|()| s.write_all(body));
-        let mut raw = Vec::new();
-        if sent.is_err() || s.read_to_end(&mut raw).is_err() || raw.len() < 12 {
-            return (0, String::new());
-        }
-        let text = String::from_utf8_lossy(&raw).into_owned();
-        let status = text[9..12].parse().unwrap_or(0);
-        let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-        (status, body.to_string())
-    }
-
-    fn get(&self, path: &str) -> (u16, String) {
-        self.request(
-            &format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"),
-            b"",
-        )
-    }
-
-    fn post(&self, path: &str, body: &serde_json::Value) -> (u16, String) {
-        let body = body.to_string();
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
-        self.request(&head, body.as_bytes())
-    }
-
-    fn memory(&self, field: &str) -> u64 {
-        proc_status(self.child.id(), field).unwrap_or_else(|| panic!("no {field}"))
-    }
-
-    /// SIGTERM, then the time the process took to end (`None`: still running after `limit`).
-    fn terminate(&mut self, limit: Duration) -> Option<Duration> {
-        // SAFETY: `kill` with a child's pid and a valid signal number has no memory effects.
-        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        assert_eq!(sent, 0);
-        let started = Instant::now();
-        while started.elapsed() < limit {
-            if self.child.try_wait().unwrap().is_some() {
-                return Some(started.elapsed());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+// ---- the server, as a process of its own: `common::Server` ------------------------------------
 
 #[test]
 fn a_cache_larger_than_memory_is_refused_at_start_with_a_message() {
@@ -445,10 +220,10 @@ fn a_cache_larger_than_memory_is_refused_at_start_with_a_message() {
             "--max-sequences",
             "1000000",
         ],
-        b"",
+        Some(b""),
         Duration::from_secs(60),
     );
-    run.assert_fails_with(&["1000000 sequences", "--max-sequences"]);
+    run.assert_errs_with(&["1000000 sequences", "--max-sequences"]);
     run.assert_within(Duration::from_secs(30), 300);
 }
 
