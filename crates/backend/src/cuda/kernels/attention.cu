@@ -201,14 +201,8 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     flash_store<D, NO, TO>(oacc, st, wd * DW, wd == 0, row_lo, q1, h, o, os, part, rows, chunk, kv_splits);
 }
 
-#define FLASH(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * FlashCfg<D>::WM * FlashCfg<D>::WD, FlashCfg<D>::MIN_CTAS) \
-        flash_bf16_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
-                        const u32* tiles, int group, float scale_log2, int window, int causal, float* part, \
-                        int rows, int kv_splits) {                                                        \
-        flash_impl<D, bf16>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows,  \
-                            kv_splits);                                                                   \
-    }
+#define FLASH(D) \
+    FLASH_ENTRY(flash_bf16_d##D, (flash_impl<D, bf16>), 32 * FlashCfg<D>::WM * FlashCfg<D>::WD, FlashCfg<D>::MIN_CTAS)
 FLASH(16)
 FLASH(32)
 FLASH(64)

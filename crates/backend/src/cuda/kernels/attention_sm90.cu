@@ -239,14 +239,7 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
     flash_store<D, NO, bf16>(oacc, st, wg * DW, wg == 0, row_lo, q1, h, o, os, part, rows, chunk, kv_splits);
 }
 
-#define FLASH_WG(D)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128 * WgCfg<D>::WGS, WgCfg<D>::MIN_CTAS)                \
-        flash_wgmma_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, \
-                         long os, const u32* tiles, int group, float scale_log2, int window, int causal,  \
-                         float* part, int rows, int kv_splits) {                                         \
-        flash_wg_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows, \
-                         kv_splits);                                                                     \
-    }
+#define FLASH_WG(D) FLASH_ENTRY(flash_wgmma_d##D, flash_wg_impl<D>, 128 * WgCfg<D>::WGS, WgCfg<D>::MIN_CTAS)
 FLASH_WG(64)
 FLASH_WG(128)
 FLASH_WG(256)
@@ -409,13 +402,6 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     flash_store<D, NO, bf16>(oacc, stats, 0, true, row_lo, qz, h, o, os, part, rows, chunk, kv_splits);
 }
 
-#define FLASH_WS(D)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(384, 1)                                                  \
-        flash_ws_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o,     \
-                      long os, const u32* tiles, int group, float scale_log2, int window, int causal,     \
-                      float* part, int rows, int kv_splits) {                                            \
-        flash_ws_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows, \
-                         kv_splits);                                                                     \
-    }
+#define FLASH_WS(D) FLASH_ENTRY(flash_ws_d##D, flash_ws_impl<D>, 384, 1)
 FLASH_WS(64)
 FLASH_WS(128)

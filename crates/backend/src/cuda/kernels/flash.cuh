@@ -171,3 +171,14 @@ __device__ __forceinline__ void flash_store(float (&oacc)[NO][4], RowStats st, i
         }
     }
 }
+
+// One flash kernel's entry point: the parameters every flash kernel takes (`FlashArgs` in
+// cuda/attention.rs), handed to IMPL, under the launch bounds THREADS, MIN_CTAS. IMPL is passed
+// in parentheses when its template arguments hold a comma.
+#define FLASH_ENTRY(NAME, IMPL, THREADS, MIN_CTAS)                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)                                     \
+        NAME(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os,    \
+             const u32* tiles, int group, float scale_log2, int window, int causal, float* part, int rows, \
+             int kv_splits) {                                                                            \
+        IMPL(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows, kv_splits);   \
+    }
