@@ -13,6 +13,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
+mod mapped;
 pub mod model_dir;
 pub mod weights;
 

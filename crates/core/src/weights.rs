@@ -8,7 +8,6 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -428,20 +427,7 @@ impl Weights {
 }
 
 fn map_file(path: &Path) -> Result<File1> {
-    let file = File::open(path).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            Error::MissingFile {
-                path: path.to_path_buf(),
-                hint: String::new(),
-            }
-        } else {
-            Error::io(path, e)
-        }
-    })?;
-    // SAFETY: the map is read-only and lives as long as `Weights`. Tessera never writes the file;
-    // another process truncating it while we run could fault, the usual caveat of mmap-based
-    // weight loading shared by every safetensors reader.
-    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let map = crate::mapped::map_readonly(path)?;
     File1::parse(path.to_path_buf(), Bytes::Mapped(map))
 }
 

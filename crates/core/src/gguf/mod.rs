@@ -15,7 +15,6 @@ mod q4_0;
 mod q8_0;
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -98,20 +97,7 @@ impl Gguf {
     /// Map and parse `path`; fails naming the file and the key or tensor at fault.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                Error::MissingFile {
-                    path: path.to_path_buf(),
-                    hint: String::new(),
-                }
-            } else {
-                Error::io(path, e)
-            }
-        })?;
-        // SAFETY: the map is read-only and lives as long as `Gguf`, which hands out borrows of it
-        // only. Tessera never writes the file; another process truncating it while we run could
-        // fault, the usual caveat of mmap-based weight loading shared by every GGUF reader.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let map = crate::mapped::map_readonly(path)?;
         let parsed = parse::parse(&map).map_err(|message| Error::Gguf {
             path: path.to_path_buf(),
             message,
