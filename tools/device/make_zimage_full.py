@@ -12,6 +12,10 @@ Configs as ../../shared/tools/refbench.py builds them (the published model's sha
 import json, shutil, sys, time
 from pathlib import Path
 
+# peft (on the GPU machine) is irrelevant here and imports model classes a trimmed transformers
+# wheel leaves out (run a2 failed on it); a None entry makes diffusers treat it as absent.
+sys.modules.setdefault("peft", None)
+
 import torch
 from diffusers import AutoencoderKL, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
