@@ -81,8 +81,7 @@ kernel_table! {
     pub(super) struct AttentionKernels from "attention.cu" {
         flash: ByDim<FlashArgs> = ("flash_bf16_d{}", &FLASH_HEAD_DIMS),
         flash_combine: Kernel<FlashCombineArgs> = "flash_combine",
-        attn_rows: Kernel<AttnRowsArgs> = "attn_rows_f32",
-        attn_rows_bf16: Kernel<AttnRowsArgs> = "attn_rows_bf16",
+        attn_rows: ByElem<AttnRowsArgs> = "attn_rows_{}",
         cached_f32: ByDim<CachedArgs> = ("attn_cached_f32_d{}", &CACHED_HEAD_DIMS),
         cached_bf16: ByDim<CachedArgs> = ("attn_cached_bf16_d{}", &CACHED_HEAD_DIMS),
         cached_combine: ByElem<CachedCombineArgs> = "attn_cached_combine_{}",
@@ -251,16 +250,7 @@ fn rows(
             ),
         ));
     }
-    let kernel = match elem {
-        Elem::F32 => &be.kernels.attention.attn_rows,
-        Elem::Bf16 => &be.kernels.attention.attn_rows_bf16,
-        other => {
-            return Err(Error::backend(
-                "attention",
-                format!("row attention takes f32 or bf16 operands, not {other:?}"),
-            ));
-        }
-    };
+    let kernel = be.kernels.attention.attn_rows.get(elem)?;
     let warps = (total * spec.heads_q) as u32;
     let args = AttnRowsArgs {
         ops: Operands::of(&q, &k, &v, &out)?,
@@ -533,8 +523,14 @@ pub(super) fn set_segments(
     let mut data = offsets.clone();
     data.resize(segs.max_segs + 1, 0);
     let tiles = push_tiles(&mut data, &offsets, QUERY_TILE);
-    data.resize(wide_tiles_at(segs), 0);
-    let wide_tiles = push_tiles(&mut data, &offsets, WIDE_TILE);
+    // Only a GPU with `flash_ws_d{D}` walks wide tiles: elsewhere the upload stays as short as
+    // the 64-row tiles (this runs every pass, every decode step included).
+    let wide_tiles = if be.kernels.sm90.is_some() {
+        data.resize(wide_tiles_at(segs), 0);
+        push_tiles(&mut data, &offsets, WIDE_TILE)
+    } else {
+        0
+    };
     be.write_u32(&mut segs.dev, &data)?;
     segs.offsets = offsets;
     segs.tiles = tiles;
