@@ -2,8 +2,9 @@
 //! weight matrix, or attention's keys and values) in [`Panels`] of [`NR`] of its rows, laid out
 //! so that a broadcast element of `A` multiplies a whole panel row at once. Tiles of up to
 //! [`MR`] rows of `A` against one panel keep `2·MR` accumulators of 16 f32 lanes in registers:
-//! no horizontal sums, and each output's sum runs over `k` in order in one lane whatever the
-//! tile, so a row's result does not depend on the rows it comes with (batch-invariant).
+//! no horizontal sums, and each output's sum runs over `k` in the same order whatever the tile
+//! (blocks of [`DEPTH_BLOCK`] steps in one lane, the block sums added in order), so a row's
+//! result does not depend on the rows it comes with (batch-invariant).
 //!
 //! The element type is the arithmetic: `f32` (FMA), or a bf16 pair in a `u32` (`vdpbf16ps`,
 //! `bf16.rs`), each with a portable tile for CPUs without the instructions.
@@ -21,6 +22,12 @@ pub const MR: usize = 12;
 
 /// Rows of `A` per parallel task: a task's `A` rows stay in L2 while its panels stream past.
 const CHUNK_ROWS: usize = 16 * MR;
+
+/// Depth steps one tile sums in registers before adding its sums to `C`. Each output is a sum
+/// of block sums: summed over all of `k` in one lane, its rounding error grows as `k` does
+/// (2.2e-6 RMS relative at k = 12288, 7× the blocked sum's: enough to fail the CUDA-vs-CPU
+/// f32 parity bounds of Qwen-Image's DiT); in blocks it stays near f32's rounding. The order still depends only on `k`, never on the tile.
+const DEPTH_BLOCK: usize = 256;
 
 /// Bytes of panels per parallel task: what stays in L2 while the task's row tiles pass.
 const BLOCK_BYTES: usize = 256 << 10;
@@ -288,23 +295,25 @@ pub unsafe fn gemm<E: Element>(a: &Lhs<'_, E>, b: PanelView<'_, E>, c: Out, par:
             let mut r = rows.start;
             while r < rows.end {
                 let h = (rows.end - r).min(MR);
-                // SAFETY: rows r..r+h of A and C, columns p·NR..p·NR+cols of C and the panel's
-                // steps are inside the extents the caller guarantees; tasks own disjoint
-                // (rows, panels) tiles.
-                unsafe {
-                    E::tile(Tile {
-                        a: &a.data[r * a.stride..],
-                        lda: a.stride,
-                        h,
-                        b: panel,
-                        depth: b.depth,
-                        c: c.at(r, p * NR),
-                        ldc: c.stride,
-                        cols,
-                        alpha: c.alpha,
-                        accumulate: c.accumulate,
-                    })
-                };
+                for q in (0..b.depth).step_by(DEPTH_BLOCK) {
+                    // SAFETY: rows r..r+h of A and C, columns p·NR..p·NR+cols of C and the
+                    // panel's steps q.. are inside the extents the caller guarantees; tasks
+                    // own disjoint (rows, panels) tiles.
+                    unsafe {
+                        E::tile(Tile {
+                            a: &a.data[r * a.stride + q..],
+                            lda: a.stride,
+                            h,
+                            b: &panel[q * NR..],
+                            depth: (b.depth - q).min(DEPTH_BLOCK),
+                            c: c.at(r, p * NR),
+                            ldc: c.stride,
+                            cols,
+                            alpha: c.alpha,
+                            accumulate: c.accumulate || q > 0,
+                        })
+                    };
+                }
                 r += h;
             }
         }
@@ -439,6 +448,78 @@ unsafe fn tile_f32_avx512<const H: usize>(t: Tile<'_, f32>) {
 mod tests {
     use super::*;
     use crate::cpu::testutil::Rng;
+
+    /// RMS over `m × n` outputs of `(got − f64) / scale`, `scale` each output's
+    /// `√Σ (a·b)²`: the size its rounding errors are measured against.
+    fn rms_rel_error(a: &[f32], b: &[f32], got: &[f32], m: usize, n: usize, k: usize) -> f64 {
+        let mut sum = 0.0;
+        for i in 0..m {
+            for j in 0..n {
+                let terms = (0..k).map(|t| a[i * k + t] as f64 * b[j * k + t] as f64);
+                let (exact, scale) = terms.fold((0.0, 0.0), |(s, q), x| (s + x, q + x * x));
+                sum += ((got[i * n + j] as f64 - exact) / scale.sqrt()).powi(2);
+            }
+        }
+        (sum / (m * n) as f64).sqrt()
+    }
+
+    /// At the depth of the largest models' products (Qwen-Image's MLP, k = 12288), summing in
+    /// blocks keeps the rounding error near f32's: the whole-`k` single-lane sum the kernel
+    /// used before had ~6× this RMS error, enough to fail the CUDA-vs-CPU parity bounds.
+    #[test]
+    fn long_products_sum_in_blocks() {
+        let (m, k, n) = (3, 12288, 64);
+        let mut rng = Rng::new(12288);
+        let (a, b) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
+        let panels =
+            Panels::<f32>::from_rows(n, k, |j, out| out.copy_from_slice(&b[j * k..(j + 1) * k]));
+        let mut blocked = vec![0f32; m * n];
+        let lhs = Lhs {
+            data: &a,
+            stride: k,
+            rows: m,
+        };
+        let out = Out {
+            ptr: blocked.as_mut_ptr(),
+            stride: n,
+            alpha: 1.0,
+            accumulate: false,
+        };
+        // SAFETY: `blocked` holds m rows of n.
+        unsafe { gemm(&lhs, panels.all(), out, true) };
+        let mut single = vec![0f32; m * n];
+        for p in 0..n / NR {
+            let view = panels.all();
+            // SAFETY: rows 0..m and columns p·NR..(p+1)·NR of `single` (m × n) are in bounds.
+            unsafe {
+                tile_plain(Tile {
+                    a: &a,
+                    lda: k,
+                    h: m,
+                    b: &view.data[p * view.stride..],
+                    depth: k,
+                    c: single.as_mut_ptr().add(p * NR),
+                    ldc: n,
+                    cols: NR,
+                    alpha: 1.0,
+                    accumulate: false,
+                })
+            };
+        }
+        let (e_blocked, e_single) = (
+            rms_rel_error(&a, &b, &blocked, m, n, k),
+            rms_rel_error(&a, &b, &single, m, n, k),
+        );
+        eprintln!(
+            "k = {k}: RMS relative error blocked {e_blocked:.3e}, single lane {e_single:.3e}"
+        );
+        // f32's unit roundoff u = 2⁻²⁴: block sums of 256 steps and 48 block additions give an
+        // RMS near u·√(256/2 + 48/2)/√3 ≈ 4.3e-7; one lane over all of k gives ~u·√(k/6) ≈ 2.7e-6.
+        assert!(
+            e_blocked < 6e-7,
+            "k = {k}: RMS relative error {e_blocked:.3e} (single lane: {e_single:.3e})"
+        );
+    }
 
     /// f32 products at odd sizes against f64, through the AVX-512 tile where present and the
     /// portable one.
