@@ -70,16 +70,9 @@ async fn image_requests_are_refused_by_their_fields() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn qwen_image_guidance_is_bounded_as_z_image_s_is() {
-    let loader: tessera_server::ImageLoader = Box::new(|| {
-        let cpu = tessera_backend::cpu::CpuBackend::new();
-        tessera_runtime::image::load_qwen_image(
-            tessera_backend::AnyBackend::Cpu(cpu),
-            &tessera_models::qwen_image::BUNDLED,
-        )
-    });
     let s = Server::start_models(
         config(),
-        vec![ServedModel::image("qwen-image-mini", loader)],
+        vec![ServedModel::image("qwen-image-mini", qwen_image_bundled())],
     )
     .await;
     s.wait_ready().await;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use common::{IMAGE_NAME, NAME, Server, config, image_bundled};
+use common::{IMAGE_NAME, NAME, Server, config, image_bundled, qwen_image_bundled};
 use serde_json::{Value, json};
 use tessera_models::text_to_image::Request;
 use tessera_models::zimage;
@@ -980,16 +980,9 @@ async fn a_generation_past_its_timeout_gets_504_and_stops() {
 /// (multiples of 32) comes back as a 400, it has no previews, and a disconnect stops it.
 #[tokio::test(flavor = "multi_thread")]
 async fn qwen_image_is_served_through_the_same_route() {
-    let loader: tessera_server::ImageLoader = Box::new(|| {
-        let cpu = tessera_backend::cpu::CpuBackend::new();
-        tessera_runtime::image::load_qwen_image(
-            tessera_backend::AnyBackend::Cpu(cpu),
-            &tessera_models::qwen_image::BUNDLED,
-        )
-    });
     let s = Server::start_models(
         config(),
-        vec![ServedModel::image("qwen-image-mini", loader)],
+        vec![ServedModel::image("qwen-image-mini", qwen_image_bundled())],
     )
     .await;
     s.wait_ready().await;

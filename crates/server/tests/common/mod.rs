@@ -62,6 +62,17 @@ pub fn image_bundled() -> ImageLoader {
     })
 }
 
+/// The bundled Qwen-Image-2.1 on the CPU.
+pub fn qwen_image_bundled() -> ImageLoader {
+    Box::new(|| {
+        let cpu = CpuBackend::new();
+        tessera_runtime::image::load_qwen_image(
+            AnyBackend::Cpu(cpu),
+            &tessera_models::qwen_image::BUNDLED,
+        )
+    })
+}
+
 /// The bundled LFM2-VL on the CPU.
 pub fn chat_bundled() -> ChatLoader {
     let cfg = Lfm2VlConfig::read(&lfm2vl::BUNDLED).unwrap();
