@@ -21,7 +21,7 @@ use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
 
 pub use cached::{CACHED_HEAD_DIMS, MAX_CACHED_SPLITS, cached_splits, heads_per_cta};
 
-use super::device::drv;
+use super::errors::drv;
 use super::launch::{ByDim, ByElem, DevPtr, Kernel, cfg, kernel_args, kernel_table};
 use super::memory::{addr, ptr_of, ptr_of_mut};
 use super::{CudaBackend, Elem};

@@ -5,7 +5,7 @@ use tessera_core::Result;
 
 use super::CudaBackend;
 use super::attention::{self, FlashChoice};
-use super::device::drv;
+use super::errors::drv;
 use crate::{AttnSpec, Backend, Epilogue, Role, View, ViewMut};
 
 /// `len` benchmark operands uniform in [-½, ½) from an xorshift stream at `seed` (advanced).

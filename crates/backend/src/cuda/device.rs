@@ -3,28 +3,17 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::CUresult;
-use cudarc::driver::{CudaContext, DriverError};
+use cudarc::driver::CudaContext;
 use tessera_core::{Error, Result};
 
 use super::CudaBackend;
+use super::errors::drv;
 use super::gemm::Gemm;
 use super::graph::Graphs;
-use super::launch::Kernels;
 use super::nvrtc;
 use super::profile::Profiler;
+use super::tables::Kernels;
 use crate::Precision;
-
-/// A driver error of `op`, as Tessera's error: out-of-memory kept apart, so callers can split work.
-pub(super) fn drv(op: &str) -> impl Fn(DriverError) -> Error + '_ {
-    move |e| {
-        if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            Error::OutOfMemory(op.to_string())
-        } else {
-            Error::backend(op, e)
-        }
-    }
-}
 
 /// Why CUDA cannot be used here, or `Ok` if the libraries Tessera needs can be loaded.
 pub fn check_libraries() -> Result<()> {

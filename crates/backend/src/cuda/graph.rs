@@ -7,7 +7,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use tessera_core::{Error, Result};
 
 use super::CudaBackend;
-use super::device::drv;
+use super::errors::drv;
 
 /// A replayable graph. CUDA graph executables may be launched from any thread once created.
 struct Graph(CudaGraph);

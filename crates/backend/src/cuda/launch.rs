@@ -17,19 +17,11 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::Ptx;
 use tessera_core::{Error, Result};
 
-use super::attention::{self, AttentionKernels, Sm90Kernels};
-use super::device::drv;
-use super::elementwise::ElementwiseKernels;
-use super::image::ImageKernels;
-use super::norm::NormKernels;
-use super::nvrtc::{self, SOURCES};
-use super::rows::RowsKernels;
-use super::short_conv::ShortConvKernels;
+use super::errors::drv;
 use super::{CudaBackend, Elem};
 
 /// A kernel parameter's C type, as far as the launch ABI tells them apart.
@@ -343,75 +335,6 @@ macro_rules! kernel_table {
 }
 pub(super) use kernel_table;
 
-/// Every kernel table, resolved when the backend opens.
-pub struct Kernels {
-    pub norm: NormKernels,
-    pub elementwise: ElementwiseKernels,
-    pub rows: RowsKernels,
-    pub image: ImageKernels,
-    pub short_conv: ShortConvKernels,
-    pub attention: AttentionKernels,
-    /// attention_sm90.cu, built for sm_90a alone.
-    pub sm90: Option<Sm90Kernels>,
-}
-
-impl Kernels {
-    /// Compile (or load from the cache) every source built for `arch` and resolve every table.
-    pub fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Self> {
-        let kernels = Kernels {
-            norm: required(ctx, arch)?,
-            elementwise: required(ctx, arch)?,
-            rows: required(ctx, arch)?,
-            image: required(ctx, arch)?,
-            short_conv: required(ctx, arch)?,
-            attention: required(ctx, arch)?,
-            sm90: table(ctx, arch)?,
-        };
-        attention::reserve_shared_memory(&kernels.attention, kernels.sm90.as_ref())?;
-        Ok(kernels)
-    }
-}
-
-/// Table `T`, or `None` where its source is not built for `arch`.
-fn table<T: KernelTable>(ctx: &Arc<CudaContext>, arch: &str) -> Result<Option<T>> {
-    let src = SOURCES
-        .iter()
-        .find(|s| s.name == T::SOURCE)
-        .ok_or_else(|| Error::backend("kernel table", format!("no source {}", T::SOURCE)))?;
-    if !src.builds_for(arch) {
-        return Ok(None);
-    }
-    let module = ctx
-        .load_module(Ptx::from_binary(nvrtc::cubin(src, arch)?))
-        .map_err(|e| Error::backend(format!("loading {}", src.name), e))?;
-    T::load(&module).map(Some)
-}
-
-fn required<T: KernelTable>(ctx: &Arc<CudaContext>, arch: &str) -> Result<T> {
-    table(ctx, arch)?.ok_or_else(|| {
-        Error::backend(
-            "kernel table",
-            format!("{} is not built for {arch}", T::SOURCE),
-        )
-    })
-}
-
-/// Every table's source and kernels, for the CI checks against NVRTC's output.
-pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
-    fn of<T: KernelTable>() -> (&'static str, Vec<Signature>) {
-        (T::SOURCE, T::signatures())
-    }
-    vec![
-        of::<NormKernels>(),
-        of::<ElementwiseKernels>(),
-        of::<RowsKernels>(),
-        of::<ImageKernels>(),
-        of::<ShortConvKernels>(),
-        of::<AttentionKernels>(),
-        of::<Sm90Kernels>(),
-    ]
-}
-
 impl CudaBackend {
     /// Launch `kernel` with `args` on the backend's stream, timed under the profiler's class
     /// `class`; a grid without blocks launches nothing.
@@ -480,41 +403,23 @@ pub fn row_blocks(rows: usize, cols: usize, smem: u32) -> LaunchConfig {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashSet;
-
     use super::*;
+
+    kernel_args! {
+        /// Arguments of no kernel: the names below do not depend on them.
+        struct NoArgs { x: DevPtr }
+    }
 
     #[test]
     fn names_fill_every_pattern_once() {
         assert_eq!(fill("cast_{}_{}", &["f32", "bf16"]), "cast_f32_bf16");
         assert_eq!(
-            <ByPair<crate::cuda::rows::ScatterRowsArgs>>::names("s_{}_{}"),
+            <ByPair<NoArgs>>::names("s_{}_{}"),
             ["s_f32_f32", "s_f32_bf16", "s_bf16_f32", "s_bf16_bf16"]
         );
         assert_eq!(
-            <ByDim<crate::cuda::attention::FlashArgs>>::names(("f_d{}", &[16, 64])),
+            <ByDim<NoArgs>>::names(("f_d{}", &[16, 64])),
             ["f_d16", "f_d64"]
         );
-    }
-
-    /// A pattern with too few `{}` would load one kernel for two variants, and one with too many
-    /// a name with braces: both show here, before any GPU sees them.
-    #[test]
-    fn every_table_names_distinct_complete_kernels() {
-        let mut seen = HashSet::new();
-        for (source, kernels) in kernel_tables() {
-            assert!(!kernels.is_empty(), "{source}: empty table");
-            for k in kernels {
-                assert!(!k.name.contains(['{', '}']), "{source}: {}", k.name);
-                assert!(seen.insert(k.name.clone()), "{source}: {} twice", k.name);
-            }
-        }
-    }
-
-    #[test]
-    fn every_source_has_one_table() {
-        let tables: Vec<&str> = kernel_tables().iter().map(|t| t.0).collect();
-        let sources: Vec<&str> = SOURCES.iter().map(|s| s.name).collect();
-        assert_eq!(tables, sources);
     }
 }

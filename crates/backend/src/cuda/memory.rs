@@ -7,7 +7,7 @@ use tessera_core::dtype::{to_bf16_bits, widen_into};
 use tessera_core::{DType, Error, Result, Tensor, Weights};
 
 use super::CudaBackend;
-use super::device::drv;
+use super::errors::drv;
 use super::launch::DevPtr;
 use crate::{Precision, Role, View, ViewMut};
 

@@ -7,8 +7,8 @@
 //! - One module per op family beside its kernel source — [`norm`] (kernels/norm.cu),
 //!   [`elementwise`], [`rows`], [`image`] (im2col and GroupNorm), [`short_conv`] (LFM2's gated
 //!   convolution), [`attention`] (attention.cu, attention_sm90.cu) — each declaring
-//!   its kernels in a typed table with typed argument structs ([`launch`]): every kernel is
-//!   resolved when the backend opens, and CI checks the tables against NVRTC's output.
+//!   its kernels in a typed table with typed argument structs ([`launch`]): every table is
+//!   resolved when the backend opens ([`tables`]), and CI checks the tables against NVRTC's output.
 //! - bf16 attention: `flash_wgmma_d{D}` (kernels/attention_sm90.cu, warpgroup MMA) on Hopper for
 //!   head widths 64, 128, 256 and 512, else the portable `flash_bf16_d{D}` (kernels/attention.cu,
 //!   mma.sync); both split a tile's keys into chunks when that fills the GPU better
@@ -27,6 +27,7 @@ pub mod attention;
 mod bench;
 mod device;
 mod elementwise;
+mod errors;
 mod gemm;
 mod graph;
 mod image;
@@ -38,6 +39,7 @@ mod profile;
 mod rows;
 mod short_conv;
 mod support;
+mod tables;
 
 use std::sync::{Arc, Mutex};
 
@@ -52,10 +54,11 @@ pub use attention::{FlashChoice, FlashKernel};
 pub use device::{check_libraries, open};
 use gemm::Gemm;
 use graph::Graphs;
-use launch::Kernels;
-pub use launch::{Param, Signature, kernel_tables};
+pub use launch::{Param, Signature};
 pub use memory::{CudaBuf, CudaMat, CudaTable, Elem, MatFormat};
 use profile::Profiler;
+use tables::Kernels;
+pub use tables::kernel_tables;
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
