@@ -35,9 +35,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::Limits;
-use crate::http::error::ApiError;
+use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::model::Served;
 use crate::queue::Closed;
 use crate::worker::{Load, panic_message};
 
@@ -176,7 +175,7 @@ impl ChatQueue {
 
 /// The worker's load step: `loader` with the cache shape of `limits`, then what the HTTP side
 /// needs under the served `name`.
-pub fn load(name: String, loader: ChatLoader, limits: &Limits) -> Load<Box<dyn Chat>, Served> {
+pub fn load(name: String, loader: ChatLoader, limits: &Limits) -> Load<Box<dyn Chat>, ChatInfo> {
     let cache = CacheShape {
         slots: limits.max_sequences,
         ctx: limits.context,
@@ -191,7 +190,7 @@ pub fn load(name: String, loader: ChatLoader, limits: &Limits) -> Load<Box<dyn C
             sampling: chat.default_sampling(),
             device: chat.describe(),
         };
-        Ok((chat, Served::Chat(Arc::new(info))))
+        Ok((chat, info))
     })
 }
 

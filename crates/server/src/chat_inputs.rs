@@ -28,7 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::chat::ChatInfo;
 use crate::config::Limits;
-use crate::http::error::ApiError;
+use crate::error::ApiError;
 use crate::http::types::ChatRequest;
 use crate::inputs::{image_bytes, keep, kind, prefixed, reserve, too_many_in};
 

@@ -114,6 +114,27 @@ pub enum Schedule {
     Fifo,
 }
 
+/// Where a job waits in its model's queue (and the label of its queue and batch metrics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Lane {
+    /// Embeddings of text only.
+    Text,
+    /// Embeddings with images.
+    Image,
+    /// Image generations (a queue of their own, one lane).
+    Generation,
+}
+
+impl Lane {
+    pub fn label(self) -> &'static str {
+        match self {
+            Lane::Text => "text",
+            Lane::Image => "image",
+            Lane::Generation => "generation",
+        }
+    }
+}
+
 impl ServerConfig {
     /// Refuse limits that contradict each other, before anything starts.
     pub fn validate(&self) -> Result<()> {

@@ -9,16 +9,82 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_core::{Error, Result};
-use tessera_models::egemma2::{Input, TextOptions, matryoshka};
-use tessera_models::imageproc::ImageBudget;
+use tessera_models::egemma2::{Input, Prompts, TextOptions, matryoshka};
+use tessera_models::imageproc::{ImageBudget, ImageLimits};
+use tessera_models::tokenize::TextTokenizer;
 use tessera_runtime::embed::{Embed, Embedding, PassBudget};
 use tokio::sync::oneshot;
 
 use crate::config::Limits;
+use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::model::ModelInfo;
 use crate::queue::{self, Batch, Cost, Lane};
 use crate::worker::{Load, Runner, panic_message};
+
+/// The loaded embedding model's metadata, shared read-only with request handlers.
+pub struct ModelInfo {
+    /// The id in `model` fields and `/v1/models`.
+    pub name: String,
+    /// Full embedding width (the largest `dimensions`).
+    pub dim: usize,
+    pub prompts: Prompts,
+    /// A copy of the model's tokenizer: counts tokens at the edge (limits, batch budgets).
+    pub tokenizer: TextTokenizer,
+    /// What an image must satisfy at the soft-token budget of `processor_config.json`, checked
+    /// from its header before decoding; `None` for text-only checkpoints.
+    pub image_limits: Option<ImageLimits>,
+    /// Device and precision, one line.
+    pub device: String,
+}
+
+impl ModelInfo {
+    pub fn new(name: String, model: &dyn Embed) -> Self {
+        ModelInfo {
+            name,
+            dim: model.dim(),
+            prompts: model.prompts().clone(),
+            tokenizer: model.tokenizer().clone(),
+            image_limits: model
+                .default_image_budget()
+                .and_then(|b| model.image_limits(b)),
+            device: model.describe(),
+        }
+    }
+
+    /// Soft tokens per image; `None` for text-only checkpoints.
+    pub fn image_budget(&self) -> Option<ImageBudget> {
+        self.image_limits.as_ref().map(|l| l.budget)
+    }
+
+    /// Split a `model` field into the served name and a prompt name: `name` or `name:prompt`.
+    /// `None` (no `model` field) means the served model without a prompt.
+    pub fn resolve<'a>(&self, model: Option<&'a str>) -> Result<Option<&'a str>, ApiError> {
+        let Some(model) = model else { return Ok(None) };
+        if model == self.name {
+            return Ok(None);
+        }
+        match model.split_once(':') {
+            Some((name, prompt)) if name == self.name => Ok(Some(prompt)),
+            _ => Err(ApiError::ModelNotFound(format!(
+                "the model {model:?} is not served here; this server serves {:?} (append :PROMPT for a task prompt, e.g. {:?})",
+                self.name,
+                self.example_prompted_name()
+            ))),
+        }
+    }
+
+    /// Every id `/v1/models` lists: the model, then one per prompt name.
+    pub fn ids(&self) -> Vec<String> {
+        std::iter::once(self.name.clone())
+            .chain(self.prompts.names().map(|p| format!("{}:{p}", self.name)))
+            .collect()
+    }
+
+    fn example_prompted_name(&self) -> String {
+        let prompt = self.prompts.names().next().unwrap_or("query");
+        format!("{}:{prompt}", self.name)
+    }
+}
 
 /// Opens the device and loads the embedding model, on the worker's thread.
 pub type Loader = Box<dyn FnOnce() -> Result<Box<dyn Embed>> + Send>;

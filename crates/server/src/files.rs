@@ -15,7 +15,7 @@ use std::io::Read;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::http::error::ApiError;
+use crate::error::ApiError;
 
 /// Bytes read at a time, between checks of the clock.
 const CHUNK: usize = 1 << 20;

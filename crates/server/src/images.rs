@@ -27,9 +27,8 @@ use tessera_runtime::image::{Checker, GenerateImage};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::Limits;
-use crate::http::error::ApiError;
+use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::model::Served;
 use crate::queue::{self, Batch, Cost, Lane};
 use crate::worker::{Load, Runner, panic_message};
 
@@ -192,7 +191,7 @@ pub fn load(
     loader: ImageLoader,
     _limits: &Limits,
     metrics: Arc<Metrics>,
-) -> Load<ImageRunner, Served> {
+) -> Load<ImageRunner, ImageInfo> {
     Box::new(move || {
         let mut model = loader()?;
         let preview = model.preview()?;
@@ -216,7 +215,7 @@ pub fn load(
                 preview,
                 metrics,
             },
-            Served::Image(Arc::new(info)),
+            info,
         ))
     })
 }

@@ -24,9 +24,9 @@ use tessera_models::input::{Input, Part};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::Limits;
-use crate::http::error::ApiError;
+use crate::embeddings::ModelInfo;
+use crate::error::ApiError;
 use crate::http::types::ContentPart;
-use crate::model::ModelInfo;
 
 /// One input before images are read.
 type RawInput = Vec<RawPart>;
@@ -346,7 +346,7 @@ pub(crate) fn reserve(
         .map_err(|_| {
             ApiError::QueueMemory(format!(
                 "the server holds its limit of {total} MiB of images (--max-image-memory-mb): retry after {} s",
-                crate::http::error::RETRY_AFTER_SECS
+                crate::error::RETRY_AFTER_SECS
             ))
         })
 }

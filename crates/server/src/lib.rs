@@ -34,6 +34,7 @@ pub mod chat;
 pub mod chat_inputs;
 pub mod config;
 pub mod embeddings;
+pub mod error;
 pub mod files;
 pub mod http;
 pub mod images;
@@ -167,15 +168,19 @@ pub async fn serve(
                 let load: worker::Load<_, Served> = Box::new(move || {
                     load().map(|(runner, info)| (runner, Served::Embed(Arc::new(info))))
                 });
-                let spawned = worker::spawn(load, queue.clone()).map_err(spawn_failed)?;
+                let spawned = worker::spawn(&name, load, queue.clone()).map_err(spawn_failed)?;
                 (ModelQueue::Embed(queue), spawned, limits.max_queue, None)
             }
             ModelLoader::Chat(loader) => {
                 let queue = Arc::new(ChatQueue::new(metrics.clone(), &name));
                 let load = chat::load(name.clone(), loader, limits);
+                let load: worker::Load<_, Served> = Box::new(move || {
+                    load().map(|(chat, info)| (chat, Served::Chat(Arc::new(info))))
+                });
                 let (q, m) = (queue.clone(), metrics.clone());
-                let spawned = worker::spawn_with(load, move |model| chat::drive(model, q, m))
-                    .map_err(spawn_failed)?;
+                let spawned =
+                    worker::spawn_with(&name, load, move |model| chat::drive(model, q, m))
+                        .map_err(spawn_failed)?;
                 let admitted = limits.max_queue.saturating_add(limits.max_sequences);
                 (ModelQueue::Chat(queue), spawned, admitted, None)
             }
@@ -184,7 +189,10 @@ pub async fn serve(
                     Queue::generations(limits.max_image_batch, metrics.clone()).for_model(&name),
                 );
                 let load = images::load(name.clone(), loader, limits, metrics.clone());
-                let spawned = worker::spawn(load, queue.clone()).map_err(spawn_failed)?;
+                let load: worker::Load<_, Served> = Box::new(move || {
+                    load().map(|(runner, info)| (runner, Served::Image(Arc::new(info))))
+                });
+                let spawned = worker::spawn(&name, load, queue.clone()).map_err(spawn_failed)?;
                 let budget = limits.max_image_queue_mps * COST_UNITS_PER_MPS;
                 (
                     ModelQueue::Image(queue),

@@ -14,31 +14,13 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+// `Lane` lives beside `Schedule`, so that the metrics can label by lane without the queue.
+pub use crate::config::Lane;
 use crate::config::{Limits, Schedule};
 use crate::metrics::Metrics;
 
 /// Text batches served in a row before waiting images get a turn.
 pub const TEXT_TURNS: usize = 4;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Lane {
-    /// Embeddings of text only.
-    Text,
-    /// Embeddings with images.
-    Image,
-    /// Image generations (a queue of their own, one lane).
-    Generation,
-}
-
-impl Lane {
-    pub fn label(self) -> &'static str {
-        match self {
-            Lane::Text => "text",
-            Lane::Image => "image",
-            Lane::Generation => "generation",
-        }
-    }
-}
 
 /// What a job takes out of a batch's budget.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

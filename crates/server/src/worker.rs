@@ -27,13 +27,14 @@ pub trait Runner: Send + 'static {
 /// side needs to know about the model.
 pub type Load<R, I> = Box<dyn FnOnce() -> Result<(R, I)> + Send>;
 
-/// Start the worker. The receiver gets the model's metadata once it is loaded (or the load
-/// error); the thread ends when the queue is closed and drained.
+/// Start the worker of the model served as `model`. The receiver gets the model's metadata once
+/// it is loaded (or the load error); the thread ends when the queue is closed and drained.
 pub fn spawn<R: Runner, I: Send + 'static>(
+    model: &str,
     load: Load<R, I>,
     queue: Arc<Queue<R::Job>>,
 ) -> std::io::Result<(JoinHandle<()>, oneshot::Receiver<Result<I>>)> {
-    spawn_with(load, move |mut runner: R| {
+    spawn_with(model, load, move |mut runner: R| {
         while let Some(batch) = queue.next_batch() {
             runner.run(batch);
         }
@@ -43,10 +44,12 @@ pub fn spawn<R: Runner, I: Send + 'static>(
 /// Start a worker that loads with `load`, then hands what it loaded to `drive`, which runs until
 /// the server stops (a route whose work is not a queue of batches: chat's step loop).
 pub fn spawn_with<R: Send + 'static, I: Send + 'static>(
+    model: &str,
     load: Load<R, I>,
     drive: impl FnOnce(R) + Send + 'static,
 ) -> std::io::Result<(JoinHandle<()>, oneshot::Receiver<Result<I>>)> {
     let (tx, rx) = oneshot::channel();
+    let model = model.to_string();
     let handle = std::thread::Builder::new()
         .name("tessera-device".into())
         .spawn(move || {
@@ -55,7 +58,11 @@ pub fn spawn_with<R: Send + 'static, I: Send + 'static>(
                 .unwrap_or_else(|p| Err(Error::backend("load", panic_message(&p))));
             let runner = match loaded {
                 Ok((runner, info)) => {
-                    tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
+                    tracing::info!(
+                        model = %model,
+                        seconds = started.elapsed().as_secs_f64(),
+                        "model loaded"
+                    );
                     if tx.send(Ok(info)).is_err() {
                         return;
                     }
@@ -67,7 +74,7 @@ pub fn spawn_with<R: Send + 'static, I: Send + 'static>(
                 }
             };
             drive(runner);
-            tracing::debug!("device worker stopped");
+            tracing::debug!(model = %model, "device worker stopped");
         })?;
     Ok((handle, rx))
 }

@@ -7,7 +7,7 @@ use axum::response::Response;
 
 use super::AppState;
 use super::error::ApiError;
-use super::routes::drain;
+use super::upload::drain;
 
 pub async fn require_api_key(
     State(app): State<AppState>,

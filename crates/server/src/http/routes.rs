@@ -10,19 +10,19 @@ use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use super::AppState;
 use super::error::ApiError;
+use super::json;
 use super::types::{
     EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingValue, EncodingFormat, Health,
     ModelCard, ModelHealth, ModelList, Usage,
 };
-use super::{json, upload};
-use crate::embeddings::Job;
+use super::upload::{self, drain};
+use crate::embeddings::{Job, ModelInfo};
 use crate::inputs::{self, Context};
-use crate::model::{ModelInfo, ModelQueue, ModelSlot, Route, Served};
+use crate::model::{ModelQueue, ModelSlot, Route, Served};
 use crate::queue::Lane;
 
 /// A request let in: its body, its model (loaded) and a request slot of that model, held until
@@ -201,23 +201,6 @@ async fn embed(app: AppState, req: Request) -> Result<Response, ApiError> {
         },
     })
     .into_response())
-}
-
-/// Read and discard the body of a request refused before its body was read (at most `limit`
-/// bytes, a frame at a time, for at most a few seconds). Closing a connection with unread data
-/// makes the kernel reset it, and the client would see a broken connection instead of our answer.
-pub async fn drain(req: Request, limit: usize) {
-    let mut body = req.into_body();
-    let mut read = 0usize;
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-        while let Some(Ok(frame)) = body.frame().await {
-            read += frame.data_ref().map_or(0, |d| d.len());
-            if read > limit {
-                break;
-            }
-        }
-    })
-    .await;
 }
 
 /// The prompt from `prompt_name` or a `model` suffix (`name:prompt`); both must agree.

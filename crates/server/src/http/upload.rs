@@ -12,11 +12,11 @@ use std::sync::{Arc, Mutex};
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Request};
 use axum::http::header;
+use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::AppState;
 use super::error::{ApiError, RETRY_AFTER_SECS};
-use super::routes::drain;
 
 /// How far past the limit an over-limit body is still read (and discarded) so that its sender
 /// gets the 413: a client that overshoots by a few times the limit is answered, not reset.
@@ -145,6 +145,23 @@ pub async fn receive(app: &AppState, req: Request) -> Result<Bytes, ApiError> {
             })
         }
     }
+}
+
+/// Read and discard the body of a request refused before its body was read (at most `limit`
+/// bytes, a frame at a time, for at most a few seconds). Closing a connection with unread data
+/// makes the kernel reset it, and the client would see a broken connection instead of our answer.
+pub async fn drain(req: Request, limit: usize) {
+    let mut body = req.into_body();
+    let mut read = 0usize;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while let Some(Ok(frame)) = body.frame().await {
+            read += frame.data_ref().map_or(0, |d| d.len());
+            if read > limit {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 #[cfg(test)]
