@@ -23,6 +23,7 @@ use tessera_runtime::embed::{self, Embed, PassBudget};
 
 use crate::device::DeviceArgs;
 use crate::noise::XorShift;
+use crate::stdout::outln;
 
 mod chat;
 mod generate;
@@ -300,8 +301,8 @@ fn random_docs(config: &egemma2::Config, n: usize, len: usize) -> Vec<Vec<u32>> 
         .collect()
 }
 
-fn emit(v: serde_json::Value) {
-    println!("{v}");
+fn emit(v: serde_json::Value) -> Result<()> {
+    outln!("{v}")
 }
 
 fn embed(b: EmbedBench) -> Result<()> {
@@ -320,7 +321,7 @@ fn embed(b: EmbedBench) -> Result<()> {
         emit(with(
             t.json(),
             serde_json::json!({"name": "eg2_W1_query", "tokens": tokens, "device": device}),
-        ));
+        ))?;
     }
     if wanted.contains(&"w2") {
         let tokens = model.tokenize(&inputs.long, &opts)?.len();
@@ -334,7 +335,7 @@ fn embed(b: EmbedBench) -> Result<()> {
             t.json(),
             serde_json::json!({"name": "eg2_W2_doc", "tokens": tokens,
             "tflops": flops / t.median() / 1e9, "device": device}),
-        ));
+        ))?;
     }
     let random_docs = |n: usize, len: usize| random_docs(&config, n, len);
     if wanted.contains(&"batch") {
@@ -348,7 +349,7 @@ fn embed(b: EmbedBench) -> Result<()> {
             t.json(),
             serde_json::json!({"name": "eg2_batch", "docs": n, "tokens_per_doc": len,
             "tflops": flops / t.median() / 1e9, "device": device}),
-        ));
+        ))?;
     }
     if wanted.contains(&"w3") {
         let docs = random_docs(b.w3_docs, 256);
@@ -372,7 +373,7 @@ fn embed(b: EmbedBench) -> Result<()> {
             emit(
                 serde_json::json!({"name": "eg2_W3_docs256", "pass_tokens": pass, "docs": docs.len(), "seconds": med / 1e3,
                 "docs_per_s": docs_per_s, "tokens_per_s": docs_per_s * 256.0, "tflops": flops / med / 1e9, "device": device}),
-            );
+            )?;
             if best.is_none_or(|(r, _)| docs_per_s > r) {
                 best = Some((docs_per_s, pass));
             }
@@ -382,7 +383,7 @@ fn embed(b: EmbedBench) -> Result<()> {
             emit(
                 serde_json::json!({"name": "eg2_W3_best", "pass_tokens": pass, "docs_per_s": rate, "tflops": tflops,
                 "mfu": b.ceiling_tflops.map(|c| tflops / c), "ceiling_tflops": b.ceiling_tflops, "device": device}),
-            );
+            )?;
         }
     }
     Ok(())
@@ -395,7 +396,7 @@ fn gemm(b: GemmBench) -> Result<()> {
             let tflops = be.bench_gemm(b.size, 20)?;
             emit(
                 serde_json::json!({"name": "cublaslt_bf16_gemm", "size": b.size, "tflops": tflops, "device": be.describe_device()}),
-            );
+            )?;
             // The model's own products: a 17-token query's (weight-bandwidth bound) and one
             // 2,394-patch image's vision-tower products (too few output tiles to fill the GPU).
             for (what, (m, n, k)) in MODEL_GEMMS {
@@ -405,7 +406,7 @@ fn gemm(b: GemmBench) -> Result<()> {
                     serde_json::json!({"name": "gemm_shape", "what": what, "m": m, "n": n, "k": k,
                     "us": ms * 1e3, "tflops": 2.0 * (m * n * k) as f64 / (ms / 1e3) / 1e12,
                     "weight_tb_s": weight_bytes / (ms / 1e3) / 1e12}),
-                );
+                )?;
             }
             Ok(())
         }
@@ -440,17 +441,17 @@ fn peak(b: PeakBench) -> Result<()> {
     // About a second on two cores at 200 GFLOP/s.
     match peak::fma_flops(50_000_000 / threads.max(1)) {
         Some((flops, isa)) => emit(serde_json::json!({"name": "cpu_fma_peak", "isa": isa,
-            "threads": threads, "gflops": flops / 1e9, "load1": load1()})),
+            "threads": threads, "gflops": flops / 1e9, "load1": load1()}))?,
         None => emit(serde_json::json!({"name": "cpu_fma_peak", "isa": null,
-            "note": "no AVX-512F or AVX2+FMA on this CPU"})),
+            "note": "no AVX-512F or AVX2+FMA on this CPU"}))?,
     }
     match peak::bf16_dot_flops(50_000_000 / threads.max(1)) {
         Some(flops) => emit(
             serde_json::json!({"name": "cpu_bf16_dot_peak", "isa": "AVX512_BF16",
             "threads": threads, "gflops": flops / 1e9, "load1": load1()}),
-        ),
+        )?,
         None => emit(serde_json::json!({"name": "cpu_bf16_dot_peak", "isa": null,
-            "note": "no AVX512_BF16 on this CPU"})),
+            "note": "no AVX512_BF16 on this CPU"}))?,
     }
     let square = ("square", (b.size, b.size, b.size));
     for precision in [Precision::F32, Precision::Bf16] {
@@ -464,7 +465,7 @@ fn peak(b: PeakBench) -> Result<()> {
             emit(
                 serde_json::json!({"name": "cpu_product", "precision": precision.to_string(),
                 "what": what, "m": m, "n": n, "k": k, "threads": threads, "gflops": gflops}),
-            );
+            )?;
         }
     }
     // The denormal cliff (issue 32): the same product with every activation a denormal
@@ -479,7 +480,7 @@ fn peak(b: PeakBench) -> Result<()> {
         serde_json::json!({"name": "cpu_denormal_ratio", "what": CPU_GEMMS[2].0,
         "gflops_normal": normal, "gflops_denormal": denormal,
         "slowdown": normal / denormal, "threads": threads}),
-    );
+    )?;
     Ok(())
 }
 
@@ -548,7 +549,7 @@ fn image(b: ImageBench) -> Result<()> {
         t.json(),
         serde_json::json!({"name": "eg2_image_single", "file": b.image.display().to_string(),
         "budget": b.budget, "tokens": tokens, "device": device}),
-    ));
+    ))?;
     if b.images == 0 {
         return Ok(());
     }
@@ -583,7 +584,7 @@ fn image(b: ImageBench) -> Result<()> {
         let rate = inputs.len() as f64 / (t.median() / 1e3);
         emit(
             serde_json::json!({"name": "eg2_images_mixed", "images": inputs.len(), "pass_patches": pass, "images_per_s": rate, "device": device}),
-        );
+        )?;
         if best.is_none_or(|(r, _)| rate > r) {
             best = Some((rate, pass));
         }
@@ -605,11 +606,11 @@ fn image(b: ImageBench) -> Result<()> {
     emit(
         serde_json::json!({"name": "eg2_images_preprocess_only", "images": inputs.len(),
         "images_per_s": inputs.len() as f64 / (t.median() / 1e3), "device": "host"}),
-    );
+    )?;
     if let Some((rate, pass)) = best {
         emit(
             serde_json::json!({"name": "eg2_images_mixed_best", "images": inputs.len(), "pass_patches": pass, "images_per_s": rate, "device": device}),
-        );
+        )?;
     }
     Ok(())
 }
@@ -675,7 +676,7 @@ fn attention(b: AttentionBench) -> Result<()> {
                 "kernel": choice.kernel.map(|k| format!("{k:?}")), "kv_splits": splits,
                 "chosen": choice.splits.is_none(),
                 "median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}),
-            );
+            )?;
         }
     }
     Ok(())

@@ -174,7 +174,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     if let Some(q) = &args.prompt {
         messages.push(user_turn(q, images.len()));
         ask(model.as_mut(), &messages, &images, &params)?;
-        model::note_if_bundled(&spec);
+        model::note_if_bundled(&spec, args.model.as_deref());
         return Ok(());
     }
     let interactive = std::io::stdin().is_terminal();
@@ -254,7 +254,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             }
         }
     }
-    model::note_if_bundled(&spec);
+    model::note_if_bundled(&spec, args.model.as_deref());
     Ok(())
 }
 

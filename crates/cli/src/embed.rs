@@ -18,6 +18,7 @@ use tessera_runtime::embed::{self, Embed, Embedding};
 
 use crate::model;
 use crate::output::{Format, write_jsonl, write_npy};
+use crate::stdout;
 
 #[derive(Args)]
 pub struct EmbedArgs {
@@ -160,13 +161,16 @@ pub fn run(args: EmbedArgs, matches: Option<&ArgMatches>) -> Result<()> {
     };
     bar.finish_and_clear();
 
-    let write_err =
-        |e: std::io::Error| Error::io(args.out.clone().unwrap_or_else(|| "<stdout>".into()), e);
+    let write_err = |e: std::io::Error| match &args.out {
+        Some(p) => Error::io(p, e),
+        None => stdout::error(e),
+    };
     match args.format {
-        Format::Jsonl => write_jsonl(&mut sink, &spec.label, &embeddings).map_err(write_err)?,
-        Format::Npy => write_npy(&mut sink, &embeddings)?,
+        Format::Jsonl => write_jsonl(&mut sink, &spec.label, &embeddings),
+        Format::Npy => write_npy(&mut sink, &embeddings),
     }
-    model::note_if_bundled(&spec);
+    .map_err(write_err)?;
+    model::note_if_bundled(&spec, args.model.as_deref());
     Ok(())
 }
 

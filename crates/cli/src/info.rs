@@ -10,6 +10,7 @@ use tessera_runtime::{Family, ModelFilesOf, ModelSpec};
 
 use crate::device::DeviceArgs;
 use crate::model;
+use crate::stdout::outln;
 
 #[derive(Args)]
 pub struct InfoArgs {
@@ -22,33 +23,33 @@ pub struct InfoArgs {
 }
 
 /// One component's parameter count, main dtype and size.
-fn weights_line(label: &str, w: &Weights) {
-    println!(
+fn weights_line(label: &str, w: &Weights) -> Result<()> {
+    outln!(
         "{label:<12} {} parameters, {} ({:.1} MB)",
         w.total_params(),
         w.main_dtype()
             .map_or("mixed".to_string(), |d| d.to_string()),
         w.total_bytes() as f64 / 1e6
-    );
+    )
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
     let spec = ModelSpec::open(args.model.as_deref(), Family::EmbeddingGemma2)?;
     let cap = spec.family.capability();
-    println!("model:       {}", spec.label);
-    println!("location:    {}", spec.location());
-    println!(
+    outln!("model:       {}", spec.label)?;
+    outln!("location:    {}", spec.location())?;
+    outln!(
         "family:      {} — {} (`{}`)",
         spec.family.name(),
         cap.describe(),
         cap.command()
-    );
+    )?;
     match &spec.files {
         ModelFilesOf::EmbeddingGemma2(files, config) => egemma2_details(files, config)?,
         ModelFilesOf::Lfm2Vl(files, c) => {
             let (v, t) = (&c.vision, &c.text);
             let convs = t.layers.iter().filter(|&&k| k == LayerKind::Conv).count();
-            println!(
+            outln!(
                 "vision:      SigLIP2 NaFlex, {} layers, width {}, {} heads; projector {} → {} → {}{}",
                 v.layers,
                 v.hidden,
@@ -61,8 +62,8 @@ pub fn run(args: InfoArgs) -> Result<()> {
                 } else {
                     ""
                 }
-            );
-            println!(
+            )?;
+            outln!(
                 "text:        LFM2, {} layers ({convs} conv, {} attention), width {}, {} heads ({} kv), FFN {}, vocab {}",
                 t.layers.len(),
                 t.layers.len() - convs,
@@ -71,13 +72,13 @@ pub fn run(args: InfoArgs) -> Result<()> {
                 t.heads_kv,
                 t.ffn,
                 t.vocab
-            );
-            weights_line("weights:", &files.weights("model")?);
+            )?;
+            weights_line("weights:", &files.weights("model")?)?;
         }
         ModelFilesOf::ZImage(files, c) => {
             let te = &c.text_encoder;
             let tr = &c.transformer;
-            println!(
+            outln!(
                 "text:        Qwen3, {} of {} layers run, width {}, {} heads ({} kv), vocab {}",
                 te.num_layers - 1,
                 te.num_layers,
@@ -85,12 +86,12 @@ pub fn run(args: InfoArgs) -> Result<()> {
                 te.heads_q,
                 te.heads_kv,
                 te.vocab_size
-            );
-            println!(
+            )?;
+            outln!(
                 "prompt:      {}",
                 PromptTemplate::load(&files.tokenizer)?.describe()
-            );
-            println!(
+            )?;
+            outln!(
                 "transformer: {} + {} refiner + {} main layers, width {}, {} heads of {}",
                 tr.n_refiner_layers,
                 tr.n_refiner_layers,
@@ -98,25 +99,29 @@ pub fn run(args: InfoArgs) -> Result<()> {
                 tr.dim,
                 tr.n_heads,
                 tr.head_dim()
-            );
-            println!(
+            )?;
+            outln!(
                 "vae:         {} blocks of {:?} channels, {} latent channels",
                 c.vae.block_out_channels.len(),
                 c.vae.block_out_channels,
                 c.vae.latent_channels
-            );
+            )?;
             weights_line(
                 "weights:",
                 &files.transformer.weights("diffusion_pytorch_model")?,
-            );
+            )?;
         }
         ModelFilesOf::QwenImage(files, c) => {
             let (te, tr, vae) = (&c.text_encoder, &c.transformer, &c.vae);
-            println!(
+            outln!(
                 "text:        Qwen3-VL language model, {} layers, width {}, {} heads ({} kv), vocab {}; features before the final norm",
-                te.num_layers, te.hidden_size, te.heads_q, te.heads_kv, te.vocab_size
-            );
-            println!(
+                te.num_layers,
+                te.hidden_size,
+                te.heads_q,
+                te.heads_kv,
+                te.vocab_size
+            )?;
+            outln!(
                 "transformer: {} single-stream blocks, width {}, {} heads of {}, FFN {}, RoPE axes {:?}; prefix K/V cached",
                 tr.num_layers,
                 tr.dim(),
@@ -124,32 +129,32 @@ pub fn run(args: InfoArgs) -> Result<()> {
                 tr.head_dim,
                 tr.ffn_dim(),
                 tr.axes_dims
-            );
-            println!(
+            )?;
+            outln!(
                 "vae:         RGBA, {}× per side, {} latent channels, decoder width {} × {:?}",
                 vae.scale(),
                 vae.z_dim,
                 vae.decoder_base_dim,
                 vae.dim_mult
-            );
+            )?;
             if let Some(s) = &c.index.sample_sigmas {
-                println!("schedule:    the author's σ grid of {} steps", s.len());
+                outln!("schedule:    the author's σ grid of {} steps", s.len())?;
             }
             weights_line(
                 "weights:",
                 &files.transformer.weights("diffusion_pytorch_model")?,
-            );
+            )?;
         }
     }
-    println!("ops:         {} distinct", spec.ops().len());
+    outln!("ops:         {} distinct", spec.ops().len())?;
     for (device, support) in spec.support() {
         match support {
-            Ok(d) => println!("{:<12} runs it: {d}", format!("{device}:")),
-            Err(e) => println!("{:<12} cannot run it: {e}", format!("{device}:")),
+            Ok(d) => outln!("{:<12} runs it: {d}", format!("{device}:"))?,
+            Err(e) => outln!("{:<12} cannot run it: {e}", format!("{device}:"))?,
         }
     }
-    println!("runs on:     {}", args.device.open_for(&spec)?.describe());
-    model::note_if_bundled(&spec);
+    outln!("runs on:     {}", args.device.open_for(&spec)?.describe())?;
+    model::note_if_bundled(&spec, args.model.as_deref());
     Ok(())
 }
 
@@ -160,8 +165,8 @@ fn egemma2_details(files: &tessera_models::ModelFiles, config: &egemma2::Config)
         .iter()
         .filter(|l| l.kind == LayerType::Full)
         .count();
-    weights_line("weights:", &files.weights("model")?);
-    println!(
+    weights_line("weights:", &files.weights("model")?)?;
+    outln!(
         "text:        {} layers ({} sliding, window ±{}; {} full), width {}, {} heads, vocab {}",
         t.layers.len(),
         t.layers.len() - n_full,
@@ -170,15 +175,15 @@ fn egemma2_details(files: &tessera_models::ModelFiles, config: &egemma2::Config)
         t.hidden_size,
         t.num_heads,
         t.vocab_size
-    );
-    println!(
+    )?;
+    outln!(
         "embedding:   {} dims (Matryoshka: any smaller --dim, re-normalised)",
         t.embedding_dim
-    );
-    println!(
+    )?;
+    outln!(
         "max tokens:  {} positions (no truncation unless --max-tokens)",
         t.max_positions
-    );
+    )?;
     let vision = match &config.vision {
         Some(v) => format!(
             "{} layers, width {}, {}×{} patches pooled {}×{}; default image budget {} soft tokens",
@@ -192,18 +197,18 @@ fn egemma2_details(files: &tessera_models::ModelFiles, config: &egemma2::Config)
         ),
         None => "no (text only)".to_string(),
     };
-    println!("vision:      {vision}");
+    outln!("vision:      {vision}")?;
     let prompts: Vec<String> = egemma2::Prompts::load(files)?
         .names()
         .map(str::to_string)
         .collect();
-    println!(
+    outln!(
         "prompts:     {}",
         if prompts.is_empty() {
             "none".to_string()
         } else {
             prompts.join(", ")
         }
-    );
+    )?;
     Ok(())
 }

@@ -29,6 +29,7 @@ use serde_json::json;
 use tessera_core::{Error, Result};
 
 use crate::device::DeviceArgs;
+use crate::stdout::outln;
 
 #[derive(Args)]
 pub struct LoadTest {
@@ -547,8 +548,8 @@ impl Report {
         seconds: f64,
         rss: Option<(f64, f64)>,
         allowed: &[u16],
-    ) {
-        self.phase_with(name, stats, seconds, rss, allowed, json!({}));
+    ) -> Result<()> {
+        self.phase_with(name, stats, seconds, rss, allowed, json!({}))
     }
 
     /// [`Report::phase`] with `extra` fields in its line.
@@ -560,7 +561,7 @@ impl Report {
         rss: Option<(f64, f64)>,
         allowed: &[u16],
         extra: serde_json::Value,
-    ) {
+    ) -> Result<()> {
         let unexpected = stats.unexpected(allowed);
         let mut line = json!({
             "phase": name,
@@ -584,7 +585,7 @@ impl Report {
                 l.insert(k.clone(), v.clone());
             }
         }
-        println!("{line}");
+        outln!("{line}")?;
         if unexpected > 0 {
             self.failures.push(format!(
                 "{name}: {unexpected} unexpected answers, e.g. {:?}",
@@ -592,6 +593,7 @@ impl Report {
             ));
         }
         self.lines.push(line);
+        Ok(())
     }
 
     pub(crate) fn table(&self) {
@@ -723,7 +725,7 @@ async fn phases(
             None,
         )
         .await;
-        report.phase(&format!("text_c{n}"), &stats, secs, rss_mb(target.pid), &[]);
+        report.phase(&format!("text_c{n}"), &stats, secs, rss_mb(target.pid), &[])?;
     }
 
     if args.image_clients > 0 {
@@ -741,8 +743,8 @@ async fn phases(
             limit,
         )
         .await?;
-        report.phase("mixed_text", &text, secs, rss_mb(target.pid), &[]);
-        report.phase("mixed_image", &imgs, img_secs, rss_mb(target.pid), &[]);
+        report.phase("mixed_text", &text, secs, rss_mb(target.pid), &[])?;
+        report.phase("mixed_image", &imgs, img_secs, rss_mb(target.pid), &[])?;
     }
 
     if args.burst > 0 {
@@ -765,7 +767,7 @@ async fn phases(
         )
         .await;
         let after = rss_mb(target.pid);
-        report.phase("burst", &stats, secs, after, &[429]);
+        report.phase("burst", &stats, secs, after, &[429])?;
         if stats.count(429) == 0 {
             report.failures.push(format!(
                 "burst: {} requests against --max-queue {} got no 429",
@@ -777,7 +779,7 @@ async fn phases(
             let line = json!({"phase": "memory", "rss_before_burst_mb": start,
                 "peak_rss_during_burst_mb": peak, "growth_mb": growth,
                 "rss_after_warmup_mb": rss_start.map(|r| r.0)});
-            println!("{line}");
+            outln!("{line}")?;
             if growth > args.max_rss_growth_mb as f64 {
                 report.failures.push(format!(
                     "server peak RSS grew by {growth:.0} MiB during the burst, more than --max-rss-growth-mb {}",

@@ -27,6 +27,7 @@ use tessera_core::{Error, Result};
 
 use crate::device::DeviceArgs;
 use crate::loadtest::{Body, Client, Load, Report, Target, phase, rss_mb, under_load, wait_ready};
+use crate::stdout::outln;
 
 #[derive(Args)]
 pub struct ImageLoadTest {
@@ -326,7 +327,7 @@ async fn phases(
             let name = format!("gen_{}x{}_c{n}", size.0, size.1);
             let extra = json!({"size": format!("{}x{}", size.0, size.1), "clients": n,
                 "steps": args.steps, "images_per_s": stats.inputs as f64 / secs.max(1e-9)});
-            report.phase_with(&name, &stats, secs, rss_mb(pid), &[], extra);
+            report.phase_with(&name, &stats, secs, rss_mb(pid), &[], extra)?;
         }
     }
 
@@ -341,7 +342,7 @@ async fn phases(
             None,
         )
         .await;
-        report.phase("embed_idle", &idle, secs, rss_mb(pid), &[]);
+        report.phase("embed_idle", &idle, secs, rss_mb(pid), &[])?;
 
         let size = sizes[0];
         let ((during, secs), (gens, gen_secs)) = under_load(
@@ -360,9 +361,9 @@ async fn phases(
         .await?;
         let sized = format!("{}x{}", size.0, size.1);
         let extra = json!({"gen_clients": args.gen_clients, "size": sized});
-        report.phase_with("embed_during", &during, secs, rss_mb(pid), &[], extra);
+        report.phase_with("embed_during", &during, secs, rss_mb(pid), &[], extra)?;
         let extra = json!({"size": sized, "images_per_s": gens.inputs as f64 / gen_secs.max(1e-9)});
-        report.phase_with("gen_beside_embed", &gens, gen_secs, rss_mb(pid), &[], extra);
+        report.phase_with("gen_beside_embed", &gens, gen_secs, rss_mb(pid), &[], extra)?;
     }
 
     if args.burst > 0 {
@@ -384,7 +385,7 @@ async fn phases(
         .await;
         let after = rss_mb(pid);
         let extra = json!({"size": args.burst_size, "requests": args.burst});
-        report.phase_with("burst", &stats, secs, after, &[429], extra);
+        report.phase_with("burst", &stats, secs, after, &[429], extra)?;
         if stats.count(429) == 0 {
             report.failures.push(format!(
                 "burst: {} requests against --max-queue {} got no 429",
@@ -395,7 +396,7 @@ async fn phases(
             let growth = peak - start;
             let line = json!({"phase": "memory", "rss_before_burst_mb": start,
                 "peak_rss_during_burst_mb": peak, "growth_mb": growth});
-            println!("{line}");
+            outln!("{line}")?;
             if growth > args.max_rss_growth_mb as f64 {
                 report.failures.push(format!(
                     "server peak RSS grew by {growth:.0} MiB during the burst, more than --max-rss-growth-mb {}",

@@ -16,6 +16,7 @@ mod noise;
 mod output;
 mod serve;
 mod signals;
+mod stdout;
 
 use std::process::ExitCode;
 
@@ -94,6 +95,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader has what it wanted (`| head`): nothing to say.
+        Err(e) if stdout::is_closed_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

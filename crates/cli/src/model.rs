@@ -16,11 +16,17 @@ pub fn open(spec: Option<&str>, capability: Capability) -> Result<ModelSpec> {
     ModelSpec::open(spec, bundled)?.expect(capability)
 }
 
-/// Said once on stderr after a successful run on a bundled model.
-pub fn note_if_bundled(spec: &ModelSpec) {
+/// Said once on stderr after a successful run on a bundled model; `given` is what `--model`
+/// said (`bundled:NAME` asks for a miniature by name, and is not told it gave none).
+pub fn note_if_bundled(spec: &ModelSpec, given: Option<&str>) {
     if spec.is_bundled() {
+        let how = if given.is_some() {
+            ""
+        } else {
+            "no --model given: "
+        };
         eprintln!(
-            "note: no --model given: this ran the {} (random weights: for checking an install, not for use)",
+            "note: {how}this ran the {} (random weights: for checking an install, not for use)",
             spec.family.bundled_name()
         );
     }

@@ -2,7 +2,6 @@
 
 use std::io::Write;
 
-use tessera_core::{Error, Result};
 use tessera_runtime::embed::Embedding;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -43,7 +42,7 @@ pub fn write_jsonl(
 
 /// NumPy format version 1.0: magic, header length, a Python-dict header padded with spaces to a
 /// multiple of 64 bytes and ended by a newline, then the raw data.
-pub fn write_npy(out: &mut dyn Write, embeddings: &[Embedding]) -> Result<()> {
+pub fn write_npy(out: &mut dyn Write, embeddings: &[Embedding]) -> std::io::Result<()> {
     let dim = embeddings.first().map_or(0, |e| e.vector.len());
     let header = format!(
         "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {dim}), }}",
@@ -52,7 +51,8 @@ pub fn write_npy(out: &mut dyn Write, embeddings: &[Embedding]) -> Result<()> {
     let unpadded = 10 + header.len() + 1;
     let pad = unpadded.div_ceil(64) * 64 - unpadded;
     let header = format!("{header}{}\n", " ".repeat(pad));
-    let len = u16::try_from(header.len()).map_err(|_| Error::input("npy header too long"))?;
+    let len =
+        u16::try_from(header.len()).map_err(|_| std::io::Error::other("npy header too long"))?;
     let mut buf = Vec::with_capacity(10 + header.len() + embeddings.len() * dim * 4);
     buf.extend_from_slice(b"\x93NUMPY\x01\x00");
     buf.extend_from_slice(&len.to_le_bytes());
@@ -62,9 +62,8 @@ pub fn write_npy(out: &mut dyn Write, embeddings: &[Embedding]) -> Result<()> {
             buf.extend_from_slice(&v.to_le_bytes());
         }
     }
-    out.write_all(&buf)
-        .and_then(|_| out.flush())
-        .map_err(|e| Error::io("<output>", e))
+    out.write_all(&buf)?;
+    out.flush()
 }
 
 #[cfg(test)]

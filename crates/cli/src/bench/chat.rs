@@ -18,6 +18,7 @@ use tessera_runtime::family::Capability;
 use crate::device::DeviceArgs;
 use crate::model;
 use crate::noise::XorShift;
+use crate::stdout::outln;
 
 #[derive(Args)]
 pub struct ChatBench {
@@ -138,10 +139,10 @@ pub fn run(b: ChatBench) -> Result<()> {
         },
     )?;
     let device = m.describe();
-    println!(
+    outln!(
         "{}",
         serde_json::json!({"bench": "chat", "what": "load", "model": spec.label, "device": device, "ms": ms(started.elapsed())})
-    );
+    )?;
     let greedy = |n| GenerationParams {
         sampling: SamplingParams::default(),
         max_tokens: n,
@@ -174,11 +175,11 @@ pub fn run(b: ChatBench) -> Result<()> {
                 prefill.push(ms(first));
             }
         }
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"bench": "chat", "what": "image prompt", "image": format!("{w}x{h}"), "prompt_tokens": tokens,
                 "preprocess_ms": median(prep), "prefill_ms": median(prefill), "device": device})
-        );
+        )?;
     }
     for &n in &b.prefill {
         let mut times = Vec::new();
@@ -190,10 +191,10 @@ pub fn run(b: ChatBench) -> Result<()> {
             }
         }
         let t = median(times);
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"bench": "chat", "what": "prefill", "tokens": n, "ms": t, "tokens_per_s": n as f64 / t * 1e3, "device": device})
-        );
+        )?;
     }
     for &batch in &b.batch {
         let (mut step_ms, mut prefill) = (Vec::new(), Vec::new());
@@ -211,12 +212,12 @@ pub fn run(b: ChatBench) -> Result<()> {
             }
         }
         let s = median(step_ms);
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"bench": "chat", "what": "decode", "batch": batch, "prompt_tokens": b.prompt_tokens,
                 "new_tokens": b.new_tokens, "step_ms": s, "tokens_per_s_per_seq": 1e3 / s, "tokens_per_s": batch as f64 * 1e3 / s,
                 "prefill_ms": median(prefill), "device": device})
-        );
+        )?;
     }
     Ok(())
 }

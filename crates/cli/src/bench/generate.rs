@@ -14,6 +14,7 @@ use tessera_runtime::image;
 use crate::device::DeviceArgs;
 use crate::generate::{encode_png, parse_size};
 use crate::model;
+use crate::stdout::outln;
 
 #[derive(Args)]
 pub struct GenerateBench {
@@ -148,7 +149,7 @@ pub fn run(b: GenerateBench) -> Result<()> {
         "step_ms": step, "decode_ms": median(&runs, |r| ms(r.decode)),
         "png_ms": median(&runs, |r| ms(r.png)), "iters": runs.len(),
     });
-    println!(
+    outln!(
         "{} × {width}x{height}, {} steps on {}: end to end {:.1} ms (encode {:.1}, step {:.1}, decode {:.1}, png {:.1}); load {:.2} s, first run {:.0} ms",
         b.num_images,
         req.steps,
@@ -160,7 +161,7 @@ pub fn run(b: GenerateBench) -> Result<()> {
         json["png_ms"].as_f64().unwrap_or(0.0),
         load.as_secs_f64(),
         ms(first.total)
-    );
-    println!("{json}");
+    )?;
+    outln!("{json}")?;
     Ok(())
 }

@@ -19,6 +19,7 @@ use tessera_runtime::family::{Capability, Family, ModelFilesOf, ModelSpec};
 
 use crate::device::DeviceArgs;
 use crate::generate::parse_size;
+use crate::stdout::outln;
 
 #[derive(Args)]
 pub struct QwenImagePartsBench {
@@ -117,13 +118,13 @@ impl BackendFn for Parts<'_> {
             )));
         }
         let (h, w) = (height / scale, width / scale);
-        let emit = |what: String, ms: f64| {
-            println!("timing {what} {ms:.2}");
-            println!(
+        let emit = |what: String, ms: f64| -> Result<()> {
+            outln!("timing {what} {ms:.2}")?;
+            outln!(
                 "{}",
                 serde_json::json!({"bench": "qwen-image-parts", "model": self.label,
                     "device": describe, "what": what, "median_ms": ms, "iters": b.iters})
-            );
+            )
         };
 
         // Ids 10..410 (fewer in a miniature's vocabulary), as the reference bench's prompt.
@@ -135,7 +136,7 @@ impl BackendFn for Parts<'_> {
             drop: PROMPT_DROP,
         };
         let te = median_ms(b.iters, || m.encode(std::slice::from_ref(&ids)).map(drop))?;
-        emit(format!("text_encoder_{}tok_ms", b.prompt_tokens), te);
+        emit(format!("text_encoder_{}tok_ms", b.prompt_tokens), te)?;
 
         let lat = ramp(h * w * cfg.in_channels, 17);
         for &rows in &b.prefix_rows {
@@ -157,15 +158,15 @@ impl BackendFn for Parts<'_> {
             let step = median_ms(b.iters, || {
                 tr.step(be, &mut st, &[&prefix], &[&lat], 0).map(drop)
             })?;
-            emit(format!("prefill_{rows}rows_ms"), prefill);
-            emit(format!("step_{width}x{height}_prefix{rows}_ms"), step);
+            emit(format!("prefill_{rows}rows_ms"), prefill)?;
+            emit(format!("step_{width}x{height}_prefix{rows}_ms"), step)?;
         }
 
         let z = ramp(h * w * cfg.in_channels, 11);
         let vae = median_ms(b.iters, || {
             m.vae().decode(m.backend(), &z, (h, w), None).map(drop)
         })?;
-        emit(format!("vae_decode_{width}x{height}_ms"), vae);
+        emit(format!("vae_decode_{width}x{height}_ms"), vae)?;
         Ok(())
     }
 }
