@@ -10,7 +10,7 @@ use tessera_core::{Error, Result};
 use crate::cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 use crate::cuda::CudaBackend;
-use crate::{Backend, Op, Precision};
+use crate::{Backend, Op, Precision, Quantization};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DeviceRequest {
@@ -84,27 +84,39 @@ impl AnyBackend {
         precision: Option<Precision>,
         note: impl FnMut(&str),
     ) -> Result<Self> {
-        Self::open_for(req, precision, &[], note)
+        Self::open_for(req, precision, Quantization::default(), &[], note)
     }
 
     /// [`open`](Self::open) for a model that will call `ops`: a device that cannot run one of
     /// them is declined here, before anything loads — `auto` then runs on the CPU and says why,
-    /// an explicit `cuda` fails with the reason.
+    /// an explicit `cuda` fails with the reason. `quant.at_load` (`--quantize`): the block
+    /// format the model's float matrices are quantized to as they load, so its products are
+    /// asked for on that format.
     pub fn open_for(
         req: DeviceRequest,
         precision: Option<Precision>,
+        quant: Quantization,
         ops: &[Op],
         mut note: impl FnMut(&str),
     ) -> Result<Self> {
+        if let Some(q) = quant.at_load.filter(|q| !q.is_quantized()) {
+            return Err(Error::input(format!(
+                "cannot quantize to {q}: not a block format"
+            )));
+        }
+        let ops: Vec<Op> = ops
+            .iter()
+            .map(|op| op.with_weights(quant.at_load))
+            .collect();
         // The CPU computes in f32 unless bf16 is asked for (where the GPU defaults to bf16).
         let cpu = |precision: Option<Precision>| -> Result<AnyBackend> {
-            Ok(AnyBackend::Cpu(CpuBackend::with_precision(
-                precision.unwrap_or_default(),
-            )))
+            Ok(AnyBackend::Cpu(
+                CpuBackend::with_precision(precision.unwrap_or_default()).quantizing(quant),
+            ))
         };
         let cuda = |ordinal: usize| -> Result<AnyBackend> {
             let be = open_cuda(ordinal, precision.unwrap_or(Precision::Bf16))?;
-            be.supports_all(ops)?;
+            be.supports_all(&ops)?;
             Ok(be)
         };
         match req {

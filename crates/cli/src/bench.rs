@@ -44,6 +44,9 @@ enum What {
     /// The CPU's peak: FMA and bf16 dot-product loops on every thread, and the f32 and bf16
     /// matrix products at --size and at EmbeddingGemma 2's shapes.
     Peak(PeakBench),
+    /// The CPU's products on quantized weights (Q8_0, Q4_0, Q4_K, Q6_K; exact and with int8
+    /// activations) beside the f32 product, on a --size² matrix for each of --rows.
+    Quant(QuantBench),
     /// The attention op alone on the EmbeddingGemma 2 shapes.
     Attention(AttentionBench),
     /// EmbeddingGemma 2 image embeddings: one image's latency and mixed-size throughput.
@@ -195,6 +198,16 @@ struct PeakBench {
     size: usize,
 }
 
+#[derive(Args)]
+struct QuantBench {
+    /// Side of the square weight matrix.
+    #[arg(long, default_value_t = 2048)]
+    size: usize,
+    /// Activation rows of each product, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    rows: Vec<usize>,
+}
+
 #[derive(Deserialize)]
 struct Inputs {
     short: String,
@@ -206,6 +219,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         What::Embed(b) => embed(b),
         What::Gemm(b) => gemm(b),
         What::Peak(b) => peak(b),
+        What::Quant(b) => quant(b),
         What::Attention(b) => attention(b),
         What::Image(b) => image(b),
         What::Generate(b) => generate::run(b),
@@ -481,6 +495,47 @@ fn peak(b: PeakBench) -> Result<()> {
         "gflops_normal": normal, "gflops_denormal": denormal,
         "slowdown": normal / denormal, "threads": threads}),
     )?;
+    Ok(())
+}
+
+/// The CPU's products on quantized weights beside the f32 product at the same shapes (random
+/// weights quantized at load, median of 5 or more): GFLOP/s counted as 2·m·n·k.
+fn quant(b: QuantBench) -> Result<()> {
+    use tessera_backend::Quantization;
+    use tessera_backend::cpu::{CpuBackend, int8};
+    use tessera_core::DType;
+    let threads = rayon::current_num_threads();
+    let n = b.size;
+    for &m in &b.rows {
+        let shape = (m, n, n);
+        let f32_rate = product_rate(&CpuBackend::new(), shape, 1.0)?;
+        emit(
+            serde_json::json!({"name": "cpu_quant_product", "weights": "F32", "mode": "f32",
+            "m": m, "n": n, "k": n, "threads": threads, "gflops": f32_rate, "vs_f32": 1.0}),
+        );
+        for q in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+            for int8_mode in [false, true] {
+                if int8_mode && !int8::supports(q) {
+                    continue;
+                }
+                let be = CpuBackend::new().quantizing(Quantization {
+                    at_load: Some(q),
+                    int8: int8_mode,
+                });
+                let gflops = product_rate(&be, shape, 1.0)?;
+                let mode = match (int8_mode, int8::native()) {
+                    (false, _) => "exact",
+                    (true, true) => "int8 (AVX2)",
+                    (true, false) => "int8 (portable)",
+                };
+                emit(
+                    serde_json::json!({"name": "cpu_quant_product", "weights": q.to_string(),
+                    "mode": mode, "m": m, "n": n, "k": n, "threads": threads, "gflops": gflops,
+                    "vs_f32": gflops / f32_rate}),
+                );
+            }
+        }
+    }
     Ok(())
 }
 

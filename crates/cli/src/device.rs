@@ -1,9 +1,47 @@
-//! `--device` and `--precision`, shared by every command that runs a model.
+//! `--device`, `--precision` and `--quantize`, shared by every command that runs a model.
 
-use clap::Args;
-use tessera_backend::{AnyBackend, DeviceRequest, Precision};
-use tessera_core::Result;
+use clap::{Args, ValueEnum};
+use tessera_backend::{AnyBackend, DeviceRequest, Precision, Quantization};
+use tessera_core::{DType, Error, Result};
 use tessera_runtime::ModelSpec;
+
+/// A block format to quantize a model's matrices to as it loads (llama.cpp's types).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[allow(non_camel_case_types)] // ggml's names; users type them lower-case (q8_0, q4_k)
+pub enum Quantize {
+    /// 8-bit values in blocks of 32 with an f16 scale (8.5 bits a weight).
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// 4-bit values in blocks of 32 with an f16 scale (4.5 bits a weight).
+    #[value(name = "q4_0")]
+    Q4_0,
+    /// 4-bit values in super-blocks of 256, a 6-bit scale and min per 32 (4.5 bits a weight).
+    #[value(name = "q4_k")]
+    Q4_K,
+    /// 6-bit values in super-blocks of 256, an 8-bit scale per 16 (6.6 bits a weight).
+    #[value(name = "q6_k")]
+    Q6_K,
+}
+
+impl Quantize {
+    pub fn dtype(self) -> DType {
+        match self {
+            Quantize::Q8_0 => DType::Q8_0,
+            Quantize::Q4_0 => DType::Q4_0,
+            Quantize::Q4_K => DType::Q4_K,
+            Quantize::Q6_K => DType::Q6_K,
+        }
+    }
+
+    fn arg(self) -> &'static str {
+        match self {
+            Quantize::Q8_0 => "q8_0",
+            Quantize::Q4_0 => "q4_0",
+            Quantize::Q4_K => "q4_k",
+            Quantize::Q6_K => "q6_k",
+        }
+    }
+}
 
 #[derive(Args, Clone, Debug)]
 pub struct DeviceArgs {
@@ -11,10 +49,19 @@ pub struct DeviceArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto", env = "TESSERA_DEVICE")]
     device: String,
-    /// bf16 (bf16 weights and GEMM inputs, f32 accumulation and statistics; the CUDA default)
-    /// or f32 (the exact mode; the CPU default).
+    /// bf16 (bf16 weights and GEMM inputs, f32 accumulation and statistics; the CUDA default),
+    /// f32 (the exact mode; the CPU default), or int8 with --quantize (the CPU's fast mode:
+    /// products on Q8_0/Q4_0 weights round their activations to int8 per block of 32 and sum in
+    /// integers; everything else f32).
     #[arg(long, env = "TESSERA_PRECISION")]
     precision: Option<String>,
+    /// Quantize the model's product weights (its 2-D matrices whose rows are whole blocks;
+    /// embedding tables, norms and biases stay as stored) to this block format as they load,
+    /// rounding as llama.cpp's quantizers do; no file is written. CPU only for now. Products
+    /// then run exactly on the decoded weights (f32), or with int8 activations under
+    /// --precision int8.
+    #[arg(long, value_enum, env = "TESSERA_QUANTIZE")]
+    pub quantize: Option<Quantize>,
 }
 
 impl DeviceArgs {
@@ -23,6 +70,7 @@ impl DeviceArgs {
         DeviceArgs {
             device: device.to_string(),
             precision: self.precision.clone(),
+            quantize: self.quantize,
         }
     }
 
@@ -32,20 +80,45 @@ impl DeviceArgs {
         if let Some(p) = &self.precision {
             args.extend(["--precision".to_string(), p.clone()]);
         }
+        if let Some(q) = self.quantize {
+            args.extend(["--quantize".to_string(), q.arg().to_string()]);
+        }
         args
     }
 
     fn parsed(&self) -> Result<(DeviceRequest, Option<Precision>)> {
         let req: DeviceRequest = self.device.parse()?;
-        let precision: Option<Precision> = self.precision.as_deref().map(str::parse).transpose()?;
+        let precision = match self.precision.as_deref() {
+            // int8 changes only the products on quantized weights: f32 otherwise.
+            Some("int8") => Some(Precision::F32),
+            p => p.map(str::parse).transpose()?,
+        };
         Ok((req, precision))
+    }
+
+    /// `--quantize` and whether products take int8 activations (`--precision int8`, which
+    /// needs quantized weights to act on).
+    fn quantization(&self) -> Result<Quantization> {
+        let int8 = self.precision.as_deref() == Some("int8");
+        if int8 && self.quantize.is_none() {
+            return Err(Error::input(
+                "--precision int8 rounds the activations of products on quantized weights: \
+                 use it with --quantize (q8_0 or q4_0)",
+            ));
+        }
+        Ok(Quantization {
+            at_load: self.quantize.map(Quantize::dtype),
+            int8,
+        })
     }
 
     /// Open the backend for `model`: a device that cannot run the model's ops is declined here,
     /// before anything loads (`auto` falls back to the CPU and says why in one line on stderr).
     pub fn open_for(&self, model: &ModelSpec) -> Result<AnyBackend> {
         let (req, precision) = self.parsed()?;
-        model.device(req, precision, |note| eprintln!("note: {note}"))
+        model.device(req, precision, self.quantization()?, |note| {
+            eprintln!("note: {note}")
+        })
     }
 
     /// Open the backend with no model in view (benchmarks of single CUDA ops).

@@ -2,13 +2,13 @@
 //! can run, from its configs and weight headers alone — nothing is loaded.
 
 use clap::Args;
-use tessera_core::{Result, Weights};
+use tessera_core::{DType, Result, Weights};
 use tessera_models::egemma2::{self, config::LayerType};
 use tessera_models::lfm2vl::LayerKind;
 use tessera_models::zimage::text::PromptTemplate;
 use tessera_runtime::{Family, ModelFilesOf, ModelSpec};
 
-use crate::device::DeviceArgs;
+use crate::device::{DeviceArgs, Quantize};
 use crate::model;
 use crate::stdout::outln;
 
@@ -22,15 +22,47 @@ pub struct InfoArgs {
     device: DeviceArgs,
 }
 
-/// One component's parameter count, main dtype and size.
-fn weights_line(label: &str, w: &Weights) -> Result<()> {
+/// One component's parameter count, main dtype and size, and under `--quantize` the size its
+/// weights take once quantized.
+fn weights_line(label: &str, w: &Weights, quantize: Option<Quantize>) -> Result<()> {
     outln!(
         "{label:<12} {} parameters, {} ({:.1} MB)",
         w.total_params(),
         w.main_dtype()
             .map_or("mixed".to_string(), |d| d.to_string()),
         w.total_bytes() as f64 / 1e6
-    )
+    )?;
+    if let Some(q) = quantize {
+        let q = q.dtype();
+        outln!(
+            "{:<12} {:.1} MB with --quantize {} (product weights in {q}; tables, norms and biases as stored)",
+            "",
+            quantized_bytes(w, q)? as f64 / 1e6,
+            q.to_string().to_lowercase()
+        )?;
+    }
+    Ok(())
+}
+
+/// The bytes `w` takes once `--quantize q` has quantized its product weights: the float 2-D
+/// tensors whose rows are whole blocks of `q`, less the embedding tables (read by row, kept as
+/// stored). A table that is also a tied output head is quantized as a copy beside it, which this
+/// does not count.
+fn quantized_bytes(w: &Weights, q: DType) -> Result<usize> {
+    let table =
+        |name: &str| name.ends_with("embed_tokens.weight") || name.contains("position_embedding");
+    let mut total = 0;
+    for name in w.names() {
+        let t = w.tensor(name)?;
+        let product = matches!(t.shape[..], [_, cols] if cols % q.block_size() == 0)
+            && !t.dtype.is_quantized()
+            && !table(name);
+        total += match q.bytes_for(t.numel()) {
+            Some(b) if product => b,
+            _ => t.bytes.len(),
+        };
+    }
+    Ok(total)
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
@@ -45,7 +77,9 @@ pub fn run(args: InfoArgs) -> Result<()> {
         cap.command()
     )?;
     match &spec.files {
-        ModelFilesOf::EmbeddingGemma2(files, config) => egemma2_details(files, config)?,
+        ModelFilesOf::EmbeddingGemma2(files, config) => {
+            egemma2_details(files, config, args.device.quantize)?
+        }
         ModelFilesOf::Lfm2Vl(files, c) => {
             let (v, t) = (&c.vision, &c.text);
             let convs = t.layers.iter().filter(|&&k| k == LayerKind::Conv).count();
@@ -73,7 +107,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
                 t.ffn,
                 t.vocab
             )?;
-            weights_line("weights:", &files.weights("model")?)?;
+            weights_line("weights:", &files.weights("model")?, args.device.quantize)?;
         }
         ModelFilesOf::ZImage(files, c) => {
             let te = &c.text_encoder;
@@ -109,6 +143,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
             weights_line(
                 "weights:",
                 &files.transformer.weights("diffusion_pytorch_model")?,
+                args.device.quantize,
             )?;
         }
         ModelFilesOf::QwenImage(files, c) => {
@@ -143,6 +178,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
             weights_line(
                 "weights:",
                 &files.transformer.weights("diffusion_pytorch_model")?,
+                args.device.quantize,
             )?;
         }
     }
@@ -158,14 +194,18 @@ pub fn run(args: InfoArgs) -> Result<()> {
     Ok(())
 }
 
-fn egemma2_details(files: &tessera_models::ModelFiles, config: &egemma2::Config) -> Result<()> {
+fn egemma2_details(
+    files: &tessera_models::ModelFiles,
+    config: &egemma2::Config,
+    quantize: Option<Quantize>,
+) -> Result<()> {
     let t = &config.text;
     let n_full = t
         .layers
         .iter()
         .filter(|l| l.kind == LayerType::Full)
         .count();
-    weights_line("weights:", &files.weights("model")?)?;
+    weights_line("weights:", &files.weights("model")?, quantize)?;
     outln!(
         "text:        {} layers ({} sliding, window ±{}; {} full), width {}, {} heads, vocab {}",
         t.layers.len(),

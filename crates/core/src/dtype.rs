@@ -1,21 +1,81 @@
-//! Element types of checkpoint tensors and their widening to `f32`.
+//! Storage types of checkpoint tensors — floats, and ggml's quantized block formats — and their
+//! widening to `f32`.
 
 use half::{bf16, f16};
 
-/// The tensor element types Tessera reads from checkpoints.
+use crate::gguf::GgmlType;
+
+/// The storage types Tessera reads: the float types (from safetensors or GGUF) and the block
+/// formats of GGUF files and of `--quantize`, whose values come in blocks of
+/// [`DType::block_size`] elements taking [`DType::block_bytes`] bytes (a float type's block is
+/// one element).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)] // ggml's names, as every GGUF tool prints them
 pub enum DType {
     BF16,
     F16,
     F32,
+    Q8_0,
+    Q4_0,
+    Q4_K,
+    Q6_K,
 }
 
 impl DType {
-    pub fn size(self) -> usize {
+    /// Bytes per element of a float type; `None` for a block format (see [`DType::bytes_for`]).
+    pub fn size(self) -> Option<usize> {
         match self {
-            DType::BF16 | DType::F16 => 2,
-            DType::F32 => 4,
+            DType::BF16 | DType::F16 => Some(2),
+            DType::F32 => Some(4),
+            _ => None,
         }
+    }
+
+    /// Whether values are stored in quantized blocks (with scales) rather than one by one.
+    pub fn is_quantized(self) -> bool {
+        self.size().is_none()
+    }
+
+    /// The ggml type with this layout.
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            DType::BF16 => GgmlType::BF16,
+            DType::F16 => GgmlType::F16,
+            DType::F32 => GgmlType::F32,
+            DType::Q8_0 => GgmlType::Q8_0,
+            DType::Q4_0 => GgmlType::Q4_0,
+            DType::Q4_K => GgmlType::Q4_K,
+            DType::Q6_K => GgmlType::Q6_K,
+        }
+    }
+
+    /// The storage type of ggml type `t` (every type Tessera decodes has one).
+    pub fn from_ggml(t: GgmlType) -> Self {
+        match t {
+            GgmlType::BF16 => DType::BF16,
+            GgmlType::F16 => DType::F16,
+            GgmlType::F32 => DType::F32,
+            GgmlType::Q8_0 => DType::Q8_0,
+            GgmlType::Q4_0 => DType::Q4_0,
+            GgmlType::Q4_K => DType::Q4_K,
+            GgmlType::Q6_K => DType::Q6_K,
+        }
+    }
+
+    /// Elements per block (1 for the float types).
+    pub fn block_size(self) -> usize {
+        self.ggml().block_size()
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        self.ggml().block_bytes()
+    }
+
+    /// Bytes that `n` elements take, or `None` when `n` is not a whole number of blocks or the
+    /// size overflows.
+    pub fn bytes_for(self, n: usize) -> Option<usize> {
+        self.ggml().bytes_for(n)
     }
 
     pub(crate) fn from_safetensors(d: safetensors::Dtype) -> Option<Self> {
@@ -34,15 +94,21 @@ impl std::fmt::Display for DType {
             DType::BF16 => "BF16",
             DType::F16 => "F16",
             DType::F32 => "F32",
+            DType::Q8_0 => "Q8_0",
+            DType::Q4_0 => "Q4_0",
+            DType::Q4_K => "Q4_K",
+            DType::Q6_K => "Q6_K",
         })
     }
 }
 
 /// Widen little-endian raw elements of `dtype` into `out` (same element count).
 ///
-/// Reads byte-wise, so the source need not be aligned (safetensors data offsets are not).
+/// Reads byte-wise, so the source need not be aligned (safetensors data offsets are not). Block
+/// formats decode whole blocks bit-exactly as llama.cpp's `gguf` package does; `bytes` must then
+/// hold exactly `out`'s blocks (the callers slice at block boundaries).
 pub fn widen_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
-    debug_assert_eq!(bytes.len(), out.len() * dtype.size());
+    debug_assert_eq!(Some(bytes.len()), dtype.bytes_for(out.len()));
     match dtype {
         DType::F32 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -57,6 +123,12 @@ pub fn widen_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
         DType::F16 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => {
+            // Sizes are the caller's to check (debug-asserted above); a mismatch reads as NaN.
+            if dtype.ggml().dequantize(bytes, out).is_err() {
+                out.fill(f32::NAN);
             }
         }
     }

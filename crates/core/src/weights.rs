@@ -140,14 +140,46 @@ impl Tensor<'_> {
         out
     }
 
-    /// Widen elements `[start, start + out.len())` (row-major) into `out`.
+    /// Widen elements `[start, start + out.len())` (row-major) into `out`; for a block format
+    /// both ends must fall on block boundaries (whole rows of a matrix whose width is a whole
+    /// number of blocks, as [`Tensor::dims2_blocks`] checks).
     pub fn read_f32_range(&self, start: usize, out: &mut [f32]) {
-        let s = self.dtype.size();
-        widen_into(
-            self.dtype,
-            &self.bytes[start * s..(start + out.len()) * s],
-            out,
-        );
+        let bs = self.dtype.block_size();
+        debug_assert!(start.is_multiple_of(bs) && out.len().is_multiple_of(bs));
+        let (a, b) = (start / bs, (start + out.len()) / bs);
+        let bb = self.dtype.block_bytes();
+        widen_into(self.dtype, &self.bytes[a * bb..b * bb], out);
+    }
+
+    /// A matrix's `(rows, cols)` (as [`Tensor::dims2`]), checking for a block format that each
+    /// row is a whole number of blocks and that the bytes hold exactly the rows' blocks: what
+    /// reading a row at a time needs. The error names the tensor.
+    pub fn dims2_blocks(&self) -> Result<(usize, usize)> {
+        let (rows, cols) = self.dims2()?;
+        let bs = self.dtype.block_size();
+        if !cols.is_multiple_of(bs) {
+            return Err(self.format_error(format!(
+                "rows of {cols} values are not a whole number of {} blocks of {bs}",
+                self.dtype
+            )));
+        }
+        let want = rows.checked_mul(cols).and_then(|n| self.dtype.bytes_for(n));
+        if want != Some(self.bytes.len()) {
+            return Err(self.format_error(format!(
+                "{} bytes of {} do not hold {rows}×{cols} values",
+                self.bytes.len(),
+                self.dtype
+            )));
+        }
+        Ok((rows, cols))
+    }
+
+    fn format_error(&self, message: String) -> Error {
+        Error::input(format!(
+            "tensor `{}` in {}: {message}",
+            self.name,
+            self.path.display()
+        ))
     }
 
     /// A 2-D tensor's `(rows, cols)`, or an error naming it.
@@ -180,13 +212,18 @@ impl Tensor<'_> {
                 found: self.shape.clone(),
             });
         }
+        let Some(size) = self.dtype.size() else {
+            return Err(self.format_error(format!(
+                "{} blocks cannot be permuted (dequantize first)",
+                self.dtype
+            )));
+        };
         let shape: Vec<usize> = perm.iter().map(|&p| self.shape[p]).collect();
         // Row-major strides of the source, in elements.
         let mut strides = vec![1usize; n];
         for i in (0..n.saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * self.shape[i + 1];
         }
-        let size = self.dtype.size();
         let mut out = vec![0u8; self.bytes.len()];
         let mut idx = vec![0usize; n];
         for chunk in out.chunks_exact_mut(size) {

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use serde::Deserialize;
-use tessera_backend::{AnyBackend, DeviceRequest, Op, Precision};
+use tessera_backend::{AnyBackend, DeviceRequest, Op, Precision, Quantization};
 use tessera_core::{Error, Result, config::read_json, model_dir};
 use tessera_models::ModelFiles;
 use tessera_models::egemma2::{self, Config as Egemma2Config};
@@ -311,13 +311,15 @@ impl ModelSpec {
     /// Open the device `req` asks for, declining one that cannot run this model's ops before
     /// anything loads: `auto` then runs on the CPU and says why through `note`; an explicit
     /// `cuda` fails with the reason.
+    /// `quant`: quantization at load (`--quantize`) and of the products' activations.
     pub fn device(
         &self,
         req: DeviceRequest,
         precision: Option<Precision>,
+        quant: Quantization,
         note: impl FnMut(&str),
     ) -> Result<AnyBackend> {
-        AnyBackend::open_for(req, precision, &self.ops, note).map_err(|e| match e {
+        AnyBackend::open_for(req, precision, quant, &self.ops, note).map_err(|e| match e {
             Error::Device(m) => Error::Device(format!("{}: {m}", self.family.name())),
             other => other,
         })
@@ -327,8 +329,14 @@ impl ModelSpec {
     /// opens and runs every op, else why not.
     pub fn support(&self) -> Vec<(String, Result<String>)> {
         let cpu = AnyBackend::open(DeviceRequest::Cpu, None, |_| {}).map(|b| b.describe());
-        let cuda = AnyBackend::open_for(DeviceRequest::Cuda(0), None, &self.ops, |_| {})
-            .map(|b| b.describe());
+        let cuda = AnyBackend::open_for(
+            DeviceRequest::Cuda(0),
+            None,
+            Quantization::default(),
+            &self.ops,
+            |_| {},
+        )
+        .map(|b| b.describe());
         vec![("cpu".to_string(), cpu), ("cuda".to_string(), cuda)]
     }
 }
@@ -405,7 +413,7 @@ mod tests {
         ] {
             let spec = ModelSpec::bundled(f).unwrap();
             let be = spec
-                .device(DeviceRequest::Cpu, None, |_| {})
+                .device(DeviceRequest::Cpu, None, Quantization::default(), |_| {})
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(be.supports_all(spec.ops()).is_ok());
         }

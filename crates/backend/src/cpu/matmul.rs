@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
 use super::panels::{self, Lhs, Out};
-use super::{CpuBackend, CpuBuf, CpuMat, MatStore, bf16, rows_mut, slice, vmath};
+use super::{CpuBackend, CpuBuf, CpuMat, MatStore, bf16, int8, quant, rows_mut, slice, vmath};
 use crate::op::check_product;
 use crate::{Epilogue, View, ViewMut};
 
@@ -174,6 +174,14 @@ pub(super) fn product_rows(
                 Ok(mut a) => run(&mut a),
                 Err(_) => run(&mut Vec::new()),
             });
+            return;
+        }
+        MatStore::Quant(q) if q.int8() => {
+            int8::product(x, xs, m, q, (n, k), dst, ds, alpha, accumulate, par);
+            return;
+        }
+        MatStore::Quant(q) => {
+            quant::product_exact(x, xs, m, q, (n, k), dst, ds, alpha, accumulate, par);
             return;
         }
     };

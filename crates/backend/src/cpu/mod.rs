@@ -18,10 +18,12 @@ pub mod denormals;
 mod dup_up;
 mod elementwise;
 mod group_norm;
+pub mod int8;
 mod matmul;
 mod norm;
 pub mod panels;
 pub mod peak;
+pub mod quant;
 mod rope;
 mod rows;
 mod short_conv;
@@ -35,7 +37,7 @@ use tessera_core::{Error, Result, Tensor, Weights};
 use crate::view::same_shape;
 use crate::{
     Activation, After, AttnSpec, Backend, Conv2d, DupUp, Epilogue, Grids, GroupNorm, Op, Precision,
-    QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
+    QkvNorm, Quantization, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
 };
 
 /// The CPU backend: `f32` by default, bf16 products with [`CpuBackend::with_precision`].
@@ -47,6 +49,8 @@ pub struct CpuBackend {
     record: Option<Arc<Mutex<HashSet<Op>>>>,
     /// Memory reported as available, when budgeted (see [`CpuBackend::budgeted`]).
     budget: Option<usize>,
+    /// Quantization at load (`--quantize`) and the products on quantized weights.
+    quant: Quantization,
 }
 
 impl CpuBackend {
@@ -61,6 +65,13 @@ impl CpuBackend {
             precision,
             ..CpuBackend::default()
         }
+    }
+
+    /// The same backend with `quant`: float matrices whose rows are whole blocks of
+    /// `quant.at_load` quantized as they load ([`quant::quantize_stack`]), and products on
+    /// block-format weights exact or with int8 activations ([`Quantization::int8`]).
+    pub fn quantizing(self, quant: Quantization) -> Self {
+        CpuBackend { quant, ..self }
     }
 
     /// A backend that also records every op it runs, so a test can check that a model's
@@ -146,6 +157,18 @@ enum MatStore {
     F32Panels(panels::Panels<f32>),
     /// bf16 panels for the bf16 products (under [`Precision::Bf16`]).
     Bf16(panels::Panels<u32>),
+    /// ggml blocks (Q8_0, Q4_0, Q4_K, Q6_K) as stored, decoded a panel at a time (`quant.rs`).
+    Quant(quant::QuantMat),
+}
+
+impl CpuMat {
+    /// The block format of a quantized matrix, `None` for a dense one.
+    pub fn quantized(&self) -> Option<tessera_core::DType> {
+        match &self.store {
+            MatStore::Quant(q) => Some(q.dtype()),
+            _ => None,
+        }
+    }
 }
 
 /// An embedding table left in the checkpoint's memory map, rows widened on lookup.
@@ -244,11 +267,12 @@ impl<'p, 't> Stack<'p, 't> {
         })
     }
 
-    /// Row `j`: its part's dtype and stored bytes.
+    /// Row `j`: its part's dtype and stored bytes (float parts only: block formats are stacked
+    /// by `quant::QuantMat::stack`).
     fn row(&self, j: usize) -> (tessera_core::DType, &[u8]) {
         let p = self.starts.partition_point(|&s| s <= j) - 1;
         let t = &self.parts[p];
-        let len = self.inner * t.dtype.size();
+        let len = self.inner * t.dtype.size().unwrap_or(0);
         let at = (j - self.starts[p]) * len;
         (t.dtype, &t.bytes[at..at + len])
     }
@@ -280,7 +304,7 @@ fn stack_f32(parts: &[Tensor<'_>]) -> Result<CpuMat> {
         let (dst, tail) = rest.split_at_mut(t.numel());
         rest = tail;
         dst.par_chunks_mut(SLICE)
-            .zip(t.bytes.par_chunks(SLICE * t.dtype.size()))
+            .zip(t.bytes.par_chunks(SLICE * t.dtype.size().unwrap_or(1)))
             .for_each(|(d, b)| tessera_core::dtype::widen_into(t.dtype, b, d));
     }
     Ok(CpuMat {
@@ -328,6 +352,25 @@ impl Backend for CpuBackend {
 
     fn describe(&self) -> String {
         let threads = rayon::current_num_threads();
+        if let Some(q) = self.quant.at_load {
+            let products = match (self.quant.int8, int8::supports(q)) {
+                (false, _) => "exact products: f32 on the decoded weights".to_string(),
+                (true, true) if int8::native() => {
+                    "products with int8 activations (AVX2)".to_string()
+                }
+                (true, true) => "products with int8 activations in a portable loop".to_string(),
+                (true, false) => {
+                    format!("exact products: {q} has no int8 path yet, f32 on the decoded weights")
+                }
+            };
+            let rest = match self.precision {
+                Precision::F32 => "",
+                Precision::Bf16 => "; other products and attention with bf16 inputs",
+            };
+            return format!(
+                "cpu ({q} weights quantized at load, {products}{rest}; {threads} threads)"
+            );
+        }
         match self.precision {
             Precision::F32 => format!("cpu (f32, {threads} threads)"),
             Precision::Bf16 if bf16::native() => {
@@ -393,6 +436,29 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CpuMat> {
+        let (out, inner) = crate::stacked_shape(parts)?;
+        let at_load = self
+            .quant
+            .at_load
+            .filter(|q| inner.is_multiple_of(q.block_size()) && out > 0);
+        if let Some(q) = at_load
+            && parts.iter().all(|t| !t.dtype.is_quantized())
+        {
+            let m = quant::quantize_stack(parts, q, (out, inner))?;
+            return Ok(CpuMat {
+                store: MatStore::Quant(m.with_int8(self.quant.int8)),
+                out,
+                inner,
+            });
+        }
+        if parts.iter().any(|t| t.dtype.is_quantized()) {
+            let (q, out, inner) = quant::QuantMat::stack(parts)?;
+            return Ok(CpuMat {
+                store: MatStore::Quant(q.with_int8(self.quant.int8)),
+                out,
+                inner,
+            });
+        }
         match self.precision {
             Precision::F32 => stack_f32(parts),
             Precision::Bf16 => stack_bf16(parts),
@@ -444,7 +510,7 @@ impl Backend for CpuBackend {
         out: ViewMut<'_, Self>,
         ep: &Epilogue<'_, Self>,
     ) -> Result<()> {
-        self.enter(ep.op())?;
+        self.enter(ep.op().with_weights(w.quantized()))?;
         matmul::matmul(x, w, out, ep)
     }
 

@@ -314,8 +314,14 @@ impl CudaBackend {
         }
         // 4 Mi elements per slice: 16 MiB of f32 at most on the host.
         const SLICE: usize = 1 << 22;
+        let Some(s) = t.dtype.size() else {
+            return Err(Error::Device(format!(
+                "`{}`: {} weights are not implemented on CUDA yet (its quantized kernels come \
+                 later): run on the CPU (--device cpu)",
+                t.name, t.dtype
+            )));
+        };
         let mut values = vec![0f32; SLICE.min(t.numel())];
-        let s = t.dtype.size();
         for (i, chunk) in t.bytes.chunks(SLICE * s).enumerate() {
             let n = chunk.len() / s;
             widen_into(t.dtype, chunk, &mut values[..n]);

@@ -1,9 +1,10 @@
 //! What the CUDA backend runs ([`Backend::supports`]): the one place that decides, asked by
 //! models before they load and by every op on entry.
 //!
-//! Every op has a kernel; what is declined is per-row key limits on attention over a sequence's
-//! own rows (over cached key ranges every mask runs), the erf GELU outside a product epilogue,
-//! and head widths no attention kernel takes. Each message says so.
+//! Every op has a kernel; what is declined is products on quantized (block-format) weights,
+//! per-row key limits on attention over a sequence's own rows (over cached key ranges every mask
+//! runs), the erf GELU outside a product epilogue, and head widths no attention kernel takes.
+//! Each message says so.
 //!
 //! [`Backend::supports`]: crate::Backend::supports
 
@@ -11,7 +12,7 @@ use tessera_core::{Error, Result};
 
 use super::CudaBackend;
 use super::attention::{CACHED_HEAD_DIMS, FLASH_HEAD_DIMS, ROWS_MAX_HEAD_DIM, self_kernel};
-use crate::op::{AttentionOp, MaskKind};
+use crate::op::{AttentionOp, MaskKind, MatmulOp};
 use crate::{Activation, Backend, Op, Precision};
 
 /// Why an op is declined (`what` names the missing feature; the caller names the op and the
@@ -23,6 +24,12 @@ fn not_yet(what: &str) -> Error {
 impl CudaBackend {
     pub(super) fn check(&self, op: &Op) -> Result<()> {
         match op {
+            Op::Matmul(MatmulOp {
+                quantized: Some(q), ..
+            }) => Err(Error::Device(format!(
+                "products on {q} weights are not implemented on CUDA yet (its quantized kernels \
+                 come later): run on the CPU (--device cpu) or without --quantize"
+            ))),
             Op::Embed
             | Op::Cast
             | Op::Matmul(_)

@@ -25,6 +25,7 @@ pub use rope::{RopeStyle, RopeTable};
 pub use short_conv::{ConvSeq, ShortConv};
 
 use crate::Backend;
+use tessera_core::DType;
 
 /// An op call as far as a backend's support depends on it.
 ///
@@ -67,13 +68,27 @@ pub enum Op {
     },
 }
 
-/// What a matrix product's epilogue asks for.
+/// What a matrix product's epilogue asks for, and the format its weights are in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct MatmulOp {
     pub bias: bool,
     pub act: Option<Activation>,
     pub gate: Option<GateOp>,
     pub accumulate: bool,
+    /// The block format of the weights (`Q8_0`, `Q4_K`, …), or `None` for dense weights in
+    /// the backend's compute dtype.
+    pub quantized: Option<DType>,
+}
+
+impl Op {
+    /// The same op with a product's weights in block format `q` (what `--quantize` makes of
+    /// every product weight, so a device can decline before loading); other ops unchanged.
+    pub fn with_weights(self, q: Option<DType>) -> Op {
+        match self {
+            Op::Matmul(m) => Op::Matmul(MatmulOp { quantized: q, ..m }),
+            op => op,
+        }
+    }
 }
 
 /// A product's gate: one broadcast row or a row per output row, `g` or `tanh(g)`.
@@ -228,6 +243,9 @@ impl std::fmt::Display for Op {
                 if m.accumulate {
                     parts.push("accumulate".to_string());
                 }
+                if let Some(q) = m.quantized {
+                    parts.push(format!("{q} weights"));
+                }
                 if parts.is_empty() {
                     write!(f, "{name}")
                 } else {
@@ -282,9 +300,10 @@ impl std::fmt::Display for Op {
 }
 
 impl<B: Backend> Epilogue<'_, B> {
-    /// This epilogue as an [`Op`].
+    /// This epilogue as an [`Op`], on dense weights.
     pub fn op(&self) -> Op {
         Op::Matmul(MatmulOp {
+            quantized: None,
             bias: self.bias.is_some(),
             act: self.act,
             gate: self.gate.map(|g| GateOp {

@@ -98,6 +98,7 @@ impl OpCase for MatmulCase {
             act: self.act,
             gate: self.gate,
             accumulate: self.accumulate,
+            quantized: None,
         })
     }
 

@@ -226,7 +226,7 @@ pub fn checkpoint(name: &str, shape: &[usize], dtype: DType, values: &[f32]) -> 
             safetensors::Dtype::F32,
             values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         ),
-        DType::F16 => return Err("checkpoint: F16 tables are not used here".into()),
+        other => return Err(format!("checkpoint: {other} tables are not used here").into()),
     };
     let view = safetensors::tensor::TensorView::new(st, shape.to_vec(), &bytes)?;
     let file = safetensors::serialize([(name, view)], None)?;

@@ -13,6 +13,7 @@ mod metadata;
 mod parse;
 mod q4_0;
 mod q8_0;
+mod quantize;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -22,6 +23,7 @@ use memmap2::Mmap;
 pub use ggml_type::GgmlType;
 pub use metadata::{Array, Value, ValueType};
 use parse::TensorInfo;
+pub use quantize::quantize;
 
 use crate::error::{Error, Result};
 

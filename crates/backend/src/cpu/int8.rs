@@ -1,0 +1,302 @@
+//! The fast mode of products on Q8_0 and Q4_0 weights: each activation row is rounded to int8
+//! per block of 32 (`d = max|x| / 127`, `q = round(x / d)`, the Q8_0 rounding with `d` kept in
+//! f32), and each block's dot product is summed in integers, then scaled by the two blocks'
+//! scales and summed in f32 — the technique of llama.cpp's Q8_0 activation path. With AVX2 the
+//! block products are `vpmaddubsw`/`vpmaddwd` (the sign of the weight moved onto the
+//! activation, since `vpmaddubsw` takes one unsigned operand); elsewhere a portable loop.
+//!
+//! Its only roundings besides the f32 sums are the activations' int8 rounding and the weights'
+//! own quantization, so it is judged like bf16 against that floor.
+
+use rayon::prelude::*;
+use tessera_core::DType;
+
+use super::panels::Out;
+use super::quant::QuantMat;
+
+/// Values per block of both operands.
+const BLOCK: usize = 32;
+
+/// Weight rows per task: their blocks (at most 64 × 34 bytes per 2048 inputs) stay in L2
+/// while the activation rows pass.
+const ROWS_PER_TASK: usize = 16;
+
+/// Whether the int8 path runs products on `dtype` weights (the others run exactly).
+pub fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0)
+}
+
+/// Whether this CPU runs the AVX2 block products.
+pub fn native() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Activation rows rounded to int8 per block: `q` row-major (`k` per row), `d` one scale per
+/// block.
+pub struct Rows {
+    pub q: Vec<i8>,
+    pub d: Vec<f32>,
+}
+
+/// Round `m` rows of `x` (`k` wide, `k` a multiple of 32, at stride `xs`) to int8 blocks.
+pub fn round_rows(x: &[f32], xs: usize, m: usize, k: usize) -> Rows {
+    let blocks = k / BLOCK;
+    let mut q = vec![0i8; m * k];
+    let mut d = vec![0f32; m * blocks];
+    for (i, (qr, dr)) in q
+        .chunks_exact_mut(k.max(1))
+        .zip(d.chunks_exact_mut(blocks.max(1)))
+        .enumerate()
+    {
+        let xr = &x[i * xs..i * xs + k];
+        for ((xb, qb), db) in xr
+            .chunks_exact(BLOCK)
+            .zip(qr.chunks_exact_mut(BLOCK))
+            .zip(dr)
+        {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            *db = amax / 127.0;
+            let id = if *db == 0.0 { 0.0 } else { 1.0 / *db };
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                *q = (v * id).round() as i8;
+            }
+        }
+    }
+    Rows { q, d }
+}
+
+/// One weight block as 32 signed values and its scale.
+fn weight_block(dtype: DType, b: &[u8], out: &mut [i8; BLOCK]) -> f32 {
+    let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+    match dtype {
+        DType::Q8_0 => {
+            for (o, &v) in out.iter_mut().zip(&b[2..]) {
+                *o = v as i8;
+            }
+        }
+        _ => {
+            let (lo, hi) = out.split_at_mut(BLOCK / 2);
+            for ((l, h), &v) in lo.iter_mut().zip(hi).zip(&b[2..]) {
+                *l = (v & 0x0f) as i8 - 8;
+                *h = (v >> 4) as i8 - 8;
+            }
+        }
+    }
+    d
+}
+
+/// `Σ_blocks d_w · d_x · Σ q_w q_x` over one weight row (`row`, blocks of `dtype`) and one
+/// rounded activation row, portably.
+fn dot_plain(dtype: DType, row: &[u8], q: &[i8], d: &[f32]) -> f32 {
+    let mut w = [0i8; BLOCK];
+    let mut acc = 0f32;
+    for ((b, qx), &dx) in row
+        .chunks_exact(dtype.block_bytes())
+        .zip(q.chunks_exact(BLOCK))
+        .zip(d)
+    {
+        let dw = weight_block(dtype, b, &mut w);
+        let s: i32 = w
+            .iter()
+            .zip(qx)
+            .map(|(&a, &b)| i32::from(a) * i32::from(b))
+            .sum();
+        acc += dw * dx * s as f32;
+    }
+    acc
+}
+
+/// As [`dot_plain`], with AVX2: 32 products per block in two instructions, eight partial sums
+/// per lane scaled and accumulated in f32.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `row` holds `q.len() / 32` blocks of `dtype`, `d` as many scales.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(dtype: DType, row: &[u8], q: &[i8], d: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let bb = dtype.block_bytes();
+    let mut acc = _mm256_setzero_ps();
+    let ones = _mm256_set1_epi16(1);
+    let low = _mm_set1_epi8(0x0f);
+    let eight = _mm256_set1_epi8(8);
+    for (i, &dx) in d.iter().enumerate() {
+        let b = &row[i * bb..(i + 1) * bb];
+        let dw = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        // SAFETY: `b` holds one block (2 + 32 or 2 + 16 bytes), `q` 32 values at 32·i.
+        unsafe {
+            let w = if dtype == DType::Q8_0 {
+                _mm256_loadu_si256(b.as_ptr().add(2).cast())
+            } else {
+                let packed = _mm_loadu_si128(b.as_ptr().add(2).cast());
+                let lo = _mm_and_si128(packed, low);
+                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+                _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
+            };
+            let x = _mm256_loadu_si256(q.as_ptr().add(i * BLOCK).cast());
+            // |w| · (x with w's sign): the same products, the left operand unsigned.
+            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), sums, acc);
+        }
+    }
+    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// `dst = alpha · x · wᵀ` (or `+=`) with `x` rounded to int8 blocks, for `m` rows of `x` (`k`
+/// at stride `xs`) into `m` rows of `dst` (`n` at stride `ds`). `w` is Q8_0 or Q4_0
+/// ([`supports`]) and `k` a multiple of 32. Tasks of weight rows on every thread when `par`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn product(
+    x: &[f32],
+    xs: usize,
+    m: usize,
+    w: &QuantMat,
+    (n, k): (usize, usize),
+    dst: &mut [f32],
+    ds: usize,
+    alpha: f32,
+    accumulate: bool,
+    par: bool,
+) {
+    let rows = round_rows(x, xs, m, k);
+    let dtype = w.dtype();
+    let blocks = k / BLOCK;
+    let fast = native();
+    let out = Out {
+        ptr: dst.as_mut_ptr(),
+        stride: ds,
+        alpha,
+        accumulate,
+    };
+    let task = |t: usize| {
+        for j in t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(n) {
+            let row = w.row(j);
+            for i in 0..m {
+                let (q, d) = (
+                    &rows.q[i * k..(i + 1) * k],
+                    &rows.d[i * blocks..(i + 1) * blocks],
+                );
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 and FMA were detected; `row` is one weight row of `blocks` blocks.
+                let s = if fast {
+                    unsafe { dot_avx2(dtype, row, q, d) }
+                } else {
+                    dot_plain(dtype, row, q, d)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let s = {
+                    let _ = fast;
+                    dot_plain(dtype, row, q, d)
+                };
+                // SAFETY: row i < m, column j < n of the caller's `dst`; each (i, j) is written
+                // by the one task that owns weight row j.
+                let o = unsafe { &mut *out.at(i, j) };
+                *o = if accumulate {
+                    *o + alpha * s
+                } else {
+                    alpha * s
+                };
+            }
+        }
+    };
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    if par && tasks > 1 && m * n * k >= 1 << 16 {
+        (0..tasks).into_par_iter().for_each(task);
+    } else {
+        (0..tasks).for_each(task);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::quant::tests::random_blocks;
+    use crate::cpu::testutil::Rng;
+
+    /// The int8 product against its floor: a float64 product on the dequantized weights and the
+    /// int8-rounded activations (its only roundings) is what it computes, up to f32 sums; its
+    /// distance from the exact float64 product (on the unrounded activations) stays within
+    /// 1.5× of the floor's, through the AVX2 kernel where present and the portable one.
+    #[test]
+    fn int8_products_stay_within_their_rounding_floor() {
+        for dtype in [DType::Q8_0, DType::Q4_0] {
+            for &(m, k, n) in &[
+                (1usize, 32usize, 1usize),
+                (3, 256, 70),
+                (17, 2048, 33),
+                (64, 128, 64),
+            ] {
+                let seed = (m * 7 + k + n) as u64;
+                let blocks = random_blocks(dtype, n, k, seed);
+                let w = QuantMat::from_blocks(dtype, blocks.clone(), dtype.bytes_for(k).unwrap());
+                let mut wf = vec![0f32; n * k];
+                tessera_core::dtype::widen_into(dtype, &blocks, &mut wf);
+                let x = Rng::new(seed + 1).vec(m * k, 2.0);
+                let r = round_rows(&x, k, m, k);
+                let mut got = vec![0f32; m * n];
+                product(&x, k, m, &w, (n, k), &mut got, n, 0.5, false, true);
+                let mut plain = vec![0f32; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        let (q, d) = (&r.q[i * k..(i + 1) * k], &r.d[i * k / 32..(i + 1) * k / 32]);
+                        plain[i * n + j] = 0.5 * dot_plain(dtype, w.row(j), q, d);
+                    }
+                }
+                let (mut err, mut floor, mut err_plain) = (0f64, 0f64, 0f64);
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut exact, mut rounded) = (0f64, 0f64);
+                        for t in 0..k {
+                            let wv = wf[j * k + t] as f64;
+                            exact += x[i * k + t] as f64 * wv;
+                            let xr = r.q[i * k + t] as f64 * r.d[i * k / 32 + t / 32] as f64;
+                            rounded += xr * wv;
+                        }
+                        let (exact, rounded) = (0.5 * exact, 0.5 * rounded);
+                        err = err.max((got[i * n + j] as f64 - exact).abs());
+                        err_plain = err_plain.max((plain[i * n + j] as f64 - exact).abs());
+                        floor = floor.max((rounded - exact).abs());
+                        // What it computes: the rounded product, up to f32 sums.
+                        let tol = 1e-5 * rounded.abs().max(1.0);
+                        assert!(
+                            (got[i * n + j] as f64 - rounded).abs() <= tol,
+                            "{dtype} {m}×{k}×{n}"
+                        );
+                    }
+                }
+                assert!(floor > 0.0, "{dtype}: the activations were not rounded");
+                assert!(
+                    err <= 1.5 * floor,
+                    "{dtype} {m}×{k}×{n}: {err:e} vs floor {floor:e}"
+                );
+                assert!(
+                    err_plain <= 1.5 * floor,
+                    "{dtype} portable: {err_plain:e} vs floor {floor:e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rounding_is_q8_0_with_an_f32_scale() {
+        let mut x = [0f32; 64];
+        x[0] = -2.54;
+        x[1] = 1.0;
+        x[2] = -0.3;
+        let r = round_rows(&x, 64, 1, 64);
+        assert_eq!(r.d, [2.54f32 / 127.0, 0.0]);
+        assert_eq!(r.q[..4], [-127, 50, -15, 0]);
+        assert!(r.q[32..].iter().all(|&q| q == 0));
+    }
+}

@@ -1,0 +1,352 @@
+//! Products on weights kept in ggml's block formats (Q8_0, Q4_0, Q4_K, Q6_K): the matrix holds
+//! its blocks as stored — no `f32` copy of the model — and each product decodes them a panel of
+//! rows at a time.
+//!
+//! The exact mode decodes a panel of [`PANEL`] weight rows to `f32` (bit-exactly as the GGUF
+//! decoders, `tessera_core::gguf`) and multiplies it with the `f32` activations as the dense
+//! `f32` path does, so its result is the `f32` product on the dequantized weights.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use rayon::prelude::*;
+use tessera_core::dtype::widen_into;
+use tessera_core::{DType, Error, Result, Tensor};
+
+use super::panels::Out;
+
+/// Weight rows decoded per task: 64 rows of a 4096-wide matrix are 1 MiB of `f32`, which stays
+/// in L2 while the activation rows pass.
+const PANEL: usize = 64;
+
+/// A weight matrix `[out, inner]` in one block format, rows back to back.
+pub struct QuantMat {
+    dtype: DType,
+    blocks: Vec<u8>,
+    /// Bytes per row: `inner / block size` blocks.
+    row_bytes: usize,
+    /// Products take int8 activations (`int8.rs`) rather than decoding the weights to f32.
+    int8: bool,
+}
+
+impl QuantMat {
+    /// Stack `parts` (2-D tensors in block format `dtype`, each row a whole number of blocks)
+    /// along their rows, copying their blocks as they are. Returns the matrix and its
+    /// `(out, inner)`; a part in another format or of another width is an error naming it.
+    pub fn stack(parts: &[Tensor<'_>]) -> Result<(QuantMat, usize, usize)> {
+        let dtype = parts.first().map_or(DType::Q8_0, |t| t.dtype);
+        let (out, inner) = crate::stacked_shape(parts)?;
+        let mut blocks = Vec::new();
+        for t in parts {
+            if t.dtype != dtype {
+                return Err(Error::backend(
+                    "matrix",
+                    format!(
+                        "`{}` is {}, the matrices stacked with it {dtype}: stacked parts share \
+                         one format",
+                        t.name, t.dtype
+                    ),
+                ));
+            }
+            t.dims2_blocks()?;
+            blocks.extend_from_slice(&t.bytes);
+        }
+        let row_bytes = dtype
+            .bytes_for(inner)
+            .ok_or_else(|| Error::backend("matrix", "block size overflow"))?;
+        Ok((
+            QuantMat {
+                dtype,
+                blocks,
+                row_bytes,
+                int8: false,
+            },
+            out,
+            inner,
+        ))
+    }
+
+    /// A matrix from blocks laid out row after row.
+    #[cfg(test)]
+    pub(super) fn from_blocks(dtype: DType, blocks: Vec<u8>, row_bytes: usize) -> Self {
+        QuantMat {
+            dtype,
+            blocks,
+            row_bytes,
+            int8: false,
+        }
+    }
+
+    /// The same matrix, multiplied with int8 activations when `int8` and its format has that
+    /// path (`int8::supports`), else exactly.
+    pub(super) fn with_int8(self, int8: bool) -> Self {
+        QuantMat {
+            int8: int8 && super::int8::supports(self.dtype),
+            ..self
+        }
+    }
+
+    /// Whether products take int8 activations.
+    pub fn int8(&self) -> bool {
+        self.int8
+    }
+
+    /// Row `j`'s blocks.
+    pub fn row(&self, j: usize) -> &[u8] {
+        &self.blocks[j * self.row_bytes..(j + 1) * self.row_bytes]
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes the blocks take.
+    pub fn bytes(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Rows `rows` decoded into `out` (`rows.len() × inner`, row-major).
+    pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
+        let bytes = &self.blocks[rows.start * self.row_bytes..rows.end * self.row_bytes];
+        widen_into(self.dtype, bytes, out);
+    }
+}
+
+/// Quantize float `parts` (`(out, inner)` stacked, `inner` a whole number of blocks of `q`) to
+/// blocks of `q` a row at a time, as llama.cpp's reference quantizers round
+/// (`tessera_core::gguf::quantize`): no `f32` copy of the matrix is made.
+pub(super) fn quantize_stack(
+    parts: &[Tensor<'_>],
+    q: DType,
+    (out, inner): (usize, usize),
+) -> Result<QuantMat> {
+    let row_bytes = q
+        .bytes_for(inner)
+        .ok_or_else(|| Error::backend("matrix", format!("rows of {inner} are not {q} blocks")))?;
+    let mut blocks = vec![0u8; out * row_bytes];
+    let mut rest = blocks.as_mut_slice();
+    for t in parts {
+        let rows = t.numel() / inner.max(1);
+        let (dst, tail) = rest.split_at_mut(rows * row_bytes);
+        rest = tail;
+        dst.par_chunks_mut(row_bytes)
+            .enumerate()
+            .try_for_each_init(Vec::new, |row, (r, b)| {
+                row.resize(inner, 0.0);
+                t.read_f32_range(r * inner, row);
+                tessera_core::gguf::quantize(q.ggml(), row, b).map_err(|e| {
+                    Error::backend("matrix", format!("quantizing `{}` to {q}: {e}", t.name))
+                })
+            })?;
+    }
+    Ok(QuantMat {
+        dtype: q,
+        blocks,
+        row_bytes,
+        int8: false,
+    })
+}
+
+thread_local! {
+    /// The decoded panel of a product, kept between products so a forward does not fault in
+    /// fresh pages for every panel.
+    static PANEL_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `dst = alpha · x · wᵀ` (or `+=` when `accumulate`) for `m` rows of `x` (`k` wide at stride
+/// `xs`) into `m` rows of `dst` (`n` wide at stride `ds`), `w` being `n × k`: each panel of
+/// [`PANEL`] weight rows decoded to `f32` and multiplied as the dense `f32` product does (the
+/// `gemm` crate, one thread per panel). Panels run on every thread when `par`. Shapes were
+/// checked by the caller.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn product_exact(
+    x: &[f32],
+    xs: usize,
+    m: usize,
+    w: &QuantMat,
+    (n, k): (usize, usize),
+    dst: &mut [f32],
+    ds: usize,
+    alpha: f32,
+    accumulate: bool,
+    par: bool,
+) {
+    if k == 0 {
+        if !accumulate {
+            dst.chunks_mut(ds.max(1)).take(m).for_each(|r| {
+                let len = n.min(r.len());
+                r[..len].fill(0.0);
+            });
+        }
+        return;
+    }
+    let out = Out {
+        ptr: dst.as_mut_ptr(),
+        stride: ds,
+        alpha,
+        accumulate,
+    };
+    let panel = |p: usize| {
+        let rows = p * PANEL..((p + 1) * PANEL).min(n);
+        let run = |buf: &mut Vec<f32>| {
+            buf.resize(rows.len() * k, 0.0);
+            w.dequantize_rows(rows.clone(), buf);
+            // SAFETY: `out` addresses `m` rows of `n` columns at `ds` (the caller's `dst`,
+            // borrowed mutably for this call); this panel writes only its columns `rows`, which
+            // no other panel writes. `x` holds `m` rows of `k` at `xs`; `buf` is `rows × k`.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    rows.len(),
+                    k,
+                    out.at(0, rows.start),
+                    1,
+                    ds as isize,
+                    accumulate,
+                    x.as_ptr(),
+                    1,
+                    xs as isize,
+                    buf.as_ptr(),
+                    k as isize,
+                    1,
+                    if accumulate { 1.0 } else { 0.0 },
+                    alpha,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        };
+        PANEL_F32.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut buf) => run(&mut buf),
+            Err(_) => run(&mut Vec::new()),
+        });
+    };
+    let panels = n.div_ceil(PANEL);
+    if par && panels > 1 {
+        (0..panels).into_par_iter().for_each(panel);
+    } else {
+        (0..panels).for_each(panel);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::super::testutil::*;
+    use super::super::{CpuBackend, CpuBuf};
+    use crate::{Backend, Epilogue, View, ViewMut};
+    use std::borrow::Cow;
+    use std::path::Path;
+    use tessera_core::{DType, Tensor};
+
+    /// Random but valid blocks of `dtype` for `n` rows of `k`: random quantized values with
+    /// f16 scales that put the values in about [-1, 1], as a trained layer's are (random scale
+    /// bytes could be NaN or huge).
+    pub(crate) fn random_blocks(dtype: DType, n: usize, k: usize, seed: u64) -> Vec<u8> {
+        let mut rng = Rng::new(seed);
+        let mut bytes: Vec<u8> = (0..dtype.bytes_for(n * k).unwrap())
+            .map(|_| ((rng.next_f32() + 1.0) * 128.0) as u8)
+            .collect();
+        // The largest |quantized value| each format multiplies its scale by.
+        let top = match dtype {
+            DType::Q8_0 => 127.0,
+            DType::Q4_0 => 8.0,
+            DType::Q4_K => 63.0 * 15.0,
+            DType::Q6_K => 128.0 * 32.0,
+            _ => unreachable!(),
+        };
+        let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
+        for b in bytes.chunks_exact_mut(dtype.block_bytes()) {
+            let d = (0.5 + 0.5 * rng.next_f32().abs()) / top;
+            match dtype {
+                DType::Q8_0 | DType::Q4_0 => b[..2].copy_from_slice(&f16(d)),
+                DType::Q4_K => {
+                    b[..2].copy_from_slice(&f16(d));
+                    b[2..4].copy_from_slice(&f16(0.5 * d * 15.0));
+                }
+                DType::Q6_K => b[208..].copy_from_slice(&f16(d)),
+                _ => unreachable!(),
+            }
+        }
+        bytes
+    }
+
+    fn tensor(dtype: DType, shape: [usize; 2], bytes: Vec<u8>) -> Tensor<'static> {
+        Tensor {
+            name: format!("w.{dtype}"),
+            dtype,
+            shape: shape.to_vec(),
+            bytes: Cow::Owned(bytes),
+            path: Path::new("<test>"),
+        }
+    }
+
+    fn product(be: &CpuBackend, mat: &super::super::CpuMat, x: &[f32], m: usize) -> Vec<f32> {
+        let (n, k) = (mat.out, mat.inner);
+        let xb = buf(be, x);
+        let mut o = CpuBuf::F32(vec![0.0; m * n]);
+        be.matmul(
+            View::new(&xb, m, k),
+            mat,
+            ViewMut::new(&mut o, m, n),
+            &Epilogue::scaled(0.5),
+        )
+        .unwrap();
+        be.read_f32(View::new(&o, m, n)).unwrap()
+    }
+
+    /// The exact mode is the product on the decoded weights: within 1e-5 of a float64 product
+    /// on them, and of the dense f32 product on a copy of them, for every block format, at
+    /// sizes off the panel width, with two parts stacked.
+    #[test]
+    fn exact_products_equal_the_product_on_the_decoded_weights() {
+        let be = cpu();
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+            let k = 2 * dtype.block_size().max(64);
+            for &(m, n) in &[(1usize, 1usize), (3, 70), (17, 130), (64, 64)] {
+                let seed = (m * 1000 + n) as u64;
+                let (n1, n2) = (n.div_ceil(2), n / 2);
+                let parts = [
+                    tensor(dtype, [n1, k], random_blocks(dtype, n1, k, seed)),
+                    tensor(dtype, [n2, k], random_blocks(dtype, n2, k, seed + 1)),
+                ];
+                let parts: Vec<_> = parts.into_iter().filter(|t| t.shape[0] > 0).collect();
+                let mat = be.matrix(&parts).unwrap();
+                let w: Vec<f32> = parts.iter().flat_map(|t| t.to_f32()).collect();
+                let dense = be.matrix_f32(&[(&w, n)], k).unwrap();
+                let x = Rng::new(seed + 2).vec(m * k, 2.0);
+                let got = product(&be, &mat, &x, m);
+                let f32_path = product(&be, &dense, &x, m);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = 0.5
+                            * (0..k)
+                                .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                                .sum::<f64>();
+                        let what = format!("{dtype} {m}×{k}×{n} [{i},{j}]");
+                        assert_close(got[i * n + j], want, 1e-5, &what);
+                        assert_close(got[i * n + j], f32_path[i * n + j] as f64, 1e-5, &what);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Blocks that do not fit the shape, mixed formats and rows that are not whole blocks are
+    /// refused, naming the tensor.
+    #[test]
+    fn bad_blocks_name_the_tensor() {
+        let be = cpu();
+        let short = tensor(DType::Q8_0, [2, 64], vec![0; 3 * 34]);
+        let e = be.matrix(&[short]).err().unwrap().to_string();
+        assert!(e.contains("`w.Q8_0`") && e.contains("2×64"), "{e}");
+        let ragged = tensor(DType::Q4_K, [1, 100], vec![0; 144]);
+        let e = be.matrix(&[ragged]).err().unwrap().to_string();
+        assert!(e.contains("`w.Q4_K`") && e.contains("whole number"), "{e}");
+        let a = tensor(DType::Q8_0, [1, 32], vec![0; 34]);
+        let b = tensor(DType::Q4_0, [1, 32], vec![0; 18]);
+        let e = be.matrix(&[a, b]).err().unwrap().to_string();
+        assert!(e.contains("`w.Q4_0`") && e.contains("one format"), "{e}");
+    }
+}

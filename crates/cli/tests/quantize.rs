@@ -1,0 +1,207 @@
+//! `--quantize` end to end: the bundled EmbeddingGemma 2 miniature quantized to Q8_0 at load
+//! gives the embeddings that the plain f32 model gives on a checkpoint whose product weights
+//! were replaced by their dequantized values (written here from the quantized blocks), and
+//! `tessera info --quantize` reports the smaller weights.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use tessera_core::gguf::{GgmlType, quantize};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn mini() -> PathBuf {
+    root().join("crates/models/assets/egemma2-mini")
+}
+
+fn tessera(args: &[&str]) -> Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .env_remove("TESSERA_MODEL")
+        .env("TESSERA_DEVICE", "cpu")
+        .env("HF_HUB_CACHE", root().join("target/no-hf-cache"))
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn embeddings(model: &Path, quantized: bool) -> Vec<Vec<f64>> {
+    let mut args = vec!["embed", "--model", model.to_str().unwrap()];
+    for t in [
+        "a short sentence",
+        "and another, rather longer one, with some punctuation!",
+    ] {
+        args.extend(["--text", t]);
+    }
+    if quantized {
+        args.extend(["--quantize", "q8_0"]);
+    }
+    String::from_utf8(tessera(&args).stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+fn max_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len());
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The miniature's folder with every product weight — a 2-D tensor whose rows are whole Q8_0
+/// blocks, but not the token table, which is read by row — replaced by its Q8_0 round trip.
+fn dequantized_copy(dir: &Path) {
+    for entry in std::fs::read_dir(mini()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let bytes = std::fs::read(mini().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut replaced = 0;
+    for (name, t) in st.tensors() {
+        assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+        let mut data = t.data().to_vec();
+        let product =
+            matches!(t.shape(), [_, c] if c % 32 == 0) && !name.ends_with("embed_tokens.weight");
+        if product {
+            let x: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let mut blocks = vec![0u8; GgmlType::Q8_0.bytes_for(x.len()).unwrap()];
+            quantize(GgmlType::Q8_0, &x, &mut blocks).unwrap();
+            let mut y = vec![0f32; x.len()];
+            GgmlType::Q8_0.dequantize(&blocks, &mut y).unwrap();
+            data = y.iter().flat_map(|v| v.to_le_bytes()).collect();
+            replaced += 1;
+        }
+        out.push((name, t.shape().to_vec(), data));
+    }
+    assert!(replaced > 20, "only {replaced} product weights");
+    let views: Vec<(String, safetensors::tensor::TensorView)> = out
+        .iter()
+        .map(|(n, s, d)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)
+                .unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+#[test]
+fn q8_0_at_load_equals_the_f32_model_on_the_dequantized_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    dequantized_copy(dir.path());
+    let quantized = embeddings(&mini(), true);
+    let reference = embeddings(dir.path(), false);
+    let d = max_diff(&quantized, &reference);
+    assert!(
+        d <= 1e-5,
+        "Q8_0 at load vs f32 on the dequantized weights: {d:e}"
+    );
+    // Quantizing did change the model: the plain f32 run is further off.
+    let plain = embeddings(&mini(), false);
+    let moved = max_diff(&quantized, &plain);
+    assert!(
+        moved > 1e-4,
+        "Q8_0 did not change the embeddings ({moved:e})"
+    );
+}
+
+#[test]
+fn info_reports_the_quantized_size_and_describe_says_so() {
+    let dir = mini();
+    let out = tessera(&[
+        "info",
+        "--model",
+        dir.to_str().unwrap(),
+        "--quantize",
+        "q4_0",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("with --quantize q4_0"), "{text}");
+    assert!(text.contains("Q4_0 weights quantized at load"), "{text}");
+}
+
+#[test]
+fn int8_activations_run_close_to_the_exact_mode_and_need_quantized_weights() {
+    let model = mini();
+    let m = model.to_str().unwrap();
+    let exact = embeddings(&model, true);
+    let out = tessera(&[
+        "embed",
+        "--model",
+        m,
+        "--quantize",
+        "q8_0",
+        "--precision",
+        "int8",
+        "--text",
+        "a short sentence",
+        "--text",
+        "and another, rather longer one, with some punctuation!",
+    ]);
+    let int8: Vec<Vec<f64>> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect();
+    // Unit vectors: their cosine is their dot product.
+    for (a, b) in int8.iter().zip(&exact) {
+        let cos: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+        assert!(cos > 0.999, "int8 vs exact Q8_0: cosine {cos}");
+    }
+    assert!(
+        max_diff(&int8, &exact) > 0.0,
+        "int8 activations changed nothing"
+    );
+    let out = tessera(&[
+        "info",
+        "--model",
+        m,
+        "--quantize",
+        "q8_0",
+        "--precision",
+        "int8",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("int8 activations"), "{text}");
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["embed", "--model", m, "--precision", "int8", "--text", "x"])
+        .env("TESSERA_DEVICE", "cpu")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--quantize"), "{err}");
+}
