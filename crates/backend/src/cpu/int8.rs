@@ -113,24 +113,30 @@ fn dot_plain(dtype: DType, row: &[u8], q: &[i8], d: &[f32]) -> f32 {
     acc
 }
 
-/// As [`dot_plain`], with AVX2: 32 products per block in two instructions, eight partial sums
-/// per lane scaled and accumulated in f32.
+/// As [`dot_plain`] for `R` activation rows at once, with AVX2: each weight block is loaded
+/// (and unpacked) once for the `R` rows; 32 products per block and row in two instructions,
+/// eight partial sums per lane scaled and accumulated in f32.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `row` holds `q.len() / 32` blocks of `dtype`, `d` as many scales.
+/// The CPU has AVX2 and FMA; `row` holds `q[r].len() / 32` blocks of `dtype`, each `d[r]` as
+/// many scales.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(dtype: DType, row: &[u8], q: &[i8], d: &[f32]) -> f32 {
+unsafe fn dot_avx2<const R: usize>(
+    dtype: DType,
+    row: &[u8],
+    q: [&[i8]; R],
+    d: [&[f32]; R],
+) -> [f32; R] {
     use std::arch::x86_64::*;
     let bb = dtype.block_bytes();
-    let mut acc = _mm256_setzero_ps();
+    let mut acc = [_mm256_setzero_ps(); R];
     let ones = _mm256_set1_epi16(1);
     let low = _mm_set1_epi8(0x0f);
     let eight = _mm256_set1_epi8(8);
-    for (i, &dx) in d.iter().enumerate() {
-        let b = &row[i * bb..(i + 1) * bb];
+    for (i, b) in row.chunks_exact(bb).enumerate() {
         let dw = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-        // SAFETY: `b` holds one block (2 + 32 or 2 + 16 bytes), `q` 32 values at 32·i.
+        // SAFETY: `b` holds one block (2 + 32 or 2 + 16 bytes); each `q[r]` 32 values at 32·i.
         unsafe {
             let w = if dtype == DType::Q8_0 {
                 _mm256_loadu_si256(b.as_ptr().add(2).cast())
@@ -140,18 +146,26 @@ unsafe fn dot_avx2(dtype: DType, row: &[u8], q: &[i8], d: &[f32]) -> f32 {
                 let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
                 _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
             };
-            let x = _mm256_loadu_si256(q.as_ptr().add(i * BLOCK).cast());
-            // |w| · (x with w's sign): the same products, the left operand unsigned.
-            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), sums, acc);
+            let abs_w = _mm256_sign_epi8(w, w);
+            for r in 0..R {
+                let x = _mm256_loadu_si256(q[r].as_ptr().add(i * BLOCK).cast());
+                // |w| · (x with w's sign): the same products, the left operand unsigned.
+                let pairs = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
+                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][i]), sums, acc[r]);
+            }
         }
     }
-    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
+    acc.map(|a| {
+        let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    })
 }
+
+/// Activation rows per AVX2 call: each weight block is unpacked once for this many rows.
+const ROW_TILE: usize = 4;
 
 /// `dst = alpha · x · wᵀ` (or `+=`) with `x` rounded to int8 blocks, for `m` rows of `x` (`k`
 /// at stride `xs`) into `m` rows of `dst` (`n` at stride `ds`). `w` is Q8_0 or Q4_0
@@ -179,37 +193,55 @@ pub(super) fn product(
         alpha,
         accumulate,
     };
+    let act = |i: usize| {
+        (
+            &rows.q[i * k..(i + 1) * k],
+            &rows.d[i * blocks..(i + 1) * blocks],
+        )
+    };
+    let store = |i: usize, j: usize, s: f32| {
+        // SAFETY: row i < m, column j < n of the caller's `dst`; each (i, j) is written by the
+        // one task that owns weight row j.
+        let o = unsafe { &mut *out.at(i, j) };
+        *o = if accumulate {
+            *o + alpha * s
+        } else {
+            alpha * s
+        };
+    };
     let task = |t: usize| {
         for j in t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(n) {
             let row = w.row(j);
-            for i in 0..m {
-                let (q, d) = (
-                    &rows.q[i * k..(i + 1) * k],
-                    &rows.d[i * blocks..(i + 1) * blocks],
-                );
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX2 and FMA were detected; `row` is one weight row of `blocks` blocks.
-                let s = if fast {
-                    unsafe { dot_avx2(dtype, row, q, d) }
-                } else {
-                    dot_plain(dtype, row, q, d)
-                };
-                #[cfg(not(target_arch = "x86_64"))]
-                let s = {
-                    let _ = fast;
-                    dot_plain(dtype, row, q, d)
-                };
-                // SAFETY: row i < m, column j < n of the caller's `dst`; each (i, j) is written
-                // by the one task that owns weight row j.
-                let o = unsafe { &mut *out.at(i, j) };
-                *o = if accumulate {
-                    *o + alpha * s
-                } else {
-                    alpha * s
-                };
+            let mut i = 0;
+            #[cfg(target_arch = "x86_64")]
+            if fast {
+                while i + ROW_TILE <= m {
+                    let tile: [(&[i8], &[f32]); ROW_TILE] = std::array::from_fn(|r| act(i + r));
+                    // SAFETY: AVX2 and FMA were detected; `row` is one weight row of `blocks`
+                    // blocks and each activation row has `blocks` blocks.
+                    let s = unsafe { dot_avx2(dtype, row, tile.map(|a| a.0), tile.map(|a| a.1)) };
+                    for (r, s) in s.into_iter().enumerate() {
+                        store(i + r, j, s);
+                    }
+                    i += ROW_TILE;
+                }
+                while i < m {
+                    let (q, d) = act(i);
+                    // SAFETY: as above.
+                    let [s] = unsafe { dot_avx2(dtype, row, [q], [d]) };
+                    store(i, j, s);
+                    i += 1;
+                }
+            }
+            while i < m {
+                let (q, d) = act(i);
+                store(i, j, dot_plain(dtype, row, q, d));
+                i += 1;
             }
         }
     };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = fast;
     let tasks = n.div_ceil(ROWS_PER_TASK);
     if par && tasks > 1 && m * n * k >= 1 << 16 {
         (0..tasks).into_par_iter().for_each(task);
@@ -285,6 +317,42 @@ mod tests {
                     "{dtype} portable: {err_plain:e} vs floor {floor:e}"
                 );
             }
+        }
+    }
+
+    /// A row's result does not depend on the rows it comes with (tiles of 4 and lone rows sum
+    /// alike): what lets batched work equal the same work alone.
+    #[test]
+    fn int8_products_do_not_depend_on_the_row_count() {
+        let (k, n) = (256, 40);
+        let w = QuantMat::from_blocks(
+            DType::Q4_0,
+            random_blocks(DType::Q4_0, n, k, 9),
+            DType::Q4_0.bytes_for(k).unwrap(),
+        );
+        let x = Rng::new(10).vec(17 * k, 1.0);
+        let run = |first: usize, m: usize| {
+            let mut o = vec![0f32; m * n];
+            product(
+                &x[first * k..],
+                k,
+                m,
+                &w,
+                (n, k),
+                &mut o,
+                n,
+                1.0,
+                false,
+                false,
+            );
+            o
+        };
+        let all = run(0, 17);
+        for (first, m) in [(5, 1), (4, 4), (3, 6), (16, 1)] {
+            assert!(
+                run(first, m)[..] == all[first * n..(first + m) * n],
+                "rows {first}+{m}"
+            );
         }
     }
 

@@ -72,12 +72,21 @@ pub(super) fn dequantize_q6_k(bytes: &[u8], out: &mut [f32]) {
         let d = f16_at([d[0], d[1]]);
         for (h, half) in o.chunks_exact_mut(128).enumerate() {
             let (ql, qh) = (&ql[64 * h..][..64], &qh[32 * h..][..32]);
-            for (r, v) in half.iter_mut().enumerate() {
-                let lo = (ql[r % 64] >> (4 * (r / 64))) & 0x0f;
-                let hi = (qh[r % 32] >> (2 * (r / 32))) & 0x03;
-                let q = i16::from(lo | (hi << 4)) - 32;
-                let ds = d * f32::from(scales[(128 * h + r) / 16] as i8);
-                *v = ds * f32::from(q);
+            // Byte `l` of `ql` and `qh` serves values `l` and `l + 64` (low / high nibble) and
+            // `l + 32`, `l + 96` via byte `l + 32` of `ql`; sub-blocks of 16 share a scale.
+            let ds: [f32; 8] = std::array::from_fn(|s| d * f32::from(scales[8 * h + s] as i8));
+            for l in 0..32 {
+                let (a, b, hb) = (ql[l], ql[l + 32], qh[l]);
+                let q = [
+                    (a & 0x0f) | ((hb & 0x03) << 4),
+                    (b & 0x0f) | (((hb >> 2) & 0x03) << 4),
+                    (a >> 4) | (((hb >> 4) & 0x03) << 4),
+                    (b >> 4) | (((hb >> 6) & 0x03) << 4),
+                ];
+                for (quarter, q) in q.into_iter().enumerate() {
+                    let r = 32 * quarter + l;
+                    half[r] = ds[r / 16] * f32::from(i16::from(q) - 32);
+                }
             }
         }
     }
