@@ -19,7 +19,7 @@ mod view;
 
 pub use device::{AnyBackend, BackendFn, DeviceRequest};
 pub use op::{
-    Activation, After, AttnSpec, Conv2d, ConvSeq, DupUp, Epilogue, Gate, Grids, GroupNorm,
+    Activation, After, AttnSpec, AvgDown, Conv2d, ConvSeq, DupUp, Epilogue, Gate, Grids, GroupNorm,
     KvRanges, Mask, NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable,
     RowNorm, Run, Segments, ShortConv, block_causal_limits, offsets_of,
 };
@@ -485,6 +485,12 @@ pub trait Backend: Send + Sync {
     /// `out += DupUp(x)`, the 2× channel-to-space shortcut of residual VAE up blocks (see
     /// [`DupUp`]): `x` `[height · width, in]`, `out` `[2·height · 2·width, out]`.
     fn dup_up(&self, x: View<'_, Self>, spec: &DupUp, out: ViewMut<'_, Self>) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out += AvgDown(x)`, the space-to-channel shortcut of residual VAE down blocks (see
+    /// [`AvgDown`]): `x` `[height · width, in]`, `out` `[height/space · width/space, out]`.
+    fn avg_down(&self, x: View<'_, Self>, spec: &AvgDown, out: ViewMut<'_, Self>) -> Result<()>
     where
         Self: Sized;
 

@@ -25,7 +25,7 @@ use std::collections::{BTreeSet, HashSet};
 
 use ops::attention::{attention, qkv};
 use ops::gemm::matmul;
-use ops::image::{conv2d, dup_up, group_norm};
+use ops::image::{avg_down, conv2d, dup_up, group_norm};
 use ops::norm::{layer, norm, plain, residual, rms};
 use ops::rows::{add_positions_2d, avg_pool2d, cast, embed, gated, scatter_rows, segment_mean};
 use ops::short_conv::short_conv;
@@ -291,6 +291,9 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(conv2d(5, 3, 144, 4, 3).of(Silu)); // conv_out into RGBA
     t.add(conv2d(4, 6, 72, 40, 1).of(Silu)); // 1×1: the activation skips the bare product
     t.add(conv2d(5, 3, 7, 9, 3).of(GeluTanh).from(Stream)); // odd widths: one channel a thread
+    // Its encoder's down blocks: stride 2 over the image padded at the bottom and right.
+    t.add(conv2d(10, 6, 96, 96, 3).downsampled().from(Stream));
+    t.add(conv2d(2, 4, 7, 9, 3).downsampled());
 
     // ---- dup_up (Qwen-Image-2.1's / Wan 2.2's residual up blocks), added into the f32 stream.
     t.add(dup_up(6, 5, 64, 64, 2)); // in = out: a nearest 2× upsampling
@@ -299,6 +302,12 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(dup_up(3, 4, 40, 10, 2)); // in = 4·out
     t.add(dup_up(1, 1, 3, 6, 1)); // more output than input channels, one pixel
     t.add(dup_up(5, 7, 96, 48, 2).from(Compute)); // from the compute type
+
+    // ---- avg_down (Qwen-Image-2.1's residual VAE encoder down blocks), added into the stream.
+    t.add(avg_down(6, 10, 48, 48, 1, 2)); // 96→96: a 2×2 mean per channel
+    t.add(avg_down(10, 6, 48, 96, 2, 2)); // 96→192: odd channels the 2×2 mean, even ones zero
+    t.add(avg_down(4, 4, 12, 3, 1, 2)); // g = 16: groups across channels
+    t.add(avg_down(3, 5, 10, 5, 1, 1)); // the last block's channel-group mean
 
     // ---- group_norm.
     t.add(group_norm(63, 128, 32).then(Silu)); // the VAE's GroupNorm(32) → SiLU
@@ -451,6 +460,8 @@ fn run_table(cases: &[Box<dyn Case>], devices: [Dev<'_>; 2]) -> Outcome {
 /// (`cuda/support.rs`; over cached key ranges every mask runs). That is the table's two
 /// block-causal cases, each in f32 and bf16 and on every forced bf16 flash path. A new decline,
 /// or a case CUDA comes to run, changes this list: [`ops_match_cpu`] fails until it is updated.
+/// The VAE encoder's ops (`avg_down`, the stride-2 `conv2d`) have no kernel yet: every case of
+/// theirs is declined in both precisions.
 fn declined_on_cuda() -> Vec<String> {
     const BLOCK_CAUSAL: [&str; 2] = [
         "attention [61] 4/2×128 block-causal [[Causal(7), Block(33), Causal(1), Block(20)]]",
@@ -467,6 +478,14 @@ fn declined_on_cuda() -> Vec<String> {
         .map(|chunks| format!(" — {kernel} kernel, {chunks}"))
     });
     let paths: Vec<String> = forced.collect();
+    const ENCODER: [&str; 6] = [
+        "conv2d 3×3 96→96 over a 10×6 image at stride 2 from Stream",
+        "conv2d 3×3 7→9 over a 2×4 image at stride 2 from Compute",
+        "avg_down 48→48 over a 6×10 image, 1 frames, 2× space",
+        "avg_down 48→96 over a 10×6 image, 2 frames, 2× space",
+        "avg_down 12→3 over a 4×4 image, 1 frames, 2× space",
+        "avg_down 10→5 over a 3×5 image, 1 frames, 1× space",
+    ];
     BLOCK_CAUSAL
         .iter()
         .flat_map(|case| {
@@ -474,6 +493,11 @@ fn declined_on_cuda() -> Vec<String> {
                 .into_iter()
                 .chain(paths.iter().map(move |path| format!("{case}{path} (bf16)")))
         })
+        .chain(
+            ENCODER
+                .iter()
+                .flat_map(|case| [format!("{case} (f32)"), format!("{case} (bf16)")]),
+        )
         .collect()
 }
 

@@ -1,6 +1,7 @@
 //! "Same" 2-D convolution over a channels-last image as an implicit GEMM: blocks of output
 //! pixels gather their `k × k × in` input patches into a small column matrix (zeros outside the
-//! image; with `upsample`, each upsampled pixel reads its nearest source pixel), which one GEMM
+//! image; with `upsample`, each upsampled pixel reads its nearest source pixel; with `downsample`,
+//! output pixel `(y, x)` reads from `(2y, 2x)` on, zeros past the bottom and right), which one GEMM
 //! multiplies by the `[out, k·k·in]` weight. Blocks run in parallel; no full im2col is stored.
 //! An input activation is applied to the gathered values (each input value once per tap: a small
 //! cost beside the product's `out` multiply-adds per gathered value).
@@ -23,7 +24,7 @@ pub(super) fn conv2d(
     out: ViewMut<'_, CpuBackend>,
 ) -> Result<()> {
     let (cin, cout, k) = (x.cols, out.cols, spec.kernel);
-    let (oh, ow) = spec.out_size();
+    let ow = spec.out_size().1;
     let kk = k * k * cin;
     spec.check(
         (x.rows, x.cols),
@@ -36,9 +37,16 @@ pub(super) fn conv2d(
     }
     let xs = slice(&x);
     let xstride = x.stride;
-    let pad = (k / 2) as isize;
     let up = if spec.upsample { 2 } else { 1 };
+    // Output pixel `o` reads virtual input pixels `stride·o + k − pad`; the virtual input is the
+    // (upsampled) image, zero outside `vh × vw`.
+    let (pad, stride) = if spec.downsample {
+        (0, 2)
+    } else {
+        ((k / 2) as isize, 1)
+    };
     let (ih, iw) = (spec.height, spec.width);
+    let (vh, vw) = ((ih * up) as isize, (iw * up) as isize);
     let block = (BLOCK_FLOATS / kk.max(1)).clamp(16, 1024);
     let (ostride, off, end) = (out.stride, out.offset, out.end());
     let dst = &mut out.buf.f32_mut()[off..end];
@@ -53,15 +61,16 @@ pub(super) fn conv2d(
             for (r, crow) in col.chunks_mut(kk).enumerate() {
                 let p = p0 + r;
                 let (oy, ox) = ((p / ow) as isize, (p % ow) as isize);
+                let (oy, ox) = (oy * stride, ox * stride);
                 for ky in 0..k {
                     let uy = oy + ky as isize - pad;
-                    if uy < 0 || uy >= oh as isize {
+                    if uy < 0 || uy >= vh {
                         continue;
                     }
                     let iy = uy as usize / up;
                     for kx in 0..k {
                         let ux = ox + kx as isize - pad;
-                        if ux < 0 || ux >= ow as isize {
+                        if ux < 0 || ux >= vw {
                             continue;
                         }
                         let ix = ux as usize / up;
@@ -105,7 +114,7 @@ mod tests {
         bias: &[f32],
         cout: usize,
         k: usize,
-        up: bool,
+        (up, down): (bool, bool),
         act: Option<fn(f64) -> f64>,
         bf16: bool,
     ) -> Vec<f64> {
@@ -119,8 +128,13 @@ mod tests {
             }
         };
         let s = if up { 2 } else { 1 };
-        let (oh, ow) = (h * s, w * s);
-        let pad = (k / 2) as isize;
+        // Downsampling: stride 2 over the image padded by one zero row and column after.
+        let (vh, vw) = (h * s, w * s);
+        let (oh, ow, pad, st) = if down {
+            (h / 2, w / 2, 0, 2)
+        } else {
+            (vh, vw, (k / 2) as isize, 1)
+        };
         let mut out = vec![0f64; oh * ow * cout];
         for oy in 0..oh {
             for ox in 0..ow {
@@ -130,10 +144,10 @@ mod tests {
                         for ky in 0..k {
                             for kx in 0..k {
                                 let (uy, ux) = (
-                                    oy as isize + ky as isize - pad,
-                                    ox as isize + kx as isize - pad,
+                                    (st * oy) as isize + ky as isize - pad,
+                                    (st * ox) as isize + kx as isize - pad,
                                 );
-                                if uy < 0 || ux < 0 || uy >= oh as isize || ux >= ow as isize {
+                                if uy < 0 || ux < 0 || uy >= vh as isize || ux >= vw as isize {
                                     continue;
                                 }
                                 let (iy, ix) = (uy as usize / s, ux as usize / s);
@@ -151,7 +165,7 @@ mod tests {
     }
 
     #[test]
-    fn same_conv_with_and_without_upsampling_matches_naive() {
+    fn same_conv_with_and_without_resampling_matches_naive() {
         for p in [Precision::F32, Precision::Bf16] {
             same_conv_matches_naive(p);
         }
@@ -159,20 +173,27 @@ mod tests {
 
     fn same_conv_matches_naive(precision: Precision) {
         let be = CpuBackend::with_precision(precision);
-        // (h, w, in, out, kernel, upsample, SiLU input): odd sizes, 1×1 shortcuts, blocks cut
-        // mid-row, pre-activated inputs.
-        for &(h, w, cin, cout, k, up, pre) in &[
-            (1, 1, 1, 1, 3, false, false),
-            (5, 7, 3, 4, 3, false, false),
-            (6, 3, 5, 2, 1, false, false),
-            (4, 5, 6, 7, 3, true, false),
-            (23, 41, 8, 5, 3, false, false),
-            (9, 13, 19, 33, 3, true, false),
-            (5, 7, 3, 4, 3, false, true),
-            (6, 3, 5, 2, 1, false, true),
-            (9, 13, 19, 33, 3, true, true),
+        // (h, w, in, out, kernel, (upsample, downsample), SiLU input): odd sizes, 1×1
+        // shortcuts, blocks cut mid-row, pre-activated inputs, stride-2 downsampling (the
+        // smallest image, one output pixel reading the padding, and blocks cut mid-row).
+        let (no, up, down) = ((false, false), (true, false), (false, true));
+        for &(h, w, cin, cout, k, mode, pre) in &[
+            (1, 1, 1, 1, 3, no, false),
+            (5, 7, 3, 4, 3, no, false),
+            (6, 3, 5, 2, 1, no, false),
+            (4, 5, 6, 7, 3, up, false),
+            (23, 41, 8, 5, 3, no, false),
+            (9, 13, 19, 33, 3, up, false),
+            (5, 7, 3, 4, 3, no, true),
+            (6, 3, 5, 2, 1, no, true),
+            (9, 13, 19, 33, 3, up, true),
+            (2, 2, 3, 5, 3, down, false),
+            (6, 10, 7, 4, 3, down, false),
+            (40, 34, 9, 6, 3, down, false),
+            (8, 6, 5, 7, 3, down, true),
         ] {
-            let mut rng = Rng::new((h * w * cin * cout * k) as u64 + up as u64 + pre as u64);
+            let seed = (h * w * cin * cout * k) as u64 + mode.0 as u64 + 2 * mode.1 as u64;
+            let mut rng = Rng::new(seed + pre as u64);
             let x = rng.vec(h * w * cin, 2.0);
             let wt = rng.vec(cout * cin * k * k, 1.0);
             let bias = rng.vec(cout, 1.0);
@@ -186,8 +207,11 @@ mod tests {
                 }
             }
             let mut spec = Conv2d::same(h, w, k);
-            if up {
+            if mode.0 {
                 spec = spec.upsampled();
+            }
+            if mode.1 {
+                spec = spec.downsampled();
             }
             if pre {
                 spec = spec.of_activated(Activation::Silu);
@@ -210,7 +234,7 @@ mod tests {
             let all = be.read_f32(View::new(&o, oh * ow, stride)).unwrap();
             let act = pre.then_some(silu as fn(f64) -> f64);
             let bf16 = precision == Precision::Bf16;
-            let want = naive(&x, (h, w, cin), &wt, &bias, cout, k, up, act, bf16);
+            let want = naive(&x, (h, w, cin), &wt, &bias, cout, k, mode, act, bf16);
             for p in 0..oh * ow {
                 assert!(all[p * stride].is_nan(), "column 0 written");
                 for c in 0..cout {

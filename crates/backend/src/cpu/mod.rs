@@ -12,6 +12,7 @@
 //! AVX512_BF16); everything else stays as in f32.
 
 mod attention;
+mod avg_down;
 pub mod bf16;
 mod conv;
 pub mod denormals;
@@ -36,8 +37,9 @@ use tessera_core::{Error, Result, Tensor, Weights};
 
 use crate::view::same_shape;
 use crate::{
-    Activation, After, AttnSpec, Backend, Conv2d, DupUp, Epilogue, Grids, GroupNorm, Op, Precision,
-    QkvNorm, Quantization, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
+    Activation, After, AttnSpec, AvgDown, Backend, Conv2d, DupUp, Epilogue, Grids, GroupNorm, Op,
+    Precision, QkvNorm, Quantization, Residual, Role, RopeTable, RowNorm, Segments, ShortConv,
+    View, ViewMut,
 };
 
 /// The CPU backend: `f32` by default, bf16 products with [`CpuBackend::with_precision`].
@@ -625,6 +627,11 @@ impl Backend for CpuBackend {
     fn dup_up(&self, x: View<'_, Self>, spec: &DupUp, out: ViewMut<'_, Self>) -> Result<()> {
         self.enter(Op::DupUp)?;
         dup_up::dup_up(x, spec, out)
+    }
+
+    fn avg_down(&self, x: View<'_, Self>, spec: &AvgDown, out: ViewMut<'_, Self>) -> Result<()> {
+        self.enter(Op::AvgDown)?;
+        avg_down::avg_down(x, spec, out)
     }
 
     fn short_conv(

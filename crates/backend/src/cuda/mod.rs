@@ -47,8 +47,8 @@ use cudarc::driver::{CudaContext, CudaStream};
 use tessera_core::{Result, Tensor, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, Backend, Conv2d, DupUp, Epilogue, Grids, GroupNorm, Op, Precision,
-    QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
+    Activation, After, AttnSpec, AvgDown, Backend, Conv2d, DupUp, Epilogue, Grids, GroupNorm, Op,
+    Precision, QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
 };
 pub use attention::{FlashChoice, FlashKernel};
 pub use device::{check_libraries, open};
@@ -282,6 +282,12 @@ impl Backend for CudaBackend {
     fn dup_up(&self, x: View<'_, Self>, spec: &DupUp, out: ViewMut<'_, Self>) -> Result<()> {
         self.enter(&Op::DupUp)?;
         image::dup_up(self, x, spec, out)
+    }
+
+    fn avg_down(&self, _x: View<'_, Self>, _spec: &AvgDown, _out: ViewMut<'_, Self>) -> Result<()> {
+        // Declined in `support.rs` (no kernel yet): `enter` returns the reason.
+        self.enter(&Op::AvgDown)?;
+        Err(tessera_core::Error::backend("avg_down", "no CUDA kernel"))
     }
 
     fn group_norm(

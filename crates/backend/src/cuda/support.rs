@@ -1,10 +1,11 @@
 //! What the CUDA backend runs ([`Backend::supports`]): the one place that decides, asked by
 //! models before they load and by every op on entry.
 //!
-//! Every op has a kernel; what is declined is products on quantized (block-format) weights,
-//! per-row key limits on attention over a sequence's own rows (over cached key ranges every mask
-//! runs), the erf GELU outside a product epilogue, and head widths no attention kernel takes.
-//! Each message says so.
+//! Every op has a kernel but the VAE encoder's (`avg_down` and the stride-2 `conv2d`, written
+//! when a GPU was not lent); what is declined is those, products on quantized (block-format)
+//! weights, per-row key limits on attention over a sequence's own rows (over cached key ranges
+//! every mask runs), the erf GELU outside a product epilogue, and head widths no attention kernel
+//! takes. Each message says so.
 //!
 //! [`Backend::supports`]: crate::Backend::supports
 
@@ -41,6 +42,11 @@ impl CudaBackend {
             | Op::ScatterRows
             | Op::DupUp
             | Op::ShortConv { .. } => Ok(()),
+            // Qwen-Image-2.1's VAE encoder: no kernels yet.
+            Op::AvgDown => Err(not_yet("the AvgDown shortcut (VAE encoder) is")),
+            Op::Conv2d {
+                downsample: true, ..
+            } => Err(not_yet("the stride-2 convolution (VAE encoder) is")),
             // The erf GELU is only a product epilogue so far (LFM2-VL's projector).
             Op::Gated(Activation::Gelu)
             | Op::GroupNorm {

@@ -19,7 +19,7 @@ pub use attention::{
 };
 pub(crate) use gemm::check_product;
 pub use gemm::{Activation, Epilogue, Gate};
-pub use image::{Conv2d, DupUp, Grids, GroupNorm};
+pub use image::{AvgDown, Conv2d, DupUp, Grids, GroupNorm};
 pub use norm::{After, NormKind, Residual, RowNorm};
 pub use rope::{RopeStyle, RopeTable};
 pub use short_conv::{ConvSeq, ShortConv};
@@ -55,10 +55,13 @@ pub enum Op {
     Conv2d {
         kernel: usize,
         upsample: bool,
+        /// Stride 2 over the input padded at the bottom and right ([`crate::Conv2d`]).
+        downsample: bool,
         /// The activation applied to the input as it is read.
         act: Option<Activation>,
     },
     DupUp,
+    AvgDown,
     GroupNorm {
         act: Option<Activation>,
     },
@@ -180,6 +183,7 @@ op_kinds! {
     ScatterRows => "scatter_rows",
     Conv2d => "conv2d",
     DupUp => "dup_up",
+    AvgDown => "avg_down",
     GroupNorm => "group_norm",
     ShortConv => "short_conv",
 }
@@ -201,6 +205,7 @@ impl Op {
             Op::ScatterRows => OpKind::ScatterRows,
             Op::Conv2d { .. } => OpKind::Conv2d,
             Op::DupUp => OpKind::DupUp,
+            Op::AvgDown => OpKind::AvgDown,
             Op::GroupNorm { .. } => OpKind::GroupNorm,
             Op::ShortConv { .. } => OpKind::ShortConv,
         }
@@ -277,12 +282,15 @@ impl std::fmt::Display for Op {
             Op::Conv2d {
                 kernel,
                 upsample,
+                downsample,
                 act,
             } => write!(
                 f,
                 "{name} ({kernel}×{kernel}{}{})",
                 if *upsample {
                     ", 2× upsampled input"
+                } else if *downsample {
+                    ", stride 2"
                 } else {
                     ""
                 },
@@ -347,6 +355,7 @@ impl crate::Conv2d {
         Op::Conv2d {
             kernel: self.kernel,
             upsample: self.upsample,
+            downsample: self.downsample,
             act: self.act,
         }
     }

@@ -1,6 +1,6 @@
-//! The VAEs' ops over channels-last images: `conv2d`, `group_norm` and `dup_up`.
+//! The VAEs' ops over channels-last images: `conv2d`, `group_norm`, `dup_up` and `avg_down`.
 
-use tessera_backend::{Activation, Conv2d, DupUp, GroupNorm, Op, Role};
+use tessera_backend::{Activation, AvgDown, Conv2d, DupUp, GroupNorm, Op, Role};
 
 use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng};
 
@@ -38,6 +38,14 @@ impl ConvCase {
         }
     }
 
+    /// At stride 2 over the image padded at the bottom and right (the VAE encoders' down blocks).
+    pub fn downsampled(self) -> Self {
+        ConvCase {
+            spec: self.spec.downsampled(),
+            ..self
+        }
+    }
+
     /// Of `act(input)` (the Wan-style VAEs' `RMS_norm → SiLU → conv`).
     pub fn of(self, act: Activation) -> Self {
         ConvCase {
@@ -54,9 +62,16 @@ impl OpCase for ConvCase {
             width,
             kernel,
             upsample,
+            downsample,
             act,
         } = self.spec;
-        let up = if upsample { " upsampled 2×" } else { "" };
+        let up = if upsample {
+            " upsampled 2×"
+        } else if downsample {
+            " at stride 2"
+        } else {
+            ""
+        };
         let act = act.map_or(String::new(), |a| format!(" of {a:?}(x)"));
         format!(
             "conv2d {kernel}×{kernel} {}→{}{act} over a {height}×{width} image{up} from {:?}",
@@ -228,6 +243,77 @@ impl OpCase for DupUpCase {
             1.0,
         )?;
         be.dup_up(x.view(), &spec, out.view_mut())?;
+        Ok(vec![out.read(be, "out")?])
+    }
+}
+
+/// `out += AvgDown(x)`: a `height × width × cin` image into `height/space × width/space × cout`,
+/// the image the last of `frames` temporal slots (the others zero).
+#[derive(Clone, Debug)]
+pub struct AvgDownCase {
+    spec: AvgDown,
+    cin: usize,
+    cout: usize,
+}
+
+pub fn avg_down(
+    height: usize,
+    width: usize,
+    cin: usize,
+    cout: usize,
+    frames: usize,
+    space: usize,
+) -> AvgDownCase {
+    AvgDownCase {
+        spec: AvgDown {
+            height,
+            width,
+            frames,
+            space,
+        },
+        cin,
+        cout,
+    }
+}
+
+impl OpCase for AvgDownCase {
+    fn name(&self) -> String {
+        let AvgDown {
+            height,
+            width,
+            frames,
+            space,
+        } = self.spec;
+        format!(
+            "avg_down {}→{} over a {height}×{width} image, {frames} frames, {space}× space",
+            self.cin, self.cout
+        )
+    }
+
+    fn op(&self) -> Op {
+        Op::AvgDown
+    }
+
+    fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
+        let AvgDownCase { spec, cin, cout } = *self;
+        let (oh, ow) = spec.out_size();
+        // The encoder keeps its block input in the f32 stream and adds the shortcut into the
+        // downsampling convolution's output there.
+        let x = Guarded::drawn(
+            be,
+            Role::Stream,
+            Layout::padded(spec.height * spec.width, cin, 8, 8),
+            rng,
+            2.0,
+        )?;
+        let mut out = Guarded::drawn(
+            be,
+            Role::Stream,
+            Layout::padded(oh * ow, cout, 8, 8),
+            rng,
+            1.0,
+        )?;
+        be.avg_down(x.view(), &spec, out.view_mut())?;
         Ok(vec![out.read(be, "out")?])
     }
 }

@@ -1,4 +1,4 @@
-//! The VAE decoders' convolution: an `nn.Conv2d`'s weight reordered for the backend's
+//! The VAEs' convolution: an `nn.Conv2d`'s weight reordered for the backend's
 //! channels-last `conv2d` (see [`tessera_backend::op::Conv2d`]).
 
 use tessera_backend::{Activation, Backend, Conv2d, View, ViewMut};
@@ -53,6 +53,26 @@ impl<B: Backend> Conv<B> {
         if let Some(a) = act {
             spec = spec.of_activated(a);
         }
+        let (oh, ow) = spec.out_size();
+        be.conv2d(
+            x,
+            &self.w,
+            &self.b,
+            &spec,
+            ViewMut::new(out, oh * ow, self.cout),
+        )
+    }
+
+    /// `out = conv(x)` at stride 2 over the `hw` image padded by one zero row and column at the
+    /// bottom and right (the VAE encoders' downsampler), `hw/2` out.
+    pub fn downsample(
+        &self,
+        be: &B,
+        x: View<'_, B>,
+        hw: (usize, usize),
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        let spec = Conv2d::same(hw.0, hw.1, self.kernel).downsampled();
         let (oh, ow) = spec.out_size();
         be.conv2d(
             x,

@@ -8,6 +8,7 @@
 //! - [`transformer`]: the single-stream DiT with its prefix K/V cache;
 //! - [`scheduler`]: the FlowMatch Euler σ schedule with its resolution-dependent shift;
 //! - [`vae`]: the RGBA VAE decoder (`AutoencoderKLQwenImage21`) and the 8-bit conversion;
+//! - [`vae_encoder`]: its encoder, a condition image to normalised DiT-space latent tokens;
 //! - [`pipeline`]: all of it end to end.
 
 pub mod config;
@@ -18,6 +19,7 @@ pub mod scheduler;
 pub mod text;
 pub mod transformer;
 pub mod vae;
+pub mod vae_encoder;
 
 use std::path::Path;
 

@@ -39,8 +39,9 @@
 //! reach the residual decoder. The pipeline's `_unpack_latents` only makes even latent sides (one
 //! DiT slot is 2×2 tokens); the decoder itself takes any `h × w`.
 //!
-//! Only `post_quant_conv.*` and `decoder.*` are read; the encoder and the unused `time_conv`
-//! weights are ignored.
+//! Only `post_quant_conv.*` and `decoder.*` are read here; the encoder is
+//! [`super::vae_encoder`], and the unused `time_conv` weights are ignored. The blocks (`Norm`,
+//! `Resnet`, `Attention`) are shared with the encoder.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -48,8 +49,8 @@ use std::path::Path;
 use serde::Deserialize;
 use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, DupUp, Mask, Op, QkvLayout, Residual, Role, RowNorm,
-    View, ViewMut,
+    Activation, After, AttnSpec, AvgDown, Backend, DupUp, Mask, Op, QkvLayout, Residual, Role,
+    RowNorm, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
@@ -131,7 +132,7 @@ struct RawVae {
 /// `vae/config.json` (`AutoencoderKLQwenImage21`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct VaeConfig {
-    /// The encoder's width (decoder-irrelevant; kept for completeness).
+    /// The encoder's width.
     pub base_dim: usize,
     /// The decoder's width (`decoder_base_dim`, or `base_dim` when null).
     pub decoder_base_dim: usize,
@@ -280,6 +281,22 @@ impl VaeConfig {
                 }
             }
         }
+        for b in cfg.down_blocks() {
+            if b.avg_down(1, 1).group(b.cin, b.cout).is_none() {
+                return Err(err(
+                    "dim_mult",
+                    format!(
+                        "the encoder's down block {}→{} channels cannot carry the AvgDown \
+                         shortcut: {}·{} must be a multiple of {}",
+                        b.cin,
+                        b.cout,
+                        b.cin,
+                        b.avg_down(1, 1).factor(),
+                        b.cout
+                    ),
+                ));
+            }
+        }
         Ok(cfg)
     }
 
@@ -320,6 +337,65 @@ impl VaeConfig {
     pub fn mid_channels(&self) -> usize {
         self.dims()[0]
     }
+
+    /// The encoder's widths: `conv_in`'s output, then each down block's
+    /// (`base_dim · [1] + base_dim · dim_mult`).
+    fn encoder_dims(&self) -> Vec<usize> {
+        let d = self.base_dim;
+        std::iter::once(d)
+            .chain(self.dim_mult.iter().map(|m| d * m))
+            .collect()
+    }
+
+    /// Each encoder down block's channels in and out, whether it halves the image and its
+    /// temporal factor (the reference's `temperal_downsample[i]`, never for the last block).
+    pub fn down_blocks(&self) -> Vec<DownBlockShape> {
+        let dims = self.encoder_dims();
+        let n = self.dim_mult.len();
+        (0..n)
+            .map(|i| {
+                let last = i + 1 == n;
+                DownBlockShape {
+                    cin: dims[i],
+                    cout: dims[i + 1],
+                    down: !last,
+                    frames: if !last && self.temperal_downsample[i] {
+                        2
+                    } else {
+                        1
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// The encoder's mid block width (the last down block's).
+    pub fn encoder_mid_channels(&self) -> usize {
+        self.encoder_dims().last().copied().unwrap_or(self.base_dim)
+    }
+}
+
+/// One encoder down block's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DownBlockShape {
+    pub cin: usize,
+    pub cout: usize,
+    /// Whether it halves the image (all blocks but the last).
+    pub down: bool,
+    /// The AvgDown shortcut's temporal factor (2: the image is averaged with a zero frame).
+    pub frames: usize,
+}
+
+impl DownBlockShape {
+    /// The block's AvgDown shortcut over an `h × w` input.
+    pub fn avg_down(&self, h: usize, w: usize) -> AvgDown {
+        AvgDown {
+            height: h,
+            width: w,
+            frames: self.frames,
+            space: if self.down { 2 } else { 1 },
+        }
+    }
 }
 
 /// One decoder up block's shape.
@@ -336,6 +412,7 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
     let conv = |kernel, upsample, act| Op::Conv2d {
         kernel,
         upsample,
+        downsample: false,
         act,
     };
     let bias = MatmulOp {
@@ -372,13 +449,13 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
 }
 
 /// An `RMS_norm`'s γ (`[C, 1, 1, 1]` or, in the attention, `[C, 1, 1]`) as a norm weight.
-struct Norm<B: Backend> {
+pub(super) struct Norm<B: Backend> {
     gamma: B::Vector,
     eps: f32,
 }
 
 impl<B: Backend> Norm<B> {
-    fn load(l: &Loader<'_, B>, name: &str, c: usize, image: bool) -> Result<Self> {
+    pub(super) fn load(l: &Loader<'_, B>, name: &str, c: usize, image: bool) -> Result<Self> {
         let shape: &[usize] = if image { &[c, 1, 1] } else { &[c, 1, 1, 1] };
         let mut t = l.tensor(&format!("{name}.gamma"), shape)?;
         t.shape = vec![c];
@@ -388,14 +465,15 @@ impl<B: Backend> Norm<B> {
         })
     }
 
-    fn row_norm(&self) -> RowNorm<'_, B> {
+    pub(super) fn row_norm(&self) -> RowNorm<'_, B> {
         RowNorm::rms(&self.gamma, self.eps)
     }
 }
 
-struct Resnet<B: Backend> {
-    cin: usize,
-    cout: usize,
+/// A residual block: `conv2(φ(conv1(φ(x)))) + shortcut(x)`, shared by the encoder and decoder.
+pub(super) struct Resnet<B: Backend> {
+    pub(super) cin: usize,
+    pub(super) cout: usize,
     norm1: Norm<B>,
     conv1: Conv<B>,
     norm2: Norm<B>,
@@ -404,7 +482,7 @@ struct Resnet<B: Backend> {
 }
 
 impl<B: Backend> Resnet<B> {
-    fn load(l: &Loader<'_, B>, cin: usize, cout: usize) -> Result<Self> {
+    pub(super) fn load(l: &Loader<'_, B>, cin: usize, cout: usize) -> Result<Self> {
         Ok(Resnet {
             cin,
             cout,
@@ -419,11 +497,59 @@ impl<B: Backend> Resnet<B> {
             },
         })
     }
+
+    /// `out = conv2(φ(conv1(φ(x)))) + shortcut(x)`, φ = SiLU ∘ RMS_norm, leaving `x` as it was;
+    /// a shortcut convolution writes `spare` first.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward(
+        &self,
+        be: &B,
+        x: &B::Buf,
+        out: &mut B::Buf,
+        spare: Option<&mut B::Buf>,
+        (c, h): (&mut B::Buf, &mut B::Buf),
+        hw: (usize, usize),
+    ) -> Result<()> {
+        let r = self;
+        let px = hw.0 * hw.1;
+        let silu = Some(Activation::Silu);
+        be.norm(
+            View::new(x, px, r.cin),
+            &r.norm1.row_norm(),
+            ViewMut::new(c, px, r.cin),
+        )?;
+        r.conv1
+            .run(be, View::new(c, px, r.cin), hw, false, silu, h)?;
+        be.norm(
+            View::new(h, px, r.cout),
+            &r.norm2.row_norm(),
+            ViewMut::new(c, px, r.cout),
+        )?;
+        r.conv2
+            .run(be, View::new(c, px, r.cout), hw, false, silu, out)?;
+        // `conv2(…) + x` is `x + conv2(…)` bit for bit; the sum lands in `out`.
+        let skip: &B::Buf = match &r.shortcut {
+            Some(sc) => {
+                let spare = spare.ok_or_else(|| {
+                    Error::backend("vae", "a channel-changing resnet without a spare buffer")
+                })?;
+                sc.run(be, View::new(x, px, r.cin), hw, false, None, spare)?;
+                spare
+            }
+            None => x,
+        };
+        be.residual(
+            ViewMut::new(out, px, r.cout),
+            View::new(skip, px, r.cout),
+            &Residual::plain(),
+            After::Nothing,
+        )
+    }
 }
 
 /// The mid block's single-head self-attention.
-struct Attention<B: Backend> {
-    c: usize,
+pub(super) struct Attention<B: Backend> {
+    pub(super) c: usize,
     norm: Norm<B>,
     /// `to_qkv` (a 1×1 convolution `[3C, C, 1, 1]`) as a product.
     qkv: Linear<B>,
@@ -431,7 +557,7 @@ struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    fn load(l: &Loader<'_, B>, c: usize) -> Result<Self> {
+    pub(super) fn load(l: &Loader<'_, B>, c: usize) -> Result<Self> {
         let linear = |name: &str, out: usize| -> Result<Linear<B>> {
             let mut t = l.tensor(&format!("{name}.weight"), &[out, c, 1, 1])?;
             t.shape = vec![out, c];
@@ -446,6 +572,53 @@ impl<B: Backend> Attention<B> {
             qkv: linear("to_qkv", 3 * c)?,
             proj: linear("proj", c)?,
         })
+    }
+
+    /// `x ← x + proj(softmax(q kᵀ/√C) v)` over the pixels, `q|k|v = to_qkv(RMS_norm(x))`.
+    /// `x` is the f32 stream; `c` and `h` are compute-type scratch of `3C` columns.
+    pub(super) fn forward(
+        &self,
+        be: &B,
+        x: &mut B::Buf,
+        (c_buf, h_buf): (&mut B::Buf, &mut B::Buf),
+        hw: (usize, usize),
+    ) -> Result<()> {
+        let a = self;
+        let (px, c) = (hw.0 * hw.1, a.c);
+        be.norm(
+            View::new(&*x, px, c),
+            &a.norm.row_norm(),
+            ViewMut::new(c_buf, px, c),
+        )?;
+        be.matmul(
+            View::new(&*c_buf, px, c),
+            &a.qkv.w,
+            ViewMut::new(h_buf, px, 3 * c),
+            &a.qkv.epilogue(),
+        )?;
+        let layout = QkvLayout {
+            heads_q: 1,
+            heads_kv: 1,
+            head_dim: c,
+        };
+        let spec = AttnSpec::new(layout, (c as f32).powf(-0.5), Mask::Full);
+        let segs = be.segments(&[px])?;
+        let qkv = View::new(&*h_buf, px, 3 * c);
+        be.attention(
+            qkv.cols(0, c),
+            qkv.cols(c, c),
+            qkv.cols(2 * c, c),
+            ViewMut::new(c_buf, px, c),
+            &spec,
+            &segs,
+        )?;
+        // x += proj(a) + bias, folded into the product.
+        be.matmul(
+            View::new(&*c_buf, px, c),
+            &a.proj.w,
+            ViewMut::new(x, px, c),
+            &a.proj.epilogue().accumulate(),
+        )
     }
 }
 
@@ -616,7 +789,8 @@ impl<B: Backend> VaeDecoder<B> {
         record("conv_in", &b.x, px, top)?;
 
         self.resnet_in_place(be, &self.mid[0], &mut b, hw)?;
-        self.attention(be, &mut b, hw)?;
+        self.attention
+            .forward(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
         self.resnet_in_place(be, &self.mid[1], &mut b, hw)?;
         record("mid", &b.x, px, top)?;
 
@@ -627,15 +801,7 @@ impl<B: Backend> VaeDecoder<B> {
                 .resnets
                 .split_first()
                 .ok_or_else(|| Error::backend("vae", "an up block without resnets"))?;
-            self.resnet(
-                be,
-                first,
-                &b.k,
-                &mut b.x,
-                Some(&mut b.s),
-                (&mut b.c, &mut b.h),
-                hw,
-            )?;
+            first.forward(be, &b.k, &mut b.x, Some(&mut b.s), (&mut b.c, &mut b.h), hw)?;
             for r in rest {
                 self.resnet_in_place(be, r, &mut b, hw)?;
             }
@@ -682,55 +848,7 @@ impl<B: Backend> VaeDecoder<B> {
         Ok(image)
     }
 
-    /// `out = conv2(φ(conv1(φ(x)))) + shortcut(x)`, φ = SiLU ∘ RMS_norm, leaving `x` as it was;
-    /// a shortcut convolution writes `spare` first.
-    #[allow(clippy::too_many_arguments)]
-    fn resnet(
-        &self,
-        be: &B,
-        r: &Resnet<B>,
-        x: &B::Buf,
-        out: &mut B::Buf,
-        spare: Option<&mut B::Buf>,
-        (c, h): (&mut B::Buf, &mut B::Buf),
-        hw: (usize, usize),
-    ) -> Result<()> {
-        let px = hw.0 * hw.1;
-        let silu = Some(Activation::Silu);
-        be.norm(
-            View::new(x, px, r.cin),
-            &r.norm1.row_norm(),
-            ViewMut::new(c, px, r.cin),
-        )?;
-        r.conv1
-            .run(be, View::new(c, px, r.cin), hw, false, silu, h)?;
-        be.norm(
-            View::new(h, px, r.cout),
-            &r.norm2.row_norm(),
-            ViewMut::new(c, px, r.cout),
-        )?;
-        r.conv2
-            .run(be, View::new(c, px, r.cout), hw, false, silu, out)?;
-        // `conv2(…) + x` is `x + conv2(…)` bit for bit; the sum lands in `out`.
-        let skip: &B::Buf = match &r.shortcut {
-            Some(sc) => {
-                let spare = spare.ok_or_else(|| {
-                    Error::backend("vae", "a channel-changing resnet without a spare buffer")
-                })?;
-                sc.run(be, View::new(x, px, r.cin), hw, false, None, spare)?;
-                spare
-            }
-            None => x,
-        };
-        be.residual(
-            ViewMut::new(out, px, r.cout),
-            View::new(skip, px, r.cout),
-            &Residual::plain(),
-            After::Nothing,
-        )
-    }
-
-    /// [`resnet`](Self::resnet) on the stream, `x ← resnet(x)` through `s`, for the resnets that
+    /// [`Resnet::forward`] on the stream, `x ← resnet(x)` through `s`, for the resnets that
     /// keep their channel count (all but an up block's first): `k` is left alone.
     fn resnet_in_place(
         &self,
@@ -739,49 +857,9 @@ impl<B: Backend> VaeDecoder<B> {
         b: &mut Bufs<B>,
         hw: (usize, usize),
     ) -> Result<()> {
-        self.resnet(be, r, &b.x, &mut b.s, None, (&mut b.c, &mut b.h), hw)?;
+        r.forward(be, &b.x, &mut b.s, None, (&mut b.c, &mut b.h), hw)?;
         std::mem::swap(&mut b.x, &mut b.s);
         Ok(())
-    }
-
-    /// `x ← x + proj(softmax(q kᵀ/√C) v)` over the pixels, `q|k|v = to_qkv(RMS_norm(x))`.
-    fn attention(&self, be: &B, b: &mut Bufs<B>, hw: (usize, usize)) -> Result<()> {
-        let a = &self.attention;
-        let (px, c) = (hw.0 * hw.1, a.c);
-        be.norm(
-            View::new(&b.x, px, c),
-            &a.norm.row_norm(),
-            ViewMut::new(&mut b.c, px, c),
-        )?;
-        be.matmul(
-            View::new(&b.c, px, c),
-            &a.qkv.w,
-            ViewMut::new(&mut b.h, px, 3 * c),
-            &a.qkv.epilogue(),
-        )?;
-        let layout = QkvLayout {
-            heads_q: 1,
-            heads_kv: 1,
-            head_dim: c,
-        };
-        let spec = AttnSpec::new(layout, (c as f32).powf(-0.5), Mask::Full);
-        let segs = be.segments(&[px])?;
-        let qkv = View::new(&b.h, px, 3 * c);
-        be.attention(
-            qkv.cols(0, c),
-            qkv.cols(c, c),
-            qkv.cols(2 * c, c),
-            ViewMut::new(&mut b.c, px, c),
-            &spec,
-            &segs,
-        )?;
-        // x += proj(a) + bias, folded into the product.
-        be.matmul(
-            View::new(&b.c, px, c),
-            &a.proj.w,
-            ViewMut::new(&mut b.x, px, c),
-            &a.proj.epilogue().accumulate(),
-        )
     }
 }
 

@@ -66,6 +66,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
         Op::Conv2d {
             kernel: 3,
             upsample: false,
+            downsample: false,
             act: None,
         },
         Op::GroupNorm {
@@ -77,6 +78,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
         ops.push(Op::Conv2d {
             kernel: 1,
             upsample: false,
+            downsample: false,
             act: None,
         });
     }
@@ -84,6 +86,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
         ops.push(Op::Conv2d {
             kernel: 3,
             upsample: true,
+            downsample: false,
             act: None,
         });
     }
