@@ -512,7 +512,7 @@ fn quant(b: QuantBench) -> Result<()> {
         emit(
             serde_json::json!({"name": "cpu_quant_product", "weights": "F32", "mode": "f32",
             "m": m, "n": n, "k": n, "threads": threads, "gflops": f32_rate, "vs_f32": 1.0}),
-        );
+        )?;
         for q in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K] {
             for int8_mode in [false, true] {
                 if int8_mode && !int8::supports(q) {
@@ -532,7 +532,7 @@ fn quant(b: QuantBench) -> Result<()> {
                     serde_json::json!({"name": "cpu_quant_product", "weights": q.to_string(),
                     "mode": mode, "m": m, "n": n, "k": n, "threads": threads, "gflops": gflops,
                     "vs_f32": gflops / f32_rate}),
-                );
+                )?;
             }
         }
     }
