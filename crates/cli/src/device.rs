@@ -115,10 +115,13 @@ impl DeviceArgs {
     /// Open the backend for `model`: a device that cannot run the model's ops is declined here,
     /// before anything loads (`auto` falls back to the CPU and says why in one line on stderr).
     pub fn open_for(&self, model: &ModelSpec) -> Result<AnyBackend> {
+        self.open_for_with(model, |note| eprintln!("note: {note}"))
+    }
+
+    /// As [`DeviceArgs::open_for`], with the note going to `note` (the server logs it).
+    pub fn open_for_with(&self, model: &ModelSpec, note: impl FnMut(&str)) -> Result<AnyBackend> {
         let (req, precision) = self.parsed()?;
-        model.device(req, precision, self.quantization()?, |note| {
-            eprintln!("note: {note}")
-        })
+        model.device(req, precision, self.quantization()?, note)
     }
 
     /// Open the backend with no model in view (benchmarks of single CUDA ops).

@@ -139,7 +139,12 @@ pub struct ServeArgs {
     /// images); fifo: one lane in arrival order (for comparison).
     #[arg(long, env = "TESSERA_SCHEDULE", value_enum, default_value = "lanes")]
     schedule: ScheduleArg,
-    /// Log lines as text or JSON (one object per line); RUST_LOG filters (default info).
+    /// Serve /metrics without the API key, for Prometheus scrapers (which carry no token). The
+    /// other routes still need it.
+    #[arg(long, env = "TESSERA_METRICS_PUBLIC")]
+    metrics_public: bool,
+    /// Log lines as text or JSON (one object per line, the start-up notes and a failure to
+    /// start included): one access line per request at info; RUST_LOG filters (default info).
     #[arg(long, env = "TESSERA_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
     #[command(flatten)]
@@ -152,19 +157,31 @@ enum ScheduleArg {
     Fifo,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum LogFormat {
     Text,
     Json,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    init_logs(args.log_format);
+    let format = args.log_format;
+    init_logs(format);
+    let served = serve(args);
+    if let (Err(e), LogFormat::Json) = (&served, format) {
+        // The failure as a log line like every other, not `main`'s plain `error:` line.
+        tracing::error!(error = %e, "the server stopped");
+        std::process::exit(1);
+    }
+    served
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
     let specs = model_specs(&args.model, args.served_model_name.as_deref())?;
     let config = ServerConfig {
         api_key: args.api_key.clone(),
         allow_origins: args.allow_origin.clone(),
         allow_file_paths: args.allow_file_paths,
+        metrics_public: args.metrics_public,
         limits: Limits {
             max_request_bytes: args.max_request_mb.saturating_mul(1 << 20),
             max_inputs: args.max_inputs,
@@ -247,7 +264,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
 fn loader(spec: ModelSpec, device: DeviceArgs, prioritise: bool) -> Result<ModelLoader> {
     let image_device = device.clone();
     let open = move |spec: &ModelSpec| -> Result<AnyBackend> {
-        let mut backend = device.open_for(spec)?;
+        let mut backend = device.open_for_with(spec, note)?;
         if prioritise {
             backend.prefer_latency()?;
         }
@@ -268,10 +285,15 @@ fn loader(spec: ModelSpec, device: DeviceArgs, prioritise: bool) -> Result<Model
             // Requests batched together give the bytes they give alone on the CPU, whose
             // products do not depend on the row count (on a GPU, within the last bits: its
             // product kernels are chosen by shape).
-            let backend = image_device.open_for(&spec)?;
+            let backend = image_device.open_for_with(&spec, note)?;
             image::open(backend, &spec, None)
         })),
     })
+}
+
+/// A device note (`auto` falling back to the CPU, and why) as a log line, JSON with the rest.
+fn note(text: &str) {
+    tracing::info!("{text}");
 }
 
 /// Each `--model` (the bundled embedding model when none) with its served name.

@@ -14,6 +14,8 @@ pub struct ServerConfig {
     pub allow_origins: Vec<String>,
     /// Accept local file paths as image inputs (lets any client read files the server can read).
     pub allow_file_paths: bool,
+    /// Serve `/metrics` without the API key (Prometheus scrapers carry no token).
+    pub metrics_public: bool,
     pub limits: Limits,
     pub schedule: Schedule,
 }
@@ -224,6 +226,7 @@ mod tests {
             api_key: None,
             allow_origins: vec![],
             allow_file_paths: false,
+            metrics_public: false,
             limits: Limits::default(),
             schedule: Schedule::Lanes,
         }

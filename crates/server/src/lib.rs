@@ -5,7 +5,8 @@
 //! saying which models serve which route.
 //!
 //! Layers, from the socket in:
-//! - [`http`]: axum routes, OpenAI-shaped errors, the API key and CORS; a request's body is
+//! - [`http`]: axum routes, OpenAI-shaped errors, the API key and CORS, one access log line per
+//!   request ([`http::access`]); a request's body is
 //!   received whole first (JSON only, within `--body-timeout`, a few bodies per client at a
 //!   time), then routed to its model, which must be loaded, then takes one of that model's
 //!   request slots (`--max-queue`, else 429); its inputs are checked (images decoded, prompts
@@ -26,7 +27,9 @@
 //! - [`images`]: the generation job and its runner: requests of one size and step count that
 //!   wait together share denoiser forwards, progress and previews go back after each step, and a
 //!   request whose client is gone stops at the next step;
-//! - [`metrics`]: Prometheus counters and histograms.
+//! - [`metrics`]: Prometheus counters and histograms;
+//! - [`error`]: why a request failed, as the model-facing modules report it ([`http::error`]
+//!   makes it an answer).
 //!
 //! [`serve`] runs it all on a bound listener, so tests start it on port 0.
 

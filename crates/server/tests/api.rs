@@ -484,6 +484,83 @@ async fn api_key_guards_every_route_but_health() {
     s.stop().await.unwrap();
 }
 
+/// `/metrics` for a Prometheus scraper (no token): refused by default when a key is set, open
+/// with `--metrics-public`, which opens nothing else.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_without_the_key_only_when_public() {
+    for public in [false, true] {
+        let mut cfg = config();
+        cfg.api_key = Some("sekret".into());
+        cfg.metrics_public = public;
+        let s = Server::start(cfg).await;
+        let get = |path: &str, key: Option<&str>| {
+            let r = s.http.get(format!("{}{path}", s.url));
+            match key {
+                Some(k) => r.bearer_auth(k),
+                None => r,
+            }
+            .send()
+        };
+        let bare = get("/metrics", None).await.unwrap();
+        if public {
+            assert_eq!(bare.status(), 200);
+            let text = bare.text().await.unwrap();
+            assert!(text.contains("tessera_requests_total"), "{text}");
+        } else {
+            assert_eq!(bare.status(), 401);
+            assert_openai_error(&bare.json().await.unwrap(), "invalid_api_key", "metrics");
+        }
+        // With the key it answers either way; a wrong key is refused where a key is asked for.
+        assert_eq!(get("/metrics", Some("sekret")).await.unwrap().status(), 200);
+        let wrong = get("/metrics", Some("wrong")).await.unwrap().status();
+        assert_eq!(wrong, if public { 200 } else { 401 });
+        // The other routes still need the key.
+        for path in ["/v1/models", &format!("/v1/models/{NAME}"), "/openapi.json"] {
+            assert_eq!(get(path, None).await.unwrap().status(), 401, "{path}");
+        }
+        let (status, _) = s.embed(json!({"input": "hi"})).await;
+        assert_eq!(status, 401);
+        s.stop().await.unwrap();
+    }
+}
+
+/// OpenAI's "retrieve model": each listed id (a prompt name's too) gives its card as the list
+/// does; any other id is a 404 in OpenAI's error shape.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_model_by_id_as_listed_or_404() {
+    let s = Server::start(config()).await;
+    let get = |path: String| s.http.get(format!("{}{path}", s.url)).send();
+    let list: Value = get("/v1/models".into())
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let cards = list["data"].as_array().unwrap();
+    assert!(cards.len() > 1, "{list}");
+    for card in cards {
+        let id = card["id"].as_str().unwrap();
+        let r = get(format!("/v1/models/{id}")).await.unwrap();
+        assert_eq!(r.status(), 200, "{id}");
+        let one: Value = r.json().await.unwrap();
+        assert_eq!(&one, card);
+        assert_eq!(one["object"], "model");
+    }
+    for unknown in ["gpt-4o", "egemma2-mini:nope", "org/egemma2-mini", "egemma2"] {
+        let r = get(format!("/v1/models/{unknown}")).await.unwrap();
+        assert_eq!(r.status(), 404, "{unknown}");
+        let body: Value = r.json().await.unwrap();
+        assert_openai_error(&body, "model_not_found", unknown);
+        assert_eq!(body["error"]["param"], "model");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(unknown) && message.contains(NAME),
+            "{message}"
+        );
+    }
+    s.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn models_health_metrics_openapi_and_cors() {
     let mut cfg = config();

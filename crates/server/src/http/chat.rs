@@ -25,6 +25,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::AppState;
+use super::access::Access;
 use super::error::ApiError;
 use super::json;
 use super::routes::{Admitted, admit};
@@ -71,6 +72,7 @@ struct Started {
     first: Event,
     events: UnboundedReceiver<Event>,
     held: Held,
+    access: Access,
 }
 
 /// Receive, check, build the prompt, queue, and wait for the first event.
@@ -81,6 +83,7 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
         model,
         served,
         slot,
+        access,
     } = admit(&app, req, Route::Chat).await?;
     let (Served::Chat(info), ModelQueue::Chat(queue)) = (served, &model.queue) else {
         return Err(ApiError::Internal(format!(
@@ -148,6 +151,7 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
             _slot: slot,
             _images: image_memory,
         },
+        access,
     })
 }
 
@@ -182,6 +186,7 @@ async fn whole(mut s: Started) -> Result<Response, ApiError> {
             Event::Failed(e) => return Err(e),
             Event::Done(r) => {
                 drop(s.held);
+                s.access.tokens(r.prompt_tokens, Some(r.completion_tokens));
                 return Ok(Json(ChatCompletion {
                     id: s.id,
                     object: "chat.completion",
@@ -216,6 +221,7 @@ fn stream(s: Started) -> Response {
         model: s.model,
         include_usage: s.include_usage,
         _held: s.held,
+        access: s.access,
     };
     body.chunk(
         Delta {
@@ -241,6 +247,7 @@ struct EventStream {
     model: String,
     include_usage: bool,
     _held: Held,
+    access: Access,
 }
 
 /// One `data:` line.
@@ -292,6 +299,8 @@ impl EventStream {
                 None,
             ),
             Event::Done(r) => {
+                self.access
+                    .tokens(r.prompt_tokens, Some(r.completion_tokens));
                 self.chunk(Delta::default(), Some(finish_reason(r.finish)));
                 if self.include_usage {
                     let total = Some(Some(usage(r.prompt_tokens, r.completion_tokens)));

@@ -36,6 +36,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::AppState;
+use super::access::Access;
 use super::error::ApiError;
 use super::json;
 use super::routes::{Admitted, admit};
@@ -172,9 +173,6 @@ pub fn check_fields(
     info: &ImageInfo,
     limits: &Limits,
 ) -> Result<Checked, ApiError> {
-    if body.prompt.trim().is_empty() {
-        return Err(invalid("prompt", "prompt is empty: say what to draw"));
-    }
     // Every text field is capped before anything tokenises it (a 20 MiB negative prompt cost
     // Z-Image 4.7 GB to tokenise).
     for (field, text) in [
@@ -415,6 +413,7 @@ struct Started {
     first: Event,
     events: UnboundedReceiver<Event>,
     held: Held,
+    access: Access,
 }
 
 /// Receive, check, admit against the cost budget, queue, and wait for the first event.
@@ -425,6 +424,7 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
         model,
         served,
         slot,
+        access,
     } = admit(&app, req, Route::Images).await?;
     let (Served::Image(info), ModelQueue::Image(queue), Some(budget)) =
         (served, &model.queue, model.cost.as_ref())
@@ -448,6 +448,8 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
         .await
         .map_err(|e| ApiError::Internal(format!("checking the request failed: {e}")))??
     };
+    // The seed goes into the access log line: a fresh one is how the client can reproduce it.
+    access.seed(checked.request.seed);
     let cost = cost_units(&checked.request);
     let total = app.config.limits.max_image_queue_mps * COST_UNITS_PER_MPS;
     let mps = |units: usize| units as f64 / COST_UNITS_PER_MPS as f64;
@@ -497,6 +499,7 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
             _slot: slot,
             _cost: cost_permit,
         },
+        access,
     })
 }
 
@@ -535,6 +538,7 @@ async fn whole(mut s: Started) -> Result<Response, ApiError> {
     let output = s.checked.output;
     let background = images.first().map_or("opaque", |i| output.background_of(i));
     let encoded = encode_all(output, images).await?;
+    s.access.images(encoded.len());
     let req = &s.checked.request;
     let data = encoded
         .iter()
@@ -575,6 +579,7 @@ fn stream(s: Started, deadline: tokio::time::Instant, limit: std::time::Duration
         created: s.created,
         arrived: s.arrived,
         _held: s.held,
+        access: s.access,
     };
     sse::response(body)
 }
@@ -603,6 +608,7 @@ struct EventStream {
     created: u64,
     arrived: Instant,
     _held: Held,
+    access: Access,
 }
 
 /// One server-sent event: its type as the `event:` line (as OpenAI sends it), the JSON as data.
@@ -705,6 +711,7 @@ impl EventStream {
             };
             self.out.push_back(sse(e.kind, &e));
         }
+        self.access.images(encoded.len());
         tracing::debug!(
             model = %self.model.name,
             ms = self.arrived.elapsed().as_secs_f64() * 1e3,

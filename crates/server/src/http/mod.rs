@@ -1,5 +1,6 @@
 //! The HTTP side: routes, request and response shapes, errors, authentication.
 
+pub mod access;
 pub mod auth;
 pub mod chat;
 pub mod error;
@@ -12,7 +13,6 @@ pub mod upload;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::time::Instant;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
@@ -22,7 +22,8 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use tokio::sync::Semaphore;
 use tower_http::cors::{AllowOrigin, CorsLayer};
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnFailure, TraceLayer};
+use tracing::Level;
 
 use crate::config::ServerConfig;
 use crate::metrics::Metrics;
@@ -67,7 +68,8 @@ impl AppState {
     }
 }
 
-/// The whole API. `/health` is open; every other route needs the API key when one is set.
+/// The whole API. `/health` is open (and `/metrics` with `--metrics-public`); every other route
+/// needs the API key when one is set. Every request gets one access log line ([`access`]).
 pub fn router(app: AppState) -> Result<Router, tessera_core::Error> {
     let limit = app.config.limits.max_request_bytes;
     let cors = cors(&app.config.allow_origins)?;
@@ -76,19 +78,35 @@ pub fn router(app: AppState) -> Result<Router, tessera_core::Error> {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/images/generations", post(images::generations))
         .route("/v1/models", get(routes::models))
-        .route("/metrics", get(routes::metrics))
-        .route("/openapi.json", get(routes::openapi))
-        .route_layer(from_fn_with_state(app.clone(), auth::require_api_key));
+        .route("/v1/models/{*model}", get(routes::model))
+        .route("/openapi.json", get(routes::openapi));
+    // Prometheus scrapers carry no token: `--metrics-public` lets them in.
+    let (open, protected) = if app.config.metrics_public {
+        (
+            Router::new().route("/metrics", get(routes::metrics)),
+            protected,
+        )
+    } else {
+        (
+            Router::new(),
+            protected.route("/metrics", get(routes::metrics)),
+        )
+    };
+    let protected = protected.route_layer(from_fn_with_state(app.clone(), auth::require_api_key));
     let router = Router::new()
         .route("/health", get(routes::health))
+        .merge(open)
         .merge(protected)
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(from_fn_with_state(app.metrics.clone(), count_requests))
+        .layer(axum::middleware::from_fn(access::log))
         // For body extractors; none reads a body today (`upload::receive` enforces the same
         // limit itself), but a route added with `Json<T>` gets the configured limit, not axum's.
         .layer(DefaultBodyLimit::max(limit))
-        .layer(TraceLayer::new_for_http())
+        // The request's span; the access log says how each request ended, so a 5xx (a 503 from
+        // /health while loading) is no ERROR line here.
+        .layer(TraceLayer::new_for_http().on_failure(DefaultOnFailure::new().level(Level::DEBUG)))
         .with_state(app);
     Ok(match cors {
         Some(cors) => router.layer(cors),
@@ -132,14 +150,8 @@ async fn count_requests(
     next: Next,
 ) -> Response {
     let route = matched.map_or_else(|| "unmatched".to_string(), |m| m.as_str().to_string());
-    let started = Instant::now();
     let response = next.run(req).await;
     let code = response.extensions().get::<ErrorCode>().map_or("", |c| c.0);
     metrics.request(&route, response.status().as_u16(), code);
-    tracing::trace!(
-        route,
-        ms = started.elapsed().as_secs_f64() * 1e3,
-        "answered"
-    );
     response
 }

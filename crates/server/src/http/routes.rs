@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use axum::Json;
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
@@ -13,6 +13,7 @@ use base64::engine::general_purpose::STANDARD;
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use super::AppState;
+use super::access::Access;
 use super::error::ApiError;
 use super::json;
 use super::types::{
@@ -32,6 +33,8 @@ pub(crate) struct Admitted {
     pub model: Arc<ModelSlot>,
     pub served: Served,
     pub slot: OwnedSemaphorePermit,
+    /// The request's access log record (its model is set).
+    pub access: Access,
 }
 
 /// Refuse a request that arrives while the server stops (503), receive the body (within
@@ -49,9 +52,11 @@ pub(crate) async fn admit(
         drain(req, app.config.limits.max_request_bytes).await;
         return Err(ApiError::ShuttingDown);
     }
+    let access = Access::of(&req);
     let bytes = upload::receive(app, req).await?;
     let name = model_field(&bytes);
     let model = app.models.route(name.as_deref(), route)?;
+    access.model(&model.name);
     let served = model.served.get().ok_or(ApiError::Loading)?.clone();
     let slot = take_slot(app, &model)?;
     Ok(Admitted {
@@ -59,6 +64,7 @@ pub(crate) async fn admit(
         model,
         served,
         slot,
+        access,
     })
 }
 
@@ -109,6 +115,7 @@ async fn embed(app: AppState, req: Request) -> Result<Response, ApiError> {
         model: slot_model,
         served,
         slot,
+        access,
     } = admit(&app, req, Route::Embeddings).await?;
     let (Served::Embed(info), ModelQueue::Embed(queue)) = (served, &slot_model.queue) else {
         return Err(ApiError::Internal(format!(
@@ -177,6 +184,10 @@ async fn embed(app: AppState, req: Request) -> Result<Response, ApiError> {
     drop(slot);
 
     let tokens: usize = embeddings.iter().map(|e| e.tokens).sum();
+    access.tokens(tokens, None);
+    if checked.images > 0 {
+        access.images(checked.images);
+    }
     app.metrics
         .embedded(lane, tokens, arrived.elapsed().as_secs_f64());
     let data = embeddings
@@ -224,8 +235,34 @@ fn base64_f32(v: &[f32]) -> String {
 /// `GET /v1/models`: every model (an embedding model also with each prompt name, once loaded),
 /// and what it does (`capability`: `embeddings`, `chat` or `images`).
 pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
-    let data = app
-        .models
+    Json(ModelList {
+        object: "list",
+        data: cards(&app),
+    })
+}
+
+/// `GET /v1/models/{model}`: one of the ids `/v1/models` lists (OpenAI's "retrieve model"); 404
+/// `model_not_found` for any other. The id may hold `/` (a served name such as `org/model`).
+pub async fn model(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Result<Json<ModelCard>, ApiError> {
+    let card = cards(&app).into_iter().find(|c| c.id == id);
+    if let Some(card) = &card {
+        Access::of(&req).model(&card.id);
+    }
+    card.map(Json).ok_or_else(|| {
+        ApiError::ModelNotFound(format!(
+            "the model {id:?} is not served here; this server serves {}",
+            app.models.listing()
+        ))
+    })
+}
+
+/// The card of every id a client may send as `model`.
+fn cards(app: &AppState) -> Vec<ModelCard> {
+    app.models
         .0
         .iter()
         .flat_map(|m| {
@@ -242,11 +279,7 @@ pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
                 capability: Some(capability),
             })
         })
-        .collect();
-    Json(ModelList {
-        object: "list",
-        data,
-    })
+        .collect()
 }
 
 /// `GET /health`: 200 once every model is loaded, 503 before and while stopping; each model's

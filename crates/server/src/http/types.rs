@@ -296,8 +296,8 @@ pub struct ImageRequest {
     /// Previews in the stream, 0–3.
     #[serde(default)]
     pub partial_images: Option<i64>,
-    /// Extension: the seed of the first image (the others `seed + 1, …`); any integer, negative
-    /// ones as their two's complement. A fresh one when absent.
+    /// Extension: the seed of the first image (the others `seed + 1, …`), 0 to 2⁶⁴−1. A fresh
+    /// random one when absent (as diffusers without a generator), returned with each image.
     #[serde(default)]
     pub seed: Option<serde_json::Value>,
     /// Extension: denoising steps (the model's default when absent).
@@ -326,7 +326,10 @@ pub struct ImagesResponse {
 #[derive(Debug, Serialize)]
 pub struct ImageData {
     pub b64_json: String,
-    /// The seed this image was made from (extension).
+    /// The seed this image was made from (extension): the request's, or the fresh one drawn when
+    /// it gave none, so any image can be made again. It sits in each item rather than at the
+    /// top level because the items of one request have seeds `seed, seed + 1, …`; OpenAI's
+    /// clients keep unknown fields of an item (the Python SDK's models allow extra fields).
     pub seed: u64,
 }
 

@@ -30,6 +30,7 @@ pub fn config() -> ServerConfig {
         api_key: None,
         allow_origins: vec![],
         allow_file_paths: false,
+        metrics_public: false,
         limits: Limits {
             max_request_bytes: 1 << 20,
             max_inputs: 8,
