@@ -1,11 +1,14 @@
 //! `tessera chat`: look at images and answer (LFM2-VL), the reply streamed to stdout.
 //!
-//! With `--prompt`, one question and its answer. Without, an interactive conversation read from
-//! stdin, one user turn per line, that keeps its cache between turns: each follow-up prefills
-//! only what it adds. In a conversation, `/image PATH` attaches an image to the next turn,
-//! `/reset` starts over and `/quit` (or end of input) ends it.
+//! With `--prompt`, one question and its answer. Without, a conversation read from stdin, one
+//! user turn per line, that keeps its cache between turns: each follow-up prefills only what it
+//! adds. At a terminal the lines come through a line editor (editing, history) and Ctrl-C stops
+//! a reply; the commands (`/image PATH`, `/reset`, `/help`, `/quit`) are in [`commands`].
 
-use std::io::{BufRead, IsTerminal, Write};
+mod commands;
+mod input;
+
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -17,26 +20,25 @@ use tessera_runtime::Capability;
 use tessera_runtime::chat::{self, Chat, ChatReply, GenerationParams};
 use tessera_runtime::decode::{Control, Finish, SamplingParams};
 
+use self::commands::Command;
+use self::input::{Input, Lines};
 use crate::device::DeviceArgs;
 use crate::model;
 
 /// Ask a vision-language model (LFM2-VL) about images; the answer streams to stdout.
 #[derive(clap::Args, Debug)]
-#[command(
-    after_help = "Sampling defaults come from the model's generation_config.json (greedy when it \
-has none); each flag overrides its own. Statistics (tokens, speed) go to stderr."
-)]
+#[command(after_help = after_help())]
 pub struct ChatArgs {
     /// An LFM2-VL folder (config.json, model.safetensors, tokenizer.json, chat_template.jinja,
     /// preprocessor_config.json) or a Hugging Face repo id in the local cache. Without it, the
     /// bundled miniature model runs: random weights, for checking an install.
-    #[arg(long)]
+    #[arg(long, short = 'm')]
     pub model: Option<String>,
     /// An image for the (first) question; repeat for several, in order.
     #[arg(long = "image", value_name = "PATH")]
     pub images: Vec<PathBuf>,
     /// The question. Without it, an interactive conversation on stdin.
-    #[arg(long)]
+    #[arg(long, short = 'p')]
     pub prompt: Option<String>,
     /// A system message before the conversation.
     #[arg(long)]
@@ -47,16 +49,20 @@ pub struct ChatArgs {
     /// 0 for greedy decoding.
     #[arg(long)]
     pub temperature: Option<f32>,
+    /// Nucleus sampling: keep the most likely tokens whose probabilities add up to this (1 keeps
+    /// every token).
     #[arg(long)]
     pub top_p: Option<f32>,
-    /// 0 keeps every token.
+    /// Keep only the this many most likely tokens; 0 keeps every token.
     #[arg(long)]
     pub top_k: Option<usize>,
+    /// Drop tokens less likely than this fraction of the most likely one (0 keeps every token).
     #[arg(long)]
     pub min_p: Option<f32>,
+    /// Make tokens already in the conversation less likely by this factor (1 for none).
     #[arg(long)]
     pub repetition_penalty: Option<f32>,
-    /// Seed of the sampler (the same seed gives the same reply).
+    /// Seed of the sampler: the same seed gives the same reply (greedy decoding uses none).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// End the reply before this text; repeat for several.
@@ -68,6 +74,17 @@ pub struct ChatArgs {
     pub context: usize,
     #[command(flatten)]
     pub device: DeviceArgs,
+}
+
+/// The text after `chat --help`'s options: where the defaults come from and the commands of a
+/// conversation.
+fn after_help() -> String {
+    format!(
+        "Sampling defaults come from the model's generation_config.json (greedy when it has none); \
+each flag overrides its own. Statistics (tokens, speed) go to stderr.\n\n\
+In a conversation (no --prompt), each line is a question, or one of:\n{}",
+        commands::HELP
+    )
 }
 
 impl ChatArgs {
@@ -117,7 +134,16 @@ fn ask(
     let started = Instant::now();
     let mut out = std::io::stdout().lock();
     let mut broken = false;
+    let escape = out.is_terminal();
     let reply = model.reply(0, prompt, params, &mut |piece| {
+        if input::ctrl_c_pressed() {
+            return Control::Stop;
+        }
+        let piece = if escape {
+            input::printable(piece)
+        } else {
+            piece.into()
+        };
         // A closed pipe (`| head`) ends the reply quietly.
         if out
             .write_all(piece.as_bytes())
@@ -177,10 +203,16 @@ pub fn run(args: ChatArgs) -> Result<()> {
         model::note_if_bundled(&spec, args.model.as_deref());
         return Ok(());
     }
-    let interactive = std::io::stdin().is_terminal();
+    // A line longer than any prompt the context can hold is skipped as it is read, never held.
+    let max_line = model
+        .max_prompt_chars()
+        .saturating_mul(4)
+        .max(input::MIN_LINE_BYTES);
+    let mut lines = Lines::open(max_line)?;
+    let interactive = lines.interactive();
     if interactive {
         eprintln!(
-            "{} on {}. One question per line; /image PATH attaches an image, /reset starts over, /quit ends.",
+            "{} on {}. One question per line; /help lists the commands, /quit (or Ctrl-D) leaves.",
             spec.label,
             model.describe()
         );
@@ -188,58 +220,69 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let mut all_images = Vec::new();
     let mut pending = images;
     let base = messages.len();
-    let stdin = std::io::stdin();
-    let mut stdin = stdin.lock();
-    // A line longer than any prompt the context can hold is skipped as it is read, never held.
-    let max_line = model
-        .max_prompt_chars()
-        .saturating_mul(4)
-        .max(MIN_LINE_BYTES);
-    let mut number = 0usize;
+    // Ctrl-C at the prompt once says how to leave; twice in a row leaves.
+    let mut interrupted = false;
     loop {
-        if interactive {
-            eprint!("> ");
-        }
-        number += 1;
-        let line = match read_line(&mut stdin, max_line)
-            .map_err(|e| Error::input(format!("reading stdin: {e}")))?
-        {
-            None => break,
-            Some(Line::Text(line)) => line,
-            Some(Line::TooLong) => {
+        let line = match lines.next()? {
+            Input::End => break,
+            Input::Interrupted if interrupted => break,
+            Input::Interrupted => {
+                interrupted = true;
+                eprintln!("(Ctrl-C again, Ctrl-D or /quit leaves)");
+                continue;
+            }
+            Input::TooLong(number) => {
                 eprintln!(
                     "error: line {number} is longer than {max_line} bytes, more than the context can hold ({} characters of text); skipped",
                     model.max_prompt_chars()
                 );
                 continue;
             }
-            Some(Line::NotUtf8) => {
+            Input::NotUtf8(number) => {
                 eprintln!("error: line {number} is not valid UTF-8; skipped");
                 continue;
             }
+            Input::Line(line) => line,
         };
-        let line = line.trim();
-        if line.is_empty() {
-            continue;
-        }
-        if line == "/quit" || line == "/exit" {
-            break;
-        }
-        if line == "/reset" {
-            messages.truncate(base);
-            all_images.clear();
-            pending.clear();
-            model.end(0);
-            continue;
-        }
-        if let Some(path) = line.strip_prefix("/image ") {
-            match open_image(std::path::Path::new(path.trim())) {
-                Ok(im) => pending.push(im),
-                Err(e) => eprintln!("error: {e}"),
+        interrupted = false;
+        let question = match commands::parse(&line) {
+            Ok(None) => continue,
+            Ok(Some(Command::Ask(q))) => q,
+            Ok(Some(Command::Quit)) => break,
+            Ok(Some(Command::Help)) => {
+                eprintln!("{}", commands::HELP);
+                continue;
             }
-            continue;
-        }
-        messages.push(user_turn(line, pending.len()));
+            Ok(Some(Command::Reset)) => {
+                messages.truncate(base);
+                all_images.clear();
+                pending.clear();
+                model.end(0);
+                eprintln!("[conversation cleared]");
+                continue;
+            }
+            Ok(Some(Command::Image(path))) => {
+                match open_image(std::path::Path::new(path)) {
+                    Ok(im) => {
+                        eprintln!(
+                            "[{path}: {}x{}, attached to the next question]",
+                            im.width(),
+                            im.height()
+                        );
+                        pending.push(im);
+                    }
+                    Err(e) => eprintln!("error: {e}"),
+                }
+                continue;
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                continue;
+            }
+        };
+        // A Ctrl-C pressed before this question does not stop its reply.
+        input::ctrl_c_pressed();
+        messages.push(user_turn(question, pending.len()));
         all_images.append(&mut pending);
         match ask(model.as_mut(), &messages, &all_images, &params) {
             Ok(reply) => messages.push(Message::new("assistant", &reply.text)),
@@ -256,77 +299,4 @@ pub fn run(args: ChatArgs) -> Result<()> {
     }
     model::note_if_bundled(&spec, args.model.as_deref());
     Ok(())
-}
-
-/// Lines of at least this many bytes are always read (commands such as `/image PATH`).
-const MIN_LINE_BYTES: usize = 64 << 10;
-
-/// One line of input.
-#[derive(Debug, PartialEq)]
-enum Line {
-    Text(String),
-    /// Longer than the limit: its bytes were read and dropped up to its end.
-    TooLong,
-    NotUtf8,
-}
-
-/// The next line of `input` (without its `\n`, or `\r\n`), holding at most `max` bytes of it
-/// whatever its length; `None` at the end of input.
-fn read_line(input: &mut impl BufRead, max: usize) -> std::io::Result<Option<Line>> {
-    let mut line = Vec::new();
-    let mut too_long = false;
-    let mut any = false;
-    loop {
-        let buf = input.fill_buf()?;
-        if buf.is_empty() {
-            break;
-        }
-        any = true;
-        let (chunk, ended) = match buf.iter().position(|&b| b == b'\n') {
-            Some(i) => (&buf[..i], Some(i + 1)),
-            None => (buf, None),
-        };
-        if !too_long {
-            if line.len() + chunk.len() > max {
-                too_long = true;
-                line = Vec::new();
-            } else {
-                line.extend_from_slice(chunk);
-            }
-        }
-        let used = ended.unwrap_or(buf.len());
-        input.consume(used);
-        if ended.is_some() {
-            break;
-        }
-    }
-    if !any {
-        return Ok(None);
-    }
-    if too_long {
-        return Ok(Some(Line::TooLong));
-    }
-    if line.last() == Some(&b'\r') {
-        line.pop();
-    }
-    Ok(Some(match String::from_utf8(line) {
-        Ok(s) => Line::Text(s),
-        Err(_) => Line::NotUtf8,
-    }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{Line, read_line};
-
-    #[test]
-    fn lines_are_read_within_their_limit_and_bad_ones_are_skipped() {
-        let mut input: &[u8] = b"hi\r\n\xff\xfe\n0123456789\nlast";
-        let text = |s: &str| Some(Line::Text(s.into()));
-        assert_eq!(read_line(&mut input, 8).unwrap(), text("hi"));
-        assert_eq!(read_line(&mut input, 8).unwrap(), Some(Line::NotUtf8));
-        assert_eq!(read_line(&mut input, 8).unwrap(), Some(Line::TooLong));
-        assert_eq!(read_line(&mut input, 8).unwrap(), text("last"));
-        assert_eq!(read_line(&mut input, 8).unwrap(), None);
-    }
 }
