@@ -1,5 +1,6 @@
-//! `tessera generate`: text to image with Z-Image-Turbo (or the base Z-Image), written as a PNG
-//! whose text chunks record the prompt, seed, steps, size and model.
+//! `tessera generate`: text to image with Z-Image-Turbo (or the base Z-Image) or Qwen-Image-2.1,
+//! written as a PNG whose text chunks record the prompt, seed, steps, size and model (or as a JPEG
+//! or WebP, as `--out`'s extension says; those carry no text).
 //!
 //! Everything that can be refused is refused before the model runs: the output file is created
 //! (as a hidden temporary file next to it, renamed into place at the end, so a failed run leaves
@@ -23,26 +24,28 @@ use tessera_runtime::{Capability, image};
 use crate::device::DeviceArgs;
 use crate::model;
 
-/// Generate an image from a prompt (Z-Image).
+/// Generate an image from a prompt with Z-Image or Qwen-Image-2.1.
 #[derive(clap::Args, Debug)]
 #[command(
     after_help = "Z-Image-Turbo wants the defaults (8 steps, no guidance). The base Z-Image \
-model wants about --steps 50 --guidance 4. The initial latent is drawn from --seed with Tessera's own \
-generator (SplitMix64 + Box-Muller, the same on every machine); it is not torch's randn, so to \
-reproduce a diffusers image pass its latent with --init-latent."
+model wants about --steps 50 --guidance 4. Qwen-Image-2.1 wants its defaults (40 steps). \
+Without --seed a seed is drawn at random and printed; --seed N makes the same image again. The \
+initial latent is drawn from the seed with Tessera's own generator (SplitMix64 + Box-Muller, the \
+same on every machine); it is not torch's randn, so to reproduce a diffusers image pass its latent \
+with --init-latent."
 )]
 pub struct GenerateArgs {
-    /// A Z-Image folder in the diffusers layout (model_index.json + component folders) or a
-    /// Hugging Face repo id in the local cache. Without it, the bundled miniature model runs: random
-    /// weights, for checking an install.
-    #[arg(long)]
+    /// A Z-Image or Qwen-Image-2.1 folder in the diffusers layout (model_index.json + component
+    /// folders) or a Hugging Face repo id in the local cache. Without it, the bundled miniature
+    /// Z-Image runs (`bundled:qwen-image` names the other): random weights, for checking an install.
+    #[arg(long, short = 'm')]
     pub model: Option<String>,
     /// Transformer weights from one .safetensors file (ComfyUI or diffusers tensor names) instead
     /// of the model folder's transformer/ weights; its shapes must match transformer/config.json.
     #[arg(long, value_name = "FILE")]
     pub transformer: Option<PathBuf>,
-    /// What to draw.
-    #[arg(long)]
+    /// What to draw (may be empty, as in diffusers).
+    #[arg(long, short = 'p')]
     pub prompt: String,
     /// What to steer away from (used only with --guidance > 0; default "").
     #[arg(long)]
@@ -57,18 +60,20 @@ pub struct GenerateArgs {
     pub steps: Option<usize>,
     /// Classifier-free guidance scale. Z-Image: CFG runs above 0. Qwen-Image-2.1: true CFG runs
     /// above 1 and only with --negative-prompt. Default: the model's (no guidance).
-    #[arg(long, value_parser = parse_guidance)]
+    #[arg(long, visible_alias = "cfg-scale", value_parser = parse_guidance)]
     pub guidance: Option<f32>,
-    /// Seed of the initial latent.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Where to write the PNG; with --num-images above 1, image i goes to STEM-i.png (seed + i).
+    /// Seed of the initial latent. Default: drawn at random, printed and recorded in the PNG.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Where to write the image, in the format its extension names: .png (with the prompt, seed
+    /// and settings as text chunks), .jpg/.jpeg (quality 95, over white: JPEG has no alpha) or
+    /// .webp (lossless). With --num-images above 1, image i goes to STEM-i.EXT (seed + i).
     #[arg(long, short, default_value = "image.png")]
     pub out: PathBuf,
     /// Images to make from the prompt, seeds --seed, --seed + 1, …, denoised together as one
     /// batch (which shares the per-request work; at 1024² on a GPU the products are already at
     /// full speed for one image, so a batch is barely faster per image there).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, short = 'n', default_value_t = 1)]
     pub num_images: usize,
     /// Start from this latent instead of the seeded one: a float32 .npy array in the shape the
     /// diffusers pipeline's `latents=` takes, e.g. Z-Image [1, 16, HEIGHT/8, WIDTH/8],
@@ -76,7 +81,8 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "FILE")]
     pub init_latent: Option<PathBuf>,
     /// For models that make RGBA images (Qwen-Image-2.1): keep the alpha channel
-    /// (`transparent`, an RGBA PNG) or composite over white (`white`, an RGB PNG).
+    /// (`transparent`, an RGBA PNG or WebP) or composite over white (`white`, RGB; always so
+    /// for JPEG).
     #[arg(long, value_enum, default_value_t = Background::Transparent)]
     pub background: Background,
     #[command(flatten)]
@@ -91,6 +97,37 @@ pub enum Background {
     /// Composite over opaque white: an RGB PNG.
     White,
 }
+
+/// The file format of an output, from its extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Png,
+    Jpeg,
+    WebP,
+}
+
+impl Format {
+    /// The format `path`'s extension names: `.png` (or none, e.g. `/dev/stdout`), `.jpg`/`.jpeg`
+    /// or `.webp`, in any case; any other extension is refused rather than written as a PNG under
+    /// a name that says otherwise.
+    pub fn of(path: &Path) -> Result<Self> {
+        let Some(ext) = path.extension() else {
+            return Ok(Format::Png);
+        };
+        match ext.to_string_lossy().to_ascii_lowercase().as_str() {
+            "png" => Ok(Format::Png),
+            "jpg" | "jpeg" => Ok(Format::Jpeg),
+            "webp" => Ok(Format::WebP),
+            other => Err(Error::input(format!(
+                "--out {}: cannot write .{other} images; name a .png, .jpg, .jpeg or .webp file",
+                path.display()
+            ))),
+        }
+    }
+}
+
+/// JPEG quality: visually lossless for generated images, a fifth of the PNG's size.
+const JPEG_QUALITY: u8 = 95;
 
 /// `WIDTHxHEIGHT`.
 pub(crate) fn parse_size(s: &str) -> std::result::Result<(usize, usize), String> {
@@ -188,14 +225,22 @@ impl Output {
         })
     }
 
-    fn write(self, image: &Image, text: &[(&str, String)]) -> Result<()> {
+    fn write(self, image: &Image, text: &[(&str, String)], format: Format) -> Result<()> {
         let path = &self.path;
-        let io = |e: png::EncodingError| Error::io(path, std::io::Error::other(e.to_string()));
+        let io = |e: String| Error::io(path, std::io::Error::other(e));
         let file: &std::fs::File = match &self.target {
             Target::Atomic { tmp, .. } => tmp.as_file(),
             Target::Through(f) => f,
         };
-        encode_png(std::io::BufWriter::new(file), image, text).map_err(io)?;
+        let mut out = std::io::BufWriter::new(file);
+        match format {
+            Format::Png => encode_png(&mut out, image, text).map_err(|e| io(e.to_string()))?,
+            Format::Jpeg | Format::WebP => {
+                encode_other(&mut out, image, format).map_err(|e| io(e.to_string()))?
+            }
+        }
+        std::io::Write::flush(&mut out).map_err(|e| Error::io(path, e))?;
+        drop(out);
         if let Target::Atomic { dest, tmp } = self.target {
             let mut pending = pending();
             let tmp_path = tmp.path().to_path_buf();
@@ -229,6 +274,37 @@ pub fn encode_png(
     let mut w = enc.write_header()?;
     w.write_image_data(&image.pixels)?;
     w.finish()
+}
+
+/// `image` as a JPEG (RGB: an alpha channel is composited over white first) or a lossless WebP
+/// into `out`; neither carries the PNG's text chunks.
+fn encode_other(
+    out: impl std::io::Write,
+    image: &Image,
+    format: Format,
+) -> std::result::Result<(), ::image::ImageError> {
+    use ::image::ExtendedColorType;
+    use ::image::codecs::{jpeg::JpegEncoder, webp::WebPEncoder};
+    let (w, h) = (image.width as u32, image.height as u32);
+    match format {
+        Format::Jpeg => {
+            let rgb = image.over_white();
+            JpegEncoder::new_with_quality(out, JPEG_QUALITY).encode(
+                &rgb.pixels,
+                w,
+                h,
+                ExtendedColorType::Rgb8,
+            )
+        }
+        _ => {
+            let color = if image.has_alpha() {
+                ExtendedColorType::Rgba8
+            } else {
+                ExtendedColorType::Rgb8
+            };
+            WebPEncoder::new_lossless(out).encode(&image.pixels, w, h, color)
+        }
+    }
 }
 
 /// A locked temporary file in `dest`'s folder, registered for removal on SIGINT/SIGTERM;
@@ -388,8 +464,22 @@ fn parse_guidance(s: &str) -> std::result::Result<f32, String> {
     }
 }
 
+/// A seed for a run without `--seed`: 32 bits, short enough to read back and type.
+fn random_seed() -> Result<u64> {
+    getrandom::u32().map(u64::from).map_err(|e| {
+        Error::input(format!(
+            "could not draw a random seed ({e}); give one with --seed"
+        ))
+    })
+}
+
 pub fn run(args: GenerateArgs) -> Result<()> {
     let started = Instant::now();
+    let format = Format::of(&args.out)?;
+    let seed = match args.seed {
+        Some(s) => s,
+        None => random_seed()?,
+    };
     remove_on_signal()?;
     let paths = output_paths(&args.out, args.num_images);
     let outs = paths
@@ -426,7 +516,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         height,
         steps: args.steps.unwrap_or(defaults.steps),
         guidance: args.guidance.unwrap_or(defaults.guidance),
-        seed: args.seed,
+        seed,
         num_images: args.num_images,
         ..Request::new(args.prompt.clone(), defaults)
     };
@@ -459,33 +549,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
     }
 
-    // indicatif draws nothing when stderr is not a terminal.
-    let bar = ProgressBar::new(checked.steps as u64).with_style(
-        ProgressStyle::with_template(
-            "{msg:>10} [{bar:30}] {pos}/{len} steps {elapsed_precise} {prefix}",
-        )
-        .map_err(|e| Error::input(e.to_string()))?
-        .progress_chars("=> "),
-    );
-    bar.set_message("encoding");
-    let mut last = Instant::now();
+    let mut progress = Progress::new(checked.steps)?;
     let images = model.generate(&req, &mut |e| {
-        match e {
-            Event::Encoded => {
-                bar.set_message("denoising");
-                last = Instant::now();
-            }
-            Event::Step { .. } => {
-                let ms = last.elapsed().as_secs_f64() * 1e3;
-                bar.set_prefix(format!("({ms:.0} ms/step)"));
-                bar.inc(1);
-                last = Instant::now();
-            }
-            Event::Decoding => bar.set_message("decoding"),
-        }
+        progress.event(e);
         ControlFlow::Continue(())
     })?;
-    bar.finish_and_clear();
+    let stages = progress.finish();
 
     let mut text = vec![
         ("prompt", args.prompt.clone()),
@@ -505,22 +574,110 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         let mut text = text.clone();
         match &args.init_latent {
             Some(p) => text.push(("init_latent", p.display().to_string())),
-            None => text.push(("seed", args.seed.wrapping_add(i as u64).to_string())),
+            None => text.push(("seed", seed.wrapping_add(i as u64).to_string())),
         }
         let image = match args.background {
             Background::White => image.over_white(),
             Background::Transparent => image.clone(),
         };
-        out.write(&image, &text)?;
+        out.write(&image, &text, format)?;
     }
     let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    let seeded = match (&args.init_latent, args.num_images) {
+        (Some(_), _) => String::new(),
+        (None, 1) => format!(", seed {seed}"),
+        (None, n) => format!(", seeds {seed}..{}", seed.wrapping_add(n as u64 - 1)),
+    };
     eprintln!(
-        "wrote {} ({width}x{height}, {} steps) in {:.1} s",
+        "wrote {} ({width}x{height}, {} steps{seeded}) in {:.1} s ({stages})",
         shown.join(", "),
         req.steps,
         started.elapsed().as_secs_f64()
     );
+    if args.seed.is_none() && args.init_latent.is_none() {
+        eprintln!("note: the seed was drawn at random; --seed {seed} makes the same image again");
+    }
     Ok(())
+}
+
+/// The progress of one generation on stderr: the prompt encoding, a bar of denoising steps with
+/// elapsed time and ETA that keeps ticking within a long step, then the VAE decode as its own
+/// stage. indicatif draws nothing when stderr is not a terminal; the stage times are kept for
+/// the summary line either way.
+struct Progress {
+    bar: ProgressBar,
+    started: Instant,
+    /// When the current stage (or step) began.
+    last: Instant,
+    encode: Duration,
+    denoise: Duration,
+}
+
+/// How often a bar redraws by itself, so that its clock moves within a step of many seconds.
+const TICK: Duration = Duration::from_millis(200);
+
+impl Progress {
+    fn new(steps: usize) -> Result<Self> {
+        let bar = ProgressBar::new(steps as u64)
+            .with_style(Self::style("{spinner} {msg} [{elapsed_precise}]")?);
+        bar.set_message("encoding the prompt");
+        bar.enable_steady_tick(TICK);
+        let now = Instant::now();
+        Ok(Progress {
+            bar,
+            started: now,
+            last: now,
+            encode: Duration::ZERO,
+            denoise: Duration::ZERO,
+        })
+    }
+
+    fn style(template: &str) -> Result<ProgressStyle> {
+        Ok(ProgressStyle::with_template(template)
+            .map_err(|e| Error::input(e.to_string()))?
+            .progress_chars("=> "))
+    }
+
+    fn event(&mut self, e: Event<'_>) {
+        match e {
+            Event::Encoded => {
+                self.encode = self.started.elapsed();
+                if let Ok(style) = Self::style(
+                    "denoising [{bar:30}] {pos}/{len} steps [{elapsed_precise}, ETA {eta}] {prefix}",
+                ) {
+                    self.bar.set_style(style);
+                }
+                self.bar.reset_elapsed();
+                self.last = Instant::now();
+            }
+            Event::Step { .. } => {
+                let ms = self.last.elapsed().as_secs_f64() * 1e3;
+                self.bar.set_prefix(format!("{ms:.0} ms/step"));
+                self.bar.inc(1);
+                self.last = Instant::now();
+            }
+            Event::Decoding => {
+                self.denoise = self.started.elapsed() - self.encode;
+                if let Ok(style) = Self::style("{spinner} decoding (VAE) [{elapsed_precise}]") {
+                    self.bar.set_style(style);
+                }
+                self.bar.reset_elapsed();
+                self.last = Instant::now();
+            }
+        }
+    }
+
+    /// Clear the bar and say how long each stage took.
+    fn finish(self) -> String {
+        self.bar.finish_and_clear();
+        let decode = self.started.elapsed() - self.encode - self.denoise;
+        format!(
+            "encode {:.1} s, denoise {:.1} s, decode {:.1} s",
+            self.encode.as_secs_f64(),
+            self.denoise.as_secs_f64(),
+            decode.as_secs_f64()
+        )
+    }
 }
 
 /// Where `n` images go: `out` itself for one, `STEM-i.EXT` beside it for several.
@@ -560,6 +717,24 @@ mod tests {
         assert_eq!(parse_guidance("4"), Ok(4.0));
         for bad in ["1e30", "NaN", "inf", "-1", "x"] {
             assert!(parse_guidance(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_format_follows_the_extension_and_others_are_refused() {
+        for (name, want) in [
+            ("a.png", Format::Png),
+            ("a.PNG", Format::Png),
+            ("a.jpg", Format::Jpeg),
+            ("a.JPEG", Format::Jpeg),
+            ("a.webp", Format::WebP),
+            ("/dev/null", Format::Png),
+        ] {
+            assert_eq!(Format::of(Path::new(name)).unwrap(), want, "{name}");
+        }
+        for bad in ["a.gif", "a.png.txt", "a.tiff"] {
+            let e = Format::of(Path::new(bad)).unwrap_err().to_string();
+            assert!(e.contains(".png, .jpg, .jpeg or .webp"), "{bad}: {e}");
         }
     }
 

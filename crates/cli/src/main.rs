@@ -44,7 +44,7 @@ enum Command {
     Chat(Box<chat::ChatArgs>),
     /// Describe a model and what it will run on.
     Info(info::InfoArgs),
-    /// Generate an image from a prompt with Z-Image (PNG out).
+    /// Generate an image from a prompt with Z-Image or Qwen-Image-2.1 (PNG, JPEG or WebP out).
     Generate(generate::GenerateArgs),
     /// Serve one or several models over HTTP: OpenAI-compatible /v1/embeddings,
     /// /v1/chat/completions and /v1/images/generations.
