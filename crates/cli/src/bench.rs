@@ -185,6 +185,7 @@ struct EmbedBench {
 
 #[derive(Args)]
 struct GemmBench {
+    /// M = N = K of the square product timed.
     #[arg(long, default_value_t = 8192)]
     size: usize,
     #[command(flatten)]

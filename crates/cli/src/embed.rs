@@ -23,7 +23,7 @@ use crate::stdout;
 #[derive(Args)]
 pub struct EmbedArgs {
     /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature model).
-    #[arg(long, env = "TESSERA_MODEL")]
+    #[arg(long, short = 'm', env = "TESSERA_MODEL")]
     model: Option<String>,
     /// A text to embed (repeatable).
     #[arg(long = "text", value_name = "TEXT")]

@@ -16,7 +16,7 @@ use crate::stdout::outln;
 pub struct InfoArgs {
     /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature
     /// EmbeddingGemma 2).
-    #[arg(long, env = "TESSERA_MODEL")]
+    #[arg(long, short = 'm', env = "TESSERA_MODEL")]
     model: Option<String>,
     #[command(flatten)]
     device: DeviceArgs,

@@ -23,7 +23,7 @@ pub struct ServeArgs {
     /// text-to-image model (Z-Image, Qwen-Image-2.1) /v1/images/generations. `bundled:egemma2`,
     /// `bundled:lfm2vl`, `bundled:zimage` and `bundled:qwen-image` name the bundled miniatures
     /// (random weights, for checking an install); the default is `bundled:egemma2`.
-    #[arg(long, env = "TESSERA_MODEL")]
+    #[arg(long, short = 'm', env = "TESSERA_MODEL")]
     model: Vec<String>,
     /// The id clients send as `model` when one model is served (default: the folder's or repo's
     /// last name; `egemma2-mini`, `zimage-mini`, … for a bundled model). With
@@ -39,6 +39,7 @@ pub struct ServeArgs {
     /// network, so set --api-key then.
     #[arg(long, env = "TESSERA_HOST", default_value = "127.0.0.1")]
     host: IpAddr,
+    /// Port to listen on.
     #[arg(long, env = "TESSERA_PORT", default_value_t = 8080)]
     port: u16,
     /// Require `Authorization: Bearer KEY` on every route but /health.

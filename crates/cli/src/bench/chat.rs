@@ -41,6 +41,7 @@ pub struct ChatBench {
     /// Prompt tokens of each decoding sequence.
     #[arg(long, default_value_t = 64)]
     prompt_tokens: usize,
+    /// Timed runs of each measurement (after one untimed warm-up); the median is reported.
     #[arg(long, default_value_t = 5)]
     iters: usize,
     #[command(flatten)]

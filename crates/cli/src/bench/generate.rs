@@ -28,6 +28,7 @@ pub struct GenerateBench {
     /// Denoising steps (default: the model's).
     #[arg(long)]
     steps: Option<usize>,
+    /// The prompt of every run.
     #[arg(
         long,
         default_value = "a lighthouse on a cliff at dusk, dramatic sky, oil painting"
