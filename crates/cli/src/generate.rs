@@ -40,8 +40,9 @@ pub struct GenerateArgs {
     /// Z-Image runs (`bundled:qwen-image` names the other): random weights, for checking an install.
     #[arg(long, short = 'm')]
     pub model: Option<String>,
-    /// Transformer weights from one .safetensors file (ComfyUI or diffusers tensor names) instead
-    /// of the model folder's transformer/ weights; its shapes must match transformer/config.json.
+    /// Transformer weights from one .safetensors or .gguf file (ComfyUI or diffusers tensor names;
+    /// a GGUF's Q8_0/Q4_0/Q4_K/Q6_K matrices stay quantized, CPU only for now) instead of the model
+    /// folder's transformer/ weights; its shapes must match transformer/config.json.
     #[arg(long, value_name = "FILE")]
     pub transformer: Option<PathBuf>,
     /// What to draw (may be empty, as in diffusers).

@@ -205,3 +205,25 @@ fn int8_activations_run_close_to_the_exact_mode_and_need_quantized_weights() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--quantize"), "{err}");
 }
+
+#[test]
+fn generate_takes_a_gguf_transformer() {
+    let dir = tempfile::tempdir().unwrap();
+    let png = dir.path().join("out.png");
+    let gguf = root().join("tests/fixtures/zimage_gguf/transformer_q8_0.gguf");
+    let out = tessera(&[
+        "generate",
+        "--transformer",
+        gguf.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--size",
+        "32x32",
+        "--steps",
+        "1",
+        "-o",
+        png.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    assert!(std::fs::metadata(&png).unwrap().len() > 0);
+}

@@ -33,7 +33,8 @@ impl Bytes {
 }
 
 struct Entry {
-    dtype: safetensors::Dtype,
+    /// The stored dtype, or the name of one Tessera does not read.
+    dtype: std::result::Result<DType, String>,
     shape: Vec<usize>,
     /// Absolute byte range within the file.
     start: usize,
@@ -60,7 +61,7 @@ impl File1 {
             .into_iter()
             .map(|(name, info)| {
                 let entry = Entry {
-                    dtype: info.dtype,
+                    dtype: DType::from_safetensors(info.dtype).ok_or(format!("{:?}", info.dtype)),
                     shape: info.shape.clone(),
                     start: base + info.data_offsets.0,
                     end: base + info.data_offsets.1,
@@ -302,6 +303,43 @@ impl Weights {
         })
     }
 
+    /// Open a GGUF file's tensors (ComfyUI-GGUF and stable-diffusion.cpp transformer files keep
+    /// the original tensor names), block formats included: a quantized matrix reaches the
+    /// backend as its blocks. Metadata is not read here (see [`crate::gguf::Gguf`]).
+    pub fn open_gguf(path: &Path) -> Result<Self> {
+        let (map, tensors) = crate::gguf::Gguf::open(path)?.into_tensor_map();
+        let entries = tensors
+            .into_iter()
+            .map(|t| {
+                let entry = Entry {
+                    dtype: Ok(t.dtype),
+                    shape: t.shape,
+                    start: t.start,
+                    end: t.end,
+                };
+                (t.name, entry)
+            })
+            .collect();
+        let file = File1 {
+            path: path.to_path_buf(),
+            bytes: Bytes::Mapped(map),
+            entries,
+        };
+        Self::from_files(vec![file], path.display().to_string())
+    }
+
+    /// A single weights file: GGUF when named `*.gguf`, else safetensors.
+    pub fn open_any(path: &Path) -> Result<Self> {
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            Self::open_gguf(path)
+        } else {
+            Self::open_file(path)
+        }
+    }
+
     /// Weights compiled into the binary (the bundled miniature models).
     pub fn from_static(label: &str, bytes: &'static [u8]) -> Result<Self> {
         let f = File1::parse(PathBuf::from(label), Bytes::Static(bytes))?;
@@ -383,15 +421,24 @@ impl Weights {
     pub fn main_dtype(&self) -> Option<DType> {
         let mut bytes_by: HashMap<String, usize> = HashMap::new();
         for e in self.files.iter().flat_map(|f| f.entries.values()) {
-            *bytes_by.entry(format!("{:?}", e.dtype)).or_default() += e.end - e.start;
+            let key = match &e.dtype {
+                Ok(d) => d.to_string(),
+                Err(other) => other.clone(),
+            };
+            *bytes_by.entry(key).or_default() += e.end - e.start;
         }
         let (name, _) = bytes_by.into_iter().max_by_key(|(_, b)| *b)?;
-        match name.as_str() {
-            "BF16" => Some(DType::BF16),
-            "F16" => Some(DType::F16),
-            "F32" => Some(DType::F32),
-            _ => None,
-        }
+        [
+            DType::BF16,
+            DType::F16,
+            DType::F32,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_K,
+            DType::Q6_K,
+        ]
+        .into_iter()
+        .find(|d| d.to_string() == name)
     }
 
     /// The tensor `name` (under the prefix), any shape.
@@ -405,10 +452,10 @@ impl Weights {
         };
         let file = &self.files[fi];
         let e = &file.entries[&full];
-        let dtype = DType::from_safetensors(e.dtype).ok_or_else(|| Error::UnsupportedDtype {
+        let dtype = e.dtype.clone().map_err(|dtype| Error::UnsupportedDtype {
             name: full.clone(),
             path: file.path.clone(),
-            dtype: format!("{:?}", e.dtype),
+            dtype,
         })?;
         Ok(Tensor {
             name: full,

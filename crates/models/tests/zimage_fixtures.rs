@@ -14,6 +14,7 @@ use serde::Deserialize;
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, Role, View};
 use tessera_core::Weights;
+use tessera_core::gguf::GgmlType;
 use tessera_models::ModelFiles;
 use tessera_models::qwen3::BpeTokenizer;
 use tessera_models::qwen3::{Qwen3Config, Qwen3TextModel};
@@ -281,6 +282,67 @@ fn comfyui_sharded_and_f32_transformer_files_give_identical_outputs() {
     write_sharded_f32(&diffusers_weights(), dir.path(), 3);
     let sharded = Weights::open_dir(dir.path(), "diffusion_pytorch_model").unwrap();
     assert_eq!(v(&sharded), reference, "sharded fp32 layout");
+}
+
+/// A ComfyUI-GGUF transformer (tests/fixtures/zimage_gguf, written by
+/// tools/fixtures/zimage_gguf.py with llama.cpp's `gguf` package: Q8_0 matrices, F32 the rest)
+/// runs exactly: its velocity equals, within 1e-5, the f32 run of a checkpoint holding every
+/// tensor's dequantized values.
+#[test]
+fn a_q8_0_gguf_transformer_equals_the_f32_run_on_its_dequantized_weights() {
+    let (fx, ex, be) = (
+        cases(),
+        Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors")),
+        CpuBackend::new(),
+    );
+    let c = &fx.dit[2];
+    let v = |w: &Weights| {
+        run_dit(&be, &load_transformer(&be, w, &ex), &ex, c).values[&("v".to_string(), 0)].clone()
+    };
+    let path = root().join("tests/fixtures/zimage_gguf/transformer_q8_0.gguf");
+    let quantized = v(&Weights::open_any(&path).unwrap());
+    // The dequantized checkpoint, written from the GGUF decoders' values.
+    let g = tessera_core::gguf::Gguf::open(&path).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = g
+        .tensors()
+        .map(|t| {
+            let bytes = t
+                .to_f32()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            (t.name.to_string(), t.shape(), bytes)
+        })
+        .collect();
+    assert!(
+        g.tensors()
+            .filter(|t| t.ggml_type == GgmlType::Q8_0)
+            .count()
+            > 20
+    );
+    let views = tensors.iter().map(|(n, s, b)| {
+        let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+        (n.clone(), v.unwrap())
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dequantized.safetensors");
+    safetensors::serialize_to_file(views, None, &file).unwrap();
+    let reference = v(&Weights::open_file(&file).unwrap());
+    let err = rel(
+        &quantized,
+        &reference.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+    );
+    assert!(
+        err <= 1e-5,
+        "Q8_0 GGUF vs f32 on its dequantized weights: {err:e}"
+    );
+    // Quantizing changed the transformer: the bf16 ComfyUI file it came from is further off.
+    let comfy =
+        Weights::open_file(&root().join("tests/fixtures/zimage/comfy_transformer.safetensors"))
+            .unwrap();
+    let bf16 = v(&comfy).iter().map(|&x| x as f64).collect::<Vec<_>>();
+    assert!(rel(&quantized, &bf16) > 1e-4, "Q8_0 changed nothing");
 }
 
 /// Re-save `w` as `n` fp32 shards with a `.safetensors.index.json`, named like diffusers does.

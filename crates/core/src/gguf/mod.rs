@@ -39,6 +39,15 @@ pub struct Gguf {
     names: HashMap<String, usize>,
 }
 
+/// A tensor's name, storage type, shape (outermost first) and byte range in its file's map.
+pub(crate) struct MappedTensor {
+    pub name: String,
+    pub dtype: crate::DType,
+    pub shape: Vec<usize>,
+    pub start: usize,
+    pub end: usize,
+}
+
 /// One tensor as stored in a GGUF file, borrowed from its map.
 #[derive(Clone, Copy)]
 pub struct GgufTensor<'a> {
@@ -202,6 +211,23 @@ impl Gguf {
                 location: self.path.display().to_string(),
             }),
         }
+    }
+
+    /// The map and every tensor's place in it: what [`crate::Weights::open_gguf`] reads a GGUF
+    /// file's tensors through.
+    pub(crate) fn into_tensor_map(self) -> (Mmap, Vec<MappedTensor>) {
+        let tensors = self
+            .tensors
+            .into_iter()
+            .map(|t| MappedTensor {
+                shape: t.dims.iter().rev().copied().collect(),
+                dtype: crate::DType::from_ggml(t.ggml_type),
+                name: t.name,
+                start: t.start,
+                end: t.end,
+            })
+            .collect();
+        (self.map, tensors)
     }
 
     fn view<'a>(&'a self, t: &'a TensorInfo) -> GgufTensor<'a> {

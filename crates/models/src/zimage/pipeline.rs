@@ -275,8 +275,8 @@ impl Planner {
 
 impl<B: Backend> ZImage<B> {
     /// Load every component. `transformer_file` replaces the transformer's weights with a single
-    /// safetensors file (diffusers or ComfyUI names); its shapes must match
-    /// `transformer/config.json`.
+    /// safetensors or GGUF file (diffusers or ComfyUI names; GGUF's block formats stay
+    /// quantized); its shapes must match `transformer/config.json`.
     pub fn load(backend: B, files: &ZImageFiles, transformer_file: Option<&Path>) -> Result<Self> {
         let be = &backend;
         let cfg = ZImageConfigs::read(files)?;
@@ -298,7 +298,7 @@ impl<B: Backend> ZImage<B> {
         let te = &cfg.text_encoder;
         let text_encoder = Qwen3TextModel::load(be, te, &te_weights, te.num_layers - 1)?;
         let tr_weights = match transformer_file {
-            Some(p) => Weights::open_file(p)?,
+            Some(p) => Weights::open_any(p)?,
             None => files.transformer.weights("diffusion_pytorch_model")?,
         };
         let transformer = ZImageTransformer::load(be, &cfg.transformer, &tr_weights)?;
