@@ -208,22 +208,21 @@ fn int8_activations_run_close_to_the_exact_mode_and_need_quantized_weights() {
 
 #[test]
 fn generate_takes_a_gguf_transformer() {
-    let dir = tempfile::tempdir().unwrap();
-    let png = dir.path().join("out.png");
-    let gguf = root().join("tests/fixtures/zimage_gguf/transformer_q8_0.gguf");
-    let out = tessera(&[
-        "generate",
-        "--transformer",
-        gguf.to_str().unwrap(),
-        "--prompt",
-        "x",
-        "--size",
-        "32x32",
-        "--steps",
-        "1",
-        "-o",
-        png.to_str().unwrap(),
-    ]);
-    assert!(out.status.success());
-    assert!(std::fs::metadata(&png).unwrap().len() > 0);
+    let qwen = root().join("crates/models/assets/qwen-image-mini");
+    for (model, file) in [
+        (None, "zimage_q8_0.gguf"),
+        (Some(&qwen), "qwen_image_q8_0.gguf"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let png = dir.path().join("out.png");
+        let gguf = root().join("tests/fixtures/transformer_gguf").join(file);
+        let mut args = vec!["generate", "--transformer", gguf.to_str().unwrap()];
+        if let Some(m) = model {
+            args.extend(["--model", m.to_str().unwrap()]);
+        }
+        args.extend(["--prompt", "x", "--size", "32x32", "--steps", "2"]);
+        args.extend(["-o", png.to_str().unwrap()]);
+        tessera(&args);
+        assert!(std::fs::metadata(&png).unwrap().len() > 0, "{file}");
+    }
 }

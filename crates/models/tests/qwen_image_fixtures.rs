@@ -202,6 +202,78 @@ fn dit_prefill_step_and_full_forward_match_the_reference() {
     worst.report("dit");
 }
 
+/// A ComfyUI-GGUF transformer (tests/fixtures/transformer_gguf/qwen_image_q8_0.gguf, written by
+/// tools/fixtures/transformer_gguf.py with llama.cpp's `gguf` package: Q8_0 matrices, F32 the
+/// rest, under ComfyUI's prefix) loads through the pipeline's file loader and runs exactly: its
+/// velocity equals, within 1e-5, the f32 run of a checkpoint of its dequantized values.
+#[test]
+fn a_q8_0_gguf_transformer_equals_the_f32_run_on_its_dequantized_weights() {
+    let be = CpuBackend::new();
+    let f = &BUNDLED.transformer;
+    let cfg =
+        TransformerConfig::parse(&f.path("config.json"), &f.read("config.json").unwrap()).unwrap();
+    let path = root().join("tests/fixtures/transformer_gguf/qwen_image_q8_0.gguf");
+    let g = tessera_core::gguf::Gguf::open(&path).unwrap();
+    let q8 = g
+        .tensors()
+        .filter(|t| t.ggml_type == tessera_core::gguf::GgmlType::Q8_0)
+        .count();
+    assert!(q8 > 10, "{q8} Q8_0 tensors");
+    // The dequantized checkpoint, diffusers names, written from the GGUF decoders' values.
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = g
+        .tensors()
+        .map(|t| {
+            let bytes = t
+                .to_f32()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            let name = t.name.strip_prefix("model.diffusion_model.").unwrap();
+            (name.to_string(), t.shape(), bytes)
+        })
+        .collect();
+    let views = tensors.iter().map(|(n, s, b)| {
+        let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+        (n.clone(), v.unwrap())
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dequantized.safetensors");
+    safetensors::serialize_to_file(views, None, &file).unwrap();
+    let run = |w: &tessera_core::Weights| {
+        let tr = QwenImageTransformer::load(&be, &cfg, w).unwrap();
+        let c = &cases().dit[0];
+        let ex = expected();
+        let p = format!("dit/{}/", c.name);
+        let (layout, is_text) = layout_of(&c.runs);
+        let ctx = cfg.context_in_dim;
+        let text: Vec<f32> = ex
+            .f32(&format!("{p}encoder_rows"))
+            .chunks_exact(ctx)
+            .zip(&is_text)
+            .filter(|(_, t)| **t)
+            .flat_map(|(r, _)| r.iter().copied())
+            .collect();
+        let text_buf = buf(&be, &text);
+        let text_v = View::new(&text_buf, layout.text_rows(), ctx);
+        let latents = ex.f32(&format!("{p}latents"));
+        tr.forward_full(&be, &layout, text_v, &latents, c.t)
+            .unwrap()
+    };
+    let gguf = qwen_image::comfy_transformer_weights(&path).unwrap();
+    let quantized = run(&gguf);
+    let reference = run(&tessera_core::Weights::open_file(&file).unwrap());
+    let reference: Vec<f64> = reference.iter().map(|&x| x as f64).collect();
+    let err = rel(&quantized, &reference);
+    assert!(
+        err <= 1e-5,
+        "Q8_0 GGUF vs f32 on its dequantized weights: {err:e}"
+    );
+    let bundled = run(&f.weights("diffusion_pytorch_model").unwrap());
+    let bundled: Vec<f64> = bundled.iter().map(|&x| x as f64).collect();
+    assert!(rel(&quantized, &bundled) > 1e-4, "Q8_0 changed nothing");
+}
+
 #[test]
 fn a_batch_of_items_steps_like_each_alone() {
     // Two prompts of different lengths, three items (two over the first): the joint attention

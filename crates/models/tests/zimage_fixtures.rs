@@ -284,8 +284,8 @@ fn comfyui_sharded_and_f32_transformer_files_give_identical_outputs() {
     assert_eq!(v(&sharded), reference, "sharded fp32 layout");
 }
 
-/// A ComfyUI-GGUF transformer (tests/fixtures/zimage_gguf, written by
-/// tools/fixtures/zimage_gguf.py with llama.cpp's `gguf` package: Q8_0 matrices, F32 the rest)
+/// A ComfyUI-GGUF transformer (tests/fixtures/transformer_gguf, written by
+/// tools/fixtures/transformer_gguf.py with llama.cpp's `gguf` package: Q8_0 matrices, F32 the rest)
 /// runs exactly: its velocity equals, within 1e-5, the f32 run of a checkpoint holding every
 /// tensor's dequantized values.
 #[test]
@@ -299,7 +299,7 @@ fn a_q8_0_gguf_transformer_equals_the_f32_run_on_its_dequantized_weights() {
     let v = |w: &Weights| {
         run_dit(&be, &load_transformer(&be, w, &ex), &ex, c).values[&("v".to_string(), 0)].clone()
     };
-    let path = root().join("tests/fixtures/zimage_gguf/transformer_q8_0.gguf");
+    let path = root().join("tests/fixtures/transformer_gguf/zimage_q8_0.gguf");
     let quantized = v(&Weights::open_any(&path).unwrap());
     // The dequantized checkpoint, written from the GGUF decoders' values.
     let g = tessera_core::gguf::Gguf::open(&path).unwrap();

@@ -148,18 +148,32 @@ pub fn load_qwen_image(
     backend: AnyBackend,
     files: &QwenImageFiles,
 ) -> Result<Box<dyn GenerateImage>> {
-    struct Load(QwenImageFiles);
+    load_qwen_image_with(backend, files, None)
+}
+
+/// [`load_qwen_image`], `transformer_file` (safetensors or GGUF, diffusers names) replacing the
+/// folder's transformer weights when given.
+pub fn load_qwen_image_with(
+    backend: AnyBackend,
+    files: &QwenImageFiles,
+    transformer_file: Option<&Path>,
+) -> Result<Box<dyn GenerateImage>> {
+    struct Load(QwenImageFiles, Option<PathBuf>);
     impl BackendFn for Load {
         type Output = Result<Box<dyn GenerateImage>>;
         fn call<B: Backend + 'static>(self, backend: B) -> Self::Output {
-            Ok(Box::new(QwenImage::load(backend, &self.0)?))
+            Ok(Box::new(QwenImage::load_with(
+                backend,
+                &self.0,
+                self.1.as_deref(),
+            )?))
         }
     }
-    backend.run(Load(files.clone()))
+    backend.run(Load(files.clone(), transformer_file.map(Path::to_path_buf)))
 }
 
 /// Load Z-Image from `files` onto whichever device `backend` is; `transformer_file` replaces
-/// the transformer's weights with one safetensors file (diffusers or ComfyUI names).
+/// the transformer's weights with one safetensors or GGUF file (diffusers or ComfyUI names).
 pub fn load(
     backend: AnyBackend,
     files: &ZImageFiles,
@@ -176,7 +190,7 @@ pub fn load(
 }
 
 /// Load the text-to-image model `spec` names onto `backend`; `transformer_file` replaces the
-/// transformer's weights where the family allows it (Z-Image).
+/// transformer's weights (one safetensors or GGUF file).
 pub fn open(
     backend: AnyBackend,
     spec: &ModelSpec,
@@ -184,13 +198,7 @@ pub fn open(
 ) -> Result<Box<dyn GenerateImage>> {
     match &spec.files {
         ModelFilesOf::ZImage(files, _) => load(backend, files, transformer_file),
-        ModelFilesOf::QwenImage(files, _) => match transformer_file {
-            Some(p) => Err(Error::input(format!(
-                "--transformer {}: a separate transformer file is taken for Z-Image only; put Qwen-Image-2.1's weights in the folder's transformer/",
-                p.display()
-            ))),
-            None => load_qwen_image(backend, files),
-        },
+        ModelFilesOf::QwenImage(files, _) => load_qwen_image_with(backend, files, transformer_file),
         _ => Err(Error::input(format!(
             "{} is a {} model, not a text-to-image model",
             spec.label,

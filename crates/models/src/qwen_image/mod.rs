@@ -28,7 +28,7 @@ use tessera_core::{Error, Result};
 use crate::files::ModelFiles;
 use crate::text_to_image::Defaults;
 pub use ops::ops;
-pub use pipeline::{QwenImage, QwenImageConfigs};
+pub use pipeline::{QwenImage, QwenImageConfigs, comfy_transformer_weights};
 
 /// The pipeline's defaults: 40 steps without guidance at 1024² (`true_cfg_scale` 1.0).
 pub const DEFAULTS: Defaults = Defaults {

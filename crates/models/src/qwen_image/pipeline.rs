@@ -12,9 +12,10 @@
 //! torch's `randn`; to reproduce a diffusers image, pass its packed latent as `init_latent`.
 
 use std::ops::ControlFlow;
+use std::path::Path;
 
 use tessera_backend::{Backend, Precision, View};
-use tessera_core::{Error, Result, check_finite};
+use tessera_core::{Error, Result, Weights, check_finite};
 
 use super::QwenImageFiles;
 use super::config::{ModelIndex, TransformerConfig, parse_model_index};
@@ -109,8 +110,38 @@ pub struct QwenImage<B: Backend> {
     configs: QwenImageConfigs,
 }
 
+/// A single transformer file (safetensors or GGUF) seen with the diffusers names: ComfyUI's files
+/// keep them under `model.diffusion_model.`.
+pub fn comfy_transformer_weights(path: &Path) -> Result<Weights> {
+    Ok(comfy_root(Weights::open_any(path)?))
+}
+
+fn comfy_root(w: Weights) -> Weights {
+    const PREFIX: &str = "model.diffusion_model";
+    if w.names()
+        .iter()
+        .all(|n| n.starts_with("model.diffusion_model."))
+    {
+        w.pp(PREFIX)
+    } else {
+        w
+    }
+}
+
 impl<B: Backend> QwenImage<B> {
     pub fn load(backend: B, files: &QwenImageFiles) -> Result<Self> {
+        Self::load_with(backend, files, None)
+    }
+
+    /// [`load`](Self::load), the transformer's weights from `transformer_file` when given: one
+    /// safetensors or GGUF file (ComfyUI-GGUF / stable-diffusion.cpp) with the diffusers tensor
+    /// names, under ComfyUI's `model.diffusion_model.` prefix or none; a GGUF's block-format
+    /// matrices stay quantized.
+    pub fn load_with(
+        backend: B,
+        files: &QwenImageFiles,
+        transformer_file: Option<&Path>,
+    ) -> Result<Self> {
         let be = &backend;
         let configs = QwenImageConfigs::read(files)?;
         let tokenizer = BpeTokenizer::load(&files.processor)?;
@@ -130,11 +161,11 @@ impl<B: Backend> QwenImage<B> {
             &configs.text_encoder,
             &files.text_encoder.weights("model")?,
         )?;
-        let transformer = QwenImageTransformer::load(
-            be,
-            &configs.transformer,
-            &files.transformer.weights("diffusion_pytorch_model")?,
-        )?;
+        let tr_weights = match transformer_file {
+            Some(p) => comfy_transformer_weights(p)?,
+            None => files.transformer.weights("diffusion_pytorch_model")?,
+        };
+        let transformer = QwenImageTransformer::load(be, &configs.transformer, &tr_weights)?;
         let vae = VaeDecoder::load(
             be,
             &configs.vae,
