@@ -89,9 +89,9 @@ impl AnyBackend {
 
     /// [`open`](Self::open) for a model that will call `ops`: a device that cannot run one of
     /// them is declined here, before anything loads — `auto` then runs on the CPU and says why,
-    /// an explicit `cuda` fails with the reason. `quant.at_load` (`--quantize`): the block
-    /// format the model's float matrices are quantized to as they load, so its products are
-    /// asked for on that format.
+    /// an explicit `cuda` fails with the reason. `quant.at_load` (`--quantize`) or
+    /// `quant.stored`: the block format the model's products will see, so they are asked for
+    /// on that format.
     pub fn open_for(
         req: DeviceRequest,
         precision: Option<Precision>,

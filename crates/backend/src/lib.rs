@@ -110,16 +110,27 @@ impl std::str::FromStr for Precision {
 }
 
 /// Quantized weights on a backend: the block format float matrices are quantized to as they
-/// load (`--quantize`), and how products on block-format weights take their activations.
+/// load (`--quantize`) or that the files store, and how products on block-format weights take
+/// their activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Quantization {
     /// Quantize every float matrix whose rows are whole blocks of this format as it loads
     /// (embedding tables, norms and biases are not matrices and stay as stored).
     pub at_load: Option<tessera_core::DType>,
+    /// The block format of weights the model's files already store quantized (a GGUF
+    /// transformer), so its products are asked for on that format before anything loads.
+    pub stored: Option<tessera_core::DType>,
     /// Products on Q8_0 and Q4_0 weights round their activations to int8 per block of 32 and
     /// sum in integers (`--precision int8`, the CPU's fast mode); otherwise they are exact: f32
     /// on the decoded weights.
     pub int8: bool,
+}
+
+impl Quantization {
+    /// The block format the model's products will see, if any.
+    pub fn products(&self) -> Option<tessera_core::DType> {
+        self.at_load.or(self.stored)
+    }
 }
 
 /// What an activation buffer holds; the backend chooses the element type.

@@ -521,6 +521,7 @@ fn quant(b: QuantBench) -> Result<()> {
                 }
                 let be = CpuBackend::new().quantizing(Quantization {
                     at_load: Some(q),
+                    stored: None,
                     int8: int8_mode,
                 });
                 let gflops = product_rate(&be, shape, 1.0)?;

@@ -96,18 +96,20 @@ impl DeviceArgs {
         Ok((req, precision))
     }
 
-    /// `--quantize` and whether products take int8 activations (`--precision int8`, which
-    /// needs quantized weights to act on).
-    fn quantization(&self) -> Result<Quantization> {
+    /// `--quantize`, the block format weights are `stored` in (a GGUF file), and whether
+    /// products take int8 activations (`--precision int8`, which needs quantized weights to act
+    /// on).
+    fn quantization(&self, stored: Option<DType>) -> Result<Quantization> {
         let int8 = self.precision.as_deref() == Some("int8");
-        if int8 && self.quantize.is_none() {
+        if int8 && self.quantize.is_none() && stored.is_none() {
             return Err(Error::input(
                 "--precision int8 rounds the activations of products on quantized weights: \
-                 use it with --quantize (q8_0 or q4_0)",
+                 use it with --quantize (q8_0 or q4_0) or a quantized GGUF file",
             ));
         }
         Ok(Quantization {
             at_load: self.quantize.map(Quantize::dtype),
+            stored,
             int8,
         })
     }
@@ -115,13 +117,28 @@ impl DeviceArgs {
     /// Open the backend for `model`: a device that cannot run the model's ops is declined here,
     /// before anything loads (`auto` falls back to the CPU and says why in one line on stderr).
     pub fn open_for(&self, model: &ModelSpec) -> Result<AnyBackend> {
-        self.open_for_with(model, |note| eprintln!("note: {note}"))
+        self.open_for_stored(model, None)
     }
 
     /// As [`DeviceArgs::open_for`], with the note going to `note` (the server logs it).
     pub fn open_for_with(&self, model: &ModelSpec, note: impl FnMut(&str)) -> Result<AnyBackend> {
+        self.open(model, None, note)
+    }
+
+    /// [`open_for`](Self::open_for) a model some of whose weights are stored in block format
+    /// `stored` (a GGUF transformer file).
+    pub fn open_for_stored(&self, model: &ModelSpec, stored: Option<DType>) -> Result<AnyBackend> {
+        self.open(model, stored, |note| eprintln!("note: {note}"))
+    }
+
+    fn open(
+        &self,
+        model: &ModelSpec,
+        stored: Option<DType>,
+        note: impl FnMut(&str),
+    ) -> Result<AnyBackend> {
         let (req, precision) = self.parsed()?;
-        model.device(req, precision, self.quantization()?, note)
+        model.device(req, precision, self.quantization(stored)?, note)
     }
 
     /// Open the backend with no model in view (benchmarks of single CUDA ops).

@@ -505,7 +505,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             spec.family.name()
         );
     }
-    let backend = args.device.open_for(&spec)?;
+    let stored = match &args.transformer {
+        Some(p) => stored_block_format(p)?,
+        None => None,
+    };
+    let backend = args.device.open_for_stored(&spec, stored)?;
     let on_cpu = matches!(backend, AnyBackend::Cpu(_));
     let label = spec.label.clone();
     let mut model = image::open(backend, &spec, args.transformer.as_deref())?;
@@ -695,6 +699,22 @@ fn output_paths(out: &Path, n: usize) -> Vec<PathBuf> {
     (0..n)
         .map(|i| out.with_file_name(format!("{stem}-{i}.{ext}")))
         .collect()
+}
+
+/// The block format of a GGUF transformer file's quantized tensors (the first one's), read from
+/// its header, so a device without products on it declines before loading; `None` for a
+/// safetensors file or an unquantized GGUF.
+fn stored_block_format(path: &std::path::Path) -> Result<Option<tessera_core::DType>> {
+    if !path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return Ok(None);
+    }
+    let g = tessera_core::gguf::Gguf::open(path)?;
+    Ok(g.tensors()
+        .map(|t| tessera_core::DType::from_ggml(t.ggml_type))
+        .find(|d| d.is_quantized()))
 }
 
 #[cfg(test)]

@@ -226,3 +226,26 @@ fn generate_takes_a_gguf_transformer() {
         assert!(std::fs::metadata(&png).unwrap().len() > 0, "{file}");
     }
 }
+
+#[test]
+fn int8_runs_on_a_gguf_transformer_without_quantize() {
+    let dir = tempfile::tempdir().unwrap();
+    let png = dir.path().join("out.png");
+    let gguf = root().join("tests/fixtures/transformer_gguf/zimage_q8_0.gguf");
+    tessera(&[
+        "generate",
+        "--transformer",
+        gguf.to_str().unwrap(),
+        "--precision",
+        "int8",
+        "--prompt",
+        "x",
+        "--size",
+        "32x32",
+        "--steps",
+        "1",
+        "-o",
+        png.to_str().unwrap(),
+    ]);
+    assert!(std::fs::metadata(&png).unwrap().len() > 0);
+}

@@ -346,6 +346,15 @@ fn stack_bf16(parts: &[Tensor<'_>]) -> Result<CpuMat> {
     })
 }
 
+/// How the int8 products run here, for `describe`.
+fn int8_isa() -> &'static str {
+    if int8::native() {
+        "AVX2"
+    } else {
+        "a portable loop"
+    }
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Mat = CpuMat;
@@ -357,10 +366,7 @@ impl Backend for CpuBackend {
         if let Some(q) = self.quant.at_load {
             let products = match (self.quant.int8, int8::supports(q)) {
                 (false, _) => "exact products: f32 on the decoded weights".to_string(),
-                (true, true) if int8::native() => {
-                    "products with int8 activations (AVX2)".to_string()
-                }
-                (true, true) => "products with int8 activations in a portable loop".to_string(),
+                (true, true) => format!("products with int8 activations ({})", int8_isa()),
                 (true, false) => {
                     format!("exact products: {q} has no int8 path yet, f32 on the decoded weights")
                 }
@@ -371,6 +377,13 @@ impl Backend for CpuBackend {
             };
             return format!(
                 "cpu ({q} weights quantized at load, {products}{rest}; {threads} threads)"
+            );
+        }
+        if self.quant.int8 {
+            return format!(
+                "cpu (f32; products on Q8_0/Q4_0 weights with int8 activations ({}), on other \
+                 block formats exact; {threads} threads)",
+                int8_isa()
             );
         }
         match self.precision {
