@@ -346,6 +346,24 @@ fn stack_bf16(parts: &[Tensor<'_>]) -> Result<CpuMat> {
     })
 }
 
+/// Check that runs of `n` values of `t` are whole blocks of its format (always, for a float
+/// type), naming the tensor.
+fn whole_blocks(t: &Tensor<'_>, n: usize) -> Result<()> {
+    let bs = t.dtype.block_size();
+    if n.is_multiple_of(bs) {
+        return Ok(());
+    }
+    Err(Error::backend(
+        "load",
+        format!(
+            "`{}` in {}: runs of {n} values are not whole {} blocks of {bs}",
+            t.name,
+            t.path.display(),
+            t.dtype
+        ),
+    ))
+}
+
 /// How the int8 products run here, for `describe`.
 fn int8_isa() -> &'static str {
     if int8::native() {
@@ -481,13 +499,15 @@ impl Backend for CpuBackend {
     }
 
     fn vector(&self, t: &Tensor<'_>) -> Result<Vec<f32>> {
-        crate::vector_len(t)?;
+        let n = crate::vector_len(t)?;
+        whole_blocks(t, n)?;
         Ok(t.to_f32())
     }
 
     fn table(&self, weights: &Weights, name: &str, shape: &[usize]) -> Result<CpuTable> {
         let (rows, dim) = crate::table_shape(name, shape)?;
-        weights.get(name, shape)?;
+        // Rows are read one at a time: in a block format each must be whole blocks.
+        whole_blocks(&weights.get(name, shape)?, dim)?;
         Ok(CpuTable {
             weights: weights.clone(),
             name: name.to_string(),

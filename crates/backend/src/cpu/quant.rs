@@ -348,5 +348,15 @@ pub(crate) mod tests {
         let b = tensor(DType::Q4_0, [1, 32], vec![0; 18]);
         let e = be.matrix(&[a, b]).err().unwrap().to_string();
         assert!(e.contains("`w.Q4_0`") && e.contains("one format"), "{e}");
+        // A vector of a block format that is not whole blocks.
+        let v = Tensor {
+            shape: vec![16],
+            ..tensor(DType::Q8_0, [1, 32], vec![0; 34])
+        };
+        let e = be.vector(&v).err().unwrap().to_string();
+        assert!(
+            e.contains("`w.Q8_0`") && e.contains("whole Q8_0 blocks"),
+            "{e}"
+        );
     }
 }
