@@ -5,6 +5,8 @@
 //!   reference processor converts a Pillow image (transparency composited onto white);
 //! - [`resize`]: torch's uint8 antialiased bicubic and bilinear resamplers (what torchvision's
 //!   `resize` runs), reproduced byte for byte;
+//! - [`pil`]: Pillow's Lanczos resize of RGBA (premultiplied, Pillow 13's pass order) and its
+//!   paste over white, byte for byte (diffusers' `VaeImageProcessor.resize`);
 //! - [`patches`]: the Gemma 4 image processor's target-size rule, soft-token budgets and the
 //!   16×16 patches with their (x, y) positions;
 //! - [`plan`]: target size, patch grid and memory decided from a file's header, so that an
@@ -12,6 +14,7 @@
 
 pub mod decode;
 pub mod patches;
+pub mod pil;
 pub mod plan;
 pub mod resize;
 

@@ -3,6 +3,7 @@
 //! `QwenImage21Pipeline` with transformers 5.25 (`Qwen3VLForConditionalGeneration`).
 //!
 //! - [`config`]: the diffusers folder's JSON files;
+//! - [`condition`]: condition images for editing, resized and copied as the pipeline does;
 //! - [`layout`]: the joint sequence's runs (text, image blocks), 3-axis positions and RoPE angles;
 //! - [`text`]: the prompt template and the Qwen3-VL language model's features;
 //! - [`transformer`]: the single-stream DiT with its prefix K/V cache;
@@ -11,6 +12,7 @@
 //! - [`vae_encoder`]: its encoder, a condition image to normalised DiT-space latent tokens;
 //! - [`pipeline`]: all of it end to end.
 
+pub mod condition;
 pub mod config;
 pub mod layout;
 mod ops;
