@@ -30,8 +30,8 @@ use crate::model;
 #[command(after_help = after_help())]
 pub struct ChatArgs {
     /// An LFM2-VL folder (config.json, model.safetensors, tokenizer.json, chat_template.jinja,
-    /// preprocessor_config.json) or a Hugging Face repo id in the local cache. Without it, the
-    /// bundled miniature model runs: random weights, for checking an install.
+    /// preprocessor_config.json) or a Hugging Face repo id, downloaded on first use. Without it,
+    /// the bundled miniature model runs: random weights, for checking an install.
     #[arg(long, short = 'm')]
     pub model: Option<String>,
     /// An image for the (first) question; repeat for several, in order.

@@ -22,7 +22,8 @@ use crate::stdout;
 
 #[derive(Args)]
 pub struct EmbedArgs {
-    /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature model).
+    /// Model folder or Hugging Face repo id, downloaded on first use (default: the bundled
+    /// miniature model).
     #[arg(long, short = 'm', env = "TESSERA_MODEL")]
     model: Option<String>,
     /// A text to embed (repeatable).

@@ -36,8 +36,9 @@ with --init-latent."
 )]
 pub struct GenerateArgs {
     /// A Z-Image or Qwen-Image-2.1 folder in the diffusers layout (model_index.json + component
-    /// folders) or a Hugging Face repo id in the local cache. Without it, the bundled miniature
-    /// Z-Image runs (`bundled:qwen-image` names the other): random weights, for checking an install.
+    /// folders) or a Hugging Face repo id, downloaded on first use. Without it, the bundled
+    /// miniature Z-Image runs (`bundled:qwen-image` names the other): random weights, for
+    /// checking an install.
     #[arg(long, short = 'm')]
     pub model: Option<String>,
     /// Transformer weights from one .safetensors or .gguf file (ComfyUI or diffusers tensor names;

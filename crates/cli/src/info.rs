@@ -14,8 +14,8 @@ use crate::stdout::outln;
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// Model folder or Hugging Face repo id in the local cache (default: the bundled miniature
-    /// EmbeddingGemma 2).
+    /// Model folder or Hugging Face repo id, downloaded on first use (default: the bundled
+    /// miniature EmbeddingGemma 2).
     #[arg(long, short = 'm', env = "TESSERA_MODEL")]
     model: Option<String>,
     #[command(flatten)]
@@ -66,6 +66,7 @@ fn quantized_bytes(w: &Weights, q: DType) -> Result<usize> {
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
+    crate::pull::ensure_local(args.model.as_deref())?;
     let spec = ModelSpec::open(args.model.as_deref(), Family::EmbeddingGemma2)?;
     let cap = spec.family.capability();
     outln!("model:       {}", spec.label)?;

@@ -14,6 +14,7 @@ mod loadtest_images;
 mod model;
 mod noise;
 mod output;
+mod pull;
 mod serve;
 mod signals;
 mod stdout;
@@ -51,6 +52,9 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
+    /// Download a model from the Hugging Face hub into its cache (only the files Tessera
+    /// needs); prints the snapshot folder.
+    Pull(pull::PullArgs),
 }
 
 /// `--threads` beyond this many per core only adds overhead (each thread a stack, every
@@ -92,6 +96,7 @@ fn main() -> ExitCode {
         Command::Chat(args) => chat::run(*args),
         Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(args),
+        Command::Pull(args) => pull::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,5 +1,6 @@
-//! `--model`: a folder or a Hugging Face repo id in the local cache, identified by the runtime
-//! (family, capability, ops); the bundled miniature model of the command's family when absent.
+//! `--model`: a folder or a Hugging Face repo id (downloaded into the cache on first use),
+//! identified by the runtime (family, capability, ops); the bundled miniature model of the
+//! command's family when absent.
 
 use tessera_core::{Error, Result};
 use tessera_models::lfm2vl::Lfm2VlConfig;
@@ -13,6 +14,7 @@ pub fn open(spec: Option<&str>, capability: Capability) -> Result<ModelSpec> {
         Capability::GenerateImage => Family::ZImage,
         Capability::Chat => Family::Lfm2Vl,
     };
+    crate::pull::ensure_local(spec)?;
     ModelSpec::open(spec, bundled)?.expect(capability)
 }
 

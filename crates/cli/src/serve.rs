@@ -16,8 +16,8 @@ use crate::model;
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Model folder or Hugging Face repo id in the local cache, optionally `=NAME` for the id
-    /// clients send as `model` (e.g. `--model ./Z-Image-Turbo=z-image-turbo`). Repeat it to serve
+    /// Model folder or Hugging Face repo id (downloaded on first use), optionally `=NAME` for
+    /// the id clients send as `model` (e.g. `--model ./Z-Image-Turbo=z-image-turbo`). Repeat it to serve
     /// several models in one process; each model's family decides its route: an embedding model
     /// (EmbeddingGemma 2) answers /v1/embeddings, a chat model (LFM2-VL) /v1/chat/completions, a
     /// text-to-image model (Z-Image, Qwen-Image-2.1) /v1/images/generations. `bundled:egemma2`,
@@ -358,9 +358,10 @@ fn model_devices(
         .collect()
 }
 
-/// The model `--model` names: a bundled miniature (`bundled:NAME`), a folder or a cached repo
-/// id; the bundled embedding model when absent.
+/// The model `--model` names: a bundled miniature (`bundled:NAME`), a folder or a repo id
+/// (downloaded on first use); the bundled embedding model when absent.
 fn open_model(spec: Option<&str>) -> Result<ModelSpec> {
+    crate::pull::ensure_local(spec)?;
     ModelSpec::open(spec, Family::EmbeddingGemma2)
 }
 

@@ -20,6 +20,9 @@ fn tessera(args: &[&str]) -> Output {
         // on machines without CUDA (that note has its own test).
         .env("TESSERA_DEVICE", "cpu")
         .env("HF_HUB_CACHE", root().join("target/no-hf-cache"))
+        // Never the network: a repo id not cached gives the not-cached error (`pull.rs` tests
+        // the download against a fake hub).
+        .env("HF_HUB_OFFLINE", "1")
         .output()
         .expect("runs")
 }
@@ -174,7 +177,11 @@ fn missing_model_dir() {
 fn repo_id_not_in_cache_says_where_it_looked() {
     assert_fails_with(
         &tessera(&["embed", "--model", "google/embeddinggemma-2", "--text", "x"]),
-        &["models--google--embeddinggemma-2", "hf download"],
+        &[
+            "models--google--embeddinggemma-2",
+            "HF_HUB_OFFLINE",
+            "tessera pull google/embeddinggemma-2",
+        ],
     );
 }
 

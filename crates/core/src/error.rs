@@ -22,6 +22,10 @@ pub enum Error {
     #[error("model {spec:?} not found: {looked}")]
     ModelNotFound { spec: String, looked: String },
 
+    /// Downloading from the Hugging Face hub failed; the message names the file and what to do.
+    #[error("{repo}: {message}")]
+    Hub { repo: String, message: String },
+
     #[error("{path}: invalid JSON: {message}")]
     Json { path: PathBuf, message: String },
 

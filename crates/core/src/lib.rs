@@ -7,12 +7,14 @@
 //! - [`gguf`]: GGUF files (llama.cpp's format) through `mmap`: typed metadata, the tensor table,
 //!   and ggml's block formats (Q8_0, Q4_0, Q4_K, Q6_K, F32/F16/BF16) decoded to `f32`;
 //! - [`config`]: reading JSON configs with errors that name the file and field;
-//! - [`model_dir`]: turning `--model` (a folder or a Hugging Face repo id) into a folder.
+//! - [`model_dir`]: turning `--model` (a folder or a Hugging Face repo id) into a folder;
+//! - [`hub`]: downloading the files a model needs from the Hugging Face hub into its cache.
 
 pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
+pub mod hub;
 mod mapped;
 pub mod model_dir;
 pub mod weights;

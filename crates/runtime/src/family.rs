@@ -225,7 +225,7 @@ impl ModelSpec {
                 })?;
             return Self::bundled(family);
         }
-        let dir = model_dir::resolve_any(spec, &["model_index.json", "config.json"])?;
+        let dir = model_dir::resolve_any(spec, &model_dir::MODEL_MARKERS)?;
         let family = detect(&dir)?;
         let files = match family {
             Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(ModelFiles::Dir(dir))?,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 pub const MIB: u64 = 1 << 20;
 
 /// The binary under test, on the CPU, with no model or thread count from the environment and
-/// a Hugging Face cache that holds nothing.
+/// a Hugging Face cache that holds nothing and is never filled from the network.
 pub fn tessera() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
     c.env_remove("TESSERA_MODEL")
@@ -22,7 +22,8 @@ pub fn tessera() -> Command {
         .env(
             "HF_HUB_CACHE",
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/no-hf-cache"),
-        );
+        )
+        .env("HF_HUB_OFFLINE", "1");
     c
 }
 
