@@ -1,4 +1,5 @@
-//! `tessera`: multimodal inference from the Hugging Face files you already have.
+//! `tessera`: multimodal inference from a model's Hugging Face files (a folder, or a repo id
+//! downloaded into the Hugging Face cache on first use).
 //!
 //! Every failure is one line on stderr and a non-zero exit; usage errors exit with 2.
 
