@@ -122,16 +122,16 @@ impl DeviceArgs {
 
     /// As [`DeviceArgs::open_for`], with the note going to `note` (the server logs it).
     pub fn open_for_with(&self, model: &ModelSpec, note: impl FnMut(&str)) -> Result<AnyBackend> {
-        self.open(model, None, note)
+        self.open_model(model, None, note)
     }
 
     /// [`open_for`](Self::open_for) a model some of whose weights are stored in block format
     /// `stored` (a GGUF transformer file).
     pub fn open_for_stored(&self, model: &ModelSpec, stored: Option<DType>) -> Result<AnyBackend> {
-        self.open(model, stored, |note| eprintln!("note: {note}"))
+        self.open_model(model, stored, |note| eprintln!("note: {note}"))
     }
 
-    fn open(
+    fn open_model(
         &self,
         model: &ModelSpec,
         stored: Option<DType>,
