@@ -214,3 +214,64 @@ fn a_failure_to_start_is_a_json_line_too() {
         "{error}"
     );
 }
+
+#[test]
+fn chat_and_image_access_lines_carry_tokens_images_and_the_seed() {
+    let (server, reader, lines) = start(&[
+        "--log-format",
+        "json",
+        "--model",
+        "bundled:lfm2vl",
+        "--model",
+        "bundled:zimage",
+    ]);
+    // A streamed reply: its counts are known only at its end, when its line is written.
+    let (status, stream) = server.post(
+        "/v1/chat/completions",
+        &json!({"model": "lfm2vl-mini", "stream": true, "max_tokens": 3,
+                "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(status, 200, "{stream}");
+    let usage: Value = stream
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|c| c.get("usage").filter(|u| u.is_object()).cloned())
+        .unwrap_or_else(|| panic!("no usage chunk: {stream}"));
+    // No seed: the one drawn comes back with the image and goes into the log line.
+    let (status, body) = server.post(
+        "/v1/images/generations",
+        &json!({"model": "zimage-mini", "prompt": "", "size": "32x32",
+                "num_inference_steps": 1}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let seed = serde_json::from_str::<Value>(&body).unwrap()["data"][0]["seed"]
+        .as_u64()
+        .unwrap();
+    let lines = stop(server, reader, lines);
+    let parsed: Vec<Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let requests = access(&parsed);
+    let line = |route: &str| {
+        requests
+            .iter()
+            .find(|r| r["fields"]["route"] == route)
+            .unwrap_or_else(|| panic!("no {route} line: {requests:#?}"))
+    };
+    let chat = line("/v1/chat/completions")["fields"].clone();
+    assert_eq!(chat["status"], 200);
+    assert_eq!(chat["model"], "lfm2vl-mini");
+    assert_eq!(chat["prompt_tokens"], usage["prompt_tokens"], "{chat}");
+    assert_eq!(
+        chat["completion_tokens"], usage["completion_tokens"],
+        "{chat}"
+    );
+    let images = line("/v1/images/generations")["fields"].clone();
+    assert_eq!(images["status"], 200);
+    assert_eq!(images["model"], "zimage-mini");
+    assert_eq!(images["images"], 1, "{images}");
+    assert_eq!(images["seed"], seed, "{images}");
+}
