@@ -1,7 +1,8 @@
 """The official openai SDK against a running `tessera serve` (argv: base URL, API key).
 
-One text request (the SDK's default base64 encoding, then float), one image request (a text +
-image content array as one input) with `dimensions`. Exits non-zero on any mismatch.
+The model list and one model retrieved (an unknown one a NotFoundError), one text request (the
+SDK's default base64 encoding, then float), one image request (a text + image content array as
+one input) with `dimensions`. Exits non-zero on any mismatch.
 """
 
 import base64
@@ -10,6 +11,7 @@ import struct
 import sys
 import zlib
 
+import openai
 from openai import OpenAI
 
 
@@ -39,6 +41,15 @@ def main():
 
     ids = [m.id for m in client.models.list().data]
     assert "egemma2-mini" in ids and "egemma2-mini:query" in ids, ids
+    # Retrieve one model, and the SDK's NotFoundError for an unknown one.
+    for id in ("egemma2-mini", "egemma2-mini:query"):
+        m = client.models.retrieve(id)
+        assert (m.id, m.object, m.owned_by) == (id, "model", "tessera"), m
+    try:
+        client.models.retrieve("gpt-4o")
+        raise AssertionError("an unknown model was retrieved")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404 and e.code == "model_not_found", e
 
     # Text: the SDK asks for base64 by default and decodes it.
     r = client.embeddings.create(model="egemma2-mini:query", input="which planet is red?")
