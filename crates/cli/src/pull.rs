@@ -76,7 +76,14 @@ pub fn ensure_local(spec: Option<&str>) -> Result<()> {
     eprintln!(
         "{spec} is not in the Hugging Face cache: downloading it (HF_HUB_OFFLINE=1 stops this)"
     );
-    pull(&repo).map(|_| ())
+    // `owner/name` may also have been meant as a folder: say that there is none.
+    pull(&repo).map(|_| ()).map_err(|e| match e {
+        Error::Hub { repo, message } => Error::Hub {
+            repo,
+            message: format!("{message} (nor is there a folder {spec})"),
+        },
+        other => other,
+    })
 }
 
 /// One progress bar per file; indicatif draws nothing when stderr is not a terminal.

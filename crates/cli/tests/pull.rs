@@ -382,4 +382,10 @@ fn a_diffusers_repo_gives_its_components_and_a_gguf_repo_one_quantization() {
 
     let out = run(&mut tessera(&hub, home.path(), &["pull", "org/missing"]));
     fails(&out, &["org/missing", "not found", hub.url()]);
+    let out = run(&mut tessera(
+        &hub,
+        home.path(),
+        &["embed", "--model", "org/missing", "--text", "x"],
+    ));
+    fails(&out, &["not found", "nor is there a folder org/missing"]);
 }
