@@ -13,10 +13,13 @@
 //! - [`flow_match`]: the FlowMatch Euler scheduler both text-to-image families sample with;
 //! - [`qwen3`]: Qwen3 text models (Z-Image's caption encoder, Qwen-Image's Qwen3-VL language model);
 //! - [`tokenize`]: `tokenizer.json` tokenisation shared by the text models;
+//! - [`chat_family`]: what a chat family gives the runtime's scheduler (prompts, a forward over
+//!   its cache slots);
 //! - [`chat_template`]: the chat templates tokenizers ship, rendered as transformers renders them;
 //! - [`files`]: a model's files, from a folder or compiled into the binary.
 
 pub mod blocks;
+pub mod chat_family;
 pub mod chat_template;
 pub mod egemma2;
 pub mod files;

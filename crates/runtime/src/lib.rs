@@ -6,8 +6,9 @@
 //!   whichever device was chosen (no per-family device enums);
 //! - [`packing`]: many inputs packed into few device passes, split when a pass runs out of
 //!   device memory, prepared on the host while the device runs;
-//! - [`decode`]: the autoregressive step loop and samplers the chat models share; [`chat`]:
-//!   chat models behind one trait object, conversations keeping their caches between turns;
+//! - [`chat`]: chat models behind one trait object; [`scheduler`]: the one scheduler that runs
+//!   any chat family (admission, cache slots and prefix reuse, prefill chunks beside decoding,
+//!   sampling, stops, streaming); [`decode`]: the samplers;
 //! - [`text_stream`]: generated tokens to streamed text, with stop strings;
 //! - [`pipeline`]: host work overlapped with device work.
 
@@ -18,6 +19,7 @@ pub mod family;
 pub mod image;
 pub mod packing;
 pub mod pipeline;
+pub mod scheduler;
 pub mod text_stream;
 
 pub use family::{Capability, Family, ModelFilesOf, ModelSpec};

@@ -28,8 +28,11 @@ use std::time::Instant;
 use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
 use tessera_models::ModelFiles;
-use tessera_models::lfm2vl::{CacheShape, Lfm2VlConfig, Prompt, Prompter};
-use tessera_runtime::chat::{self, Chat, ChatEvent, ChatReply, ConversationId, GenerationParams};
+use tessera_models::chat_family::ChatPrompt;
+use tessera_models::lfm2vl::{CacheShape, Lfm2VlConfig, Prompter};
+use tessera_runtime::chat::{
+    self, Chat, ChatEvent, ChatOptions, ChatReply, ConversationId, GenerationParams,
+};
 use tessera_runtime::decode::{Control, Finish, SamplingParams};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::UnboundedSender;
@@ -58,7 +61,13 @@ pub fn loader(
     open: impl FnOnce() -> Result<AnyBackend> + Send + 'static,
 ) -> ChatLoader {
     Box::new(move |cache| {
-        let chat = chat::load(open()?, &files, &config, cache)?;
+        // Requests share what the cache holds: a conversation's earlier turns, a common system
+        // prompt, the same image.
+        let options = ChatOptions {
+            prefix_cache: true,
+            ..ChatOptions::default()
+        };
+        let chat = chat::load_with(open()?, &files, &config, cache, options)?;
         let prompter = Prompter::load(&files, &config)?;
         Ok(ChatModel { chat, prompter })
     })
@@ -90,7 +99,7 @@ pub enum Event {
 
 /// One chat request's work.
 pub struct Job {
-    pub prompt: Prompt,
+    pub prompt: ChatPrompt,
     pub params: GenerationParams,
     pub events: UnboundedSender<Event>,
     /// When the request arrived (time to first token) and when it was queued.
@@ -338,6 +347,7 @@ fn route(
             } else {
                 finish_reason(reply.finish)
             };
+            metrics.chat_cached_tokens(reply.cached_tokens);
             metrics.chat_reply(
                 finish,
                 reply.prompt_tokens,
@@ -388,11 +398,9 @@ mod tests {
     fn job(prompt_len: usize) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
         let (tx, rx) = unbounded_channel();
         let job = Job {
-            prompt: Prompt {
+            prompt: ChatPrompt {
                 ids: vec![1; prompt_len],
-                text: String::new(),
-                images: Vec::new(),
-                spans: Vec::new(),
+                ..ChatPrompt::default()
             },
             params: GenerationParams {
                 sampling: SamplingParams::default(),
@@ -457,10 +465,15 @@ mod tests {
             &self,
             _: &[tessera_models::chat_template::Message],
             _: &[tessera_models::imageproc::Image],
-        ) -> Result<Prompt> {
+        ) -> Result<ChatPrompt> {
             Err(Error::input("not used"))
         }
-        fn begin(&mut self, conv: ConversationId, _: Prompt, _: &GenerationParams) -> Result<()> {
+        fn begin(
+            &mut self,
+            conv: ConversationId,
+            _: ChatPrompt,
+            _: &GenerationParams,
+        ) -> Result<()> {
             self.running.push(conv);
             Ok(())
         }

@@ -18,9 +18,9 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 
 use serde_json::Value;
+use tessera_models::chat_family::ChatPrompt;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::Prompt;
 use tessera_models::lfm2vl::processor::IMAGE_TOKEN;
 use tessera_runtime::chat::GenerationParams;
 use tessera_runtime::decode::SamplingParams;
@@ -457,7 +457,7 @@ pub fn prompt(
     messages: &[Message],
     images: &[ImageRef],
     cx: &Context,
-) -> Result<(Prompt, Vec<OwnedSemaphorePermit>), ApiError> {
+) -> Result<(ChatPrompt, Vec<OwnedSemaphorePermit>), ApiError> {
     // Judged by length before any image is read or any text rendered and tokenised.
     cx.info
         .prompter
@@ -493,7 +493,7 @@ pub fn prompt(
             ),
         ));
     }
-    Ok((prompt, memory))
+    Ok((prompt.into_chat(), memory))
 }
 
 /// Read an image: its header decides first — how the processor will cut it and the memory

@@ -84,6 +84,7 @@ pub struct Metrics {
     batch_seconds: Histograms,
     chat_replies: Family<FinishLabels, Counter>,
     chat_prompt_tokens: Counter,
+    chat_prefix_cache_hit_tokens: Counter,
     chat_completion_tokens: Counter,
     chat_running: Gauge,
     chat_first_token_seconds: Histogram,
@@ -133,6 +134,7 @@ impl Metrics {
             batch_seconds: Family::new_with_constructor(seconds),
             chat_replies: Family::default(),
             chat_prompt_tokens: Counter::default(),
+            chat_prefix_cache_hit_tokens: Counter::default(),
             chat_completion_tokens: Counter::default(),
             chat_running: Gauge::default(),
             chat_first_token_seconds: seconds(),
@@ -216,6 +218,11 @@ impl Metrics {
             "chat_prompt_tokens",
             "Prompt tokens of chat replies (image tokens included)",
             self.chat_prompt_tokens.clone(),
+        );
+        r.register(
+            "chat_prefix_cache_hit_tokens",
+            "Prompt tokens of chat replies that came from the prefix cache, not prefilled (the hit rate is this over tessera_chat_prompt_tokens_total)",
+            self.chat_prefix_cache_hit_tokens.clone(),
         );
         r.register(
             "chat_completion_tokens",
@@ -326,6 +333,11 @@ impl Metrics {
 
     pub fn chat_first_token(&self, seconds: f64) {
         self.chat_first_token_seconds.observe(seconds);
+    }
+
+    /// Prompt tokens of a reply that its cache slot already held (not prefilled).
+    pub fn chat_cached_tokens(&self, tokens: usize) {
+        self.chat_prefix_cache_hit_tokens.inc_by(tokens as u64);
     }
 
     /// A reply that ended (`finish`: stop, length, cancelled or failed), with its token counts,

@@ -838,3 +838,49 @@ async fn sampling_follows_the_seed() {
     assert_ne!(text(&a), text(&c));
     s.stop().await.unwrap();
 }
+
+/// A client re-sending its growing conversation: the follow-up continues the cache slot the
+/// first turn left (prefilling only the new turn) and answers as the library does without a
+/// prefix cache; `/metrics` counts the tokens that came from the cache beside the prompt tokens.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follow_up_turn_prefills_only_its_new_tokens() {
+    let cfg = chat_config();
+    let s = Server::start_chat(cfg.clone()).await;
+    // A one-token first reply re-tokenises as generated (see the runtime's lfm2vl_chat.rs).
+    let first = library(&cfg.limits, &image_question(), 1, &[]);
+    let (status, body) = s.chat(greedy(&image_question(), 1)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_reply(&body, &first);
+    let mut follow = image_question();
+    let turns = follow.as_array_mut().unwrap();
+    turns.push(json!({"role": "assistant", "content": first.text}));
+    turns.push(json!({"role": "user", "content": "And what colour is it?"}));
+    let want = library(&cfg.limits, &follow, 12, &[]);
+    assert_eq!(want.cached_tokens, 0);
+    let (status, body) = s.chat(greedy(&follow, 12)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_reply(&body, &want);
+    let text = s
+        .http
+        .get(format!("{}/metrics", s.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    // The follow-up prefilled only what it added to the first prompt.
+    for needle in [
+        format!(
+            "tessera_chat_prompt_tokens_total {}",
+            first.prompt_tokens + want.prompt_tokens
+        ),
+        format!(
+            "tessera_chat_prefix_cache_hit_tokens_total {}",
+            first.prompt_tokens
+        ),
+    ] {
+        assert!(text.contains(&needle), "metrics lack {needle}:\n{text}");
+    }
+    s.stop().await.unwrap();
+}

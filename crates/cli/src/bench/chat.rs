@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use tessera_core::{Error, Result};
+use tessera_models::chat_family::ChatPrompt;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::{CacheShape, Prompt};
-use tessera_runtime::chat::{self, Chat, ChatEvent, GenerationParams};
+use tessera_models::lfm2vl::CacheShape;
+use tessera_runtime::chat::{self, Chat, ChatEvent, ChatOptions, GenerationParams};
 use tessera_runtime::decode::{Control, SamplingParams};
 use tessera_runtime::family::Capability;
 
@@ -71,14 +72,12 @@ fn image(w: usize, h: usize, rng: &mut XorShift) -> Result<Image> {
 }
 
 /// A prompt of `n` random ordinary token ids after BOS.
-fn text_prompt(n: usize, rng: &mut XorShift) -> Prompt {
+fn text_prompt(n: usize, rng: &mut XorShift) -> ChatPrompt {
     let mut ids = vec![1u32];
     ids.extend((1..n).map(|_| 8 + (rng.next_u64() % 380) as u32));
-    Prompt {
+    ChatPrompt {
         ids,
-        text: String::new(),
-        images: Vec::new(),
-        spans: Vec::new(),
+        ..ChatPrompt::default()
     }
 }
 
@@ -86,7 +85,7 @@ fn text_prompt(n: usize, rng: &mut XorShift) -> Prompt {
 /// the rest, and tokens decoded after the first.
 fn run_all(
     m: &mut dyn Chat,
-    prompts: Vec<Prompt>,
+    prompts: Vec<ChatPrompt>,
     params: &GenerationParams,
 ) -> Result<(Duration, Duration, usize)> {
     for (i, p) in prompts.into_iter().enumerate() {
@@ -130,7 +129,12 @@ pub fn run(b: ChatBench) -> Result<()> {
         .max(b.prompt_tokens + b.new_tokens)
         + 8;
     let slots = b.batch.iter().copied().max().unwrap_or(1).max(1);
-    let mut m = chat::load(
+    // Every prompt prefilled in the first step, which is what the prefill figures time.
+    let options = ChatOptions {
+        prefill_chunk: usize::MAX,
+        ..ChatOptions::default()
+    };
+    let mut m = chat::load_with(
         backend,
         &files,
         cfg,
@@ -138,6 +142,7 @@ pub fn run(b: ChatBench) -> Result<()> {
             slots,
             ctx: longest.max(4096),
         },
+        options,
     )?;
     let device = m.describe();
     outln!(

@@ -4,10 +4,12 @@
 //! - [`config`] reads `config.json`;
 //! - [`vision`] holds the tower, the 2×2 unshuffle and the projector;
 //! - [`text`] holds the language model and its per-sequence cache;
+//! - [`chat`] puts it behind the runtime's chat scheduler ([`crate::chat_family`]);
 //! - [`model`] puts both together, and [`ops`] lists every op they call;
 //! - [`processor`] cuts images into tiles of patches, and [`prompt`] turns conversations into
 //!   token ids.
 
+pub mod chat;
 pub mod config;
 pub mod model;
 pub mod ops;
@@ -16,12 +18,13 @@ pub mod prompt;
 pub mod text;
 pub mod vision;
 
+pub use chat::Lfm2VlChat;
 pub use config::{LayerKind, Lfm2VlConfig, TextConfig, VisionConfig};
-pub use model::{Lfm2Vl, Turn};
+pub use model::{Lfm2Vl, SlotTurn, Turn};
 pub use ops::ops;
 pub use processor::ImageProcessor;
 pub use prompt::{Prompt, Prompter};
-pub use text::{CacheShape, Extend, Lfm2Text};
+pub use text::{CacheShape, Extend, Lfm2Text, SlotExtend};
 pub use vision::{ImageEncoder, TilePatches};
 
 use crate::ModelFiles;

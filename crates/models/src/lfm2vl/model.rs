@@ -5,7 +5,7 @@ use tessera_core::Result;
 
 use super::config::Lfm2VlConfig;
 use super::processor::ImageProcessor;
-use super::text::{CacheShape, Extend, Lfm2Text};
+use super::text::{CacheShape, Extend, Lfm2Text, SlotExtend};
 use super::vision::{ImageEncoder, TilePatches};
 use crate::ModelFiles;
 
@@ -15,6 +15,15 @@ pub struct Turn<'a> {
     pub seq: u64,
     pub tokens: &'a [u32],
     pub tiles: &'a [TilePatches<'a>],
+}
+
+/// One slot's part of a call (see [`Lfm2Vl::extend_slots`]).
+pub struct SlotTurn<'a> {
+    pub slot: usize,
+    pub held: usize,
+    pub tokens: &'a [u32],
+    pub tiles: &'a [TilePatches<'a>],
+    pub keep: &'a [(usize, usize)],
 }
 
 pub struct Lfm2Vl<B: Backend> {
@@ -74,5 +83,36 @@ impl<B: Backend> Lfm2Vl<B> {
             })
             .collect();
         self.text.extend(be, &parts, all_rows)
+    }
+
+    /// Extend slots the caller keeps track of (see [`Lfm2Text::extend_slots`]), the images of
+    /// every turn encoded together first. Returns the logits of each turn's last row.
+    pub fn extend_slots(&mut self, be: &B, turns: &[SlotTurn<'_>]) -> Result<View<'_, B>> {
+        let tiles: Vec<TilePatches<'_>> =
+            turns.iter().flat_map(|t| t.tiles.iter().copied()).collect();
+        let feats = if tiles.is_empty() {
+            None
+        } else {
+            Some(self.encoder.forward(be, &tiles, &self.pixels)?)
+        };
+        let mut at = 0;
+        let parts: Vec<SlotExtend<'_, B>> = turns
+            .iter()
+            .map(|t| {
+                let n: usize = t.tiles.iter().map(TilePatches::tokens).sum();
+                let media = feats
+                    .filter(|_| n > 0)
+                    .map(|f| (self.cfg.image_token, f.rows(at, n)));
+                at += n;
+                SlotExtend {
+                    slot: t.slot,
+                    held: t.held,
+                    tokens: t.tokens,
+                    media,
+                    keep: t.keep,
+                }
+            })
+            .collect();
+        self.text.extend_slots(be, &parts)
     }
 }

@@ -62,6 +62,9 @@ struct Conv<B: Backend> {
     out_bias: Option<B::Vector>,
     /// `[slots, (kernel − 1)·D]`.
     state: B::Buf,
+    /// `[places, (kernel − 1)·D]`: states kept at positions the scheduler named, for prefixes
+    /// that other requests continue (see [`Lfm2Text::keep_states`]).
+    kept: Option<B::Buf>,
 }
 
 struct Attn<B: Backend> {
@@ -105,6 +108,10 @@ struct Workspace<B: Backend> {
     cy: B::Buf,
     /// Logits `[rows or segments, vocab]`.
     logits: B::Buf,
+    /// One segment of `kernel − 1` rows, and a place entry per kept state, for keeping states
+    /// (see [`KeepAt`]).
+    keep_seg: Option<Segments<B>>,
+    keep_seqs: Vec<B::Buf>,
 }
 
 /// A sequence's cache slot and the tokens it holds.
@@ -112,6 +119,33 @@ struct Workspace<B: Backend> {
 struct Seq {
     slot: usize,
     held: usize,
+}
+
+/// A sequence's state to keep within a call: after the packed row `row` (exclusive), in place
+/// `place` of each convolution layer's kept states.
+#[derive(Clone, Copy, Debug)]
+struct KeepAt {
+    row: usize,
+    place: usize,
+}
+
+/// One part of a call as it runs: its slot, its new tokens and media, the states it keeps.
+struct Place<'a, B: Backend> {
+    seq: Seq,
+    tokens: &'a [u32],
+    media: Option<(u32, View<'a, B>)>,
+    keep: &'a [(usize, usize)],
+}
+
+/// One slot's part of a call (see [`Lfm2Text::extend_slots`]).
+pub struct SlotExtend<'a, B: Backend> {
+    pub slot: usize,
+    /// Tokens the slot holds before the call.
+    pub held: usize,
+    pub tokens: &'a [u32],
+    pub media: Option<(u32, View<'a, B>)>,
+    /// `(n, place)`: keep the state after the slot's first `n` tokens in `place`.
+    pub keep: &'a [(usize, usize)],
 }
 
 /// One sequence's part of a call: the tokens it appends, and optionally rows of embeddings
@@ -135,6 +169,9 @@ pub struct Lfm2Text<B: Backend> {
     seqs: HashMap<u64, Seq>,
     free: Vec<usize>,
     ws: Option<Workspace<B>>,
+    /// Kept states per convolution layer (see [`Lfm2Text::keep_states`]).
+    places: usize,
+    restore_idx: Option<B::Buf>,
     /// Bumped whenever the workspace is reallocated: part of every replayed region's key.
     generation: u64,
 }
@@ -245,6 +282,7 @@ impl<B: Backend> Lfm2Text<B> {
                             out_proj: c.matrix("out_proj.weight", d, d)?,
                             out_bias: optional_vector(&c, "out_proj.bias", d, cfg.conv_bias)?,
                             state,
+                            kept: None,
                         })
                     }
                     LayerKind::Attention => Mixer::Attn(Attn {
@@ -275,6 +313,8 @@ impl<B: Backend> Lfm2Text<B> {
             seqs: HashMap::new(),
             free: (0..shape.slots).rev().collect(),
             ws: None,
+            places: 0,
+            restore_idx: None,
             generation: 0,
         })
     }
@@ -297,6 +337,141 @@ impl<B: Backend> Lfm2Text<B> {
         if let Some(s) = self.seqs.remove(&seq) {
             self.free.push(s.slot);
         }
+    }
+
+    /// Room for `places` kept convolution states per layer (replacing any kept before), for
+    /// the `keep` of [`SlotExtend`] and [`restore`](Self::restore).
+    pub fn keep_states(&mut self, be: &B, places: usize) -> Result<()> {
+        let len = (self.cfg.conv_kernel - 1) * self.cfg.hidden;
+        for l in &mut self.layers {
+            if let Mixer::Conv(cv) = &mut l.mixer {
+                cv.kept = None;
+                if places > 0 && len > 0 {
+                    let mut kept = be.alloc(places * len, Role::Stream)?;
+                    be.write_f32(&mut kept, &vec![0.0; places * len])?;
+                    cv.kept = Some(kept);
+                }
+            }
+        }
+        self.places = places;
+        Ok(())
+    }
+
+    /// Places for kept states.
+    pub fn kept_places(&self) -> usize {
+        self.places
+    }
+
+    /// The fewest new rows before a position whose state can be kept: the convolution's
+    /// `kernel − 1` inputs.
+    pub fn keep_window(&self) -> usize {
+        self.cfg.conv_kernel.saturating_sub(1).max(1)
+    }
+
+    /// Make `slot`'s convolution states the ones kept in `place`.
+    pub fn restore(&mut self, be: &B, slot: usize, place: usize) -> Result<()> {
+        if slot >= self.shape.slots || place >= self.places {
+            return Err(Error::input(format!(
+                "slot {slot} of {} or kept state {place} of {}",
+                self.shape.slots, self.places
+            )));
+        }
+        let len = (self.cfg.conv_kernel - 1) * self.cfg.hidden;
+        if len == 0 {
+            return Ok(());
+        }
+        let idx = match &mut self.restore_idx {
+            Some(b) => b,
+            None => self.restore_idx.insert(be.alloc(1, Role::Index)?),
+        };
+        be.write_u32(idx, &[slot as u32])?;
+        let (slots, places) = (self.shape.slots, self.places);
+        for l in &mut self.layers {
+            if let Mixer::Conv(cv) = &mut l.mixer {
+                let kept = cv
+                    .kept
+                    .as_ref()
+                    .ok_or_else(|| Error::backend("lfm2", "no kept states"))?;
+                be.scatter_rows(
+                    View::new(kept, places, len).rows(place, 1),
+                    idx,
+                    ViewMut::new(&mut cv.state, slots, len),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Append each part's tokens to its slot, which holds `held` tokens (the caller keeps track
+    /// of slots; do not mix with [`extend`](Self::extend)), keeping the states each part names,
+    /// and return the logits of each part's last row, `[parts, vocab]`.
+    pub fn extend_slots(&mut self, be: &B, parts: &[SlotExtend<'_, B>]) -> Result<View<'_, B>> {
+        let vocab = self.cfg.vocab;
+        self.check_tokens(parts.iter().map(|p| p.tokens))?;
+        let window = self.keep_window();
+        for (i, p) in parts.iter().enumerate() {
+            if p.slot >= self.shape.slots || parts[..i].iter().any(|q| q.slot == p.slot) {
+                return Err(Error::input(format!(
+                    "slot {} of {}, or a slot twice in one call",
+                    p.slot, self.shape.slots
+                )));
+            }
+            if p.held + p.tokens.len() > self.shape.ctx {
+                return Err(Error::input(format!(
+                    "the sequence would hold {} tokens; the cache holds {} per sequence",
+                    p.held + p.tokens.len(),
+                    self.shape.ctx
+                )));
+            }
+            if let Some(&(n, place)) = p.keep.iter().find(|&&(n, place)| {
+                n < p.held + window || n > p.held + p.tokens.len() || place >= self.places
+            }) {
+                return Err(Error::input(format!(
+                    "a state kept after {n} tokens in place {place} of {} (the slot holds {} and takes {})",
+                    self.places,
+                    p.held,
+                    p.tokens.len()
+                )));
+            }
+        }
+        let places: Vec<Place<'_, B>> = parts
+            .iter()
+            .map(|p| Place {
+                seq: Seq {
+                    slot: p.slot,
+                    held: p.held,
+                },
+                tokens: p.tokens,
+                media: p.media,
+                keep: p.keep,
+            })
+            .collect();
+        self.run(be, &places, false)?;
+        let ws = self
+            .ws
+            .as_ref()
+            .ok_or_else(|| Error::backend("lfm2", "workspace missing"))?;
+        Ok(View::new(&ws.logits, parts.len(), vocab))
+    }
+
+    fn check_tokens<'t>(&self, mut tokens: impl Iterator<Item = &'t [u32]>) -> Result<()> {
+        let vocab = self.cfg.vocab;
+        let mut any = false;
+        for t in tokens.by_ref() {
+            any = true;
+            if t.is_empty() {
+                return Err(Error::input("every sequence needs at least one new token"));
+            }
+            if let Some(&bad) = t.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::input(format!(
+                    "token id {bad} is outside the model's vocabulary of {vocab}"
+                )));
+            }
+        }
+        if !any {
+            return Err(Error::input("every sequence needs at least one new token"));
+        }
+        Ok(())
     }
 
     fn ensure(&mut self, be: &B, rows: usize, segs: usize, logit_rows: usize) -> Result<()> {
@@ -328,6 +503,8 @@ impl<B: Backend> Lfm2Text<B> {
             bcx: be.alloc(rows * 3 * d, Role::Compute)?,
             cy: be.alloc(rows * d, Role::Compute)?,
             logits: be.alloc(segs * c.vocab, Role::Stream)?,
+            keep_seg: None,
+            keep_seqs: Vec::new(),
         });
         Ok(())
     }
@@ -342,18 +519,7 @@ impl<B: Backend> Lfm2Text<B> {
         all_rows: bool,
     ) -> Result<View<'_, B>> {
         let vocab = self.cfg.vocab;
-        if parts.is_empty() || parts.iter().any(|p| p.tokens.is_empty()) {
-            return Err(Error::input("every sequence needs at least one new token"));
-        }
-        if let Some(&bad) = parts
-            .iter()
-            .flat_map(|p| p.tokens)
-            .find(|&&t| t as usize >= vocab)
-        {
-            return Err(Error::input(format!(
-                "token id {bad} is outside the model's vocabulary of {vocab}"
-            )));
-        }
+        self.check_tokens(parts.iter().map(|p| p.tokens))?;
         // Places: existing sequences keep theirs; new ones take free slots.
         let mut seqs = Vec::with_capacity(parts.len());
         let mut taken = Vec::new();
@@ -384,7 +550,17 @@ impl<B: Backend> Lfm2Text<B> {
             }
             seqs.push((p.seq, s));
         }
-        if let Err(e) = self.run(be, parts, &seqs, all_rows) {
+        let places: Vec<Place<'_, B>> = parts
+            .iter()
+            .zip(&seqs)
+            .map(|(p, (_, s))| Place {
+                seq: *s,
+                tokens: p.tokens,
+                media: p.media,
+                keep: &[],
+            })
+            .collect();
+        if let Err(e) = self.run(be, &places, all_rows) {
             self.free.extend(taken);
             return Err(e);
         }
@@ -409,13 +585,7 @@ impl<B: Backend> Lfm2Text<B> {
         Ok(View::new(&ws.logits, n, vocab))
     }
 
-    fn run(
-        &mut self,
-        be: &B,
-        parts: &[Extend<'_, B>],
-        seqs: &[(u64, Seq)],
-        all_rows: bool,
-    ) -> Result<()> {
+    fn run(&mut self, be: &B, parts: &[Place<'_, B>], all_rows: bool) -> Result<()> {
         let lens: Vec<usize> = parts.iter().map(|p| p.tokens.len()).collect();
         let n: usize = lens.iter().sum();
         let logit_rows = if all_rows { n } else { parts.len() };
@@ -428,8 +598,14 @@ impl<B: Backend> Lfm2Text<B> {
         let mut ranges = Vec::with_capacity(parts.len());
         let mut conv = Vec::with_capacity(parts.len());
         let mut media_rows = Vec::new();
-        for (p, (_, s)) in parts.iter().zip(seqs) {
+        let mut keep = Vec::new();
+        for p in parts {
+            let s = p.seq;
             let base = ids.len();
+            keep.extend(p.keep.iter().map(|&(at, place)| KeepAt {
+                row: base + at - s.held,
+                place,
+            }));
             ids.extend_from_slice(p.tokens);
             pos.extend((s.held..s.held + p.tokens.len()).map(|x| x as u32));
             cache_rows.extend((s.held..s.held + p.tokens.len()).map(|x| (s.slot * ctx + x) as u32));
@@ -477,13 +653,34 @@ impl<B: Backend> Lfm2Text<B> {
             be.write_u32(&mut ws.media_rows, at)?;
             be.scatter_rows(*rows, &ws.media_rows, ViewMut::new(&mut ws.h, n, d))?;
         }
+        if !keep.is_empty() {
+            let window = c.conv_kernel.saturating_sub(1).max(1);
+            if ws.keep_seg.is_none() {
+                let mut seg = be.alloc_segments(window, 1)?;
+                be.set_segments(&mut seg, &[window])?;
+                ws.keep_seg = Some(seg);
+            }
+            while ws.keep_seqs.len() < keep.len() {
+                ws.keep_seqs.push(be.alloc(2, Role::Index)?);
+            }
+            for (k, buf) in keep.iter().zip(&mut ws.keep_seqs) {
+                be.write_u32(
+                    buf,
+                    &ConvSeq::pack(&[ConvSeq {
+                        slot: k.place as u32,
+                        held: 0,
+                    }]),
+                )?;
+            }
+        }
         let pass = Pass {
             rows: n,
             lens: &lens,
             // Prompts that start their sequences attend to their own rows (the flash kernels);
             // a call with a continuing sequence attends over the cache's ranges.
-            fresh: seqs.iter().all(|(_, s)| s.held == 0),
+            fresh: parts.iter().all(|p| p.seq.held == 0),
             all_rows,
+            keep: &keep,
         };
         let mut body = Body {
             cfg: c,
@@ -494,7 +691,12 @@ impl<B: Backend> Lfm2Text<B> {
         };
         // A decode step (one new token per sequence) is the same work every time at the same
         // addresses: one replayable region, which the CUDA backend captures as a graph.
-        if lens.iter().all(|&l| l == 1) && media_rows.is_empty() && !pass.fresh && !all_rows {
+        if lens.iter().all(|&l| l == 1)
+            && media_rows.is_empty()
+            && keep.is_empty()
+            && !pass.fresh
+            && !all_rows
+        {
             let key = {
                 use std::hash::{Hash, Hasher};
                 let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -522,6 +724,7 @@ struct Pass<'a> {
     lens: &'a [usize],
     fresh: bool,
     all_rows: bool,
+    keep: &'a [KeepAt],
 }
 
 /// What the layers and the logits read besides the workspace.
@@ -556,7 +759,10 @@ impl<B: Backend> Body<'_, B> {
                 .split_first_mut()
                 .ok_or_else(|| Error::backend("lfm2", "layer"))?;
             match &mut layer.mixer {
-                Mixer::Conv(cv) => conv_mixer(be, cv, c, n, ws)?,
+                Mixer::Conv(cv) => {
+                    conv_mixer(be, cv, c, n, ws)?;
+                    keep_states(be, cv, c, pass.keep, ws)?;
+                }
                 Mixer::Attn(at) => {
                     let Workspace {
                         scratch,
@@ -665,6 +871,42 @@ fn conv_mixer<B: Backend>(
         ViewMut::new(&mut ws.scratch.y, n, d),
         &ep(&cv.out_bias),
     )
+}
+
+/// Keep the convolution's state after each of `keep`'s rows: its last `kernel − 1` inputs
+/// `b ⊙ x`, which a zero-state convolution over those rows leaves in the kept place as the
+/// running one left them in the slot (`cy` is free once the mixer's output is projected).
+fn keep_states<B: Backend>(
+    be: &B,
+    cv: &mut Conv<B>,
+    c: &TextConfig,
+    keep: &[KeepAt],
+    ws: &mut Workspace<B>,
+) -> Result<()> {
+    if keep.is_empty() {
+        return Ok(());
+    }
+    let (d, window) = (c.hidden, c.conv_kernel.saturating_sub(1));
+    let (Some(kept), Some(seg)) = (cv.kept.as_mut(), ws.keep_seg.as_ref()) else {
+        return Err(Error::backend("lfm2", "no room for kept states"));
+    };
+    for (k, seqs) in keep.iter().zip(&ws.keep_seqs) {
+        let op = ShortConv {
+            channels: d,
+            kernel: c.conv_kernel,
+            weight: &cv.weight,
+            bias: cv.bias.as_ref(),
+            seqs,
+        };
+        be.short_conv(
+            View::new(&ws.bcx, ws.rows, 3 * d).rows(k.row - window, window),
+            &op,
+            seg,
+            kept,
+            ViewMut::new(&mut ws.cy, ws.rows, d).rows(0, window),
+        )?;
+    }
+    Ok(())
 }
 
 /// `s.y = attention mixer(s.a)`: q|k|v, per-head norms and RoPE, the new keys and values into

@@ -1,0 +1,102 @@
+//! What a chat family gives the runtime's scheduler (`tessera_runtime::chat`), which knows no
+//! model: prompts as token ids with their media, and a forward over the family's own cache
+//! slots. The scheduler decides which sequences run, which slot each uses, how much of a prompt
+//! each step prefills, and what the cache keeps between requests; the family only computes.
+//!
+//! A family's cache holds [`ChatFamily::slots`] sequences of up to [`ChatFamily::context_len`]
+//! tokens. Attention keys and values stay valid at every position a slot holds, so a slot's
+//! prefix can be continued by another request; state that only exists at a sequence's end (a
+//! convolution's or a recurrence's) is kept at the positions the scheduler names
+//! ([`Chunk::keep`]) in numbered places, and put back with [`ChatFamily::restore`].
+
+use std::any::Any;
+use std::sync::Arc;
+
+use tessera_core::Result;
+
+use crate::chat_template::Message;
+use crate::generation::SamplingDefaults;
+use crate::imageproc::Image;
+
+/// One media item of a prompt (an image): its placeholder tokens `[start, end)` in the prompt,
+/// a digest of its content (so that two prompts with the same placeholder ids but different
+/// images never share a cache), and the family's prepared input.
+#[derive(Clone)]
+pub struct Media {
+    pub start: usize,
+    pub end: usize,
+    pub digest: [u8; 32],
+    pub input: Arc<dyn Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for Media {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Media")
+            .field("start", &self.start)
+            .field("end", &self.end)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A prompt ready for the scheduler.
+#[derive(Clone, Debug, Default)]
+pub struct ChatPrompt {
+    pub ids: Vec<u32>,
+    /// The rendered conversation, for logs.
+    pub text: String,
+    /// In order of their spans, which do not overlap.
+    pub media: Vec<Media>,
+}
+
+impl ChatPrompt {
+    /// Whether the first `n` tokens hold whole media only (no span straddles `n`).
+    pub fn splits_at(&self, n: usize) -> bool {
+        !self.media.iter().any(|m| m.start < n && n < m.end)
+    }
+}
+
+/// One sequence's part of a forward.
+pub struct Chunk<'a> {
+    pub slot: usize,
+    /// Tokens the slot holds before this chunk: the position of its first token. It is 0 (the
+    /// slot starts afresh, whatever it held), the slot's end after the last forward, or the
+    /// position of the state last restored into it.
+    pub held: usize,
+    pub tokens: &'a [u32],
+    /// The media whose spans lie in `tokens`, in order.
+    pub media: &'a [Media],
+    /// `(n, place)`: keep the sequence's state after its first `n` tokens (`held < n ≤ held +
+    /// tokens.len()`, `n − held ≥` [`ChatFamily::keep_window`]) in snapshot place `place`.
+    pub keep: &'a [(usize, usize)],
+}
+
+/// A chat model family on its device, as the scheduler drives it.
+pub trait ChatFamily: Send {
+    /// Device and precision, one line.
+    fn describe(&self) -> String;
+    /// Sequences the cache holds at once.
+    fn slots(&self) -> usize;
+    /// The most tokens one sequence may hold.
+    fn context_len(&self) -> usize;
+    /// Tokens that end a reply.
+    fn end_tokens(&self) -> &[u32];
+    /// The sampling the checkpoint asks for.
+    fn sampling(&self) -> SamplingDefaults;
+    /// Generated tokens as text.
+    fn detokenize(&self, ids: &[u32]) -> Result<String>;
+    /// The most characters of text a prompt can hold (longer text is refused untokenised).
+    fn max_prompt_chars(&self) -> usize;
+    /// Check a request and build its prompt (template, media, tokens).
+    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt>;
+    /// Places for kept states ([`Chunk::keep`]); 0 when the family keeps none, so that only a
+    /// slot's whole content can be continued.
+    fn snapshot_places(&self) -> usize;
+    /// The fewest tokens of a chunk before a position whose state can be kept there.
+    fn keep_window(&self) -> usize;
+    /// Append each chunk's tokens to its slot and return the logits of each chunk's last row,
+    /// `[chunks, vocab]` (a slot appears at most once).
+    fn forward(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<f32>>;
+    /// Make `slot`'s state the one kept in `place`, so that the slot continues from the
+    /// position it was kept at.
+    fn restore(&mut self, slot: usize, place: usize) -> Result<()>;
+}

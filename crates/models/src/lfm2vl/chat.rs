@@ -1,0 +1,183 @@
+//! LFM2-VL as a [`ChatFamily`]: prompts through its processor and template, images as prefill
+//! content (encoded by the tower in the step that prefills their tokens), and a forward over
+//! the language model's cache slots, whose convolution states are kept where asked.
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use tessera_backend::Backend;
+use tessera_core::{Error, Result};
+
+use super::config::Lfm2VlConfig;
+use super::model::{Lfm2Vl, SlotTurn};
+use super::processor::ProcessedImage;
+use super::prompt::{Prompt, Prompter};
+use super::text::CacheShape;
+use super::vision::TilePatches;
+use crate::ModelFiles;
+use crate::chat_family::{ChatFamily, ChatPrompt, Chunk, Media};
+use crate::chat_template::Message;
+use crate::generation::SamplingDefaults;
+use crate::imageproc::Image;
+
+impl Prompt {
+    /// The prompt as the scheduler takes it: each image with its span and a digest of what the
+    /// tower will see (its tiles' sizes and patch bytes).
+    pub fn into_chat(self) -> ChatPrompt {
+        let media = self
+            .images
+            .into_iter()
+            .zip(&self.spans)
+            .map(|(im, &(start, end))| Media {
+                start,
+                end,
+                digest: image_digest(&im),
+                input: Arc::new(im),
+            })
+            .collect();
+        ChatPrompt {
+            ids: self.ids,
+            text: self.text,
+            media,
+        }
+    }
+}
+
+fn image_digest(im: &ProcessedImage) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for t in &im.tiles {
+        for v in [t.grid_w, t.grid_h, t.tokens, t.patches.len()] {
+            h.update((v as u64).to_le_bytes());
+        }
+        h.update(&t.patches);
+    }
+    h.finalize().into()
+}
+
+/// LFM2-VL on its device with its prompt builder.
+pub struct Lfm2VlChat<B: Backend> {
+    be: B,
+    model: Lfm2Vl<B>,
+    prompter: Prompter,
+    eos: Vec<u32>,
+}
+
+impl<B: Backend> Lfm2VlChat<B> {
+    /// Load from `files` with a cache of `cache` (its context capped at the model's positions)
+    /// and room for `places` kept states.
+    pub fn load(
+        be: B,
+        files: &ModelFiles,
+        cfg: &Lfm2VlConfig,
+        cache: CacheShape,
+        places: usize,
+    ) -> Result<Self> {
+        let ctx = cache.ctx.min(cfg.text.max_positions);
+        let cache = CacheShape { ctx, ..cache };
+        let prompter = Prompter::load(files, cfg)?;
+        let mut eos = cfg.text.eos.clone();
+        eos.push(prompter.tokenizer().eos_id);
+        eos.sort_unstable();
+        eos.dedup();
+        let mut model = Lfm2Vl::load(&be, files, cfg, cache)?;
+        model.text.keep_states(&be, places)?;
+        Ok(Lfm2VlChat {
+            be,
+            model,
+            prompter,
+            eos,
+        })
+    }
+
+    fn ctx(&self) -> usize {
+        self.model.text.cache_shape().ctx
+    }
+}
+
+impl<B: Backend> ChatFamily for Lfm2VlChat<B> {
+    fn describe(&self) -> String {
+        self.be.describe()
+    }
+    fn slots(&self) -> usize {
+        self.model.text.cache_shape().slots
+    }
+    fn context_len(&self) -> usize {
+        self.ctx()
+    }
+    fn end_tokens(&self) -> &[u32] {
+        &self.eos
+    }
+    fn sampling(&self) -> SamplingDefaults {
+        self.prompter.generation_defaults()
+    }
+    fn detokenize(&self, ids: &[u32]) -> Result<String> {
+        self.prompter.tokenizer().decode(ids, true)
+    }
+    fn max_prompt_chars(&self) -> usize {
+        self.prompter.max_text_chars(self.ctx())
+    }
+
+    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt> {
+        self.prompter.check_length(messages, self.ctx())?;
+        let p = self.prompter.build(messages, images, true)?;
+        if p.ids.len() >= self.ctx() {
+            return Err(Error::input(format!(
+                "the prompt has {} tokens; the context holds {}, so nothing can be generated",
+                p.ids.len(),
+                self.ctx()
+            )));
+        }
+        Ok(p.into_chat())
+    }
+
+    fn snapshot_places(&self) -> usize {
+        self.model.text.kept_places()
+    }
+
+    fn keep_window(&self) -> usize {
+        self.model.text.keep_window()
+    }
+
+    fn forward(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<f32>> {
+        let tiles: Vec<Vec<TilePatches<'_>>> = chunks
+            .iter()
+            .map(|c| {
+                c.media
+                    .iter()
+                    .map(|m| {
+                        m.input
+                            .downcast_ref::<ProcessedImage>()
+                            .ok_or_else(|| Error::backend("lfm2vl", "media that is not an image"))
+                    })
+                    .collect::<Result<Vec<_>>>()
+                    .map(|ims| {
+                        ims.into_iter()
+                            .flat_map(|im| &im.tiles)
+                            .map(|t| TilePatches {
+                                grid_w: t.grid_w,
+                                grid_h: t.grid_h,
+                                bytes: &t.patches,
+                            })
+                            .collect()
+                    })
+            })
+            .collect::<Result<_>>()?;
+        let turns: Vec<SlotTurn<'_>> = chunks
+            .iter()
+            .zip(&tiles)
+            .map(|(c, tiles)| SlotTurn {
+                slot: c.slot,
+                held: c.held,
+                tokens: c.tokens,
+                tiles,
+                keep: c.keep,
+            })
+            .collect();
+        let logits = self.model.extend_slots(&self.be, &turns)?;
+        self.be.read_f32(logits)
+    }
+
+    fn restore(&mut self, slot: usize, place: usize) -> Result<()> {
+        self.model.text.restore(&self.be, slot, place)
+    }
+}

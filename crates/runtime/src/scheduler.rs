@@ -1,0 +1,756 @@
+//! The chat scheduler, which knows no model: it admits replies into a [`ChatFamily`]'s cache
+//! slots, packs each step's forward (prompt chunks beside one token of each decoding sequence),
+//! samples, checks stops and lengths, streams text, and decides what the cache keeps for later
+//! requests. The family only builds prompts and computes (`forward`, `restore`): the split of
+//! vLLM's scheduler and worker.
+//!
+//! **What a slot holds.** Each slot records the tokens its cache holds (with a digest of each
+//! image among them), so a new prompt can continue any idle slot whose tokens it starts with.
+//! Attention keys and values are valid at every position a slot holds; a hybrid family's
+//! convolution state is known at the slot's end, and at the positions the scheduler asked the
+//! family to keep it while prefilling: every `block` tokens and at each image's end. A prompt
+//! is continued from the longest such position it shares with a slot (and never from inside an
+//! image), so the reply is the one a fresh slot gives.
+//!
+//! **Which slot.** Without the prefix cache ([`ChatOptions::prefix_cache`] off) a conversation
+//! continues only its own slot. With it, a new reply takes the idle slot sharing the longest
+//! usable prefix with its prompt; failing that, an empty slot, then the slot used least
+//! recently (whose content is dropped).
+
+use tessera_core::{Error, Result};
+use tessera_models::chat_family::{ChatFamily, ChatPrompt, Chunk, Media};
+use tessera_models::chat_template::Message;
+use tessera_models::imageproc::Image;
+
+use crate::chat::{Chat, ChatEvent, ChatOptions, ChatReply, ConversationId, GenerationParams};
+use crate::decode::{Control, Finish, Sampler, SamplingParams};
+use crate::text_stream::TextStream;
+
+/// Kept-state places of a slot beyond one per block, for image ends.
+const MEDIA_PLACES: usize = 8;
+
+/// Tokens between kept states for a context of `ctx`: at least 64, at most 64 blocks a slot.
+fn block(ctx: usize) -> usize {
+    ctx.div_ceil(64).max(64)
+}
+
+/// Kept-state places a family needs for `options`, `slots` and a context of `ctx`.
+pub fn places(options: ChatOptions, slots: usize, ctx: usize) -> usize {
+    if options.prefix_cache {
+        slots * (ctx.div_ceil(block(ctx)) + MEDIA_PLACES)
+    } else {
+        0
+    }
+}
+
+/// What one cache slot holds.
+#[derive(Default)]
+struct Slot {
+    /// The tokens its cache holds, in order.
+    ids: Vec<u32>,
+    /// `(start, end, digest)` of each image among them.
+    media: Vec<(usize, usize, [u8; 32])>,
+    /// `(position, place)`: where the family kept the state, ascending.
+    kept: Vec<(usize, usize)>,
+    /// The conversation running in it or keeping it between turns.
+    owner: Option<ConversationId>,
+    running: bool,
+    /// When it was last used (the scheduler's clock).
+    used: u64,
+}
+
+impl Slot {
+    fn clear(&mut self) {
+        self.ids.clear();
+        self.media.clear();
+        self.kept.clear();
+    }
+
+    /// Keep only the first `n` tokens (a position where the state is known).
+    fn truncate(&mut self, n: usize) {
+        self.ids.truncate(n);
+        self.media.retain(|m| m.1 <= n);
+        self.kept.retain(|k| k.0 <= n);
+    }
+
+    /// How many leading tokens `prompt` shares with this slot, images compared by digest.
+    fn shared(&self, prompt: &ChatPrompt) -> usize {
+        let mut n = self
+            .ids
+            .iter()
+            .zip(&prompt.ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // An image that differs, or is an image in one and not the other, ends the shared part
+        // at its start.
+        let held = self.media.iter().map(|&(a, b, d)| (a, b, d));
+        let asked = prompt.media.iter().map(|m| (m.start, m.end, m.digest));
+        for (a, b, digest) in held.clone().chain(asked.clone()) {
+            if a >= n {
+                continue;
+            }
+            let in_slot = held.clone().any(|m| m == (a, b, digest));
+            let in_prompt = asked.clone().any(|m| m == (a, b, digest));
+            if !(in_slot && in_prompt) {
+                n = a;
+            }
+        }
+        n
+    }
+
+    /// The longest prefix of `prompt` this slot can continue: a shared position where its state
+    /// is known (its end, or a kept one), short of the whole prompt (whose last token must run
+    /// to give logits), not inside an image; and the kept place to restore, if any.
+    fn usable(&self, prompt: &ChatPrompt) -> (usize, Option<usize>) {
+        let shared = self.shared(prompt).min(prompt.ids.len().saturating_sub(1));
+        if shared == self.ids.len() && prompt.splits_at(shared) {
+            return (shared, None);
+        }
+        self.kept
+            .iter()
+            .rev()
+            .find(|&&(at, _)| at <= shared && prompt.splits_at(at))
+            .map_or((0, None), |&(at, place)| (at, Some(place)))
+    }
+}
+
+/// A reply being generated.
+struct Running {
+    conv: ConversationId,
+    slot: usize,
+    prompt: ChatPrompt,
+    params: GenerationParams,
+    sampler: Sampler,
+    stream: TextStream,
+    /// Prompt tokens that came from the cache.
+    cached: usize,
+    /// Prompt tokens in the cache so far.
+    prefilled: usize,
+    /// The token sampled last, to feed at the next step.
+    feed: Option<u32>,
+    /// Every token of the sequence, prompt first (what repetition penalties look at).
+    history: Vec<u32>,
+    out: Vec<u32>,
+    text: String,
+}
+
+/// A step's work for one running reply.
+struct Work {
+    /// Index into `running`.
+    run: usize,
+    held: usize,
+    tokens: Vec<u32>,
+    media: Vec<Media>,
+    keep: Vec<(usize, usize)>,
+    /// The prompt's prefill ends with this chunk (or the reply is decoding): sample after it.
+    samples: bool,
+}
+
+/// The one chat scheduler over a [`ChatFamily`].
+pub struct Scheduler<F: ChatFamily> {
+    family: F,
+    options: ChatOptions,
+    defaults: SamplingParams,
+    slots: Vec<Slot>,
+    running: Vec<Running>,
+    /// Tokens between kept states, and kept-state places per slot.
+    block: usize,
+    places_per_slot: usize,
+    clock: u64,
+}
+
+impl<F: ChatFamily> Scheduler<F> {
+    pub fn new(family: F, options: ChatOptions) -> Result<Self> {
+        if options.prefill_chunk == 0 {
+            return Err(Error::input("the prefill chunk must be at least one token"));
+        }
+        let d = family.sampling();
+        let defaults = SamplingParams {
+            temperature: d.temperature,
+            top_k: d.top_k,
+            top_p: d.top_p,
+            min_p: d.min_p,
+            repetition_penalty: d.repetition_penalty,
+            seed: 0,
+        };
+        let (slots, ctx) = (family.slots(), family.context_len());
+        let places = family.snapshot_places();
+        let places_per_slot = if options.prefix_cache {
+            places / slots.max(1)
+        } else {
+            0
+        };
+        Ok(Scheduler {
+            family,
+            options,
+            defaults,
+            slots: (0..slots).map(|_| Slot::default()).collect(),
+            running: Vec::new(),
+            block: block(ctx),
+            places_per_slot,
+            clock: 0,
+        })
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// The slot `conv` will run in and the prefix of `prompt` it continues (with the kept
+    /// place to restore), or why none can be had.
+    fn choose(
+        &self,
+        conv: ConversationId,
+        prompt: &ChatPrompt,
+    ) -> Result<(usize, usize, Option<usize>)> {
+        let own = self.slots.iter().position(|s| s.owner == Some(conv));
+        let idle = |s: &Slot| !s.running;
+        let best = if self.options.prefix_cache {
+            // The longest usable prefix among idle slots; the conversation's own slot first.
+            let mut order: Vec<usize> = own.into_iter().collect();
+            order.extend((0..self.slots.len()).filter(|&i| Some(i) != own));
+            order
+                .into_iter()
+                .filter(|&i| idle(&self.slots[i]))
+                .map(|i| (i, self.slots[i].usable(prompt)))
+                .filter(|(_, (n, _))| *n > 0)
+                .max_by_key(|&(i, (n, _))| (n, Some(i) == own))
+        } else {
+            // Only the conversation's own cache, continued from its end.
+            own.map(|i| (i, self.slots[i].usable(prompt)))
+                .filter(|(i, (n, place))| {
+                    *n > 0 && place.is_none() && *n == self.slots[*i].ids.len()
+                })
+        };
+        if let Some((i, (n, place))) = best {
+            return Ok((i, n, place));
+        }
+        // Without a prefix to continue: the conversation's own slot (without the prefix cache),
+        // an empty one, else the one idle the longest gives way.
+        let empty = |s: &Slot| idle(s) && s.owner.is_none() && s.ids.is_empty();
+        let slot = own
+            .filter(|&i| idle(&self.slots[i]) && !self.options.prefix_cache)
+            .or_else(|| self.slots.iter().position(empty))
+            .or_else(|| {
+                self.slots
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| idle(s))
+                    .min_by_key(|(_, s)| s.used)
+                    .map(|(i, _)| i)
+            });
+        match slot {
+            Some(i) => Ok((i, 0, None)),
+            None => Err(Error::input(format!(
+                "all {} cache slots are taken by running replies; try again when one has finished",
+                self.slots.len()
+            ))),
+        }
+    }
+
+    /// Free places of `slot` for kept states.
+    fn free_place(&self, slot: usize, taken: &[(usize, usize)]) -> Option<usize> {
+        let base = slot * self.places_per_slot;
+        (base..base + self.places_per_slot)
+            .find(|p| !self.slots[slot].kept.iter().chain(taken).any(|k| k.1 == *p))
+    }
+
+    /// This step's work: prompt chunks within the step's budget, and each decoding reply's
+    /// last token.
+    fn plan(&self) -> Vec<Work> {
+        let mut budget = self.options.prefill_chunk;
+        let window = self.family.keep_window().max(1);
+        let mut work = Vec::with_capacity(self.running.len());
+        for (run, r) in self.running.iter().enumerate() {
+            let held = self.slots[r.slot].ids.len();
+            if let Some(t) = r.feed {
+                work.push(Work {
+                    run,
+                    held,
+                    tokens: vec![t],
+                    media: Vec::new(),
+                    keep: Vec::new(),
+                    samples: true,
+                });
+                continue;
+            }
+            let (from, len) = (r.prefilled, r.prompt.ids.len());
+            if budget == 0 {
+                continue;
+            }
+            // Up to the budget, never cutting an image: stop before one that starts inside the
+            // chunk, or take the whole of one the chunk starts with.
+            let mut to = from.saturating_add(budget).min(len);
+            if let Some(m) = r.prompt.media.iter().find(|m| m.start < to && to < m.end) {
+                to = if m.start > from { m.start } else { m.end };
+            }
+            budget = budget.saturating_sub(to - from);
+            let media: Vec<Media> = r
+                .prompt
+                .media
+                .iter()
+                .filter(|m| m.start >= from && m.end <= to)
+                .cloned()
+                .collect();
+            let mut keep = Vec::new();
+            if self.places_per_slot > 0 {
+                let ends = media.iter().map(|m| m.end);
+                let blocks = (from / self.block + 1..=to / self.block).map(|b| b * self.block);
+                let mut at: Vec<usize> = blocks.chain(ends).collect();
+                at.sort_unstable();
+                at.dedup();
+                for p in at {
+                    if p < from + window || !r.prompt.splits_at(p) {
+                        continue;
+                    }
+                    match self.free_place(r.slot, &keep) {
+                        Some(place) => keep.push((p, place)),
+                        None => break,
+                    }
+                }
+            }
+            work.push(Work {
+                run,
+                held,
+                tokens: r.prompt.ids[from..to].to_vec(),
+                media,
+                keep,
+                samples: to == len,
+            });
+        }
+        work
+    }
+
+    /// End `r` with `finish`: the text its stream still held back, and its reply. Its slot
+    /// stays with its conversation.
+    fn finish(&mut self, mut r: Running, mut finish: Finish) -> (String, ChatReply) {
+        let mut tail = String::new();
+        if !r.stream.stopped()
+            && let Ok(t) = r.stream.finish(&|ids: &[u32]| self.family.detokenize(ids))
+        {
+            r.text.push_str(&t);
+            tail = t;
+        }
+        if r.stream.stopped() {
+            finish = Finish::Stopped;
+        }
+        let used = self.tick();
+        let slot = &mut self.slots[r.slot];
+        slot.running = false;
+        slot.used = used;
+        let reply = ChatReply {
+            text: r.text,
+            completion_tokens: r.out.len(),
+            tokens: r.out,
+            prompt_tokens: r.prompt.ids.len(),
+            cached_tokens: r.cached,
+            finish,
+        };
+        (tail, reply)
+    }
+
+    /// A reply failed: its slot's content is unknown from here, so the slot is emptied.
+    fn drop_slot(&mut self, slot: usize) {
+        let s = &mut self.slots[slot];
+        s.clear();
+        s.running = false;
+        s.owner = None;
+    }
+}
+
+impl<F: ChatFamily> Chat for Scheduler<F> {
+    fn describe(&self) -> String {
+        self.family.describe()
+    }
+    fn default_sampling(&self) -> SamplingParams {
+        self.defaults
+    }
+    fn context_len(&self) -> usize {
+        self.family.context_len()
+    }
+    fn max_prompt_chars(&self) -> usize {
+        self.family.max_prompt_chars()
+    }
+    fn slots(&self) -> usize {
+        self.slots.len()
+    }
+    fn conversations(&self) -> usize {
+        self.slots.iter().filter(|s| s.owner.is_some()).count()
+    }
+
+    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt> {
+        self.family.prompt(messages, images)
+    }
+
+    fn begin(
+        &mut self,
+        conv: ConversationId,
+        prompt: ChatPrompt,
+        params: &GenerationParams,
+    ) -> Result<()> {
+        if self.running.iter().any(|r| r.conv == conv) {
+            return Err(Error::input(format!(
+                "conversation {conv} already has a reply running"
+            )));
+        }
+        if params.max_tokens == 0 {
+            return Err(Error::input("max_tokens must be at least 1"));
+        }
+        if prompt.ids.is_empty() {
+            return Err(Error::input("the prompt holds no tokens"));
+        }
+        let ctx = self.family.context_len();
+        if prompt.ids.len() >= ctx {
+            return Err(Error::input(format!(
+                "the prompt has {} tokens; the context holds {ctx}, so nothing can be generated",
+                prompt.ids.len()
+            )));
+        }
+        let sampler = Sampler::new(params.sampling)?;
+        let (slot, cached, place) = self.choose(conv, &prompt)?;
+        if let Some(place) = place {
+            self.family.restore(slot, place)?;
+        }
+        // The conversation moves: it keeps one slot at a time.
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            if s.owner == Some(conv) && i != slot {
+                s.owner = None;
+                if !self.options.prefix_cache {
+                    s.clear();
+                }
+            }
+        }
+        let used = self.tick();
+        let s = &mut self.slots[slot];
+        s.truncate(cached);
+        s.owner = Some(conv);
+        s.running = true;
+        s.used = used;
+        self.running.push(Running {
+            conv,
+            slot,
+            history: prompt.ids.clone(),
+            prompt,
+            params: params.clone(),
+            sampler,
+            stream: TextStream::new(&params.stop),
+            cached,
+            prefilled: cached,
+            feed: None,
+            out: Vec::new(),
+            text: String::new(),
+        });
+        Ok(())
+    }
+
+    fn step(
+        &mut self,
+        on: &mut dyn FnMut(ConversationId, ChatEvent<'_>) -> Control,
+    ) -> Result<usize> {
+        if self.running.is_empty() {
+            return Ok(0);
+        }
+        let work = self.plan();
+        let logits = {
+            let chunks: Vec<Chunk<'_>> = work
+                .iter()
+                .map(|w| Chunk {
+                    slot: self.running[w.run].slot,
+                    held: w.held,
+                    tokens: &w.tokens,
+                    media: &w.media,
+                    keep: &w.keep,
+                })
+                .collect();
+            self.family.forward(&chunks)
+        };
+        let logits = logits.and_then(|l| {
+            if !work.is_empty() && l.len() % work.len() == 0 {
+                Ok(l)
+            } else {
+                Err(Error::backend(
+                    "chat",
+                    format!("{} logits for {} sequences", l.len(), work.len()),
+                ))
+            }
+        });
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                // The device failed: every running reply ends, its slot emptied.
+                for r in std::mem::take(&mut self.running) {
+                    self.drop_slot(r.slot);
+                    on(r.conv, ChatEvent::Failed(&e));
+                }
+                return Err(e);
+            }
+        };
+        let vocab = logits.len() / work.len();
+        let used = self.tick();
+        let ctx = self.family.context_len();
+        let mut ended = Vec::new();
+        for (w, logits) in work.iter().zip(logits.chunks_exact(vocab)) {
+            let r = &mut self.running[w.run];
+            let slot = &mut self.slots[r.slot];
+            slot.ids.extend_from_slice(&w.tokens);
+            slot.media
+                .extend(w.media.iter().map(|m| (m.start, m.end, m.digest)));
+            slot.kept.extend_from_slice(&w.keep);
+            slot.used = used;
+            r.feed = None;
+            if !w.samples {
+                r.prefilled += w.tokens.len();
+                continue;
+            }
+            r.prefilled = r.prompt.ids.len();
+            let t = match r.sampler.sample(logits, &r.history) {
+                Ok(t) => t,
+                Err(e) => {
+                    ended.push((w.run, Err(e)));
+                    continue;
+                }
+            };
+            if self.family.end_tokens().contains(&t) {
+                ended.push((w.run, Ok(Finish::Eos)));
+                continue;
+            }
+            r.out.push(t);
+            r.history.push(t);
+            r.feed = Some(t);
+            let piece = match r.stream.push(t, &|ids: &[u32]| self.family.detokenize(ids)) {
+                Ok(p) => p,
+                Err(e) => {
+                    ended.push((w.run, Err(e)));
+                    continue;
+                }
+            };
+            r.text.push_str(&piece);
+            let told = if piece.is_empty() {
+                Control::Continue
+            } else {
+                on(r.conv, ChatEvent::Text(&piece))
+            };
+            if told == Control::Stop || r.stream.stopped() {
+                ended.push((w.run, Ok(Finish::Stopped)));
+            } else if r.out.len() >= r.params.max_tokens || r.history.len() >= ctx {
+                ended.push((w.run, Ok(Finish::Length)));
+            }
+        }
+        // Remove the ended from the back, so that earlier indices stay valid.
+        ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+        let mut events = Vec::with_capacity(ended.len());
+        for (i, how) in ended {
+            let r = self.running.remove(i);
+            events.push((r, how));
+        }
+        events.reverse();
+        for (r, how) in events {
+            let conv = r.conv;
+            match how {
+                Ok(finish) => {
+                    let (tail, reply) = self.finish(r, finish);
+                    if !tail.is_empty() {
+                        on(conv, ChatEvent::Text(&tail));
+                    }
+                    on(conv, ChatEvent::Done(reply));
+                }
+                Err(e) => {
+                    self.drop_slot(r.slot);
+                    on(conv, ChatEvent::Failed(&e));
+                }
+            }
+        }
+        Ok(self.running.len())
+    }
+
+    fn cancel(&mut self, conv: ConversationId) {
+        if let Some(i) = self.running.iter().position(|r| r.conv == conv) {
+            let r = self.running.remove(i);
+            self.slots[r.slot].running = false;
+        }
+        self.end(conv);
+    }
+
+    fn end(&mut self, conv: ConversationId) {
+        for s in &mut self.slots {
+            if s.owner == Some(conv) && !s.running {
+                s.owner = None;
+                if !self.options.prefix_cache {
+                    s.clear();
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_models::generation::SamplingDefaults;
+
+    use super::*;
+
+    /// A toy family over 8 tokens whose next token is one more than the sum of every token its
+    /// slot holds, mod 8, very confidently: a slot continued from the wrong state answers
+    /// differently.
+    /// It refuses a chunk whose `held` is not what the slot holds (a slot started afresh aside),
+    /// and a restore of a place never kept.
+    struct Counter {
+        slots: Vec<Vec<u32>>,
+        kept: Vec<Option<Vec<u32>>>,
+        ctx: usize,
+    }
+
+    impl Counter {
+        fn new(slots: usize, places: usize, ctx: usize) -> Self {
+            Counter {
+                slots: vec![Vec::new(); slots],
+                kept: vec![None; places],
+                ctx,
+            }
+        }
+    }
+
+    impl ChatFamily for Counter {
+        fn describe(&self) -> String {
+            "counter".into()
+        }
+        fn slots(&self) -> usize {
+            self.slots.len()
+        }
+        fn context_len(&self) -> usize {
+            self.ctx
+        }
+        fn end_tokens(&self) -> &[u32] {
+            &[7]
+        }
+        fn sampling(&self) -> SamplingDefaults {
+            SamplingDefaults::GREEDY
+        }
+        fn detokenize(&self, ids: &[u32]) -> Result<String> {
+            Ok(ids.iter().map(|&t| char::from(b'a' + t as u8)).collect())
+        }
+        fn max_prompt_chars(&self) -> usize {
+            self.ctx
+        }
+        fn prompt(&self, _: &[Message], _: &[Image]) -> Result<ChatPrompt> {
+            Err(Error::input("not used"))
+        }
+        fn snapshot_places(&self) -> usize {
+            self.kept.len()
+        }
+        fn keep_window(&self) -> usize {
+            2
+        }
+        fn forward(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<f32>> {
+            let mut out = Vec::new();
+            for c in chunks {
+                let s = &mut self.slots[c.slot];
+                if c.held == 0 {
+                    s.clear();
+                }
+                if s.len() != c.held {
+                    return Err(Error::backend("counter", "held is not what the slot holds"));
+                }
+                for &(n, place) in c.keep {
+                    let mut k = s.clone();
+                    k.extend_from_slice(&c.tokens[..n - c.held]);
+                    self.kept[place] = Some(k);
+                }
+                s.extend_from_slice(c.tokens);
+                let next = (s.iter().sum::<u32>() + 1) % 8;
+                out.extend((0..8).map(|t| if t == next { 10.0 } else { 0.0 }));
+            }
+            Ok(out)
+        }
+        fn restore(&mut self, slot: usize, place: usize) -> Result<()> {
+            let k = self.kept[place]
+                .clone()
+                .ok_or_else(|| Error::backend("counter", "restore of a place never kept"))?;
+            self.slots[slot] = k;
+            Ok(())
+        }
+    }
+
+    fn scheduler(prefix_cache: bool, prefill_chunk: usize) -> Scheduler<Counter> {
+        let options = ChatOptions {
+            prefix_cache,
+            prefill_chunk,
+        };
+        let (slots, ctx) = (2, 512);
+        Scheduler::new(
+            Counter::new(slots, places(options, slots, ctx), ctx),
+            options,
+        )
+        .unwrap()
+    }
+
+    fn prompt(ids: &[u32]) -> ChatPrompt {
+        ChatPrompt {
+            ids: ids.to_vec(),
+            ..ChatPrompt::default()
+        }
+    }
+
+    fn reply(
+        s: &mut Scheduler<Counter>,
+        conv: u64,
+        ids: &[u32],
+        max: usize,
+    ) -> (String, ChatReply) {
+        let params = GenerationParams {
+            sampling: SamplingParams::default(),
+            max_tokens: max,
+            stop: Vec::new(),
+        };
+        let mut streamed = String::new();
+        let r = s
+            .reply(conv, prompt(ids), &params, &mut |t| {
+                streamed.push_str(t);
+                Control::Continue
+            })
+            .unwrap();
+        s.end(conv);
+        (streamed, r)
+    }
+
+    #[test]
+    fn greedy_replies_stream_and_stop_at_an_end_token_or_the_limit() {
+        let mut s = scheduler(false, 2048);
+        // Sums 5 → 6 ("g"), 11 → 4 ("e"), 15 → 0 ("a"), 15 → 0 …: the limit ends it.
+        let (streamed, r) = reply(&mut s, 1, &[2, 3], 4);
+        assert_eq!(
+            (r.tokens.as_slice(), r.finish),
+            (&[6, 4, 0, 0][..], Finish::Length)
+        );
+        assert_eq!((streamed.as_str(), r.text.as_str()), ("geaa", "geaa"));
+        // Sum 6 → 7, the end token: nothing generated.
+        let (_, r) = reply(&mut s, 1, &[6], 4);
+        assert_eq!((r.tokens.len(), r.finish), (0, Finish::Eos));
+    }
+
+    /// Prefixes are continued from kept states (every 64 tokens) or a slot's end, chunked or
+    /// not, and the replies are those of an empty cache.
+    #[test]
+    fn prefixes_are_continued_from_kept_states_with_the_same_replies() {
+        let a: Vec<u32> = (0..150).map(|i| (i * 5 % 7) as u32).collect();
+        let mut b = a[..130].to_vec();
+        b.extend([3, 1, 2, 5, 1]);
+        for chunk in [2048, 9] {
+            let mut fresh = scheduler(false, chunk);
+            let want_b = reply(&mut fresh, 1, &b, 6).1;
+            let mut s = scheduler(true, chunk);
+            let ra = reply(&mut s, 1, &a, 6).1;
+            assert_eq!(ra.cached_tokens, 0);
+            let rb = reply(&mut s, 2, &b, 6).1;
+            assert_eq!((rb.cached_tokens, &rb.tokens), (128, &want_b.tokens));
+            // The slot's end: `b` and its reply but the last token.
+            let mut c = b.clone();
+            c.extend(&rb.tokens);
+            c.extend([4, 4]);
+            let rc = reply(&mut s, 3, &c, 6).1;
+            assert_eq!(rc.cached_tokens, b.len() + rb.tokens.len() - 1);
+            assert_eq!(rc.tokens, reply(&mut fresh, 2, &c, 6).1.tokens);
+        }
+    }
+}
