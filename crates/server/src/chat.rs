@@ -17,7 +17,9 @@
 //!    away) stops that sequence.
 //!
 //! Each HTTP request is its own conversation: once its reply ends, its conversation is ended
-//! and its cache slot is free for the next request. A panic in the model fails the sequences of
+//! and its cache slot is free for the next request, which continues what the slot holds when
+//! its prompt starts with it (the scheduler's prefix cache: a client re-sending a growing
+//! conversation prefills only the new turn). A panic in the model fails the sequences of
 //! that step (500) and the worker goes on.
 
 use std::collections::{HashMap, VecDeque};
