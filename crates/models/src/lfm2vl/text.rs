@@ -343,6 +343,27 @@ impl<B: Backend> Lfm2Text<B> {
     /// the `keep` of [`SlotExtend`] and [`restore`](Self::restore).
     pub fn keep_states(&mut self, be: &B, places: usize) -> Result<()> {
         let len = (self.cfg.conv_kernel - 1) * self.cfg.hidden;
+        let convs = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mixer, Mixer::Conv(_)))
+            .count();
+        // Refused before anything is allocated, as the cache itself is.
+        let bytes = places
+            .checked_mul(len)
+            .and_then(|n| n.checked_mul(convs))
+            .and_then(|n| n.checked_mul(be.element_bytes(Role::Stream)));
+        let available = match be.memory_available()? {
+            Some(a) => Some(a),
+            None => tessera_backend::host_memory_available(),
+        };
+        if bytes.is_none_or(|b| available.is_some_and(|a| b > a)) {
+            return Err(Error::input(format!(
+                "keeping {places} convolution states for the prefix cache needs {} bytes of memory and {} are available: use fewer sequences (--max-sequences) or a shorter context (--context)",
+                bytes.map_or_else(|| "more".into(), |b| b.to_string()),
+                available.map_or_else(|| "fewer".into(), |a| a.to_string())
+            )));
+        }
         for l in &mut self.layers {
             if let Mixer::Conv(cv) = &mut l.mixer {
                 cv.kept = None;
