@@ -51,7 +51,7 @@ pub struct DeviceArgs {
     device: String,
     /// bf16 (bf16 weights and GEMM inputs, f32 accumulation and statistics; the CUDA default),
     /// f32 (the exact mode; the CPU default), or int8 with --quantize (the CPU's fast mode:
-    /// products on Q8_0/Q4_0 weights round their activations to int8 per block of 32 and sum in
+    /// products on Q8_0/Q4_0/Q4_K weights round their activations to int8 per block of 32 and sum in
     /// integers; everything else f32).
     #[arg(long, env = "TESSERA_PRECISION")]
     precision: Option<String>,
@@ -104,7 +104,7 @@ impl DeviceArgs {
         if int8 && self.quantize.is_none() && stored.is_none() {
             return Err(Error::input(
                 "--precision int8 rounds the activations of products on quantized weights: \
-                 use it with --quantize (q8_0 or q4_0) or a quantized GGUF file",
+                 use it with --quantize or a quantized GGUF file",
             ));
         }
         Ok(Quantization {

@@ -1,9 +1,11 @@
-//! The fast mode of products on Q8_0 and Q4_0 weights: each activation row is rounded to int8
-//! per block of 32 (`d = max|x| / 127`, `q = round(x / d)`, the Q8_0 rounding with `d` kept in
-//! f32), and each block's dot product is summed in integers, then scaled by the two blocks'
-//! scales and summed in f32 — the technique of llama.cpp's Q8_0 activation path. With AVX2 the
-//! block products are `vpmaddubsw`/`vpmaddwd` (the sign of the weight moved onto the
-//! activation, since `vpmaddubsw` takes one unsigned operand); elsewhere a portable loop.
+//! The fast mode of products on Q8_0, Q4_0 and Q4_K weights: each activation row is rounded to
+//! int8 per block of 32 (`d = max|x| / 127`, `q = round(x / d)`, the Q8_0 rounding with `d` kept
+//! in f32), and each block's dot product is summed in integers, then scaled by the two blocks'
+//! scales and summed in f32 — the technique of llama.cpp's Q8_0 activation path. A Q4_K
+//! sub-block of 32 (`ds · q − dm`) pairs with one activation block: `ds · Σ q q_x − dm · Σ q_x`,
+//! the activation sums kept with the rounded rows. With AVX2 the block products are
+//! `vpmaddubsw`/`vpmaddwd` (for signed weights the sign moved onto the activation, since
+//! `vpmaddubsw` takes one unsigned operand); elsewhere a portable loop.
 //!
 //! Its only roundings besides the f32 sums are the activations' int8 rounding and the weights'
 //! own quantization, so it is judged like bf16 against that floor.
@@ -23,7 +25,7 @@ const ROWS_PER_TASK: usize = 16;
 
 /// Whether the int8 path runs products on `dtype` weights (the others run exactly).
 pub fn supports(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0)
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_K)
 }
 
 /// Whether this CPU runs the AVX2 block products.
@@ -39,10 +41,11 @@ pub fn native() -> bool {
 }
 
 /// Activation rows rounded to int8 per block: `q` row-major (`k` per row), `d` one scale per
-/// block.
+/// block, `s` each block's sum of `q` (what a Q4_K sub-block's min multiplies).
 pub struct Rows {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
+    pub s: Vec<i32>,
 }
 
 /// Round `m` rows of `x` (`k` wide, `k` a multiple of 32, at stride `xs`) to int8 blocks.
@@ -50,6 +53,7 @@ pub fn round_rows(x: &[f32], xs: usize, m: usize, k: usize) -> Rows {
     let blocks = k / BLOCK;
     let mut q = vec![0i8; m * k];
     let mut d = vec![0f32; m * blocks];
+    let mut sums = vec![0i32; m * blocks];
     for (i, (qr, dr)) in q
         .chunks_exact_mut(k.max(1))
         .zip(d.chunks_exact_mut(blocks.max(1)))
@@ -69,7 +73,10 @@ pub fn round_rows(x: &[f32], xs: usize, m: usize, k: usize) -> Rows {
             }
         }
     }
-    Rows { q, d }
+    for (s, qb) in sums.iter_mut().zip(q.chunks_exact(BLOCK)) {
+        *s = qb.iter().map(|&v| i32::from(v)).sum();
+    }
+    Rows { q, d, s: sums }
 }
 
 /// One weight block as 32 signed values and its scale.
@@ -164,6 +171,105 @@ unsafe fn dot_avx2<const R: usize>(
     })
 }
 
+/// Q4_K's sub-blocks of a row: `(ds, dm, nibbles, high)` per sub-block of 32, with value
+/// `ds · q − dm`, `q` the low (`high` false) or high nibbles of the 32 bytes.
+fn q4_k_subs(row: &[u8]) -> impl Iterator<Item = (f32, f32, &[u8], bool)> {
+    row.chunks_exact(DType::Q4_K.block_bytes()).flat_map(|b| {
+        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let dmin = half::f16::from_le_bytes([b[2], b[3]]).to_f32();
+        let (scales, qs) = b[4..].split_at(12);
+        (0..8).map(move |j| {
+            let (sc, m) = tessera_core::gguf::q4_k_scale_min(scales, j);
+            let run = &qs[32 * (j / 2)..][..32];
+            (d * f32::from(sc), dmin * f32::from(m), run, j % 2 == 1)
+        })
+    })
+}
+
+/// Q4_K against one rounded activation row, portably: per sub-block
+/// `d_x · (ds · Σ q q_x − dm · Σ q_x)`, the sums in integers.
+fn dot_q4_k_plain(row: &[u8], q: &[i8], d: &[f32], s: &[i32]) -> f32 {
+    let mut acc = 0f32;
+    for ((((ds, dm, run, high), qx), &dx), &sx) in
+        q4_k_subs(row).zip(q.chunks_exact(BLOCK)).zip(d).zip(s)
+    {
+        let shift = if high { 4 } else { 0 };
+        let dot: i32 = run
+            .iter()
+            .zip(qx)
+            .map(|(&b, &x)| i32::from((b >> shift) & 0x0f) * i32::from(x))
+            .sum();
+        acc += dx * (ds * dot as f32 - dm * sx as f32);
+    }
+    acc
+}
+
+/// As [`dot_q4_k_plain`] for `R` activation rows at once, with AVX2 (the nibbles are the
+/// unsigned operand of `vpmaddubsw` as they are).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `row` holds `q[r].len() / 256` Q4_K blocks, each `d[r]` and `s[r]`
+/// one entry per 32 values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_q4_k_avx2<const R: usize>(
+    row: &[u8],
+    q: [&[i8]; R],
+    d: [&[f32]; R],
+    s: [&[i32]; R],
+) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [0f32; R];
+    let ones = _mm256_set1_epi16(1);
+    let low = _mm256_set1_epi8(0x0f);
+    for (i, (ds, dm, run, high)) in q4_k_subs(row).enumerate() {
+        // SAFETY: `run` is 32 bytes; each `q[r]` holds 32 values at 32·i.
+        unsafe {
+            let packed = _mm256_loadu_si256(run.as_ptr().cast());
+            let nib = if high {
+                _mm256_and_si256(_mm256_srli_epi16(packed, 4), low)
+            } else {
+                _mm256_and_si256(packed, low)
+            };
+            for r in 0..R {
+                let x = _mm256_loadu_si256(q[r].as_ptr().add(i * BLOCK).cast());
+                let pairs = _mm256_maddubs_epi16(nib, x);
+                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[r][i] * ds), sums, acc[r]);
+                mins[r] += d[r][i] * (dm * s[r][i] as f32);
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        let a = acc[r];
+        let v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        let v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+        _mm_cvtss_f32(v) - mins[r]
+    })
+}
+
+/// One rounded activation row: values, block scales, block sums.
+type Act<'a> = (&'a [i8], &'a [f32], &'a [i32]);
+
+/// `R` activation rows against one weight row with AVX2, by format.
+///
+/// # Safety
+/// AVX2 and FMA are present; `row` is one weight row of `blocks` blocks of 32 values and each
+/// activation row has `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile<const R: usize>(dtype: DType, row: &[u8], a: [Act<'_>; R]) -> [f32; R] {
+    // SAFETY: as the caller promises.
+    unsafe {
+        if dtype == DType::Q4_K {
+            dot_q4_k_avx2(row, a.map(|a| a.0), a.map(|a| a.1), a.map(|a| a.2))
+        } else {
+            dot_avx2(dtype, row, a.map(|a| a.0), a.map(|a| a.1))
+        }
+    }
+}
+
 /// Activation rows per AVX2 call: each weight block is unpacked once for this many rows.
 const ROW_TILE: usize = 4;
 
@@ -194,10 +300,8 @@ pub(super) fn product(
         accumulate,
     };
     let act = |i: usize| {
-        (
-            &rows.q[i * k..(i + 1) * k],
-            &rows.d[i * blocks..(i + 1) * blocks],
-        )
+        let b = i * blocks..(i + 1) * blocks;
+        (&rows.q[i * k..(i + 1) * k], &rows.d[b.clone()], &rows.s[b])
     };
     let store = |i: usize, j: usize, s: f32| {
         // SAFETY: row i < m, column j < n of the caller's `dst`; each (i, j) is written by the
@@ -209,6 +313,13 @@ pub(super) fn product(
             alpha * s
         };
     };
+    let plain = |row: &[u8], (q, d, s): Act<'_>| {
+        if dtype == DType::Q4_K {
+            dot_q4_k_plain(row, q, d, s)
+        } else {
+            dot_plain(dtype, row, q, d)
+        }
+    };
     let task = |t: usize| {
         for j in t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(n) {
             let row = w.row(j);
@@ -216,26 +327,23 @@ pub(super) fn product(
             #[cfg(target_arch = "x86_64")]
             if fast {
                 while i + ROW_TILE <= m {
-                    let tile: [(&[i8], &[f32]); ROW_TILE] = std::array::from_fn(|r| act(i + r));
-                    // SAFETY: AVX2 and FMA were detected; `row` is one weight row of `blocks`
-                    // blocks and each activation row has `blocks` blocks.
-                    let s = unsafe { dot_avx2(dtype, row, tile.map(|a| a.0), tile.map(|a| a.1)) };
+                    let a: [Act<'_>; ROW_TILE] = std::array::from_fn(|r| act(i + r));
+                    // SAFETY: AVX2 and FMA were detected; shapes as `tile` needs.
+                    let s = unsafe { tile(dtype, row, a) };
                     for (r, s) in s.into_iter().enumerate() {
                         store(i + r, j, s);
                     }
                     i += ROW_TILE;
                 }
                 while i < m {
-                    let (q, d) = act(i);
                     // SAFETY: as above.
-                    let [s] = unsafe { dot_avx2(dtype, row, [q], [d]) };
+                    let [s] = unsafe { tile(dtype, row, [act(i)]) };
                     store(i, j, s);
                     i += 1;
                 }
             }
             while i < m {
-                let (q, d) = act(i);
-                store(i, j, dot_plain(dtype, row, q, d));
+                store(i, j, plain(row, act(i)));
                 i += 1;
             }
         }
@@ -262,13 +370,14 @@ mod tests {
     /// 1.5× of the floor's, through the AVX2 kernel where present and the portable one.
     #[test]
     fn int8_products_stay_within_their_rounding_floor() {
-        for dtype in [DType::Q8_0, DType::Q4_0] {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
             for &(m, k, n) in &[
                 (1usize, 32usize, 1usize),
                 (3, 256, 70),
                 (17, 2048, 33),
                 (64, 128, 64),
             ] {
+                let k = k.next_multiple_of(dtype.block_size());
                 let seed = (m * 7 + k + n) as u64;
                 let blocks = random_blocks(dtype, n, k, seed);
                 let w = QuantMat::from_blocks(dtype, blocks.clone(), dtype.bytes_for(k).unwrap());
@@ -281,8 +390,14 @@ mod tests {
                 let mut plain = vec![0f32; m * n];
                 for i in 0..m {
                     for j in 0..n {
-                        let (q, d) = (&r.q[i * k..(i + 1) * k], &r.d[i * k / 32..(i + 1) * k / 32]);
-                        plain[i * n + j] = 0.5 * dot_plain(dtype, w.row(j), q, d);
+                        let (q, b) = (&r.q[i * k..(i + 1) * k], i * k / 32..(i + 1) * k / 32);
+                        let (d, s) = (&r.d[b.clone()], &r.s[b]);
+                        plain[i * n + j] = 0.5
+                            * if dtype == DType::Q4_K {
+                                dot_q4_k_plain(w.row(j), q, d, s)
+                            } else {
+                                dot_plain(dtype, w.row(j), q, d)
+                            };
                     }
                 }
                 let (mut err, mut floor, mut err_plain) = (0f64, 0f64, 0f64);
@@ -325,34 +440,37 @@ mod tests {
     #[test]
     fn int8_products_do_not_depend_on_the_row_count() {
         let (k, n) = (256, 40);
-        let w = QuantMat::from_blocks(
-            DType::Q4_0,
-            random_blocks(DType::Q4_0, n, k, 9),
-            DType::Q4_0.bytes_for(k).unwrap(),
-        );
-        let x = Rng::new(10).vec(17 * k, 1.0);
-        let run = |first: usize, m: usize| {
-            let mut o = vec![0f32; m * n];
-            product(
-                &x[first * k..],
-                k,
-                m,
-                &w,
-                (n, k),
-                &mut o,
-                n,
-                1.0,
-                false,
-                false,
+        for dtype in [DType::Q4_0, DType::Q4_K] {
+            let w = QuantMat::from_blocks(
+                dtype,
+                random_blocks(dtype, n, k, 9),
+                dtype.bytes_for(k).unwrap(),
             );
-            o
-        };
-        let all = run(0, 17);
-        for (first, m) in [(5, 1), (4, 4), (3, 6), (16, 1)] {
-            assert!(
-                run(first, m)[..] == all[first * n..(first + m) * n],
-                "rows {first}+{m}"
-            );
+            let x = Rng::new(10).vec(17 * k, 1.0);
+            let run = |first: usize, m: usize| {
+                let mut o = vec![0f32; m * n];
+                product(
+                    &x[first * k..],
+                    k,
+                    m,
+                    &w,
+                    (n, k),
+                    &mut o,
+                    n,
+                    1.0,
+                    false,
+                    false,
+                );
+                o
+            };
+            let all = run(0, 17);
+            for (first, m) in [(5, 1), (4, 4), (3, 6), (16, 1)] {
+                let alone = run(first, m);
+                assert!(
+                    alone[..] == all[first * n..(first + m) * n],
+                    "{dtype} rows {first}+{m}"
+                );
+            }
         }
     }
 

@@ -19,7 +19,7 @@ pub const Q6_K_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
 /// mins. Sub-blocks 0..4 keep theirs in the low 6 bits of bytes `j` (scale) and `j + 4` (min);
 /// sub-blocks 4..8 take their low 4 bits from byte `j + 4` (scale low, min high nibble) and their
 /// top 2 bits from the spare top bits of bytes `j - 4` and `j`.
-pub(super) fn scale_min(s: &[u8], j: usize) -> (u8, u8) {
+pub fn scale_min(s: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
