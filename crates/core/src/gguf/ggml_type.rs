@@ -181,11 +181,6 @@ fn other_type_name(id: u32) -> Option<&'static str> {
     })
 }
 
-/// An f16 scale stored little-endian.
-pub(super) fn f16_at(b: [u8; 2]) -> f32 {
-    f16::from_le_bytes(b).to_f32()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

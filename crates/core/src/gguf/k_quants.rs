@@ -2,7 +2,7 @@
 //! integer scale, itself scaled by the super-block's f16 `d` (llama.cpp's `block_q4_K`,
 //! `block_q6_K` in ggml-common.h).
 
-use super::ggml_type::f16_at;
+use super::f16_at;
 
 /// Values per super-block (ggml's `QK_K`).
 const QK_K: usize = 256;

@@ -28,6 +28,12 @@ pub use quantize::quantize;
 
 use crate::error::{Error, Result};
 
+/// An f16 scale stored little-endian, as every block format keeps its scales. Here, beside the
+/// codecs rather than in `ggml_type.rs`, which dispatches to them.
+fn f16_at(b: [u8; 2]) -> f32 {
+    half::f16::from_le_bytes(b).to_f32()
+}
+
 /// An open GGUF file: its metadata and tensor table, parsed and checked, over a read-only map.
 pub struct Gguf {
     path: PathBuf,

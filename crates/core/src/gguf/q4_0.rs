@@ -1,7 +1,7 @@
 //! Q4_0: blocks of 32 values, an f16 scale `d` then 16 bytes of 4-bit `q`; value = `(q - 8) * d`.
 //! Byte `j`'s low nibble is element `j`, its high nibble element `j + 16`.
 
-use super::ggml_type::f16_at;
+use super::f16_at;
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 2 + BLOCK / 2;

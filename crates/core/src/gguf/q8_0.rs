@@ -1,6 +1,6 @@
 //! Q8_0: blocks of 32 values, an f16 scale `d` then 32 signed bytes `q`; value = `q * d`.
 
-use super::ggml_type::f16_at;
+use super::f16_at;
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 2 + BLOCK;
