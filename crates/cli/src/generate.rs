@@ -668,6 +668,8 @@ impl Progress {
                     self.bar.set_style(style);
                 }
                 self.bar.reset_elapsed();
+                // Drawn now, not at the next tick: a short decode would otherwise never show.
+                self.bar.tick();
                 self.last = Instant::now();
             }
         }
