@@ -6,55 +6,16 @@
 //! Errors are `rel = max |got − want| / max |want|` per tap. Bound: 1e-5 on every tap (f32
 //! convolutions of ≤ 432 terms, norm statistics in f64, one f32 softmax over ≤ 15 keys).
 
-use std::path::{Path, PathBuf};
-
 mod common;
 
-use common::{Expected, rel};
-use serde::Deserialize;
+use common::{
+    Expected, VaeCases as Cases, channels_last, qwen_image_dir as fixtures,
+    qwen_vae_config as config, read, rel,
+};
 use tessera_backend::cpu::CpuBackend;
 use tessera_core::Weights;
 use tessera_models::qwen_image::vae::VaeConfig;
 use tessera_models::qwen_image::vae_encoder::{self, EncoderTaps, VaeEncoder, from_rgba8};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_image")
-}
-
-fn read(p: &Path) -> String {
-    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-/// A `[C, H, W]` tap as channels-last `[H·W, C]`.
-fn channels_last(ex: &Expected, name: &str) -> Vec<f64> {
-    let (shape, v) = (ex.shape(name), ex.get(name));
-    let [c, h, w]: [usize; 3] = shape.try_into().unwrap();
-    let mut out = vec![0.0; v.len()];
-    for ch in 0..c {
-        for p in 0..h * w {
-            out[p * c + ch] = v[ch * h * w + p];
-        }
-    }
-    out
-}
-
-#[derive(Deserialize)]
-struct Cases {
-    cases: Vec<Case>,
-}
-
-#[derive(Deserialize)]
-struct Case {
-    name: String,
-    image_hw: [usize; 2],
-    latent_hw: [usize; 2],
-    taps: Vec<String>,
-}
-
-fn config() -> VaeConfig {
-    let p = fixtures().join("vae/config.json");
-    VaeConfig::parse(&p, &read(&p)).unwrap()
-}
 
 fn encoder(be: &CpuBackend) -> VaeEncoder<CpuBackend> {
     let w = Weights::open_dir(&fixtures().join("vae"), "diffusion_pytorch_model").unwrap();

@@ -3,7 +3,10 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tessera_models::qwen_image::vae::VaeConfig;
 
 /// Expected tensors by name: float64 taps, f32 inputs, uint8 images, all widened to f64.
 pub struct Expected {
@@ -102,4 +105,48 @@ impl Worst {
             self.failures.join("\n")
         );
     }
+}
+
+/// A text file, or a panic naming it.
+pub fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Qwen-Image-2.1's fixture folder.
+pub fn qwen_image_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_image")
+}
+
+/// The fixture VAE's configuration (encoder and decoder).
+pub fn qwen_vae_config() -> VaeConfig {
+    let p = qwen_image_dir().join("vae/config.json");
+    VaeConfig::parse(&p, &read(&p)).unwrap()
+}
+
+/// A `[C, H, W]` tap as channels-last `[H·W, C]`.
+pub fn channels_last(ex: &Expected, name: &str) -> Vec<f64> {
+    let (shape, v) = (ex.shape(name), ex.get(name));
+    let [c, h, w]: [usize; 3] = shape.try_into().unwrap();
+    let mut out = vec![0.0; v.len()];
+    for ch in 0..c {
+        for p in 0..h * w {
+            out[p * c + ch] = v[ch * h * w + p];
+        }
+    }
+    out
+}
+
+/// The cases of a Qwen-Image VAE fixture (`vae_cases.json`, `vae_encoder_cases.json`).
+#[derive(Deserialize)]
+pub struct VaeCases {
+    pub cases: Vec<VaeCase>,
+}
+
+/// One VAE case: its image and latent sizes and the taps it recorded.
+#[derive(Deserialize)]
+pub struct VaeCase {
+    pub name: String,
+    pub latent_hw: [usize; 2],
+    pub image_hw: [usize; 2],
+    pub taps: Vec<String>,
 }
