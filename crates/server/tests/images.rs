@@ -970,15 +970,22 @@ async fn a_generation_past_its_timeout_gets_504_and_stops() {
             .contains("--image-timeout")
     );
     assert!(t.elapsed() < Duration::from_secs(5));
+    // The worker stops the generation at its next step (it counts it as cancelled then). Waiting
+    // for that before the next request keeps the step it was in from eating that request's own
+    // one-second budget on a loaded machine.
+    let cancelled = r#"tessera_image_requests_total{model="zimage-mini",outcome="cancelled"}"#;
+    let stopped = Instant::now();
+    while metric(&s, cancelled).await < 1.0 {
+        assert!(
+            stopped.elapsed() < Duration::from_secs(30),
+            "the generation did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The worker moves on: the next request is answered.
     let (status, b) = s.generate(body("quick", "32x32", 1, 1)).await;
     assert_eq!(status, 200, "{b}");
-    let cancelled = metric(
-        &s,
-        r#"tessera_image_requests_total{model="zimage-mini",outcome="cancelled"}"#,
-    )
-    .await;
-    assert_eq!(cancelled, 1.0);
+    assert_eq!(metric(&s, cancelled).await, 1.0);
     s.stop().await.unwrap();
 }
 
