@@ -860,6 +860,12 @@ async fn a_follow_up_turn_prefills_only_its_new_tokens() {
     let (status, body) = s.chat(greedy(&follow, 12)).await;
     assert_eq!(status, 200, "{body}");
     assert_reply(&body, &want);
+    // The same reply as the library's without a cache, and its usage says what came from it,
+    // as OpenAI reports cached prompt tokens.
+    assert_eq!(
+        body["usage"]["prompt_tokens_details"]["cached_tokens"], first.prompt_tokens,
+        "{body}"
+    );
     let text = s
         .http
         .get(format!("{}/metrics", s.url))

@@ -32,11 +32,12 @@ use super::routes::{Admitted, admit};
 use super::sse::{self, Polled, frame};
 use super::types::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatRequest, ChatUsage, ChunkChoice,
-    Delta,
+    Delta, PromptTokensDetails,
 };
 use crate::chat::{Event, Job, finish_reason};
 use crate::chat_inputs::{self, random_u64};
 use crate::model::{ModelQueue, Route, Served};
+use tessera_runtime::chat::ChatReply;
 
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
@@ -165,11 +166,14 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> ChatUsage {
+fn usage(r: &ChatReply) -> ChatUsage {
     ChatUsage {
-        prompt_tokens,
-        completion_tokens,
-        total_tokens: prompt_tokens + completion_tokens,
+        prompt_tokens: r.prompt_tokens,
+        completion_tokens: r.completion_tokens,
+        total_tokens: r.prompt_tokens + r.completion_tokens,
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: r.cached_tokens,
+        },
     }
 }
 
@@ -187,6 +191,7 @@ async fn whole(mut s: Started) -> Result<Response, ApiError> {
             Event::Done(r) => {
                 drop(s.held);
                 s.access.tokens(r.prompt_tokens, Some(r.completion_tokens));
+                let usage = usage(&r);
                 return Ok(Json(ChatCompletion {
                     id: s.id,
                     object: "chat.completion",
@@ -201,7 +206,7 @@ async fn whole(mut s: Started) -> Result<Response, ApiError> {
                         finish_reason: finish_reason(r.finish),
                         logprobs: None,
                     }],
-                    usage: usage(r.prompt_tokens, r.completion_tokens),
+                    usage,
                 })
                 .into_response());
             }
@@ -303,7 +308,7 @@ impl EventStream {
                     .tokens(r.prompt_tokens, Some(r.completion_tokens));
                 self.chunk(Delta::default(), Some(finish_reason(r.finish)));
                 if self.include_usage {
-                    let total = Some(Some(usage(r.prompt_tokens, r.completion_tokens)));
+                    let total = Some(Some(usage(&r)));
                     let bytes = line(&self.chunk_of(Vec::new(), total));
                     self.out.push_back(bytes);
                 }

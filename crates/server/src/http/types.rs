@@ -194,6 +194,14 @@ pub struct ChatUsage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt's tokens: how many came from the prefix cache (a slot that
+/// already held them) rather than being prefilled.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 /// One server-sent event of a streamed reply.
