@@ -318,15 +318,7 @@ async fn concurrent_requests_each_get_their_own_reply() {
         }
     }
     // The replies shared steps: some step ran more than one sequence.
-    let metrics = s
-        .http
-        .get(format!("{}/metrics", s.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = s.metrics().await;
     let value = |name: &str| -> f64 {
         metrics
             .lines()
@@ -642,22 +634,6 @@ async fn the_embedding_server_refuses_chat() {
     s.stop().await.unwrap();
 }
 
-/// A metric's value in the server's `/metrics` text.
-async fn metric(s: &Server, name: &str) -> f64 {
-    let text = s
-        .http
-        .get(format!("{}/metrics", s.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .map_or(0.0, |v| v.parse().unwrap())
-}
-
 /// POST a chat request from a task of its own.
 fn post(s: &Server, body: Value) -> tokio::task::JoinHandle<(u16, Option<String>, Value)> {
     let (http, url) = (s.http.clone(), s.url.clone());
@@ -690,7 +666,7 @@ async fn more_requests_than_slots_and_queue_get_429_never_a_broken_connection() 
     let first = post(&s, long.clone());
     let mut running = false;
     for _ in 0..400 {
-        running = metric(&s, "tessera_chat_running").await == 1.0;
+        running = s.metric("tessera_chat_running").await == 1.0;
         if running {
             break;
         }
@@ -700,8 +676,8 @@ async fn more_requests_than_slots_and_queue_get_429_never_a_broken_connection() 
     let admitted = [first, post(&s, long.clone())];
     let mut full = false;
     for _ in 0..400 {
-        let running = metric(&s, "tessera_chat_running").await;
-        let waiting = metric(&s, r#"tessera_queue_depth{lane="chat"}"#).await;
+        let running = s.metric("tessera_chat_running").await;
+        let waiting = s.metric(r#"tessera_queue_depth{lane="chat"}"#).await;
         full = (running, waiting) == (1.0, 1.0);
         if full {
             break;
@@ -765,15 +741,7 @@ async fn a_client_that_goes_away_frees_its_slot() {
     assert_openai_error(status, &body, 504, "timeout", "timeout");
     let (status, body) = s.chat(greedy(&text_question("hi"), 2)).await;
     assert_eq!(status, 200, "{body}");
-    let metrics = s
-        .http
-        .get(format!("{}/metrics", s.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = s.metrics().await;
     assert!(
         metrics.contains(r#"tessera_chat_replies_total{finish="cancelled"} 2"#),
         "{metrics}"
@@ -866,15 +834,7 @@ async fn a_follow_up_turn_prefills_only_its_new_tokens() {
         body["usage"]["prompt_tokens_details"]["cached_tokens"], first.prompt_tokens,
         "{body}"
     );
-    let text = s
-        .http
-        .get(format!("{}/metrics", s.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = s.metrics().await;
     // The follow-up prefilled only what it added to the first prompt.
     for needle in [
         format!(

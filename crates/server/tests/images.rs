@@ -61,22 +61,6 @@ async fn both(cfg: ServerConfig) -> Server {
     s
 }
 
-/// A metric's value in the server's `/metrics` text (0 when absent).
-async fn metric(s: &Server, name: &str) -> f64 {
-    let text = s
-        .http
-        .get(format!("{}/metrics", s.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .map_or(0.0, |v| v.parse().unwrap())
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn images_are_pngs_of_the_size_asked_with_their_seeds() {
     let s = Server::start_images(config()).await;
@@ -676,15 +660,7 @@ async fn several_models_are_listed_and_routed() {
         .await;
     assert_eq!(status, 200);
     // The image metrics.
-    let text = s
-        .http
-        .get(format!("{}/metrics", s.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = s.metrics().await;
     for needle in [
         r#"tessera_images_generated_total{model="zimage-mini"} 1"#,
         r#"tessera_image_requests_total{model="zimage-mini",outcome="done"} 1"#,
@@ -743,11 +719,9 @@ async fn a_client_that_disconnects_cancels_its_generation() {
     let s = Server::start_images(config()).await;
     let steps = 40;
     for streamed in [true, false] {
-        let cancelled_before = metric(
-            &s,
-            r#"tessera_image_requests_total{model="zimage-mini",outcome="cancelled"}"#,
-        )
-        .await;
+        let cancelled_before = s
+            .metric(r#"tessera_image_requests_total{model="zimage-mini",outcome="cancelled"}"#)
+            .await;
         let mut long = body("a long one", "256x256", steps, 3);
         long["stream"] = json!(true);
         // A streamed twin tells when steps happen; the request under test is `long` itself
@@ -780,11 +754,9 @@ async fn a_client_that_disconnects_cancels_its_generation() {
             took < would_finish,
             "streamed {streamed}: the next request ended {took:?} after the disconnect; the abandoned one would have run about {would_finish:?} more"
         );
-        let cancelled = metric(
-            &s,
-            r#"tessera_image_requests_total{model="zimage-mini",outcome="cancelled"}"#,
-        )
-        .await;
+        let cancelled = s
+            .metric(r#"tessera_image_requests_total{model="zimage-mini",outcome="cancelled"}"#)
+            .await;
         let want = if streamed { 1.0 } else { 2.0 };
         assert_eq!(cancelled - cancelled_before, want, "streamed {streamed}");
     }
@@ -844,12 +816,12 @@ async fn requests_waiting_together_share_a_batch_and_keep_their_images() {
         }
         // The holder's batch, then the three waiting requests' (four images) in one batch, or
         // one batch each.
-        let batches = metric(
-            &s,
-            r#"tessera_image_batch_images_count{model="zimage-mini"}"#,
-        )
-        .await;
-        let images = metric(&s, r#"tessera_image_batch_images_sum{model="zimage-mini"}"#).await;
+        let batches = s
+            .metric(r#"tessera_image_batch_images_count{model="zimage-mini"}"#)
+            .await;
+        let images = s
+            .metric(r#"tessera_image_batch_images_sum{model="zimage-mini"}"#)
+            .await;
         assert_eq!(images, 5.0);
         assert_eq!(
             batches,
@@ -975,7 +947,7 @@ async fn a_generation_past_its_timeout_gets_504_and_stops() {
     // one-second budget on a loaded machine.
     let cancelled = r#"tessera_image_requests_total{model="zimage-mini",outcome="cancelled"}"#;
     let stopped = Instant::now();
-    while metric(&s, cancelled).await < 1.0 {
+    while s.metric(cancelled).await < 1.0 {
         assert!(
             stopped.elapsed() < Duration::from_secs(30),
             "the generation did not stop"
@@ -985,7 +957,7 @@ async fn a_generation_past_its_timeout_gets_504_and_stops() {
     // The worker moves on: the next request is answered.
     let (status, b) = s.generate(body("quick", "32x32", 1, 1)).await;
     assert_eq!(status, 200, "{b}");
-    assert_eq!(metric(&s, cancelled).await, 1.0);
+    assert_eq!(s.metric(cancelled).await, 1.0);
     s.stop().await.unwrap();
 }
 
@@ -1063,7 +1035,7 @@ async fn qwen_image_is_served_through_the_same_route() {
     let name = r#"tessera_image_requests_total{model="qwen-image-mini",outcome="cancelled"}"#;
     let mut cancelled = 0.0;
     for _ in 0..200 {
-        cancelled = metric(&s, name).await;
+        cancelled = s.metric(name).await;
         if cancelled > 0.0 {
             break;
         }

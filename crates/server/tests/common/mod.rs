@@ -211,6 +211,21 @@ impl Server {
         (status, r.json().await.unwrap())
     }
 
+    /// The server's `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        let r = self.http.get(format!("{}/metrics", self.url)).send();
+        r.await.unwrap().text().await.unwrap()
+    }
+
+    /// A metric's value in the server's `/metrics` text (0 when absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        self.metrics()
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .map_or(0.0, |v| v.parse().unwrap())
+    }
+
     /// POST a JSON body to /v1/images/generations: status and parsed body.
     pub async fn generate(&self, body: serde_json::Value) -> (u16, serde_json::Value) {
         let r = self
