@@ -59,27 +59,21 @@ impl<B: Backend> Lfm2Vl<B> {
     /// together first. Returns the logits of each turn's last row, or with `all_rows` of every
     /// row.
     pub fn extend(&mut self, be: &B, turns: &[Turn<'_>], all_rows: bool) -> Result<View<'_, B>> {
-        let tiles: Vec<TilePatches<'_>> =
-            turns.iter().flat_map(|t| t.tiles.iter().copied()).collect();
-        let feats = if tiles.is_empty() {
-            None
-        } else {
-            Some(self.encoder.forward(be, &tiles, &self.pixels)?)
-        };
-        let mut at = 0;
+        let tiles: Vec<_> = turns.iter().map(|t| t.tiles).collect();
+        let media = turn_media(
+            &mut self.encoder,
+            &self.pixels,
+            self.cfg.image_token,
+            be,
+            &tiles,
+        )?;
         let parts: Vec<Extend<'_, B>> = turns
             .iter()
-            .map(|t| {
-                let n: usize = t.tiles.iter().map(TilePatches::tokens).sum();
-                let media = feats
-                    .filter(|_| n > 0)
-                    .map(|f| (self.cfg.image_token, f.rows(at, n)));
-                at += n;
-                Extend {
-                    seq: t.seq,
-                    tokens: t.tokens,
-                    media,
-                }
+            .zip(media)
+            .map(|(t, media)| Extend {
+                seq: t.seq,
+                tokens: t.tokens,
+                media,
             })
             .collect();
         self.text.extend(be, &parts, all_rows)
@@ -88,31 +82,58 @@ impl<B: Backend> Lfm2Vl<B> {
     /// Extend slots the caller keeps track of (see [`Lfm2Text::extend_slots`]), the images of
     /// every turn encoded together first. Returns the logits of each turn's last row.
     pub fn extend_slots(&mut self, be: &B, turns: &[SlotTurn<'_>]) -> Result<View<'_, B>> {
-        let tiles: Vec<TilePatches<'_>> =
-            turns.iter().flat_map(|t| t.tiles.iter().copied()).collect();
-        let feats = if tiles.is_empty() {
-            None
-        } else {
-            Some(self.encoder.forward(be, &tiles, &self.pixels)?)
-        };
-        let mut at = 0;
+        let tiles: Vec<_> = turns.iter().map(|t| t.tiles).collect();
+        let media = turn_media(
+            &mut self.encoder,
+            &self.pixels,
+            self.cfg.image_token,
+            be,
+            &tiles,
+        )?;
         let parts: Vec<SlotExtend<'_, B>> = turns
             .iter()
-            .map(|t| {
-                let n: usize = t.tiles.iter().map(TilePatches::tokens).sum();
-                let media = feats
-                    .filter(|_| n > 0)
-                    .map(|f| (self.cfg.image_token, f.rows(at, n)));
-                at += n;
-                SlotExtend {
-                    slot: t.slot,
-                    held: t.held,
-                    tokens: t.tokens,
-                    media,
-                    keep: t.keep,
-                }
+            .zip(media)
+            .map(|(t, media)| SlotExtend {
+                slot: t.slot,
+                held: t.held,
+                tokens: t.tokens,
+                media,
+                keep: t.keep,
             })
             .collect();
         self.text.extend_slots(be, &parts)
     }
+}
+
+/// The image token whose rows a turn's features replace, and those rows.
+type Media<'a, B> = (u32, View<'a, B>);
+
+/// Encode the tiles of every turn (`tiles[i]` for turn `i`) in one pass of the tower and give
+/// each turn its rows of the features, as the text model's media part: `(image token, rows)`
+/// for a turn with images, `None` for one without.
+fn turn_media<'a, B: Backend>(
+    encoder: &'a mut ImageEncoder<B>,
+    pixels: &[f32; 256],
+    image_token: u32,
+    be: &B,
+    tiles: &[&[TilePatches<'_>]],
+) -> Result<Vec<Option<Media<'a, B>>>> {
+    let all: Vec<TilePatches<'_>> = tiles.iter().flat_map(|t| t.iter().copied()).collect();
+    let feats = if all.is_empty() {
+        None
+    } else {
+        Some(encoder.forward(be, &all, pixels)?)
+    };
+    let mut at = 0;
+    Ok(tiles
+        .iter()
+        .map(|t| {
+            let n: usize = t.iter().map(TilePatches::tokens).sum();
+            let media = feats
+                .filter(|_| n > 0)
+                .map(|f| (image_token, f.rows(at, n)));
+            at += n;
+            media
+        })
+        .collect())
 }
