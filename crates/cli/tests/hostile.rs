@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{MIB, Server, free_port, measured};
+use common::{MIB, Run, Server, free_port, measured};
 
 /// A copy of a bundled miniature's folder (`crates/models/assets/NAME`) to edit.
 fn bundled_copy(name: &str, into: &Path) -> PathBuf {
@@ -43,25 +43,27 @@ const LOOPING: &str =
 
 // ---- chat templates: untrusted, run on a budget ----------------------------------------------
 
+/// `tessera chat` on `model` for one short turn, measured.
+fn one_turn(model: &Path) -> Run {
+    let args = [
+        "chat",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+    ];
+    measured(&args, Some(b""), Duration::from_secs(60))
+}
+
 #[test]
 fn a_chat_template_that_doubles_a_string_fails_naming_it_in_bounded_memory() {
     // Before: "memory allocation of 2147483664 bytes failed", SIGABRT.
     let dir = tempfile::tempdir().unwrap();
     let model = bundled_copy("lfm2vl-mini", dir.path());
     std::fs::write(model.join("chat_template.jinja"), DOUBLING).unwrap();
-    let run = measured(
-        &[
-            "chat",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt",
-            "hi",
-            "--max-tokens",
-            "1",
-        ],
-        Some(b""),
-        Duration::from_secs(60),
-    );
+    let run = one_turn(&model);
     run.assert_errs_with(&["chat_template.jinja", "budget"]);
     run.assert_within(Duration::from_secs(15), 400);
 }
@@ -77,19 +79,7 @@ fn a_looping_template_in_tokenizer_config_fails_in_time() {
         serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
     config["chat_template"] = serde_json::Value::String(LOOPING.into());
     std::fs::write(&config_path, config.to_string()).unwrap();
-    let run = measured(
-        &[
-            "chat",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt",
-            "hi",
-            "--max-tokens",
-            "1",
-        ],
-        Some(b""),
-        Duration::from_secs(60),
-    );
+    let run = one_turn(&model);
     run.assert_errs_with(&["tokenizer_config.json", "budget"]);
     run.assert_within(Duration::from_secs(15), 400);
 }
