@@ -8,6 +8,9 @@ use std::process::{Command, Output};
 
 use tessera_core::gguf::{GgmlType, quantize};
 
+mod common;
+use common::embedding_lines;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -43,19 +46,7 @@ fn embeddings(model: &Path, quantized: bool) -> Vec<Vec<f64>> {
     if quantized {
         args.extend(["--quantize", "q8_0"]);
     }
-    String::from_utf8(tessera(&args).stdout)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["embedding"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect()
-        })
-        .collect()
+    embedding_lines(&tessera(&args).stdout)
 }
 
 fn max_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
@@ -164,19 +155,7 @@ fn int8_activations_run_close_to_the_exact_mode_and_need_quantized_weights() {
         "--text",
         "and another, rather longer one, with some punctuation!",
     ]);
-    let int8: Vec<Vec<f64>> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["embedding"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect()
-        })
-        .collect();
+    let int8: Vec<Vec<f64>> = embedding_lines(&out.stdout);
     // Unit vectors: their cosine is their dot product.
     for (a, b) in int8.iter().zip(&exact) {
         let cos: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();

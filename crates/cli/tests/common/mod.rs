@@ -1,6 +1,6 @@
 //! What the bad-input tests share (`bad_input.rs`, `hostile.rs`): the `tessera` binary as a
 //! child process whose time and peak memory are measured, and `tessera serve` on a loopback
-//! port spoken to with plain HTTP/1.1.
+//! port spoken to with plain HTTP/1.1; and reading what `tessera embed` prints.
 #![allow(dead_code)] // each test file uses its own part
 
 use std::io::{Read, Write};
@@ -258,4 +258,21 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The vectors of `tessera embed`'s JSON lines (its default output), in order.
+pub fn embedding_lines(stdout: &[u8]) -> Vec<Vec<f64>> {
+    String::from_utf8(stdout.to_vec())
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
 }
