@@ -257,9 +257,12 @@ FLASH_WG(512)
 //     memory), the online softmax, O += P·V (P from registers), as in flash_wgmma_d{D}; each frees
 //     a stage's K as soon as its scores are in registers and its V after the product.
 // So a block's K/V is loaded once for 128 rows (flash_wgmma_d{D}: once per 64), loads run a block
-// ahead of the products without any __syncthreads, and while one consumer computes its softmax the
-// other's wgmma can run. setmaxnreg gives the consumers the producer's registers (the scores, the
+// ahead of the products without any __syncthreads, and the consumers take turns on the tensor
+// cores (ping-pong) while each overlaps its own softmax with its previous block's P·V (see the
+// consumer below). setmaxnreg gives the consumers the producer's registers (the scores, the
 // outputs and P take ~170 of them at D = 128).
+// v2 (run a2), with neither overlap, was level with flash_wgmma_d{D}: the time went to the
+// consumers' softmax with the tensor cores idle, not to loads.
 // Mirrored by `ws_config` in attention/flash.rs. Three stages of 64 KB at D = 128 fill the 227 KB a
 // CTA may take; four of 32 KB at D = 64.
 template <int D> struct WsCfg { static constexpr int BN = 128, STAGES = 4; };
@@ -293,6 +296,11 @@ __device__ __forceinline__ void set_max_regs_inc() { asm volatile("setmaxnreg.in
 template <int N>
 __device__ __forceinline__ void set_max_regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 __device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+// The consumers' ping-pong turns: named barriers PP_BAR (consumer 0's turn) and PP_BAR + 1
+// (consumer 1's), each met by one warpgroup's sync and the other's arrive (256 threads).
+constexpr int PP_BAR = 8;
+__device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void pp_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 
 template <int D>
 __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k,
@@ -353,7 +361,17 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         return;
     }
 
-    // A consumer: 64 query rows of the tile.
+    // A consumer: 64 query rows of the tile. Two overlaps keep the tensor cores busy while a
+    // consumer computes its softmax:
+    //  - inside a warpgroup, block j's scores are issued together with block j - 1's P·V, and the
+    //    softmax of block j runs while that P·V is still in flight (only the outputs' rescale waits
+    //    for it);
+    //  - between the two warpgroups, "ping-pong": each issues its products only in its turn (named
+    //    barrier PP + c, handed over with bar.arrive right after the issue), so one warpgroup's
+    //    softmax falls on the other's products instead of both computing softmax at once.
+    // The issues of one consumer come in nb + 1 turns: block 0's scores; block j's scores with
+    // block j - 1's P·V; the last P·V. Consumer 1 hands consumer 0 its first turn and takes no
+    // turn back after its last, so every arrive meets a sync.
     set_max_regs_inc<232>();
     const int c = (threadIdx.x >> 7) - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int qa = min(q1, q0 + 64 * c), qz = min(q1, qa + 64);
@@ -365,40 +383,58 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     RowStats stats;
     float alpha_lo, alpha_hi;
     u32 pa[BN / 16][4];
-    mbar_wait(q_full, 0);
-    fence_async_smem();
-    // Block j's P·V is left running while block j + 1's scores are issued: the tensor cores get
-    // both back to back, and one wait covers the two.
-    for (int j = 0; j < nb; j++) {
-        const int st = j % S;
-        const u32 par = (j / S) & 1;
-        const int kb0 = k_lo + j * BN;
+    if (nb > 0) {
         float s[NS][4];
         zero(s);
-        mbar_wait(k_full + 8 * st, par);
+        mbar_wait(q_full, 0);
+        if (c == 1) pp_arrive(PP_BAR);
+        mbar_wait(k_full, 0);
         fence_async_smem();  // the copies landed through the generic proxy; wgmma reads through the async one
+        pp_sync(PP_BAR + c);
         wg_fence();
-        issue_qk<D / 16>(s, sQc, sK + st * TILE, 0);
+        issue_qk<D / 16>(s, sQc, sK, 0);
         wg_commit();
+        pp_arrive(PP_BAR + 1 - c);
         wg_wait<0>();
         wg_keep(s);
-        wg_keep(oacc);
-        mbar_arrive(k_free + 8 * st);
-        if (j > 0) mbar_arrive(v_free + 8 * ((j - 1) % S));
-
-        softmax_block<NS>(s, stats, alpha_lo, alpha_hi, kb0, k_hi, qa, qz, row_lo, window, causal, scale_log2);
+        mbar_arrive(k_free);
+        softmax_block<NS>(s, stats, alpha_lo, alpha_hi, k_lo, k_hi, qa, qz, row_lo, window, causal, scale_log2);
         pack_p(s, pa);
-        rescale(oacc, alpha_lo, alpha_hi);
-
-        mbar_wait(v_full + 8 * st, par);
+        for (int j = 1; j < nb; j++) {
+            const int st = j % S, pst = (j - 1) % S;
+            mbar_wait(k_full + 8 * st, (j / S) & 1);
+            mbar_wait(v_full + 8 * pst, ((j - 1) / S) & 1);
+            fence_async_smem();
+            pp_sync(PP_BAR + c);
+            wg_fence();
+            issue_qk<D / 16>(s, sQc, sK + st * TILE, 0);
+            wg_commit();
+            issue_pv<BN>(oacc, pa, sV + pst * TILE, 0);
+            wg_commit();
+            pp_arrive(PP_BAR + 1 - c);
+            wg_wait<1>();  // the scores; block j - 1's P·V may still run
+            wg_keep(s);
+            mbar_arrive(k_free + 8 * st);
+            softmax_block<NS>(s, stats, alpha_lo, alpha_hi, k_lo + j * BN, k_hi, qa, qz, row_lo, window, causal,
+                              scale_log2);
+            wg_wait<0>();
+            wg_keep(oacc);
+            mbar_arrive(v_free + 8 * pst);
+            rescale(oacc, alpha_lo, alpha_hi);
+            pack_p(s, pa);
+        }
+        const int lst = (nb - 1) % S;
+        mbar_wait(v_full + 8 * lst, ((nb - 1) / S) & 1);
         fence_async_smem();
+        pp_sync(PP_BAR + c);
         wg_fence();
-        issue_pv<BN>(oacc, pa, sV + st * TILE, 0);
+        issue_pv<BN>(oacc, pa, sV + lst * TILE, 0);
         wg_commit();
+        if (c == 0) pp_arrive(PP_BAR + 1);
+        wg_wait<0>();
+        wg_keep(oacc);
+        mbar_arrive(v_free + 8 * lst);
     }
-    wg_wait<0>();
-    wg_keep(oacc);
-    if (nb > 0) mbar_arrive(v_free + 8 * ((nb - 1) % S));
     flash_store<D, NO, bf16>(oacc, stats, 0, true, row_lo, qz, h, o, os, part, rows, chunk, kv_splits);
 }
 

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# On the GPU machine (via the `device` tool, carrying .dev/pack, .dev/whl and .dev/tools): the whole
+# GPU suite at one commit — the op table, every family's CUDA tests on its miniature, then each
+# full-size part (Qwen-Image-2.1, Z-Image, LFM2-VL, EmbeddingGemma 2 with its bf16 floor) — and,
+# while time is left, the Tessera side of issue 27's table (cuBLASLt ceiling, attention beside
+# SDPA, Z-Image and Qwen-Image-2.1 generation at 1024²). Prints one line per part.
+#   DEADLINE: seconds after which no further part starts (default 520)
+#   PARTS=ops,mini,qfull,zfull,lfull,efull,attn,gen (default all)
+# Build first: PACK=1 TESTS="cuda_ops egemma2_cuda zimage_cuda lfm2vl_cuda qwen_image_cuda" \
+#   tools/device/stage.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PARTS=${PARTS:-ops,mini,qfull,zfull,lfull,efull,attn,gen}
+DEADLINE=${DEADLINE:-520}
+export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
+if [ -f .dev/pack/bin.tar.xz ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
+  && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+B=.dev/bin/tessera
+status=0
+t0=$SECONDS
+
+# time_left: whether the next part may start.
+time_left() { [ $((SECONDS - t0)) -lt "$DEADLINE" ] || { echo "-- deadline: $1 skipped"; return 1; }; }
+# part NAME LOG CMD...: run CMD into LOG, print its test summary and time, fold its status in.
+part() {
+  local name=$1 log=$2; shift 2
+  local s=$SECONDS
+  "$@" > "$OUT/$log" 2>&1; local r=$?
+  status=$((status | r))
+  printf '%-34s rc=%-3s %4ss  %s\n' "$name" "$r" "$((SECONDS - s))" \
+    "$(grep -E '^test result' "$OUT/$log" | sed 's/test result: //; s/; 0 measured//; s/ filtered out//' | tr '\n' ' ' | cut -c1-120)"
+  grep -E "panicked|^failures:|> [0-9.e-]+ *\"?,?$" "$OUT/$log" | head -8
+}
+
+if [[ $PARTS == *ops* ]] && time_left ops; then
+  part "cuda_ops (op table)" cuda_ops.log .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture
+  grep -E "^total|declined" "$OUT/cuda_ops.log" | tail -3
+fi
+if [[ $PARTS == *mini* ]] && time_left mini; then
+  part "egemma2_cuda (fixtures)" eg2_mini.log .dev/bin/egemma2_cuda --ignored --test-threads=1 --nocapture \
+    --skip full_size --skip too_large
+  for t in zimage_cuda qwen_image_cuda lfm2vl_cuda; do
+    part "$t (miniature)" "${t}_mini.log" .dev/bin/$t --ignored --test-threads=1 --nocapture --skip full_size
+    grep -E "f32:|bf16:" "$OUT/${t}_mini.log" | head -4 | cut -c1-200
+  done
+fi
+if [[ $PARTS == *qfull* ]] && time_left qfull; then
+  [ -f /tmp/qfull/model_index.json ] || python3 tools/device/make_qwen_image_full.py /tmp/qfull \
+    crates/models/assets/qwen-image-mini > "$OUT/make_qfull.log" 2>&1 || tail -5 "$OUT/make_qfull.log"
+  TESSERA_QI_FULL=/tmp/qfull part "qwen_image_cuda (full size)" qi_full.log timeout 300 \
+    .dev/bin/qwen_image_cuda --ignored --test-threads=1 --nocapture full_size
+  grep -E "full size|layer|velocity" "$OUT/qi_full.log" | grep -v "^test " | head -12 | cut -c1-220
+fi
+if [[ $PARTS == *zfull* ]] && time_left zfull; then
+  [ -f /tmp/zfull/model_index.json ] || python3 tools/device/make_zimage_full.py /tmp/zfull \
+    crates/models/assets/zimage-mini > "$OUT/make_zfull.log" 2>&1 || tail -5 "$OUT/make_zfull.log"
+  TESSERA_ZI_FULL=/tmp/zfull part "zimage_cuda (full size)" zi_full.log timeout 300 \
+    .dev/bin/zimage_cuda --ignored --test-threads=1 --nocapture full_size
+  grep -E "f32:|bf16:|full size" "$OUT/zi_full.log" | grep -v "^test " | head -4 | cut -c1-220
+fi
+if [[ $PARTS == *lfull* ]] && time_left lfull; then
+  [ -f /tmp/lfm2full/config.json ] || python3 tools/device/make_lfm2vl_full.py /tmp/lfm2full \
+    > "$OUT/make_lfull.log" 2>&1 || tail -5 "$OUT/make_lfull.log"
+  TESSERA_LFM2_FULL=/tmp/lfm2full part "lfm2vl_cuda (full size)" lfm2_full.log timeout 200 \
+    .dev/bin/lfm2vl_cuda --ignored --test-threads=1 --nocapture full_size
+  grep -E "full size" "$OUT/lfm2_full.log" | grep -v "^test " | head -4 | cut -c1-220
+fi
+if [[ $PARTS == *efull* ]] && time_left efull; then
+  M=/tmp/eg2 P=/tmp/eg2p D=/tmp/eg2data
+  if [ ! -f $P/model.safetensors ]; then
+    python3 tools/device/make_eg2_full.py $M $D --no-audio > "$OUT/make_eg2.log" 2>&1 \
+      && python3 tools/device/make_eg2_parity.py $M $P >> "$OUT/make_eg2.log" 2>&1 || tail -5 "$OUT/make_eg2.log"
+  fi
+  python3 tools/device/eg2_bf16_floor.py full $P $D/bench_inputs.json "$OUT/eg2_floor.json" 2> "$OUT/eg2_floor.err" \
+    | grep "ideal bf16" | head -2 || tail -3 "$OUT/eg2_floor.err"
+  TESSERA_EG2_FULL=$P TESSERA_EG2_INPUTS=$D/bench_inputs.json TESSERA_EG2_FLOOR=$OUT/eg2_floor.json \
+    part "egemma2_cuda (full size)" eg2_full.log timeout 240 .dev/bin/egemma2_cuda --ignored --test-threads=1 --nocapture
+  grep -E "worst|documents of" "$OUT/eg2_full.log" | head -6 | cut -c1-220
+fi
+echo "-- suite: status $status after $((SECONDS - t0)) s"
+
+if [[ $PARTS == *attn* ]] && time_left attn; then
+  echo "== attention (median of 20; TFLOP/s), then PyTorch SDPA in this call"
+  timeout 120 $B bench attention --device cuda > "$OUT/bench_attention.jsonl" 2>&1
+  python3 - "$OUT/bench_attention.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    print(f"{r['shape']:<20} {str(r.get('kernel')):<6} chunks={r['kv_splits']} chosen={r['chosen']!s:<5} "
+          f"{r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
+PY
+  timeout 120 python3 tools/device/sdpa_ref.py > "$OUT/sdpa_ref.jsonl" 2>&1
+  python3 - "$OUT/sdpa_ref.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    if "error" not in r:
+        print(f"{r['shape']:<20} sdpa {r['backend']:<8} {r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
+PY
+fi
+if [[ $PARTS == *gen* ]] && time_left gen; then
+  echo "== cuBLASLt bf16 ceiling"
+  $B bench gemm --device cuda > "$OUT/gemm.log" 2>&1; grep -v gemm_shape "$OUT/gemm.log" | head -3
+  echo "== Z-Image 1024², 8 steps, bf16 (5 iterations)"
+  timeout 150 $B bench generate --model /tmp/zfull --device cuda --precision bf16 --size 1024x1024 --steps 8 \
+    --iters 5 > "$OUT/zi_gen.log" 2>&1
+  grep -E "end to end|step|decode|rror" "$OUT/zi_gen.log" | grep -v "^{" | head -6
+fi
+if [[ $PARTS == *gen* ]] && time_left qgen; then
+  echo "== Qwen-Image-2.1 1024², 40 steps, bf16 (2 iterations)"
+  timeout 120 $B bench generate --model /tmp/qfull --device cuda --precision bf16 --size 1024x1024 --steps 40 \
+    --iters 2 > "$OUT/qi_gen.log" 2>&1
+  grep -E "end to end|step|decode|rror" "$OUT/qi_gen.log" | grep -v "^{" | head -6
+fi
+(cd "$OUT" && tar czf logs.tgz ./*.log ./*.jsonl ./*.err 2>/dev/null && rm -f ./*.log ./*.err)
+echo "-- total $((SECONDS - t0)) s, status $status"
+exit $status
