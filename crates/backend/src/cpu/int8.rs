@@ -28,11 +28,13 @@ pub fn supports(dtype: DType) -> bool {
     matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_K)
 }
 
-/// Whether this CPU runs the AVX2 block products.
+/// Whether this CPU runs the AVX2 block products (with FMA and F16C, as every AVX2 CPU has).
 pub fn native() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -122,13 +124,15 @@ fn dot_plain(dtype: DType, row: &[u8], q: &[i8], d: &[f32]) -> f32 {
 
 /// As [`dot_plain`] for `R` activation rows at once, with AVX2: each weight block is loaded
 /// (and unpacked) once for the `R` rows; 32 products per block and row in two instructions,
-/// eight partial sums per lane scaled and accumulated in f32.
+/// eight partial sums per lane scaled and accumulated in f32 — even and odd blocks into separate
+/// accumulators, so consecutive blocks' multiply-adds do not wait on each other (the same order
+/// for every `R`: a row sums alike alone and in a tile). Block scales convert with F16C.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `row` holds `q[r].len() / 32` blocks of `dtype`, each `d[r]` as
-/// many scales.
+/// The CPU has AVX2, FMA and F16C; `row` holds `q[r].len() / 32` blocks of `dtype`, each `d[r]`
+/// as many scales.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2<const R: usize>(
     dtype: DType,
     row: &[u8],
@@ -137,38 +141,65 @@ unsafe fn dot_avx2<const R: usize>(
 ) -> [f32; R] {
     use std::arch::x86_64::*;
     let bb = dtype.block_bytes();
-    let mut acc = [_mm256_setzero_ps(); R];
+    let nb = row.len() / bb;
     let ones = _mm256_set1_epi16(1);
     let low = _mm_set1_epi8(0x0f);
     let eight = _mm256_set1_epi8(8);
-    for (i, b) in row.chunks_exact(bb).enumerate() {
-        let dw = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-        // SAFETY: `b` holds one block (2 + 32 or 2 + 16 bytes); each `q[r]` 32 values at 32·i.
-        unsafe {
-            let w = if dtype == DType::Q8_0 {
-                _mm256_loadu_si256(b.as_ptr().add(2).cast())
-            } else {
-                let packed = _mm_loadu_si128(b.as_ptr().add(2).cast());
-                let lo = _mm_and_si128(packed, low);
-                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-                _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
-            };
-            let abs_w = _mm256_sign_epi8(w, w);
-            for r in 0..R {
-                let x = _mm256_loadu_si256(q[r].as_ptr().add(i * BLOCK).cast());
-                // |w| · (x with w's sign): the same products, the left operand unsigned.
-                let pairs = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
-                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][i]), sums, acc[r]);
-            }
+    let q8 = dtype == DType::Q8_0;
+    // SAFETY (whole body): block i's bytes are row[i·bb..][..bb], its activations
+    // q[r][32·i..][..32] and scale d[r][i], all in bounds for i < nb by the caller's promise.
+    let block = |i: usize, acc: &mut [__m256; R]| unsafe {
+        let b = row.as_ptr().add(i * bb);
+        let dw = f16_bits(u16::from_le_bytes([*b, *b.add(1)]));
+        let w = if q8 {
+            _mm256_loadu_si256(b.add(2).cast())
+        } else {
+            let packed = _mm_loadu_si128(b.add(2).cast());
+            let lo = _mm_and_si128(packed, low);
+            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+            _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
+        };
+        let abs_w = _mm256_sign_epi8(w, w);
+        for r in 0..R {
+            let x = _mm256_loadu_si256(q[r].as_ptr().add(i * BLOCK).cast());
+            // |w| · (x with w's sign): the same products, the left operand unsigned.
+            let pairs = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
+            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            let scale = _mm256_set1_ps(dw * *d[r].get_unchecked(i));
+            acc[r] = _mm256_fmadd_ps(scale, sums, acc[r]);
         }
+    };
+    let mut even = [_mm256_setzero_ps(); R];
+    let mut odd = [_mm256_setzero_ps(); R];
+    let mut i = 0;
+    while i + 2 <= nb {
+        block(i, &mut even);
+        block(i + 1, &mut odd);
+        i += 2;
     }
-    acc.map(|a| {
-        let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
-    })
+    if i < nb {
+        block(i, &mut even);
+    }
+    std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
+}
+
+/// An f16 scale's bits as f32, with F16C's one conversion instruction.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+fn f16_bits(bits: u16) -> f32 {
+    use std::arch::x86_64::*;
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The sum of a vector's eight lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn hsum(a: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
 }
 
 /// Q4_K's sub-blocks of a row: `(ds, dm, nibbles, high)` per sub-block of 32, with value
@@ -204,14 +235,16 @@ fn dot_q4_k_plain(row: &[u8], q: &[i8], d: &[f32], s: &[i32]) -> f32 {
     acc
 }
 
-/// As [`dot_q4_k_plain`] for `R` activation rows at once, with AVX2 (the nibbles are the
-/// unsigned operand of `vpmaddubsw` as they are).
+/// As [`dot_q4_k_plain`] for `R` activation rows at once, with AVX2: per Q4_K block the eight
+/// sub-block scales and mins are decoded once, and each 32-byte run of nibbles is loaded once for
+/// its two sub-blocks (low nibbles, then high), which accumulate separately (the nibbles are the
+/// unsigned operand of `vpmaddubsw` as they are). The same order for every `R`.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `row` holds `q[r].len() / 256` Q4_K blocks, each `d[r]` and `s[r]`
-/// one entry per 32 values.
+/// The CPU has AVX2, FMA and F16C; `row` holds `q[r].len() / 256` Q4_K blocks, each `d[r]` and
+/// `s[r]` one entry per 32 values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_k_avx2<const R: usize>(
     row: &[u8],
     q: [&[i8]; R],
@@ -219,35 +252,48 @@ unsafe fn dot_q4_k_avx2<const R: usize>(
     s: [&[i32]; R],
 ) -> [f32; R] {
     use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_ps(); R];
+    let bb = DType::Q4_K.block_bytes();
+    let mut even = [_mm256_setzero_ps(); R];
+    let mut odd = [_mm256_setzero_ps(); R];
     let mut mins = [0f32; R];
     let ones = _mm256_set1_epi16(1);
     let low = _mm256_set1_epi8(0x0f);
-    for (i, (ds, dm, run, high)) in q4_k_subs(row).enumerate() {
-        // SAFETY: `run` is 32 bytes; each `q[r]` holds 32 values at 32·i.
-        unsafe {
-            let packed = _mm256_loadu_si256(run.as_ptr().cast());
-            let nib = if high {
-                _mm256_and_si256(_mm256_srli_epi16(packed, 4), low)
-            } else {
-                _mm256_and_si256(packed, low)
-            };
-            for r in 0..R {
-                let x = _mm256_loadu_si256(q[r].as_ptr().add(i * BLOCK).cast());
-                let pairs = _mm256_maddubs_epi16(nib, x);
-                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[r][i] * ds), sums, acc[r]);
-                mins[r] += d[r][i] * (dm * s[r][i] as f32);
+    for (k, b) in row.chunks_exact(bb).enumerate() {
+        let (dd, dmin) = (
+            f16_bits(u16::from_le_bytes([b[0], b[1]])),
+            f16_bits(u16::from_le_bytes([b[2], b[3]])),
+        );
+        let (scales, qs) = b[4..].split_at(12);
+        for pair in 0..4 {
+            let (j0, j1) = (2 * pair, 2 * pair + 1);
+            let (sc0, m0) = tessera_core::gguf::q4_k_scale_min(scales, j0);
+            let (sc1, m1) = tessera_core::gguf::q4_k_scale_min(scales, j1);
+            let (ds0, dm0) = (dd * f32::from(sc0), dmin * f32::from(m0));
+            let (ds1, dm1) = (dd * f32::from(sc1), dmin * f32::from(m1));
+            let (i0, i1) = (8 * k + j0, 8 * k + j1);
+            // SAFETY: `qs` holds 4 runs of 32 bytes; each `q[r]` 32 values at 32·i0 and 32·i1,
+            // each `d[r]`, `s[r]` entries i0 and i1 (the caller's promise).
+            unsafe {
+                let packed = _mm256_loadu_si256(qs.as_ptr().add(32 * pair).cast());
+                let lo = _mm256_and_si256(packed, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+                for r in 0..R {
+                    let x0 = _mm256_loadu_si256(q[r].as_ptr().add(i0 * BLOCK).cast());
+                    let x1 = _mm256_loadu_si256(q[r].as_ptr().add(i1 * BLOCK).cast());
+                    let s0 =
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones));
+                    let s1 =
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones));
+                    let (dx0, dx1) = (*d[r].get_unchecked(i0), *d[r].get_unchecked(i1));
+                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx0 * ds0), s0, even[r]);
+                    odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx1 * ds1), s1, odd[r]);
+                    mins[r] += dx0 * (dm0 * *s[r].get_unchecked(i0) as f32)
+                        + dx1 * (dm1 * *s[r].get_unchecked(i1) as f32);
+                }
             }
         }
     }
-    std::array::from_fn(|r| {
-        let a = acc[r];
-        let v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        let v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-        _mm_cvtss_f32(v) - mins[r]
-    })
+    std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) - mins[r])
 }
 
 /// One rounded activation row: values, block scales, block sums.
@@ -256,7 +302,7 @@ type Act<'a> = (&'a [i8], &'a [f32], &'a [i32]);
 /// `R` activation rows against one weight row with AVX2, by format.
 ///
 /// # Safety
-/// AVX2 and FMA are present; `row` is one weight row of `blocks` blocks of 32 values and each
+/// AVX2, FMA and F16C are present; `row` is one weight row of `blocks` blocks of 32 values and each
 /// activation row has `blocks` blocks.
 #[cfg(target_arch = "x86_64")]
 unsafe fn tile<const R: usize>(dtype: DType, row: &[u8], a: [Act<'_>; R]) -> [f32; R] {
@@ -328,7 +374,7 @@ pub(super) fn product(
             if fast {
                 while i + ROW_TILE <= m {
                     let a: [Act<'_>; ROW_TILE] = std::array::from_fn(|r| act(i + r));
-                    // SAFETY: AVX2 and FMA were detected; shapes as `tile` needs.
+                    // SAFETY: AVX2, FMA and F16C were detected; shapes as `tile` needs.
                     let s = unsafe { tile(dtype, row, a) };
                     for (r, s) in s.into_iter().enumerate() {
                         store(i + r, j, s);
