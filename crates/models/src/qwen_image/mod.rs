@@ -10,6 +10,8 @@
 //! - [`scheduler`]: the FlowMatch Euler σ schedule with its resolution-dependent shift;
 //! - [`vae`]: the RGBA VAE decoder (`AutoencoderKLQwenImage21`) and the 8-bit conversion;
 //! - [`vae_encoder`]: its encoder, a condition image to normalised DiT-space latent tokens;
+//! - [`vision`]: condition images for the text encoder: the Qwen3-VL image processor, the edit
+//!   prompt's token layout and positions;
 //! - [`pipeline`]: all of it end to end.
 
 pub mod condition;
@@ -22,6 +24,7 @@ pub mod text;
 pub mod transformer;
 pub mod vae;
 pub mod vae_encoder;
+pub mod vision;
 
 use std::path::Path;
 
@@ -151,6 +154,10 @@ pub const BUNDLED: QwenImageFiles = QwenImageFiles {
             (
                 "chat_template.jinja",
                 asset!("processor/chat_template.jinja"),
+            ),
+            (
+                "processor_config.json",
+                asset!("processor/processor_config.json"),
             ),
         ],
     },

@@ -1,0 +1,177 @@
+//! Qwen-Image-2.1's condition images on the text encoder's side against the reference's golden
+//! fixtures (`tools/fixtures/qwen_image_vision.py`: transformers 5.25.0's Qwen3-VL processor on
+//! its torchvision backend, diffusers 0.42.1's `_get_qwen_prompt_embeds`, the bundled miniature).
+//! Pixel rows and token ids must be identical.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::Expected;
+use serde::Deserialize;
+use tessera_models::imageproc::Image;
+use tessera_models::qwen_image::BUNDLED;
+use tessera_models::qwen_image::vision::{
+    EditPrompt, ImageProcessorConfig, edit_template, smart_resize,
+};
+use tessera_models::qwen3::BpeTokenizer;
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_image/vision")
+}
+
+#[derive(Deserialize)]
+struct Fixture {
+    smart_resize: Vec<SmartCase>,
+    processor: Vec<ProcCase>,
+    prompts: Vec<PromptCase>,
+}
+
+#[derive(Deserialize)]
+struct SmartCase {
+    hw: [usize; 2],
+    factor: usize,
+    min_pixels: usize,
+    max_pixels: usize,
+    out: Option<[usize; 2]>,
+}
+
+#[derive(Deserialize)]
+struct ProcCase {
+    name: String,
+    wh: [usize; 2],
+    resized_wh: [usize; 2],
+    grid_thw: [usize; 3],
+    resized: bool,
+}
+
+#[derive(Deserialize)]
+struct PromptCase {
+    name: String,
+    prompt: String,
+    images: Vec<String>,
+    ids: Vec<u32>,
+    positions: [Vec<u32>; 3],
+    drop_idx: usize,
+    rows: usize,
+    template: String,
+}
+
+fn fixture() -> Fixture {
+    let p = dir().join("cases.json");
+    let s = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&s).unwrap()
+}
+
+fn expected() -> Expected {
+    Expected::load_from(&dir().join("expected.safetensors"))
+}
+
+/// A processor case's input image, as the pipeline hands it to the processor.
+fn input(ex: &Expected, case: &str, [w, h]: [usize; 2]) -> Image {
+    let name = format!("proc/{case}/rgb");
+    assert_eq!(ex.shape(&name), [h, w, 3]);
+    let rgb = ex.get(&name).iter().map(|&v| v as u8).collect();
+    Image::from_rgb8(w, h, rgb).unwrap()
+}
+
+fn processor() -> ImageProcessorConfig {
+    ImageProcessorConfig::load(&BUNDLED.processor).unwrap()
+}
+
+#[test]
+fn smart_resize_matches_transformers() {
+    let fx = fixture();
+    assert!(fx.smart_resize.iter().any(|c| c.out.is_none()));
+    for c in &fx.smart_resize {
+        let [h, w] = c.hw;
+        let got = smart_resize(h, w, c.factor, c.min_pixels, c.max_pixels);
+        match c.out {
+            Some([rh, rw]) => assert_eq!(got.unwrap(), (rh, rw), "{h}×{w}"),
+            None => assert!(got.is_err(), "{h}×{w} should be refused"),
+        }
+    }
+}
+
+#[test]
+fn pixel_rows_match_the_processor_exactly() {
+    let fx = fixture();
+    let ex = expected();
+    let cfg = processor();
+    let map = cfg.pixel_map();
+    // Both paths: copies passed through, and images the processor resizes.
+    assert!(fx.processor.iter().any(|c| c.resized) && fx.processor.iter().any(|c| !c.resized));
+    for c in &fx.processor {
+        let img = cfg.preprocess(&input(&ex, &c.name, c.wh)).unwrap();
+        assert_eq!(img.grid_thw(), c.grid_thw, "{}", c.name);
+        let [rw, rh] = c.resized_wh;
+        assert_eq!(cfg.target_size(c.wh[0], c.wh[1]).unwrap(), (rw, rh));
+        let name = format!("proc/{}/pixel_values", c.name);
+        assert_eq!(
+            ex.shape(&name),
+            [img.patches(), cfg.row_width()],
+            "{}",
+            c.name
+        );
+        let want = ex.get(&name);
+        let differ = img
+            .bytes
+            .iter()
+            .zip(want)
+            .filter(|&(&b, &w)| map[b as usize] as f64 != w)
+            .count();
+        assert_eq!(differ, 0, "{}: {differ} pixel values differ", c.name);
+    }
+}
+
+#[test]
+fn edit_prompt_ids_and_positions_match_the_pipeline() {
+    let fx = fixture();
+    let ex = expected();
+    let cfg = processor();
+    let tok = BpeTokenizer::load(&BUNDLED.processor).unwrap();
+    assert!(fx.prompts.iter().any(|p| p.images.len() > 1));
+    for p in &fx.prompts {
+        let images: Vec<_> = p
+            .images
+            .iter()
+            .map(|n| {
+                let c = fx.processor.iter().find(|c| &c.name == n).unwrap();
+                cfg.preprocess(&input(&ex, n, c.wh)).unwrap()
+            })
+            .collect();
+        assert_eq!(edit_template(&p.prompt, images.len()), p.template);
+        let prompt = EditPrompt::new(&tok, &p.prompt, &images, cfg.merge).unwrap();
+        assert_eq!(prompt.ids.ids, p.ids, "{}", p.name);
+        assert_eq!(prompt.ids.drop, p.drop_idx, "{}", p.name);
+        assert_eq!(prompt.ids.rows(), p.rows, "{}", p.name);
+        assert_eq!(prompt.positions(), p.positions, "{}", p.name);
+        // The pipeline's mask of pad rows among the features.
+        let mask: Vec<bool> = ex
+            .get(&format!("te/{}/pad_mask", p.name))
+            .iter()
+            .map(|&v| v != 0.0)
+            .collect();
+        let mut ours = vec![false; prompt.ids.rows()];
+        for s in &prompt.images {
+            for m in &mut ours[s.start - prompt.ids.drop..][..s.tokens()] {
+                *m = true;
+            }
+        }
+        assert_eq!(ours, mask, "{}", p.name);
+    }
+}
+
+#[test]
+fn bad_edit_prompts_are_refused() {
+    let cfg = processor();
+    let tok = BpeTokenizer::load(&BUNDLED.processor).unwrap();
+    let img = cfg
+        .preprocess(&Image::from_rgb8(64, 64, vec![128; 64 * 64 * 3]).unwrap())
+        .unwrap();
+    let e = EditPrompt::new(&tok, "x <|image_pad|>", std::slice::from_ref(&img), 2).unwrap_err();
+    assert!(e.to_string().contains("<|image_pad|>"), "{e}");
+    let eleven = vec![img; 11];
+    let e = EditPrompt::new(&tok, "x", &eleven, 2).unwrap_err();
+    assert!(e.to_string().contains("11 condition images"), "{e}");
+}
