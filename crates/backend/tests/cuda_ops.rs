@@ -155,6 +155,7 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(qkv(32, 8, 128).split_half(1e6).no_v_norm()); // Qwen3-4B (Z-Image's text encoder)
     t.add(qkv(4, 2, 256)); // norms alone
     t.add(qkv(3, 1, 6).split_half(1e4).weightless()); // an odd number of pairs
+    t.add(qkv(2, 2, 16).split_half(1e4).rope_only()); // Qwen3-VL's vision tower: no q/k norms
     t.add(qkv(4, 4, 128).interleaved(256.0)); // complex-pair RoPE
     t.add(qkv(2, 1, 6).interleaved(1e4).no_v_norm());
     t.add(qkv(4, 4, 128).multi_axis(256.0, [32, 48, 48], 7, (6, 4))); // Z-Image's 3-axis RoPE
@@ -486,6 +487,8 @@ fn declined_on_cuda() -> Vec<String> {
         "avg_down 12→3 over a 4×4 image, 1 frames, 2× space",
         "avg_down 10→5 over a 3×5 image, 1 frames, 1× space",
     ];
+    // Qwen3-VL's vision tower rotates q and k without norms: no kernel yet.
+    const ROPE_ONLY: &str = "qkv_norm_rope 2/2×16 SplitHalf θ=10000 (q/k not normed, v normed)";
     BLOCK_CAUSAL
         .iter()
         .flat_map(|case| {
@@ -498,6 +501,7 @@ fn declined_on_cuda() -> Vec<String> {
                 .iter()
                 .flat_map(|case| [format!("{case} (f32)"), format!("{case} (bf16)")]),
         )
+        .chain([format!("{ROPE_ONLY} (f32)"), format!("{ROPE_ONLY} (bf16)")])
         .collect()
 }
 

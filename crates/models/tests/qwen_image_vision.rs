@@ -1,18 +1,21 @@
 //! Qwen-Image-2.1's condition images on the text encoder's side against the reference's golden
 //! fixtures (`tools/fixtures/qwen_image_vision.py`: transformers 5.25.0's Qwen3-VL processor on
 //! its torchvision backend, diffusers 0.42.1's `_get_qwen_prompt_embeds`, the bundled miniature).
-//! Pixel rows and token ids must be identical.
+//! Pixel rows and token ids must be identical; float64 taps are matched at `rel` 1e-5
+//! (`max |got − want| / max |want|`).
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::Expected;
+use common::{Expected, rel};
 use serde::Deserialize;
+use tessera_backend::Backend;
+use tessera_backend::cpu::CpuBackend;
 use tessera_models::imageproc::Image;
 use tessera_models::qwen_image::BUNDLED;
 use tessera_models::qwen_image::vision::{
-    EditPrompt, ImageProcessorConfig, edit_template, smart_resize,
+    EditPrompt, ImageProcessorConfig, VisionConfig, VisionTower, edit_template, smart_resize,
 };
 use tessera_models::qwen3::BpeTokenizer;
 
@@ -25,7 +28,17 @@ struct Fixture {
     smart_resize: Vec<SmartCase>,
     processor: Vec<ProcCase>,
     prompts: Vec<PromptCase>,
+    tower: Vec<TowerCase>,
 }
+
+#[derive(Deserialize)]
+struct TowerCase {
+    name: String,
+    images: Vec<String>,
+    deepstack: usize,
+}
+
+const BOUND: f64 = 1e-5;
 
 #[derive(Deserialize)]
 struct SmartCase {
@@ -174,4 +187,105 @@ fn bad_edit_prompts_are_refused() {
     let eleven = vec![img; 11];
     let e = EditPrompt::new(&tok, "x", &eleven, 2).unwrap_err();
     assert!(e.to_string().contains("11 condition images"), "{e}");
+}
+
+fn tower_config() -> VisionConfig {
+    let f = &BUNDLED.text_encoder;
+    VisionConfig::parse(&f.path("config.json"), &f.read("config.json").unwrap()).unwrap()
+}
+
+#[test]
+fn vision_tower_and_deepstack_features_match_the_reference() {
+    let fx = fixture();
+    let ex = expected();
+    let cfg = processor();
+    let be = CpuBackend::new();
+    let vc = tower_config();
+    let weights = BUNDLED.text_encoder.weights("model").unwrap();
+    let mut tower = VisionTower::load(&be, &vc, &weights).unwrap();
+    // One image alone, and two of different grids packed in one pass.
+    assert!(fx.tower.iter().any(|t| t.images.len() > 1));
+    let mut failures = Vec::new();
+    for t in &fx.tower {
+        let images: Vec<_> = t
+            .images
+            .iter()
+            .map(|n| {
+                let c = fx.processor.iter().find(|c| &c.name == n).unwrap();
+                cfg.preprocess(&input(&ex, n, c.wh)).unwrap()
+            })
+            .collect();
+        let n: usize = images.iter().map(|i| i.patches()).sum();
+        let feats = tower.forward(&be, &images, &cfg.pixel_map()).unwrap();
+        assert_eq!(feats.deepstack.len(), t.deepstack, "{}", t.name);
+        let mut taps = vec![("merged".to_string(), be.read_f32(feats.merged).unwrap())];
+        for (i, d) in feats.deepstack.iter().enumerate() {
+            taps.push((format!("deepstack{i}"), be.read_f32(*d).unwrap()));
+        }
+        taps.push((
+            "last".into(),
+            be.read_f32(tower.last_hidden(n).unwrap()).unwrap(),
+        ));
+        for (tap, got) in taps {
+            let name = format!("tower/{}/{tap}", t.name);
+            let e = rel(&got, ex.get(&name));
+            eprintln!("{name}: rel {e:.2e}");
+            if e > BOUND {
+                failures.push(format!("{name}: rel {e:.2e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn the_tower_declares_every_op_it_calls() {
+    let be = CpuBackend::recording();
+    let vc = tower_config();
+    let weights = BUNDLED.text_encoder.weights("model").unwrap();
+    let mut tower = VisionTower::load(&be, &vc, &weights).unwrap();
+    let cfg = processor();
+    let img = cfg
+        .preprocess(&Image::from_rgb8(64, 96, vec![200; 64 * 96 * 3]).unwrap())
+        .unwrap();
+    tower.forward(&be, &[img], &cfg.pixel_map()).unwrap();
+    let declared = tessera_models::qwen_image::vision::ops(&vc);
+    let recorded = be.recorded();
+    assert!(!recorded.is_empty());
+    let missing: Vec<String> = recorded
+        .iter()
+        .filter(|op| !declared.contains(op))
+        .map(|op| format!("{op}"))
+        .collect();
+    assert!(missing.is_empty(), "undeclared: {missing:?}");
+    let unused: Vec<String> = declared
+        .iter()
+        .filter(|op| !recorded.contains(op))
+        .map(|op| format!("{op}"))
+        .collect();
+    assert!(unused.is_empty(), "declared but never called: {unused:?}");
+}
+
+#[test]
+fn images_the_tower_cannot_take_are_refused_before_compute() {
+    let be = CpuBackend::new();
+    let vc = tower_config();
+    let weights = BUNDLED.text_encoder.weights("model").unwrap();
+    let mut tower = VisionTower::load(&be, &vc, &weights).unwrap();
+    let map = processor().pixel_map();
+    // A grid that is not whole merge blocks, and rows of the wrong width.
+    let odd = tessera_models::qwen_image::vision::VisionImage {
+        grid_h: 3,
+        grid_w: 2,
+        bytes: vec![0; 6 * vc.row_width()],
+    };
+    let e = tower.forward(&be, &[odd], &map).err().unwrap().to_string();
+    assert!(e.contains("3 patch grid") || e.contains("2×3"), "{e}");
+    let short = tessera_models::qwen_image::vision::VisionImage {
+        grid_h: 2,
+        grid_w: 2,
+        bytes: vec![0; 10],
+    };
+    assert!(tower.forward(&be, &[short], &map).is_err());
+    assert!(tower.forward(&be, &[], &map).is_err());
 }

@@ -574,6 +574,7 @@ impl Backend for CpuBackend {
         self.enter(Op::QkvNormRope {
             head_dim: n.layout.head_dim,
             rope: rope.map(|r| r.0.style),
+            qk_norm: n.qk_norm,
         })?;
         rope::qkv_norm_rope(qkv, n, rope.map(|(t, p)| (t, p.u32())))
     }

@@ -72,6 +72,7 @@ pub(super) fn qkv_norm_rope(
 ) -> Result<()> {
     let QkvNorm {
         layout,
+        qk_norm,
         q_weight,
         k_weight,
         v_norm,
@@ -91,6 +92,12 @@ pub(super) fn qkv_norm_rope(
     }
     check_weight("qkv_norm_rope", q_w, hd)?;
     check_weight("qkv_norm_rope", k_w, hd)?;
+    if !qk_norm && (q_w.is_some() || k_w.is_some()) {
+        return Err(Error::backend(
+            "qkv_norm_rope",
+            "q/k norm weights given with the q/k norms off",
+        ));
+    }
     // Positions per row: one, or an (x, y) pair for the axial 2-D style.
     let table = match rope {
         Some((t, pos)) => {
@@ -138,8 +145,10 @@ pub(super) fn qkv_norm_rope(
                 } else {
                     continue;
                 };
-                tmp.copy_from_slice(x);
-                norm_into(tmp, w, eps, x);
+                if qk_norm || !rotate {
+                    tmp.copy_from_slice(x);
+                    norm_into(tmp, w, eps, x);
+                }
                 match angles {
                     Some(((c, s), None, RopeStyle::Interleaved)) if rotate => {
                         rope_interleaved(x, c, s)
@@ -195,6 +204,7 @@ mod tests {
         be.qkv_norm_rope(
             ViewMut::new(&mut xb, rows, cols),
             &QkvNorm {
+                qk_norm: true,
                 layout,
                 q_weight: Some(&qv),
                 k_weight: Some(&kv),
@@ -244,6 +254,7 @@ mod tests {
             be.qkv_norm_rope(
                 ViewMut::new(&mut xb, 1, cols),
                 &QkvNorm {
+                    qk_norm: true,
                     layout,
                     q_weight: None,
                     k_weight: None,
@@ -282,6 +293,7 @@ mod tests {
         be.qkv_norm_rope(
             ViewMut::new(&mut xb, rows, cols),
             &QkvNorm {
+                qk_norm: true,
                 layout,
                 q_weight: Some(&qv),
                 k_weight: Some(&kv),
@@ -341,6 +353,7 @@ mod tests {
         be.qkv_norm_rope(
             ViewMut::new(&mut xb, rows, cols),
             &QkvNorm {
+                qk_norm: true,
                 layout,
                 q_weight: Some(&qv),
                 k_weight: Some(&kv),
@@ -378,5 +391,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn without_qk_norms_q_and_k_are_only_rotated() {
+        let be = cpu();
+        let layout = QkvLayout {
+            heads_q: 2,
+            heads_kv: 1,
+            head_dim: 4,
+        };
+        let (rows, cols) = (3, layout.width());
+        let x = Rng::new(5).vec(rows * cols, 2.0);
+        let inv_freq = [1.0f32, 0.1];
+        let table = RopeTable::new(&be, &inv_freq, 8, RopeStyle::SplitHalf).unwrap();
+        let positions = [0u32, 3, 7];
+        let pos = ids(&be, &positions);
+        let mut xb = buf(&be, &x);
+        let mut norm = QkvNorm {
+            layout,
+            qk_norm: false,
+            q_weight: None,
+            k_weight: None,
+            v_norm: false,
+            eps: 1e-6,
+        };
+        be.qkv_norm_rope(
+            ViewMut::new(&mut xb, rows, cols),
+            &norm,
+            Some((&table, &pos)),
+        )
+        .unwrap();
+        let got = be.read_f32(View::new(&xb, rows, cols)).unwrap();
+        for r in 0..rows {
+            for h in 0..4 {
+                let seg = &x[r * cols + h * 4..r * cols + (h + 1) * 4];
+                for j in 0..4 {
+                    let want = if h < 3 {
+                        let a = (positions[r] as f32 * inv_freq[j % 2]) as f64;
+                        let rot = if j < 2 { -seg[j + 2] } else { seg[j - 2] } as f64;
+                        seg[j] as f64 * a.cos() + rot * a.sin()
+                    } else {
+                        seg[j] as f64
+                    };
+                    assert_close(got[r * cols + h * 4 + j], want, 1e-6, "rotate only");
+                }
+            }
+        }
+        // Weights with the norms off are a caller's mistake, not silently ignored.
+        let w = be.vector_f32(&[1.0; 4]).unwrap();
+        norm.q_weight = Some(&w);
+        assert!(
+            be.qkv_norm_rope(ViewMut::new(&mut xb, rows, cols), &norm, None)
+                .is_err()
+        );
     }
 }

@@ -197,6 +197,7 @@ impl Backend for CudaBackend {
         self.enter(&Op::QkvNormRope {
             head_dim: n.layout.head_dim,
             rope: rope.map(|r| r.0.style),
+            qk_norm: n.qk_norm,
         })?;
         norm::qkv_norm_rope(self, qkv, n, rope)
     }

@@ -508,6 +508,7 @@ pub(super) fn qkv_norm_rope(
 ) -> Result<()> {
     let QkvNorm {
         layout,
+        qk_norm: _,
         q_weight: q_w,
         k_weight: k_w,
         v_norm,

@@ -57,6 +57,9 @@ impl CudaBackend {
                 ..
             } => Err(not_yet("the erf GELU outside a product epilogue is")),
             Op::Gated(_) | Op::GroupNorm { .. } | Op::Conv2d { .. } => Ok(()),
+            Op::QkvNormRope { qk_norm: false, .. } => Err(not_yet(
+                "rotating q and k without their norms (Qwen3-VL's vision tower) is",
+            )),
             Op::QkvNormRope { head_dim, .. } => {
                 if *head_dim == 0 || !head_dim.is_multiple_of(2) || *head_dim > 512 {
                     return Err(Error::Device(

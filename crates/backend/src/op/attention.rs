@@ -37,6 +37,9 @@ impl QkvLayout {
 /// `[head_dim]` weight each, or weightless), and of every v head when `v_norm` (weightless).
 pub struct QkvNorm<'a, B: Backend> {
     pub layout: QkvLayout,
+    /// Whether q and k heads are normed; without it they are only rotated (Qwen3-VL's vision
+    /// tower has no q/k norms) and the weights must be `None`.
+    pub qk_norm: bool,
     pub q_weight: Option<&'a B::Vector>,
     pub k_weight: Option<&'a B::Vector>,
     pub v_norm: bool,

@@ -45,6 +45,8 @@ pub enum Op {
     QkvNormRope {
         head_dim: usize,
         rope: Option<RopeStyle>,
+        /// q and k are normed (false: rotated only).
+        qk_norm: bool,
     },
     Attention(AttentionOp),
     Gated(Activation),
@@ -268,8 +270,13 @@ impl std::fmt::Display for Op {
                 let gate = if r.gate { ", tanh gate" } else { "" };
                 write!(f, "{name} (post-norm: {post}{gate}; then {after})")
             }
-            Op::QkvNormRope { head_dim, rope } => {
-                write!(f, "{name} (head_dim {head_dim}, rope {rope:?})")
+            Op::QkvNormRope {
+                head_dim,
+                rope,
+                qk_norm,
+            } => {
+                let norm = if *qk_norm { "" } else { ", no q/k norm" };
+                write!(f, "{name} (head_dim {head_dim}, rope {rope:?}{norm})")
             }
             Op::Attention(a) => write!(
                 f,

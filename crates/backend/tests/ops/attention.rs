@@ -363,6 +363,7 @@ fn inv_freq(theta: f32, dim: usize, pairs: usize) -> Vec<f32> {
 #[derive(Clone, Debug)]
 pub struct QkvCase {
     layout: QkvLayout,
+    qk_norm: bool,
     weights: bool,
     v_norm: bool,
     rope: Rope,
@@ -376,6 +377,7 @@ pub fn qkv(heads_q: usize, heads_kv: usize, head_dim: usize) -> QkvCase {
             heads_kv,
             head_dim,
         },
+        qk_norm: true,
         weights: true,
         v_norm: true,
         rope: Rope::None,
@@ -421,6 +423,14 @@ impl QkvCase {
     /// q and k normed without weights.
     pub fn weightless(self) -> Self {
         QkvCase {
+            weights: false,
+            ..self
+        }
+    }
+    /// q and k rotated only, not normed (Qwen3-VL's vision tower).
+    pub fn rope_only(self) -> Self {
+        QkvCase {
+            qk_norm: false,
             weights: false,
             ..self
         }
@@ -516,10 +526,10 @@ impl OpCase for QkvCase {
                 "3 axes {axes:?} θ={theta} over {caption} caption rows and a {image:?} image"
             ),
         };
-        let w = if self.weights {
-            "q/k weights"
-        } else {
-            "no weights"
+        let w = match (self.qk_norm, self.weights) {
+            (false, _) => "q/k not normed",
+            (true, true) => "q/k weights",
+            (true, false) => "no weights",
         };
         let v = if self.v_norm { "v normed" } else { "v as is" };
         format!("qkv_norm_rope {heads_q}/{heads_kv}×{head_dim} {rope} ({w}, {v})")
@@ -529,6 +539,7 @@ impl OpCase for QkvCase {
         Op::QkvNormRope {
             head_dim: self.layout.head_dim,
             rope: self.style(),
+            qk_norm: self.qk_norm,
         }
     }
 
@@ -550,6 +561,7 @@ impl OpCase for QkvCase {
         };
         let norm = QkvNorm {
             layout: self.layout,
+            qk_norm: self.qk_norm,
             q_weight: q_w.as_ref(),
             k_weight: k_w.as_ref(),
             v_norm: self.v_norm,

@@ -108,6 +108,7 @@ impl<B: Backend> SelfAttention<'_, B> {
         be.qkv_norm_rope(
             ViewMut::new(&mut s.qkv, rows, width),
             &QkvNorm {
+                qk_norm: true,
                 layout: lay,
                 q_weight: Some(&self.w.q_norm),
                 k_weight: Some(&self.w.k_norm),

@@ -28,6 +28,7 @@ pub fn ops(config: &Config) -> Vec<Op> {
     ];
     for l in &config.text.layers {
         ops.push(Op::QkvNormRope {
+            qk_norm: true,
             head_dim: l.head_dim,
             rope: Some(RopeStyle::SplitHalf),
         });
@@ -51,6 +52,7 @@ pub fn ops(config: &Config) -> Vec<Op> {
             }),
             sandwich(AfterOp::Nothing),
             Op::QkvNormRope {
+                qk_norm: true,
                 head_dim: v.head_dim,
                 rope: Some(RopeStyle::Axial2d),
             },

@@ -30,6 +30,7 @@ pub fn ops(cfg: &QwenImageConfigs) -> Vec<Op> {
         Op::Norm(NormOp::RMS),
         Op::Matmul(plain),
         Op::QkvNormRope {
+            qk_norm: true,
             head_dim: te.head_dim,
             rope: Some(RopeStyle::SplitHalf),
         },
@@ -50,6 +51,7 @@ pub fn ops(cfg: &QwenImageConfigs) -> Vec<Op> {
         Op::Cast,
         Op::Norm(layer_norm),
         Op::QkvNormRope {
+            qk_norm: true,
             head_dim: tr.head_dim,
             rope: Some(RopeStyle::Interleaved),
         },

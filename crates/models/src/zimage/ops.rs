@@ -31,6 +31,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
         Op::Norm(NormOp::RMS),
         Op::Matmul(MatmulOp::default()),
         Op::QkvNormRope {
+            qk_norm: true,
             head_dim: te.head_dim,
             rope: Some(RopeStyle::SplitHalf),
         },
@@ -54,6 +55,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
             modulated: true,
         }),
         Op::QkvNormRope {
+            qk_norm: true,
             head_dim: tr.head_dim(),
             rope: Some(RopeStyle::Interleaved),
         },
