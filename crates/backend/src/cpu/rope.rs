@@ -204,8 +204,8 @@ mod tests {
         be.qkv_norm_rope(
             ViewMut::new(&mut xb, rows, cols),
             &QkvNorm {
-                qk_norm: true,
                 layout,
+                qk_norm: true,
                 q_weight: Some(&qv),
                 k_weight: Some(&kv),
                 v_norm: true,
@@ -254,8 +254,8 @@ mod tests {
             be.qkv_norm_rope(
                 ViewMut::new(&mut xb, 1, cols),
                 &QkvNorm {
-                    qk_norm: true,
                     layout,
+                    qk_norm: true,
                     q_weight: None,
                     k_weight: None,
                     v_norm: false,
@@ -293,8 +293,8 @@ mod tests {
         be.qkv_norm_rope(
             ViewMut::new(&mut xb, rows, cols),
             &QkvNorm {
-                qk_norm: true,
                 layout,
+                qk_norm: true,
                 q_weight: Some(&qv),
                 k_weight: Some(&kv),
                 v_norm: false,
@@ -353,8 +353,8 @@ mod tests {
         be.qkv_norm_rope(
             ViewMut::new(&mut xb, rows, cols),
             &QkvNorm {
-                qk_norm: true,
                 layout,
+                qk_norm: true,
                 q_weight: Some(&qv),
                 k_weight: Some(&kv),
                 v_norm: true,

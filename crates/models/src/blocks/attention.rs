@@ -108,8 +108,8 @@ impl<B: Backend> SelfAttention<'_, B> {
         be.qkv_norm_rope(
             ViewMut::new(&mut s.qkv, rows, width),
             &QkvNorm {
-                qk_norm: true,
                 layout: lay,
+                qk_norm: true,
                 q_weight: Some(&self.w.q_norm),
                 k_weight: Some(&self.w.k_norm),
                 v_norm: self.v_norm,

@@ -28,9 +28,9 @@ pub fn ops(config: &Config) -> Vec<Op> {
     ];
     for l in &config.text.layers {
         ops.push(Op::QkvNormRope {
-            qk_norm: true,
             head_dim: l.head_dim,
             rope: Some(RopeStyle::SplitHalf),
+            qk_norm: true,
         });
         ops.push(Op::Attention(AttentionOp {
             head_dim: l.head_dim,
@@ -52,9 +52,9 @@ pub fn ops(config: &Config) -> Vec<Op> {
             }),
             sandwich(AfterOp::Nothing),
             Op::QkvNormRope {
-                qk_norm: true,
                 head_dim: v.head_dim,
                 rope: Some(RopeStyle::Axial2d),
+                qk_norm: true,
             },
             Op::Attention(AttentionOp {
                 head_dim: v.head_dim,

@@ -76,9 +76,9 @@ pub fn ops(c: &Lfm2VlConfig) -> Vec<Op> {
     }
     if t.layers.contains(&LayerKind::Attention) {
         ops.push(Op::QkvNormRope {
-            qk_norm: true,
             head_dim: t.head_dim,
             rope: Some(RopeStyle::SplitHalf),
+            qk_norm: true,
         });
         for cached in [false, true] {
             ops.push(Op::Attention(AttentionOp {

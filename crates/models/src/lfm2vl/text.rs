@@ -954,8 +954,8 @@ fn attn_mixer<B: Backend>(
     be.qkv_norm_rope(
         ViewMut::new(&mut s.qkv, n, width),
         &QkvNorm {
-            qk_norm: true,
             layout: lay,
+            qk_norm: true,
             q_weight: Some(&at.w.q_norm),
             k_weight: Some(&at.w.k_norm),
             v_norm: false,

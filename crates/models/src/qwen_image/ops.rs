@@ -30,9 +30,9 @@ pub fn ops(cfg: &QwenImageConfigs) -> Vec<Op> {
         Op::Norm(NormOp::RMS),
         Op::Matmul(plain),
         Op::QkvNormRope {
-            qk_norm: true,
             head_dim: te.head_dim,
             rope: Some(RopeStyle::SplitHalf),
+            qk_norm: true,
         },
         attention(te.head_dim, MaskKind::Causal, false),
         Op::Gated(Activation::Silu),
@@ -51,9 +51,9 @@ pub fn ops(cfg: &QwenImageConfigs) -> Vec<Op> {
         Op::Cast,
         Op::Norm(layer_norm),
         Op::QkvNormRope {
-            qk_norm: true,
             head_dim: tr.head_dim,
             rope: Some(RopeStyle::Interleaved),
+            qk_norm: true,
         },
         // Prefill: causal text; the step: full attention over [prefix ‖ own].
         attention(tr.head_dim, MaskKind::Causal, false),

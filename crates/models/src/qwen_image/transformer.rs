@@ -783,8 +783,8 @@ fn block_layout(cfg: &TransformerConfig) -> QkvLayout {
 
 fn qk_norm<B: Backend>(w: &AttentionWeights<B>, layout: QkvLayout, eps: f32) -> QkvNorm<'_, B> {
     QkvNorm {
-        qk_norm: true,
         layout,
+        qk_norm: true,
         q_weight: Some(&w.q_norm),
         k_weight: Some(&w.k_norm),
         v_norm: false,

@@ -31,9 +31,9 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
         Op::Norm(NormOp::RMS),
         Op::Matmul(MatmulOp::default()),
         Op::QkvNormRope {
-            qk_norm: true,
             head_dim: te.head_dim,
             rope: Some(RopeStyle::SplitHalf),
+            qk_norm: true,
         },
         attention(te.head_dim, MaskKind::Causal),
         Op::Gated(Activation::Silu),
@@ -55,9 +55,9 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
             modulated: true,
         }),
         Op::QkvNormRope {
-            qk_norm: true,
             head_dim: tr.head_dim(),
             rope: Some(RopeStyle::Interleaved),
+            qk_norm: true,
         },
         attention(tr.head_dim(), MaskKind::Full),
         residual(Some(NormOp::RMS), true, AfterOp::Norm(modulated)),
