@@ -14,10 +14,11 @@ use tessera_backend::Backend;
 use tessera_backend::cpu::CpuBackend;
 use tessera_models::imageproc::Image;
 use tessera_models::qwen_image::BUNDLED;
+use tessera_models::qwen_image::text::TextEncoder;
 use tessera_models::qwen_image::vision::{
     EditPrompt, ImageProcessorConfig, VisionConfig, VisionTower, edit_template, smart_resize,
 };
-use tessera_models::qwen3::BpeTokenizer;
+use tessera_models::qwen3::{BpeTokenizer, Qwen3Config};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen_image/vision")
@@ -288,4 +289,70 @@ fn images_the_tower_cannot_take_are_refused_before_compute() {
     };
     assert!(tower.forward(&be, &[short], &map).is_err());
     assert!(tower.forward(&be, &[], &map).is_err());
+}
+
+#[test]
+fn text_features_with_images_match_the_reference() {
+    let fx = fixture();
+    let ex = expected();
+    let cfg = processor();
+    let be = CpuBackend::new();
+    let tok = BpeTokenizer::load(&BUNDLED.processor).unwrap();
+    let f = &BUNDLED.text_encoder;
+    let weights = f.weights("model").unwrap();
+    let te_cfg =
+        Qwen3Config::parse_vl(&f.path("config.json"), &f.read("config.json").unwrap()).unwrap();
+    let mut te = TextEncoder::load(&be, &te_cfg, &weights).unwrap();
+    let mut tower = VisionTower::load(&be, &tower_config(), &weights).unwrap();
+    let mut failures = Vec::new();
+    for p in &fx.prompts {
+        let images: Vec<_> = p
+            .images
+            .iter()
+            .map(|n| {
+                let c = fx.processor.iter().find(|c| &c.name == n).unwrap();
+                cfg.preprocess(&input(&ex, n, c.wh)).unwrap()
+            })
+            .collect();
+        let prompt = EditPrompt::new(&tok, &p.prompt, &images, cfg.merge).unwrap();
+        let feats = tower.forward(&be, &images, &cfg.pixel_map()).unwrap();
+        let got = te.features_with_images(&be, &prompt, &feats).unwrap();
+        let name = format!("te/{}/features", p.name);
+        assert_eq!(ex.shape(&name), [p.rows, te_cfg.hidden_size], "{name}");
+        let e = rel(&got, ex.get(&name));
+        eprintln!("{name}: rel {e:.2e}");
+        if e > BOUND {
+            failures.push(format!("{name}: rel {e:.2e}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn features_of_other_images_than_the_prompts_are_refused() {
+    let ex = expected();
+    let fx = fixture();
+    let cfg = processor();
+    let be = CpuBackend::new();
+    let tok = BpeTokenizer::load(&BUNDLED.processor).unwrap();
+    let f = &BUNDLED.text_encoder;
+    let weights = f.weights("model").unwrap();
+    let te_cfg =
+        Qwen3Config::parse_vl(&f.path("config.json"), &f.read("config.json").unwrap()).unwrap();
+    let mut te = TextEncoder::load(&be, &te_cfg, &weights).unwrap();
+    let mut tower = VisionTower::load(&be, &tower_config(), &weights).unwrap();
+    let image = |n: &str| {
+        let c = fx.processor.iter().find(|c| c.name == n).unwrap();
+        cfg.preprocess(&input(&ex, n, c.wh)).unwrap()
+    };
+    // The prompt has room for a 10×4 grid's 10 tokens; the tower is given a 6×4 grid (6 tokens).
+    let prompt = EditPrompt::new(&tok, "x", &[image("tall@96")], cfg.merge).unwrap();
+    let feats = tower
+        .forward(&be, &[image("tall@48")], &cfg.pixel_map())
+        .unwrap();
+    let e = te
+        .features_with_images(&be, &prompt, &feats)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("do not fit the prompt"), "{e}");
 }

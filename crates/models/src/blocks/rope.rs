@@ -2,7 +2,9 @@
 //! them (the backends only apply a table; see `tessera_backend::RopeTable`):
 //! - 1-D ([`inv_freq`]): Gemma, Qwen3, LFM2 — `RopeStyle::SplitHalf`;
 //! - 2-D axial ([`axial_inv_freq`]): Gemma 4 vision — `RopeStyle::Axial2d`;
-//! - multi-axis ([`MultiAxis`]): Z-Image, Qwen-Image — `RopeStyle::Interleaved` from angles.
+//! - multi-axis ([`MultiAxis`]): Z-Image, Qwen-Image — `RopeStyle::Interleaved` from angles;
+//! - Qwen3-VL's interleaved multimodal RoPE ([`mrope_interleaved_angles`]) — `RopeStyle::SplitHalf`
+//!   from angles, one table row per token.
 
 /// `inv_freq[j] = 1 / θ^(2j/d)` for `j < d/2`, computed as transformers does: the exponent in
 /// f32, the power in f32 arithmetic of an f64 base (torch evaluates `base ** f32_tensor` in f32).
@@ -61,6 +63,34 @@ impl MultiAxis {
     }
 }
 
+/// Qwen3-VL's interleaved multimodal RoPE (transformers 5.25.0
+/// `Qwen3VLTextRotaryEmbedding.recomposition_frequencies`): pair `j` turns with the height
+/// position when `j mod 3 = 1` and `j < 3·sections[1]`, with the width position when
+/// `j mod 3 = 2` and `j < 3·sections[2]`, with the time position otherwise; its angle is that
+/// position times `inv_freq[j]` in f32. Returns `[tokens, inv_freq.len()]` for the tokens whose
+/// `(t, h, w)` positions are `positions[0][i], positions[1][i], positions[2][i]`.
+pub fn mrope_interleaved_angles(
+    inv_freq: &[f32],
+    sections: [usize; 3],
+    positions: &[Vec<u32>; 3],
+) -> Vec<f32> {
+    let axis: Vec<usize> = (0..inv_freq.len())
+        .map(|j| match j % 3 {
+            1 if j < 3 * sections[1] => 1,
+            2 if j < 3 * sections[2] => 2,
+            _ => 0,
+        })
+        .collect();
+    (0..positions[0].len())
+        .flat_map(|i| {
+            inv_freq
+                .iter()
+                .zip(&axis)
+                .map(move |(&f, &a)| positions[a][i] as f32 * f)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,6 +102,18 @@ mod tests {
         assert_eq!(f[0], 1.0);
         assert!((f[127] as f64 - 1.0 / 10_000f64.powf(254.0 / 256.0)).abs() < 1e-9);
         assert_eq!(axial_inv_freq(100.0, 64), inv_freq(100.0, 32));
+    }
+
+    #[test]
+    fn mrope_interleaves_the_axes_within_their_sections() {
+        // Five pairs, sections [1, 2, 2]: pairs 1 and 4 read h, 2 reads w (5 ≥ 3·2 does not
+        // exist), 0 and 3 read t.
+        let inv = [1.0f32; 5];
+        let a = mrope_interleaved_angles(&inv, [1, 2, 2], &[vec![10], vec![20], vec![30]]);
+        assert_eq!(a, [10.0, 20.0, 30.0, 10.0, 20.0]);
+        // Sections [2, 1, 1]: only pairs 1 and 2 leave the time axis.
+        let a = mrope_interleaved_angles(&inv, [2, 1, 1], &[vec![10], vec![20], vec![30]]);
+        assert_eq!(a, [10.0, 20.0, 30.0, 10.0, 10.0]);
     }
 
     #[test]

@@ -60,6 +60,8 @@ pub struct Qwen3Config {
     pub max_positions: usize,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
+    /// Qwen3-VL's multimodal RoPE sections (time, height, width pairs), when the file has them.
+    pub mrope_section: Option<Vec<usize>>,
 }
 
 impl Qwen3Config {
@@ -185,6 +187,7 @@ impl Qwen3Config {
             max_positions: raw.max_position_embeddings,
             rms_norm_eps: raw.rms_norm_eps as f32,
             rope_theta,
+            mrope_section: params.and_then(|p| p.mrope_section.clone()),
         })
     }
 }

@@ -4,10 +4,14 @@
 //! the residual stream after `k` layers, before the final norm) load and run only the first `k`
 //! layers. Sequences are packed back to back with causal attention inside each, which gives each
 //! real token exactly what the reference computes for the right-padded, masked batch.
+//!
+//! Qwen3-VL's language model reads images the same way ([`Media`]): their rows replace the
+//! embeddings of their pad tokens, DeepStack features are added to those rows after the first
+//! layers, and RoPE comes from a table with one row per token (the multimodal positions).
 
 use tessera_backend::{
-    Activation, AttnSpec, Backend, Mask, QkvLayout, Role, RopeStyle, RopeTable, RowNorm, View,
-    ViewMut,
+    Activation, After, AttnSpec, Backend, Mask, QkvLayout, Residual, Role, RopeStyle, RopeTable,
+    RowNorm, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
@@ -26,6 +30,21 @@ struct Workspace<B: Backend> {
     /// Residual stream `[T, hidden]`.
     h: B::Buf,
     scratch: Scratch<B>,
+    /// For passes with media: where their rows go, and `[T, hidden]` holding a DeepStack
+    /// level's rows at those places, zeros elsewhere.
+    media: Option<(B::Buf, B::Buf)>,
+}
+
+/// What a pass over a Qwen3-VL prompt with images adds to its tokens (one sequence).
+pub struct Media<'a, B: Backend> {
+    /// Token indices that take `embeds`' rows instead of their token embeddings, in order.
+    pub rows: &'a [u32],
+    /// `[rows.len(), hidden]`: the vision tower's merged features.
+    pub embeds: View<'a, B>,
+    /// `[rows.len(), hidden]` each: added to those rows after layer 0, 1, … (DeepStack).
+    pub deepstack: &'a [View<'a, B>],
+    /// RoPE angles with one row per token (row `i` for token `i`).
+    pub rope: &'a RopeTable<B>,
 }
 
 pub struct Qwen3TextModel<B: Backend> {
@@ -108,6 +127,7 @@ impl<B: Backend> Qwen3TextModel<B> {
             pos: be.alloc(rows, Role::Index)?,
             h: be.alloc(rows * s.width, Role::Stream)?,
             scratch: Scratch::alloc(be, rows, dims)?,
+            media: None,
         });
         Ok(())
     }
@@ -116,6 +136,52 @@ impl<B: Backend> Qwen3TextModel<B> {
     /// and return the residual stream after the last of them, `[Σ lens, hidden]`, sequences in
     /// order. The view stays valid until the next call.
     pub fn forward(&mut self, be: &B, seqs: &[&[u32]]) -> Result<View<'_, B>> {
+        self.forward_media(be, seqs, None)
+    }
+
+    /// [`forward`](Self::forward) over one sequence with images ([`Media`]).
+    pub fn forward_with_media(
+        &mut self,
+        be: &B,
+        ids: &[u32],
+        media: &Media<'_, B>,
+    ) -> Result<View<'_, B>> {
+        let (n, d) = (ids.len(), self.shape.width);
+        let rows = media.rows.len();
+        if media.rows.iter().any(|&r| r as usize >= n)
+            || media.embeds.rows != rows
+            || media.embeds.cols != d
+            || media
+                .deepstack
+                .iter()
+                .any(|v| v.rows != rows || v.cols != d)
+        {
+            return Err(Error::input(format!(
+                "{rows} media rows of width {d} for {n} tokens: the features do not fit the prompt"
+            )));
+        }
+        if media.deepstack.len() > self.layers.len() {
+            return Err(Error::input(format!(
+                "{} DeepStack levels for {} layers",
+                media.deepstack.len(),
+                self.layers.len()
+            )));
+        }
+        if media.rope.len < n {
+            return Err(Error::input(format!(
+                "a RoPE table of {} rows for {n} tokens",
+                media.rope.len
+            )));
+        }
+        self.forward_media(be, &[ids], Some(media))
+    }
+
+    fn forward_media(
+        &mut self,
+        be: &B,
+        seqs: &[&[u32]],
+        media: Option<&Media<'_, B>>,
+    ) -> Result<View<'_, B>> {
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         let total: usize = lens.iter().sum();
         let longest = lens.iter().copied().max().unwrap_or(0);
@@ -143,16 +209,26 @@ impl<B: Backend> Qwen3TextModel<B> {
         self.ensure(be, total, longest)?;
         let segs = be.segments(&lens)?;
         let ids: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        // With media, RoPE table rows are tokens (one sequence).
         let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
         let (d, eps, t) = (self.shape.width, self.cfg.rms_norm_eps, total);
-        let rope = self
-            .rope
-            .as_ref()
-            .ok_or_else(|| Error::backend("qwen3", "rope table missing"))?;
+        let rope = match media {
+            Some(m) => m.rope,
+            None => self
+                .rope
+                .as_ref()
+                .ok_or_else(|| Error::backend("qwen3", "rope table missing"))?,
+        };
         let ws = self
             .ws
             .as_mut()
             .ok_or_else(|| Error::backend("qwen3", "workspace missing"))?;
+        if media.is_some() && ws.media.is_none() {
+            ws.media = Some((
+                be.alloc(ws.rows, Role::Index)?,
+                be.alloc(ws.rows * d, Role::Stream)?,
+            ));
+        }
         be.write_u32(&mut ws.ids, &ids)?;
         be.write_u32(&mut ws.pos, &pos)?;
         let Workspace {
@@ -160,9 +236,21 @@ impl<B: Backend> Qwen3TextModel<B> {
             pos,
             h,
             scratch: s,
+            media: media_ws,
             ..
         } = ws;
         be.embed(&self.embed, ids, 1.0, ViewMut::new(h, t, d))?;
+        let mut media = match (media, media_ws.as_mut()) {
+            (Some(m), Some((rows, ds))) => {
+                be.write_u32(rows, m.rows)?;
+                be.scatter_rows(m.embeds, rows, ViewMut::new(h, t, d))?;
+                if !m.deepstack.is_empty() {
+                    be.write_f32(ds, &vec![0.0; t * d])?;
+                }
+                Some((m, &*rows, ds))
+            }
+            _ => None,
+        };
         if let Some(l0) = self.layers.first() {
             be.norm(
                 View::new(h, t, d),
@@ -184,7 +272,26 @@ impl<B: Backend> Qwen3TextModel<B> {
                 .layers
                 .get(i + 1)
                 .map(|n| RowNorm::rms(&n.input_norm, eps));
-            l.forward(be, &attn, Activation::Silu, &segs, t, h, s, next)?;
+            let deepstack = media
+                .as_ref()
+                .and_then(|(m, _, _)| m.deepstack.get(i).copied());
+            if let (Some(level), Some((_, rows, ds))) = (deepstack, media.as_mut()) {
+                // h += the level's rows at the image tokens (zeros elsewhere), then the norm.
+                l.forward(be, &attn, Activation::Silu, &segs, t, h, s, None)?;
+                be.scatter_rows(level, rows, ViewMut::new(&mut **ds, t, d))?;
+                let after = match next {
+                    Some(n) => After::Norm(n, ViewMut::new(&mut s.a, t, d)),
+                    None => After::Nothing,
+                };
+                be.residual(
+                    ViewMut::new(h, t, d),
+                    View::new(&**ds, t, d),
+                    &Residual::plain(),
+                    after,
+                )?;
+            } else {
+                l.forward(be, &attn, Activation::Silu, &segs, t, h, s, next)?;
+            }
         }
         Ok(View::new(h, t, d))
     }

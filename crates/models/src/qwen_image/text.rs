@@ -6,14 +6,21 @@
 //! differently and the checkpoint expects this one); the rows it drops are the tokens of the
 //! system turn alone, which Qwen3-VL's template renders as `<|im_start|>system\n…<|im_end|>\n`
 //! (the fixture generator checks that for the miniature's template). Qwen has no BOS token, so
-//! an empty prompt is encoded as `" "`. Only text reaches the encoder here, where Qwen3-VL's
-//! multimodal RoPE is the 1-D one: condition images (editing) would add the vision tower in
-//! front of the same language model.
+//! an empty prompt is encoded as `" "`. For text alone Qwen3-VL's multimodal RoPE is the 1-D
+//! one; a prompt with condition images ([`TextEncoder::features_with_images`]) takes the vision
+//! tower's rows at its pad tokens, DeepStack rows added after the first layers, and the
+//! interleaved multimodal RoPE of its positions ([`super::vision::prompt`]).
 
-use tessera_backend::Backend;
+use tessera_backend::{Backend, RopeStyle, RopeTable};
 use tessera_core::{Error, Result, Weights};
 
+use super::vision::{EditPrompt, VisionFeatures};
+use crate::blocks::rope::{inv_freq, mrope_interleaved_angles};
+use crate::qwen3::model::Media;
 use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
+
+/// transformers' sections when a Qwen3-VL file gives none (`Qwen3VLTextRotaryEmbedding`).
+const DEFAULT_MROPE_SECTION: [usize; 3] = [24, 20, 20];
 
 /// The pipeline's system prompt.
 pub const SYSTEM_PROMPT: &str = "Comprehend and analyze the provided prompt.";
@@ -99,6 +106,43 @@ impl<B: Backend> TextEncoder<B> {
             off += p.ids.len();
         }
         Ok(out)
+    }
+
+    /// The features of one prompt with condition images, `[rows, hidden]`, system rows dropped:
+    /// `images` are the vision tower's outputs for the prompt's images, in order.
+    pub fn features_with_images(
+        &mut self,
+        be: &B,
+        prompt: &EditPrompt,
+        images: &VisionFeatures<'_, B>,
+    ) -> Result<Vec<f32>> {
+        let cfg = self.model.config();
+        let sections = match cfg.mrope_section.as_deref() {
+            None => DEFAULT_MROPE_SECTION,
+            Some(&[t, h, w]) => [t, h, w],
+            Some(other) => {
+                return Err(Error::input(format!(
+                    "the text encoder's mrope_section {other:?} does not have the three axes images need"
+                )));
+            }
+        };
+        let inv = inv_freq(cfg.rope_theta, cfg.head_dim);
+        let n = prompt.ids.ids.len();
+        let angles = mrope_interleaved_angles(&inv, sections, &prompt.positions());
+        let rope = RopeTable::from_angles(be, &angles, n, inv.len(), RopeStyle::SplitHalf)?;
+        let rows: Vec<u32> = prompt
+            .images
+            .iter()
+            .flat_map(|s| (s.start..s.start + s.tokens()).map(|r| r as u32))
+            .collect();
+        let media = Media {
+            rows: &rows,
+            embeds: images.merged,
+            deepstack: &images.deepstack,
+            rope: &rope,
+        };
+        let hidden = self.model.forward_with_media(be, &prompt.ids.ids, &media)?;
+        be.read_f32(hidden.rows(prompt.ids.drop, prompt.ids.rows()))
     }
 }
 
