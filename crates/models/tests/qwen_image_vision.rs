@@ -13,7 +13,9 @@ use serde::Deserialize;
 use tessera_backend::Backend;
 use tessera_backend::cpu::CpuBackend;
 use tessera_models::imageproc::Image;
+use tessera_models::imageproc::pil::Rgba8;
 use tessera_models::qwen_image::BUNDLED;
+use tessera_models::qwen_image::condition::Condition;
 use tessera_models::qwen_image::text::TextEncoder;
 use tessera_models::qwen_image::vision::{
     EditPrompt, ImageProcessorConfig, VisionConfig, VisionTower, edit_template, smart_resize,
@@ -57,6 +59,14 @@ struct ProcCase {
     resized_wh: [usize; 2],
     grid_thw: [usize; 3],
     resized: bool,
+    /// For the pipeline's copies: the condition image and output resolution.
+    condition: Option<Source>,
+}
+
+#[derive(Deserialize)]
+struct Source {
+    image: String,
+    output_resolution: usize,
 }
 
 #[derive(Deserialize)]
@@ -355,4 +365,38 @@ fn features_of_other_images_than_the_prompts_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("do not fit the prompt"), "{e}");
+}
+
+#[test]
+fn from_the_uploaded_png_to_the_processors_rows() {
+    // The condition step (its own fixture) feeds the processor the very bytes the pipeline does.
+    let fx = fixture();
+    let ex = expected();
+    let cfg = processor();
+    let map = cfg.pixel_map();
+    let dir = dir().join("../condition");
+    let mut checked = 0;
+    for c in &fx.processor {
+        let Some(src) = &c.condition else { continue };
+        let png = image::open(dir.join(format!("{}.png", src.image)))
+            .unwrap()
+            .into_rgba8();
+        let (w, h) = png.dimensions();
+        let rgba = Rgba8::new(w as usize, h as usize, png.into_raw()).unwrap();
+        let cond = Condition::prepare(&rgba, src.output_resolution).unwrap();
+        let vl = cond.vl_image().unwrap();
+        assert_eq!(vl, input(&ex, &c.name, c.wh), "{}", c.name);
+        let img = cfg.preprocess(&vl).unwrap();
+        let want = ex.get(&format!("proc/{}/pixel_values", c.name));
+        assert!(
+            img.bytes
+                .iter()
+                .zip(want)
+                .all(|(&b, &w)| map[b as usize] as f64 == w),
+            "{}",
+            c.name
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
 }

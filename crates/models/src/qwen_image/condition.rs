@@ -23,6 +23,7 @@
 use tessera_core::{Error, Result};
 
 use super::vae_encoder::from_rgba8;
+use crate::imageproc::Image;
 use crate::imageproc::pil::{Rgba8, paste_over_white, resize_lanczos};
 
 /// Condition and output sides are multiples of this (the VAE's 16 × one DiT slot's 2).
@@ -92,6 +93,12 @@ impl Condition {
 
     pub fn height(&self) -> usize {
         self.rgba.height
+    }
+
+    /// The text encoder's copy as the image its processor reads
+    /// ([`super::vision::ImageProcessorConfig::preprocess`]).
+    pub fn vl_image(&self) -> Result<Image> {
+        Image::from_rgb8(self.width(), self.height(), self.rgb.clone())
     }
 
     /// The VAE encoder's input `[height·width, 4]` in [−1, 1].
