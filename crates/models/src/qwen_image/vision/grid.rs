@@ -63,13 +63,14 @@ pub fn rope_inv_freq(theta: f64, head_dim: usize) -> Vec<f32> {
     crate::blocks::rope::inv_freq(theta, head_dim / 2)
 }
 
-/// Split-half rotary angles `[side², head_dim / 2]` for every `(row, column)` of a `side × side`
-/// grid, row `row·side + column`: pairs `j < head_dim/4` turn by `row · f_j`, the others by
+/// Split-half rotary angles `[Σ gh·gw, head_dim / 2]`, one row per patch of the `(gh, gw)`
+/// grids in turn (merge-block order): pairs `j < head_dim/4` turn by `row · f_j`, the others by
 /// `column · f_(j − head_dim/4)`, each product in f32 as the reference's.
-pub fn rope_angles(inv: &[f32], side: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(side * side * 2 * inv.len());
-    for r in 0..side {
-        for c in 0..side {
+pub fn rope_angles(inv: &[f32], grids: &[(usize, usize)], m: usize) -> Vec<f32> {
+    let n: usize = grids.iter().map(|&(h, w)| h * w).sum();
+    let mut out = Vec::with_capacity(n * 2 * inv.len());
+    for &(gh, gw) in grids {
+        for (r, c) in block_order(gh, gw, m) {
             out.extend(inv.iter().map(|&f| r as f32 * f));
             out.extend(inv.iter().map(|&f| c as f32 * f));
         }
@@ -97,6 +98,14 @@ mod tests {
                 (1, 3)
             ]
         );
+    }
+
+    #[test]
+    fn rotary_angles_follow_row_then_column() {
+        let a = rope_angles(&[1.0, 0.5], &[(2, 2)], 2);
+        // Patch 3 of the block is (1, 1); patch 1 is (0, 1).
+        assert_eq!(&a[4..8], [0.0, 0.0, 1.0, 0.5]);
+        assert_eq!(&a[12..16], [1.0, 0.5, 1.0, 0.5]);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use tessera_backend::{
 use tessera_core::{Error, Result, Weights};
 
 use super::config::VisionConfig;
-use super::grid::{block_order, position_rows, rope_angles, rope_inv_freq};
+use super::grid::{position_rows, rope_angles, rope_inv_freq};
 use super::processor::VisionImage;
 use crate::loader::{Linear, Loader};
 
@@ -96,6 +96,12 @@ pub struct VisionFeatures<'a, B: Backend> {
     pub deepstack: Vec<View<'a, B>>,
 }
 
+/// The rotary table of a pass and the grids it was made for.
+struct Rotary<B: Backend> {
+    grids: Vec<(usize, usize)>,
+    table: RopeTable<B>,
+}
+
 pub struct VisionTower<B: Backend> {
     cfg: VisionConfig,
     patch: Linear<B>,
@@ -105,8 +111,9 @@ pub struct VisionTower<B: Backend> {
     blocks: Vec<Block<B>>,
     merger: Merger<B>,
     deepstack: Vec<Merger<B>>,
-    /// Rotary angles for every `(row, column)` of a square grid of this side.
-    rope: Option<(usize, RopeTable<B>)>,
+    /// Rotary angles, one row per patch of the last pass's grids (rebuilt when they change):
+    /// memory in proportion to the images, whatever their aspect.
+    rope: Option<Rotary<B>>,
     ws: Option<Workspace<B>>,
 }
 
@@ -206,23 +213,17 @@ impl<B: Backend> VisionTower<B> {
             cfg.intermediate,
             images.iter().map(VisionImage::patches).sum::<usize>(),
         );
-        let side = images
-            .iter()
-            .map(|i| i.grid_h.max(i.grid_w))
-            .max()
-            .unwrap_or(0);
-        if self.rope.as_ref().is_none_or(|(s, _)| *s < side) {
-            let side = side.next_power_of_two();
+        let shapes: Vec<(usize, usize)> = images.iter().map(|i| (i.grid_h, i.grid_w)).collect();
+        if self.rope.as_ref().is_none_or(|r| r.grids != shapes) {
+            self.rope = None;
             let inv = rope_inv_freq(cfg.rope_theta, cfg.head_dim);
-            let angles = rope_angles(&inv, side);
-            let table = RopeTable::from_angles(
-                be,
-                &angles,
-                side * side,
-                2 * inv.len(),
-                RopeStyle::SplitHalf,
-            )?;
-            self.rope = Some((side, table));
+            let angles = rope_angles(&inv, &shapes, cfg.merge);
+            let table =
+                RopeTable::from_angles(be, &angles, n, 2 * inv.len(), RopeStyle::SplitHalf)?;
+            self.rope = Some(Rotary {
+                grids: shapes,
+                table,
+            });
         }
         for img in images {
             let key = (img.grid_h, img.grid_w);
@@ -276,17 +277,12 @@ impl<B: Backend> VisionTower<B> {
         let lens: Vec<usize> = images.iter().map(VisionImage::patches).collect();
         let n: usize = lens.iter().sum();
         let segs = be.segments(&lens)?;
-        let (side, rope) = self
+        let rope = &self
             .rope
             .as_ref()
-            .ok_or_else(|| Error::backend("vision tower", "rotary table missing"))?;
-        let pos: Vec<u32> = images
-            .iter()
-            .flat_map(|img| {
-                block_order(img.grid_h, img.grid_w, cfg.merge)
-                    .map(|(r, col)| (r * side + col) as u32)
-            })
-            .collect();
+            .ok_or_else(|| Error::backend("vision tower", "rotary table missing"))?
+            .table;
+        let pos: Vec<u32> = (0..n as u32).collect();
         let ws = self
             .ws
             .as_mut()
