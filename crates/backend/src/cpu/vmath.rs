@@ -136,13 +136,15 @@ fn pow2(n: f64) -> f64 {
 
 /// `e^x` in f32 without branches, for the softmax: Cody–Waite reduction with `ln2` split in two,
 /// Cephes' degree-6 polynomial for `e^r` (within 2 f32 ulps of the exact value), `2^n` built in
-/// the exponent bits in two halves. NaN stays NaN; beyond the f32 range it is `0` or `∞`.
+/// the exponent bits in two halves. NaN stays NaN; above the f32 range it is `∞`, and below
+/// [`EXP_MIN`] exactly `0`, never a denormal (see [`EXP_MIN`]).
 #[inline(always)]
 fn exp32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.clamp(-104.0, 89.0);
+    // Computed at EXP_MIN for anything below, so no step makes a denormal, then replaced by 0.
+    let xc = x.clamp(EXP_MIN, 89.0);
     let n = (xc * LOG2E + 0.5).floor();
     let r = (xc - n * LN2_HI) - n * LN2_LO;
     let mut p = 1.987_569_1e-4;
@@ -157,8 +159,17 @@ fn exp32(x: f32) -> f32 {
     }
     let y = p * r * r + r + 1.0;
     let half = (n * 0.5).floor();
-    y * pow2f(half) * pow2f(n - half)
+    let e = y * pow2f(half) * pow2f(n - half);
+    if x < EXP_MIN { 0.0 } else { e }
 }
+
+/// Just above `ln 2⁻¹²⁶ = −87.3365`: below it `e^x` would be a denormal, which [`exp32`] makes
+/// exactly `0` instead. A softmax's far tails land there (a long document's attention), and a
+/// denormal operand costs a microcode assist per use on Intel cores (`denormals.rs`); this way
+/// the probabilities are the same on every machine whether or not its threads flush denormals,
+/// as they would be flushed where they do. What is dropped weighs under 1.2e-38 of the row's
+/// largest probability.
+const EXP_MIN: f32 = -87.33;
 
 /// `2^n` for a whole `n` in −126..=127, through the exponent bits: adding 1.5·2^23 leaves `n` in
 /// the low mantissa bits.
@@ -398,6 +409,11 @@ mod tests {
             .into_iter()
             .chain([-87.0, -30.5, -1e-7, 0.0, 1e-7, 0.3465, -0.3466, 88.0])
         {
+            if x < EXP_MIN {
+                // Below the normal range: 0 (see the next test).
+                assert_eq!(exp32(x), 0.0, "exp({x})");
+                continue;
+            }
             let want = (x as f64).exp();
             worst = worst.max((exp32(x) as f64 - want).abs() / want);
         }
@@ -406,15 +422,19 @@ mod tests {
             worst <= 2.0 * f32::EPSILON as f64,
             "worst relative error {worst:e}"
         );
-        // Subnormal results, and the ends of the range.
-        for x in [-100.0f32, -103.0] {
-            let (got, want) = (exp32(x) as f64, (x as f64).exp());
+        // Below f32's normal range exactly 0, never a denormal; just above it, normal and as
+        // accurate as anywhere.
+        for x in [-87.34f32, -87.5, -100.0, -103.0, -105.0, -1e30] {
+            assert_eq!(exp32(x).to_bits(), 0, "exp({x})");
+        }
+        for x in [-87.33f32, -87.2, -86.9] {
+            let (got, want) = (exp32(x), (x as f64).exp());
+            assert!(got >= f32::MIN_POSITIVE, "exp({x}) = {got:e} is not normal");
             assert!(
-                (got - want).abs() <= 2.0 * 1.4e-45 + 2.4e-7 * want,
-                "exp({x}) = {got:e}"
+                (got as f64 - want).abs() <= 2.0 * f32::EPSILON as f64 * want,
+                "exp({x}) = {got:e}, want {want:e}"
             );
         }
-        assert_eq!(exp32(-105.0), 0.0);
         assert_eq!(exp32(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp32(89.0), f32::INFINITY);
         assert_eq!(exp32(f32::INFINITY), f32::INFINITY);
