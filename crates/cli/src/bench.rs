@@ -8,7 +8,8 @@
 //! `bench gemm` or torch). Every timing reports its first run (a fresh process's first pass), the
 //! median, best and worst of `--iters` runs, and the 1-minute load average when it ends.
 //! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data. `bench qwen-image-parts`
-//! times Qwen-Image-2.1's components one at a time. `bench serve` load-tests
+//! times Qwen-Image-2.1's components one at a time. `bench denormals` checks that the CPU's work
+//! on denormal operands is as fast as on normal ones (`bench/denormals.rs`). `bench serve` load-tests
 //! `tessera serve` (see `loadtest.rs`). One JSON line per measurement on stdout.
 
 use std::path::PathBuf;
@@ -26,6 +27,7 @@ use crate::noise::XorShift;
 use crate::stdout::outln;
 
 mod chat;
+mod denormals;
 mod generate;
 mod qwen_image_parts;
 
@@ -44,6 +46,12 @@ enum What {
     /// The CPU's peak: FMA and bf16 dot-product loops on every thread, and the f32 and bf16
     /// matrix products at --size and at EmbeddingGemma 2's shapes.
     Peak(PeakBench),
+    /// The denormal cliff: the CPU's product and attention on denormal-heavy operands, each
+    /// timed against the same work on normal ones (a slowdown near 1 means none).
+    ///
+    /// As a check, failing when the cliff is back:
+    /// tessera bench denormals --max-slowdown 1.5
+    Denormals(denormals::DenormalBench),
     /// The CPU's products on quantized weights (Q8_0, Q4_0, Q4_K, Q6_K; exact and with int8
     /// activations) beside the f32 product, on a --size² matrix for each of --rows.
     Quant(QuantBench),
@@ -220,6 +228,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         What::Embed(b) => embed(b),
         What::Gemm(b) => gemm(b),
         What::Peak(b) => peak(b),
+        What::Denormals(b) => denormals::run(b),
         What::Quant(b) => quant(b),
         What::Attention(b) => attention(b),
         What::Image(b) => image(b),

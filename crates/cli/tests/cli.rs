@@ -764,6 +764,46 @@ fn listing_is_empty(dir: &Path) -> bool {
 }
 
 #[test]
+fn bench_denormals_times_both_workloads_and_fails_past_its_bound() {
+    let out = tessera(&["bench", "denormals", "--rows", "40", "--iters", "1"]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{s}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = s
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let workloads: Vec<&str> = lines
+        .iter()
+        .map(|l| l["workload"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(workloads, ["product", "attention"], "{s}");
+    for l in &lines {
+        let slowdown = l["slowdown"].as_f64().unwrap_or(f64::NAN);
+        assert!(slowdown.is_finite() && slowdown > 0.0, "{l}");
+        // The bits the backend sets on the thread that ran the ops.
+        if cfg!(target_arch = "x86_64") {
+            assert_eq!(l["flushing"], true, "{l}");
+        }
+    }
+    // No slowdown is at most 0: the check fails, naming the bound and both workloads.
+    let bad = tessera(&[
+        "bench",
+        "denormals",
+        "--rows",
+        "40",
+        "--iters",
+        "1",
+        "--max-slowdown",
+        "0",
+    ]);
+    assert_fails_with(&bad, &["--max-slowdown 0", "product", "attention"]);
+}
+
+#[test]
 fn bench_qwen_image_parts_times_every_component_of_the_bundled_model() {
     let out = tessera(&[
         "bench",
