@@ -364,6 +364,26 @@ fn whole_blocks(t: &Tensor<'_>, n: usize) -> Result<()> {
     ))
 }
 
+/// How bf16 products run on this machine and whether that beats f32, for `describe`: with
+/// `vdpbf16ps` at its measured rate against the f32 FMA ([`peak::bf16_dot_vs_fma`]), or
+/// converted to f32 in a portable loop. Either way the numbers are the same (`bf16.rs`), and
+/// the weights take half the memory of f32's.
+fn bf16_products() -> String {
+    match peak::bf16_dot_vs_fma() {
+        Some(r) if r >= peak::BF16_PAYS => {
+            format!("bf16 products with AVX512_BF16, vdpbf16ps at {r:.1}× the f32 FMA's rate here")
+        }
+        Some(r) => format!(
+            "bf16 products with AVX512_BF16, but vdpbf16ps runs at only {r:.1}× the f32 FMA's \
+             rate here: no faster than f32 where compute bounds them, and bf16 halves the \
+             weights' memory"
+        ),
+        None => "bf16 products converted to f32 in a portable loop: this CPU lacks AVX512_BF16, \
+                 so f32 is faster and bf16 only halves the weights' memory"
+            .to_string(),
+    }
+}
+
 /// How the int8 products run here, for `describe`.
 fn int8_isa() -> &'static str {
     if int8::native() {
@@ -406,12 +426,7 @@ impl Backend for CpuBackend {
         }
         match self.precision {
             Precision::F32 => format!("cpu (f32, {threads} threads)"),
-            Precision::Bf16 if bf16::native() => {
-                format!("cpu (bf16 products with AVX512_BF16, {threads} threads)")
-            }
-            Precision::Bf16 => format!(
-                "cpu (bf16 products in a portable loop: this CPU lacks AVX512_BF16, so f32 is faster; {threads} threads)"
-            ),
+            Precision::Bf16 => format!("cpu ({}; {threads} threads)", bf16_products()),
         }
     }
 
@@ -695,3 +710,34 @@ impl Backend for CpuBackend {
 
 #[cfg(test)]
 pub(crate) mod testutil;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hardware-dependent: `describe` under bf16 names the way this CPU multiplies bf16 and
+    /// says where that is no faster than f32 (the output says which branch ran).
+    #[test]
+    fn bf16_describe_says_how_products_run_and_whether_they_beat_f32() {
+        let d = CpuBackend::with_precision(Precision::Bf16).describe();
+        eprintln!("{d}");
+        match peak::bf16_dot_vs_fma() {
+            Some(r) => {
+                assert!(
+                    d.contains("AVX512_BF16") && d.contains(&format!("{r:.1}×")),
+                    "{d}"
+                );
+                assert_eq!(d.contains("no faster than f32"), r < peak::BF16_PAYS, "{d}");
+            }
+            None => assert!(
+                d.contains("portable loop") && d.contains("f32 is faster"),
+                "{d}"
+            ),
+        }
+        let f32 = CpuBackend::new().describe();
+        assert!(
+            f32.starts_with("cpu (f32,") && !f32.contains("bf16"),
+            "{f32}"
+        );
+    }
+}

@@ -100,6 +100,42 @@ pub fn bf16_dot_flops(iters: usize) -> Option<f64> {
     None
 }
 
+/// Below this many times the f32 FMA's FLOP/s, `vdpbf16ps` does not pay for the activations'
+/// rounding to bf16: bf16 products are then no faster than f32 where compute bounds them.
+pub const BF16_PAYS: f64 = 1.5;
+
+/// How many times the f32 FMA's FLOP/s `vdpbf16ps` reaches on one thread of this machine,
+/// measured once per process (interleaved rounds of a few tenths of a millisecond, the best of
+/// each); `None` without AVX512_BF16. About 2 on a Zen 4 (`bench peak`: 459 against 232 GFLOP/s
+/// on two cores), about 1 on Intel's Xeons, where `vdpbf16ps` issues at half the FMA's rate
+/// (issue 32). What `describe` reports, once per machine rather than per call.
+pub fn bf16_dot_vs_fma() -> Option<f64> {
+    static RATIO: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
+    *RATIO.get_or_init(measure_bf16_dot_vs_fma)
+}
+
+fn measure_bf16_dot_vs_fma() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if super::bf16::native() {
+        const ITERS: usize = 50_000;
+        let seconds = |f: &dyn Fn() -> f32| {
+            let start = Instant::now();
+            std::hint::black_box(f());
+            start.elapsed().as_secs_f64()
+        };
+        let (mut fma, mut dot) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..5 {
+            // SAFETY: AVX-512F and AVX512_BF16 are present (`native`).
+            fma = fma.min(seconds(&|| unsafe { fma_loop_avx512(ITERS) }));
+            // SAFETY: as above.
+            dot = dot.min(seconds(&|| unsafe { dot_loop_bf16(ITERS) }));
+        }
+        // The same number of instructions: 16 multiply-adds per FMA, 32 per `vdpbf16ps`.
+        return Some(2.0 * fma / dot);
+    }
+    None
+}
+
 /// # Safety
 /// The CPU has AVX-512F and AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
@@ -150,6 +186,28 @@ mod tests {
                 assert!(
                     !has_fma_unit(),
                     "the unit is there but no peak was measured"
+                );
+            }
+        }
+    }
+
+    /// Hardware-dependent, as above, for `vdpbf16ps` against the FMA on one thread.
+    #[test]
+    fn the_bf16_rate_against_the_fma_is_measured_exactly_where_there_is_avx512_bf16() {
+        match super::bf16_dot_vs_fma() {
+            Some(ratio) => {
+                eprintln!("measured branch: vdpbf16ps at {ratio:.2}× the f32 FMA's FLOP/s");
+                assert!(super::super::bf16::native(), "measured without AVX512_BF16");
+                // One vdpbf16ps does twice an FMA's multiply-adds: between an eighth and 4×
+                // the FMA's rate on any core that has it.
+                assert!((0.125..=4.0).contains(&ratio), "{ratio}");
+                assert_eq!(super::bf16_dot_vs_fma(), Some(ratio), "measured once");
+            }
+            None => {
+                eprintln!("no-unit branch: this CPU has no AVX512_BF16");
+                assert!(
+                    !super::super::bf16::native(),
+                    "AVX512_BF16 is there but no ratio"
                 );
             }
         }
