@@ -9,7 +9,9 @@
 # default target/release/tessera), PY (python with torch 2.15 and transformers 5.25, default
 # .venv-ref/bin/python), THREADS (default 2), ITERS_QUERY/ITERS_DOC/ITERS_BATCH/ITERS_IMAGE,
 # BATCH (default 64x64), TORCH_BF16=1 to add PyTorch's bf16 autocast runs, TESSERA_BF16=1 to add
-# Tessera's --precision bf16 runs (each with its own peak RSS).
+# Tessera's --precision bf16 runs (each with its own peak RSS), DENORMAL_MAX (default 1.5: the
+# run stops first if Tessera's work on denormal operands is slower than that against normal
+# ones, issue 32's cliff).
 set -euo pipefail
 M=$1 D=$2 OUT=$3
 BIN=${BIN:-target/release/tessera} PY=${PY:-.venv-ref/bin/python} THREADS=${THREADS:-2}
@@ -17,6 +19,8 @@ BATCH=${BATCH:-64x64}
 mkdir -p "$OUT"
 here=$(dirname "$0")
 torch_ref() { "$PY" "$here/eg2_cpu_ref.py" "$M" --threads "$THREADS" "$@"; }
+echo "== denormals"
+"$BIN" --threads "$THREADS" bench denormals --max-slowdown "${DENORMAL_MAX:-1.5}" | tee -a "$OUT/tessera.jsonl"
 for w in query document batch image; do
   case $w in
     query) it=${ITERS_QUERY:-30}; t_args=(embed --model "$M" --inputs "$D/bench_inputs.json" --workloads w1) ;;
