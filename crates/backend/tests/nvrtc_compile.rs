@@ -74,6 +74,8 @@ enum Abi {
     /// `int`: 4 bytes.
     Int4,
     F32,
+    /// A tensor map by value: `.param .align 64 .b8 NAME[128]`.
+    TensorMap,
 }
 
 fn abi(p: Param) -> Abi {
@@ -81,6 +83,7 @@ fn abi(p: Param) -> Abi {
         Param::Ptr | Param::I64 => Abi::Int8,
         Param::I32 => Abi::Int4,
         Param::F32 => Abi::F32,
+        Param::TensorMap => Abi::TensorMap,
     }
 }
 
@@ -97,6 +100,9 @@ fn entries(ptx: &str) -> BTreeMap<String, Vec<Abi>> {
             .map(str::trim)
             .filter(|p| !p.is_empty())
             .map(|p| {
+                if p.contains(".align 64") && p.contains(".b8") && p.ends_with("[128]") {
+                    return Abi::TensorMap;
+                }
                 let ty = p
                     .split_whitespace()
                     .find(|t| *t != ".param" && !t.starts_with(".ptr") && !t.starts_with(".align"))
@@ -115,13 +121,14 @@ fn entries(ptx: &str) -> BTreeMap<String, Vec<Abi>> {
 }
 
 /// C++ appended to a source for the check below: the compiler classifies each kernel's C
-/// parameters (pointer 0, `long` 1, `int` 2, `float` 3) and compares them with the table's.
+/// parameters (pointer 0, `long` 1, `int` 2, `float` 3, tensor map 4) and compares them with the table's.
 const CLASSIFY: &str = r#"
 template <typename T> struct TesseraAbi { static constexpr int v = -1; };
 template <typename T> struct TesseraAbi<T*> { static constexpr int v = 0; };
 template <> struct TesseraAbi<long> { static constexpr int v = 1; };
 template <> struct TesseraAbi<int> { static constexpr int v = 2; };
 template <> struct TesseraAbi<float> { static constexpr int v = 3; };
+template <> struct TesseraAbi<TmaDesc> { static constexpr int v = 4; };
 template <int... V> struct TesseraParams {};
 template <typename F> struct TesseraSig;
 template <typename... A> struct TesseraSig<void(A...)> { using type = TesseraParams<TesseraAbi<A>::v...>; };
@@ -135,6 +142,7 @@ fn c_class(p: Param) -> u8 {
         Param::I64 => 1,
         Param::I32 => 2,
         Param::F32 => 3,
+        Param::TensorMap => 4,
     }
 }
 

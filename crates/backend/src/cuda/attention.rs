@@ -22,8 +22,9 @@ use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
 pub use cached::{CACHED_HEAD_DIMS, MAX_CACHED_SPLITS, cached_splits, heads_per_cta};
 
 use super::errors::drv;
-use super::launch::{ByDim, ByElem, DevPtr, Kernel, cfg, kernel_args, kernel_table};
+use super::launch::{ByDim, ByElem, DevPtr, Kernel, TensorMap, cfg, kernel_args, kernel_table};
 use super::memory::{addr, ptr_of, ptr_of_mut};
+use super::tma;
 use super::{CudaBackend, Elem};
 use crate::{AttnSpec, Backend, Mask, Precision, Role, Segments, View, ViewMut, offsets_of};
 
@@ -49,6 +50,14 @@ kernel_args! {
     pub(super) struct FlashArgs {
         ops: Operands, tiles: DevPtr, group: i32, scale_log2: f32, window: i32, causal: i32,
         part: DevPtr, rows: i32, kv_splits: i32,
+    }
+}
+
+kernel_args! {
+    /// `flash_ws_d{D}`: the flash kernels' arguments, then the tensor maps its producer loads K
+    /// and V blocks through ([`tma::head_rows_bf16`], boxes of [`WS_BN`] rows).
+    pub(super) struct FlashWsArgs {
+        flash: FlashArgs, tk: TensorMap, tv: TensorMap,
     }
 }
 
@@ -92,7 +101,7 @@ kernel_table! {
     /// The kernels of attention_sm90.cu (sm_90a alone).
     pub(super) struct Sm90Kernels from "attention_sm90.cu" {
         flash_wgmma: ByDim<FlashArgs> = ("flash_wgmma_d{}", &WGMMA_HEAD_DIMS),
-        flash_ws: ByDim<FlashArgs> = ("flash_ws_d{}", &WS_HEAD_DIMS),
+        flash_ws: ByDim<FlashWsArgs> = ("flash_ws_d{}", &WS_HEAD_DIMS),
     }
 }
 
@@ -105,25 +114,21 @@ pub(super) fn reserve_shared_memory(
     let mma = portable
         .flash
         .iter()
-        .map(|(d, k)| (k, flash_config(d).smem));
+        .map(|(d, k)| (k.func(), k.name(), flash_config(d).smem));
     let wgmma = hopper
         .into_iter()
         .flat_map(|t| t.flash_wgmma.iter())
-        .map(|(d, k)| (k, wgmma_config(d).smem));
+        .map(|(d, k)| (k.func(), k.name(), wgmma_config(d).smem));
     let ws = hopper
         .into_iter()
         .flat_map(|t| t.flash_ws.iter())
-        .map(|(d, k)| (k, ws_config(d).smem));
-    for (kernel, smem) in mma.chain(wgmma).chain(ws) {
-        kernel
-            .func()
-            .set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(|e| {
-                Error::backend(format!("{}: {smem} B of shared memory", kernel.name()), e)
-            })?;
+        .map(|(d, k)| (k.func(), k.name(), ws_config(d).smem));
+    for (func, name, smem) in mma.chain(wgmma).chain(ws) {
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| Error::backend(format!("{name}: {smem} B of shared memory"), e))?;
     }
     Ok(())
 }
@@ -341,19 +346,19 @@ pub(super) fn flash(
             .attention
             .flash
             .get(hd)
-            .map(|k| (k, flash_config(hd))),
+            .map(|k| (Picked::Flash(k), flash_config(hd))),
         FlashKernel::Wgmma => be
             .kernels
             .sm90
             .as_ref()
             .and_then(|t| t.flash_wgmma.get(hd))
-            .map(|k| (k, wgmma_config(hd))),
+            .map(|k| (Picked::Flash(k), wgmma_config(hd))),
         FlashKernel::Ws => be
             .kernels
             .sm90
             .as_ref()
             .and_then(|t| t.flash_ws.get(hd))
-            .map(|k| (k, ws_config(hd))),
+            .map(|k| (Picked::Ws(k), ws_config(hd))),
     };
     // The warp-specialized kernel walks the wide tiles listed after the 64-row ones.
     let (tiles, tile_list) = match choice {
@@ -404,13 +409,27 @@ pub(super) fn flash(
         block_dim: (fc.threads, 1, 1),
         shared_mem_bytes: fc.smem,
     };
-    be.launch("attention", kernel, config, &args)?;
+    let (o, os) = (args.ops.o, args.ops.os);
+    match kernel {
+        Picked::Flash(kernel) => be.launch("attention", kernel, config, &args)?,
+        Picked::Ws(kernel) => {
+            let map = |ptr, view: &View<'_, CudaBackend>| {
+                tma::head_rows_bf16(ptr, view.stride, total, spec.heads_kv, hd, WS_BN as u32)
+            };
+            let args = FlashWsArgs {
+                tk: map(args.ops.k, &k)?,
+                tv: map(args.ops.v, &v)?,
+                flash: args,
+            };
+            be.launch("attention", kernel, config, &args)?
+        }
+    }
     if let Some(part) = part {
         let warps = (total * spec.heads_q) as u32;
         let args = FlashCombineArgs {
             part,
-            o: args.ops.o,
-            os: args.ops.os,
+            o,
+            os,
             rows: total as i32,
             heads: spec.heads_q as i32,
             d: hd as i32,
@@ -424,6 +443,21 @@ pub(super) fn flash(
         )?;
     }
     Ok(splits)
+}
+
+/// The flash kernel a launch takes, by its argument list.
+enum Picked<'a> {
+    Flash(&'a Kernel<FlashArgs>),
+    Ws(&'a Kernel<FlashWsArgs>),
+}
+
+impl Picked<'_> {
+    fn func(&self) -> &cudarc::driver::CudaFunction {
+        match self {
+            Picked::Flash(k) => k.func(),
+            Picked::Ws(k) => k.func(),
+        }
+    }
 }
 
 /// Address of the split-key workspace, allocated on first use and never moved.

@@ -35,6 +35,8 @@ pub enum Param {
     I32,
     /// `float`.
     F32,
+    /// A tensor map passed by value (`const __grid_constant__ TmaDesc`: 128 bytes, 64-aligned).
+    TensorMap,
 }
 
 /// A device address, passed as a pointer parameter.
@@ -75,7 +77,18 @@ macro_rules! scalar_args {
         }
     )*};
 }
-scalar_args!(DevPtr => Ptr, i64 => I64, i32 => I32, f32 => F32);
+scalar_args!(DevPtr => Ptr, i64 => I64, i32 => I32, f32 => F32, TensorMap => TensorMap);
+
+/// A tensor map for the tensor-memory accelerator, encoded by the driver
+/// (`cuTensorMapEncodeTiled`) and passed by value: kernels take it as a
+/// `const __grid_constant__ TmaDesc` (kernels/common.cuh).
+#[derive(Clone, Copy, Debug)]
+#[repr(transparent)]
+pub struct TensorMap(pub cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: `TensorMap` is `repr(transparent)` over the driver's `CUtensorMap`, the 128 bytes the
+// kernel's `TmaDesc` parameter takes; the launch copies them by value.
+unsafe impl DeviceRepr for TensorMap {}
 
 /// The C parameter list of `A`.
 pub fn params_of<A: KernelArgs>() -> Vec<Param> {

@@ -40,6 +40,7 @@ mod rows;
 mod short_conv;
 mod support;
 mod tables;
+mod tma;
 
 use std::sync::{Arc, Mutex};
 

@@ -296,6 +296,22 @@ __device__ __forceinline__ void set_max_regs_inc() { asm volatile("setmaxnreg.in
 template <int N>
 __device__ __forceinline__ void set_max_regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 __device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+// Arrive on `bar` and add `bytes` to the transaction count its phase waits for (the TMA copies
+// that complete it).
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One TMA box of `map` — 64 columns × the box's rows of one head, starting at (col, row, head) —
+// into shared memory at `dst` with the map's 128-byte swizzle; its bytes complete `bar`'s
+// transaction. Rows past the tensor's end land as zeros.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaDesc* map, int col, int row, int head, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(col), "r"(row), "r"(head), "r"(bar)
+        : "memory");
+}
+
 // The consumers' ping-pong turns: named barriers PP_BAR (consumer 0's turn) and PP_BAR + 1
 // (consumer 1's), each met by one warpgroup's sync and the other's arrive (256 threads).
 constexpr int PP_BAR = 8;
@@ -307,7 +323,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
                                               long ks, const bf16* __restrict__ v, long vs, bf16* __restrict__ o,
                                               long os, const u32* __restrict__ tiles, int group, float scale_log2,
                                               int window, int causal, float* __restrict__ part, int rows,
-                                              int kv_splits) {
+                                              int kv_splits, const TmaDesc* tk, const TmaDesc* tv) {
     using C = WsCfg<D>;
     constexpr int BN = C::BN, S = C::STAGES, NS = BN / 8, NO = D / 8;
     constexpr u32 QH = 64 * D * 2, TILE = BN * D * 2;  // bytes of a 64-row Q half, of a K or V tile
@@ -329,8 +345,8 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     if (threadIdx.x == 0) {
         mbar_init(q_full, 128);
         for (int i = 0; i < S; i++) {
-            mbar_init(k_full + 8 * i, 128);
-            mbar_init(v_full + 8 * i, 128);
+            mbar_init(k_full + 8 * i, 1);  // the producer thread's expect_tx; the TMA bytes complete it
+            mbar_init(v_full + 8 * i, 1);
             mbar_init(k_free + 8 * i, 256);
             mbar_init(v_free + 8 * i, 256);
         }
@@ -339,23 +355,29 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     __syncthreads();
 
     if (threadIdx.x < 128) {
-        // The producer: it only ever waits for a stage to be free.
+        // The producer: the query tile once with cp.async (all 128 threads, zero-filled past q1),
+        // then one thread hands each K and V block to the tensor-memory accelerator, which does
+        // the addressing and the swizzle; it only ever waits for a stage to be free. A block may
+        // take rows past k_hi from the next segment: the scores mask those keys (p = 0), so
+        // their values add nothing.
         set_max_regs_dec<40>();
         const bf16* qb = q + (long)h * D;
-        const bf16* kb = k + (long)g * D;
-        const bf16* vb = v + (long)g * D;
         load_sw128<D, 64, 128>(sQ, qb, qs, q0, q0, q1);
         load_sw128<D, 64, 128>(sQ + QH, qb, qs, q0 + 64, q0, q1);
         cp_arrive_on(q_full);
-        for (int j = 0; j < nb; j++) {
-            const int st = j % S;
-            const u32 par = ((j / S) & 1) ^ 1;
-            mbar_wait(k_free + 8 * st, par);
-            load_sw128<D, BN, 128>(sK + st * TILE, kb, ks, k_lo + j * BN, k_lo, k_hi);
-            cp_arrive_on(k_full + 8 * st);
-            mbar_wait(v_free + 8 * st, par);
-            load_sw128<D, BN, 128>(sV + st * TILE, vb, vs, k_lo + j * BN, k_lo, k_hi);
-            cp_arrive_on(v_full + 8 * st);
+        if (threadIdx.x == 0) {
+            for (int j = 0; j < nb; j++) {
+                const int st = j % S, row = k_lo + j * BN;
+                const u32 par = ((j / S) & 1) ^ 1;
+                mbar_wait(k_free + 8 * st, par);
+                mbar_expect_tx(k_full + 8 * st, TILE);
+#pragma unroll
+                for (int b = 0; b < D / 64; b++) tma_load_3d(sK + st * TILE + b * (BN * 128), tk, 64 * b, row, g, k_full + 8 * st);
+                mbar_wait(v_free + 8 * st, par);
+                mbar_expect_tx(v_full + 8 * st, TILE);
+#pragma unroll
+                for (int b = 0; b < D / 64; b++) tma_load_3d(sV + st * TILE + b * (BN * 128), tv, 64 * b, row, g, v_full + 8 * st);
+            }
         }
         cp_wait0();
         return;
@@ -438,6 +460,16 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     flash_store<D, NO, bf16>(oacc, stats, 0, true, row_lo, qz, h, o, os, part, rows, chunk, kv_splits);
 }
 
-#define FLASH_WS(D) FLASH_ENTRY(flash_ws_d##D, flash_ws_impl<D>, 384, 1)
+// flash_ws_d{D} takes the flash kernels' parameters and then the tensor maps of K and V (3-D:
+// head columns, rows, kv heads; boxes of 64 columns × BN rows; `FlashWsArgs` in cuda/attention.rs).
+#define FLASH_WS(D)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                  \
+        flash_ws_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
+                      const u32* tiles, int group, float scale_log2, int window, int causal, float* part,       \
+                      int rows, int kv_splits, const __grid_constant__ TmaDesc tk,                           \
+                      const __grid_constant__ TmaDesc tv) {                                                 \
+        flash_ws_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows,     \
+                         kv_splits, &tk, &tv);                                                               \
+    }
 FLASH_WS(64)
 FLASH_WS(128)

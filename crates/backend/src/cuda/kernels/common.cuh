@@ -10,6 +10,12 @@ typedef unsigned long long u64;
 
 #define NEG_INF (__int_as_float(0xff800000))
 
+// A tensor map for the tensor-memory accelerator (the driver's CUtensorMap, 128 opaque bytes),
+// encoded by the host and passed by value as a `const __grid_constant__` kernel parameter.
+struct __align__(64) TmaDesc {
+    u64 v[16];
+};
+
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(bf16 v) { return __uint_as_float(((u32)v) << 16); }
 
