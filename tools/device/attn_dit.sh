@@ -7,8 +7,12 @@
 #   4. Z-Image-Turbo full size, 1024², 8 steps: `bench generate` with the op's default attention
 #      (TESSERA_FLASH_WS=0, flash_wgmma) and with flash_ws (=1), alternating A B B A, then a
 #      TESSERA_PROFILE=kernels generation with flash_ws;
-#   5. the diffusers DiT step eager and with compile_repeated_blocks (../shared/tools/zimage_compile.py).
-#   PARTS=ops,attn,ncu,zimage,compile (default all). Build first:
+#   5. the diffusers DiT step eager and with compile_repeated_blocks (../shared/tools/zimage_compile.py);
+#   6. (floor) the Z-Image and Qwen-Image miniatures' CUDA tests with flash_ws as the attention
+#      (TESSERA_FLASH_WS=1): f32 parity and bf16 within 1.5× of its storage floor per tap;
+#   7. (ref) the diffusers Z-Image pipeline eager end to end (../shared/tools/refbench.py).
+#   PARTS=ops,attn,ncu,zimage,compile,floor,ref (default all but floor and ref);
+#   OPS_CASE=attention runs only the op table's attention cases. Build first:
 #   PACK=1 TESTS="cuda_ops zimage_cuda qwen_image_cuda" tools/device/stage.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,7 +27,7 @@ B=.dev/bin/tessera Z=/tmp/zfull
 status=0
 if [[ $PARTS == *ops* ]]; then
   echo "== op table (cuda vs cpu, f32 and bf16, every kernel)"
-  timeout 300 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops.log" 2>&1; r=$?; status=$((status|r))
+  TESSERA_OP_CASE=${OPS_CASE:-} timeout 300 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture > "$OUT/cuda_ops.log" 2>&1; r=$?; status=$((status|r))
   grep -E "^attention |^total|test result|panicked|FAIL|newly|expected to be" "$OUT/cuda_ops.log" | head -20
 fi
 if [[ $PARTS == *zimage* ]]; then
@@ -42,6 +46,19 @@ if [[ $PARTS == *zimage* ]]; then
   TESSERA_FLASH_WS=1 TESSERA_PROFILE=kernels $B bench generate --model $Z --device cuda --precision bf16 \
     --size 1024x1024 --iters 1 > "$OUT/profile_ws1.log" 2>&1 || status=1
   grep "^profile" "$OUT/profile_ws1.log" | tail -10 | sed -n '5p' | tr ',' '\n' | grep -iE "attention|flash" | head -5
+fi
+if [[ $PARTS == *floor* ]]; then
+  echo "== miniatures with flash_ws (TESSERA_FLASH_WS=1): f32 parity, bf16 against its storage floor"
+  for t in zimage_cuda qwen_image_cuda; do
+    TESSERA_FLASH_WS=1 timeout 200 .dev/bin/$t --ignored --test-threads=1 --nocapture --skip full_size \
+      > "$OUT/${t}_ws.log" 2>&1; r=$?; status=$((status|r))
+    grep -E "f32:|bf16:|floor|test result|panicked" "$OUT/${t}_ws.log" | head -12 | cut -c1-220
+  done
+fi
+if [[ $PARTS == *ref* ]]; then
+  echo "== diffusers 0.42.1 Z-Image eager end to end, same call"
+  timeout 200 python3 .dev/tools/refbench.py --only zimage > "$OUT/refbench.log" 2>&1 || status=1
+  sed -n '/SUMMARY/,$p' "$OUT/refbench.log" | head -12
 fi
 if [[ $PARTS == *compile* ]]; then
   echo "== diffusers 0.42.1 DiT step, eager and compile_repeated_blocks, same call"
