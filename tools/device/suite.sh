@@ -36,7 +36,7 @@ part() {
 }
 
 if [[ $PARTS == *ops* ]] && time_left ops; then
-  part "cuda_ops (op table)" cuda_ops.log .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture
+  part "cuda_ops (op table)" cuda_ops.log timeout 240 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture
   grep -E "^total|declined" "$OUT/cuda_ops.log" | tail -3
 fi
 if [[ $PARTS == *mini* ]] && time_left mini; then
@@ -95,6 +95,20 @@ for line in open(sys.argv[1]):
     print(f"{r['shape']:<20} {str(r.get('kernel')):<6} chunks={r['kv_splits']} chosen={r['chosen']!s:<5} "
           f"{r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
 PY
+  if [ -x .dev/bin/tessera-base ]; then
+    echo "-- the baseline binary (.dev/bin/tessera-base), same call"
+    timeout 120 .dev/bin/tessera-base bench attention --device cuda > "$OUT/bench_attention_base.jsonl" 2>&1
+    python3 - "$OUT/bench_attention_base.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    print(f"base {r['shape']:<20} {str(r.get('kernel')):<6} chunks={r['kv_splits']} chosen={r['chosen']!s:<5} "
+          f"{r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
+PY
+  fi
   timeout 120 python3 tools/device/sdpa_ref.py > "$OUT/sdpa_ref.jsonl" 2>&1
   python3 - "$OUT/sdpa_ref.jsonl" <<'PY'
 import json, sys
