@@ -2,10 +2,28 @@
 //! family (Z-Image, Qwen-Image-2.1): the request, the model's defaults, the checked request's
 //! summary, progress events, the 8-bit image, and the cheap latent previews a server streams.
 
+use std::sync::Arc;
+
 use tessera_core::{Error, Result};
+
+use crate::imageproc::pil::Rgba8;
 
 /// The most images one request makes.
 pub const MAX_IMAGES: usize = 16;
+
+/// The most condition images one edit takes (Qwen-Image-2.1's limit).
+pub const MAX_EDIT_IMAGES: usize = 10;
+
+/// The condition images of an edit request, for families that edit (Qwen-Image-2.1).
+#[derive(Clone, Debug)]
+pub struct Edit {
+    /// Decoded images in prompt order (RGBA; an RGB upload is opaque), shared, not copied, when
+    /// a request is cloned.
+    pub images: Arc<[Rgba8]>,
+    /// Condition images are resized to about this side squared (the reference's
+    /// `output_resolution`), keeping their aspect; the output size defaults from it too.
+    pub output_resolution: usize,
+}
 
 /// A family's recommended settings, which front ends show and start from.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -37,6 +55,8 @@ pub struct Request {
     pub shift: Option<f64>,
     /// Images to make from the prompt, seeds `seed, seed + 1, …`, denoised as one batch.
     pub num_images: usize,
+    /// Condition images: an edit instead of text-to-image.
+    pub edit: Option<Edit>,
 }
 
 impl Request {
@@ -53,6 +73,7 @@ impl Request {
             init_latent: None,
             shift: None,
             num_images: 1,
+            edit: None,
         }
     }
 }

@@ -144,3 +144,32 @@ fn qwen_image_declares_every_op_of_a_guided_generation() {
     let cfg = QwenImageConfigs::read(&qwen_image::BUNDLED).unwrap();
     assert_declared("Qwen-Image-2.1", &qwen_image::ops(&cfg), &be.recorded());
 }
+
+#[test]
+fn qwen_image_declares_every_op_of_a_guided_edit() {
+    use tessera_models::imageproc::pil::Rgba8;
+    use tessera_models::qwen_image::{self, QwenImage, QwenImageConfigs, edit};
+    use tessera_models::text_to_image::Edit;
+    let be = CpuBackend::recording();
+    let mut model = QwenImage::load(be.clone(), &qwen_image::BUNDLED).unwrap();
+    let px = |w: usize, h: usize| Rgba8::new(w, h, vec![200; w * h * 4]).unwrap();
+    let req = Request {
+        width: 64,
+        height: 64,
+        steps: 2,
+        guidance: 3.0,
+        negative_prompt: Some(String::new()),
+        edit: Some(Edit {
+            images: vec![px(64, 64), px(96, 64)].into(),
+            output_resolution: 64,
+        }),
+        ..Request::new("a red fox", qwen_image::DEFAULTS)
+    };
+    let plan = model.plan(&req).unwrap();
+    model.generate_images(&req, &plan, |_| {}).unwrap();
+    let cfg = QwenImageConfigs::read(&qwen_image::BUNDLED).unwrap();
+    let vision = edit::vision_config(&qwen_image::BUNDLED).unwrap();
+    let mut declared = qwen_image::ops(&cfg);
+    declared.extend(edit::ops(&cfg, &vision));
+    assert_declared("Qwen-Image-2.1 editing", &declared, &be.recorded());
+}

@@ -534,6 +534,7 @@ fn pipeline_reproduces_the_reference_steps_and_image() {
             init_latent: Some(ex.f32(&format!("{p}init_latent"))),
             shift: Some(c.shift),
             num_images: 1,
+            edit: None,
         };
         let plan = z.plan(&req).unwrap();
         assert_eq!(plan.prompts[0].ids, c.ids_pos, "{}: prompt ids", c.name);

@@ -12,10 +12,13 @@
 //! - [`vae_encoder`]: its encoder, a condition image to normalised DiT-space latent tokens;
 //! - [`vision`]: condition images for the text encoder: the Qwen3-VL image processor, the edit
 //!   prompt's token layout and positions;
-//! - [`pipeline`]: all of it end to end.
+//! - [`edit`]: condition images into the prefix (the vision tower and VAE encoder a model loads
+//!   for editing, each prompt branch's sequence);
+//! - [`pipeline`]: all of it end to end, text-to-image and editing.
 
 pub mod condition;
 pub mod config;
+pub mod edit;
 pub mod layout;
 mod ops;
 pub mod pipeline;

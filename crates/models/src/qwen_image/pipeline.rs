@@ -8,6 +8,10 @@
 //! prefix and RoPE table. Sizes are multiples of 32 pixels: the VAE's 16× and the 2×2 latent
 //! groups of the prompt's image slots (diffusers floors other sizes silently; we refuse them).
 //!
+//! With condition images ([`Request::edit`]) the prefix is each branch's edit sequence
+//! ([`super::edit`]): the images' VAE latents as blocks among the text rows of the prompt
+//! encoded with the images; the target, its schedule and the steps are text-to-image's.
+//!
 //! The seeded latent is Tessera's own generator (SplitMix64 + Box–Muller, as for Z-Image), not
 //! torch's `randn`; to reproduce a diffusers image, pass its packed latent as `init_latent`.
 
@@ -18,7 +22,9 @@ use tessera_backend::{Backend, Precision, View};
 use tessera_core::{Error, Result, Weights, check_finite};
 
 use super::QwenImageFiles;
+use super::condition;
 use super::config::{ModelIndex, TransformerConfig, parse_model_index};
+use super::edit::{self, EditPlan, Editor};
 use super::layout::Layout;
 use super::scheduler::{self, SchedulerConfig};
 use super::text::{PromptIds, TextEncoder, prompt_ids};
@@ -27,7 +33,7 @@ use super::vae::{VaeConfig, VaeDecoder, to_rgba8};
 use crate::flow_match::{Schedule, euler_step};
 use crate::noise;
 use crate::qwen3::{BpeTokenizer, Qwen3Config};
-use crate::text_to_image::{Checked, Defaults, Event, Image, MAX_IMAGES, Request};
+use crate::text_to_image::{Checked, Defaults, Edit, Event, Image, MAX_IMAGES, Request};
 
 /// Device memory a request needs besides its own buffers: the backend's fixed workspaces and
 /// the text encoder's passes.
@@ -99,6 +105,18 @@ pub struct Plan {
     pub prompts: Vec<PromptIds>,
     pub guided: bool,
     pub warnings: Vec<String>,
+    /// The condition images and each branch's sequence of an edit.
+    pub edit: Option<EditPlan>,
+}
+
+impl Plan {
+    /// Rows of each branch's prefix.
+    pub fn prefix_rows(&self) -> Vec<usize> {
+        match &self.edit {
+            Some(e) => e.layouts.iter().map(Layout::prefix_rows).collect(),
+            None => self.prompts.iter().map(PromptIds::rows).collect(),
+        }
+    }
 }
 
 pub struct QwenImage<B: Backend> {
@@ -107,7 +125,28 @@ pub struct QwenImage<B: Backend> {
     text_encoder: TextEncoder<B>,
     transformer: QwenImageTransformer<B>,
     vae: VaeDecoder<B>,
+    /// The vision tower and VAE encoder, or why this model cannot edit on this device.
+    editor: std::result::Result<Editor<B>, String>,
     configs: QwenImageConfigs,
+}
+
+/// The editing parts when the device runs their ops and the folder has them, else why not.
+fn load_editor<B: Backend>(
+    be: &B,
+    files: &QwenImageFiles,
+    configs: &QwenImageConfigs,
+) -> std::result::Result<Editor<B>, String> {
+    let vision = edit::vision_config(files)
+        .map_err(|e| format!("its text encoder has no usable vision tower ({e})"))?;
+    for op in edit::ops(configs, &vision) {
+        be.supports(&op).map_err(|e| {
+            format!(
+                "{} cannot run {op}: {e}; edit with --device cpu",
+                be.describe()
+            )
+        })?;
+    }
+    Editor::load(be, files, &configs.vae).map_err(|e| format!("loading its editing parts: {e}"))
 }
 
 /// A single transformer file (safetensors or GGUF) seen with the diffusers names: ComfyUI's files
@@ -171,12 +210,14 @@ impl<B: Backend> QwenImage<B> {
             &configs.vae,
             &files.vae.weights("diffusion_pytorch_model")?,
         )?;
+        let editor = load_editor(be, files, &configs);
         Ok(QwenImage {
             backend,
             tokenizer,
             text_encoder,
             transformer,
             vae,
+            editor,
             configs,
         })
     }
@@ -192,6 +233,26 @@ impl<B: Backend> QwenImage<B> {
     }
     pub fn configs(&self) -> &QwenImageConfigs {
         &self.configs
+    }
+
+    /// `Ok` if this model edits images on its device, else why not (one line).
+    pub fn can_edit(&self) -> std::result::Result<(), &str> {
+        self.editor.as_ref().map(|_| ()).map_err(String::as_str)
+    }
+
+    /// The output size `(width, height)` of `edit` without an explicit one: the last condition
+    /// image's (the reference's default).
+    pub fn edit_size(&self, edit: &Edit) -> Result<(usize, usize)> {
+        self.editor_or_refusal()?;
+        let sizes: Vec<(usize, usize)> = edit.images.iter().map(|i| (i.width, i.height)).collect();
+        condition::default_output_size(&sizes, edit.output_resolution)
+            .ok_or_else(|| Error::input("an edit needs at least one condition image"))
+    }
+
+    fn editor_or_refusal(&self) -> Result<&Editor<B>> {
+        self.editor
+            .as_ref()
+            .map_err(|why| Error::input(format!("this Qwen-Image-2.1 cannot edit images: {why}")))
     }
 
     /// The pipeline's defaults, with the step count of the author's σ grid when the folder
@@ -292,11 +353,31 @@ impl<B: Backend> QwenImage<B> {
                 "the negative prompt is ignored: true CFG runs only with --guidance above 1".into(),
             );
         }
-        let mut prompts = vec![prompt_ids(&self.tokenizer, &req.prompt)?];
+        let mut texts = vec![req.prompt.as_str()];
         if guided {
-            let neg = req.negative_prompt.as_deref().unwrap_or_default();
-            prompts.push(prompt_ids(&self.tokenizer, neg)?);
+            texts.push(req.negative_prompt.as_deref().unwrap_or_default());
         }
+        let edit = match &req.edit {
+            None => None,
+            Some(e) => {
+                let editor = self.editor_or_refusal()?;
+                Some(EditPlan::new(
+                    e,
+                    &texts,
+                    &self.tokenizer,
+                    &editor.processor,
+                    scale,
+                    latent_hw,
+                )?)
+            }
+        };
+        let prompts = match &edit {
+            Some(e) => e.prompts.iter().map(|p| p.ids.clone()).collect(),
+            None => texts
+                .iter()
+                .map(|t| prompt_ids(&self.tokenizer, t))
+                .collect::<Result<Vec<_>>>()?,
+        };
         let max = self.configs.text_encoder.max_positions;
         if let Some(p) = prompts.iter().find(|p| p.ids.len() > max) {
             return Err(Error::input(format!(
@@ -310,6 +391,7 @@ impl<B: Backend> QwenImage<B> {
             prompts,
             guided,
             warnings,
+            edit,
         };
         self.check_memory(req, &plan)?;
         Ok(plan)
@@ -321,7 +403,7 @@ impl<B: Backend> QwenImage<B> {
         let passes = steps * if plan.guided { 2 } else { 1 };
         let c = &self.configs.transformer;
         let n = (plan.latent_hw.0 * plan.latent_hw.1) as f64;
-        let lp = plan.prompts[0].rows() as f64;
+        let lp = plan.prefix_rows()[0] as f64;
         let d = c.dim() as f64;
         // Per target row and layer: q|k|v|o (4·d²) and the SwiGLU (3·d·ffn) products, and the
         // attention over prefix + target keys.
@@ -345,7 +427,7 @@ impl<B: Backend> QwenImage<B> {
         };
         let scale = self.vae.config().scale();
         let hw = (h / scale, w / scale);
-        let rows: Vec<usize> = plan.prompts.iter().map(PromptIds::rows).collect();
+        let rows = plan.prefix_rows();
         let items: Vec<usize> = (0..req.num_images)
             .flat_map(|_| rows.iter().copied())
             .collect();
@@ -353,7 +435,20 @@ impl<B: Backend> QwenImage<B> {
         let prefixes: usize = rows.iter().map(|&r| tr.prefix_bytes(r, compute)).sum();
         let steps = tr.step_bytes(&items, hw, plan.schedule.steps(), compute) + prefixes;
         let decode = self.vae.activation_bytes(hw, compute);
-        steps.max(decode) + FIXED_DEVICE_BYTES
+        // An edit encodes its condition images one at a time before the prefixes exist.
+        let encode = match (&plan.edit, &self.editor) {
+            (Some(e), Ok(ed)) => e
+                .conditions
+                .iter()
+                .map(|c| {
+                    ed.encoder
+                        .activation_bytes((c.height(), c.width()), compute)
+                })
+                .max()
+                .unwrap_or(0),
+            _ => 0,
+        };
+        steps.max(decode).max(encode) + FIXED_DEVICE_BYTES
     }
 
     /// Refuse, before any compute, a request whose buffers would not fit in the device memory
@@ -431,16 +526,12 @@ impl<B: Backend> QwenImage<B> {
         })
     }
 
-    fn run(
-        &mut self,
-        req: &Request,
-        plan: &Plan,
-        mut on: impl FnMut(Event<'_>) -> ControlFlow<()>,
-    ) -> Result<Vec<Image>> {
+    /// Text-to-image: each branch's prompt features, prefilled.
+    fn text_prefixes(&mut self, plan: &Plan) -> Result<Vec<Prefix<B>>> {
         let feats = self.prompt_features(plan)?;
         let be = &self.backend;
         let ctx = self.configs.transformer.context_in_dim;
-        let mut prefixes: Vec<Prefix<B>> = Vec::with_capacity(feats.len());
+        let mut prefixes = Vec::with_capacity(feats.len());
         for (f, p) in feats.iter().zip(&plan.prompts) {
             check_finite("text encoder features", f)?;
             let layout = Layout::text_to_image(p.rows(), plan.latent_hw)?;
@@ -453,6 +544,61 @@ impl<B: Backend> QwenImage<B> {
                 &[],
             )?);
         }
+        Ok(prefixes)
+    }
+
+    /// An edit: the condition images' latents (once), the tower's rows (once), then each
+    /// branch's features with the images, its text rows and the latents prefilled as its
+    /// sequence.
+    fn edit_prefixes(&mut self, e: &EditPlan) -> Result<Vec<Prefix<B>>> {
+        let be = &self.backend;
+        let editor = self.editor.as_mut().map_err(|why| {
+            Error::input(format!("this Qwen-Image-2.1 cannot edit images: {why}"))
+        })?;
+        let mut latents = Vec::new();
+        for (i, c) in e.conditions.iter().enumerate() {
+            let (tokens, _) =
+                editor
+                    .encoder
+                    .encode(be, &c.vae_pixels(), (c.height(), c.width()), None)?;
+            check_finite(&format!("condition image {}: VAE latents", i + 1), &tokens)?;
+            latents.extend_from_slice(&tokens);
+        }
+        let map = editor.processor.pixel_map();
+        let vision = editor.tower.forward(be, &e.vision, &map)?;
+        let (ctx, hidden) = (
+            self.configs.transformer.context_in_dim,
+            self.configs.text_encoder.hidden_size,
+        );
+        let mut prefixes = Vec::with_capacity(e.prompts.len());
+        for (p, layout) in e.prompts.iter().zip(&e.layouts) {
+            let f = self.text_encoder.features_with_images(be, p, &vision)?;
+            check_finite("text encoder features", &f)?;
+            let text = edit::text_rows(p, &f, hidden);
+            let rows = layout.text_rows();
+            let mut buf = be.alloc(text.len().max(1), tessera_backend::Role::Stream)?;
+            be.write_f32(&mut buf, &text)?;
+            prefixes.push(self.transformer.prefill(
+                be,
+                layout,
+                View::new(&buf, rows, ctx),
+                &latents,
+            )?);
+        }
+        Ok(prefixes)
+    }
+
+    fn run(
+        &mut self,
+        req: &Request,
+        plan: &Plan,
+        mut on: impl FnMut(Event<'_>) -> ControlFlow<()>,
+    ) -> Result<Vec<Image>> {
+        let prefixes = match &plan.edit {
+            Some(e) => self.edit_prefixes(e)?,
+            None => self.text_prefixes(plan)?,
+        };
+        let be = &self.backend;
         let per = prefixes.len();
         let n = req.num_images;
         let items: Vec<usize> = (0..n).flat_map(|_| 0..per).collect();

@@ -171,6 +171,11 @@ impl Planner {
     /// Check a request and tokenise its prompts, all but the device's memory (which
     /// [`ZImage::plan`] adds); nothing heavy runs.
     pub fn plan(&self, req: &Request) -> Result<Plan> {
+        if req.edit.is_some() {
+            return Err(Error::input(
+                "Z-Image makes images from text only; it cannot edit condition images (Qwen-Image-2.1 can)",
+            ));
+        }
         let m = self.size_multiple();
         let (w, h) = (req.width, req.height);
         if w == 0 || h == 0 || w % m != 0 || h % m != 0 {

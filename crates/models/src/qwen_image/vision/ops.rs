@@ -1,6 +1,6 @@
-//! The ops the vision tower calls, from its config alone. Kept out of `qwen_image::ops` until
-//! editing is wired into the pipeline: a device without rotation-only RoPE (CUDA for now) still
-//! runs text-to-image.
+//! The ops the vision tower calls, from its config alone. Part of `qwen_image::edit::ops`, not
+//! of `qwen_image::ops`: a device without rotation-only RoPE (CUDA for now) still runs
+//! text-to-image, and only editing is refused there.
 
 use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
 use tessera_backend::{Activation, NormKind, Op, RopeStyle};
