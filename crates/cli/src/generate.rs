@@ -1,5 +1,5 @@
 //! `tessera generate`: text to image with Z-Image-Turbo (or the base Z-Image) or Qwen-Image-2.1,
-//! written as a PNG whose text chunks record the prompt, seed, steps, size and model (or as a JPEG
+//! or an edit of condition images (`--image`, Qwen-Image-2.1), written as a PNG whose text chunks record the prompt, seed, steps, size and model (or as a JPEG
 //! or WebP, as `--out`'s extension says; those carry no text).
 //!
 //! Everything that can be refused is refused before the model runs: the output file is created
@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
-use tessera_models::text_to_image::{Event, Image, Request};
+use tessera_models::imageproc::open_rgba;
+use tessera_models::qwen_image::condition::OUTPUT_RESOLUTION;
+use tessera_models::text_to_image::{Edit, Event, Image, MAX_EDIT_IMAGES, Request};
 use tessera_runtime::{Capability, image};
 
 use crate::device::DeviceArgs;
@@ -82,6 +84,16 @@ pub struct GenerateArgs {
     /// Qwen-Image-2.1 [1, HEIGHT/16 · WIDTH/16, 64] (the leading 1 may be left out).
     #[arg(long, value_name = "FILE")]
     pub init_latent: Option<PathBuf>,
+    /// Edit instead of drawing from text alone: a condition image (PNG, JPEG, WebP, GIF or BMP;
+    /// transparency is kept), repeated for up to 10 images in the order the prompt refers to
+    /// them ("image 1", "image 2", …). Qwen-Image-2.1 only. Without --size the output takes the
+    /// last image's aspect at about --output-resolution² pixels.
+    #[arg(long = "image", value_name = "FILE")]
+    pub images: Vec<PathBuf>,
+    /// With --image: condition images are resized to about this many pixels squared, keeping
+    /// their aspect (and so is the output without --size). Default 1024.
+    #[arg(long, value_name = "PIXELS")]
+    pub output_resolution: Option<usize>,
     /// For models that make RGBA images (Qwen-Image-2.1): keep the alpha channel
     /// (`transparent`, an RGBA PNG or WebP) or composite over white (`white`, RGB; always so
     /// for JPEG).
@@ -495,7 +507,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         .as_deref()
         .map(npy::Npy::open)
         .transpose()?;
-    let spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
+    let edit = condition_images(&args)?;
+    let mut spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
+    if edit.is_some() {
+        spec = spec.for_editing()?;
+    }
     if spec.is_bundled() {
         let which = match &args.model {
             None => "no --model given: using the bundled miniature",
@@ -515,7 +531,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let label = spec.label.clone();
     let mut model = image::open(backend, &spec, args.transformer.as_deref())?;
     let defaults = model.defaults();
-    let (width, height) = args.size.unwrap_or(defaults.size);
+    if edit.is_some() {
+        model.can_edit()?;
+    }
+    let (width, height) = match (args.size, &edit) {
+        (Some(size), _) => size,
+        (None, Some(e)) => model.edit_size(e)?,
+        (None, None) => defaults.size,
+    };
     let mut req = Request {
         negative_prompt: args.negative_prompt.clone(),
         width,
@@ -524,6 +547,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         guidance: args.guidance.unwrap_or(defaults.guidance),
         seed,
         num_images: args.num_images,
+        edit,
         ..Request::new(args.prompt.clone(), defaults)
     };
     if let Some(npy) = init {
@@ -570,6 +594,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ("model", label),
         ("software", format!("tessera {}", env!("CARGO_PKG_VERSION"))),
     ];
+    if !args.images.is_empty() {
+        let names: Vec<String> = args
+            .images
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        text.push(("images", names.join("\n")));
+    }
     if checked.guided {
         text.push((
             "negative_prompt",
@@ -604,6 +636,32 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         eprintln!("note: the seed was drawn at random; --seed {seed} makes the same image again");
     }
     Ok(())
+}
+
+/// The edit `--image` asks for, its images read and decoded before the model loads; `None`
+/// without `--image`.
+fn condition_images(args: &GenerateArgs) -> Result<Option<Edit>> {
+    if args.images.is_empty() {
+        if args.output_resolution.is_some() {
+            eprintln!("warning: --output-resolution applies to edits (--image) only; ignored");
+        }
+        return Ok(None);
+    }
+    if args.images.len() > MAX_EDIT_IMAGES {
+        return Err(Error::input(format!(
+            "--image given {} times: an edit takes at most {MAX_EDIT_IMAGES} condition images",
+            args.images.len()
+        )));
+    }
+    let images = args
+        .images
+        .iter()
+        .map(|p| open_rgba(p).map_err(|e| Error::input(format!("--image {e}"))))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(Edit {
+        images: images.into(),
+        output_resolution: args.output_resolution.unwrap_or(OUTPUT_RESOLUTION),
+    }))
 }
 
 /// The progress of one generation on stderr: the prompt encoding, a bar of denoising steps with

@@ -283,6 +283,29 @@ impl ModelSpec {
         )))
     }
 
+    /// This model with the ops of an edit (condition images) added, so that a device that
+    /// cannot run them is declined before anything loads (`auto` then takes the CPU); a family
+    /// that cannot edit is refused, naming it.
+    pub fn for_editing(mut self) -> Result<Self> {
+        match &self.files {
+            ModelFilesOf::QwenImage(files, c) => {
+                let vision = qwen_image::edit::vision_config(files).map_err(|e| {
+                    Error::input(format!(
+                        "{} cannot edit images: its text encoder has no vision tower ({e})",
+                        self.label
+                    ))
+                })?;
+                self.ops.extend(qwen_image::edit::ops(c, &vision));
+                Ok(self)
+            }
+            _ => Err(Error::input(format!(
+                "{} is {}, which makes images from text only; editing (--image) needs Qwen-Image-2.1",
+                self.label,
+                self.family.name()
+            ))),
+        }
+    }
+
     /// Whether this came compiled into the binary.
     pub fn is_bundled(&self) -> bool {
         match &self.files {

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use tessera_backend::{AnyBackend, Backend, BackendFn};
 use tessera_core::{Error, Result};
 use tessera_models::qwen_image::{QwenImage, QwenImageFiles};
-use tessera_models::text_to_image::{Checked, Defaults, Event, Image, LatentPreview, Request};
+use tessera_models::text_to_image::{
+    Checked, Defaults, Edit, Event, Image, LatentPreview, Request,
+};
 use tessera_models::zimage::{self, ZImage, ZImageFiles};
 
 use crate::{ModelFilesOf, ModelSpec};
@@ -61,6 +63,21 @@ pub trait GenerateImage: Send {
     /// the device's memory. `None` (the default): [`check`](Self::check) is the only way.
     fn checker(&self) -> Option<Checker> {
         None
+    }
+
+    /// `Ok` if this model edits condition images ([`Request::edit`]) on its device, else why
+    /// not. The default: it makes images from text only.
+    fn can_edit(&self) -> Result<()> {
+        Err(Error::input(
+            "this model makes images from text only; it cannot edit images (Qwen-Image-2.1 can)",
+        ))
+    }
+
+    /// The output size `(width, height)` of `edit` when the request gives none (Qwen-Image-2.1:
+    /// the last condition image's); the [`can_edit`](Self::can_edit) refusal where it cannot.
+    fn edit_size(&self, edit: &Edit) -> Result<(usize, usize)> {
+        let _ = edit;
+        self.can_edit().map(|()| self.defaults().size)
     }
 
     /// Whether the images have an alpha channel (RGBA); `false` (the default): RGB.
@@ -116,6 +133,11 @@ impl<B: Backend> GenerateImage for ZImage<B> {
     fn preview(&mut self) -> Result<Option<LatentPreview>> {
         ZImage::preview(self).map(Some)
     }
+    fn can_edit(&self) -> Result<()> {
+        Err(Error::input(
+            "Z-Image makes images from text only; it cannot edit images (Qwen-Image-2.1 can)",
+        ))
+    }
 }
 
 impl<B: Backend> GenerateImage for QwenImage<B> {
@@ -136,6 +158,13 @@ impl<B: Backend> GenerateImage for QwenImage<B> {
     fn generate(&mut self, req: &Request, on: &mut Progress<'_>) -> Result<Vec<Image>> {
         let plan = QwenImage::plan(self, req)?;
         QwenImage::generate_images_until(self, req, &plan, on)
+    }
+    fn can_edit(&self) -> Result<()> {
+        QwenImage::can_edit(self)
+            .map_err(|why| Error::input(format!("this Qwen-Image-2.1 cannot edit images: {why}")))
+    }
+    fn edit_size(&self, edit: &Edit) -> Result<(usize, usize)> {
+        QwenImage::edit_size(self, edit)
     }
     fn has_alpha(&self) -> bool {
         // The RGBA VAE decoder (Qwen-Image-2.1's layered output).

@@ -18,6 +18,7 @@ use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, Limits};
 use tessera_core::{Error, Result};
 
 use super::patches::{ImageBudget, PatchSpec, Patches};
+use super::pil::Rgba8;
 
 /// The largest image accepted, in pixels: Pillow's decompression-bomb threshold
 /// (`Image.MAX_IMAGE_PIXELS`, 89,478,485 ≈ 9,459²). Larger files are refused from their header,
@@ -121,18 +122,7 @@ impl Image {
     /// [`Image::decode`] with the header already read from `bytes` by [`Image::header`], for a
     /// caller that planned from it: the decoder is held to the header's size.
     pub fn decode_with(bytes: &[u8], header: &Header) -> Result<Self> {
-        let name = header.format;
-        let bad = |e: image::ImageError| Error::input(format!("corrupt or truncated {name}: {e}"));
-        let mut limits = Limits::default();
-        limits.max_image_width = Some(header.width as u32);
-        limits.max_image_height = Some(header.height as u32);
-        // 16-bit RGBA is the widest layout these decoders produce; allow it plus headroom.
-        limits.max_alloc = Some(MAX_PIXELS * 8 + (64 << 20));
-        let mut r = ImageReader::new(Cursor::new(bytes));
-        r.set_format(header.kind);
-        r.limits(limits);
-        let decoded = r.decode().map_err(bad)?;
-        to_rgb(decoded, name)
+        to_rgb(decode_limited(bytes, header)?, header.format)
     }
 
     /// Read and decode an image file; errors name the file.
@@ -174,6 +164,38 @@ impl Image {
     pub fn rgb(&self) -> &[u8] {
         &self.rgb
     }
+}
+
+/// Decode `bytes` whose header is `header`, the decoder held to the header's size.
+fn decode_limited(bytes: &[u8], header: &Header) -> Result<DynamicImage> {
+    let name = header.format;
+    let bad = |e: image::ImageError| Error::input(format!("corrupt or truncated {name}: {e}"));
+    let mut limits = Limits::default();
+    limits.max_image_width = Some(header.width as u32);
+    limits.max_image_height = Some(header.height as u32);
+    // 16-bit RGBA is the widest layout these decoders produce; allow it plus headroom.
+    limits.max_alloc = Some(MAX_PIXELS * 8 + (64 << 20));
+    let mut r = ImageReader::new(Cursor::new(bytes));
+    r.set_format(header.kind);
+    r.limits(limits);
+    r.decode().map_err(bad)
+}
+
+/// Decode a PNG, JPEG, WebP, GIF (first frame) or BMP file held in memory to straight 8-bit
+/// RGBA, opaque where the file has no alpha: what Pillow's `convert("RGBA")` hands the edit
+/// pipeline for a condition image (8-bit files; 16-bit ones are scaled, not truncated). Sniffed
+/// and size-checked from the header first, as [`Image::decode`].
+pub fn decode_rgba(bytes: &[u8]) -> Result<Rgba8> {
+    let header = Image::header(bytes)?;
+    let rgba = decode_limited(bytes, &header)?.into_rgba8();
+    let (w, h) = rgba.dimensions();
+    Rgba8::new(w as usize, h as usize, rgba.into_raw())
+}
+
+/// Read and decode an image file to RGBA ([`decode_rgba`]); errors name the file.
+pub fn open_rgba(path: &Path) -> Result<Rgba8> {
+    let bytes = read_file(path)?;
+    decode_rgba(&bytes).map_err(|e| Error::input(format!("{}: {e}", path.display())))
 }
 
 /// What an image file's header says, read without decoding a pixel ([`Image::header`]).

@@ -18,7 +18,7 @@ pub mod pil;
 pub mod plan;
 pub mod resize;
 
-pub use decode::{Header, Image, MAX_FILE_BYTES, MAX_PIXELS, read_file};
+pub use decode::{Header, Image, MAX_FILE_BYTES, MAX_PIXELS, decode_rgba, open_rgba, read_file};
 pub use patches::{
     ImageBudget, PatchSpec, Patches, patchify, pixel_value, pixel_values, preprocess, target_size,
 };
