@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use tessera_backend::{AnyBackend, Backend, BackendFn};
 use tessera_core::{Error, Result};
-use tessera_models::qwen_image::{QwenImage, QwenImageFiles};
+use tessera_models::qwen_image::{QwenImage, QwenImageFiles, condition};
 use tessera_models::text_to_image::{
     Checked, Defaults, Edit, Event, Image, LatentPreview, Request,
 };
@@ -18,6 +18,9 @@ use crate::{ModelFilesOf, ModelSpec};
 /// Checks requests for a model from any thread, while the model itself runs others (see
 /// [`GenerateImage::checker`]).
 pub type Checker = Arc<dyn Fn(&Request) -> Result<Checked> + Send + Sync>;
+
+/// The output size `(width, height)` of an edit that gives none, from its condition images.
+pub type EditSizer = Arc<dyn Fn(&Edit) -> Result<(usize, usize)> + Send + Sync>;
 
 /// Progress of one request: `Break` stops it at the next step boundary, and
 /// [`GenerateImage::generate`] then returns [`Error::Cancelled`].
@@ -73,11 +76,20 @@ pub trait GenerateImage: Send {
         ))
     }
 
+    /// The output size of an edit without an explicit one, from any thread (the server's
+    /// request handlers); `None` (the default): the model's default size.
+    fn edit_sizer(&self) -> Option<EditSizer> {
+        None
+    }
+
     /// The output size `(width, height)` of `edit` when the request gives none (Qwen-Image-2.1:
     /// the last condition image's); the [`can_edit`](Self::can_edit) refusal where it cannot.
     fn edit_size(&self, edit: &Edit) -> Result<(usize, usize)> {
-        let _ = edit;
-        self.can_edit().map(|()| self.defaults().size)
+        self.can_edit()?;
+        match self.edit_sizer() {
+            Some(size) => size(edit),
+            None => Ok(self.defaults().size),
+        }
     }
 
     /// Whether the images have an alpha channel (RGBA); `false` (the default): RGB.
@@ -163,8 +175,13 @@ impl<B: Backend> GenerateImage for QwenImage<B> {
         QwenImage::can_edit(self)
             .map_err(|why| Error::input(format!("this Qwen-Image-2.1 cannot edit images: {why}")))
     }
-    fn edit_size(&self, edit: &Edit) -> Result<(usize, usize)> {
-        QwenImage::edit_size(self, edit)
+    fn edit_sizer(&self) -> Option<EditSizer> {
+        Some(Arc::new(|edit: &Edit| {
+            let sizes: Vec<(usize, usize)> =
+                edit.images.iter().map(|i| (i.width, i.height)).collect();
+            condition::default_output_size(&sizes, edit.output_resolution)
+                .ok_or_else(|| Error::input("an edit needs at least one condition image"))
+        }))
     }
     fn has_alpha(&self) -> bool {
         // The RGBA VAE decoder (Qwen-Image-2.1's layered output).

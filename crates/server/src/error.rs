@@ -43,6 +43,9 @@ pub enum ApiError {
         "the body must be JSON with the header Content-Type: application/json, not {0} (form and text bodies are refused so that a web page cannot post to this server)"
     )]
     UnsupportedMediaType(String),
+    /// A form route's body that is not a form, or a form from a web page not let in.
+    #[error("{0}")]
+    Form(String),
     #[error("{0}")]
     InputTooLarge(String),
     #[error("the server's queue is full ({max_queue} requests): retry after {RETRY_AFTER_SECS} s")]
@@ -96,7 +99,7 @@ impl ApiError {
             ApiError::NotFound(_) => "not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
             ApiError::BodyTimeout(_) => "body_timeout",
-            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ApiError::UnsupportedMediaType(_) | ApiError::Form(_) => "unsupported_media_type",
             ApiError::TooManyUploads(_) => "too_many_uploads",
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::TooManyInputs { .. } => "too_many_inputs",
@@ -126,6 +129,7 @@ impl ApiError {
             },
             ApiError::BodyTimeout(Duration::ZERO),
             ApiError::UnsupportedMediaType(String::new()),
+            ApiError::Form(String::new()),
             ApiError::TooManyUploads(String::new()),
             ApiError::BodyTooLarge { limit: 0 },
             ApiError::TooManyInputs {

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use tessera_core::{Error, Result};
 use tessera_models::text_to_image::{self, Defaults, Image, LatentPreview, Request};
-use tessera_runtime::image::{Checker, GenerateImage};
+use tessera_runtime::image::{Checker, EditSizer, GenerateImage};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::Limits;
@@ -51,6 +51,9 @@ pub struct ImageInfo {
     pub alpha: bool,
     /// Device and precision, one line.
     pub device: String,
+    /// Whether the model edits condition images (`/v1/images/edits`), else why not, and the
+    /// output size of an edit that gives none.
+    pub edit: Result<EditSizer, String>,
 }
 
 /// What the worker tells a request, in order: step events (and previews), then one `Done` or
@@ -206,6 +209,7 @@ pub fn load(
             previews: preview.is_some(),
             alpha: model.has_alpha(),
             device: model.describe(),
+            edit: edit_support(model.as_ref()),
         };
         Ok((
             ImageRunner {
@@ -218,6 +222,15 @@ pub fn load(
             info,
         ))
     })
+}
+
+/// How `model` takes edits: its sizer, or why it cannot edit (one line).
+fn edit_support(model: &dyn GenerateImage) -> Result<EditSizer, String> {
+    model.can_edit().map_err(|e| e.to_string())?;
+    let defaults = model.defaults();
+    Ok(model
+        .edit_sizer()
+        .unwrap_or_else(|| Arc::new(move |_: &_| Ok(defaults.size))))
 }
 
 /// A request of the batch as the worker follows it.

@@ -30,6 +30,7 @@ mod tests {
             "/v1/embeddings",
             "/v1/chat/completions",
             "/v1/images/generations",
+            "/v1/images/edits",
             "/v1/models",
             "/v1/models/{model}",
             "/health",
@@ -65,9 +66,13 @@ mod tests {
         let images = doc["paths"]["/v1/images/generations"]["post"]["responses"]
             .as_object()
             .unwrap();
+        let edits = doc["paths"]["/v1/images/edits"]["post"]["responses"]
+            .as_object()
+            .unwrap();
         let keys = |m: &serde_json::Map<String, Value>| m.keys().cloned().collect::<Vec<_>>();
         assert_eq!(keys(responses), keys(chat));
         assert_eq!(keys(responses), keys(images));
+        assert_eq!(keys(responses), keys(edits));
         let codes: BTreeSet<&str> = doc["components"]["schemas"]["Error"]["properties"]["error"]
             ["properties"]["code"]["enum"]
             .as_array()
@@ -181,6 +186,37 @@ mod tests {
         // Unknown fields are ignored, as OpenAI ignores them.
         let body = json!({"messages": [], "user": "u", "metadata": {"a": 1}, "store": false});
         parse::<ChatRequest>(&serde_json::to_vec(&body).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn image_edit_fields_are_the_image_request_and_the_upload() {
+        let doc = doc();
+        let props = |name: &str| -> BTreeSet<String> {
+            doc["components"]["schemas"][name]["properties"]
+                .as_object()
+                .unwrap()
+                .keys()
+                .cloned()
+                .collect()
+        };
+        let mut want: BTreeSet<String> = fields_of::<ImageRequest>()
+            .into_iter()
+            .map(String::from)
+            .collect();
+        // Read by the form parser itself (crate::http::edits).
+        for f in ["image", "image[]", "output_resolution", "input_fidelity"] {
+            want.insert(f.into());
+        }
+        assert_eq!(props("ImageEditRequest"), want);
+        let edit_src = include_str!("http/edits.rs");
+        for f in [
+            "\"image\"",
+            "\"image[]\"",
+            "\"output_resolution\"",
+            "\"input_fidelity\"",
+        ] {
+            assert!(edit_src.contains(f), "{f} is not read by the form parser");
+        }
     }
 
     #[test]

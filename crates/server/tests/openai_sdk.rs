@@ -1,7 +1,9 @@
 //! The official `openai` Python client against the running server: embeddings (one text and one
 //! image request, crates/server/tests/openai_client.py), chat (an image question, whole and
 //! streamed, crates/server/tests/openai_chat_client.py) and image generation (PNGs of the size
-//! asked, n = 2, seeds, streaming, errors: crates/server/tests/openai_images_client.py). The client comes from the virtual
+//! asked, n = 2, seeds, streaming, errors: crates/server/tests/openai_images_client.py) and
+//! image edits (one and two images, seeds, streaming, errors:
+//! crates/server/tests/openai_edits_client.py). The client comes from the virtual
 //! environment `tools/test` creates in `target/py`; without it these tests fail, they never skip.
 
 mod common;
@@ -69,6 +71,33 @@ async fn the_official_openai_client_generates_images() {
     s.wait_ready().await;
     let args = vec![s.url.clone(), "test-key".into(), common::IMAGE_NAME.into()];
     run_script("openai_images_client.py", args).await;
+    s.stop().await.unwrap();
+}
+
+/// The client's `images.edit` against the bundled Qwen-Image-2.1.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_official_openai_client_edits_images() {
+    let mut cfg = config();
+    cfg.api_key = Some("test-key".into());
+    let s = Server::start_models(
+        cfg,
+        vec![tessera_server::ServedModel::image(
+            "qwen-image-mini",
+            common::qwen_image_bundled(),
+        )],
+    )
+    .await;
+    s.wait_ready().await;
+    let dir = common::workspace().join("tests/fixtures/qwen_image/condition");
+    let png = |n: &str| dir.join(n).display().to_string();
+    let args = vec![
+        s.url.clone(),
+        "test-key".into(),
+        "qwen-image-mini".into(),
+        png("tall_37x100.png"),
+        png("wide_203x61.png"),
+    ];
+    run_script("openai_edits_client.py", args).await;
     s.stop().await.unwrap();
 }
 

@@ -13,7 +13,7 @@
 //! | 405 | `method_not_allowed` | a known route with the wrong method |
 //! | 408 | `body_timeout` | the body did not arrive within `--body-timeout` |
 //! | 413 | `body_too_large`, `too_many_inputs`, `input_too_large` | a body, input count or input over its limit; an image request costing more than the image queue holds |
-//! | 415 | `unsupported_media_type` | a body whose `Content-Type` is not JSON |
+//! | 415 | `unsupported_media_type` | a body whose `Content-Type` is not JSON (not a form, for `/v1/images/edits`; or a form a web page posted from an origin not allowed) |
 //! | 429 | `queue_full`, `too_many_uploads` | the queue (chat: `--max-sequences` generating and `--max-queue` waiting; images: also its cost budget) or the image memory is full, or the client has `--max-uploads-per-client` bodies still arriving (with `Retry-After`) |
 //! | 500 | `internal_error` | the device failed; the message says how |
 //! | 503 | `model_loading`, `shutting_down` | not ready yet, or stopping (with `Retry-After`) |
@@ -36,7 +36,9 @@ impl ApiError {
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
-            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::UnsupportedMediaType(_) | ApiError::Form(_) => {
+                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            }
             ApiError::BodyTooLarge { .. }
             | ApiError::TooManyInputs { .. }
             | ApiError::InputTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,

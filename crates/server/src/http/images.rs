@@ -31,7 +31,7 @@ use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use tessera_models::text_to_image::{Image, Request as GenRequest};
+use tessera_models::text_to_image::{Edit, Image, Request as GenRequest};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -46,6 +46,10 @@ use crate::chat_inputs::seed;
 use crate::config::{COST_UNITS_PER_MPS, Limits};
 use crate::images::{Event, ImageInfo, Job, cost_units, model_error};
 use crate::model::{ModelQueue, Route, Served};
+use std::future::Future;
+use tessera_models::imageproc::decode_rgba;
+use tessera_models::qwen_image::condition::OUTPUT_RESOLUTION;
+use tessera_models::text_to_image::MAX_EDIT_IMAGES;
 
 /// The most images one request makes (OpenAI allows 10 for DALL·E 2; one batch of the DiT).
 pub const MAX_N: i64 = 8;
@@ -167,11 +171,13 @@ pub struct Checked {
 }
 
 /// Check the fields of `body` for `info`'s model under `limits` (everything but the model's own
-/// rules, which its checker adds).
+/// rules, which its checker adds). `edit`: the condition images of `/v1/images/edits`, which
+/// give the size when `size` is absent or `auto`.
 pub fn check_fields(
     body: ImageRequest,
     info: &ImageInfo,
     limits: &Limits,
+    edit: Option<Edit>,
 ) -> Result<Checked, ApiError> {
     // Every text field is capped before anything tokenises it (a 20 MiB negative prompt cost
     // Z-Image 4.7 GB to tokenise).
@@ -195,9 +201,18 @@ pub fn check_fields(
             format!("n = {n}: make 1 to {MAX_N} images per request"),
         ));
     }
-    let (width, height) = match body.size.as_deref() {
-        None | Some("auto") => info.defaults.size,
-        Some(s) => parse_size(s).ok_or_else(|| {
+    let (width, height) = match (body.size.as_deref(), &edit) {
+        (None | Some("auto"), Some(e)) => {
+            let sizer = info.edit.as_ref().map_err(|why| {
+                ApiError::invalid_param(
+                    "image",
+                    format!("the model {:?} cannot edit images: {why}", info.name),
+                )
+            })?;
+            sizer(e).map_err(|e| invalid("image", e.to_string()))?
+        }
+        (None | Some("auto"), None) => info.defaults.size,
+        (Some(s), _) => parse_size(s).ok_or_else(|| {
             invalid(
                 "size",
                 format!("size {s:?}: expected WIDTHxHEIGHT in pixels, e.g. 1024x1024, or auto"),
@@ -360,6 +375,7 @@ pub fn check_fields(
         guidance,
         seed: seed(body.seed.as_ref())?,
         num_images: n as usize,
+        edit,
         ..GenRequest::new(body.prompt, info.defaults)
     };
     Ok(Checked {
@@ -385,8 +401,17 @@ fn parse_size(s: &str) -> Option<(usize, usize)> {
 /// `POST /v1/images/generations`.
 pub async fn generations(State(app): State<AppState>, req: Request) -> Result<Response, ApiError> {
     let limit = app.config.limits.image_timeout;
+    respond(limit, start(app, req)).await
+}
+
+/// The answer of a generation or an edit once `start`ed, whole or streamed, all within
+/// `--image-timeout` (`limit`).
+pub(super) async fn respond(
+    limit: std::time::Duration,
+    start: impl Future<Output = Result<Started, ApiError>>,
+) -> Result<Response, ApiError> {
     let deadline = tokio::time::Instant::now() + limit;
-    let started = tokio::time::timeout_at(deadline, start(app, req))
+    let started = tokio::time::timeout_at(deadline, start)
         .await
         .unwrap_or(Err(ApiError::ImageTimeout(limit)))?;
     if started.checked.stream {
@@ -405,7 +430,7 @@ struct Held {
 }
 
 /// A generation under way: its first event is here.
-struct Started {
+pub(super) struct Started {
     checked: Checked,
     model: Arc<ImageInfo>,
     created: u64,
@@ -419,13 +444,37 @@ struct Started {
 /// Receive, check, admit against the cost budget, queue, and wait for the first event.
 async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
     let arrived = Instant::now();
+    let admitted = admit(&app, req, Route::Images).await?;
+    let body: ImageRequest = json::parse(&admitted.bytes)?;
+    enqueue(app, arrived, admitted, body, None).await
+}
+
+/// Condition images as uploaded, decoded while the request is checked.
+pub(super) struct Upload {
+    /// The files, in order.
+    pub images: Vec<Bytes>,
+    /// Condition images are resized to about this side squared (the model's default when
+    /// absent).
+    pub output_resolution: Option<usize>,
+}
+
+/// Check an admitted request (its fields, the condition images of an edit, the model's rules),
+/// admit it against the cost budget, queue it and wait for its first event.
+pub(super) async fn enqueue(
+    app: AppState,
+    arrived: Instant,
+    admitted: Admitted,
+    body: ImageRequest,
+    upload: Option<Upload>,
+) -> Result<Started, ApiError> {
     let Admitted {
         bytes,
         model,
         served,
         slot,
         access,
-    } = admit(&app, req, Route::Images).await?;
+    } = admitted;
+    drop(bytes);
     let (Served::Image(info), ModelQueue::Image(queue), Some(budget)) =
         (served, &model.queue, model.cost.as_ref())
     else {
@@ -434,12 +483,11 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
             model.name
         )));
     };
-    let body: ImageRequest = json::parse(&bytes)?;
-    drop(bytes);
     let checked = {
         let (app, info) = (app.clone(), info.clone());
         tokio::task::spawn_blocking(move || -> Result<Checked, ApiError> {
-            let checked = check_fields(body, &info, &app.config.limits)?;
+            let edit = upload.map(|u| decode_upload(u, &info)).transpose()?;
+            let checked = check_fields(body, &info, &app.config.limits, edit)?;
             if let Some(check) = &info.checker {
                 check(&checked.request).map_err(model_error)?;
             }
@@ -500,6 +548,60 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
             _cost: cost_permit,
         },
         access,
+    })
+}
+
+/// The most pixels of all an edit's condition images together, decoded: 64 megapixels (256 MiB
+/// of RGBA). Each is resized to about the output resolution's square anyway.
+pub const MAX_EDIT_PIXELS: u64 = 64 << 20;
+
+/// Decode an edit's uploads for `info`'s model: refused when the model cannot edit, for more
+/// than [`MAX_EDIT_IMAGES`] images, for a file that is not an image, and past
+/// [`MAX_EDIT_PIXELS`] in all (from the headers, before decoding).
+fn decode_upload(upload: Upload, info: &ImageInfo) -> Result<Edit, ApiError> {
+    if let Err(why) = &info.edit {
+        return Err(invalid(
+            "image",
+            format!("the model {:?} cannot edit images: {why}", info.name),
+        ));
+    }
+    let n = upload.images.len();
+    if n == 0 {
+        return Err(invalid("image", "an edit needs at least one image"));
+    }
+    if n > MAX_EDIT_IMAGES {
+        return Err(invalid(
+            "image",
+            format!("{n} images: an edit takes at most {MAX_EDIT_IMAGES}"),
+        ));
+    }
+    let mut pixels = 0u64;
+    for (i, bytes) in upload.images.iter().enumerate() {
+        let h = tessera_models::imageproc::Image::header(bytes)
+            .map_err(|e| invalid("image", format!("image {}: {e}", i + 1)))?;
+        pixels += (h.width * h.height) as u64;
+        if pixels > MAX_EDIT_PIXELS {
+            return Err(invalid(
+                "image",
+                format!(
+                    "the images come to more than {} megapixels (image {} is {}x{}); an edit takes at most that much in all",
+                    MAX_EDIT_PIXELS >> 20,
+                    i + 1,
+                    h.width,
+                    h.height
+                ),
+            ));
+        }
+    }
+    let images = upload
+        .images
+        .iter()
+        .enumerate()
+        .map(|(i, b)| decode_rgba(b).map_err(|e| invalid("image", format!("image {}: {e}", i + 1))))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Edit {
+        images: images.into(),
+        output_resolution: upload.output_resolution.unwrap_or(OUTPUT_RESOLUTION),
     })
 }
 
@@ -611,6 +713,19 @@ struct EventStream {
     access: Access,
 }
 
+/// An event's type: `image_generation.{what}`, or `image_edit.{what}` for an edit (as OpenAI
+/// names the edit route's events).
+fn kind(checked: &Checked, what: &str) -> &'static str {
+    match (checked.request.edit.is_some(), what) {
+        (false, "step") => "image_generation.step",
+        (false, "partial_image") => "image_generation.partial_image",
+        (false, _) => "image_generation.completed",
+        (true, "step") => "image_edit.step",
+        (true, "partial_image") => "image_edit.partial_image",
+        (true, _) => "image_edit.completed",
+    }
+}
+
 /// One server-sent event: its type as the `event:` line (as OpenAI sends it), the JSON as data.
 fn sse(kind: &str, json: &impl serde::Serialize) -> Bytes {
     // Our own types always serialise.
@@ -645,7 +760,7 @@ impl EventStream {
                 elapsed,
             } => {
                 let e = ImageStreamEvent {
-                    kind: "image_generation.step",
+                    kind: kind(&self.checked, "step"),
                     step: Some(step),
                     steps: Some(steps),
                     step_ms: Some(step_seconds * 1e3),
@@ -663,7 +778,7 @@ impl EventStream {
                 // A preview is a few hundred pixels: encoded here.
                 Ok(bytes) => {
                     let e = ImageStreamEvent {
-                        kind: "image_generation.partial_image",
+                        kind: kind(&self.checked, "partial_image"),
                         step: Some(step),
                         b64_json: Some(STANDARD.encode(bytes)),
                         created_at: Some(self.created),
@@ -698,7 +813,7 @@ impl EventStream {
         let size = Self::size(req.width, req.height);
         for (i, bytes) in encoded.iter().enumerate() {
             let e = ImageStreamEvent {
-                kind: "image_generation.completed",
+                kind: kind(&self.checked, "completed"),
                 b64_json: Some(STANDARD.encode(bytes)),
                 created_at: Some(self.created),
                 output_format: Some(output.format.name()),

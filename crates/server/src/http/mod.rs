@@ -3,6 +3,7 @@
 pub mod access;
 pub mod auth;
 pub mod chat;
+pub mod edits;
 pub mod error;
 pub mod images;
 pub mod json;
@@ -77,6 +78,7 @@ pub fn router(app: AppState) -> Result<Router, tessera_core::Error> {
         .route("/v1/embeddings", post(routes::embeddings))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/images/generations", post(images::generations))
+        .route("/v1/images/edits", post(edits::edits))
         .route("/v1/models", get(routes::models))
         .route("/v1/models/{*model}", get(routes::model))
         .route("/openapi.json", get(routes::openapi));

@@ -55,7 +55,19 @@ pub(crate) async fn admit(
     let access = Access::of(&req);
     let bytes = upload::receive(app, req).await?;
     let name = model_field(&bytes);
-    let model = app.models.route(name.as_deref(), route)?;
+    admit_received(app, bytes, name.as_deref(), route, access)
+}
+
+/// The rest of [`admit`] for a body already received (and, for a form, parsed far enough to
+/// know its `model`): find the model, check it is loaded, take a slot.
+pub(crate) fn admit_received(
+    app: &AppState,
+    bytes: axum::body::Bytes,
+    name: Option<&str>,
+    route: Route,
+    access: Access,
+) -> Result<Admitted, ApiError> {
+    let model = app.models.route(name, route)?;
     access.model(&model.name);
     let served = model.served.get().ok_or(ApiError::Loading)?.clone();
     let slot = take_slot(app, &model)?;

@@ -103,19 +103,62 @@ fn is_json(content_type: &str) -> bool {
 /// can post across origins without asking are not), 413 over `--max-request-mb`, 429 when its
 /// client or the server has too many bodies arriving, 408 past `--body-timeout`.
 pub async fn receive(app: &AppState, req: Request) -> Result<Bytes, ApiError> {
-    let limits = &app.config.limits;
-    let limit = limits.max_request_bytes;
-    let content_type = req
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let content_type = content_type(&req);
     if !content_type.as_deref().is_some_and(is_json) {
-        drain(req, limit).await;
+        drain(req, app.config.limits.max_request_bytes).await;
         return Err(ApiError::UnsupportedMediaType(match content_type {
             Some(t) => format!("{t:?}"),
             None => "none".into(),
         }));
     }
+    receive_body(app, req).await
+}
+
+/// The whole body of a `multipart/form-data` request (`/v1/images/edits`, as OpenAI takes it)
+/// and its boundary, under the limits of [`receive`]. A form is what a web page can post across
+/// origins without asking first, so a form sent with an `Origin` header (browsers send one on
+/// such posts) is refused unless `--allow-origin` lets that origin in; clients outside a browser
+/// send none.
+pub async fn receive_form(app: &AppState, req: Request) -> Result<(Bytes, String), ApiError> {
+    let limit = app.config.limits.max_request_bytes;
+    let content_type = content_type(&req);
+    let Some(boundary) = content_type
+        .as_deref()
+        .and_then(|t| multer::parse_boundary(t).ok())
+    else {
+        drain(req, limit).await;
+        return Err(ApiError::Form(format!(
+            "the body must be multipart/form-data with a boundary (Content-Type: multipart/form-data; boundary=…), not {}",
+            content_type.map_or("none".into(), |t| format!("{t:?}"))
+        )));
+    };
+    if let Some(origin) = req.headers().get(header::ORIGIN) {
+        let allowed = &app.config.allow_origins;
+        let ok = allowed
+            .iter()
+            .any(|a| a == "*" || a.as_bytes() == origin.as_bytes());
+        if !ok {
+            let origin = String::from_utf8_lossy(origin.as_bytes()).into_owned();
+            drain(req, limit).await;
+            return Err(ApiError::Form(format!(
+                "a form posted by the web page at {origin:?} is refused: a page may post forms to this server only from an origin --allow-origin names"
+            )));
+        }
+    }
+    Ok((receive_body(app, req).await?, boundary))
+}
+
+fn content_type(req: &Request) -> Option<String> {
+    req.headers()
+        .get(header::CONTENT_TYPE)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+}
+
+/// The body, whatever its type: 413 over `--max-request-mb`, 429 when its client or the server
+/// has too many bodies arriving, 408 past `--body-timeout`.
+async fn receive_body(app: &AppState, req: Request) -> Result<Bytes, ApiError> {
+    let limits = &app.config.limits;
+    let limit = limits.max_request_bytes;
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
