@@ -3,7 +3,8 @@
 //! where it exists, else `flash_bf16_d{D}` — with `flash_combine` after a split-key launch.
 //! Launch planning (shapes, key chunks, workspace) is in [`flash`]. Attention over cached key
 //! ranges (decoding) has its own kernel in both precisions, [`cached`], which also takes
-//! self-attention at the widths the others do not ([`self_kernel`] decides).
+//! self-attention at the widths the others do not, and under per-row key limits in bf16
+//! ([`self_kernel`] decides).
 
 mod cached;
 mod flash;
@@ -40,7 +41,7 @@ kernel_args! {
     /// `attn_rows_f32` and `attn_rows_bf16`: a warp per (query row, head).
     pub(super) struct AttnRowsArgs {
         ops: Operands, offsets: DevPtr, nseg: i32, rows: i32, hq: i32, group: i32, d: i32,
-        scale: f32, window: i32, causal: i32,
+        scale: f32, window: i32, causal: i32, limits: DevPtr,
     }
 }
 
@@ -133,16 +134,19 @@ pub(super) fn reserve_shared_memory(
     Ok(())
 }
 
-/// An attention spec's mask as the self-attention kernels take it: the window radius (-1 for
-/// none) and whether it is causal. Key ranges go to [`cached`] before this, and per-row limits
-/// were declined ([`CudaBackend::check`]).
+/// An attention spec's mask as the flash kernels take it: the window radius (-1 for none) and
+/// whether it is causal. Key ranges go to [`cached`] before this, and per-row limits to the
+/// row or key-range kernel ([`self_kernel`]); the row kernel reads limits itself.
 fn mask_args(spec: &AttnSpec<'_, CudaBackend>) -> Result<(i32, i32)> {
     match spec.mask {
         _ if spec.kv.is_some() => Err(Error::backend("attention", "key ranges")),
         Mask::Full => Ok((-1, 0)),
         Mask::Window(w) => Ok((w.min(i32::MAX as usize) as i32, 0)),
         Mask::Causal => Ok((-1, 1)),
-        Mask::Limits(_) => Err(Error::backend("attention", "per-row key limits")),
+        Mask::Limits(_) => Err(Error::backend(
+            "attention",
+            "the flash kernels take no per-row key limits (the op runs them on the key-range or row kernel)",
+        )),
     }
 }
 
@@ -178,15 +182,20 @@ pub enum SelfKernel {
     /// widths neither kernel above is built for (slow, but no model is refused for its width).
     Rows,
     /// The key-range kernel over each segment's own rows ([`CACHED_HEAD_DIMS`]), slower: bf16
-    /// widths without a tensor-core kernel (72), f32 widths beyond the row kernel (1152).
+    /// widths without a tensor-core kernel (72) and bf16 under per-row key limits, f32 widths
+    /// beyond the row kernel (1152).
     Cached,
 }
 
-/// Which kernel runs self-attention at `head_dim` under `precision`, if any: the one place that
-/// decides, asked by [`CudaBackend::check`] and by [`attention`].
-pub fn self_kernel(precision: Precision, head_dim: usize) -> Option<SelfKernel> {
+/// Which kernel runs self-attention at `head_dim` under `precision`, if any, with per-row key
+/// limits (`limits`: block-causal masks) or without: the one place that decides, asked by
+/// [`CudaBackend::check`] and by [`attention`]. The flash kernels take no limits, so bf16 runs
+/// them on the key-range kernel (which reads them, as over a cache) or the row kernel.
+pub fn self_kernel(precision: Precision, head_dim: usize, limits: bool) -> Option<SelfKernel> {
     match precision {
-        Precision::Bf16 if FLASH_HEAD_DIMS.contains(&head_dim) => Some(SelfKernel::Flash),
+        Precision::Bf16 if !limits && FLASH_HEAD_DIMS.contains(&head_dim) => {
+            Some(SelfKernel::Flash)
+        }
         Precision::F32 if head_dim <= ROWS_MAX_HEAD_DIM => Some(SelfKernel::Rows),
         _ if CACHED_HEAD_DIMS.contains(&head_dim) => Some(SelfKernel::Cached),
         Precision::Bf16 if head_dim <= ROWS_MAX_HEAD_DIM => Some(SelfKernel::Rows),
@@ -208,7 +217,8 @@ pub(super) fn attention(
     if spec.kv.is_some() {
         return cached::attention(be, q, k, v, out, spec, segs, None).map(|_| ());
     }
-    match self_kernel(be.precision, spec.head_dim) {
+    let limits = matches!(spec.mask, Mask::Limits(_));
+    match self_kernel(be.precision, spec.head_dim, limits) {
         // The tensor-core kernel checks its own operands.
         Some(SelfKernel::Flash) => {
             flash(be, q, k, v, out, spec, segs, FlashChoice::default()).map(|_| ())
@@ -228,7 +238,7 @@ pub(super) fn attention(
 }
 
 /// Attention a warp per (query row, head): `attn_rows_f32` (the exact mode) or `attn_rows_bf16`,
-/// by the operands' element type.
+/// by the operands' element type; every mask of a sequence's own rows.
 fn rows(
     be: &CudaBackend,
     q: View<'_, CudaBackend>,
@@ -241,7 +251,18 @@ fn rows(
     let hd = spec.head_dim;
     let total = segs.total();
     spec.check(&q, &k, &v, &out, segs)?;
-    let (window, causal) = mask_args(spec)?;
+    let ((window, causal), limits) = match spec.mask {
+        Mask::Limits(l) => {
+            if l.elem != Elem::U32 || l.len < total {
+                return Err(Error::backend(
+                    "attention",
+                    format!("{} key limits ({:?}) for {total} query rows", l.len, l.elem),
+                ));
+            }
+            ((-1, 0), l.ptr)
+        }
+        _ => (mask_args(spec)?, DevPtr::NULL),
+    };
     let elem = q.buf.elem;
     if [k.buf.elem, v.buf.elem, out.buf.elem]
         .iter()
@@ -268,6 +289,7 @@ fn rows(
         scale: spec.scale,
         window,
         causal,
+        limits,
     };
     be.launch(
         "attention",
@@ -587,7 +609,10 @@ mod tests {
     fn every_listed_width_runs_in_both_precisions() {
         for d in FLASH_HEAD_DIMS.iter().chain(&CACHED_HEAD_DIMS) {
             for p in [Precision::F32, Precision::Bf16] {
-                assert!(self_kernel(p, *d).is_some(), "head_dim {d} under {p:?}");
+                assert!(
+                    self_kernel(p, *d, false).is_some(),
+                    "head_dim {d} under {p:?}"
+                );
             }
         }
     }
@@ -596,26 +621,77 @@ mod tests {
     fn no_bf16_width_up_to_the_row_kernels_is_refused() {
         for d in 1..=ROWS_MAX_HEAD_DIM {
             assert!(
-                self_kernel(Precision::Bf16, d).is_some(),
+                self_kernel(Precision::Bf16, d, false).is_some(),
                 "head_dim {d} under bf16"
             );
         }
-        assert_eq!(self_kernel(Precision::Bf16, 24), Some(SelfKernel::Rows));
-        assert_eq!(self_kernel(Precision::Bf16, 128), Some(SelfKernel::Flash));
-        assert_eq!(self_kernel(Precision::Bf16, 72), Some(SelfKernel::Cached));
+        assert_eq!(
+            self_kernel(Precision::Bf16, 24, false),
+            Some(SelfKernel::Rows)
+        );
+        assert_eq!(
+            self_kernel(Precision::Bf16, 128, false),
+            Some(SelfKernel::Flash)
+        );
+        assert_eq!(
+            self_kernel(Precision::Bf16, 72, false),
+            Some(SelfKernel::Cached)
+        );
     }
 
     #[test]
     fn wide_single_heads_take_the_tensor_cores_in_bf16() {
         // Qwen-Image-2.1's VAE mid-block: one head of 1152.
-        assert_eq!(self_kernel(Precision::Bf16, 1152), Some(SelfKernel::Flash));
-        assert_eq!(self_kernel(Precision::F32, 1152), Some(SelfKernel::Cached));
+        assert_eq!(
+            self_kernel(Precision::Bf16, 1152, false),
+            Some(SelfKernel::Flash)
+        );
+        assert_eq!(
+            self_kernel(Precision::F32, 1152, false),
+            Some(SelfKernel::Cached)
+        );
         assert_eq!(heads_per_cta(1152), 1);
         // Unchanged: 72 (no tensor-core kernel) and the row kernel's widths.
-        assert_eq!(self_kernel(Precision::Bf16, 72), Some(SelfKernel::Cached));
-        assert_eq!(self_kernel(Precision::F32, 512), Some(SelfKernel::Rows));
+        assert_eq!(
+            self_kernel(Precision::Bf16, 72, false),
+            Some(SelfKernel::Cached)
+        );
+        assert_eq!(
+            self_kernel(Precision::F32, 512, false),
+            Some(SelfKernel::Rows)
+        );
         assert_eq!(heads_per_cta(256), 4);
-        assert_eq!(self_kernel(Precision::F32, 1024), None);
-        assert_eq!(self_kernel(Precision::Bf16, 1024), None);
+        assert_eq!(self_kernel(Precision::F32, 1024, false), None);
+        assert_eq!(self_kernel(Precision::Bf16, 1024, false), None);
+    }
+
+    #[test]
+    fn per_row_limits_leave_the_flash_kernels_for_ones_that_read_them() {
+        for d in 1..=ROWS_MAX_HEAD_DIM {
+            assert_eq!(
+                self_kernel(Precision::F32, d, true),
+                self_kernel(Precision::F32, d, false),
+                "f32 head_dim {d}"
+            );
+            let bf16 = self_kernel(Precision::Bf16, d, true);
+            assert!(
+                matches!(bf16, Some(SelfKernel::Cached | SelfKernel::Rows)),
+                "bf16 head_dim {d}: {bf16:?}"
+            );
+        }
+        // Qwen-Image's 128-wide heads and the VAE's 1152: the key-range kernel.
+        assert_eq!(
+            self_kernel(Precision::Bf16, 128, true),
+            Some(SelfKernel::Cached)
+        );
+        assert_eq!(
+            self_kernel(Precision::Bf16, 1152, true),
+            Some(SelfKernel::Cached)
+        );
+        assert_eq!(
+            self_kernel(Precision::Bf16, 24, true),
+            Some(SelfKernel::Rows)
+        );
+        assert_eq!(self_kernel(Precision::Bf16, 1024, true), None);
     }
 }

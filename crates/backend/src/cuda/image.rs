@@ -2,7 +2,8 @@
 //! blocks of im2col rows times the weight (cuBLASLt; an input activation applied as the columns
 //! are gathered), GroupNorm in three passes (partial sums per block of pixels, per-group
 //! statistics, the normalisation with its activation), and the DupUp channel-to-space shortcut
-//! added into its output (one thread an output element).
+//! and its encoder mirror AvgDown added into their outputs (one thread an output element). The
+//! encoder's stride-2 convolution is the same im2col with a stride.
 
 use tessera_core::{Error, Result};
 
@@ -11,14 +12,15 @@ use super::launch::{ByElem, ByPair, DevPtr, Kernel, cfg, kernel_args, kernel_tab
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, CudaMat, Elem, MatFormat};
 use crate::view::same_shape;
-use crate::{Conv2d, DupUp, GroupNorm, View, ViewMut};
+use crate::{AvgDown, Conv2d, DupUp, GroupNorm, View, ViewMut};
 
 kernel_args! {
     /// `im2col[4]_{x}_{cols}`: the column rows of output pixels `p0 .. p0 + n`, grid-stride;
-    /// `act` −1 none, else the input activation's code.
+    /// `up` 2 upsamples, `down` 2 strides ([`Conv2d::downsample`]); `act` −1 none, else the input
+    /// activation's code.
     pub(super) struct Im2colArgs {
-        x: DevPtr, xs: i64, h: i32, w: i32, c: i32, k: i32, up: i32, act: i32, p0: i64, n: i64,
-        cols: DevPtr,
+        x: DevPtr, xs: i64, h: i32, w: i32, c: i32, k: i32, up: i32, down: i32, act: i32, p0: i64,
+        n: i64, cols: DevPtr,
     }
 }
 
@@ -52,6 +54,15 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `avg_down_{x}_{out}`: `out += AvgDown(x)`, one thread an output element, grid-stride;
+    /// `g` input channels (of the expanded `in · frames · space²`) average into each output one.
+    pub(super) struct AvgDownArgs {
+        x: DevPtr, xs: i64, w: i32, space: i32, frames: i32, cout: i32, g: i32, n: i64,
+        out: DevPtr, os: i64,
+    }
+}
+
 kernel_table! {
     /// The kernels of image.cu.
     pub(super) struct ImageKernels from "image.cu" {
@@ -64,6 +75,7 @@ kernel_table! {
         group_finish: Kernel<GroupFinishArgs> = "group_finish",
         group_apply: ByPair<GroupApplyArgs> = "group_apply_{}_{}",
         dup_up: ByPair<DupUpArgs> = "dup_up_{}_{}",
+        avg_down: ByPair<AvgDownArgs> = "avg_down_{}_{}",
     }
 }
 
@@ -94,7 +106,7 @@ pub(super) fn conv2d(
     let xr = Rows::of(&x)?;
     let xp = xr.ptr;
     // A 1×1 convolution of an image already in the weight's type is the product itself.
-    if k == 1 && !spec.upsample && spec.act.is_none() && x.buf.elem == ab {
+    if k == 1 && !spec.upsample && !spec.downsample && spec.act.is_none() && x.buf.elem == ab {
         product(be, xr, 0, pixels, w, to, 1.0, 0.0)?;
         return epilogue(be, &post, to, to, 0, pixels, cout, false);
     }
@@ -135,6 +147,7 @@ pub(super) fn conv2d(
             c: cin as i32,
             k: k as i32,
             up: if spec.upsample { 2 } else { 1 },
+            down: if spec.downsample { 2 } else { 1 },
             act: spec.act.map_or(-1, act_code),
             p0: p0 as i64,
             n: n as i64,
@@ -258,6 +271,33 @@ pub(super) fn dup_up(
         cout: out.cols as i32,
         frames: spec.frames as i32,
         repeats: repeats as i32,
+        n: n as i64,
+        out: ptr_of_mut(&out)?,
+        os: out.stride as i64,
+    };
+    be.launch("conv", kernel, be.grid_stride(n), &args)
+}
+
+pub(super) fn avg_down(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    spec: &AvgDown,
+    out: ViewMut<'_, CudaBackend>,
+) -> Result<()> {
+    let g = spec.check((x.rows, x.cols), (out.rows, out.cols))?;
+    let n = out.rows * out.cols;
+    if n == 0 {
+        return Ok(());
+    }
+    let kernel = be.kernels.image.avg_down.get(x.buf.elem, out.buf.elem)?;
+    let args = AvgDownArgs {
+        x: ptr_of(&x)?,
+        xs: x.stride as i64,
+        w: spec.width as i32,
+        space: spec.space as i32,
+        frames: spec.frames as i32,
+        cout: out.cols as i32,
+        g: g as i32,
         n: n as i64,
         out: ptr_of_mut(&out)?,
         os: out.stride as i64,

@@ -286,10 +286,9 @@ impl Backend for CudaBackend {
         image::dup_up(self, x, spec, out)
     }
 
-    fn avg_down(&self, _x: View<'_, Self>, _spec: &AvgDown, _out: ViewMut<'_, Self>) -> Result<()> {
-        // Declined in `support.rs` (no kernel yet): `enter` returns the reason.
+    fn avg_down(&self, x: View<'_, Self>, spec: &AvgDown, out: ViewMut<'_, Self>) -> Result<()> {
         self.enter(&Op::AvgDown)?;
-        Err(tessera_core::Error::backend("avg_down", "no CUDA kernel"))
+        image::avg_down(self, x, spec, out)
     }
 
     fn group_norm(

@@ -51,7 +51,7 @@ kernel_args! {
     /// Every `qkv_norm_rope*_{t}`: a warp per head (four heads in the axial-64 kernel).
     pub(super) struct QkvNormRopeArgs {
         qkv: DevPtr, stride: i64, rows: i32, hq: i32, hkv: i32, hd: i32, qw: DevPtr, kw: DevPtr,
-        v_norm: i32, eps: f32, rope: DevPtr, rope_len: i32, tbl_half: i32, pos: DevPtr,
+        v_norm: i32, qk_norm: i32, eps: f32, rope: DevPtr, rope_len: i32, tbl_half: i32, pos: DevPtr,
     }
 }
 
@@ -508,7 +508,7 @@ pub(super) fn qkv_norm_rope(
 ) -> Result<()> {
     let QkvNorm {
         layout,
-        qk_norm: _,
+        qk_norm,
         q_weight: q_w,
         k_weight: k_w,
         v_norm,
@@ -522,6 +522,12 @@ pub(super) fn qkv_norm_rope(
                 "{} columns for layout {layout:?} (head_dim even, ≤ 512)",
                 qkv.cols
             ),
+        ));
+    }
+    if !qk_norm && (q_w.is_some() || k_w.is_some()) {
+        return Err(Error::backend(
+            "qkv_norm_rope",
+            "q/k norm weights given with the q/k norms off",
         ));
     }
     let (table, tlen, thalf, axial, pos) = match rope {
@@ -580,6 +586,7 @@ pub(super) fn qkv_norm_rope(
         qw,
         kw,
         v_norm: v_norm as i32,
+        qk_norm: qk_norm as i32,
         eps,
         rope: table,
         rope_len: tlen as i32,

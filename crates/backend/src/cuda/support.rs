@@ -1,11 +1,9 @@
 //! What the CUDA backend runs ([`Backend::supports`]): the one place that decides, asked by
 //! models before they load and by every op on entry.
 //!
-//! Every op has a kernel but the VAE encoder's (`avg_down` and the stride-2 `conv2d`, written
-//! when a GPU was not lent); what is declined is those, products on quantized (block-format)
-//! weights, per-row key limits on attention over a sequence's own rows (over cached key ranges
-//! every mask runs), the erf GELU outside a product epilogue, and head widths no attention kernel
-//! takes. Each message says so.
+//! Every op has a kernel; what is declined is products on quantized (block-format) weights, the
+//! erf GELU outside a product epilogue, and head widths no attention kernel takes. Each message
+//! says so.
 //!
 //! [`Backend::supports`]: crate::Backend::supports
 
@@ -41,12 +39,8 @@ impl CudaBackend {
             | Op::AvgPool2d
             | Op::ScatterRows
             | Op::DupUp
+            | Op::AvgDown
             | Op::ShortConv { .. } => Ok(()),
-            // Qwen-Image-2.1's VAE encoder: no kernels yet.
-            Op::AvgDown => Err(not_yet("the AvgDown shortcut (VAE encoder) is")),
-            Op::Conv2d {
-                downsample: true, ..
-            } => Err(not_yet("the stride-2 convolution (VAE encoder) is")),
             // The erf GELU is only a product epilogue so far (LFM2-VL's projector).
             Op::Gated(Activation::Gelu)
             | Op::GroupNorm {
@@ -57,9 +51,6 @@ impl CudaBackend {
                 ..
             } => Err(not_yet("the erf GELU outside a product epilogue is")),
             Op::Gated(_) | Op::GroupNorm { .. } | Op::Conv2d { .. } => Ok(()),
-            Op::QkvNormRope { qk_norm: false, .. } => Err(not_yet(
-                "rotating q and k without their norms (Qwen3-VL's vision tower) is",
-            )),
             Op::QkvNormRope { head_dim, .. } => {
                 if *head_dim == 0 || !head_dim.is_multiple_of(2) || *head_dim > 512 {
                     return Err(Error::Device(
@@ -89,12 +80,10 @@ impl CudaBackend {
                 a.head_dim
             )));
         }
-        if a.mask == MaskKind::Limits {
-            return Err(not_yet("per-row key limits (block-causal masks) are"));
-        }
-        // Widths without a tensor-core kernel (bf16) or beyond the row kernel (f32) run on the
-        // key-range kernel or (bf16, any width up to 512) the row kernel, slower.
-        if self_kernel(self.precision, a.head_dim).is_some() {
+        // Widths without a tensor-core kernel (bf16) or beyond the row kernel (f32), and bf16
+        // under per-row key limits, run on the key-range kernel or (bf16, any width up to 512)
+        // the row kernel, slower.
+        if self_kernel(self.precision, a.head_dim, a.mask == MaskKind::Limits).is_some() {
             return Ok(());
         }
         Err(Error::Device(match self.precision {

@@ -216,7 +216,11 @@ impl OpCase for AttentionCase {
     fn supported<B: Device>(&self, be: &B) -> tessera_backend::Result<()> {
         be.supports(&self.op())?;
         match self.flash {
-            Some(f) => be.flash_supported(f, self.head_dim),
+            Some(f) => be.flash_supported(
+                f,
+                self.head_dim,
+                matches!(self.mask, MaskSpec::Limits(_)) && self.cache.is_none(),
+            ),
             None => Ok(()),
         }
     }

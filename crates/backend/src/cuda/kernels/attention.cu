@@ -254,10 +254,12 @@ extern "C" __global__ void flash_combine(const float* __restrict__ part, bf16* _
 // One warp per (query row, head); lane holds head channels lane, lane+32, … (D ≤ 512), f32 sums
 // and softmax. attn_rows_f32 is the exact mode; attn_rows_bf16 the bf16 mode's kernel for any head
 // width the tensor-core kernels are not built for (slow — scalar FMAs — but never a refusal).
+// `limits` (null: none) cuts row i to the first limits[i] keys of its segment (block-causal
+// masks); a row that sees no key writes zeros, as the flash kernels do.
 template <typename T>
 __device__ __forceinline__ void attn_rows_impl(const T* q, long qs, const T* k, long ks, const T* v, long vs, T* o,
                                                long os, const u32* offsets, int nseg, int rows, int hq, int group,
-                                               int D, float scale, int window, int causal) {
+                                               int D, float scale, int window, int causal, const u32* limits) {
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (gw >= (long)rows * hq) return;
@@ -273,6 +275,7 @@ __device__ __forceinline__ void attn_rows_impl(const T* q, long qs, const T* k, 
         k_hi = min(k_hi, i + window + 1);
     }
     if (causal) k_hi = min(k_hi, i + 1);
+    if (limits) k_hi = (int)min((long)k_hi, (long)offsets[lo] + limits[i]);
     float qv[16], acc[16];
     const T* qr = q + (long)i * qs + (long)h * D;
 #pragma unroll
@@ -306,15 +309,16 @@ __device__ __forceinline__ void attn_rows_impl(const T* q, long qs, const T* k, 
 #pragma unroll
     for (int t = 0; t < 16; t++) {
         const int c = lane + 32 * t;
-        if (c < D) orow[c] = from_f<T>(acc[t] / l);
+        if (c < D) orow[c] = from_f<T>(l > 0.f ? acc[t] / l : 0.f);
     }
 }
 
 #define ATTN_ROWS(T, NAME)                                                                                  \
     extern "C" __global__ void NAME(const T* q, long qs, const T* k, long ks, const T* v, long vs, T* o, long os, \
                                     const u32* offsets, int nseg, int rows, int hq, int group, int D, float scale, \
-                                    int window, int causal) {                                               \
-        attn_rows_impl<T>(q, qs, k, ks, v, vs, o, os, offsets, nseg, rows, hq, group, D, scale, window, causal); \
+                                    int window, int causal, const u32* limits) {                            \
+        attn_rows_impl<T>(q, qs, k, ks, v, vs, o, os, offsets, nseg, rows, hq, group, D, scale, window, causal, \
+                          limits);                                                                          \
     }
 ATTN_ROWS(float, attn_rows_f32)
 ATTN_ROWS(bf16, attn_rows_bf16)

@@ -1,7 +1,8 @@
 // The VAE decoders' image ops over channels-last images `[pixels, channels]`: the column blocks
 // of a convolution as an implicit GEMM (the product itself is cuBLASLt's), GroupNorm, and the
-// DupUp channel-to-space shortcut. CPU references: crates/backend/src/cpu/conv.rs,
-// crates/backend/src/cpu/group_norm.rs and crates/backend/src/cpu/dup_up.rs.
+// DupUp channel-to-space shortcut and its encoder mirror AvgDown. CPU references:
+// crates/backend/src/cpu/conv.rs, crates/backend/src/cpu/group_norm.rs, crates/backend/src/cpu/dup_up.rs
+// and crates/backend/src/cpu/avg_down.rs.
 
 // The activation codes of `act_code` (cuda/gemm.rs): −1 none, 0 GELU (tanh), 1 SiLU. The erf
 // GELU (2) is declined before any image kernel runs.
@@ -14,7 +15,9 @@ __device__ __forceinline__ float image_act(int act, float v) {
 // Column rows of output pixels p0 … p0 + n − 1 of a "same" k × k convolution: row i, column
 // (ky·k + kx)·c + ch holds the input at (oy + ky − k/2, ox + kx − k/2) of the image upsampled
 // `up`× by nearest neighbour (up 1: as it is), passed through activation `act`, 0 outside (the
-// padding is not activated). V channels per thread (4: aligned 4-wide accesses). Fewer than 2^32
+// padding is not activated). With `down` 2 (the VAE encoder's stride-2 3×3 convolution, never
+// with up 2) it holds the input at (2·oy + ky, 2·ox + kx), zero-padded only after the last row
+// and column. V channels per thread (4: aligned 4-wide accesses). Fewer than 2^32
 // values per launch (the host's blocks of rows).
 // Column entry i of a block (its row pi, tap and first channel ch, V channels an entry) and the
 // input pixel it reads, or −1 where the tap falls on the zero padding.
@@ -24,8 +27,9 @@ struct ColumnAt {
     long src;
 };
 __device__ __forceinline__ ColumnAt column_at(u32 i, u32 taps, u32 cv, int v, int h, int w, int k, int up,
-                                              long p0) {
-    const int oh = h * up, ow = w * up, pad = k / 2;
+                                              int down, long p0) {
+    // The (upsampled) input is vh × vw; the output vw / down wide. Stride 2 pads only after.
+    const int vh = h * up, vw = w * up, ow = vw / down, pad = down == 2 ? 0 : k / 2;
     ColumnAt at;
     at.pi = i / taps;
     const u32 rem = i - at.pi * taps;
@@ -34,20 +38,20 @@ __device__ __forceinline__ ColumnAt column_at(u32 i, u32 taps, u32 cv, int v, in
     const int ky = at.tap / k, kx = at.tap - ky * k;
     const long p = p0 + at.pi;
     const int oy = (int)(p / ow), ox = (int)(p - (long)oy * ow);
-    const int uy = oy + ky - pad, ux = ox + kx - pad;
-    at.src = uy < 0 || uy >= oh || ux < 0 || ux >= ow ? -1 : (long)(uy / up) * w + ux / up;
+    const int uy = oy * down + ky - pad, ux = ox * down + kx - pad;
+    at.src = uy < 0 || uy >= vh || ux < 0 || ux >= vw ? -1 : (long)(uy / up) * w + ux / up;
     return at;
 }
 
 template <typename TI, typename TO, int V>
-__device__ __forceinline__ void im2col_impl(const TI* x, long xs, int h, int w, int c, int k, int up, int act,
+__device__ __forceinline__ void im2col_impl(const TI* x, long xs, int h, int w, int c, int k, int up, int down, int act,
                                             long p0, long n, TO* cols) {
     const u32 cv = (u32)(c / V);
     const u32 taps = (u32)(k * k) * cv;
     const u32 total = (u32)n * taps;
     const long row = (long)k * k * c;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        const ColumnAt at = column_at(i, taps, cv, V, h, w, k, up, p0);
+        const ColumnAt at = column_at(i, taps, cv, V, h, w, k, up, down, p0);
         TO* dst = cols + (long)at.pi * row + (long)at.tap * c + at.ch;
         float v[V];
         if (at.src < 0) {
@@ -141,14 +145,14 @@ __device__ __forceinline__ void group_apply_impl(const TI* x, long xs, long pixe
 
 // The same for bf16 → bf16 with eight channels a thread: one 16-byte load and store, converted
 // only to apply an activation.
-__device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int w, int c, int k, int up, int act,
+__device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int w, int c, int k, int up, int down, int act,
                                              long p0, long n, bf16* cols) {
     const u32 cv = (u32)(c / 8);
     const u32 taps = (u32)(k * k) * cv;
     const u32 total = (u32)n * taps;
     const long row = (long)k * k * c;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        const ColumnAt at = column_at(i, taps, cv, 8, h, w, k, up, p0);
+        const ColumnAt at = column_at(i, taps, cv, 8, h, w, k, up, down, p0);
         uint4 v = make_uint4(0, 0, 0, 0);
         if (at.src >= 0) {
             v = *reinterpret_cast<const uint4*>(x + at.src * xs + at.ch);
@@ -162,15 +166,15 @@ __device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int 
     }
 }
 
-extern "C" __global__ void im2col8_bf16_bf16(const bf16* x, long xs, int h, int w, int c, int k, int up, int act,
+extern "C" __global__ void im2col8_bf16_bf16(const bf16* x, long xs, int h, int w, int c, int k, int up, int down, int act,
                                              long p0, long n, bf16* cols) {
-    im2col8_impl(x, xs, h, w, c, k, up, act, p0, n, cols);
+    im2col8_impl(x, xs, h, w, c, k, up, down, act, p0, n, cols);
 }
 
 #define IM2COL(TI, TO, V, NAME)                                                                           \
-    extern "C" __global__ void NAME(const TI* x, long xs, int h, int w, int c, int k, int up, int act, long p0, \
+    extern "C" __global__ void NAME(const TI* x, long xs, int h, int w, int c, int k, int up, int down, int act, long p0, \
                                     long n, TO* cols) {                                                   \
-        im2col_impl<TI, TO, V>(x, xs, h, w, c, k, up, act, p0, n, cols);                                  \
+        im2col_impl<TI, TO, V>(x, xs, h, w, c, k, up, down, act, p0, n, cols);                                  \
     }
 IM2COL(float, float, 1, im2col_f32_f32)
 IM2COL(float, bf16, 1, im2col_f32_bf16)
@@ -231,3 +235,41 @@ DUP_UP(float, float, dup_up_f32_f32)
 DUP_UP(float, bf16, dup_up_f32_bf16)
 DUP_UP(bf16, float, dup_up_bf16_f32)
 DUP_UP(bf16, bf16, dup_up_bf16_bf16)
+
+// AvgDown (diffusers' AvgDown3D on one frame), added: out[y·ow + x, o] += (1/g) · Σ over the
+// expanded channels e = o·g … o·g + g − 1 of x[(s·y + sy)·w + s·x + sx, c], where e = c·f + r
+// (f = frames·s², the factor) reads spatial slot r mod s² = sy·s + sx of frame r / s², and only
+// the last frame (frames − 1) holds the image (the others are the zero padding frame). `n` =
+// oh·ow·cout output elements, one a thread, grid-stride (consecutive threads: consecutive output
+// channels).
+template <typename TI, typename TO>
+__device__ __forceinline__ void avg_down_impl(const TI* x, long xs, int w, int space, int frames, int cout, int g,
+                                              long n, TO* out, long os) {
+    const int s2 = space * space, f = frames * s2;
+    const long ow = w / space;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long p = i / cout;
+        const int o = (int)(i - p * cout);
+        const long oy = p / ow, ox = p - oy * ow;
+        const TI* base = x + (space * oy * w + space * ox) * xs;
+        float sum = 0.f;
+        for (int e = o * g; e < (o + 1) * g; e++) {
+            const int c = e / f, r = e - c * f;
+            if (r / s2 != frames - 1) continue;
+            const int sp = r - (frames - 1) * s2, sy = sp / space, sx = sp - sy * space;
+            sum += to_f(base[((long)sy * w + sx) * xs + c]);
+        }
+        TO* dst = out + p * os + o;
+        *dst = from_f<TO>(to_f(*dst) + sum / (float)g);
+    }
+}
+
+#define AVG_DOWN(TI, TO, NAME)                                                                            \
+    extern "C" __global__ void NAME(const TI* x, long xs, int w, int space, int frames, int cout, int g,    \
+                                    long n, TO* out, long os) {                                           \
+        avg_down_impl<TI, TO>(x, xs, w, space, frames, cout, g, n, out, os);                              \
+    }
+AVG_DOWN(float, float, avg_down_f32_f32)
+AVG_DOWN(float, bf16, avg_down_f32_bf16)
+AVG_DOWN(bf16, float, avg_down_bf16_f32)
+AVG_DOWN(bf16, bf16, avg_down_bf16_bf16)

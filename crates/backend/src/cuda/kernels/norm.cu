@@ -152,8 +152,8 @@ __device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const
     }
 }
 
-// In place on packed q|k|v rows: per-head RMSNorm (q, k with weights; v weightless when v_norm),
-// then RoPE on q and k. One warp per (row, head); head_dim ≤ 512, even.
+// In place on packed q|k|v rows: per-head RMSNorm (q, k with weights, or none when qk_norm is 0 and
+// they rotate; v weightless when v_norm), then RoPE on q and k. One warp per (row, head); head_dim ≤ 512, even.
 // rope: cos table [rope_len][tbl_half] followed by the sin table; null = no rotation.
 // axial = 0: split-half, pair j ↔ j + hd/2 at position pos[r].
 // axial = 1: 2-D, channels [0, hd/2) rotate by x = pos[2r], [hd/2, hd) by y = pos[2r+1]; within
@@ -161,7 +161,7 @@ __device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const
 // STYLE 2: interleaved (complex pairs), pair j joins channels 2j and 2j + 1 at position pos[r].
 template <typename T, int STYLE>
 __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
-                                                   const float* qw, const float* kw, int v_norm, float eps,
+                                                   const float* qw, const float* kw, int v_norm, int qk_norm, float eps,
                                                    const float* rope, int rope_len, int tbl_half,
                                                    const u32* pos) {
     constexpr bool axial = STYLE == 1, pairs2 = STYLE == 2;
@@ -175,6 +175,8 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
     const int hh = (int)((unsigned)gw % (unsigned)heads);
     const bool is_v = hh >= hq + hkv;
     if (is_v && !v_norm) return;
+    // qk_norm 0: q and k heads are only rotated (normed as usual when nothing rotates, as on the CPU).
+    const bool normed = is_v || qk_norm || rope == nullptr;
     const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
     T* x = qkv + r * stride + (long)hh * hd;
     const int pairs = hd >> 1, quarter = hd >> 2;
@@ -195,7 +197,7 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
         }
     }
     ss = warp_sum(ss);
-    const float inv = 1.f / sqrtf(ss / hd + eps);
+    const float inv = normed ? 1.f / sqrtf(ss / hd + eps) : 1.f;
     const bool rotate = !is_v && rope != nullptr;
 #pragma unroll
     for (int t = 0; t < 8; t++) {
@@ -231,7 +233,7 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
 // weights and table are aligned; same arithmetic order as the scalar kernel.
 template <typename T>
 __device__ __forceinline__ void qkv_norm_rope_vec_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
-                                                       const float* qw, const float* kw, int v_norm, float eps,
+                                                       const float* qw, const float* kw, int v_norm, int qk_norm, float eps,
                                                        const float* rope, int rope_len, int tbl_half,
                                                        const u32* pos) {
     const int heads = hq + 2 * hkv;
@@ -243,6 +245,8 @@ __device__ __forceinline__ void qkv_norm_rope_vec_impl(T* qkv, long stride, int 
     const int hh = (int)((unsigned)gw % (unsigned)heads);
     const bool is_v = hh >= hq + hkv;
     if (is_v && !v_norm) return;
+    // qk_norm 0: q and k heads are only rotated (normed as usual when nothing rotates, as on the CPU).
+    const bool normed = is_v || qk_norm || rope == nullptr;
     const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
     T* x = qkv + r * stride + (long)hh * hd;
     const int pairs = hd >> 1, groups = pairs >> 7, lane4 = 4 * (threadIdx.x & 31);
@@ -257,7 +261,7 @@ __device__ __forceinline__ void qkv_norm_rope_vec_impl(T* qkv, long stride, int 
             for (int j = 0; j < 4; j++) ss += a[g][j] * a[g][j] + b[g][j] * b[g][j];
         }
     }
-    const float inv = 1.f / sqrtf(warp_sum(ss) / hd + eps);
+    const float inv = normed ? 1.f / sqrtf(warp_sum(ss) / hd + eps) : 1.f;
     const bool rotate = !is_v && rope != nullptr;
     const long p = rotate ? (long)pos[r] : 0;
 #pragma unroll
@@ -302,7 +306,7 @@ __device__ __forceinline__ void qkv_norm_rope_vec_impl(T* qkv, long stride, int 
 // per element as the scalar kernel; the host picks this one when rows and vectors are aligned.
 template <typename T>
 __device__ __forceinline__ void qkv_norm_rope_axial64_impl(T* qkv, long stride, int rows, int hq, int hkv,
-                                                           const float* qw, const float* kw, int v_norm,
+                                                           const float* qw, const float* kw, int v_norm, int qk_norm,
                                                            float eps, const float* rope, int rope_len,
                                                            int tbl_half, const u32* pos) {
     constexpr int HD = 64;
@@ -314,6 +318,8 @@ __device__ __forceinline__ void qkv_norm_rope_axial64_impl(T* qkv, long stride, 
     const int hh = (int)((unsigned)slot % (unsigned)heads);
     const bool is_v = hh >= hq + hkv;
     if (is_v && !v_norm) return;
+    // qk_norm 0: q and k heads are only rotated (normed as usual when nothing rotates, as on the CPU).
+    const bool normed = is_v || qk_norm || rope == nullptr;
     const unsigned group = 0xffu << (lane & ~7);
     const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
     T* x = qkv + r * stride + (long)hh * HD + 8 * sub;
@@ -326,7 +332,7 @@ __device__ __forceinline__ void qkv_norm_rope_axial64_impl(T* qkv, long stride, 
     ss += __shfl_xor_sync(group, ss, 1);
     ss += __shfl_xor_sync(group, ss, 2);
     ss += __shfl_xor_sync(group, ss, 4);
-    const float inv = 1.f / sqrtf(ss / HD + eps);
+    const float inv = normed ? 1.f / sqrtf(ss / HD + eps) : 1.f;
     float wv[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
     if (w) {
         load4(w + 8 * sub, wv);
@@ -376,9 +382,9 @@ RESIDUAL_NORM(bf16, bf16, residual_norm_bf16_bf16)
 // Split-half, axial 2-D and interleaved are separate instantiations: the text path keeps its plain indexing.
 #define QKV_NORM_ROPE(T, STYLE, NAME)                                                                    \
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
-                                    const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
+                                    const float* kw, int v_norm, int qk_norm, float eps, const float* rope, int rope_len, \
                                     int tbl_half, const u32* pos) {                                       \
-        qkv_norm_rope_impl<T, STYLE>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len,   \
+        qkv_norm_rope_impl<T, STYLE>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, qk_norm, eps, rope, rope_len,   \
                                      tbl_half, pos);                                                      \
     }
 QKV_NORM_ROPE(float, 0, qkv_norm_rope_f32)
@@ -412,18 +418,18 @@ RESIDUAL_NORM_WARP(bf16, bf16, residual_norm_warp_bf16_bf16)
 // The 4-wide kernels (split-half for 256·m, interleaved for 128·m below), by implementation.
 #define QKV_NORM_ROPE_VEC(IMPL, T, NAME)                                                                 \
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
-                                    const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
+                                    const float* kw, int v_norm, int qk_norm, float eps, const float* rope, int rope_len, \
                                     int tbl_half, const u32* pos) {                                       \
-        IMPL<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, eps, rope, rope_len, tbl_half, pos);      \
+        IMPL<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, qk_norm, eps, rope, rope_len, tbl_half, pos);      \
     }
 QKV_NORM_ROPE_VEC(qkv_norm_rope_vec_impl, float, qkv_norm_rope_vec_f32)
 QKV_NORM_ROPE_VEC(qkv_norm_rope_vec_impl, bf16, qkv_norm_rope_vec_bf16)
 
 #define QKV_NORM_ROPE_AXIAL64(T, NAME)                                                                   \
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
-                                    const float* kw, int v_norm, float eps, const float* rope, int rope_len, \
+                                    const float* kw, int v_norm, int qk_norm, float eps, const float* rope, int rope_len, \
                                     int tbl_half, const u32* pos) {                                       \
-        qkv_norm_rope_axial64_impl<T>(qkv, stride, rows, hq, hkv, qw, kw, v_norm, eps, rope, rope_len,     \
+        qkv_norm_rope_axial64_impl<T>(qkv, stride, rows, hq, hkv, qw, kw, v_norm, qk_norm, eps, rope, rope_len,     \
                                       tbl_half, pos);                                                     \
     }
 QKV_NORM_ROPE_AXIAL64(float, qkv_norm_rope_axial64_f32)
@@ -669,7 +675,7 @@ RESIDUAL_ANY(residual_any_vec_impl, bf16, bf16, residual_any_vec_bf16_bf16)
 // and arithmetic order as qkv_norm_rope_impl<T, 2>; the host picks it for aligned rows and tables.
 template <typename T>
 __device__ __forceinline__ void qkv_norm_rope_pairs_vec_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
-                                                             const float* qw, const float* kw, int v_norm,
+                                                             const float* qw, const float* kw, int v_norm, int qk_norm,
                                                              float eps, const float* rope, int rope_len,
                                                              int tbl_half, const u32* pos) {
     const int heads = hq + 2 * hkv;
@@ -680,6 +686,8 @@ __device__ __forceinline__ void qkv_norm_rope_pairs_vec_impl(T* qkv, long stride
     const int hh = (int)((unsigned)gw % (unsigned)heads);
     const bool is_v = hh >= hq + hkv;
     if (is_v && !v_norm) return;
+    // qk_norm 0: q and k heads are only rotated (normed as usual when nothing rotates, as on the CPU).
+    const bool normed = is_v || qk_norm || rope == nullptr;
     const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
     T* x = qkv + r * stride + (long)hh * hd;
     const int k = hd >> 7;
@@ -694,7 +702,7 @@ __device__ __forceinline__ void qkv_norm_rope_pairs_vec_impl(T* qkv, long stride
         }
     }
     ss = warp_sum(ss);
-    const float inv = 1.f / sqrtf(ss / hd + eps);
+    const float inv = normed ? 1.f / sqrtf(ss / hd + eps) : 1.f;
     const bool rotate = !is_v && rope != nullptr;
     const long p = rotate ? (long)pos[r] : 0;
 #pragma unroll
