@@ -1,5 +1,5 @@
 //! The ops the vision tower calls, from its config alone. Part of `qwen_image::edit::ops`, not
-//! of `qwen_image::ops`: a device without rotation-only RoPE (CUDA for now) still runs
+//! of `qwen_image::ops`: a device without rotation-only RoPE (`qk_norm: false`) still runs
 //! text-to-image, and only editing is refused there.
 
 use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
