@@ -156,6 +156,11 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(qkv(4, 2, 256)); // norms alone
     t.add(qkv(3, 1, 6).split_half(1e4).weightless()); // an odd number of pairs
     t.add(qkv(2, 2, 16).split_half(1e4).rope_only()); // Qwen3-VL's vision tower: no q/k norms
+    t.add(qkv(16, 16, 72).split_half(1e4).rope_only().no_v_norm()); // its real heads
+    // Rotation only on each vector kernel: split-half 256, axial 64, interleaved 128.
+    t.add(qkv(2, 1, 256).split_half(1e6).rope_only());
+    t.add(qkv(2, 2, 64).axial(100.0, GRIDS).rope_only());
+    t.add(qkv(2, 1, 128).interleaved(256.0).rope_only());
     t.add(qkv(4, 4, 128).interleaved(256.0)); // complex-pair RoPE
     t.add(qkv(2, 1, 6).interleaved(1e4).no_v_norm());
     t.add(qkv(4, 4, 128).multi_axis(256.0, [32, 48, 48], 7, (6, 4))); // Z-Image's 3-axis RoPE
