@@ -44,10 +44,15 @@ fi
 # models Tessera compares against breaks `import diffusers`. Everything still fits the device
 # tool's 64 MiB with the repository when one family's test executables are staged (TESTS).
 # PACK=1: the binaries as one xz archive (.dev/pack/bin.tar.xz, about 20% of their size), for
-# runs that also carry the reference's wheels; the run scripts unpack it.
+# runs that also carry the reference's packages; the run scripts unpack both.
 if [ "${PACK:-0}" = 1 ]; then
   # One solid stream with xz -9's 64 MiB dictionary: the executables share most of their code,
   # so this packs all six into 14 MB where -6 -T0 (independent blocks) took 24.5 MB.
   mkdir -p .dev/pack && tar -C .dev -cf - bin | xz -9 -T1 > .dev/pack/bin.tar.xz
+  # The wheels unpacked, as one archive (tools/device/pysite.sh installs it): zip compresses each
+  # file alone, xz the whole tree, 6 MB where the wheels take 21 MB. Carry .dev/pack alone then.
+  rm -rf .dev/site && mkdir -p .dev/site
+  for w in .dev/whl/*.whl; do python3 -m zipfile -e "$w" .dev/site; done
+  tar -C .dev/site -cf - . | xz -9 -T0 > .dev/pack/site.tar.xz && rm -rf .dev/site
 fi
 du -sh .dev

@@ -15,8 +15,8 @@ PARTS=${PARTS:-ops,mini,qfull,zfull,lfull,efull,attn,gen}
 DEADLINE=${DEADLINE:-520}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 if [ -f .dev/pack/bin.tar.xz ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
-  && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+. tools/device/pysite.sh
+pysite || { echo "reference packages: install failed"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 B=.dev/bin/tessera
 status=0
