@@ -106,7 +106,7 @@ impl AnyBackend {
         }
         let ops: Vec<Op> = ops
             .iter()
-            .map(|op| op.with_weights(quant.at_load))
+            .map(|op| op.with_weights(quant.products()))
             .collect();
         // The CPU computes in f32 unless bf16 is asked for (where the GPU defaults to bf16).
         let cpu = |precision: Option<Precision>| -> Result<AnyBackend> {

@@ -5,7 +5,7 @@ use tessera_backend::{AnyBackend, DeviceRequest, Precision, Quantization};
 use tessera_core::{DType, Error, Result};
 use tessera_runtime::ModelSpec;
 
-/// A block format to quantize a model's matrices to as it loads (llama.cpp's types).
+/// A format to quantize a model's matrices to as it loads (llama.cpp's block types, or FP8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 #[allow(non_camel_case_types)] // ggml's names; users type them lower-case (q8_0, q4_k)
 pub enum Quantize {
@@ -21,6 +21,10 @@ pub enum Quantize {
     /// 6-bit values in super-blocks of 256, an 8-bit scale per 16 (6.6 bits a weight).
     #[value(name = "q6_k")]
     Q6_K,
+    /// FP8 e4m3fn with an f32 scale per row (8 bits a weight and 32 a row), rounded as torch's
+    /// `float8_e4m3fn` cast.
+    #[value(name = "fp8")]
+    Fp8,
 }
 
 impl Quantize {
@@ -30,15 +34,18 @@ impl Quantize {
             Quantize::Q4_0 => DType::Q4_0,
             Quantize::Q4_K => DType::Q4_K,
             Quantize::Q6_K => DType::Q6_K,
+            Quantize::Fp8 => DType::F8_E4M3,
         }
     }
 
-    fn arg(self) -> &'static str {
+    /// The value as typed on the command line.
+    pub fn arg(self) -> &'static str {
         match self {
             Quantize::Q8_0 => "q8_0",
             Quantize::Q4_0 => "q4_0",
             Quantize::Q4_K => "q4_k",
             Quantize::Q6_K => "q6_k",
+            Quantize::Fp8 => "fp8",
         }
     }
 }
@@ -56,10 +63,10 @@ pub struct DeviceArgs {
     #[arg(long, env = "TESSERA_PRECISION")]
     precision: Option<String>,
     /// Quantize the model's product weights (its 2-D matrices whose rows are whole blocks;
-    /// embedding tables, norms and biases stay as stored) to this block format as they load,
-    /// rounding as llama.cpp's quantizers do; no file is written. CPU only for now. Products
-    /// then run exactly on the decoded weights (f32), or with int8 activations under
-    /// --precision int8.
+    /// embedding tables, norms and biases stay as stored) to this format as they load, rounding
+    /// as llama.cpp's quantizers do (fp8: as torch's float8_e4m3fn cast, one scale per row); no
+    /// file is written. CPU only for now. Products then run exactly on the decoded weights
+    /// (f32), or with int8 activations under --precision int8 (q8_0, q4_0, q4_k).
     #[arg(long, value_enum, env = "TESSERA_QUANTIZE")]
     pub quantize: Option<Quantize>,
 }

@@ -762,15 +762,20 @@ fn output_paths(out: &Path, n: usize) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The block format of a GGUF transformer file's quantized tensors (the first one's), read from
-/// its header, so a device without products on it declines before loading; `None` for a
-/// safetensors file or an unquantized GGUF.
+/// The quantized format of a transformer file's weights (the first quantized tensor's), read
+/// from its header, so a device without products on it declines before loading: a GGUF's block
+/// format, or FP8 in a safetensors file; `None` for float weights.
 fn stored_block_format(path: &std::path::Path) -> Result<Option<tessera_core::DType>> {
     if !path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
     {
-        return Ok(None);
+        let w = tessera_core::Weights::open_file(path)?;
+        let fp8 = w
+            .names()
+            .into_iter()
+            .any(|n| w.tensor(n).is_ok_and(|t| t.dtype.is_quantized()));
+        return Ok(fp8.then_some(tessera_core::DType::F8_E4M3));
     }
     let g = tessera_core::gguf::Gguf::open(path)?;
     Ok(g.tensors()

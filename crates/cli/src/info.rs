@@ -32,13 +32,17 @@ fn weights_line(label: &str, w: &Weights, quantize: Option<Quantize>) -> Result<
             .map_or("mixed".to_string(), |d| d.to_string()),
         w.total_bytes() as f64 / 1e6
     )?;
-    if let Some(q) = quantize {
-        let q = q.dtype();
+    if let Some(arg) = quantize {
+        let q = arg.dtype();
+        let scales = match q {
+            DType::F8_E4M3 => " with an f32 scale per row",
+            _ => "",
+        };
         outln!(
-            "{:<12} {:.1} MB with --quantize {} (product weights in {q}; tables, norms and biases as stored)",
+            "{:<12} {:.1} MB with --quantize {} (product weights in {q}{scales}; tables, norms and biases as stored)",
             "",
             quantized_bytes(w, q)? as f64 / 1e6,
-            q.to_string().to_lowercase()
+            arg.arg()
         )?;
     }
     Ok(())
@@ -57,8 +61,13 @@ fn quantized_bytes(w: &Weights, q: DType) -> Result<usize> {
         let product = matches!(t.shape[..], [_, cols] if cols % q.block_size() == 0)
             && !t.dtype.is_quantized()
             && !table(name);
+        // FP8 keeps an f32 scale per row beside its codes.
+        let scales = match (q, &t.shape[..]) {
+            (DType::F8_E4M3, [rows, _]) => 4 * rows,
+            _ => 0,
+        };
         total += match q.bytes_for(t.numel()) {
-            Some(b) if product => b,
+            Some(b) if product => b + scales,
             _ => t.bytes.len(),
         };
     }

@@ -1,14 +1,16 @@
-//! Storage types of checkpoint tensors — floats, and ggml's quantized block formats — and their
-//! widening to `f32`.
+//! Storage types of checkpoint tensors — floats, ggml's quantized block formats and FP8 — and
+//! their widening to `f32`.
 
 use half::{bf16, f16};
 
 use crate::gguf::GgmlType;
 
-/// The storage types Tessera reads: the float types (from safetensors or GGUF) and the block
+/// The storage types Tessera reads: the float types (from safetensors or GGUF), the block
 /// formats of GGUF files and of `--quantize`, whose values come in blocks of
 /// [`DType::block_size`] elements taking [`DType::block_bytes`] bytes (a float type's block is
-/// one element).
+/// one element), and FP8 e4m3fn (safetensors' `F8_E4M3`, or `--quantize fp8`): one byte a value,
+/// counted with the quantized formats because its values mean something only with the scale
+/// beside them (`Tensor::scale`; per row once a backend holds it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[allow(non_camel_case_types)] // ggml's names, as every GGUF tool prints them
 pub enum DType {
@@ -19,10 +21,12 @@ pub enum DType {
     Q4_0,
     Q4_K,
     Q6_K,
+    F8_E4M3,
 }
 
 impl DType {
-    /// Bytes per element of a float type; `None` for a block format (see [`DType::bytes_for`]).
+    /// Bytes per element of a float type; `None` for a block format or FP8 (see
+    /// [`DType::bytes_for`]).
     pub fn size(self) -> Option<usize> {
         match self {
             DType::BF16 | DType::F16 => Some(2),
@@ -36,9 +40,9 @@ impl DType {
         self.size().is_none()
     }
 
-    /// The ggml type with this layout.
-    pub fn ggml(self) -> GgmlType {
-        match self {
+    /// The ggml type with this layout (`None` for FP8, which GGUF does not have).
+    pub fn ggml(self) -> Option<GgmlType> {
+        Some(match self {
             DType::BF16 => GgmlType::BF16,
             DType::F16 => GgmlType::F16,
             DType::F32 => GgmlType::F32,
@@ -46,7 +50,8 @@ impl DType {
             DType::Q4_0 => GgmlType::Q4_0,
             DType::Q4_K => GgmlType::Q4_K,
             DType::Q6_K => GgmlType::Q6_K,
-        }
+            DType::F8_E4M3 => return None,
+        })
     }
 
     /// The storage type of ggml type `t` (every type Tessera decodes has one).
@@ -62,20 +67,23 @@ impl DType {
         }
     }
 
-    /// Elements per block (1 for the float types).
+    /// Elements per block (1 for the float types and FP8).
     pub fn block_size(self) -> usize {
-        self.ggml().block_size()
+        self.ggml().map_or(1, |g| g.block_size())
     }
 
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
-        self.ggml().block_bytes()
+        self.ggml().map_or(1, |g| g.block_bytes())
     }
 
-    /// Bytes that `n` elements take, or `None` when `n` is not a whole number of blocks or the
-    /// size overflows.
+    /// Bytes that `n` elements take (their scales aside), or `None` when `n` is not a whole
+    /// number of blocks or the size overflows.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        self.ggml().bytes_for(n)
+        match self.ggml() {
+            Some(g) => g.bytes_for(n),
+            None => Some(n),
+        }
     }
 
     pub(crate) fn from_safetensors(d: safetensors::Dtype) -> Option<Self> {
@@ -83,6 +91,7 @@ impl DType {
             safetensors::Dtype::BF16 => Some(DType::BF16),
             safetensors::Dtype::F16 => Some(DType::F16),
             safetensors::Dtype::F32 => Some(DType::F32),
+            safetensors::Dtype::F8_E4M3 => Some(DType::F8_E4M3),
             _ => None,
         }
     }
@@ -98,6 +107,7 @@ impl std::fmt::Display for DType {
             DType::Q4_0 => "Q4_0",
             DType::Q4_K => "Q4_K",
             DType::Q6_K => "Q6_K",
+            DType::F8_E4M3 => "F8_E4M3",
         })
     }
 }
@@ -106,7 +116,8 @@ impl std::fmt::Display for DType {
 ///
 /// Reads byte-wise, so the source need not be aligned (safetensors data offsets are not). Block
 /// formats decode whole blocks bit-exactly as llama.cpp's `gguf` package does; `bytes` must then
-/// hold exactly `out`'s blocks (the callers slice at block boundaries).
+/// hold exactly `out`'s blocks (the callers slice at block boundaries). FP8 decodes as torch's
+/// `float8_e4m3fn → float32`, unscaled (the scale is the tensor's: `Tensor::read_f32_range`).
 pub fn widen_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     debug_assert_eq!(Some(bytes.len()), dtype.bytes_for(out.len()));
     match dtype {
@@ -125,9 +136,11 @@ pub fn widen_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
             }
         }
+        DType::F8_E4M3 => crate::fp8::decode_into(bytes, 1.0, out),
         DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K => {
             // Sizes are the caller's to check (debug-asserted above); a mismatch reads as NaN.
-            if dtype.ggml().dequantize(bytes, out).is_err() {
+            let decoded = dtype.ggml().map(|g| g.dequantize(bytes, out));
+            if !matches!(decoded, Some(Ok(_))) {
                 out.fill(f32::NAN);
             }
         }

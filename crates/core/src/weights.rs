@@ -107,6 +107,9 @@ pub struct Tensor<'a> {
     pub shape: Vec<usize>,
     pub bytes: Cow<'a, [u8]>,
     pub path: &'a Path,
+    /// What every stored value is multiplied by: an FP8 tensor's per-tensor scale (ComfyUI's
+    /// `<name>.scale_weight`, see [`Weights::tensor`]); `None` for everything else.
+    pub scale: Option<f32>,
 }
 
 impl Tensor<'_> {
@@ -127,6 +130,7 @@ impl Tensor<'_> {
             shape,
             bytes: Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
             path: Path::new("<host>"),
+            scale: None,
         })
     }
 
@@ -134,11 +138,18 @@ impl Tensor<'_> {
         self.shape.iter().product()
     }
 
-    /// The elements widened to `f32`.
+    /// The elements widened to `f32` (times the scale, if any, rounded to `f32`).
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.numel()];
         widen_into(self.dtype, &self.bytes, &mut out);
+        self.apply_scale(&mut out);
         out
+    }
+
+    fn apply_scale(&self, out: &mut [f32]) {
+        if let Some(s) = self.scale {
+            out.iter_mut().for_each(|v| *v *= s);
+        }
     }
 
     /// Widen elements `[start, start + out.len())` (row-major) into `out`; for a block format
@@ -150,6 +161,7 @@ impl Tensor<'_> {
         let (a, b) = (start / bs, (start + out.len()) / bs);
         let bb = self.dtype.block_bytes();
         widen_into(self.dtype, &self.bytes[a * bb..b * bb], out);
+        self.apply_scale(out);
     }
 
     /// A matrix's `(rows, cols)` (as [`Tensor::dims2`]), checking for a block format that each
@@ -244,6 +256,7 @@ impl Tensor<'_> {
             shape,
             bytes: Cow::Owned(out),
             path: Path::new("<host>"),
+            scale: self.scale,
         })
     }
 }
@@ -436,12 +449,16 @@ impl Weights {
             DType::Q4_0,
             DType::Q4_K,
             DType::Q6_K,
+            DType::F8_E4M3,
         ]
         .into_iter()
         .find(|d| d.to_string() == name)
     }
 
-    /// The tensor `name` (under the prefix), any shape.
+    /// The tensor `name` (under the prefix), any shape. An FP8 tensor `<stem>.weight` comes
+    /// with its per-tensor scale when the checkpoint has one beside it: `<stem>.scale_weight`
+    /// (ComfyUI's scaled FP8) or `<stem>.weight_scale` (ComfyUI's newer quantized layout,
+    /// compressed-tensors' per-tensor FP8), a one-element float tensor; unscaled otherwise.
     pub fn tensor(&self, name: &str) -> Result<Tensor<'_>> {
         let full = self.full_name(name);
         let Some(&fi) = self.index.get(&full) else {
@@ -457,13 +474,62 @@ impl Weights {
             path: file.path.clone(),
             dtype,
         })?;
+        let scale = match dtype {
+            DType::F8_E4M3 => self.fp8_scale(&full)?,
+            _ => None,
+        };
         Ok(Tensor {
             name: full,
             dtype,
             shape: e.shape.clone(),
             bytes: Cow::Borrowed(&file.bytes.as_slice()[e.start..e.end]),
             path: &file.path,
+            scale,
         })
+    }
+
+    /// The per-tensor scale stored beside FP8 tensor `full` (a full checkpoint name), if any:
+    /// one finite number, or an error naming the scale's file and tensor.
+    fn fp8_scale(&self, full: &str) -> Result<Option<f32>> {
+        let Some(stem) = full.strip_suffix(".weight") else {
+            return Ok(None);
+        };
+        let names = [
+            format!("{stem}.scale_weight"),
+            format!("{stem}.weight_scale"),
+        ];
+        let Some((scale_name, &fi)) = names
+            .iter()
+            .find_map(|n| self.index.get(n).map(|fi| (n, fi)))
+        else {
+            return Ok(None);
+        };
+        let file = &self.files[fi];
+        let e = &file.entries[scale_name];
+        let bad = |why: String| {
+            Error::input(format!(
+                "tensor `{scale_name}` in {}, the scale of FP8 tensor `{full}`: {why}",
+                file.path.display()
+            ))
+        };
+        let dtype = match &e.dtype {
+            Ok(d @ (DType::F32 | DType::BF16 | DType::F16)) => *d,
+            Ok(d) => return Err(bad(format!("stored as {d}, not a float"))),
+            Err(d) => return Err(bad(format!("stored as {d}, not a float"))),
+        };
+        if e.shape.iter().product::<usize>() != 1 {
+            return Err(bad(format!(
+                "shape {:?}: only one scale per tensor is read (per-row or per-block FP8 \
+                 scales are not supported)",
+                e.shape
+            )));
+        }
+        let mut v = [0f32];
+        widen_into(dtype, &file.bytes.as_slice()[e.start..e.end], &mut v);
+        if !v[0].is_finite() {
+            return Err(bad(format!("{} is not a finite scale", v[0])));
+        }
+        Ok(Some(v[0]))
     }
 
     /// Give back this process's resident pages of tensor `name` (the whole pages inside its

@@ -1,10 +1,11 @@
-//! Products on weights kept in ggml's block formats (Q8_0, Q4_0, Q4_K, Q6_K): the matrix holds
-//! its blocks as stored — no `f32` copy of the model — and each product decodes them a panel of
-//! rows at a time.
+//! Products on weights kept in ggml's block formats (Q8_0, Q4_0, Q4_K, Q6_K) or in FP8 e4m3fn
+//! with a scale per row: the matrix holds its blocks (codes) as stored — no `f32` copy of the
+//! model — and each product decodes them a panel of rows at a time.
 //!
 //! The exact mode decodes a panel of [`PANEL`] weight rows to `f32` (bit-exactly as the GGUF
-//! decoders, `tessera_core::gguf`) and multiplies it with the `f32` activations as the dense
-//! `f32` path does, so its result is the `f32` product on the dequantized weights.
+//! decoders, `tessera_core::gguf`; FP8 as torch's `float8_e4m3fn → float32`, times the row's
+//! scale in `f32`) and multiplies it with the `f32` activations as the dense `f32` path does, so
+//! its result is the `f32` product on the dequantized weights.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -23,6 +24,9 @@ const PANEL: usize = 64;
 pub struct QuantMat {
     dtype: DType,
     blocks: Vec<u8>,
+    /// FP8: each row's scale (a file's per-tensor scale repeated over the tensor's rows, or
+    /// `--quantize fp8`'s own per row); empty for the ggml formats, whose scales are in-block.
+    scales: Vec<f32>,
     /// Bytes per row: `inner / block size` blocks.
     row_bytes: usize,
     /// Products take int8 activations (`int8.rs`) rather than decoding the weights to f32.
@@ -37,6 +41,7 @@ impl QuantMat {
         let dtype = parts.first().map_or(DType::Q8_0, |t| t.dtype);
         let (out, inner) = crate::stacked_shape(parts)?;
         let mut blocks = Vec::new();
+        let mut scales = Vec::new();
         for t in parts {
             if t.dtype != dtype {
                 return Err(Error::backend(
@@ -48,8 +53,11 @@ impl QuantMat {
                     ),
                 ));
             }
-            t.dims2_blocks()?;
+            let (rows, _) = t.dims2_blocks()?;
             blocks.extend_from_slice(&t.bytes);
+            if dtype == DType::F8_E4M3 {
+                scales.resize(scales.len() + rows, t.scale.unwrap_or(1.0));
+            }
         }
         let row_bytes = dtype
             .bytes_for(inner)
@@ -58,6 +66,7 @@ impl QuantMat {
             QuantMat {
                 dtype,
                 blocks,
+                scales,
                 row_bytes,
                 int8: false,
             },
@@ -72,6 +81,7 @@ impl QuantMat {
         QuantMat {
             dtype,
             blocks,
+            scales: Vec::new(),
             row_bytes,
             int8: false,
         }
@@ -100,26 +110,49 @@ impl QuantMat {
         self.dtype
     }
 
-    /// Bytes the blocks take.
+    /// Bytes the blocks and row scales take.
     pub fn bytes(&self) -> usize {
-        self.blocks.len()
+        self.blocks.len() + 4 * self.scales.len()
+    }
+
+    /// Each row's scale (FP8 only; empty otherwise).
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
     }
 
     /// Rows `rows` decoded into `out` (`rows.len() × inner`, row-major).
     pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let bytes = &self.blocks[rows.start * self.row_bytes..rows.end * self.row_bytes];
+        if self.dtype == DType::F8_E4M3 {
+            let k = self.row_bytes;
+            for ((codes, o), &s) in bytes
+                .chunks_exact(k)
+                .zip(out.chunks_exact_mut(k))
+                .zip(&self.scales[rows])
+            {
+                tessera_core::fp8::decode_into(codes, s, o);
+            }
+            return;
+        }
         widen_into(self.dtype, bytes, out);
     }
 }
 
 /// Quantize float `parts` (`(out, inner)` stacked, `inner` a whole number of blocks of `q`) to
 /// blocks of `q` a row at a time, as llama.cpp's reference quantizers round
-/// (`tessera_core::gguf::quantize`): no `f32` copy of the matrix is made.
+/// (`tessera_core::gguf::quantize`), or to FP8 with a scale per row; no `f32` copy of the
+/// matrix is made.
 pub(super) fn quantize_stack(
     parts: &[Tensor<'_>],
     q: DType,
     (out, inner): (usize, usize),
 ) -> Result<QuantMat> {
+    if q == DType::F8_E4M3 {
+        return quantize_fp8(parts, (out, inner));
+    }
+    let Some(g) = q.ggml() else {
+        return Err(Error::backend("matrix", format!("cannot quantize to {q}")));
+    };
     let row_bytes = q
         .bytes_for(inner)
         .ok_or_else(|| Error::backend("matrix", format!("rows of {inner} are not {q} blocks")))?;
@@ -134,7 +167,7 @@ pub(super) fn quantize_stack(
             .try_for_each_init(Vec::new, |row, (r, b)| {
                 row.resize(inner, 0.0);
                 t.read_f32_range(r * inner, row);
-                tessera_core::gguf::quantize(q.ggml(), row, b).map_err(|e| {
+                tessera_core::gguf::quantize(g, row, b).map_err(|e| {
                     Error::backend("matrix", format!("quantizing `{}` to {q}: {e}", t.name))
                 })
             })?;
@@ -142,7 +175,51 @@ pub(super) fn quantize_stack(
     Ok(QuantMat {
         dtype: q,
         blocks,
+        scales: Vec::new(),
         row_bytes,
+        int8: false,
+    })
+}
+
+/// FP8 e4m3fn codes with one scale per row, `amax / 448` (`tessera_core::fp8::row_scale`),
+/// rounded as torch's `(w / scale).to(float8_e4m3fn)`. Per row rather than per tensor: a row
+/// of small weights beside one of large ones keeps its own three mantissa bits of relative
+/// precision instead of falling into the subnormals, and stacked q|k|v keep their own scales;
+/// a per-row scale is an output column's factor, so a GPU applies it after the product.
+fn quantize_fp8(parts: &[Tensor<'_>], (out, inner): (usize, usize)) -> Result<QuantMat> {
+    let mut blocks = vec![0u8; out * inner];
+    let mut scales = vec![0f32; out];
+    let (mut rest, mut rest_s) = (blocks.as_mut_slice(), scales.as_mut_slice());
+    for t in parts {
+        let rows = t.numel() / inner.max(1);
+        let (dst, tail) = rest.split_at_mut(rows * inner);
+        let (dst_s, tail_s) = rest_s.split_at_mut(rows);
+        (rest, rest_s) = (tail, tail_s);
+        dst.par_chunks_mut(inner.max(1))
+            .zip(dst_s.par_iter_mut())
+            .enumerate()
+            .try_for_each_init(Vec::new, |row, (r, (b, s))| {
+                row.resize(inner, 0.0);
+                t.read_f32_range(r * inner, row);
+                *s = tessera_core::fp8::row_scale(row).ok_or_else(|| {
+                    Error::backend(
+                        "matrix",
+                        format!(
+                            "quantizing `{}` in {} to FP8: row {r} holds a NaN or an infinity",
+                            t.name,
+                            t.path.display()
+                        ),
+                    )
+                })?;
+                tessera_core::fp8::quantize_row(row, *s, b);
+                Ok::<(), Error>(())
+            })?;
+    }
+    Ok(QuantMat {
+        dtype: DType::F8_E4M3,
+        blocks,
+        scales,
+        row_bytes: inner,
         int8: false,
     })
 }
@@ -279,6 +356,7 @@ pub(crate) mod tests {
             shape: shape.to_vec(),
             bytes: Cow::Owned(bytes),
             path: Path::new("<test>"),
+            scale: None,
         }
     }
 
@@ -329,6 +407,64 @@ pub(crate) mod tests {
                         assert_close(got[i * n + j], f32_path[i * n + j] as f64, 1e-5, &what);
                     }
                 }
+            }
+        }
+    }
+
+    /// FP8 matrices with per-tensor scales, stacked (q|k|v-like, each part its own scale), give
+    /// the product on their decoded values (code · scale in f32), within 1e-5 of float64; and
+    /// `--quantize fp8` keeps one scale per row, the matrix at a quarter of f32's bytes.
+    #[test]
+    fn fp8_products_equal_the_product_on_the_decoded_weights() {
+        let be = cpu();
+        let k = 96;
+        let (n1, n2) = (70, 5);
+        let mut rng = Rng::new(8);
+        // Random finite codes (0x7F and 0xFF are NaN).
+        let mut codes = |n: usize| -> Vec<u8> {
+            (0..n * k)
+                .map(|_| ((rng.next_f32() + 1.0) * 127.99) as u8)
+                .map(|c| if c & 0x7F == 0x7F { 0x7E } else { c })
+                .collect()
+        };
+        let mut a = tensor(DType::F8_E4M3, [n1, k], codes(n1));
+        a.scale = Some(0.0123);
+        let mut b = tensor(DType::F8_E4M3, [n2, k], codes(n2));
+        b.scale = Some(3.5);
+        let parts = [a, b];
+        let mat = be.matrix(&parts).unwrap();
+        let w: Vec<f32> = parts.iter().flat_map(|t| t.to_f32()).collect();
+        let n = n1 + n2;
+        for m in [1usize, 9] {
+            let x = Rng::new(m as u64).vec(m * k, 2.0);
+            let got = product(&be, &mat, &x, m);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = 0.5
+                        * (0..k)
+                            .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                            .sum::<f64>();
+                    assert_close(
+                        got[i * n + j],
+                        want,
+                        1e-5,
+                        &format!("fp8 {m}×{k}×{n} [{i},{j}]"),
+                    );
+                }
+            }
+        }
+        // Quantized at load: per-row scales, rows decoded back within e4m3's half step (2⁻⁴
+        // relative to the row's largest value).
+        let dense: Vec<f32> = Rng::new(5).vec(n * k, 1.0);
+        let t = Tensor::from_f32("dense", vec![n, k], &dense).unwrap();
+        let q = super::quantize_stack(&[t], DType::F8_E4M3, (n, k)).unwrap();
+        assert_eq!((q.scales().len(), q.bytes()), (n, n * k + 4 * n));
+        let mut back = vec![0f32; n * k];
+        q.dequantize_rows(0..n, &mut back);
+        for (r, (row, got)) in dense.chunks(k).zip(back.chunks(k)).enumerate() {
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (v, g) in row.iter().zip(got) {
+                assert!((v - g).abs() <= amax / 16.0, "row {r}: {v} → {g}");
             }
         }
     }

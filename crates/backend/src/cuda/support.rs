@@ -1,9 +1,9 @@
 //! What the CUDA backend runs ([`Backend::supports`]): the one place that decides, asked by
 //! models before they load and by every op on entry.
 //!
-//! Every op has a kernel; what is declined is products on quantized (block-format) weights, the
-//! erf GELU outside a product epilogue, and head widths no attention kernel takes. Each message
-//! says so.
+//! Every op has a kernel; what is declined is products on quantized (block-format or FP8)
+//! weights, the erf GELU outside a product epilogue, and head widths no attention kernel takes.
+//! Each message says so.
 //!
 //! [`Backend::supports`]: crate::Backend::supports
 
@@ -23,6 +23,15 @@ fn not_yet(what: &str) -> Error {
 impl CudaBackend {
     pub(super) fn check(&self, op: &Op) -> Result<()> {
         match op {
+            Op::Matmul(MatmulOp {
+                quantized: Some(tessera_core::DType::F8_E4M3),
+                ..
+            }) => Err(Error::Device(
+                "products on FP8 (F8_E4M3) weights are not implemented on CUDA yet (cuBLASLt's \
+                 FP8 GEMMs come later): run on the CPU (--device cpu), or give a bf16 file \
+                 or no --quantize fp8"
+                    .into(),
+            )),
             Op::Matmul(MatmulOp {
                 quantized: Some(q), ..
             }) => Err(Error::Device(format!(
