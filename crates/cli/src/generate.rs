@@ -44,8 +44,9 @@ pub struct GenerateArgs {
     #[arg(long, short = 'm')]
     pub model: Option<String>,
     /// Transformer weights from one .safetensors or .gguf file (ComfyUI or diffusers tensor names;
-    /// a GGUF's Q8_0/Q4_0/Q4_K/Q6_K matrices stay quantized, CPU only for now) instead of the model
-    /// folder's transformer/ weights; its shapes must match transformer/config.json.
+    /// a GGUF's Q8_0/Q4_0/Q4_K/Q6_K matrices and FP8 (float8_e4m3fn, optionally with ComfyUI's
+    /// scale_weight) matrices stay quantized, CPU only for now) instead of the model folder's
+    /// transformer/ weights; its shapes must match transformer/config.json.
     #[arg(long, value_name = "FILE")]
     pub transformer: Option<PathBuf>,
     /// What to draw (may be empty, as in diffusers).
@@ -786,6 +787,30 @@ fn stored_block_format(path: &std::path::Path) -> Result<Option<tessera_core::DT
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A transformer file's quantized format is read from its header: FP8 in a scaled
+    /// safetensors file, Q8_0 in a GGUF, none in a bf16 file.
+    #[test]
+    fn the_stored_format_of_a_transformer_file() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+        for (file, want) in [
+            (
+                "transformer_fp8/zimage_fp8_scaled.safetensors",
+                Some(tessera_core::DType::F8_E4M3),
+            ),
+            (
+                "transformer_gguf/zimage_q8_0.gguf",
+                Some(tessera_core::DType::Q8_0),
+            ),
+            ("zimage/comfy_transformer.safetensors", None),
+        ] {
+            assert_eq!(
+                stored_block_format(&fixtures.join(file)).unwrap(),
+                want,
+                "{file}"
+            );
+        }
+    }
 
     #[test]
     fn sizes_parse_as_width_by_height() {

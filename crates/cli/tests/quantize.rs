@@ -207,6 +207,27 @@ fn generate_takes_a_gguf_transformer() {
 }
 
 #[test]
+fn generate_takes_a_scaled_fp8_transformer() {
+    let qwen = root().join("crates/models/assets/qwen-image-mini");
+    for (model, file) in [
+        (None, "zimage_fp8_scaled.safetensors"),
+        (Some(&qwen), "qwen_image_fp8_scaled.safetensors"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let png = dir.path().join("out.png");
+        let fp8 = root().join("tests/fixtures/transformer_fp8").join(file);
+        let mut args = vec!["generate", "--transformer", fp8.to_str().unwrap()];
+        if let Some(m) = model {
+            args.extend(["--model", m.to_str().unwrap()]);
+        }
+        args.extend(["--prompt", "x", "--size", "32x32", "--steps", "2"]);
+        args.extend(["-o", png.to_str().unwrap()]);
+        tessera(&args);
+        assert!(std::fs::metadata(&png).unwrap().len() > 0, "{file}");
+    }
+}
+
+#[test]
 fn int8_runs_on_a_gguf_transformer_without_quantize() {
     let dir = tempfile::tempdir().unwrap();
     let png = dir.path().join("out.png");

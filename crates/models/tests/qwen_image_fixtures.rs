@@ -274,6 +274,59 @@ fn a_q8_0_gguf_transformer_equals_the_f32_run_on_its_dequantized_weights() {
     assert!(rel(&quantized, &bundled) > 1e-4, "Q8_0 changed nothing");
 }
 
+/// A ComfyUI scaled FP8 transformer (tests/fixtures/transformer_fp8/qwen_image_fp8_scaled.safetensors,
+/// written by tools/fixtures/transformer_fp8.py with torch: every matrix `float8_e4m3fn` with a
+/// per-tensor `scale_weight`, the rest bf16, under ComfyUI's prefix) loads through the
+/// pipeline's file loader and runs exactly: its no-cache velocity equals, within 1e-5, the
+/// float64 diffusers run on its dequantized weights (`codes · scale` in f32).
+#[test]
+fn a_scaled_fp8_transformer_equals_the_reference_on_its_dequantized_weights() {
+    let be = CpuBackend::new();
+    let f = &BUNDLED.transformer;
+    let cfg =
+        TransformerConfig::parse(&f.path("config.json"), &f.read("config.json").unwrap()).unwrap();
+    let path = root().join("tests/fixtures/transformer_fp8/qwen_image_fp8_scaled.safetensors");
+    let c = &cases().dit[0];
+    let run = |w: &tessera_core::Weights| {
+        let tr = QwenImageTransformer::load(&be, &cfg, w).unwrap();
+        let ex = expected();
+        let p = format!("dit/{}/", c.name);
+        let (layout, is_text) = layout_of(&c.runs);
+        let ctx = cfg.context_in_dim;
+        let text: Vec<f32> = ex
+            .f32(&format!("{p}encoder_rows"))
+            .chunks_exact(ctx)
+            .zip(&is_text)
+            .filter(|(_, t)| **t)
+            .flat_map(|(r, _)| r.iter().copied())
+            .collect();
+        let text_buf = buf(&be, &text);
+        let text_v = View::new(&text_buf, layout.text_rows(), ctx);
+        let latents = ex.f32(&format!("{p}latents"));
+        tr.forward_full(&be, &layout, text_v, &latents, c.t)
+            .unwrap()
+    };
+    let file = tessera_core::Weights::open_file(&path).unwrap();
+    let scaled = file
+        .names()
+        .into_iter()
+        .filter(|n| file.tensor(n).unwrap().scale.is_some())
+        .count();
+    assert!(scaled > 10, "only {scaled} scaled FP8 matrices");
+    let got = run(&qwen_image::comfy_transformer_weights(&path).unwrap());
+    let want =
+        Expected::load_from(&root().join("tests/fixtures/transformer_fp8/expected.safetensors"));
+    let err = rel(&got, want.get("qwen_image/full_v"));
+    assert!(
+        err <= 1e-5,
+        "scaled FP8 vs float64 on its dequantized weights: {err:e}"
+    );
+    let bundled = run(&f.weights("diffusion_pytorch_model").unwrap());
+    let bundled: Vec<f64> = bundled.iter().map(|&x| x as f64).collect();
+    assert!(rel(&got, &bundled) > 1e-3, "FP8 changed nothing");
+    eprintln!("scaled FP8 Qwen-Image vs float64 reference: {err:.2e}");
+}
+
 #[test]
 fn a_batch_of_items_steps_like_each_alone() {
     // Two prompts of different lengths, three items (two over the first): the joint attention

@@ -345,6 +345,46 @@ fn a_q8_0_gguf_transformer_equals_the_f32_run_on_its_dequantized_weights() {
     assert!(rel(&quantized, &bf16) > 1e-4, "Q8_0 changed nothing");
 }
 
+/// A ComfyUI scaled FP8 transformer (tests/fixtures/transformer_fp8, written by
+/// tools/fixtures/transformer_fp8.py with torch: every matrix `float8_e4m3fn` with a per-tensor
+/// `scale_weight`, the rest bf16) runs exactly: its velocity equals, within 1e-5, the float64
+/// diffusers run on its dequantized weights (`codes · scale` in f32).
+#[test]
+fn a_scaled_fp8_transformer_equals_the_reference_on_its_dequantized_weights() {
+    let (fx, ex, be) = (
+        cases(),
+        Expected::load_from(&root().join("tests/fixtures/zimage/expected.safetensors")),
+        CpuBackend::new(),
+    );
+    let c = &fx.dit[2];
+    let v = |w: &Weights| {
+        run_dit(&be, &load_transformer(&be, w, &ex), &ex, c).values[&("v".to_string(), 0)].clone()
+    };
+    let path = root().join("tests/fixtures/transformer_fp8/zimage_fp8_scaled.safetensors");
+    let w = Weights::open_any(&path).unwrap();
+    let fp8 = w
+        .names()
+        .into_iter()
+        .filter(|n| w.tensor(n).unwrap().scale.is_some())
+        .count();
+    assert!(fp8 > 20, "only {fp8} scaled FP8 matrices");
+    let got = v(&w);
+    let want =
+        Expected::load_from(&root().join("tests/fixtures/transformer_fp8/expected.safetensors"));
+    let err = rel(&got, want.get("zimage/v"));
+    assert!(
+        err <= 1e-5,
+        "scaled FP8 vs float64 on its dequantized weights: {err:e}"
+    );
+    // FP8 changed the transformer: the bf16 ComfyUI file it came from is further off.
+    let comfy =
+        Weights::open_file(&root().join("tests/fixtures/zimage/comfy_transformer.safetensors"))
+            .unwrap();
+    let bf16 = v(&comfy).iter().map(|&x| x as f64).collect::<Vec<_>>();
+    assert!(rel(&got, &bf16) > 1e-3, "FP8 changed nothing");
+    eprintln!("scaled FP8 Z-Image vs float64 reference: {err:.2e}");
+}
+
 /// Re-save `w` as `n` fp32 shards with a `.safetensors.index.json`, named like diffusers does.
 fn write_sharded_f32(w: &Weights, dir: &Path, n: usize) {
     let names = w.names();

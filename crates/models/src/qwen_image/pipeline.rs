@@ -175,7 +175,7 @@ impl<B: Backend> QwenImage<B> {
     /// [`load`](Self::load), the transformer's weights from `transformer_file` when given: one
     /// safetensors or GGUF file (ComfyUI-GGUF / stable-diffusion.cpp) with the diffusers tensor
     /// names, under ComfyUI's `model.diffusion_model.` prefix or none; a GGUF's block-format
-    /// matrices stay quantized.
+    /// matrices, and a safetensors file's FP8 ones (with their `scale_weight`), stay quantized.
     pub fn load_with(
         backend: B,
         files: &QwenImageFiles,

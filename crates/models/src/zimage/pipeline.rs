@@ -280,8 +280,8 @@ impl Planner {
 
 impl<B: Backend> ZImage<B> {
     /// Load every component. `transformer_file` replaces the transformer's weights with a single
-    /// safetensors or GGUF file (diffusers or ComfyUI names; GGUF's block formats stay
-    /// quantized); its shapes must match `transformer/config.json`.
+    /// safetensors or GGUF file (diffusers or ComfyUI names; GGUF's block formats and FP8
+    /// matrices stay quantized); its shapes must match `transformer/config.json`.
     pub fn load(backend: B, files: &ZImageFiles, transformer_file: Option<&Path>) -> Result<Self> {
         let be = &backend;
         let cfg = ZImageConfigs::read(files)?;
