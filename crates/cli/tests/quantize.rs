@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use tessera_core::fp8;
 use tessera_core::gguf::{GgmlType, quantize};
 
 mod common;
@@ -35,7 +36,7 @@ fn tessera(args: &[&str]) -> Output {
     out
 }
 
-fn embeddings(model: &Path, quantized: bool) -> Vec<Vec<f64>> {
+fn embeddings(model: &Path, quantize: Option<&str>) -> Vec<Vec<f64>> {
     let mut args = vec!["embed", "--model", model.to_str().unwrap()];
     for t in [
         "a short sentence",
@@ -43,8 +44,8 @@ fn embeddings(model: &Path, quantized: bool) -> Vec<Vec<f64>> {
     ] {
         args.extend(["--text", t]);
     }
-    if quantized {
-        args.extend(["--quantize", "q8_0"]);
+    if let Some(q) = quantize {
+        args.extend(["--quantize", q]);
     }
     embedding_lines(&tessera(&args).stdout)
 }
@@ -60,9 +61,28 @@ fn max_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// The miniature's folder with every product weight — a 2-D tensor whose rows are whole Q8_0
-/// blocks, but not the token table, which is read by row — replaced by its Q8_0 round trip.
-fn dequantized_copy(dir: &Path) {
+/// Q8_0's round trip of a row.
+fn q8_0_round_trip(x: &[f32]) -> Vec<f32> {
+    let mut blocks = vec![0u8; GgmlType::Q8_0.bytes_for(x.len()).unwrap()];
+    quantize(GgmlType::Q8_0, x, &mut blocks).unwrap();
+    let mut y = vec![0f32; x.len()];
+    GgmlType::Q8_0.dequantize(&blocks, &mut y).unwrap();
+    y
+}
+
+/// FP8's round trip of a row: codes with the row's scale (checked against torch's rounding by
+/// crates/core/tests/fp8.rs), decoded times the scale in f32.
+fn fp8_round_trip(x: &[f32]) -> Vec<f32> {
+    let s = fp8::row_scale(x).unwrap();
+    let mut codes = vec![0u8; x.len()];
+    fp8::quantize_row(x, s, &mut codes);
+    codes.iter().map(|&c| fp8::to_f32(c) * s).collect()
+}
+
+/// The miniature's folder with every product weight — a 2-D tensor whose rows are whole blocks
+/// of `block` values, but not the token table, which is read by row — replaced, row by row, by
+/// `round_trip` of it.
+fn dequantized_copy(dir: &Path, block: usize, round_trip: fn(&[f32]) -> Vec<f32>) {
     for entry in std::fs::read_dir(mini()).unwrap() {
         let path = entry.unwrap().path();
         std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
@@ -75,16 +95,13 @@ fn dequantized_copy(dir: &Path) {
         assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
         let mut data = t.data().to_vec();
         let product =
-            matches!(t.shape(), [_, c] if c % 32 == 0) && !name.ends_with("embed_tokens.weight");
+            matches!(t.shape(), [_, c] if c % block == 0) && !name.ends_with("embed_tokens.weight");
         if product {
             let x: Vec<f32> = data
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
-            let mut blocks = vec![0u8; GgmlType::Q8_0.bytes_for(x.len()).unwrap()];
-            quantize(GgmlType::Q8_0, &x, &mut blocks).unwrap();
-            let mut y = vec![0f32; x.len()];
-            GgmlType::Q8_0.dequantize(&blocks, &mut y).unwrap();
+            let y: Vec<f32> = x.chunks(t.shape()[1]).flat_map(round_trip).collect();
             data = y.iter().flat_map(|v| v.to_le_bytes()).collect();
             replaced += 1;
         }
@@ -105,21 +122,57 @@ fn dequantized_copy(dir: &Path) {
 #[test]
 fn q8_0_at_load_equals_the_f32_model_on_the_dequantized_weights() {
     let dir = tempfile::tempdir().unwrap();
-    dequantized_copy(dir.path());
-    let quantized = embeddings(&mini(), true);
-    let reference = embeddings(dir.path(), false);
+    dequantized_copy(dir.path(), 32, q8_0_round_trip);
+    let quantized = embeddings(&mini(), Some("q8_0"));
+    let reference = embeddings(dir.path(), None);
     let d = max_diff(&quantized, &reference);
     assert!(
         d <= 1e-5,
         "Q8_0 at load vs f32 on the dequantized weights: {d:e}"
     );
     // Quantizing did change the model: the plain f32 run is further off.
-    let plain = embeddings(&mini(), false);
+    let plain = embeddings(&mini(), None);
     let moved = max_diff(&quantized, &plain);
     assert!(
         moved > 1e-4,
         "Q8_0 did not change the embeddings ({moved:e})"
     );
+}
+
+/// `--quantize fp8` (a scale per row) is the f32 model on the weights' FP8 round trip: within
+/// 1e-5 of it, where FP8's rounding itself moves the embeddings by more than 1e-4 (and by more
+/// than Q8_0's does: three mantissa bits against Q8_0's seven bits of magnitude per block).
+#[test]
+fn fp8_at_load_equals_the_f32_model_on_the_dequantized_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    dequantized_copy(dir.path(), 1, fp8_round_trip);
+    let quantized = embeddings(&mini(), Some("fp8"));
+    let reference = embeddings(dir.path(), None);
+    let d = max_diff(&quantized, &reference);
+    assert!(
+        d <= 1e-5,
+        "FP8 at load vs f32 on the dequantized weights: {d:e}"
+    );
+    let plain = embeddings(&mini(), None);
+    let moved = max_diff(&quantized, &plain);
+    let q8 = max_diff(&embeddings(&mini(), Some("q8_0")), &plain);
+    assert!(
+        moved > 1e-4 && moved > q8,
+        "FP8 moved the embeddings by {moved:e}, Q8_0 by {q8:e}"
+    );
+    let out = tessera(&[
+        "info",
+        "--model",
+        mini().to_str().unwrap(),
+        "--quantize",
+        "fp8",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("with --quantize fp8 (product weights in F8_E4M3 with an f32 scale per row"),
+        "{text}"
+    );
+    assert!(text.contains("F8_E4M3 weights quantized at load"), "{text}");
 }
 
 #[test]
@@ -141,7 +194,7 @@ fn info_reports_the_quantized_size_and_describe_says_so() {
 fn int8_activations_run_close_to_the_exact_mode_and_need_quantized_weights() {
     let model = mini();
     let m = model.to_str().unwrap();
-    let exact = embeddings(&model, true);
+    let exact = embeddings(&model, Some("q8_0"));
     let out = tessera(&[
         "embed",
         "--model",
