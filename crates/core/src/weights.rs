@@ -53,7 +53,7 @@ impl File1 {
         let (header_len, meta) =
             SafeTensors::read_metadata(buf).map_err(|e| Error::Safetensors {
                 path: path.clone(),
-                message: describe_st_error(&e, buf.len()),
+                message: describe_st_error(&e, buf),
             })?;
         let base = 8 + header_len;
         let entries = meta
@@ -77,14 +77,54 @@ impl File1 {
     }
 }
 
-fn describe_st_error(e: &safetensors::SafeTensorError, len: usize) -> String {
+fn describe_st_error(e: &safetensors::SafeTensorError, buf: &[u8]) -> String {
     use safetensors::SafeTensorError as E;
     match e {
         E::MetadataIncompleteBuffer | E::InvalidHeaderLength | E::HeaderTooSmall => {
-            format!("truncated or corrupt ({len} bytes do not match the header): {e}")
+            format!(
+                "truncated or corrupt ({} bytes do not match the header): {e}",
+                buf.len()
+            )
         }
+        E::TensorInvalidInfo => mismatched_tensor(buf).unwrap_or_else(|| e.to_string()),
         _ => e.to_string(),
     }
+}
+
+/// Which tensor's byte range disagrees with its dtype and shape, for the safetensors crate's
+/// error that does not say (`TensorInvalidInfo`). The header was already read once (its length
+/// is bounded by the crate), so this only runs on a file that failed.
+fn mismatched_tensor(buf: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Info {
+        dtype: safetensors::Dtype,
+        shape: Vec<usize>,
+        data_offsets: (usize, usize),
+    }
+    let n = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?);
+    let header = buf.get(8..8usize.checked_add(usize::try_from(n).ok()?)?)?;
+    let map: HashMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let mut names: Vec<&String> = map.keys().filter(|k| *k != "__metadata__").collect();
+    names.sort();
+    names.into_iter().find_map(|name| {
+        let info: Info = serde_json::from_value(map[name].clone()).ok()?;
+        let (a, b) = info.data_offsets;
+        let want = info
+            .shape
+            .iter()
+            .try_fold(info.dtype.bitsize(), |acc, &d| acc.checked_mul(d))
+            .map(|bits| bits.div_ceil(8));
+        let have = b.checked_sub(a);
+        (want != have).then(|| {
+            let want = want.map_or("more than the address space".into(), |w| w.to_string());
+            let have = have.map_or(format!("a reversed range {a}..{b}"), |h| h.to_string());
+            format!(
+                "tensor `{name}`: {:?} of shape {:?} takes {want} bytes, but its data offsets \
+                 hold {have}",
+                info.dtype, info.shape
+            )
+        })
+    })
 }
 
 /// A set of safetensors files seen as one name → tensor map, possibly narrowed to a prefix.
@@ -690,6 +730,27 @@ mod tests {
         }
         assert!(t.permuted(&[0, 0, 1, 2]).is_err());
         assert!(Tensor::from_f32("x", vec![4], &[1.0]).is_err());
+    }
+
+    /// A tensor whose bytes disagree with its dtype and shape (here FP8 `[2, 3]` given 5 bytes,
+    /// the file otherwise consistent) is named, with the file.
+    #[test]
+    fn a_tensor_of_the_wrong_byte_length_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("fp8.safetensors");
+        let header = r#"{"a.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b.weight":{"dtype":"F8_E4M3","shape":[2,3],"data_offsets":[4,9]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(&[0; 9]);
+        std::fs::write(&p, bytes).unwrap();
+        let err = Weights::open_file(&p).err().unwrap().to_string();
+        assert!(
+            err.contains("fp8.safetensors")
+                && err.contains("`b.weight`")
+                && err.contains("takes 6 bytes")
+                && err.contains("hold 5"),
+            "{err}"
+        );
     }
 
     #[test]
