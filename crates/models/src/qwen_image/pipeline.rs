@@ -157,8 +157,10 @@ pub fn comfy_transformer_weights(path: &Path) -> Result<Weights> {
 
 fn comfy_root(w: Weights) -> Weights {
     const PREFIX: &str = "model.diffusion_model";
+    // A scaled FP8 file may mark itself with `scaled_fp8` outside the prefix.
     if w.names()
         .iter()
+        .filter(|&&n| n != "scaled_fp8")
         .all(|n| n.starts_with("model.diffusion_model."))
     {
         w.pp(PREFIX)
@@ -668,5 +670,35 @@ impl<B: Backend> QwenImage<B> {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weights(names: &[&str]) -> Weights {
+        let data = 1f32.to_le_bytes();
+        let views = names.iter().map(|&n| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &data);
+            (n, v.unwrap())
+        });
+        let file = safetensors::serialize(views, None).unwrap();
+        Weights::from_static("<test>", Box::leak(file.into_boxed_slice())).unwrap()
+    }
+
+    /// ComfyUI's prefix is seen through, also beside a scaled FP8 file's `scaled_fp8` marker at
+    /// the root; a file with other names outside it is left as it is.
+    #[test]
+    fn comfy_files_are_read_under_their_prefix() {
+        let w = comfy_root(weights(&[
+            "model.diffusion_model.img_in.weight",
+            "scaled_fp8",
+        ]));
+        assert!(w.contains("img_in.weight"));
+        let w = comfy_root(weights(&["model.diffusion_model.img_in.weight"]));
+        assert!(w.contains("img_in.weight"));
+        let w = comfy_root(weights(&["img_in.weight", "scaled_fp8"]));
+        assert!(w.contains("img_in.weight"));
     }
 }
