@@ -280,6 +280,38 @@ fn generate_takes_a_scaled_fp8_transformer() {
     }
 }
 
+/// `--quantize fp8` runs both text-to-image families (every matrix of text encoder, DiT and VAE
+/// in FP8 with row scales), and `info` counts their weights so.
+#[test]
+fn generate_quantizes_to_fp8_at_load() {
+    for model in ["bundled:zimage", "bundled:qwen-image"] {
+        let dir = tempfile::tempdir().unwrap();
+        let png = dir.path().join("out.png");
+        tessera(&[
+            "generate",
+            "--model",
+            model,
+            "--quantize",
+            "fp8",
+            "--prompt",
+            "x",
+            "--size",
+            "32x32",
+            "--steps",
+            "2",
+            "-o",
+            png.to_str().unwrap(),
+        ]);
+        assert!(std::fs::metadata(&png).unwrap().len() > 0, "{model}");
+        let out = tessera(&["info", "--model", model, "--quantize", "fp8"]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("with --quantize fp8") && text.contains("F8_E4M3 weights quantized"),
+            "{text}"
+        );
+    }
+}
+
 #[test]
 fn int8_runs_on_a_gguf_transformer_without_quantize() {
     let dir = tempfile::tempdir().unwrap();
