@@ -147,9 +147,29 @@ pub struct Tensor<'a> {
     pub shape: Vec<usize>,
     pub bytes: Cow<'a, [u8]>,
     pub path: &'a Path,
-    /// What every stored value is multiplied by: an FP8 tensor's per-tensor scale (ComfyUI's
-    /// `<name>.scale_weight`, see [`Weights::tensor`]); `None` for everything else.
-    pub scale: Option<f32>,
+    /// What the stored values are multiplied by: an FP8 tensor's scale stored beside it (see
+    /// [`Weights::tensor`]); `None` for everything else.
+    pub scale: Option<Scale>,
+}
+
+/// The scale of an FP8 tensor's stored values.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Scale {
+    /// One for the whole tensor (ComfyUI's `scale_weight`).
+    Tensor(f32),
+    /// One per row of a 2-D tensor (fbgemm's and compressed-tensors' per-channel
+    /// `weight_scale`, `[rows, 1]`).
+    Rows(Vec<f32>),
+}
+
+impl Scale {
+    /// The scale of row `r`.
+    pub fn row(&self, r: usize) -> f32 {
+        match self {
+            Scale::Tensor(s) => *s,
+            Scale::Rows(v) => v[r],
+        }
+    }
 }
 
 impl Tensor<'_> {
@@ -182,13 +202,22 @@ impl Tensor<'_> {
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.numel()];
         widen_into(self.dtype, &self.bytes, &mut out);
-        self.apply_scale(&mut out);
+        self.apply_scale(0, &mut out);
         out
     }
 
-    fn apply_scale(&self, out: &mut [f32]) {
-        if let Some(s) = self.scale {
-            out.iter_mut().for_each(|v| *v *= s);
+    /// Multiply `out`, elements `[start, start + out.len())`, by their scale.
+    fn apply_scale(&self, start: usize, out: &mut [f32]) {
+        match &self.scale {
+            None => {}
+            Some(Scale::Tensor(s)) => out.iter_mut().for_each(|v| *v *= s),
+            Some(Scale::Rows(rows)) => {
+                // Checked at read: a 2-D tensor with one scale per row.
+                let cols = (self.numel() / rows.len().max(1)).max(1);
+                for (i, v) in out.iter_mut().enumerate() {
+                    *v *= rows[(start + i) / cols];
+                }
+            }
         }
     }
 
@@ -201,7 +230,7 @@ impl Tensor<'_> {
         let (a, b) = (start / bs, (start + out.len()) / bs);
         let bb = self.dtype.block_bytes();
         widen_into(self.dtype, &self.bytes[a * bb..b * bb], out);
-        self.apply_scale(out);
+        self.apply_scale(start, out);
     }
 
     /// A matrix's `(rows, cols)` (as [`Tensor::dims2`]), checking for a block format that each
@@ -296,7 +325,7 @@ impl Tensor<'_> {
             shape,
             bytes: Cow::Owned(out),
             path: Path::new("<host>"),
-            scale: self.scale,
+            scale: self.scale.clone(),
         })
     }
 }
@@ -496,9 +525,10 @@ impl Weights {
     }
 
     /// The tensor `name` (under the prefix), any shape. An FP8 tensor `<stem>.weight` comes
-    /// with its per-tensor scale when the checkpoint has one beside it: `<stem>.scale_weight`
-    /// (ComfyUI's scaled FP8) or `<stem>.weight_scale` (ComfyUI's newer quantized layout,
-    /// compressed-tensors' per-tensor FP8), a one-element float tensor; unscaled otherwise.
+    /// with its scale when the checkpoint has one beside it: `<stem>.scale_weight` (ComfyUI's
+    /// scaled FP8) or `<stem>.weight_scale` (ComfyUI's newer quantized layout, compressed-tensors,
+    /// fbgemm), a float tensor of one element (per tensor) or, for a matrix, of one per row
+    /// (`[rows, 1]` or `[rows]`); unscaled otherwise.
     pub fn tensor(&self, name: &str) -> Result<Tensor<'_>> {
         let full = self.full_name(name);
         let Some(&fi) = self.index.get(&full) else {
@@ -515,7 +545,7 @@ impl Weights {
             dtype,
         })?;
         let scale = match dtype {
-            DType::F8_E4M3 => self.fp8_scale(&full)?,
+            DType::F8_E4M3 => self.fp8_scale(&full, &e.shape)?,
             _ => None,
         };
         Ok(Tensor {
@@ -528,9 +558,9 @@ impl Weights {
         })
     }
 
-    /// The per-tensor scale stored beside FP8 tensor `full` (a full checkpoint name), if any:
-    /// one finite number, or an error naming the scale's file and tensor.
-    fn fp8_scale(&self, full: &str) -> Result<Option<f32>> {
+    /// The scale stored beside FP8 tensor `full` (a full checkpoint name) of `shape`, if any:
+    /// finite numbers, one or one per row, or an error naming the scale's file and tensor.
+    fn fp8_scale(&self, full: &str, shape: &[usize]) -> Result<Option<Scale>> {
         let Some(stem) = full.strip_suffix(".weight") else {
             return Ok(None);
         };
@@ -557,19 +587,27 @@ impl Weights {
             Ok(d) => return Err(bad(format!("stored as {d}, not a float"))),
             Err(d) => return Err(bad(format!("stored as {d}, not a float"))),
         };
-        if e.shape.iter().product::<usize>() != 1 {
-            return Err(bad(format!(
-                "shape {:?}: only one scale per tensor is read (per-row or per-block FP8 \
-                 scales are not supported)",
-                e.shape
-            )));
-        }
-        let mut v = [0f32];
+        let n: usize = e.shape.iter().product();
+        let rows = match (shape, &e.shape[..]) {
+            (_, _) if n == 1 => None,
+            ([r, _], [rr, 1] | [rr]) if r == rr => Some(*r),
+            _ => {
+                return Err(bad(format!(
+                    "shape {:?} for a tensor of shape {shape:?}: one scale, or one per row of a \
+                     matrix, is read (per-block FP8 scales are not supported)",
+                    e.shape
+                )));
+            }
+        };
+        let mut v = vec![0f32; n];
         widen_into(dtype, &file.bytes.as_slice()[e.start..e.end], &mut v);
-        if !v[0].is_finite() {
-            return Err(bad(format!("{} is not a finite scale", v[0])));
+        if let Some((r, x)) = v.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+            return Err(bad(format!("{x} (row {r}) is not a finite scale")));
         }
-        Ok(Some(v[0]))
+        Ok(Some(match rows {
+            None => Scale::Tensor(v[0]),
+            Some(_) => Scale::Rows(v),
+        }))
     }
 
     /// Give back this process's resident pages of tensor `name` (the whole pages inside its

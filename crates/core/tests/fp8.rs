@@ -1,13 +1,14 @@
 //! FP8 e4m3fn against `tests/fixtures/fp8/e4m3fn.safetensors` (written by `tools/fixtures/fp8.py`
 //! with torch 2.15): every code decodes to torch's `float32` bit for bit, values round to the
 //! codes torch's cast gives, and per-row quantization gives torch's scales and codes. Then FP8
-//! tensors in a safetensors file, with and without ComfyUI's per-tensor `scale_weight`.
+//! tensors in a safetensors file, unscaled, with ComfyUI's per-tensor `scale_weight` and with a
+//! per-row `weight_scale`.
 
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
-use tessera_core::{DType, Weights, fp8};
+use tessera_core::{DType, Scale, Weights, fp8};
 
 fn fixture() -> Vec<u8> {
     let p =
@@ -148,12 +149,25 @@ fn fp8_tensors_read_with_their_comfyui_scale() {
                 vec![0],
                 vec![],
             ),
+            ("d.weight", Dtype::F8_E4M3, vec![3, 4], codes.clone()),
+            (
+                "d.weight_scale",
+                Dtype::F32,
+                vec![3, 1],
+                [0.5f32, 4.0, -1.0]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
         ],
     );
     let w = Weights::open_file(&path).unwrap();
     let comfy = w.pp("model.diffusion_model");
     let a = comfy.get("a.weight", &[3, 4]).unwrap();
-    assert_eq!((a.dtype, a.scale), (DType::F8_E4M3, Some(scale)));
+    assert_eq!(
+        (a.dtype, &a.scale),
+        (DType::F8_E4M3, &Some(Scale::Tensor(scale)))
+    );
     let want: Vec<f32> = codes.iter().map(|&c| fp8::to_f32(c) * scale).collect();
     assert_eq!(a.to_f32(), want);
     let mut row = [0f32; 4];
@@ -167,7 +181,22 @@ fn fp8_tensors_read_with_their_comfyui_scale() {
         codes.iter().map(|&c| fp8::to_f32(c)).collect::<Vec<_>>()
     );
     // `weight_scale` (ComfyUI's newer layout, compressed-tensors), any float type.
-    assert_eq!(w.tensor("c.weight").unwrap().scale, Some(2.0));
+    assert_eq!(
+        w.tensor("c.weight").unwrap().scale,
+        Some(Scale::Tensor(2.0))
+    );
+    // One scale per row (fbgemm, compressed-tensors' per channel): `[rows, 1]`.
+    let d = w.tensor("d.weight").unwrap();
+    assert_eq!(d.scale, Some(Scale::Rows(vec![0.5, 4.0, -1.0])));
+    let want: Vec<f32> = codes
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| fp8::to_f32(c) * [0.5, 4.0, -1.0][i / 4])
+        .collect();
+    assert_eq!(d.to_f32(), want);
+    let mut rows = [0f32; 8];
+    d.read_f32_range(4, &mut rows);
+    assert_eq!(rows, want[4..]);
     assert_eq!(w.main_dtype(), Some(DType::F8_E4M3));
 }
 
@@ -178,7 +207,7 @@ fn a_scale_of_the_wrong_shape_or_type_names_both_tensors() {
     let path = write(
         dir.path(),
         &[
-            ("a.weight", Dtype::F8_E4M3, vec![2, 2], vec![0x38; 4]),
+            ("a.weight", Dtype::F8_E4M3, vec![3, 2], vec![0x38; 6]),
             ("a.weight_scale", Dtype::F32, vec![2, 1], per_row),
             ("b.weight", Dtype::F8_E4M3, vec![2], vec![0x38; 2]),
             (
@@ -198,7 +227,11 @@ fn a_scale_of_the_wrong_shape_or_type_names_both_tensors() {
     );
     let w = Weights::open_file(&path).unwrap();
     for (name, scale, why) in [
-        ("a.weight", "a.weight_scale", "[2, 1]"),
+        (
+            "a.weight",
+            "a.weight_scale",
+            "shape [2, 1] for a tensor of shape [3, 2]",
+        ),
         ("b.weight", "b.scale_weight", "I32"),
         ("c.weight", "c.scale_weight", "NaN"),
     ] {

@@ -24,7 +24,7 @@ const PANEL: usize = 64;
 pub struct QuantMat {
     dtype: DType,
     blocks: Vec<u8>,
-    /// FP8: each row's scale (a file's per-tensor scale repeated over the tensor's rows, or
+    /// FP8: each row's scale (a file's, per tensor repeated over its rows or per row, or
     /// `--quantize fp8`'s own per row); empty for the ggml formats, whose scales are in-block.
     scales: Vec<f32>,
     /// Bytes per row: `inner / block size` blocks.
@@ -56,7 +56,7 @@ impl QuantMat {
             let (rows, _) = t.dims2_blocks()?;
             blocks.extend_from_slice(&t.bytes);
             if dtype == DType::F8_E4M3 {
-                scales.resize(scales.len() + rows, t.scale.unwrap_or(1.0));
+                scales.extend((0..rows).map(|r| t.scale.as_ref().map_or(1.0, |s| s.row(r))));
             }
         }
         let row_bytes = dtype
@@ -315,7 +315,7 @@ pub(crate) mod tests {
     use crate::{Backend, Epilogue, View, ViewMut};
     use std::borrow::Cow;
     use std::path::Path;
-    use tessera_core::{DType, Tensor};
+    use tessera_core::{DType, Scale, Tensor};
 
     /// Random but valid blocks of `dtype` for `n` rows of `k`: random quantized values with
     /// f16 scales that put the values in about [-1, 1], as a trained layer's are (random scale
@@ -411,7 +411,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// FP8 matrices with per-tensor scales, stacked (q|k|v-like, each part its own scale), give
+    /// FP8 matrices with per-tensor and per-row scales, stacked (q|k|v-like), give
     /// the product on their decoded values (code · scale in f32), within 1e-5 of float64; and
     /// `--quantize fp8` keeps one scale per row, the matrix at a quarter of f32's bytes.
     #[test]
@@ -428,9 +428,9 @@ pub(crate) mod tests {
                 .collect()
         };
         let mut a = tensor(DType::F8_E4M3, [n1, k], codes(n1));
-        a.scale = Some(0.0123);
+        a.scale = Some(Scale::Tensor(0.0123));
         let mut b = tensor(DType::F8_E4M3, [n2, k], codes(n2));
-        b.scale = Some(3.5);
+        b.scale = Some(Scale::Rows((0..n2).map(|r| 0.5 + r as f32).collect()));
         let parts = [a, b];
         let mat = be.matrix(&parts).unwrap();
         let w: Vec<f32> = parts.iter().flat_map(|t| t.to_f32()).collect();
