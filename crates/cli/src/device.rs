@@ -106,7 +106,7 @@ impl DeviceArgs {
     /// `--quantize`, the block format weights are `stored` in (a GGUF file), and whether
     /// products take int8 activations (`--precision int8`, which needs quantized weights to act
     /// on).
-    fn quantization(&self, stored: Option<DType>) -> Result<Quantization> {
+    pub fn quantization(&self, stored: Option<DType>) -> Result<Quantization> {
         let int8 = self.precision.as_deref() == Some("int8");
         if int8 && self.quantize.is_none() && stored.is_none() {
             return Err(Error::input(

@@ -348,18 +348,14 @@ impl ModelSpec {
         })
     }
 
-    /// What each device could run: the CPU always; CUDA device 0 at its default precision if it
-    /// opens and runs every op, else why not.
-    pub fn support(&self) -> Vec<(String, Result<String>)> {
-        let cpu = AnyBackend::open(DeviceRequest::Cpu, None, |_| {}).map(|b| b.describe());
-        let cuda = AnyBackend::open_for(
-            DeviceRequest::Cuda(0),
-            None,
-            Quantization::default(),
-            &self.ops,
-            |_| {},
-        )
-        .map(|b| b.describe());
+    /// What each device could run with `quant` (`--quantize`): the CPU always; CUDA device 0 at
+    /// its default precision if it opens and runs every op (products on quantized weights
+    /// included), else why not.
+    pub fn support(&self, quant: Quantization) -> Vec<(String, Result<String>)> {
+        let cpu = AnyBackend::open_for(DeviceRequest::Cpu, None, quant, &self.ops, |_| {})
+            .map(|b| b.describe());
+        let cuda = AnyBackend::open_for(DeviceRequest::Cuda(0), None, quant, &self.ops, |_| {})
+            .map(|b| b.describe());
         vec![("cpu".to_string(), cpu), ("cuda".to_string(), cuda)]
     }
 }
