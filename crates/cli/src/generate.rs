@@ -731,6 +731,8 @@ impl Progress {
                 self.bar.tick();
                 self.last = Instant::now();
             }
+            // The encoding's parts: the summary line gives the encoding as one stage.
+            Event::Stage(_) => {}
         }
     }
 

@@ -145,6 +145,41 @@ pub enum Event<'a> {
     },
     /// The VAE is about to run.
     Decoding,
+    /// A stage of the work before the loop is done (families that report them: Qwen-Image-2.1),
+    /// the device finished behind it, so that a front end can time each stage; stages run per
+    /// prompt branch are reported once per branch.
+    Stage(Stage),
+}
+
+/// The stages a request goes through before its denoising loop, in order, as
+/// [`Event::Stage`] reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// The request is checked and its host work done: tokenising, and for an edit resizing and
+    /// patching the condition images.
+    Plan,
+    /// An edit's condition images through the VAE encoder.
+    VaeEncode,
+    /// An edit's condition images through the vision tower.
+    Vision,
+    /// The text encoder: one branch of an edit (its prompt with the images), every branch at
+    /// once for text to image.
+    TextEncoder,
+    /// The denoiser's prefill of one branch's prefix (text rows and condition latents).
+    Prefill,
+}
+
+impl Stage {
+    /// The stage's name in reports (snake case).
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Plan => "plan",
+            Stage::VaeEncode => "vae_encode",
+            Stage::Vision => "vision",
+            Stage::TextEncoder => "text_encoder",
+            Stage::Prefill => "prefill",
+        }
+    }
 }
 
 /// How a family lays out its latent, as far as a preview needs to know.

@@ -197,3 +197,76 @@ fn bad_edits_are_refused_before_any_compute() {
     // 64×160 at resolution 96: a 4×10 latent block among the text rows.
     assert_eq!(plan.prefix_rows()[0], plan.prompts[0].rows() - 10 + 40);
 }
+
+/// An edit reports its stages before the loop, in order and once per prompt branch under true
+/// CFG (text to image reports its own: no VAE encoder, no vision tower), and a `Break` at a
+/// stage cancels the request there.
+#[test]
+fn stages_are_reported_in_order_and_a_break_at_one_cancels() {
+    use std::ops::ControlFlow;
+    use tessera_core::Error;
+    use tessera_models::text_to_image::Stage;
+
+    let mut m = QwenImage::load(CpuBackend::new(), &BUNDLED).unwrap();
+    let e = edit(&["square_64x64".to_string()], 64);
+    let (width, height) = m.edit_size(&e).unwrap();
+    let edit_req = Request {
+        negative_prompt: Some(String::new()),
+        width,
+        height,
+        steps: 2,
+        guidance: 4.0,
+        edit: Some(e),
+        ..Request::new("make it blue", qwen_image::DEFAULTS)
+    };
+    let text_req = Request {
+        edit: None,
+        ..edit_req.clone()
+    };
+    let mut seen = |req: &Request| {
+        let plan = m.plan(req).unwrap();
+        let mut marks = Vec::new();
+        m.generate_images(req, &plan, |e| match e {
+            Event::Stage(s) => marks.push(s.name()),
+            Event::Encoded => marks.push("encoded"),
+            _ => {}
+        })
+        .unwrap();
+        marks
+    };
+    assert_eq!(
+        seen(&edit_req),
+        [
+            "plan",
+            "vae_encode",
+            "vision",
+            "text_encoder",
+            "prefill",
+            "text_encoder",
+            "prefill",
+            "encoded"
+        ]
+    );
+    assert_eq!(
+        seen(&text_req),
+        ["plan", "text_encoder", "prefill", "prefill", "encoded"]
+    );
+
+    let plan = m.plan(&edit_req).unwrap();
+    let mut steps = 0;
+    let err = m
+        .generate_images_until(&edit_req, &plan, |e| match e {
+            Event::Stage(Stage::Vision) => ControlFlow::Break(()),
+            Event::Step { .. } => {
+                steps += 1;
+                ControlFlow::Continue(())
+            }
+            _ => ControlFlow::Continue(()),
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Cancelled(at) if at.contains("vision")),
+        "{err}"
+    );
+    assert_eq!(steps, 0);
+}

@@ -334,7 +334,7 @@ impl Runner for ImageRunner {
                         r.sent += 1;
                     }
                 }
-                text_to_image::Event::Decoding => {}
+                text_to_image::Event::Decoding | text_to_image::Event::Stage(_) => {}
             }
             // The client is gone (disconnected, or its time ran out): stop its request.
             if r.job.events.is_closed() {

@@ -12,6 +12,11 @@
 //! ([`super::edit`]): the images' VAE latents as blocks among the text rows of the prompt
 //! encoded with the images; the target, its schedule and the steps are text-to-image's.
 //!
+//! Before the loop each stage is reported as [`Event::Stage`] once the device has finished it
+//! (plan; for an edit the VAE encoder and the vision tower; then per branch the text encoder and
+//! the prefill), so a bench can time them apart. Waiting for the device there costs one small
+//! read-back per stage, a few tens of microseconds against a loop of seconds.
+//!
 //! The seeded latent is Tessera's own generator (SplitMix64 + Box–Muller, as for Z-Image), not
 //! torch's `randn`; to reproduce a diffusers image, pass its packed latent as `init_latent`.
 
@@ -33,7 +38,21 @@ use super::vae::{VaeConfig, VaeDecoder, to_rgba8};
 use crate::flow_match::{Schedule, euler_step};
 use crate::noise;
 use crate::qwen3::{BpeTokenizer, Qwen3Config};
-use crate::text_to_image::{Checked, Defaults, Edit, Event, Image, MAX_IMAGES, Request};
+use crate::text_to_image::{Checked, Defaults, Edit, Event, Image, MAX_IMAGES, Request, Stage};
+
+/// Progress of one request, as [`QwenImage::generate_images_until`] takes it.
+type Report<'r> = dyn FnMut(Event<'_>) -> ControlFlow<()> + 'r;
+
+/// Report `stage` done; `Break` cancels the request before its first step.
+fn report(on: &mut Report<'_>, stage: Stage) -> Result<()> {
+    match on(Event::Stage(stage)) {
+        ControlFlow::Continue(()) => Ok(()),
+        ControlFlow::Break(()) => Err(Error::Cancelled(format!(
+            "before the first step (after the {} stage)",
+            stage.name()
+        ))),
+    }
+}
 
 /// Device memory a request needs besides its own buffers: the backend's fixed workspaces and
 /// the text encoder's passes.
@@ -529,8 +548,9 @@ impl<B: Backend> QwenImage<B> {
     }
 
     /// Text-to-image: each branch's prompt features, prefilled.
-    fn text_prefixes(&mut self, plan: &Plan) -> Result<Vec<Prefix<B>>> {
+    fn text_prefixes(&mut self, plan: &Plan, on: &mut Report<'_>) -> Result<Vec<Prefix<B>>> {
         let feats = self.prompt_features(plan)?;
+        report(on, Stage::TextEncoder)?;
         let be = &self.backend;
         let ctx = self.configs.transformer.context_in_dim;
         let mut prefixes = Vec::with_capacity(feats.len());
@@ -539,20 +559,20 @@ impl<B: Backend> QwenImage<B> {
             let layout = Layout::text_to_image(p.rows(), plan.latent_hw)?;
             let mut buf = be.alloc(f.len(), tessera_backend::Role::Stream)?;
             be.write_f32(&mut buf, f)?;
-            prefixes.push(self.transformer.prefill(
-                be,
-                &layout,
-                View::new(&buf, p.rows(), ctx),
-                &[],
-            )?);
+            let prefix =
+                self.transformer
+                    .prefill(be, &layout, View::new(&buf, p.rows(), ctx), &[])?;
+            prefix.wait(be)?;
+            report(on, Stage::Prefill)?;
+            prefixes.push(prefix);
         }
         Ok(prefixes)
     }
 
     /// An edit: the condition images' latents (once), the tower's rows (once), then each
     /// branch's features with the images, its text rows and the latents prefilled as its
-    /// sequence.
-    fn edit_prefixes(&mut self, e: &EditPlan) -> Result<Vec<Prefix<B>>> {
+    /// sequence. Each stage is reported as the device finishes it.
+    fn edit_prefixes(&mut self, e: &EditPlan, on: &mut Report<'_>) -> Result<Vec<Prefix<B>>> {
         let be = &self.backend;
         let editor = self.editor.as_mut().map_err(|why| {
             Error::input(format!("this Qwen-Image-2.1 cannot edit images: {why}"))
@@ -566,8 +586,12 @@ impl<B: Backend> QwenImage<B> {
             check_finite(&format!("condition image {}: VAE latents", i + 1), &tokens)?;
             latents.extend_from_slice(&tokens);
         }
+        report(on, Stage::VaeEncode)?;
         let map = editor.processor.pixel_map();
         let vision = editor.tower.forward(be, &e.vision, &map)?;
+        // Read one row back: the tower has run before its stage is reported.
+        be.read_f32(vision.merged.rows(0, 1))?;
+        report(on, Stage::Vision)?;
         let (ctx, hidden) = (
             self.configs.transformer.context_in_dim,
             self.configs.text_encoder.hidden_size,
@@ -576,16 +600,17 @@ impl<B: Backend> QwenImage<B> {
         for (p, layout) in e.prompts.iter().zip(&e.layouts) {
             let f = self.text_encoder.features_with_images(be, p, &vision)?;
             check_finite("text encoder features", &f)?;
+            report(on, Stage::TextEncoder)?;
             let text = edit::text_rows(p, &f, hidden);
             let rows = layout.text_rows();
             let mut buf = be.alloc(text.len().max(1), tessera_backend::Role::Stream)?;
             be.write_f32(&mut buf, &text)?;
-            prefixes.push(self.transformer.prefill(
-                be,
-                layout,
-                View::new(&buf, rows, ctx),
-                &latents,
-            )?);
+            let prefix =
+                self.transformer
+                    .prefill(be, layout, View::new(&buf, rows, ctx), &latents)?;
+            prefix.wait(be)?;
+            report(on, Stage::Prefill)?;
+            prefixes.push(prefix);
         }
         Ok(prefixes)
     }
@@ -596,9 +621,10 @@ impl<B: Backend> QwenImage<B> {
         plan: &Plan,
         mut on: impl FnMut(Event<'_>) -> ControlFlow<()>,
     ) -> Result<Vec<Image>> {
+        report(&mut on, Stage::Plan)?;
         let prefixes = match &plan.edit {
-            Some(e) => self.edit_prefixes(e)?,
-            None => self.text_prefixes(plan)?,
+            Some(e) => self.edit_prefixes(e, &mut on)?,
+            None => self.text_prefixes(plan, &mut on)?,
         };
         let be = &self.backend;
         let per = prefixes.len();

@@ -95,6 +95,14 @@ impl<B: Backend> Prefix<B> {
     pub fn kv(&self, l: usize) -> Option<(&B::Buf, &B::Buf)> {
         Some((self.k.get(l)?, self.v.get(l)?))
     }
+    /// Wait until the prefill that made this prefix has run on the device (one value of the last
+    /// layer's values read back), so that its time can be told from the next stage's.
+    pub fn wait(&self, be: &B) -> Result<()> {
+        match self.v.last() {
+            Some(v) => be.read_f32(View::new(v, 1, 1)).map(drop),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The activations of a generation's steps: one item per denoised latent and prompt branch,
