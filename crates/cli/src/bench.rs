@@ -59,10 +59,12 @@ enum What {
     Attention(AttentionBench),
     /// EmbeddingGemma 2 image embeddings: one image's latency and mixed-size throughput.
     Image(ImageBench),
-    /// Text to image end to end (prompt → PNG bytes) and by stage on one loaded model.
+    /// Text to image, or an edit of condition images (--image), end to end (prompt → PNG bytes)
+    /// and by stage on one loaded model.
     ///
     /// On a GPU machine with a full-size folder:
     /// tessera bench generate --model DIR --device cuda --size 1024x1024 --steps 8
+    /// tessera bench generate --model DIR --device cuda --precision bf16 --image COND.png
     Generate(generate::GenerateBench),
     /// Qwen-Image-2.1 by component: the text encoder, the DiT's prefill and a cached step over
     /// prefixes of several lengths, and the VAE decoder (synthetic inputs, median of --iters).

@@ -21,7 +21,8 @@ use tessera_core::{Error, Result};
 use tessera_models::imageproc::open_rgba;
 use tessera_models::qwen_image::condition::OUTPUT_RESOLUTION;
 use tessera_models::text_to_image::{Edit, Event, Image, MAX_EDIT_IMAGES, Request};
-use tessera_runtime::{Capability, image};
+use tessera_runtime::image::GenerateImage;
+use tessera_runtime::{Capability, ModelSpec, image};
 
 use crate::device::DeviceArgs;
 use crate::model;
@@ -508,11 +509,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         .as_deref()
         .map(npy::Npy::open)
         .transpose()?;
-    let edit = condition_images(&args)?;
-    let mut spec = model::open(args.model.as_deref(), Capability::GenerateImage)?;
-    if edit.is_some() {
-        spec = spec.for_editing()?;
-    }
+    let edit = condition_images(&args.images, args.output_resolution)?;
+    let spec = spec_for(
+        model::open(args.model.as_deref(), Capability::GenerateImage)?,
+        edit.as_ref(),
+    )?;
     if spec.is_bundled() {
         let which = match &args.model {
             None => "no --model given: using the bundled miniature",
@@ -532,14 +533,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let label = spec.label.clone();
     let mut model = image::open(backend, &spec, args.transformer.as_deref())?;
     let defaults = model.defaults();
-    if edit.is_some() {
-        model.can_edit()?;
-    }
-    let (width, height) = match (args.size, &edit) {
-        (Some(size), _) => size,
-        (None, Some(e)) => model.edit_size(e)?,
-        (None, None) => defaults.size,
-    };
+    let (width, height) = output_size(model.as_ref(), args.size, edit.as_ref())?;
     let mut req = Request {
         negative_prompt: args.negative_prompt.clone(),
         width,
@@ -640,29 +634,57 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 }
 
 /// The edit `--image` asks for, its images read and decoded before the model loads; `None`
-/// without `--image`.
-fn condition_images(args: &GenerateArgs) -> Result<Option<Edit>> {
-    if args.images.is_empty() {
-        if args.output_resolution.is_some() {
+/// without `--image`. `tessera bench generate --image` reads its images here too.
+pub(crate) fn condition_images(
+    paths: &[PathBuf],
+    output_resolution: Option<usize>,
+) -> Result<Option<Edit>> {
+    if paths.is_empty() {
+        if output_resolution.is_some() {
             eprintln!("warning: --output-resolution applies to edits (--image) only; ignored");
         }
         return Ok(None);
     }
-    if args.images.len() > MAX_EDIT_IMAGES {
+    if paths.len() > MAX_EDIT_IMAGES {
         return Err(Error::input(format!(
             "--image given {} times: an edit takes at most {MAX_EDIT_IMAGES} condition images",
-            args.images.len()
+            paths.len()
         )));
     }
-    let images = args
-        .images
+    let images = paths
         .iter()
         .map(|p| open_rgba(p).map_err(|e| Error::input(format!("--image {e}"))))
         .collect::<Result<Vec<_>>>()?;
     Ok(Some(Edit {
         images: images.into(),
-        output_resolution: args.output_resolution.unwrap_or(OUTPUT_RESOLUTION),
+        output_resolution: output_resolution.unwrap_or(OUTPUT_RESOLUTION),
     }))
+}
+
+/// The model spec for a run with or without an edit: editing adds the vision tower's and the
+/// VAE encoder's ops, so a device that lacks them declines before loading.
+pub(crate) fn spec_for(spec: ModelSpec, edit: Option<&Edit>) -> Result<ModelSpec> {
+    match edit {
+        Some(_) => spec.for_editing(),
+        None => Ok(spec),
+    }
+}
+
+/// The output size of a run: `--size`, else an edit's (the last condition image's aspect), else
+/// the model's default; an edit is refused here by a model that cannot edit on its device.
+pub(crate) fn output_size(
+    model: &dyn GenerateImage,
+    size: Option<(usize, usize)>,
+    edit: Option<&Edit>,
+) -> Result<(usize, usize)> {
+    if edit.is_some() {
+        model.can_edit()?;
+    }
+    match (size, edit) {
+        (Some(size), _) => Ok(size),
+        (None, Some(e)) => model.edit_size(e),
+        (None, None) => Ok(model.defaults().size),
+    }
 }
 
 /// The progress of one generation on stderr: the prompt encoding, a bar of denoising steps with

@@ -843,3 +843,109 @@ fn bench_qwen_image_parts_times_every_component_of_the_bundled_model() {
     let bad = tessera(&["bench", "qwen-image-parts", "--prompt-tokens", "5"]);
     assert_fails_with(&bad, &["--prompt-tokens 5"]);
 }
+
+/// `bench generate`'s JSON line (the last line of its output), after its human lines.
+fn bench_generate(args: &[&str]) -> (Vec<String>, serde_json::Value) {
+    let mut all = vec!["bench", "generate", "--steps", "2", "--iters", "1"];
+    all.extend_from_slice(args);
+    let out = tessera(&all);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{s}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<String> = s.lines().map(str::to_string).collect();
+    let json = serde_json::from_str(lines.last().expect("a JSON line")).unwrap();
+    (lines, json)
+}
+
+/// `bench generate --image` times an edit of the bundled Qwen-Image-2.1 by stage: the condition
+/// image through the VAE encoder and the vision tower, the text encoder and the prefill of each
+/// prompt branch, beside the same bench without the image, which has no such stages and the
+/// model's size where the edit takes the condition image's.
+#[test]
+fn bench_generate_times_an_edit_by_stage() {
+    let cond = root().join("tests/fixtures/qwen_image/condition/tall_37x100.png");
+    let (lines, edit) = bench_generate(&[
+        "--model",
+        "bundled:qwen-image",
+        "--image",
+        cond.to_str().unwrap(),
+        "--output-resolution",
+        "96",
+        "--guidance",
+        "4",
+        "--negative-prompt",
+        "",
+    ]);
+    let (_, text) = bench_generate(&[
+        "--model",
+        "bundled:qwen-image",
+        "--size",
+        "64x64",
+        "--guidance",
+        "4",
+        "--negative-prompt",
+        "",
+    ]);
+    // The edit ran: its output size is the condition image's aspect at the output resolution.
+    assert_eq!(edit["size"], "64x160", "{edit}");
+    assert_eq!(edit["condition_images"], 1, "{edit}");
+    assert_eq!(text["condition_images"], 0, "{text}");
+    assert_eq!(
+        (edit["branches"].as_u64(), text["branches"].as_u64()),
+        (Some(2), Some(2))
+    );
+    let stages = |j: &serde_json::Value| -> Vec<String> {
+        let mut k: Vec<String> = j["stages"].as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    let mut want = [
+        "plan_ms",
+        "vae_encode_ms",
+        "vision_ms",
+        "text_encoder_ms",
+        "prefill_ms",
+        "setup_ms",
+    ];
+    want.sort();
+    assert_eq!(stages(&edit), want, "{edit}");
+    assert_eq!(
+        stages(&text),
+        ["plan_ms", "prefill_ms", "setup_ms", "text_encoder_ms"],
+        "{text}"
+    );
+    // Every stage took time, and the stages fit in the encoding they split.
+    let sum: f64 = edit["stages"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .inspect(|&ms| assert!(ms > 0.0, "{edit}"))
+        .sum();
+    let encode = edit["encode_ms"].as_f64().unwrap();
+    assert!(sum <= encode * 1.001 + 0.01, "{sum} > {encode}: {edit}");
+    assert!(edit["step_ms"].as_f64().unwrap() > 0.0, "{edit}");
+    // The human lines: the summary names the edit, the stage line its parts (two branches each).
+    assert!(lines[0].contains("edit of 1 image, 64x160"), "{lines:?}");
+    let by_stage = lines
+        .iter()
+        .find(|l| l.starts_with("encode by stage"))
+        .unwrap_or_else(|| panic!("{lines:?}"));
+    for part in ["vae_encode ", "vision ", "text_encoder ", "(2×)", "setup "] {
+        assert!(by_stage.contains(part), "{part}: {by_stage}");
+    }
+
+    // Z-Image cannot edit: refused in one line before loading.
+    let bad = tessera(&[
+        "bench",
+        "generate",
+        "--image",
+        cond.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    assert_fails_with(&bad, &["--image", "Qwen-Image-2.1"]);
+}
