@@ -10,7 +10,11 @@ scheduler/; processor/ (tokenizer and chat template) and the scheduler config ar
 MINI_DIR (Tessera's bundled qwen-image-mini: the real file layout with a smaller vocabulary).
 Shapes as ../../shared/tools/refbench_qi21_lfm2vl.py builds them (the published model's). The
 vision tower, which text-to-image never runs, has --vision-depth layers (default 1 instead of
-27) to save writing 1.1 GB; its tensor names are the published ones. Weights are N(0, 0.02)
+27) to save writing 1.1 GB; its tensor names are the published ones. At the published depth of 27
+its DeepStack mergers tap blocks 8, 16 and 24 as the published config's do (block 0 below that
+depth). The special tokens' ids in the text encoder's config are those of MINI's tokenizer (the
+one copied into processor/), so that an edit's image pads are where the encoder looks for them
+(the published ids, 151652…151656, are not in the miniature's vocabulary). Weights are N(0, 0.02)
 with unit norm scales, as the reference bench initialises them, so activations stay in range.
 Models are built on the GPU when there is one."""
 import argparse, json, shutil, sys, time
@@ -62,7 +66,8 @@ text_cfg = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
 vae_cfg = {}
 if a.tiny:
     dit_cfg.update(num_layers=1, num_attention_heads=1, context_in_dim=256)
-    text_cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=2,
+    # 3 layers: the published tower's 3 DeepStack levels feed the first 3 (--vision-depth 27).
+    text_cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=2,
                     num_key_value_heads=1)
     vae_cfg = dict(base_dim=16, decoder_base_dim=16, dim_mult=[1, 2, 2, 2, 2])
 with torch.device(dev):
@@ -71,12 +76,16 @@ tr.save_pretrained(out / "transformer", max_shard_size="5GB")
 del tr
 print(f"transformer saved ({time.time() - t0:.0f} s)", flush=True)
 
-special = {"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+# The ids of the tokenizer copied from MINI: the text encoder finds the condition images' rows by them.
+added = {t["content"]: t["id"] for t in json.loads((mini / "processor" / "tokenizer.json").read_text())["added_tokens"]}
+special = {k: added[k] for k in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+# The published tower taps blocks 8, 16 and 24 (of 27) for DeepStack; shallower test towers tap block 0.
+deepstack = [8, 16, 24] if a.vision_depth >= 27 else [0]
 te_cfg = Qwen3VLConfig(
     text_config=text_cfg,
     vision_config=dict(depth=a.vision_depth, hidden_size=1152, intermediate_size=4304, num_heads=16,
                        out_hidden_size=text_cfg["hidden_size"], patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                       num_position_embeddings=2304, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh"),
+                       num_position_embeddings=2304, deepstack_visual_indexes=deepstack, hidden_act="gelu_pytorch_tanh"),
     image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
     vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"],
     tie_word_embeddings=False)
