@@ -536,10 +536,10 @@ fn quant(b: QuantBench) -> Result<()> {
                     int8: int8_mode,
                 });
                 let gflops = product_rate(&be, shape, 1.0)?;
-                let mode = match (int8_mode, int8::native()) {
-                    (false, _) => "exact",
-                    (true, true) => "int8 (AVX2)",
-                    (true, false) => "int8 (portable)",
+                let mode = if int8_mode {
+                    format!("int8 ({})", int8::kernel().name())
+                } else {
+                    "exact".to_string()
                 };
                 emit(
                     serde_json::json!({"name": "cpu_quant_product", "weights": q.to_string(),

@@ -3,12 +3,22 @@
 //! in f32), and each block's dot product is summed in integers, then scaled by the two blocks'
 //! scales and summed in f32 — the technique of llama.cpp's Q8_0 activation path. A Q4_K
 //! sub-block of 32 (`ds · q − dm`) pairs with one activation block: `ds · Σ q q_x − dm · Σ q_x`,
-//! the activation sums kept with the rounded rows. With AVX2 the block products are
-//! `vpmaddubsw`/`vpmaddwd` (for signed weights the sign moved onto the activation, since
-//! `vpmaddubsw` takes one unsigned operand); elsewhere a portable loop.
+//! the activation sums kept with the rounded rows.
+//!
+//! Three kernels ([`Kernel`], the fastest this CPU has picked once by [`kernel`]):
+//! - AVX512-VNNI: `vpdpbusd` on 512-bit registers, four blocks per pair of registers
+//!   ([`dot_vnni`]); signed weights are offset to unsigned bytes and the offset's share
+//!   (`offset · Σ q_x`) is taken back exactly, in the integer sums.
+//! - AVX2: `vpmaddubsw`/`vpmaddwd` (for signed weights the sign moved onto the activation, since
+//!   `vpmaddubsw` takes one unsigned operand).
+//! - elsewhere a portable loop.
+//!
+//! `TESSERA_INT8_KERNEL=avx2` (or `=portable`) runs a slower kernel than the CPU allows, for A/B
+//! measurement; `tessera describe` and `bench quant` name the kernel in use.
 //!
 //! Its only roundings besides the f32 sums are the activations' int8 rounding and the weights'
-//! own quantization, so it is judged like bf16 against that floor.
+//! own quantization, so it is judged like bf16 against that floor. The integer block sums are
+//! exact in every kernel, so the kernels differ only in the order of their f32 sums.
 
 use rayon::prelude::*;
 use tessera_core::DType;
@@ -28,18 +38,64 @@ pub fn supports(dtype: DType) -> bool {
     matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_K)
 }
 
-/// Whether this CPU runs the AVX2 block products (with FMA and F16C, as every AVX2 CPU has).
-pub fn native() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
+/// The block-product kernel of the int8 products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// `vpdpbusd` on 512-bit registers: AVX512F, AVX512BW and AVX512_VNNI (with AVX2, FMA and
+    /// F16C, as every such CPU has).
+    Vnni,
+    /// `vpmaddubsw`/`vpmaddwd` on 256-bit registers: AVX2, FMA and F16C.
+    Avx2,
+    /// Integer loops in portable Rust.
+    Portable,
+}
+
+impl Kernel {
+    /// The kernels this CPU runs, fastest first (the portable one always).
+    pub fn available() -> Vec<Kernel> {
+        let mut all = Vec::with_capacity(3);
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            if avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+                all.push(Kernel::Vnni);
+            }
+            if avx2 {
+                all.push(Kernel::Avx2);
+            }
+        }
+        all.push(Kernel::Portable);
+        all
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// Its name in `describe` and benchmarks.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Vnni => "AVX512-VNNI",
+            Kernel::Avx2 => "AVX2",
+            Kernel::Portable => "portable",
+        }
     }
+}
+
+/// The kernel the int8 products run, decided once: the fastest this CPU has, unless
+/// `TESSERA_INT8_KERNEL` names a slower one it has (`avx2`, `portable`; for A/B measurement).
+/// Any other value, or a kernel this CPU lacks, leaves the fastest.
+pub fn kernel() -> Kernel {
+    static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        let available = Kernel::available();
+        let forced = match std::env::var("TESSERA_INT8_KERNEL").as_deref() {
+            Ok("avx2") => Some(Kernel::Avx2),
+            Ok("portable") => Some(Kernel::Portable),
+            _ => None,
+        };
+        match forced {
+            Some(k) if available.contains(&k) => k,
+            _ => available[0],
+        }
+    })
 }
 
 /// Activation rows rounded to int8 per block: `q` row-major (`k` per row), `d` one scale per
@@ -316,14 +372,281 @@ unsafe fn tile<const R: usize>(dtype: DType, row: &[u8], a: [Act<'_>; R]) -> [f3
     }
 }
 
-/// Activation rows per AVX2 call: each weight block is unpacked once for this many rows.
+/// Blocks of 32 per step of [`dot_vnni`]: their 128 values in two 512-bit registers, their 16
+/// lanes of sums (four per block) in one.
+const GROUP: usize = 4;
+
+/// What [`dot_vnni`] adds to the weights to make them `vpdpbusd`'s unsigned operand: Q8_0's
+/// bytes flip their sign bit (`w + 128`), Q4_0's nibbles are `w + 8` as stored; Q4_K's nibbles
+/// are unsigned already. A multiple of 4, so the correction `offset · Σ q_x` spreads over a
+/// block's four lanes in integers.
+fn vnni_offset(dtype: DType) -> i32 {
+    match dtype {
+        DType::Q8_0 => 128,
+        DType::Q4_0 => 8,
+        _ => 0,
+    }
+}
+
+/// Rounded activation rows laid out for [`dot_vnni`], per group of four blocks (zero-padded to
+/// whole groups): the 128 values as the weights unpack — the four blocks' first 16 values, then
+/// their second 16 — and per lane of the group's 16 sums (block `l / 4` for lane `l`) the block
+/// scale and the seed `−offset / 4 · Σ q_x` that takes the weights' offset back. For Q4_K,
+/// `d · Σ q_x` per block (what the sub-blocks' mins multiply).
+struct Packed {
+    q: Vec<i8>,
+    dx: Vec<f32>,
+    seed: Vec<i32>,
+    dxs: Vec<f32>,
+    groups: usize,
+    blocks: usize,
+}
+
+impl Packed {
+    /// Lay out `m` rounded rows of `k` (`k` a multiple of 32) for `dtype` weights.
+    fn new(r: &Rows, m: usize, k: usize, dtype: DType) -> Packed {
+        let blocks = k / BLOCK;
+        let groups = blocks.div_ceil(GROUP);
+        let lanes = 4 * GROUP;
+        let quarter = vnni_offset(dtype) / 4;
+        let q4_k = dtype == DType::Q4_K;
+        let mut p = Packed {
+            q: vec![0; m * groups * GROUP * BLOCK],
+            dx: vec![0.0; m * groups * lanes],
+            seed: vec![0; if quarter == 0 { 0 } else { m * groups * lanes }],
+            dxs: vec![0.0; if q4_k { m * blocks } else { 0 }],
+            groups,
+            blocks,
+        };
+        for i in 0..m {
+            for b in 0..blocks {
+                let (g, j) = (i * groups + b / GROUP, b % GROUP);
+                let src = &r.q[i * k + b * BLOCK..][..BLOCK];
+                let at = g * GROUP * BLOCK + 16 * j;
+                p.q[at..at + 16].copy_from_slice(&src[..16]);
+                let at = at + GROUP * 16;
+                p.q[at..at + 16].copy_from_slice(&src[16..]);
+                let (d, s) = (r.d[i * blocks + b], r.s[i * blocks + b]);
+                let at = g * lanes + 4 * j;
+                p.dx[at..at + 4].fill(d);
+                if quarter != 0 {
+                    p.seed[at..at + 4].fill(-quarter * s);
+                }
+                if q4_k {
+                    p.dxs[i * blocks + b] = d * s as f32;
+                }
+            }
+        }
+        p
+    }
+
+    /// Row `i`'s values, lane scales, lane seeds (empty for Q4_K) and block `d · Σ q_x` (empty
+    /// but for Q4_K).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn row(&self, i: usize) -> VAct<'_> {
+        let (g, lanes) = (self.groups, 4 * GROUP);
+        let seed = if self.seed.is_empty() {
+            &[][..]
+        } else {
+            &self.seed[i * g * lanes..(i + 1) * g * lanes]
+        };
+        let dxs = if self.dxs.is_empty() {
+            &[][..]
+        } else {
+            &self.dxs[i * self.blocks..(i + 1) * self.blocks]
+        };
+        (
+            &self.q[i * g * GROUP * BLOCK..(i + 1) * g * GROUP * BLOCK],
+            &self.dx[i * g * lanes..(i + 1) * g * lanes],
+            seed,
+            dxs,
+        )
+    }
+}
+
+/// One packed activation row: values, lane scales, lane seeds, block `d · Σ q_x`.
+type VAct<'a> = (&'a [i8], &'a [f32], &'a [i32], &'a [f32]);
+
+/// Q4_K's eight 6-bit scales and eight 6-bit mins as `scale_min` reads them, a byte each
+/// (sub-block `j` in byte `j`), four at a time in 32-bit words.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn q4_k_scales_mins(s: &[u8; 12]) -> (u64, u64) {
+    let word = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+    let (a, b, c) = (word(0), word(4), word(8));
+    let (low6, low4, top2) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    let scales = (a & low6, (c & low4) | (((a >> 6) & top2) << 4));
+    let mins = (b & low6, ((c >> 4) & low4) | (((b >> 6) & top2) << 4));
+    let join = |(lo, hi): (u32, u32)| u64::from(lo) | u64::from(hi) << 32;
+    (join(scales), join(mins))
+}
+
+/// As [`dot_plain`]/[`dot_q4_k_plain`] for `R` activation rows at once, with AVX512-VNNI, four
+/// blocks of 32 per step: the weights unpack once for the `R` rows into two registers (every
+/// block's first 16 values, then its second 16, as [`Packed`] lays out the activations), and
+/// two `vpdpbusd` leave each block's integer sum in four lanes of one register, seeded with
+/// `−offset / 4 · Σ q_x` so the four lanes sum exactly to `Σ q_w q_x` ([`vnni_offset`]). One
+/// conversion and one FMA by the lanes' `d_w · d_x` per step and row; one accumulator per row,
+/// summed in the same order for every `R`. Q4_K's sub-block scales and mins decode eight at a
+/// time; its mins (`dm · d_x · Σ q_x`) accumulate in an eight-lane vector per row.
+///
+/// # Safety
+/// The CPU has AVX2, FMA, F16C, AVX512F, AVX512BW and AVX512_VNNI; `row` holds whole blocks of
+/// `dtype` and each `a[r]` is a [`Packed`] row of as many blocks of 32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_vnni<const R: usize>(dtype: DType, row: &[u8], a: [VAct<'_>; R]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let low = _mm512_set1_epi8(0x0f);
+    let step = |g: usize, wa: __m512i, wb: __m512i, dw: __m512, acc: &mut [__m512; R]| {
+        for r in 0..R {
+            let (q, dx, seed, _) = a[r];
+            // SAFETY: group g of row r: 128 values at 128·g, 16 scales and seeds at 16·g
+            // (the caller's promise; `seed` is empty only for Q4_K, offset 0).
+            unsafe {
+                let x = q.as_ptr().add(128 * g);
+                let mut dot = if seed.is_empty() {
+                    _mm512_setzero_si512()
+                } else {
+                    _mm512_loadu_si512(seed.as_ptr().add(16 * g).cast())
+                };
+                dot = _mm512_dpbusd_epi32(dot, wa, _mm512_loadu_si512(x.cast()));
+                dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
+                let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(dx.as_ptr().add(16 * g)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+            }
+        }
+    };
+    if dtype == DType::Q4_K {
+        // Qwords of the low and high nibbles (sub-blocks 4h, 4h+2 and 4h+1, 4h+3 of a run pair)
+        // into every sub-block's values 0..16, then 16..32, in sub-block order.
+        let firsts = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+        let seconds = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+        let spread = [
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+            _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+        ];
+        let mut mins = [_mm256_setzero_ps(); R];
+        for (kb, b) in row.chunks_exact(DType::Q4_K.block_bytes()).enumerate() {
+            let dd = f16_bits(u16::from_le_bytes([b[0], b[1]]));
+            let dmin = f16_bits(u16::from_le_bytes([b[2], b[3]]));
+            let mut packed = [0u8; 12];
+            packed.copy_from_slice(&b[4..16]);
+            let (sc, mn) = q4_k_scales_mins(&packed);
+            let bytes =
+                |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+            let ds = _mm256_mul_ps(_mm256_set1_ps(dd), bytes(sc));
+            let dm = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes(mn));
+            for (h, spread) in spread.iter().enumerate() {
+                // SAFETY: a Q4_K block is 144 bytes, its runs of nibbles at 16..144.
+                let t = unsafe { _mm512_loadu_si512(b.as_ptr().add(16 + 64 * h).cast()) };
+                let lo = _mm512_and_si512(t, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+                let wa = _mm512_permutex2var_epi64(lo, firsts, hi);
+                let wb = _mm512_permutex2var_epi64(lo, seconds, hi);
+                let dw = _mm512_permutexvar_ps(*spread, _mm512_castps256_ps512(ds));
+                step(2 * kb + h, wa, wb, dw, &mut acc);
+            }
+            for r in 0..R {
+                // SAFETY: one `d · Σ q_x` per sub-block, 8 per Q4_K block (the caller's promise).
+                let dxs = unsafe { _mm256_loadu_ps(a[r].3.as_ptr().add(8 * kb)) };
+                mins[r] = _mm256_fmadd_ps(dm, dxs, mins[r]);
+            }
+        }
+        return std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]));
+    }
+    let bb = dtype.block_bytes();
+    let q8 = dtype == DType::Q8_0;
+    // Each block's scale word, four times: Q8_0's at every 17th word of two 64-byte loads,
+    // Q4_0's at every 9th of one.
+    let words = |w: [i16; 4]| {
+        let mut idx = [0i16; 32];
+        for (i, v) in idx[..16].iter_mut().enumerate() {
+            *v = w[i / 4];
+        }
+        // SAFETY: 32 words.
+        unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+    };
+    let (q8_scales, q4_scales) = (words([0, 17, 34, 51]), words([0, 9, 18, 27]));
+    let flip = _mm512_set1_epi8(i8::MIN);
+    // Four blocks at `p` (Q8_0: 136 bytes, Q4_0: 72) into the two weight registers and the
+    // lanes' scales.
+    let unpack = |p: *const u8| -> (__m512i, __m512i, __m512) {
+        // SAFETY: four whole blocks at `p` (the callers' promise): every load below ends within
+        // them.
+        unsafe {
+            if q8 {
+                let b = |i: usize| _mm256_loadu_si256(p.add(i * bb + 2).cast());
+                let b01 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(0)), b(1));
+                let b23 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(2)), b(3));
+                let wa = _mm512_shuffle_i64x2::<0b10_00_10_00>(b01, b23);
+                let wb = _mm512_shuffle_i64x2::<0b11_01_11_01>(b01, b23);
+                let d = _mm512_permutex2var_epi16(
+                    _mm512_loadu_si512(p.cast()),
+                    q8_scales,
+                    _mm512_loadu_si512(p.add(64).cast()),
+                );
+                let dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
+                (_mm512_xor_si512(wa, flip), _mm512_xor_si512(wb, flip), dw)
+            } else {
+                let b = |i: usize| _mm_loadu_si128(p.add(i * bb + 2).cast());
+                let t = _mm512_castsi128_si512(b(0));
+                let t = _mm512_inserti32x4::<1>(t, b(1));
+                let t = _mm512_inserti32x4::<2>(t, b(2));
+                let t = _mm512_inserti32x4::<3>(t, b(3));
+                let d = _mm512_permutexvar_epi16(q4_scales, _mm512_loadu_si512(p.cast()));
+                let dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
+                let wa = _mm512_and_si512(t, low);
+                let wb = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+                (wa, wb, dw)
+            }
+        }
+    };
+    let nb = row.len() / bb;
+    let whole = nb / GROUP;
+    for g in 0..whole {
+        // SAFETY: blocks 4g..4g+4 of `row`.
+        let (wa, wb, dw) = unpack(unsafe { row.as_ptr().add(g * GROUP * bb) });
+        step(g, wa, wb, dw, &mut acc);
+    }
+    let tail = nb - whole * GROUP;
+    if tail > 0 {
+        // The last blocks beside zero blocks (scale 0, against zero activations).
+        let mut four = [0u8; GROUP * 34];
+        four[..tail * bb].copy_from_slice(&row[whole * GROUP * bb..]);
+        let (wa, wb, dw) = unpack(four.as_ptr());
+        step(whole, wa, wb, dw, &mut acc);
+    }
+    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
+}
+
+/// Activation rows per AVX2 or VNNI call: each weight block is unpacked once for this many rows.
 const ROW_TILE: usize = 4;
 
 /// `dst = alpha · x · wᵀ` (or `+=`) with `x` rounded to int8 blocks, for `m` rows of `x` (`k`
-/// at stride `xs`) into `m` rows of `dst` (`n` at stride `ds`). `w` is Q8_0 or Q4_0
-/// ([`supports`]) and `k` a multiple of 32. Tasks of weight rows on every thread when `par`.
+/// at stride `xs`) into `m` rows of `dst` (`n` at stride `ds`). `w` is Q8_0, Q4_0 or Q4_K
+/// ([`supports`]) and `k` a multiple of 32 (of 256 for Q4_K). Tasks of weight rows on every
+/// thread when `par`. Through [`kernel`]'s kernel.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn product(
+    x: &[f32],
+    xs: usize,
+    m: usize,
+    w: &QuantMat,
+    nk: (usize, usize),
+    dst: &mut [f32],
+    ds: usize,
+    alpha: f32,
+    accumulate: bool,
+    par: bool,
+) {
+    product_on(kernel(), x, xs, m, w, nk, dst, ds, alpha, accumulate, par);
+}
+
+/// [`product`] through `kernel`, one this CPU runs ([`Kernel::available`]).
+#[allow(clippy::too_many_arguments)]
+fn product_on(
+    kernel: Kernel,
     x: &[f32],
     xs: usize,
     m: usize,
@@ -338,7 +661,7 @@ pub(super) fn product(
     let rows = round_rows(x, xs, m, k);
     let dtype = w.dtype();
     let blocks = k / BLOCK;
-    let fast = native();
+    let packed = (kernel == Kernel::Vnni).then(|| Packed::new(&rows, m, k, dtype));
     let out = Out {
         ptr: dst.as_mut_ptr(),
         stride: ds,
@@ -371,22 +694,43 @@ pub(super) fn product(
             let row = w.row(j);
             let mut i = 0;
             #[cfg(target_arch = "x86_64")]
-            if fast {
-                while i + ROW_TILE <= m {
-                    let a: [Act<'_>; ROW_TILE] = std::array::from_fn(|r| act(i + r));
-                    // SAFETY: AVX2, FMA and F16C were detected; shapes as `tile` needs.
-                    let s = unsafe { tile(dtype, row, a) };
-                    for (r, s) in s.into_iter().enumerate() {
-                        store(i + r, j, s);
+            match (kernel, &packed) {
+                (Kernel::Vnni, Some(p)) => {
+                    while i + ROW_TILE <= m {
+                        let a: [VAct<'_>; ROW_TILE] = std::array::from_fn(|r| p.row(i + r));
+                        // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
+                        // were packed from `k` values, `row` holds `k` values' blocks.
+                        let s = unsafe { dot_vnni(dtype, row, a) };
+                        for (r, s) in s.into_iter().enumerate() {
+                            store(i + r, j, s);
+                        }
+                        i += ROW_TILE;
                     }
-                    i += ROW_TILE;
+                    while i < m {
+                        // SAFETY: as above.
+                        let [s] = unsafe { dot_vnni(dtype, row, [p.row(i)]) };
+                        store(i, j, s);
+                        i += 1;
+                    }
                 }
-                while i < m {
-                    // SAFETY: as above.
-                    let [s] = unsafe { tile(dtype, row, [act(i)]) };
-                    store(i, j, s);
-                    i += 1;
+                (Kernel::Avx2, _) => {
+                    while i + ROW_TILE <= m {
+                        let a: [Act<'_>; ROW_TILE] = std::array::from_fn(|r| act(i + r));
+                        // SAFETY: AVX2, FMA and F16C were detected; shapes as `tile` needs.
+                        let s = unsafe { tile(dtype, row, a) };
+                        for (r, s) in s.into_iter().enumerate() {
+                            store(i + r, j, s);
+                        }
+                        i += ROW_TILE;
+                    }
+                    while i < m {
+                        // SAFETY: as above.
+                        let [s] = unsafe { tile(dtype, row, [act(i)]) };
+                        store(i, j, s);
+                        i += 1;
+                    }
                 }
+                _ => {}
             }
             while i < m {
                 store(i, j, plain(row, act(i)));
@@ -395,7 +739,7 @@ pub(super) fn product(
         }
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = fast;
+    let _ = &packed;
     let tasks = n.div_ceil(ROWS_PER_TASK);
     if par && tasks > 1 && m * n * k >= 1 << 16 {
         (0..tasks).into_par_iter().for_each(task);
@@ -413,9 +757,15 @@ mod tests {
     /// The int8 product against its floor: a float64 product on the dequantized weights and the
     /// int8-rounded activations (its only roundings) is what it computes, up to f32 sums; its
     /// distance from the exact float64 product (on the unrounded activations) stays within
-    /// 1.5× of the floor's, through the AVX2 kernel where present and the portable one.
+    /// 1.5× of the floor's, through every kernel this CPU runs (AVX512-VNNI, AVX2, portable).
     #[test]
     fn int8_products_stay_within_their_rounding_floor() {
+        for kernel in Kernel::available() {
+            floor_case(kernel);
+        }
+    }
+
+    fn floor_case(kernel: Kernel) {
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
             for &(m, k, n) in &[
                 (1usize, 32usize, 1usize),
@@ -432,7 +782,7 @@ mod tests {
                 let x = Rng::new(seed + 1).vec(m * k, 2.0);
                 let r = round_rows(&x, k, m, k);
                 let mut got = vec![0f32; m * n];
-                product(&x, k, m, &w, (n, k), &mut got, n, 0.5, false, true);
+                product_on(kernel, &x, k, m, &w, (n, k), &mut got, n, 0.5, false, true);
                 let mut plain = vec![0f32; m * n];
                 for i in 0..m {
                     for j in 0..n {
@@ -464,14 +814,16 @@ mod tests {
                         let tol = 1e-5 * rounded.abs().max(1.0);
                         assert!(
                             (got[i * n + j] as f64 - rounded).abs() <= tol,
-                            "{dtype} {m}×{k}×{n}"
+                            "{} {dtype} {m}×{k}×{n}",
+                            kernel.name()
                         );
                     }
                 }
                 assert!(floor > 0.0, "{dtype}: the activations were not rounded");
                 assert!(
                     err <= 1.5 * floor,
-                    "{dtype} {m}×{k}×{n}: {err:e} vs floor {floor:e}"
+                    "{} {dtype} {m}×{k}×{n}: {err:e} vs floor {floor:e}",
+                    kernel.name()
                 );
                 assert!(
                     err_plain <= 1.5 * floor,
@@ -486,7 +838,10 @@ mod tests {
     #[test]
     fn int8_products_do_not_depend_on_the_row_count() {
         let (k, n) = (256, 40);
-        for dtype in [DType::Q4_0, DType::Q4_K] {
+        for (kernel, dtype) in Kernel::available()
+            .into_iter()
+            .flat_map(|kr| [DType::Q8_0, DType::Q4_0, DType::Q4_K].map(|d| (kr, d)))
+        {
             let w = QuantMat::from_blocks(
                 dtype,
                 random_blocks(dtype, n, k, 9),
@@ -495,7 +850,8 @@ mod tests {
             let x = Rng::new(10).vec(17 * k, 1.0);
             let run = |first: usize, m: usize| {
                 let mut o = vec![0f32; m * n];
-                product(
+                product_on(
+                    kernel,
                     &x[first * k..],
                     k,
                     m,
@@ -514,7 +870,257 @@ mod tests {
                 let alone = run(first, m);
                 assert!(
                     alone[..] == all[first * n..(first + m) * n],
-                    "{dtype} rows {first}+{m}"
+                    "{} {dtype} rows {first}+{m}",
+                    kernel.name()
+                );
+            }
+        }
+    }
+
+    /// `(k, m)` of the kernel comparisons: odd row counts (tiles of 4 and the rows left over)
+    /// and odd block counts (VNNI's groups of four blocks and a part group).
+    fn odd_shapes(dtype: DType) -> impl Iterator<Item = (usize, usize)> {
+        let ks: &[usize] = if dtype == DType::Q4_K {
+            &[256, 768, 1280]
+        } else {
+            &[32, 96, 224, 416, 2080]
+        };
+        ks.iter()
+            .flat_map(|&k| [1, 3, 5, 7, 17].map(move |m| (k, m)))
+    }
+
+    /// With block scales of 1 and integer activations whose blocks each hold a ±127 (so
+    /// `d_x = 1`), every f32 sum of every kernel is a sum of integers below 2^24 — exact in any
+    /// order — so every kernel must return the integer product exactly, with accumulate on and
+    /// off: what checks VNNI's layout, weight offsets and their seeds, part groups and Q4_K's
+    /// scale decoding bit for bit.
+    #[test]
+    fn int8_kernels_are_exact_where_the_f32_sums_are() {
+        let one = half::f16::from_f32(1.0).to_le_bytes();
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
+            for (k, m) in odd_shapes(dtype) {
+                let n = 11;
+                let seed = (k * 31 + m) as u64;
+                let mut blocks = random_blocks(dtype, n, k, seed);
+                for b in blocks.chunks_exact_mut(dtype.block_bytes()) {
+                    b[..2].copy_from_slice(&one);
+                    if dtype == DType::Q4_K {
+                        b[2..4].copy_from_slice(&one);
+                    }
+                }
+                let w = QuantMat::from_blocks(dtype, blocks, dtype.bytes_for(k).unwrap());
+                let mut rng = Rng::new(seed + 1);
+                let x: Vec<f32> = (0..m * k)
+                    .map(|t| {
+                        let v = rng.next_f32();
+                        if t % 32 == 0 {
+                            127f32.copysign(v)
+                        } else {
+                            (3.5 * v).trunc()
+                        }
+                    })
+                    .collect();
+                let old: Vec<f32> = rng.vec(m * n, 50.0).iter().map(|v| v.trunc()).collect();
+                // The integer product: Σ w x per block, Q4_K's as Σ (sc · q − min) x.
+                let exact = |i: usize, j: usize| -> i64 {
+                    let xi = &x[i * k..(i + 1) * k];
+                    let row = w.row(j);
+                    let mut sum = 0i64;
+                    for (b, xb) in row
+                        .chunks_exact(dtype.block_bytes())
+                        .zip(xi.chunks_exact(dtype.block_size()))
+                    {
+                        let mut vals = vec![0i64; dtype.block_size()];
+                        if dtype == DType::Q4_K {
+                            for (sub, v) in vals.chunks_exact_mut(32).enumerate() {
+                                let (sc, mn) = tessera_core::gguf::q4_k_scale_min(&b[4..16], sub);
+                                let run = &b[16 + 32 * (sub / 2)..][..32];
+                                for (v, &byte) in v.iter_mut().zip(run) {
+                                    let q = if sub % 2 == 1 { byte >> 4 } else { byte & 15 };
+                                    *v = i64::from(sc) * i64::from(q) - i64::from(mn);
+                                }
+                            }
+                        } else {
+                            let mut wb = [0i8; BLOCK];
+                            weight_block(dtype, b, &mut wb);
+                            for (v, &q) in vals.iter_mut().zip(&wb) {
+                                *v = i64::from(q);
+                            }
+                        }
+                        sum += vals.iter().zip(xb).map(|(v, &x)| v * x as i64).sum::<i64>();
+                    }
+                    sum
+                };
+                for kernel in Kernel::available() {
+                    for accumulate in [false, true] {
+                        let mut got = old.clone();
+                        product_on(
+                            kernel,
+                            &x,
+                            k,
+                            m,
+                            &w,
+                            (n, k),
+                            &mut got,
+                            n,
+                            0.5,
+                            accumulate,
+                            true,
+                        );
+                        for i in 0..m {
+                            for j in 0..n {
+                                let base = if accumulate { old[i * n + j] } else { 0.0 };
+                                let want = base + 0.5 * exact(i, j) as f32;
+                                assert_eq!(
+                                    got[i * n + j],
+                                    want,
+                                    "{} {dtype} m {m} k {k} accumulate {accumulate} ({i}, {j})",
+                                    kernel.name()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// On random scales the VNNI kernel and the portable loop compute the same integer block
+    /// sums and differ only in how the f32 products by the scales are rounded and summed (lanes
+    /// of 4 per block and a tree at the end against block by block). Each is within
+    /// `γ_n · A + u · |result|` of the float64 value of those sums (`u = 2^-24`, `γ_n ≈ n·u`),
+    /// `n` bounding the roundings on any path — at most `blocks + 12` (a scale product, one per
+    /// block or group summed, VNNI's 4-level lane tree, Q4_K's mins, `alpha` and the
+    /// accumulation) — and `A` the sum of the magnitudes they round: for VNNI the lanes
+    /// `Σ (w + offset) x − offset/4 · Σ x`, so per block
+    /// `|d_w d_x| (Σ (|w| + offset) |x| + offset |Σ x|)`, which bounds the portable terms too.
+    /// So the two agree within twice that bound; in practice far inside it.
+    #[test]
+    fn vnni_agrees_with_the_portable_loop() {
+        if !Kernel::available().contains(&Kernel::Vnni) {
+            eprintln!("skipped: this CPU lacks AVX512-VNNI");
+            return;
+        }
+        let u = f64::from(f32::EPSILON) / 2.0;
+        let alpha = -0.75f32;
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
+            let off = f64::from(vnni_offset(dtype));
+            for (k, m) in odd_shapes(dtype) {
+                let n = 13;
+                let seed = (k * 17 + m * 3) as u64;
+                let blocks = random_blocks(dtype, n, k, seed);
+                let w = QuantMat::from_blocks(dtype, blocks, dtype.bytes_for(k).unwrap());
+                let x = Rng::new(seed + 1).vec(m * k, 2.0);
+                let old = Rng::new(seed + 2).vec(m * n, 4.0);
+                let r = round_rows(&x, k, m, k);
+                let nb = k / BLOCK;
+                // Per (i, j): the float64 value of the integer block sums and the bound's A.
+                let exact = |i: usize, j: usize| -> (f64, f64) {
+                    let (q, d, s) = (
+                        &r.q[i * k..(i + 1) * k],
+                        &r.d[i * nb..(i + 1) * nb],
+                        &r.s[i * nb..(i + 1) * nb],
+                    );
+                    let (mut sum, mut mag) = (0f64, 0f64);
+                    if dtype == DType::Q4_K {
+                        for ((((ds, dm, run, high), qx), &dx), &sx) in
+                            q4_k_subs(w.row(j)).zip(q.chunks_exact(BLOCK)).zip(d).zip(s)
+                        {
+                            let (ds, dm, dx) = (f64::from(ds), f64::from(dm), f64::from(dx));
+                            let (mut dot, mut abs) = (0i64, 0i64);
+                            for (&b, &x) in run.iter().zip(qx) {
+                                let v = i64::from(if high { b >> 4 } else { b & 15 });
+                                dot += v * i64::from(x);
+                                abs += v * i64::from(x).abs();
+                            }
+                            sum += dx * (ds * dot as f64 - dm * f64::from(sx));
+                            mag +=
+                                dx.abs() * (ds.abs() * abs as f64 + dm.abs() * f64::from(sx.abs()));
+                        }
+                    } else {
+                        let mut wb = [0i8; BLOCK];
+                        for ((b, qx), (&dx, &sx)) in w
+                            .row(j)
+                            .chunks_exact(dtype.block_bytes())
+                            .zip(q.chunks_exact(BLOCK))
+                            .zip(d.iter().zip(s))
+                        {
+                            let dw = f64::from(weight_block(dtype, b, &mut wb));
+                            let (mut dot, mut abs) = (0i64, 0f64);
+                            for (&a, &x) in wb.iter().zip(qx) {
+                                dot += i64::from(a) * i64::from(x);
+                                abs += (f64::from(a).abs() + off) * f64::from(x).abs();
+                            }
+                            let scale = dw * f64::from(dx);
+                            sum += scale * dot as f64;
+                            mag += scale.abs() * (abs + off * f64::from(sx.abs()));
+                        }
+                    }
+                    (sum, mag)
+                };
+                for accumulate in [false, true] {
+                    let run = |kernel| {
+                        let mut o = old.clone();
+                        product_on(
+                            kernel,
+                            &x,
+                            k,
+                            m,
+                            &w,
+                            (n, k),
+                            &mut o,
+                            n,
+                            alpha,
+                            accumulate,
+                            true,
+                        );
+                        o
+                    };
+                    let (vnni, plain) = (run(Kernel::Vnni), run(Kernel::Portable));
+                    let steps = (nb + 12) as f64;
+                    let gamma = steps * u / (1.0 - steps * u);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let (sum, mag) = exact(i, j);
+                            let base = if accumulate {
+                                f64::from(old[i * n + j])
+                            } else {
+                                0.0
+                            };
+                            let want = base + f64::from(alpha) * sum;
+                            let bound = gamma * f64::from(alpha.abs()) * mag
+                                + u * (base.abs() + f64::from(alpha.abs()) * mag);
+                            let at =
+                                format!("{dtype} m {m} k {k} accumulate {accumulate} ({i}, {j})");
+                            let (v, p) = (f64::from(vnni[i * n + j]), f64::from(plain[i * n + j]));
+                            assert!(
+                                (v - want).abs() <= bound,
+                                "VNNI {at}: {v} vs {want} ± {bound:e}"
+                            );
+                            assert!(
+                                (p - want).abs() <= bound,
+                                "portable {at}: {p} vs {want} ± {bound:e}"
+                            );
+                            assert!((v - p).abs() <= 2.0 * bound, "{at}: {v} vs {p}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q4_k_scales_decode_as_scale_min_does() {
+        let mut rng = Rng::new(5);
+        for _ in 0..200 {
+            let s: [u8; 12] = std::array::from_fn(|_| ((rng.next_f32() + 1.0) * 128.0) as u8);
+            let (sc, mn) = q4_k_scales_mins(&s);
+            for j in 0..8 {
+                let byte = |v: u64| (v >> (8 * j)) as u8;
+                assert_eq!(
+                    (byte(sc), byte(mn)),
+                    tessera_core::gguf::q4_k_scale_min(&s, j),
+                    "{s:?} sub-block {j}"
                 );
             }
         }

@@ -386,10 +386,9 @@ fn bf16_products() -> String {
 
 /// How the int8 products run here, for `describe`.
 fn int8_isa() -> &'static str {
-    if int8::native() {
-        "AVX2"
-    } else {
-        "a portable loop"
+    match int8::kernel() {
+        int8::Kernel::Portable => "a portable loop",
+        k => k.name(),
     }
 }
 
