@@ -29,8 +29,8 @@ use super::quant::QuantMat;
 /// Values per block of both operands.
 const BLOCK: usize = 32;
 
-/// Weight rows per task: their blocks (at most 64 × 34 bytes per 2048 inputs) stay in L2
-/// while the activation rows pass.
+/// Weight rows per task: their blocks (at most 64 × 34 bytes per 2048 inputs, 35 KB in all)
+/// stay in L1, or L2 for long rows, while each tile of activation rows passes them all.
 const ROWS_PER_TASK: usize = 16;
 
 /// Whether the int8 path runs products on `dtype` weights (the others run exactly).
@@ -117,24 +117,44 @@ pub fn round_rows(x: &[f32], xs: usize, m: usize, k: usize) -> Rows {
         .zip(d.chunks_exact_mut(blocks.max(1)))
         .enumerate()
     {
-        let xr = &x[i * xs..i * xs + k];
-        for ((xb, qb), db) in xr
-            .chunks_exact(BLOCK)
-            .zip(qr.chunks_exact_mut(BLOCK))
-            .zip(dr)
-        {
-            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-            *db = amax / 127.0;
-            let id = if *db == 0.0 { 0.0 } else { 1.0 / *db };
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round() as i8;
-            }
-        }
+        round_row(&x[i * xs..i * xs + k], qr, dr);
     }
     for (s, qb) in sums.iter_mut().zip(q.chunks_exact(BLOCK)) {
         *s = qb.iter().map(|&v| i32::from(v)).sum();
     }
     Rows { q, d, s: sums }
+}
+
+/// One row's blocks of 32 to int8 values `q` and scales `d`. Where the CPU has AVX2 this is
+/// compiled for it, so that `round` is `vroundps` inline rather than a call to libm's `roundf`
+/// per value (the same results: both round halves away from zero).
+fn round_row(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        unsafe { round_row_avx2(x, q, d) };
+        return;
+    }
+    round_row_body(x, q, d);
+}
+
+/// [`round_row`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn round_row_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    round_row_body(x, q, d);
+}
+
+#[inline(always)]
+fn round_row_body(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    for ((xb, qb), db) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).zip(d) {
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        *db = amax / 127.0;
+        let id = if *db == 0.0 { 0.0 } else { 1.0 / *db };
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = (v * id).round() as i8;
+        }
+    }
 }
 
 /// One weight block as 32 signed values and its scale.
@@ -689,53 +709,63 @@ fn product_on(
             dot_plain(dtype, row, q, d)
         }
     };
+    // Tiles of activation rows outer, the task's weight rows inner: the activations come from
+    // L2 once per task rather than once per weight row.
     let task = |t: usize| {
-        for j in t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(n) {
-            let row = w.row(j);
-            let mut i = 0;
-            #[cfg(target_arch = "x86_64")]
-            match (kernel, &packed) {
-                (Kernel::Vnni, Some(p)) => {
-                    while i + ROW_TILE <= m {
-                        let a: [VAct<'_>; ROW_TILE] = std::array::from_fn(|r| p.row(i + r));
+        let js = t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(n);
+        let mut i = 0;
+        #[cfg(target_arch = "x86_64")]
+        match (kernel, &packed) {
+            (Kernel::Vnni, Some(p)) => {
+                while i + ROW_TILE <= m {
+                    let a: [VAct<'_>; ROW_TILE] = std::array::from_fn(|r| p.row(i + r));
+                    for j in js.clone() {
                         // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
-                        // were packed from `k` values, `row` holds `k` values' blocks.
-                        let s = unsafe { dot_vnni(dtype, row, a) };
+                        // were packed from `k` values, `w.row(j)` holds `k` values' blocks.
+                        let s = unsafe { dot_vnni(dtype, w.row(j), a) };
                         for (r, s) in s.into_iter().enumerate() {
                             store(i + r, j, s);
                         }
-                        i += ROW_TILE;
                     }
-                    while i < m {
-                        // SAFETY: as above.
-                        let [s] = unsafe { dot_vnni(dtype, row, [p.row(i)]) };
-                        store(i, j, s);
-                        i += 1;
-                    }
+                    i += ROW_TILE;
                 }
-                (Kernel::Avx2, _) => {
-                    while i + ROW_TILE <= m {
-                        let a: [Act<'_>; ROW_TILE] = std::array::from_fn(|r| act(i + r));
+                while i < m {
+                    for j in js.clone() {
+                        // SAFETY: as above.
+                        let [s] = unsafe { dot_vnni(dtype, w.row(j), [p.row(i)]) };
+                        store(i, j, s);
+                    }
+                    i += 1;
+                }
+            }
+            (Kernel::Avx2, _) => {
+                while i + ROW_TILE <= m {
+                    let a: [Act<'_>; ROW_TILE] = std::array::from_fn(|r| act(i + r));
+                    for j in js.clone() {
                         // SAFETY: AVX2, FMA and F16C were detected; shapes as `tile` needs.
-                        let s = unsafe { tile(dtype, row, a) };
+                        let s = unsafe { tile(dtype, w.row(j), a) };
                         for (r, s) in s.into_iter().enumerate() {
                             store(i + r, j, s);
                         }
-                        i += ROW_TILE;
                     }
-                    while i < m {
-                        // SAFETY: as above.
-                        let [s] = unsafe { tile(dtype, row, [act(i)]) };
-                        store(i, j, s);
-                        i += 1;
-                    }
+                    i += ROW_TILE;
                 }
-                _ => {}
+                while i < m {
+                    for j in js.clone() {
+                        // SAFETY: as above.
+                        let [s] = unsafe { tile(dtype, w.row(j), [act(i)]) };
+                        store(i, j, s);
+                    }
+                    i += 1;
+                }
             }
-            while i < m {
-                store(i, j, plain(row, act(i)));
-                i += 1;
+            _ => {}
+        }
+        while i < m {
+            for j in js.clone() {
+                store(i, j, plain(w.row(j), act(i)));
             }
+            i += 1;
         }
     };
     #[cfg(not(target_arch = "x86_64"))]
@@ -1124,6 +1154,28 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The AVX2 build of the rounding (`vroundps`) rounds as the portable one (`roundf`):
+    /// halves away from zero, the float just below a half down, on ties and at random.
+    #[test]
+    fn rounding_is_the_same_compiled_for_avx2() {
+        let below_half = 0.5f32.next_down();
+        let mut x = vec![127.0f32; 64];
+        for (i, v) in x[1..32].iter_mut().enumerate() {
+            let t = i as f32 * 4.0 + 0.5;
+            *v = [t, -t, t.next_down(), below_half.copysign(-t)][i % 4];
+        }
+        let mut rng = Rng::new(3);
+        x.extend(rng.vec(32 * 64, 3.0));
+        let (mut q, mut d) = (vec![0i8; x.len()], vec![0f32; x.len() / 32]);
+        round_row(&x, &mut q, &mut d);
+        let (mut q0, mut d0) = (q.clone(), d.clone());
+        round_row_body(&x, &mut q0, &mut d0);
+        assert_eq!(q, q0);
+        assert_eq!(d, d0);
+        // 0.5, −4.5, 8.5⁻, −0.5⁻, 16.5, −20.5.
+        assert_eq!(q[1..7], [1, -5, 8, 0, 17, -21]);
     }
 
     #[test]
