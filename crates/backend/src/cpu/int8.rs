@@ -408,18 +408,29 @@ fn vnni_offset(dtype: DType) -> i32 {
     }
 }
 
-/// Rounded activation rows laid out for [`dot_vnni`], per group of four blocks (zero-padded to
-/// whole groups): the 128 values as the weights unpack — the four blocks' first 16 values, then
-/// their second 16 — and per lane of the group's 16 sums (block `l / 4` for lane `l`) the block
-/// scale and the seed `−offset / 4 · Σ q_x` that takes the weights' offset back. For Q4_K,
-/// `d · Σ q_x` per block (what the sub-blocks' mins multiply).
+/// One activation row's group of four blocks as [`dot_vnni`] reads it, in one aligned record of
+/// four cache lines: the 128 values as the weights unpack — the four blocks' first 16 values,
+/// then their second 16 — and per lane of the group's 16 sums (block `l / 4` for lane `l`) the
+/// block scale and the seed `−offset / 4 · Σ q_x` that takes the weights' offset back.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Record {
+    q: [i8; GROUP * BLOCK],
+    dx: [f32; 4 * GROUP],
+    seed: [i32; 4 * GROUP],
+}
+
+/// Rounded activation rows laid out for [`dot_vnni`]: their [`Record`]s, zero-padded to whole
+/// groups, those of each tile of [`ROW_TILE`] rows interleaved (group by group, the tile's rows
+/// in turn: one pointer walks a tile), then the rows left over one by one; for Q4_K,
+/// `d · Σ q_x` per row and block (what the sub-blocks' mins multiply).
 struct Packed {
-    q: Vec<i8>,
-    dx: Vec<f32>,
-    seed: Vec<i32>,
+    records: Vec<Record>,
     dxs: Vec<f32>,
     groups: usize,
     blocks: usize,
+    /// Rows in whole tiles.
+    tiled: usize,
 }
 
 impl Packed {
@@ -427,31 +438,31 @@ impl Packed {
     fn new(r: &Rows, m: usize, k: usize, dtype: DType) -> Packed {
         let blocks = k / BLOCK;
         let groups = blocks.div_ceil(GROUP);
-        let lanes = 4 * GROUP;
         let quarter = vnni_offset(dtype) / 4;
         let q4_k = dtype == DType::Q4_K;
+        let zero = Record {
+            q: [0; GROUP * BLOCK],
+            dx: [0.0; 4 * GROUP],
+            seed: [0; 4 * GROUP],
+        };
         let mut p = Packed {
-            q: vec![0; m * groups * GROUP * BLOCK],
-            dx: vec![0.0; m * groups * lanes],
-            seed: vec![0; if quarter == 0 { 0 } else { m * groups * lanes }],
+            records: vec![zero; m * groups],
             dxs: vec![0.0; if q4_k { m * blocks } else { 0 }],
             groups,
             blocks,
+            tiled: m - m % ROW_TILE,
         };
         for i in 0..m {
             for b in 0..blocks {
-                let (g, j) = (i * groups + b / GROUP, b % GROUP);
+                let (g, j) = (b / GROUP, b % GROUP);
+                let at = p.at(i, g);
+                let rec = &mut p.records[at];
                 let src = &r.q[i * k + b * BLOCK..][..BLOCK];
-                let at = g * GROUP * BLOCK + 16 * j;
-                p.q[at..at + 16].copy_from_slice(&src[..16]);
-                let at = at + GROUP * 16;
-                p.q[at..at + 16].copy_from_slice(&src[16..]);
+                rec.q[16 * j..][..16].copy_from_slice(&src[..16]);
+                rec.q[GROUP * 16 + 16 * j..][..16].copy_from_slice(&src[16..]);
                 let (d, s) = (r.d[i * blocks + b], r.s[i * blocks + b]);
-                let at = g * lanes + 4 * j;
-                p.dx[at..at + 4].fill(d);
-                if quarter != 0 {
-                    p.seed[at..at + 4].fill(-quarter * s);
-                }
+                rec.dx[4 * j..][..4].fill(d);
+                rec.seed[4 * j..][..4].fill(-quarter * s);
                 if q4_k {
                     p.dxs[i * blocks + b] = d * s as f32;
                 }
@@ -460,32 +471,29 @@ impl Packed {
         p
     }
 
-    /// Row `i`'s values, lane scales, lane seeds (empty for Q4_K) and block `d · Σ q_x` (empty
-    /// but for Q4_K).
+    /// Where row `i`'s record of group `g` is.
+    fn at(&self, i: usize, g: usize) -> usize {
+        if i < self.tiled {
+            (i / ROW_TILE * self.groups + g) * ROW_TILE + i % ROW_TILE
+        } else {
+            i * self.groups + g
+        }
+    }
+
+    /// The records of the tile from row `i`, or of row `i` alone past the tiles (`rows` 1).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    fn row(&self, i: usize) -> VAct<'_> {
-        let (g, lanes) = (self.groups, 4 * GROUP);
-        let seed = if self.seed.is_empty() {
-            &[][..]
-        } else {
-            &self.seed[i * g * lanes..(i + 1) * g * lanes]
-        };
-        let dxs = if self.dxs.is_empty() {
-            &[][..]
-        } else {
-            &self.dxs[i * self.blocks..(i + 1) * self.blocks]
-        };
-        (
-            &self.q[i * g * GROUP * BLOCK..(i + 1) * g * GROUP * BLOCK],
-            &self.dx[i * g * lanes..(i + 1) * g * lanes],
-            seed,
-            dxs,
-        )
+    fn records(&self, i: usize, rows: usize) -> &[Record] {
+        &self.records[i * self.groups..(i + rows) * self.groups]
+    }
+
+    /// Row `i`'s `d · Σ q_x` per block (empty but for Q4_K).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn dxs(&self, i: usize) -> &[f32] {
+        self.dxs
+            .get(i * self.blocks..(i + 1) * self.blocks)
+            .unwrap_or(&[])
     }
 }
-
-/// One packed activation row: values, lane scales, lane seeds, block `d · Σ q_x`.
-type VAct<'a> = (&'a [i8], &'a [f32], &'a [i32], &'a [f32]);
 
 /// Q4_K's eight 6-bit scales and eight 6-bit mins as `scale_min` reads them, a byte each
 /// (sub-block `j` in byte `j`), four at a time in 32-bit words.
@@ -511,29 +519,39 @@ fn q4_k_scales_mins(s: &[u8; 12]) -> (u64, u64) {
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C, AVX512F, AVX512BW and AVX512_VNNI; `row` holds whole blocks of
-/// `dtype` and each `a[r]` is a [`Packed`] row of as many blocks of 32.
+/// `dtype`; `records` holds `R` rows' [`Record`]s of as many blocks of 32, group by group
+/// ([`Packed::records`]), and for Q4_K each `dxs[r]` one entry per block of 32.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_vnni<const R: usize>(dtype: DType, row: &[u8], a: [VAct<'_>; R]) -> [f32; R] {
+unsafe fn dot_vnni<const R: usize>(
+    dtype: DType,
+    row: &[u8],
+    records: &[Record],
+    dxs: [&[f32]; R],
+) -> [f32; R] {
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); R];
     let low = _mm512_set1_epi8(0x0f);
+    // Q4_K's seeds are zero: no offset to take back.
+    let seeded = dtype != DType::Q4_K;
     let step = |g: usize, wa: __m512i, wb: __m512i, dw: __m512, acc: &mut [__m512; R]| {
-        for r in 0..R {
-            let (q, dx, seed, _) = a[r];
-            // SAFETY: group g of row r: 128 values at 128·g, 16 scales and seeds at 16·g
-            // (the caller's promise; `seed` is empty only for Q4_K, offset 0).
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: `records` holds R records per group, group by group (the caller's
+            // promise), and g is one of its groups.
+            let rec = unsafe { records.get_unchecked(g * R + r) };
+            let mut dot = if seeded {
+                // SAFETY: 16 lanes of seeds.
+                unsafe { _mm512_loadu_si512(rec.seed.as_ptr().cast()) }
+            } else {
+                _mm512_setzero_si512()
+            };
+            // SAFETY: 128 values and 16 scales.
             unsafe {
-                let x = q.as_ptr().add(128 * g);
-                let mut dot = if seed.is_empty() {
-                    _mm512_setzero_si512()
-                } else {
-                    _mm512_loadu_si512(seed.as_ptr().add(16 * g).cast())
-                };
+                let x = rec.q.as_ptr();
                 dot = _mm512_dpbusd_epi32(dot, wa, _mm512_loadu_si512(x.cast()));
                 dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
-                let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(dx.as_ptr().add(16 * g)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
             }
         }
     };
@@ -569,7 +587,7 @@ unsafe fn dot_vnni<const R: usize>(dtype: DType, row: &[u8], a: [VAct<'_>; R]) -
             }
             for r in 0..R {
                 // SAFETY: one `d · Σ q_x` per sub-block, 8 per Q4_K block (the caller's promise).
-                let dxs = unsafe { _mm256_loadu_ps(a[r].3.as_ptr().add(8 * kb)) };
+                let dxs = unsafe { _mm256_loadu_ps(dxs[r].as_ptr().add(8 * kb)) };
                 mins[r] = _mm256_fmadd_ps(dm, dxs, mins[r]);
             }
         }
@@ -718,11 +736,14 @@ fn product_on(
         match (kernel, &packed) {
             (Kernel::Vnni, Some(p)) => {
                 while i + ROW_TILE <= m {
-                    let a: [VAct<'_>; ROW_TILE] = std::array::from_fn(|r| p.row(i + r));
+                    let (recs, dxs) = (
+                        p.records(i, ROW_TILE),
+                        std::array::from_fn(|r| p.dxs(i + r)),
+                    );
                     for j in js.clone() {
                         // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
                         // were packed from `k` values, `w.row(j)` holds `k` values' blocks.
-                        let s = unsafe { dot_vnni(dtype, w.row(j), a) };
+                        let s = unsafe { dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs) };
                         for (r, s) in s.into_iter().enumerate() {
                             store(i + r, j, s);
                         }
@@ -732,7 +753,7 @@ fn product_on(
                 while i < m {
                     for j in js.clone() {
                         // SAFETY: as above.
-                        let [s] = unsafe { dot_vnni(dtype, w.row(j), [p.row(i)]) };
+                        let [s] = unsafe { dot_vnni(dtype, w.row(j), p.records(i, 1), [p.dxs(i)]) };
                         store(i, j, s);
                     }
                     i += 1;
