@@ -414,6 +414,7 @@ fn vnni_offset(dtype: DType) -> i32 {
 /// block scale and the seed `−offset / 4 · Σ q_x` that takes the weights' offset back.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Record {
     q: [i8; GROUP * BLOCK],
     dx: [f32; 4 * GROUP],
