@@ -342,10 +342,15 @@ pub fn f32_native() -> bool {
 /// Stores one tile's accumulators (`H` rows × two registers) into `C`: `alpha ·` them, added to
 /// what is there when `accumulate`, the columns past `cols` untouched.
 ///
+/// `#[inline]` so the tiles of other modules (bf16's) can inline it: called out of line, it
+/// takes the accumulators by address, and LLVM then kept them in memory as well as in
+/// registers, storing all of them on every step of the tile's loop.
+///
 /// # Safety
 /// As [`Tile`] says of its fields, and the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[inline]
 pub(super) unsafe fn store_tile<const H: usize, E>(
     acc: &[[std::arch::x86_64::__m512; 2]; H],
     t: &Tile<'_, E>,
