@@ -238,17 +238,14 @@ fn int8_activations_run_close_to_the_exact_mode_and_need_quantized_weights() {
     assert!(!out.status.success() && err.contains("--quantize"), "{err}");
 }
 
-#[test]
-fn generate_takes_a_gguf_transformer() {
+/// `generate --transformer` with each family's file from `tests/fixtures/<folder>` writes a PNG.
+fn generate_with_transformer_files(folder: &str, files: [&str; 2]) {
     let qwen = root().join("crates/models/assets/qwen-image-mini");
-    for (model, file) in [
-        (None, "zimage_q8_0.gguf"),
-        (Some(&qwen), "qwen_image_q8_0.gguf"),
-    ] {
+    for (model, file) in [(None, files[0]), (Some(&qwen), files[1])] {
         let dir = tempfile::tempdir().unwrap();
         let png = dir.path().join("out.png");
-        let gguf = root().join("tests/fixtures/transformer_gguf").join(file);
-        let mut args = vec!["generate", "--transformer", gguf.to_str().unwrap()];
+        let path = root().join("tests/fixtures").join(folder).join(file);
+        let mut args = vec!["generate", "--transformer", path.to_str().unwrap()];
         if let Some(m) = model {
             args.extend(["--model", m.to_str().unwrap()]);
         }
@@ -260,24 +257,22 @@ fn generate_takes_a_gguf_transformer() {
 }
 
 #[test]
+fn generate_takes_a_gguf_transformer() {
+    generate_with_transformer_files(
+        "transformer_gguf",
+        ["zimage_q8_0.gguf", "qwen_image_q8_0.gguf"],
+    );
+}
+
+#[test]
 fn generate_takes_a_scaled_fp8_transformer() {
-    let qwen = root().join("crates/models/assets/qwen-image-mini");
-    for (model, file) in [
-        (None, "zimage_fp8_scaled.safetensors"),
-        (Some(&qwen), "qwen_image_fp8_scaled.safetensors"),
-    ] {
-        let dir = tempfile::tempdir().unwrap();
-        let png = dir.path().join("out.png");
-        let fp8 = root().join("tests/fixtures/transformer_fp8").join(file);
-        let mut args = vec!["generate", "--transformer", fp8.to_str().unwrap()];
-        if let Some(m) = model {
-            args.extend(["--model", m.to_str().unwrap()]);
-        }
-        args.extend(["--prompt", "x", "--size", "32x32", "--steps", "2"]);
-        args.extend(["-o", png.to_str().unwrap()]);
-        tessera(&args);
-        assert!(std::fs::metadata(&png).unwrap().len() > 0, "{file}");
-    }
+    generate_with_transformer_files(
+        "transformer_fp8",
+        [
+            "zimage_fp8_scaled.safetensors",
+            "qwen_image_fp8_scaled.safetensors",
+        ],
+    );
 }
 
 /// `--quantize fp8` runs both text-to-image families (every matrix of text encoder, DiT and VAE
