@@ -240,26 +240,7 @@ fn a_q8_0_gguf_transformer_equals_the_f32_run_on_its_dequantized_weights() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("dequantized.safetensors");
     safetensors::serialize_to_file(views, None, &file).unwrap();
-    let run = |w: &tessera_core::Weights| {
-        let tr = QwenImageTransformer::load(&be, &cfg, w).unwrap();
-        let c = &cases().dit[0];
-        let ex = expected();
-        let p = format!("dit/{}/", c.name);
-        let (layout, is_text) = layout_of(&c.runs);
-        let ctx = cfg.context_in_dim;
-        let text: Vec<f32> = ex
-            .f32(&format!("{p}encoder_rows"))
-            .chunks_exact(ctx)
-            .zip(&is_text)
-            .filter(|(_, t)| **t)
-            .flat_map(|(r, _)| r.iter().copied())
-            .collect();
-        let text_buf = buf(&be, &text);
-        let text_v = View::new(&text_buf, layout.text_rows(), ctx);
-        let latents = ex.f32(&format!("{p}latents"));
-        tr.forward_full(&be, &layout, text_v, &latents, c.t)
-            .unwrap()
-    };
+    let run = |w: &tessera_core::Weights| first_dit_case_velocity(&be, &cfg, w);
     let gguf = qwen_image::comfy_transformer_weights(&path).unwrap();
     let quantized = run(&gguf);
     let reference = run(&tessera_core::Weights::open_file(&file).unwrap());
@@ -286,26 +267,7 @@ fn a_scaled_fp8_transformer_equals_the_reference_on_its_dequantized_weights() {
     let cfg =
         TransformerConfig::parse(&f.path("config.json"), &f.read("config.json").unwrap()).unwrap();
     let path = root().join("tests/fixtures/transformer_fp8/qwen_image_fp8_scaled.safetensors");
-    let c = &cases().dit[0];
-    let run = |w: &tessera_core::Weights| {
-        let tr = QwenImageTransformer::load(&be, &cfg, w).unwrap();
-        let ex = expected();
-        let p = format!("dit/{}/", c.name);
-        let (layout, is_text) = layout_of(&c.runs);
-        let ctx = cfg.context_in_dim;
-        let text: Vec<f32> = ex
-            .f32(&format!("{p}encoder_rows"))
-            .chunks_exact(ctx)
-            .zip(&is_text)
-            .filter(|(_, t)| **t)
-            .flat_map(|(r, _)| r.iter().copied())
-            .collect();
-        let text_buf = buf(&be, &text);
-        let text_v = View::new(&text_buf, layout.text_rows(), ctx);
-        let latents = ex.f32(&format!("{p}latents"));
-        tr.forward_full(&be, &layout, text_v, &latents, c.t)
-            .unwrap()
-    };
+    let run = |w: &tessera_core::Weights| first_dit_case_velocity(&be, &cfg, w);
     let file = tessera_core::Weights::open_file(&path).unwrap();
     let scaled = file
         .names()
@@ -518,4 +480,30 @@ fn bad_requests_are_refused_before_any_compute() {
     let empty = m.plan(&req(&|r| r.prompt = String::new())).unwrap();
     let space = m.plan(&req(&|r| r.prompt = " ".into())).unwrap();
     assert_eq!(empty.prompts[0], space.prompts[0]);
+}
+
+/// The no-cache velocity of the first DiT fixture case (its text rows and latents) from a
+/// transformer loaded from `w`: what the stored-format tests compare between weight files.
+fn first_dit_case_velocity(
+    be: &CpuBackend,
+    cfg: &TransformerConfig,
+    w: &tessera_core::Weights,
+) -> Vec<f32> {
+    let tr = QwenImageTransformer::load(be, cfg, w).unwrap();
+    let c = &cases().dit[0];
+    let ex = expected();
+    let p = format!("dit/{}/", c.name);
+    let (layout, is_text) = layout_of(&c.runs);
+    let ctx = cfg.context_in_dim;
+    let text: Vec<f32> = ex
+        .f32(&format!("{p}encoder_rows"))
+        .chunks_exact(ctx)
+        .zip(&is_text)
+        .filter(|(_, t)| **t)
+        .flat_map(|(r, _)| r.iter().copied())
+        .collect();
+    let text_buf = buf(be, &text);
+    let text_v = View::new(&text_buf, layout.text_rows(), ctx);
+    let latents = ex.f32(&format!("{p}latents"));
+    tr.forward_full(be, &layout, text_v, &latents, c.t).unwrap()
 }
