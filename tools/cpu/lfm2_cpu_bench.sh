@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 28's and 31's CPU table: LFM2-VL's language model decoding and prefilling on this machine,
 # Tessera and llama.cpp alternating in one run, one precision or format at a time, each figure with
-# the 1-minute load average when it ended. Nothing else should run meanwhile.
+# the 1-minute load average when it started. Nothing else should run meanwhile.
 #
 #   tools/cpu/lfm2_cpu_bench.sh MODEL_DIR LLAMA_WORK OUT_DIR
 #
@@ -21,6 +21,11 @@ BIN=${BIN:-target/release/tessera} THREADS=${THREADS:-2} ROUNDS=${ROUNDS:-2}
 MODES=${MODES:-"f32 bf16 q8_0 q4_0 q4_k"}
 mkdir -p "$OUT"
 load1() { cut -d' ' -f1 /proc/loadavg; }
+# tag ENGINE MODE ROUND: each JSON line of stdin with the engine, mode, round and the load now.
+tag() {
+  python3 -c 'import json,sys; [print(json.dumps({**json.loads(l), "engine": sys.argv[1], "mode": sys.argv[2], "round": int(sys.argv[3]), "load1": float(sys.argv[4])})) for l in sys.stdin if l.strip()]' \
+    "$1" "$2" "$3" "$(load1)"
+}
 for r in $(seq "$ROUNDS"); do
   for m in $MODES; do
     case $m in
@@ -33,11 +38,9 @@ for r in $(seq "$ROUNDS"); do
     "$BIN" --threads "$THREADS" bench chat --model "$M" --device cpu "${args[@]}" --images 256x256 \
       --prefill 512 --batch 1 --new-tokens 64 --prompt-tokens 16 --iters 3 \
       | grep -E '"what":"(prefill|decode|load)"' \
-      | python3 -c 'import json,sys; [print(json.dumps({**json.loads(l), "engine": "tessera", "mode": sys.argv[1], "round": int(sys.argv[2]), "load1": float(sys.argv[3])})) for l in sys.stdin]' \
-        "$m" "$r" "$(load1)" | tee -a "$OUT/tessera.jsonl"
+      | tag tessera "$m" "$r" | tee -a "$OUT/tessera.jsonl"
     "$L/llama/build/bin/llama-bench" -m "$L/lm-$gguf.gguf" -t "$THREADS" -p 512 -n 64 -r 3 -o jsonl 2>/dev/null \
-      | python3 -c 'import json,sys; [print(json.dumps({**json.loads(l), "engine": "llama.cpp", "mode": sys.argv[1], "round": int(sys.argv[2]), "load1": float(sys.argv[3])})) for l in sys.stdin if l.strip()]' \
-        "$m" "$r" "$(load1)" | tee -a "$OUT/llama.jsonl"
+      | tag llama.cpp "$m" "$r" | tee -a "$OUT/llama.jsonl"
   done
 done
 # One line per figure: tokens/s of decode and of the 512-token prefill.

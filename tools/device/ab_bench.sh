@@ -11,8 +11,8 @@ A=${A:-.dev/bin/tessera-base} B=${B:-.dev/bin/tessera}
 M=/tmp/eg2 D=/tmp/eg2data
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
 if [ ! -f $M/model.safetensors ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
-    && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+  . tools/device/pysite.sh
+  pysite || { echo "reference packages: install failed"; exit 1; }
   python3 .dev/tools/make_eg2_full.py $M $D --no-audio > "$OUT/make_model.log" 2>&1 || { tail -20 "$OUT/make_model.log"; exit 1; }
 fi
 CEIL=${CEIL:-784}

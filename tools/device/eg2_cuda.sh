@@ -20,8 +20,8 @@ IMG_PASS=${IMG_PASS:-16384,32768,65536}
 PROFILES=${PROFILES-w1 w2 w3}  # empty: no per-op-class profiles (also of the image runs)
 PROFILE_MODE=${PROFILE_MODE:-1}  # TESSERA_PROFILE for the workload profiles: 1 (op classes) or kernels
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
-  && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+. tools/device/pysite.sh
+pysite || { echo "reference packages: install failed"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # M: the shared benchmark model (speed does not depend on weights). P: the same, conditioned like a

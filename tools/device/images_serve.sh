@@ -40,9 +40,9 @@ fi
 status=0
 
 if [[ $PARTS == *make* ]]; then
-  if ls .dev/whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
-      && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+  if [ -f .dev/pack/site.tar.xz ] || ls .dev/whl/*.whl >/dev/null 2>&1; then
+    . tools/device/pysite.sh
+    pysite || { echo "reference packages: install failed"; exit 1; }
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   if [ ! -f $Z/model_index.json ]; then

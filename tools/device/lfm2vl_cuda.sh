@@ -12,9 +12,9 @@ PARTS=${PARTS:-ops,parity,full,bench,profile,ref}
 OP_CASES=${OP_CASES:-short_conv|over keys|matmul}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 # The reference's wheels (staged in .dev/whl; a run without the ref part may leave them behind).
-if ls .dev/whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
-    && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+if [ -f .dev/pack/site.tar.xz ] || ls .dev/whl/*.whl >/dev/null 2>&1; then
+  . tools/device/pysite.sh
+  pysite || { echo "reference packages: install failed"; exit 1; }
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 B=.dev/bin/tessera F=/tmp/lfm2full

@@ -19,8 +19,8 @@ PARTS=${PARTS:-ops,parity,full,parts,bench,profile,ref}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 # The binaries may travel packed (the device tool carries at most 64 MiB): .dev/pack/bin.tar.xz.
 if [ -f .dev/pack/bin.tar.xz ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
-  && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+. tools/device/pysite.sh
+pysite || { echo "reference packages: install failed"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 B=.dev/bin/tessera Q=/tmp/qfull
 status=0

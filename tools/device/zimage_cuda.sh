@@ -13,8 +13,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PARTS=${PARTS:-ops,parity,full,bench,profile,ref,compile}
 PROFILE_MODE=${PROFILE_MODE:-kernels}  # TESSERA_PROFILE of the profiled generation: 1 or kernels
 export TESSERA_CACHE_DIR=/tmp/tessera-cache
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl/*.whl \
-  && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+. tools/device/pysite.sh
+pysite || { echo "reference packages: install failed"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 B=.dev/bin/tessera Z=/tmp/zfull
 status=0
