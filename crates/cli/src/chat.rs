@@ -13,9 +13,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use tessera_core::{Error, Result};
+use tessera_models::chat_family::CacheShape;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::{Image, read_file};
-use tessera_models::lfm2vl::CacheShape;
 use tessera_runtime::Capability;
 use tessera_runtime::chat::{self, Chat, ChatReply, GenerationParams};
 use tessera_runtime::decode::{Control, Finish, SamplingParams};

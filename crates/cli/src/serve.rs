@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
+use tessera_runtime::chat::{self, ChatOptions};
 use tessera_runtime::{Capability, Family, ModelSpec, embed, image};
 use tessera_server::{Limits, ModelLoader, Schedule, ServedModel, ServerConfig};
 
@@ -280,7 +281,10 @@ fn loader(spec: ModelSpec, device: DeviceArgs, prioritise: bool) -> Result<Model
         Capability::Chat => {
             let (files, cfg) = model::chat_model(&spec)?;
             let cfg = cfg.clone();
-            tessera_server::chat::loader(files, cfg, move || open(&spec)).into()
+            let loader: tessera_server::ChatLoader = Box::new(move |cache| {
+                chat::load_with(open(&spec)?, &files, &cfg, cache, ChatOptions::serving())
+            });
+            loader.into()
         }
         Capability::GenerateImage => ModelLoader::Image(Box::new(move || {
             // Requests batched together give the bytes they give alone on the CPU, whose

@@ -3,6 +3,10 @@
 //! slots. The scheduler decides which sequences run, which slot each uses, how much of a prompt
 //! each step prefills, and what the cache keeps between requests; the family only computes.
 //!
+//! Prompts are built by the family's [`ChatPrompter`], which front ends hold apart from the
+//! model: the server builds a request's prompt on the request's own thread (template, tokens,
+//! images) while the device runs other replies, and refuses a bad request before it is queued.
+//!
 //! A family's cache holds [`ChatFamily::slots`] sequences of up to [`ChatFamily::context_len`]
 //! tokens. Attention keys and values stay valid at every position a slot holds, so a slot's
 //! prefix can be continued by another request; state that only exists at a sequence's end (a
@@ -18,15 +22,24 @@ use crate::chat_template::Message;
 use crate::generation::SamplingDefaults;
 use crate::imageproc::Image;
 
+/// How many sequences a chat model's cache holds at once and how many tokens each may reach.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    pub slots: usize,
+    pub ctx: usize,
+}
+
 /// One media item of a prompt (an image): its placeholder tokens `[start, end)` in the prompt,
 /// a digest of its content (so that two prompts with the same placeholder ids but different
-/// images never share a cache), and the family's prepared input.
+/// images never share a cache), the family's prepared input, and the bytes that input holds
+/// (a server counts them against its image memory until the reply ends).
 #[derive(Clone)]
 pub struct Media {
     pub start: usize,
     pub end: usize,
     pub digest: [u8; 32],
     pub input: Arc<dyn Any + Send + Sync>,
+    pub bytes: u64,
 }
 
 impl std::fmt::Debug for Media {
@@ -34,6 +47,7 @@ impl std::fmt::Debug for Media {
         f.debug_struct("Media")
             .field("start", &self.start)
             .field("end", &self.end)
+            .field("bytes", &self.bytes)
             .finish_non_exhaustive()
     }
 }
@@ -70,6 +84,31 @@ pub struct Chunk<'a> {
     pub keep: &'a [(usize, usize)],
 }
 
+/// A family's prompts and text: its chat template, tokenizer and media processing, apart from
+/// the model so that front ends build prompts on their own threads. Everything in a request
+/// that can be refused is refused here, before it waits for the device.
+pub trait ChatPrompter: Send + Sync {
+    /// Refuse `messages` whose text cannot fit `context` tokens, judged from its length before
+    /// anything is rendered or tokenised (cheap: call it before reading any image).
+    fn check_length(&self, messages: &[Message], context: usize) -> Result<()>;
+    /// The most characters of text that can fit `context` tokens (front ends reading text can
+    /// stop reading there).
+    fn max_text_chars(&self, context: usize) -> usize;
+    /// The bytes preparing an image of `width × height` holds at its peak, from its size alone;
+    /// an error where the family refuses that size.
+    fn image_peak_bytes(&self, width: usize, height: usize) -> Result<u64>;
+    /// Text a message may not contain: the family's placeholders, which only media may put in
+    /// a prompt.
+    fn reserved_text(&self) -> &[&'static str];
+    /// The prompt for `messages`, whose image parts are `images` in order, with the turn that
+    /// asks for the reply. Whether it leaves room for a reply is the caller's to judge.
+    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt>;
+    /// The sampling the checkpoint asks for.
+    fn sampling(&self) -> SamplingDefaults;
+    /// Generated tokens as text.
+    fn detokenize(&self, ids: &[u32]) -> Result<String>;
+}
+
 /// A chat model family on its device, as the scheduler drives it.
 pub trait ChatFamily: Send {
     /// Device and precision, one line.
@@ -80,14 +119,8 @@ pub trait ChatFamily: Send {
     fn context_len(&self) -> usize;
     /// Tokens that end a reply.
     fn end_tokens(&self) -> &[u32];
-    /// The sampling the checkpoint asks for.
-    fn sampling(&self) -> SamplingDefaults;
-    /// Generated tokens as text.
-    fn detokenize(&self, ids: &[u32]) -> Result<String>;
-    /// The most characters of text a prompt can hold (longer text is refused untokenised).
-    fn max_prompt_chars(&self) -> usize;
-    /// Check a request and build its prompt (template, media, tokens).
-    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt>;
+    /// The family's prompt builder (shared: front ends build prompts with it on other threads).
+    fn prompter(&self) -> Arc<dyn ChatPrompter>;
     /// Places for kept states ([`Chunk::keep`]); 0 when the family keeps none, so that only a
     /// slot's whole content can be continued.
     fn snapshot_places(&self) -> usize;

@@ -16,10 +16,12 @@
 //! (another conversation's turn, a shared system prompt, the same image), see
 //! [`crate::scheduler`]. Either way the reply is the one a fresh conversation gets.
 
+use std::sync::Arc;
+
 use tessera_backend::{AnyBackend, Backend, BackendFn};
 use tessera_core::{Error, Result};
 use tessera_models::ModelFiles;
-use tessera_models::chat_family::ChatPrompt;
+use tessera_models::chat_family::{ChatPrompt, ChatPrompter};
 use tessera_models::chat_template::Message;
 use tessera_models::imageproc::Image;
 use tessera_models::lfm2vl::{CacheShape, Lfm2VlChat, Lfm2VlConfig};
@@ -36,6 +38,17 @@ pub struct ChatOptions {
     /// The most prompt tokens prefilled in one step; a longer prompt is prefilled over several
     /// steps beside the decoding sequences (an image is never cut).
     pub prefill_chunk: usize,
+}
+
+impl ChatOptions {
+    /// A server's: requests share what the cache holds (a conversation's earlier turns, a
+    /// common system prompt, the same image).
+    pub fn serving() -> Self {
+        ChatOptions {
+            prefix_cache: true,
+            ..ChatOptions::default()
+        }
+    }
 }
 
 impl Default for ChatOptions {
@@ -93,16 +106,12 @@ pub trait Chat: Send {
     fn default_sampling(&self) -> SamplingParams;
     /// The most tokens a conversation may hold.
     fn context_len(&self) -> usize;
-    /// The most characters of text a conversation can hold: longer text is refused before it
-    /// is tokenised, and front ends reading text can stop reading there.
-    fn max_prompt_chars(&self) -> usize;
     /// Conversations whose caches fit at once (running or kept between turns).
     fn slots(&self) -> usize;
     /// Conversations holding a cache slot now (running, or kept between turns).
     fn conversations(&self) -> usize;
-    /// Check a request and build its prompt (template, image tiles, tokens): everything that
-    /// can be refused is refused here.
-    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt>;
+    /// The model's prompt builder, for front ends that build prompts on other threads.
+    fn prompter(&self) -> Arc<dyn ChatPrompter>;
     /// Admit a reply to `prompt` in conversation `conv` (which must not be running); its prompt
     /// is prefilled at the next [`step`](Chat::step). Fails when every slot is taken.
     fn begin(
@@ -124,6 +133,28 @@ pub trait Chat: Send {
     /// End a conversation: its slot is free (with the prefix cache, what it holds stays there
     /// for other requests until the slot is needed).
     fn end(&mut self, conv: ConversationId);
+
+    /// The most characters of text a conversation can hold: longer text is refused before it
+    /// is tokenised, and front ends reading text can stop reading there.
+    fn max_prompt_chars(&self) -> usize {
+        self.prompter().max_text_chars(self.context_len())
+    }
+
+    /// Check a request and build its prompt (template, image tiles, tokens): everything that
+    /// can be refused is refused here, a prompt that leaves no room for a reply included.
+    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt> {
+        let ctx = self.context_len();
+        let prompter = self.prompter();
+        prompter.check_length(messages, ctx)?;
+        let p = prompter.prompt(messages, images)?;
+        if p.ids.len() >= ctx {
+            return Err(Error::input(format!(
+                "the prompt has {} tokens; the context holds {ctx}, so nothing can be generated",
+                p.ids.len()
+            )));
+        }
+        Ok(p)
+    }
 
     /// The reply after `prompt`, as the only running sequence, streamed through `on_text`
     /// (which may stop it).

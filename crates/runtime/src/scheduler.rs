@@ -17,10 +17,10 @@
 //! usable prefix with its prompt; failing that, an empty slot, then the slot used least
 //! recently (whose content is dropped).
 
+use std::sync::Arc;
+
 use tessera_core::{Error, Result};
-use tessera_models::chat_family::{ChatFamily, ChatPrompt, Chunk, Media};
-use tessera_models::chat_template::Message;
-use tessera_models::imageproc::Image;
+use tessera_models::chat_family::{ChatFamily, ChatPrompt, ChatPrompter, Chunk, Media};
 
 use crate::chat::{Chat, ChatEvent, ChatOptions, ChatReply, ConversationId, GenerationParams};
 use crate::decode::{Control, Finish, Sampler, SamplingParams};
@@ -149,6 +149,7 @@ struct Work {
 /// The one chat scheduler over a [`ChatFamily`].
 pub struct Scheduler<F: ChatFamily> {
     family: F,
+    prompter: Arc<dyn ChatPrompter>,
     options: ChatOptions,
     defaults: SamplingParams,
     slots: Vec<Slot>,
@@ -164,7 +165,8 @@ impl<F: ChatFamily> Scheduler<F> {
         if options.prefill_chunk == 0 {
             return Err(Error::input("the prefill chunk must be at least one token"));
         }
-        let d = family.sampling();
+        let prompter = family.prompter();
+        let d = prompter.sampling();
         let defaults = SamplingParams {
             temperature: d.temperature,
             top_k: d.top_k,
@@ -182,6 +184,7 @@ impl<F: ChatFamily> Scheduler<F> {
         };
         Ok(Scheduler {
             family,
+            prompter,
             options,
             defaults,
             slots: (0..slots).map(|_| Slot::default()).collect(),
@@ -327,7 +330,9 @@ impl<F: ChatFamily> Scheduler<F> {
     fn finish(&mut self, mut r: Running, mut finish: Finish) -> (String, ChatReply) {
         let mut tail = String::new();
         if !r.stream.stopped()
-            && let Ok(t) = r.stream.finish(&|ids: &[u32]| self.family.detokenize(ids))
+            && let Ok(t) = r
+                .stream
+                .finish(&|ids: &[u32]| self.prompter.detokenize(ids))
         {
             r.text.push_str(&t);
             tail = t;
@@ -369,9 +374,6 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
     fn context_len(&self) -> usize {
         self.family.context_len()
     }
-    fn max_prompt_chars(&self) -> usize {
-        self.family.max_prompt_chars()
-    }
     fn slots(&self) -> usize {
         self.slots.len()
     }
@@ -379,8 +381,8 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
         self.slots.iter().filter(|s| s.owner.is_some()).count()
     }
 
-    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt> {
-        self.family.prompt(messages, images)
+    fn prompter(&self) -> Arc<dyn ChatPrompter> {
+        self.prompter.clone()
     }
 
     fn begin(
@@ -518,7 +520,10 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
             r.out.push(t);
             r.history.push(t);
             r.feed = Some(t);
-            let piece = match r.stream.push(t, &|ids: &[u32]| self.family.detokenize(ids)) {
+            let piece = match r
+                .stream
+                .push(t, &|ids: &[u32]| self.prompter.detokenize(ids))
+            {
                 Ok(p) => p,
                 Err(e) => {
                     ended.push((w.run, Err(e)));
@@ -586,7 +591,9 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
 
 #[cfg(test)]
 mod tests {
+    use tessera_models::chat_template::Message;
     use tessera_models::generation::SamplingDefaults;
+    use tessera_models::imageproc::Image;
 
     use super::*;
 
@@ -611,6 +618,33 @@ mod tests {
         }
     }
 
+    /// The counter's text: token `t` is the letter `a + t`; prompts come as ids.
+    struct Letters;
+
+    impl ChatPrompter for Letters {
+        fn check_length(&self, _: &[Message], _: usize) -> Result<()> {
+            Ok(())
+        }
+        fn max_text_chars(&self, context: usize) -> usize {
+            context
+        }
+        fn image_peak_bytes(&self, _: usize, _: usize) -> Result<u64> {
+            Err(Error::input("no images"))
+        }
+        fn reserved_text(&self) -> &[&'static str] {
+            &[]
+        }
+        fn prompt(&self, _: &[Message], _: &[Image]) -> Result<ChatPrompt> {
+            Err(Error::input("not used"))
+        }
+        fn sampling(&self) -> SamplingDefaults {
+            SamplingDefaults::GREEDY
+        }
+        fn detokenize(&self, ids: &[u32]) -> Result<String> {
+            Ok(ids.iter().map(|&t| char::from(b'a' + t as u8)).collect())
+        }
+    }
+
     impl ChatFamily for Counter {
         fn describe(&self) -> String {
             "counter".into()
@@ -624,17 +658,8 @@ mod tests {
         fn end_tokens(&self) -> &[u32] {
             &[7]
         }
-        fn sampling(&self) -> SamplingDefaults {
-            SamplingDefaults::GREEDY
-        }
-        fn detokenize(&self, ids: &[u32]) -> Result<String> {
-            Ok(ids.iter().map(|&t| char::from(b'a' + t as u8)).collect())
-        }
-        fn max_prompt_chars(&self) -> usize {
-            self.ctx
-        }
-        fn prompt(&self, _: &[Message], _: &[Image]) -> Result<ChatPrompt> {
-            Err(Error::input("not used"))
+        fn prompter(&self) -> Arc<dyn ChatPrompter> {
+            Arc::new(Letters)
         }
         fn snapshot_places(&self) -> usize {
             self.kept.len()

@@ -27,14 +27,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
-use tessera_models::ModelFiles;
-use tessera_models::chat_family::ChatPrompt;
-use tessera_models::lfm2vl::{CacheShape, Lfm2VlConfig, Prompter};
-use tessera_runtime::chat::{
-    self, Chat, ChatEvent, ChatOptions, ChatReply, ConversationId, GenerationParams,
-};
+use tessera_models::chat_family::{CacheShape, ChatPrompt, ChatPrompter};
+use tessera_runtime::chat::{Chat, ChatEvent, ChatReply, ConversationId, GenerationParams};
 use tessera_runtime::decode::{Control, Finish, SamplingParams};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::sync::mpsc::UnboundedSender;
@@ -45,42 +40,16 @@ use crate::metrics::Metrics;
 use crate::queue::Closed;
 use crate::worker::{Load, panic_message};
 
-/// A chat model as loaded for the server: the model for the device thread, and a prompt
-/// builder of its own for the request handlers (prompts are built off the device's thread).
-pub struct ChatModel {
-    pub chat: Box<dyn Chat>,
-    pub prompter: Prompter,
-}
-
-/// Opens the device and loads the chat model with a cache of the given shape, on the worker's
-/// thread.
-pub type ChatLoader = Box<dyn FnOnce(CacheShape) -> Result<ChatModel> + Send>;
-
-/// The loader of an LFM2-VL model from `files`, on the device `open` opens.
-pub fn loader(
-    files: ModelFiles,
-    config: Lfm2VlConfig,
-    open: impl FnOnce() -> Result<AnyBackend> + Send + 'static,
-) -> ChatLoader {
-    Box::new(move |cache| {
-        // Requests share what the cache holds: a conversation's earlier turns, a common system
-        // prompt, the same image.
-        let options = ChatOptions {
-            prefix_cache: true,
-            ..ChatOptions::default()
-        };
-        let chat = chat::load_with(open()?, &files, &config, cache, options)?;
-        let prompter = Prompter::load(&files, &config)?;
-        Ok(ChatModel { chat, prompter })
-    })
-}
+/// Opens the device and loads a chat model (any family: the front end that knows the model
+/// builds this) with a cache of the given shape, on the worker's thread.
+pub type ChatLoader = Box<dyn FnOnce(CacheShape) -> Result<Box<dyn Chat>> + Send>;
 
 /// What the HTTP side knows about the loaded chat model.
 pub struct ChatInfo {
     /// The id in `model` fields and `/v1/models`.
     pub name: String,
-    /// Builds prompts (template, tokens, image tiles) exactly as the model's own does.
-    pub prompter: Prompter,
+    /// Builds prompts (template, tokens, media) exactly as the model's own does.
+    pub prompter: Arc<dyn ChatPrompter>,
     /// The most tokens of one conversation (prompt and reply).
     pub context: usize,
     /// Replies generated at once.
@@ -192,10 +161,10 @@ pub fn load(name: String, loader: ChatLoader, limits: &Limits) -> Load<Box<dyn C
         ctx: limits.context,
     };
     Box::new(move || {
-        let ChatModel { chat, prompter } = loader(cache)?;
+        let chat = loader(cache)?;
         let info = ChatInfo {
             name,
-            prompter,
+            prompter: chat.prompter(),
             context: chat.context_len(),
             slots: chat.slots(),
             sampling: chat.default_sampling(),
@@ -454,21 +423,14 @@ mod tests {
         fn context_len(&self) -> usize {
             64
         }
-        fn max_prompt_chars(&self) -> usize {
-            64
-        }
         fn slots(&self) -> usize {
             2
         }
         fn conversations(&self) -> usize {
             self.running.len()
         }
-        fn prompt(
-            &self,
-            _: &[tessera_models::chat_template::Message],
-            _: &[tessera_models::imageproc::Image],
-        ) -> Result<ChatPrompt> {
-            Err(Error::input("not used"))
+        fn prompter(&self) -> Arc<dyn ChatPrompter> {
+            unreachable!("the step loop builds no prompts")
         }
         fn begin(
             &mut self,

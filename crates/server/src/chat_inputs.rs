@@ -21,7 +21,6 @@ use serde_json::Value;
 use tessera_models::chat_family::ChatPrompt;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::processor::IMAGE_TOKEN;
 use tessera_runtime::chat::GenerationParams;
 use tessera_runtime::decode::SamplingParams;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -259,9 +258,11 @@ pub struct ImageRef {
 }
 
 /// The conversation as the chat template takes it, and its images in order (not yet read).
+/// `reserved`: text no message may hold (the model's placeholders: [`ChatPrompter::reserved_text`](tessera_models::chat_family::ChatPrompter::reserved_text)).
 pub fn messages(
     v: Option<&Value>,
     max_images: usize,
+    reserved: &[&str],
 ) -> Result<(Vec<Message>, Vec<ImageRef>), ApiError> {
     let Some(v) = v.filter(|v| !v.is_null()) else {
         return Err(ApiError::invalid_param(
@@ -284,7 +285,12 @@ pub fn messages(
     let mut out = Vec::with_capacity(list.len());
     let mut images = Vec::new();
     for (i, m) in list.iter().enumerate() {
-        out.push(message(m, &format!("messages[{i}]"), &mut images)?);
+        out.push(message(
+            m,
+            &format!("messages[{i}]"),
+            reserved,
+            &mut images,
+        )?);
     }
     if images.len() > max_images {
         return Err(too_many_in(images.len(), max_images, "images", "messages"));
@@ -292,7 +298,12 @@ pub fn messages(
     Ok((out, images))
 }
 
-fn message(m: &Value, at: &str, images: &mut Vec<ImageRef>) -> Result<Message, ApiError> {
+fn message(
+    m: &Value,
+    at: &str,
+    reserved: &[&str],
+    images: &mut Vec<ImageRef>,
+) -> Result<Message, ApiError> {
     let Value::Object(m) = m else {
         return Err(ApiError::invalid_param(
             at,
@@ -344,7 +355,7 @@ fn message(m: &Value, at: &str, images: &mut Vec<ImageRef>) -> Result<Message, A
     }
     let at_content = format!("{at}.content");
     match m.get("content") {
-        Some(Value::String(s)) => Ok(Message::new(role, text(s, &at_content)?)),
+        Some(Value::String(s)) => Ok(Message::new(role, text(s, &at_content, reserved)?)),
         // An assistant turn that only called tools has no content; without tools, it said "".
         None | Some(Value::Null) if role == "assistant" => Ok(Message::new(role, "")),
         None | Some(Value::Null) => Err(ApiError::invalid_param(
@@ -355,7 +366,7 @@ fn message(m: &Value, at: &str, images: &mut Vec<ImageRef>) -> Result<Message, A
             let parts = parts
                 .iter()
                 .enumerate()
-                .map(|(j, p)| part(p, role, &format!("{at_content}[{j}]"), images))
+                .map(|(j, p)| part(p, role, &format!("{at_content}[{j}]"), reserved, images))
                 .collect::<Result<Vec<Part>, ApiError>>()?;
             Ok(Message::parts(role, parts))
         }
@@ -369,21 +380,27 @@ fn message(m: &Value, at: &str, images: &mut Vec<ImageRef>) -> Result<Message, A
     }
 }
 
-/// Text as given, unless it holds the model's image placeholder (which would stand for an
+/// Text as given, unless it holds one of the model's placeholders (which would stand for an
 /// image that is not there).
-fn text<'a>(s: &'a str, at: &str) -> Result<&'a str, ApiError> {
-    if s.contains(IMAGE_TOKEN) {
+fn text<'a>(s: &'a str, at: &str, reserved: &[&str]) -> Result<&'a str, ApiError> {
+    if let Some(r) = reserved.iter().find(|r| s.contains(**r)) {
         return Err(ApiError::invalid_param(
             at,
             format!(
-                "{at} contains {IMAGE_TOKEN:?}, the model's image placeholder: send images as image_url parts"
+                "{at} contains {r:?}, the model's image placeholder: send images as image_url parts"
             ),
         ));
     }
     Ok(s)
 }
 
-fn part(p: &Value, role: &str, at: &str, images: &mut Vec<ImageRef>) -> Result<Part, ApiError> {
+fn part(
+    p: &Value,
+    role: &str,
+    at: &str,
+    reserved: &[&str],
+    images: &mut Vec<ImageRef>,
+) -> Result<Part, ApiError> {
     let Value::Object(o) = p else {
         return Err(ApiError::invalid_param(
             at,
@@ -396,7 +413,7 @@ fn part(p: &Value, role: &str, at: &str, images: &mut Vec<ImageRef>) -> Result<P
     match o.get("type").and_then(Value::as_str) {
         Some("text") => match o.get("text") {
             Some(Value::String(s)) => Ok(Part::Text {
-                text: text(s, &format!("{at}.text"))?.to_string(),
+                text: text(s, &format!("{at}.text"), reserved)?.to_string(),
             }),
             _ => Err(ApiError::invalid_param(
                 format!("{at}.text"),
@@ -473,14 +490,11 @@ pub fn prompt(
     let prompt = cx
         .info
         .prompter
-        .build(messages, &decoded, true)
+        .prompt(messages, &decoded)
         .map_err(ApiError::from)?;
     drop(decoded);
-    for (permit, im) in memory.iter_mut().zip(&prompt.images) {
-        keep(
-            permit,
-            im.tiles.iter().map(|t| t.patches.len() as u64).sum(),
-        );
+    for (permit, m) in memory.iter_mut().zip(&prompt.media) {
+        keep(permit, m.bytes);
     }
     // As the model's own `Chat::prompt` refuses it.
     if prompt.ids.len() >= cx.info.context {
@@ -493,7 +507,7 @@ pub fn prompt(
             ),
         ));
     }
-    Ok((prompt.into_chat(), memory))
+    Ok((prompt, memory))
 }
 
 /// Read an image: its header decides first — how the processor will cut it and the memory
@@ -502,14 +516,13 @@ fn read_image(url: &str, cx: &Context) -> Result<(Image, OwnedSemaphorePermit), 
     let invalid = |e: tessera_core::Error| ApiError::invalid(e.to_string());
     let bytes = image_bytes(url, cx.allow_file_paths, cx.limits)?;
     let header = Image::header(&bytes).map_err(invalid)?;
-    let layout = cx
+    let prepare = cx
         .info
         .prompter
-        .processor()
-        .plan(header.width, header.height)
+        .image_peak_bytes(header.width, header.height)
         .map_err(invalid)?;
     let rgb = header.width as u64 * header.height as u64 * 3;
-    let peak = (header.decode_bytes + rgb).max(rgb + layout.peak_bytes);
+    let peak = (header.decode_bytes + rgb).max(rgb + prepare);
     let memory = reserve(&header, peak, cx.limits, cx.image_memory)?;
     let image = Image::decode_with(&bytes, &header).map_err(invalid)?;
     Ok((image, memory))
@@ -521,7 +534,7 @@ mod tests {
     use serde_json::json;
 
     fn shape(v: Value) -> Result<(Vec<Message>, Vec<ImageRef>), ApiError> {
-        messages(Some(&v), 4)
+        messages(Some(&v), 4, &["<image>"])
     }
 
     fn param(e: ApiError) -> String {

@@ -52,7 +52,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use chat::{ChatLoader, ChatModel};
+pub use chat::ChatLoader;
 pub use config::{Limits, Schedule, ServerConfig};
 pub use embeddings::Loader;
 pub use images::ImageLoader;

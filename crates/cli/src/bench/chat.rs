@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use tessera_core::{Error, Result};
+use tessera_models::chat_family::CacheShape;
 use tessera_models::chat_family::ChatPrompt;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::CacheShape;
 use tessera_runtime::chat::{self, Chat, ChatEvent, ChatOptions, GenerationParams};
 use tessera_runtime::decode::{Control, SamplingParams};
 use tessera_runtime::family::Capability;

@@ -10,12 +10,12 @@ use tessera_core::{Error, Result};
 
 use super::config::Lfm2VlConfig;
 use super::model::{Lfm2Vl, SlotTurn};
-use super::processor::ProcessedImage;
+use super::processor::{IMAGE_TOKEN, ProcessedImage};
 use super::prompt::{Prompt, Prompter};
 use super::text::CacheShape;
 use super::vision::TilePatches;
 use crate::ModelFiles;
-use crate::chat_family::{ChatFamily, ChatPrompt, Chunk, Media};
+use crate::chat_family::{ChatFamily, ChatPrompt, ChatPrompter, Chunk, Media};
 use crate::chat_template::Message;
 use crate::generation::SamplingDefaults;
 use crate::imageproc::Image;
@@ -32,6 +32,7 @@ impl Prompt {
                 start,
                 end,
                 digest: image_digest(&im),
+                bytes: im.tiles.iter().map(|t| t.patches.len() as u64).sum(),
                 input: Arc::new(im),
             })
             .collect();
@@ -54,11 +55,35 @@ fn image_digest(im: &ProcessedImage) -> [u8; 32] {
     h.finalize().into()
 }
 
+impl ChatPrompter for Prompter {
+    fn check_length(&self, messages: &[Message], context: usize) -> Result<()> {
+        Prompter::check_length(self, messages, context)
+    }
+    fn max_text_chars(&self, context: usize) -> usize {
+        Prompter::max_text_chars(self, context)
+    }
+    fn image_peak_bytes(&self, width: usize, height: usize) -> Result<u64> {
+        Ok(self.processor().plan(width, height)?.peak_bytes)
+    }
+    fn reserved_text(&self) -> &[&'static str] {
+        &[IMAGE_TOKEN]
+    }
+    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt> {
+        Ok(self.build(messages, images, true)?.into_chat())
+    }
+    fn sampling(&self) -> SamplingDefaults {
+        self.generation_defaults()
+    }
+    fn detokenize(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer().decode(ids, true)
+    }
+}
+
 /// LFM2-VL on its device with its prompt builder.
 pub struct Lfm2VlChat<B: Backend> {
     be: B,
     model: Lfm2Vl<B>,
-    prompter: Prompter,
+    prompter: Arc<Prompter>,
     eos: Vec<u32>,
 }
 
@@ -84,7 +109,7 @@ impl<B: Backend> Lfm2VlChat<B> {
         Ok(Lfm2VlChat {
             be,
             model,
-            prompter,
+            prompter: Arc::new(prompter),
             eos,
         })
     }
@@ -107,27 +132,8 @@ impl<B: Backend> ChatFamily for Lfm2VlChat<B> {
     fn end_tokens(&self) -> &[u32] {
         &self.eos
     }
-    fn sampling(&self) -> SamplingDefaults {
-        self.prompter.generation_defaults()
-    }
-    fn detokenize(&self, ids: &[u32]) -> Result<String> {
-        self.prompter.tokenizer().decode(ids, true)
-    }
-    fn max_prompt_chars(&self) -> usize {
-        self.prompter.max_text_chars(self.ctx())
-    }
-
-    fn prompt(&self, messages: &[Message], images: &[Image]) -> Result<ChatPrompt> {
-        self.prompter.check_length(messages, self.ctx())?;
-        let p = self.prompter.build(messages, images, true)?;
-        if p.ids.len() >= self.ctx() {
-            return Err(Error::input(format!(
-                "the prompt has {} tokens; the context holds {}, so nothing can be generated",
-                p.ids.len(),
-                self.ctx()
-            )));
-        }
-        Ok(p.into_chat())
+    fn prompter(&self) -> Arc<dyn ChatPrompter> {
+        self.prompter.clone()
     }
 
     fn snapshot_places(&self) -> usize {

@@ -46,12 +46,7 @@ const MLP: MlpNames = MlpNames {
     down: "feed_forward.w2.weight",
 };
 
-/// How many sequences the cache holds at once and how many tokens each may reach.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CacheShape {
-    pub slots: usize,
-    pub ctx: usize,
-}
+pub use crate::chat_family::CacheShape;
 
 struct Conv<B: Backend> {
     in_proj: B::Mat,

@@ -106,8 +106,11 @@ async fn start(app: AppState, req: Request) -> Result<Started, ApiError> {
     let body: ChatRequest = json::parse(&bytes)?;
     drop(bytes);
     let settings = chat_inputs::settings(&body, &info)?;
-    let (messages, images) =
-        chat_inputs::messages(body.messages.as_ref(), app.config.limits.max_inputs)?;
+    let (messages, images) = chat_inputs::messages(
+        body.messages.as_ref(),
+        app.config.limits.max_inputs,
+        info.prompter.reserved_text(),
+    )?;
     drop(body);
     let (prompt, image_memory) = {
         let (app, info) = (app.clone(), info.clone());

@@ -77,8 +77,14 @@ pub fn qwen_image_bundled() -> ImageLoader {
 /// The bundled LFM2-VL on the CPU.
 pub fn chat_bundled() -> ChatLoader {
     let cfg = Lfm2VlConfig::read(&lfm2vl::BUNDLED).unwrap();
-    tessera_server::chat::loader(lfm2vl::BUNDLED, cfg, || {
-        Ok(AnyBackend::Cpu(CpuBackend::new()))
+    Box::new(move |cache| {
+        chat::load_with(
+            AnyBackend::Cpu(CpuBackend::new()),
+            &lfm2vl::BUNDLED,
+            &cfg,
+            cache,
+            chat::ChatOptions::serving(),
+        )
     })
 }
 
