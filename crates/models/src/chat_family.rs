@@ -132,4 +132,9 @@ pub trait ChatFamily: Send {
     /// Make `slot`'s state the one kept in `place`, so that the slot continues from the
     /// position it was kept at.
     fn restore(&mut self, slot: usize, place: usize) -> Result<()>;
+    /// Copy what slot `from` holds for its first `n` tokens (attention keys and values) into
+    /// slot `to`, leaving `from` as it is; the scheduler then restores `to`'s state at `n` from
+    /// a place kept there. A prefix another slot holds — running or kept for its conversation —
+    /// is reused without recomputing it and without taking that slot.
+    fn copy_prefix(&mut self, from: usize, to: usize, n: usize) -> Result<()>;
 }

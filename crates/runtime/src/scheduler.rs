@@ -114,6 +114,16 @@ impl Slot {
     }
 }
 
+/// Where a new reply runs: its slot, the prompt tokens already there, the kept state to
+/// restore at that position, and the slot those tokens are copied from (none: continued in
+/// place).
+struct Choice {
+    slot: usize,
+    cached: usize,
+    place: Option<usize>,
+    from: Option<usize>,
+}
+
 /// A reply being generated.
 struct Running {
     conv: ConversationId,
@@ -200,15 +210,12 @@ impl<F: ChatFamily> Scheduler<F> {
         self.clock
     }
 
-    /// The slot `conv` will run in and the prefix of `prompt` it continues (with the kept
-    /// place to restore), or why none can be had.
-    fn choose(
-        &self,
-        conv: ConversationId,
-        prompt: &ChatPrompt,
-    ) -> Result<(usize, usize, Option<usize>)> {
+    /// The slot `conv` will run in and the prefix of `prompt` it starts with (continued in
+    /// place, or copied from another slot), or why none can be had.
+    fn choose(&self, conv: ConversationId, prompt: &ChatPrompt) -> Result<Choice> {
         let own = self.slots.iter().position(|s| s.owner == Some(conv));
         let idle = |s: &Slot| !s.running;
+        let empty = |s: &Slot| idle(s) && s.owner.is_none() && s.ids.is_empty();
         let best = if self.options.prefix_cache {
             // The longest usable prefix among idle slots; the conversation's own slot first.
             let mut order: Vec<usize> = own.into_iter().collect();
@@ -226,30 +233,78 @@ impl<F: ChatFamily> Scheduler<F> {
                     *n > 0 && place.is_none() && *n == self.slots[*i].ids.len()
                 })
         };
-        if let Some((i, (n, place))) = best {
-            return Ok((i, n, place));
+        let in_place = |(slot, (cached, place)): (usize, (usize, Option<usize>))| Choice {
+            slot,
+            cached,
+            place,
+            from: None,
+        };
+        if let Some(b) = best.filter(|&(i, _)| Some(i) == own) {
+            return Ok(in_place(b)); // a conversation's own history: nothing to copy
+        }
+        if self.options.prefix_cache
+            && let Some(copy) = self.copy_choice(prompt, best.map_or(0, |(_, (n, _))| n))
+        {
+            return Ok(copy);
+        }
+        if let Some(b) = best {
+            return Ok(in_place(b));
         }
         // Without a prefix to continue: the conversation's own slot (without the prefix cache),
         // an empty one, else the one idle the longest gives way.
-        let empty = |s: &Slot| idle(s) && s.owner.is_none() && s.ids.is_empty();
         let slot = own
             .filter(|&i| idle(&self.slots[i]) && !self.options.prefix_cache)
             .or_else(|| self.slots.iter().position(empty))
-            .or_else(|| {
-                self.slots
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, s)| idle(s))
-                    .min_by_key(|(_, s)| s.used)
-                    .map(|(i, _)| i)
-            });
+            .or_else(|| self.least_recent(None));
         match slot {
-            Some(i) => Ok((i, 0, None)),
+            Some(i) => Ok(in_place((i, (0, None)))),
             None => Err(Error::input(format!(
                 "all {} cache slots are taken by running replies; try again when one has finished",
                 self.slots.len()
             ))),
         }
+    }
+
+    /// A copy of another slot's prefix into a slot of its own, where that starts `prompt` further
+    /// than continuing an idle slot in place (`in_place` tokens), or as far but without taking
+    /// a slot someone may come back to: the source may be running, and keeps what it holds.
+    /// Only from a kept state (the copy's state at its end is restored from it).
+    fn copy_choice(&self, prompt: &ChatPrompt, in_place: usize) -> Option<Choice> {
+        let (from, cached, place) = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s.usable(prompt) {
+                (n, Some(place)) if n > 0 => Some((i, n, place)),
+                _ => None,
+            })
+            .max_by_key(|&(_, n, _)| n)?;
+        let empty = self
+            .slots
+            .iter()
+            .position(|s| !s.running && s.owner.is_none() && s.ids.is_empty());
+        let slot = match empty {
+            Some(e) if cached >= in_place => e,
+            // Otherwise a slot gives way only for a longer prefix than continuing in place.
+            _ if cached > in_place => self.least_recent(Some(from))?,
+            _ => return None,
+        };
+        Some(Choice {
+            slot,
+            cached,
+            place: Some(place),
+            from: Some(from),
+        })
+    }
+
+    /// The idle slot used least recently, other than `except`.
+    fn least_recent(&self, except: Option<usize>) -> Option<usize> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|&(i, s)| !s.running && Some(i) != except)
+            .min_by_key(|(_, s)| s.used)
+            .map(|(i, _)| i)
     }
 
     /// Free places of `slot` for kept states.
@@ -410,7 +465,22 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
             )));
         }
         let sampler = Sampler::new(params.sampling)?;
-        let (slot, cached, place) = self.choose(conv, &prompt)?;
+        let Choice {
+            slot,
+            cached,
+            place,
+            from,
+        } = self.choose(conv, &prompt)?;
+        if let Some(from) = from {
+            self.family.copy_prefix(from, slot, cached)?;
+            let src = &self.slots[from];
+            let (ids, media) = (src.ids[..cached].to_vec(), src.media.clone());
+            let s = &mut self.slots[slot];
+            s.clear();
+            s.ids = ids;
+            s.media = media.into_iter().filter(|m| m.1 <= cached).collect();
+            // The source's kept states stay its own: their places are in its range.
+        }
         if let Some(place) = place {
             self.family.restore(slot, place)?;
         }
@@ -692,7 +762,17 @@ mod tests {
             let k = self.kept[place]
                 .clone()
                 .ok_or_else(|| Error::backend("counter", "restore of a place never kept"))?;
+            if !self.slots[slot].is_empty() && !k.starts_with(&self.slots[slot]) {
+                return Err(Error::backend(
+                    "counter",
+                    "the slot's keys are another prefix",
+                ));
+            }
             self.slots[slot] = k;
+            Ok(())
+        }
+        fn copy_prefix(&mut self, from: usize, to: usize, n: usize) -> Result<()> {
+            self.slots[to] = self.slots[from][..n].to_vec();
             Ok(())
         }
     }
@@ -777,5 +857,49 @@ mod tests {
             assert_eq!(rc.cached_tokens, b.len() + rb.tokens.len() - 1);
             assert_eq!(rc.tokens, reply(&mut fresh, 2, &c, 6).1.tokens);
         }
+    }
+
+    /// A prompt sharing a prefix with a running reply's slot copies it into a free slot (from
+    /// the state kept at a block boundary) instead of prefilling it, and leaves the running
+    /// slot whole: its conversation's next turn still continues all of it. The replies are
+    /// those of an empty cache.
+    #[test]
+    fn a_prefix_is_copied_from_a_running_slot() {
+        let a: Vec<u32> = (0..150).map(|i| (i * 5 % 7) as u32).collect();
+        let mut b = a[..140].to_vec();
+        b.extend([3, 1]);
+        let mut fresh = scheduler(false, 2048);
+        let want_b = reply(&mut fresh, 1, &b, 6).1;
+        let params = |max| GenerationParams {
+            sampling: SamplingParams::default(),
+            max_tokens: max,
+            stop: Vec::new(),
+        };
+        let mut s = scheduler(true, 2048);
+        s.begin(1, prompt(&a), &params(3)).unwrap();
+        s.step(&mut |_, _| Control::Continue).unwrap(); // `a` prefilled, decoding
+        s.begin(2, prompt(&b), &params(6)).unwrap();
+        let mut done = Vec::new();
+        while !s.running.is_empty() {
+            s.step(&mut |conv, ev| {
+                if let ChatEvent::Done(r) = ev {
+                    done.push((conv, r.clone()));
+                }
+                Control::Continue
+            })
+            .unwrap();
+        }
+        done.sort_by_key(|d| d.0);
+        let (ra, rb) = (&done[0].1, &done[1].1);
+        assert_eq!((rb.cached_tokens, &rb.tokens), (128, &want_b.tokens));
+        assert_eq!(ra.tokens, reply(&mut fresh, 2, &a, 3).1.tokens);
+        s.end(1);
+        s.end(2);
+        let mut c = a.clone();
+        c.extend(&ra.tokens);
+        c.extend([4, 4]);
+        let rc = reply(&mut s, 3, &c, 6).1;
+        assert_eq!(rc.cached_tokens, a.len() + ra.tokens.len() - 1);
+        assert_eq!(rc.tokens, reply(&mut fresh, 3, &c, 6).1.tokens);
     }
 }

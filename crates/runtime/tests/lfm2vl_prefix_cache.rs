@@ -1,7 +1,8 @@
 //! The scheduler's prefix cache on the bundled miniature LFM2-VL (CPU): a request continues
 //! what an idle cache slot holds — a conversation's earlier turn, a shared system prompt, the
 //! same image — and prefills only the rest, kept convolution states making the answer the one
-//! an empty cache gives; the slot used least recently gives way; prompts are also prefilled in
+//! an empty cache gives; a prefix another slot holds is copied into a free slot rather than
+//! taking that slot; the slot used least recently gives way; prompts are also prefilled in
 //! chunks beside decoding sequences.
 
 use std::path::{Path, PathBuf};
@@ -140,6 +141,30 @@ fn a_shared_system_prompt_is_prefilled_once() {
     );
     assert_eq!(rb.tokens, ask(plain.as_mut(), 1, &b, &[], 12).tokens);
     assert_eq!(ra.tokens, ask(plain.as_mut(), 1, &a, &[], 12).tokens);
+}
+
+/// A request sharing a system prompt with an idle conversation copies the shared part (keys and
+/// values, and the state kept at a block boundary) into a free slot instead of taking that
+/// conversation's slot, whose next turn still continues all of it; both replies are those of
+/// an empty cache.
+#[test]
+fn a_shared_prefix_is_copied_and_the_conversation_keeps_its_slot() {
+    let system = "You are a careful assistant. ".repeat(12);
+    let turn = |q: &str| vec![Message::new("system", &system), Message::new("user", q)];
+    let (a, b) = (turn("Tell me a story."), turn("Name three colours."));
+    let mut m = cached(2);
+    let mut plain = model(1, ChatOptions::default());
+    // One token: the slot then holds exactly what the next turn's prompt starts with.
+    let ra = ask(m.as_mut(), 1, &a, &[], 1);
+    let rb = ask(m.as_mut(), 2, &b, &[], 12);
+    assert!(rb.cached_tokens >= 128, "{} reused", rb.cached_tokens);
+    assert_eq!(rb.tokens, ask(plain.as_mut(), 1, &b, &[], 12).tokens);
+    let mut next = a.clone();
+    next.push(Message::new("assistant", &ra.text));
+    next.push(Message::new("user", "Go on."));
+    let rn = ask(m.as_mut(), 3, &next, &[], 8);
+    assert_eq!(rn.cached_tokens, ra.prompt_tokens);
+    assert_eq!(rn.tokens, ask(plain.as_mut(), 1, &next, &[], 8).tokens);
 }
 
 /// A second question about the same image continues from the image's end (its tokens are not

@@ -186,4 +186,8 @@ impl<B: Backend> ChatFamily for Lfm2VlChat<B> {
     fn restore(&mut self, slot: usize, place: usize) -> Result<()> {
         self.model.text.restore(&self.be, slot, place)
     }
+
+    fn copy_prefix(&mut self, from: usize, to: usize, n: usize) -> Result<()> {
+        self.model.text.copy_prefix(&self.be, from, to, n)
+    }
 }

@@ -384,6 +384,45 @@ impl<B: Backend> Lfm2Text<B> {
         self.cfg.conv_kernel.saturating_sub(1).max(1)
     }
 
+    /// Copy the keys and values of slot `from`'s first `n` positions into slot `to`, through a
+    /// scratch buffer per layer (source and destination are rows of one buffer). The
+    /// convolution states are not copied: the caller restores `to`'s from a place kept at `n`.
+    pub fn copy_prefix(&mut self, be: &B, from: usize, to: usize, n: usize) -> Result<()> {
+        let (slots, ctx) = (self.shape.slots, self.shape.ctx);
+        if from >= slots || to >= slots || from == to || n > ctx {
+            return Err(Error::input(format!(
+                "copy of {n} positions from slot {from} to slot {to} of {slots} (context {ctx})"
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let mut own = be.alloc(n, Role::Index)?;
+        be.write_u32(&mut own, &(0..n as u32).collect::<Vec<_>>())?;
+        let mut dest = be.alloc(n, Role::Index)?;
+        let at = |p: usize| (to * ctx + p) as u32;
+        be.write_u32(&mut dest, &(0..n).map(at).collect::<Vec<_>>())?;
+        let cols = self.layout.kv_cols();
+        let mut tmp = be.alloc(n * cols, Role::Compute)?;
+        for l in &mut self.layers {
+            if let Mixer::Attn(at) = &mut l.mixer {
+                for cache in [&mut at.k, &mut at.v] {
+                    be.scatter_rows(
+                        View::new(cache, at.rows, cols).rows(from * ctx, n),
+                        &own,
+                        ViewMut::new(&mut tmp, n, cols),
+                    )?;
+                    be.scatter_rows(
+                        View::new(&tmp, n, cols),
+                        &dest,
+                        ViewMut::new(cache, at.rows, cols),
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Make `slot`'s convolution states the ones kept in `place`.
     pub fn restore(&mut self, be: &B, slot: usize, place: usize) -> Result<()> {
         if slot >= self.shape.slots || place >= self.places {
