@@ -119,13 +119,18 @@ fn a_follow_up_request_prefills_only_its_new_tokens() {
     );
 }
 
+/// Two single-turn conversations with one long system prompt (over two blocks of 64 tokens).
+fn sharing_a_system_prompt() -> (Vec<Message>, Vec<Message>) {
+    let system = "You are a careful assistant. ".repeat(12);
+    let turn = |q: &str| vec![Message::new("system", &system), Message::new("user", q)];
+    (turn("Tell me a story."), turn("Name three colours."))
+}
+
 /// Requests sharing a long system prompt continue it from a kept state (a block boundary),
 /// never past where they differ, with the replies an empty cache gives.
 #[test]
 fn a_shared_system_prompt_is_prefilled_once() {
-    let system = "You are a careful assistant. ".repeat(12);
-    let turn = |q: &str| vec![Message::new("system", &system), Message::new("user", q)];
-    let (a, b) = (turn("Tell me a story."), turn("Name three colours."));
+    let (a, b) = sharing_a_system_prompt();
     let mut m = cached(2);
     let mut plain = model(1, ChatOptions::default());
     let common = shared(m.as_ref(), (&a, &[]), (&b, &[]));
@@ -149,9 +154,7 @@ fn a_shared_system_prompt_is_prefilled_once() {
 /// an empty cache.
 #[test]
 fn a_shared_prefix_is_copied_and_the_conversation_keeps_its_slot() {
-    let system = "You are a careful assistant. ".repeat(12);
-    let turn = |q: &str| vec![Message::new("system", &system), Message::new("user", q)];
-    let (a, b) = (turn("Tell me a story."), turn("Name three colours."));
+    let (a, b) = sharing_a_system_prompt();
     let mut m = cached(2);
     let mut plain = model(1, ChatOptions::default());
     // One token: the slot then holds exactly what the next turn's prompt starts with.
