@@ -930,6 +930,119 @@ unsafe fn dot_q6_k_vnni<const R: usize>(row: &[u8], records: &[Record]) -> [f32;
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
 }
 
+/// A Q4_K block unpacked as [`dot_vnni`] uses it: its two groups' weight registers (`wa`, `wb`
+/// each) and lane scales `d · sc`, and its eight sub-blocks' `dmin · m`. Three times the packed
+/// block's bytes, so made once per task for prefill ([`q4_k_unpack`]), where every tile of rows
+/// would otherwise unpack the same weights again.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Q4kBlock {
+    w: [[u8; 64]; 4],
+    dw: [[f32; 16]; 2],
+    dm: [f32; 8],
+}
+
+/// Unpack a Q4_K row's blocks into `out` (emptied first), as [`dot_vnni`] unpacks them.
+///
+/// # Safety
+/// The CPU has AVX2, F16C and AVX512F; `row` holds whole Q4_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn q4_k_unpack(row: &[u8], out: &mut Vec<Q4kBlock>) {
+    use std::arch::x86_64::*;
+    let low = _mm512_set1_epi8(0x0f);
+    let firsts = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    let seconds = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    let spread = [
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+    ];
+    out.clear();
+    for b in row.chunks_exact(DType::Q4_K.block_bytes()) {
+        let mut u = Q4kBlock {
+            w: [[0; 64]; 4],
+            dw: [[0.0; 16]; 2],
+            dm: [0.0; 8],
+        };
+        let dd = f16_bits(u16::from_le_bytes([b[0], b[1]]));
+        let dmin = f16_bits(u16::from_le_bytes([b[2], b[3]]));
+        let mut packed = [0u8; 12];
+        packed.copy_from_slice(&b[4..16]);
+        let (sc, mn) = q4_k_scales_mins(&packed);
+        let bytes = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+        let ds = _mm256_mul_ps(_mm256_set1_ps(dd), bytes(sc));
+        let dm = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes(mn));
+        // SAFETY: `u`'s arrays hold what is stored; a Q4_K block is 144 bytes, its runs of
+        // nibbles at 16..144.
+        unsafe {
+            _mm256_storeu_ps(u.dm.as_mut_ptr(), dm);
+            for (h, spread) in spread.iter().enumerate() {
+                let t = _mm512_loadu_si512(b.as_ptr().add(16 + 64 * h).cast());
+                let lo = _mm512_and_si512(t, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+                let wa = _mm512_permutex2var_epi64(lo, firsts, hi);
+                let wb = _mm512_permutex2var_epi64(lo, seconds, hi);
+                _mm512_storeu_si512(u.w[2 * h].as_mut_ptr().cast(), wa);
+                _mm512_storeu_si512(u.w[2 * h + 1].as_mut_ptr().cast(), wb);
+                let dw = _mm512_permutexvar_ps(*spread, _mm512_castps256_ps512(ds));
+                _mm512_storeu_ps(u.dw[h].as_mut_ptr(), dw);
+            }
+        }
+        out.push(u);
+    }
+}
+
+/// [`dot_vnni`] on one Q4_K row unpacked by [`q4_k_unpack`]: the same operations in the same
+/// order, so the same results, without unpacking.
+///
+/// # Safety
+/// As [`dot_vnni`]'s, `row` one Q4_K row's unpacked blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
+    row: &[Q4kBlock],
+    records: &[Record],
+    dxs: [&[f32]; R],
+) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut mins = [_mm256_setzero_ps(); R];
+    for (kb, u) in row.iter().enumerate() {
+        for h in 0..2 {
+            let g = 2 * kb + h;
+            // SAFETY: `u` holds both groups; `records` R records per group (the caller's
+            // promise), each 128 values and 16 scales.
+            unsafe {
+                let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
+                let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
+                let dw = _mm512_loadu_ps(u.dw[h].as_ptr());
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let rec = records.get_unchecked(g * R + r);
+                    let x = rec.q.as_ptr();
+                    let dot = _mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(),
+                        wa,
+                        _mm512_loadu_si512(x.cast()),
+                    );
+                    let dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
+                    let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+                }
+            }
+        }
+        // SAFETY: 8 mins; one `d · Σ q_x` per sub-block, 8 per Q4_K block (the caller's promise).
+        unsafe {
+            let dm = _mm256_loadu_ps(u.dm.as_ptr());
+            for r in 0..R {
+                let dxs = _mm256_loadu_ps(dxs[r].as_ptr().add(8 * kb));
+                mins[r] = _mm256_fmadd_ps(dm, dxs, mins[r]);
+            }
+        }
+    }
+    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]))
+}
+
 /// Activation rows per AVX2 or VNNI call: each weight block is unpacked once for this many rows.
 const ROW_TILE: usize = 4;
 
@@ -1000,6 +1113,19 @@ fn product_on(
         #[cfg(target_arch = "x86_64")]
         match (kernel, &packed) {
             (Kernel::Vnni, Some(p)) => {
+                // Q4_K prefill: the task's weight rows unpacked once for all its tiles.
+                let unpacked: Vec<Vec<Q4kBlock>> = if dtype == DType::Q4_K && m >= 2 * ROW_TILE {
+                    js.clone()
+                        .map(|j| {
+                            let mut u = Vec::with_capacity(blocks / 8);
+                            // SAFETY: the CPU has the features; `w.row(j)` holds whole blocks.
+                            unsafe { q4_k_unpack(w.row(j), &mut u) };
+                            u
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 while i + ROW_TILE <= m {
                     let (recs, dxs) = (
                         p.records(i, ROW_TILE),
@@ -1007,8 +1133,14 @@ fn product_on(
                     );
                     for j in js.clone() {
                         // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
-                        // were packed from `k` values, `w.row(j)` holds `k` values' blocks.
-                        let s = unsafe { dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs) };
+                        // were packed from `k` values, `w.row(j)` holds `k` values' blocks (and
+                        // `unpacked` those blocks unpacked).
+                        let s = unsafe {
+                            match unpacked.get(j - js.start) {
+                                Some(u) => dot_q4_k_vnni_unpacked::<ROW_TILE>(u, recs, dxs),
+                                None => dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs),
+                            }
+                        };
                         for (r, s) in s.into_iter().enumerate() {
                             store(i + r, j, s);
                         }
