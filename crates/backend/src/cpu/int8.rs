@@ -844,90 +844,116 @@ unsafe fn dot_vnni<const R: usize>(
 unsafe fn dot_q6_k_vnni<const R: usize>(row: &[u8], records: &[Record]) -> [f32; R] {
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); R];
-    let low = _mm512_set1_epi8(0x0f);
-    let top = _mm512_set1_epi8(0x30);
-    // `qh` (32 bytes, twice) to quarters 0 and 1's top bits: shifted left 4 and 2 (then masked to
-    // bits 4, 5); to quarters 2 and 3's: shifted right 0 and 2.
-    let (left, right) = {
-        let halves = |a: i16, b: i16| {
-            let mut v = [a; 32];
-            v[16..].fill(b);
-            // SAFETY: 32 words.
-            unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-        };
-        (halves(4, 2), halves(0, 2))
-    };
-    // Per half `h`, lane `l`'s sub-block scale: block `l / 4`'s first (`2 (l / 4)`) or second.
-    let picks = |h: i32, second: i32| {
-        let s = |b: i32| 8 * h + 2 * b + second;
-        _mm512_setr_epi32(
-            s(0),
-            s(0),
-            s(0),
-            s(0),
-            s(1),
-            s(1),
-            s(1),
-            s(1),
-            s(2),
-            s(2),
-            s(2),
-            s(2),
-            s(3),
-            s(3),
-            s(3),
-            s(3),
-        )
-    };
-    let picks = [[picks(0, 0), picks(0, 1)], [picks(1, 0), picks(1, 1)]];
     for (kb, b) in row.chunks_exact(DType::Q6_K.block_bytes()).enumerate() {
         let dw = _mm512_set1_ps(f16_bits(u16::from_le_bytes([b[208], b[209]])));
-        // SAFETY: a Q6_K block is 210 bytes, its 16 scales at 192..208.
-        let scales = _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(b.as_ptr().add(192).cast()) });
-        for (h, [pa, pb]) in picks.iter().enumerate() {
-            // SAFETY: this half's 64 bytes of `ql` at 64·h, 32 of `qh` at 128 + 32·h.
-            let (ql, qh) = unsafe {
-                let p = b.as_ptr();
-                (
-                    _mm512_loadu_si512(p.add(64 * h).cast()),
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast())),
-                )
-            };
-            // Quarters 0 | 1 (64 bytes of `ql`'s low nibbles) and 2 | 3 (its high nibbles).
-            let q01 = _mm512_or_si512(
-                _mm512_and_si512(ql, low),
-                _mm512_and_si512(_mm512_sllv_epi16(qh, left), top),
-            );
-            let q23 = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
-                _mm512_and_si512(_mm512_srlv_epi16(qh, right), top),
-            );
-            let wa = _mm512_shuffle_i64x2::<0b10_00_10_00>(q01, q23);
-            let wb = _mm512_shuffle_i64x2::<0b11_01_11_01>(q01, q23);
-            let (sa, sb) = (
-                _mm512_permutexvar_epi32(*pa, scales),
-                _mm512_permutexvar_epi32(*pb, scales),
-            );
-            let g = 2 * kb + h;
-            for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: `records` holds R records per group, group by group (the caller's
-                // promise); each holds 128 values, 16 scales and 16 seeds.
-                unsafe {
-                    let rec = records.get_unchecked(g * R + r);
-                    let (x, seed) = (rec.q.as_ptr(), rec.seed.as_ptr());
-                    let da = _mm512_maskz_loadu_epi32(0x1111, seed.cast());
-                    let db = _mm512_maskz_loadu_epi32(0x2222, seed.cast());
-                    let da = _mm512_dpbusd_epi32(da, wa, _mm512_loadu_si512(x.cast()));
-                    let db = _mm512_dpbusd_epi32(db, wb, _mm512_loadu_si512(x.add(64).cast()));
-                    let dot =
-                        _mm512_add_epi32(_mm512_mullo_epi32(da, sa), _mm512_mullo_epi32(db, sb));
-                    let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
-                }
+        for h in 0..2 {
+            // SAFETY: `b` is a whole Q6_K block; `records` as the caller promises.
+            unsafe {
+                let w = q6_k_vnni_half(b, h);
+                q6_k_vnni_step(records, 2 * kb + h, w, dw, &mut acc);
             }
         }
     }
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
+}
+
+/// Half `h` of Q6_K block `b` for [`dot_q6_k_vnni`]: the weight registers `wa`, `wb` (`q`
+/// unsigned, in [`Packed`]'s order) and each lane's sub-block scale for `wa`'s and `wb`'s sums.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512BW; `b` holds one whole Q6_K block (210 bytes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_vnni_half(
+    b: &[u8],
+    h: usize,
+) -> (
+    std::arch::x86_64::__m512i,
+    std::arch::x86_64::__m512i,
+    std::arch::x86_64::__m512i,
+    std::arch::x86_64::__m512i,
+) {
+    use std::arch::x86_64::*;
+    let low = _mm512_set1_epi8(0x0f);
+    let top = _mm512_set1_epi8(0x30);
+    // `qh` (32 bytes, twice) to quarters 0 and 1's top bits: shifted left 4 and 2 (then masked to
+    // bits 4, 5); to quarters 2 and 3's: shifted right 0 and 2 (in 16-bit lanes, halves of 16).
+    let halves = |a: i16, c: i16| {
+        let v = _mm256_set1_epi16(a);
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_set1_epi16(c))
+    };
+    let (left, right) = (halves(4, 2), halves(0, 2));
+    // Lane `l`'s sub-block scale: block `l / 4`'s first (`2 (l / 4)`) or second, of half `h`.
+    let h = h as i32;
+    let pick = |second: i32| {
+        let s = |q: i32| 8 * h + 2 * q + second;
+        let (a, c, e, f) = (s(0), s(1), s(2), s(3));
+        _mm512_setr_epi32(a, a, a, a, c, c, c, c, e, e, e, e, f, f, f, f)
+    };
+    // SAFETY: a Q6_K block is 210 bytes: this half's 64 bytes of `ql` at 64·h, 32 of `qh` at
+    // 128 + 32·h, the 16 scales at 192..208.
+    let (ql, qh, scales) = unsafe {
+        let p = b.as_ptr();
+        (
+            _mm512_loadu_si512(p.add(64 * h as usize).cast()),
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h as usize).cast())),
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192).cast())),
+        )
+    };
+    // Quarters 0 | 1 (64 bytes of `ql`'s low nibbles) and 2 | 3 (its high nibbles).
+    let q01 = _mm512_or_si512(
+        _mm512_and_si512(ql, low),
+        _mm512_and_si512(_mm512_sllv_epi16(qh, left), top),
+    );
+    let q23 = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+        _mm512_and_si512(_mm512_srlv_epi16(qh, right), top),
+    );
+    (
+        _mm512_shuffle_i64x2::<0b10_00_10_00>(q01, q23),
+        _mm512_shuffle_i64x2::<0b11_01_11_01>(q01, q23),
+        _mm512_permutexvar_epi32(pick(0), scales),
+        _mm512_permutexvar_epi32(pick(1), scales),
+    )
+}
+
+/// One group of [`dot_q6_k_vnni`] for `R` rows: `(wa, wb, sa, sb)` from [`q6_k_vnni_half`],
+/// `dw` the block's `d` in every lane.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512_VNNI; `records` holds `R` records of group `g`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn q6_k_vnni_step<const R: usize>(
+    records: &[Record],
+    g: usize,
+    (wa, wb, sa, sb): (
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+    ),
+    dw: std::arch::x86_64::__m512,
+    acc: &mut [std::arch::x86_64::__m512; R],
+) {
+    use std::arch::x86_64::*;
+    for (r, acc) in acc.iter_mut().enumerate() {
+        // SAFETY: `records` holds R records per group, group by group (the caller's promise);
+        // each holds 128 values, 16 scales and 16 seeds.
+        unsafe {
+            let rec = records.get_unchecked(g * R + r);
+            let (x, seed) = (rec.q.as_ptr(), rec.seed.as_ptr());
+            let da = _mm512_maskz_loadu_epi32(0x1111, seed.cast());
+            let db = _mm512_maskz_loadu_epi32(0x2222, seed.cast());
+            let da = _mm512_dpbusd_epi32(da, wa, _mm512_loadu_si512(x.cast()));
+            let db = _mm512_dpbusd_epi32(db, wb, _mm512_loadu_si512(x.add(64).cast()));
+            let dot = _mm512_add_epi32(_mm512_mullo_epi32(da, sa), _mm512_mullo_epi32(db, sb));
+            let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+        }
+    }
 }
 
 /// A Q4_K block unpacked as [`dot_vnni`] uses it: its two groups' weight registers (`wa`, `wb`
@@ -1043,6 +1069,93 @@ unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]))
 }
 
+/// A Q6_K block unpacked as [`dot_q6_k_vnni`] uses it: per half (one group) the two weight
+/// registers and the two sub-block scale registers, and `d`. For prefill, as [`Q4kBlock`].
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Q6kBlock {
+    w: [[u8; 64]; 4],
+    sc: [[i32; 16]; 4],
+    d: f32,
+}
+
+/// Unpack a Q6_K row's blocks into `out` (emptied first), as [`dot_q6_k_vnni`] unpacks them.
+///
+/// # Safety
+/// The CPU has AVX2, F16C, AVX512F and AVX512BW; `row` holds whole Q6_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn q6_k_unpack(row: &[u8], out: &mut Vec<Q6kBlock>) {
+    use std::arch::x86_64::*;
+    out.clear();
+    for b in row.chunks_exact(DType::Q6_K.block_bytes()) {
+        let mut u = Q6kBlock {
+            w: [[0; 64]; 4],
+            sc: [[0; 16]; 4],
+            d: f16_bits(u16::from_le_bytes([b[208], b[209]])),
+        };
+        for h in 0..2 {
+            // SAFETY: a Q6_K block is 210 bytes (as in `q6_k_vnni_half`); `u`'s arrays hold
+            // what is stored.
+            unsafe {
+                let (wa, wb, sa, sb) = q6_k_vnni_half(b, h);
+                _mm512_storeu_si512(u.w[2 * h].as_mut_ptr().cast(), wa);
+                _mm512_storeu_si512(u.w[2 * h + 1].as_mut_ptr().cast(), wb);
+                _mm512_storeu_si512(u.sc[2 * h].as_mut_ptr().cast(), sa);
+                _mm512_storeu_si512(u.sc[2 * h + 1].as_mut_ptr().cast(), sb);
+            }
+        }
+        out.push(u);
+    }
+}
+
+/// [`dot_q6_k_vnni`] on one Q6_K row unpacked by [`q6_k_unpack`]: the same operations in the
+/// same order, so the same results, without unpacking.
+///
+/// # Safety
+/// As [`dot_vnni`]'s, `row` one Q6_K row's unpacked blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_q6_k_vnni_unpacked<const R: usize>(row: &[Q6kBlock], records: &[Record]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for (kb, u) in row.iter().enumerate() {
+        let dw = _mm512_set1_ps(u.d);
+        for h in 0..2 {
+            // SAFETY: `u` holds both halves; `records` R records per group (the caller's
+            // promise).
+            unsafe {
+                let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
+                let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
+                let sa = _mm512_loadu_si512(u.sc[2 * h].as_ptr().cast());
+                let sb = _mm512_loadu_si512(u.sc[2 * h + 1].as_ptr().cast());
+                q6_k_vnni_step(records, 2 * kb + h, (wa, wb, sa, sb), dw, &mut acc);
+            }
+        }
+    }
+    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
+}
+
+/// Weight rows `js` of `w` unpacked by `unpack` ([`q4_k_unpack`], [`q6_k_unpack`]).
+///
+/// # Safety
+/// As `unpack`'s: the CPU has its features and `w` is in its format.
+#[cfg(target_arch = "x86_64")]
+unsafe fn unpack_rows<T>(
+    w: &QuantMat,
+    js: std::ops::Range<usize>,
+    unpack: unsafe fn(&[u8], &mut Vec<T>),
+) -> Vec<Vec<T>> {
+    js.map(|j| {
+        let mut u = Vec::new();
+        // SAFETY: as the caller promises.
+        unsafe { unpack(w.row(j), &mut u) };
+        u
+    })
+    .collect()
+}
+
 /// Activation rows per AVX2 or VNNI call: each weight block is unpacked once for this many rows.
 const ROW_TILE: usize = 4;
 
@@ -1113,16 +1226,17 @@ fn product_on(
         #[cfg(target_arch = "x86_64")]
         match (kernel, &packed) {
             (Kernel::Vnni, Some(p)) => {
-                // Q4_K prefill: the task's weight rows unpacked once for all its tiles.
-                let unpacked: Vec<Vec<Q4kBlock>> = if dtype == DType::Q4_K && m >= 2 * ROW_TILE {
-                    js.clone()
-                        .map(|j| {
-                            let mut u = Vec::with_capacity(blocks / 8);
-                            // SAFETY: the CPU has the features; `w.row(j)` holds whole blocks.
-                            unsafe { q4_k_unpack(w.row(j), &mut u) };
-                            u
-                        })
-                        .collect()
+                // K-quant prefill: the task's weight rows unpacked once for all its tiles.
+                let prefill = m >= 2 * ROW_TILE;
+                // SAFETY (both): the CPU has the features (`kernel` is one it runs); `w`'s rows
+                // hold whole blocks of `dtype`.
+                let q4k = if prefill && dtype == DType::Q4_K {
+                    unsafe { unpack_rows(w, js.clone(), q4_k_unpack) }
+                } else {
+                    Vec::new()
+                };
+                let q6k = if prefill && dtype == DType::Q6_K {
+                    unsafe { unpack_rows(w, js.clone(), q6_k_unpack) }
                 } else {
                     Vec::new()
                 };
@@ -1134,11 +1248,13 @@ fn product_on(
                     for j in js.clone() {
                         // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
                         // were packed from `k` values, `w.row(j)` holds `k` values' blocks (and
-                        // `unpacked` those blocks unpacked).
+                        // `q4k`/`q6k` those blocks unpacked).
                         let s = unsafe {
-                            match unpacked.get(j - js.start) {
-                                Some(u) => dot_q4_k_vnni_unpacked::<ROW_TILE>(u, recs, dxs),
-                                None => dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs),
+                            let t = j - js.start;
+                            match (q4k.get(t), q6k.get(t)) {
+                                (Some(u), _) => dot_q4_k_vnni_unpacked::<ROW_TILE>(u, recs, dxs),
+                                (_, Some(u)) => dot_q6_k_vnni_unpacked::<ROW_TILE>(u, recs),
+                                _ => dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs),
                             }
                         };
                         for (r, s) in s.into_iter().enumerate() {
@@ -1655,10 +1771,11 @@ mod tests {
     /// Q6_K at its extremes — every scale −128, every `q` 0 or 63, every activation 127 — where
     /// the integer sums are largest (a block's `2 · 128 · 32 · 127 · 16`): no kernel saturates
     /// (`vpmaddubsw`'s pairs) or wraps, and every f32 sum is of multiples of 512 below 2^33, so
-    /// exact: each kernel returns the integer product exactly.
+    /// exact: each kernel returns the integer product exactly (9 rows: tiles of 4 on weights
+    /// unpacked once per task, and a lone row unpacking them as it goes).
     #[test]
     fn q6_k_extremes_stay_exact() {
-        let (k, n, m) = (512, 3, 5);
+        let (k, n, m) = (512, 3, 9);
         for (bits, w) in [(0x00u8, -32i64), (0xff, 31)] {
             let mut block = [bits; 210];
             block[192..208].fill(0x80);
