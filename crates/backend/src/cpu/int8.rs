@@ -36,7 +36,9 @@ use super::quant::QuantMat;
 const BLOCK: usize = 32;
 
 /// Weight rows per task: their blocks (at most 64 × 34 bytes per 2048 inputs, 35 KB in all)
-/// stay in L1, or L2 for long rows, while each tile of activation rows passes them all.
+/// stay in L1, or L2 for long rows, while each tile of activation rows passes them all. VNNI
+/// prefill's unpacked K-quant rows ([`Q4kBlock`], [`Q6kBlock`]) take 56 and 72 KB per 2048
+/// inputs: L2.
 const ROWS_PER_TASK: usize = 16;
 
 /// Whether the int8 path runs products on `dtype` weights (the others run exactly).
