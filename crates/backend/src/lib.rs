@@ -120,8 +120,8 @@ pub struct Quantization {
     /// The block format of weights the model's files already store quantized (a GGUF
     /// transformer), so its products are asked for on that format before anything loads.
     pub stored: Option<tessera_core::DType>,
-    /// Products on Q8_0, Q4_0 and Q4_K weights round their activations to int8 per block of 32 and
-    /// sum in integers (`--precision int8`, the CPU's fast mode); otherwise they are exact: f32
+    /// Products on Q8_0, Q4_0, Q4_K and Q6_K weights round their activations to int8 per block of
+    /// 32 and sum in integers (`--precision int8`, the CPU's fast mode); otherwise they are exact: f32
     /// on the decoded weights.
     pub int8: bool,
 }

@@ -58,15 +58,15 @@ pub struct DeviceArgs {
     device: String,
     /// bf16 (bf16 weights and GEMM inputs, f32 accumulation and statistics; the CUDA default),
     /// f32 (the exact mode; the CPU default), or int8 with --quantize (the CPU's fast mode:
-    /// products on Q8_0/Q4_0/Q4_K weights round their activations to int8 per block of 32 and sum in
-    /// integers; everything else f32).
+    /// products on Q8_0/Q4_0/Q4_K/Q6_K weights round their activations to int8 per block of 32 and
+    /// sum in integers; everything else f32).
     #[arg(long, env = "TESSERA_PRECISION")]
     precision: Option<String>,
     /// Quantize the model's product weights (its 2-D matrices whose rows are whole blocks;
     /// embedding tables, norms and biases stay as stored) to this format as they load, rounding
     /// as llama.cpp's quantizers do (fp8: as torch's float8_e4m3fn cast, one scale per row); no
     /// file is written. CPU only for now. Products then run exactly on the decoded weights
-    /// (f32), or with int8 activations under --precision int8 (q8_0, q4_0, q4_k).
+    /// (f32), or with int8 activations under --precision int8 (q8_0, q4_0, q4_k, q6_k).
     #[arg(long, value_enum, env = "TESSERA_QUANTIZE")]
     pub quantize: Option<Quantize>,
 }

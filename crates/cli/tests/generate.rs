@@ -1,8 +1,10 @@
 //! `tessera generate` end to end: the binary as a user runs it.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+mod common;
+use common::read_png;
 
 fn tessera(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tessera"))
@@ -14,23 +16,6 @@ fn tessera(args: &[&str]) -> Output {
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// `(width, height, RGB bytes, text chunks)` of a PNG.
-fn read_png(path: &Path) -> (u32, u32, Vec<u8>, BTreeMap<String, String>) {
-    let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
-    let mut reader = png::Decoder::new(file).read_info().unwrap();
-    let text = reader
-        .info()
-        .utf8_text
-        .iter()
-        .map(|c| (c.keyword.clone(), c.get_text().unwrap()))
-        .collect();
-    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
-    let info = reader.next_frame(&mut buf).unwrap();
-    assert_eq!(info.color_type, png::ColorType::Rgb);
-    buf.truncate(info.buffer_size());
-    (info.width, info.height, buf, text)
 }
 
 /// Entries of a folder, to check nothing is left behind.

@@ -1,9 +1,15 @@
-//! The fast mode of products on Q8_0, Q4_0 and Q4_K weights: each activation row is rounded to
-//! int8 per block of 32 (`d = max|x| / 127`, `q = round(x / d)`, the Q8_0 rounding with `d` kept
-//! in f32), and each block's dot product is summed in integers, then scaled by the two blocks'
-//! scales and summed in f32 — the technique of llama.cpp's Q8_0 activation path. A Q4_K
+//! The fast mode of products on Q8_0, Q4_0, Q4_K and Q6_K weights: each activation row is
+//! rounded to int8 per block of 32 (`d = max|x| / 127`, `q = round(x / d)`, the Q8_0 rounding with
+//! `d` kept in f32), and each block's dot product is summed in integers, then scaled by the two
+//! blocks' scales and summed in f32 — the technique of llama.cpp's Q8_0 activation path. A Q4_K
 //! sub-block of 32 (`ds · q − dm`) pairs with one activation block: `ds · Σ q q_x − dm · Σ q_x`,
-//! the activation sums kept with the rounded rows.
+//! the activation sums kept with the rounded rows. A Q6_K block of 32 holds two sub-blocks of 16
+//! (`d · sc · (q − 32)`, `sc` an int8 per 16): their integer sums are scaled by `sc` and added
+//! in integers (`sc_a · Σ_a + sc_b · Σ_b`, at most 2 · 128 · 32 · 127 · 16 < 2^24 in magnitude:
+//! exact in i32 and in its one conversion to f32), so a Q6_K block, like the others, leaves one
+//! integer per block of 32 to scale by `d · d_x` in f32 — in the portable and AVX2 kernels; VNNI
+//! keeps the two sub-blocks' exact integer sums apart and scales each by `d · sc · d_x` in f32
+//! (two FMAs instead of two `vpmulld`: about 5–9% faster at 64–512 rows here).
 //!
 //! Three kernels ([`Kernel`], the fastest this CPU has picked once by [`kernel`]):
 //! - AVX512-VNNI: `vpdpbusd` on 512-bit registers, four blocks per pair of registers
@@ -30,12 +36,14 @@ use super::quant::QuantMat;
 const BLOCK: usize = 32;
 
 /// Weight rows per task: their blocks (at most 64 × 34 bytes per 2048 inputs, 35 KB in all)
-/// stay in L1, or L2 for long rows, while each tile of activation rows passes them all.
+/// stay in L1, or L2 for long rows, while each tile of activation rows passes them all. VNNI
+/// prefill's unpacked K-quant rows ([`Q4kBlock`], [`Q6kBlock`]) take 56 and 72 KB per 2048
+/// inputs: L2.
 const ROWS_PER_TASK: usize = 16;
 
 /// Whether the int8 path runs products on `dtype` weights (the others run exactly).
 pub fn supports(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_K)
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q6_K)
 }
 
 /// The block-product kernel of the int8 products.
@@ -311,6 +319,75 @@ fn dot_q4_k_plain(row: &[u8], q: &[i8], d: &[f32], s: &[i32]) -> f32 {
     acc
 }
 
+/// Q6_K's super-block `b` (210 bytes) as its 256 values `q − 32` in order (the layout of
+/// `tessera_core::gguf`'s decoder: each half of 128 reads 64 bytes of `ql`, low nibbles for its
+/// values 0..64, high for 64..128, and 32 of `qh`, bit pairs 0, 2, 4, 6 for its quarters), its
+/// 16 scales (one per 16 values) and `d`.
+fn q6_k_block(b: &[u8], out: &mut [i8; 256]) -> ([i8; 16], f32) {
+    let (ql, rest) = b.split_at(128);
+    let (qh, rest) = rest.split_at(64);
+    for (h, half) in out.chunks_exact_mut(128).enumerate() {
+        let (ql, qh) = (&ql[64 * h..][..64], &qh[32 * h..][..32]);
+        for l in 0..32 {
+            let (a, c, hb) = (ql[l], ql[l + 32], qh[l]);
+            let q = [
+                (a & 0x0f) | ((hb & 3) << 4),
+                (c & 0x0f) | (((hb >> 2) & 3) << 4),
+                (a >> 4) | (((hb >> 4) & 3) << 4),
+                (c >> 4) | (((hb >> 6) & 3) << 4),
+            ];
+            for (quarter, q) in q.into_iter().enumerate() {
+                half[32 * quarter + l] = q as i8 - 32;
+            }
+        }
+    }
+    let scales = std::array::from_fn(|j| rest[j] as i8);
+    (
+        scales,
+        half::f16::from_le_bytes([rest[16], rest[17]]).to_f32(),
+    )
+}
+
+/// Q6_K against one rounded activation row, portably: per block of 32 the integer
+/// `sc_a · Σ_a (q − 32) q_x + sc_b · Σ_b (q − 32) q_x` over its two sub-blocks of 16, times
+/// `d · d_x` in f32.
+fn dot_q6_k_plain(row: &[u8], q: &[i8], d: &[f32]) -> f32 {
+    let mut w = [0i8; 256];
+    let mut acc = 0f32;
+    for (b, (qx, dx)) in row
+        .chunks_exact(DType::Q6_K.block_bytes())
+        .zip(q.chunks_exact(256).zip(d.chunks_exact(8)))
+    {
+        let (scales, dw) = q6_k_block(b, &mut w);
+        for (((wb, xb), sc), &dx) in w
+            .chunks_exact(BLOCK)
+            .zip(qx.chunks_exact(BLOCK))
+            .zip(scales.chunks_exact(2))
+            .zip(dx)
+        {
+            let sub = |r: std::ops::Range<usize>| -> i32 {
+                wb[r.clone()]
+                    .iter()
+                    .zip(&xb[r])
+                    .map(|(&a, &b)| i32::from(a) * i32::from(b))
+                    .sum()
+            };
+            let s = i32::from(sc[0]) * sub(0..16) + i32::from(sc[1]) * sub(16..32);
+            acc += dw * dx * s as f32;
+        }
+    }
+    acc
+}
+
+/// One rounded activation row against one weight row of `dtype`, portably.
+fn dot_portable(dtype: DType, row: &[u8], (q, d, s): Act<'_>) -> f32 {
+    match dtype {
+        DType::Q4_K => dot_q4_k_plain(row, q, d, s),
+        DType::Q6_K => dot_q6_k_plain(row, q, d),
+        _ => dot_plain(dtype, row, q, d),
+    }
+}
+
 /// As [`dot_q4_k_plain`] for `R` activation rows at once, with AVX2: per Q4_K block the eight
 /// sub-block scales and mins are decoded once, and each 32-byte run of nibbles is loaded once for
 /// its two sub-blocks (low nibbles, then high), which accumulate separately (the nibbles are the
@@ -372,6 +449,86 @@ unsafe fn dot_q4_k_avx2<const R: usize>(
     std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) - mins[r])
 }
 
+/// As [`dot_q6_k_plain`] for `R` activation rows at once, with AVX2: each half of a Q6_K block
+/// (64 bytes of `ql`, 32 of `qh`) unpacks once for the `R` rows into its four blocks of 32 values
+/// `q − 32`; per block and row `vpmaddubsw` (the sign moved onto the activations, as
+/// [`dot_avx2`] does) and `vpmaddwd` by the two sub-blocks' scales (eight words of `sc_a`, eight
+/// of `sc_b`: a 128-bit lane is one sub-block of 16) leave the block's scaled integer sum in eight
+/// lanes, converted and scaled by `d · d_x` in f32 — even and odd blocks in separate
+/// accumulators, the same order for every `R`.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `row` holds `q[r].len() / 256` Q6_K blocks, each `d[r]` one
+/// scale per 32 values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q6_k_avx2<const R: usize>(row: &[u8], q: [&[i8]; R], d: [&[f32]; R]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let low = _mm256_set1_epi8(0x0f);
+    let top = _mm256_set1_epi8(0x30);
+    let offset = _mm256_set1_epi8(32);
+    for (kb, b) in row.chunks_exact(DType::Q6_K.block_bytes()).enumerate() {
+        let dw = f16_bits(u16::from_le_bytes([b[208], b[209]]));
+        let sc = |j: usize| _mm_set1_epi16(i16::from(b[192 + j] as i8));
+        for h in 0..2 {
+            // SAFETY: a Q6_K block is 210 bytes: `ql` at 0..128 (this half's 64 at 64·h), `qh`
+            // at 128..192 (this half's 32 at 128 + 32·h).
+            let (ql0, ql1, qh) = unsafe {
+                let p = b.as_ptr();
+                (
+                    _mm256_loadu_si256(p.add(64 * h).cast()),
+                    _mm256_loadu_si256(p.add(64 * h + 32).cast()),
+                    _mm256_loadu_si256(p.add(128 + 32 * h).cast()),
+                )
+            };
+            // Quarter t's top two bits are `qh`'s bits 2t, 2t + 1, moved to bits 4, 5 (16-bit
+            // shifts: the mask drops what crosses from the neighbouring byte).
+            let quarters = [
+                _mm256_or_si256(
+                    _mm256_and_si256(ql0, low),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), top),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(ql1, low),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), top),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
+                    _mm256_and_si256(qh, top),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), top),
+                ),
+            ];
+            for (t, q6) in quarters.into_iter().enumerate() {
+                let j = 4 * h + t;
+                let i = 8 * kb + j;
+                let w = _mm256_sub_epi8(q6, offset);
+                let abs_w = _mm256_sign_epi8(w, w);
+                let scales = _mm256_set_m128i(sc(2 * j + 1), sc(2 * j));
+                let acc = &mut acc[t % 2];
+                for r in 0..R {
+                    // SAFETY: block i's 32 activations and scale are in `q[r]`, `d[r]` (the
+                    // caller's promise).
+                    let (x, dx) = unsafe {
+                        (
+                            _mm256_loadu_si256(q[r].as_ptr().add(i * BLOCK).cast()),
+                            *d[r].get_unchecked(i),
+                        )
+                    };
+                    // |w| · (x with w's sign): pairs within ±2 · 32 · 127, no saturation.
+                    let pairs = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
+                    let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), sums, acc[r]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| hsum(_mm256_add_ps(acc[0][r], acc[1][r])))
+}
+
 /// One rounded activation row: values, block scales, block sums.
 type Act<'a> = (&'a [i8], &'a [f32], &'a [i32]);
 
@@ -384,10 +541,10 @@ type Act<'a> = (&'a [i8], &'a [f32], &'a [i32]);
 unsafe fn tile<const R: usize>(dtype: DType, row: &[u8], a: [Act<'_>; R]) -> [f32; R] {
     // SAFETY: as the caller promises.
     unsafe {
-        if dtype == DType::Q4_K {
-            dot_q4_k_avx2(row, a.map(|a| a.0), a.map(|a| a.1), a.map(|a| a.2))
-        } else {
-            dot_avx2(dtype, row, a.map(|a| a.0), a.map(|a| a.1))
+        match dtype {
+            DType::Q4_K => dot_q4_k_avx2(row, a.map(|a| a.0), a.map(|a| a.1), a.map(|a| a.2)),
+            DType::Q6_K => dot_q6_k_avx2(row, a.map(|a| a.0), a.map(|a| a.1)),
+            _ => dot_avx2(dtype, row, a.map(|a| a.0), a.map(|a| a.1)),
         }
     }
 }
@@ -397,13 +554,15 @@ unsafe fn tile<const R: usize>(dtype: DType, row: &[u8], a: [Act<'_>; R]) -> [f3
 const GROUP: usize = 4;
 
 /// What [`dot_vnni`] adds to the weights to make them `vpdpbusd`'s unsigned operand: Q8_0's
-/// bytes flip their sign bit (`w + 128`), Q4_0's nibbles are `w + 8` as stored; Q4_K's nibbles
-/// are unsigned already. A multiple of 4, so the correction `offset · Σ q_x` spreads over a
-/// block's four lanes in integers.
+/// bytes flip their sign bit (`w + 128`), Q4_0's nibbles are `w + 8` as stored, Q6_K's six bits
+/// are `w + 32` as stored; Q4_K's nibbles are unsigned already. A multiple of 4, so the
+/// correction `offset · Σ q_x` spreads over a block's four lanes in integers (Q6_K's, per
+/// sub-block of 16, sits in one lane: [`Record`]).
 fn vnni_offset(dtype: DType) -> i32 {
     match dtype {
         DType::Q8_0 => 128,
         DType::Q4_0 => 8,
+        DType::Q6_K => 32,
         _ => 0,
     }
 }
@@ -411,7 +570,10 @@ fn vnni_offset(dtype: DType) -> i32 {
 /// One activation row's group of four blocks as [`dot_vnni`] reads it, in one aligned record of
 /// four cache lines: the 128 values as the weights unpack — the four blocks' first 16 values,
 /// then their second 16 — and per lane of the group's 16 sums (block `l / 4` for lane `l`) the
-/// block scale and the seed `−offset / 4 · Σ q_x` that takes the weights' offset back.
+/// block scale and the seed `−offset / 4 · Σ q_x` that takes the weights' offset back. Q6_K's
+/// two sub-blocks of 16 have their own scales, so their sums stay apart: a block's four seeds
+/// are `[−32 · Σ_a q_x, −32 · Σ_b q_x, 0, 0]` (first and second 16 values), each sub-block's
+/// sum seeded with its lane alone.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -439,7 +601,7 @@ impl Packed {
     fn new(r: &Rows, m: usize, k: usize, dtype: DType) -> Packed {
         let blocks = k / BLOCK;
         let groups = blocks.div_ceil(GROUP);
-        let quarter = vnni_offset(dtype) / 4;
+        let offset = vnni_offset(dtype);
         let q4_k = dtype == DType::Q4_K;
         let zero = Record {
             q: [0; GROUP * BLOCK],
@@ -463,7 +625,13 @@ impl Packed {
                 rec.q[GROUP * 16 + 16 * j..][..16].copy_from_slice(&src[16..]);
                 let (d, s) = (r.d[i * blocks + b], r.s[i * blocks + b]);
                 rec.dx[4 * j..][..4].fill(d);
-                rec.seed[4 * j..][..4].fill(-quarter * s);
+                if dtype == DType::Q6_K {
+                    let half = |v: &[i8]| v.iter().map(|&v| i32::from(v)).sum::<i32>();
+                    let (a, b) = (half(&src[..16]), half(&src[16..]));
+                    rec.seed[4 * j..][..4].copy_from_slice(&[-offset * a, -offset * b, 0, 0]);
+                } else {
+                    rec.seed[4 * j..][..4].fill(-offset / 4 * s);
+                }
                 if q4_k {
                     p.dxs[i * blocks + b] = d * s as f32;
                 }
@@ -556,6 +724,10 @@ unsafe fn dot_vnni<const R: usize>(
             }
         }
     };
+    if dtype == DType::Q6_K {
+        // SAFETY: as the caller promises.
+        return unsafe { dot_q6_k_vnni(row, records) };
+    }
     if dtype == DType::Q4_K {
         // Qwords of the low and high nibbles (sub-blocks 4h, 4h+2 and 4h+1, 4h+3 of a run pair)
         // into every sub-block's values 0..16, then 16..32, in sub-block order.
@@ -659,12 +831,346 @@ unsafe fn dot_vnni<const R: usize>(
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
 }
 
+/// [`dot_vnni`] on Q6_K weights: each half of a block (64 bytes of `ql`, 32 of `qh`) is one
+/// group of four blocks of 32, unpacked once for the `R` rows to the six-bit `q` (unsigned, as
+/// `vpdpbusd` takes them) in [`Packed`]'s order. Its two sub-blocks of 16 per block have their
+/// own scales, so the first and second 16 values sum into separate registers, each seeded with
+/// its sub-block's `−32 · Σ q_x` ([`Record`]): every lane then holds part of one sub-block's
+/// `Σ (q − 32) q_x`, exactly, within ±32 · 127 · 16 (`−32 · Σ q_x` and `q · q_x` never reach
+/// their extremes together), so its conversion to f32 is exact too. Each register is then
+/// scaled by its sub-blocks' `d · sc` (exact in f32: 11 by 8 bits) times `d_x` with an FMA —
+/// cheaper than scaling the integers with `vpmulld` and adding them first.
+///
+/// # Safety
+/// As [`dot_vnni`]'s, `row` holding whole Q6_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_q6_k_vnni<const R: usize>(row: &[u8], records: &[Record]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for (kb, b) in row.chunks_exact(DType::Q6_K.block_bytes()).enumerate() {
+        let dw = _mm512_set1_ps(f16_bits(u16::from_le_bytes([b[208], b[209]])));
+        for h in 0..2 {
+            // SAFETY: `b` is a whole Q6_K block; `records` as the caller promises.
+            unsafe {
+                let w = q6_k_vnni_half(b, h);
+                q6_k_vnni_step(records, 2 * kb + h, w, dw, &mut acc);
+            }
+        }
+    }
+    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
+}
+
+/// Half `h` of Q6_K block `b` for [`dot_q6_k_vnni`]: the weight registers `wa`, `wb` (`q`
+/// unsigned, in [`Packed`]'s order) and each lane's sub-block scale for `wa`'s and `wb`'s sums.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512BW; `b` holds one whole Q6_K block (210 bytes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_vnni_half(
+    b: &[u8],
+    h: usize,
+) -> (
+    std::arch::x86_64::__m512i,
+    std::arch::x86_64::__m512i,
+    std::arch::x86_64::__m512i,
+    std::arch::x86_64::__m512i,
+) {
+    use std::arch::x86_64::*;
+    let low = _mm512_set1_epi8(0x0f);
+    let top = _mm512_set1_epi8(0x30);
+    // `qh` (32 bytes, twice) to quarters 0 and 1's top bits: shifted left 4 and 2 (then masked to
+    // bits 4, 5); to quarters 2 and 3's: shifted right 0 and 2 (in 16-bit lanes, halves of 16).
+    let halves = |a: i16, c: i16| {
+        let v = _mm256_set1_epi16(a);
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_set1_epi16(c))
+    };
+    let (left, right) = (halves(4, 2), halves(0, 2));
+    // Lane `l`'s sub-block scale: block `l / 4`'s first (`2 (l / 4)`) or second, of half `h`.
+    let h = h as i32;
+    let pick = |second: i32| {
+        let s = |q: i32| 8 * h + 2 * q + second;
+        let (a, c, e, f) = (s(0), s(1), s(2), s(3));
+        _mm512_setr_epi32(a, a, a, a, c, c, c, c, e, e, e, e, f, f, f, f)
+    };
+    // SAFETY: a Q6_K block is 210 bytes: this half's 64 bytes of `ql` at 64·h, 32 of `qh` at
+    // 128 + 32·h, the 16 scales at 192..208.
+    let (ql, qh, scales) = unsafe {
+        let p = b.as_ptr();
+        (
+            _mm512_loadu_si512(p.add(64 * h as usize).cast()),
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h as usize).cast())),
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192).cast())),
+        )
+    };
+    // Quarters 0 | 1 (64 bytes of `ql`'s low nibbles) and 2 | 3 (its high nibbles).
+    let q01 = _mm512_or_si512(
+        _mm512_and_si512(ql, low),
+        _mm512_and_si512(_mm512_sllv_epi16(qh, left), top),
+    );
+    let q23 = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+        _mm512_and_si512(_mm512_srlv_epi16(qh, right), top),
+    );
+    (
+        _mm512_shuffle_i64x2::<0b10_00_10_00>(q01, q23),
+        _mm512_shuffle_i64x2::<0b11_01_11_01>(q01, q23),
+        _mm512_permutexvar_epi32(pick(0), scales),
+        _mm512_permutexvar_epi32(pick(1), scales),
+    )
+}
+
+/// One group of [`dot_q6_k_vnni`] for `R` rows: `(wa, wb, sa, sb)` from [`q6_k_vnni_half`],
+/// `dw` the block's `d` in every lane; the first sub-blocks' sums accumulate before the
+/// second's, in the same order for every `R`.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512_VNNI; `records` holds `R` records of group `g`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn q6_k_vnni_step<const R: usize>(
+    records: &[Record],
+    g: usize,
+    (wa, wb, sa, sb): (
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+    ),
+    dw: std::arch::x86_64::__m512,
+    acc: &mut [std::arch::x86_64::__m512; R],
+) {
+    use std::arch::x86_64::*;
+    let (fa, fb) = (
+        _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sa)),
+        _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sb)),
+    );
+    for (r, acc) in acc.iter_mut().enumerate() {
+        // SAFETY: `records` holds R records per group, group by group (the caller's promise);
+        // each holds 128 values, 16 scales and 16 seeds.
+        unsafe {
+            let rec = records.get_unchecked(g * R + r);
+            let (x, seed) = (rec.q.as_ptr(), rec.seed.as_ptr());
+            let da = _mm512_maskz_loadu_epi32(0x1111, seed.cast());
+            let db = _mm512_maskz_loadu_epi32(0x2222, seed.cast());
+            let da = _mm512_dpbusd_epi32(da, wa, _mm512_loadu_si512(x.cast()));
+            let db = _mm512_dpbusd_epi32(db, wb, _mm512_loadu_si512(x.add(64).cast()));
+            let dx = _mm512_loadu_ps(rec.dx.as_ptr());
+            let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(fa, dx), *acc);
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(fb, dx), a);
+        }
+    }
+}
+
+/// A Q4_K block unpacked as [`dot_vnni`] uses it: its two groups' weight registers (`wa`, `wb`
+/// each) and lane scales `d · sc`, and its eight sub-blocks' `dmin · m`. Three times the packed
+/// block's bytes, so made once per task for prefill ([`q4_k_unpack`]), where every tile of rows
+/// would otherwise unpack the same weights again.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Q4kBlock {
+    w: [[u8; 64]; 4],
+    dw: [[f32; 16]; 2],
+    dm: [f32; 8],
+}
+
+/// Unpack a Q4_K row's blocks into `out` (emptied first), as [`dot_vnni`] unpacks them.
+///
+/// # Safety
+/// The CPU has AVX2, F16C and AVX512F; `row` holds whole Q4_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn q4_k_unpack(row: &[u8], out: &mut Vec<Q4kBlock>) {
+    use std::arch::x86_64::*;
+    let low = _mm512_set1_epi8(0x0f);
+    let firsts = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    let seconds = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    let spread = [
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+    ];
+    out.clear();
+    for b in row.chunks_exact(DType::Q4_K.block_bytes()) {
+        let mut u = Q4kBlock {
+            w: [[0; 64]; 4],
+            dw: [[0.0; 16]; 2],
+            dm: [0.0; 8],
+        };
+        let dd = f16_bits(u16::from_le_bytes([b[0], b[1]]));
+        let dmin = f16_bits(u16::from_le_bytes([b[2], b[3]]));
+        let mut packed = [0u8; 12];
+        packed.copy_from_slice(&b[4..16]);
+        let (sc, mn) = q4_k_scales_mins(&packed);
+        let bytes = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+        let ds = _mm256_mul_ps(_mm256_set1_ps(dd), bytes(sc));
+        let dm = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes(mn));
+        // SAFETY: `u`'s arrays hold what is stored; a Q4_K block is 144 bytes, its runs of
+        // nibbles at 16..144.
+        unsafe {
+            _mm256_storeu_ps(u.dm.as_mut_ptr(), dm);
+            for (h, spread) in spread.iter().enumerate() {
+                let t = _mm512_loadu_si512(b.as_ptr().add(16 + 64 * h).cast());
+                let lo = _mm512_and_si512(t, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+                let wa = _mm512_permutex2var_epi64(lo, firsts, hi);
+                let wb = _mm512_permutex2var_epi64(lo, seconds, hi);
+                _mm512_storeu_si512(u.w[2 * h].as_mut_ptr().cast(), wa);
+                _mm512_storeu_si512(u.w[2 * h + 1].as_mut_ptr().cast(), wb);
+                let dw = _mm512_permutexvar_ps(*spread, _mm512_castps256_ps512(ds));
+                _mm512_storeu_ps(u.dw[h].as_mut_ptr(), dw);
+            }
+        }
+        out.push(u);
+    }
+}
+
+/// [`dot_vnni`] on one Q4_K row unpacked by [`q4_k_unpack`]: the same operations in the same
+/// order, so the same results, without unpacking.
+///
+/// # Safety
+/// As [`dot_vnni`]'s, `row` one Q4_K row's unpacked blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
+    row: &[Q4kBlock],
+    records: &[Record],
+    dxs: [&[f32]; R],
+) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut mins = [_mm256_setzero_ps(); R];
+    for (kb, u) in row.iter().enumerate() {
+        for h in 0..2 {
+            let g = 2 * kb + h;
+            // SAFETY: `u` holds both groups; `records` R records per group (the caller's
+            // promise), each 128 values and 16 scales.
+            unsafe {
+                let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
+                let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
+                let dw = _mm512_loadu_ps(u.dw[h].as_ptr());
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let rec = records.get_unchecked(g * R + r);
+                    let x = rec.q.as_ptr();
+                    let dot = _mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(),
+                        wa,
+                        _mm512_loadu_si512(x.cast()),
+                    );
+                    let dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
+                    let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+                }
+            }
+        }
+        // SAFETY: 8 mins; one `d · Σ q_x` per sub-block, 8 per Q4_K block (the caller's promise).
+        unsafe {
+            let dm = _mm256_loadu_ps(u.dm.as_ptr());
+            for r in 0..R {
+                let dxs = _mm256_loadu_ps(dxs[r].as_ptr().add(8 * kb));
+                mins[r] = _mm256_fmadd_ps(dm, dxs, mins[r]);
+            }
+        }
+    }
+    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]))
+}
+
+/// A Q6_K block unpacked as [`dot_q6_k_vnni`] uses it: per half (one group) the two weight
+/// registers and the two sub-block scale registers, and `d`. For prefill, as [`Q4kBlock`].
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Q6kBlock {
+    w: [[u8; 64]; 4],
+    sc: [[i32; 16]; 4],
+    d: f32,
+}
+
+/// Unpack a Q6_K row's blocks into `out` (emptied first), as [`dot_q6_k_vnni`] unpacks them.
+///
+/// # Safety
+/// The CPU has AVX2, F16C, AVX512F and AVX512BW; `row` holds whole Q6_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn q6_k_unpack(row: &[u8], out: &mut Vec<Q6kBlock>) {
+    use std::arch::x86_64::*;
+    out.clear();
+    for b in row.chunks_exact(DType::Q6_K.block_bytes()) {
+        let mut u = Q6kBlock {
+            w: [[0; 64]; 4],
+            sc: [[0; 16]; 4],
+            d: f16_bits(u16::from_le_bytes([b[208], b[209]])),
+        };
+        for h in 0..2 {
+            // SAFETY: a Q6_K block is 210 bytes (as in `q6_k_vnni_half`); `u`'s arrays hold
+            // what is stored.
+            unsafe {
+                let (wa, wb, sa, sb) = q6_k_vnni_half(b, h);
+                _mm512_storeu_si512(u.w[2 * h].as_mut_ptr().cast(), wa);
+                _mm512_storeu_si512(u.w[2 * h + 1].as_mut_ptr().cast(), wb);
+                _mm512_storeu_si512(u.sc[2 * h].as_mut_ptr().cast(), sa);
+                _mm512_storeu_si512(u.sc[2 * h + 1].as_mut_ptr().cast(), sb);
+            }
+        }
+        out.push(u);
+    }
+}
+
+/// [`dot_q6_k_vnni`] on one Q6_K row unpacked by [`q6_k_unpack`]: the same operations in the
+/// same order, so the same results, without unpacking.
+///
+/// # Safety
+/// As [`dot_vnni`]'s, `row` one Q6_K row's unpacked blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_q6_k_vnni_unpacked<const R: usize>(row: &[Q6kBlock], records: &[Record]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for (kb, u) in row.iter().enumerate() {
+        let dw = _mm512_set1_ps(u.d);
+        for h in 0..2 {
+            // SAFETY: `u` holds both halves; `records` R records per group (the caller's
+            // promise).
+            unsafe {
+                let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
+                let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
+                let sa = _mm512_loadu_si512(u.sc[2 * h].as_ptr().cast());
+                let sb = _mm512_loadu_si512(u.sc[2 * h + 1].as_ptr().cast());
+                q6_k_vnni_step(records, 2 * kb + h, (wa, wb, sa, sb), dw, &mut acc);
+            }
+        }
+    }
+    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
+}
+
+/// Weight rows `js` of `w` unpacked by `unpack` ([`q4_k_unpack`], [`q6_k_unpack`]).
+///
+/// # Safety
+/// As `unpack`'s: the CPU has its features and `w` is in its format.
+#[cfg(target_arch = "x86_64")]
+unsafe fn unpack_rows<T>(
+    w: &QuantMat,
+    js: std::ops::Range<usize>,
+    unpack: unsafe fn(&[u8], &mut Vec<T>),
+) -> Vec<Vec<T>> {
+    js.map(|j| {
+        let mut u = Vec::new();
+        // SAFETY: as the caller promises.
+        unsafe { unpack(w.row(j), &mut u) };
+        u
+    })
+    .collect()
+}
+
 /// Activation rows per AVX2 or VNNI call: each weight block is unpacked once for this many rows.
 const ROW_TILE: usize = 4;
 
 /// `dst = alpha · x · wᵀ` (or `+=`) with `x` rounded to int8 blocks, for `m` rows of `x` (`k`
-/// at stride `xs`) into `m` rows of `dst` (`n` at stride `ds`). `w` is Q8_0, Q4_0 or Q4_K
-/// ([`supports`]) and `k` a multiple of 32 (of 256 for Q4_K). Tasks of weight rows on every
+/// at stride `xs`) into `m` rows of `dst` (`n` at stride `ds`). `w` is Q8_0, Q4_0, Q4_K or Q6_K
+/// ([`supports`]) and `k` a multiple of 32 (of 256 for Q4_K and Q6_K). Tasks of weight rows on every
 /// thread when `par`. Through [`kernel`]'s kernel.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn product(
@@ -721,13 +1227,6 @@ fn product_on(
             alpha * s
         };
     };
-    let plain = |row: &[u8], (q, d, s): Act<'_>| {
-        if dtype == DType::Q4_K {
-            dot_q4_k_plain(row, q, d, s)
-        } else {
-            dot_plain(dtype, row, q, d)
-        }
-    };
     // Tiles of activation rows outer, the task's weight rows inner: the activations come from
     // L2 once per task rather than once per weight row.
     let task = |t: usize| {
@@ -736,6 +1235,20 @@ fn product_on(
         #[cfg(target_arch = "x86_64")]
         match (kernel, &packed) {
             (Kernel::Vnni, Some(p)) => {
+                // K-quant prefill: the task's weight rows unpacked once for all its tiles.
+                let prefill = m >= 2 * ROW_TILE;
+                // SAFETY (both): the CPU has the features (`kernel` is one it runs); `w`'s rows
+                // hold whole blocks of `dtype`.
+                let q4k = if prefill && dtype == DType::Q4_K {
+                    unsafe { unpack_rows(w, js.clone(), q4_k_unpack) }
+                } else {
+                    Vec::new()
+                };
+                let q6k = if prefill && dtype == DType::Q6_K {
+                    unsafe { unpack_rows(w, js.clone(), q6_k_unpack) }
+                } else {
+                    Vec::new()
+                };
                 while i + ROW_TILE <= m {
                     let (recs, dxs) = (
                         p.records(i, ROW_TILE),
@@ -743,8 +1256,16 @@ fn product_on(
                     );
                     for j in js.clone() {
                         // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
-                        // were packed from `k` values, `w.row(j)` holds `k` values' blocks.
-                        let s = unsafe { dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs) };
+                        // were packed from `k` values, `w.row(j)` holds `k` values' blocks (and
+                        // `q4k`/`q6k` those blocks unpacked).
+                        let s = unsafe {
+                            let t = j - js.start;
+                            match (q4k.get(t), q6k.get(t)) {
+                                (Some(u), _) => dot_q4_k_vnni_unpacked::<ROW_TILE>(u, recs, dxs),
+                                (_, Some(u)) => dot_q6_k_vnni_unpacked::<ROW_TILE>(u, recs),
+                                _ => dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs),
+                            }
+                        };
                         for (r, s) in s.into_iter().enumerate() {
                             store(i + r, j, s);
                         }
@@ -785,7 +1306,7 @@ fn product_on(
         }
         while i < m {
             for j in js.clone() {
-                store(i, j, plain(w.row(j), act(i)));
+                store(i, j, dot_portable(dtype, w.row(j), act(i)));
             }
             i += 1;
         }
@@ -817,8 +1338,11 @@ mod tests {
         }
     }
 
+    /// Every format with an int8 path.
+    const FORMATS: [DType; 4] = [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K];
+
     fn floor_case(kernel: Kernel) {
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
+        for dtype in FORMATS {
             for &(m, k, n) in &[
                 (1usize, 32usize, 1usize),
                 (3, 256, 70),
@@ -840,12 +1364,7 @@ mod tests {
                     for j in 0..n {
                         let (q, b) = (&r.q[i * k..(i + 1) * k], i * k / 32..(i + 1) * k / 32);
                         let (d, s) = (&r.d[b.clone()], &r.s[b]);
-                        plain[i * n + j] = 0.5
-                            * if dtype == DType::Q4_K {
-                                dot_q4_k_plain(w.row(j), q, d, s)
-                            } else {
-                                dot_plain(dtype, w.row(j), q, d)
-                            };
+                        plain[i * n + j] = 0.5 * dot_portable(dtype, w.row(j), (q, d, s));
                     }
                 }
                 let (mut err, mut floor, mut err_plain) = (0f64, 0f64, 0f64);
@@ -892,7 +1411,7 @@ mod tests {
         let (k, n) = (256, 40);
         for (kernel, dtype) in Kernel::available()
             .into_iter()
-            .flat_map(|kr| [DType::Q8_0, DType::Q4_0, DType::Q4_K].map(|d| (kr, d)))
+            .flat_map(|kr| FORMATS.map(|d| (kr, d)))
         {
             let w = QuantMat::from_blocks(
                 dtype,
@@ -932,7 +1451,7 @@ mod tests {
     /// `(k, m)` of the kernel comparisons: odd row counts (tiles of 4 and the rows left over)
     /// and odd block counts (VNNI's groups of four blocks and a part group).
     fn odd_shapes(dtype: DType) -> impl Iterator<Item = (usize, usize)> {
-        let ks: &[usize] = if dtype == DType::Q4_K {
+        let ks: &[usize] = if dtype.block_size() == 256 {
             &[256, 768, 1280]
         } else {
             &[32, 96, 224, 416, 2080]
@@ -949,15 +1468,26 @@ mod tests {
     #[test]
     fn int8_kernels_are_exact_where_the_f32_sums_are() {
         let one = half::f16::from_f32(1.0).to_le_bytes();
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
+        for dtype in FORMATS {
             for (k, m) in odd_shapes(dtype) {
                 let n = 11;
                 let seed = (k * 31 + m) as u64;
                 let mut blocks = random_blocks(dtype, n, k, seed);
                 for b in blocks.chunks_exact_mut(dtype.block_bytes()) {
-                    b[..2].copy_from_slice(&one);
-                    if dtype == DType::Q4_K {
-                        b[2..4].copy_from_slice(&one);
+                    match dtype {
+                        DType::Q4_K => {
+                            b[..2].copy_from_slice(&one);
+                            b[2..4].copy_from_slice(&one);
+                        }
+                        DType::Q6_K => {
+                            b[208..].copy_from_slice(&one);
+                            // Scales in −8..8 (random bytes' top nibble, signed): the sums
+                            // stay below 2^24.
+                            for s in &mut b[192..208] {
+                                *s = ((*s as i8) >> 4) as u8;
+                            }
+                        }
+                        _ => b[..2].copy_from_slice(&one),
                     }
                 }
                 let w = QuantMat::from_blocks(dtype, blocks, dtype.bytes_for(k).unwrap());
@@ -973,8 +1503,22 @@ mod tests {
                     })
                     .collect();
                 let old: Vec<f32> = rng.vec(m * n, 50.0).iter().map(|v| v.trunc()).collect();
-                // The integer product: Σ w x per block, Q4_K's as Σ (sc · q − min) x.
+                // The integer product: Σ w x per block, Q4_K's as Σ (sc · q − min) x, Q6_K's
+                // as the GGUF decoder's values (with d = 1, the integers sc · (q − 32)).
+                let mut decoded = vec![0f32; n * k];
+                if dtype == DType::Q6_K {
+                    let all: Vec<u8> = (0..n).flat_map(|j| w.row(j).to_vec()).collect();
+                    tessera_core::dtype::widen_into(dtype, &all, &mut decoded);
+                }
                 let exact = |i: usize, j: usize| -> i64 {
+                    if dtype == DType::Q6_K {
+                        let xi = &x[i * k..(i + 1) * k];
+                        return decoded[j * k..(j + 1) * k]
+                            .iter()
+                            .zip(xi)
+                            .map(|(&v, &x)| v as i64 * x as i64)
+                            .sum();
+                    }
                     let xi = &x[i * k..(i + 1) * k];
                     let row = w.row(j);
                     let mut sum = 0i64;
@@ -1037,25 +1581,32 @@ mod tests {
         }
     }
 
-    /// On random scales the VNNI kernel and the portable loop compute the same integer block
-    /// sums and differ only in how the f32 products by the scales are rounded and summed (lanes
-    /// of 4 per block and a tree at the end against block by block). Each is within
+    /// On random scales the VNNI and AVX2 kernels and the portable loop compute the same integer
+    /// block sums and differ only in how the f32 products by the scales are rounded and summed
+    /// (lanes of 4 or 8 per block and a tree at the end against block by block). Each is within
     /// `γ_n · A + u · |result|` of the float64 value of those sums (`u = 2^-24`, `γ_n ≈ n·u`),
     /// `n` bounding the roundings on any path — at most `blocks + 12` (a scale product, one per
     /// block or group summed, VNNI's 4-level lane tree, Q4_K's mins, `alpha` and the
     /// accumulation) — and `A` the sum of the magnitudes they round: for VNNI the lanes
     /// `Σ (w + offset) x − offset/4 · Σ x`, so per block
-    /// `|d_w d_x| (Σ (|w| + offset) |x| + offset |Σ x|)`, which bounds the portable terms too.
-    /// So the two agree within twice that bound; in practice far inside it.
+    /// `|d_w d_x| (Σ (|w| + offset) |x| + offset |Σ x|)`, which bounds the portable and AVX2
+    /// terms too (AVX2's lanes are `Σ w x` over 4 values); for Q6_K per sub-block of 16
+    /// `|d d_x sc| (Σ q |x| + 32 Σ |x|)` with `q = w + 32` (VNNI's seeded lanes and AVX2's
+    /// `sc · Σ w x` lanes within it, `|w| ≤ q + 32`). So each kernel and the portable loop agree
+    /// within twice that bound; in practice far inside it.
     #[test]
-    fn vnni_agrees_with_the_portable_loop() {
-        if !Kernel::available().contains(&Kernel::Vnni) {
-            eprintln!("skipped: this CPU lacks AVX512-VNNI");
+    fn simd_kernels_agree_with_the_portable_loop() {
+        let simd: Vec<Kernel> = Kernel::available()
+            .into_iter()
+            .filter(|&k| k != Kernel::Portable)
+            .collect();
+        if simd.is_empty() {
+            eprintln!("skipped: this CPU has neither AVX512-VNNI nor AVX2");
             return;
         }
         let u = f64::from(f32::EPSILON) / 2.0;
         let alpha = -0.75f32;
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K] {
+        for dtype in FORMATS {
             let off = f64::from(vnni_offset(dtype));
             for (k, m) in odd_shapes(dtype) {
                 let n = 13;
@@ -1074,7 +1625,33 @@ mod tests {
                         &r.s[i * nb..(i + 1) * nb],
                     );
                     let (mut sum, mut mag) = (0f64, 0f64);
-                    if dtype == DType::Q4_K {
+                    if dtype == DType::Q6_K {
+                        let mut wv = [0i8; 256];
+                        for ((b, qx), dx) in w
+                            .row(j)
+                            .chunks_exact(dtype.block_bytes())
+                            .zip(q.chunks_exact(256))
+                            .zip(d.chunks_exact(8))
+                        {
+                            let (scales, dw) = q6_k_block(b, &mut wv);
+                            let dw = f64::from(dw);
+                            for (((wb, xb), &sc), t) in wv
+                                .chunks_exact(16)
+                                .zip(qx.chunks_exact(16))
+                                .zip(&scales)
+                                .zip(0..)
+                            {
+                                let scale = dw * f64::from(dx[t / 2]) * f64::from(sc);
+                                let (mut dot, mut abs) = (0i64, 0i64);
+                                for (&a, &x) in wb.iter().zip(xb) {
+                                    dot += i64::from(a) * i64::from(x);
+                                    abs += (i64::from(a) + 32 + 32) * i64::from(x).abs();
+                                }
+                                sum += scale * dot as f64;
+                                mag += scale.abs() * abs as f64;
+                            }
+                        }
+                    } else if dtype == DType::Q4_K {
                         for ((((ds, dm, run, high), qx), &dx), &sx) in
                             q4_k_subs(w.row(j)).zip(q.chunks_exact(BLOCK)).zip(d).zip(s)
                         {
@@ -1128,32 +1705,38 @@ mod tests {
                         );
                         o
                     };
-                    let (vnni, plain) = (run(Kernel::Vnni), run(Kernel::Portable));
+                    let plain = run(Kernel::Portable);
                     let steps = (nb + 12) as f64;
                     let gamma = steps * u / (1.0 - steps * u);
-                    for i in 0..m {
-                        for j in 0..n {
-                            let (sum, mag) = exact(i, j);
-                            let base = if accumulate {
-                                f64::from(old[i * n + j])
-                            } else {
-                                0.0
-                            };
-                            let want = base + f64::from(alpha) * sum;
-                            let bound = gamma * f64::from(alpha.abs()) * mag
-                                + u * (base.abs() + f64::from(alpha.abs()) * mag);
-                            let at =
-                                format!("{dtype} m {m} k {k} accumulate {accumulate} ({i}, {j})");
-                            let (v, p) = (f64::from(vnni[i * n + j]), f64::from(plain[i * n + j]));
-                            assert!(
-                                (v - want).abs() <= bound,
-                                "VNNI {at}: {v} vs {want} ± {bound:e}"
-                            );
-                            assert!(
-                                (p - want).abs() <= bound,
-                                "portable {at}: {p} vs {want} ± {bound:e}"
-                            );
-                            assert!((v - p).abs() <= 2.0 * bound, "{at}: {v} vs {p}");
+                    for &kernel in &simd {
+                        let fast = run(kernel);
+                        let name = kernel.name();
+                        for i in 0..m {
+                            for j in 0..n {
+                                let (sum, mag) = exact(i, j);
+                                let base = if accumulate {
+                                    f64::from(old[i * n + j])
+                                } else {
+                                    0.0
+                                };
+                                let want = base + f64::from(alpha) * sum;
+                                let bound = gamma * f64::from(alpha.abs()) * mag
+                                    + u * (base.abs() + f64::from(alpha.abs()) * mag);
+                                let at = format!(
+                                    "{dtype} m {m} k {k} accumulate {accumulate} ({i}, {j})"
+                                );
+                                let (v, p) =
+                                    (f64::from(fast[i * n + j]), f64::from(plain[i * n + j]));
+                                assert!(
+                                    (v - want).abs() <= bound,
+                                    "{name} {at}: {v} vs {want} ± {bound:e}"
+                                );
+                                assert!(
+                                    (p - want).abs() <= bound,
+                                    "portable {at}: {p} vs {want} ± {bound:e}"
+                                );
+                                assert!((v - p).abs() <= 2.0 * bound, "{name} {at}: {v} vs {p}");
+                            }
                         }
                     }
                 }
@@ -1173,6 +1756,62 @@ mod tests {
                     (byte(sc), byte(mn)),
                     tessera_core::gguf::q4_k_scale_min(&s, j),
                     "{s:?} sub-block {j}"
+                );
+            }
+        }
+    }
+
+    /// Q6_K's values as the int8 path unpacks them (`d · sc · (q − 32)`, each value's scale its
+    /// sub-block's of 16) are the GGUF decoder's, bit for bit, on random blocks.
+    #[test]
+    fn q6_k_blocks_unpack_as_the_gguf_decoder_does() {
+        let blocks = random_blocks(DType::Q6_K, 5, 256, 12);
+        let mut want = vec![0f32; 5 * 256];
+        tessera_core::dtype::widen_into(DType::Q6_K, &blocks, &mut want);
+        let mut w = [0i8; 256];
+        for (b, want) in blocks.chunks_exact(210).zip(want.chunks_exact(256)) {
+            let (scales, d) = q6_k_block(b, &mut w);
+            for (t, (&q, &v)) in w.iter().zip(want).enumerate() {
+                assert_eq!(d * f32::from(scales[t / 16]) * f32::from(q), v, "value {t}");
+            }
+        }
+    }
+
+    /// Q6_K at its extremes — every scale −128, every `q` 0 or 63, every activation 127 — where
+    /// the integer sums are largest (a block's `2 · 128 · 32 · 127 · 16`): no kernel saturates
+    /// (`vpmaddubsw`'s pairs) or wraps, and every f32 sum is of multiples of 512 below 2^33, so
+    /// exact: each kernel returns the integer product exactly (9 rows: tiles of 4 on weights
+    /// unpacked once per task, and a lone row unpacking them as it goes).
+    #[test]
+    fn q6_k_extremes_stay_exact() {
+        let (k, n, m) = (512, 3, 9);
+        for (bits, w) in [(0x00u8, -32i64), (0xff, 31)] {
+            let mut block = [bits; 210];
+            block[192..208].fill(0x80);
+            block[208..].copy_from_slice(&half::f16::from_f32(1.0).to_le_bytes());
+            let blocks = block.repeat(n * k / 256);
+            let mat = QuantMat::from_blocks(DType::Q6_K, blocks, 2 * 210);
+            let x = vec![127f32; m * k];
+            let want = (-128 * w * 127 * k as i64) as f32;
+            for kernel in Kernel::available() {
+                let mut got = vec![0f32; m * n];
+                product_on(
+                    kernel,
+                    &x,
+                    k,
+                    m,
+                    &mat,
+                    (n, k),
+                    &mut got,
+                    n,
+                    1.0,
+                    false,
+                    true,
+                );
+                assert!(
+                    got.iter().all(|&g| g == want),
+                    "{} q − 32 = {w}: {got:?}",
+                    kernel.name()
                 );
             }
         }

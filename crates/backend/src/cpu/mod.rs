@@ -418,8 +418,8 @@ impl Backend for CpuBackend {
         }
         if self.quant.int8 {
             return format!(
-                "cpu (f32; products on Q8_0/Q4_0/Q4_K weights with int8 activations ({}), on other \
-                 block formats exact; {threads} threads)",
+                "cpu (f32; products on Q8_0/Q4_0/Q4_K/Q6_K weights with int8 activations ({}), on \
+                 other block formats exact; {threads} threads)",
                 int8_isa()
             );
         }

@@ -1,6 +1,7 @@
 //! What the bad-input tests share (`bad_input.rs`, `hostile.rs`): the `tessera` binary as a
 //! child process whose time and peak memory are measured, and `tessera serve` on a loopback
-//! port spoken to with plain HTTP/1.1; and reading what `tessera embed` prints.
+//! port spoken to with plain HTTP/1.1; and reading what `tessera embed` prints and the PNGs
+//! `tessera generate` writes.
 #![allow(dead_code)] // each test file uses its own part
 
 use std::io::{Read, Write};
@@ -275,4 +276,28 @@ pub fn embedding_lines(stdout: &[u8]) -> Vec<Vec<f64>> {
                 .collect()
         })
         .collect()
+}
+
+/// `(width, height, RGB bytes, text chunks)` of a PNG.
+pub fn read_png(
+    path: &Path,
+) -> (
+    u32,
+    u32,
+    Vec<u8>,
+    std::collections::BTreeMap<String, String>,
+) {
+    let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
+    let mut reader = png::Decoder::new(file).read_info().unwrap();
+    let text = reader
+        .info()
+        .utf8_text
+        .iter()
+        .map(|c| (c.keyword.clone(), c.get_text().unwrap()))
+        .collect();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    assert_eq!(info.color_type, png::ColorType::Rgb);
+    buf.truncate(info.buffer_size());
+    (info.width, info.height, buf, text)
 }
