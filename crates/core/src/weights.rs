@@ -21,6 +21,8 @@ use crate::error::{Error, Result};
 enum Bytes {
     Mapped(Mmap),
     Static(&'static [u8]),
+    /// Tensors re-laid-out on the host at open (see [`Weights::open_gguf_as`]).
+    Owned(Vec<u8>),
 }
 
 impl Bytes {
@@ -28,8 +30,21 @@ impl Bytes {
         match self {
             Bytes::Mapped(m) => m,
             Bytes::Static(s) => s,
+            Bytes::Owned(v) => v,
         }
     }
+}
+
+/// How [`Weights::open_gguf_as`] shows one GGUF tensor to a loader that asks for another
+/// checkpoint's names: under `name`, its stored axes reordered by `permute` (if any), then seen
+/// as `shape` (if any: the same elements in the same order, e.g. a `[d, k]` convolution kernel
+/// as `[d, 1, k]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GgufAs {
+    pub name: String,
+    /// `permute[i]` is the stored (outermost-first) axis of axis `i`.
+    pub permute: Option<Vec<usize>>,
+    pub shape: Option<Vec<usize>>,
 }
 
 struct Entry {
@@ -408,6 +423,101 @@ impl Weights {
             entries,
         };
         Self::from_files(vec![file], path.display().to_string())
+    }
+
+    /// The tensors of several GGUF files (a language model and its vision projector) under the
+    /// names `view` gives them, so that a loader written for another checkpoint's names and
+    /// layouts reads them unchanged; a tensor `view` does not know keeps its GGUF name. Tensors
+    /// stay in their files (block formats included) unless `view` permutes them: those are
+    /// re-laid-out on the host once, a block format decoded to `f32` first (blocks run along
+    /// the stored rows, so a permutation cannot keep them).
+    pub fn open_gguf_as(paths: &[&Path], view: &dyn Fn(&str) -> Option<GgufAs>) -> Result<Self> {
+        let mut files = Vec::with_capacity(paths.len() * 2);
+        for &path in paths {
+            let (map, tensors) = crate::gguf::Gguf::open(path)?.into_tensor_map();
+            let bad = |name: &str, message: String| Error::Gguf {
+                path: path.to_path_buf(),
+                message: format!("tensor `{name}`: {message}"),
+            };
+            let mut entries = HashMap::new();
+            let mut owned = Vec::new();
+            let mut owned_entries = HashMap::new();
+            for t in tensors {
+                let Some(v) = view(&t.name) else {
+                    let entry = Entry {
+                        dtype: Ok(t.dtype),
+                        shape: t.shape,
+                        start: t.start,
+                        end: t.end,
+                    };
+                    entries.insert(t.name, entry);
+                    continue;
+                };
+                let (dtype, stored_shape, place) = match &v.permute {
+                    None => (t.dtype, t.shape.clone(), None),
+                    Some(perm) => {
+                        let stored = Tensor {
+                            name: t.name.clone(),
+                            dtype: t.dtype,
+                            shape: t.shape.clone(),
+                            bytes: Cow::Borrowed(&map[t.start..t.end]),
+                            path,
+                            scale: None,
+                        };
+                        let stored = match t.dtype.size() {
+                            Some(_) => stored,
+                            None => Tensor::from_f32(&t.name, t.shape.clone(), &stored.to_f32())?,
+                        };
+                        let p = stored
+                            .permuted(perm)
+                            .map_err(|e| bad(&t.name, e.to_string()))?;
+                        let start = owned.len();
+                        owned.extend_from_slice(&p.bytes);
+                        (p.dtype, p.shape, Some((start, owned.len())))
+                    }
+                };
+                let shape = v.shape.clone().unwrap_or_else(|| stored_shape.clone());
+                if shape.iter().product::<usize>() != stored_shape.iter().product::<usize>() {
+                    return Err(bad(
+                        &t.name,
+                        format!(
+                            "shape {stored_shape:?} cannot be seen as {shape:?} (`{}`)",
+                            v.name
+                        ),
+                    ));
+                }
+                let (target, start, end) = match place {
+                    None => (&mut entries, t.start, t.end),
+                    Some((a, b)) => (&mut owned_entries, a, b),
+                };
+                let entry = Entry {
+                    dtype: Ok(dtype),
+                    shape,
+                    start,
+                    end,
+                };
+                if target.insert(v.name.clone(), entry).is_some() {
+                    return Err(bad(
+                        &t.name,
+                        format!("a second tensor would be read as `{}`", v.name),
+                    ));
+                }
+            }
+            files.push(File1 {
+                path: path.to_path_buf(),
+                bytes: Bytes::Mapped(map),
+                entries,
+            });
+            if !owned_entries.is_empty() {
+                files.push(File1 {
+                    path: path.to_path_buf(),
+                    bytes: Bytes::Owned(owned),
+                    entries: owned_entries,
+                });
+            }
+        }
+        let location: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        Self::from_files(files, location.join(" + "))
     }
 
     /// A single weights file: GGUF when named `*.gguf`, else safetensors.

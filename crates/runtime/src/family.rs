@@ -2,13 +2,14 @@
 //! folder's `model_index.json` (diffusers pipelines) or `config.json` (transformers models)
 //! before any weight loads.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use tessera_backend::{AnyBackend, DeviceRequest, Op, Precision, Quantization};
 use tessera_core::{Error, Result, config::read_json, model_dir};
 use tessera_models::ModelFiles;
 use tessera_models::egemma2::{self, Config as Egemma2Config};
+use tessera_models::gguf_folder::{GgufFolder, file_name};
 use tessera_models::lfm2vl::{self, Lfm2VlConfig};
 use tessera_models::qwen_image::{self, QwenImageConfigs, QwenImageFiles};
 use tessera_models::zimage::{self, ZImageConfigs, ZImageFiles};
@@ -145,7 +146,7 @@ fn planned(name: &str) -> Option<&'static str> {
     }
 }
 
-const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2), LFM2-VL (model_type lfm2_vl), Z-Image (model_index.json ZImagePipeline) and Qwen-Image-2.1 (QwenImage21Pipeline)";
+const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2), LFM2-VL (model_type lfm2_vl, or its GGUF files with their mmproj), Z-Image (model_index.json ZImagePipeline) and Qwen-Image-2.1 (QwenImage21Pipeline)";
 
 /// The bundled miniatures by the names `--model bundled:NAME` takes (`-mini` may be added).
 pub const BUNDLED_NAMES: [(&str, Family); 4] = [
@@ -178,6 +179,9 @@ pub fn detect(dir: &Path) -> Result<Family> {
         };
     }
     let config = dir.join("config.json");
+    if !config.is_file() && model_dir::holds_gguf(dir) {
+        return detect_gguf(dir);
+    }
     let cfg: ModelConfig = read_json(&config)?;
     let model_type = cfg.model_type.unwrap_or_default();
     if model_type == "embedding_gemma2"
@@ -198,6 +202,30 @@ pub fn detect(dir: &Path) -> Result<Family> {
     }
     let name = cfg.architectures.first().cloned().unwrap_or(model_type);
     Err(unknown("the model", &name))
+}
+
+/// The family of a folder of GGUF files, by its language model's `general.architecture`.
+fn detect_gguf(dir: &Path) -> Result<Family> {
+    let folder = GgufFolder::scan(dir)?;
+    let (path, arch) = folder.model()?;
+    if arch == lfm2vl::gguf::ARCHITECTURE {
+        return Ok(Family::Lfm2Vl);
+    }
+    Err(Error::input(format!(
+        "{}: {} is a GGUF of architecture {arch:?}, which Tessera does not run as --model: it          runs LFM2-VL's GGUF files ({:?}, with its mmproj file); a GGUF diffusion transformer          goes to `tessera generate --transformer FILE.gguf`",
+        dir.display(),
+        file_name(path),
+        lfm2vl::gguf::ARCHITECTURE
+    )))
+}
+
+/// LFM2-VL's files: the Hugging Face checkpoint in `dir`, or its GGUF files.
+fn lfm2vl_files(dir: PathBuf) -> Result<ModelFiles> {
+    if dir.join("config.json").is_file() {
+        Ok(ModelFiles::Dir(dir))
+    } else {
+        lfm2vl::gguf::files(&dir)
+    }
 }
 
 impl ModelSpec {
@@ -230,7 +258,7 @@ impl ModelSpec {
         let files = match family {
             Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(ModelFiles::Dir(dir))?,
             Family::ZImage => ModelFilesOf::zimage(ZImageFiles::dir(&dir)?)?,
-            Family::Lfm2Vl => ModelFilesOf::lfm2vl(ModelFiles::Dir(dir))?,
+            Family::Lfm2Vl => ModelFilesOf::lfm2vl(lfm2vl_files(dir)?)?,
             Family::QwenImage => ModelFilesOf::qwen_image(QwenImageFiles::dir(&dir)?)?,
         };
         Self::with(family, files, spec.to_string())
