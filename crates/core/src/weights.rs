@@ -949,4 +949,61 @@ mod tests {
             "{err}"
         );
     }
+
+    /// A GGUF tensor seen under another name: in place and reshaped, or permuted on the host
+    /// (a block format decoded first); a view that would give two tensors one name is refused.
+    #[test]
+    fn gguf_tensors_under_other_names_and_layouts() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+        let lm = fixtures.join("lfm2vl_gguf/LFM2-VL-mini-Q8_0.gguf");
+        let g = crate::gguf::Gguf::open(&lm).unwrap();
+        let view = |n: &str| match n {
+            "blk.0.shortconv.conv.weight" => Some(GgufAs {
+                name: "conv".into(),
+                permute: None,
+                shape: Some(vec![128, 1, 3]),
+            }),
+            "blk.0.ffn_gate.weight" => Some(GgufAs {
+                name: "gate_t".into(),
+                permute: Some(vec![1, 0]),
+                shape: None,
+            }),
+            _ => None,
+        };
+        let w = Weights::open_gguf_as(&[&lm], &view).unwrap();
+        let conv = w.get("conv", &[128, 1, 3]).unwrap();
+        let stored = g.tensor("blk.0.shortconv.conv.weight").unwrap();
+        assert_eq!(conv.to_f32(), stored.to_f32().unwrap());
+        // Q8_0 [144, 128] decoded and transposed.
+        let gate = g.tensor("blk.0.ffn_gate.weight").unwrap().to_f32().unwrap();
+        let t = w.get("gate_t", &[128, 144]).unwrap();
+        assert_eq!(t.dtype, DType::F32);
+        let got = t.to_f32();
+        for (r, c) in [(0, 0), (5, 77), (127, 143)] {
+            assert_eq!(got[r * 144 + c], gate[c * 128 + r]);
+        }
+        // Blocks stay blocks under a plain rename; unknown tensors keep their names.
+        assert_eq!(w.tensor("blk.0.ffn_up.weight").unwrap().dtype, DType::Q8_0);
+        let bad = Weights::open_gguf_as(&[&lm], &|n: &str| {
+            n.starts_with("blk.0.ffn_").then(|| GgufAs {
+                name: "same".into(),
+                permute: None,
+                shape: None,
+            })
+        });
+        let e = bad.err().unwrap().to_string();
+        assert!(
+            e.contains("`same`") && e.contains("LFM2-VL-mini-Q8_0.gguf"),
+            "{e}"
+        );
+        let reshape = Weights::open_gguf_as(&[&lm], &|n: &str| {
+            (n == "blk.0.ffn_norm.weight").then(|| GgufAs {
+                name: "n".into(),
+                permute: None,
+                shape: Some(vec![3, 3]),
+            })
+        });
+        let e = reshape.err().unwrap().to_string();
+        assert!(e.contains("[128]") && e.contains("[3, 3]"), "{e}");
+    }
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use tessera_backend::{AnyBackend, DeviceRequest, Op, Precision, Quantization};
-use tessera_core::{Error, Result, config::read_json, model_dir};
+use tessera_core::{DType, Error, Result, config::read_json, model_dir};
 use tessera_models::ModelFiles;
 use tessera_models::egemma2::{self, Config as Egemma2Config};
 use tessera_models::gguf_folder::{GgufFolder, file_name};
@@ -121,6 +121,9 @@ pub struct ModelSpec {
     /// What `--model` said, or the bundled model's name.
     pub label: String,
     ops: Vec<Op>,
+    /// The quantized format the model's weights are stored in (a GGUF folder's), so that a
+    /// device without products on it declines before loading.
+    stored: Option<DType>,
 }
 
 #[derive(Deserialize)]
@@ -202,6 +205,15 @@ pub fn detect(dir: &Path) -> Result<Family> {
     }
     let name = cfg.architectures.first().cloned().unwrap_or(model_type);
     Err(unknown("the model", &name))
+}
+
+/// The first quantized dtype among `w`'s tensors.
+fn stored_format(w: &tessera_core::Weights) -> Option<DType> {
+    w.names()
+        .into_iter()
+        .filter_map(|n| w.tensor(n).ok())
+        .map(|t| t.dtype)
+        .find(|d| d.is_quantized())
 }
 
 /// The family of a folder of GGUF files, by its language model's `general.architecture`.
@@ -286,11 +298,18 @@ impl ModelSpec {
             ModelFilesOf::Lfm2Vl(_, c) => lfm2vl::ops(c),
             ModelFilesOf::QwenImage(_, c) => qwen_image::ops(c),
         };
+        let stored = match &files {
+            ModelFilesOf::Lfm2Vl(f @ ModelFiles::Derived(_), _) => {
+                stored_format(&f.weights("model")?)
+            }
+            _ => None,
+        };
         Ok(ModelSpec {
             family,
             files,
             label,
             ops,
+            stored,
         })
     }
 
@@ -359,6 +378,11 @@ impl ModelSpec {
         &self.ops
     }
 
+    /// The quantized format its weights are stored in, if any (the first quantized tensor's).
+    pub fn stored_format(&self) -> Option<DType> {
+        self.stored
+    }
+
     /// Open the device `req` asks for, declining one that cannot run this model's ops before
     /// anything loads: `auto` then runs on the CPU and says why through `note`; an explicit
     /// `cuda` fails with the reason.
@@ -370,6 +394,10 @@ impl ModelSpec {
         quant: Quantization,
         note: impl FnMut(&str),
     ) -> Result<AnyBackend> {
+        let quant = Quantization {
+            stored: quant.stored.or(self.stored),
+            ..quant
+        };
         AnyBackend::open_for(req, precision, quant, &self.ops, note).map_err(|e| match e {
             Error::Device(m) => Error::Device(format!("{}: {m}", self.family.name())),
             other => other,
@@ -380,6 +408,10 @@ impl ModelSpec {
     /// its default precision if it opens and runs every op (products on quantized weights
     /// included), else why not.
     pub fn support(&self, quant: Quantization) -> Vec<(String, Result<String>)> {
+        let quant = Quantization {
+            stored: quant.stored.or(self.stored),
+            ..quant
+        };
         let cpu = AnyBackend::open_for(DeviceRequest::Cpu, None, quant, &self.ops, |_| {})
             .map(|b| b.describe());
         let cuda = AnyBackend::open_for(DeviceRequest::Cuda(0), None, quant, &self.ops, |_| {})

@@ -346,3 +346,54 @@ fn a_gguf_folder_opens_and_a_wrong_one_says_what_is_wrong_and_what_to_do() {
         "{e}"
     );
 }
+
+/// `bytes` with the u32 metadata value of `key` replaced by `value`.
+fn patched(bytes: &[u8], key: &str, value: u32) -> Vec<u8> {
+    // A key is its length (u64), its bytes, then the value's type (4 = u32) and the value.
+    let mut needle = (key.len() as u64).to_le_bytes().to_vec();
+    needle.extend(key.as_bytes());
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap_or_else(|| panic!("no key {key}"))
+        + needle.len();
+    assert_eq!(bytes[at..at + 4], 4u32.to_le_bytes(), "{key} is not a u32");
+    let mut out = bytes.to_vec();
+    out[at + 4..at + 8].copy_from_slice(&value.to_le_bytes());
+    out
+}
+
+#[test]
+fn metadata_that_disagrees_with_the_tensors_is_refused_naming_the_key() {
+    let lm = std::fs::read(fixture(LM_F32)).unwrap();
+    for (key, value) in [
+        ("lfm2.block_count", 1 << 30),
+        ("lfm2.embedding_length", u32::MAX),
+        ("lfm2.feed_forward_length", 1 << 31),
+        ("lfm2.shortconv.l_cache", 1 << 20),
+        ("tokenizer.ggml.eos_token_id", 1 << 20),
+    ] {
+        let dir = folder(&[MMPROJ]);
+        std::fs::write(dir.path().join(LM_F32), patched(&lm, key, value)).unwrap();
+        let e = match lfm2vl::gguf::files(dir.path()) {
+            Ok(_) => panic!("{key} = {value} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(key) && e.contains(LM_F32), "{key}: {e}");
+    }
+    let proj = std::fs::read(fixture(MMPROJ)).unwrap();
+    for key in [
+        "clip.vision.block_count",
+        "clip.vision.embedding_length",
+        "clip.vision.patch_size",
+        "clip.vision.feed_forward_length",
+    ] {
+        let dir = folder(&[LM_F32]);
+        std::fs::write(dir.path().join(MMPROJ), patched(&proj, key, 1 << 24)).unwrap();
+        let e = match lfm2vl::gguf::files(dir.path()) {
+            Ok(_) => panic!("{key} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(key) && e.contains(MMPROJ), "{key}: {e}");
+    }
+}

@@ -145,13 +145,22 @@ pub(super) fn config(lm: &Gguf, proj: &Gguf, image_token: u32, bos: u32, eos: u3
             s.last().copied().unwrap_or(0),
         )?;
     }
+    let ffn = usize_of(lm, &key("feed_forward_length"))?;
+    let gate = shape(lm, "blk.0.ffn_gate.weight")?;
+    matching(
+        lm,
+        &key("feed_forward_length"),
+        ffn,
+        "blk.0.ffn_gate.weight",
+        gate.first().copied().unwrap_or(0),
+    )?;
     let conv_bias = lm.tensor("blk.0.shortconv.in_proj.bias").is_ok();
     let text = json!({
         "model_type": "lfm2",
         "vocab_size": vocab,
         "hidden_size": hidden,
         // The width as stored: the converter applied the auto-adjust rule already.
-        "intermediate_size": usize_of(lm, &key("feed_forward_length"))?,
+        "intermediate_size": ffn,
         "block_auto_adjust_ff_dim": false,
         "num_hidden_layers": n_layers,
         "layer_types": layer_types,
@@ -198,12 +207,21 @@ pub(super) fn config(lm: &Gguf, proj: &Gguf, image_token: u32, bos: u32, eos: u3
         "v.patch_embd.weight",
         patch,
     )?;
+    let vision_ffn = usize_of(proj, &vkey("feed_forward_length"))?;
+    let up = shape(proj, "v.blk.0.ffn_up.weight")?;
+    matching(
+        proj,
+        &vkey("feed_forward_length"),
+        vision_ffn,
+        "v.blk.0.ffn_up.weight",
+        up.first().copied().unwrap_or(0),
+    )?;
     let mm1 = shape(proj, "mm.1.weight")?;
     let projector_hidden = mm1.first().copied().unwrap_or(0);
     let vision = json!({
         "model_type": "siglip2_vision_model",
         "hidden_size": vision_hidden,
-        "intermediate_size": usize_of(proj, &vkey("feed_forward_length"))?,
+        "intermediate_size": vision_ffn,
         "num_hidden_layers": layers(proj, &vkey("block_count"), "v.blk.", "ln1.weight")?,
         "num_attention_heads": usize_of(proj, &vkey("attention.head_count"))?,
         "num_channels": channels,
