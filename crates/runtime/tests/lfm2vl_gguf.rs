@@ -7,7 +7,7 @@
 //! settings beyond patch, merge factor and normalisation (llama.cpp applies the published
 //! ones), while the miniature's `preprocessor_config.json` asks for smaller tiles: the folder
 //! compared against is the miniature without that file, i.e. with the published settings.
-//! The Q8_0 file is compared with a checkpoint of its own weights decoded to f32.
+//! The Q8_0 and Q4_0 files are compared with checkpoints of their own weights decoded to f32.
 
 mod common;
 
@@ -24,6 +24,7 @@ use tessera_runtime::{Family, ModelSpec};
 
 const LM_F32: &str = "LFM2-VL-mini-F32.gguf";
 const LM_Q8: &str = "LFM2-VL-mini-Q8_0.gguf";
+const LM_Q4: &str = "LFM2-VL-mini-Q4_0.gguf";
 const MMPROJ: &str = "mmproj-LFM2-VL-mini-F32.gguf";
 
 fn fixture(name: &str) -> PathBuf {
@@ -261,23 +262,26 @@ fn decoded_checkpoint(files: &ModelFiles) -> tempfile::TempDir {
 }
 
 #[test]
-fn the_q8_0_gguf_folder_computes_the_logits_of_its_decoded_weights() {
-    let dir = folder(&[LM_Q8, MMPROJ]);
-    let gg = gguf_files(dir.path());
-    // The blocks reach the backend as blocks.
-    let w = gg.weights("model").unwrap();
-    let q = w
-        .tensor("model.language_model.layers.0.conv.in_proj.weight")
-        .unwrap();
-    assert_eq!(q.dtype, tessera_core::DType::Q8_0);
-    let embed = w
-        .tensor("model.language_model.embed_tokens.weight")
-        .unwrap();
-    assert_eq!(embed.dtype, tessera_core::DType::Q8_0);
-    let decoded = decoded_checkpoint(&gg);
-    let rel = compare_runs(&gg, &ModelFiles::Dir(decoded.path().into()));
-    eprintln!("Q8_0 GGUF vs its decoded weights: logits rel {rel:.2e}");
-    assert!(rel <= 1e-5, "logits rel {rel:.2e} > 1e-5");
+fn quantized_gguf_folders_compute_the_logits_of_their_decoded_weights() {
+    use tessera_core::DType;
+    for (lm, format) in [(LM_Q8, DType::Q8_0), (LM_Q4, DType::Q4_0)] {
+        let dir = folder(&[lm, MMPROJ]);
+        let gg = gguf_files(dir.path());
+        // The blocks reach the backend as blocks (the table as llama.cpp's tools chose: Q8_0).
+        let w = gg.weights("model").unwrap();
+        let q = w
+            .tensor("model.language_model.layers.0.conv.in_proj.weight")
+            .unwrap();
+        assert_eq!(q.dtype, format, "{lm}");
+        let embed = w
+            .tensor("model.language_model.embed_tokens.weight")
+            .unwrap();
+        assert_eq!(embed.dtype, DType::Q8_0, "{lm}");
+        let decoded = decoded_checkpoint(&gg);
+        let rel = compare_runs(&gg, &ModelFiles::Dir(decoded.path().into()));
+        eprintln!("{lm} vs its decoded weights: logits rel {rel:.2e}");
+        assert!(rel <= 1e-5, "{lm}: logits rel {rel:.2e} > 1e-5");
+    }
 }
 
 fn open_error(dir: &Path) -> String {
@@ -324,8 +328,9 @@ fn a_gguf_folder_opens_and_a_wrong_one_says_what_is_wrong_and_what_to_do() {
     // The fixture folder itself holds two language models.
     let e = open_error(&fixture(""));
     assert!(
-        e.contains("2 language-model GGUF files")
+        e.contains("3 language-model GGUF files")
             && e.contains(LM_F32)
+            && e.contains(LM_Q4)
             && e.contains(LM_Q8)
             && e.contains("move the others out"),
         "{e}"
