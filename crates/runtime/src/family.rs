@@ -224,7 +224,9 @@ fn detect_gguf(dir: &Path) -> Result<Family> {
         return Ok(Family::Lfm2Vl);
     }
     Err(Error::input(format!(
-        "{}: {} is a GGUF of architecture {arch:?}, which Tessera does not run as --model: it          runs LFM2-VL's GGUF files ({:?}, with its mmproj file); a GGUF diffusion transformer          goes to `tessera generate --transformer FILE.gguf`",
+        "{}: {} is a GGUF of architecture {arch:?}, which Tessera does not run as --model: it \
+         runs LFM2-VL's GGUF files ({:?}, with its mmproj file); a GGUF diffusion transformer \
+         goes to `tessera generate --transformer FILE.gguf`",
         dir.display(),
         file_name(path),
         lfm2vl::gguf::ARCHITECTURE
