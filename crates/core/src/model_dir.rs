@@ -190,11 +190,11 @@ pub fn resolve_any(spec: &str, markers: &[&str]) -> Result<PathBuf> {
     })
 }
 
-/// The cached snapshot of `repo` that has one of `markers`, if any (no network).
+/// The cached snapshot of `repo` that has one of `markers` or GGUF files, if any (no network).
 pub fn cached_snapshot(repo: &RepoSpec, markers: &[&str]) -> Option<PathBuf> {
     let cache = hf_hub_cache()?;
     find_in_cache(&cache, repo, &|p: &Path| {
-        markers.iter().any(|m| p.join(m).is_file())
+        markers.iter().any(|m| p.join(m).is_file()) || holds_gguf(p)
     })
 }
 
