@@ -42,7 +42,7 @@ fn folder(from: PathBuf, keep: impl Fn(&str) -> bool) -> tempfile::TempDir {
 async fn the_gguf_folder_is_served_as_the_checkpoint_answers() {
     let gguf = folder(
         common::workspace().join("tests/fixtures/lfm2vl_gguf"),
-        |n| n != "LFM2-VL-mini-Q8_0.gguf",
+        |n| ["LFM2-VL-mini-F32.gguf", "mmproj-LFM2-VL-mini-F32.gguf"].contains(&n),
     );
     let hf = folder(
         common::workspace().join("crates/models/assets/lfm2vl-mini"),
