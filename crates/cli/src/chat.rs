@@ -30,7 +30,9 @@ use crate::model;
 #[command(after_help = after_help())]
 pub struct ChatArgs {
     /// An LFM2-VL folder (config.json, model.safetensors, tokenizer.json, chat_template.jinja,
-    /// preprocessor_config.json) or a Hugging Face repo id, downloaded on first use. Without it,
+    /// preprocessor_config.json), a folder of its GGUF files (the language model and its
+    /// mmproj-*.gguf, as llama.cpp takes them) or a Hugging Face repo id, downloaded on first
+    /// use. Without it,
     /// the bundled miniature model runs: random weights, for checking an install.
     #[arg(long, short = 'm')]
     pub model: Option<String>,

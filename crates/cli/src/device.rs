@@ -145,6 +145,8 @@ impl DeviceArgs {
         note: impl FnMut(&str),
     ) -> Result<AnyBackend> {
         let (req, precision) = self.parsed()?;
+        // A GGUF model folder says its own stored format.
+        let stored = stored.or(model.stored_format());
         model.device(req, precision, self.quantization(stored)?, note)
     }
 

@@ -193,7 +193,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
         }
     }
     outln!("ops:         {} distinct", spec.ops().len())?;
-    for (device, support) in spec.support(args.device.quantization(None)?) {
+    for (device, support) in spec.support(args.device.quantization(spec.stored_format())?) {
         match support {
             Ok(d) => outln!("{:<12} runs it: {d}", format!("{device}:"))?,
             Err(e) => outln!("{:<12} cannot run it: {e}", format!("{device}:"))?,

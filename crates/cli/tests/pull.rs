@@ -371,8 +371,12 @@ fn a_diffusers_repo_gives_its_components_and_a_gguf_repo_one_quantization() {
         home.path(),
         &["pull", "org/m-GGUF:Q8_0"],
     )));
+    // The model's file and the repo's projector (no Q8_0 one here: F16's).
     let got = names(&files_of(&snapshot(home.path(), "org/m-GGUF")));
-    assert_eq!(got, BTreeSet::from(["m-Q8_0.gguf".to_string()]));
+    assert_eq!(
+        got,
+        BTreeSet::from(["m-Q8_0.gguf".to_string(), "mmproj-m-f16.gguf".to_string()])
+    );
     let out = run(&mut tessera(
         &hub,
         home.path(),
@@ -388,4 +392,51 @@ fn a_diffusers_repo_gives_its_components_and_a_gguf_repo_one_quantization() {
         &["embed", "--model", "org/missing", "--text", "x"],
     ));
     fails(&out, &["not found", "nor is there a folder org/missing"]);
+}
+
+/// LFM2-VL's GGUF repo as its authors lay it out (language models of several quantizations and
+/// the mmproj file): a pull of one quantization fetches that model and the projector, and the
+/// repo id then chats offline.
+#[test]
+fn a_gguf_vision_repo_pulls_its_projector_and_chats_by_repo_id() {
+    let hub = FakeHub::start();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/lfm2vl_gguf");
+    let served: Vec<(String, Vec<u8>)> = [
+        "LFM2-VL-mini-F32.gguf",
+        "LFM2-VL-mini-Q8_0.gguf",
+        "mmproj-LFM2-VL-mini-F32.gguf",
+    ]
+    .iter()
+    .map(|n| (n.to_string(), std::fs::read(fixtures.join(n)).unwrap()))
+    .collect();
+    hub.add_repo("org/LFM2-VL-mini-GGUF", COMMIT, served);
+    let home = tempfile::tempdir().unwrap();
+    ok(&run(&mut tessera(
+        &hub,
+        home.path(),
+        &["pull", "org/LFM2-VL-mini-GGUF:Q8_0"],
+    )));
+    let got = names(&files_of(&snapshot(home.path(), "org/LFM2-VL-mini-GGUF")));
+    assert_eq!(
+        got,
+        BTreeSet::from([
+            "LFM2-VL-mini-Q8_0.gguf".to_string(),
+            "mmproj-LFM2-VL-mini-F32.gguf".to_string()
+        ])
+    );
+    let out = run(tessera(
+        &hub,
+        home.path(),
+        &[
+            "chat",
+            "--model",
+            "org/LFM2-VL-mini-GGUF",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+        ],
+    )
+    .env("HF_HUB_OFFLINE", "1"));
+    ok(&out);
 }

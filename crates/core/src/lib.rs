@@ -23,4 +23,4 @@ pub mod weights;
 
 pub use dtype::DType;
 pub use error::{Error, Result, check_finite};
-pub use weights::{Scale, Tensor, Weights};
+pub use weights::{GgufAs, Scale, Tensor, Weights};

@@ -122,11 +122,25 @@ fn looks_like_repo_id(spec: &str) -> bool {
     ok(owner) && ok(name)
 }
 
+/// Whether folder `p` holds a `*.gguf` file (a model as llama.cpp takes it: its language model
+/// and, for a vision model, its `mmproj-*.gguf`).
+pub fn holds_gguf(p: &Path) -> bool {
+    std::fs::read_dir(p).is_ok_and(|entries| {
+        entries.filter_map(|e| e.ok()).any(|e| {
+            let path = e.path();
+            path.is_file()
+                && path
+                    .extension()
+                    .is_some_and(|x| x.eq_ignore_ascii_case("gguf"))
+        })
+    })
+}
+
 /// Resolve `spec` to a model folder that contains one of `markers` (`model_index.json` for a
-/// diffusers pipeline, `config.json` for a transformers model).
+/// diffusers pipeline, `config.json` for a transformers model) or GGUF files.
 pub fn resolve_any(spec: &str, markers: &[&str]) -> Result<PathBuf> {
-    let marker = markers.join(" or ");
-    let has_marker = |p: &Path| markers.iter().any(|m| p.join(m).is_file());
+    let marker = format!("{} or a GGUF file", markers.join(" or "));
+    let has_marker = |p: &Path| markers.iter().any(|m| p.join(m).is_file()) || holds_gguf(p);
     let path = Path::new(spec);
     if path.exists() {
         if !path.is_dir() {
@@ -176,11 +190,11 @@ pub fn resolve_any(spec: &str, markers: &[&str]) -> Result<PathBuf> {
     })
 }
 
-/// The cached snapshot of `repo` that has one of `markers`, if any (no network).
+/// The cached snapshot of `repo` that has one of `markers` or GGUF files, if any (no network).
 pub fn cached_snapshot(repo: &RepoSpec, markers: &[&str]) -> Option<PathBuf> {
     let cache = hf_hub_cache()?;
     find_in_cache(&cache, repo, &|p: &Path| {
-        markers.iter().any(|m| p.join(m).is_file())
+        markers.iter().any(|m| p.join(m).is_file()) || holds_gguf(p)
     })
 }
 
@@ -304,7 +318,13 @@ mod tests {
         let e = resolve_any(dir.path().to_str().unwrap(), &["config.json"])
             .unwrap_err()
             .to_string();
-        assert!(e.contains("has no config.json"), "{e}");
+        assert!(e.contains("has no config.json or a GGUF file"), "{e}");
+        // A folder of GGUF files is a model folder (its files are told apart later).
+        std::fs::write(dir.path().join("m-Q8_0.GGUF"), "").unwrap();
+        assert_eq!(
+            resolve_any(dir.path().to_str().unwrap(), &["config.json"]).unwrap(),
+            dir.path()
+        );
         let e = resolve_any("/definitely/not/here", &["config.json"])
             .unwrap_err()
             .to_string();

@@ -21,6 +21,8 @@ use crate::error::{Error, Result};
 enum Bytes {
     Mapped(Mmap),
     Static(&'static [u8]),
+    /// Tensors re-laid-out on the host at open (see [`Weights::open_gguf_as`]).
+    Owned(Vec<u8>),
 }
 
 impl Bytes {
@@ -28,8 +30,21 @@ impl Bytes {
         match self {
             Bytes::Mapped(m) => m,
             Bytes::Static(s) => s,
+            Bytes::Owned(v) => v,
         }
     }
+}
+
+/// How [`Weights::open_gguf_as`] shows one GGUF tensor to a loader that asks for another
+/// checkpoint's names: under `name`, its stored axes reordered by `permute` (if any), then seen
+/// as `shape` (if any: the same elements in the same order, e.g. a `[d, k]` convolution kernel
+/// as `[d, 1, k]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GgufAs {
+    pub name: String,
+    /// `permute[i]` is the stored (outermost-first) axis of axis `i`.
+    pub permute: Option<Vec<usize>>,
+    pub shape: Option<Vec<usize>>,
 }
 
 struct Entry {
@@ -408,6 +423,101 @@ impl Weights {
             entries,
         };
         Self::from_files(vec![file], path.display().to_string())
+    }
+
+    /// The tensors of several GGUF files (a language model and its vision projector) under the
+    /// names `view` gives them, so that a loader written for another checkpoint's names and
+    /// layouts reads them unchanged; a tensor `view` does not know keeps its GGUF name. Tensors
+    /// stay in their files (block formats included) unless `view` permutes them: those are
+    /// re-laid-out on the host once, a block format decoded to `f32` first (blocks run along
+    /// the stored rows, so a permutation cannot keep them).
+    pub fn open_gguf_as(paths: &[&Path], view: &dyn Fn(&str) -> Option<GgufAs>) -> Result<Self> {
+        let mut files = Vec::with_capacity(paths.len() * 2);
+        for &path in paths {
+            let (map, tensors) = crate::gguf::Gguf::open(path)?.into_tensor_map();
+            let bad = |name: &str, message: String| Error::Gguf {
+                path: path.to_path_buf(),
+                message: format!("tensor `{name}`: {message}"),
+            };
+            let mut entries = HashMap::new();
+            let mut owned = Vec::new();
+            let mut owned_entries = HashMap::new();
+            for t in tensors {
+                let Some(v) = view(&t.name) else {
+                    let entry = Entry {
+                        dtype: Ok(t.dtype),
+                        shape: t.shape,
+                        start: t.start,
+                        end: t.end,
+                    };
+                    entries.insert(t.name, entry);
+                    continue;
+                };
+                let (dtype, stored_shape, place) = match &v.permute {
+                    None => (t.dtype, t.shape.clone(), None),
+                    Some(perm) => {
+                        let stored = Tensor {
+                            name: t.name.clone(),
+                            dtype: t.dtype,
+                            shape: t.shape.clone(),
+                            bytes: Cow::Borrowed(&map[t.start..t.end]),
+                            path,
+                            scale: None,
+                        };
+                        let stored = match t.dtype.size() {
+                            Some(_) => stored,
+                            None => Tensor::from_f32(&t.name, t.shape.clone(), &stored.to_f32())?,
+                        };
+                        let p = stored
+                            .permuted(perm)
+                            .map_err(|e| bad(&t.name, e.to_string()))?;
+                        let start = owned.len();
+                        owned.extend_from_slice(&p.bytes);
+                        (p.dtype, p.shape, Some((start, owned.len())))
+                    }
+                };
+                let shape = v.shape.clone().unwrap_or_else(|| stored_shape.clone());
+                if shape.iter().product::<usize>() != stored_shape.iter().product::<usize>() {
+                    return Err(bad(
+                        &t.name,
+                        format!(
+                            "shape {stored_shape:?} cannot be seen as {shape:?} (`{}`)",
+                            v.name
+                        ),
+                    ));
+                }
+                let (target, start, end) = match place {
+                    None => (&mut entries, t.start, t.end),
+                    Some((a, b)) => (&mut owned_entries, a, b),
+                };
+                let entry = Entry {
+                    dtype: Ok(dtype),
+                    shape,
+                    start,
+                    end,
+                };
+                if target.insert(v.name.clone(), entry).is_some() {
+                    return Err(bad(
+                        &t.name,
+                        format!("a second tensor would be read as `{}`", v.name),
+                    ));
+                }
+            }
+            files.push(File1 {
+                path: path.to_path_buf(),
+                bytes: Bytes::Mapped(map),
+                entries,
+            });
+            if !owned_entries.is_empty() {
+                files.push(File1 {
+                    path: path.to_path_buf(),
+                    bytes: Bytes::Owned(owned),
+                    entries: owned_entries,
+                });
+            }
+        }
+        let location: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        Self::from_files(files, location.join(" + "))
     }
 
     /// A single weights file: GGUF when named `*.gguf`, else safetensors.
@@ -838,5 +948,62 @@ mod tests {
             err.contains("model.safetensors") && err.contains("index.json"),
             "{err}"
         );
+    }
+
+    /// A GGUF tensor seen under another name: in place and reshaped, or permuted on the host
+    /// (a block format decoded first); a view that would give two tensors one name is refused.
+    #[test]
+    fn gguf_tensors_under_other_names_and_layouts() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+        let lm = fixtures.join("lfm2vl_gguf/LFM2-VL-mini-Q8_0.gguf");
+        let g = crate::gguf::Gguf::open(&lm).unwrap();
+        let view = |n: &str| match n {
+            "blk.0.shortconv.conv.weight" => Some(GgufAs {
+                name: "conv".into(),
+                permute: None,
+                shape: Some(vec![128, 1, 3]),
+            }),
+            "blk.0.ffn_gate.weight" => Some(GgufAs {
+                name: "gate_t".into(),
+                permute: Some(vec![1, 0]),
+                shape: None,
+            }),
+            _ => None,
+        };
+        let w = Weights::open_gguf_as(&[&lm], &view).unwrap();
+        let conv = w.get("conv", &[128, 1, 3]).unwrap();
+        let stored = g.tensor("blk.0.shortconv.conv.weight").unwrap();
+        assert_eq!(conv.to_f32(), stored.to_f32().unwrap());
+        // Q8_0 [144, 128] decoded and transposed.
+        let gate = g.tensor("blk.0.ffn_gate.weight").unwrap().to_f32().unwrap();
+        let t = w.get("gate_t", &[128, 144]).unwrap();
+        assert_eq!(t.dtype, DType::F32);
+        let got = t.to_f32();
+        for (r, c) in [(0, 0), (5, 77), (127, 143)] {
+            assert_eq!(got[r * 144 + c], gate[c * 128 + r]);
+        }
+        // Blocks stay blocks under a plain rename; unknown tensors keep their names.
+        assert_eq!(w.tensor("blk.0.ffn_up.weight").unwrap().dtype, DType::Q8_0);
+        let bad = Weights::open_gguf_as(&[&lm], &|n: &str| {
+            n.starts_with("blk.0.ffn_").then(|| GgufAs {
+                name: "same".into(),
+                permute: None,
+                shape: None,
+            })
+        });
+        let e = bad.err().unwrap().to_string();
+        assert!(
+            e.contains("`same`") && e.contains("LFM2-VL-mini-Q8_0.gguf"),
+            "{e}"
+        );
+        let reshape = Weights::open_gguf_as(&[&lm], &|n: &str| {
+            (n == "blk.0.ffn_norm.weight").then(|| GgufAs {
+                name: "n".into(),
+                permute: None,
+                shape: Some(vec![3, 3]),
+            })
+        });
+        let e = reshape.err().unwrap().to_string();
+        assert!(e.contains("[128]") && e.contains("[3, 3]"), "{e}");
     }
 }

@@ -1,7 +1,10 @@
-//! Where a model's files come from: a folder on disk, or files compiled into the binary (the
-//! bundled miniature models). Models read their files through this so both work the same way.
+//! Where a model's files come from: a folder on disk, files compiled into the binary (the
+//! bundled miniature models), or files derived from another format (a GGUF model's metadata
+//! written as the Hugging Face files it came from). Models read their files through this so all
+//! work the same way.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tessera_core::{Error, Result, Weights};
 
@@ -13,6 +16,29 @@ pub enum ModelFiles {
         label: &'static str,
         files: &'static [(&'static str, &'static [u8])],
     },
+    /// A folder in another format, seen as the Hugging Face files a loader reads.
+    Derived(Arc<Derived>),
+}
+
+/// The text files and weights made from a folder of another format (see
+/// [`crate::lfm2vl::gguf`]).
+pub struct Derived {
+    /// The folder, for messages.
+    pub dir: PathBuf,
+    /// `(file name, the file it was made from, text)`.
+    pub texts: Vec<(String, PathBuf, String)>,
+    /// The tensors under the checkpoint's names (`model` is the only stem).
+    pub weights: Weights,
+}
+
+impl std::fmt::Debug for Derived {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.texts.iter().map(|t| t.0.as_str()).collect();
+        f.debug_struct("Derived")
+            .field("dir", &self.dir)
+            .field("texts", &names)
+            .finish()
+    }
 }
 
 impl ModelFiles {
@@ -21,6 +47,7 @@ impl ModelFiles {
         match self {
             ModelFiles::Dir(p) => p.display().to_string(),
             ModelFiles::Embedded { label, .. } => format!("<{label}>"),
+            ModelFiles::Derived(d) => d.dir.display().to_string(),
         }
     }
 
@@ -33,12 +60,17 @@ impl ModelFiles {
         match self {
             ModelFiles::Dir(d) => d.join(name),
             ModelFiles::Embedded { label, .. } => Path::new(&format!("<{label}>")).join(name),
+            // Errors about a derived file name the file it came from.
+            ModelFiles::Derived(d) => match d.texts.iter().find(|t| t.0 == name) {
+                Some((_, from, _)) => PathBuf::from(format!("{} (as {name})", from.display())),
+                None => d.dir.join(name),
+            },
         }
     }
 
     fn embedded(&self, name: &str) -> Option<&'static [u8]> {
         match self {
-            ModelFiles::Dir(_) => None,
+            ModelFiles::Dir(_) | ModelFiles::Derived(_) => None,
             ModelFiles::Embedded { files, .. } => {
                 files.iter().find(|(n, _)| *n == name).map(|(_, b)| *b)
             }
@@ -63,6 +95,7 @@ impl ModelFiles {
                         .map_err(|_| Error::io(self.path(name), std::io::Error::other("not UTF-8")))
                 })
                 .transpose(),
+            ModelFiles::Derived(d) => Ok(d.texts.iter().find(|t| t.0 == name).map(|t| t.2.clone())),
         }
     }
 
@@ -86,6 +119,11 @@ impl ModelFiles {
                 })?;
                 Weights::from_static(&format!("<{label}>/{name}"), bytes)
             }
+            ModelFiles::Derived(d) if stem == "model" => Ok(d.weights.clone()),
+            ModelFiles::Derived(d) => Err(Error::MissingFile {
+                path: d.dir.join(format!("{stem}.safetensors")),
+                hint: " (a folder of GGUF files holds only the model's weights)".into(),
+            }),
         }
     }
 }

@@ -25,6 +25,7 @@ pub mod egemma2;
 pub mod files;
 pub mod flow_match;
 pub mod generation;
+pub mod gguf_folder;
 pub mod imageproc;
 pub mod input;
 pub mod lfm2vl;

@@ -2,13 +2,14 @@
 //! folder's `model_index.json` (diffusers pipelines) or `config.json` (transformers models)
 //! before any weight loads.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use tessera_backend::{AnyBackend, DeviceRequest, Op, Precision, Quantization};
-use tessera_core::{Error, Result, config::read_json, model_dir};
+use tessera_core::{DType, Error, Result, config::read_json, model_dir};
 use tessera_models::ModelFiles;
 use tessera_models::egemma2::{self, Config as Egemma2Config};
+use tessera_models::gguf_folder::{GgufFolder, file_name};
 use tessera_models::lfm2vl::{self, Lfm2VlConfig};
 use tessera_models::qwen_image::{self, QwenImageConfigs, QwenImageFiles};
 use tessera_models::zimage::{self, ZImageConfigs, ZImageFiles};
@@ -120,6 +121,9 @@ pub struct ModelSpec {
     /// What `--model` said, or the bundled model's name.
     pub label: String,
     ops: Vec<Op>,
+    /// The quantized format the model's weights are stored in (a GGUF folder's), so that a
+    /// device without products on it declines before loading.
+    stored: Option<DType>,
 }
 
 #[derive(Deserialize)]
@@ -145,7 +149,7 @@ fn planned(name: &str) -> Option<&'static str> {
     }
 }
 
-const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2), LFM2-VL (model_type lfm2_vl), Z-Image (model_index.json ZImagePipeline) and Qwen-Image-2.1 (QwenImage21Pipeline)";
+const SUPPORTED: &str = "EmbeddingGemma 2 (config.json model_type embedding_gemma2), LFM2-VL (model_type lfm2_vl, or its GGUF files with their mmproj), Z-Image (model_index.json ZImagePipeline) and Qwen-Image-2.1 (QwenImage21Pipeline)";
 
 /// The bundled miniatures by the names `--model bundled:NAME` takes (`-mini` may be added).
 pub const BUNDLED_NAMES: [(&str, Family); 4] = [
@@ -178,6 +182,9 @@ pub fn detect(dir: &Path) -> Result<Family> {
         };
     }
     let config = dir.join("config.json");
+    if !config.is_file() && model_dir::holds_gguf(dir) {
+        return detect_gguf(dir);
+    }
     let cfg: ModelConfig = read_json(&config)?;
     let model_type = cfg.model_type.unwrap_or_default();
     if model_type == "embedding_gemma2"
@@ -198,6 +205,41 @@ pub fn detect(dir: &Path) -> Result<Family> {
     }
     let name = cfg.architectures.first().cloned().unwrap_or(model_type);
     Err(unknown("the model", &name))
+}
+
+/// The first quantized dtype among `w`'s tensors.
+fn stored_format(w: &tessera_core::Weights) -> Option<DType> {
+    w.names()
+        .into_iter()
+        .filter_map(|n| w.tensor(n).ok())
+        .map(|t| t.dtype)
+        .find(|d| d.is_quantized())
+}
+
+/// The family of a folder of GGUF files, by its language model's `general.architecture`.
+fn detect_gguf(dir: &Path) -> Result<Family> {
+    let folder = GgufFolder::scan(dir)?;
+    let (path, arch) = folder.model()?;
+    if arch == lfm2vl::gguf::ARCHITECTURE {
+        return Ok(Family::Lfm2Vl);
+    }
+    Err(Error::input(format!(
+        "{}: {} is a GGUF of architecture {arch:?}, which Tessera does not run as --model: it \
+         runs LFM2-VL's GGUF files ({:?}, with its mmproj file); a GGUF diffusion transformer \
+         goes to `tessera generate --transformer FILE.gguf`",
+        dir.display(),
+        file_name(path),
+        lfm2vl::gguf::ARCHITECTURE
+    )))
+}
+
+/// LFM2-VL's files: the Hugging Face checkpoint in `dir`, or its GGUF files.
+fn lfm2vl_files(dir: PathBuf) -> Result<ModelFiles> {
+    if dir.join("config.json").is_file() {
+        Ok(ModelFiles::Dir(dir))
+    } else {
+        lfm2vl::gguf::files(&dir)
+    }
 }
 
 impl ModelSpec {
@@ -230,7 +272,7 @@ impl ModelSpec {
         let files = match family {
             Family::EmbeddingGemma2 => ModelFilesOf::embedding_gemma2(ModelFiles::Dir(dir))?,
             Family::ZImage => ModelFilesOf::zimage(ZImageFiles::dir(&dir)?)?,
-            Family::Lfm2Vl => ModelFilesOf::lfm2vl(ModelFiles::Dir(dir))?,
+            Family::Lfm2Vl => ModelFilesOf::lfm2vl(lfm2vl_files(dir)?)?,
             Family::QwenImage => ModelFilesOf::qwen_image(QwenImageFiles::dir(&dir)?)?,
         };
         Self::with(family, files, spec.to_string())
@@ -258,11 +300,18 @@ impl ModelSpec {
             ModelFilesOf::Lfm2Vl(_, c) => lfm2vl::ops(c),
             ModelFilesOf::QwenImage(_, c) => qwen_image::ops(c),
         };
+        let stored = match &files {
+            ModelFilesOf::Lfm2Vl(f @ ModelFiles::Derived(_), _) => {
+                stored_format(&f.weights("model")?)
+            }
+            _ => None,
+        };
         Ok(ModelSpec {
             family,
             files,
             label,
             ops,
+            stored,
         })
     }
 
@@ -331,6 +380,11 @@ impl ModelSpec {
         &self.ops
     }
 
+    /// The quantized format its weights are stored in, if any (the first quantized tensor's).
+    pub fn stored_format(&self) -> Option<DType> {
+        self.stored
+    }
+
     /// Open the device `req` asks for, declining one that cannot run this model's ops before
     /// anything loads: `auto` then runs on the CPU and says why through `note`; an explicit
     /// `cuda` fails with the reason.
@@ -342,6 +396,10 @@ impl ModelSpec {
         quant: Quantization,
         note: impl FnMut(&str),
     ) -> Result<AnyBackend> {
+        let quant = Quantization {
+            stored: quant.stored.or(self.stored),
+            ..quant
+        };
         AnyBackend::open_for(req, precision, quant, &self.ops, note).map_err(|e| match e {
             Error::Device(m) => Error::Device(format!("{}: {m}", self.family.name())),
             other => other,
@@ -352,6 +410,10 @@ impl ModelSpec {
     /// its default precision if it opens and runs every op (products on quantized weights
     /// included), else why not.
     pub fn support(&self, quant: Quantization) -> Vec<(String, Result<String>)> {
+        let quant = Quantization {
+            stored: quant.stored.or(self.stored),
+            ..quant
+        };
         let cpu = AnyBackend::open_for(DeviceRequest::Cpu, None, quant, &self.ops, |_| {})
             .map(|b| b.describe());
         let cuda = AnyBackend::open_for(DeviceRequest::Cuda(0), None, quant, &self.ops, |_| {})

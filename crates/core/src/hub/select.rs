@@ -8,8 +8,10 @@
 //!   `diffusion_pytorch_model`); other safetensors (fp16 variants, single-file checkpoints)
 //!   and other formats (`.bin`, ONNX, …) are left;
 //! - failing those, one GGUF model: the file whose name holds the `:QUANT` asked for, else the
-//!   one holding `Q4_K_M`, else the first by name (with every part of a split file, and no
-//!   `mmproj` projector).
+//!   one holding `Q4_K_M`, else the first by name (with every part of a split file); and, where
+//!   the repo has vision projectors (`mmproj*.gguf`, which a vision model such as LFM2-VL
+//!   cannot run without), one of them: the one holding the same `:QUANT`, else `F16`, else the
+//!   first by name. The projector is fetched first.
 //!
 //! A diffusers repo's root gives only `model_index.json`; a transformers repo's subfolders
 //! (sentence-transformers modules, ONNX exports) are left.
@@ -203,14 +205,26 @@ fn gguf(repo: &str, here: &[&str], quant: Option<&str>) -> Result<Vec<String>> {
             .find(|f| holds(f, "Q4_K_M"))
             .unwrap_or(&models[0]),
     };
-    Ok(match split_stem(chosen) {
-        Some(stem) => models
-            .iter()
-            .filter(|f| split_stem(f) == Some(stem))
-            .map(|f| f.to_string())
-            .collect(),
-        None => vec![chosen.to_string()],
-    })
+    let projectors: Vec<&str> = here
+        .iter()
+        .copied()
+        .filter(|f| f.ends_with(".gguf") && base(f).to_ascii_lowercase().contains("mmproj"))
+        .collect();
+    let projector = quant
+        .and_then(|q| projectors.iter().find(|f| holds(f, q)))
+        .or_else(|| projectors.iter().find(|f| holds(f, "F16")))
+        .or(projectors.first());
+    let mut out: Vec<String> = projector.iter().map(|f| f.to_string()).collect();
+    match split_stem(chosen) {
+        Some(stem) => out.extend(
+            models
+                .iter()
+                .filter(|f| split_stem(f) == Some(stem))
+                .map(|f| f.to_string()),
+        ),
+        None => out.push(chosen.to_string()),
+    }
+    Ok(out)
 }
 
 fn base(f: &str) -> &str {
@@ -360,14 +374,22 @@ mod tests {
             "m-F16-00001-of-00002.gguf",
             "m-F16-00002-of-00002.gguf",
             "mmproj-m-f16.gguf",
+            "mmproj-m-Q8_0.gguf",
         ];
-        assert_eq!(run(&files, &[], None).unwrap(), ["m-Q4_K_M.gguf"]);
-        assert_eq!(run(&files, &[], Some("q4_k")).unwrap(), ["m-Q4_K.gguf"]);
-        assert_eq!(run(&files, &[], Some("Q8_0")).unwrap(), ["m-Q8_0.gguf"]);
+        // With the projector: the same quantization's, else F16's.
+        let p = "mmproj-m-f16.gguf";
+        assert_eq!(run(&files, &[], None).unwrap(), [p, "m-Q4_K_M.gguf"]);
+        assert_eq!(run(&files, &[], Some("q4_k")).unwrap(), [p, "m-Q4_K.gguf"]);
+        assert_eq!(
+            run(&files, &[], Some("Q8_0")).unwrap(),
+            ["mmproj-m-Q8_0.gguf", "m-Q8_0.gguf"]
+        );
         assert_eq!(
             run(&files, &[], Some("F16")).unwrap(),
-            ["m-F16-00001-of-00002.gguf", "m-F16-00002-of-00002.gguf"]
+            [p, "m-F16-00001-of-00002.gguf", "m-F16-00002-of-00002.gguf"]
         );
+        // A repo of projectors only has no model.
+        assert!(run(&["mmproj-m-f16.gguf"], &[], None).is_err());
         let e = run(&files, &[], Some("IQ2_XS")).unwrap_err().to_string();
         assert!(e.contains("IQ2_XS") && e.contains("m-Q8_0.gguf"), "{e}");
         // Without Q4_K_M: the first by name.

@@ -6,11 +6,13 @@
 //! - [`text`] holds the language model and its per-sequence cache;
 //! - [`chat`] puts it behind the runtime's chat scheduler ([`crate::chat_family`]);
 //! - [`model`] puts both together, and [`ops`] lists every op they call;
+//! - [`gguf`] reads the GGUF files llama.cpp runs (language model and mmproj) as a checkpoint;
 //! - [`processor`] cuts images into tiles of patches, and [`prompt`] turns conversations into
 //!   token ids.
 
 pub mod chat;
 pub mod config;
+pub mod gguf;
 pub mod model;
 pub mod ops;
 pub mod processor;

@@ -1,0 +1,404 @@
+//! LFM2-VL from its GGUF files (`tests/fixtures/lfm2vl_gguf/`, the bundled miniature converted by
+//! llama.cpp's converter: `tools/fixtures/lfm2vl_gguf.py`) against the same model read from its
+//! Hugging Face folder (`crates/models/assets/lfm2vl-mini`).
+//!
+//! The F32 file holds the checkpoint's bf16 weights exactly, so a folder of it must tokenise,
+//! render, process and compute as the Hugging Face folder does. The GGUF files carry no image
+//! settings beyond patch, merge factor and normalisation (llama.cpp applies the published
+//! ones), while the miniature's `preprocessor_config.json` asks for smaller tiles: the folder
+//! compared against is the miniature without that file, i.e. with the published settings.
+//! The Q8_0 and Q4_0 files are compared with checkpoints of their own weights decoded to f32.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use tessera_backend::Backend;
+use tessera_backend::cpu::CpuBackend;
+use tessera_models::ModelFiles;
+use tessera_models::chat_template::{ChatTemplate, Message, Part};
+use tessera_models::imageproc::Image;
+use tessera_models::lfm2vl::{self, CacheShape, Lfm2Vl, Lfm2VlConfig, Prompter, Turn};
+use tessera_models::tokenize::TextTokenizer;
+use tessera_runtime::{Family, ModelSpec};
+
+const LM_F32: &str = "LFM2-VL-mini-F32.gguf";
+const LM_Q8: &str = "LFM2-VL-mini-Q8_0.gguf";
+const LM_Q4: &str = "LFM2-VL-mini-Q4_0.gguf";
+const MMPROJ: &str = "mmproj-LFM2-VL-mini-F32.gguf";
+
+fn fixture(name: &str) -> PathBuf {
+    common::root().join("tests/fixtures/lfm2vl_gguf").join(name)
+}
+
+fn mini() -> PathBuf {
+    common::root().join("crates/models/assets/lfm2vl-mini")
+}
+
+/// A folder holding copies of the fixture files `names`.
+fn folder(names: &[&str]) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    for n in names {
+        std::fs::copy(fixture(n), d.path().join(n)).unwrap();
+    }
+    d
+}
+
+/// The miniature's Hugging Face folder with the published image settings (its own
+/// `preprocessor_config.json` left out).
+fn hf_published_images() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(mini()).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap();
+        if name != "preprocessor_config.json" {
+            std::fs::copy(&p, d.path().join(name)).unwrap();
+        }
+    }
+    d
+}
+
+fn gguf_files(dir: &Path) -> ModelFiles {
+    lfm2vl::gguf::files(dir).unwrap()
+}
+
+fn image(name: &str) -> Image {
+    Image::open(&common::root().join(format!("tests/fixtures/lfm2vl/images/{name}.png"))).unwrap()
+}
+
+/// A 1024×771 image: large enough for the published settings to cut it into 3×2 tiles and add
+/// a thumbnail (a gradient with some deterministic noise).
+fn large_image() -> Image {
+    let (w, h): (usize, usize) = (1024, 771);
+    let rgb = (0..w * h * 3)
+        .map(|i| {
+            let (p, c) = (i / 3, i % 3);
+            let (x, y) = (p % w, p / w);
+            let noise = (p.wrapping_mul(2_654_435_761) >> 7) % 41;
+            ((x * 255 / w + y * (c + 1) * 97 / h + noise) % 256) as u8
+        })
+        .collect();
+    Image::from_rgb8(w, h, rgb).unwrap()
+}
+
+/// Conversations that exercise the template: a system turn, text and image parts, several turns.
+fn conversations() -> Vec<Vec<Message>> {
+    vec![
+        vec![Message::new("user", "Hello there!")],
+        vec![
+            Message::new("system", "You answer briefly."),
+            Message::parts(
+                "user",
+                vec![
+                    Part::Image,
+                    Part::Text {
+                        text: "What is in this image? Ünïcödé 東京 🚀".into(),
+                    },
+                ],
+            ),
+            Message::new("assistant", "A gradient."),
+            Message::new("user", "And the numbers 12345, 678?"),
+        ],
+    ]
+}
+
+#[test]
+fn the_tokenizer_from_gguf_metadata_encodes_and_decodes_as_the_checkpoints() {
+    let dir = folder(&[LM_F32, MMPROJ]);
+    let hf_files = ModelFiles::Dir(mini());
+    let hf = TextTokenizer::load(&hf_files, (None, None)).unwrap();
+    let gg = TextTokenizer::load(&gguf_files(dir.path()), (None, None)).unwrap();
+    assert_eq!((gg.bos_id, gg.eos_id), (hf.bos_id, hf.eos_id));
+    assert_eq!(gg.vocab_size(), hf.vocab_size());
+    for id in 0..hf.vocab_size() as u32 {
+        assert_eq!(gg.id_to_token(id), hf.id_to_token(id), "token {id}");
+    }
+    let template = ChatTemplate::load(&hf_files).unwrap().unwrap();
+    let mut texts: Vec<String> = [
+        "Hello, world! It's a test.",
+        "the numbers 1, 22, 333, 4444 and 123456789",
+        "naïve café — 東京 🚀 Ünïcödé",
+        "tabs\tand  spaces\n\n  new lines \r\n end ",
+        "<|im_start|>user\n<image><|im_end|>",
+        "<|image_start|><|img_row_1_col_2|><image><image><|img_thumbnail|><|image_end|>",
+        "<|startoftext|>text<|endoftext|><|pad|>",
+        "",
+    ]
+    .map(String::from)
+    .to_vec();
+    for msgs in conversations() {
+        texts.push(template.render(&msgs, true, &[]).unwrap());
+    }
+    for t in &texts {
+        let ids = hf.encode_plain(t).unwrap();
+        assert_eq!(gg.encode_plain(t).unwrap(), ids, "{t:?}");
+        assert_eq!(
+            gg.encode_with_bos_eos(t).unwrap(),
+            hf.encode_with_bos_eos(t).unwrap(),
+            "{t:?}"
+        );
+        for skip in [false, true] {
+            assert_eq!(
+                gg.decode(&ids, skip).unwrap(),
+                hf.decode(&ids, skip).unwrap(),
+                "{t:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_chat_template_from_gguf_renders_as_the_checkpoints() {
+    let dir = folder(&[LM_F32, MMPROJ]);
+    let hf = ChatTemplate::load(&ModelFiles::Dir(mini()))
+        .unwrap()
+        .unwrap();
+    let gg = ChatTemplate::load(&gguf_files(dir.path()))
+        .unwrap()
+        .unwrap();
+    for msgs in conversations() {
+        for gen_prompt in [false, true] {
+            assert_eq!(
+                gg.render(&msgs, gen_prompt, &[]).unwrap(),
+                hf.render(&msgs, gen_prompt, &[]).unwrap()
+            );
+        }
+    }
+}
+
+/// The config, the prompt (ids, image spans and patches) and the logits of every prompt row of
+/// `a` and `b` for the same conversation with images; returns the largest logit difference
+/// relative to the largest logit.
+fn compare_runs(a: &ModelFiles, b: &ModelFiles) -> f64 {
+    let be = CpuBackend::new();
+    let cfg_a = Lfm2VlConfig::read(a).unwrap();
+    let cfg_b = Lfm2VlConfig::read(b).unwrap();
+    assert_eq!(cfg_a, cfg_b);
+    let images = [image("exact270x250"), large_image()];
+    let msgs = vec![Message::parts(
+        "user",
+        vec![
+            Part::Image,
+            Part::Text {
+                text: "Compare these two images.".into(),
+            },
+            Part::Image,
+        ],
+    )];
+    let mut logits = Vec::new();
+    let mut prompts = Vec::new();
+    for files in [a, b] {
+        let prompter = Prompter::load(files, &cfg_a).unwrap();
+        let p = prompter.build(&msgs, &images, true).unwrap();
+        let shape = CacheShape {
+            slots: 1,
+            ctx: 4096,
+        };
+        let mut m = Lfm2Vl::load(&be, files, &cfg_a, shape).unwrap();
+        let tiles = p.tiles(0);
+        let turn = Turn {
+            seq: 1,
+            tokens: &p.ids,
+            tiles: &tiles,
+        };
+        logits.push(be.read_f32(m.extend(&be, &[turn], true).unwrap()).unwrap());
+        prompts.push(p);
+    }
+    assert_eq!(prompts[0].ids, prompts[1].ids);
+    assert_eq!(prompts[0].spans, prompts[1].spans);
+    let patches = |i: usize| -> Vec<&[u8]> {
+        prompts[i]
+            .images
+            .iter()
+            .flat_map(|im| &im.tiles)
+            .map(|t| &t.patches[..])
+            .collect()
+    };
+    assert_eq!(patches(0), patches(1));
+    assert!(
+        prompts[0].images[1].tiles.len() > 1,
+        "the second image is tiled"
+    );
+    let scale = logits[1].iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+    assert!(scale > 0.0 && logits[0].len() == logits[1].len());
+    let worst = logits[0]
+        .iter()
+        .zip(&logits[1])
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max);
+    worst / scale
+}
+
+#[test]
+fn the_f32_gguf_folder_computes_the_checkpoints_logits() {
+    let dir = folder(&[LM_F32, MMPROJ]);
+    let hf = hf_published_images();
+    let rel = compare_runs(&gguf_files(dir.path()), &ModelFiles::Dir(hf.path().into()));
+    eprintln!("F32 GGUF vs checkpoint: logits rel {rel:.2e}");
+    assert!(rel <= 1e-5, "logits rel {rel:.2e} > 1e-5");
+}
+
+/// The miniature's folder (published image settings) with `model.safetensors` replaced by
+/// every tensor of `files` decoded to f32, under the checkpoint's names.
+fn decoded_checkpoint(files: &ModelFiles) -> tempfile::TempDir {
+    let d = hf_published_images();
+    let w = files.weights("model").unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = w
+        .names()
+        .into_iter()
+        .map(|n| {
+            let t = w.tensor(n).unwrap();
+            let bytes = t.to_f32().iter().flat_map(|v| v.to_le_bytes()).collect();
+            (n.to_string(), t.shape.clone(), bytes)
+        })
+        .collect();
+    let views = tensors.iter().map(|(n, s, b)| {
+        let v =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap();
+        (n.clone(), v)
+    });
+    safetensors::serialize_to_file(views, None, &d.path().join("model.safetensors")).unwrap();
+    d
+}
+
+#[test]
+fn quantized_gguf_folders_compute_the_logits_of_their_decoded_weights() {
+    use tessera_core::DType;
+    for (lm, format) in [(LM_Q8, DType::Q8_0), (LM_Q4, DType::Q4_0)] {
+        let dir = folder(&[lm, MMPROJ]);
+        let gg = gguf_files(dir.path());
+        // The blocks reach the backend as blocks (the table as llama.cpp's tools chose: Q8_0).
+        let w = gg.weights("model").unwrap();
+        let q = w
+            .tensor("model.language_model.layers.0.conv.in_proj.weight")
+            .unwrap();
+        assert_eq!(q.dtype, format, "{lm}");
+        let embed = w
+            .tensor("model.language_model.embed_tokens.weight")
+            .unwrap();
+        assert_eq!(embed.dtype, DType::Q8_0, "{lm}");
+        let decoded = decoded_checkpoint(&gg);
+        let rel = compare_runs(&gg, &ModelFiles::Dir(decoded.path().into()));
+        eprintln!("{lm} vs its decoded weights: logits rel {rel:.2e}");
+        assert!(rel <= 1e-5, "{lm}: logits rel {rel:.2e} > 1e-5");
+    }
+}
+
+fn open_error(dir: &Path) -> String {
+    match ModelSpec::open(Some(dir.to_str().unwrap()), Family::Lfm2Vl) {
+        Ok(_) => panic!("{} opened", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A GGUF file of architecture `arch` with no tensors.
+fn other_architecture(path: &Path, arch: &str) {
+    let mut b = Vec::new();
+    b.extend(b"GGUF");
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes()); // tensors
+    b.extend(1u64.to_le_bytes()); // metadata entries
+    let key = "general.architecture";
+    b.extend((key.len() as u64).to_le_bytes());
+    b.extend(key.as_bytes());
+    b.extend(8u32.to_le_bytes()); // string
+    b.extend((arch.len() as u64).to_le_bytes());
+    b.extend(arch.as_bytes());
+    std::fs::write(path, b).unwrap();
+}
+
+#[test]
+fn a_gguf_folder_opens_and_a_wrong_one_says_what_is_wrong_and_what_to_do() {
+    let ok = folder(&[LM_Q8, MMPROJ]);
+    let spec = ModelSpec::open(Some(ok.path().to_str().unwrap()), Family::Lfm2Vl).unwrap();
+    assert_eq!(spec.family, Family::Lfm2Vl);
+
+    let only_mmproj = folder(&[MMPROJ]);
+    let e = open_error(only_mmproj.path());
+    assert!(
+        e.contains("only a vision projector") && e.contains(MMPROJ) && e.contains("beside it"),
+        "{e}"
+    );
+    let only_lm = folder(&[LM_F32]);
+    let e = open_error(only_lm.path());
+    assert!(
+        e.contains(LM_F32) && e.contains("mmproj-*.gguf") && e.contains("download"),
+        "{e}"
+    );
+    // The fixture folder itself holds two language models.
+    let e = open_error(&fixture(""));
+    assert!(
+        e.contains("3 language-model GGUF files")
+            && e.contains(LM_F32)
+            && e.contains(LM_Q4)
+            && e.contains(LM_Q8)
+            && e.contains("move the others out"),
+        "{e}"
+    );
+    let llama = tempfile::tempdir().unwrap();
+    other_architecture(&llama.path().join("llama-7b-Q4_0.gguf"), "llama");
+    let e = open_error(llama.path());
+    assert!(
+        e.contains("llama-7b-Q4_0.gguf") && e.contains("\"llama\"") && e.contains("LFM2-VL"),
+        "{e}"
+    );
+    // Two projectors, and a projector for another model.
+    let two = folder(&[LM_F32, MMPROJ]);
+    std::fs::copy(fixture(MMPROJ), two.path().join("mmproj-other.gguf")).unwrap();
+    let e = open_error(two.path());
+    assert!(
+        e.contains("2 projector files") && e.contains("keep the one"),
+        "{e}"
+    );
+}
+
+/// `bytes` with the u32 metadata value of `key` replaced by `value`.
+fn patched(bytes: &[u8], key: &str, value: u32) -> Vec<u8> {
+    // A key is its length (u64), its bytes, then the value's type (4 = u32) and the value.
+    let mut needle = (key.len() as u64).to_le_bytes().to_vec();
+    needle.extend(key.as_bytes());
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap_or_else(|| panic!("no key {key}"))
+        + needle.len();
+    assert_eq!(bytes[at..at + 4], 4u32.to_le_bytes(), "{key} is not a u32");
+    let mut out = bytes.to_vec();
+    out[at + 4..at + 8].copy_from_slice(&value.to_le_bytes());
+    out
+}
+
+#[test]
+fn metadata_that_disagrees_with_the_tensors_is_refused_naming_the_key() {
+    let lm = std::fs::read(fixture(LM_F32)).unwrap();
+    for (key, value) in [
+        ("lfm2.block_count", 1 << 30),
+        ("lfm2.embedding_length", u32::MAX),
+        ("lfm2.feed_forward_length", 1 << 31),
+        ("lfm2.shortconv.l_cache", 1 << 20),
+        ("tokenizer.ggml.eos_token_id", 1 << 20),
+    ] {
+        let dir = folder(&[MMPROJ]);
+        std::fs::write(dir.path().join(LM_F32), patched(&lm, key, value)).unwrap();
+        let e = match lfm2vl::gguf::files(dir.path()) {
+            Ok(_) => panic!("{key} = {value} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(key) && e.contains(LM_F32), "{key}: {e}");
+    }
+    let proj = std::fs::read(fixture(MMPROJ)).unwrap();
+    for key in [
+        "clip.vision.block_count",
+        "clip.vision.embedding_length",
+        "clip.vision.patch_size",
+        "clip.vision.feed_forward_length",
+    ] {
+        let dir = folder(&[LM_F32]);
+        std::fs::write(dir.path().join(MMPROJ), patched(&proj, key, 1 << 24)).unwrap();
+        let e = match lfm2vl::gguf::files(dir.path()) {
+            Ok(_) => panic!("{key} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(key) && e.contains(MMPROJ), "{key}: {e}");
+    }
+}
