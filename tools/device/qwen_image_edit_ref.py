@@ -152,7 +152,10 @@ def load_pipeline(model):
         with torch.device(DEV):
             m = cls.from_config(cls.load_config(folder))
         parts[name] = load_weights(m, folder)
-    te = Qwen3VLForConditionalGeneration.from_pretrained(os.path.join(model, "text_encoder"), dtype=DT)
+    # use_kernels=False: transformers 5.25 otherwise asks for the `kernels` hub package (0.19.x),
+    # which the GPU machine's environment has in another version ("Kernels are not available").
+    te = Qwen3VLForConditionalGeneration.from_pretrained(os.path.join(model, "text_encoder"), dtype=DT,
+                                                         use_kernels=False)
     parts["text_encoder"] = te.to(DEV).eval().requires_grad_(False)
     parts["processor"] = Qwen3VLProcessor.from_pretrained(os.path.join(model, "processor"))
     parts["scheduler"] = FlowMatchEulerDiscreteScheduler.from_pretrained(os.path.join(model, "scheduler"))

@@ -202,6 +202,13 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(attention(&[4096], 1, 1, 1152)); // a 1024² image's 64×64 latent
     let wide = attention(&[3, 1], 1, 1, 1152).cached(&[(40, 33), (0, 39)], 80);
     every(&mut t, wide); // over key ranges: one head per CTA
+    // 768 (the VAE encoder's mid-block) on the same kernels.
+    every(&mut t, attention(&[37, 300], 1, 1, 768));
+    every(
+        &mut t,
+        attention(&[1, 129], 1, 1, 768).scale(768f32.sqrt().recip()),
+    );
+    t.add(attention(&[4096], 1, 1, 768)); // a 1024² image's 64×64 latent
     every(&mut t, attention(&[64, 63, 65], 4, 2, 64).window(0)); // each token sees itself
     let qwen3 = attention(&[33, 1, 130], 32, 8, 128).causal();
     every(&mut t, qwen3.scale(128f32.sqrt().recip())); // Qwen3-4B prompts

@@ -594,11 +594,13 @@ pub(super) fn set_segments(
     Ok(())
 }
 
-/// Whether the op picks `flash_ws_d{D}` by itself where it applies. Until the kernel has been
-/// measured on a Hopper GPU it is opt-in (`TESSERA_FLASH_WS=1`); tests and benchmarks force it.
+/// Whether the op picks `flash_ws_d{D}` by itself where it applies: yes, since it was measured
+/// on an H200 (BENCHMARKS.md, run g1: 450 TFLOP/s against flash_wgmma's 290 at the DiT's shape,
+/// a Z-Image step 99 ms instead of 110, the op table and both DiT miniatures within their
+/// bounds). `TESSERA_FLASH_WS=0` keeps flash_wgmma, for A/B measurement.
 fn ws_default() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_FLASH_WS").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("TESSERA_FLASH_WS").map_or(true, |v| v != "0"))
 }
 
 #[cfg(test)]
@@ -651,6 +653,15 @@ mod tests {
             Some(SelfKernel::Cached)
         );
         assert_eq!(heads_per_cta(1152), 1);
+        // The encoder's mid-block: one head of 768, the same kernels.
+        assert_eq!(
+            self_kernel(Precision::Bf16, 768, false),
+            Some(SelfKernel::Flash)
+        );
+        assert_eq!(
+            self_kernel(Precision::F32, 768, false),
+            Some(SelfKernel::Cached)
+        );
         // Unchanged: 72 (no tensor-core kernel) and the row kernel's widths.
         assert_eq!(
             self_kernel(Precision::Bf16, 72, false),

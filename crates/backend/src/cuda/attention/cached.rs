@@ -27,7 +27,7 @@ use crate::{AttnSpec, Mask, Segments, View, ViewMut};
 
 /// Head widths the cached kernel is instantiated for (each a multiple of 4, as its key loads
 /// need).
-pub const CACHED_HEAD_DIMS: [usize; 9] = [16, 32, 64, 72, 80, 96, 128, 256, 1152];
+pub const CACHED_HEAD_DIMS: [usize; 10] = [16, 32, 64, 72, 80, 96, 128, 256, 768, 1152];
 
 /// q heads per CTA at `head_dim` (`CachedCfg<D>::HEADS` in attention.cu): a kv head's group of q
 /// heads takes ⌈group / heads⌉ CTAs per row and chunk. Four share each key load up to 256-wide

@@ -7,8 +7,9 @@
 /// both flash kernels take one (or a part of one) per CTA.
 pub const QUERY_TILE: usize = 64;
 
-/// Head dims the tensor-core attention kernel is instantiated for (1152: Qwen-Image-2.1's VAE).
-pub const FLASH_HEAD_DIMS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1152];
+/// Head dims the tensor-core attention kernel is instantiated for (768 and 1152: the mid-blocks
+/// of Qwen-Image-2.1's VAE encoder and decoder, one head each).
+pub const FLASH_HEAD_DIMS: [usize; 8] = [16, 32, 64, 128, 256, 512, 768, 1152];
 
 /// Launch shape of `flash_bf16_d{D}`, mirroring `FlashCfg` in attention.cu.
 pub struct FlashConfig {
@@ -26,7 +27,7 @@ pub fn flash_config(d: usize) -> FlashConfig {
     let (wm, wd, bn) = match d {
         256 => (4, 1, 32),
         512 => (2, 2, 32),
-        1152 => (2, 4, 16),
+        768 | 1152 => (2, 4, 16),
         _ => (4, 1, 64),
     };
     let bm = 16 * wm;
@@ -207,6 +208,9 @@ mod tests {
         assert_eq!((c.smem, c.threads, c.splits, c.bn), (156_672, 256, 2, 16));
         assert!(c.smem <= 163 * 1024);
         assert!(part_elems(8, 1000, 1, 1152) <= PART_ELEMS);
+        // 768 (the VAE encoder's mid-block): the same shape, 192 columns a warp.
+        let c = flash_config(768);
+        assert_eq!((c.smem, c.threads, c.splits, c.bn), (107_520, 256, 2, 16));
     }
 
     #[test]

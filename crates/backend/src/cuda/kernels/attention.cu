@@ -51,6 +51,8 @@ template <> struct FlashCfg<512> { static constexpr int WM = 2, WD = 2, BN = 32,
 // the 37 KB tile loads; at 16,384 (2048²) 512 CTAs, ~39 GB, ~7–10 ms. The key-range kernel would
 // take ~15 ms and ~250 ms.
 template <> struct FlashCfg<1152> { static constexpr int WM = 2, WD = 4, BN = 16, MIN_CTAS = 1; };
+// 768 (the VAE encoder's mid-block): the same shape, 192 columns a warp, 105 KB of shared memory.
+template <> struct FlashCfg<768> { static constexpr int WM = 2, WD = 4, BN = 16, MIN_CTAS = 1; };
 
 __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -209,6 +211,7 @@ FLASH(64)
 FLASH(128)
 FLASH(256)
 FLASH(512)
+FLASH(768)
 FLASH(1152)
 
 // The split-key chunks of flash_bf16_d{D} → the bf16 output: one warp per (row, head), each chunk
@@ -581,6 +584,7 @@ __device__ __forceinline__ void attn_cached_combine_impl(const float* __restrict
     ATTN_CACHED(T, TAG, 96)                                                                               \
     ATTN_CACHED(T, TAG, 128)                                                                              \
     ATTN_CACHED(T, TAG, 256)                                                                              \
+    ATTN_CACHED(T, TAG, 768)                                                                              \
     ATTN_CACHED(T, TAG, 1152)
 ATTN_CACHED_DIMS(float, f32)
 ATTN_CACHED_DIMS(bf16, bf16)
