@@ -87,8 +87,7 @@ async fn the_gguf_folder_is_served_as_the_checkpoint_answers() {
     let files = lfm2vl::gguf::files(gguf.path()).unwrap();
     let gguf_cfg = Lfm2VlConfig::read(&files).unwrap();
     assert_eq!(gguf_cfg, hf_cfg);
-    let loader =
-        tessera_server::chat::loader(files, gguf_cfg, || Ok(AnyBackend::Cpu(CpuBackend::new())));
+    let loader = common::chat_loader(files, gguf_cfg);
     let s = Server::start_with(cfg, ModelLoader::from(loader)).await;
     s.wait_ready().await;
     let body = json!({

@@ -12,6 +12,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use tessera_backend::AnyBackend;
 use tessera_backend::cpu::CpuBackend;
+use tessera_models::ModelFiles;
 use tessera_models::egemma2::BUNDLED;
 use tessera_models::lfm2vl::{self, CacheShape, Lfm2VlConfig};
 use tessera_runtime::chat::{self, Chat};
@@ -77,10 +78,15 @@ pub fn qwen_image_bundled() -> ImageLoader {
 /// The bundled LFM2-VL on the CPU.
 pub fn chat_bundled() -> ChatLoader {
     let cfg = Lfm2VlConfig::read(&lfm2vl::BUNDLED).unwrap();
+    chat_loader(lfm2vl::BUNDLED, cfg)
+}
+
+/// LFM2-VL from `files` on the CPU, as `tessera serve` loads a chat model.
+pub fn chat_loader(files: ModelFiles, cfg: Lfm2VlConfig) -> ChatLoader {
     Box::new(move |cache| {
         chat::load_with(
             AnyBackend::Cpu(CpuBackend::new()),
-            &lfm2vl::BUNDLED,
+            &files,
             &cfg,
             cache,
             chat::ChatOptions::serving(),
