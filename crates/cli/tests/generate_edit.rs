@@ -2,8 +2,12 @@
 //! end through the binary, against the reference's edit fixture
 //! (`tools/fixtures/qwen_image_edit.py`).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+use common::read_png_as;
 
 fn tessera(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tessera"))
@@ -49,23 +53,6 @@ fn write_npy(path: &Path, shape: &[usize], values: &[f32]) {
     std::fs::write(path, file).unwrap();
 }
 
-/// `(width, height, RGBA bytes, text chunks)` of an RGBA PNG.
-fn read_rgba_png(path: &Path) -> (u32, u32, Vec<u8>, Vec<(String, String)>) {
-    let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
-    let mut reader = png::Decoder::new(file).read_info().unwrap();
-    let text = reader
-        .info()
-        .utf8_text
-        .iter()
-        .map(|c| (c.keyword.clone(), c.get_text().unwrap()))
-        .collect();
-    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
-    let info = reader.next_frame(&mut buf).unwrap();
-    assert_eq!(info.color_type, png::ColorType::Rgba);
-    buf.truncate(info.buffer_size());
-    (info.width, info.height, buf, text)
-}
-
 /// The reference's one-image edit, given its initial latent, comes out of the binary: the
 /// output size taken from the condition image, the pixels within one level.
 #[test]
@@ -104,16 +91,13 @@ fn an_edit_of_one_image_reproduces_the_reference() {
         out.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let (w, h, pixels, text) = read_rgba_png(&out);
+    let (w, h, pixels, text) = read_png_as(&out, png::ColorType::Rgba);
     assert_eq!(
         (w, h),
         (64, 160),
         "the output size is the condition image's"
     );
-    assert!(
-        text.iter().any(|(k, v)| k == "images" && v == &image),
-        "{text:?}"
-    );
+    assert!(text.get("images") == Some(&image), "{text:?}");
     let off: Vec<i32> = pixels
         .iter()
         .zip(want.data())

@@ -4,6 +4,7 @@
 //! `tessera generate` writes.
 #![allow(dead_code)] // each test file uses its own part
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -279,14 +280,15 @@ pub fn embedding_lines(stdout: &[u8]) -> Vec<Vec<f64>> {
 }
 
 /// `(width, height, RGB bytes, text chunks)` of a PNG.
-pub fn read_png(
+pub fn read_png(path: &Path) -> (u32, u32, Vec<u8>, BTreeMap<String, String>) {
+    read_png_as(path, png::ColorType::Rgb)
+}
+
+/// `(width, height, pixel bytes, text chunks)` of a PNG whose pixels are `color`.
+pub fn read_png_as(
     path: &Path,
-) -> (
-    u32,
-    u32,
-    Vec<u8>,
-    std::collections::BTreeMap<String, String>,
-) {
+    color: png::ColorType,
+) -> (u32, u32, Vec<u8>, BTreeMap<String, String>) {
     let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
     let mut reader = png::Decoder::new(file).read_info().unwrap();
     let text = reader
@@ -297,7 +299,7 @@ pub fn read_png(
         .collect();
     let mut buf = vec![0; reader.output_buffer_size().unwrap()];
     let info = reader.next_frame(&mut buf).unwrap();
-    assert_eq!(info.color_type, png::ColorType::Rgb);
+    assert_eq!(info.color_type, color);
     buf.truncate(info.buffer_size());
     (info.width, info.height, buf, text)
 }
