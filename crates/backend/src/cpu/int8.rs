@@ -319,33 +319,11 @@ fn dot_q4_k_plain(row: &[u8], q: &[i8], d: &[f32], s: &[i32]) -> f32 {
     acc
 }
 
-/// Q6_K's super-block `b` (210 bytes) as its 256 values `q − 32` in order (the layout of
-/// `tessera_core::gguf`'s decoder: each half of 128 reads 64 bytes of `ql`, low nibbles for its
-/// values 0..64, high for 64..128, and 32 of `qh`, bit pairs 0, 2, 4, 6 for its quarters), its
-/// 16 scales (one per 16 values) and `d`.
+/// Q6_K's super-block `b` (210 bytes) as its 256 values `q − 32` in order, its 16 scales (one
+/// per 16 values) and `d`: the GGUF decoder's own unpacking (`tessera_core::gguf::q6_k_codes`),
+/// so the int8 path pairs exactly the decoded weights with the activations.
 fn q6_k_block(b: &[u8], out: &mut [i8; 256]) -> ([i8; 16], f32) {
-    let (ql, rest) = b.split_at(128);
-    let (qh, rest) = rest.split_at(64);
-    for (h, half) in out.chunks_exact_mut(128).enumerate() {
-        let (ql, qh) = (&ql[64 * h..][..64], &qh[32 * h..][..32]);
-        for l in 0..32 {
-            let (a, c, hb) = (ql[l], ql[l + 32], qh[l]);
-            let q = [
-                (a & 0x0f) | ((hb & 3) << 4),
-                (c & 0x0f) | (((hb >> 2) & 3) << 4),
-                (a >> 4) | (((hb >> 4) & 3) << 4),
-                (c >> 4) | (((hb >> 6) & 3) << 4),
-            ];
-            for (quarter, q) in q.into_iter().enumerate() {
-                half[32 * quarter + l] = q as i8 - 32;
-            }
-        }
-    }
-    let scales = std::array::from_fn(|j| rest[j] as i8);
-    (
-        scales,
-        half::f16::from_le_bytes([rest[16], rest[17]]).to_f32(),
-    )
+    tessera_core::gguf::q6_k_codes(b, out)
 }
 
 /// Q6_K against one rounded activation row, portably: per block of 32 the integer

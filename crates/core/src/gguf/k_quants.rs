@@ -60,36 +60,49 @@ pub(super) fn dequantize_q4_k(bytes: &[u8], out: &mut [f32]) {
 /// reads 64 bytes of `ql` (low nibbles for values 0..64, high for 64..128) and 32 of `qh` (bit
 /// pairs 0, 2, 4, 6 for values 0..32, 32..64, 64..96, 96..128).
 pub(super) fn dequantize_q6_k(bytes: &[u8], out: &mut [f32]) {
+    let mut codes = [0i8; QK_K];
     for (b, o) in bytes
         .as_chunks::<Q6_K_BYTES>()
         .0
         .iter()
         .zip(out.as_chunks_mut::<QK_K>().0)
     {
-        let (ql, rest) = b.split_at(QK_K / 2);
-        let (qh, rest) = rest.split_at(QK_K / 4);
-        let (scales, d) = rest.split_at(QK_K / 16);
-        let d = f16_at([d[0], d[1]]);
-        for (h, half) in o.chunks_exact_mut(128).enumerate() {
-            let (ql, qh) = (&ql[64 * h..][..64], &qh[32 * h..][..32]);
-            // Byte `l` of `ql` and `qh` serves values `l` and `l + 64` (low / high nibble) and
-            // `l + 32`, `l + 96` via byte `l + 32` of `ql`; sub-blocks of 16 share a scale.
-            let ds: [f32; 8] = std::array::from_fn(|s| d * f32::from(scales[8 * h + s] as i8));
-            for l in 0..32 {
-                let (a, b, hb) = (ql[l], ql[l + 32], qh[l]);
-                let q = [
-                    (a & 0x0f) | ((hb & 0x03) << 4),
-                    (b & 0x0f) | (((hb >> 2) & 0x03) << 4),
-                    (a >> 4) | (((hb >> 4) & 0x03) << 4),
-                    (b >> 4) | (((hb >> 6) & 0x03) << 4),
-                ];
-                for (quarter, q) in q.into_iter().enumerate() {
-                    let r = 32 * quarter + l;
-                    half[r] = ds[r / 16] * f32::from(i16::from(q) - 32);
-                }
+        let (scales, d) = q6_k_codes(b, &mut codes);
+        let ds: [f32; 16] = std::array::from_fn(|s| d * f32::from(scales[s]));
+        for (r, (o, &q)) in o.iter_mut().zip(&codes).enumerate() {
+            *o = ds[r / 16] * f32::from(q);
+        }
+    }
+}
+
+/// One Q6_K super-block `b` (its first [`Q6_K_BYTES`] bytes) as its 256 codes `q − 32` in order (into `out`), its
+/// 16 signed scales (one per 16 values) and `d`: value `r` is `(d · scales[r / 16]) · out[r]`.
+/// Shared by the decoder above and the int8 products, which pair these codes with activations.
+pub fn q6_k_codes(b: &[u8], out: &mut [i8; QK_K]) -> ([i8; 16], f32) {
+    let (ql, rest) = b.split_at(QK_K / 2);
+    let (qh, rest) = rest.split_at(QK_K / 4);
+    let (scales, d) = rest.split_at(QK_K / 16);
+    for (h, half) in out.chunks_exact_mut(128).enumerate() {
+        let (ql, qh) = (&ql[64 * h..][..64], &qh[32 * h..][..32]);
+        // Byte `l` of `ql` and `qh` serves values `l` and `l + 64` (low / high nibble) and
+        // `l + 32`, `l + 96` via byte `l + 32` of `ql`.
+        for l in 0..32 {
+            let (a, c, hb) = (ql[l], ql[l + 32], qh[l]);
+            let q = [
+                (a & 0x0f) | ((hb & 0x03) << 4),
+                (c & 0x0f) | (((hb >> 2) & 0x03) << 4),
+                (a >> 4) | (((hb >> 4) & 0x03) << 4),
+                (c >> 4) | (((hb >> 6) & 0x03) << 4),
+            ];
+            for (quarter, q) in q.into_iter().enumerate() {
+                half[32 * quarter + l] = q as i8 - 32;
             }
         }
     }
+    (
+        std::array::from_fn(|j| scales[j] as i8),
+        f16_at([d[0], d[1]]),
+    )
 }
 
 #[cfg(test)]

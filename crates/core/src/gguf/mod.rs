@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 pub use ggml_type::GgmlType;
+pub use k_quants::q6_k_codes;
 pub use k_quants::scale_min as q4_k_scale_min;
 pub use metadata::{Array, Value, ValueType};
 use parse::TensorInfo;
