@@ -397,25 +397,19 @@ impl<B: Backend> Lfm2Text<B> {
         if n == 0 {
             return Ok(());
         }
-        let mut own = be.alloc(n, Role::Index)?;
-        be.write_u32(&mut own, &(0..n as u32).collect::<Vec<_>>())?;
-        let mut dest = be.alloc(n, Role::Index)?;
-        let at = |p: usize| (to * ctx + p) as u32;
-        be.write_u32(&mut dest, &(0..n).map(at).collect::<Vec<_>>())?;
         let cols = self.layout.kv_cols();
         let mut tmp = be.alloc(n * cols, Role::Compute)?;
         for l in &mut self.layers {
             if let Mixer::Attn(at) = &mut l.mixer {
                 for cache in [&mut at.k, &mut at.v] {
-                    be.scatter_rows(
+                    // Same element type both ways: `cast` copies the rows exactly.
+                    be.cast(
                         View::new(cache, at.rows, cols).rows(from * ctx, n),
-                        &own,
                         ViewMut::new(&mut tmp, n, cols),
                     )?;
-                    be.scatter_rows(
+                    be.cast(
                         View::new(&tmp, n, cols),
-                        &dest,
-                        ViewMut::new(cache, at.rows, cols),
+                        ViewMut::new(cache, at.rows, cols).rows(to * ctx, n),
                     )?;
                 }
             }
