@@ -60,6 +60,11 @@ struct Slot {
 }
 
 impl Slot {
+    /// Whether nothing runs in it, no conversation keeps it and it holds nothing.
+    fn is_free(&self) -> bool {
+        !self.running && self.owner.is_none() && self.ids.is_empty()
+    }
+
     fn clear(&mut self) {
         self.ids.clear();
         self.media.clear();
@@ -215,7 +220,6 @@ impl<F: ChatFamily> Scheduler<F> {
     fn choose(&self, conv: ConversationId, prompt: &ChatPrompt) -> Result<Choice> {
         let own = self.slots.iter().position(|s| s.owner == Some(conv));
         let idle = |s: &Slot| !s.running;
-        let empty = |s: &Slot| idle(s) && s.owner.is_none() && s.ids.is_empty();
         let best = if self.options.prefix_cache {
             // The longest usable prefix among idle slots; the conversation's own slot first.
             let mut order: Vec<usize> = own.into_iter().collect();
@@ -254,7 +258,7 @@ impl<F: ChatFamily> Scheduler<F> {
         // an empty one, else the one idle the longest gives way.
         let slot = own
             .filter(|&i| idle(&self.slots[i]) && !self.options.prefix_cache)
-            .or_else(|| self.slots.iter().position(empty))
+            .or_else(|| self.slots.iter().position(Slot::is_free))
             .or_else(|| self.least_recent(None));
         match slot {
             Some(i) => Ok(in_place((i, (0, None)))),
@@ -279,10 +283,7 @@ impl<F: ChatFamily> Scheduler<F> {
                 _ => None,
             })
             .max_by_key(|&(_, n, _)| n)?;
-        let empty = self
-            .slots
-            .iter()
-            .position(|s| !s.running && s.owner.is_none() && s.ids.is_empty());
+        let empty = self.slots.iter().position(Slot::is_free);
         let slot = match empty {
             Some(e) if cached >= in_place => e,
             // Otherwise a slot gives way only for a longer prefix than continuing in place.
