@@ -46,8 +46,9 @@ pub(super) fn shape(g: &Gguf, name: &str) -> Result<Vec<usize>> {
     Ok(g.tensor(name)?.shape())
 }
 
-/// A count the file gives, which must equal what the tensor `tensor` shows.
-fn matching(g: &Gguf, key: &str, value: usize, tensor: &str, seen: usize) -> Result<usize> {
+/// The count metadata `key` gives, which must equal what the tensor `tensor` shows.
+fn matching(g: &Gguf, key: &str, tensor: &str, seen: usize) -> Result<usize> {
+    let value = usize_of(g, key)?;
     if value != seen {
         return Err(Error::Gguf {
             path: g.path().to_path_buf(),
@@ -57,6 +58,15 @@ fn matching(g: &Gguf, key: &str, value: usize, tensor: &str, seen: usize) -> Res
         });
     }
     Ok(value)
+}
+
+/// The `[rows, width]` of the 2-D tensor `name`.
+fn table(g: &Gguf, name: &str) -> Result<[usize; 2]> {
+    let s = shape(g, name)?;
+    <[usize; 2]>::try_from(&s[..]).map_err(|_| Error::Gguf {
+        path: g.path().to_path_buf(),
+        message: format!("tensor `{name}` has shape {s:?}, not a table"),
+    })
 }
 
 fn usize_of(g: &Gguf, key: &str) -> Result<usize> {
@@ -87,28 +97,15 @@ pub(super) struct Made {
 pub(super) fn config(lm: &Gguf, proj: &Gguf, image_token: u32, bos: u32, eos: u32) -> Result<Made> {
     let a = "lfm2";
     let key = |k: &str| format!("{a}.{k}");
-    let embd = shape(lm, "token_embd.weight")?;
-    let [vocab_seen, hidden_seen] = embd[..] else {
-        return Err(Error::Gguf {
-            path: lm.path().to_path_buf(),
-            message: format!("tensor `token_embd.weight` has shape {embd:?}, not a table"),
-        });
-    };
+    let [vocab_seen, hidden_seen] = table(lm, "token_embd.weight")?;
     let hidden = matching(
         lm,
         &key("embedding_length"),
-        usize_of(lm, &key("embedding_length"))?,
         "token_embd.weight",
         hidden_seen,
     )?;
     let vocab = match lm.get(&key("vocab_size")) {
-        Some(_) => matching(
-            lm,
-            &key("vocab_size"),
-            usize_of(lm, &key("vocab_size"))?,
-            "token_embd.weight",
-            vocab_seen,
-        )?,
+        Some(_) => matching(lm, &key("vocab_size"), "token_embd.weight", vocab_seen)?,
         None => vocab_seen,
     };
     let n_layers = layers(lm, &key("block_count"), "blk.", "attn_norm.weight")?;
@@ -140,17 +137,14 @@ pub(super) fn config(lm: &Gguf, proj: &Gguf, image_token: u32, bos: u32, eos: u3
         matching(
             lm,
             &key("shortconv.l_cache"),
-            conv_kernel,
             &name,
             s.last().copied().unwrap_or(0),
         )?;
     }
-    let ffn = usize_of(lm, &key("feed_forward_length"))?;
     let gate = shape(lm, "blk.0.ffn_gate.weight")?;
-    matching(
+    let ffn = matching(
         lm,
         &key("feed_forward_length"),
-        ffn,
         "blk.0.ffn_gate.weight",
         gate.first().copied().unwrap_or(0),
     )?;
@@ -177,17 +171,10 @@ pub(super) fn config(lm: &Gguf, proj: &Gguf, image_token: u32, bos: u32, eos: u3
 
     let v = "clip.vision";
     let vkey = |k: &str| format!("{v}.{k}");
-    let pos = shape(proj, "v.position_embd.weight")?;
-    let [positions, vision_seen] = pos[..] else {
-        return Err(Error::Gguf {
-            path: proj.path().to_path_buf(),
-            message: format!("tensor `v.position_embd.weight` has shape {pos:?}, not a table"),
-        });
-    };
+    let [positions, vision_seen] = table(proj, "v.position_embd.weight")?;
     let vision_hidden = matching(
         proj,
         &vkey("embedding_length"),
-        usize_of(proj, &vkey("embedding_length"))?,
         "v.position_embd.weight",
         vision_seen,
     )?;
@@ -200,19 +187,11 @@ pub(super) fn config(lm: &Gguf, proj: &Gguf, image_token: u32, bos: u32, eos: u3
             ),
         });
     };
-    matching(
-        proj,
-        &vkey("patch_size"),
-        usize_of(proj, &vkey("patch_size"))?,
-        "v.patch_embd.weight",
-        patch,
-    )?;
-    let vision_ffn = usize_of(proj, &vkey("feed_forward_length"))?;
+    matching(proj, &vkey("patch_size"), "v.patch_embd.weight", patch)?;
     let up = shape(proj, "v.blk.0.ffn_up.weight")?;
-    matching(
+    let vision_ffn = matching(
         proj,
         &vkey("feed_forward_length"),
-        vision_ffn,
         "v.blk.0.ffn_up.weight",
         up.first().copied().unwrap_or(0),
     )?;
