@@ -404,25 +404,7 @@ impl Weights {
     /// the original tensor names), block formats included: a quantized matrix reaches the
     /// backend as its blocks. Metadata is not read here (see [`crate::gguf::Gguf`]).
     pub fn open_gguf(path: &Path) -> Result<Self> {
-        let (map, tensors) = crate::gguf::Gguf::open(path)?.into_tensor_map();
-        let entries = tensors
-            .into_iter()
-            .map(|t| {
-                let entry = Entry {
-                    dtype: Ok(t.dtype),
-                    shape: t.shape,
-                    start: t.start,
-                    end: t.end,
-                };
-                (t.name, entry)
-            })
-            .collect();
-        let file = File1 {
-            path: path.to_path_buf(),
-            bytes: Bytes::Mapped(map),
-            entries,
-        };
-        Self::from_files(vec![file], path.display().to_string())
+        Self::open_gguf_as(&[path], &|_| None)
     }
 
     /// The tensors of several GGUF files (a language model and its vision projector) under the
