@@ -1,10 +1,12 @@
 //! Attention over packed segments (kernels/attention.cu, kernels/attention_sm90.cu): the exact
-//! f32 row kernel, and for bf16 the tensor-core flash kernels — `flash_wgmma_d{D}` on Hopper
-//! where it exists, else `flash_bf16_d{D}` — with `flash_combine` after a split-key launch.
-//! Launch planning (shapes, key chunks, workspace) is in [`flash`]. Attention over cached key
-//! ranges (decoding) has its own kernel in both precisions, [`cached`], which also takes
-//! self-attention at the widths the others do not, and under per-row key limits in bf16
-//! ([`self_kernel`] decides).
+//! f32 row kernel, and for bf16 the tensor-core flash kernels — `flash_ws_d{D}` or
+//! `flash_wgmma_d{D}` on Hopper where they exist, else `flash_bf16_d{D}` (72-wide heads
+//! included, q·kᵀ zero-padded to 80 columns) — under every mask of a sequence's own rows,
+//! per-row key limits (block-causal masks) included, with `flash_combine` after a split-key
+//! launch. Launch planning (shapes, key chunks, workspace) is in [`flash`]. Attention over
+//! cached key ranges (decoding) has its own kernel in both precisions, [`cached`], which also
+//! takes f32 self-attention wider than the row kernel ([`self_kernel`] decides;
+//! `TESSERA_FLASH_LIMITS=0` sends bf16 limits back to it).
 
 mod cached;
 mod flash;
@@ -47,10 +49,11 @@ kernel_args! {
 
 kernel_args! {
     /// `flash_bf16_d{D}` and `flash_wgmma_d{D}`: a CTA per (query tile part, head, key chunk);
-    /// `part` is the split-key workspace (null when the launch is not split).
+    /// `limits` are the per-row key limits (null without), `part` the split-key workspace (null
+    /// when the launch is not split).
     pub(super) struct FlashArgs {
         ops: Operands, tiles: DevPtr, group: i32, scale_log2: f32, window: i32, causal: i32,
-        part: DevPtr, rows: i32, kv_splits: i32,
+        limits: DevPtr, part: DevPtr, rows: i32, kv_splits: i32,
     }
 }
 
@@ -134,19 +137,24 @@ pub(super) fn reserve_shared_memory(
     Ok(())
 }
 
-/// An attention spec's mask as the flash kernels take it: the window radius (-1 for none) and
-/// whether it is causal. Key ranges go to [`cached`] before this, and per-row limits to the
-/// row or key-range kernel ([`self_kernel`]); the row kernel reads limits itself.
-fn mask_args(spec: &AttnSpec<'_, CudaBackend>) -> Result<(i32, i32)> {
+/// An attention spec's mask as the flash and row kernels take it over `rows` query rows: the
+/// window radius (-1 for none), whether it is causal, and the per-row key limits (null for
+/// none). Key ranges go to [`cached`] before this.
+fn mask_args(spec: &AttnSpec<'_, CudaBackend>, rows: usize) -> Result<(i32, i32, DevPtr)> {
     match spec.mask {
         _ if spec.kv.is_some() => Err(Error::backend("attention", "key ranges")),
-        Mask::Full => Ok((-1, 0)),
-        Mask::Window(w) => Ok((w.min(i32::MAX as usize) as i32, 0)),
-        Mask::Causal => Ok((-1, 1)),
-        Mask::Limits(_) => Err(Error::backend(
-            "attention",
-            "the flash kernels take no per-row key limits (the op runs them on the key-range or row kernel)",
-        )),
+        Mask::Full => Ok((-1, 0, DevPtr::NULL)),
+        Mask::Window(w) => Ok((w.min(i32::MAX as usize) as i32, 0, DevPtr::NULL)),
+        Mask::Causal => Ok((-1, 1, DevPtr::NULL)),
+        Mask::Limits(l) => {
+            if l.elem != Elem::U32 || l.len < rows {
+                return Err(Error::backend(
+                    "attention",
+                    format!("{} key limits ({:?}) for {rows} query rows", l.len, l.elem),
+                ));
+            }
+            Ok((-1, 0, l.ptr))
+        }
     }
 }
 
@@ -176,24 +184,36 @@ pub const ROWS_MAX_HEAD_DIM: usize = 512;
 /// The kernel that runs self-attention (no key ranges) over heads of one width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SelfKernel {
-    /// bf16 on the tensor cores ([`FLASH_HEAD_DIMS`]).
+    /// bf16 on the tensor cores ([`FLASH_HEAD_DIMS`]), under every mask of a sequence's own
+    /// rows, per-row key limits included.
     Flash,
     /// A warp per (row, head), up to [`ROWS_MAX_HEAD_DIM`]: f32's exact kernel, and bf16's for
     /// widths neither kernel above is built for (slow, but no model is refused for its width).
     Rows,
-    /// The key-range kernel over each segment's own rows ([`CACHED_HEAD_DIMS`]), slower: bf16
-    /// widths without a tensor-core kernel (72) and bf16 under per-row key limits, f32 widths
-    /// beyond the row kernel (1152).
+    /// The key-range kernel over each segment's own rows ([`CACHED_HEAD_DIMS`]), slower: f32
+    /// widths beyond the row kernel (1152), and with `TESSERA_FLASH_LIMITS=0` bf16 under per-row
+    /// key limits.
     Cached,
 }
 
 /// Which kernel runs self-attention at `head_dim` under `precision`, if any, with per-row key
 /// limits (`limits`: block-causal masks) or without: the one place that decides, asked by
-/// [`CudaBackend::check`] and by [`attention`]. The flash kernels take no limits, so bf16 runs
-/// them on the key-range kernel (which reads them, as over a cache) or the row kernel.
+/// [`CudaBackend::check`] and by [`attention`]. bf16 runs on the flash kernels at their widths,
+/// limits or not; `TESSERA_FLASH_LIMITS=0` sends limits to the key-range or row kernel as before
+/// the flash kernels read them (an A/B switch).
 pub fn self_kernel(precision: Precision, head_dim: usize, limits: bool) -> Option<SelfKernel> {
+    self_kernel_with(precision, head_dim, limits, flash_limits())
+}
+
+/// [`self_kernel`], with `flash_limits` saying whether the flash kernels take per-row limits.
+fn self_kernel_with(
+    precision: Precision,
+    head_dim: usize,
+    limits: bool,
+    flash_limits: bool,
+) -> Option<SelfKernel> {
     match precision {
-        Precision::Bf16 if !limits && FLASH_HEAD_DIMS.contains(&head_dim) => {
+        Precision::Bf16 if (flash_limits || !limits) && FLASH_HEAD_DIMS.contains(&head_dim) => {
             Some(SelfKernel::Flash)
         }
         Precision::F32 if head_dim <= ROWS_MAX_HEAD_DIM => Some(SelfKernel::Rows),
@@ -201,6 +221,14 @@ pub fn self_kernel(precision: Precision, head_dim: usize, limits: bool) -> Optio
         Precision::Bf16 if head_dim <= ROWS_MAX_HEAD_DIM => Some(SelfKernel::Rows),
         _ => None,
     }
+}
+
+/// Whether bf16 self-attention under per-row key limits runs on the flash kernels: yes unless
+/// `TESSERA_FLASH_LIMITS=0`, which keeps the key-range kernel (128: 2,972 ms for the Qwen-Image
+/// edit's block-causal prefix on an H100) for A/B measurement.
+fn flash_limits() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TESSERA_FLASH_LIMITS").map_or(true, |v| v != "0"))
 }
 
 /// The attention op: over key ranges the cached kernel ([`cached`]); else the kernel
@@ -251,18 +279,7 @@ fn rows(
     let hd = spec.head_dim;
     let total = segs.total();
     spec.check(&q, &k, &v, &out, segs)?;
-    let ((window, causal), limits) = match spec.mask {
-        Mask::Limits(l) => {
-            if l.elem != Elem::U32 || l.len < total {
-                return Err(Error::backend(
-                    "attention",
-                    format!("{} key limits ({:?}) for {total} query rows", l.len, l.elem),
-                ));
-            }
-            ((-1, 0), l.ptr)
-        }
-        _ => (mask_args(spec)?, DevPtr::NULL),
-    };
+    let (window, causal, limits) = mask_args(spec, total)?;
     let elem = q.buf.elem;
     if [k.buf.elem, v.buf.elem, out.buf.elem]
         .iter()
@@ -299,8 +316,9 @@ fn rows(
     )
 }
 
-/// bf16 attention on the tensor cores over the query tiles of `segs` — `flash_wgmma_d{D}` on
-/// Hopper where it exists, else `flash_bf16_d{D}` — with the keys split into chunks and
+/// bf16 attention on the tensor cores over the query tiles of `segs` — `flash_ws_d{D}` or
+/// `flash_wgmma_d{D}` on Hopper where they exist, else `flash_bf16_d{D}`; every mask of the
+/// segments' own rows, per-row key limits included — with the keys split into chunks and
 /// `flash_combine` after it when that fills the GPU better. `force` fixes either choice
 /// (tests, benchmarks); returns the chunk count used.
 #[allow(clippy::too_many_arguments)]
@@ -317,7 +335,7 @@ pub(super) fn flash(
     let hd = spec.head_dim;
     let total = segs.total();
     spec.check(&q, &k, &v, &out, segs)?;
-    let (window, causal) = mask_args(spec)?;
+    let (window, causal, limits) = mask_args(spec, total)?;
     for view in [&q, &k, &v] {
         if view.buf.elem != Elem::Bf16
             || !view.offset.is_multiple_of(8)
@@ -422,6 +440,7 @@ pub(super) fn flash(
         scale_log2: spec.scale * std::f32::consts::LOG2_E,
         window,
         causal,
+        limits,
         part: part.unwrap_or(DevPtr::NULL),
         rows: total as i32,
         kv_splits: splits as i32,
@@ -611,10 +630,12 @@ mod tests {
     fn every_listed_width_runs_in_both_precisions() {
         for d in FLASH_HEAD_DIMS.iter().chain(&CACHED_HEAD_DIMS) {
             for p in [Precision::F32, Precision::Bf16] {
-                assert!(
-                    self_kernel(p, *d, false).is_some(),
-                    "head_dim {d} under {p:?}"
-                );
+                for on in [true, false] {
+                    assert!(
+                        self_kernel_with(p, *d, false, on).is_some(),
+                        "head_dim {d} under {p:?}"
+                    );
+                }
             }
         }
     }
@@ -623,86 +644,88 @@ mod tests {
     fn no_bf16_width_up_to_the_row_kernels_is_refused() {
         for d in 1..=ROWS_MAX_HEAD_DIM {
             assert!(
-                self_kernel(Precision::Bf16, d, false).is_some(),
+                self_kernel_with(Precision::Bf16, d, false, true).is_some(),
                 "head_dim {d} under bf16"
             );
         }
-        assert_eq!(
-            self_kernel(Precision::Bf16, 24, false),
-            Some(SelfKernel::Rows)
-        );
-        assert_eq!(
-            self_kernel(Precision::Bf16, 128, false),
-            Some(SelfKernel::Flash)
-        );
-        assert_eq!(
-            self_kernel(Precision::Bf16, 72, false),
-            Some(SelfKernel::Cached)
-        );
+        let bf16 = |d| self_kernel_with(Precision::Bf16, d, false, true);
+        assert_eq!(bf16(24), Some(SelfKernel::Rows));
+        assert_eq!(bf16(128), Some(SelfKernel::Flash));
+        // SigLIP2's and Qwen3-VL's vision towers: on the tensor cores, padded to 80 for q·kᵀ.
+        assert_eq!(bf16(72), Some(SelfKernel::Flash));
+        assert_eq!(bf16(80), Some(SelfKernel::Cached));
     }
 
     #[test]
     fn wide_single_heads_take_the_tensor_cores_in_bf16() {
+        let kernel = |p, d| self_kernel_with(p, d, false, true);
         // Qwen-Image-2.1's VAE mid-block: one head of 1152.
-        assert_eq!(
-            self_kernel(Precision::Bf16, 1152, false),
-            Some(SelfKernel::Flash)
-        );
-        assert_eq!(
-            self_kernel(Precision::F32, 1152, false),
-            Some(SelfKernel::Cached)
-        );
+        assert_eq!(kernel(Precision::Bf16, 1152), Some(SelfKernel::Flash));
+        assert_eq!(kernel(Precision::F32, 1152), Some(SelfKernel::Cached));
         assert_eq!(heads_per_cta(1152), 1);
         // The encoder's mid-block: one head of 768, the same kernels.
-        assert_eq!(
-            self_kernel(Precision::Bf16, 768, false),
-            Some(SelfKernel::Flash)
-        );
-        assert_eq!(
-            self_kernel(Precision::F32, 768, false),
-            Some(SelfKernel::Cached)
-        );
-        // Unchanged: 72 (no tensor-core kernel) and the row kernel's widths.
-        assert_eq!(
-            self_kernel(Precision::Bf16, 72, false),
-            Some(SelfKernel::Cached)
-        );
-        assert_eq!(
-            self_kernel(Precision::F32, 512, false),
-            Some(SelfKernel::Rows)
-        );
+        assert_eq!(kernel(Precision::Bf16, 768), Some(SelfKernel::Flash));
+        assert_eq!(kernel(Precision::F32, 768), Some(SelfKernel::Cached));
+        // Unchanged: f32 up to the row kernel's 512, nothing wider but the two above.
+        assert_eq!(kernel(Precision::F32, 512), Some(SelfKernel::Rows));
+        assert_eq!(kernel(Precision::F32, 72), Some(SelfKernel::Rows));
         assert_eq!(heads_per_cta(256), 4);
-        assert_eq!(self_kernel(Precision::F32, 1024, false), None);
-        assert_eq!(self_kernel(Precision::Bf16, 1024, false), None);
+        assert_eq!(kernel(Precision::F32, 1024), None);
+        assert_eq!(kernel(Precision::Bf16, 1024), None);
     }
 
     #[test]
-    fn per_row_limits_leave_the_flash_kernels_for_ones_that_read_them() {
+    fn per_row_limits_take_the_flash_kernels_at_their_widths() {
         for d in 1..=ROWS_MAX_HEAD_DIM {
+            for on in [true, false] {
+                assert_eq!(
+                    self_kernel_with(Precision::F32, d, true, on),
+                    self_kernel_with(Precision::F32, d, false, on),
+                    "f32 head_dim {d}"
+                );
+            }
+            // The flash kernels read the limits: bf16 picks what it picks without them.
             assert_eq!(
-                self_kernel(Precision::F32, d, true),
-                self_kernel(Precision::F32, d, false),
-                "f32 head_dim {d}"
+                self_kernel_with(Precision::Bf16, d, true, true),
+                self_kernel_with(Precision::Bf16, d, false, true),
+                "bf16 head_dim {d}"
             );
-            let bf16 = self_kernel(Precision::Bf16, d, true);
+        }
+        // Qwen-Image's 128-wide heads (the edit's block-causal prefix) and the VAE's 1152.
+        for d in [64, 72, 128, 1152] {
+            assert_eq!(
+                self_kernel_with(Precision::Bf16, d, true, true),
+                Some(SelfKernel::Flash),
+                "head_dim {d}"
+            );
+        }
+        assert_eq!(
+            self_kernel_with(Precision::Bf16, 24, true, true),
+            Some(SelfKernel::Rows)
+        );
+        assert_eq!(self_kernel_with(Precision::Bf16, 1024, true, true), None);
+    }
+
+    #[test]
+    fn the_switch_off_keeps_limits_off_the_flash_kernels() {
+        // TESSERA_FLASH_LIMITS=0: the choice before the flash kernels read limits.
+        for d in 1..=ROWS_MAX_HEAD_DIM {
+            let bf16 = self_kernel_with(Precision::Bf16, d, true, false);
             assert!(
                 matches!(bf16, Some(SelfKernel::Cached | SelfKernel::Rows)),
                 "bf16 head_dim {d}: {bf16:?}"
             );
+            assert_eq!(
+                self_kernel_with(Precision::Bf16, d, false, false),
+                self_kernel_with(Precision::Bf16, d, false, true),
+                "without limits the switch changes nothing: head_dim {d}"
+            );
         }
-        // Qwen-Image's 128-wide heads and the VAE's 1152: the key-range kernel.
-        assert_eq!(
-            self_kernel(Precision::Bf16, 128, true),
-            Some(SelfKernel::Cached)
-        );
-        assert_eq!(
-            self_kernel(Precision::Bf16, 1152, true),
-            Some(SelfKernel::Cached)
-        );
-        assert_eq!(
-            self_kernel(Precision::Bf16, 24, true),
-            Some(SelfKernel::Rows)
-        );
-        assert_eq!(self_kernel(Precision::Bf16, 1024, true), None);
+        let off = |d| self_kernel_with(Precision::Bf16, d, true, false);
+        assert_eq!(off(128), Some(SelfKernel::Cached));
+        assert_eq!(off(72), Some(SelfKernel::Cached));
+        assert_eq!(off(1152), Some(SelfKernel::Cached));
+        assert_eq!(off(24), Some(SelfKernel::Rows));
+        assert_eq!(off(1024), None);
     }
 }

@@ -9,10 +9,11 @@
 //!   convolution), [`attention`] (attention.cu, attention_sm90.cu) — each declaring
 //!   its kernels in a typed table with typed argument structs ([`launch`]): every table is
 //!   resolved when the backend opens ([`tables`]), and CI checks the tables against NVRTC's output.
-//! - bf16 attention: `flash_wgmma_d{D}` (kernels/attention_sm90.cu, warpgroup MMA) on Hopper for
-//!   head widths 64, 128, 256 and 512, else the portable `flash_bf16_d{D}` (kernels/attention.cu,
-//!   mma.sync); both split a tile's keys into chunks when that fills the GPU better
-//!   (`attention/flash.rs`). Attention over cached key ranges (decoding) has its own kernel in
+//! - bf16 attention: `flash_ws_d{D}` (64, 128; segments of 256 rows or more) and
+//!   `flash_wgmma_d{D}` (64, 128, 256, 512) on Hopper (kernels/attention_sm90.cu, warpgroup
+//!   MMA), else the portable `flash_bf16_d{D}` (kernels/attention.cu, mma.sync; 72-wide heads
+//!   too); every mask, per-row key limits included; all split a tile's keys into chunks when that
+//!   fills the GPU better (`attention/flash.rs`). Attention over cached key ranges (decoding) has its own kernel in
 //!   both precisions, `attn_cached_{T}_d{D}`, a CTA per (query row, kv head, key chunk) with a
 //!   combine pass after a split launch (`attention/cached.rs`).
 //! - Precision [`Precision::Bf16`]: bf16 weights and GEMM inputs (`Role::Compute` buffers), f32

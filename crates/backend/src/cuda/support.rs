@@ -89,9 +89,10 @@ impl CudaBackend {
                 a.head_dim
             )));
         }
-        // Widths without a tensor-core kernel (bf16) or beyond the row kernel (f32), and bf16
-        // under per-row key limits, run on the key-range kernel or (bf16, any width up to 512)
-        // the row kernel, slower.
+        // Widths without a tensor-core kernel (bf16) or beyond the row kernel (f32) run on the
+        // key-range kernel or (bf16, any width up to 512) the row kernel, slower; per-row key
+        // limits run wherever the mask-free op does (`TESSERA_FLASH_LIMITS=0`: bf16 limits on
+        // those two kernels).
         if self_kernel(self.precision, a.head_dim, a.mask == MaskKind::Limits).is_some() {
             return Ok(());
         }

@@ -216,11 +216,7 @@ impl OpCase for AttentionCase {
     fn supported<B: Device>(&self, be: &B) -> tessera_backend::Result<()> {
         be.supports(&self.op())?;
         match self.flash {
-            Some(f) => be.flash_supported(
-                f,
-                self.head_dim,
-                matches!(self.mask, MaskSpec::Limits(_)) && self.cache.is_none(),
-            ),
+            Some(f) => be.flash_supported(f, self.head_dim),
             None => Ok(()),
         }
     }

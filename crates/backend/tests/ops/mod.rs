@@ -373,14 +373,9 @@ pub struct Attend<'a, B: Backend> {
 /// A backend the table runs on: the op set, plus how a case forces an attention kernel path
 /// (CUDA's flash kernels; the CPU has one path and ignores the choice).
 pub trait Device: Backend + Sized {
-    /// Whether this backend can take the forced path `flash` for heads of `head_dim`, under
-    /// per-row key limits (`limits`) or not.
-    fn flash_supported(
-        &self,
-        flash: FlashChoice,
-        head_dim: usize,
-        limits: bool,
-    ) -> tessera_backend::Result<()>;
+    /// Whether this backend can take the forced path `flash` for heads of `head_dim` (under
+    /// every mask of a sequence's own rows, per-row key limits included).
+    fn flash_supported(&self, flash: FlashChoice, head_dim: usize) -> tessera_backend::Result<()>;
 
     /// The attention op, or with `flash` the forced path, checked to have split the keys into
     /// as many chunks as asked.
@@ -388,7 +383,7 @@ pub trait Device: Backend + Sized {
 }
 
 impl Device for CpuBackend {
-    fn flash_supported(&self, _: FlashChoice, _: usize, _: bool) -> tessera_backend::Result<()> {
+    fn flash_supported(&self, _: FlashChoice, _: usize) -> tessera_backend::Result<()> {
         Ok(())
     }
 
@@ -398,21 +393,10 @@ impl Device for CpuBackend {
 }
 
 impl Device for CudaBackend {
-    fn flash_supported(
-        &self,
-        flash: FlashChoice,
-        head_dim: usize,
-        limits: bool,
-    ) -> tessera_backend::Result<()> {
+    fn flash_supported(&self, flash: FlashChoice, head_dim: usize) -> tessera_backend::Result<()> {
         if self.precision() != Precision::Bf16 {
             return Err(Error::Device(
                 "the flash kernels run under bf16 only".into(),
-            ));
-        }
-        // The op runs limits on the key-range or row kernel; forcing a flash kernel is declined.
-        if limits && flash.kernel.is_some() {
-            return Err(Error::Device(
-                "the flash kernels take no per-row key limits".into(),
             ));
         }
         if flash.kernel == Some(FlashKernel::Wgmma) && !wgmma_applies(self.arch(), head_dim) {

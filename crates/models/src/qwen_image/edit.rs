@@ -41,7 +41,7 @@ pub const MAX_RESOLUTION: usize = 4096;
 
 /// The ops an edit calls beyond text-to-image's ([`super::ops`]): the vision tower, the VAE
 /// encoder, the tower's rows written over the prompt's pad tokens, and the prefix's
-/// block-causal attention (per-row key limits over key ranges).
+/// block-causal self-attention (per-row key limits).
 pub fn ops(cfg: &QwenImageConfigs, vision: &VisionConfig) -> Vec<Op> {
     let mut ops = vision::ops(vision);
     ops.push(Op::ScatterRows);
@@ -49,7 +49,7 @@ pub fn ops(cfg: &QwenImageConfigs, vision: &VisionConfig) -> Vec<Op> {
     ops.push(Op::Attention(AttentionOp {
         head_dim: cfg.transformer.head_dim,
         mask: MaskKind::Limits,
-        cached: true,
+        cached: false,
     }));
     ops.dedup();
     ops

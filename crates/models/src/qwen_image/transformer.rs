@@ -378,17 +378,19 @@ impl<B: Backend> QwenImageTransformer<B> {
         let lay = block_layout(&self.cfg);
         let mut s = Scratch::alloc(be, rows, self.dims())?;
         let segs = be.segments(&[rows])?;
-        let (lim_buf, kv) = match limits {
+        // Self-attention over the rows' own keys, so bf16 runs on the tensor-core flash kernels
+        // (they read the limits); over a key range of the same rows it took the key-range kernel.
+        let lim_buf = match limits {
             Some(l) => {
                 let mut b = be.alloc(l.len(), Role::Index)?;
                 be.write_u32(&mut b, l)?;
-                (Some(b), Some(be.kv_ranges(&[(0, rows)])?))
+                Some(b)
             }
-            None => (None, None),
+            None => None,
         };
-        let spec = match (&lim_buf, &kv) {
-            (Some(b), Some(kv)) => AttnSpec::new(lay, self.scale(), Mask::Limits(b)).over(kv),
-            _ => AttnSpec::new(lay, self.scale(), Mask::Causal),
+        let spec = match &lim_buf {
+            Some(b) => AttnSpec::new(lay, self.scale(), Mask::Limits(b)),
+            None => AttnSpec::new(lay, self.scale(), Mask::Causal),
         };
         norm_groups(be, x, rows, d, groups, 0, eps, &mut s.a)?;
         let last = self.blocks.len() - 1;

@@ -12,9 +12,9 @@
 //! cuts each row's own visible keys into that many chunks, so any count covers every key.
 //!
 //! Without key ranges the same kernel attends each segment's own rows (the device's segment
-//! offsets stand in for the ranges, so nothing is uploaded): self-attention at head widths that
-//! have no tensor-core kernel (72: LFM2-VL-1.6B's tower), and f32 self-attention wider than the
-//! row kernel's 512 (1152: Qwen-Image-2.1's VAE).
+//! offsets stand in for the ranges, so nothing is uploaded): f32 self-attention wider than the
+//! row kernel's 512 (1152: Qwen-Image-2.1's VAE), and with `TESSERA_FLASH_LIMITS=0` bf16
+//! self-attention under per-row key limits (the flash kernels read them otherwise).
 
 use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};

@@ -7,14 +7,16 @@
 /// both flash kernels take one (or a part of one) per CTA.
 pub const QUERY_TILE: usize = 64;
 
-/// Head dims the tensor-core attention kernel is instantiated for (768 and 1152: the mid-blocks
-/// of Qwen-Image-2.1's VAE encoder and decoder, one head each).
-pub const FLASH_HEAD_DIMS: [usize; 8] = [16, 32, 64, 128, 256, 512, 768, 1152];
+/// Head dims the tensor-core attention kernel is instantiated for (72: the SigLIP2 and Qwen3-VL
+/// vision towers, q·kᵀ over columns zero-padded to 80; 768 and 1152: the mid-blocks of
+/// Qwen-Image-2.1's VAE encoder and decoder, one head each).
+pub const FLASH_HEAD_DIMS: [usize; 9] = [16, 32, 64, 72, 128, 256, 512, 768, 1152];
 
 /// Launch shape of `flash_bf16_d{D}`, mirroring `FlashCfg` in attention.cu.
 pub struct FlashConfig {
-    /// Dynamic shared memory: query rows, BN key rows each for K and V (rows padded by 8
-    /// elements), plus the partial-score buffer when the head dimension is split across warps.
+    /// Dynamic shared memory: query rows, BN key rows each for K and V (each row the head
+    /// rounded up to whole 16-column mma steps, plus 8 elements), plus the partial-score buffer
+    /// when the head dimension is split across warps.
     pub smem: u32,
     pub threads: u32,
     /// CTAs per 64-row tile (grid z, times the key chunks of a split launch).
@@ -31,7 +33,8 @@ pub fn flash_config(d: usize) -> FlashConfig {
         _ => (4, 1, 64),
     };
     let bm = 16 * wm;
-    let tiles = (bm + 2 * bn) * (d + 8) * 2;
+    let pitch = d.next_multiple_of(16) + 8;
+    let tiles = (bm + 2 * bn) * pitch * 2;
     let scores = if wd > 1 { wd * bm * bn * 4 } else { 0 };
     FlashConfig {
         smem: (tiles + scores) as u32,
@@ -211,6 +214,16 @@ mod tests {
         // 768 (the VAE encoder's mid-block): the same shape, 192 columns a warp.
         let c = flash_config(768);
         assert_eq!((c.smem, c.threads, c.splits, c.bn), (107_520, 256, 2, 16));
+    }
+
+    #[test]
+    fn heads_of_72_pad_their_rows_to_80() {
+        // 64 query rows and two 64-key tiles of 88-element rows (80 + 8), four CTAs per
+        // multiprocessor as at 64.
+        let c = flash_config(72);
+        assert_eq!((c.smem, c.threads, c.splits, c.bn), (33_792, 128, 1, 64));
+        assert_eq!(flash_config(64).smem, (64 + 128) * 72 * 2);
+        assert!(4 * c.smem <= 227 * 1024);
     }
 
     #[test]

@@ -3,7 +3,14 @@
 // flash_bf16_d{D}: bf16 q/k/v, f32 accumulation and softmax statistics, tensor cores
 // (mma.m16n8k16). One CTA = a 64-row query tile (or a part of it) of one head. Tiles never cross a segment; the
 // host lists them as (q0, q1, s0, s1): query rows [q0, q1) of the segment [s0, s1). The CTA walks
-// the keys its rows can see (the segment cut to the window) in blocks of BN with an online softmax.
+// the keys its rows can see (the segment cut to the window, to the last row when causal, or to the
+// largest of its rows' per-row key limits) in blocks of BN with an online softmax; a block some
+// row sees only in part is masked element by element (flash.cuh, `softmax_block`).
+//
+// Head widths that are not a multiple of 16 (72): q·kᵀ runs over D rounded up to 16 columns (80),
+// whose extra columns are zero in the Q and K tiles; P·V and the output cover D exactly (9
+// n-tiles of 8, the last one loaded alone). The scale is the caller's (1/√72), not the padded
+// width's.
 //
 // Warps: WM along the query rows (16 rows each) × WD along the head dimension. With WD > 1 each
 // warp computes q·kᵀ over its slice of the head dimension, the partial scores are summed through
@@ -22,8 +29,9 @@
 // attn_rows_f32: the exact (f32) mode; one warp per (query row, head), scalar FMAs.
 //
 // attn_cached_{T}_d{D}, attn_cached_combine_{T}: attention over cached key ranges, both
-// precisions, every mask; also over a segment's own rows where neither kernel above applies (at
-// the end of this file).
+// precisions, every mask; also over a segment's own rows where neither kernel above applies (f32
+// beyond attn_rows_f32's 512; bf16 under per-row key limits with TESSERA_FLASH_LIMITS=0), at the
+// end of this file.
 
 // WM warps along query rows (BM = 16·WM rows per CTA; a 64-row tile takes 64/BM CTAs along z),
 // WD warps along the head dimension, BN keys per block, MIN_CTAS resident per multiprocessor.
@@ -32,6 +40,9 @@
 // registers the compiler picks unbounded, which left one 2,394-patch image's 456 CTAs a second
 // wave of 60).
 template <int D> struct FlashCfg { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 4; };
+// 72-wide heads (SigLIP2's and Qwen3-VL's vision towers), q·kᵀ over 80 columns: the four more
+// accumulators than at 64 spill at four CTAs' 128 registers, so three.
+template <> struct FlashCfg<72> { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 3; };
 template <> struct FlashCfg<128> { static constexpr int WM = 4, WD = 1, BN = 64, MIN_CTAS = 2; };
 // 256-wide heads: one warp holds a whole 16×256 output block (128 accumulators), so no partial
 // scores cross warps; 512-wide heads split the head in two. 128 threads and 32-key blocks keep
@@ -58,6 +69,10 @@ __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(addr));
+}
+// The first two matrices of ldsm_x4_t: lanes 0–15 give the addresses (the others are ignored).
+__device__ __forceinline__ void ldsm_x2_t(u32& r0, u32& r1, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
 __device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -90,12 +105,20 @@ template <int D, typename TO>
 __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k, long ks,
                                            const bf16* __restrict__ v, long vs, TO* __restrict__ o, long os,
                                            const u32* __restrict__ tiles, int group, float scale_log2, int window,
-                                           int causal, float* __restrict__ part, int rows, int kv_splits) {
+                                           int causal, const u32* __restrict__ limits, float* __restrict__ part,
+                                           int rows, int kv_splits) {
     constexpr int WM = FlashCfg<D>::WM, WD = FlashCfg<D>::WD, BN = FlashCfg<D>::BN;
-    constexpr int BM = 16 * WM, NT = 32 * WM * WD, PITCH = D + 8, DW = D / WD;
+    // q·kᵀ reduces over DK columns: D rounded up to whole 16-column k-steps of the mma (72 → 80),
+    // the columns past D zero in sQ and sK. P·V and the output keep D (9 n-tiles of 8 at 72).
+    constexpr int DK = (D + 15) / 16 * 16;
+    constexpr int BM = 16 * WM, NT = 32 * WM * WD, PITCH = DK + 8, DW = D / WD, DKW = DK / WD;
     constexpr int NS = BN / 8;  // score n-tiles per warp
     constexpr int NO = DW / 8;  // output n-tiles per warp
+    static_assert(D % 8 == 0 && (D % 16 == 0 || WD == 1), "rows load in 16-byte chunks; a split head in k-steps");
     extern __shared__ __align__(16) unsigned char smem[];
+    // The key end of each of the CTA's rows (`row_key_end`), read at each block's softmax rather
+    // than held in registers across the loop (two more live registers spilled at 1152).
+    __shared__ int sEnd[BM];
     bf16* sQ = reinterpret_cast<bf16*>(smem);
     bf16* sK = sQ + BM * PITCH;
     bf16* sV = sK + BN * PITCH;
@@ -110,11 +133,18 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     if (q0 >= q1) return;  // the tile's last rows, when it is shorter than 64
     const int h = blockIdx.y, g = h / group;
     int k_lo, k_hi;
-    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, chunk, kv_splits);
+    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, limits, chunk, kv_splits);
     const bf16* qb = q + (long)h * D;
     const bf16* kb = k + (long)g * D;
     const bf16* vb = v + (long)g * D;
 
+    if constexpr (DK > D) {
+        // The pad columns [D, DK) of every sQ and sK row (sK follows sQ), zeroed once: the loads
+        // never write them, and the first read is after the loop's first barrier.
+        for (int r = threadIdx.x; r < BM + BN; r += NT)
+#pragma unroll
+            for (int c = D; c < DK; c += 8) *reinterpret_cast<uint4*>(sQ + r * PITCH + c) = make_uint4(0u, 0u, 0u, 0u);
+    }
     load_rows<D, BM, PITCH, NT>(sQ, qb, qs, q0, q0, q1);
     load_rows<D, BN, PITCH, NT>(sK, kb, ks, k_lo, k_lo, k_hi);
     cp_commit();
@@ -126,6 +156,8 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     RowStats st;
     const int row_lo = q0 + 16 * wm + (lane >> 2);
     const int col_in = 2 * (lane & 3);
+    // Visible from the loop's first barrier on.
+    for (int r = threadIdx.x; r < BM; r += NT) sEnd[r] = row_key_end(limits, q0 + r, q1, s0, s1);
 
     for (int kb0 = k_lo; kb0 < k_hi; kb0 += BN) {
         cp_wait1();  // all but the newest group (this block's V) have landed: Q and K are ready
@@ -133,8 +165,8 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         float s[NS][4];
         zero(s);
 #pragma unroll
-        for (int kk = 0; kk < DW / 16; kk++) {
-            const int dcol = wd * DW + kk * 16;
+        for (int kk = 0; kk < DKW / 16; kk++) {
+            const int dcol = wd * DKW + kk * 16;
             u32 a0, a1, a2, a3;
             ldsm_x4(a0, a1, a2, a3, smem_addr(sQ + (16 * wm + (lane & 15)) * PITCH + dcol + 8 * (lane >> 4)));
 #pragma unroll
@@ -176,7 +208,9 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         cp_commit();
 
         float alpha_lo, alpha_hi;
-        softmax_block<NS>(s, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
+        const int* ends = sEnd + 16 * wm + (lane >> 2);
+        softmax_block<NS>(s, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, ends[0], ends[8],
+                          scale_log2);
         u32 pa[BN / 16][4];  // the score floats are dead before P·V starts
         pack_p(s, pa);
         rescale(oacc, alpha_lo, alpha_hi);
@@ -188,11 +222,18 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
 #pragma unroll
             for (int ot = 0; ot < NO; ot += 2) {
                 const int n0 = wd * DW + ot * 8;
+                const u32 at =
+                    smem_addr(sV + (kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * PITCH + n0 + 8 * (lane >> 4));
                 u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3,
-                          smem_addr(sV + (kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * PITCH + n0 + 8 * (lane >> 4)));
-                mma_bf16(oacc[ot], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
-                mma_bf16(oacc[ot + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b2, b3);
+                if (ot + 1 < NO) {
+                    ldsm_x4_t(b0, b1, b2, b3, at);
+                    mma_bf16(oacc[ot], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
+                    mma_bf16(oacc[ot + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b2, b3);
+                } else {
+                    // An odd last n-tile (72-wide heads): its 8 columns alone.
+                    ldsm_x2_t(b0, b1, at);
+                    mma_bf16(oacc[ot], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
+                }
             }
         }
         __syncthreads();  // every warp is done with sV
@@ -208,6 +249,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
 FLASH(16)
 FLASH(32)
 FLASH(64)
+FLASH(72)
 FLASH(128)
 FLASH(256)
 FLASH(512)

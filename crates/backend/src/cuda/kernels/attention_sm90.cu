@@ -161,8 +161,8 @@ template <int D>
 __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k,
                                               long ks, const bf16* __restrict__ v, long vs, bf16* __restrict__ o,
                                               long os, const u32* __restrict__ tiles, int group, float scale_log2,
-                                              int window, int causal, float* __restrict__ part, int rows,
-                                              int kv_splits) {
+                                              int window, int causal, const u32* __restrict__ limits,
+                                              float* __restrict__ part, int rows, int kv_splits) {
     using C = WgCfg<D>;
     constexpr int WGS = C::WGS, NT = 128 * WGS, DW = D / WGS, BN = C::BN, NS = BN / 8, NO = DW / 8;
     constexpr u32 TILE = BN * D * 2;  // bytes of one K or V tile
@@ -178,11 +178,12 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
     const int q0 = tl[0], q1 = tl[1], s0 = tl[2], s1 = tl[3];
     const int h = blockIdx.y, g = h / group;
     int k_lo, k_hi;
-    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, chunk, kv_splits);
+    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, limits, chunk, kv_splits);
     const bf16* qb = q + (long)h * D;
     const bf16* kb = k + (long)g * D;
     const bf16* vb = v + (long)g * D;
     const int row_lo = q0 + 16 * warp + (lane >> 2);
+    const int end_lo = row_key_end(limits, row_lo, q1, s0, s1), end_hi = row_key_end(limits, row_lo + 8, q1, s0, s1);
 
     load_sw128<D, 64, NT>(sQ, qb, qs, q0, q0, q1);
     load_sw128<D, BN, NT>(sK, kb, ks, k_lo, k_lo, k_hi);
@@ -219,7 +220,8 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
         if (kb0 + BN < k_hi) load_sw128<D, BN, NT>(sK, kb, ks, kb0 + BN, k_lo, k_hi);
         cp_commit();
 
-        softmax_block<NS>(s, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, scale_log2);
+        softmax_block<NS>(s, st, alpha_lo, alpha_hi, kb0, k_hi, q0, q1, row_lo, window, causal, end_lo, end_hi,
+                          scale_log2);
         pack_p(s, pa);
         rescale(oacc, alpha_lo, alpha_hi);
 
@@ -322,8 +324,9 @@ template <int D>
 __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k,
                                               long ks, const bf16* __restrict__ v, long vs, bf16* __restrict__ o,
                                               long os, const u32* __restrict__ tiles, int group, float scale_log2,
-                                              int window, int causal, float* __restrict__ part, int rows,
-                                              int kv_splits, const TmaDesc* tk, const TmaDesc* tv) {
+                                              int window, int causal, const u32* __restrict__ limits,
+                                              float* __restrict__ part, int rows, int kv_splits, const TmaDesc* tk,
+                                              const TmaDesc* tv) {
     using C = WsCfg<D>;
     constexpr int BN = C::BN, S = C::STAGES, NS = BN / 8, NO = D / 8;
     constexpr u32 QH = 64 * D * 2, TILE = BN * D * 2;  // bytes of a 64-row Q half, of a K or V tile
@@ -339,7 +342,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     const int q0 = tl[0], q1 = tl[1], s0 = tl[2], s1 = tl[3];
     const int h = blockIdx.y, g = h / group;
     int k_lo, k_hi;
-    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, chunk, kv_splits);
+    key_range<BN>(k_lo, k_hi, q0, q1, s0, s1, window, causal, limits, chunk, kv_splits);
     const int nb = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
 
     if (threadIdx.x == 0) {
@@ -398,6 +401,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     const int c = (threadIdx.x >> 7) - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int qa = min(q1, q0 + 64 * c), qz = min(q1, qa + 64);
     const int row_lo = qa + 16 * warp + (lane >> 2);
+    const int end_lo = row_key_end(limits, row_lo, qz, s0, s1), end_hi = row_key_end(limits, row_lo + 8, qz, s0, s1);
     const u32 sQc = sQ + c * QH;
 
     float oacc[NO][4];
@@ -420,7 +424,8 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         wg_wait<0>();
         wg_keep(s);
         mbar_arrive(k_free);
-        softmax_block<NS>(s, stats, alpha_lo, alpha_hi, k_lo, k_hi, qa, qz, row_lo, window, causal, scale_log2);
+        softmax_block<NS>(s, stats, alpha_lo, alpha_hi, k_lo, k_hi, qa, qz, row_lo, window, causal, end_lo, end_hi,
+                          scale_log2);
         pack_p(s, pa);
         for (int j = 1; j < nb; j++) {
             const int st = j % S, pst = (j - 1) % S;
@@ -438,7 +443,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
             wg_keep(s);
             mbar_arrive(k_free + 8 * st);
             softmax_block<NS>(s, stats, alpha_lo, alpha_hi, k_lo + j * BN, k_hi, qa, qz, row_lo, window, causal,
-                              scale_log2);
+                              end_lo, end_hi, scale_log2);
             wg_wait<0>();
             wg_keep(oacc);
             mbar_arrive(v_free + 8 * pst);
@@ -465,11 +470,11 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
 #define FLASH_WS(D)                                                                                        \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                  \
         flash_ws_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
-                      const u32* tiles, int group, float scale_log2, int window, int causal, float* part,       \
-                      int rows, int kv_splits, const __grid_constant__ TmaDesc tk,                           \
+                      const u32* tiles, int group, float scale_log2, int window, int causal, const u32* limits, \
+                      float* part, int rows, int kv_splits, const __grid_constant__ TmaDesc tk,              \
                       const __grid_constant__ TmaDesc tv) {                                                 \
-        flash_ws_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows,     \
-                         kv_splits, &tk, &tv);                                                               \
+        flash_ws_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, limits, part,   \
+                         rows, kv_splits, &tk, &tv);                                                         \
     }
 FLASH_WS(64)
 FLASH_WS(128)

@@ -10,12 +10,37 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
+// Per-row key limits (`limits`, null when none; block-causal masks): packed query row i sees the
+// first limits[i] keys of its segment [s0, s1), i.e. keys j < s0 + limits[i] (op/attention.rs,
+// `Mask::Limits`). The end of the keys row i sees: s1 without limits, and for rows past q1 (the
+// zero-filled queries of a short tile, whose output is never written), so they add no masking.
+__device__ __forceinline__ int row_key_end(const u32* __restrict__ limits, int i, int q1, int s0, int s1) {
+    if (!limits || i >= q1) return s1;
+    return (int)min((long)s1, (long)s0 + (long)limits[i]);
+}
+
+// The end of the keys any of rows [q0, q1) sees under per-row limits: s0 plus their largest limit,
+// at most s1. Each warp reads the rows' limits and reduces them alone (no shared memory, no
+// barrier), so every thread of the CTA gets it; whole warps must call it. One redux.sync (sm_80)
+// rather than five shuffles: with the shuffles ptxas spilled the 256- to 1152-wide kernels, which
+// sit at 254 registers.
+__device__ __forceinline__ int tile_key_end(const u32* __restrict__ limits, int q0, int q1, int s0, int s1) {
+    int m = 0;
+    for (int i = q0 + (int)(threadIdx.x & 31); i < q1; i += 32) m = max(m, (int)min(limits[i], (u32)(s1 - s0)));
+    int top;
+    asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;\n" : "=r"(top) : "r"(m));
+    return s0 + top;
+}
+
 // The keys a CTA walks for query rows [q0, q1) of the segment [s0, s1): the segment cut to the
-// window (inclusive radius) and, when causal, to the last row; with key splits, chunk `chunk` of
-// `kv_splits`, in whole blocks of BN (it may be empty).
+// window (inclusive radius), when causal to the last row, and under per-row limits to the largest
+// limit of the rows (so no block past every row's limit is visited, and none any row needs is
+// skipped); with key splits, chunk `chunk` of `kv_splits`, in whole blocks of BN (it may be empty,
+// and a row may see no key of a non-empty one: its chunk's log2-sum-exp is then −inf, which the
+// combine pass weighs 0). Whole warps must call it (`tile_key_end`).
 template <int BN>
 __device__ __forceinline__ void key_range(int& k_lo, int& k_hi, int q0, int q1, int s0, int s1, int window,
-                                          int causal, int chunk, int kv_splits) {
+                                          int causal, const u32* __restrict__ limits, int chunk, int kv_splits) {
     k_lo = s0;
     k_hi = s1;
     if (window >= 0) {
@@ -23,6 +48,7 @@ __device__ __forceinline__ void key_range(int& k_lo, int& k_hi, int q0, int q1, 
         k_hi = min(s1, q1 + window);
     }
     if (causal) k_hi = min(k_hi, q1);
+    if (limits) k_hi = max(k_lo, min(k_hi, tile_key_end(limits, q0, q1, s0, s1)));
     if (kv_splits > 1) {
         const int per = ((k_hi - k_lo + kv_splits - 1) / kv_splits + BN - 1) / BN * BN;
         k_lo = min(k_hi, k_lo + chunk * per);
@@ -55,16 +81,18 @@ struct RowStats {
 
 // One key block [kb0, kb0 + 8·NS) of scores `s` → unnormalised probabilities, in place, and the
 // statistics updated; returns in alpha_* the factor the running outputs must be scaled by. Masks
-// only when some row does not see the whole block. Rows past q1 are zero-filled queries whose
-// output is never written.
+// only when some row does not see the whole block: `end_lo` and `end_hi` are the key ends of the
+// thread's rows under per-row limits (`row_key_end`; the segment's end without limits), checked per
+// thread, as only the warps whose rows' limits fall inside the block need the mask. Rows past q1
+// are zero-filled queries whose output is never written.
 template <int NS>
 __device__ __forceinline__ void softmax_block(float (&s)[NS][4], RowStats& st, float& alpha_lo, float& alpha_hi,
                                               int kb0, int k_hi, int q0, int q1, int row_lo, int window, int causal,
-                                              float scale_log2) {
+                                              int end_lo, int end_hi, float scale_log2) {
     const int row_hi = row_lo + 8, col_in = 2 * (threadIdx.x & 3);
     const int kb1 = kb0 + 8 * NS - 1;
-    const bool masked = kb1 >= k_hi || (window >= 0 && (kb1 - q0 > window || q1 - 1 - kb0 > window)) ||
-                        (causal && kb1 > q0);
+    const bool masked = kb1 >= k_hi || kb1 >= min(end_lo, end_hi) ||
+                        (window >= 0 && (kb1 - q0 > window || q1 - 1 - kb0 > window)) || (causal && kb1 > q0);
     // The maximum is taken over the unscaled scores (the scale is positive); each exponent is
     // then one FMA, s·scale − base.
     float mx_lo = NEG_INF, mx_hi = NEG_INF;
@@ -75,7 +103,7 @@ __device__ __forceinline__ void softmax_block(float (&s)[NS][4], RowStats& st, f
             if (masked) {
                 const int i = e < 2 ? row_lo : row_hi;
                 const int j = kb0 + nt * 8 + col_in + (e & 1);
-                bool ok = j < k_hi && i < q1;
+                bool ok = j < k_hi && i < q1 && j < (e < 2 ? end_lo : end_hi);
                 if (window >= 0) ok = ok && abs(i - j) <= window;
                 if (causal) ok = ok && j <= i;
                 if (!ok) s[nt][e] = NEG_INF;
@@ -178,7 +206,8 @@ __device__ __forceinline__ void flash_store(float (&oacc)[NO][4], RowStats st, i
 #define FLASH_ENTRY(NAME, IMPL, THREADS, MIN_CTAS)                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)                                     \
         NAME(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os,    \
-             const u32* tiles, int group, float scale_log2, int window, int causal, float* part, int rows, \
-             int kv_splits) {                                                                            \
-        IMPL(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, part, rows, kv_splits);   \
+             const u32* tiles, int group, float scale_log2, int window, int causal, const u32* limits,       \
+             float* part, int rows, int kv_splits) {                                                       \
+        IMPL(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, limits, part, rows,        \
+             kv_splits);                                                                                 \
     }
