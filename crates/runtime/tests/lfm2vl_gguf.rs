@@ -7,7 +7,11 @@
 //! settings beyond patch, merge factor and normalisation (llama.cpp applies the published
 //! ones), while the miniature's `preprocessor_config.json` asks for smaller tiles: the folder
 //! compared against is the miniature without that file, i.e. with the published settings.
-//! The Q8_0 and Q4_0 files are compared with checkpoints of their own weights decoded to f32.
+//! The Q8_0 and Q4_0 files are compared with checkpoints of their own weights decoded to f32, and
+//! so are the Q4_K_M and Q6_K files of a 256-wide variant (`k_quants/`: rows of 256, which the K
+//! formats need). llama.cpp is the oracle of every language-model file (`llama_greedy.json`): it
+//! tokenises each prompt as Tessera does, and its greedy continuations of the F32 file are
+//! Tessera's; those of the block-format files are not yet (see the ignored test).
 
 mod common;
 
@@ -26,6 +30,11 @@ const LM_F32: &str = "LFM2-VL-mini-F32.gguf";
 const LM_Q8: &str = "LFM2-VL-mini-Q8_0.gguf";
 const LM_Q4: &str = "LFM2-VL-mini-Q4_0.gguf";
 const MMPROJ: &str = "mmproj-LFM2-VL-mini-F32.gguf";
+/// The 256-wide variant, in its own folder with its projector.
+const K_DIR: &str = "k_quants";
+const LM_Q4KM: &str = "LFM2-VL-mini256-Q4_K_M.gguf";
+const LM_Q6K: &str = "LFM2-VL-mini256-Q6_K.gguf";
+const MMPROJ_256: &str = "mmproj-LFM2-VL-mini256-F32.gguf";
 
 fn fixture(name: &str) -> PathBuf {
     common::root().join("tests/fixtures/lfm2vl_gguf").join(name)
@@ -54,6 +63,26 @@ fn hf_published_images() -> tempfile::TempDir {
         if name != "preprocessor_config.json" {
             std::fs::copy(&p, d.path().join(name)).unwrap();
         }
+    }
+    d
+}
+
+/// A folder holding the language model `lm` (a path under the fixture folder) and its projector.
+fn pair(lm: &str) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    let lm = Path::new(lm);
+    let sub = lm.parent().unwrap_or(Path::new(""));
+    let proj = if sub == Path::new(K_DIR) {
+        MMPROJ_256
+    } else {
+        MMPROJ
+    };
+    for f in [lm.to_path_buf(), sub.join(proj)] {
+        std::fs::copy(
+            fixture(f.to_str().unwrap()),
+            d.path().join(f.file_name().unwrap()),
+        )
+        .unwrap();
     }
     d
 }
@@ -282,6 +311,210 @@ fn quantized_gguf_folders_compute_the_logits_of_their_decoded_weights() {
         eprintln!("{lm} vs its decoded weights: logits rel {rel:.2e}");
         assert!(rel <= 1e-5, "{lm}: logits rel {rel:.2e} > 1e-5");
     }
+}
+
+#[test]
+fn k_quant_gguf_folders_compute_the_logits_of_their_decoded_weights() {
+    use tessera_core::DType;
+    // llama-quantize's Q4_K_M: Q4_K, with Q6_K for the embedding table (also the tied output),
+    // the attention's values and the last FFN's down projection; Q6_K: Q6_K throughout.
+    let layer = |l: usize, t: &str| format!("model.language_model.layers.{l}.{t}.weight");
+    for (lm, blocks) in [
+        (
+            LM_Q4KM,
+            [
+                (layer(0, "conv.in_proj"), DType::Q4_K),
+                (layer(0, "feed_forward.w2"), DType::Q4_K),
+                (layer(1, "self_attn.q_proj"), DType::Q4_K),
+                (layer(1, "self_attn.v_proj"), DType::Q6_K),
+                (layer(1, "feed_forward.w2"), DType::Q6_K),
+            ],
+        ),
+        (
+            LM_Q6K,
+            [
+                (layer(0, "conv.in_proj"), DType::Q6_K),
+                (layer(0, "feed_forward.w2"), DType::Q6_K),
+                (layer(1, "self_attn.q_proj"), DType::Q6_K),
+                (layer(1, "self_attn.v_proj"), DType::Q6_K),
+                (layer(1, "feed_forward.w2"), DType::Q6_K),
+            ],
+        ),
+    ] {
+        let dir = pair(&format!("{K_DIR}/{lm}"));
+        let gg = gguf_files(dir.path());
+        let w = gg.weights("model").unwrap();
+        for (name, format) in &blocks {
+            assert_eq!(w.tensor(name).unwrap().dtype, *format, "{lm}: {name}");
+        }
+        let embed = w
+            .tensor("model.language_model.embed_tokens.weight")
+            .unwrap();
+        assert_eq!(embed.dtype, DType::Q6_K, "{lm}");
+        let decoded = decoded_checkpoint(&gg);
+        // The variant has no checkpoint folder of its own: its config is the one its files give.
+        std::fs::write(
+            decoded.path().join("config.json"),
+            gg.read("config.json").unwrap(),
+        )
+        .unwrap();
+        let rel = compare_runs(&gg, &ModelFiles::Dir(decoded.path().into()));
+        eprintln!("{lm} vs its decoded weights: logits rel {rel:.2e}");
+        assert!(rel <= 1e-5, "{lm}: logits rel {rel:.2e} > 1e-5");
+    }
+}
+
+/// `llama_greedy.json`: llama.cpp's greedy continuations of each language-model file.
+#[derive(serde::Deserialize)]
+struct Oracle {
+    llama_cpp: String,
+    files: std::collections::BTreeMap<String, Vec<OracleCase>>,
+}
+
+#[derive(serde::Deserialize)]
+struct OracleCase {
+    name: String,
+    /// The conversation a chat prompt renders (absent for a raw text).
+    messages: Option<Vec<OracleMessage>>,
+    /// What llama.cpp was given: the raw text, or the rendered conversation after its BOS.
+    text: String,
+    prompt_ids: Vec<u32>,
+    generated: Vec<u32>,
+}
+
+#[derive(serde::Deserialize)]
+struct OracleMessage {
+    role: String,
+    content: String,
+}
+
+fn oracle() -> Oracle {
+    let path = fixture("llama_greedy.json");
+    let oracle: Oracle = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    eprintln!("oracle: {}", oracle.llama_cpp);
+    oracle
+}
+
+/// The top logit's index, and its lead over the second.
+fn top2(logits: &[f32]) -> (u32, f32) {
+    let (mut best, mut second) = ((0, f32::NEG_INFINITY), f32::NEG_INFINITY);
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best.1 {
+            second = best.1;
+            best = (i as u32, v);
+        } else if v > second {
+            second = v;
+        }
+    }
+    (best.0, best.1 - second)
+}
+
+/// Tessera's greedy continuation of each case of the language-model file `file` (its ids as
+/// llama.cpp gave them) against llama.cpp's; returns the divergences, each with both tokens'
+/// logits and Tessera's lead at that step. Products on block weights take int8 activations
+/// (`--precision int8`), as llama.cpp's CPU products do; on float weights they are f32.
+fn greedy_divergences(file: &str, cases: &[OracleCase]) -> Vec<String> {
+    use tessera_backend::Quantization;
+    let dir = pair(file);
+    let files = gguf_files(dir.path());
+    let blocks = files
+        .weights("model")
+        .unwrap()
+        .tensor("model.language_model.layers.0.conv.in_proj.weight")
+        .unwrap()
+        .dtype
+        .is_quantized();
+    let be = CpuBackend::new().quantizing(Quantization {
+        int8: blocks,
+        ..Quantization::default()
+    });
+    let cfg = Lfm2VlConfig::read(&files).unwrap();
+    let mut failures = Vec::new();
+    for case in cases {
+        let shape = CacheShape { slots: 1, ctx: 256 };
+        let mut m = Lfm2Vl::load(&be, &files, &cfg, shape).unwrap();
+        let mut next = case.prompt_ids.clone();
+        let mut min_lead = f32::INFINITY;
+        for (step, &want) in case.generated.iter().enumerate() {
+            let turn = Turn {
+                seq: 1,
+                tokens: &next,
+                tiles: &[],
+            };
+            let logits = be.read_f32(m.extend(&be, &[turn], false).unwrap()).unwrap();
+            let (got, lead) = top2(&logits);
+            min_lead = min_lead.min(lead);
+            if got != want {
+                failures.push(format!(
+                    "{file} {}: step {step}: Tessera {got} (logit {:.6}, lead {lead:.2e} over the \
+                     next), llama.cpp {want} (logit {:.6})",
+                    case.name, logits[got as usize], logits[want as usize]
+                ));
+                break;
+            }
+            next = vec![got];
+        }
+        eprintln!("{file} {}: smallest top-2 lead {min_lead:.4}", case.name);
+    }
+    failures
+}
+
+#[test]
+fn llama_cpp_and_tessera_render_and_tokenise_every_prompt_alike() {
+    let oracle = oracle();
+    assert_eq!(oracle.files.len(), 5);
+    for (file, cases) in &oracle.files {
+        let dir = pair(file);
+        let files = gguf_files(dir.path());
+        let tok = TextTokenizer::load(&files, (None, None)).unwrap();
+        let template = ChatTemplate::load(&files).unwrap().unwrap();
+        let bos = tok.id_to_token(tok.bos_id).unwrap();
+        for case in cases {
+            let label = format!("{file} {}", case.name);
+            let ids = match &case.messages {
+                Some(msgs) => {
+                    let msgs: Vec<Message> = msgs
+                        .iter()
+                        .map(|m| Message::new(&m.role, &m.content))
+                        .collect();
+                    let rendered = template.render(&msgs, true, &[]).unwrap();
+                    assert_eq!(rendered, format!("{bos}{}", case.text), "{label}");
+                    tok.encode_plain(&rendered).unwrap()
+                }
+                None => [vec![tok.bos_id], tok.encode_plain(&case.text).unwrap()].concat(),
+            };
+            assert_eq!(ids, case.prompt_ids, "{label}: prompt ids");
+        }
+    }
+}
+
+#[test]
+fn the_f32_file_continues_every_prompt_as_llama_cpp_greedily() {
+    let oracle = oracle();
+    let failures = greedy_divergences(LM_F32, &oracle.files[LM_F32]);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Not yet: on the block-format files Tessera's int8 mode and llama.cpp part at a near-tie in 9
+/// of the 16 cases. Int8 activations make logits jump with any upstream difference: moving
+/// every activation that Tessera rounds to int8 up by one ulp either changes nothing or, where a
+/// rounding flips, moves these miniatures' logits by 0.3–1.2 (of up to 80). Only bit-identical
+/// activations could agree, and the engines' differ (f32 sums in another order; llama.cpp also
+/// keeps f16 activation scales, f16 activations on F16 weights and 256-blocks for Q4_K/Q6_K):
+/// along llama.cpp's path their largest logit difference is 0.6–2.2 at every step (median 1.2),
+/// and every divergence is between two tokens within 0.0001–0.41 of each other in Tessera's
+/// logits and 0.04–1.22 in llama.cpp's. The F32 file's logits differ by at most 8.5e-5.
+#[test]
+#[ignore = "Tessera's int8 mode does not round as llama.cpp's CPU does: near-ties part them"]
+fn block_format_files_continue_every_prompt_as_llama_cpp_greedily() {
+    let oracle = oracle();
+    let failures: Vec<String> = oracle
+        .files
+        .iter()
+        .filter(|(f, _)| *f != LM_F32)
+        .flat_map(|(f, cases)| greedy_divergences(f, cases))
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 fn open_error(dir: &Path) -> String {

@@ -184,6 +184,14 @@ pub(super) fn product_rows(
             quant::product_exact(x, xs, m, q, (n, k), dst, ds, alpha, accumulate, par);
             return;
         }
+        MatStore::Stacked(parts) => {
+            let mut col = 0;
+            for p in parts {
+                product_rows(x, xs, m, p, &mut dst[col..], ds, alpha, accumulate, par);
+                col += p.out;
+            }
+            return;
+        }
     };
     if k == 0 {
         if !accumulate {

@@ -161,13 +161,19 @@ enum MatStore {
     Bf16(panels::Panels<u32>),
     /// ggml blocks (Q8_0, Q4_0, Q4_K, Q6_K) as stored, decoded a panel at a time (`quant.rs`).
     Quant(quant::QuantMat),
+    /// Parts stored in different formats, each run of one format a matrix of its own whose
+    /// product fills its columns of the output: llama-quantize's mixes (Q4_K_M keeps an
+    /// attention's values in Q6_K beside Q4_K queries and keys) stacked as the model asks.
+    Stacked(Vec<CpuMat>),
 }
 
 impl CpuMat {
-    /// The block format of a quantized matrix, `None` for a dense one.
+    /// The block format of a quantized matrix, `None` for a dense one (of a mixed stack, its
+    /// first part's block format).
     pub fn quantized(&self) -> Option<tessera_core::DType> {
         match &self.store {
             MatStore::Quant(q) => Some(q.dtype()),
+            MatStore::Stacked(parts) => parts.iter().find_map(CpuMat::quantized),
             _ => None,
         }
     }
@@ -499,6 +505,17 @@ impl Backend for CpuBackend {
             });
         }
         if parts.iter().any(|t| t.dtype.is_quantized()) {
+            if parts.iter().any(|t| t.dtype != parts[0].dtype) {
+                let runs = parts
+                    .chunk_by(|a, b| a.dtype == b.dtype)
+                    .map(|run| self.matrix(run))
+                    .collect::<Result<_>>()?;
+                return Ok(CpuMat {
+                    store: MatStore::Stacked(runs),
+                    out,
+                    inner,
+                });
+            }
             let (q, out, inner) = quant::QuantMat::stack(parts)?;
             return Ok(CpuMat {
                 store: MatStore::Quant(q.with_int8(self.quant.int8)),
