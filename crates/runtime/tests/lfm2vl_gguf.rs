@@ -11,7 +11,9 @@
 //! so are the Q4_K_M and Q6_K files of a 256-wide variant (`k_quants/`: rows of 256, which the K
 //! formats need). llama.cpp is the oracle of every language-model file (`llama_greedy.json`): it
 //! tokenises each prompt as Tessera does, and its greedy continuations of the F32 file are
-//! Tessera's; those of the block-format files are not yet (see the ignored test).
+//! Tessera's. On the block-format files its tokens are the exact reading's wherever int8
+//! rounding cannot decide the step (382 of 512 steps: all agree); its whole greedy runs are not
+//! Tessera's int8 runs, which near-ties part (the ignored test says why).
 
 mod common;
 
@@ -515,6 +517,82 @@ fn block_format_files_continue_every_prompt_as_llama_cpp_greedily() {
         .flat_map(|(f, cases)| greedy_divergences(f, cases))
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// What the block-format files' oracle can decide: llama.cpp's greedy token at each step of
+/// its own path, against the token the file's weights give exactly. Tessera runs that path
+/// twice, teacher-forced with llama.cpp's tokens: exact (f32 on the decoded weights, the
+/// reference within 1e-5) and in int8 mode; the int8 run's largest logit error `F` at a step is
+/// what int8 activations cost there. An engine whose int8 rounding is within 1.5× of that (the
+/// rule for fast modes) cannot pick another token than the exact one where the exact top-2 lead
+/// exceeds 2.5 `F`; at those steps llama.cpp's token must be the exact top token. So llama.cpp is
+/// the oracle of how the file is read (tensors, layout, scales), not of int8's rounding, which
+/// two engines never share (see the ignored test above). Steps closer than that are counted,
+/// not judged, and must stay a minority or the test would decide nothing.
+#[test]
+fn block_format_files_agree_with_llama_cpp_wherever_int8_rounding_cannot_decide() {
+    use tessera_backend::Quantization;
+    let oracle = oracle();
+    let (mut decided, mut total) = (0usize, 0usize);
+    let mut failures = Vec::new();
+    for (file, cases) in oracle.files.iter().filter(|(f, _)| *f != LM_F32) {
+        let dir = pair(file);
+        let files = gguf_files(dir.path());
+        let cfg = Lfm2VlConfig::read(&files).unwrap();
+        let run = |int8: bool| {
+            CpuBackend::new().quantizing(Quantization {
+                int8,
+                ..Quantization::default()
+            })
+        };
+        let (exact_be, int8_be) = (run(false), run(true));
+        for case in cases {
+            let shape = CacheShape { slots: 1, ctx: 256 };
+            let mut exact = Lfm2Vl::load(&exact_be, &files, &cfg, shape).unwrap();
+            let mut fast = Lfm2Vl::load(&int8_be, &files, &cfg, shape).unwrap();
+            let mut next = case.prompt_ids.clone();
+            for (step, &want) in case.generated.iter().enumerate() {
+                let turn = Turn {
+                    seq: 1,
+                    tokens: &next,
+                    tiles: &[],
+                };
+                let e = exact_be
+                    .read_f32(
+                        exact
+                            .extend(&exact_be, std::slice::from_ref(&turn), false)
+                            .unwrap(),
+                    )
+                    .unwrap();
+                let q = int8_be
+                    .read_f32(fast.extend(&int8_be, &[turn], false).unwrap())
+                    .unwrap();
+                let floor = e
+                    .iter()
+                    .zip(&q)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                let (top, lead) = top2(&e);
+                total += 1;
+                if lead > 2.5 * floor {
+                    decided += 1;
+                    if top != want {
+                        failures.push(format!(
+                            "{file} {} step {step}: llama.cpp {want}, the exact reading {top}                              (lead {lead:.3} > 2.5 × int8's {floor:.3})",
+                            case.name
+                        ));
+                    }
+                }
+                next = vec![want];
+            }
+        }
+    }
+    eprintln!("decided {decided} of {total} steps");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(
+        2 * decided > total,
+        "only {decided} of {total} steps are decided: the oracle says too little"
+    );
 }
 
 fn open_error(dir: &Path) -> String {
