@@ -17,7 +17,7 @@ use tessera_models::chat_family::CacheShape;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::{Image, read_file};
 use tessera_runtime::Capability;
-use tessera_runtime::chat::{self, Chat, ChatReply, GenerationParams};
+use tessera_runtime::chat::{self, Chat, ChatOptions, ChatReply, GenerationParams};
 use tessera_runtime::decode::{Control, Finish, SamplingParams};
 
 use self::commands::Command;
@@ -188,12 +188,11 @@ pub fn run(args: ChatArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let spec = model::open(args.model.as_deref(), Capability::Chat)?;
     let backend = args.device.open_for(&spec)?;
-    let (files, config) = model::chat_model(&spec)?;
     let cache = CacheShape {
         slots: 1,
         ctx: args.context.max(1),
     };
-    let mut model = chat::load(backend, &files, config, cache)?;
+    let mut model = chat::load(backend, &spec, cache, ChatOptions::default())?;
     let params = args.params(model.default_sampling())?;
     let mut messages = Vec::new();
     if let Some(s) = &args.system {

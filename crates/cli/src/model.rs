@@ -3,7 +3,6 @@
 //! command's family when absent.
 
 use tessera_core::{Error, Result};
-use tessera_models::lfm2vl::Lfm2VlConfig;
 use tessera_models::{ModelFiles, egemma2};
 use tessera_runtime::{Capability, Family, ModelFilesOf, ModelSpec};
 
@@ -45,13 +44,5 @@ pub fn embedding_model(spec: &ModelSpec) -> Result<(ModelFiles, &egemma2::Config
     match &spec.files {
         ModelFilesOf::EmbeddingGemma2(f, c) => Ok((f.clone(), c)),
         _ => Err(not_a(spec, "an embedding model")),
-    }
-}
-
-/// The files of a chat model and its config as `spec` read it.
-pub fn chat_model(spec: &ModelSpec) -> Result<(ModelFiles, &Lfm2VlConfig)> {
-    match &spec.files {
-        ModelFilesOf::Lfm2Vl(f, c) => Ok((f.clone(), c)),
-        _ => Err(not_a(spec, "a chat model")),
     }
 }

@@ -279,10 +279,8 @@ fn loader(spec: ModelSpec, device: DeviceArgs, prioritise: bool) -> Result<Model
             loader.into()
         }
         Capability::Chat => {
-            let (files, cfg) = model::chat_model(&spec)?;
-            let cfg = cfg.clone();
             let loader: tessera_server::ChatLoader = Box::new(move |cache| {
-                chat::load_with(open(&spec)?, &files, &cfg, cache, ChatOptions::serving())
+                chat::load(open(&spec)?, &spec, cache, ChatOptions::serving())
             });
             loader.into()
         }

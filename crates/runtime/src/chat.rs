@@ -20,14 +20,14 @@ use std::sync::Arc;
 
 use tessera_backend::{AnyBackend, Backend, BackendFn};
 use tessera_core::{Error, Result};
-use tessera_models::ModelFiles;
-use tessera_models::chat_family::{ChatPrompt, ChatPrompter};
+use tessera_models::chat_family::{CacheShape, ChatFamily, ChatPrompt, ChatPrompter};
 use tessera_models::chat_template::Message;
 use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::{CacheShape, Lfm2VlChat, Lfm2VlConfig};
+use tessera_models::lfm2vl::Lfm2VlChat;
 
 use crate::decode::{Control, Finish, SamplingParams};
 use crate::scheduler::{self, Scheduler};
+use crate::{ModelFilesOf, ModelSpec};
 
 /// How the scheduler uses the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,7 +98,8 @@ pub enum ChatEvent<'a> {
     Failed(&'a Error),
 }
 
-/// A chat model on its device. Front ends hold a `Box<dyn Chat>` (see [`load`]).
+/// A chat model on its device. Front ends hold a `Box<dyn Chat>` (see [`load`]) and learn
+/// everything about the model through it, never through its family's types.
 pub trait Chat: Send {
     /// Device and precision, one line.
     fn describe(&self) -> String;
@@ -189,35 +190,97 @@ pub trait Chat: Send {
     }
 }
 
-/// Load LFM2-VL from `files` onto whichever device `backend` is, with a cache of `cache`, each
-/// conversation reusing only its own cache.
+/// Load the chat model `spec` names onto whichever device `backend` is, with a cache of
+/// `cache` (its context capped at the model's positions) used as `options` say. The one place
+/// that knows the chat families: each builds its [`ChatFamily`] here, and the one
+/// [`Scheduler`] runs it.
 pub fn load(
     backend: AnyBackend,
-    files: &ModelFiles,
-    cfg: &Lfm2VlConfig,
-    cache: CacheShape,
-) -> Result<Box<dyn Chat>> {
-    load_with(backend, files, cfg, cache, ChatOptions::default())
-}
-
-/// [`load`] with the scheduler's `options`.
-pub fn load_with(
-    backend: AnyBackend,
-    files: &ModelFiles,
-    cfg: &Lfm2VlConfig,
+    spec: &ModelSpec,
     cache: CacheShape,
     options: ChatOptions,
 ) -> Result<Box<dyn Chat>> {
-    struct Load(ModelFiles, Lfm2VlConfig, CacheShape, ChatOptions);
+    /// The model's files, the refusal should it not chat, the cache and the options.
+    struct Load(ModelFilesOf, String, CacheShape, ChatOptions);
     impl BackendFn for Load {
         type Output = Result<Box<dyn Chat>>;
         fn call<B: Backend + 'static>(self, be: B) -> Self::Output {
-            let Load(files, cfg, cache, options) = self;
-            let ctx = cache.ctx.min(cfg.text.max_positions);
-            let places = scheduler::places(options, cache.slots, ctx);
-            let family = Lfm2VlChat::load(be, &files, &cfg, cache, places)?;
-            Ok(Box::new(Scheduler::new(family, options)?))
+            let Load(files, not_chat, cache, options) = self;
+            match files {
+                ModelFilesOf::Lfm2Vl(files, cfg) => {
+                    let (cache, places) = sized(cache, cfg.text.max_positions, options);
+                    let family = Lfm2VlChat::load(be, &files, &cfg, cache, places)?;
+                    scheduled(family, options)
+                }
+                // Listed rather than `_`, so that a new family must say whether it chats.
+                ModelFilesOf::EmbeddingGemma2(..)
+                | ModelFilesOf::ZImage(..)
+                | ModelFilesOf::QwenImage(..) => Err(Error::input(not_chat)),
+            }
         }
     }
-    backend.run(Load(files.clone(), cfg.clone(), cache, options))
+    let not_chat = format!(
+        "{} is a {} model, not a chat model",
+        spec.label,
+        spec.family.name()
+    );
+    backend.run(Load(spec.files.clone(), not_chat, cache, options))
+}
+
+/// `cache` with its context capped at the model's `positions`, and the places for the states
+/// the scheduler keeps with `options` in a cache of that shape.
+fn sized(cache: CacheShape, positions: usize, options: ChatOptions) -> (CacheShape, usize) {
+    let ctx = cache.ctx.min(positions);
+    let places = scheduler::places(options, cache.slots, ctx);
+    (CacheShape { ctx, ..cache }, places)
+}
+
+/// `family` run by the scheduler, as front ends hold it.
+fn scheduled<F: ChatFamily + 'static>(family: F, options: ChatOptions) -> Result<Box<dyn Chat>> {
+    Ok(Box::new(Scheduler::new(family, options)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_backend::cpu::CpuBackend;
+
+    use super::*;
+    use crate::Family;
+
+    fn load_bundled(family: Family, ctx: usize) -> Result<Box<dyn Chat>> {
+        let spec = ModelSpec::bundled(family)?;
+        let cache = CacheShape { slots: 2, ctx };
+        load(
+            AnyBackend::Cpu(CpuBackend::new()),
+            &spec,
+            cache,
+            ChatOptions::serving(),
+        )
+    }
+
+    #[test]
+    fn a_model_that_does_not_chat_is_refused_by_name() {
+        for family in [Family::EmbeddingGemma2, Family::ZImage, Family::QwenImage] {
+            let e = match load_bundled(family, 64) {
+                Ok(_) => panic!("{} loaded as a chat model", family.name()),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                e.contains(family.bundled_name()) && e.contains("not a chat model"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_context_is_capped_at_the_models_positions() {
+        let ModelFilesOf::Lfm2Vl(_, cfg) = ModelSpec::bundled(Family::Lfm2Vl).unwrap().files else {
+            panic!("the bundled chat model is LFM2-VL")
+        };
+        let positions = cfg.text.max_positions;
+        let chat = load_bundled(Family::Lfm2Vl, positions + 100).unwrap();
+        assert_eq!((chat.context_len(), chat.slots()), (positions, 2));
+        let chat = load_bundled(Family::Lfm2Vl, 64).unwrap();
+        assert_eq!(chat.context_len(), 64);
+    }
 }

@@ -6,24 +6,31 @@
 use std::path::{Path, PathBuf};
 
 use tessera_backend::{AnyBackend, cpu::CpuBackend};
+use tessera_models::chat_family::CacheShape;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::{BUNDLED, CacheShape, Lfm2VlConfig};
+use tessera_models::lfm2vl::BUNDLED;
 use tessera_models::tokenize::TextTokenizer;
-use tessera_runtime::chat::{self, Chat, ChatEvent, GenerationParams};
+use tessera_runtime::chat::{self, Chat, ChatEvent, ChatOptions, GenerationParams};
 use tessera_runtime::decode::{Control, Finish, SamplingParams};
+use tessera_runtime::{Family, ModelSpec};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn model(slots: usize) -> Box<dyn Chat> {
-    let cfg = Lfm2VlConfig::read(&BUNDLED).unwrap();
+    load(CacheShape { slots, ctx: 1024 })
+}
+
+/// The bundled miniature with a cache of `cache`, each conversation reusing only its own.
+fn load(cache: CacheShape) -> Box<dyn Chat> {
+    let spec = ModelSpec::bundled(Family::Lfm2Vl).unwrap();
     chat::load(
         AnyBackend::Cpu(CpuBackend::new()),
-        &BUNDLED,
-        &cfg,
-        CacheShape { slots, ctx: 1024 },
+        &spec,
+        cache,
+        ChatOptions::default(),
     )
     .unwrap()
 }
@@ -190,14 +197,7 @@ fn bad_requests_are_refused_before_any_work() {
         .to_string();
     assert!(e.contains("0 image parts"), "{e}");
     // A prompt longer than the context.
-    let cfg = Lfm2VlConfig::read(&BUNDLED).unwrap();
-    let small = chat::load(
-        AnyBackend::Cpu(CpuBackend::new()),
-        &BUNDLED,
-        &cfg,
-        CacheShape { slots: 1, ctx: 40 },
-    )
-    .unwrap();
+    let small = load(CacheShape { slots: 1, ctx: 40 });
     let e = small.prompt(&msgs, &images).unwrap_err().to_string();
     assert!(e.contains("85 tokens") && e.contains("40"), "{e}");
 }

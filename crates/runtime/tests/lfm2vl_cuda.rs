@@ -18,7 +18,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use common::lfm2vl::{Cases, Expected, PromptCase, cases, files, image, messages, rel};
+use common::lfm2vl::{Cases, Expected, PromptCase, cases, files, image, messages, rel, spec};
 use common::root;
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda;
@@ -26,7 +26,7 @@ use tessera_backend::{AnyBackend, Backend, Precision};
 use tessera_models::ModelFiles;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::lfm2vl::{CacheShape, Lfm2Vl, Lfm2VlConfig, Prompter, TilePatches, Turn};
-use tessera_runtime::chat::{self, ChatEvent, GenerationParams};
+use tessera_runtime::chat::{self, ChatEvent, ChatOptions, GenerationParams};
 use tessera_runtime::decode::{Control, SamplingParams};
 
 fn f64s(v: &[f32]) -> Vec<f64> {
@@ -167,15 +167,14 @@ fn f32_matches_the_cpu_and_decodes_the_reference_tokens() {
     }
     // Greedy decoding through the chat runtime, every case of a model in one running batch.
     for model in c.models.keys() {
-        let (f, cfg) = files(&c, model);
         let mut m = chat::load(
             AnyBackend::Cuda(Box::new(gpu(Precision::F32))),
-            &f,
-            &cfg,
+            &spec(&c, model),
             CacheShape {
                 slots: 4,
                 ctx: 1024,
             },
+            ChatOptions::default(),
         )
         .unwrap();
         let cases: Vec<&PromptCase> = c.prompts.iter().filter(|p| &p.model == model).collect();

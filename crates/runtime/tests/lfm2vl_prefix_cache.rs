@@ -8,22 +8,22 @@
 use std::path::{Path, PathBuf};
 
 use tessera_backend::{AnyBackend, cpu::CpuBackend};
+use tessera_models::chat_family::CacheShape;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::{BUNDLED, CacheShape, Lfm2VlConfig};
 use tessera_runtime::chat::{self, Chat, ChatEvent, ChatOptions, ChatReply, GenerationParams};
 use tessera_runtime::decode::{Control, SamplingParams};
+use tessera_runtime::{Family, ModelSpec};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn model(slots: usize, options: ChatOptions) -> Box<dyn Chat> {
-    let cfg = Lfm2VlConfig::read(&BUNDLED).unwrap();
-    chat::load_with(
+    let spec = ModelSpec::bundled(Family::Lfm2Vl).unwrap();
+    chat::load(
         AnyBackend::Cpu(CpuBackend::new()),
-        &BUNDLED,
-        &cfg,
+        &spec,
         CacheShape { slots, ctx: 1024 },
         options,
     )

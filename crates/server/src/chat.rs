@@ -40,8 +40,9 @@ use crate::metrics::Metrics;
 use crate::queue::Closed;
 use crate::worker::{Load, panic_message};
 
-/// Opens the device and loads a chat model (any family: the front end that knows the model
-/// builds this) with a cache of the given shape, on the worker's thread.
+/// Opens the device and loads a chat model (any family: the front end builds this, as a rule
+/// around `tessera_runtime::chat::load`) with a cache of the given shape, on the worker's
+/// thread.
 pub type ChatLoader = Box<dyn FnOnce(CacheShape) -> Result<Box<dyn Chat>> + Send>;
 
 /// What the HTTP side knows about the loaded chat model.

@@ -5,18 +5,18 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use common::{CHAT_NAME, Server, config, data_url};
 use serde_json::json;
 use tessera_backend::AnyBackend;
 use tessera_backend::cpu::CpuBackend;
-use tessera_models::ModelFiles;
+use tessera_models::chat_family::CacheShape;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
-use tessera_models::lfm2vl::{self, CacheShape, Lfm2VlConfig};
-use tessera_runtime::chat::{self, GenerationParams};
+use tessera_runtime::chat::{self, ChatOptions, GenerationParams};
 use tessera_runtime::decode::{Control, SamplingParams};
+use tessera_runtime::{Family, ModelFilesOf, ModelSpec};
 use tessera_server::ModelLoader;
 
 const QUESTION: &str = "What is in this image?";
@@ -38,6 +38,11 @@ fn folder(from: PathBuf, keep: impl Fn(&str) -> bool) -> tempfile::TempDir {
     d
 }
 
+/// The model in `dir` as `--model DIR` finds it (the same detection for both layouts).
+fn open(dir: &Path) -> ModelSpec {
+    ModelSpec::open(Some(dir.to_str().unwrap()), Family::Lfm2Vl).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_gguf_folder_is_served_as_the_checkpoint_answers() {
     let gguf = folder(
@@ -50,17 +55,16 @@ async fn the_gguf_folder_is_served_as_the_checkpoint_answers() {
     );
     let cfg = config();
     // The reply the runtime gives on the Hugging Face folder, greedy.
-    let hf_files = ModelFiles::Dir(hf.path().to_path_buf());
-    let hf_cfg = Lfm2VlConfig::read(&hf_files).unwrap();
+    let hf_spec = open(hf.path());
     let cache = CacheShape {
         slots: cfg.limits.max_sequences,
         ctx: cfg.limits.context,
     };
     let mut model = chat::load(
         AnyBackend::Cpu(CpuBackend::new()),
-        &hf_files,
-        &hf_cfg,
+        &hf_spec,
         cache,
+        ChatOptions::default(),
     )
     .unwrap();
     let messages = [Message::parts(
@@ -84,10 +88,14 @@ async fn the_gguf_folder_is_served_as_the_checkpoint_answers() {
         .unwrap();
     assert!(!want.text.is_empty());
 
-    let files = lfm2vl::gguf::files(gguf.path()).unwrap();
-    let gguf_cfg = Lfm2VlConfig::read(&files).unwrap();
-    assert_eq!(gguf_cfg, hf_cfg);
-    let loader = common::chat_loader(files, gguf_cfg);
+    let gguf_spec = open(gguf.path());
+    match (&gguf_spec.files, &hf_spec.files) {
+        (ModelFilesOf::Lfm2Vl(_, gguf_cfg), ModelFilesOf::Lfm2Vl(_, hf_cfg)) => {
+            assert_eq!(gguf_cfg, hf_cfg)
+        }
+        _ => panic!("both folders hold LFM2-VL"),
+    }
+    let loader = common::chat_loader(gguf_spec);
     let s = Server::start_with(cfg, ModelLoader::from(loader)).await;
     s.wait_ready().await;
     let body = json!({

@@ -124,10 +124,7 @@ async fn chat_fields_are_capped_and_checked() {
 
 /// The most characters of text the bundled chat model's context holds.
 fn max_text_chars(limits: &Limits) -> usize {
-    let cfg = tessera_models::lfm2vl::Lfm2VlConfig::read(&tessera_models::lfm2vl::BUNDLED).unwrap();
-    let prompter =
-        tessera_models::lfm2vl::Prompter::load(&tessera_models::lfm2vl::BUNDLED, &cfg).unwrap();
-    prompter.max_text_chars(limits.context.min(cfg.text.max_positions))
+    common::library_chat(limits).max_prompt_chars()
 }
 
 /// Before: with `--max-queue 1`, four concurrent 4 MiB prompts were all prepared at once and

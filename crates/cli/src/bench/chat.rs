@@ -119,7 +119,6 @@ pub fn run(b: ChatBench) -> Result<()> {
     let started = Instant::now();
     let spec = model::open(b.model.as_deref(), Capability::Chat)?;
     let backend = b.device.open_for(&spec)?;
-    let (files, cfg) = model::chat_model(&spec)?;
     let longest = b
         .prefill
         .iter()
@@ -134,10 +133,9 @@ pub fn run(b: ChatBench) -> Result<()> {
         prefill_chunk: usize::MAX,
         ..ChatOptions::default()
     };
-    let mut m = chat::load_with(
+    let mut m = chat::load(
         backend,
-        &files,
-        cfg,
+        &spec,
         CacheShape {
             slots,
             ctx: longest.max(4096),

@@ -10,6 +10,7 @@ use tessera_models::ModelFiles;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
 use tessera_models::lfm2vl::{Lfm2VlConfig, TilePatches};
+use tessera_runtime::{Family, ModelSpec};
 
 use super::root;
 
@@ -121,6 +122,13 @@ pub fn files(c: &Cases, model: &str) -> (ModelFiles, Lfm2VlConfig) {
     let f = ModelFiles::Dir(root().join(&c.models[model].folder));
     let cfg = Lfm2VlConfig::read(&f).unwrap();
     (f, cfg)
+}
+
+/// A case's model folder as the runtime detects and reads it, for the chat loader.
+pub fn spec(c: &Cases, model: &str) -> ModelSpec {
+    let dir = root().join(&c.models[model].folder);
+    let dir = dir.to_str().expect("the fixture folder's path is UTF-8");
+    ModelSpec::open(Some(dir), Family::Lfm2Vl).unwrap()
 }
 
 /// A fixture image by name.

@@ -12,11 +12,11 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use tessera_backend::AnyBackend;
 use tessera_backend::cpu::CpuBackend;
-use tessera_models::ModelFiles;
+use tessera_models::chat_family::CacheShape;
 use tessera_models::egemma2::BUNDLED;
-use tessera_models::lfm2vl::{self, CacheShape, Lfm2VlConfig};
-use tessera_runtime::chat::{self, Chat};
+use tessera_runtime::chat::{self, Chat, ChatOptions};
 use tessera_runtime::embed::{self, Embed};
+use tessera_runtime::{Family, ModelSpec};
 use tessera_server::{
     ChatLoader, ImageLoader, Limits, Loader, ModelLoader, Schedule, ServeError, ServedModel,
     ServerConfig,
@@ -75,21 +75,24 @@ pub fn qwen_image_bundled() -> ImageLoader {
     })
 }
 
-/// The bundled LFM2-VL on the CPU.
-pub fn chat_bundled() -> ChatLoader {
-    let cfg = Lfm2VlConfig::read(&lfm2vl::BUNDLED).unwrap();
-    chat_loader(lfm2vl::BUNDLED, cfg)
+/// The bundled chat model (LFM2-VL's miniature).
+pub fn chat_spec() -> ModelSpec {
+    ModelSpec::bundled(Family::Lfm2Vl).unwrap()
 }
 
-/// LFM2-VL from `files` on the CPU, as `tessera serve` loads a chat model.
-pub fn chat_loader(files: ModelFiles, cfg: Lfm2VlConfig) -> ChatLoader {
+/// The bundled chat model on the CPU.
+pub fn chat_bundled() -> ChatLoader {
+    chat_loader(chat_spec())
+}
+
+/// The chat model `spec` names on the CPU, as `tessera serve` loads one.
+pub fn chat_loader(spec: ModelSpec) -> ChatLoader {
     Box::new(move |cache| {
-        chat::load_with(
+        chat::load(
             AnyBackend::Cpu(CpuBackend::new()),
-            &files,
-            &cfg,
+            &spec,
             cache,
-            chat::ChatOptions::serving(),
+            ChatOptions::serving(),
         )
     })
 }
@@ -97,16 +100,15 @@ pub fn chat_loader(files: ModelFiles, cfg: Lfm2VlConfig) -> ChatLoader {
 /// The same chat model, loaded here, with the cache the server's `limits` give it: for
 /// expected replies.
 pub fn library_chat(limits: &Limits) -> Box<dyn Chat> {
-    let cfg = Lfm2VlConfig::read(&lfm2vl::BUNDLED).unwrap();
     let cache = CacheShape {
         slots: limits.max_sequences,
         ctx: limits.context,
     };
     chat::load(
         AnyBackend::Cpu(CpuBackend::new()),
-        &lfm2vl::BUNDLED,
-        &cfg,
+        &chat_spec(),
         cache,
+        ChatOptions::default(),
     )
     .unwrap()
 }
