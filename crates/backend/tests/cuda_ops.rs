@@ -96,6 +96,40 @@ fn cases() -> Vec<Box<dyn Case>> {
             .accumulate(),
     );
 
+    // Decoding's products (up to 16 bf16 rows: the GEMV kernel, 8-wide chunks of k spread over
+    // a CTA's threads, four weight rows a CTA): LFM2's 1024-wide rows and 4608-wide MLP down
+    // projection; k = 1000 leaves the last pass over k part-filled (125 chunks on 128 threads),
+    // n = 1000 and 1003 a part-filled last CTA of weight rows (1003: three rows of four);
+    // 3 and 7 rows run on the 4- and 8-row kernels; 17 rows go to cuBLASLt.
+    t.add(matmul(1, 1024, 1024).alpha(0.75)); // LFM2-350M: one decoding row
+    t.add(matmul(1, 1024, 1024).alpha(0.75).to(Compute));
+    t.add(matmul(2, 4608, 1024).alpha(0.75)); // LFM2-350M MLP down projection
+    t.add(matmul(2, 4608, 1000).to(Compute));
+    t.add(matmul(3, 1000, 1000).alpha(0.75));
+    t.add(matmul(3, 1000, 1024).alpha(0.75).to(Compute));
+    t.add(matmul(7, 1024, 1000).accumulate()); // β = 1 into f32
+    t.add(matmul(7, 4608, 1024).alpha(0.5).accumulate().to(Compute)); // β = 1 into bf16
+    t.add(matmul(16, 1000, 1024).alpha(0.75));
+    t.add(matmul(16, 4608, 1000).alpha(0.75).to(Compute));
+    t.add(matmul(16, 1024, 1003).alpha(0.75));
+    t.add(matmul(17, 1024, 1024).alpha(0.75)); // cuBLASLt
+    t.add(matmul(17, 1000, 1000).alpha(0.75).to(Compute));
+    // Their epilogues: in place on f32; through the product workspace into bf16 and adding.
+    t.add(matmul(1, 1024, 1024).bias().act(Silu));
+    t.add(matmul(3, 1024, 1000).bias().act(GeluTanh).to(Compute));
+    t.add(
+        matmul(2, 1000, 1024)
+            .alpha(0.5)
+            .bias()
+            .act(Silu)
+            .row_gate()
+            .accumulate(),
+    );
+    // x rows the kernel's 16-byte loads cannot take, to cuBLASLt: an odd row stride; a first
+    // row 14 bytes past a 16-byte boundary.
+    t.add(matmul(3, 1024, 1024).alpha(0.75).x_pad(8, 9));
+    t.add(matmul(2, 1024, 1000).to(Compute).x_pad(7, 9));
+
     // ---- norm. Rows of 128·k columns (512, 768, 1024) take the warp-per-row kernels (300 rows:
     // a partial last block of rows), the others the block-per-row ones.
     t.add(norm(1, 24, rms()));
