@@ -687,6 +687,57 @@ fn every_case_runs_on_the_cpu() {
     );
 }
 
+/// A bf16 product of up to 16 rows (the GEMV kernel) gives each row the same bits whatever rows
+/// it comes with: 16 rows at once, then the same rows alone and in runs of 2, 3 and 7 at
+/// offsets 3 rows apart, into f32 and bf16 outputs. (Under `TESSERA_GEMV=0` this measures cuBLASLt,
+/// which promises no such thing.)
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decoding_rows_do_not_depend_on_their_batch() {
+    let g = cuda::open(0, Precision::Bf16).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+    let (m, k, n) = (16, 4608, 1000);
+    let mut rng = ops::Rng::new(11);
+    let mut xb = g.alloc(m * k, Compute).unwrap();
+    g.write_f32(&mut xb, &rng.vec(m * k, 1.0)).unwrap();
+    let mat = g.matrix_f32(&[(&rng.vec(n * k, 0.02), n)], k).unwrap();
+    for role in [Stream, Compute] {
+        let product = |r0: usize, rows: usize| {
+            let mut ob = g.alloc(rows * n, role).unwrap();
+            let x = View {
+                buf: &xb,
+                offset: r0 * k,
+                rows,
+                cols: k,
+                stride: k,
+            };
+            g.matmul(
+                x,
+                &mat,
+                ViewMut::new(&mut ob, rows, n),
+                &Epilogue::default(),
+            )
+            .unwrap();
+            g.read_f32(View::new(&ob, rows, n)).unwrap()
+        };
+        let all = product(0, m);
+        for rows in [1, 2, 3, 7] {
+            for r0 in (0..=m - rows).step_by(3) {
+                let got = product(r0, rows);
+                let want = &all[r0 * n..(r0 + rows) * n];
+                let same = got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{role:?}: rows {r0}..{} differ from the batch",
+                    r0 + rows
+                );
+            }
+        }
+    }
+}
+
 /// A product replayed from a captured CUDA graph sees new input values written into the same
 /// buffers, and gives what the direct launches gave.
 #[test]

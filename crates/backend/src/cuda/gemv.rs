@@ -58,19 +58,19 @@ fn threads(k: usize) -> u32 {
 /// 16-byte aligned, and every size an `int`.
 pub(super) fn applies(x: Rows, x0: DevPtr, rows: usize, w: &CudaMat, into: Rows) -> bool {
     let MatFormat::Dense(ab) = w.format;
-    let aligned = |p: DevPtr| p.0 % 16 == 0;
+    let aligned = |p: DevPtr| p.0.is_multiple_of(16);
     let fits = |v: usize| i32::try_from(v).is_ok();
     ab == Elem::Bf16
         && x.elem == Elem::Bf16
         && matches!(into.elem, Elem::F32 | Elem::Bf16)
         && (1..=MAX_ROWS).contains(&rows)
         && w.inner >= 8
-        && w.inner % 8 == 0
-        && x.stride % 8 == 0
+        && w.inner.is_multiple_of(8)
+        && x.stride.is_multiple_of(8)
         && aligned(x0)
         && aligned(w.buf.ptr)
         && fits(w.inner)
-        && fits(w.out)
+        && fits(w.out + CTA_ROWS) // the last CTA's row indices
         && fits(x.stride)
 }
 
@@ -123,7 +123,10 @@ mod tests {
     fn threads_cover_a_row_in_whole_warps() {
         for k in (8..=16384).step_by(8) {
             let t = threads(k) as usize;
-            assert!(t % 32 == 0 && (32..=256).contains(&t), "k = {k}: {t}");
+            assert!(
+                t.is_multiple_of(32) && (32..=256).contains(&t),
+                "k = {k}: {t}"
+            );
             if k / 8 <= 256 {
                 assert!(t >= k / 8 && t < k / 8 + 32, "k = {k}: {t}");
             } else {
