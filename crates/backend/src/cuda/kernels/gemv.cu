@@ -9,13 +9,18 @@
 // loads of an iteration, and the next iteration's R, are in flight together), reads the same chunk
 // of each input row (from L1/L2: x is small and every CTA reads it), and keeps R·M f32 sums,
 // each chunk's 8 products added in order by FMA. Then the warp reduces its R·M sums by halving
-// exchanges (every value's tree is the xor butterfly 16, 8, 4, 2, 1, as `warp_sum`'s, at a
-// fifth of the shuffles), warp totals go to shared memory, and R·M threads add the warps' totals
-// in warp order and write α·sum (+ out).
+// exchanges (every value's tree is the xor butterfly 16, 8, 4, 2, 1, as `warp_sum`'s, in 62
+// shuffles for 64 sums instead of 320), warp totals go to shared memory, and R·M threads add the
+// warps' totals in warp order and write α·sum (+ out).
 //
 // Sum order: a row's result depends on k and T alone (T is chosen from k), never on m or on the
 // other rows: a batch of decode rows gives each row what it gives alone. It differs from
 // cuBLASLt's, so bf16 results move within rounding against the cuBLASLt path.
+//
+// Speed: memory-bound at a few rows. Each weight element costs M FMAs, so at 16 rows streaming at
+// an H200's 4.8 TB/s would take 3.8e13 f32 FMA/s against the CUDA cores' ~3.3e13: 16 rows cannot
+// reach bandwidth here and 8 may not; tensor cores (mma with the weight as the 16-row A operand) are
+// the way past that.
 //
 // The launcher guarantees: k a multiple of 8, x, x's row stride and w 16-byte aligned, 1 ≤ m ≤ M.
 // Weight rows past n (the last CTA's) are read as row n − 1 and not written.
@@ -54,7 +59,7 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 // offset o = 16, 8, 4, 2, 1, while a lane holds more than one value, it keeps half of them (the
 // upper half if bit o of its lane is set) plus its partner's copy of that half and sends the
 // other half; once one is left, plain butterfly adds. Every value's sum is the butterfly tree
-// over offsets 16..1, as `warp_sum` gives, in a fifth of the shuffles for 64 values. Adds to
+// over offsets 16..1, as `warp_sum` gives (62 shuffles for 64 values instead of 320). Adds to
 // `first` the index (among the HELD) of what v[0] holds at the end; a lane then holds
 // v[0..max(HELD/32, 1)), and the lanes that differ from it only in the bits below 32/HELD hold the
 // same values.
