@@ -96,6 +96,40 @@ fn cases() -> Vec<Box<dyn Case>> {
             .accumulate(),
     );
 
+    // Decoding's products (up to 16 bf16 rows: the GEMV kernel, 8-wide chunks of k spread over
+    // a CTA's threads, four weight rows a CTA): LFM2's 1024-wide rows and 4608-wide MLP down
+    // projection; k = 1000 leaves the last pass over k part-filled (125 chunks on 128 threads),
+    // n = 1000 and 1003 a part-filled last CTA of weight rows (1003: three rows of four);
+    // 3 and 7 rows run on the 4- and 8-row kernels; 17 rows go to cuBLASLt.
+    t.add(matmul(1, 1024, 1024).alpha(0.75)); // LFM2-350M: one decoding row
+    t.add(matmul(1, 1024, 1024).alpha(0.75).to(Compute));
+    t.add(matmul(2, 4608, 1024).alpha(0.75)); // LFM2-350M MLP down projection
+    t.add(matmul(2, 4608, 1000).to(Compute));
+    t.add(matmul(3, 1000, 1000).alpha(0.75));
+    t.add(matmul(3, 1000, 1024).alpha(0.75).to(Compute));
+    t.add(matmul(7, 1024, 1000).accumulate()); // β = 1 into f32
+    t.add(matmul(7, 4608, 1024).alpha(0.5).accumulate().to(Compute)); // β = 1 into bf16
+    t.add(matmul(16, 1000, 1024).alpha(0.75));
+    t.add(matmul(16, 4608, 1000).alpha(0.75).to(Compute));
+    t.add(matmul(16, 1024, 1003).alpha(0.75));
+    t.add(matmul(17, 1024, 1024).alpha(0.75)); // cuBLASLt
+    t.add(matmul(17, 1000, 1000).alpha(0.75).to(Compute));
+    // Their epilogues: in place on f32; through the product workspace into bf16 and adding.
+    t.add(matmul(1, 1024, 1024).bias().act(Silu));
+    t.add(matmul(3, 1024, 1000).bias().act(GeluTanh).to(Compute));
+    t.add(
+        matmul(2, 1000, 1024)
+            .alpha(0.5)
+            .bias()
+            .act(Silu)
+            .row_gate()
+            .accumulate(),
+    );
+    // x rows the kernel's 16-byte loads cannot take, to cuBLASLt: an odd row stride; a first
+    // row 14 bytes past a 16-byte boundary.
+    t.add(matmul(3, 1024, 1024).alpha(0.75).x_pad(8, 9));
+    t.add(matmul(2, 1024, 1000).to(Compute).x_pad(7, 9));
+
     // ---- norm. Rows of 128·k columns (512, 768, 1024) take the warp-per-row kernels (300 rows:
     // a partial last block of rows), the others the block-per-row ones.
     t.add(norm(1, 24, rms()));
@@ -651,6 +685,57 @@ fn every_case_runs_on_the_cpu() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// A bf16 product of up to 16 rows (the GEMV kernel) gives each row the same bits whatever rows
+/// it comes with: 16 rows at once, then the same rows alone and in runs of 2, 3 and 7 at
+/// offsets 3 rows apart, into f32 and bf16 outputs. (Under `TESSERA_GEMV=0` this measures cuBLASLt,
+/// which promises no such thing.)
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decoding_rows_do_not_depend_on_their_batch() {
+    let g = cuda::open(0, Precision::Bf16).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+    let (m, k, n) = (16, 4608, 1000);
+    let mut rng = ops::Rng::new(11);
+    let mut xb = g.alloc(m * k, Compute).unwrap();
+    g.write_f32(&mut xb, &rng.vec(m * k, 1.0)).unwrap();
+    let mat = g.matrix_f32(&[(&rng.vec(n * k, 0.02), n)], k).unwrap();
+    for role in [Stream, Compute] {
+        let product = |r0: usize, rows: usize| {
+            let mut ob = g.alloc(rows * n, role).unwrap();
+            let x = View {
+                buf: &xb,
+                offset: r0 * k,
+                rows,
+                cols: k,
+                stride: k,
+            };
+            g.matmul(
+                x,
+                &mat,
+                ViewMut::new(&mut ob, rows, n),
+                &Epilogue::default(),
+            )
+            .unwrap();
+            g.read_f32(View::new(&ob, rows, n)).unwrap()
+        };
+        let all = product(0, m);
+        for rows in [1, 2, 3, 7] {
+            for r0 in (0..=m - rows).step_by(3) {
+                let got = product(r0, rows);
+                let want = &all[r0 * n..(r0 + rows) * n];
+                let same = got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{role:?}: rows {r0}..{} differ from the batch",
+                    r0 + rows
+                );
+            }
+        }
+    }
 }
 
 /// A product replayed from a captured CUDA graph sees new input values written into the same

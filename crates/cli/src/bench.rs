@@ -7,7 +7,9 @@
 //! utilisation against a ceiling you pass (`--ceiling-tflops`, measured in the same run by
 //! `bench gemm` or torch). Every timing reports its first run (a fresh process's first pass), the
 //! median, best and worst of `--iters` runs, and the 1-minute load average when it ends.
-//! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data. `bench qwen-image-parts`
+//! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data, then the models' own
+//! products, LFM2's decoding ones among them (weight TB/s, to set beside the HBM bandwidth;
+//! `TESSERA_GEMV=0` times them on cuBLASLt instead of the GEMV kernel). `bench qwen-image-parts`
 //! times Qwen-Image-2.1's components one at a time. `bench denormals` checks that the CPU's work
 //! on denormal operands is as fast as on normal ones (`bench/denormals.rs`). `bench serve` load-tests
 //! `tessera serve` (see `loadtest.rs`). One JSON line per measurement on stdout.
@@ -423,9 +425,10 @@ fn gemm(b: GemmBench) -> Result<()> {
             emit(
                 serde_json::json!({"name": "cublaslt_bf16_gemm", "size": b.size, "tflops": tflops, "device": be.describe_device()}),
             )?;
-            // The model's own products: a 17-token query's (weight-bandwidth bound) and one
-            // 2,394-patch image's vision-tower products (too few output tiles to fill the GPU).
-            for (what, (m, n, k)) in MODEL_GEMMS {
+            // The models' own products: a 17-token query's (weight-bandwidth bound), one
+            // 2,394-patch image's vision-tower products (too few output tiles to fill the GPU)
+            // and LFM2's decoding steps (weight-bandwidth bound, on the GEMV kernel).
+            for (what, (m, n, k)) in MODEL_GEMMS.into_iter().chain(DECODE_GEMMS) {
                 let ms = be.bench_gemm_shape((m, n, k), 50, 20)?;
                 let weight_bytes = 2.0 * (n * k) as f64;
                 emit(
@@ -455,6 +458,24 @@ const MODEL_GEMMS: [(&str, (usize, usize, usize)); 10] = [
     ("image o", (2394, 768, 768)),
     ("image gate|up", (2394, 6144, 768)),
     ("image down", (2394, 768, 3072)),
+];
+
+/// `(what, (m, n, k))` of LFM2-350M's (LFM2-VL-450M's language model) decoding products, for one
+/// and for eight streams, timed by `bench gemm`.
+#[cfg(feature = "cuda")]
+const DECODE_GEMMS: [(&str, (usize, usize, usize)); 12] = [
+    ("LFM2 decode 1: conv in_proj", (1, 3072, 1024)),
+    ("LFM2 decode 1: conv out_proj", (1, 1024, 1024)),
+    ("LFM2 decode 1: q|k|v", (1, 2048, 1024)),
+    ("LFM2 decode 1: gate|up", (1, 9216, 1024)),
+    ("LFM2 decode 1: down", (1, 1024, 4608)),
+    ("LFM2 decode 1: lm head", (1, 65536, 1024)),
+    ("LFM2 decode 8: conv in_proj", (8, 3072, 1024)),
+    ("LFM2 decode 8: conv out_proj", (8, 1024, 1024)),
+    ("LFM2 decode 8: q|k|v", (8, 2048, 1024)),
+    ("LFM2 decode 8: gate|up", (8, 9216, 1024)),
+    ("LFM2 decode 8: down", (8, 1024, 4608)),
+    ("LFM2 decode 16: lm head", (16, 65536, 1024)),
 ];
 
 /// The CPU's FMA and bf16 dot-product peaks over all threads, and the backend's f32 and bf16

@@ -23,6 +23,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use tessera_core::{Error, Result};
 
 use super::elementwise::EpilogueArgs;
+use super::gemv;
 use super::launch::DevPtr;
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
@@ -87,6 +88,9 @@ pub(super) struct Gemm {
     plans: Mutex<HashMap<PlanKey, Plan>>,
     /// Time candidate algorithms (`TESSERA_GEMM_TUNE` unset or not `0`).
     tune: bool,
+    /// Products of a few bf16 rows take the GEMV kernel ([`super::gemv`]; `TESSERA_GEMV` unset
+    /// or not `0`).
+    gemv: bool,
 }
 
 // SAFETY: the cuBLASLt handle and plan descriptors are plain handles that cuBLASLt allows to be
@@ -151,6 +155,7 @@ impl Gemm {
             _workspace: workspace,
             plans: Mutex::new(HashMap::new()),
             tune: std::env::var("TESSERA_GEMM_TUNE").map_or(true, |v| v != "0"),
+            gemv: gemv::enabled_by_env(),
         })
     }
 
@@ -475,7 +480,8 @@ pub(super) fn act_code(a: Activation) -> i32 {
     }
 }
 
-/// Enqueue `into[0..rows] (= or +=) α · x[r0..r0+rows] · wᵀ` (β 0 or 1).
+/// Enqueue `into[0..rows] (= or +=) α · x[r0..r0+rows] · wᵀ` (β 0 or 1): on the GEMV kernel
+/// when [`gemv::applies`] (a few bf16 rows, aligned), else through cuBLASLt.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn product(
     be: &CudaBackend,
@@ -493,6 +499,9 @@ pub(super) fn product(
             "matmul",
             format!("x is {:?} but the weight is {ab:?}", x.elem),
         ));
+    }
+    if be.gemm.gemv && (beta == 0.0 || beta == 1.0) && gemv::applies(x, x.at(r0), rows, w, into) {
+        return gemv::gemv(be, x, r0, rows, w, into, alpha, beta == 1.0);
     }
     let args = GemmArgs {
         m: rows,

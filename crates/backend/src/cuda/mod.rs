@@ -3,7 +3,8 @@
 //! - Libraries are loaded at run time (cudarc `dynamic-loading`); [`open`] checks each one first,
 //!   because cudarc panics on a missing library ([`device`]).
 //! - Our kernels are CUDA C++ embedded in the binary and compiled by NVRTC for the device's arch
-//!   on first use ([`nvrtc`]); dense GEMMs go through cuBLASLt ([`gemm`]).
+//!   on first use ([`nvrtc`]); dense GEMMs go through cuBLASLt ([`gemm`]), but for products of
+//!   at most 16 bf16 rows (decoding), which stream the weight on our own kernel ([`gemv`]).
 //! - One module per op family beside its kernel source — [`norm`] (kernels/norm.cu),
 //!   [`elementwise`], [`rows`], [`image`] (im2col and GroupNorm), [`short_conv`] (LFM2's gated
 //!   convolution), [`attention`] (attention.cu, attention_sm90.cu) — each declaring
@@ -30,6 +31,7 @@ mod device;
 mod elementwise;
 mod errors;
 mod gemm;
+mod gemv;
 mod graph;
 mod image;
 mod launch;

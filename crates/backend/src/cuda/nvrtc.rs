@@ -64,6 +64,12 @@ pub const SOURCES: &[Source] = &[
         sm90a_only: false,
     },
     Source {
+        name: "gemv.cu",
+        text: include_str!("kernels/gemv.cu"),
+        headers: &[],
+        sm90a_only: false,
+    },
+    Source {
         name: "attention.cu",
         text: include_str!("kernels/attention.cu"),
         headers: &[FLASH],

@@ -10,6 +10,7 @@ use tessera_core::{Error, Result};
 
 use super::attention::{self, AttentionKernels, Sm90Kernels};
 use super::elementwise::ElementwiseKernels;
+use super::gemv::GemvKernels;
 use super::image::ImageKernels;
 use super::launch::{KernelTable, Signature};
 use super::norm::NormKernels;
@@ -24,6 +25,7 @@ pub struct Kernels {
     pub rows: RowsKernels,
     pub image: ImageKernels,
     pub short_conv: ShortConvKernels,
+    pub gemv: GemvKernels,
     pub attention: AttentionKernels,
     /// attention_sm90.cu, built for sm_90a alone.
     pub sm90: Option<Sm90Kernels>,
@@ -38,6 +40,7 @@ impl Kernels {
             rows: required(ctx, arch)?,
             image: required(ctx, arch)?,
             short_conv: required(ctx, arch)?,
+            gemv: required(ctx, arch)?,
             attention: required(ctx, arch)?,
             sm90: table(ctx, arch)?,
         };
@@ -81,6 +84,7 @@ pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
         of::<RowsKernels>(),
         of::<ImageKernels>(),
         of::<ShortConvKernels>(),
+        of::<GemvKernels>(),
         of::<AttentionKernels>(),
         of::<Sm90Kernels>(),
     ]

@@ -17,6 +17,8 @@ pub struct MatmulCase {
     act: Option<Activation>,
     gate: Option<GateOp>,
     accumulate: bool,
+    /// Guard columns left and right of each x row: (8, 8) keeps rows 16-byte aligned in bf16.
+    x_pad: (usize, usize),
 }
 
 /// A bare product into an f32 output.
@@ -31,6 +33,7 @@ pub fn matmul(m: usize, k: usize, n: usize) -> MatmulCase {
         act: None,
         gate: None,
         accumulate: false,
+        x_pad: (8, 8),
     }
 }
 
@@ -73,6 +76,14 @@ impl MatmulCase {
             ..self
         }
     }
+    /// x's rows with `left` and `right` guard columns (an odd sum gives an odd row stride, a
+    /// left pad that is no multiple of 8 an unaligned first row).
+    pub fn x_pad(self, left: usize, right: usize) -> Self {
+        MatmulCase {
+            x_pad: (left, right),
+            ..self
+        }
+    }
     /// Added to the values the output holds.
     pub fn accumulate(self) -> Self {
         MatmulCase {
@@ -89,7 +100,15 @@ impl OpCase for MatmulCase {
             Some(g) if !g.broadcast => ", a gate row per output row",
             _ => "",
         };
-        format!("{} {m}×{k}×{n} α={alpha} → {:?}{rows}", self.op(), self.out)
+        let pad = match self.x_pad {
+            (8, 8) => String::new(),
+            (l, r) => format!(", x row stride {}", l + k + r),
+        };
+        format!(
+            "{} {m}×{k}×{n} α={alpha} → {:?}{rows}{pad}",
+            self.op(),
+            self.out
+        )
     }
 
     fn op(&self) -> Op {
@@ -104,8 +123,16 @@ impl OpCase for MatmulCase {
 
     fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
         let MatmulCase { m, k, n, .. } = *self;
-        // Operands in columns 8.. of wider rows (16-byte-aligned offsets) and NaN around.
-        let x = Guarded::drawn(be, Role::Compute, Layout::padded(m, k, 8, 8), rng, 1.0)?;
+        // Operands in columns 8.. of wider rows (16-byte-aligned offsets, unless `x_pad` says
+        // otherwise) and NaN around.
+        let (left, right) = self.x_pad;
+        let x = Guarded::drawn(
+            be,
+            Role::Compute,
+            Layout::padded(m, k, left, right),
+            rng,
+            1.0,
+        )?;
         let w = be.matrix_f32(&[(&rng.vec(n * k, 1.0 / (k as f32).sqrt()), n)], k)?;
         let bias = match self.bias {
             true => Some(be.vector_f32(&rng.vec(n, 0.5))?),

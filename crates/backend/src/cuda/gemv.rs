@@ -1,0 +1,145 @@
+//! Products of at most [`MAX_ROWS`] bf16 rows (kernels/gemv.cu): decoding's products, which read
+//! the whole weight for one to a few rows, where cuBLASLt reaches a fraction of HBM bandwidth.
+//!
+//! A CTA owns four weight rows and reads them once in 16-byte loads spread over its threads along
+//! k, for every input row at once. Each row's f32 sum order depends on k alone, so a row gives
+//! the same bits in a batch of decode rows as alone; it differs from cuBLASLt's order, so bf16
+//! results move within rounding against the cuBLASLt path. Taken where the operands allow 16-byte
+//! loads (bf16, k a multiple of 8, aligned x rows and weight); anything else stays on cuBLASLt,
+//! as does f32 mode (whose products are compared with the CPU at 1e-5). `TESSERA_GEMV=0` sends
+//! every product to cuBLASLt, for A/B measurement.
+
+use tessera_core::Result;
+
+use super::gemm::Rows;
+use super::launch::{ByDim, DevPtr, cfg, kernel_args, kernel_table};
+use super::{CudaBackend, CudaMat, Elem, MatFormat};
+
+kernel_args! {
+    /// `gemv_m{M}_{out}`: `out[m, n] (= or +=) α · x[m, k] · w[n, k]ᵀ` for `m ≤ M`; a CTA per
+    /// four weight rows.
+    pub(super) struct GemvArgs {
+        x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32, out: DevPtr, os: i64, alpha: f32,
+        accumulate: i32,
+    }
+}
+
+/// The row counts the kernels are built for; a product takes the smallest that holds its rows.
+const WIDTHS: &[usize] = &[1, 2, 4, 8, 16];
+
+kernel_table! {
+    /// The kernels of gemv.cu, by the row count they are built for.
+    pub(super) struct GemvKernels from "gemv.cu" {
+        to_f32: ByDim<GemvArgs> = ("gemv_m{}_f32", WIDTHS),
+        to_bf16: ByDim<GemvArgs> = ("gemv_m{}_bf16", WIDTHS),
+    }
+}
+
+/// The most input rows a product takes this path with.
+pub(super) const MAX_ROWS: usize = 16;
+
+/// Weight rows per CTA (`GEMV_ROWS` in the kernel).
+const CTA_ROWS: usize = 4;
+
+/// `TESSERA_GEMV` unset or not `0`.
+pub(super) fn enabled_by_env() -> bool {
+    std::env::var("TESSERA_GEMV").map_or(true, |v| v != "0")
+}
+
+/// Threads per CTA for inner width `k`: one 8-wide chunk each across the row where that takes
+/// 32 to 256 threads, so short rows leave no warp idle and long ones loop. A function of `k`
+/// alone: the sum order may depend on it, never on the row count.
+fn threads(k: usize) -> u32 {
+    (k / 8).next_multiple_of(32).clamp(32, 256) as u32
+}
+
+/// Whether `rows` rows of `x` times `w` into `into` can take the kernel: bf16 operands, 1 to
+/// [`MAX_ROWS`] rows, k a positive multiple of 8, x's first row, its row stride and the weight
+/// 16-byte aligned, and every size an `int`.
+pub(super) fn applies(x: Rows, x0: DevPtr, rows: usize, w: &CudaMat, into: Rows) -> bool {
+    let MatFormat::Dense(ab) = w.format;
+    let aligned = |p: DevPtr| p.0.is_multiple_of(16);
+    let fits = |v: usize| i32::try_from(v).is_ok();
+    ab == Elem::Bf16
+        && x.elem == Elem::Bf16
+        && matches!(into.elem, Elem::F32 | Elem::Bf16)
+        && (1..=MAX_ROWS).contains(&rows)
+        && w.inner >= 8
+        && w.inner.is_multiple_of(8)
+        && x.stride.is_multiple_of(8)
+        && aligned(x0)
+        && aligned(w.buf.ptr)
+        && fits(w.inner)
+        && fits(w.out + CTA_ROWS) // the last CTA's row indices
+        && fits(x.stride)
+}
+
+/// Enqueue `into[0..rows] (= or +=) α · x[r0..r0+rows] · wᵀ` (`accumulate`: β = 1), where
+/// [`applies`] holds.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv(
+    be: &CudaBackend,
+    x: Rows,
+    r0: usize,
+    rows: usize,
+    w: &CudaMat,
+    into: Rows,
+    alpha: f32,
+    accumulate: bool,
+) -> Result<()> {
+    let table = match into.elem {
+        Elem::Bf16 => &be.kernels.gemv.to_bf16,
+        _ => &be.kernels.gemv.to_f32,
+    };
+    let width = WIDTHS.iter().copied().find(|&m| m >= rows);
+    let Some(kernel) = width.and_then(|m| table.get(m)) else {
+        return Err(tessera_core::Error::backend(
+            "gemv",
+            format!("no kernel for {rows} rows"),
+        ));
+    };
+    let args = GemvArgs {
+        x: x.at(r0),
+        xs: x.stride as i64,
+        w: w.buf.ptr,
+        k: w.inner as i32,
+        n: w.out as i32,
+        m: rows as i32,
+        out: into.ptr,
+        os: into.stride as i64,
+        alpha,
+        accumulate: accumulate as i32,
+    };
+    let blocks = w.out.div_ceil(CTA_ROWS) as u32;
+    be.launch("gemm", kernel, cfg((blocks, 1), threads(w.inner), 0), &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every chunk of 8 has a thread where a row takes at most 256 of them, in whole warps.
+    #[test]
+    fn threads_cover_a_row_in_whole_warps() {
+        for k in (8..=16384).step_by(8) {
+            let t = threads(k) as usize;
+            assert!(
+                t.is_multiple_of(32) && (32..=256).contains(&t),
+                "k = {k}: {t}"
+            );
+            if k / 8 <= 256 {
+                assert!(t >= k / 8 && t < k / 8 + 32, "k = {k}: {t}");
+            } else {
+                assert_eq!(t, 256, "k = {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_row_count_has_a_kernel() {
+        for rows in 1..=MAX_ROWS {
+            assert!(WIDTHS.iter().any(|&m| m >= rows), "{rows} rows");
+        }
+        assert_eq!(WIDTHS.last(), Some(&MAX_ROWS));
+    }
+}

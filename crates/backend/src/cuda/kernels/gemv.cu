@@ -1,0 +1,175 @@
+// Products of a few rows, streaming the weight: out[m, n] (= or +=) α · x[m, k] · w[n, k]ᵀ for m ≤ M,
+// bf16 x and w, f32 accumulation, f32 or bf16 out. cuBLASLt's small-m products read the weight at a
+// fraction of HBM bandwidth; here the weight is read once, in 16-byte loads, by as many threads as
+// the GPU holds.
+//
+// gemv_m{M}_{out}: a CTA of T threads (a multiple of 32, at most 256: blockDim.x) owns R = 4
+// consecutive weight rows and every one of the m ≤ M input rows. The k axis is cut into chunks of 8
+// (one uint4 of bf16); thread t takes chunks t, t + T, t + 2T, … of all R weight rows (so the R
+// loads of an iteration, and the next iteration's R, are in flight together), reads the same chunk
+// of each input row (from L1/L2: x is small and every CTA reads it), and keeps R·M f32 sums,
+// each chunk's 8 products added in order by FMA. Then the warp reduces its R·M sums by halving
+// exchanges (every value's tree is the xor butterfly 16, 8, 4, 2, 1, as `warp_sum`'s, in 62
+// shuffles for 64 sums instead of 320), warp totals go to shared memory, and R·M threads add the
+// warps' totals in warp order and write α·sum (+ out).
+//
+// Sum order: a row's result depends on k and T alone (T is chosen from k), never on m or on the
+// other rows: a batch of decode rows gives each row what it gives alone. It differs from
+// cuBLASLt's, so bf16 results move within rounding against the cuBLASLt path.
+//
+// Speed: memory-bound at a few rows. Each weight element costs M FMAs, so at 16 rows streaming at
+// an H200's 4.8 TB/s would take 3.8e13 f32 FMA/s against the CUDA cores' ~3.3e13: 16 rows cannot
+// reach bandwidth here and 8 may not; tensor cores (mma with the weight as the 16-row A operand) are
+// the way past that.
+//
+// The launcher guarantees: k a multiple of 8, x, x's row stride and w 16-byte aligned, 1 ≤ m ≤ M.
+// Weight rows past n (the last CTA's) are read as row n − 1 and not written.
+
+#define GEMV_ROWS 4
+#define GEMV_MAX_WARPS 8
+
+// A weight chunk: read once, so it bypasses L1 (which keeps x), and asks L2 for the next sectors.
+// Volatile, as the input's load: neither may be hoisted above the bounds check that guards it.
+__device__ __forceinline__ uint4 load_stream(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// An input chunk: read by every CTA, so cached.
+__device__ __forceinline__ uint4 load_cached(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Eight bf16 (a uint4, element 0 in the low half of .x) as floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// Warp reduction of the HELD values each lane holds (a power of two), from offset O down: at
+// offset o = 16, 8, 4, 2, 1, while a lane holds more than one value, it keeps half of them (the
+// upper half if bit o of its lane is set) plus its partner's copy of that half and sends the
+// other half; once one is left, plain butterfly adds. Every value's sum is the butterfly tree
+// over offsets 16..1, as `warp_sum` gives (62 shuffles for 64 values instead of 320). Adds to
+// `first` the index (among the HELD) of what v[0] holds at the end; a lane then holds
+// v[0..max(HELD/32, 1)), and the lanes that differ from it only in the bits below 32/HELD hold the
+// same values.
+template <int HELD, int O> __device__ __forceinline__ void warp_reduce_scatter(float* v, int lane, int& first) {
+    if constexpr (O > 0) {
+        if constexpr (HELD > 1) {
+            constexpr int half = HELD / 2;
+            const bool upper = (lane & O) != 0;
+#pragma unroll
+            for (int i = 0; i < half; i++) {
+                const float send = upper ? v[i] : v[i + half];
+                const float keep = upper ? v[i + half] : v[i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+            }
+            if (upper) first += half;
+            warp_reduce_scatter<half, O / 2>(v, lane, first);
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+            warp_reduce_scatter<1, O / 2>(v, lane, first);
+        }
+    }
+}
+
+template <int M, typename TO>
+__device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, long xs, const bf16* __restrict__ w, int k,
+                                          int n, int m, TO* out, long os, float alpha, int accumulate) {
+    constexpr int R = GEMV_ROWS, N = R * M;
+    __shared__ float red[GEMV_MAX_WARPS * N];
+    const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    const int r0 = blockIdx.x * R;
+    const int chunks = k >> 3;
+
+    const bf16* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) wr[r] = w + (long)min(r0 + r, n - 1) * k;
+
+    float acc[N];  // acc[r * M + i]: weight row r0 + r, input row i
+#pragma unroll
+    for (int j = 0; j < N; j++) acc[j] = 0.f;
+
+    uint4 cur[R];
+    int c = tid;
+    if (c < chunks) {
+#pragma unroll
+        for (int r = 0; r < R; r++) cur[r] = load_stream(wr[r] + 8 * (long)c);
+    }
+    while (c < chunks) {
+        // The next iteration's weight chunks are read while this one's are used.
+        const int cn = c + T;
+        uint4 nxt[R] = {};
+        if (cn < chunks) {
+#pragma unroll
+            for (int r = 0; r < R; r++) nxt[r] = load_stream(wr[r] + 8 * (long)cn);
+        }
+        float wf[R][8];
+#pragma unroll
+        for (int r = 0; r < R; r++) unpack8(cur[r], wf[r]);
+#pragma unroll
+        for (int i = 0; i < M; i++) {
+            if (i < m) {
+                float xf[8];
+                unpack8(load_cached(x + i * xs + 8 * (long)c), xf);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float a = acc[r * M + i];
+#pragma unroll
+                    for (int e = 0; e < 8; e++) a = fmaf(wf[r][e], xf[e], a);
+                    acc[r * M + i] = a;
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) cur[r] = nxt[r];
+        c = cn;
+    }
+
+    int first = 0;
+    warp_reduce_scatter<N, 16>(acc, lane, first);
+    if constexpr (N >= 32) {
+#pragma unroll
+        for (int s = 0; s < N / 32; s++) red[warp * N + first + s] = acc[s];
+    } else {
+        if ((lane & (32 / N - 1)) == 0) red[warp * N + first] = acc[0];
+    }
+    __syncthreads();
+    const int warps = T >> 5;
+    for (int j = tid; j < N; j += T) {
+        const int r = j / M, i = j % M;
+        if (r0 + r >= n || i >= m) continue;
+        float s = red[j];
+        for (int q = 1; q < warps; q++) s += red[q * N + j];
+        TO* o = out + i * os + r0 + r;
+        float v = alpha * s;
+        if (accumulate) v += to_f(*o);
+        *o = from_f<TO>(v);
+    }
+}
+
+#define GEMV(M, TO, NAME)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
+                                                           int m, TO* out, long os, float alpha, int accumulate) { \
+        gemv_impl<M, TO>(x, xs, w, k, n, m, out, os, alpha, accumulate);                                        \
+    }
+GEMV(1, float, gemv_m1_f32)
+GEMV(2, float, gemv_m2_f32)
+GEMV(4, float, gemv_m4_f32)
+GEMV(8, float, gemv_m8_f32)
+GEMV(16, float, gemv_m16_f32)
+GEMV(1, bf16, gemv_m1_bf16)
+GEMV(2, bf16, gemv_m2_bf16)
+GEMV(4, bf16, gemv_m4_bf16)
+GEMV(8, bf16, gemv_m8_bf16)
+GEMV(16, bf16, gemv_m16_bf16)
