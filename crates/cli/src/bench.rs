@@ -707,7 +707,7 @@ fn image(b: ImageBench) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn attention(b: AttentionBench) -> Result<()> {
     use tessera_backend::cuda::{self, CudaBackend, FlashChoice, FlashKernel};
-    use tessera_backend::{AttnSpec, Mask, QkvLayout};
+    use tessera_backend::{AttnSpec, Backend, Mask, QkvLayout, Role};
     let tessera_backend::AnyBackend::Cuda(be) = b.device.open()? else {
         return Err(Error::input(
             "bench attention times the CUDA kernels: use --device cuda",
@@ -722,7 +722,34 @@ fn attention(b: AttentionBench) -> Result<()> {
         AttnSpec::new(layout, 1.0, window.map_or(Mask::Full, Mask::Window))
     };
     let w3 = vec![256usize; 256];
+    // The Qwen-Image edit's prefix at 1024² with one 1024² condition image: causal text, the
+    // image's 4,096 latents as one block (each sees the whole block), causal text again.
+    let edit = [(40, false), (4096, true), (30, false)];
+    let mut limits = Vec::new();
+    for (len, block) in edit {
+        let start = limits.len() as u32;
+        limits.extend((1..=len as u32).map(|i| if block { start + len as u32 } else { start + i }));
+    }
+    let edit_len = limits.len();
+    let mut limit_buf = be.alloc(edit_len, Role::Index)?;
+    be.write_u32(&mut limit_buf, &limits)?;
+    let edit_spec = AttnSpec::new(
+        QkvLayout {
+            heads_q: 24,
+            heads_kv: 24,
+            head_dim: 128,
+        },
+        1.0,
+        Mask::Limits(&limit_buf),
+    );
     let shapes: Vec<(&str, Vec<usize>, AttnSpec<'_, CudaBackend>)> = vec![
+        (
+            "edit prefix 4166x24x128 block-causal",
+            vec![edit_len],
+            edit_spec,
+        ),
+        // Qwen3-VL's and SigLIP2's 72-wide heads: a 1024² image's 4,096 patches, 16 heads.
+        ("vision 4096x16x72", vec![4096], spec(16, 16, 72, None)),
         ("W2 sliding", vec![2208], spec(4, 2, 256, Some(512))),
         ("W2 full", vec![2208], spec(4, 1, 512, None)),
         ("W3 sliding", w3.clone(), spec(4, 2, 256, Some(512))),
@@ -740,6 +767,7 @@ fn attention(b: AttentionBench) -> Result<()> {
                 Mask::Window(w) => (0..n)
                     .map(|i| (i.min(w) + (n - 1 - i).min(w) + 1) as f64)
                     .sum(),
+                Mask::Limits(_) => limits.iter().map(|&l| l as f64).sum(),
                 _ => (n * n) as f64,
             })
             .sum();
