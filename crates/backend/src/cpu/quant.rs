@@ -101,6 +101,11 @@ impl QuantMat {
         self.int8
     }
 
+    /// Every row's blocks (FP8: codes), row after row.
+    pub fn blocks(&self) -> &[u8] {
+        &self.blocks
+    }
+
     /// Row `j`'s blocks.
     pub fn row(&self, j: usize) -> &[u8] {
         &self.blocks[j * self.row_bytes..(j + 1) * self.row_bytes]
@@ -142,7 +147,7 @@ impl QuantMat {
 /// blocks of `q` a row at a time, as llama.cpp's reference quantizers round
 /// (`tessera_core::gguf::quantize`), or to FP8 with a scale per row; no `f32` copy of the
 /// matrix is made.
-pub(super) fn quantize_stack(
+pub(crate) fn quantize_stack(
     parts: &[Tensor<'_>],
     q: DType,
     (out, inner): (usize, usize),
