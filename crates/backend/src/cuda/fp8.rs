@@ -142,11 +142,19 @@ fn check(op: &str, s: lt::cublasStatus_t) -> Result<()> {
     if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
         Ok(())
     } else {
-        Err(Error::backend(format!("cuBLASLt FP8 {op}"), format!("{s:?}")))
+        Err(Error::backend(
+            format!("cuBLASLt FP8 {op}"),
+            format!("{s:?}"),
+        ))
     }
 }
 
-fn layout(t: lt::cudaDataType, rows: u64, cols: u64, ld: i64) -> Result<lt::cublasLtMatrixLayout_t> {
+fn layout(
+    t: lt::cudaDataType,
+    rows: u64,
+    cols: u64,
+    ld: i64,
+) -> Result<lt::cublasLtMatrixLayout_t> {
     let mut l = std::ptr::null_mut();
     // SAFETY: out-parameter only.
     check("layout", unsafe {
@@ -159,7 +167,10 @@ fn out_type(e: Elem) -> Result<lt::cudaDataType> {
     match e {
         Elem::Bf16 => Ok(lt::cudaDataType::CUDA_R_16BF),
         Elem::F32 => Ok(lt::cudaDataType::CUDA_R_32F),
-        Elem::U32 => Err(Error::backend("fp8 matmul", "an index buffer as the output")),
+        Elem::U32 => Err(Error::backend(
+            "fp8 matmul",
+            "an index buffer as the output",
+        )),
     }
 }
 
@@ -606,7 +617,14 @@ fn run(
             quantize(be, &g, x_at(x, r0), rows, k)?;
             let key = key(rows, into.stride, into.elem, accumulate);
             be.timed("gemm", shape.as_deref(), || {
-                g.run(&be.stream, key, w.buf.ptr.0, f.tensor.ptr.0, into.at(r0).0, alpha)
+                g.run(
+                    &be.stream,
+                    key,
+                    w.buf.ptr.0,
+                    f.tensor.ptr.0,
+                    into.at(r0).0,
+                    alpha,
+                )
             })?;
         }
         return Ok(());
@@ -652,10 +670,7 @@ fn run(
 
 /// Rows of `x` from row `r0`.
 fn x_at(x: Rows, r0: usize) -> Rows {
-    Rows {
-        ptr: x.at(r0),
-        ..x
-    }
+    Rows { ptr: x.at(r0), ..x }
 }
 
 /// [`super::gemm::product`] on an FP8 matrix: `into[0..rows] (= or +=) α · x[r0..r0+rows] · wᵀ`
@@ -671,7 +686,16 @@ pub(super) fn product(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    run(be, x_at(x, r0), rows, w, into, alpha, beta != 0.0, Post::NONE)
+    run(
+        be,
+        x_at(x, r0),
+        rows,
+        w,
+        into,
+        alpha,
+        beta != 0.0,
+        Post::NONE,
+    )
 }
 
 /// The `matmul` op on an FP8 matrix: `out = ep(x · wᵀ)`.
