@@ -603,7 +603,7 @@ fn run(
         && (into.stride * size).is_multiple_of(ALIGN);
     let act_rows = (ACT_BYTES / k).max(1);
     let shape = be.profiler.as_ref().map(|_| format!("{m}x{n}x{k}"));
-    let key = |rows: usize, ldd: usize, d: Elem, accumulate: bool| PlanKey {
+    let plan_key = |rows: usize, ldd: usize, d: Elem, accumulate: bool| PlanKey {
         m: rows as u64,
         n: f.padded as u64,
         k: k as u64,
@@ -615,7 +615,7 @@ fn run(
         for r0 in (0..m).step_by(act_rows) {
             let rows = act_rows.min(m - r0);
             quantize(be, &g, x_at(x, r0), rows, k)?;
-            let key = key(rows, into.stride, into.elem, accumulate);
+            let key = plan_key(rows, into.stride, into.elem, accumulate);
             be.timed("gemm", shape.as_deref(), || {
                 g.run(
                     &be.stream,
@@ -639,7 +639,7 @@ fn run(
     for r0 in (0..m).step_by(block) {
         let rows = block.min(m - r0);
         quantize(be, &g, x_at(x, r0), rows, k)?;
-        let key = key(rows, f.padded, Elem::F32, false);
+        let key = plan_key(rows, f.padded, Elem::F32, false);
         be.timed("gemm", shape.as_deref(), || {
             g.run(&be.stream, key, w.buf.ptr.0, f.tensor.ptr.0, ws.0, alpha)
         })?;
