@@ -136,10 +136,15 @@ impl CudaBackend {
         self.ctx.mem_get_info().map_err(drv("memory info"))
     }
 
-    /// `cuda:N NAME (ARCH, PRECISION)`.
+    /// `cuda:N NAME (ARCH, PRECISION)`, and what `--quantize fp8` does here when given.
     pub fn describe_device(&self) -> String {
+        let fp8 = match (self.fp8_at_load, self.precision) {
+            (false, _) => "",
+            (true, crate::Precision::Bf16) => "; FP8 weights quantized at load, FP8 products",
+            (true, crate::Precision::F32) => "; FP8 weights quantized at load, decoded to f32",
+        };
         format!(
-            "cuda:{} {} ({}, {})",
+            "cuda:{} {} ({}, {}{fp8})",
             self.ctx.ordinal(),
             self.name,
             self.arch,
