@@ -149,8 +149,9 @@ fn bf16_stays_within_1_5x_of_its_storage_floor_per_tap() {
 }
 
 /// The scaled FP8 transformer on CUDA: f32 (weights decoded at upload) within 1e-5 of the CPU's
-/// exact FP8 run per tap; bf16 (cuBLASLt FP8 products) within 1.5× of its floor per tap — the
-/// distance from the exact run of the CPU run keeping a CUDA FP8 run's roundings. The 8-bit
+/// exact FP8 run per tap; bf16 (cuBLASLt FP8 products) within 1.5× of its floor on every tap
+/// after the text encoder — the distance from the exact run of the CPU run keeping a CUDA FP8
+/// run's roundings. The 8-bit
 /// image's PSNR against the exact FP8 image and against the bf16 transformer's image on CUDA is
 /// reported (the image check, on the miniature).
 #[test]
@@ -192,7 +193,11 @@ fn fp8_transformer_matches_the_cpu_within_its_floor() {
             .into_iter()
             .zip(floors)
             .map(|((tap, e), (_, floor))| {
-                if e.is_nan() || e > 1.5 * floor {
+                // The text encoder has no FP8 weights here: its bf16 run is judged by the
+                // storage floor (the test above), which the CPU's bf16 mode does not model
+                // (CUDA also rounds product outputs stored in bf16); downstream the e4m3
+                // roundings, 32× coarser, dominate both runs.
+                if tap != WithTransformer::FEATURES && (e.is_nan() || e > 1.5 * floor) {
                     failures.push(format!(
                         "{label} FP8 bf16: {tap} {e:.2e} > 1.5 × floor {floor:.2e}"
                     ));
