@@ -116,6 +116,10 @@ fn cases() -> Vec<Box<dyn Case>> {
             .to(Compute),
     );
     t.add(matmul(33, 512, 256).fp8(Fp8::Rows).tanh_gate().accumulate()); // DiT: h += tanh(g) ⊙ (a · W_oᵀ)
+    // Stacked per-tensor parts (a scaled file's gate|up): 128|128 rows, a product per part
+    // straight into the output; 500|500, one product and the column scales.
+    t.add(matmul(300, 512, 256).fp8(Fp8::Parts).to(Compute));
+    t.add(matmul(7, 1024, 1000).fp8(Fp8::Parts).accumulate());
 
     // ---- norm. Rows of 128·k columns (512, 768, 1024) take the warp-per-row kernels (300 rows:
     // a partial last block of rows), the others the block-per-row ones.

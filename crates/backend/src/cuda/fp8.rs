@@ -3,8 +3,9 @@
 //!
 //! - Weights: the codes `[n, k]` as stored (row-major, one byte each; rows padded with zero codes
 //!   to a multiple of 16 so every operand is 16-byte aligned), and their scales: one for the
-//!   tensor, which cuBLASLt applies as A's scale, or one per row (stacked q|k|v files, per-channel
-//!   files, `--quantize fp8`), applied to the output columns by the epilogue kernel
+//!   tensor, which cuBLASLt applies as A's scale; one per stacked part of a per-tensor file
+//!   (q|k|v, gate|up), each part then its own product with its scale as A's; or one per row
+//!   (per-channel files, `--quantize fp8`), applied to the output columns by the epilogue kernel
 //!   (`epilogue_scaled_*`) with A's scale 1.
 //! - Activations (bf16) are rounded to e4m3 on the device with one scale per product,
 //!   `amax / 448` (kernels/fp8.cu: a block-max pass, then scale-and-convert), which cuBLASLt
@@ -73,10 +74,24 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// FP8 operands need 16-byte rows and 16-byte-aligned addresses.
 const ALIGN: usize = 16;
 
+/// Runs of rows with one scale each at most this many are multiplied run by run, each with its
+/// scale as A's: stacked per-tensor parts (q|k|v, gate|up) need no epilogue then.
+const MAX_RUNS: usize = 8;
+
+/// Rows `start..start + len` of an FP8 matrix sharing one scale (one f32 on the device).
+struct Run {
+    start: usize,
+    len: usize,
+    scale: CudaBuf,
+}
+
 /// An FP8 matrix's scales on the device.
 pub struct Fp8Scales {
-    /// The scale cuBLASLt applies as A's (one f32): the tensor's, or 1 when rows have their own.
-    tensor: CudaBuf,
+    /// Runs of rows sharing a scale: one for a per-tensor scale, one per stacked part of a
+    /// per-tensor file; none when there are more than [`MAX_RUNS`] (per-row scales).
+    runs: Vec<Run>,
+    /// A's scale when one product covers every row: the single run's scale, else 1 (with `rows`).
+    whole: CudaBuf,
     /// One scale per row (output column) when they differ, applied by the epilogue.
     rows: Option<CudaBuf>,
     /// Rows in the code buffer: `out` rounded up to a multiple of 16 (zero codes after `out`).
@@ -333,8 +348,10 @@ impl Fp8Gemm {
             &w_scale,
         )?;
         let beta = key.accumulate as u8 as f32;
-        // SAFETY: `w` holds n × k codes, the activation buffer m × k codes (the caller checked
-        // m · k ≤ ACT_BYTES), `d` covers m rows of ldd elements (checked by the caller); the
+        // SAFETY: from `w` lie `key.n` rows of `k` codes (a run's rows, or all padded rows, of
+        // a live matrix), the activation buffer holds m × k codes (m · k ≤ ACT_BYTES, as the
+        // caller blocks rows), `d` covers m rows of ldd elements from its first column (a view
+        // checked by the caller, or the product workspace, whose capacity bounds m · ldd); the
         // scales are live f32 device values; the plan's layouts describe exactly these extents
         // and the workspace is ours.
         let s = unsafe {
@@ -415,10 +432,39 @@ pub(super) fn upload(be: &CudaBackend, parts: &[Tensor<'_>], quantize: bool) -> 
     let mut buf = be.alloc_buf(padded * inner / 4, Role::Index)?;
     be.write_bytes_at(&mut buf, 0, q.blocks())?;
     let scales = q.scales();
-    let first = scales.first().copied().unwrap_or(1.0);
-    let uniform = scales.iter().all(|&s| s == first);
-    let mut tensor = be.alloc_buf(1, Role::Stream)?;
-    be.write_f32_to(&mut tensor, &[if uniform { first } else { 1.0 }])?;
+    let scalar = |v: f32| -> Result<CudaBuf> {
+        let mut b = be.alloc_buf(1, Role::Stream)?;
+        be.write_f32_to(&mut b, &[v])?;
+        Ok(b)
+    };
+    let spans: Vec<(usize, usize, f32)> = scales
+        .chunk_by(|a, b| a == b)
+        .scan(0, |start, c| {
+            let span = (*start, c.len(), c[0]);
+            *start += c.len();
+            Some(span)
+        })
+        .collect();
+    let runs = if spans.len() <= MAX_RUNS {
+        spans
+            .iter()
+            .map(|&(start, len, s)| {
+                Ok(Run {
+                    start,
+                    len,
+                    scale: scalar(s)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
+    let uniform = spans.len() <= 1;
+    let whole = scalar(if uniform {
+        spans.first().map_or(1.0, |s| s.2)
+    } else {
+        1.0
+    })?;
     let rows = if uniform {
         None
     } else {
@@ -434,7 +480,8 @@ pub(super) fn upload(be: &CudaBackend, parts: &[Tensor<'_>], quantize: bool) -> 
         inner,
         format: MatFormat::Fp8,
         fp8: Some(Fp8Scales {
-            tensor,
+            runs,
+            whole,
             rows,
             padded,
         }),
@@ -574,8 +621,8 @@ fn quantize(be: &CudaBackend, g: &Fp8Gemm, x: Rows, rows: usize, cols: usize) ->
 
 /// `into[0..m] (= or +=) post(α · x[0..m] · wᵀ)` on an FP8 matrix: a block of rows at a time,
 /// each rounded to e4m3 with its own scale (one block unless `m · k` exceeds [`ACT_BYTES`]),
-/// multiplied straight into `into` when nothing follows the product, else into the f32 product
-/// workspace and through the scaled epilogue.
+/// multiplied straight into `into` run by run when nothing follows the product, else in one
+/// product into the f32 product workspace and through the scaled epilogue.
 #[allow(clippy::too_many_arguments)]
 fn run(
     be: &CudaBackend,
@@ -596,16 +643,20 @@ fn run(
     }
     let g = be.fp8_gemm()?;
     let size = into.elem.size();
+    // Straight into the output, run by run, when nothing follows the product and every run's
+    // rows and output columns keep cuBLASLt's 16-byte alignment.
     let direct = post.is_none()
-        && f.rows.is_none()
-        && f.padded == n
+        && !f.runs.is_empty()
         && into.ptr.0.is_multiple_of(ALIGN as u64)
-        && (into.stride * size).is_multiple_of(ALIGN);
+        && (into.stride * size).is_multiple_of(ALIGN)
+        && f.runs
+            .iter()
+            .all(|r| r.len.is_multiple_of(ALIGN) && (r.start * size).is_multiple_of(ALIGN));
     let act_rows = (ACT_BYTES / k).max(1);
     let shape = be.profiler.as_ref().map(|_| format!("{m}x{n}x{k}"));
-    let plan_key = |rows: usize, ldd: usize, d: Elem, accumulate: bool| PlanKey {
+    let plan_key = |rows: usize, n: usize, ldd: usize, d: Elem, accumulate: bool| PlanKey {
         m: rows as u64,
-        n: f.padded as u64,
+        n: n as u64,
         k: k as u64,
         ldd: ldd as i64,
         d,
@@ -615,17 +666,14 @@ fn run(
         for r0 in (0..m).step_by(act_rows) {
             let rows = act_rows.min(m - r0);
             quantize(be, &g, x_at(x, r0), rows, k)?;
-            let key = plan_key(rows, into.stride, into.elem, accumulate);
-            be.timed("gemm", shape.as_deref(), || {
-                g.run(
-                    &be.stream,
-                    key,
-                    w.buf.ptr.0,
-                    f.tensor.ptr.0,
-                    into.at(r0).0,
-                    alpha,
-                )
-            })?;
+            for run in &f.runs {
+                let key = plan_key(rows, run.len, into.stride, into.elem, accumulate);
+                let w_at = w.buf.ptr.0 + (run.start * k) as u64;
+                let d_at = into.at(r0).0 + (run.start * size) as u64;
+                be.timed("gemm", shape.as_deref(), || {
+                    g.run(&be.stream, key, w_at, run.scale.ptr.0, d_at, alpha)
+                })?;
+            }
         }
         return Ok(());
     }
@@ -639,9 +687,9 @@ fn run(
     for r0 in (0..m).step_by(block) {
         let rows = block.min(m - r0);
         quantize(be, &g, x_at(x, r0), rows, k)?;
-        let key = plan_key(rows, f.padded, Elem::F32, false);
+        let key = plan_key(rows, f.padded, f.padded, Elem::F32, false);
         be.timed("gemm", shape.as_deref(), || {
-            g.run(&be.stream, key, w.buf.ptr.0, f.tensor.ptr.0, ws.0, alpha)
+            g.run(&be.stream, key, w.buf.ptr.0, f.whole.ptr.0, ws.0, alpha)
         })?;
         let gate = if post.gate == DevPtr::NULL {
             DevPtr::NULL

@@ -23,8 +23,18 @@ use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng, Tol, measure};
 pub enum Fp8 {
     /// One scale for the tensor (ComfyUI's scaled FP8 files).
     Tensor,
-    /// One per row (`--quantize fp8`, per-channel files, stacked q|k|v).
+    /// One per row (`--quantize fp8`, per-channel files).
     Rows,
+    /// Two stacked parts of a per-tensor file, each with its own scale (gate|up, q|k|v).
+    Parts,
+}
+
+impl Fp8 {
+    /// Rows of the first part (`Parts`): half, so 256 rows split 128|128 (a product per part
+    /// on the device) and 1000 split 500|500 (not 16-row parts: one product and the epilogue).
+    fn split(n: usize) -> usize {
+        n / 2
+    }
 }
 
 /// `x [m, k] · wᵀ` for `w [n, k]`, times `alpha`, then the epilogue.
@@ -60,12 +70,17 @@ struct Fp8Weights {
 impl Fp8Weights {
     /// `w` rounded to e4m3 with one scale (`amax / 448` of the tensor) or one per row.
     fn of(w: &[f32], n: usize, k: usize, kind: Fp8) -> Fp8Weights {
+        let scale = |rows: &[f32]| fp8::row_scale(rows).expect("finite weights");
         let scales: Vec<f32> = match kind {
-            Fp8::Tensor => vec![fp8::row_scale(w).expect("finite weights"); n],
-            Fp8::Rows => w
-                .chunks(k)
-                .map(|r| fp8::row_scale(r).expect("finite weights"))
-                .collect(),
+            Fp8::Tensor => vec![scale(w); n],
+            Fp8::Rows => w.chunks(k).map(scale).collect(),
+            Fp8::Parts => {
+                let h = Fp8::split(n);
+                let (a, b) = w.split_at(h * k);
+                let mut s = vec![scale(a); h];
+                s.resize(n, scale(b));
+                s
+            }
         };
         let mut codes = vec![0u8; n * k];
         for ((row, out), &s) in w.chunks(k).zip(codes.chunks_mut(k)).zip(&scales) {
@@ -74,18 +89,26 @@ impl Fp8Weights {
         Fp8Weights { codes, scales }
     }
 
-    /// The stored tensor, its scale as a file would give it.
-    fn tensor(&self, kind: Fp8, n: usize, k: usize) -> Tensor<'static> {
-        Tensor {
+    /// The stored tensors (one, or the two stacked parts), scaled as a file would give them.
+    fn tensors(&self, kind: Fp8, n: usize, k: usize) -> Vec<Tensor<'static>> {
+        let tensor = |rows: std::ops::Range<usize>, scale: Scale| Tensor {
             name: "fp8 case weight".into(),
             dtype: DType::F8_E4M3,
-            shape: vec![n, k],
-            bytes: Cow::Owned(self.codes.clone()),
+            shape: vec![rows.len(), k],
+            bytes: Cow::Owned(self.codes[rows.start * k..rows.end * k].to_vec()),
             path: Path::new("fp8 case"),
-            scale: Some(match kind {
-                Fp8::Tensor => Scale::Tensor(self.scales[0]),
-                Fp8::Rows => Scale::Rows(self.scales.clone()),
-            }),
+            scale: Some(scale),
+        };
+        match kind {
+            Fp8::Tensor => vec![tensor(0..n, Scale::Tensor(self.scales[0]))],
+            Fp8::Rows => vec![tensor(0..n, Scale::Rows(self.scales.clone()))],
+            Fp8::Parts => {
+                let h = Fp8::split(n);
+                vec![
+                    tensor(0..h, Scale::Tensor(self.scales[0])),
+                    tensor(h..n, Scale::Tensor(self.scales[n - 1])),
+                ]
+            }
         }
     }
 
@@ -282,6 +305,7 @@ impl OpCase for MatmulCase {
         let scales = match self.fp8 {
             Some(Fp8::Tensor) => ", per-tensor scale",
             Some(Fp8::Rows) => ", per-row scales",
+            Some(Fp8::Parts) => ", two parts with their own scales",
             None => "",
         };
         format!(
@@ -314,7 +338,7 @@ impl OpCase for MatmulCase {
         // Operands in columns 8.. of wider rows (16-byte-aligned offsets) and NaN around.
         let x = Guarded::new(be, Role::Compute, Layout::padded(m, k, 8, 8), Some(&d.x))?;
         let w = match self.fp8 {
-            Some(kind) => be.matrix(&[Fp8Weights::of(&d.w, n, k, kind).tensor(kind, n, k)])?,
+            Some(kind) => be.matrix(&Fp8Weights::of(&d.w, n, k, kind).tensors(kind, n, k))?,
             None => be.matrix_f32(&[(&d.w, n)], k)?,
         };
         let bias = match &d.bias {
