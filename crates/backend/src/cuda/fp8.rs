@@ -145,7 +145,8 @@ pub(super) struct Fp8Gemm {
     /// The activation scale (one f32), B's scale pointer in every plan.
     _scale: CudaSlice<u8>,
     scale: u64,
-    plans: Mutex<HashMap<PlanKey, Plan>>,
+    /// Each shape's plan, or why cuBLASLt has none (kept, so a shape is asked about once).
+    plans: Mutex<HashMap<PlanKey, std::result::Result<Plan, String>>>,
 }
 
 // SAFETY: as for the dense products' `Gemm`: plain cuBLASLt handles, every use of the plans
@@ -336,9 +337,12 @@ impl Fp8Gemm {
             .plans
             .lock()
             .map_err(|_| Error::backend("fp8 gemm", "plan cache poisoned"))?;
-        let p = match plans.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(key)?),
+        let p = match plans
+            .entry(key)
+            .or_insert_with(|| self.plan(key).map_err(|e| e.to_string()))
+        {
+            Ok(p) => p,
+            Err(e) => return Err(Error::backend("fp8 gemm", e.clone())),
         };
         // The pointer is read when the launch is enqueued (and captured with it in a graph); the
         // scale it addresses lives as long as its matrix, which outlives every forward.
@@ -375,6 +379,19 @@ impl Fp8Gemm {
             )
         };
         check("matmul", s)
+    }
+}
+
+impl Fp8Gemm {
+    /// Whether cuBLASLt has an algorithm for `key` (its plan made and kept on first ask).
+    fn has_plan(&self, key: PlanKey) -> bool {
+        let Ok(mut plans) = self.plans.lock() else {
+            return false;
+        };
+        plans
+            .entry(key)
+            .or_insert_with(|| self.plan(key).map_err(|e| e.to_string()))
+            .is_ok()
     }
 }
 
@@ -661,6 +678,16 @@ fn run(
         ldd: ldd as i64,
         d,
         accumulate,
+    };
+    // Every shape the direct path takes (a full block of rows and the last one) must have an
+    // algorithm; where cuBLASLt has none, the workspace path runs instead.
+    let direct = direct && {
+        let blocks = [act_rows.min(m), m % act_rows];
+        blocks.iter().filter(|&&rows| rows > 0).all(|&rows| {
+            f.runs
+                .iter()
+                .all(|run| g.has_plan(plan_key(rows, run.len, into.stride, into.elem, accumulate)))
+        })
     };
     if direct {
         for r0 in (0..m).step_by(act_rows) {
