@@ -151,9 +151,8 @@ fn bf16_stays_within_1_5x_of_its_storage_floor_per_tap() {
 /// The scaled FP8 transformer on CUDA: f32 (weights decoded at upload) within 1e-5 of the CPU's
 /// exact FP8 run per tap; bf16 (cuBLASLt FP8 products) within 1.5× of its floor on every tap
 /// after the text encoder — the distance from the exact run of the CPU run keeping a CUDA FP8
-/// run's roundings. The 8-bit
-/// image's PSNR against the exact FP8 image and against the bf16 transformer's image on CUDA is
-/// reported (the image check, on the miniature).
+/// run's roundings. The 8-bit image's PSNR against the exact FP8 image and against the bf16
+/// transformer's image on CUDA is reported (the image check, on the miniature).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fp8_transformer_matches_the_cpu_within_its_floor() {
