@@ -115,7 +115,7 @@ impl AnyBackend {
             ))
         };
         let cuda = |ordinal: usize| -> Result<AnyBackend> {
-            let be = open_cuda(ordinal, precision.unwrap_or(Precision::Bf16))?;
+            let be = open_cuda(ordinal, precision.unwrap_or(Precision::Bf16), quant)?;
             be.supports_all(&ops)?;
             Ok(be)
         };
@@ -170,12 +170,12 @@ impl AnyBackend {
 }
 
 #[cfg(feature = "cuda")]
-fn open_cuda(ordinal: usize, precision: Precision) -> Result<AnyBackend> {
-    crate::cuda::open(ordinal, precision).map(|b| AnyBackend::Cuda(Box::new(b)))
+fn open_cuda(ordinal: usize, precision: Precision, quant: Quantization) -> Result<AnyBackend> {
+    crate::cuda::open(ordinal, precision).map(|b| AnyBackend::Cuda(Box::new(b.quantizing(quant))))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_ordinal: usize, _precision: Precision) -> Result<AnyBackend> {
+fn open_cuda(_ordinal: usize, _precision: Precision, _quant: Quantization) -> Result<AnyBackend> {
     Err(Error::Device(
         "this build of Tessera has no CUDA support (built without the `cuda` feature)".into(),
     ))

@@ -24,7 +24,7 @@ mod ops;
 use std::collections::{BTreeSet, HashSet};
 
 use ops::attention::{attention, qkv};
-use ops::gemm::matmul;
+use ops::gemm::{Fp8, matmul};
 use ops::image::{avg_down, conv2d, dup_up, group_norm};
 use ops::norm::{layer, norm, plain, residual, rms};
 use ops::rows::{add_positions_2d, avg_pool2d, cast, embed, gated, scatter_rows, segment_mean};
@@ -95,6 +95,31 @@ fn cases() -> Vec<Box<dyn Case>> {
             .row_gate()
             .accumulate(),
     );
+    // FP8 e4m3 weights (per-tensor scale: a scaled FP8 file; per-row: --quantize fp8, stacked
+    // q|k|v), bf16 judged by the floor of e4m3 activations (ops/gemm.rs). 1000 outputs are not
+    // a multiple of 16 (the device pads the codes); 300 rows, a full block of the amax pass.
+    for scales in [Fp8::Tensor, Fp8::Rows] {
+        for (k, n) in [(512, 256), (1024, 1000)] {
+            t.add(matmul(1, k, n).fp8(scales));
+            t.add(matmul(7, k, n).fp8(scales).to(Compute));
+            t.add(matmul(300, k, n).alpha(0.75).fp8(scales));
+        }
+    }
+    t.add(matmul(7, 512, 256).fp8(Fp8::Tensor).accumulate());
+    t.add(matmul(300, 1024, 1000).fp8(Fp8::Rows).accumulate());
+    t.add(matmul(300, 512, 256).fp8(Fp8::Tensor).bias().act(Silu)); // Z-Image t_embedder
+    t.add(
+        matmul(7, 1024, 1000)
+            .fp8(Fp8::Rows)
+            .bias()
+            .act(GeluTanh)
+            .to(Compute),
+    );
+    t.add(matmul(33, 512, 256).fp8(Fp8::Rows).tanh_gate().accumulate()); // DiT: h += tanh(g) ⊙ (a · W_oᵀ)
+    // Stacked per-tensor parts (a scaled file's gate|up): 128|128 rows, a product per part
+    // straight into the output; 500|500, one product and the column scales.
+    t.add(matmul(300, 512, 256).fp8(Fp8::Parts).to(Compute));
+    t.add(matmul(7, 1024, 1000).fp8(Fp8::Parts).accumulate());
 
     // Decoding's products (up to 16 bf16 rows: the GEMV kernel, 8-wide chunks of k spread over
     // a CTA's threads, four weight rows a CTA): LFM2's 1024-wide rows and 4608-wide MLP down

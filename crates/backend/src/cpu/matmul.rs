@@ -176,6 +176,11 @@ pub(super) fn product_rows(
             });
             return;
         }
+        MatStore::Quant(q) if q.e4m3_activations() => {
+            let xr = quant::round_e4m3(x, xs, m, k);
+            quant::product_exact(&xr, k, m, q, (n, k), dst, ds, alpha, accumulate, par);
+            return;
+        }
         MatStore::Quant(q) if q.int8() => {
             int8::product(x, xs, m, q, (n, k), dst, ds, alpha, accumulate, par);
             return;

@@ -53,6 +53,8 @@ pub struct CpuBackend {
     budget: Option<usize>,
     /// Quantization at load (`--quantize`) and the products on quantized weights.
     quant: Quantization,
+    /// Products on FP8 weights round their activations as CUDA's do (tests' floor reference).
+    e4m3_activations: bool,
 }
 
 impl CpuBackend {
@@ -74,6 +76,17 @@ impl CpuBackend {
     /// block-format weights exact or with int8 activations ([`Quantization::int8`]).
     pub fn quantizing(self, quant: Quantization) -> Self {
         CpuBackend { quant, ..self }
+    }
+
+    /// The same backend with products on FP8 weights first rounding their activations as
+    /// CUDA's FP8 products do: to bf16, then to e4m3 with one scale `amax / 448` per product
+    /// (`quant::round_e4m3`). Never a mode of the engine: the floor reference that CUDA's FP8
+    /// runs are judged against (with [`Precision::Bf16`], every other rounding of a bf16 device).
+    pub fn rounding_fp8_activations(self) -> Self {
+        CpuBackend {
+            e4m3_activations: true,
+            ..self
+        }
     }
 
     /// A backend that also records every op it runs, so a test can check that a model's
@@ -499,7 +512,10 @@ impl Backend for CpuBackend {
         {
             let m = quant::quantize_stack(parts, q, (out, inner))?;
             return Ok(CpuMat {
-                store: MatStore::Quant(m.with_int8(self.quant.int8)),
+                store: MatStore::Quant(
+                    m.with_int8(self.quant.int8)
+                        .with_e4m3_activations(self.e4m3_activations),
+                ),
                 out,
                 inner,
             });
@@ -518,7 +534,10 @@ impl Backend for CpuBackend {
             }
             let (q, out, inner) = quant::QuantMat::stack(parts)?;
             return Ok(CpuMat {
-                store: MatStore::Quant(q.with_int8(self.quant.int8)),
+                store: MatStore::Quant(
+                    q.with_int8(self.quant.int8)
+                        .with_e4m3_activations(self.e4m3_activations),
+                ),
                 out,
                 inner,
             });

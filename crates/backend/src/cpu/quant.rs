@@ -31,6 +31,9 @@ pub struct QuantMat {
     row_bytes: usize,
     /// Products take int8 activations (`int8.rs`) rather than decoding the weights to f32.
     int8: bool,
+    /// FP8 only: products first round their activations as CUDA's FP8 products do
+    /// ([`round_e4m3`]), for the floor reference of the CUDA tests.
+    e4m3: bool,
 }
 
 impl QuantMat {
@@ -69,6 +72,7 @@ impl QuantMat {
                 scales,
                 row_bytes,
                 int8: false,
+                e4m3: false,
             },
             out,
             inner,
@@ -84,6 +88,7 @@ impl QuantMat {
             scales: Vec::new(),
             row_bytes,
             int8: false,
+            e4m3: false,
         }
     }
 
@@ -99,6 +104,25 @@ impl QuantMat {
     /// Whether products take int8 activations.
     pub fn int8(&self) -> bool {
         self.int8
+    }
+
+    /// The same matrix, its products rounding their activations to e4m3 first when `e4m3` and
+    /// it is FP8 ([`round_e4m3`]); exact otherwise.
+    pub(super) fn with_e4m3_activations(self, e4m3: bool) -> Self {
+        QuantMat {
+            e4m3: e4m3 && self.dtype == DType::F8_E4M3,
+            ..self
+        }
+    }
+
+    /// Whether products round their activations to e4m3 first.
+    pub fn e4m3_activations(&self) -> bool {
+        self.e4m3
+    }
+
+    /// Every row's blocks (FP8: codes), row after row.
+    pub fn blocks(&self) -> &[u8] {
+        &self.blocks
     }
 
     /// Row `j`'s blocks.
@@ -142,7 +166,7 @@ impl QuantMat {
 /// blocks of `q` a row at a time, as llama.cpp's reference quantizers round
 /// (`tessera_core::gguf::quantize`), or to FP8 with a scale per row; no `f32` copy of the
 /// matrix is made.
-pub(super) fn quantize_stack(
+pub(crate) fn quantize_stack(
     parts: &[Tensor<'_>],
     q: DType,
     (out, inner): (usize, usize),
@@ -178,6 +202,7 @@ pub(super) fn quantize_stack(
         scales: Vec::new(),
         row_bytes,
         int8: false,
+        e4m3: false,
     })
 }
 
@@ -221,7 +246,29 @@ fn quantize_fp8(parts: &[Tensor<'_>], (out, inner): (usize, usize)) -> Result<Qu
         scales,
         row_bytes: inner,
         int8: false,
+        e4m3: false,
     })
+}
+
+/// `m` rows of `k` of `x` (at stride `xs`) as CUDA's FP8 products see them, packed: each value
+/// rounded to bf16 (a CUDA compute buffer), then to e4m3 with one scale for the whole product,
+/// `s = amax / 448` (1 when every value is 0), and multiplied back by `s`. The CPU's exact
+/// products never do this; it is the floor reference the CUDA FP8 tests judge against.
+pub(super) fn round_e4m3(x: &[f32], xs: usize, m: usize, k: usize) -> Vec<f32> {
+    let mut out: Vec<f32> = (0..m)
+        .flat_map(|r| x[r * xs..r * xs + k].iter())
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    let amax = out.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let s = if amax == 0.0 {
+        1.0
+    } else {
+        amax / tessera_core::fp8::E4M3_MAX
+    };
+    for v in &mut out {
+        *v = tessera_core::fp8::to_f32(tessera_core::fp8::from_f32(*v / s)) * s;
+    }
+    out
 }
 
 thread_local! {
@@ -409,6 +456,71 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    /// With `rounding_fp8_activations` (the CUDA tests' floor reference), products on FP8
+    /// weights take the activations rounded to bf16 and then to e4m3 with one scale for the
+    /// whole product, amax / 448: within 1e-5 of a float64 product on activations rounded so
+    /// here, and clearly off the exact product; other matrices are untouched.
+    #[test]
+    fn e4m3_activations_round_once_per_product_as_cuda_does() {
+        use tessera_core::fp8;
+        let (n, k, m) = (70, 96, 9);
+        let mut rng = Rng::new(3);
+        let w = rng.vec(n * k, 0.1);
+        let scales: Vec<f32> = w.chunks(k).map(|r| fp8::row_scale(r).unwrap()).collect();
+        let mut codes = vec![0u8; n * k];
+        for ((r, c), &s) in w.chunks(k).zip(codes.chunks_mut(k)).zip(&scales) {
+            fp8::quantize_row(r, s, c);
+        }
+        let mut t = tensor(DType::F8_E4M3, [n, k], codes);
+        t.scale = Some(Scale::Rows(scales));
+        let decoded = t.to_f32();
+        let x: Vec<f32> = Rng::new(4).vec(m * k, 3.0);
+        let floor_be = CpuBackend::new().rounding_fp8_activations();
+        let got = product(
+            &floor_be,
+            &floor_be.matrix(std::slice::from_ref(&t)).unwrap(),
+            &x,
+            m,
+        );
+        let exact = product(
+            &cpu(),
+            &cpu().matrix(std::slice::from_ref(&t)).unwrap(),
+            &x,
+            m,
+        );
+        // Rounded here independently: bf16, then e4m3 with s = amax / 448 over all m rows.
+        let bf: Vec<f32> = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let s = fp8::row_scale(&bf).unwrap();
+        let xr: Vec<f64> = bf
+            .iter()
+            .map(|&v| fp8::to_f32(fp8::from_f32(v / s)) as f64 * s as f64)
+            .collect();
+        let mut off = 0f64;
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|t| xr[i * k + t] * decoded[j * k + t] as f64)
+                    .sum();
+                let what = format!("e4m3 activations [{i},{j}]");
+                assert_close(got[i * n + j], 0.5 * dot, 1e-5, &what);
+                off = off.max((got[i * n + j] - exact[i * n + j]).abs() as f64);
+            }
+        }
+        assert!(
+            off > 1e-3,
+            "rounding the activations changed nothing ({off:e})"
+        );
+        // A dense matrix's product is not rounded.
+        let dense = floor_be.matrix_f32(&[(&w, n)], k).unwrap();
+        assert_eq!(
+            product(&floor_be, &dense, &x, m),
+            product(&cpu(), &cpu().matrix_f32(&[(&w, n)], k).unwrap(), &x, m)
+        );
     }
 
     /// FP8 matrices with per-tensor and per-row scales, stacked (q|k|v-like), give

@@ -104,6 +104,8 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         workspaces: Mutex::new(Default::default()),
         staging: Mutex::new(Vec::new()),
         profiler,
+        fp8_at_load: false,
+        fp8: Mutex::new(None),
         name,
         arch,
         sm_count,
@@ -111,6 +113,16 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
 }
 
 impl CudaBackend {
+    /// Weights quantized at load as `quant.at_load` asks: FP8 (`--quantize fp8`) uploads float
+    /// matrices as e4m3 codes with a scale per row, rounded as the CPU rounds them; the block
+    /// formats have no CUDA products yet and are declined by `supports` before anything loads.
+    pub fn quantizing(self, quant: crate::Quantization) -> Self {
+        CudaBackend {
+            fp8_at_load: quant.at_load == Some(tessera_core::DType::F8_E4M3),
+            ..self
+        }
+    }
+
     pub fn device_name(&self) -> &str {
         &self.name
     }
@@ -124,10 +136,15 @@ impl CudaBackend {
         self.ctx.mem_get_info().map_err(drv("memory info"))
     }
 
-    /// `cuda:N NAME (ARCH, PRECISION)`.
+    /// `cuda:N NAME (ARCH, PRECISION)`, and what `--quantize fp8` does here when given.
     pub fn describe_device(&self) -> String {
+        let fp8 = match (self.fp8_at_load, self.precision) {
+            (false, _) => "",
+            (true, crate::Precision::Bf16) => "; FP8 weights quantized at load, FP8 products",
+            (true, crate::Precision::F32) => "; FP8 weights quantized at load, decoded to f32",
+        };
         format!(
-            "cuda:{} {} ({}, {})",
+            "cuda:{} {} ({}, {}{fp8})",
             self.ctx.ordinal(),
             self.name,
             self.arch,

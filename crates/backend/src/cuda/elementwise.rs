@@ -45,6 +45,15 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `epilogue_scaled_{y}_{o}`: the epilogue with each column first multiplied by `cs[c]` (an
+    /// FP8 weight's per-row scales).
+    pub(super) struct ScaledEpilogueArgs {
+        y: DevPtr, ys: i64, o: DevPtr, os: i64, rows: i64, cols: i32, cs: DevPtr, bias: DevPtr,
+        act: i32, g: DevPtr, gs: i64, tanh: i32, accumulate: i32,
+    }
+}
+
 kernel_table! {
     /// The kernels of elementwise.cu.
     pub(super) struct ElementwiseKernels from "elementwise.cu" {
@@ -57,6 +66,8 @@ kernel_table! {
         segment_mean: ByElem<SegmentMeanArgs> = "segment_mean_{}",
         /// A product's bias, activation, gate and accumulation (`y` may be `o`: in place).
         epilogue: ByPair<EpilogueArgs> = "epilogue_{}_{}",
+        /// The same after a product on FP8 weights with a scale per row.
+        epilogue_scaled: ByPair<ScaledEpilogueArgs> = "epilogue_scaled_{}_{}",
     }
 }
 

@@ -493,7 +493,10 @@ pub(super) fn product(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    let MatFormat::Dense(ab) = w.format;
+    let ab = match w.format {
+        MatFormat::Dense(ab) => ab,
+        MatFormat::Fp8 => return super::fp8::product(be, x, r0, rows, w, into, alpha, beta),
+    };
     if x.elem != ab {
         return Err(Error::backend(
             "matmul",
@@ -576,6 +579,9 @@ pub(super) fn matmul(
     out: ViewMut<'_, CudaBackend>,
     ep: &Epilogue<'_, CudaBackend>,
 ) -> Result<()> {
+    if w.format == MatFormat::Fp8 {
+        return super::fp8::matmul(be, x, w, out, ep);
+    }
     check_product(&x, (w.out, w.inner), &out)?;
     let post = Post::of(ep, &out)?;
     if x.rows == 0 || w.out == 0 {

@@ -53,11 +53,14 @@ fn threads(k: usize) -> u32 {
     (k / 8).next_multiple_of(32).clamp(32, 256) as u32
 }
 
-/// Whether `rows` rows of `x` times `w` into `into` can take the kernel: bf16 operands, 1 to
+/// Whether `rows` rows of `x` times `w` into `into` can take the kernel: bf16 operands (a dense
+/// weight), 1 to
 /// [`MAX_ROWS`] rows, k a positive multiple of 8, x's first row, its row stride and the weight
 /// 16-byte aligned, and every size an `int`.
 pub(super) fn applies(x: Rows, x0: DevPtr, rows: usize, w: &CudaMat, into: Rows) -> bool {
-    let MatFormat::Dense(ab) = w.format;
+    let MatFormat::Dense(ab) = w.format else {
+        return false;
+    };
     let aligned = |p: DevPtr| p.0.is_multiple_of(16);
     let fits = |v: usize| i32::try_from(v).is_ok();
     ab == Elem::Bf16

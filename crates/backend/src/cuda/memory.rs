@@ -67,11 +67,14 @@ impl CudaBuf {
 
 /// How a weight matrix is stored on the device; the matrix product dispatches on it.
 ///
-/// Dense today, in the compute dtype. Quantized weights (FP8 e4m3 with per-block scales, int8
-/// and q4 blocks) become further variants carrying their scales, each with its own product.
+/// Dense, in the compute dtype; or FP8 e4m3 codes as stored, with their scales
+/// ([`CudaMat::fp8`], products in `fp8.rs`). Block formats (int8 and q4 blocks) become further
+/// variants, each with its own product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatFormat {
     Dense(Elem),
+    /// e4m3 codes `[out rounded up to 16, inner]`, four to a `u32` word of the buffer.
+    Fp8,
 }
 
 /// A weight matrix `[out, inner]`.
@@ -80,6 +83,8 @@ pub struct CudaMat {
     pub(super) out: usize,
     pub(super) inner: usize,
     pub(super) format: MatFormat,
+    /// An FP8 matrix's scales.
+    pub(super) fp8: Option<super::fp8::Fp8Scales>,
 }
 
 /// An embedding table `[rows, dim]` in the compute dtype.
@@ -165,7 +170,7 @@ impl CudaBackend {
     }
 
     /// Copy `bytes` into `dst` from byte `at`.
-    fn write_bytes_at(&self, dst: &mut CudaBuf, at: usize, bytes: &[u8]) -> Result<()> {
+    pub(super) fn write_bytes_at(&self, dst: &mut CudaBuf, at: usize, bytes: &[u8]) -> Result<()> {
         if at + bytes.len() > dst.len * dst.elem.size() {
             return Err(Error::backend("write", "source longer than the buffer"));
         }
@@ -179,11 +184,18 @@ impl CudaBackend {
     }
 
     pub(super) fn write_f32_to(&self, dst: &mut CudaBuf, src: &[f32]) -> Result<()> {
+        self.write_f32_at(dst, 0, src)
+    }
+
+    /// Copy `src` into `dst` from element `start`, converted to `dst`'s element type.
+    pub(super) fn write_f32_at(&self, dst: &mut CudaBuf, start: usize, src: &[f32]) -> Result<()> {
         if dst.elem == Elem::U32 {
             return Err(Error::backend("write_f32", "index buffer"));
         }
         let elem = dst.elem;
-        with_device_bytes(src, elem, |bytes| self.write_bytes(dst, bytes))
+        with_device_bytes(src, elem, |bytes| {
+            self.write_bytes_at(dst, start * elem.size(), bytes)
+        })
     }
 
     /// Bytes → the device element type through a 256-entry table, each part on its own core,
@@ -284,9 +296,14 @@ impl CudaBackend {
     /// Weight matrices `[out_i, inner]` stacked along `out`, uploaded in the compute dtype
     /// straight from their stored bytes: a part already in that dtype is copied as it is (a bf16
     /// checkpoint under bf16), any other is converted on the host a slice at a time, so no
-    /// whole-matrix host copy (least of all an `f32` one) is ever made.
+    /// whole-matrix host copy (least of all an `f32` one) is ever made. FP8 parts, and float
+    /// parts under `--quantize fp8`, go up as FP8 codes ([`super::fp8::upload`]).
     pub(super) fn upload_matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
         let (out, inner) = crate::stacked_shape(parts)?;
+        let quantize = self.fp8_at_load && out > 0 && parts.iter().all(|t| !t.dtype.is_quantized());
+        if quantize || parts.iter().any(|t| t.dtype == DType::F8_E4M3) {
+            return super::fp8::upload(self, parts, quantize);
+        }
         let elem = self.compute_elem();
         let mut buf = self.alloc_buf(out * inner, Role::Compute)?;
         let mut at = 0;
@@ -299,6 +316,7 @@ impl CudaBackend {
             out,
             inner,
             format: MatFormat::Dense(elem),
+            fp8: None,
         })
     }
 

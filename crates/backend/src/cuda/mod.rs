@@ -30,6 +30,7 @@ mod bench;
 mod device;
 mod elementwise;
 mod errors;
+mod fp8;
 mod gemm;
 mod gemv;
 mod graph;
@@ -78,6 +79,10 @@ pub struct CudaBackend {
     /// Host staging for converted uploads (`write_u8_mapped`), 4-byte words, reused.
     staging: Mutex<Vec<u32>>,
     profiler: Option<Profiler>,
+    /// `--quantize fp8`: float matrices go up as FP8 codes with a scale per row.
+    fp8_at_load: bool,
+    /// The FP8 products' cuBLASLt state, made with the first FP8 matrix.
+    fp8: Mutex<Option<Arc<fp8::Fp8Gemm>>>,
     name: String,
     arch: String,
     sm_count: u32,

@@ -81,6 +81,12 @@ pub const SOURCES: &[Source] = &[
         headers: &[FLASH],
         sm90a_only: true,
     },
+    Source {
+        name: "fp8.cu",
+        text: include_str!("kernels/fp8.cu"),
+        headers: &[],
+        sm90a_only: true,
+    },
 ];
 
 /// The full translation unit NVRTC sees for `src`.

@@ -1,9 +1,9 @@
 //! What the CUDA backend runs ([`Backend::supports`]): the one place that decides, asked by
 //! models before they load and by every op on entry.
 //!
-//! Every op has a kernel; what is declined is products on quantized (block-format or FP8)
-//! weights, the erf GELU outside a product epilogue, and head widths no attention kernel takes.
-//! Each message says so.
+//! Every op has a kernel; what is declined is products on block-format weights, products on FP8
+//! weights under bf16 off Hopper, the erf GELU outside a product epilogue, and head widths no
+//! attention kernel takes. Each message says so.
 //!
 //! [`Backend::supports`]: crate::Backend::supports
 
@@ -26,12 +26,7 @@ impl CudaBackend {
             Op::Matmul(MatmulOp {
                 quantized: Some(tessera_core::DType::F8_E4M3),
                 ..
-            }) => Err(Error::Device(
-                "products on FP8 (F8_E4M3) weights are not implemented on CUDA yet (cuBLASLt's \
-                 FP8 GEMMs come later): run on the CPU (--device cpu), or give a bf16 file \
-                 or no --quantize fp8"
-                    .into(),
-            )),
+            }) => self.fp8_supported(),
             Op::Matmul(MatmulOp {
                 quantized: Some(q), ..
             }) => Err(Error::Device(format!(
@@ -70,6 +65,20 @@ impl CudaBackend {
             }
             Op::Attention(a) => self.attention_supported(a),
         }
+    }
+
+    /// FP8 products: cuBLASLt's FP8 GEMMs under bf16 (sm_90a); under f32, the exact mode, the
+    /// weights are decoded to f32 at upload and the products are the dense f32 ones.
+    fn fp8_supported(&self) -> Result<()> {
+        if self.precision == Precision::F32 || self.has_fp8() {
+            return Ok(());
+        }
+        Err(Error::Device(format!(
+            "products on FP8 (F8_E4M3) weights run on Hopper (sm_90a) under bf16, and this device \
+             is {}: run with --precision f32 (the weights decoded to f32), on the CPU \
+             (--device cpu), or with a bf16 file / without --quantize fp8",
+            self.arch
+        )))
     }
 
     /// [`check`](Self::check) on an op's entry: a refusal names the op and the device.

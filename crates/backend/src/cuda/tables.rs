@@ -10,6 +10,7 @@ use tessera_core::{Error, Result};
 
 use super::attention::{self, AttentionKernels, Sm90Kernels};
 use super::elementwise::ElementwiseKernels;
+use super::fp8::Fp8Kernels;
 use super::gemv::GemvKernels;
 use super::image::ImageKernels;
 use super::launch::{KernelTable, Signature};
@@ -29,6 +30,8 @@ pub struct Kernels {
     pub attention: AttentionKernels,
     /// attention_sm90.cu, built for sm_90a alone.
     pub sm90: Option<Sm90Kernels>,
+    /// fp8.cu (activations to e4m3 for FP8 products), built for sm_90a alone.
+    pub fp8: Option<Fp8Kernels>,
 }
 
 impl Kernels {
@@ -43,6 +46,7 @@ impl Kernels {
             gemv: required(ctx, arch)?,
             attention: required(ctx, arch)?,
             sm90: table(ctx, arch)?,
+            fp8: table(ctx, arch)?,
         };
         attention::reserve_shared_memory(&kernels.attention, kernels.sm90.as_ref())?;
         Ok(kernels)
@@ -87,6 +91,7 @@ pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
         of::<GemvKernels>(),
         of::<AttentionKernels>(),
         of::<Sm90Kernels>(),
+        of::<Fp8Kernels>(),
     ]
 }
 

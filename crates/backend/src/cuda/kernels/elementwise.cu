@@ -113,18 +113,20 @@ GATED_VEC(bf16, 0, gated_vec_gelu_bf16)
 GATED_VEC(float, 1, gated_vec_silu_f32)
 GATED_VEC(bf16, 1, gated_vec_silu_bf16)
 
-// After a product: o = [o +] g ⊙ act(y + bias) over rows × cols, grid-stride. act −1 none, 0 GELU
+// After a product: o = [o +] g ⊙ act(y · cs + bias) over rows × cols, grid-stride. cs null: no
+// column scale (else an FP8 weight's per-row scales, one per output column); act −1 none, 0 GELU
 // (tanh), 1 SiLU, 2 GELU (erf); g null: no gate, gs 0: one broadcast gate row, tanh: multiply by tanh(g). `y` may
 // alias `o` (in place): each element is read before it is written, by the same thread.
 template <typename TY, typename TO>
 __device__ __forceinline__ void epilogue_impl(const TY* y, long ys, TO* o, long os, long rows, int cols,
-                                              const float* bias, int act, const float* g, long gs, int tanh_g,
-                                              int accumulate) {
+                                              const float* cs, const float* bias, int act, const float* g,
+                                              long gs, int tanh_g, int accumulate) {
     const long n = rows * cols;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const long r = i / cols;
         const int c = (int)(i - r * cols);
         float v = to_f(y[r * ys + c]);
+        if (cs) v *= cs[c];
         if (bias) v += bias[c];
         if (act == 0) v = gelu_tanh(v);
         else if (act == 1) v = silu(v);
@@ -141,9 +143,21 @@ __device__ __forceinline__ void epilogue_impl(const TY* y, long ys, TO* o, long 
 #define EPILOGUE(TY, TO, NAME)                                                                            \
     extern "C" __global__ void NAME(const TY* y, long ys, TO* o, long os, long rows, int cols, const float* bias, \
                                     int act, const float* g, long gs, int tanh_g, int accumulate) {        \
-        epilogue_impl<TY, TO>(y, ys, o, os, rows, cols, bias, act, g, gs, tanh_g, accumulate);             \
+        epilogue_impl<TY, TO>(y, ys, o, os, rows, cols, nullptr, bias, act, g, gs, tanh_g, accumulate);    \
     }
 EPILOGUE(float, float, epilogue_f32_f32)
 EPILOGUE(float, bf16, epilogue_f32_bf16)
 EPILOGUE(bf16, float, epilogue_bf16_f32)
 EPILOGUE(bf16, bf16, epilogue_bf16_bf16)
+
+// The epilogue with a column scale first (FP8 products on weights with a scale per row).
+#define EPILOGUE_SCALED(TY, TO, NAME)                                                                     \
+    extern "C" __global__ void NAME(const TY* y, long ys, TO* o, long os, long rows, int cols, const float* cs, \
+                                    const float* bias, int act, const float* g, long gs, int tanh_g,       \
+                                    int accumulate) {                                                      \
+        epilogue_impl<TY, TO>(y, ys, o, os, rows, cols, cs, bias, act, g, gs, tanh_g, accumulate);         \
+    }
+EPILOGUE_SCALED(float, float, epilogue_scaled_f32_f32)
+EPILOGUE_SCALED(float, bf16, epilogue_scaled_f32_bf16)
+EPILOGUE_SCALED(bf16, float, epilogue_scaled_bf16_f32)
+EPILOGUE_SCALED(bf16, bf16, epilogue_scaled_bf16_bf16)

@@ -1,0 +1,788 @@
+//! Products on FP8 e4m3 weights (issue #31): cuBLASLt's FP8 GEMMs on Hopper, weights kept as
+//! their stored codes.
+//!
+//! - Weights: the codes `[n, k]` as stored (row-major, one byte each; rows padded with zero codes
+//!   to a multiple of 16 so every operand is 16-byte aligned), and their scales: one for the
+//!   tensor, which cuBLASLt applies as A's scale; one per stacked part of a per-tensor file
+//!   (q|k|v, gate|up), each part then its own product with its scale as A's; or one per row
+//!   (per-channel files, `--quantize fp8`), applied to the output columns by the epilogue kernel
+//!   (`epilogue_scaled_*`) with A's scale 1.
+//! - Activations (bf16) are rounded to e4m3 on the device with one scale per product,
+//!   `amax / 448` (kernels/fp8.cu: a block-max pass, then scale-and-convert), which cuBLASLt
+//!   applies as B's scale. A product larger than the activation buffer ([`ACT_BYTES`]) takes a
+//!   scale per block of rows.
+//! - One cuBLASLt matmul, "TN" as FP8 requires (the weight is the transposed operand, both
+//!   operands' `k` contiguous, `k` a multiple of 16), f32 compute with fast accumulation off so
+//!   every partial sum is f32, into the output (a per-tensor scale, no epilogue, aligned output)
+//!   or into the f32 product workspace a block of rows at a time, then the epilogue.
+//!
+//! Under [`Precision::F32`] (the exact mode) FP8 weights are decoded to f32 at upload (code ×
+//! scale, as the CPU decodes them), so products equal the CPU's; FP8 products run under bf16.
+//! A matrix whose rows are not a multiple of 16 wide cannot be an FP8 operand; under bf16 it is
+//! decoded to bf16 at upload.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::sys as lt;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use tessera_core::{DType, Error, Result, Tensor};
+
+use super::elementwise::ScaledEpilogueArgs;
+use super::gemm::{Rows, act_code};
+use super::launch::{DevPtr, Kernel, cfg, kernel_args, kernel_table};
+use super::memory::{Workspace, ptr_of};
+use super::{CudaBackend, CudaBuf, CudaMat, Elem, MatFormat};
+use crate::cpu::quant::{QuantMat, quantize_stack};
+use crate::op::check_product;
+use crate::{Epilogue, Precision, Role, View, ViewMut};
+
+kernel_args! {
+    /// `fp8_amax_bf16`: each block's largest |x| into `part[block]`.
+    pub(super) struct AmaxArgs {
+        x: DevPtr, xs: i64, rows: i64, cols: i32, part: DevPtr,
+    }
+}
+
+kernel_args! {
+    /// `fp8_quantize_bf16`: `s = max(part) / 448`, `q = e4m3(x / s)` packed, `*scale = s`.
+    pub(super) struct QuantizeArgs {
+        x: DevPtr, xs: i64, rows: i64, cols: i32, part: DevPtr, parts: i32, q: DevPtr,
+        scale: DevPtr,
+    }
+}
+
+kernel_table! {
+    /// The kernels of fp8.cu (sm_90a).
+    pub(super) struct Fp8Kernels from "fp8.cu" {
+        amax: Kernel<AmaxArgs> = "fp8_amax_bf16",
+        quantize: Kernel<QuantizeArgs> = "fp8_quantize_bf16",
+    }
+}
+
+/// The activation codes of one product (or block of rows): 64 MiB, a 1024² Z-Image step's
+/// widest input (≈4,600 tokens × 10,240) in one piece.
+const ACT_BYTES: usize = 64 << 20;
+
+/// Blocks of the amax pass at most (each leaves one partial maximum).
+const PARTS: usize = 1024;
+
+/// cuBLASLt scratch space, as the dense products have.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// FP8 operands need 16-byte rows and 16-byte-aligned addresses.
+const ALIGN: usize = 16;
+
+/// Runs of rows with one scale each at most this many are multiplied run by run, each with its
+/// scale as A's: stacked per-tensor parts (q|k|v, gate|up) need no epilogue then.
+const MAX_RUNS: usize = 8;
+
+/// Rows `start..start + len` of an FP8 matrix sharing one scale (one f32 on the device).
+struct Run {
+    start: usize,
+    len: usize,
+    scale: CudaBuf,
+}
+
+/// An FP8 matrix's scales on the device.
+pub struct Fp8Scales {
+    /// Runs of rows sharing a scale: one for a per-tensor scale, one per stacked part of a
+    /// per-tensor file; none when there are more than [`MAX_RUNS`] (per-row scales).
+    runs: Vec<Run>,
+    /// A's scale when one product covers every row: the single run's scale, else 1 (with `rows`).
+    whole: CudaBuf,
+    /// One scale per row (output column) when they differ, applied by the epilogue.
+    rows: Option<CudaBuf>,
+    /// Rows in the code buffer: `out` rounded up to a multiple of 16 (zero codes after `out`).
+    padded: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct PlanKey {
+    m: u64,
+    n: u64,
+    k: u64,
+    ldd: i64,
+    d: Elem,
+    accumulate: bool,
+}
+
+struct Plan {
+    desc: lt::cublasLtMatmulDesc_t,
+    a: lt::cublasLtMatrixLayout_t,
+    b: lt::cublasLtMatrixLayout_t,
+    d: lt::cublasLtMatrixLayout_t,
+    algo: lt::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created by cuBLASLt for this plan and is destroyed once (a
+        // null one, from a failed creation, is ignored by cuBLASLt).
+        unsafe {
+            lt::cublasLtMatrixLayoutDestroy(self.a);
+            lt::cublasLtMatrixLayoutDestroy(self.b);
+            lt::cublasLtMatrixLayoutDestroy(self.d);
+            lt::cublasLtMatmulDescDestroy(self.desc);
+        }
+    }
+}
+
+/// cuBLASLt state and device buffers of the FP8 products, made with the first FP8 matrix (at
+/// load, never inside a graph capture) and kept until the backend goes: graphs captured with
+/// their addresses stay valid.
+pub(super) struct Fp8Gemm {
+    handle: lt::cublasLtHandle_t,
+    _workspace: CudaSlice<u8>,
+    workspace: u64,
+    /// The activation codes, [`ACT_BYTES`].
+    _act: CudaSlice<u8>,
+    act: u64,
+    /// The amax pass's block maxima, [`PARTS`] f32.
+    _parts: CudaSlice<u8>,
+    parts: u64,
+    /// The activation scale (one f32), B's scale pointer in every plan.
+    _scale: CudaSlice<u8>,
+    scale: u64,
+    /// Each shape's plan, or why cuBLASLt has none (kept, so a shape is asked about once).
+    plans: Mutex<HashMap<PlanKey, std::result::Result<Plan, String>>>,
+}
+
+// SAFETY: as for the dense products' `Gemm`: plain cuBLASLt handles, every use of the plans
+// under the `plans` lock (which also orders setting A's scale pointer before its launch).
+unsafe impl Send for Fp8Gemm {}
+unsafe impl Sync for Fp8Gemm {}
+
+fn check(op: &str, s: lt::cublasStatus_t) -> Result<()> {
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::backend(
+            format!("cuBLASLt FP8 {op}"),
+            format!("{s:?}"),
+        ))
+    }
+}
+
+fn layout(
+    t: lt::cudaDataType,
+    rows: u64,
+    cols: u64,
+    ld: i64,
+) -> Result<lt::cublasLtMatrixLayout_t> {
+    let mut l = std::ptr::null_mut();
+    // SAFETY: out-parameter only.
+    check("layout", unsafe {
+        lt::cublasLtMatrixLayoutCreate(&mut l, t, rows, cols, ld)
+    })?;
+    Ok(l)
+}
+
+fn out_type(e: Elem) -> Result<lt::cudaDataType> {
+    match e {
+        Elem::Bf16 => Ok(lt::cudaDataType::CUDA_R_16BF),
+        Elem::F32 => Ok(lt::cudaDataType::CUDA_R_32F),
+        Elem::U32 => Err(Error::backend(
+            "fp8 matmul",
+            "an index buffer as the output",
+        )),
+    }
+}
+
+/// A descriptor attribute from `v`'s bytes.
+fn set_attr<T>(
+    desc: lt::cublasLtMatmulDesc_t,
+    attr: lt::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<()> {
+    // SAFETY: `desc` is live; cuBLASLt copies `size_of::<T>()` bytes from `v`, the attribute's
+    // own type (i32 for the operations and fast accumulation, a device pointer for the scales).
+    check("desc attribute", unsafe {
+        lt::cublasLtMatmulDescSetAttribute(
+            desc,
+            attr,
+            (v as *const T).cast(),
+            std::mem::size_of::<T>(),
+        )
+    })
+}
+
+fn device_bytes(stream: &Arc<CudaStream>, bytes: usize) -> Result<(CudaSlice<u8>, u64)> {
+    let mem = stream
+        .alloc_zeros::<u8>(bytes)
+        .map_err(|e| Error::backend("fp8 buffers", e))?;
+    let ptr = mem.device_ptr(stream).0;
+    Ok((mem, ptr))
+}
+
+impl Fp8Gemm {
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: out-parameter only.
+        check("create", unsafe { lt::cublasLtCreate(&mut handle) })?;
+        let (_workspace, workspace) = device_bytes(stream, WORKSPACE_BYTES)?;
+        let (_act, act) = device_bytes(stream, ACT_BYTES)?;
+        let (_parts, parts) = device_bytes(stream, PARTS * 4)?;
+        let (_scale, scale) = device_bytes(stream, 4)?;
+        Ok(Fp8Gemm {
+            handle,
+            _workspace,
+            workspace,
+            _act,
+            act,
+            _parts,
+            parts,
+            _scale,
+            scale,
+            plans: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn plan(&self, key: PlanKey) -> Result<Plan> {
+        use lt::cublasLtMatmulDescAttributes_t as A;
+        let mut desc = std::ptr::null_mut();
+        // SAFETY: out-parameter only.
+        check("desc", unsafe {
+            lt::cublasLtMatmulDescCreate(
+                &mut desc,
+                lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                lt::cudaDataType::CUDA_R_32F,
+            )
+        })?;
+        let mut plan = Plan {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            d: std::ptr::null_mut(),
+            // SAFETY: plain-old-data, replaced by the heuristic's choice below before use.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        set_attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
+        set_attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?; // CUBLAS_OP_N
+        // Every partial sum in f32 (Hopper's fast FP8 accumulation keeps fewer bits).
+        set_attr(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &0i8)?;
+        // A's is set per launch (each weight's own); B's is always the activation scale.
+        set_attr(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &self.scale)?;
+        set_attr(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &self.scale)?;
+        let e4m3 = lt::cudaDataType::CUDA_R_8F_E4M3;
+        // Column-major: A = W viewed as [k, n] (ld k), B = the activation codes as [k, m]
+        // (ld k), C = D = outᵀ as [n, m].
+        plan.a = layout(e4m3, key.k, key.n, key.k as i64)?;
+        plan.b = layout(e4m3, key.k, key.m, key.k as i64)?;
+        plan.d = layout(out_type(key.d)?, key.n, key.m, key.ldd)?;
+        let mut pref = std::ptr::null_mut();
+        // SAFETY: out-parameter only.
+        check("preference", unsafe {
+            lt::cublasLtMatmulPreferenceCreate(&mut pref)
+        })?;
+        let ws = WORKSPACE_BYTES as u64;
+        // SAFETY: `pref` is live; the attribute is a u64 read from `ws`.
+        let r = unsafe {
+            lt::cublasLtMatmulPreferenceSetAttribute(
+                pref,
+                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const u64).cast(),
+                8,
+            )
+        };
+        // SAFETY: plain-old-data, filled by the heuristic.
+        let mut result: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let mut count = 0;
+        let heur = if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            // SAFETY: all descriptors are live; one result slot is provided.
+            unsafe {
+                lt::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    plan.desc,
+                    plan.a,
+                    plan.b,
+                    plan.d,
+                    plan.d,
+                    pref,
+                    1,
+                    &mut result,
+                    &mut count,
+                )
+            }
+        } else {
+            r
+        };
+        // SAFETY: `pref` was created above and is destroyed once.
+        unsafe { lt::cublasLtMatmulPreferenceDestroy(pref) };
+        check("heuristic", heur)?;
+        if count == 0 || result.state != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(Error::backend(
+                "cuBLASLt FP8 heuristic",
+                format!("no algorithm for {key:?}"),
+            ));
+        }
+        plan.algo = result.algo;
+        Ok(plan)
+    }
+
+    /// Enqueue `d[m, n] (= or +=) α · s_w · s_x · codes(x) · codes(w)ᵀ`, the activation codes
+    /// being those [`quantize`] left in the activation buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        stream: &CudaStream,
+        key: PlanKey,
+        w: u64,
+        w_scale: u64,
+        d: u64,
+        alpha: f32,
+    ) -> Result<()> {
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::backend("fp8 gemm", "plan cache poisoned"))?;
+        let p = match plans
+            .entry(key)
+            .or_insert_with(|| self.plan(key).map_err(|e| e.to_string()))
+        {
+            Ok(p) => p,
+            Err(e) => return Err(Error::backend("fp8 gemm", e.clone())),
+        };
+        // The pointer is read when the launch is enqueued (and captured with it in a graph); the
+        // scale it addresses lives as long as its matrix, which outlives every forward.
+        set_attr(
+            p.desc,
+            lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+            &w_scale,
+        )?;
+        let beta = key.accumulate as u8 as f32;
+        // SAFETY: from `w` lie `key.n` rows of `k` codes (a run's rows, or all padded rows, of
+        // a live matrix), the activation buffer holds m × k codes (m · k ≤ ACT_BYTES, as the
+        // caller blocks rows), `d` covers m rows of ldd elements from its first column (a view
+        // checked by the caller, or the product workspace, whose capacity bounds m · ldd); the
+        // scales are live f32 device values; the plan's layouts describe exactly these extents
+        // and the workspace is ours.
+        let s = unsafe {
+            lt::cublasLtMatmul(
+                self.handle,
+                p.desc,
+                (&alpha as *const f32).cast(),
+                w as *const c_void,
+                p.a,
+                self.act as *const c_void,
+                p.b,
+                (&beta as *const f32).cast(),
+                d as *const c_void,
+                p.d,
+                d as *mut c_void,
+                p.d,
+                &p.algo,
+                self.workspace as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as lt::cudaStream_t,
+            )
+        };
+        check("matmul", s)
+    }
+}
+
+impl Fp8Gemm {
+    /// Whether cuBLASLt has an algorithm for `key` (its plan made and kept on first ask).
+    fn has_plan(&self, key: PlanKey) -> bool {
+        let Ok(mut plans) = self.plans.lock() else {
+            return false;
+        };
+        plans
+            .entry(key)
+            .or_insert_with(|| self.plan(key).map_err(|e| e.to_string()))
+            .is_ok()
+    }
+}
+
+impl Drop for Fp8Gemm {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.plans.lock() {
+            p.clear();
+        }
+        // SAFETY: the handle was created in `new` and is destroyed once, after its plans.
+        unsafe { lt::cublasLtDestroy(self.handle) };
+    }
+}
+
+impl CudaBackend {
+    /// The FP8 product state, made on first call (an FP8 matrix's upload).
+    pub(super) fn fp8_gemm(&self) -> Result<Arc<Fp8Gemm>> {
+        let mut slot = self
+            .fp8
+            .lock()
+            .map_err(|_| Error::backend("fp8", "lock poisoned"))?;
+        if let Some(g) = slot.as_ref() {
+            return Ok(g.clone());
+        }
+        let g = Arc::new(Fp8Gemm::new(&self.stream)?);
+        *slot = Some(g.clone());
+        Ok(g)
+    }
+
+    /// Whether this device runs FP8 products (sm_90a: the e4m3 conversion and cuBLASLt's FP8).
+    pub(super) fn has_fp8(&self) -> bool {
+        self.kernels.fp8.is_some()
+    }
+}
+
+/// Upload FP8 weights: `parts` as stored (F8_E4M3 with their scales), or float parts quantized
+/// here with a scale per row (`quantize`: `--quantize fp8`, rounded as the CPU rounds them).
+pub(super) fn upload(be: &CudaBackend, parts: &[Tensor<'_>], quantize: bool) -> Result<CudaMat> {
+    let (out, inner) = crate::stacked_shape(parts)?;
+    let q = if quantize {
+        quantize_stack(parts, DType::F8_E4M3, (out, inner))?
+    } else {
+        QuantMat::stack(parts)?.0
+    };
+    if be.precision == Precision::F32 || !inner.is_multiple_of(ALIGN) {
+        return decoded(be, &q, out, inner);
+    }
+    if !be.has_fp8() {
+        return Err(Error::Device(format!(
+            "FP8 products need cuBLASLt's FP8 GEMMs on Hopper (sm_90a); this device is {}",
+            be.arch
+        )));
+    }
+    let padded = out.next_multiple_of(ALIGN);
+    // Codes four to a u32 word (`padded · inner` is a multiple of 256), zero past `out` rows.
+    let mut buf = be.alloc_buf(padded * inner / 4, Role::Index)?;
+    be.write_bytes_at(&mut buf, 0, q.blocks())?;
+    let scales = q.scales();
+    let scalar = |v: f32| -> Result<CudaBuf> {
+        let mut b = be.alloc_buf(1, Role::Stream)?;
+        be.write_f32_to(&mut b, &[v])?;
+        Ok(b)
+    };
+    let spans: Vec<(usize, usize, f32)> = scales
+        .chunk_by(|a, b| a == b)
+        .scan(0, |start, c| {
+            let span = (*start, c.len(), c[0]);
+            *start += c.len();
+            Some(span)
+        })
+        .collect();
+    let runs = if spans.len() <= MAX_RUNS {
+        spans
+            .iter()
+            .map(|&(start, len, s)| {
+                Ok(Run {
+                    start,
+                    len,
+                    scale: scalar(s)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
+    let uniform = spans.len() <= 1;
+    let whole = scalar(if uniform {
+        spans.first().map_or(1.0, |s| s.2)
+    } else {
+        1.0
+    })?;
+    let rows = if uniform {
+        None
+    } else {
+        let mut b = be.alloc_buf(out, Role::Stream)?;
+        be.write_f32_to(&mut b, scales)?;
+        Some(b)
+    };
+    // Made now, at load, so that no product makes it inside a graph capture.
+    be.fp8_gemm()?;
+    Ok(CudaMat {
+        buf,
+        out,
+        inner,
+        format: MatFormat::Fp8,
+        fp8: Some(Fp8Scales {
+            runs,
+            whole,
+            rows,
+            padded,
+        }),
+    })
+}
+
+/// `q` decoded (code × row scale, in f32 as the CPU decodes it) into a dense matrix of the
+/// compute type, a slice of rows at a time.
+fn decoded(be: &CudaBackend, q: &QuantMat, out: usize, inner: usize) -> Result<CudaMat> {
+    let elem = be.compute_elem();
+    let mut buf = be.alloc_buf(out * inner, Role::Compute)?;
+    let step = ((1 << 22) / inner.max(1)).max(1);
+    let mut values = vec![0f32; step.min(out) * inner];
+    for r0 in (0..out).step_by(step) {
+        let r1 = (r0 + step).min(out);
+        let v = &mut values[..(r1 - r0) * inner];
+        q.dequantize_rows(r0..r1, v);
+        be.write_f32_at(&mut buf, r0 * inner, v)?;
+    }
+    Ok(CudaMat {
+        buf,
+        out,
+        inner,
+        format: MatFormat::Dense(elem),
+        fp8: None,
+    })
+}
+
+/// What the scaled epilogue applies besides the column scales (null pointers: none).
+#[derive(Clone, Copy)]
+struct Post {
+    bias: DevPtr,
+    act: i32,
+    gate: DevPtr,
+    gate_stride: usize,
+    tanh: i32,
+}
+
+impl Post {
+    const NONE: Post = Post {
+        bias: DevPtr::NULL,
+        act: -1,
+        gate: DevPtr::NULL,
+        gate_stride: 0,
+        tanh: 0,
+    };
+
+    fn is_none(&self) -> bool {
+        self.bias == DevPtr::NULL && self.act < 0 && self.gate == DevPtr::NULL
+    }
+
+    /// `ep`'s bias, activation and gate, checked against an `out` of `rows × cols`.
+    fn of(ep: &Epilogue<'_, CudaBackend>, rows: usize, cols: usize) -> Result<Post> {
+        let bias = match ep.bias {
+            Some(b) if b.len != cols => {
+                return Err(Error::backend(
+                    "matmul",
+                    format!("bias of {} for {cols} outputs", b.len),
+                ));
+            }
+            Some(b) => b.ptr,
+            None => DevPtr::NULL,
+        };
+        let (gate, gate_stride, tanh) = match &ep.gate {
+            Some(g) => {
+                let v = &g.values;
+                let rows_ok = v.rows == 1 || v.rows == rows;
+                if !rows_ok || v.cols != cols || v.buf.elem != Elem::F32 {
+                    return Err(Error::backend(
+                        "matmul",
+                        format!(
+                            "gate {}×{} {:?} for a {rows}×{cols} output (one f32 row or one per row)",
+                            v.rows, v.cols, v.buf.elem
+                        ),
+                    ));
+                }
+                let stride = if g.broadcast() { 0 } else { v.stride };
+                (ptr_of(v)?, stride, g.tanh as i32)
+            }
+            None => (DevPtr::NULL, 0, 0),
+        };
+        Ok(Post {
+            bias,
+            act: ep.act.map_or(-1, act_code),
+            gate,
+            gate_stride,
+            tanh,
+        })
+    }
+}
+
+/// Round `rows` rows of `x` (bf16, `cols` even) to e4m3 codes in the activation buffer, with the
+/// scale `amax / 448` left in the activation scale.
+fn quantize(be: &CudaBackend, g: &Fp8Gemm, x: Rows, rows: usize, cols: usize) -> Result<()> {
+    let k = be
+        .kernels
+        .fp8
+        .as_ref()
+        .ok_or_else(|| Error::backend("fp8 matmul", "no FP8 kernels on this device"))?;
+    if x.elem != Elem::Bf16 {
+        return Err(Error::backend(
+            "fp8 matmul",
+            format!("{:?} activations (FP8 products take bf16)", x.elem),
+        ));
+    }
+    let n = rows * cols;
+    let parts = n.div_ceil(256).clamp(1, PARTS);
+    let (xs, rows_i, cols_i) = (x.stride as i64, rows as i64, cols as i32);
+    be.launch(
+        "fp8",
+        &k.amax,
+        cfg((parts as u32, 1), 256, 0),
+        &AmaxArgs {
+            x: x.ptr,
+            xs,
+            rows: rows_i,
+            cols: cols_i,
+            part: DevPtr(g.parts),
+        },
+    )?;
+    be.launch(
+        "fp8",
+        &k.quantize,
+        be.grid_stride(n / 2),
+        &QuantizeArgs {
+            x: x.ptr,
+            xs,
+            rows: rows_i,
+            cols: cols_i,
+            part: DevPtr(g.parts),
+            parts: parts as i32,
+            q: DevPtr(g.act),
+            scale: DevPtr(g.scale),
+        },
+    )
+}
+
+/// `into[0..m] (= or +=) post(α · x[0..m] · wᵀ)` on an FP8 matrix: a block of rows at a time,
+/// each rounded to e4m3 with its own scale (one block unless `m · k` exceeds [`ACT_BYTES`]),
+/// multiplied straight into `into` run by run when nothing follows the product, else in one
+/// product into the f32 product workspace and through the scaled epilogue.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    be: &CudaBackend,
+    x: Rows,
+    m: usize,
+    w: &CudaMat,
+    into: Rows,
+    alpha: f32,
+    accumulate: bool,
+    post: Post,
+) -> Result<()> {
+    let Some(f) = &w.fp8 else {
+        return Err(Error::backend("fp8 matmul", "not an FP8 matrix"));
+    };
+    let (n, k) = (w.out, w.inner);
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let g = be.fp8_gemm()?;
+    let size = into.elem.size();
+    // Straight into the output, run by run, when nothing follows the product and every run's
+    // rows and output columns keep cuBLASLt's 16-byte alignment.
+    let direct = post.is_none()
+        && !f.runs.is_empty()
+        && into.ptr.0.is_multiple_of(ALIGN as u64)
+        && (into.stride * size).is_multiple_of(ALIGN)
+        && f.runs
+            .iter()
+            .all(|r| r.len.is_multiple_of(ALIGN) && (r.start * size).is_multiple_of(ALIGN));
+    let act_rows = (ACT_BYTES / k).max(1);
+    let shape = be.profiler.as_ref().map(|_| format!("{m}x{n}x{k}"));
+    let plan_key = |rows: usize, n: usize, ldd: usize, d: Elem, accumulate: bool| PlanKey {
+        m: rows as u64,
+        n: n as u64,
+        k: k as u64,
+        ldd: ldd as i64,
+        d,
+        accumulate,
+    };
+    // Every shape the direct path takes (a full block of rows and the last one) must have an
+    // algorithm; where cuBLASLt has none, the workspace path runs instead.
+    let direct = direct && {
+        let blocks = [act_rows.min(m), m % act_rows];
+        blocks.iter().filter(|&&rows| rows > 0).all(|&rows| {
+            f.runs
+                .iter()
+                .all(|run| g.has_plan(plan_key(rows, run.len, into.stride, into.elem, accumulate)))
+        })
+    };
+    if direct {
+        for r0 in (0..m).step_by(act_rows) {
+            let rows = act_rows.min(m - r0);
+            quantize(be, &g, x_at(x, r0), rows, k)?;
+            for run in &f.runs {
+                let key = plan_key(rows, run.len, into.stride, into.elem, accumulate);
+                let w_at = w.buf.ptr.0 + (run.start * k) as u64;
+                let d_at = into.at(r0).0 + (run.start * size) as u64;
+                be.timed("gemm", shape.as_deref(), || {
+                    g.run(&be.stream, key, w_at, run.scale.ptr.0, d_at, alpha)
+                })?;
+            }
+        }
+        return Ok(());
+    }
+    let (ws, capacity) = be.workspace(Workspace::Product)?;
+    let block = (capacity / f.padded).min(act_rows).max(1);
+    let kernel = be
+        .kernels
+        .elementwise
+        .epilogue_scaled
+        .get(Elem::F32, into.elem)?;
+    for r0 in (0..m).step_by(block) {
+        let rows = block.min(m - r0);
+        quantize(be, &g, x_at(x, r0), rows, k)?;
+        let key = plan_key(rows, f.padded, f.padded, Elem::F32, false);
+        be.timed("gemm", shape.as_deref(), || {
+            g.run(&be.stream, key, w.buf.ptr.0, f.whole.ptr.0, ws.0, alpha)
+        })?;
+        let gate = if post.gate == DevPtr::NULL {
+            DevPtr::NULL
+        } else {
+            DevPtr(post.gate.0 + (r0 * post.gate_stride * 4) as u64)
+        };
+        let args = ScaledEpilogueArgs {
+            y: ws,
+            ys: f.padded as i64,
+            o: into.at(r0),
+            os: into.stride as i64,
+            rows: rows as i64,
+            cols: n as i32,
+            cs: f.rows.as_ref().map_or(DevPtr::NULL, |b| b.ptr),
+            bias: post.bias,
+            act: post.act,
+            g: gate,
+            gs: post.gate_stride as i64,
+            tanh: post.tanh,
+            accumulate: accumulate as i32,
+        };
+        be.launch("elementwise", kernel, be.grid_stride(rows * n), &args)?;
+    }
+    Ok(())
+}
+
+/// Rows of `x` from row `r0`.
+fn x_at(x: Rows, r0: usize) -> Rows {
+    Rows { ptr: x.at(r0), ..x }
+}
+
+/// [`super::gemm::product`] on an FP8 matrix: `into[0..rows] (= or +=) α · x[r0..r0+rows] · wᵀ`
+/// (β 0 or 1), as a convolution's column blocks need.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn product(
+    be: &CudaBackend,
+    x: Rows,
+    r0: usize,
+    rows: usize,
+    w: &CudaMat,
+    into: Rows,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    run(
+        be,
+        x_at(x, r0),
+        rows,
+        w,
+        into,
+        alpha,
+        beta != 0.0,
+        Post::NONE,
+    )
+}
+
+/// The `matmul` op on an FP8 matrix: `out = ep(x · wᵀ)`.
+pub(super) fn matmul(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    w: &CudaMat,
+    out: ViewMut<'_, CudaBackend>,
+    ep: &Epilogue<'_, CudaBackend>,
+) -> Result<()> {
+    check_product(&x, (w.out, w.inner), &out)?;
+    let post = Post::of(ep, out.rows, out.cols)?;
+    let (xr, outr) = (Rows::of(&x)?, Rows::of_mut(&out)?);
+    run(be, xr, x.rows, w, outr, ep.alpha, ep.accumulate, post)
+}
