@@ -3,6 +3,7 @@
 //! step loop that uses them is the chat scheduler ([`crate::scheduler`]).
 
 use tessera_core::{Error, Result};
+use tessera_models::chat_family::nan_logit;
 
 /// How the next token is chosen from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -82,16 +83,22 @@ impl Sampler {
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Whether the next token is the first of the largest logits, whatever the history
+    /// (greedy without a repetition penalty): what [`chat_family::greedy`] and a device's
+    /// `argmax_rows` pick, and no draw is made.
+    ///
+    /// [`chat_family::greedy`]: tessera_models::chat_family::greedy
+    pub fn argmax_only(&self) -> bool {
+        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+    }
+
     /// The next token of a sequence whose tokens so far are `history`.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32> {
         if logits.is_empty() {
             return Err(Error::backend("sampling", "no logits"));
         }
-        if let Some(i) = logits.iter().position(|v| v.is_nan()) {
-            return Err(Error::backend(
-                "sampling",
-                format!("the logit of token {i} is NaN"),
-            ));
+        if logits.iter().any(|v| v.is_nan()) {
+            return Err(nan_logit(logits));
         }
         let p = self.params;
         let mut z: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
