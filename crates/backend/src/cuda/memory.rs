@@ -245,7 +245,8 @@ impl CudaBackend {
         self.write_bytes(dst, bytemuck::cast_slice(src))
     }
 
-    /// Read the first `len` values of an index buffer after all queued work.
+    /// Read the first `len` values of an index buffer after all queued work, then print the
+    /// profile of that work (a greedy decoding step reads nothing else).
     pub(super) fn read_indices(&self, src: &CudaBuf, len: usize) -> Result<Vec<u32>> {
         if src.elem != Elem::U32 || src.len < len {
             return Err(Error::backend(
@@ -263,6 +264,9 @@ impl CudaBackend {
                 .map_err(drv("read"))?;
         }
         self.synchronize()?;
+        if let Some(p) = &self.profiler {
+            p.report()?;
+        }
         Ok(out)
     }
 
