@@ -36,6 +36,36 @@ pub fn host_memory_available() -> Option<usize> {
     kib.checked_mul(1024)
 }
 
+/// What [`Backend::argmax_rows`] gives a row holding a NaN.
+pub const NAN_ROW: u32 = u32::MAX;
+
+/// The index of the first largest value of `row` (the first `i` with `row[i] > ` every earlier
+/// value, starting from −∞: 0 when no value is above −∞), or [`NAN_ROW`] if `row` holds a NaN:
+/// greedy decoding's rule, the reference of [`Backend::argmax_rows`].
+pub fn first_argmax(row: &[f32]) -> u32 {
+    if row.iter().any(|v| v.is_nan()) {
+        return NAN_ROW;
+    }
+    let best =
+        row.iter().enumerate().fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        );
+    best.0 as u32
+}
+
+/// The call [`Backend::argmax_rows`] takes: rows of at least one value, whose indices and
+/// [`NAN_ROW`] fit a `u32`, into an index buffer of `out_len` values.
+pub(crate) fn check_argmax_rows(rows: usize, cols: usize, out_len: usize) -> Result<()> {
+    if cols == 0 || cols >= NAN_ROW as usize || out_len < rows {
+        return Err(Error::backend(
+            "argmax_rows",
+            format!("{rows}×{cols} rows into {out_len} indices"),
+        ));
+    }
+    Ok(())
+}
+
 /// The shape `(out, inner)` of matrices `[out_i, inner]` stacked along `out` (what
 /// [`Backend::matrix`] takes), checking that every part is 2-D and that they share `inner`.
 pub fn stacked_shape(parts: &[Tensor<'_>]) -> Result<(usize, usize)> {
@@ -195,6 +225,9 @@ pub trait Backend: Send + Sync {
     fn read_f32(&self, src: View<'_, Self>) -> Result<Vec<f32>>
     where
         Self: Sized;
+    /// Read the first `len` values of an index buffer ([`Role::Index`]); waits for queued work.
+    /// (`read_f32` of an index buffer rounds values above 2^24.)
+    fn read_u32(&self, src: &Self::Buf, len: usize) -> Result<Vec<u32>>;
 
     // ---- weights ------------------------------------------------------------------------
 
@@ -516,6 +549,15 @@ pub trait Backend: Send + Sync {
         state: &mut Self::Buf,
         out: ViewMut<'_, Self>,
     ) -> Result<()>
+    where
+        Self: Sized;
+
+    /// `out[r]` = the index of the first largest value of row `r` of `x`, for every row
+    /// (`out` a [`Role::Index`] buffer of at least `x.rows`): greedy decoding's token, so only
+    /// one `u32` per sequence comes back to the host instead of its logits. The rule is
+    /// [`first_argmax`]'s: 0 for a row with no value above −∞, and [`NAN_ROW`] for a row
+    /// holding a NaN (the caller reads that row to name the token).
+    fn argmax_rows(&self, x: View<'_, Self>, out: &mut Self::Buf) -> Result<()>
     where
         Self: Sized;
 

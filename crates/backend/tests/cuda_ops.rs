@@ -27,7 +27,10 @@ use ops::attention::{attention, qkv};
 use ops::gemm::{Fp8, matmul};
 use ops::image::{avg_down, conv2d, dup_up, group_norm};
 use ops::norm::{layer, norm, plain, residual, rms};
-use ops::rows::{add_positions_2d, avg_pool2d, cast, embed, gated, scatter_rows, segment_mean};
+use ops::rows::{
+    ArgmaxRow, add_positions_2d, argmax_rows, avg_pool2d, cast, embed, gated, scatter_rows,
+    segment_mean,
+};
 use ops::short_conv::short_conv;
 use ops::{Case, Dev, Diff, Output, Table, Tol, catching, compare, measure};
 use tessera_backend::cpu::CpuBackend;
@@ -445,6 +448,28 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(short_conv(&[(2, 0), (1, 2)], 130, 4)); // rows fewer than the taps
     t.add(short_conv(&[(3, 0), (0, 4), (0, 0), (1, 2)], 64, 3)); // empty segments: kept, zeroed
     t.add(short_conv(&[(1, 40); 8], 2048, 3)); // LFM2-1.2B: a batch of 8 decode steps
+
+    // ---- argmax_rows: greedy decoding's tokens. Rows cycle through ties, all −∞, a NaN, +∞,
+    // drawn values and −∞ but the last; exact indices (a NaN row as the flag).
+    for kind in [
+        ArgmaxRow::Ties,
+        ArgmaxRow::NegInf,
+        ArgmaxRow::Nan,
+        ArgmaxRow::PosInf,
+        ArgmaxRow::Drawn,
+        ArgmaxRow::LastFinite,
+    ] {
+        t.add(argmax_rows(1, 65536).first(kind)); // LFM2's vocabulary, one sequence
+    }
+    t.add(argmax_rows(3, 65536));
+    t.add(argmax_rows(32, 65536)); // 32 streams decoding
+    t.add(argmax_rows(32, 65536).from(Compute)); // bf16 logits under bf16
+    t.add(argmax_rows(1, 1000).first(ArgmaxRow::Drawn));
+    t.add(argmax_rows(3, 1000));
+    t.add(argmax_rows(32, 1000).first(ArgmaxRow::PosInf));
+    t.add(argmax_rows(1, 7).first(ArgmaxRow::Ties));
+    t.add(argmax_rows(3, 7).first(ArgmaxRow::Nan));
+    t.add(argmax_rows(32, 7).from(Compute));
 
     t.0
 }

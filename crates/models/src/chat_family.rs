@@ -16,7 +16,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use tessera_core::Result;
+use tessera_core::{Error, Result};
 
 use crate::chat_template::Message;
 use crate::generation::SamplingDefaults;
@@ -129,6 +129,25 @@ pub trait ChatFamily: Send {
     /// Append each chunk's tokens to its slot and return the logits of each chunk's last row,
     /// `[chunks, vocab]` (a slot appears at most once).
     fn forward(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<f32>>;
+    /// [`forward`](Self::forward), then each chunk's greedy token ([`greedy`]: the first of its
+    /// largest logits, or why there is none), for a step that samples greedily only. The outer
+    /// error is the forward's; a chunk's own is its sequence's alone. A family whose logits live
+    /// on a device overrides this to pick the tokens there and copy back only them (one `u32`
+    /// a sequence instead of a vocabulary of logits); by default the logits come back and the
+    /// host picks.
+    fn forward_greedy(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<Result<u32>>> {
+        let logits = self.forward(chunks)?;
+        if chunks.is_empty() || !logits.len().is_multiple_of(chunks.len()) {
+            return Err(Error::backend(
+                "chat",
+                format!("{} logits for {} sequences", logits.len(), chunks.len()),
+            ));
+        }
+        Ok(logits
+            .chunks_exact(logits.len() / chunks.len())
+            .map(greedy)
+            .collect())
+    }
     /// Make `slot`'s state the one kept in `place`, so that the slot continues from the
     /// position it was kept at.
     fn restore(&mut self, slot: usize, place: usize) -> Result<()>;
@@ -137,4 +156,24 @@ pub trait ChatFamily: Send {
     /// a place kept there. A prefix another slot holds — running or kept for its conversation —
     /// is reused without recomputing it and without taking that slot.
     fn copy_prefix(&mut self, from: usize, to: usize, n: usize) -> Result<()>;
+}
+
+/// Greedy decoding's token: the first of the largest logits (the first `i` whose logit is above
+/// every earlier one, from −∞, so 0 when none is above −∞) — the rule of
+/// [`Backend::argmax_rows`](tessera_backend::Backend::argmax_rows). A NaN logit is an error
+/// ([`nan_logit`]).
+pub fn greedy(logits: &[f32]) -> Result<u32> {
+    if logits.is_empty() {
+        return Err(Error::backend("sampling", "no logits"));
+    }
+    match tessera_backend::first_argmax(logits) {
+        tessera_backend::NAN_ROW => Err(nan_logit(logits)),
+        t => Ok(t),
+    }
+}
+
+/// The error of sampling from `logits`, which hold a NaN: it names the first.
+pub fn nan_logit(logits: &[f32]) -> Error {
+    let i = logits.iter().position(|v| v.is_nan()).unwrap_or(0);
+    Error::backend("sampling", format!("the logit of token {i} is NaN"))
 }

@@ -3,6 +3,7 @@
 //! step loop that uses them is the chat scheduler ([`crate::scheduler`]).
 
 use tessera_core::{Error, Result};
+use tessera_models::chat_family::nan_logit;
 
 /// How the next token is chosen from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -82,16 +83,22 @@ impl Sampler {
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Whether the next token is the first of the largest logits, whatever the history
+    /// (greedy without a repetition penalty): what [`chat_family::greedy`] and a device's
+    /// `argmax_rows` pick, and no draw is made.
+    ///
+    /// [`chat_family::greedy`]: tessera_models::chat_family::greedy
+    pub fn argmax_only(&self) -> bool {
+        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+    }
+
     /// The next token of a sequence whose tokens so far are `history`.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32> {
         if logits.is_empty() {
             return Err(Error::backend("sampling", "no logits"));
         }
-        if let Some(i) = logits.iter().position(|v| v.is_nan()) {
-            return Err(Error::backend(
-                "sampling",
-                format!("the logit of token {i} is NaN"),
-            ));
+        if logits.iter().any(|v| v.is_nan()) {
+            return Err(nan_logit(logits));
         }
         let p = self.params;
         let mut z: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
@@ -243,5 +250,62 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("token 1 is NaN"), "{e}");
+    }
+
+    /// The CPU backend's `argmax_rows` and the families' host rule (`chat_family::greedy`) pick
+    /// what the greedy sampler picks, and a NaN row fails with its message: rows of few distinct
+    /// values (ties everywhere), with ±∞, all −∞, −0 beside 0, and NaN at the start, middle and end.
+    #[test]
+    fn argmax_rows_and_the_host_rule_agree_with_the_greedy_sampler() {
+        use tessera_backend::cpu::CpuBackend;
+        use tessera_backend::{Backend, NAN_ROW, Role, View};
+        use tessera_models::chat_family::greedy as host_greedy;
+
+        let cols = 37;
+        let (inf, nan) = (f32::INFINITY, f32::NAN);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let palette = [-inf, -2.0, -0.0, 0.0, 1.5, 3.0, inf];
+        let mut rows: Vec<Vec<f32>> = (0..200)
+            .map(|r| {
+                (0..cols)
+                    .map(|_| {
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        // Fewer distinct values in later rows: more ties, down to −∞ and −2 alone.
+                        let n = palette.len() - (r % 6);
+                        palette[(state % n as u64) as usize]
+                    })
+                    .collect()
+            })
+            .collect();
+        rows.push(vec![-inf; cols]);
+        for at in [0, cols / 2, cols - 1] {
+            let mut r = rows[0].clone();
+            r[at] = nan;
+            rows.push(r);
+        }
+        let be = CpuBackend::new();
+        let host: Vec<f32> = rows.concat();
+        let mut x = be.alloc(host.len(), Role::Stream).unwrap();
+        be.write_f32(&mut x, &host).unwrap();
+        let mut out = be.alloc(rows.len(), Role::Index).unwrap();
+        be.argmax_rows(View::new(&x, rows.len(), cols), &mut out)
+            .unwrap();
+        let got = be.read_u32(&out, rows.len()).unwrap();
+        for (row, got) in rows.iter().zip(got) {
+            match greedy().sample(row, &[]) {
+                Ok(want) => {
+                    assert_eq!(got, want, "{row:?}");
+                    assert_eq!(host_greedy(row).unwrap(), want, "{row:?}");
+                }
+                Err(e) => {
+                    assert_eq!(got, NAN_ROW, "{row:?}");
+                    let host = host_greedy(row).unwrap_err().to_string();
+                    assert_eq!(host, e.to_string());
+                    assert!(host.contains("is NaN"), "{host}");
+                }
+            }
+        }
     }
 }

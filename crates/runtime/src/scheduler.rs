@@ -149,6 +149,14 @@ struct Running {
     text: String,
 }
 
+/// What a step's forward gave back.
+enum Picked {
+    /// Every chunk's logits, `[chunks, vocab]`, for the host to sample.
+    Logits(Vec<f32>),
+    /// Every chunk's greedy token, or why it has none.
+    Tokens(Vec<Result<u32>>),
+}
+
 /// A step's work for one running reply.
 struct Work {
     /// Index into `running`.
@@ -525,7 +533,13 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
             return Ok(0);
         }
         let work = self.plan();
-        let logits = {
+        // A step whose every sampled token is the argmax of its logits (greedy, no repetition
+        // penalty; nothing else reads the logits) takes the tokens from the family, which may
+        // pick them on the device and copy back one id a sequence instead of its logits.
+        let greedy = work
+            .iter()
+            .all(|w| !w.samples || self.running[w.run].sampler.argmax_only());
+        let picked = {
             let chunks: Vec<Chunk<'_>> = work
                 .iter()
                 .map(|w| Chunk {
@@ -536,20 +550,33 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
                     keep: &w.keep,
                 })
                 .collect();
-            self.family.forward(&chunks)
-        };
-        let logits = logits.and_then(|l| {
-            if !work.is_empty() && l.len() % work.len() == 0 {
-                Ok(l)
+            if greedy {
+                self.family.forward_greedy(&chunks).map(Picked::Tokens)
             } else {
+                self.family.forward(&chunks).map(Picked::Logits)
+            }
+        };
+        let picked = picked.and_then(|p| {
+            let fits = match &p {
+                Picked::Logits(l) => !work.is_empty() && l.len() % work.len() == 0,
+                Picked::Tokens(t) => t.len() == work.len(),
+            };
+            if fits {
+                Ok(p)
+            } else {
+                let (n, what) = match &p {
+                    Picked::Logits(l) => (l.len(), "logits"),
+                    Picked::Tokens(t) => (t.len(), "tokens"),
+                };
                 Err(Error::backend(
                     "chat",
-                    format!("{} logits for {} sequences", l.len(), work.len()),
+                    format!("{n} {what} for {} sequences", work.len()),
                 ))
             }
         });
-        let logits = match logits {
-            Ok(l) => l,
+        let (logits, tokens) = match picked {
+            Ok(Picked::Logits(l)) => (l, Vec::new()),
+            Ok(Picked::Tokens(t)) => (Vec::new(), t),
             Err(e) => {
                 // The device failed: every running reply ends, its slot emptied.
                 for r in std::mem::take(&mut self.running) {
@@ -560,10 +587,12 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
             }
         };
         let vocab = logits.len() / work.len();
+        let mut tokens = tokens.into_iter();
         let used = self.tick();
         let ctx = self.family.context_len();
         let mut ended = Vec::new();
-        for (w, logits) in work.iter().zip(logits.chunks_exact(vocab)) {
+        for (i, w) in work.iter().enumerate() {
+            let token = tokens.next();
             let r = &mut self.running[w.run];
             let slot = &mut self.slots[r.slot];
             slot.ids.extend_from_slice(&w.tokens);
@@ -577,7 +606,10 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
                 continue;
             }
             r.prefilled = r.prompt.ids.len();
-            let t = match r.sampler.sample(logits, &r.history) {
+            let t = match token.unwrap_or_else(|| {
+                let logits = &logits[i * vocab..(i + 1) * vocab];
+                r.sampler.sample(logits, &r.history)
+            }) {
                 Ok(t) => t,
                 Err(e) => {
                     ended.push((w.run, Err(e)));
@@ -673,10 +705,15 @@ mod tests {
     /// differently.
     /// It refuses a chunk whose `held` is not what the slot holds (a slot started afresh aside),
     /// and a restore of a place never kept.
+    /// It counts its calls of `forward` and `forward_greedy` (the default, on the host), and
+    /// with `nan` set puts a NaN at that token of every row.
     struct Counter {
         slots: Vec<Vec<u32>>,
         kept: Vec<Option<Vec<u32>>>,
         ctx: usize,
+        forwards: usize,
+        greedy_forwards: usize,
+        nan: Option<usize>,
     }
 
     impl Counter {
@@ -685,7 +722,36 @@ mod tests {
                 slots: vec![Vec::new(); slots],
                 kept: vec![None; places],
                 ctx,
+                forwards: 0,
+                greedy_forwards: 0,
+                nan: None,
             }
+        }
+
+        fn logits(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<f32>> {
+            let mut out = Vec::new();
+            for c in chunks {
+                let s = &mut self.slots[c.slot];
+                if c.held == 0 {
+                    s.clear();
+                }
+                if s.len() != c.held {
+                    return Err(Error::backend("counter", "held is not what the slot holds"));
+                }
+                for &(n, place) in c.keep {
+                    let mut k = s.clone();
+                    k.extend_from_slice(&c.tokens[..n - c.held]);
+                    self.kept[place] = Some(k);
+                }
+                s.extend_from_slice(c.tokens);
+                let next = (s.iter().sum::<u32>() + 1) % 8;
+                let row = out.len();
+                out.extend((0..8).map(|t| if t == next { 10.0 } else { 0.0 }));
+                if let Some(t) = self.nan {
+                    out[row + t] = f32::NAN;
+                }
+            }
+            Ok(out)
         }
     }
 
@@ -739,25 +805,17 @@ mod tests {
             2
         }
         fn forward(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<f32>> {
-            let mut out = Vec::new();
-            for c in chunks {
-                let s = &mut self.slots[c.slot];
-                if c.held == 0 {
-                    s.clear();
-                }
-                if s.len() != c.held {
-                    return Err(Error::backend("counter", "held is not what the slot holds"));
-                }
-                for &(n, place) in c.keep {
-                    let mut k = s.clone();
-                    k.extend_from_slice(&c.tokens[..n - c.held]);
-                    self.kept[place] = Some(k);
-                }
-                s.extend_from_slice(c.tokens);
-                let next = (s.iter().sum::<u32>() + 1) % 8;
-                out.extend((0..8).map(|t| if t == next { 10.0 } else { 0.0 }));
-            }
-            Ok(out)
+            self.forwards += 1;
+            self.logits(chunks)
+        }
+        /// The trait's rule on the host, as a family whose logits live there keeps it.
+        fn forward_greedy(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<Result<u32>>> {
+            self.greedy_forwards += 1;
+            let logits = self.logits(chunks)?;
+            Ok(logits
+                .chunks_exact(8)
+                .map(tessera_models::chat_family::greedy)
+                .collect())
         }
         fn restore(&mut self, slot: usize, place: usize) -> Result<()> {
             let k = self.kept[place]
@@ -902,5 +960,94 @@ mod tests {
         let rc = reply(&mut s, 3, &c, 6).1;
         assert_eq!(rc.cached_tokens, a.len() + ra.tokens.len() - 1);
         assert_eq!(rc.tokens, reply(&mut fresh, 3, &c, 6).1.tokens);
+    }
+
+    /// The counter's reply to `ids` by its rule, worked out here: each token is one more than
+    /// the sum of every token before it, mod 8, until the end token 7 or `max` tokens.
+    fn by_the_rule(ids: &[u32], max: usize) -> Vec<u32> {
+        let mut sum: u32 = ids.iter().sum();
+        let mut out = Vec::new();
+        while out.len() < max {
+            let next = (sum + 1) % 8;
+            if next == 7 {
+                break;
+            }
+            out.push(next);
+            sum += next;
+        }
+        out
+    }
+
+    /// Replies to `prompts` run side by side, each with its `sampling`, as `(tokens, error)`.
+    fn batch(
+        s: &mut Scheduler<Counter>,
+        prompts: &[(&[u32], SamplingParams)],
+    ) -> Vec<(Vec<u32>, Option<String>)> {
+        for (conv, (ids, sampling)) in prompts.iter().enumerate() {
+            let params = GenerationParams {
+                sampling: *sampling,
+                max_tokens: 6,
+                stop: Vec::new(),
+            };
+            s.begin(conv as u64, prompt(ids), &params).unwrap();
+        }
+        let mut out = vec![(Vec::new(), None); prompts.len()];
+        while !s.running.is_empty() {
+            s.step(&mut |conv, ev| {
+                match ev {
+                    ChatEvent::Done(r) => out[conv as usize].0 = r.tokens.clone(),
+                    ChatEvent::Failed(e) => out[conv as usize].1 = Some(e.to_string()),
+                    ChatEvent::Text(_) => {}
+                }
+                Control::Continue
+            })
+            .unwrap();
+        }
+        for conv in 0..prompts.len() {
+            s.end(conv as u64);
+        }
+        out
+    }
+
+    /// A step whose sampled tokens are all greedy without a repetition penalty takes them from
+    /// `forward_greedy`; one sampled sequence (temperature > 0, or a penalty) sends the step
+    /// through `forward` and the host's sampler. The replies are the counter's either way (its
+    /// next token is 10 logits above the others, so a draw at temperature 0.1 picks it too),
+    /// and a NaN logit fails each sequence with the host sampler's message on both paths.
+    #[test]
+    fn greedy_steps_take_the_tokens_and_sampled_ones_the_logits() {
+        let greedy = SamplingParams::default();
+        let drawn = SamplingParams {
+            temperature: 0.1,
+            seed: 5,
+            ..greedy
+        };
+        let penalised = SamplingParams {
+            repetition_penalty: 1.1,
+            ..greedy
+        };
+        let (a, b): (&[u32], &[u32]) = (&[2, 3], &[1, 2]);
+        let want = vec![(by_the_rule(a, 6), None), (by_the_rule(b, 6), None)];
+        assert_eq!(
+            (&want[0].0[..], &want[1].0[..]),
+            (&[6, 4, 0, 0, 0, 0][..], &[4, 0, 0, 0, 0, 0][..])
+        );
+
+        let mut s = scheduler(false, 2048);
+        assert_eq!(batch(&mut s, &[(a, greedy), (b, greedy)]), want);
+        assert_eq!((s.family.forwards, s.family.greedy_forwards), (0, 6));
+        for other in [drawn, penalised] {
+            let mut s = scheduler(false, 2048);
+            assert_eq!(batch(&mut s, &[(a, greedy), (b, other)]), want);
+            assert_eq!((s.family.forwards, s.family.greedy_forwards), (6, 0));
+        }
+
+        let nan = Some("sampling: the logit of token 3 is NaN".to_string());
+        for other in [greedy, drawn] {
+            let mut s = scheduler(false, 2048);
+            s.family.nan = Some(3);
+            let got = batch(&mut s, &[(a, greedy), (b, other)]);
+            assert_eq!(got, vec![(Vec::new(), nan.clone()); 2]);
+        }
     }
 }

@@ -501,6 +501,16 @@ impl Backend for CpuBackend {
         Ok(rows(src).flat_map_iter(|r| r.iter().copied()).collect())
     }
 
+    fn read_u32(&self, src: &CpuBuf, len: usize) -> Result<Vec<u32>> {
+        match src {
+            CpuBuf::U32(v) if v.len() >= len => Ok(v[..len].to_vec()),
+            _ => Err(Error::backend(
+                "read_u32",
+                format!("not an index buffer of {len} values"),
+            )),
+        }
+    }
+
     fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CpuMat> {
         let (out, inner) = crate::stacked_shape(parts)?;
         let at_load = self
@@ -718,6 +728,20 @@ impl Backend for CpuBackend {
         avg_down::avg_down(x, spec, out)
     }
 
+    fn argmax_rows(&self, x: View<'_, Self>, out: &mut CpuBuf) -> Result<()> {
+        use rayon::prelude::*;
+        self.enter(Op::ArgmaxRows)?;
+        let CpuBuf::U32(out) = out else {
+            return Err(Error::backend("argmax_rows", "out is not an index buffer"));
+        };
+        crate::check_argmax_rows(x.rows, x.cols, out.len())?;
+        out[..x.rows]
+            .par_iter_mut()
+            .zip(rows(x))
+            .for_each(|(o, r)| *o = crate::first_argmax(r));
+        Ok(())
+    }
+
     fn short_conv(
         &self,
         bcx: View<'_, Self>,
@@ -774,5 +798,50 @@ mod tests {
             f32.starts_with("cpu (f32,") && !f32.contains("bf16"),
             "{f32}"
         );
+    }
+
+    /// Each row's first largest value, by rows written out with their answers: ties go to the
+    /// first, −∞ rows to 0, a NaN anywhere flags the row; a strided column window is read, and
+    /// the indices past the rows are left alone.
+    #[test]
+    fn argmax_rows_takes_the_first_largest_and_flags_nan() {
+        let (inf, nan) = (f32::INFINITY, f32::NAN);
+        let rows: [([f32; 5], u32); 8] = [
+            ([1.0, 3.0, 3.0, 2.0, 3.0], 1),
+            ([-inf; 5], 0),
+            ([-inf, -inf, -inf, -inf, -7.0], 4),
+            ([0.5, inf, 9.0, inf, -inf], 1),
+            ([-0.0, 0.0, -1.0, -2.0, -0.0], 0),
+            ([5.0, 1.0, nan, 6.0, 2.0], crate::NAN_ROW),
+            ([nan; 5], crate::NAN_ROW),
+            ([-2.0, -1.0, -1.5, -1.0, -3.0], 1),
+        ];
+        // Each row between a guard column holding the largest value and a NaN.
+        let host: Vec<f32> = rows
+            .iter()
+            .flat_map(|(r, _)| std::iter::once(100.0).chain(*r).chain([nan]))
+            .collect();
+        let be = CpuBackend::recording();
+        let mut x = be.alloc(host.len(), Role::Stream).unwrap();
+        be.write_f32(&mut x, &host).unwrap();
+        let view = View {
+            buf: &x,
+            offset: 1,
+            rows: rows.len(),
+            cols: 5,
+            stride: 7,
+        };
+        let mut out = be.alloc(rows.len() + 2, Role::Index).unwrap();
+        be.write_u32(&mut out, &[7; 10]).unwrap();
+        be.argmax_rows(view, &mut out).unwrap();
+        let want: Vec<u32> = rows.iter().map(|r| r.1).chain([7, 7]).collect();
+        assert_eq!(be.read_u32(&out, rows.len() + 2).unwrap(), want);
+        assert_eq!(be.recorded(), vec![Op::ArgmaxRows]);
+        // Rows without values, and fewer indices than rows, are refused.
+        assert!(be.argmax_rows(view.cols(0, 0), &mut out).is_err());
+        let mut short = be.alloc(rows.len() - 1, Role::Index).unwrap();
+        assert!(be.argmax_rows(view, &mut short).is_err());
+        assert!(be.read_u32(&out, rows.len() + 3).is_err());
+        assert!(be.read_u32(&x, 1).is_err());
     }
 }

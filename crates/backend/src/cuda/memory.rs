@@ -257,6 +257,31 @@ impl CudaBackend {
         self.write_bytes(dst, bytemuck::cast_slice(src))
     }
 
+    /// Read the first `len` values of an index buffer after all queued work, then print the
+    /// profile of that work (a greedy decoding step reads nothing else).
+    pub(super) fn read_indices(&self, src: &CudaBuf, len: usize) -> Result<Vec<u32>> {
+        if src.elem != Elem::U32 || src.len < len {
+            return Err(Error::backend(
+                "read_u32",
+                format!("not an index buffer of {len} values"),
+            ));
+        }
+        let mut out = vec![0u32; len];
+        if len > 0 {
+            self.stream
+                .memcpy_dtoh(
+                    &src.mem.slice(..len * 4),
+                    bytemuck::cast_slice_mut::<u32, u8>(&mut out),
+                )
+                .map_err(drv("read"))?;
+        }
+        self.synchronize()?;
+        if let Some(p) = &self.profiler {
+            p.report()?;
+        }
+        Ok(out)
+    }
+
     /// Read a view back as `f32` after all queued work, then print the profile of that work.
     pub(super) fn read_view(&self, src: View<'_, Self>) -> Result<Vec<f32>> {
         ptr_of(&src)?; // bounds check

@@ -126,6 +126,10 @@ impl Backend for CudaBackend {
         self.read_view(src)
     }
 
+    fn read_u32(&self, src: &CudaBuf, len: usize) -> Result<Vec<u32>> {
+        self.read_indices(src, len)
+    }
+
     fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
         self.upload_matrix(parts)
     }
@@ -275,6 +279,11 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.enter(&Op::ScatterRows)?;
         rows::scatter_rows(self, src, rows, dst)
+    }
+
+    fn argmax_rows(&self, x: View<'_, Self>, out: &mut CudaBuf) -> Result<()> {
+        self.enter(&Op::ArgmaxRows)?;
+        rows::argmax_rows(self, x, out)
     }
 
     fn conv2d(

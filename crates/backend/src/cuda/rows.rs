@@ -1,9 +1,10 @@
 //! Row gathers, scatters and pooling (kernels/rows.cu): 2-D position rows added by index,
-//! k×k average pooling of packed grids, and rows scattered to listed places.
+//! k×k average pooling of packed grids, rows scattered to listed places, and each row's first
+//! largest value (greedy decoding's token).
 
 use tessera_core::{Error, Result};
 
-use super::launch::{ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
+use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
 use super::memory::{ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, CudaTable, Elem};
 use crate::{Grids, View, ViewMut};
@@ -30,12 +31,20 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `argmax_rows_{x}`: one block per row.
+    pub(super) struct ArgmaxRowsArgs {
+        x: DevPtr, xs: i64, cols: i32, out: DevPtr,
+    }
+}
+
 kernel_table! {
     /// The kernels of rows.cu.
     pub(super) struct RowsKernels from "rows.cu" {
         add_positions_2d: ByPair<AddPositionsArgs> = "add_positions_2d_{}_{}",
         avg_pool2d: ByPair<AvgPoolArgs> = "avg_pool2d_{}_{}",
         scatter_rows: ByPair<ScatterRowsArgs> = "scatter_rows_{}_{}",
+        argmax_rows: ByElem<ArgmaxRowsArgs> = "argmax_rows_{}",
     }
 }
 
@@ -142,6 +151,38 @@ pub(super) fn scatter_rows(
             .scatter_rows
             .get(src.buf.elem, dst.buf.elem)?,
         row_blocks(src.rows, src.cols, 0),
+        &args,
+    )
+}
+
+pub(super) fn argmax_rows(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    out: &mut CudaBuf,
+) -> Result<()> {
+    if out.elem != Elem::U32 {
+        return Err(Error::backend("argmax_rows", "out is not an index buffer"));
+    }
+    crate::check_argmax_rows(x.rows, x.cols, out.len)?;
+    if x.cols > i32::MAX as usize {
+        return Err(Error::backend(
+            "argmax_rows",
+            format!("rows of {} values", x.cols),
+        ));
+    }
+    let args = ArgmaxRowsArgs {
+        x: ptr_of(&x)?,
+        xs: x.stride as i64,
+        cols: x.cols as i32,
+        out: out.ptr,
+    };
+    // A vocabulary row (tens of thousands of logits) is one block's read: as many loads in
+    // flight as a block holds; short rows need few threads.
+    let block = if x.cols >= 16384 { 1024 } else { 128 };
+    be.launch(
+        "elementwise",
+        be.kernels.rows.argmax_rows.get(x.buf.elem)?,
+        cfg((x.rows as u32, 1), block, 0),
         &args,
     )
 }

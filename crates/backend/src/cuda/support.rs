@@ -44,7 +44,8 @@ impl CudaBackend {
             | Op::ScatterRows
             | Op::DupUp
             | Op::AvgDown
-            | Op::ShortConv { .. } => Ok(()),
+            | Op::ShortConv { .. }
+            | Op::ArgmaxRows => Ok(()),
             // The erf GELU is only a product epilogue so far (LFM2-VL's projector).
             Op::Gated(Activation::Gelu)
             | Op::GroupNorm {

@@ -71,6 +71,7 @@ pub enum Op {
         kernel: usize,
         bias: bool,
     },
+    ArgmaxRows,
 }
 
 /// What a matrix product's epilogue asks for, and the format its weights are in.
@@ -188,6 +189,7 @@ op_kinds! {
     AvgDown => "avg_down",
     GroupNorm => "group_norm",
     ShortConv => "short_conv",
+    ArgmaxRows => "argmax_rows",
 }
 
 impl Op {
@@ -210,6 +212,7 @@ impl Op {
             Op::AvgDown => OpKind::AvgDown,
             Op::GroupNorm { .. } => OpKind::GroupNorm,
             Op::ShortConv { .. } => OpKind::ShortConv,
+            Op::ArgmaxRows => OpKind::ArgmaxRows,
         }
     }
 }

@@ -1,10 +1,10 @@
 //! Row-wise ops: `embed`, `cast`, `gated`, `segment_mean`, and the vision towers'
-//! `add_positions_2d`, `avg_pool2d` and `scatter_rows`.
+//! `add_positions_2d`, `avg_pool2d` and `scatter_rows`; `argmax_rows`, greedy decoding's token.
 
-use tessera_backend::{Activation, Op, Role};
+use tessera_backend::{Activation, NAN_ROW, Op, Precision, Role};
 use tessera_core::DType;
 
-use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng, checkpoint, indices, patches};
+use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng, Tol, checkpoint, indices, patches};
 
 /// `ids` rows of a `[vocab, dim]` checkpoint table (stored as `stored`), times `scale`, into f32.
 #[derive(Clone, Debug)]
@@ -348,5 +348,149 @@ impl OpCase for ScatterCase {
         let to = indices(be, &to)?;
         be.scatter_rows(src.view(), &to, dst.view_mut())?;
         Ok(vec![dst.read(be, "dst")?])
+    }
+}
+
+/// What a row of an [`ArgmaxCase`] holds, around values drawn in `[-1, 1)` (rounded to bf16, so
+/// equal values, several maxima among them, are common in a long row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgmaxRow {
+    /// Drawn values only.
+    Drawn,
+    /// 2.0, above everything drawn, at up to three places: the first of them wins, though a
+    /// later one may lie in a lower thread's columns.
+    Ties,
+    /// −∞ everywhere: no value above −∞, so 0.
+    NegInf,
+    /// −∞ everywhere but −3.0 at the last column.
+    LastFinite,
+    /// +∞ at the tie places, −∞ and 2.0 elsewhere among drawn values: the first +∞.
+    PosInf,
+    /// A NaN after a 2.0: the row is flagged, whatever its largest value.
+    Nan,
+}
+
+const ARGMAX_ROWS: [ArgmaxRow; 6] = [
+    ArgmaxRow::Ties,
+    ArgmaxRow::NegInf,
+    ArgmaxRow::Nan,
+    ArgmaxRow::PosInf,
+    ArgmaxRow::Drawn,
+    ArgmaxRow::LastFinite,
+];
+
+/// Greedy decoding's token of `rows` rows of `cols` logits; row `r` is of kind
+/// `ARGMAX_ROWS[(first + r) % 6]`.
+#[derive(Clone, Debug)]
+pub struct ArgmaxCase {
+    rows: usize,
+    cols: usize,
+    first: ArgmaxRow,
+    from: Role,
+}
+
+/// f32 rows, starting with a row of ties.
+pub fn argmax_rows(rows: usize, cols: usize) -> ArgmaxCase {
+    ArgmaxCase {
+        rows,
+        cols,
+        first: ArgmaxRow::Ties,
+        from: Role::Stream,
+    }
+}
+
+impl ArgmaxCase {
+    /// Rows starting from one of `kind`.
+    pub fn first(self, first: ArgmaxRow) -> Self {
+        ArgmaxCase { first, ..self }
+    }
+
+    /// Rows in the compute type (bf16 under bf16).
+    pub fn from(self, from: Role) -> Self {
+        ArgmaxCase { from, ..self }
+    }
+
+    /// The values of one row of `kind`.
+    fn row(&self, kind: ArgmaxRow, rng: &mut Rng) -> Vec<f32> {
+        let cols = self.cols;
+        let mut v = rng.vec(cols, 1.0);
+        // Three places spread over the row (fewer where it is short); with 1024 threads a
+        // block, at 65,536 columns the first lies in thread 1's columns and the second in
+        // thread 0's.
+        let places = [cols * 3 / 8 + 1, cols / 2, cols - 1].map(|p| p.min(cols - 1));
+        match kind {
+            ArgmaxRow::Drawn => {}
+            ArgmaxRow::Ties => places.iter().for_each(|&p| v[p] = 2.0),
+            ArgmaxRow::NegInf => v.fill(f32::NEG_INFINITY),
+            ArgmaxRow::LastFinite => {
+                v.fill(f32::NEG_INFINITY);
+                v[cols - 1] = -3.0;
+            }
+            ArgmaxRow::PosInf => {
+                v.iter_mut().step_by(3).for_each(|x| *x = f32::NEG_INFINITY);
+                v[0] = 2.0;
+                places.iter().for_each(|&p| v[p] = f32::INFINITY);
+            }
+            ArgmaxRow::Nan => {
+                v[cols / 3] = 2.0;
+                v[cols * 2 / 3] = f32::NAN;
+            }
+        }
+        v
+    }
+}
+
+impl OpCase for ArgmaxCase {
+    fn name(&self) -> String {
+        let ArgmaxCase {
+            rows, cols, first, ..
+        } = *self;
+        format!("argmax_rows {rows}×{cols} from {first:?} {:?}", self.from)
+    }
+
+    fn op(&self) -> Op {
+        Op::ArgmaxRows
+    }
+
+    /// Indices: exact.
+    fn tol(&self, _: Precision) -> Tol {
+        Tol {
+            rel: 0.0,
+            nmse: 0.0,
+        }
+    }
+
+    fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
+        let ArgmaxCase { rows, cols, .. } = *self;
+        let start = ARGMAX_ROWS
+            .iter()
+            .position(|&k| k == self.first)
+            .unwrap_or(0);
+        let values: Vec<f32> = (0..rows)
+            .flat_map(|r| self.row(ARGMAX_ROWS[(start + r) % ARGMAX_ROWS.len()], rng))
+            .collect();
+        let at = Layout::padded(rows, cols, 3, 5);
+        let x = Guarded::new(be, self.from, at, Some(&values))?;
+        // Unwritten indices keep the sentinel (no row has that many columns); the four after
+        // the rows must keep it.
+        const UNSET: u32 = 0xDEAD_BEEF;
+        let mut out = indices(be, &vec![UNSET; rows + 4])?;
+        be.argmax_rows(x.view(), &mut out)?;
+        let got = be.read_u32(&out, rows + 4)?;
+        if let Some(i) = (rows..rows + 4).find(|&i| got[i] != UNSET) {
+            return Err(format!("wrote {:#x} at index {i}, past {rows} rows", got[i]).into());
+        }
+        if let Some(r) = (0..rows).find(|&r| got[r] != NAN_ROW && got[r] as usize >= cols) {
+            return Err(format!("row {r}: index {} of {cols} columns", got[r]).into());
+        }
+        // NaN rows as −1, so the comparison sees a finite value.
+        let values = got[..rows]
+            .iter()
+            .map(|&i| if i == NAN_ROW { -1.0 } else { i as f32 })
+            .collect();
+        Ok(vec![Output {
+            what: "indices",
+            values,
+        }])
     }
 }

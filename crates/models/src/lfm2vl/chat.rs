@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
-use tessera_backend::Backend;
+use tessera_backend::{Backend, NAN_ROW, Role};
 use tessera_core::{Error, Result};
 
 use super::config::Lfm2VlConfig;
@@ -15,7 +15,7 @@ use super::prompt::{Prompt, Prompter};
 use super::text::CacheShape;
 use super::vision::TilePatches;
 use crate::ModelFiles;
-use crate::chat_family::{ChatFamily, ChatPrompt, ChatPrompter, Chunk, Media};
+use crate::chat_family::{ChatFamily, ChatPrompt, ChatPrompter, Chunk, Media, nan_logit};
 use crate::chat_template::Message;
 use crate::generation::SamplingDefaults;
 use crate::imageproc::Image;
@@ -85,6 +85,8 @@ pub struct Lfm2VlChat<B: Backend> {
     model: Lfm2Vl<B>,
     prompter: Arc<Prompter>,
     eos: Vec<u32>,
+    /// Greedy tokens, one a slot ([`ChatFamily::forward_greedy`]).
+    greedy: B::Buf,
 }
 
 impl<B: Backend> Lfm2VlChat<B> {
@@ -106,17 +108,61 @@ impl<B: Backend> Lfm2VlChat<B> {
         eos.dedup();
         let mut model = Lfm2Vl::load(&be, files, cfg, cache)?;
         model.text.keep_states(&be, places)?;
+        let greedy = be.alloc(cache.slots.max(1), Role::Index)?;
         Ok(Lfm2VlChat {
             be,
             model,
             prompter: Arc::new(prompter),
             eos,
+            greedy,
         })
     }
 
     fn ctx(&self) -> usize {
         self.model.text.cache_shape().ctx
     }
+}
+
+/// Each chunk's image tiles, as the vision tower takes them.
+fn tiles_of<'a>(chunks: &[Chunk<'a>]) -> Result<Vec<Vec<TilePatches<'a>>>> {
+    chunks
+        .iter()
+        .map(|c| {
+            c.media
+                .iter()
+                .map(|m| {
+                    m.input
+                        .downcast_ref::<ProcessedImage>()
+                        .ok_or_else(|| Error::backend("lfm2vl", "media that is not an image"))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(|ims| {
+                    ims.into_iter()
+                        .flat_map(|im| &im.tiles)
+                        .map(|t| TilePatches {
+                            grid_w: t.grid_w,
+                            grid_h: t.grid_h,
+                            bytes: &t.patches,
+                        })
+                        .collect()
+                })
+        })
+        .collect()
+}
+
+/// The model's turns of `chunks`, with their `tiles`.
+fn turns_of<'a>(chunks: &[Chunk<'a>], tiles: &'a [Vec<TilePatches<'a>>]) -> Vec<SlotTurn<'a>> {
+    chunks
+        .iter()
+        .zip(tiles)
+        .map(|(c, tiles)| SlotTurn {
+            slot: c.slot,
+            held: c.held,
+            tokens: c.tokens,
+            tiles,
+            keep: c.keep,
+        })
+        .collect()
 }
 
 impl<B: Backend> ChatFamily for Lfm2VlChat<B> {
@@ -145,42 +191,30 @@ impl<B: Backend> ChatFamily for Lfm2VlChat<B> {
     }
 
     fn forward(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<f32>> {
-        let tiles: Vec<Vec<TilePatches<'_>>> = chunks
-            .iter()
-            .map(|c| {
-                c.media
-                    .iter()
-                    .map(|m| {
-                        m.input
-                            .downcast_ref::<ProcessedImage>()
-                            .ok_or_else(|| Error::backend("lfm2vl", "media that is not an image"))
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map(|ims| {
-                        ims.into_iter()
-                            .flat_map(|im| &im.tiles)
-                            .map(|t| TilePatches {
-                                grid_w: t.grid_w,
-                                grid_h: t.grid_h,
-                                bytes: &t.patches,
-                            })
-                            .collect()
-                    })
-            })
-            .collect::<Result<_>>()?;
-        let turns: Vec<SlotTurn<'_>> = chunks
-            .iter()
-            .zip(&tiles)
-            .map(|(c, tiles)| SlotTurn {
-                slot: c.slot,
-                held: c.held,
-                tokens: c.tokens,
-                tiles,
-                keep: c.keep,
-            })
-            .collect();
-        let logits = self.model.extend_slots(&self.be, &turns)?;
+        let tiles = tiles_of(chunks)?;
+        let logits = self
+            .model
+            .extend_slots(&self.be, &turns_of(chunks, &tiles))?;
         self.be.read_f32(logits)
+    }
+
+    /// The tokens picked on the device: one `u32` a chunk comes back, and a row flagged NaN is
+    /// read to name its token.
+    fn forward_greedy(&mut self, chunks: &[Chunk<'_>]) -> Result<Vec<Result<u32>>> {
+        let tiles = tiles_of(chunks)?;
+        let logits = self
+            .model
+            .extend_slots(&self.be, &turns_of(chunks, &tiles))?;
+        self.be.argmax_rows(logits, &mut self.greedy)?;
+        self.be
+            .read_u32(&self.greedy, logits.rows)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| match t {
+                NAN_ROW => Ok(Err(nan_logit(&self.be.read_f32(logits.rows(i, 1))?))),
+                t => Ok(Ok(t)),
+            })
+            .collect()
     }
 
     fn restore(&mut self, slot: usize, place: usize) -> Result<()> {

@@ -60,6 +60,8 @@ pub fn ops(c: &Lfm2VlConfig) -> Vec<Op> {
             after: AfterOp::Norm(NormOp::RMS),
         }),
         Op::Gated(Activation::Silu),
+        // Greedy decoding's tokens (the chat scheduler).
+        Op::ArgmaxRows,
     ];
     if c.projector_norm {
         ops.push(Op::Norm(layer));

@@ -1,5 +1,6 @@
 // Row gathers, scatters and pooling: position rows added by index, k×k average pooling of packed
-// grids, rows scattered to listed places. CPU references: crates/backend/src/cpu/rows.rs.
+// grids, rows scattered to listed places; each row's first largest value. CPU references:
+// crates/backend/src/cpu/rows.rs, first_argmax in crates/backend/src/lib.rs.
 
 // x[r] += table[pos[2r]] + table[axis_rows + pos[2r+1]] (the two table rows summed first).
 // One block per row.
@@ -46,6 +47,54 @@ __device__ __forceinline__ void scatter_rows_impl(const TI* src, long ss, const 
     for (int c = threadIdx.x; c < cols; c += blockDim.x) d[c] = from_f<TO>(to_f(s[c]));
 }
 
+// (value, index) of the larger, the lower index on equal values: the first of the largest.
+__device__ __forceinline__ void argmax_pick(float& v, int& i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+// out[r] = the index of the first largest value of row r: 0 when no value is above -inf, and
+// 0xffffffff when the row holds a NaN. One block per row (up to 1024 threads): each thread keeps
+// the first largest of its strided columns (a strict > in column order), then the block reduces
+// (value, index) pairs with the lower index winning ties.
+template <typename T>
+__device__ __forceinline__ void argmax_rows_impl(const T* x, long xs, int cols, u32* out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const T* row = x + (long)blockIdx.x * xs;
+    float best = NEG_INF;
+    int at = 0x7fffffff;  // none above -inf
+    int nan = 0;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = to_f(row[c]);
+        nan |= v != v;
+        if (v > best) {
+            best = v;
+            at = c;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_pick(best, at, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, at, o));
+    nan = __syncthreads_or(nan);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    if (l == 0) {
+        sv[w] = best;
+        si[w] = at;
+    }
+    __syncthreads();
+    if (w != 0) return;
+    const int nw = (blockDim.x + 31) >> 5;
+    best = l < nw ? sv[l] : NEG_INF;
+    at = l < nw ? si[l] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_pick(best, at, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, at, o));
+    if (l == 0) out[blockIdx.x] = nan ? 0xffffffffu : (at == 0x7fffffff ? 0u : (u32)at);
+}
+
 #define ADD_POS(TT, TX, NAME)                                                                             \
     extern "C" __global__ void NAME(const TT* table, int dim, int axis_rows, const u32* pos, TX* x, long xs) { \
         add_positions_2d_impl<TT, TX>(table, dim, axis_rows, pos, x, xs);                                 \
@@ -73,3 +122,10 @@ SCATTER(float, float, scatter_rows_f32_f32)
 SCATTER(float, bf16, scatter_rows_f32_bf16)
 SCATTER(bf16, float, scatter_rows_bf16_f32)
 SCATTER(bf16, bf16, scatter_rows_bf16_bf16)
+
+#define ARGMAX(T, NAME)                                                             \
+    extern "C" __global__ void NAME(const T* x, long xs, int cols, u32* out) {      \
+        argmax_rows_impl<T>(x, xs, cols, out);                                      \
+    }
+ARGMAX(float, argmax_rows_f32)
+ARGMAX(bf16, argmax_rows_bf16)
