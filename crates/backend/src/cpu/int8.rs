@@ -744,91 +744,27 @@ unsafe fn dot_vnni<const R: usize>(
         }
         return std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]));
     }
-    let unpacker = BlockUnpacker::new(dtype);
     let bb = dtype.block_bytes();
-    let nb = row.len() / bb;
-    let whole = nb / GROUP;
-    for g in 0..whole {
-        // SAFETY: blocks 4g..4g+4 of `row`.
-        let (wa, wb, dw) = unsafe { unpacker.unpack(row.as_ptr().add(g * GROUP * bb)) };
-        step(g, wa, wb, dw, &mut acc);
-    }
-    let tail = nb - whole * GROUP;
-    if tail > 0 {
-        let four = tail_blocks(&row[whole * GROUP * bb..]);
-        // SAFETY: `four` holds four whole blocks.
-        let (wa, wb, dw) = unsafe { unpacker.unpack(four.as_ptr()) };
-        step(whole, wa, wb, dw, &mut acc);
-    }
-    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
-}
-
-/// The last blocks of a row that has fewer than four left, beside zero blocks (scale 0, against
-/// zero activations): one whole group for [`BlockUnpacker::unpack`].
-#[cfg(target_arch = "x86_64")]
-fn tail_blocks(rest: &[u8]) -> [u8; GROUP * 34] {
-    let mut four = [0u8; GROUP * 34];
-    four[..rest.len()].copy_from_slice(rest);
-    four
-}
-
-/// Unpacks groups of four Q8_0 or Q4_0 blocks for [`dot_vnni`] and [`dot_vnni_rows`]: the
-/// 128 weights as `vpdpbusd`'s unsigned operand in two registers (every block's first 16
-/// values, then its second 16) and each lane's block scale, with the constants built once.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct BlockUnpacker {
-    q8: bool,
-    bb: usize,
-    scales: std::arch::x86_64::__m512i,
-    flip: std::arch::x86_64::__m512i,
-    low: std::arch::x86_64::__m512i,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl BlockUnpacker {
-    /// For Q8_0 or Q4_0 weights (`dtype`).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-    fn new(dtype: DType) -> Self {
-        use std::arch::x86_64::*;
-        let q8 = dtype == DType::Q8_0;
-        // Each block's scale word, four times: Q8_0's at every 17th word of two 64-byte loads,
-        // Q4_0's at every 9th of one.
-        let w = if q8 { [0, 17, 34, 51] } else { [0, 9, 18, 27] };
+    let q8 = dtype == DType::Q8_0;
+    // Each block's scale word, four times: Q8_0's at every 17th word of two 64-byte loads,
+    // Q4_0's at every 9th of one.
+    let words = |w: [i16; 4]| {
         let mut idx = [0i16; 32];
         for (i, v) in idx[..16].iter_mut().enumerate() {
             *v = w[i / 4];
         }
-        BlockUnpacker {
-            q8,
-            bb: dtype.block_bytes(),
-            // SAFETY: 32 words.
-            scales: unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) },
-            flip: _mm512_set1_epi8(i8::MIN),
-            low: _mm512_set1_epi8(0x0f),
-        }
-    }
-
-    /// Four blocks at `p` (Q8_0: 136 bytes, Q4_0: 72) into the two weight registers and the
-    /// lanes' scales.
-    ///
-    /// # Safety
-    /// The CPU has [`BlockUnpacker::new`]'s features; four whole blocks are readable at `p`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-    unsafe fn unpack(
-        &self,
-        p: *const u8,
-    ) -> (
-        std::arch::x86_64::__m512i,
-        std::arch::x86_64::__m512i,
-        std::arch::x86_64::__m512,
-    ) {
-        use std::arch::x86_64::*;
-        let bb = self.bb;
-        // SAFETY: every load below ends within the four blocks at `p` (the caller's promise).
+        // SAFETY: 32 words.
+        unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+    };
+    let (q8_scales, q4_scales) = (words([0, 17, 34, 51]), words([0, 9, 18, 27]));
+    let flip = _mm512_set1_epi8(i8::MIN);
+    // Four blocks at `p` (Q8_0: 136 bytes, Q4_0: 72) into the two weight registers and the
+    // lanes' scales.
+    let unpack = |p: *const u8| -> (__m512i, __m512i, __m512) {
+        // SAFETY: four whole blocks at `p` (the callers' promise): every load below ends within
+        // them.
         unsafe {
-            if self.q8 {
+            if q8 {
                 let b = |i: usize| _mm256_loadu_si256(p.add(i * bb + 2).cast());
                 let b01 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(0)), b(1));
                 let b23 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(2)), b(3));
@@ -836,85 +772,41 @@ impl BlockUnpacker {
                 let wb = _mm512_shuffle_i64x2::<0b11_01_11_01>(b01, b23);
                 let d = _mm512_permutex2var_epi16(
                     _mm512_loadu_si512(p.cast()),
-                    self.scales,
+                    q8_scales,
                     _mm512_loadu_si512(p.add(64).cast()),
                 );
                 let dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
-                (
-                    _mm512_xor_si512(wa, self.flip),
-                    _mm512_xor_si512(wb, self.flip),
-                    dw,
-                )
+                (_mm512_xor_si512(wa, flip), _mm512_xor_si512(wb, flip), dw)
             } else {
                 let b = |i: usize| _mm_loadu_si128(p.add(i * bb + 2).cast());
                 let t = _mm512_castsi128_si512(b(0));
                 let t = _mm512_inserti32x4::<1>(t, b(1));
                 let t = _mm512_inserti32x4::<2>(t, b(2));
                 let t = _mm512_inserti32x4::<3>(t, b(3));
-                let d = _mm512_permutexvar_epi16(self.scales, _mm512_loadu_si512(p.cast()));
+                let d = _mm512_permutexvar_epi16(q4_scales, _mm512_loadu_si512(p.cast()));
                 let dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
-                let wa = _mm512_and_si512(t, self.low);
-                let wb = _mm512_and_si512(_mm512_srli_epi16(t, 4), self.low);
+                let wa = _mm512_and_si512(t, low);
+                let wb = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
                 (wa, wb, dw)
             }
         }
-    }
-}
-
-/// [`dot_vnni`] of one activation row against `W` Q8_0 or Q4_0 weight rows at once (decoding):
-/// each group's activation record loads once for the `W` rows, and the rows' `W` independent
-/// accumulators keep the FMA pipes busy where one row's single chain would wait on its latency.
-/// Each row's arithmetic is [`dot_vnni`]'s, in the same order, so the results are equal bit for
-/// bit to one row at a time (and to the row inside a tile: batch-invariant).
-///
-/// # Safety
-/// As [`dot_vnni`]'s with `R` = 1, for each of `rows` (all of one length, whole blocks of
-/// `dtype`, Q8_0 or Q4_0).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_vnni_rows<const W: usize>(
-    dtype: DType,
-    rows: [&[u8]; W],
-    records: &[Record],
-) -> [f32; W] {
-    use std::arch::x86_64::*;
-    let unpacker = BlockUnpacker::new(dtype);
-    let bb = dtype.block_bytes();
-    let nb = rows[0].len() / bb;
-    let whole = nb / GROUP;
-    let mut acc = [_mm512_setzero_ps(); W];
-    let step = |g: usize, units: [(__m512i, __m512i, __m512); W], acc: &mut [__m512; W]| {
-        // SAFETY: `records` holds one record per group (the caller's promise) and g is one of
-        // them; each holds 128 values, 16 scales and 16 seeds.
-        unsafe {
-            let rec = records.get_unchecked(g);
-            let x = rec.q.as_ptr();
-            let (xa, xb) = (
-                _mm512_loadu_si512(x.cast()),
-                _mm512_loadu_si512(x.add(64).cast()),
-            );
-            let seed = _mm512_loadu_si512(rec.seed.as_ptr().cast());
-            let dx = _mm512_loadu_ps(rec.dx.as_ptr());
-            for ((wa, wb, dw), acc) in units.into_iter().zip(acc.iter_mut()) {
-                let dot = _mm512_dpbusd_epi32(seed, wa, xa);
-                let dot = _mm512_dpbusd_epi32(dot, wb, xb);
-                let scale = _mm512_mul_ps(dw, dx);
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
-            }
-        }
     };
+    let nb = row.len() / bb;
+    let whole = nb / GROUP;
     for g in 0..whole {
-        // SAFETY: blocks 4g..4g+4 of each row.
-        let units = rows.map(|r| unsafe { unpacker.unpack(r.as_ptr().add(g * GROUP * bb)) });
-        step(g, units, &mut acc);
+        // SAFETY: blocks 4g..4g+4 of `row`.
+        let (wa, wb, dw) = unpack(unsafe { row.as_ptr().add(g * GROUP * bb) });
+        step(g, wa, wb, dw, &mut acc);
     }
-    if nb > whole * GROUP {
-        let fours = rows.map(|r| tail_blocks(&r[whole * GROUP * bb..]));
-        // SAFETY: each of `fours` holds four whole blocks.
-        let units = std::array::from_fn(|w| unsafe { unpacker.unpack(fours[w].as_ptr()) });
-        step(whole, units, &mut acc);
+    let tail = nb - whole * GROUP;
+    if tail > 0 {
+        // The last blocks beside zero blocks (scale 0, against zero activations).
+        let mut four = [0u8; GROUP * 34];
+        four[..tail * bb].copy_from_slice(&row[whole * GROUP * bb..]);
+        let (wa, wb, dw) = unpack(four.as_ptr());
+        step(whole, wa, wb, dw, &mut acc);
     }
-    acc.map(|a| _mm512_reduce_add_ps(a))
+    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
 }
 
 /// [`dot_vnni`] on Q6_K weights: each half of a block (64 bytes of `ql`, 32 of `qh`) is one
@@ -1254,10 +1146,6 @@ unsafe fn unpack_rows<T>(
 /// Activation rows per AVX2 or VNNI call: each weight block is unpacked once for this many rows.
 const ROW_TILE: usize = 4;
 
-/// Weight rows [`dot_vnni_rows`] takes at once against a row outside the tiles.
-#[cfg(target_arch = "x86_64")]
-const DECODE_ROWS: usize = 4;
-
 /// `dst = alpha · x · wᵀ` (or `+=`) with `x` rounded to int8 blocks, for `m` rows of `x` (`k`
 /// at stride `xs`) into `m` rows of `dst` (`n` at stride `ds`). `w` is Q8_0, Q4_0, Q4_K or Q6_K
 /// ([`supports`]) and `k` a multiple of 32 (of 256 for Q4_K and Q6_K). Tasks of weight rows on every
@@ -1362,21 +1250,8 @@ fn product_on(
                     }
                     i += ROW_TILE;
                 }
-                // Rows left over (all of a decoding step's): Q8_0 and Q4_0 weight rows four at a
-                // time against each, the rest one by one.
-                let by_four = matches!(dtype, DType::Q8_0 | DType::Q4_0);
                 while i < m {
-                    let mut j = js.start;
-                    while by_four && j + DECODE_ROWS <= js.end {
-                        let ws: [&[u8]; DECODE_ROWS] = std::array::from_fn(|t| w.row(j + t));
-                        // SAFETY: as above; the rows are Q8_0 or Q4_0 of `k` values each.
-                        let s = unsafe { dot_vnni_rows(dtype, ws, p.records(i, 1)) };
-                        for (t, s) in s.into_iter().enumerate() {
-                            store(i, j + t, s);
-                        }
-                        j += DECODE_ROWS;
-                    }
-                    for j in j..js.end {
+                    for j in js.clone() {
                         // SAFETY: as above.
                         let [s] = unsafe { dot_vnni(dtype, w.row(j), p.records(i, 1), [p.dxs(i)]) };
                         store(i, j, s);
@@ -1511,14 +1386,11 @@ mod tests {
     /// alike): what lets batched work equal the same work alone.
     #[test]
     fn int8_products_do_not_depend_on_the_row_count() {
-        // Also a part group of blocks (Q8_0, Q4_0: 224 = 7 blocks) and a task whose weight rows
-        // are not a multiple of the lone rows' four ([`dot_vnni_rows`]).
-        for (kernel, dtype, (k, n)) in Kernel::available().into_iter().flat_map(|kr| {
-            FORMATS.into_iter().flat_map(move |d| {
-                let part = (d.block_size() == 32).then_some((224, 43));
-                [(256, 40)].into_iter().chain(part).map(move |s| (kr, d, s))
-            })
-        }) {
+        let (k, n) = (256, 40);
+        for (kernel, dtype) in Kernel::available()
+            .into_iter()
+            .flat_map(|kr| FORMATS.map(|d| (kr, d)))
+        {
             let w = QuantMat::from_blocks(
                 dtype,
                 random_blocks(dtype, n, k, 9),
@@ -1547,7 +1419,7 @@ mod tests {
                 let alone = run(first, m);
                 assert!(
                     alone[..] == all[first * n..(first + m) * n],
-                    "{} {dtype} k {k} rows {first}+{m}",
+                    "{} {dtype} rows {first}+{m}",
                     kernel.name()
                 );
             }
