@@ -1386,11 +1386,14 @@ mod tests {
     /// alike): what lets batched work equal the same work alone.
     #[test]
     fn int8_products_do_not_depend_on_the_row_count() {
-        let (k, n) = (256, 40);
-        for (kernel, dtype) in Kernel::available()
-            .into_iter()
-            .flat_map(|kr| FORMATS.map(|d| (kr, d)))
-        {
+        // Also a part group of blocks (Q8_0, Q4_0: 224 = 7 blocks) and a last task of 11
+        // weight rows.
+        for (kernel, dtype, (k, n)) in Kernel::available().into_iter().flat_map(|kr| {
+            FORMATS.into_iter().flat_map(move |d| {
+                let part = (d.block_size() == 32).then_some((224, 43));
+                [(256, 40)].into_iter().chain(part).map(move |s| (kr, d, s))
+            })
+        }) {
             let w = QuantMat::from_blocks(
                 dtype,
                 random_blocks(dtype, n, k, 9),
@@ -1419,7 +1422,7 @@ mod tests {
                 let alone = run(first, m);
                 assert!(
                     alone[..] == all[first * n..(first + m) * n],
-                    "{} {dtype} rows {first}+{m}",
+                    "{} {dtype} k {k} rows {first}+{m}",
                     kernel.name()
                 );
             }
