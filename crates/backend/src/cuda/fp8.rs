@@ -26,9 +26,10 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::sys as lt;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream};
 use tessera_core::{DType, Error, Result, Tensor};
 
+use super::cublaslt::{Handle, Layouts, WORKSPACE_BYTES, check, device_bytes, set_attr};
 use super::elementwise::ScaledEpilogueArgs;
 use super::gemm::{Rows, act_code};
 use super::launch::{DevPtr, Kernel, cfg, kernel_args, kernel_table};
@@ -68,9 +69,6 @@ const ACT_BYTES: usize = 64 << 20;
 /// Blocks of the amax pass at most (each leaves one partial maximum).
 const PARTS: usize = 1024;
 
-/// cuBLASLt scratch space, as the dense products have.
-const WORKSPACE_BYTES: usize = 32 << 20;
-
 /// FP8 operands need 16-byte rows and 16-byte-aligned addresses.
 const ALIGN: usize = 16;
 
@@ -99,7 +97,7 @@ pub struct Fp8Scales {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-struct PlanKey {
+struct Fp8PlanKey {
     m: u64,
     n: u64,
     k: u64,
@@ -109,33 +107,15 @@ struct PlanKey {
 }
 
 struct Plan {
-    desc: lt::cublasLtMatmulDesc_t,
-    a: lt::cublasLtMatrixLayout_t,
-    b: lt::cublasLtMatrixLayout_t,
-    d: lt::cublasLtMatrixLayout_t,
+    lay: Layouts,
     algo: lt::cublasLtMatmulAlgo_t,
-}
-
-impl Drop for Plan {
-    fn drop(&mut self) {
-        // SAFETY: each handle was created by cuBLASLt for this plan and is destroyed once (a
-        // null one, from a failed creation, is ignored by cuBLASLt).
-        unsafe {
-            lt::cublasLtMatrixLayoutDestroy(self.a);
-            lt::cublasLtMatrixLayoutDestroy(self.b);
-            lt::cublasLtMatrixLayoutDestroy(self.d);
-            lt::cublasLtMatmulDescDestroy(self.desc);
-        }
-    }
 }
 
 /// cuBLASLt state and device buffers of the FP8 products, made with the first FP8 matrix (at
 /// load, never inside a graph capture) and kept until the backend goes: graphs captured with
 /// their addresses stay valid.
 pub(super) struct Fp8Gemm {
-    handle: lt::cublasLtHandle_t,
-    _workspace: CudaSlice<u8>,
-    workspace: u64,
+    lt: Handle,
     /// The activation codes, [`ACT_BYTES`].
     _act: CudaSlice<u8>,
     act: u64,
@@ -146,38 +126,13 @@ pub(super) struct Fp8Gemm {
     _scale: CudaSlice<u8>,
     scale: u64,
     /// Each shape's plan, or why cuBLASLt has none (kept, so a shape is asked about once).
-    plans: Mutex<HashMap<PlanKey, std::result::Result<Plan, String>>>,
+    plans: Mutex<HashMap<Fp8PlanKey, std::result::Result<Plan, String>>>,
 }
 
 // SAFETY: as for the dense products' `Gemm`: plain cuBLASLt handles, every use of the plans
 // under the `plans` lock (which also orders setting A's scale pointer before its launch).
 unsafe impl Send for Fp8Gemm {}
 unsafe impl Sync for Fp8Gemm {}
-
-fn check(op: &str, s: lt::cublasStatus_t) -> Result<()> {
-    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::backend(
-            format!("cuBLASLt FP8 {op}"),
-            format!("{s:?}"),
-        ))
-    }
-}
-
-fn layout(
-    t: lt::cudaDataType,
-    rows: u64,
-    cols: u64,
-    ld: i64,
-) -> Result<lt::cublasLtMatrixLayout_t> {
-    let mut l = std::ptr::null_mut();
-    // SAFETY: out-parameter only.
-    check("layout", unsafe {
-        lt::cublasLtMatrixLayoutCreate(&mut l, t, rows, cols, ld)
-    })?;
-    Ok(l)
-}
 
 fn out_type(e: Elem) -> Result<lt::cudaDataType> {
     match e {
@@ -190,45 +145,14 @@ fn out_type(e: Elem) -> Result<lt::cudaDataType> {
     }
 }
 
-/// A descriptor attribute from `v`'s bytes.
-fn set_attr<T>(
-    desc: lt::cublasLtMatmulDesc_t,
-    attr: lt::cublasLtMatmulDescAttributes_t,
-    v: &T,
-) -> Result<()> {
-    // SAFETY: `desc` is live; cuBLASLt copies `size_of::<T>()` bytes from `v`, the attribute's
-    // own type (i32 for the operations and fast accumulation, a device pointer for the scales).
-    check("desc attribute", unsafe {
-        lt::cublasLtMatmulDescSetAttribute(
-            desc,
-            attr,
-            (v as *const T).cast(),
-            std::mem::size_of::<T>(),
-        )
-    })
-}
-
-fn device_bytes(stream: &Arc<CudaStream>, bytes: usize) -> Result<(CudaSlice<u8>, u64)> {
-    let mem = stream
-        .alloc_zeros::<u8>(bytes)
-        .map_err(|e| Error::backend("fp8 buffers", e))?;
-    let ptr = mem.device_ptr(stream).0;
-    Ok((mem, ptr))
-}
-
 impl Fp8Gemm {
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
-        let mut handle = std::ptr::null_mut();
-        // SAFETY: out-parameter only.
-        check("create", unsafe { lt::cublasLtCreate(&mut handle) })?;
-        let (_workspace, workspace) = device_bytes(stream, WORKSPACE_BYTES)?;
+        let lt = Handle::new(stream)?;
         let (_act, act) = device_bytes(stream, ACT_BYTES)?;
         let (_parts, parts) = device_bytes(stream, PARTS * 4)?;
         let (_scale, scale) = device_bytes(stream, 4)?;
         Ok(Fp8Gemm {
-            handle,
-            _workspace,
-            workspace,
+            lt,
             _act,
             act,
             _parts,
@@ -239,86 +163,32 @@ impl Fp8Gemm {
         })
     }
 
-    fn plan(&self, key: PlanKey) -> Result<Plan> {
+    fn plan(&self, key: Fp8PlanKey) -> Result<Plan> {
         use lt::cublasLtMatmulDescAttributes_t as A;
-        let mut desc = std::ptr::null_mut();
-        // SAFETY: out-parameter only.
-        check("desc", unsafe {
-            lt::cublasLtMatmulDescCreate(
-                &mut desc,
-                lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                lt::cudaDataType::CUDA_R_32F,
-            )
-        })?;
-        let mut plan = Plan {
-            desc,
-            a: std::ptr::null_mut(),
-            b: std::ptr::null_mut(),
-            d: std::ptr::null_mut(),
-            // SAFETY: plain-old-data, replaced by the heuristic's choice below before use.
-            algo: unsafe { std::mem::zeroed() },
-        };
-        set_attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
-        set_attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?; // CUBLAS_OP_N
-        // Every partial sum in f32 (Hopper's fast FP8 accumulation keeps fewer bits).
-        set_attr(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &0i8)?;
-        // A's is set per launch (each weight's own); B's is always the activation scale.
-        set_attr(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &self.scale)?;
-        set_attr(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &self.scale)?;
         let e4m3 = lt::cudaDataType::CUDA_R_8F_E4M3;
         // Column-major: A = W viewed as [k, n] (ld k), B = the activation codes as [k, m]
         // (ld k), C = D = outᵀ as [n, m].
-        plan.a = layout(e4m3, key.k, key.n, key.k as i64)?;
-        plan.b = layout(e4m3, key.k, key.m, key.k as i64)?;
-        plan.d = layout(out_type(key.d)?, key.n, key.m, key.ldd)?;
-        let mut pref = std::ptr::null_mut();
-        // SAFETY: out-parameter only.
-        check("preference", unsafe {
-            lt::cublasLtMatmulPreferenceCreate(&mut pref)
-        })?;
-        let ws = WORKSPACE_BYTES as u64;
-        // SAFETY: `pref` is live; the attribute is a u64 read from `ws`.
-        let r = unsafe {
-            lt::cublasLtMatmulPreferenceSetAttribute(
-                pref,
-                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&ws as *const u64).cast(),
-                8,
-            )
-        };
-        // SAFETY: plain-old-data, filled by the heuristic.
-        let mut result: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-        let mut count = 0;
-        let heur = if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            // SAFETY: all descriptors are live; one result slot is provided.
-            unsafe {
-                lt::cublasLtMatmulAlgoGetHeuristic(
-                    self.handle,
-                    plan.desc,
-                    plan.a,
-                    plan.b,
-                    plan.d,
-                    plan.d,
-                    pref,
-                    1,
-                    &mut result,
-                    &mut count,
-                )
-            }
-        } else {
-            r
-        };
-        // SAFETY: `pref` was created above and is destroyed once.
-        unsafe { lt::cublasLtMatmulPreferenceDestroy(pref) };
-        check("heuristic", heur)?;
-        if count == 0 || result.state != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(Error::backend(
-                "cuBLASLt FP8 heuristic",
-                format!("no algorithm for {key:?}"),
-            ));
-        }
-        plan.algo = result.algo;
-        Ok(plan)
+        let lay = Layouts::tn(
+            (key.n, key.m, key.k),
+            (e4m3, key.k as i64),
+            (e4m3, key.k as i64),
+            (out_type(key.d)?, key.ldd),
+        )?;
+        // Every partial sum in f32 (Hopper's fast FP8 accumulation keeps fewer bits).
+        set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &0i8)?;
+        // A's is set per launch (each weight's own); B's is always the activation scale.
+        set_attr(
+            lay.desc,
+            A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+            &self.scale,
+        )?;
+        set_attr(
+            lay.desc,
+            A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            &self.scale,
+        )?;
+        let algo = lay.algorithms(&self.lt, 1, &key)?[0];
+        Ok(Plan { lay, algo })
     }
 
     /// Enqueue `d[m, n] (= or +=) α · s_w · s_x · codes(x) · codes(w)ᵀ`, the activation codes
@@ -327,7 +197,7 @@ impl Fp8Gemm {
     fn run(
         &self,
         stream: &CudaStream,
-        key: PlanKey,
+        key: Fp8PlanKey,
         w: u64,
         w_scale: u64,
         d: u64,
@@ -347,7 +217,7 @@ impl Fp8Gemm {
         // The pointer is read when the launch is enqueued (and captured with it in a graph); the
         // scale it addresses lives as long as its matrix, which outlives every forward.
         set_attr(
-            p.desc,
+            p.lay.desc,
             lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
             &w_scale,
         )?;
@@ -360,31 +230,31 @@ impl Fp8Gemm {
         // and the workspace is ours.
         let s = unsafe {
             lt::cublasLtMatmul(
-                self.handle,
-                p.desc,
+                self.lt.raw,
+                p.lay.desc,
                 (&alpha as *const f32).cast(),
                 w as *const c_void,
-                p.a,
+                p.lay.a,
                 self.act as *const c_void,
-                p.b,
+                p.lay.b,
                 (&beta as *const f32).cast(),
                 d as *const c_void,
-                p.d,
+                p.lay.d,
                 d as *mut c_void,
-                p.d,
+                p.lay.d,
                 &p.algo,
-                self.workspace as *mut c_void,
+                self.lt.workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 stream.cu_stream() as lt::cudaStream_t,
             )
         };
-        check("matmul", s)
+        check("FP8 matmul", s)
     }
 }
 
 impl Fp8Gemm {
     /// Whether cuBLASLt has an algorithm for `key` (its plan made and kept on first ask).
-    fn has_plan(&self, key: PlanKey) -> bool {
+    fn has_plan(&self, key: Fp8PlanKey) -> bool {
         let Ok(mut plans) = self.plans.lock() else {
             return false;
         };
@@ -397,11 +267,10 @@ impl Fp8Gemm {
 
 impl Drop for Fp8Gemm {
     fn drop(&mut self) {
+        // The plans before the handle (a field, dropped after this).
         if let Ok(mut p) = self.plans.lock() {
             p.clear();
         }
-        // SAFETY: the handle was created in `new` and is destroyed once, after its plans.
-        unsafe { lt::cublasLtDestroy(self.handle) };
     }
 }
 
@@ -671,7 +540,7 @@ fn run(
             .all(|r| r.len.is_multiple_of(ALIGN) && (r.start * size).is_multiple_of(ALIGN));
     let act_rows = (ACT_BYTES / k).max(1);
     let shape = be.profiler.as_ref().map(|_| format!("{m}x{n}x{k}"));
-    let plan_key = |rows: usize, n: usize, ldd: usize, d: Elem, accumulate: bool| PlanKey {
+    let plan_key = |rows: usize, n: usize, ldd: usize, d: Elem, accumulate: bool| Fp8PlanKey {
         m: rows as u64,
         n: n as u64,
         k: k as u64,

@@ -19,9 +19,10 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::sys as lt;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::CudaStream;
 use tessera_core::{Error, Result};
 
+use super::cublaslt::{Handle, Layouts, WORKSPACE_BYTES, check};
 use super::elementwise::EpilogueArgs;
 use super::gemv;
 use super::launch::DevPtr;
@@ -29,9 +30,6 @@ use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
 use crate::op::check_product;
 use crate::{Activation, Epilogue, View, ViewMut};
-
-/// cuBLASLt scratch space; 32 MiB lets the heuristic pick split-K and stream-K kernels.
-const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// Algorithms a tuned plan times.
 pub const CANDIDATES: usize = 8;
@@ -57,10 +55,7 @@ struct PlanKey {
 }
 
 struct Plan {
-    desc: lt::cublasLtMatmulDesc_t,
-    a: lt::cublasLtMatrixLayout_t,
-    b: lt::cublasLtMatrixLayout_t,
-    d: lt::cublasLtMatrixLayout_t,
+    lay: Layouts,
     /// The heuristic's algorithms, best guess first.
     algos: Vec<lt::cublasLtMatmulAlgo_t>,
     /// The one in use: the first until a tuning run picks another.
@@ -69,22 +64,8 @@ struct Plan {
     untuned: bool,
 }
 
-impl Drop for Plan {
-    fn drop(&mut self) {
-        // SAFETY: each handle was created by cuBLASLt for this plan and is destroyed once.
-        unsafe {
-            lt::cublasLtMatrixLayoutDestroy(self.a);
-            lt::cublasLtMatrixLayoutDestroy(self.b);
-            lt::cublasLtMatrixLayoutDestroy(self.d);
-            lt::cublasLtMatmulDescDestroy(self.desc);
-        }
-    }
-}
-
 pub(super) struct Gemm {
-    handle: lt::cublasLtHandle_t,
-    _workspace: CudaSlice<u8>,
-    workspace_ptr: u64,
+    lt: Handle,
     plans: Mutex<HashMap<PlanKey, Plan>>,
     /// Time candidate algorithms (`TESSERA_GEMM_TUNE` unset or not `0`).
     tune: bool,
@@ -99,28 +80,11 @@ pub(super) struct Gemm {
 unsafe impl Send for Gemm {}
 unsafe impl Sync for Gemm {}
 
-fn check(op: &str, s: lt::cublasStatus_t) -> Result<()> {
-    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::backend(format!("cuBLASLt {op}"), format!("{s:?}")))
-    }
-}
-
 fn data_type(e: Elem) -> lt::cudaDataType {
     match e {
         Elem::Bf16 => lt::cudaDataType::CUDA_R_16BF,
         Elem::F32 | Elem::U32 => lt::cudaDataType::CUDA_R_32F,
     }
-}
-
-fn layout(e: Elem, rows: u64, cols: u64, ld: i64) -> Result<lt::cublasLtMatrixLayout_t> {
-    let mut l = std::ptr::null_mut();
-    // SAFETY: out-parameter only.
-    check("layout", unsafe {
-        lt::cublasLtMatrixLayoutCreate(&mut l, data_type(e), rows, cols, ld)
-    })?;
-    Ok(l)
 }
 
 /// Operands of one product (device pointers are byte addresses of the first element).
@@ -142,17 +106,8 @@ struct GemmArgs {
 
 impl Gemm {
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
-        let mut handle = std::ptr::null_mut();
-        // SAFETY: out-parameter only.
-        check("create", unsafe { lt::cublasLtCreate(&mut handle) })?;
-        let workspace = stream
-            .alloc_zeros::<u8>(WORKSPACE_BYTES)
-            .map_err(|e| Error::backend("cuBLASLt workspace", e))?;
-        let ptr = workspace.device_ptr(stream).0;
         Ok(Gemm {
-            handle,
-            workspace_ptr: ptr,
-            _workspace: workspace,
+            lt: Handle::new(stream)?,
             plans: Mutex::new(HashMap::new()),
             tune: std::env::var("TESSERA_GEMM_TUNE").map_or(true, |v| v != "0"),
             gemv: gemv::enabled_by_env(),
@@ -160,106 +115,26 @@ impl Gemm {
     }
 
     fn plan(&self, key: PlanKey) -> Result<Plan> {
-        let mut desc = std::ptr::null_mut();
-        // SAFETY: out-parameter only.
-        check("desc", unsafe {
-            lt::cublasLtMatmulDescCreate(
-                &mut desc,
-                lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                lt::cudaDataType::CUDA_R_32F,
-            )
-        })?;
-        let set = |attr: lt::cublasLtMatmulDescAttributes_t, v: i32| {
-            // SAFETY: `desc` is live; the attribute is a 4-byte integer read from `v`.
-            check("desc attribute", unsafe {
-                lt::cublasLtMatmulDescSetAttribute(desc, attr, (&v as *const i32).cast(), 4)
-            })
-        };
-        set(
-            lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-            1,
-        )?; // CUBLAS_OP_T
-        set(
-            lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-            0,
-        )?; // CUBLAS_OP_N
         // Column-major: A = W viewed as [k, n] (ld k), B = xᵀ as [k, m] (ld x_stride),
         // D = outᵀ as [n, m] (ld out_stride).
-        let mut plan = Plan {
-            desc,
-            a: layout(key.ab, key.k, key.n, key.lda)?,
-            b: layout(key.ab, key.k, key.m, key.ldb)?,
-            d: layout(key.d, key.n, key.m, key.ldd)?,
-            algos: Vec::new(),
-            chosen: 0,
-            untuned: false,
-        };
-        let mut pref = std::ptr::null_mut();
-        // SAFETY: out-parameter only.
-        check("preference", unsafe {
-            lt::cublasLtMatmulPreferenceCreate(&mut pref)
-        })?;
-        let ws = WORKSPACE_BYTES as u64;
-        // SAFETY: `pref` is live; the attribute is a u64 read from `ws`.
-        let r = unsafe {
-            lt::cublasLtMatmulPreferenceSetAttribute(
-                pref,
-                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&ws as *const u64).cast(),
-                8,
-            )
-        };
+        let lay = Layouts::tn(
+            (key.n, key.m, key.k),
+            (data_type(key.ab), key.lda),
+            (data_type(key.ab), key.ldb),
+            (data_type(key.d), key.ldd),
+        )?;
         let wanted = if self.tune && !key.accumulate && key.m as usize >= TUNE_MIN_ROWS {
             CANDIDATES
         } else {
             1
         };
-        // SAFETY: plain-old-data structs, filled by the heuristic below before use.
-        let mut results: Vec<lt::cublasLtMatmulHeuristicResult_t> =
-            (0..wanted).map(|_| unsafe { std::mem::zeroed() }).collect();
-        let mut count = 0;
-        let heur = if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            // SAFETY: all descriptors are live; `wanted` result slots are provided.
-            unsafe {
-                lt::cublasLtMatmulAlgoGetHeuristic(
-                    self.handle,
-                    plan.desc,
-                    plan.a,
-                    plan.b,
-                    plan.d,
-                    plan.d,
-                    pref,
-                    wanted as i32,
-                    results.as_mut_ptr(),
-                    &mut count,
-                )
-            }
-        } else {
-            r
-        };
-        // SAFETY: `pref` was created above and is destroyed once.
-        unsafe { lt::cublasLtMatmulPreferenceDestroy(pref) };
-        check("heuristic", heur)?;
-        if count == 0 {
-            return Err(Error::backend(
-                "cuBLASLt heuristic",
-                format!("no algorithm for {key:?}"),
-            ));
-        }
-        plan.algos = results
-            .iter()
-            .take(count as usize)
-            .filter(|r| r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-            .map(|r| r.algo)
-            .collect();
-        if plan.algos.is_empty() {
-            return Err(Error::backend(
-                "cuBLASLt heuristic",
-                format!("no usable algorithm for {key:?}"),
-            ));
-        }
-        plan.untuned = plan.algos.len() > 1;
-        Ok(plan)
+        let algos = lay.algorithms(&self.lt, wanted, &key)?;
+        Ok(Plan {
+            untuned: algos.len() > 1,
+            lay,
+            algos,
+            chosen: 0,
+        })
     }
 
     /// Launch `a` with algorithm `algo` of plan `p`.
@@ -274,20 +149,20 @@ impl Gemm {
         // extents; the plan's layouts describe exactly those extents; the workspace is ours.
         let s = unsafe {
             lt::cublasLtMatmul(
-                self.handle,
-                p.desc,
+                self.lt.raw,
+                p.lay.desc,
                 (&a.alpha as *const f32).cast(),
                 a.w as *const c_void,
-                p.a,
+                p.lay.a,
                 a.x as *const c_void,
-                p.b,
+                p.lay.b,
                 (&a.beta as *const f32).cast(),
                 a.out as *const c_void,
-                p.d,
+                p.lay.d,
                 a.out as *mut c_void,
-                p.d,
+                p.lay.d,
                 algo,
-                self.workspace_ptr as *mut c_void,
+                self.lt.workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 stream.cu_stream() as lt::cudaStream_t,
             )
@@ -363,11 +238,10 @@ impl Gemm {
 
 impl Drop for Gemm {
     fn drop(&mut self) {
+        // The plans before the handle (a field, dropped after this).
         if let Ok(mut p) = self.plans.lock() {
             p.clear();
         }
-        // SAFETY: the handle was created in `new` and is destroyed once, after its plans.
-        unsafe { lt::cublasLtDestroy(self.handle) };
     }
 }
 

@@ -27,6 +27,7 @@
 
 pub mod attention;
 mod bench;
+mod cublaslt;
 mod device;
 mod elementwise;
 mod errors;
