@@ -31,9 +31,9 @@ use tessera_core::{DType, Error, Result, Tensor};
 
 use super::cublaslt::{Handle, Layouts, WORKSPACE_BYTES, check, device_bytes, set_attr};
 use super::elementwise::ScaledEpilogueArgs;
-use super::gemm::{Rows, act_code};
+use super::gemm::{Post, Rows};
 use super::launch::{DevPtr, Kernel, cfg, kernel_args, kernel_table};
-use super::memory::{Workspace, ptr_of};
+use super::memory::Workspace;
 use super::{CudaBackend, CudaBuf, CudaMat, Elem, MatFormat};
 use crate::cpu::quant::{QuantMat, quantize_stack};
 use crate::op::check_product;
@@ -396,69 +396,6 @@ fn decoded(be: &CudaBackend, q: &QuantMat, out: usize, inner: usize) -> Result<C
     })
 }
 
-/// What the scaled epilogue applies besides the column scales (null pointers: none).
-#[derive(Clone, Copy)]
-struct Post {
-    bias: DevPtr,
-    act: i32,
-    gate: DevPtr,
-    gate_stride: usize,
-    tanh: i32,
-}
-
-impl Post {
-    const NONE: Post = Post {
-        bias: DevPtr::NULL,
-        act: -1,
-        gate: DevPtr::NULL,
-        gate_stride: 0,
-        tanh: 0,
-    };
-
-    fn is_none(&self) -> bool {
-        self.bias == DevPtr::NULL && self.act < 0 && self.gate == DevPtr::NULL
-    }
-
-    /// `ep`'s bias, activation and gate, checked against an `out` of `rows × cols`.
-    fn of(ep: &Epilogue<'_, CudaBackend>, rows: usize, cols: usize) -> Result<Post> {
-        let bias = match ep.bias {
-            Some(b) if b.len != cols => {
-                return Err(Error::backend(
-                    "matmul",
-                    format!("bias of {} for {cols} outputs", b.len),
-                ));
-            }
-            Some(b) => b.ptr,
-            None => DevPtr::NULL,
-        };
-        let (gate, gate_stride, tanh) = match &ep.gate {
-            Some(g) => {
-                let v = &g.values;
-                let rows_ok = v.rows == 1 || v.rows == rows;
-                if !rows_ok || v.cols != cols || v.buf.elem != Elem::F32 {
-                    return Err(Error::backend(
-                        "matmul",
-                        format!(
-                            "gate {}×{} {:?} for a {rows}×{cols} output (one f32 row or one per row)",
-                            v.rows, v.cols, v.buf.elem
-                        ),
-                    ));
-                }
-                let stride = if g.broadcast() { 0 } else { v.stride };
-                (ptr_of(v)?, stride, g.tanh as i32)
-            }
-            None => (DevPtr::NULL, 0, 0),
-        };
-        Ok(Post {
-            bias,
-            act: ep.act.map_or(-1, act_code),
-            gate,
-            gate_stride,
-            tanh,
-        })
-    }
-}
-
 /// Round `rows` rows of `x` (bf16, `cols` even) to e4m3 codes in the activation buffer, with the
 /// scale `amax / 448` left in the activation scale.
 fn quantize(be: &CudaBackend, g: &Fp8Gemm, x: Rows, rows: usize, cols: usize) -> Result<()> {
@@ -587,11 +524,6 @@ fn run(
         be.timed("gemm", shape.as_deref(), || {
             g.run(&be.stream, key, w.buf.ptr.0, f.whole.ptr.0, ws.0, alpha)
         })?;
-        let gate = if post.gate == DevPtr::NULL {
-            DevPtr::NULL
-        } else {
-            DevPtr(post.gate.0 + (r0 * post.gate_stride * 4) as u64)
-        };
         let args = ScaledEpilogueArgs {
             y: ws,
             ys: f.padded as i64,
@@ -602,7 +534,7 @@ fn run(
             cs: f.rows.as_ref().map_or(DevPtr::NULL, |b| b.ptr),
             bias: post.bias,
             act: post.act,
-            g: gate,
+            g: post.gate_from(r0),
             gs: post.gate_stride as i64,
             tanh: post.tanh,
             accumulate: accumulate as i32,

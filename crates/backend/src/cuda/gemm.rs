@@ -278,40 +278,46 @@ impl Rows {
     }
 }
 
-/// What the epilogue kernel applies after the product (null pointers: none).
+/// What the epilogue kernel applies after the product (null pointers: none); the FP8 products'
+/// scaled epilogue ([`super::fp8`]) applies the same after its column scales.
 #[derive(Clone, Copy)]
 pub(super) struct Post {
-    bias: DevPtr,
+    pub bias: DevPtr,
     /// −1 none, 0 GELU (tanh), 1 SiLU: the kernels' codes.
-    act: i32,
+    pub act: i32,
     gate: DevPtr,
     /// 0: one broadcast gate row.
-    gate_stride: usize,
-    tanh: i32,
+    pub gate_stride: usize,
+    pub tanh: i32,
 }
 
 impl Post {
+    /// Nothing after the product.
+    pub const NONE: Post = Post {
+        bias: DevPtr::NULL,
+        act: -1,
+        gate: DevPtr::NULL,
+        gate_stride: 0,
+        tanh: 0,
+    };
+
     /// Only `bias` (a convolution's).
     pub fn bias(bias: DevPtr) -> Post {
-        Post {
-            bias,
-            act: -1,
-            gate: DevPtr::NULL,
-            gate_stride: 0,
-            tanh: 0,
-        }
+        Post { bias, ..Post::NONE }
     }
 
-    /// The epilogue after the product, or `None` for a bare (or accumulating) product.
-    fn of(ep: &Epilogue<'_, CudaBackend>, out: &ViewMut<'_, CudaBackend>) -> Result<Option<Post>> {
-        if ep.bias.is_none() && ep.act.is_none() && ep.gate.is_none() {
-            return Ok(None);
-        }
+    /// Whether it applies nothing.
+    pub fn is_none(&self) -> bool {
+        self.bias == DevPtr::NULL && self.act < 0 && self.gate == DevPtr::NULL
+    }
+
+    /// `ep`'s bias, activation and gate, checked against an output of `rows × cols`.
+    pub fn of(ep: &Epilogue<'_, CudaBackend>, rows: usize, cols: usize) -> Result<Post> {
         let bias = match ep.bias {
-            Some(b) if b.len != out.cols => {
+            Some(b) if b.len != cols => {
                 return Err(Error::backend(
                     "matmul",
-                    format!("bias of {} for {} outputs", b.len, out.cols),
+                    format!("bias of {} for {cols} outputs", b.len),
                 ));
             }
             Some(b) => b.ptr,
@@ -320,13 +326,13 @@ impl Post {
         let (gate, gate_stride, tanh) = match &ep.gate {
             Some(g) => {
                 let v = &g.values;
-                let rows_ok = v.rows == 1 || v.rows == out.rows;
-                if !rows_ok || v.cols != out.cols || v.buf.elem != Elem::F32 {
+                let rows_ok = v.rows == 1 || v.rows == rows;
+                if !rows_ok || v.cols != cols || v.buf.elem != Elem::F32 {
                     return Err(Error::backend(
                         "matmul",
                         format!(
-                            "gate {}×{} {:?} for a {}×{} output (one f32 row or one per row)",
-                            v.rows, v.cols, v.buf.elem, out.rows, out.cols
+                            "gate {}×{} {:?} for a {rows}×{cols} output (one f32 row or one per row)",
+                            v.rows, v.cols, v.buf.elem
                         ),
                     ));
                 }
@@ -335,13 +341,22 @@ impl Post {
             }
             None => (DevPtr::NULL, 0, 0),
         };
-        Ok(Some(Post {
+        Ok(Post {
             bias,
             act: ep.act.map_or(-1, act_code),
             gate,
             gate_stride,
             tanh,
-        }))
+        })
+    }
+
+    /// The gate's row `g0` (null without a gate; the one row of a broadcast gate).
+    pub fn gate_from(&self, g0: usize) -> DevPtr {
+        if self.gate == DevPtr::NULL {
+            DevPtr::NULL
+        } else {
+            DevPtr(self.gate.0 + (g0 * self.gate_stride * 4) as u64)
+        }
     }
 }
 
@@ -414,11 +429,6 @@ pub(super) fn epilogue(
     cols: usize,
     accumulate: bool,
 ) -> Result<()> {
-    let gate = if post.gate == DevPtr::NULL {
-        DevPtr::NULL
-    } else {
-        DevPtr(post.gate.0 + (g0 * post.gate_stride * 4) as u64)
-    };
     let args = EpilogueArgs {
         y: y.ptr,
         ys: y.stride as i64,
@@ -428,7 +438,7 @@ pub(super) fn epilogue(
         cols: cols as i32,
         bias: post.bias,
         act: post.act,
-        g: gate,
+        g: post.gate_from(g0),
         gs: post.gate_stride as i64,
         tanh: post.tanh,
         accumulate: accumulate as i32,
@@ -457,7 +467,8 @@ pub(super) fn matmul(
         return super::fp8::matmul(be, x, w, out, ep);
     }
     check_product(&x, (w.out, w.inner), &out)?;
-    let post = Post::of(ep, &out)?;
+    // A bare (or accumulating) product has no epilogue.
+    let post = Some(Post::of(ep, out.rows, out.cols)?).filter(|p| !p.is_none());
     if x.rows == 0 || w.out == 0 {
         return Ok(());
     }
