@@ -136,16 +136,7 @@ fn tiles_of<'a>(chunks: &[Chunk<'a>]) -> Result<Vec<Vec<TilePatches<'a>>>> {
                         .ok_or_else(|| Error::backend("lfm2vl", "media that is not an image"))
                 })
                 .collect::<Result<Vec<_>>>()
-                .map(|ims| {
-                    ims.into_iter()
-                        .flat_map(|im| &im.tiles)
-                        .map(|t| TilePatches {
-                            grid_w: t.grid_w,
-                            grid_h: t.grid_h,
-                            bytes: &t.patches,
-                        })
-                        .collect()
-                })
+                .map(|ims| ims.into_iter().flat_map(ProcessedImage::patches).collect())
         })
         .collect()
 }

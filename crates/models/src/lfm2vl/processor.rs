@@ -45,6 +45,7 @@ use std::path::Path;
 use serde::Deserialize;
 use tessera_core::{Error, Result};
 
+use super::vision::TilePatches;
 use crate::files::ModelFiles;
 use crate::imageproc::resize::resize_bytes;
 use crate::imageproc::{Filter, Image, MAX_PIXELS, patchify, resize_aa};
@@ -431,6 +432,15 @@ pub struct ProcessedImage {
 }
 
 impl ProcessedImage {
+    /// Its tiles' patches, in order, as the vision tower takes them.
+    pub fn patches(&self) -> impl Iterator<Item = TilePatches<'_>> {
+        self.tiles.iter().map(|t| TilePatches {
+            grid_w: t.grid_w,
+            grid_h: t.grid_h,
+            bytes: &t.patches,
+        })
+    }
+
     /// Image tokens in all, which the placeholder text holds as many `<image>` of.
     pub fn tokens(&self) -> usize {
         self.tiles.iter().map(|t| t.tokens).sum()

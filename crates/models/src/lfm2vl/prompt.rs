@@ -46,12 +46,7 @@ impl Prompt {
         self.images
             .iter()
             .skip(from)
-            .flat_map(|im| &im.tiles)
-            .map(|t| TilePatches {
-                grid_w: t.grid_w,
-                grid_h: t.grid_h,
-                bytes: &t.patches,
-            })
+            .flat_map(ProcessedImage::patches)
             .collect()
     }
 }
