@@ -28,8 +28,8 @@ use ops::gemm::{Fp8, matmul};
 use ops::image::{avg_down, conv2d, dup_up, group_norm};
 use ops::norm::{layer, norm, plain, residual, rms};
 use ops::rows::{
-    ArgmaxRow, add_positions_2d, argmax_rows, avg_pool2d, cast, embed, gated, scatter_rows,
-    segment_mean,
+    ARGMAX_ROWS, ArgmaxRow, add_positions_2d, argmax_rows, avg_pool2d, cast, embed, gated,
+    scatter_rows, segment_mean,
 };
 use ops::short_conv::short_conv;
 use ops::{Case, Dev, Diff, Output, Table, Tol, catching, compare, measure};
@@ -451,14 +451,7 @@ fn cases() -> Vec<Box<dyn Case>> {
 
     // ---- argmax_rows: greedy decoding's tokens. Rows cycle through ties, all −∞, a NaN, +∞,
     // drawn values and −∞ but the last; exact indices (a NaN row as the flag).
-    for kind in [
-        ArgmaxRow::Ties,
-        ArgmaxRow::NegInf,
-        ArgmaxRow::Nan,
-        ArgmaxRow::PosInf,
-        ArgmaxRow::Drawn,
-        ArgmaxRow::LastFinite,
-    ] {
+    for kind in ARGMAX_ROWS {
         t.add(argmax_rows(1, 65536).first(kind)); // LFM2's vocabulary, one sequence
     }
     t.add(argmax_rows(3, 65536));

@@ -370,7 +370,8 @@ pub enum ArgmaxRow {
     Nan,
 }
 
-const ARGMAX_ROWS: [ArgmaxRow; 6] = [
+/// Every kind, in the order a case's rows cycle through them.
+pub const ARGMAX_ROWS: [ArgmaxRow; 6] = [
     ArgmaxRow::Ties,
     ArgmaxRow::NegInf,
     ArgmaxRow::Nan,
