@@ -120,6 +120,10 @@ pub struct Steps<B: Backend> {
     rope: RopeTable<B>,
     pos: Vec<B::Buf>,
     segs: Segments<B>,
+    /// Key limits of the joint rows: 0 for an item's prefix rows (their outputs are never read,
+    /// so the flash kernels skip their query tiles; a full mask did the prefix's attention again
+    /// every step, half the step's attention at an edit's size), the whole item for its target.
+    limits: B::Buf,
     /// Target rows' residual stream `[items·n, dim]`, latents in and velocities out.
     h: B::Buf,
     latents: B::Buf,
@@ -604,12 +608,19 @@ impl<B: Backend> QwenImageTransformer<B> {
         let prefix_rows: Vec<usize> = prefixes.iter().map(|p| p.rows()).collect();
         let mut joint_items = Vec::with_capacity(items.len());
         let mut lens = Vec::with_capacity(items.len());
+        let mut limits = Vec::new();
         let mut angles = Vec::with_capacity(items.len() * n * self.rope.pairs());
         let mut off = 0;
         for &p in items {
             joint_items.push((p, off));
             let lp = prefix_rows[p];
             lens.push(lp + n);
+            limits.extend(std::iter::repeat_n(0, lp));
+            limits.extend(std::iter::repeat_n(
+                u32::try_from(lp + n)
+                    .map_err(|_| Error::input("a generation of over 2^32 rows"))?,
+                n,
+            ));
             off += lp + n;
             angles.extend(self.rope.angles(&prefixes[p].layout.positions()[lp..]));
         }
@@ -632,6 +643,8 @@ impl<B: Backend> QwenImageTransformer<B> {
         let mut scratch = Scratch::alloc(be, joint, dims)?;
         // The prefix rows' queries are never read, but keep them finite.
         be.write_f32(&mut scratch.qkv, &vec![0.0; joint * dims.qkv])?;
+        let mut limits_buf = be.alloc(joint, Role::Index)?;
+        be.write_u32(&mut limits_buf, &limits)?;
         Ok(Steps {
             items: joint_items,
             prefix_rows,
@@ -642,6 +655,7 @@ impl<B: Backend> QwenImageTransformer<B> {
             rope,
             pos,
             segs: be.segments(&lens)?,
+            limits: limits_buf,
             h: be.alloc(rows * d, s)?,
             latents: be.alloc(rows * self.cfg.in_channels, e)?,
             out: be.alloc(rows * self.cfg.out_channels, s)?,
@@ -707,17 +721,18 @@ impl<B: Backend> QwenImageTransformer<B> {
             mods,
         }];
         let joint = st.segs.total();
-        let spec = AttnSpec::new(lay, self.scale(), Mask::Full);
         let Steps {
             items,
             prefix_rows,
             rope,
             pos,
             segs,
+            limits,
             h,
             scratch: s,
             ..
         } = st;
+        let spec = AttnSpec::new(lay, self.scale(), Mask::Limits(limits));
         norm_groups(be, h, rows, d, &groups, 0, eps, &mut s.a)?;
         let last = self.blocks.len() - 1;
         for (li, b) in self.blocks.iter().enumerate() {
