@@ -56,6 +56,25 @@ pub(super) fn set_attr<T>(
     })
 }
 
+/// A heuristic preference attribute from `v`'s bytes (the status: the caller destroys `pref`
+/// whatever it is).
+fn set_pref<T>(
+    pref: lt::cublasLtMatmulPreference_t,
+    attr: lt::cublasLtMatmulPreferenceAttributes_t,
+    v: &T,
+) -> lt::cublasStatus_t {
+    // SAFETY: `pref` is live; cuBLASLt copies `size_of::<T>()` bytes from `v`, which the caller
+    // gives as the attribute's own type (u64 for the workspace, u32 for the alignments).
+    unsafe {
+        lt::cublasLtMatmulPreferenceSetAttribute(
+            pref,
+            attr,
+            (v as *const T).cast(),
+            std::mem::size_of::<T>(),
+        )
+    }
+}
+
 /// A cuBLASLt handle and its workspace, destroyed together.
 pub(super) struct Handle {
     pub raw: lt::cublasLtHandle_t,
@@ -99,6 +118,29 @@ pub(super) fn device_bytes(stream: &Arc<CudaStream>, bytes: usize) -> Result<(Cu
         .map_err(|e| Error::backend("cuBLASLt buffers", e))?;
     let ptr = mem.device_ptr(stream).0;
     Ok((mem, ptr))
+}
+
+/// The byte alignment of a product's operand addresses (A the weight, B the activation rows,
+/// D the output, which is also C), at most 256: cuBLASLt's heuristic assumes 256 unless told,
+/// and an algorithm it then offers refuses (`NOT_SUPPORTED`) rows that start, say, 14 bytes
+/// past a 16-byte boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Alignments {
+    pub a: u32,
+    pub b: u32,
+    pub d: u32,
+}
+
+impl Alignments {
+    /// The alignments of the addresses `a`, `b` and `d`.
+    pub fn of(a: u64, b: u64, d: u64) -> Self {
+        let align = |p: u64| 1u32 << p.trailing_zeros().min(8);
+        Alignments {
+            a: align(a),
+            b: align(b),
+            d: align(d),
+        }
+    }
 }
 
 /// A product's descriptor (f32 compute and scale type, A transposed, B not) and its A, B and
@@ -150,28 +192,36 @@ impl Layouts {
         &self,
         handle: &Handle,
         wanted: usize,
+        align: Alignments,
         what: &dyn std::fmt::Debug,
     ) -> Result<Vec<lt::cublasLtMatmulAlgo_t>> {
+        use lt::cublasLtMatmulPreferenceAttributes_t as P;
         let mut pref = std::ptr::null_mut();
         // SAFETY: out-parameter only.
         check("preference", unsafe {
             lt::cublasLtMatmulPreferenceCreate(&mut pref)
         })?;
-        let ws = WORKSPACE_BYTES as u64;
-        // SAFETY: `pref` is live; the attribute is a u64 read from `ws`.
-        let r = unsafe {
-            lt::cublasLtMatmulPreferenceSetAttribute(
-                pref,
-                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&ws as *const u64).cast(),
-                8,
-            )
-        };
+        let ok = lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS;
+        let mut r = set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &(WORKSPACE_BYTES as u64),
+        );
+        for (attr, bytes) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.b),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align.d),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d),
+        ] {
+            if r == ok {
+                r = set_pref(pref, attr, &bytes);
+            }
+        }
         // SAFETY: plain-old-data structs, filled by the heuristic below before use.
         let mut results: Vec<lt::cublasLtMatmulHeuristicResult_t> =
             (0..wanted).map(|_| unsafe { std::mem::zeroed() }).collect();
         let mut count = 0;
-        let heur = if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        let heur = if r == ok {
             // SAFETY: all descriptors are live; `wanted` result slots are provided.
             unsafe {
                 lt::cublasLtMatmulAlgoGetHeuristic(

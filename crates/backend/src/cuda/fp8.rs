@@ -29,7 +29,9 @@ use cudarc::cublaslt::sys as lt;
 use cudarc::driver::{CudaSlice, CudaStream};
 use tessera_core::{DType, Error, Result, Tensor};
 
-use super::cublaslt::{Handle, Layouts, WORKSPACE_BYTES, check, device_bytes, set_attr};
+use super::cublaslt::{
+    Alignments, Handle, Layouts, WORKSPACE_BYTES, check, device_bytes, set_attr,
+};
 use super::elementwise::ScaledEpilogueArgs;
 use super::gemm::{Post, Rows};
 use super::launch::{DevPtr, Kernel, cfg, kernel_args, kernel_table};
@@ -104,6 +106,9 @@ struct Fp8PlanKey {
     ldd: i64,
     d: Elem,
     accumulate: bool,
+    /// The operands' address alignments: the weight rows' own; the codes and the workspace are
+    /// allocations; a direct run's output columns are 16-byte aligned (checked before that path).
+    align: Alignments,
 }
 
 struct Plan {
@@ -187,7 +192,7 @@ impl Fp8Gemm {
             A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
             &self.scale,
         )?;
-        let algo = lay.algorithms(&self.lt, 1, &key)?[0];
+        let algo = lay.algorithms(&self.lt, 1, key.align, &key)?[0];
         Ok(Plan { lay, algo })
     }
 
@@ -477,22 +482,44 @@ fn run(
             .all(|r| r.len.is_multiple_of(ALIGN) && (r.start * size).is_multiple_of(ALIGN));
     let act_rows = (ACT_BYTES / k).max(1);
     let shape = be.profiler.as_ref().map(|_| format!("{m}x{n}x{k}"));
-    let plan_key = |rows: usize, n: usize, ldd: usize, d: Elem, accumulate: bool| Fp8PlanKey {
-        m: rows as u64,
-        n: n as u64,
-        k: k as u64,
-        ldd: ldd as i64,
-        d,
-        accumulate,
+    // `out_align`: the output's (16 bytes for a direct run's columns, 256 for the workspace).
+    let plan_key = |rows: usize,
+                    n: usize,
+                    ldd: usize,
+                    d: Elem,
+                    accumulate: bool,
+                    w_at: u64,
+                    out_align: u32| {
+        Fp8PlanKey {
+            m: rows as u64,
+            n: n as u64,
+            k: k as u64,
+            ldd: ldd as i64,
+            d,
+            accumulate,
+            align: Alignments {
+                d: out_align,
+                ..Alignments::of(w_at, 0, 0)
+            },
+        }
     };
+    let run_w = |run: &Run| w.buf.ptr.0 + (run.start * k) as u64;
     // Every shape the direct path takes (a full block of rows and the last one) must have an
     // algorithm; where cuBLASLt has none, the workspace path runs instead.
     let direct = direct && {
         let blocks = [act_rows.min(m), m % act_rows];
         blocks.iter().filter(|&&rows| rows > 0).all(|&rows| {
-            f.runs
-                .iter()
-                .all(|run| g.has_plan(plan_key(rows, run.len, into.stride, into.elem, accumulate)))
+            f.runs.iter().all(|run| {
+                g.has_plan(plan_key(
+                    rows,
+                    run.len,
+                    into.stride,
+                    into.elem,
+                    accumulate,
+                    run_w(run),
+                    ALIGN as u32,
+                ))
+            })
         })
     };
     if direct {
@@ -500,8 +527,16 @@ fn run(
             let rows = act_rows.min(m - r0);
             quantize(be, &g, x_at(x, r0), rows, k)?;
             for run in &f.runs {
-                let key = plan_key(rows, run.len, into.stride, into.elem, accumulate);
-                let w_at = w.buf.ptr.0 + (run.start * k) as u64;
+                let w_at = run_w(run);
+                let key = plan_key(
+                    rows,
+                    run.len,
+                    into.stride,
+                    into.elem,
+                    accumulate,
+                    w_at,
+                    ALIGN as u32,
+                );
                 let d_at = into.at(r0).0 + (run.start * size) as u64;
                 be.timed("gemm", shape.as_deref(), || {
                     g.run(&be.stream, key, w_at, run.scale.ptr.0, d_at, alpha)
@@ -520,7 +555,7 @@ fn run(
     for r0 in (0..m).step_by(block) {
         let rows = block.min(m - r0);
         quantize(be, &g, x_at(x, r0), rows, k)?;
-        let key = plan_key(rows, f.padded, f.padded, Elem::F32, false);
+        let key = plan_key(rows, f.padded, f.padded, Elem::F32, false, w.buf.ptr.0, 256);
         be.timed("gemm", shape.as_deref(), || {
             g.run(&be.stream, key, w.buf.ptr.0, f.whole.ptr.0, ws.0, alpha)
         })?;

@@ -22,7 +22,7 @@ use cudarc::cublaslt::sys as lt;
 use cudarc::driver::CudaStream;
 use tessera_core::{Error, Result};
 
-use super::cublaslt::{Handle, Layouts, WORKSPACE_BYTES, check};
+use super::cublaslt::{Alignments, Handle, Layouts, WORKSPACE_BYTES, check};
 use super::elementwise::EpilogueArgs;
 use super::gemv;
 use super::launch::DevPtr;
@@ -52,6 +52,8 @@ struct PlanKey {
     d: Elem,
     /// `β = 1`: adds to what the output holds, so its plan is never timed on live operands.
     accumulate: bool,
+    /// The operands' address alignments: the algorithms offered depend on them.
+    align: Alignments,
 }
 
 struct Plan {
@@ -128,7 +130,7 @@ impl Gemm {
         } else {
             1
         };
-        let algos = lay.algorithms(&self.lt, wanted, &key)?;
+        let algos = lay.algorithms(&self.lt, wanted, key.align, &key)?;
         Ok(Plan {
             untuned: algos.len() > 1,
             lay,
@@ -220,6 +222,7 @@ impl Gemm {
             ab: a.ab,
             d: a.out_elem,
             accumulate: a.beta != 0.0,
+            align: Alignments::of(a.w, a.x, a.out),
         };
         let mut plans = self
             .plans
