@@ -169,6 +169,27 @@ struct Work {
     samples: bool,
 }
 
+/// Each sampling sequence's next token from its row of `logits` (`[work, vocab]`), drawn in
+/// parallel: every sequence has its own sampler, and a draw over a large vocabulary can cost as
+/// much as a decode step. `None` for a chunk that samples nothing (or, never expected, a second
+/// chunk of one sequence, which the caller then samples itself).
+fn draw(running: &mut [Running], work: &[Work], logits: &[f32]) -> Vec<Option<Result<u32>>> {
+    use rayon::prelude::*;
+    let vocab = logits.len() / work.len().max(1);
+    let mut runs: Vec<Option<&mut Running>> = running.iter_mut().map(Some).collect();
+    let jobs: Vec<Option<(&[f32], &mut Running)>> = work
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let r = runs.get_mut(w.run)?.take().filter(|_| w.samples)?;
+            Some((logits.get(i * vocab..(i + 1) * vocab)?, r))
+        })
+        .collect();
+    jobs.into_par_iter()
+        .map(|job| job.map(|(l, r)| r.sampler.sample(l, &r.history)))
+        .collect()
+}
+
 /// The one chat scheduler over a [`ChatFamily`].
 pub struct Scheduler<F: ChatFamily> {
     family: F,
@@ -586,13 +607,18 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
                 return Err(e);
             }
         };
+        let mut tokens = if tokens.is_empty() {
+            draw(&mut self.running, &work, &logits)
+        } else {
+            tokens.into_iter().map(Some).collect()
+        }
+        .into_iter();
         let vocab = logits.len() / work.len();
-        let mut tokens = tokens.into_iter();
         let used = self.tick();
         let ctx = self.family.context_len();
         let mut ended = Vec::new();
         for (i, w) in work.iter().enumerate() {
-            let token = tokens.next();
+            let token = tokens.next().flatten();
             let r = &mut self.running[w.run];
             let slot = &mut self.slots[r.slot];
             slot.ids.extend_from_slice(&w.tokens);
@@ -1049,5 +1075,24 @@ mod tests {
             let got = batch(&mut s, &[(a, greedy), (b, other)]);
             assert_eq!(got, vec![(Vec::new(), nan.clone()); 2]);
         }
+    }
+
+    /// Sequences sampled in one step (their draws run in parallel) draw what each draws alone:
+    /// every sequence keeps its own generator. At temperature 20 the counter's next token is
+    /// drawn about one time in five, so the replies are draws, not its greedy answers.
+    #[test]
+    fn sequences_sampled_together_draw_what_each_draws_alone() {
+        let hot = |seed| SamplingParams {
+            temperature: 20.0,
+            seed,
+            ..SamplingParams::default()
+        };
+        let (a, b): (&[u32], &[u32]) = (&[2, 3], &[1, 2]);
+        let together = batch(&mut scheduler(false, 2048), &[(a, hot(5)), (b, hot(6))]);
+        let alone_a = batch(&mut scheduler(false, 2048), &[(a, hot(5))]);
+        let alone_b = batch(&mut scheduler(false, 2048), &[(b, hot(6))]);
+        assert_eq!(together, [alone_a[0].clone(), alone_b[0].clone()]);
+        assert_ne!(together[0].0, by_the_rule(a, 6));
+        assert_ne!(together[1].0, by_the_rule(b, 6));
     }
 }

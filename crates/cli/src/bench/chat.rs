@@ -42,6 +42,11 @@ pub struct ChatBench {
     /// Prompt tokens of each decoding sequence.
     #[arg(long, default_value_t = 64)]
     prompt_tokens: usize,
+    /// How the decode runs choose tokens: `greedy` (on the device where the family can), or
+    /// `model`, the folder's generation_config.json (temperature, top-k/p, min-p, repetition
+    /// penalty: what a server request gets by default), drawn on the host from the logits.
+    #[arg(long, default_value = "greedy", value_parser = ["greedy", "model"])]
+    sampling: String,
     /// Timed runs of each measurement (after one untimed warm-up); the median is reported.
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -200,13 +205,23 @@ pub fn run(b: ChatBench) -> Result<()> {
             serde_json::json!({"bench": "chat", "what": "prefill", "tokens": n, "ms": t, "tokens_per_s": n as f64 / t * 1e3, "device": device})
         )?;
     }
+    let decoding = GenerationParams {
+        sampling: match b.sampling.as_str() {
+            "model" => SamplingParams {
+                seed: 7,
+                ..m.default_sampling()
+            },
+            _ => SamplingParams::default(),
+        },
+        ..greedy(b.new_tokens)
+    };
     for &batch in &b.batch {
         let (mut step_ms, mut prefill) = (Vec::new(), Vec::new());
         for it in 0..=b.iters {
             let prompts = (0..batch)
                 .map(|_| text_prompt(b.prompt_tokens, &mut rng))
                 .collect();
-            let (first, rest, steps) = run_all(m.as_mut(), prompts, &greedy(b.new_tokens))?;
+            let (first, rest, steps) = run_all(m.as_mut(), prompts, &decoding)?;
             for c in 0..batch as u64 {
                 m.end(c);
             }
@@ -219,7 +234,7 @@ pub fn run(b: ChatBench) -> Result<()> {
         outln!(
             "{}",
             serde_json::json!({"bench": "chat", "what": "decode", "batch": batch, "prompt_tokens": b.prompt_tokens,
-                "new_tokens": b.new_tokens, "step_ms": s, "tokens_per_s_per_seq": 1e3 / s, "tokens_per_s": batch as f64 * 1e3 / s,
+                "new_tokens": b.new_tokens, "sampling": format!("{:?}", decoding.sampling), "step_ms": s, "tokens_per_s_per_seq": 1e3 / s, "tokens_per_s": batch as f64 * 1e3 / s,
                 "prefill_ms": median(prefill), "device": device})
         )?;
     }
