@@ -24,6 +24,7 @@ use self::commands::Command;
 use self::input::{Input, Lines};
 use crate::device::DeviceArgs;
 use crate::model;
+use crate::sampling::SamplingArgs;
 
 /// Ask a vision-language model (LFM2-VL) about images; the answer streams to stdout.
 #[derive(clap::Args, Debug)]
@@ -48,25 +49,8 @@ pub struct ChatArgs {
     /// Most tokens per reply.
     #[arg(long, default_value_t = 512)]
     pub max_tokens: usize,
-    /// 0 for greedy decoding.
-    #[arg(long)]
-    pub temperature: Option<f32>,
-    /// Nucleus sampling: keep the most likely tokens whose probabilities add up to this (1 keeps
-    /// every token).
-    #[arg(long)]
-    pub top_p: Option<f32>,
-    /// Keep only the this many most likely tokens; 0 keeps every token.
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Drop tokens less likely than this fraction of the most likely one (0 keeps every token).
-    #[arg(long)]
-    pub min_p: Option<f32>,
-    /// Make tokens already in the conversation less likely by this factor (1 for none).
-    #[arg(long)]
-    pub repetition_penalty: Option<f32>,
-    /// Seed of the sampler: the same seed gives the same reply (greedy decoding uses none).
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// End the reply before this text; repeat for several.
     #[arg(long = "stop", value_name = "TEXT")]
     pub stops: Vec<String>,
@@ -94,19 +78,8 @@ impl ChatArgs {
         if self.max_tokens == 0 {
             return Err(Error::input("--max-tokens must be at least 1"));
         }
-        let sampling = SamplingParams {
-            temperature: self.temperature.unwrap_or(defaults.temperature),
-            top_k: self.top_k.unwrap_or(defaults.top_k),
-            top_p: self.top_p.unwrap_or(defaults.top_p),
-            min_p: self.min_p.unwrap_or(defaults.min_p),
-            repetition_penalty: self
-                .repetition_penalty
-                .unwrap_or(defaults.repetition_penalty),
-            seed: self.seed,
-        };
-        sampling.check()?;
         Ok(GenerationParams {
-            sampling,
+            sampling: self.sampling.params(defaults)?,
             max_tokens: self.max_tokens,
             stop: self.stops.clone(),
         })

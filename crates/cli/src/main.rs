@@ -16,6 +16,7 @@ mod model;
 mod noise;
 mod output;
 mod pull;
+mod sampling;
 mod serve;
 mod signals;
 mod stdout;

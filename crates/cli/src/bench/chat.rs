@@ -19,6 +19,7 @@ use tessera_runtime::family::Capability;
 use crate::device::DeviceArgs;
 use crate::model;
 use crate::noise::XorShift;
+use crate::sampling::SamplingArgs;
 use crate::stdout::outln;
 
 #[derive(Args)]
@@ -42,11 +43,11 @@ pub struct ChatBench {
     /// Prompt tokens of each decoding sequence.
     #[arg(long, default_value_t = 64)]
     prompt_tokens: usize,
-    /// How the decode runs choose tokens: `greedy` (on the device where the family can), or
-    /// `model`, the folder's generation_config.json (temperature, top-k/p, min-p, repetition
-    /// penalty: what a server request gets by default), drawn on the host from the logits.
-    #[arg(long, default_value = "greedy", value_parser = ["greedy", "model"])]
-    sampling: String,
+    /// How the decode runs choose tokens: the model's defaults (its generation_config.json,
+    /// greedy when it has none, as a server request gets them) with these flags over them.
+    /// Greedy runs may pick on the device; the others draw on the host from the logits.
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Timed runs of each measurement (after one untimed warm-up); the median is reported.
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -206,15 +207,12 @@ pub fn run(b: ChatBench) -> Result<()> {
         )?;
     }
     let decoding = GenerationParams {
-        sampling: match b.sampling.as_str() {
-            "model" => SamplingParams {
-                seed: 7,
-                ..m.default_sampling()
-            },
-            _ => SamplingParams::default(),
-        },
+        sampling: b.sampling.params(m.default_sampling())?,
         ..greedy(b.new_tokens)
     };
+    let d = decoding.sampling;
+    let sampling_json = serde_json::json!({"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+        "min_p": d.min_p, "repetition_penalty": d.repetition_penalty, "seed": d.seed});
     for &batch in &b.batch {
         let (mut step_ms, mut prefill) = (Vec::new(), Vec::new());
         for it in 0..=b.iters {
@@ -234,7 +232,7 @@ pub fn run(b: ChatBench) -> Result<()> {
         outln!(
             "{}",
             serde_json::json!({"bench": "chat", "what": "decode", "batch": batch, "prompt_tokens": b.prompt_tokens,
-                "new_tokens": b.new_tokens, "sampling": format!("{:?}", decoding.sampling), "step_ms": s, "tokens_per_s_per_seq": 1e3 / s, "tokens_per_s": batch as f64 * 1e3 / s,
+                "new_tokens": b.new_tokens, "sampling": sampling_json, "step_ms": s, "tokens_per_s_per_seq": 1e3 / s, "tokens_per_s": batch as f64 * 1e3 / s,
                 "prefill_ms": median(prefill), "device": device})
         )?;
     }
