@@ -793,10 +793,11 @@ fn every_case_runs_on_the_cpu() {
     );
 }
 
-/// A bf16 product of up to 16 rows (the GEMV kernel) gives each row the same bits whatever rows
-/// it comes with: 16 rows at once, then the same rows alone and in runs of 2, 3 and 7 at
-/// offsets 3 rows apart, into f32 and bf16 outputs. (Under `TESSERA_GEMV=0` this measures cuBLASLt,
-/// which promises no such thing.)
+/// A bf16 product of up to 16 rows (the GEMV kernel; on block-format weights, the decode
+/// kernels) gives each row the same bits whatever rows it comes with: 16 rows at once, then the
+/// same rows alone and in runs of 2, 3 and 7 at offsets 3 rows apart, into f32 and bf16 outputs,
+/// on dense bf16 weights and on stacked Q4_K|Q6_K ones. (Under `TESSERA_GEMV=0` this measures
+/// cuBLASLt, which promises no such thing.)
 #[test]
 #[ignore = "needs a CUDA device"]
 fn decoding_rows_do_not_depend_on_their_batch() {
@@ -805,8 +806,13 @@ fn decoding_rows_do_not_depend_on_their_batch() {
     let mut rng = ops::Rng::new(11);
     let mut xb = g.alloc(m * k, Compute).unwrap();
     g.write_f32(&mut xb, &rng.vec(m * k, 1.0)).unwrap();
-    let mat = g.matrix_f32(&[(&rng.vec(n * k, 0.02), n)], k).unwrap();
-    for role in [Stream, Compute] {
+    let w = rng.vec(n * k, 0.02);
+    let dense = g.matrix_f32(&[(&w, n)], k).unwrap();
+    let blocks = g
+        .matrix(&Blocks::Parts(DType::Q4_K, DType::Q6_K).tensors(&w, n, k))
+        .unwrap();
+    let mats = [("dense", &dense), ("Q4_K|Q6_K", &blocks)];
+    for ((what, mat), role) in mats.into_iter().flat_map(|m| [(m, Stream), (m, Compute)]) {
         let product = |r0: usize, rows: usize| {
             let mut ob = g.alloc(rows * n, role).unwrap();
             let x = View {
@@ -816,13 +822,8 @@ fn decoding_rows_do_not_depend_on_their_batch() {
                 cols: k,
                 stride: k,
             };
-            g.matmul(
-                x,
-                &mat,
-                ViewMut::new(&mut ob, rows, n),
-                &Epilogue::default(),
-            )
-            .unwrap();
+            g.matmul(x, mat, ViewMut::new(&mut ob, rows, n), &Epilogue::default())
+                .unwrap();
             g.read_f32(View::new(&ob, rows, n)).unwrap()
         };
         let all = product(0, m);
@@ -836,7 +837,7 @@ fn decoding_rows_do_not_depend_on_their_batch() {
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(
                     same,
-                    "{role:?}: rows {r0}..{} differ from the batch",
+                    "{what} weights, {role:?}: rows {r0}..{} differ from the batch",
                     r0 + rows
                 );
             }

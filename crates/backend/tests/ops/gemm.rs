@@ -59,7 +59,7 @@ impl Blocks {
     }
 
     /// `w [n, k]` quantized to the stored tensors, one per part.
-    fn tensors(self, w: &[f32], n: usize, k: usize) -> Vec<Tensor<'static>> {
+    pub fn tensors(self, w: &[f32], n: usize, k: usize) -> Vec<Tensor<'static>> {
         let tensor = |t: DType, rows: std::ops::Range<usize>| {
             let g = t.ggml().expect("a GGUF block format");
             let row_bytes = t.bytes_for(k).expect("rows of whole blocks");
