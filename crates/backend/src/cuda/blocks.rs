@@ -216,11 +216,11 @@ pub(super) fn upload(be: &CudaBackend, parts: &[Tensor<'_>]) -> Result<CudaMat> 
     })
 }
 
-/// Threads per CTA of the decode kernels for `chunks` chunks of 32 values a row: one chunk each
-/// where that takes 32 to 256 threads, in whole warps. A function of `k` alone, so a row's sum
-/// order never depends on the row count.
-fn threads(chunks: usize) -> u32 {
-    chunks.next_multiple_of(32).clamp(32, 256) as u32
+/// Threads per CTA of the decode kernels for rows of `k` values: one 8-value unit each where that
+/// takes 32 to 256 threads, in whole warps (gemv.rs's rule). A function of `k` alone, so a row's
+/// sum order never depends on the row count.
+fn threads(k: usize) -> u32 {
+    (k / 8).next_multiple_of(32).clamp(32, 256) as u32
 }
 
 /// Whether the decode kernels take `rows` rows of `x` (first row at `x0`) into `into`: 1 to
@@ -327,7 +327,7 @@ fn decode_run(
         accumulate: accumulate as i32,
     };
     let blocks = run.len.div_ceil(CTA_ROWS) as u32;
-    be.launch("gemm", kernel, cfg((blocks, 1), threads(k / 32), 0), &args)
+    be.launch("gemm", kernel, cfg((blocks, 1), threads(k), 0), &args)
 }
 
 /// Rows of a `k`-wide dense matrix of `elem` that a workspace of `bytes` holds, a multiple of 16
@@ -456,10 +456,10 @@ mod tests {
 
     #[test]
     fn decode_threads_cover_a_row_in_whole_warps() {
-        for chunks in 1..=1024 {
-            let t = threads(chunks) as usize;
-            assert!(t.is_multiple_of(32) && (32..=256).contains(&t));
-            assert!(t >= chunks.min(256));
+        for k in (32..=16384).step_by(32) {
+            let t = threads(k) as usize;
+            assert!(t.is_multiple_of(32) && (32..=256).contains(&t), "k = {k}");
+            assert!(t >= (k / 8).min(256), "k = {k}: {t}");
         }
     }
 

@@ -11,13 +11,15 @@
 // 144-byte super-blocks keep 16-byte alignment and whose nibble runs are read 8 bytes at a time.
 // Narrow loads of neighbouring threads fall in the same sectors, which L1 keeps.
 //
-// A chunk is 32 consecutive values of a row (a Q8_0/Q4_0 block, or a sub-block pair's half of a
-// k-quant super-block); it is decoded 8 values at a time (`decode8`), its scales read once (`chunk`).
+// A chunk is 32 consecutive values of a row (a Q8_0/Q4_0 block, a Q4_K sub-block, two Q6_K
+// sub-blocks): `chunk` reads its scales, `decode8` decodes 8 of its values.
 //
 // qgemv_{fmt}_m{M}_{x}_{out}: out[m, n] (= or +=) α · x[m, k] · w[n, k]ᵀ for m ≤ M, as gemv.cu: a CTA
-// of T threads (T from k alone) owns R = 4 weight rows and all m input rows; thread t takes chunks
-// t, t + T, …; each chunk's 32 products are added in order by FMA into R·M f32 sums, which the warp
-// reduces (warp_reduce_scatter) and the CTA adds in warp order. A row's result depends on k and T
+// of T threads (T from k alone, as gemv.cu's) owns R = 4 weight rows and all m input rows; thread t
+// takes the 8-value units t, t + T, … of k (so a warp reads consecutive pieces of a row), decodes
+// its unit of each weight row (reading the chunk's scales again per unit: the 4 threads of a chunk
+// read the same bytes in one request) and adds its 8 products in order by FMA into R·M f32 sums,
+// which the warp reduces (warp_reduce_scatter) and the CTA adds in warp order. A row's result depends on k and T
 // alone, never on m: a batch of decode rows gives each row what it gives alone. The launcher
 // guarantees: k a positive multiple of the block (32, or 256 for the k-quants), x and x's row stride
 // 16-byte aligned, 1 ≤ m ≤ M. Weight rows past n (the last CTA's) are read as row n − 1 and not
@@ -180,7 +182,7 @@ __device__ __forceinline__ void qgemv_impl(const TX* __restrict__ x, long xs, co
     __shared__ float red[QG_MAX_WARPS * N];
     const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
     const int r0 = blockIdx.x * R;
-    const int chunks = k >> 5;
+    const int units = k >> 3;
 
     const u8* wr[R];
 #pragma unroll
@@ -190,27 +192,23 @@ __device__ __forceinline__ void qgemv_impl(const TX* __restrict__ x, long xs, co
 #pragma unroll
     for (int j = 0; j < N; j++) acc[j] = 0.f;
 
-    for (int c = tid; c < chunks; c += T) {
-        typename F::Chunk ch[R];
+    // Unit u: values 8u..8u+8 of each row, group g = u % 4 of chunk u / 4.
+    for (int u = tid; u < units; u += T) {
+        const int c = u >> 2, g = u & 3;
+        float wf[R][8];
 #pragma unroll
-        for (int r = 0; r < R; r++) ch[r] = F::chunk(wr[r], c);
+        for (int r = 0; r < R; r++) F::decode8(F::chunk(wr[r], c), g, wf[r]);
 #pragma unroll
-        for (int g = 0; g < 4; g++) {
-            float wf[R][8];
+        for (int i = 0; i < M; i++) {
+            if (i < m) {
+                float xf[8];
+                load_x8(x + i * xs + 8 * (long)u, xf);
 #pragma unroll
-            for (int r = 0; r < R; r++) F::decode8(ch[r], g, wf[r]);
+                for (int r = 0; r < R; r++) {
+                    float a = acc[r * M + i];
 #pragma unroll
-            for (int i = 0; i < M; i++) {
-                if (i < m) {
-                    float xf[8];
-                    load_x8(x + i * xs + 32 * (long)c + 8 * g, xf);
-#pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        float a = acc[r * M + i];
-#pragma unroll
-                        for (int e = 0; e < 8; e++) a = fmaf(wf[r][e], xf[e], a);
-                        acc[r * M + i] = a;
-                    }
+                    for (int e = 0; e < 8; e++) a = fmaf(wf[r][e], xf[e], a);
+                    acc[r * M + i] = a;
                 }
             }
         }
@@ -266,8 +264,10 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ w, long rb, 
     }
 }
 
+// (256, 1): without the minimum of one CTA, ptxas capped qgemv_q8_0_m4_bf16_bf16 at 64 registers
+// and spilled (NVRTC 13.0).
 #define QGEMV(F, M, TX, TO, NAME)                                                                            \
-    extern "C" __global__ void __launch_bounds__(256)                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                     \
         NAME(const TX* x, long xs, const u8* w, long rb, int k, int n, int m, TO* out, long os, float alpha, \
              int accumulate) {                                                                               \
         qgemv_impl<F, M, TX, TO>(x, xs, w, rb, k, n, m, out, os, alpha, accumulate);                         \
