@@ -106,6 +106,7 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         profiler,
         fp8_at_load: false,
         blocks_at_load: None,
+        int8_products: false,
         fp8: Mutex::new(None),
         name,
         arch,
@@ -117,12 +118,14 @@ impl CudaBackend {
     /// Weights quantized at load as `quant.at_load` asks: FP8 (`--quantize fp8`) uploads float
     /// matrices as e4m3 codes with a scale per row, a GGUF block format (`--quantize q4_k`) as
     /// its blocks, each rounded as the CPU rounds them. Products on block-format weights are
-    /// exact here (f32 sums on the decoded weights); `quant.int8` is the CPU's.
+    /// exact here (f32 sums on the decoded weights); `quant.int8` (the CPU's int8 activations)
+    /// makes `supports` decline them, so `auto` runs such a model on the CPU as asked.
     pub fn quantizing(self, quant: crate::Quantization) -> Self {
         let at_load = quant.at_load;
         CudaBackend {
             fp8_at_load: at_load == Some(tessera_core::DType::F8_E4M3),
             blocks_at_load: at_load.filter(|q| super::blocks::FORMATS.contains(q)),
+            int8_products: quant.int8,
             ..self
         }
     }

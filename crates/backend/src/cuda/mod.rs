@@ -86,6 +86,9 @@ pub struct CudaBackend {
     /// `--quantize` to a GGUF block format: float matrices whose rows are whole blocks go up as
     /// blocks of it ([`blocks`]).
     blocks_at_load: Option<tessera_core::DType>,
+    /// `--precision int8` asked for the CPU's int8 activations on block-format products, which
+    /// this backend does not make: those products are declined ([`support`]).
+    int8_products: bool,
     /// The FP8 products' cuBLASLt state, made with the first FP8 matrix.
     fp8: Mutex<Option<Arc<fp8::Fp8Gemm>>>,
     name: String,

@@ -28,10 +28,20 @@ impl CudaBackend {
                 quantized: Some(tessera_core::DType::F8_E4M3),
                 ..
             }) => self.fp8_supported(),
-            // GGUF blocks as stored, decoded in the products (blocks.rs), in both precisions.
+            // GGUF blocks as stored, decoded in the products (blocks.rs), in both precisions;
+            // exact, so not what `--precision int8` asks for.
             Op::Matmul(MatmulOp {
                 quantized: Some(q), ..
-            }) if super::blocks::FORMATS.contains(q) => Ok(()),
+            }) if super::blocks::FORMATS.contains(q) => {
+                if self.int8_products {
+                    return Err(Error::Device(format!(
+                        "products on {q} weights with int8 activations (--precision int8) are \
+                         the CPU's mode; CUDA's are exact: run with --precision bf16 or f32, or \
+                         on the CPU (--device cpu)"
+                    )));
+                }
+                Ok(())
+            }
             Op::Matmul(MatmulOp {
                 quantized: Some(q), ..
             }) => Err(Error::Device(format!(
