@@ -1,6 +1,6 @@
 //! Products on weights in GGUF block formats — Q8_0, Q4_0, Q4_K, Q6_K — kept on the device as
-//! the file stores them (issue #31), so a model takes its file's size in device memory
-//! (Qwen-Image's Q4_K pipeline fits in 12 GiB).
+//! the file stores them (issue #31), so a model takes its file's size in device memory (what
+//! lets Qwen-Image's Q4_K pipeline aim at 12 GiB).
 //!
 //! - Layout: the file's bytes unchanged, rows of blocks back to back. A stacked matrix (q|k|v,
 //!   gate|up) is a list of [`BlockRun`]s: consecutive parts of one format join into one run, and
