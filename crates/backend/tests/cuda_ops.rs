@@ -24,7 +24,7 @@ mod ops;
 use std::collections::{BTreeSet, HashSet};
 
 use ops::attention::{attention, qkv};
-use ops::gemm::{Fp8, matmul};
+use ops::gemm::{Blocks, Fp8, matmul};
 use ops::image::{avg_down, conv2d, dup_up, group_norm};
 use ops::norm::{layer, norm, plain, residual, rms};
 use ops::rows::{
@@ -123,6 +123,69 @@ fn cases() -> Vec<Box<dyn Case>> {
     // straight into the output; 500|500, one product and the column scales.
     t.add(matmul(300, 512, 256).fp8(Fp8::Parts).to(Compute));
     t.add(matmul(7, 1024, 1000).fp8(Fp8::Parts).accumulate());
+
+    // GGUF block-format weights (kept as stored; blocks.rs): every format at 1 to 16 rows (the
+    // decode kernels) and 17 and 64 (decoded to the workspace, then cuBLASLt), odd outputs (a
+    // part-filled last CTA of four weight rows), an odd number of blocks a row (a part-filled
+    // warp of chunks), rows of more than 256 chunks (a second pass of the CTA's threads), every
+    // epilogue and β = 1, x rows that are not 16-byte aligned (the workspace path at few rows).
+    for (q, k) in [
+        (DType::Q8_0, 160),
+        (DType::Q4_0, 160),
+        (DType::Q4_K, 768),
+        (DType::Q6_K, 768),
+    ] {
+        let one = Blocks::One(q);
+        for m in [1, 2, 5, 16, 17, 64] {
+            let out = if m % 2 == 0 { Compute } else { Stream };
+            t.add(matmul(m, k, 131).alpha(0.75).blocks(one).to(out));
+        }
+        t.add(matmul(1, 9216, 67).blocks(one));
+        t.add(matmul(3, 9216, 67).blocks(one).to(Compute));
+        t.add(matmul(5, k, 131).blocks(one).bias().act(Silu));
+        t.add(
+            matmul(64, k, 131)
+                .blocks(one)
+                .bias()
+                .act(GeluTanh)
+                .to(Compute),
+        );
+        t.add(matmul(7, k, 131).alpha(0.5).blocks(one).accumulate());
+        t.add(
+            matmul(9, k, 131)
+                .alpha(0.5)
+                .blocks(one)
+                .accumulate()
+                .to(Compute),
+        );
+        t.add(matmul(33, k, 131).blocks(one).tanh_gate().accumulate());
+        t.add(matmul(3, k, 131).blocks(one).row_gate());
+        t.add(matmul(3, k, 131).blocks(one).x_pad(1, 2));
+    }
+    // Stacked parts in two formats (LFM2 Q4_K_M's q|k|v: Q4_K and Q6_K), a run each: 65|66 rows,
+    // and LFM2-350M's 1024-wide q|k|v (1024 + 2·256 rows, here split 768|768).
+    let q4k_q6k = Blocks::Parts(DType::Q4_K, DType::Q6_K);
+    for m in [1, 7, 16, 17, 64] {
+        t.add(matmul(m, 768, 131).blocks(q4k_q6k));
+    }
+    t.add(
+        matmul(5, 768, 131)
+            .blocks(q4k_q6k)
+            .bias()
+            .act(Silu)
+            .to(Compute),
+    );
+    t.add(matmul(64, 768, 131).blocks(q4k_q6k).accumulate());
+    t.add(
+        matmul(16, 256, 131)
+            .blocks(Blocks::Parts(DType::Q6_K, DType::Q8_0))
+            .to(Compute),
+    );
+    t.add(matmul(1, 1024, 1536).blocks(q4k_q6k).to(Compute));
+    t.add(matmul(300, 1024, 1536).blocks(q4k_q6k));
+    // Qwen-Image's widest Q4_K product: 12288 decoded rows of 3072 fill the 64 MiB workspace
+    // more than once (two column blocks in bf16, three in f32).
+    t.add(matmul(40, 3072, 12288).blocks(Blocks::One(DType::Q4_K)));
 
     // Decoding's products (up to 16 bf16 rows: the GEMV kernel, 8-wide chunks of k spread over
     // a CTA's threads, four weight rows a CTA): LFM2's 1024-wide rows and 4608-wide MLP down
@@ -730,10 +793,11 @@ fn every_case_runs_on_the_cpu() {
     );
 }
 
-/// A bf16 product of up to 16 rows (the GEMV kernel) gives each row the same bits whatever rows
-/// it comes with: 16 rows at once, then the same rows alone and in runs of 2, 3 and 7 at
-/// offsets 3 rows apart, into f32 and bf16 outputs. (Under `TESSERA_GEMV=0` this measures cuBLASLt,
-/// which promises no such thing.)
+/// A bf16 product of up to 16 rows (the GEMV kernel; on block-format weights, the decode
+/// kernels) gives each row the same bits whatever rows it comes with: 16 rows at once, then the
+/// same rows alone and in runs of 2, 3 and 7 at offsets 3 rows apart, into f32 and bf16 outputs,
+/// on dense bf16 weights and on stacked Q4_K|Q6_K ones. (Under `TESSERA_GEMV=0` this measures
+/// cuBLASLt, which promises no such thing.)
 #[test]
 #[ignore = "needs a CUDA device"]
 fn decoding_rows_do_not_depend_on_their_batch() {
@@ -742,8 +806,13 @@ fn decoding_rows_do_not_depend_on_their_batch() {
     let mut rng = ops::Rng::new(11);
     let mut xb = g.alloc(m * k, Compute).unwrap();
     g.write_f32(&mut xb, &rng.vec(m * k, 1.0)).unwrap();
-    let mat = g.matrix_f32(&[(&rng.vec(n * k, 0.02), n)], k).unwrap();
-    for role in [Stream, Compute] {
+    let w = rng.vec(n * k, 0.02);
+    let dense = g.matrix_f32(&[(&w, n)], k).unwrap();
+    let blocks = g
+        .matrix(&Blocks::Parts(DType::Q4_K, DType::Q6_K).tensors(&w, n, k))
+        .unwrap();
+    let mats = [("dense", &dense), ("Q4_K|Q6_K", &blocks)];
+    for ((what, mat), role) in mats.into_iter().flat_map(|m| [(m, Stream), (m, Compute)]) {
         let product = |r0: usize, rows: usize| {
             let mut ob = g.alloc(rows * n, role).unwrap();
             let x = View {
@@ -753,13 +822,8 @@ fn decoding_rows_do_not_depend_on_their_batch() {
                 cols: k,
                 stride: k,
             };
-            g.matmul(
-                x,
-                &mat,
-                ViewMut::new(&mut ob, rows, n),
-                &Epilogue::default(),
-            )
-            .unwrap();
+            g.matmul(x, mat, ViewMut::new(&mut ob, rows, n), &Epilogue::default())
+                .unwrap();
             g.read_f32(View::new(&ob, rows, n)).unwrap()
         };
         let all = product(0, m);
@@ -773,7 +837,7 @@ fn decoding_rows_do_not_depend_on_their_batch() {
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(
                     same,
-                    "{role:?}: rows {r0}..{} differ from the batch",
+                    "{what} weights, {role:?}: rows {r0}..{} differ from the batch",
                     r0 + rows
                 );
             }

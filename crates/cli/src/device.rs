@@ -65,8 +65,8 @@ pub struct DeviceArgs {
     /// Quantize the model's product weights (its 2-D matrices whose rows are whole blocks;
     /// embedding tables, norms and biases stay as stored) to this format as they load, rounding
     /// as llama.cpp's quantizers do (fp8: as torch's float8_e4m3fn cast, one scale per row); no
-    /// file is written. CPU only for now. Products then run exactly on the decoded weights
-    /// (f32), or with int8 activations under --precision int8 (q8_0, q4_0, q4_k, q6_k).
+    /// file is written. Products then run exactly on the decoded weights (f32 sums; on CUDA too),
+    /// or with int8 activations under --precision int8 (q8_0, q4_0, q4_k, q6_k; CPU only).
     #[arg(long, value_enum, env = "TESSERA_QUANTIZE")]
     pub quantize: Option<Quantize>,
 }

@@ -46,7 +46,7 @@ pub struct GenerateArgs {
     pub model: Option<String>,
     /// Transformer weights from one .safetensors or .gguf file (ComfyUI or diffusers tensor names;
     /// a GGUF's Q8_0/Q4_0/Q4_K/Q6_K matrices and FP8 (float8_e4m3fn, optionally with ComfyUI's
-    /// scale_weight) matrices stay quantized, CPU only for now) instead of the model folder's
+    /// scale_weight) matrices stay quantized, on the CPU and on CUDA) instead of the model folder's
     /// transformer/ weights; its shapes must match transformer/config.json.
     #[arg(long, value_name = "FILE")]
     pub transformer: Option<PathBuf>,

@@ -105,6 +105,8 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         staging: Mutex::new(Vec::new()),
         profiler,
         fp8_at_load: false,
+        blocks_at_load: None,
+        int8_products: false,
         fp8: Mutex::new(None),
         name,
         arch,
@@ -114,11 +116,16 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
 
 impl CudaBackend {
     /// Weights quantized at load as `quant.at_load` asks: FP8 (`--quantize fp8`) uploads float
-    /// matrices as e4m3 codes with a scale per row, rounded as the CPU rounds them; the block
-    /// formats have no CUDA products yet and are declined by `supports` before anything loads.
+    /// matrices as e4m3 codes with a scale per row, a GGUF block format (`--quantize q4_k`) as
+    /// its blocks, each rounded as the CPU rounds them. Products on block-format weights are
+    /// exact here (f32 sums on the decoded weights); `quant.int8` (the CPU's int8 activations)
+    /// makes `supports` decline them, so `auto` runs such a model on the CPU as asked.
     pub fn quantizing(self, quant: crate::Quantization) -> Self {
+        let at_load = quant.at_load;
         CudaBackend {
-            fp8_at_load: quant.at_load == Some(tessera_core::DType::F8_E4M3),
+            fp8_at_load: at_load == Some(tessera_core::DType::F8_E4M3),
+            blocks_at_load: at_load.filter(|q| super::blocks::FORMATS.contains(q)),
+            int8_products: quant.int8,
             ..self
         }
     }
@@ -143,6 +150,10 @@ impl CudaBackend {
             (true, crate::Precision::Bf16) => "; FP8 weights quantized at load, FP8 products",
             (true, crate::Precision::F32) => "; FP8 weights quantized at load, decoded to f32",
         };
+        let blocks = self.blocks_at_load.map_or(String::new(), |q| {
+            format!("; {q} weights quantized at load, decoded in the products")
+        });
+        let fp8 = format!("{fp8}{blocks}");
         format!(
             "cuda:{} {} ({}, {}{fp8})",
             self.ctx.ordinal(),

@@ -376,6 +376,7 @@ pub(super) fn upload(be: &CudaBackend, parts: &[Tensor<'_>], quantize: bool) -> 
             rows,
             padded,
         }),
+        blocks: None,
     })
 }
 
@@ -398,6 +399,7 @@ fn decoded(be: &CudaBackend, q: &QuantMat, out: usize, inner: usize) -> Result<C
         inner,
         format: MatFormat::Dense(elem),
         fp8: None,
+        blocks: None,
     })
 }
 

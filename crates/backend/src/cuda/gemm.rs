@@ -72,8 +72,8 @@ pub(super) struct Gemm {
     /// Time candidate algorithms (`TESSERA_GEMM_TUNE` unset or not `0`).
     tune: bool,
     /// Products of a few bf16 rows take the GEMV kernel ([`super::gemv`]; `TESSERA_GEMV` unset
-    /// or not `0`).
-    gemv: bool,
+    /// or not `0`); so do those on block-format weights ([`super::blocks`]).
+    pub(super) gemv: bool,
 }
 
 // SAFETY: the cuBLASLt handle and plan descriptors are plain handles that cuBLASLt allows to be
@@ -388,6 +388,9 @@ pub(super) fn product(
     let ab = match w.format {
         MatFormat::Dense(ab) => ab,
         MatFormat::Fp8 => return super::fp8::product(be, x, r0, rows, w, into, alpha, beta),
+        MatFormat::Block => {
+            return super::blocks::product(be, x, r0, rows, w, into, alpha, beta);
+        }
     };
     if x.elem != ab {
         return Err(Error::backend(
@@ -398,13 +401,35 @@ pub(super) fn product(
     if be.gemm.gemv && (beta == 0.0 || beta == 1.0) && gemv::applies(x, x.at(r0), rows, w, into) {
         return gemv::gemv(be, x, r0, rows, w, into, alpha, beta == 1.0);
     }
+    dense(
+        be, x, r0, rows, w.buf.ptr, w.out, w.inner, ab, into, alpha, beta,
+    )
+}
+
+/// Enqueue the cuBLASLt product `into[0..rows] (= or +=) α · x[r0..r0+rows] · wᵀ` for a dense
+/// `w [n, k]` of `ab` at `w` (contiguous rows), as [`product`] and the block-format products
+/// (on their decoded column blocks) do.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn dense(
+    be: &CudaBackend,
+    x: Rows,
+    r0: usize,
+    rows: usize,
+    w: DevPtr,
+    n: usize,
+    k: usize,
+    ab: Elem,
+    into: Rows,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
     let args = GemmArgs {
         m: rows,
-        n: w.out,
-        k: w.inner,
+        n,
+        k,
         x: x.at(r0).0,
         x_stride: x.stride,
-        w: w.buf.ptr.0,
+        w: w.0,
         ab,
         out: into.ptr.0,
         out_stride: into.stride,
@@ -413,10 +438,7 @@ pub(super) fn product(
         beta,
     };
     // Under TESSERA_PROFILE=kernels, products are told apart by shape (m×n×k).
-    let shape = be
-        .profiler
-        .as_ref()
-        .map(|_| format!("{rows}x{}x{}", w.out, w.inner));
+    let shape = be.profiler.as_ref().map(|_| format!("{rows}x{n}x{k}"));
     be.timed("gemm", shape.as_deref(), || be.gemm.run(&be.stream, &args))
 }
 

@@ -100,10 +100,11 @@ pub(super) fn conv2d(
     if pixels == 0 || cout == 0 {
         return Ok(());
     }
-    // FP8 weights take columns in the compute type (bf16), rounded to e4m3 by their product.
+    // FP8 weights take columns in the compute type (bf16), rounded to e4m3 by their product;
+    // block-format weights too, decoded by theirs.
     let ab = match w.format {
         MatFormat::Dense(ab) => ab,
-        MatFormat::Fp8 => be.compute_elem(),
+        MatFormat::Fp8 | MatFormat::Block => be.compute_elem(),
     };
     let to = Rows::of_mut(&out)?;
     let post = Post::bias(bias.ptr);

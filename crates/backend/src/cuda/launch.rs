@@ -3,10 +3,10 @@
 //! Each op family declares its kernels once, beside its `.cu`: an argument struct per C signature
 //! ([`kernel_args!`]) and a table of the source's kernels ([`kernel_table!`]), each field one
 //! kernel family with its variants ([`Kernel`]: one name; [`ByElem`]: one per element type;
-//! [`ByPair`]: one per input/output pair; [`ByDim`]: one per head width). Every table is resolved
-//! when the backend opens, so a missing kernel fails at start-up naming kernel and source; ops pick
-//! a field by element type, never by a built name; and a [`Kernel<A>`] launches only with its own
-//! `A`, so a wrong argument list does not compile.
+//! [`ByPair`]: one per input/output pair; [`ByDim`]: one per head width; [`ByDimPair`]: one per
+//! row count and pair). Every table is resolved when the backend opens, so a missing kernel fails
+//! at start-up naming kernel and source; ops pick a field by element type, never by a built name;
+//! and a [`Kernel<A>`] launches only with its own `A`, so a wrong argument list does not compile.
 //!
 //! What rustc cannot see — that a table's names are in its cubin and that each args struct
 //! matches its kernel's C parameter list — CI checks from the tables themselves with NVRTC
@@ -282,6 +282,51 @@ impl<A: KernelArgs> Variants for ByDim<A> {
     }
 }
 
+/// One kernel per row count and (input, output) element type pair: `{pattern}` with the count,
+/// then both tags (the block-format products, `qgemv_q4_k_m{}_{}_{}`).
+pub struct ByDimPair<A> {
+    dims: &'static [usize],
+    /// Per row count, the four pairs in [`ByPair`]'s order.
+    kernels: Vec<[[Kernel<A>; 2]; 2]>,
+}
+
+impl<A> ByDimPair<A> {
+    pub fn get(&self, d: usize, a: Elem, b: Elem) -> Option<&Kernel<A>> {
+        let at = self.dims.iter().position(|&w| w == d)?;
+        Some(&self.kernels[at][slot(a)?][slot(b)?])
+    }
+}
+
+impl<A: KernelArgs> Variants for ByDimPair<A> {
+    type Args = A;
+    type Spec = (&'static str, &'static [usize]);
+    fn names((pattern, dims): Self::Spec) -> Vec<String> {
+        dims.iter()
+            .flat_map(|d| {
+                let d = d.to_string();
+                FLOATS.iter().flat_map(move |a| {
+                    let d = d.clone();
+                    FLOATS
+                        .iter()
+                        .map(move |b| fill(pattern, &[&d, a.tag(), b.tag()]))
+                })
+            })
+            .collect()
+    }
+    fn assemble((_, dims): Self::Spec, kernels: Vec<Kernel<A>>) -> Option<Self> {
+        if kernels.len() != 4 * dims.len() {
+            return None;
+        }
+        let mut it = kernels.into_iter();
+        let mut out = Vec::with_capacity(dims.len());
+        for _ in dims {
+            let (ff, fb, bf, bb) = (it.next()?, it.next()?, it.next()?, it.next()?);
+            out.push([[ff, fb], [bf, bb]]);
+        }
+        Some(ByDimPair { dims, kernels: out })
+    }
+}
+
 /// Load one table field: every kernel it names, from `module`.
 pub fn load_field<V: Variants>(spec: V::Spec, module: &Arc<CudaModule>, source: &str) -> Result<V> {
     let kernels = V::names(spec)
@@ -433,6 +478,19 @@ mod tests {
         assert_eq!(
             <ByDim<NoArgs>>::names(("f_d{}", &[16, 64])),
             ["f_d16", "f_d64"]
+        );
+        assert_eq!(
+            <ByDimPair<NoArgs>>::names(("q_m{}_{}_{}", &[1, 16])),
+            [
+                "q_m1_f32_f32",
+                "q_m1_f32_bf16",
+                "q_m1_bf16_f32",
+                "q_m1_bf16_bf16",
+                "q_m16_f32_f32",
+                "q_m16_f32_bf16",
+                "q_m16_bf16_f32",
+                "q_m16_bf16_bf16"
+            ]
         );
     }
 }

@@ -67,14 +67,17 @@ impl CudaBuf {
 
 /// How a weight matrix is stored on the device; the matrix product dispatches on it.
 ///
-/// Dense, in the compute dtype; or FP8 e4m3 codes as stored, with their scales
-/// ([`CudaMat::fp8`], products in `fp8.rs`). Block formats (int8 and q4 blocks) become further
-/// variants, each with its own product.
+/// Dense, in the compute dtype; FP8 e4m3 codes as stored, with their scales ([`CudaMat::fp8`],
+/// products in `fp8.rs`); or GGUF blocks as stored ([`CudaMat::blocks`], products in
+/// `blocks.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatFormat {
     Dense(Elem),
     /// e4m3 codes `[out rounded up to 16, inner]`, four to a `u32` word of the buffer.
     Fp8,
+    /// Q8_0, Q4_0, Q4_K or Q6_K blocks, the file's bytes: runs of rows each in one format (a
+    /// stacked matrix may join parts in different formats), so the format is the runs'.
+    Block,
 }
 
 /// A weight matrix `[out, inner]`.
@@ -85,6 +88,8 @@ pub struct CudaMat {
     pub(super) format: MatFormat,
     /// An FP8 matrix's scales.
     pub(super) fp8: Option<super::fp8::Fp8Scales>,
+    /// A block-format matrix's runs of rows.
+    pub(super) blocks: Option<super::blocks::BlockRuns>,
 }
 
 /// An embedding table `[rows, dim]` in the compute dtype.
@@ -322,12 +327,34 @@ impl CudaBackend {
     /// straight from their stored bytes: a part already in that dtype is copied as it is (a bf16
     /// checkpoint under bf16), any other is converted on the host a slice at a time, so no
     /// whole-matrix host copy (least of all an `f32` one) is ever made. FP8 parts, and float
-    /// parts under `--quantize fp8`, go up as FP8 codes ([`super::fp8::upload`]).
+    /// parts under `--quantize fp8`, go up as FP8 codes ([`super::fp8::upload`]); GGUF
+    /// block-format parts as their blocks ([`super::blocks::upload`]), as do float matrices
+    /// whose rows are whole blocks under `--quantize` to a block format, quantized here as the
+    /// CPU quantizes them.
     pub(super) fn upload_matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
         let (out, inner) = crate::stacked_shape(parts)?;
-        let quantize = self.fp8_at_load && out > 0 && parts.iter().all(|t| !t.dtype.is_quantized());
+        let float = out > 0 && parts.iter().all(|t| !t.dtype.is_quantized());
+        let quantize = self.fp8_at_load && float;
         if quantize || parts.iter().any(|t| t.dtype == DType::F8_E4M3) {
             return super::fp8::upload(self, parts, quantize);
+        }
+        if let Some(q) = self
+            .blocks_at_load
+            .filter(|q| float && q.bytes_for(inner).is_some())
+        {
+            let mat = crate::cpu::quant::quantize_stack(parts, q, (out, inner))?;
+            let t = Tensor {
+                name: parts[0].name.clone(),
+                dtype: q,
+                shape: vec![out, inner],
+                bytes: std::borrow::Cow::Borrowed(mat.blocks()),
+                path: parts[0].path,
+                scale: None,
+            };
+            return super::blocks::upload(self, &[t]);
+        }
+        if super::blocks::is_block(parts) {
+            return super::blocks::upload(self, parts);
         }
         let elem = self.compute_elem();
         let mut buf = self.alloc_buf(out * inner, Role::Compute)?;
@@ -342,6 +369,7 @@ impl CudaBackend {
             inner,
             format: MatFormat::Dense(elem),
             fp8: None,
+            blocks: None,
         })
     }
 
@@ -358,17 +386,55 @@ impl CudaBackend {
         // 4 Mi elements per slice: 16 MiB of f32 at most on the host.
         const SLICE: usize = 1 << 22;
         let Some(s) = t.dtype.size() else {
-            return Err(Error::Device(format!(
-                "`{}`: {} weights are not implemented on CUDA yet (its quantized kernels come \
-                 later): run on the CPU (--device cpu)",
-                t.name, t.dtype
-            )));
+            return self.write_blocks_at(dst, start, t, SLICE);
         };
         let mut values = vec![0f32; SLICE.min(t.numel())];
         for (i, chunk) in t.bytes.chunks(SLICE * s).enumerate() {
             let n = chunk.len() / s;
             widen_into(t.dtype, chunk, &mut values[..n]);
             let at = (start + i * SLICE) * size;
+            with_device_bytes(&values[..n], dst.elem, |bytes| {
+                self.write_bytes_at(dst, at, bytes)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::write_tensor_at`] for a GGUF block-format tensor (an embedding table, a vector):
+    /// decoded on the host as the CPU decodes it, whole blocks of at most `slice` values at a
+    /// time. Products on block-format matrices keep their blocks instead ([`super::blocks`]).
+    fn write_blocks_at(
+        &self,
+        dst: &mut CudaBuf,
+        start: usize,
+        t: &Tensor<'_>,
+        slice: usize,
+    ) -> Result<()> {
+        let Some(g) = t.dtype.ggml() else {
+            return Err(Error::Device(format!(
+                "`{}`: {} values cannot be read here (only as a matrix's weights)",
+                t.name, t.dtype
+            )));
+        };
+        let (bs, bb) = (g.block_size(), g.block_bytes());
+        if g.bytes_for(t.numel()) != Some(t.bytes.len()) {
+            return Err(Error::backend(
+                "upload",
+                format!(
+                    "`{}`: its bytes are not {} whole {} blocks",
+                    t.name,
+                    t.numel(),
+                    t.dtype
+                ),
+            ));
+        }
+        let per = (slice / bs).max(1);
+        let mut values = vec![0f32; (per * bs).min(t.numel())];
+        let size = dst.elem.size();
+        for (i, chunk) in t.bytes.chunks(per * bb).enumerate() {
+            let n = chunk.len() / bb * bs;
+            g.dequantize(chunk, &mut values[..n])?;
+            let at = (start + i * per * bs) * size;
             with_device_bytes(&values[..n], dst.elem, |bytes| {
                 self.write_bytes_at(dst, at, bytes)
             })?;
@@ -407,6 +473,9 @@ impl CudaBackend {
 pub(super) enum Workspace {
     /// A product's f32 output rows, 64 MiB.
     Product,
+    /// A block-format matrix's column block decoded to the activations' type for cuBLASLt,
+    /// 64 MiB (apart from `Product`, which such a product may be writing into).
+    Dequant,
     /// A convolution's im2col rows in the compute type, 256 MiB.
     Columns,
     /// GroupNorm's per-block partial sums (f64 pairs) and per-group statistics, 1 MiB.
@@ -417,12 +486,12 @@ impl Workspace {
     fn role(self) -> Role {
         match self {
             Workspace::Columns => Role::Compute,
-            Workspace::Product | Workspace::Stats => Role::Stream,
+            Workspace::Product | Workspace::Dequant | Workspace::Stats => Role::Stream,
         }
     }
-    const fn bytes(self) -> usize {
+    pub(super) const fn bytes(self) -> usize {
         match self {
-            Workspace::Product => 64 << 20,
+            Workspace::Product | Workspace::Dequant => 64 << 20,
             Workspace::Columns => 256 << 20,
             Workspace::Stats => 1 << 20,
         }

@@ -27,6 +27,7 @@
 
 pub mod attention;
 mod bench;
+mod blocks;
 mod cublaslt;
 mod device;
 mod elementwise;
@@ -82,6 +83,12 @@ pub struct CudaBackend {
     profiler: Option<Profiler>,
     /// `--quantize fp8`: float matrices go up as FP8 codes with a scale per row.
     fp8_at_load: bool,
+    /// `--quantize` to a GGUF block format: float matrices whose rows are whole blocks go up as
+    /// blocks of it ([`blocks`]).
+    blocks_at_load: Option<tessera_core::DType>,
+    /// `--precision int8` asked for the CPU's int8 activations on block-format products, which
+    /// this backend does not make: those products are declined ([`support`]).
+    int8_products: bool,
     /// The FP8 products' cuBLASLt state, made with the first FP8 matrix.
     fp8: Mutex<Option<Arc<fp8::Fp8Gemm>>>,
     name: String,

@@ -30,6 +30,7 @@ impl Source {
 
 const COMMON: &str = include_str!("kernels/common.cuh");
 const FLASH: (&str, &str) = ("flash.cuh", include_str!("kernels/flash.cuh"));
+const GEMV: (&str, &str) = ("gemv.cuh", include_str!("kernels/gemv.cuh"));
 
 /// Every kernel source Tessera ships, in the order they are loaded.
 pub const SOURCES: &[Source] = &[
@@ -66,7 +67,7 @@ pub const SOURCES: &[Source] = &[
     Source {
         name: "gemv.cu",
         text: include_str!("kernels/gemv.cu"),
-        headers: &[],
+        headers: &[GEMV],
         sm90a_only: false,
     },
     Source {
@@ -86,6 +87,12 @@ pub const SOURCES: &[Source] = &[
         text: include_str!("kernels/fp8.cu"),
         headers: &[],
         sm90a_only: true,
+    },
+    Source {
+        name: "blocks.cu",
+        text: include_str!("kernels/blocks.cu"),
+        headers: &[GEMV],
+        sm90a_only: false,
     },
 ];
 

@@ -1,9 +1,10 @@
 //! What the CUDA backend runs ([`Backend::supports`]): the one place that decides, asked by
 //! models before they load and by every op on entry.
 //!
-//! Every op has a kernel; what is declined is products on block-format weights, products on FP8
-//! weights under bf16 off Hopper, the erf GELU outside a product epilogue, and head widths no
-//! attention kernel takes. Each message says so.
+//! Every op has a kernel; what is declined is products on weights in a format with no CUDA
+//! product (all of GGUF's Q8_0, Q4_0, Q4_K, Q6_K run, as does FP8), products on FP8 weights under
+//! bf16 off Hopper, the erf GELU outside a product epilogue, and head widths no attention kernel
+//! takes. Each message says so.
 //!
 //! [`Backend::supports`]: crate::Backend::supports
 
@@ -27,11 +28,26 @@ impl CudaBackend {
                 quantized: Some(tessera_core::DType::F8_E4M3),
                 ..
             }) => self.fp8_supported(),
+            // GGUF blocks as stored, decoded in the products (blocks.rs), in both precisions;
+            // exact, so not what `--precision int8` asks for.
+            Op::Matmul(MatmulOp {
+                quantized: Some(q), ..
+            }) if super::blocks::FORMATS.contains(q) => {
+                if self.int8_products {
+                    return Err(Error::Device(format!(
+                        "products on {q} weights with int8 activations (--precision int8) are \
+                         the CPU's mode; CUDA's are exact: run with --precision bf16 or f32, or \
+                         on the CPU (--device cpu)"
+                    )));
+                }
+                Ok(())
+            }
             Op::Matmul(MatmulOp {
                 quantized: Some(q), ..
             }) => Err(Error::Device(format!(
-                "products on {q} weights are not implemented on CUDA yet (its quantized kernels \
-                 come later): run on the CPU (--device cpu) or without --quantize"
+                "products on {q} weights are not implemented on CUDA (it runs {:?} and F8_E4M3): \
+                 run on the CPU (--device cpu) or without --quantize",
+                super::blocks::FORMATS
             ))),
             Op::Embed
             | Op::Cast

@@ -9,6 +9,7 @@ use cudarc::nvrtc::Ptx;
 use tessera_core::{Error, Result};
 
 use super::attention::{self, AttentionKernels, Sm90Kernels};
+use super::blocks::BlockKernels;
 use super::elementwise::ElementwiseKernels;
 use super::fp8::Fp8Kernels;
 use super::gemv::GemvKernels;
@@ -32,6 +33,8 @@ pub struct Kernels {
     pub sm90: Option<Sm90Kernels>,
     /// fp8.cu (activations to e4m3 for FP8 products), built for sm_90a alone.
     pub fp8: Option<Fp8Kernels>,
+    /// blocks.cu (products on GGUF block-format weights).
+    pub blocks: BlockKernels,
 }
 
 impl Kernels {
@@ -47,6 +50,7 @@ impl Kernels {
             attention: required(ctx, arch)?,
             sm90: table(ctx, arch)?,
             fp8: table(ctx, arch)?,
+            blocks: required(ctx, arch)?,
         };
         attention::reserve_shared_memory(&kernels.attention, kernels.sm90.as_ref())?;
         Ok(kernels)
@@ -92,6 +96,7 @@ pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
         of::<AttentionKernels>(),
         of::<Sm90Kernels>(),
         of::<Fp8Kernels>(),
+        of::<BlockKernels>(),
     ]
 }
 

@@ -1,5 +1,9 @@
-//! `matmul`: `out = ep(x · wᵀ)`, with every epilogue of the op set, on dense weights and on FP8
-//! e4m3 weights (per-tensor or per-row scales).
+//! `matmul`: `out = ep(x · wᵀ)`, with every epilogue of the op set, on dense weights, on FP8
+//! e4m3 weights (per-tensor or per-row scales) and on GGUF block-format weights (Q8_0, Q4_0,
+//! Q4_K, Q6_K; one format, or two stacked parts in two formats as LFM2's Q4_K_M files stack
+//! q|k|v). A block-format case's weights are the drawn ones quantized as a GGUF writer does
+//! (`tessera_core::gguf::quantize`), and its reference is the CPU's product on those bytes, which
+//! decodes them bit-exactly; both precisions are judged by the strict tolerance.
 //!
 //! FP8 cases under bf16 are judged by their floor: a float64 run that keeps only the roundings a
 //! CUDA FP8 product must make — the weights' codes as stored, the activations rounded to e4m3
@@ -37,6 +41,48 @@ impl Fp8 {
     }
 }
 
+/// How a block-format case stores its weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blocks {
+    /// All rows in one format.
+    One(DType),
+    /// The first `n / 2` rows in one format, the rest in another (stacked parts).
+    Parts(DType, DType),
+}
+
+impl Blocks {
+    /// The format the op names (a stack's first part's, as the backends report it).
+    fn first(self) -> DType {
+        match self {
+            Blocks::One(t) | Blocks::Parts(t, _) => t,
+        }
+    }
+
+    /// `w [n, k]` quantized to the stored tensors, one per part.
+    pub fn tensors(self, w: &[f32], n: usize, k: usize) -> Vec<Tensor<'static>> {
+        let tensor = |t: DType, rows: std::ops::Range<usize>| {
+            let g = t.ggml().expect("a GGUF block format");
+            let row_bytes = t.bytes_for(k).expect("rows of whole blocks");
+            let mut bytes = vec![0u8; rows.len() * row_bytes];
+            for (r, out) in rows.clone().zip(bytes.chunks_mut(row_bytes)) {
+                tessera_core::gguf::quantize(g, &w[r * k..(r + 1) * k], out).expect("quantized");
+            }
+            Tensor {
+                name: format!("{t} case weight"),
+                dtype: t,
+                shape: vec![rows.len(), k],
+                bytes: Cow::Owned(bytes),
+                path: Path::new("block case"),
+                scale: None,
+            }
+        };
+        match self {
+            Blocks::One(t) => vec![tensor(t, 0..n)],
+            Blocks::Parts(a, b) => vec![tensor(a, 0..n / 2), tensor(b, n / 2..n)],
+        }
+    }
+}
+
 /// `x [m, k] · wᵀ` for `w [n, k]`, times `alpha`, then the epilogue.
 #[derive(Clone, Debug)]
 pub struct MatmulCase {
@@ -52,6 +98,7 @@ pub struct MatmulCase {
     /// Guard columns left and right of each x row: (8, 8) keeps rows 16-byte aligned in bf16.
     x_pad: (usize, usize),
     fp8: Option<Fp8>,
+    blocks: Option<Blocks>,
 }
 
 /// A case's inputs as drawn from its seed (bf16-rounded), before any upload.
@@ -167,6 +214,7 @@ pub fn matmul(m: usize, k: usize, n: usize) -> MatmulCase {
         accumulate: false,
         x_pad: (8, 8),
         fp8: None,
+        blocks: None,
     }
 }
 
@@ -229,6 +277,15 @@ impl MatmulCase {
     pub fn fp8(self, scales: Fp8) -> Self {
         MatmulCase {
             fp8: Some(scales),
+            ..self
+        }
+    }
+
+    /// On GGUF block-format weights (the drawn weights quantized), in one format or two
+    /// stacked parts.
+    pub fn blocks(self, blocks: Blocks) -> Self {
+        MatmulCase {
+            blocks: Some(blocks),
             ..self
         }
     }
@@ -323,6 +380,10 @@ impl OpCase for MatmulCase {
             Some(Fp8::Parts) => ", two parts with their own scales",
             None => "",
         };
+        let scales = match self.blocks {
+            Some(Blocks::Parts(a, b)) => format!("{scales}, parts {a}|{b}"),
+            _ => scales.to_string(),
+        };
         format!(
             "{} {m}×{k}×{n} α={alpha} → {:?}{rows}{pad}{scales}",
             self.op(),
@@ -336,7 +397,10 @@ impl OpCase for MatmulCase {
             act: self.act,
             gate: self.gate,
             accumulate: self.accumulate,
-            quantized: self.fp8.map(|_| DType::F8_E4M3),
+            quantized: self
+                .fp8
+                .map(|_| DType::F8_E4M3)
+                .or(self.blocks.map(Blocks::first)),
         })
     }
 
@@ -359,9 +423,10 @@ impl OpCase for MatmulCase {
             Layout::padded(m, k, left, right),
             Some(&d.x),
         )?;
-        let w = match self.fp8 {
-            Some(kind) => be.matrix(&Fp8Weights::of(&d.w, n, k, kind).tensors(kind, n, k))?,
-            None => be.matrix_f32(&[(&d.w, n)], k)?,
+        let w = match (self.fp8, self.blocks) {
+            (Some(kind), _) => be.matrix(&Fp8Weights::of(&d.w, n, k, kind).tensors(kind, n, k))?,
+            (None, Some(b)) => be.matrix(&b.tensors(&d.w, n, k))?,
+            (None, None) => be.matrix_f32(&[(&d.w, n)], k)?,
         };
         let bias = match &d.bias {
             Some(b) => Some(be.vector_f32(b)?),
