@@ -214,26 +214,7 @@ __device__ __forceinline__ void qgemv_impl(const TX* __restrict__ x, long xs, co
         }
     }
 
-    int first = 0;
-    warp_reduce_scatter<N, 16>(acc, lane, first);
-    if constexpr (N >= 32) {
-#pragma unroll
-        for (int s = 0; s < N / 32; s++) red[warp * N + first + s] = acc[s];
-    } else {
-        if ((lane & (32 / N - 1)) == 0) red[warp * N + first] = acc[0];
-    }
-    __syncthreads();
-    const int warps = T >> 5;
-    for (int j = tid; j < N; j += T) {
-        const int r = j / M, i = j % M;
-        if (r0 + r >= n || i >= m) continue;
-        float s = red[j];
-        for (int q = 1; q < warps; q++) s += red[q * N + j];
-        TO* o = out + i * os + r0 + r;
-        float v = alpha * s;
-        if (accumulate) v += to_f(*o);
-        *o = from_f<TO>(v);
-    }
+    gemv_store<N, M>(acc, red, lane, warp, tid, T, r0, n, m, out, os, alpha, accumulate);
 }
 
 // Eight decoded values stored at p (16-byte aligned for bf16, 32 for f32).

@@ -1,4 +1,5 @@
-// Shared by the GEMV kernels (gemv.cu, blocks.cu): the warp reduction of a CTA's R·M partial sums.
+// Shared by the GEMV kernels (gemv.cu, blocks.cu): the reduction of a CTA's R·M partial sums and
+// their store.
 
 // Warp reduction of the HELD values each lane holds (a power of two), from offset O down: at
 // offset o = 16, 8, 4, 2, 1, while a lane holds more than one value, it keeps half of them (the
@@ -25,5 +26,34 @@ template <int HELD, int O> __device__ __forceinline__ void warp_reduce_scatter(f
             v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
             warp_reduce_scatter<1, O / 2>(v, lane, first);
         }
+    }
+}
+
+// The end of a GEMV kernel whose CTA computes N = R·M sums (R weight rows from r0, M x rows):
+// each thread's `acc` reduced over its warp, then over the CTA's T / 32 warps through `red`
+// (N floats a warp, in shared memory) in warp order, and stored as out[i, r0 + r] = α · sum
+// (+ what it holds where `accumulate`), skipping rows past `n` weight rows and `m` x rows.
+template <int N, int M, typename TO>
+__device__ __forceinline__ void gemv_store(float* acc, float* red, int lane, int warp, int tid, int T, int r0, int n,
+                                           int m, TO* out, long os, float alpha, int accumulate) {
+    int first = 0;
+    warp_reduce_scatter<N, 16>(acc, lane, first);
+    if constexpr (N >= 32) {
+#pragma unroll
+        for (int s = 0; s < N / 32; s++) red[warp * N + first + s] = acc[s];
+    } else {
+        if ((lane & (32 / N - 1)) == 0) red[warp * N + first] = acc[0];
+    }
+    __syncthreads();
+    const int warps = T >> 5;
+    for (int j = tid; j < N; j += T) {
+        const int r = j / M, i = j % M;
+        if (r0 + r >= n || i >= m) continue;
+        float s = red[j];
+        for (int q = 1; q < warps; q++) s += red[q * N + j];
+        TO* o = out + i * os + r0 + r;
+        float v = alpha * s;
+        if (accumulate) v += to_f(*o);
+        *o = from_f<TO>(v);
     }
 }
