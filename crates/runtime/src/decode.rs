@@ -171,11 +171,13 @@ impl Sampler {
 }
 
 /// The tokens `(token, weight)` that may be drawn, each weighing `e^((z − max) / t)` (the
-/// softmax at temperature `t` before its division by the sum). With `floor`, only those whose
-/// weight may reach `floor` (the most likely weighs 1): a bound on `z` decides, with a margin
-/// so that rounding in `exp` never drops one the exact test would keep. Where the largest logit
-/// is +∞ the tokens holding it share all the mass; where every logit is −∞ every token weighs
-/// the same (either would otherwise give NaN weights).
+/// softmax at temperature `t` before its division by the sum). Tokens of weight 0 (`exp`
+/// underflows below −745) are left out: they add nothing to any total, and the draw's fallback
+/// (where rounding leaves `u` past the last weight) must not land on one (a −∞ logit: a token the
+/// model rules out). With `floor`, only those whose weight may reach `floor` (the most likely
+/// weighs 1): a bound on `z` decides, with a margin so that rounding in `exp` never drops one the
+/// exact test would keep. Where the largest logit is +∞ the tokens holding it share all the mass;
+/// where every logit is −∞ every token weighs the same (either would otherwise give NaN weights).
 fn weights(z: &[f64], t: f64, floor: Option<f64>) -> Vec<(u32, f64)> {
     let max = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let tokens = (0u32..).zip(z.iter().copied());
@@ -188,10 +190,12 @@ fn weights(z: &[f64], t: f64, floor: Option<f64>) -> Vec<(u32, f64)> {
     if max == f64::NEG_INFINITY {
         return tokens.map(|(i, _)| (i, 1.0)).collect();
     }
-    let low = floor.map_or(f64::NEG_INFINITY, |f| max + t * (f.ln() - 1e-6));
+    let underflow = max - t * 746.0;
+    let low = floor.map_or(underflow, |f| underflow.max(max + t * (f.ln() - 1e-6)));
     tokens
         .filter(|&(_, v)| v >= low)
         .map(|(i, v)| (i, ((v - max) / t).exp()))
+        .filter(|&(_, w)| w > 0.0)
         .collect()
 }
 
@@ -488,6 +492,32 @@ mod tests {
                 "{what:<20} lazy {:.3} ms ({:.3}–{:.3}), full sort {:.3} ms ({:.3}–{:.3})",
                 lazy.0, lazy.1, lazy.2, full.0, full.1, full.2
             );
+        }
+    }
+
+    /// Tokens the model rules out (−∞) or that underflow to weight 0 are never candidates, so no
+    /// filter or fallback can draw one; the most likely token always is one.
+    #[test]
+    fn zero_weight_tokens_are_never_candidates() {
+        let mut logits = vec![f32::NEG_INFINITY; 1000];
+        logits[10] = 0.0;
+        logits[500] = -1.0;
+        logits[900] = -2000.0; // e^(−2000) underflows at temperature 1
+        let z: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
+        let w = weights(&z, 1.0, None);
+        assert_eq!(w.iter().map(|c| c.0).collect::<Vec<_>>(), [10, 500]);
+        assert!(w.iter().all(|c| c.1 > 0.0));
+        // At a high enough temperature the far token counts again.
+        assert_eq!(weights(&z, 10.0, None).len(), 3);
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 9,
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        for _ in 0..500 {
+            let t = s.sample(&logits, &[]).unwrap();
+            assert!(t == 10 || t == 500, "{t}");
         }
     }
 
