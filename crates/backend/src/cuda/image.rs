@@ -1,9 +1,11 @@
-//! The VAE decoders' image ops (kernels/image.cu) over channels-last images: a convolution as
-//! blocks of im2col rows times the weight (cuBLASLt; an input activation applied as the columns
-//! are gathered), GroupNorm in three passes (partial sums per block of pixels, per-group
-//! statistics, the normalisation with its activation), and the DupUp channel-to-space shortcut
-//! and its encoder mirror AvgDown added into their outputs (one thread an output element). The
-//! encoder's stride-2 convolution is the same im2col with a stride.
+//! The VAE decoders' image ops (kernels/image.cu) over channels-last images: a convolution as an
+//! implicit GEMM on the tensor cores (`conv_implicit`, bf16 with input channels a multiple of 8:
+//! each CTA gathers its pixels' taps straight from the image, the input activation and the bias
+//! fused) or else as blocks of im2col rows times the weight (cuBLASLt; the activation applied as
+//! the columns are gathered), GroupNorm in three passes (partial sums per block of pixels,
+//! per-group statistics, the normalisation with its activation), and the DupUp channel-to-space
+//! shortcut and its encoder mirror AvgDown added into their outputs (one thread an output
+//! element). The encoder's stride-2 convolution is either path with a stride.
 
 use tessera_core::{Error, Result};
 

@@ -1,5 +1,6 @@
 // The VAE decoders' image ops over channels-last images `[pixels, channels]`: the column blocks
-// of a convolution as an implicit GEMM (the product itself is cuBLASLt's), GroupNorm, and the
+// of a convolution (the product itself is cuBLASLt's) and the tensor-core implicit GEMM that
+// needs none (conv_implicit, at the end), GroupNorm, and the
 // DupUp channel-to-space shortcut and its encoder mirror AvgDown. CPU references:
 // crates/backend/src/cpu/conv.rs, crates/backend/src/cpu/group_norm.rs, crates/backend/src/cpu/dup_up.rs
 // and crates/backend/src/cpu/avg_down.rs.
