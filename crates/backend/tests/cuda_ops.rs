@@ -459,27 +459,65 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(scatter_rows(1, 512).roles(Compute, Compute)); // a new k|v row into a cache
     t.add(scatter_rows(7, 33).roles(Stream, Compute));
 
-    // ---- conv2d (Z-Image's VAE decoder and odd edges).
-    t.add(conv2d(7, 9, 512, 256, 1)); // the 1×1 shortcut
-    t.add(conv2d(6, 5, 16, 512, 3)); // conv_in
-    t.add(conv2d(9, 7, 128, 3, 3)); // conv_out
-    t.add(conv2d(5, 3, 64, 64, 3).upsampled()); // an up block: nearest 2× then 3×3
-    t.add(conv2d(4, 4, 256, 256, 3).upsampled());
-    t.add(conv2d(1, 1, 7, 33, 3)); // one pixel: every tap but the centre is padding
-    t.add(conv2d(13, 1, 3, 8, 5)); // a 5×5 kernel over a one-pixel-wide image
-    t.add(conv2d(6, 5, 16, 512, 3).from(Stream)); // conv_in reads the f32 latent
-    t.add(conv2d(5, 3, 64, 64, 3).upsampled().from(Stream)); // upsampling reads the f32 stream
-    t.add(conv2d(7, 9, 512, 256, 1).from(Stream)); // the shortcut reads the f32 stream
+    // ---- conv2d (Z-Image's VAE decoder and odd edges), each as the op picks, then (bf16) forced
+    // through im2col and, where it applies, through the implicit GEMM.
+    t.add_all(conv2d(7, 9, 512, 256, 1).on_every_path()); // the 1×1 shortcut
+    t.add_all(conv2d(6, 5, 16, 512, 3).on_every_path()); // conv_in
+    t.add_all(conv2d(9, 7, 128, 3, 3).on_every_path()); // conv_out
+    t.add_all(conv2d(5, 3, 64, 64, 3).upsampled().on_every_path()); // an up block: nearest 2× then 3×3
+    t.add_all(conv2d(4, 4, 256, 256, 3).upsampled().on_every_path());
+    t.add_all(conv2d(1, 1, 7, 33, 3).on_every_path()); // one pixel: every tap but the centre is padding
+    t.add_all(conv2d(13, 1, 3, 8, 5).on_every_path()); // a 5×5 kernel over a one-pixel-wide image
+    t.add_all(conv2d(6, 5, 16, 512, 3).from(Stream).on_every_path()); // conv_in reads the f32 latent
+    t.add_all(
+        conv2d(5, 3, 64, 64, 3)
+            .upsampled()
+            .from(Stream)
+            .on_every_path(),
+    ); // upsampling reads the f32 stream
+    t.add_all(conv2d(7, 9, 512, 256, 1).from(Stream).on_every_path()); // the shortcut reads the f32 stream
     // Qwen-Image-2.1's VAE: RMS_norm → SiLU → conv, the activation fused into the gather.
-    t.add(conv2d(6, 5, 288, 144, 3).of(Silu)); // a resnet's first conv, 288→144
-    t.add(conv2d(5, 3, 144, 4, 3).of(Silu)); // conv_out into RGBA
-    t.add(conv2d(4, 6, 72, 40, 1).of(Silu)); // 1×1: the activation skips the bare product
-    t.add(conv2d(5, 3, 7, 9, 3).of(GeluTanh).from(Stream)); // odd widths: one channel a thread
+    t.add_all(conv2d(6, 5, 288, 144, 3).of(Silu).on_every_path()); // a resnet's first conv, 288→144
+    t.add_all(conv2d(5, 3, 144, 4, 3).of(Silu).on_every_path()); // conv_out into RGBA
+    t.add_all(conv2d(4, 6, 72, 40, 1).of(Silu).on_every_path()); // 1×1: the activation skips the bare product
+    t.add_all(
+        conv2d(5, 3, 7, 9, 3)
+            .of(GeluTanh)
+            .from(Stream)
+            .on_every_path(),
+    ); // odd widths: one channel a thread
     // Its encoder's down blocks: stride 2 over the image padded at the bottom and right.
-    t.add(conv2d(10, 6, 96, 96, 3).downsampled().from(Stream));
-    t.add(conv2d(2, 4, 7, 9, 3).downsampled());
-    t.add(conv2d(8, 14, 12, 20, 3).downsampled()); // 4-wide gathers, a 4×7 output
-    t.add(conv2d(2, 2, 16, 8, 3).downsampled().from(Compute)); // one output pixel
+    t.add_all(
+        conv2d(10, 6, 96, 96, 3)
+            .downsampled()
+            .from(Stream)
+            .on_every_path(),
+    );
+    t.add_all(conv2d(2, 4, 7, 9, 3).downsampled().on_every_path());
+    t.add_all(conv2d(8, 14, 12, 20, 3).downsampled().on_every_path()); // 4-wide gathers, a 4×7 output
+    t.add_all(
+        conv2d(2, 2, 16, 8, 3)
+            .downsampled()
+            .from(Compute)
+            .on_every_path(),
+    ); // one output pixel
+    // The implicit GEMM's tiles (128 pixels × 128 or 64 channels, 32 input channels a step) at
+    // the VAE decoders' widths, at edges: pixel counts and output channels off the tile, input
+    // channels off the 32-wide step.
+    t.add_all(conv2d(13, 11, 128, 128, 3).on_every_path()); // 143 pixels: two tiles, one short
+    t.add_all(conv2d(9, 10, 256, 256, 3).on_every_path());
+    t.add_all(conv2d(6, 5, 512, 512, 3).on_every_path()); // the mid block's width
+    t.add_all(conv2d(5, 6, 512, 512, 3).upsampled().on_every_path()); // up block 1: 10×12
+    t.add_all(conv2d(6, 7, 256, 256, 3).upsampled().on_every_path()); // 12×14: two tiles
+    t.add_all(conv2d(11, 13, 128, 192, 3).on_every_path()); // a half-filled channel tile
+    t.add_all(conv2d(7, 9, 256, 96, 3).on_every_path()); // 96 of a 128-channel tile
+    t.add_all(conv2d(12, 11, 128, 40, 3).on_every_path()); // 40 of a 64-channel tile
+    t.add_all(conv2d(12, 10, 128, 128, 3).downsampled().on_every_path()); // stride 2 in bf16
+    t.add_all(conv2d(9, 8, 96, 96, 3).of(Silu).on_every_path()); // 3 input-channel steps
+    t.add_all(conv2d(7, 5, 40, 24, 3).of(Silu).on_every_path()); // a step of 8 of 32 channels
+    t.add_all(conv2d(4, 5, 64, 64, 3).upsampled().of(Silu).on_every_path());
+    t.add_all(conv2d(11, 12, 128, 256, 1).of(Silu).on_every_path()); // 1×1 implicit
+    t.add_all(conv2d(1, 1, 8, 8, 3).on_every_path()); // one pixel, 8 channels
 
     // ---- dup_up (Qwen-Image-2.1's / Wan 2.2's residual up blocks), added into the f32 stream.
     t.add(dup_up(6, 5, 64, 64, 2)); // in = out: a nearest 2× upsampling

@@ -9,7 +9,8 @@
 //! median, best and worst of `--iters` runs, and the 1-minute load average when it ends.
 //! `bench gemm` measures the cuBLASLt bf16 GEMM rate on random data, then the models' own
 //! products, LFM2's decoding ones among them (weight TB/s, to set beside the HBM bandwidth;
-//! `TESSERA_GEMV=0` times them on cuBLASLt instead of the GEMV kernel). `bench qwen-image-parts`
+//! `TESSERA_GEMV=0` times them on cuBLASLt instead of the GEMV kernel). `bench conv` times the
+//! VAE decoders' convolutions at a 1024² output on the implicit-GEMM kernel and on im2col. `bench qwen-image-parts`
 //! times Qwen-Image-2.1's components one at a time. `bench denormals` checks that the CPU's work
 //! on denormal operands is as fast as on normal ones (`bench/denormals.rs`). `bench serve` load-tests
 //! `tessera serve` (see `loadtest.rs`). One JSON line per measurement on stdout.
@@ -59,6 +60,9 @@ enum What {
     Quant(QuantBench),
     /// The attention op alone on the EmbeddingGemma 2 shapes.
     Attention(AttentionBench),
+    /// The VAE decoders' convolutions at a 1024² output (Z-Image's and Qwen-Image-2.1's), each
+    /// on the implicit-GEMM kernel and on im2col + cuBLASLt (bf16, CUDA only).
+    Conv(ConvBench),
     /// EmbeddingGemma 2 image embeddings: one image's latency and mixed-size throughput.
     Image(ImageBench),
     /// Text to image, or an edit of condition images (--image), end to end (prompt → PNG bytes)
@@ -97,6 +101,15 @@ enum What {
 
 #[derive(Args)]
 struct AttentionBench {
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+#[derive(Args)]
+struct ConvBench {
+    /// Timed runs per shape and path (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
     #[command(flatten)]
     device: DeviceArgs,
 }
@@ -235,6 +248,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         What::Denormals(b) => denormals::run(b),
         What::Quant(b) => quant(b),
         What::Attention(b) => attention(b),
+        What::Conv(b) => conv(b),
         What::Image(b) => image(b),
         What::Generate(b) => generate::run(b),
         What::QwenImageParts(b) => qwen_image_parts::run(b),
@@ -801,5 +815,107 @@ fn attention(b: AttentionBench) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn attention(_b: AttentionBench) -> Result<()> {
+    Err(Error::input("this build has no CUDA support"))
+}
+
+/// One convolution `bench conv` times: (what, input side, cin, cout, kernel, upsampled, SiLU
+/// before it).
+#[cfg(feature = "cuda")]
+type ConvShape = (&'static str, usize, usize, usize, usize, bool, bool);
+
+/// The VAE decoders' convolutions at a 1024² output. Z-Image (Flux-style, 16 latent channels,
+/// 8×): conv_in, the 512-wide mid and up blocks at 128² and 256², 256 at 512², 128 at 1024²,
+/// the upsamplers, conv_out. Qwen-Image-2.1 (16×, 64 latent channels, SiLU fused before every
+/// resnet convolution): 1152 wide at 64²–256², 576 at 256², 288 at 512², 144 at 1024², conv_out
+/// into RGBA.
+#[cfg(feature = "cuda")]
+const CONV_SHAPES: &[ConvShape] = &[
+    ("zimage conv_in", 128, 16, 512, 3, false, false),
+    ("zimage mid 512@128", 128, 512, 512, 3, false, false),
+    (
+        "zimage upsample 512@128->256",
+        128,
+        512,
+        512,
+        3,
+        true,
+        false,
+    ),
+    ("zimage up 512@256", 256, 512, 512, 3, false, false),
+    (
+        "zimage upsample 512@256->512",
+        256,
+        512,
+        512,
+        3,
+        true,
+        false,
+    ),
+    ("zimage up 512->256@512", 512, 512, 256, 3, false, false),
+    ("zimage up 256@512", 512, 256, 256, 3, false, false),
+    (
+        "zimage upsample 256@512->1024",
+        512,
+        256,
+        256,
+        3,
+        true,
+        false,
+    ),
+    ("zimage up 256->128@1024", 1024, 256, 128, 3, false, false),
+    ("zimage up 128@1024", 1024, 128, 128, 3, false, false),
+    ("zimage conv_out", 1024, 128, 3, 3, false, false),
+    ("qwen conv_in", 64, 64, 1152, 3, false, false),
+    ("qwen 1152@64 silu", 64, 1152, 1152, 3, false, true),
+    ("qwen 1152@128 silu", 128, 1152, 1152, 3, false, true),
+    ("qwen 1152@256 silu", 256, 1152, 1152, 3, false, true),
+    ("qwen 1152->576@256 silu", 256, 1152, 576, 3, false, true),
+    ("qwen 576@256 silu", 256, 576, 576, 3, false, true),
+    ("qwen 576->288@512 silu", 512, 576, 288, 3, false, true),
+    ("qwen 288@512 silu", 512, 288, 288, 3, false, true),
+    ("qwen 288->144@1024 silu", 1024, 288, 144, 3, false, true),
+    ("qwen 144@1024 silu", 1024, 144, 144, 3, false, true),
+    ("qwen conv_out silu", 1024, 144, 4, 3, false, true),
+];
+
+#[cfg(feature = "cuda")]
+fn conv(b: ConvBench) -> Result<()> {
+    use tessera_backend::cuda::ConvPath;
+    use tessera_backend::{Activation, Backend, Conv2d, Precision};
+    let tessera_backend::AnyBackend::Cuda(be) = b.device.open()? else {
+        return Err(Error::input(
+            "bench conv times the CUDA kernels: use --device cuda",
+        ));
+    };
+    if be.precision() != Precision::Bf16 {
+        return Err(Error::input(
+            "bench conv times the bf16 kernels: run it under bf16 precision",
+        ));
+    }
+    for &(name, side, cin, cout, k, up, silu) in CONV_SHAPES {
+        let mut spec = Conv2d::same(side, side, k);
+        if up {
+            spec = spec.upsampled();
+        }
+        if silu {
+            spec = spec.of_activated(Activation::Silu);
+        }
+        let (oh, ow) = spec.out_size();
+        let flops = 2.0 * (oh * ow * cout * k * k * cin) as f64;
+        for path in [ConvPath::Implicit, ConvPath::Im2col] {
+            let ms = be.bench_conv(&spec, (cin, cout), b.iters, path)?;
+            emit(
+                serde_json::json!({"name": "conv", "shape": name, "side": side, "cin": cin,
+                "cout": cout, "kernel": k, "upsampled": up, "silu": silu,
+                "path": format!("{path:?}").to_lowercase(), "median_us": ms * 1e3,
+                "tflops": flops / (ms / 1e3) / 1e12}),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn conv(_b: ConvBench) -> Result<()> {
     Err(Error::input("this build has no CUDA support"))
 }

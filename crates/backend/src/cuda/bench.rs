@@ -6,7 +6,8 @@ use tessera_core::Result;
 use super::CudaBackend;
 use super::attention::{self, FlashChoice};
 use super::errors::drv;
-use crate::{AttnSpec, Backend, Epilogue, Role, View, ViewMut};
+use super::image::ConvPath;
+use crate::{AttnSpec, Backend, Conv2d, Epilogue, Role, View, ViewMut};
 
 /// `len` benchmark operands uniform in [-½, ½) from an xorshift stream at `seed` (advanced).
 fn bench_values(seed: &mut u64, len: usize) -> Vec<f32> {
@@ -100,6 +101,46 @@ impl CudaBackend {
         }
         let ms = self.median_ms(iters, &mut || run().map(|_| ()))?;
         Ok((ms, used))
+    }
+
+    /// Median GPU ms of one bf16 convolution `spec` of a `cin`-channel image into `cout`
+    /// channels (random image, weight and bias, compute-type input and output) on kernel path
+    /// `path`, timed with events after warm-up.
+    pub fn bench_conv(
+        &self,
+        spec: &Conv2d,
+        (cin, cout): (usize, usize),
+        iters: usize,
+        path: ConvPath,
+    ) -> Result<f64> {
+        let pixels = spec.height * spec.width;
+        let (oh, ow) = spec.out_size();
+        let inner = spec.kernel * spec.kernel * cin;
+        let mut seed = 0x5851_F42D_4C95_7F2Du64;
+        let mut x = self.alloc(pixels * cin, Role::Compute)?;
+        self.write_f32(&mut x, &bench_values(&mut seed, pixels * cin))?;
+        let scale = 1.0 / (inner as f32).sqrt();
+        let wv: Vec<f32> = bench_values(&mut seed, cout * inner)
+            .into_iter()
+            .map(|v| v * scale)
+            .collect();
+        let w = self.matrix_f32(&[(&wv, cout)], inner)?;
+        let bias = self.vector_f32(&bench_values(&mut seed, cout))?;
+        let mut out = self.alloc(oh * ow * cout, Role::Compute)?;
+        let mut run = || {
+            self.conv2d_with(
+                View::new(&x, pixels, cin),
+                &w,
+                &bias,
+                spec,
+                ViewMut::new(&mut out, oh * ow, cout),
+                path,
+            )
+        };
+        for _ in 0..3 {
+            run()?;
+        }
+        self.median_ms(iters, &mut run)
     }
 
     /// Median GPU milliseconds of `run` over `iters` calls, each bracketed by timing events.

@@ -1,9 +1,11 @@
-//! The VAE decoders' image ops (kernels/image.cu) over channels-last images: a convolution as
-//! blocks of im2col rows times the weight (cuBLASLt; an input activation applied as the columns
-//! are gathered), GroupNorm in three passes (partial sums per block of pixels, per-group
-//! statistics, the normalisation with its activation), and the DupUp channel-to-space shortcut
-//! and its encoder mirror AvgDown added into their outputs (one thread an output element). The
-//! encoder's stride-2 convolution is the same im2col with a stride.
+//! The VAE decoders' image ops (kernels/image.cu) over channels-last images: a convolution as an
+//! implicit GEMM on the tensor cores (`conv_implicit`, bf16 with input channels a multiple of 8:
+//! each CTA gathers its pixels' taps straight from the image, the input activation and the bias
+//! fused) or else as blocks of im2col rows times the weight (cuBLASLt; the activation applied as
+//! the columns are gathered), GroupNorm in three passes (partial sums per block of pixels,
+//! per-group statistics, the normalisation with its activation), and the DupUp channel-to-space
+//! shortcut and its encoder mirror AvgDown added into their outputs (one thread an output
+//! element). The encoder's stride-2 convolution is either path with a stride.
 
 use tessera_core::{Error, Result};
 
@@ -21,6 +23,15 @@ kernel_args! {
     pub(super) struct Im2colArgs {
         x: DevPtr, xs: i64, h: i32, w: i32, c: i32, k: i32, up: i32, down: i32, act: i32, p0: i64,
         n: i64, cols: DevPtr,
+    }
+}
+
+kernel_args! {
+    /// `conv_implicit[64]_{out}`: the convolution as an implicit GEMM, one CTA per 128 output
+    /// pixels × 128 (64) output channels; `act` −1 none, else the input activation's code.
+    pub(super) struct ConvArgs {
+        x: DevPtr, xs: i64, h: i32, w: i32, cin: i32, k: i32, up: i32, down: i32, act: i32,
+        wt: DevPtr, cout: i32, bias: DevPtr, pixels: i64, out: DevPtr, os: i64,
     }
 }
 
@@ -71,12 +82,60 @@ kernel_table! {
         im2col4: ByPair<Im2colArgs> = "im2col4_{}_{}",
         /// Eight bf16 channels a thread (16-byte copies), for channel counts of 8·m.
         im2col8: Kernel<Im2colArgs> = "im2col8_bf16_bf16",
+        /// The tensor-core implicit GEMM, 128 output channels a CTA, by output type.
+        conv_implicit: ByElem<ConvArgs> = "conv_implicit_{}",
+        /// The same, 64 output channels a CTA (for at most 64 output channels).
+        conv_implicit64: ByElem<ConvArgs> = "conv_implicit64_{}",
         group_stats: ByElem<GroupStatsArgs> = "group_stats_{}",
         group_finish: Kernel<GroupFinishArgs> = "group_finish",
         group_apply: ByPair<GroupApplyArgs> = "group_apply_{}_{}",
         dup_up: ByPair<DupUpArgs> = "dup_up_{}_{}",
         avg_down: ByPair<AvgDownArgs> = "avg_down_{}_{}",
     }
+}
+
+/// Which convolution kernel runs (tests and `tessera bench conv` force one; the op picks by
+/// [`ConvPath::Auto`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ConvPath {
+    /// The implicit GEMM where it applies (and `TESSERA_CONV` is not `im2col`), else im2col.
+    #[default]
+    Auto,
+    /// The tensor-core implicit GEMM (`conv_implicit`); an error where it does not apply.
+    Implicit,
+    /// Blocks of im2col columns times the weight on cuBLASLt (any type, any shape).
+    Im2col,
+}
+
+/// Whether the op may take the implicit GEMM: `TESSERA_CONV=im2col` keeps every convolution on
+/// im2col, for A/B measurement. Read once.
+fn implicit_by_env() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TESSERA_CONV").map_or(true, |v| v != "im2col"))
+}
+
+/// Whether `conv_implicit` takes this convolution: bf16 compute, a bf16 image and dense bf16
+/// weight, an f32 or bf16 output, input channels a multiple of 8 (16-byte copies), the image,
+/// its row stride and the weight 16-byte aligned, and every size an `int`.
+fn implicit_applies(
+    be: &CudaBackend,
+    x: &View<'_, CudaBackend>,
+    xp: DevPtr,
+    w: &CudaMat,
+    out: Elem,
+) -> bool {
+    let fits = |v: usize| i32::try_from(v).is_ok();
+    be.compute_elem() == Elem::Bf16
+        && w.format == MatFormat::Dense(Elem::Bf16)
+        && x.buf.elem == Elem::Bf16
+        && matches!(out, Elem::F32 | Elem::Bf16)
+        && x.cols.is_multiple_of(8)
+        && x.stride.is_multiple_of(8)
+        && xp.0.is_multiple_of(16)
+        && w.buf.ptr.0.is_multiple_of(16)
+        && fits(w.inner)
+        && fits(w.out)
+        && fits(x.rows)
 }
 
 pub(super) fn conv2d(
@@ -86,6 +145,7 @@ pub(super) fn conv2d(
     bias: &CudaBuf,
     spec: &Conv2d,
     out: ViewMut<'_, CudaBackend>,
+    path: ConvPath,
 ) -> Result<()> {
     let (cin, cout, k) = (x.cols, out.cols, spec.kernel);
     let (oh, ow) = spec.out_size();
@@ -110,10 +170,35 @@ pub(super) fn conv2d(
     let post = Post::bias(bias.ptr);
     let xr = Rows::of(&x)?;
     let xp = xr.ptr;
-    // A 1×1 convolution of an image already in the weight's type is the product itself.
-    if k == 1 && !spec.upsample && !spec.downsample && spec.act.is_none() && x.buf.elem == ab {
-        product(be, xr, 0, pixels, w, to, 1.0, 0.0)?;
-        return epilogue(be, &post, to, to, 0, pixels, cout, false);
+    let implicit = implicit_applies(be, &x, xp, w, to.elem);
+    match path {
+        ConvPath::Implicit if !implicit => {
+            return Err(Error::backend(
+                "conv2d",
+                format!(
+                    "the implicit GEMM does not take {cin} {:?} input channels into {:?} under {} \
+                     precision (or unaligned rows)",
+                    x.buf.elem, to.elem, be.precision
+                ),
+            ));
+        }
+        ConvPath::Implicit => return conv_implicit(be, x, xp, w, bias, spec, to, pixels),
+        ConvPath::Im2col => {}
+        ConvPath::Auto => {
+            // A 1×1 convolution of an image already in the weight's type is the product itself.
+            if k == 1
+                && !spec.upsample
+                && !spec.downsample
+                && spec.act.is_none()
+                && x.buf.elem == ab
+            {
+                product(be, xr, 0, pixels, w, to, 1.0, 0.0)?;
+                return epilogue(be, &post, to, to, 0, pixels, cout, false);
+            }
+            if implicit && implicit_by_env() {
+                return conv_implicit(be, x, xp, w, bias, spec, to, pixels);
+            }
+        }
     }
     if ab != be.compute_elem() {
         return Err(Error::backend(
@@ -166,6 +251,67 @@ pub(super) fn conv2d(
         product(be, columns, 0, n, w, into, 1.0, 0.0)?;
     }
     epilogue(be, &post, to, to, 0, pixels, cout, false)
+}
+
+/// The convolution on `conv_implicit` (kernels/image.cu): one CTA per 128 output pixels × 128
+/// output channels (64 where there are at most 64), the bias added in its epilogue.
+#[allow(clippy::too_many_arguments)]
+fn conv_implicit(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    xp: DevPtr,
+    w: &CudaMat,
+    bias: &CudaBuf,
+    spec: &Conv2d,
+    to: Rows,
+    pixels: usize,
+) -> Result<()> {
+    let (cout, table) = (w.out, &be.kernels.image);
+    let (kernel, bn) = if cout <= 64 {
+        (table.conv_implicit64.get(to.elem)?, 64)
+    } else {
+        (table.conv_implicit.get(to.elem)?, 128)
+    };
+    let tiles = pixels.div_ceil(128);
+    let grid = (
+        u32::try_from(tiles).map_err(|_| Error::backend("conv2d", "too many output pixels"))?,
+        cout.div_ceil(bn) as u32,
+    );
+    let args = ConvArgs {
+        x: xp,
+        xs: x.stride as i64,
+        h: spec.height as i32,
+        w: spec.width as i32,
+        cin: x.cols as i32,
+        k: spec.kernel as i32,
+        up: if spec.upsample { 2 } else { 1 },
+        down: if spec.downsample { 2 } else { 1 },
+        act: spec.act.map_or(-1, act_code),
+        wt: w.buf.ptr,
+        cout: cout as i32,
+        bias: bias.ptr,
+        pixels: pixels as i64,
+        out: to.ptr,
+        os: to.stride as i64,
+    };
+    be.launch("conv", kernel, cfg(grid, 256, 0), &args)
+}
+
+impl CudaBackend {
+    /// The convolution op on a forced kernel path, for tests and `tessera bench conv`
+    /// ([`ConvPath::Implicit`] fails where that kernel does not apply).
+    pub fn conv2d_with(
+        &self,
+        x: View<'_, Self>,
+        w: &CudaMat,
+        bias: &CudaBuf,
+        spec: &Conv2d,
+        out: ViewMut<'_, Self>,
+        path: ConvPath,
+    ) -> Result<()> {
+        self.enter(&spec.op())?;
+        conv2d(self, x, w, bias, spec, out, path)
+    }
 }
 
 pub(super) fn group_norm(

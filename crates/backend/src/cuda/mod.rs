@@ -61,6 +61,7 @@ pub use attention::{FlashChoice, FlashKernel};
 pub use device::{check_libraries, open};
 use gemm::Gemm;
 use graph::Graphs;
+pub use image::ConvPath;
 pub use launch::{Param, Signature};
 pub use memory::{CudaBuf, CudaMat, CudaTable, Elem, MatFormat};
 use profile::Profiler;
@@ -303,7 +304,7 @@ impl Backend for CudaBackend {
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
         self.enter(&spec.op())?;
-        image::conv2d(self, x, w, bias, spec, out)
+        image::conv2d(self, x, w, bias, spec, out, image::ConvPath::Auto)
     }
 
     fn dup_up(&self, x: View<'_, Self>, spec: &DupUp, out: ViewMut<'_, Self>) -> Result<()> {

@@ -1,8 +1,9 @@
 //! The VAEs' ops over channels-last images: `conv2d`, `group_norm`, `dup_up` and `avg_down`.
 
-use tessera_backend::{Activation, AvgDown, Conv2d, DupUp, GroupNorm, Op, Role};
+use tessera_backend::cuda::ConvPath;
+use tessera_backend::{Activation, AvgDown, Conv2d, DupUp, GroupNorm, Op, Precision, Role};
 
-use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng};
+use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng, seed_of};
 
 /// A "same" `kernel × kernel` convolution of a `height × width × cin` image into `cout`
 /// channels, plus a bias.
@@ -13,6 +14,8 @@ pub struct ConvCase {
     cout: usize,
     /// The input buffer's role (the VAE reads the f32 stream in some convolutions).
     input: Role,
+    /// A forced kernel path (CUDA, bf16); `None`: as the op chooses.
+    path: Option<ConvPath>,
 }
 
 pub fn conv2d(height: usize, width: usize, cin: usize, cout: usize, kernel: usize) -> ConvCase {
@@ -21,6 +24,7 @@ pub fn conv2d(height: usize, width: usize, cin: usize, cout: usize, kernel: usiz
         cin,
         cout,
         input: Role::Compute,
+        path: None,
     }
 }
 
@@ -53,10 +57,23 @@ impl ConvCase {
             ..self
         }
     }
-}
 
-impl OpCase for ConvCase {
-    fn name(&self) -> String {
+    /// This case as the op runs it, then (bf16 only) forced through im2col and, where the
+    /// implicit GEMM takes it (a bf16 input, input channels a multiple of 8), through that.
+    pub fn on_every_path(self) -> Vec<ConvCase> {
+        let with = |path| ConvCase {
+            path: Some(path),
+            ..self.clone()
+        };
+        let mut all = vec![self.clone(), with(ConvPath::Im2col)];
+        if self.input == Role::Compute && self.cin.is_multiple_of(8) {
+            all.push(with(ConvPath::Implicit));
+        }
+        all
+    }
+
+    /// The case without its forced path: what the inputs and the reference depend on.
+    fn base_name(&self) -> String {
         let Conv2d {
             height,
             width,
@@ -78,6 +95,27 @@ impl OpCase for ConvCase {
             self.cin, self.cout, self.input
         )
     }
+}
+
+impl OpCase for ConvCase {
+    fn name(&self) -> String {
+        match self.path {
+            Some(path) => format!("{} — {path:?} kernel", self.base_name()),
+            None => self.base_name(),
+        }
+    }
+
+    fn precisions(&self) -> &'static [Precision] {
+        match self.path {
+            Some(_) => &[Precision::Bf16],
+            None => super::BOTH,
+        }
+    }
+
+    /// Every path of one case draws the same inputs.
+    fn seed(&self) -> u64 {
+        seed_of(&self.base_name())
+    }
 
     fn op(&self) -> Op {
         self.spec.op()
@@ -89,6 +127,7 @@ impl OpCase for ConvCase {
             cin,
             cout,
             input,
+            path,
         } = *self;
         let (pixels, (oh, ow)) = (spec.height * spec.width, spec.out_size());
         let inner = spec.kernel * spec.kernel * cin;
@@ -98,7 +137,7 @@ impl OpCase for ConvCase {
         let bias = be.vector_f32(&rng.vec(cout, 0.5))?;
         let at = Layout::padded(oh * ow, cout, 8, 8);
         let mut out = Guarded::empty(be, Role::Compute, at)?;
-        be.conv2d(x.view(), &w, &bias, &spec, out.view_mut())?;
+        be.convolve(x.view(), &w, &bias, &spec, out.view_mut(), path)?;
         Ok(vec![out.read(be, "out")?])
     }
 }

@@ -16,8 +16,10 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::cuda::attention::{wgmma_applies, ws_applies};
-use tessera_backend::cuda::{CudaBackend, FlashChoice, FlashKernel};
-use tessera_backend::{AttnSpec, Backend, Error, Op, Precision, Role, Segments, View, ViewMut};
+use tessera_backend::cuda::{ConvPath, CudaBackend, FlashChoice, FlashKernel};
+use tessera_backend::{
+    AttnSpec, Backend, Conv2d, Error, Op, Precision, Role, Segments, View, ViewMut,
+};
 use tessera_core::{DType, Weights};
 
 /// What a case returns: a tessera error, a harness message, anything with a message.
@@ -380,6 +382,17 @@ pub trait Device: Backend + Sized {
     /// The attention op, or with `flash` the forced path, checked to have split the keys into
     /// as many chunks as asked.
     fn attend(&self, a: Attend<'_, Self>, flash: Option<FlashChoice>) -> Res<()>;
+
+    /// The convolution op, or with `path` that kernel path forced (CUDA; the CPU has one).
+    fn convolve(
+        &self,
+        x: View<'_, Self>,
+        w: &Self::Mat,
+        bias: &Self::Vector,
+        spec: &Conv2d,
+        out: ViewMut<'_, Self>,
+        path: Option<ConvPath>,
+    ) -> Res<()>;
 }
 
 impl Device for CpuBackend {
@@ -389,6 +402,18 @@ impl Device for CpuBackend {
 
     fn attend(&self, a: Attend<'_, Self>, _: Option<FlashChoice>) -> Res<()> {
         Ok(self.attention(a.q, a.k, a.v, a.out, a.spec, a.segs)?)
+    }
+
+    fn convolve(
+        &self,
+        x: View<'_, Self>,
+        w: &Self::Mat,
+        bias: &Self::Vector,
+        spec: &Conv2d,
+        out: ViewMut<'_, Self>,
+        _: Option<ConvPath>,
+    ) -> Res<()> {
+        Ok(self.conv2d(x, w, bias, spec, out)?)
     }
 }
 
@@ -425,6 +450,21 @@ impl Device for CudaBackend {
             )
             .into()),
             _ => Ok(()),
+        }
+    }
+
+    fn convolve(
+        &self,
+        x: View<'_, Self>,
+        w: &Self::Mat,
+        bias: &Self::Vector,
+        spec: &Conv2d,
+        out: ViewMut<'_, Self>,
+        path: Option<ConvPath>,
+    ) -> Res<()> {
+        match path {
+            Some(path) => Ok(self.conv2d_with(x, w, bias, spec, out, path)?),
+            None => Ok(self.conv2d(x, w, bias, spec, out)?),
         }
     }
 }

@@ -1,5 +1,6 @@
 // The VAE decoders' image ops over channels-last images `[pixels, channels]`: the column blocks
-// of a convolution as an implicit GEMM (the product itself is cuBLASLt's), GroupNorm, and the
+// of a convolution (the product itself is cuBLASLt's) and the tensor-core implicit GEMM that
+// needs none (conv_implicit, at the end), GroupNorm, and the
 // DupUp channel-to-space shortcut and its encoder mirror AvgDown. CPU references:
 // crates/backend/src/cpu/conv.rs, crates/backend/src/cpu/group_norm.rs, crates/backend/src/cpu/dup_up.rs
 // and crates/backend/src/cpu/avg_down.rs.
@@ -273,3 +274,183 @@ AVG_DOWN(float, float, avg_down_f32_f32)
 AVG_DOWN(float, bf16, avg_down_f32_bf16)
 AVG_DOWN(bf16, float, avg_down_bf16_f32)
 AVG_DOWN(bf16, bf16, avg_down_bf16_bf16)
+
+// ---- Convolution as an implicit GEMM on the tensor cores (bf16 in, f32 accumulation).
+//
+// out[p, n] = bias[n] + Σ_{ky, kx, c} act(x)[src(p, ky, kx), c] · wt[n, (ky·k + kx)·cin + c], the
+// im2col product above without its column matrix: each CTA gathers its output pixels' input
+// taps straight from the image into shared memory. A CTA computes BM = 128 output pixels × BN
+// (128 or 64) output channels with 8 warps (4 along the pixels × 2 along the channels, each
+// 32 × BN/2); the reduction walks taps (ky, kx) and, within each, chunks of 32 input channels, two
+// m16n8k16 steps a chunk. Both operands are staged by cp.async into two shared buffers (the next
+// chunk loads while this one multiplies), rows padded to 40 bf16 so that ldmatrix's eight rows
+// fall on distinct banks. Taps on the padding, pixels past the image, channels past cin and
+// output channels past cout are zero-filled by the copy (0 source bytes). The pixel → source map
+// is column_at's: nearest 2× upsampling reads (uy / 2, ux / 2); stride 2 reads (2·oy + ky,
+// 2·ox + kx) padded only after.
+//
+// The input activation (act ≥ 0) is applied in shared memory: after its copies land, each thread
+// rewrites the 16-byte chunks it copied as bf16(act(x)) (im2col8's rounding; act(0) = 0, so the
+// zero padding stays zero), before the block barrier that publishes the stage.
+//
+// The epilogue adds the bias in f32 and writes the output type once (one rounding; the im2col
+// path rounds the product to the output type before its bias epilogue). Needs cin a multiple of
+// 8, x, its row stride and the weight's rows 16-byte aligned (the host checks).
+#define CONV_BM 128
+#define CONV_BK 32
+#define CONV_PITCH 40
+#define CONV_THREADS 256
+
+__device__ __forceinline__ void conv_cp16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void conv_ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void conv_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename TO, int BN>
+__device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, long xs, int h, int w, int cin, int k,
+                                                   int up, int down, int act, const bf16* __restrict__ wt, int cout,
+                                                   const float* __restrict__ bias, long pixels, TO* __restrict__ out,
+                                                   long os) {
+    constexpr int NI = BN / 16;  // 8-wide n-tiles per warp (a warp spans BN / 2 channels)
+    constexpr int BROWS = BN / 64;  // weight rows each thread copies per chunk
+    __shared__ __align__(128) bf16 sa[2][CONV_BM * CONV_PITCH];
+    __shared__ __align__(128) bf16 sb[2][BN * CONV_PITCH];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wn = warp >> 2;
+    const long p0 = (long)blockIdx.x * CONV_BM;
+    const int n0 = blockIdx.y * BN;
+    const int vh = h * up, vw = w * up, ow = vw / down, pad = down == 2 ? 0 : k / 2;
+    const long kk = (long)k * k * cin;
+    const int cc = (cin + CONV_BK - 1) / CONV_BK, steps = k * k * cc;
+
+    // Each thread copies 16-byte chunk lc of rows lr and lr + 64 (pixels; weight rows).
+    const int lr = tid >> 2, lc = (tid & 3) * 8;
+    int oy[2], ox[2];  // the pixel's top-left tap in the (upsampled) image; far negative past the end
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const long p = p0 + lr + 64 * i;
+        if (p < pixels) {
+            const int py = (int)(p / ow), px = (int)(p - (long)py * ow);
+            oy[i] = py * down - pad;
+            ox[i] = px * down - pad;
+        } else {
+            oy[i] = -(1 << 29);
+            ox[i] = 0;
+        }
+    }
+
+    auto load = [&](int s, int step) {
+        const int tap = step / cc, c0 = (step - tap * cc) * CONV_BK + lc;
+        const int ky = tap / k, kx = tap - ky * k;
+        const bool cv = c0 < cin;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int uy = oy[i] + ky, ux = ox[i] + kx;
+            const bool ok = cv && uy >= 0 && uy < vh && ux >= 0 && ux < vw;
+            const bf16* src = ok ? x + ((long)(uy / up) * w + ux / up) * xs + c0 : x;
+            conv_cp16(smem_addr(&sa[s][(lr + 64 * i) * CONV_PITCH + lc]), src, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < BROWS; i++) {
+            const int n = n0 + lr + 64 * i;
+            const bool ok = cv && n < cout;
+            const bf16* src = ok ? wt + (long)n * kk + (long)tap * cin + c0 : wt;
+            conv_cp16(smem_addr(&sb[s][(lr + 64 * i) * CONV_PITCH + lc]), src, ok);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    float acc[2][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) acc[mi][ni][j] = 0.f;
+
+    load(0, 0);
+    for (int step = 0; step < steps; step++) {
+        const int s = step & 1;
+        if (step + 1 < steps) load(s ^ 1, step + 1);
+        else asm volatile("cp.async.commit_group;\n" ::);  // an empty group keeps the count
+        asm volatile("cp.async.wait_group 1;\n" ::);      // this step's copies have landed
+        if (act >= 0) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                uint4* chunk = reinterpret_cast<uint4*>(&sa[s][(lr + 64 * i) * CONV_PITCH + lc]);
+                uint4 v = *chunk;
+                bf16* e = reinterpret_cast<bf16*>(&v);
+#pragma unroll
+                for (int j = 0; j < 8; j++) e[j] = from_f<bf16>(image_act(act, to_f(e[j])));
+                *chunk = v;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < CONV_BK; ks += 16) {
+            u32 a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const int row = wm * 32 + mi * 16 + (lane & 15), col = ks + (lane >> 4) * 8;
+                conv_ldsm_x4(a[mi], smem_addr(&sa[s][row * CONV_PITCH + col]));
+            }
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; nj++) {
+                // Matrices: channels +0–7 at k +0 and +8, channels +8–15 at k +0 and +8.
+                const int row = wn * (BN / 2) + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+                const int col = ks + ((lane >> 3) & 1) * 8;
+                u32 b[4];
+                conv_ldsm_x4(b, smem_addr(&sb[s][row * CONV_PITCH + col]));
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    conv_mma(acc[mi][2 * nj], a[mi], b[0], b[1]);
+                    conv_mma(acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with stage s before step + 2 refills it
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+
+    // Accumulator layout: rows lane / 4 and + 8 of each m-tile, columns 2·(lane % 4) and + 1.
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++) {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const long p = p0 + wm * 32 + mi * 16 + (lane >> 2) + 8 * half;
+            if (p >= pixels) continue;
+            TO* row = out + p * os;
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int n = n0 + wn * (BN / 2) + ni * 8 + 2 * (lane & 3) + j;
+                    if (n < cout) row[n] = from_f<TO>(acc[mi][ni][2 * half + j] + (bias ? bias[n] : 0.f));
+                }
+            }
+        }
+    }
+}
+
+#define CONV_IMPLICIT(TO, BN, NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(CONV_THREADS)                                                  \
+        NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt, \
+             int cout, const float* bias, long pixels, TO* out, long os) {                                      \
+        conv_implicit_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os);       \
+    }
+CONV_IMPLICIT(float, 128, conv_implicit_f32)
+CONV_IMPLICIT(bf16, 128, conv_implicit_bf16)
+CONV_IMPLICIT(float, 64, conv_implicit64_f32)
+CONV_IMPLICIT(bf16, 64, conv_implicit64_bf16)
