@@ -150,6 +150,17 @@ impl AnyBackend {
         }
     }
 
+    /// Which kernels run the convolutions (the VAEs'), for `tessera info`.
+    pub fn conv_route(&self) -> String {
+        match self {
+            AnyBackend::Cpu(_) => {
+                "blocks of gathered patches times the weight (the CPU's products)".to_string()
+            }
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.conv_route(),
+        }
+    }
+
     /// `Ok` if this backend runs every op of `ops`, else the first refusal, naming the device.
     pub fn supports_all(&self, ops: &[Op]) -> Result<()> {
         let check = |op: &Op| match self {

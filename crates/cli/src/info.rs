@@ -199,7 +199,15 @@ pub fn run(args: InfoArgs) -> Result<()> {
             Err(e) => outln!("{:<12} cannot run it: {e}", format!("{device}:"))?,
         }
     }
-    outln!("runs on:     {}", args.device.open_for(&spec)?.describe())?;
+    let backend = args.device.open_for(&spec)?;
+    outln!("runs on:     {}", backend.describe())?;
+    if spec
+        .ops()
+        .iter()
+        .any(|op| matches!(op, tessera_backend::Op::Conv2d { .. }))
+    {
+        outln!("convolutions: {}", backend.conv_route())?;
+    }
     model::note_if_bundled(&spec, args.model.as_deref());
     Ok(())
 }

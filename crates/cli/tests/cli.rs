@@ -696,6 +696,9 @@ fn info_names_the_family_its_capability_and_what_each_device_runs() {
             s.contains("cuda:        runs it: cuda") || s.contains("cuda:        cannot run it: "),
             "{s}"
         );
+        // A model with convolutions (the VAE) names the kernels that run them; one without none.
+        let has_convs = model == zimage_mini();
+        assert_eq!(s.contains("convolutions: "), has_convs, "{s}");
     }
 }
 

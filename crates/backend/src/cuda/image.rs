@@ -114,6 +114,19 @@ fn implicit_by_env() -> bool {
     *ON.get_or_init(|| std::env::var("TESSERA_CONV").map_or(true, |v| v != "im2col"))
 }
 
+impl CudaBackend {
+    /// Which kernels run this backend's convolutions (`tessera info` says it).
+    pub fn conv_route(&self) -> String {
+        match (self.compute_elem(), implicit_by_env()) {
+            (Elem::Bf16, true) => "the tensor-core implicit GEMM (conv_implicit) where the input \
+                                   channels are a multiple of 8, else im2col columns on cuBLASLt"
+                .to_string(),
+            (Elem::Bf16, false) => "im2col columns on cuBLASLt (TESSERA_CONV=im2col)".to_string(),
+            _ => "im2col columns on cuBLASLt (f32: the exact path)".to_string(),
+        }
+    }
+}
+
 /// Whether `conv_implicit` takes this convolution: bf16 compute, a bf16 image and dense bf16
 /// weight, an f32 or bf16 output, input channels a multiple of 8 (16-byte copies), the image,
 /// its row stride and the weight 16-byte aligned, and every size an `int`.
