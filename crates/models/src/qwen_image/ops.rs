@@ -55,9 +55,10 @@ pub fn ops(cfg: &QwenImageConfigs) -> Vec<Op> {
             rope: Some(RopeStyle::Interleaved),
             qk_norm: true,
         },
-        // Prefill: causal text; the step: full attention over [prefix ‖ own].
+        // Prefill: causal text; the step: the target rows over [prefix ‖ own] (per-row key
+        // limits: the prefix rows, whose outputs are not read, see no key).
         attention(tr.head_dim, MaskKind::Causal, false),
-        attention(tr.head_dim, MaskKind::Full, false),
+        attention(tr.head_dim, MaskKind::Limits, false),
         residual(None, true, AfterOp::Norm(layer_norm)),
         residual(None, true, AfterOp::Nothing),
     ];
