@@ -252,8 +252,11 @@ pub fn drive(mut chat: Box<dyn Chat>, queue: Arc<ChatQueue>, metrics: Arc<Metric
         let sequences = running.len();
         let started = Instant::now();
         let mut ended = Vec::new();
+        let mut finals = Vec::new();
         let stepped = catch_unwind(AssertUnwindSafe(|| {
-            chat.step(&mut |conv, ev| route(&mut running, &mut ended, &metrics, conv, ev))
+            chat.step(&mut |conv, ev| {
+                route(&mut running, &mut ended, &mut finals, &metrics, conv, ev)
+            })
         }));
         metrics.chat_step(sequences, started.elapsed().as_secs_f64());
         match stepped {
@@ -278,15 +281,21 @@ pub fn drive(mut chat: Box<dyn Chat>, queue: Arc<ChatQueue>, metrics: Arc<Metric
             chat.end(conv);
         }
         metrics.chat_running(running.len());
+        // The step's ends go out once every metric of the step is recorded, so that a client
+        // reading `/metrics` after its answer sees its reply, the step and the running count.
+        for (events, event) in finals {
+            let _ = events.send(event);
+        }
     }
     metrics.chat_running(0);
 }
 
-/// One step's event for `conv`: to its request, and into the metrics. Metrics are recorded
-/// before the end is sent, so a client that reads `/metrics` after its answer sees its reply.
+/// One step's event for `conv`: into the metrics, and text to its request at once; a reply's
+/// end goes into `finals`, sent after the step (see [`drive`]).
 fn route(
     running: &mut HashMap<ConversationId, Seq>,
     ended: &mut Vec<ConversationId>,
+    finals: &mut Vec<(UnboundedSender<Event>, Event)>,
     metrics: &Metrics,
     conv: ConversationId,
     ev: ChatEvent<'_>,
@@ -327,7 +336,7 @@ fn route(
                 rate,
                 s.arrived.elapsed().as_secs_f64(),
             );
-            let _ = s.events.send(Event::Done(reply));
+            finals.push((s.events, Event::Done(reply)));
             Control::Continue
         }
         ChatEvent::Failed(e) => {
@@ -336,7 +345,7 @@ fn route(
                 tracing::debug!(parent: &s.span, error = %e, "the reply failed on the device");
                 let secs = s.arrived.elapsed().as_secs_f64();
                 metrics.chat_reply("failed", s.prompt_tokens, 0, None, secs);
-                let _ = s.events.send(Event::Failed(api_error(e)));
+                finals.push((s.events, Event::Failed(api_error(e))));
             }
             Control::Continue
         }
