@@ -20,7 +20,7 @@ use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, Precision};
 use tessera_models::imageproc::pil::Rgba8;
 use tessera_models::qwen_image::{self, QwenImage, QwenImageFiles};
-use tessera_models::text_to_image::{Edit, Event, Request};
+use tessera_models::text_to_image::{Edit, Request};
 
 impl Family for QwenImageFiles {
     const FEATURES: &'static str = "prompt features";
@@ -38,24 +38,16 @@ impl Family for QwenImageFiles {
             features,
             ..Taps::default()
         };
-        let mut last: Vec<Vec<f32>> = Vec::new();
+        let mut last = Vec::new();
         let images = m
-            .generate_images(req, &plan, |e| {
-                if let Event::Step { v, latents, .. } = e {
-                    taps.velocity.push(v.to_vec());
-                    taps.latent.push(latents.concat());
-                    last = latents.to_vec();
-                }
-            })
+            .generate_images(req, &plan, |e| taps.record(e, &mut last))
             .expect("generate");
-        for latent in &last {
-            let image = m
-                .vae()
+        let decode = |latent: &[f32]| {
+            m.vae()
                 .decode(m.backend(), latent, plan.latent_hw, None)
-                .expect("decode");
-            taps.decoded.extend(image);
-        }
-        taps.pixels = images.into_iter().flat_map(|i| i.pixels).collect();
+                .expect("decode")
+        };
+        taps.finish(&last, decode, images);
         taps
     }
 }

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use common::text_to_image::{Family, Taps, compare, errors, floor_failures, gpu, psnr};
 use tessera_backend::cpu::CpuBackend;
 use tessera_backend::{Backend, Precision};
-use tessera_models::text_to_image::{Event, Request};
+use tessera_models::text_to_image::Request;
 use tessera_models::zimage::{self, ZImage, ZImageFiles};
 
 impl Family for ZImageFiles {
@@ -64,24 +64,16 @@ fn generate<B: Backend + 'static>(
         features: z.caption_features(&plan.prompts).expect("text encoder"),
         ..Taps::default()
     };
-    let mut last: Vec<Vec<f32>> = Vec::new();
+    let mut last = Vec::new();
     let images = z
-        .generate_images(req, &plan, |e| {
-            if let Event::Step { v, latents, .. } = e {
-                taps.velocity.push(v.to_vec());
-                taps.latent.push(latents.concat());
-                last = latents.to_vec();
-            }
-        })
+        .generate_images(req, &plan, |e| taps.record(e, &mut last))
         .expect("generate");
-    for latent in &last {
-        let image = z
-            .vae()
+    let decode = |latent: &[f32]| {
+        z.vae()
             .decode(z.backend(), latent, plan.latent_hw, None)
-            .expect("decode");
-        taps.decoded.extend(image);
-    }
-    taps.pixels = images.into_iter().flat_map(|i| i.pixels).collect();
+            .expect("decode")
+    };
+    taps.finish(&last, decode, images);
     taps
 }
 

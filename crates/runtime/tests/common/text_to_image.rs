@@ -107,6 +107,35 @@ pub struct Taps {
     pub pixels: Vec<u8>,
 }
 
+impl Taps {
+    /// Record one pipeline event: each step's velocity and latents, the latest latents kept in
+    /// `last` for [`Taps::finish`].
+    pub fn record(
+        &mut self,
+        e: tessera_models::text_to_image::Event<'_>,
+        last: &mut Vec<Vec<f32>>,
+    ) {
+        if let tessera_models::text_to_image::Event::Step { v, latents, .. } = e {
+            self.velocity.push(v.to_vec());
+            self.latent.push(latents.concat());
+            *last = latents.to_vec();
+        }
+    }
+
+    /// The last latents decoded to floats by `decode`, and the run's 8-bit `images`.
+    pub fn finish(
+        &mut self,
+        last: &[Vec<f32>],
+        decode: impl Fn(&[f32]) -> Vec<f32>,
+        images: Vec<tessera_models::text_to_image::Image>,
+    ) {
+        for latent in last {
+            self.decoded.extend(decode(latent));
+        }
+        self.pixels = images.into_iter().flat_map(|i| i.pixels).collect();
+    }
+}
+
 /// A text-to-image family as the GPU tests drive it.
 pub trait Family {
     /// The features tap's name (as in the family's `bf16_floor.json`).
