@@ -28,6 +28,7 @@
 use tessera_core::{DType, Error, Result, Tensor};
 
 use super::gemm::Rows;
+use super::gemv::{CTA_ROWS, WIDTHS, threads, width};
 use super::launch::{ByDimPair, ByElem, DevPtr, cfg, kernel_args, kernel_table};
 use super::memory::Workspace;
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
@@ -48,10 +49,6 @@ kernel_args! {
         w: DevPtr, rb: i64, k: i32, rows: i32, out: DevPtr,
     }
 }
-
-/// The row counts the decode kernels are built for; a product takes the smallest that holds its
-/// rows (as gemv.rs).
-const WIDTHS: &[usize] = &[1, 2, 4, 8, 16];
 
 kernel_table! {
     /// The kernels of blocks.cu: per format, the decode products by row count and (x, out)
@@ -98,9 +95,6 @@ fn unsupported(t: DType) -> Error {
         "{t} weights have no CUDA products (the block formats there are {FORMATS:?})"
     ))
 }
-
-/// Weight rows per CTA of the decode kernels (`QG_ROWS`).
-const CTA_ROWS: usize = 4;
 
 /// Each run starts at a multiple of this many bytes of the buffer.
 const RUN_ALIGN: usize = 16;
@@ -216,13 +210,6 @@ pub(super) fn upload(be: &CudaBackend, parts: &[Tensor<'_>]) -> Result<CudaMat> 
     })
 }
 
-/// Threads per CTA of the decode kernels for rows of `k` values: one 8-value unit each where that
-/// takes 32 to 256 threads, in whole warps (gemv.rs's rule). A function of `k` alone, so a row's
-/// sum order never depends on the row count.
-fn threads(k: usize) -> u32 {
-    (k / 8).next_multiple_of(32).clamp(32, 256) as u32
-}
-
 /// Whether the decode kernels take `rows` rows of `x` (first row at `x0`) into `into`: 1 to
 /// [`super::gemv::MAX_ROWS`] float rows, x's first row and row stride 16-byte aligned, every
 /// size an `int`.
@@ -302,9 +289,8 @@ fn decode_run(
     alpha: f32,
     accumulate: bool,
 ) -> Result<()> {
-    let width = WIDTHS.iter().copied().find(|&m| m >= rows);
     let table = be.kernels.blocks.qgemv(run.dtype)?;
-    let Some(kernel) = width.and_then(|m| table.get(m, x.elem, out.elem)) else {
+    let Some(kernel) = width(rows).and_then(|m| table.get(m, x.elem, out.elem)) else {
         return Err(Error::backend(
             "block gemv",
             format!(
@@ -452,15 +438,6 @@ mod tests {
             assert!(t.block_bytes().is_multiple_of(2), "{t}");
         }
         assert!(DType::Q4_K.block_bytes().is_multiple_of(16));
-    }
-
-    #[test]
-    fn decode_threads_cover_a_row_in_whole_warps() {
-        for k in (32..=16384).step_by(32) {
-            let t = threads(k) as usize;
-            assert!(t.is_multiple_of(32) && (32..=256).contains(&t), "k = {k}");
-            assert!(t >= (k / 8).min(256), "k = {k}: {t}");
-        }
     }
 
     #[test]

@@ -24,8 +24,9 @@ kernel_args! {
     }
 }
 
-/// The row counts the kernels are built for; a product takes the smallest that holds its rows.
-const WIDTHS: &[usize] = &[1, 2, 4, 8, 16];
+/// The row counts the kernels (and blocks.rs's decode kernels) are built for; a product takes
+/// the smallest that holds its rows ([`width`]).
+pub(super) const WIDTHS: &[usize] = &[1, 2, 4, 8, 16];
 
 kernel_table! {
     /// The kernels of gemv.cu, by the row count they are built for.
@@ -38,8 +39,8 @@ kernel_table! {
 /// The most input rows a product takes this path with.
 pub(super) const MAX_ROWS: usize = 16;
 
-/// Weight rows per CTA (`GEMV_ROWS` in the kernel).
-const CTA_ROWS: usize = 4;
+/// Weight rows per CTA (`GEMV_ROWS` in gemv.cuh, for these kernels and blocks.cu's).
+pub(super) const CTA_ROWS: usize = 4;
 
 /// `TESSERA_GEMV` unset or not `0`.
 pub(super) fn enabled_by_env() -> bool {
@@ -49,8 +50,13 @@ pub(super) fn enabled_by_env() -> bool {
 /// Threads per CTA for inner width `k`: one 8-wide chunk each across the row where that takes
 /// 32 to 256 threads, so short rows leave no warp idle and long ones loop. A function of `k`
 /// alone: the sum order may depend on it, never on the row count.
-fn threads(k: usize) -> u32 {
+pub(super) fn threads(k: usize) -> u32 {
     (k / 8).next_multiple_of(32).clamp(32, 256) as u32
+}
+
+/// The kernel width for `rows` rows: the smallest of [`WIDTHS`] that holds them.
+pub(super) fn width(rows: usize) -> Option<usize> {
+    WIDTHS.iter().copied().find(|&m| m >= rows)
 }
 
 /// Whether `rows` rows of `x` times `w` into `into` can take the kernel: bf16 operands (a dense
@@ -94,8 +100,7 @@ pub(super) fn gemv(
         Elem::Bf16 => &be.kernels.gemv.to_bf16,
         _ => &be.kernels.gemv.to_f32,
     };
-    let width = WIDTHS.iter().copied().find(|&m| m >= rows);
-    let Some(kernel) = width.and_then(|m| table.get(m)) else {
+    let Some(kernel) = width(rows).and_then(|m| table.get(m)) else {
         return Err(tessera_core::Error::backend(
             "gemv",
             format!("no kernel for {rows} rows"),

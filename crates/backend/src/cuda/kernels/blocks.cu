@@ -30,8 +30,7 @@
 
 typedef unsigned char u8;
 
-#define QG_ROWS 4
-#define QG_MAX_WARPS 8
+// GEMV_ROWS (weight rows per CTA) and GEMV_MAX_WARPS: gemv.cuh, shared with gemv.cu.
 
 // A little-endian u16 at a 2-byte-aligned address.
 __device__ __forceinline__ u32 ld_u16(const u8* p) { return *reinterpret_cast<const unsigned short*>(p); }
@@ -178,8 +177,8 @@ __device__ __forceinline__ void load_x8(const float* p, float* f) {
 template <typename F, int M, typename TX, typename TO>
 __device__ __forceinline__ void qgemv_impl(const TX* __restrict__ x, long xs, const u8* __restrict__ w, long rb, int k,
                                            int n, int m, TO* out, long os, float alpha, int accumulate) {
-    constexpr int R = QG_ROWS, N = R * M;
-    __shared__ float red[QG_MAX_WARPS * N];
+    constexpr int R = GEMV_ROWS, N = R * M;
+    __shared__ float red[GEMV_MAX_WARPS * N];
     const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
     const int r0 = blockIdx.x * R;
     const int units = k >> 3;

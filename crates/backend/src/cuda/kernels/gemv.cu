@@ -25,10 +25,7 @@
 // The launcher guarantees: k a multiple of 8, x, x's row stride and w 16-byte aligned, 1 ≤ m ≤ M.
 // Weight rows past n (the last CTA's) are read as row n − 1 and not written.
 
-// warp_reduce_scatter: gemv.cuh.
-
-#define GEMV_ROWS 4
-#define GEMV_MAX_WARPS 8
+// GEMV_ROWS, GEMV_MAX_WARPS, the reduction and the store: gemv.cuh.
 
 // A weight chunk: read once, so it bypasses L1 (which keeps x), and asks L2 for the next sectors.
 // Volatile, as the input's load: neither may be hoisted above the bounds check that guards it.

@@ -1,5 +1,9 @@
-// Shared by the GEMV kernels (gemv.cu, blocks.cu): the reduction of a CTA's R·M partial sums and
-// their store.
+// Shared by the GEMV kernels (gemv.cu, blocks.cu): their CTA geometry, the reduction of a CTA's
+// R·M partial sums and their store.
+
+// Weight rows per CTA (gemv.rs's CTA_ROWS) and the most warps a CTA has (256 threads).
+#define GEMV_ROWS 4
+#define GEMV_MAX_WARPS 8
 
 // Warp reduction of the HELD values each lane holds (a power of two), from offset O down: at
 // offset o = 16, 8, 4, 2, 1, while a lane holds more than one value, it keeps half of them (the
