@@ -204,9 +204,7 @@ pub(super) fn upload(be: &CudaBackend, parts: &[Tensor<'_>]) -> Result<CudaMat> 
         buf,
         out,
         inner,
-        format: MatFormat::Block,
-        fp8: None,
-        blocks: Some(BlockRuns { runs }),
+        format: MatFormat::Block(BlockRuns { runs }),
     })
 }
 
@@ -239,7 +237,7 @@ pub(super) fn product(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    let Some(b) = &w.blocks else {
+    let MatFormat::Block(b) = &w.format else {
         return Err(Error::backend("block matmul", "not a block-format matrix"));
     };
     if beta != 0.0 && beta != 1.0 {

@@ -369,14 +369,12 @@ pub(super) fn upload(be: &CudaBackend, parts: &[Tensor<'_>], quantize: bool) -> 
         buf,
         out,
         inner,
-        format: MatFormat::Fp8,
-        fp8: Some(Fp8Scales {
+        format: MatFormat::Fp8(Fp8Scales {
             runs,
             whole,
             rows,
             padded,
         }),
-        blocks: None,
     })
 }
 
@@ -398,8 +396,6 @@ fn decoded(be: &CudaBackend, q: &QuantMat, out: usize, inner: usize) -> Result<C
         out,
         inner,
         format: MatFormat::Dense(elem),
-        fp8: None,
-        blocks: None,
     })
 }
 
@@ -464,7 +460,7 @@ fn run(
     accumulate: bool,
     post: Post,
 ) -> Result<()> {
-    let Some(f) = &w.fp8 else {
+    let MatFormat::Fp8(f) = &w.format else {
         return Err(Error::backend("fp8 matmul", "not an FP8 matrix"));
     };
     let (n, k) = (w.out, w.inner);

@@ -387,8 +387,8 @@ pub(super) fn product(
 ) -> Result<()> {
     let ab = match w.format {
         MatFormat::Dense(ab) => ab,
-        MatFormat::Fp8 => return super::fp8::product(be, x, r0, rows, w, into, alpha, beta),
-        MatFormat::Block => {
+        MatFormat::Fp8(_) => return super::fp8::product(be, x, r0, rows, w, into, alpha, beta),
+        MatFormat::Block(_) => {
             return super::blocks::product(be, x, r0, rows, w, into, alpha, beta);
         }
     };
@@ -488,7 +488,7 @@ pub(super) fn matmul(
     out: ViewMut<'_, CudaBackend>,
     ep: &Epilogue<'_, CudaBackend>,
 ) -> Result<()> {
-    if w.format == MatFormat::Fp8 {
+    if matches!(w.format, MatFormat::Fp8(_)) {
         return super::fp8::matmul(be, x, w, out, ep);
     }
     check_product(&x, (w.out, w.inner), &out)?;

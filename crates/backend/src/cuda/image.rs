@@ -139,7 +139,7 @@ fn implicit_applies(
 ) -> bool {
     let fits = |v: usize| i32::try_from(v).is_ok();
     be.compute_elem() == Elem::Bf16
-        && w.format == MatFormat::Dense(Elem::Bf16)
+        && matches!(w.format, MatFormat::Dense(Elem::Bf16))
         && x.buf.elem == Elem::Bf16
         && matches!(out, Elem::F32 | Elem::Bf16)
         && x.cols.is_multiple_of(8)
@@ -177,7 +177,7 @@ pub(super) fn conv2d(
     // block-format weights too, decoded by theirs.
     let ab = match w.format {
         MatFormat::Dense(ab) => ab,
-        MatFormat::Fp8 | MatFormat::Block => be.compute_elem(),
+        MatFormat::Fp8(_) | MatFormat::Block(_) => be.compute_elem(),
     };
     let to = Rows::of_mut(&out)?;
     let post = Post::bias(bias.ptr);

@@ -67,17 +67,15 @@ impl CudaBuf {
 
 /// How a weight matrix is stored on the device; the matrix product dispatches on it.
 ///
-/// Dense, in the compute dtype; FP8 e4m3 codes as stored, with their scales ([`CudaMat::fp8`],
-/// products in `fp8.rs`); or GGUF blocks as stored ([`CudaMat::blocks`], products in
-/// `blocks.rs`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Dense, in the compute dtype; FP8 e4m3 codes as stored, with their scales (products in
+/// `fp8.rs`); or GGUF blocks as stored, with their runs of rows (products in `blocks.rs`).
 pub enum MatFormat {
     Dense(Elem),
     /// e4m3 codes `[out rounded up to 16, inner]`, four to a `u32` word of the buffer.
-    Fp8,
+    Fp8(super::fp8::Fp8Scales),
     /// Q8_0, Q4_0, Q4_K or Q6_K blocks, the file's bytes: runs of rows each in one format (a
     /// stacked matrix may join parts in different formats), so the format is the runs'.
-    Block,
+    Block(super::blocks::BlockRuns),
 }
 
 /// A weight matrix `[out, inner]`.
@@ -86,10 +84,6 @@ pub struct CudaMat {
     pub(super) out: usize,
     pub(super) inner: usize,
     pub(super) format: MatFormat,
-    /// An FP8 matrix's scales.
-    pub(super) fp8: Option<super::fp8::Fp8Scales>,
-    /// A block-format matrix's runs of rows.
-    pub(super) blocks: Option<super::blocks::BlockRuns>,
 }
 
 /// An embedding table `[rows, dim]` in the compute dtype.
@@ -368,8 +362,6 @@ impl CudaBackend {
             out,
             inner,
             format: MatFormat::Dense(elem),
-            fp8: None,
-            blocks: None,
         })
     }
 
