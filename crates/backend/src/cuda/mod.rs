@@ -303,8 +303,7 @@ impl Backend for CudaBackend {
         spec: &Conv2d,
         out: ViewMut<'_, Self>,
     ) -> Result<()> {
-        self.enter(&spec.op())?;
-        image::conv2d(self, x, w, bias, spec, out, image::ConvPath::Auto)
+        self.conv2d_with(x, w, bias, spec, out, image::ConvPath::Auto)
     }
 
     fn dup_up(&self, x: View<'_, Self>, spec: &DupUp, out: ViewMut<'_, Self>) -> Result<()> {
