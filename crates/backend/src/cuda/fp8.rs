@@ -480,7 +480,8 @@ fn run(
             .all(|r| r.len.is_multiple_of(ALIGN) && (r.start * size).is_multiple_of(ALIGN));
     let act_rows = (ACT_BYTES / k).max(1);
     let shape = be.profiler.as_ref().map(|_| format!("{m}x{n}x{k}"));
-    // `out_align`: the output's (16 bytes for a direct run's columns, 256 for the workspace).
+    // `out_align`: the output's (16 bytes for a direct run's columns, 256 for the workspace); the
+    // codes' buffer (B) is an allocation, 256-aligned (`Alignments::of` reads address 0 so).
     let plan_key = |rows: usize,
                     n: usize,
                     ldd: usize,
@@ -502,39 +503,33 @@ fn run(
         }
     };
     let run_w = |run: &Run| w.buf.ptr.0 + (run.start * k) as u64;
+    // A run's product straight into the output: its columns there are 16-byte aligned.
+    let direct_key = |rows: usize, run: &Run| {
+        plan_key(
+            rows,
+            run.len,
+            into.stride,
+            into.elem,
+            accumulate,
+            run_w(run),
+            ALIGN as u32,
+        )
+    };
     // Every shape the direct path takes (a full block of rows and the last one) must have an
     // algorithm; where cuBLASLt has none, the workspace path runs instead.
     let direct = direct && {
         let blocks = [act_rows.min(m), m % act_rows];
-        blocks.iter().filter(|&&rows| rows > 0).all(|&rows| {
-            f.runs.iter().all(|run| {
-                g.has_plan(plan_key(
-                    rows,
-                    run.len,
-                    into.stride,
-                    into.elem,
-                    accumulate,
-                    run_w(run),
-                    ALIGN as u32,
-                ))
-            })
-        })
+        blocks
+            .iter()
+            .filter(|&&rows| rows > 0)
+            .all(|&rows| f.runs.iter().all(|run| g.has_plan(direct_key(rows, run))))
     };
     if direct {
         for r0 in (0..m).step_by(act_rows) {
             let rows = act_rows.min(m - r0);
             quantize(be, &g, x_at(x, r0), rows, k)?;
             for run in &f.runs {
-                let w_at = run_w(run);
-                let key = plan_key(
-                    rows,
-                    run.len,
-                    into.stride,
-                    into.elem,
-                    accumulate,
-                    w_at,
-                    ALIGN as u32,
-                );
+                let (w_at, key) = (run_w(run), direct_key(rows, run));
                 let d_at = into.at(r0).0 + (run.start * size) as u64;
                 be.timed("gemm", shape.as_deref(), || {
                     g.run(&be.stream, key, w_at, run.scale.ptr.0, d_at, alpha)
