@@ -127,8 +127,9 @@ impl Sampler {
         // their mass, then those at least min_p times the most likely. Totals over a filtered
         // set are summed most likely first, the whole vocabulary's in token order.
         let all = ranked.len();
-        let filtered = (p.top_k > 0 && p.top_k < all) || p.top_p < 1.0 || p.min_p > 0.0;
-        if p.top_k > 0 && p.top_k < all {
+        let top_k = p.top_k > 0 && p.top_k < all;
+        let filtered = top_k || p.top_p < 1.0 || p.min_p > 0.0;
+        if top_k {
             ranked.truncate(p.top_k);
         }
         let n = ranked.len();
