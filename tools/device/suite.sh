@@ -128,10 +128,10 @@ if [[ $PARTS == *gen* ]] && time_left gen; then
   timeout 150 $B bench generate --model /tmp/zfull --device cuda --precision bf16 --size 1024x1024 --steps 8 \
     --iters 5 > "$OUT/zi_gen.log" 2>&1
   grep -E "end to end|step|decode|rror" "$OUT/zi_gen.log" | grep -v "^{" | head -6
-  echo "== the same with flash_ws (TESSERA_FLASH_WS=1)"
-  TESSERA_FLASH_WS=1 timeout 150 $B bench generate --model /tmp/zfull --device cuda --precision bf16 --size 1024x1024 \
-    --steps 8 --iters 5 > "$OUT/zi_gen_ws.log" 2>&1
-  grep -E "end to end|step|decode|rror" "$OUT/zi_gen_ws.log" | grep -v "^{" | head -6
+  echo "== the same with every convolution on im2col (TESSERA_CONV=im2col; the default takes the implicit GEMM)"
+  TESSERA_CONV=im2col timeout 150 $B bench generate --model /tmp/zfull --device cuda --precision bf16 \
+    --size 1024x1024 --steps 8 --iters 5 > "$OUT/zi_gen_im2col.log" 2>&1
+  grep -E "end to end|step|decode|rror" "$OUT/zi_gen_im2col.log" | grep -v "^{" | head -6
 fi
 if [[ $PARTS == *gen* ]] && time_left qgen; then
   echo "== Qwen-Image-2.1 1024², 40 steps, bf16 (2 iterations)"
