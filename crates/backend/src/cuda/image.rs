@@ -98,7 +98,8 @@ kernel_table! {
 /// [`ConvPath::Auto`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ConvPath {
-    /// The implicit GEMM where it applies (and `TESSERA_CONV` is not `im2col`), else im2col.
+    /// The implicit GEMM where it applies and is the faster ([`IMPLICIT_MAX_COUT`]; and
+    /// `TESSERA_CONV` is not `im2col`), else im2col.
     #[default]
     Auto,
     /// The tensor-core implicit GEMM (`conv_implicit`); an error where it does not apply.
@@ -106,6 +107,14 @@ pub enum ConvPath {
     /// Blocks of im2col columns times the weight on cuBLASLt (any type, any shape).
     Im2col,
 }
+
+/// The most output channels the op sends to the implicit GEMM. Measured on an H100 (run g6,
+/// `tessera bench conv`): the kernel runs at 100–180 TFLOP/s on every decoder shape, where
+/// im2col + cuBLASLt reaches 350–500 once the product is wide (e.g. 1152 → 1152 at 256²: 11.6 ms
+/// against 3.2) but wastes its tiles on narrow outputs and pays for its columns at 1024² (128 →
+/// 128: 1.9 ms against 2.8; the 3- and 4-channel `conv_out`: 1.2 and 2.1 ms against 3.5 and 3.4).
+/// At 144 and 256 outputs im2col already wins, so up to 128 it is.
+const IMPLICIT_MAX_COUT: usize = 128;
 
 /// Whether the op may take the implicit GEMM: `TESSERA_CONV=im2col` keeps every convolution on
 /// im2col, for A/B measurement. Read once.
@@ -118,9 +127,11 @@ impl CudaBackend {
     /// Which kernels run this backend's convolutions (`tessera info` says it).
     pub fn conv_route(&self) -> String {
         match (self.compute_elem(), implicit_by_env()) {
-            (Elem::Bf16, true) => "the tensor-core implicit GEMM (conv_implicit) where the input \
-                                   channels are a multiple of 8, else im2col columns on cuBLASLt"
-                .to_string(),
+            (Elem::Bf16, true) => format!(
+                "the tensor-core implicit GEMM (conv_implicit) for at most {IMPLICIT_MAX_COUT} \
+                 output channels from a multiple of 8 input channels, else im2col columns on \
+                 cuBLASLt"
+            ),
             (Elem::Bf16, false) => "im2col columns on cuBLASLt (TESSERA_CONV=im2col)".to_string(),
             _ => "im2col columns on cuBLASLt (f32: the exact path)".to_string(),
         }
@@ -208,7 +219,7 @@ pub(super) fn conv2d(
                 product(be, xr, 0, pixels, w, to, 1.0, 0.0)?;
                 return epilogue(be, &post, to, to, 0, pixels, cout, false);
             }
-            if implicit && implicit_by_env() {
+            if implicit && implicit_by_env() && cout <= IMPLICIT_MAX_COUT {
                 return conv_implicit(be, x, xp, w, bias, spec, to, pixels);
             }
         }
