@@ -257,7 +257,7 @@ pub(super) fn product(
         return Ok(());
     }
     let size = into.elem.size();
-    let decode = be.gemm.gemv && decode_applies(x, x.at(r0), rows, w, into);
+    let decode = be.gemm.gemv.on() && decode_applies(x, x.at(r0), rows, w, into);
     for run in &b.runs {
         let out = Rows {
             ptr: DevPtr(into.ptr.0 + (run.start * size) as u64),

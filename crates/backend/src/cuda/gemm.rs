@@ -71,9 +71,9 @@ pub(super) struct Gemm {
     plans: Mutex<HashMap<PlanKey, Plan>>,
     /// Time candidate algorithms (`TESSERA_GEMM_TUNE` unset or not `0`).
     tune: bool,
-    /// Products of a few bf16 rows take the GEMV kernel ([`super::gemv`]; `TESSERA_GEMV` unset
-    /// or not `0`); so do those on block-format weights ([`super::blocks`]).
-    pub(super) gemv: bool,
+    /// Which kernels take products of a few bf16 rows ([`super::gemv`], `TESSERA_GEMV`); unless
+    /// off, those on block-format weights take their decode kernels ([`super::blocks`]).
+    pub(super) gemv: gemv::Mode,
 }
 
 // SAFETY: the cuBLASLt handle and plan descriptors are plain handles that cuBLASLt allows to be
@@ -112,7 +112,7 @@ impl Gemm {
             lt: Handle::new(stream)?,
             plans: Mutex::new(HashMap::new()),
             tune: std::env::var("TESSERA_GEMM_TUNE").map_or(true, |v| v != "0"),
-            gemv: gemv::enabled_by_env(),
+            gemv: gemv::Mode::from_env(),
         })
     }
 
@@ -398,7 +398,10 @@ pub(super) fn product(
             format!("x is {:?} but the weight is {ab:?}", x.elem),
         ));
     }
-    if be.gemm.gemv && (beta == 0.0 || beta == 1.0) && gemv::applies(x, x.at(r0), rows, w, into) {
+    if be.gemm.gemv.on()
+        && (beta == 0.0 || beta == 1.0)
+        && gemv::applies(x, x.at(r0), rows, w, into)
+    {
         return gemv::gemv(be, x, r0, rows, w, into, alpha, beta == 1.0);
     }
     dense(

@@ -8,6 +8,12 @@
 //! loads (bf16, k a multiple of 8, aligned x rows and weight); anything else stays on cuBLASLt,
 //! as does f32 mode (whose products are compared with the CPU at 1e-5). `TESSERA_GEMV=0` sends
 //! every product to cuBLASLt, for A/B measurement.
+//!
+//! `TESSERA_GEMV=tc` takes the tensor-core variant instead (`gemv_tc_m{8,16}`, for k a multiple of
+//! 32; other k keep the CUDA-core kernels): at 8 and 16 rows the CUDA-core kernels pay M FMAs per
+//! weight element and read x once per four weight rows, and decode at 8 streams ran 0.90× as fast
+//! as on cuBLASLt (H100, run g6). Its sum order also depends on k alone, so batches stay
+//! invariant; it differs from the CUDA-core kernels', which is why one mode is chosen per process.
 
 use tessera_core::Result;
 
@@ -28,12 +34,58 @@ kernel_args! {
 /// the smallest that holds its rows ([`width`]).
 pub(super) const WIDTHS: &[usize] = &[1, 2, 4, 8, 16];
 
+/// The row counts of the tensor-core kernels (8 input rows an MMA column tile).
+const TC_WIDTHS: &[usize] = &[8, 16];
+
 kernel_table! {
     /// The kernels of gemv.cu, by the row count they are built for.
     pub(super) struct GemvKernels from "gemv.cu" {
         to_f32: ByDim<GemvArgs> = ("gemv_m{}_f32", WIDTHS),
         to_bf16: ByDim<GemvArgs> = ("gemv_m{}_bf16", WIDTHS),
+        tc_to_f32: ByDim<GemvArgs> = ("gemv_tc_m{}_f32", TC_WIDTHS),
+        tc_to_bf16: ByDim<GemvArgs> = ("gemv_tc_m{}_bf16", TC_WIDTHS),
     }
+}
+
+/// Which kernels take products of a few bf16 rows (`TESSERA_GEMV`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// `0`: cuBLASLt (and the block formats' dequantize-then-product path).
+    Off,
+    /// Unset (or anything else): the CUDA-core kernels `gemv_m{M}`.
+    CudaCores,
+    /// `tc`: `gemv_tc_m{M}` where k is a multiple of 32, else the CUDA-core kernels.
+    TensorCores,
+}
+
+impl Mode {
+    /// From `TESSERA_GEMV`.
+    pub(super) fn from_env() -> Self {
+        match std::env::var("TESSERA_GEMV").as_deref() {
+            Ok("0") => Mode::Off,
+            Ok("tc") => Mode::TensorCores,
+            _ => Mode::CudaCores,
+        }
+    }
+
+    pub(super) fn on(self) -> bool {
+        self != Mode::Off
+    }
+}
+
+/// Weight rows per CTA of the tensor-core kernels (one MMA's 16).
+const TC_CTA_ROWS: usize = 16;
+
+/// Whether a product of inner width `k` takes the tensor-core kernel under `mode`: a function of
+/// `k` alone, so the choice never depends on the row count.
+fn tensor_cores(mode: Mode, k: usize) -> bool {
+    mode == Mode::TensorCores && k.is_multiple_of(32)
+}
+
+/// Threads per CTA of the tensor-core kernels for inner width `k`: a warp per four 32-wide steps,
+/// one to eight warps. A function of `k` alone (the sum order depends on it).
+fn tc_threads(k: usize) -> u32 {
+    (32 * (k / 32 / 4).clamp(1, 8)) as u32
 }
 
 /// The most input rows a product takes this path with.
@@ -41,11 +93,6 @@ pub(super) const MAX_ROWS: usize = 16;
 
 /// Weight rows per CTA (`GEMV_ROWS` in gemv.cuh, for these kernels and blocks.cu's).
 pub(super) const CTA_ROWS: usize = 4;
-
-/// `TESSERA_GEMV` unset or not `0`.
-pub(super) fn enabled_by_env() -> bool {
-    std::env::var("TESSERA_GEMV").map_or(true, |v| v != "0")
-}
 
 /// Threads per CTA for inner width `k`: one 8-wide chunk each across the row where that takes
 /// 32 to 256 threads, so short rows leave no warp idle and long ones loop. A function of `k`
@@ -79,7 +126,7 @@ pub(super) fn applies(x: Rows, x0: DevPtr, rows: usize, w: &CudaMat, into: Rows)
         && aligned(x0)
         && aligned(w.buf.ptr)
         && fits(w.inner)
-        && fits(w.out + CTA_ROWS) // the last CTA's row indices
+        && fits(w.out + TC_CTA_ROWS) // the last CTA's row indices
         && fits(x.stride)
 }
 
@@ -96,11 +143,26 @@ pub(super) fn gemv(
     alpha: f32,
     accumulate: bool,
 ) -> Result<()> {
-    let table = match into.elem {
-        Elem::Bf16 => &be.kernels.gemv.to_bf16,
-        _ => &be.kernels.gemv.to_f32,
+    let k = w.inner;
+    let tc = tensor_cores(be.gemm.gemv, k);
+    let kernels = &be.kernels.gemv;
+    let (table, built_for, cta_rows, block) = match (tc, into.elem) {
+        (false, Elem::Bf16) => (&kernels.to_bf16, width(rows), CTA_ROWS, threads(k)),
+        (false, _) => (&kernels.to_f32, width(rows), CTA_ROWS, threads(k)),
+        (true, Elem::Bf16) => (
+            &kernels.tc_to_bf16,
+            tc_width(rows),
+            TC_CTA_ROWS,
+            tc_threads(k),
+        ),
+        (true, _) => (
+            &kernels.tc_to_f32,
+            tc_width(rows),
+            TC_CTA_ROWS,
+            tc_threads(k),
+        ),
     };
-    let Some(kernel) = width(rows).and_then(|m| table.get(m)) else {
+    let Some(kernel) = built_for.and_then(|m| table.get(m)) else {
         return Err(tessera_core::Error::backend(
             "gemv",
             format!("no kernel for {rows} rows"),
@@ -118,8 +180,13 @@ pub(super) fn gemv(
         alpha,
         accumulate: accumulate as i32,
     };
-    let blocks = w.out.div_ceil(CTA_ROWS) as u32;
-    be.launch("gemm", kernel, cfg((blocks, 1), threads(w.inner), 0), &args)
+    let blocks = w.out.div_ceil(cta_rows) as u32;
+    be.launch("gemm", kernel, cfg((blocks, 1), block, 0), &args)
+}
+
+/// The tensor-core kernel width for `rows` rows.
+fn tc_width(rows: usize) -> Option<usize> {
+    TC_WIDTHS.iter().copied().find(|&m| m >= rows)
 }
 
 #[cfg(test)]
@@ -146,8 +213,30 @@ mod tests {
     #[test]
     fn every_row_count_has_a_kernel() {
         for rows in 1..=MAX_ROWS {
-            assert!(WIDTHS.iter().any(|&m| m >= rows), "{rows} rows");
+            assert!(width(rows).is_some(), "{rows} rows");
+            assert!(tc_width(rows).is_some(), "{rows} rows (tensor cores)");
         }
         assert_eq!(WIDTHS.last(), Some(&MAX_ROWS));
+        assert_eq!(TC_WIDTHS.last(), Some(&MAX_ROWS));
+    }
+
+    /// Whole warps, one to eight, and a warp never without a 32-wide step of k.
+    #[test]
+    fn tensor_core_threads_cover_k_in_whole_warps() {
+        for k in (32..=16384).step_by(32) {
+            let t = tc_threads(k) as usize;
+            assert!(
+                t.is_multiple_of(32) && (32..=256).contains(&t),
+                "k = {k}: {t}"
+            );
+            assert!(
+                t / 32 <= (k / 32).max(1),
+                "k = {k}: {t} threads, {} steps",
+                k / 32
+            );
+        }
+        assert!(!tensor_cores(Mode::TensorCores, 1000));
+        assert!(tensor_cores(Mode::TensorCores, 1024));
+        assert!(!tensor_cores(Mode::CudaCores, 1024));
     }
 }

@@ -27,6 +27,16 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float v) {
     return r;
 }
 
+// c (16×8 f32 fragment) += a (16×16 bf16, row-major fragment) · b (16×8 bf16, column fragment):
+// one warp's mma.sync.m16n8k16 (sm_80+), as attention.cu, image.cu and gemv.cu issue it.
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // Two floats → packed bf16x2 (lo in bits 0..15), round to nearest even.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;

@@ -125,3 +125,110 @@ GEMV(2, bf16, gemv_m2_bf16)
 GEMV(4, bf16, gemv_m4_bf16)
 GEMV(8, bf16, gemv_m8_bf16)
 GEMV(16, bf16, gemv_m16_bf16)
+
+// gemv_tc_m{M}_{out} (M = 8 or 16; TESSERA_GEMV=tc): the same product on the tensor cores, for k a
+// multiple of 32. At 8 or 16 rows the kernels above spend M FMAs of the CUDA cores on each weight
+// element and read x once per four weight rows; here an mma.sync multiplies 16 weight rows by 8
+// input rows at once and x is read once per 16 weight rows.
+//
+// A CTA of W warps (blockDim.x / 32, chosen from k) owns 16 weight rows; warp q takes the 32-wide k
+// steps q, q + W, q + 2W, …, four at a time with their loads in flight together. In a step, lane
+// (g = lane / 4, t = lane % 4) reads 16 bytes of weight row r0 + g and of row r0 + g + 8 at k offset
+// 8t (the group's four lanes cover the step's 32 values) and 16 bytes of input row g (and g + 8 when
+// M = 16), and issues two m16n8k16 products per 8 input rows: the first on each lane's values 0..3,
+// the second on 4..7. That hands k positions to the MMA's k index in a permuted order — the same
+// for the weight (A) and the input (B) fragment, whose lane layouts hold the same k indices — so
+// the sums are the product's and every lane reads whole 16-byte chunks. Input rows past m are
+// zeros. Each warp's 16 × M sums go to shared memory and 16·M threads add the warps' in warp order.
+//
+// Sum order: a row's result depends on k alone (W and each warp's steps come from k; one column of
+// an MMA does not depend on the others), never on m: a batch of decode rows gives each row what it
+// gives alone. It differs from gemv_m{M}'s, so the two are not mixed: TESSERA_GEMV picks one.
+//
+// The launcher guarantees: k a multiple of 32, x, x's row stride and w 16-byte aligned, 1 ≤ m ≤ M.
+// Weight rows past n (the last CTA's) are read as row n − 1 and not written.
+template <int M, typename TO>
+__device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ x, long xs, const bf16* __restrict__ w, int k,
+                                             int n, int m, TO* out, long os, float alpha, int accumulate) {
+    constexpr int NT = M / 8, U = 4;
+    __shared__ float red[GEMV_MAX_WARPS * 16 * M];  // red[warp][weight row][input row]
+    const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5, W = T >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * 16;
+    const int steps = k >> 5;
+    const bf16* wa = w + (long)min(r0 + g, n - 1) * k + 8 * t;
+    const bf16* wb = w + (long)min(r0 + g + 8, n - 1) * k + 8 * t;
+    const bf16* xr[NT];
+    bool xv[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        xv[j] = g + 8 * j < m;
+        xr[j] = x + (long)(g + 8 * j) * xs + 8 * t;
+    }
+
+    float d[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+
+    for (int s0 = warp; s0 < steps; s0 += W * U) {
+        uint4 lo[U], hi[U], xin[U][NT];  // weight rows g and g + 8, inputs
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int s = s0 + u * W;
+            const uint4 zero = {0u, 0u, 0u, 0u};
+            lo[u] = hi[u] = zero;
+#pragma unroll
+            for (int j = 0; j < NT; j++) xin[u][j] = zero;
+            if (s < steps) {
+                const long off = (long)s * 32;
+                lo[u] = load_stream(wa + off);
+                hi[u] = load_stream(wb + off);
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+                    if (xv[j]) xin[u][j] = load_cached(xr[j] + off);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (s0 + u * W < steps) {  // the same for the whole warp, as mma.sync needs
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    mma_bf16(d[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xin[u][j].x, xin[u][j].y);
+                    mma_bf16(d[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xin[u][j].z, xin[u][j].w);
+                }
+            }
+        }
+    }
+
+    // d[j]: (weight row g, input rows 8j + 2t, +1), then (weight row g + 8, the same input rows).
+    float* mine = red + warp * 16 * M;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int i = 8 * j + 2 * t;
+        mine[g * M + i] = d[j][0];
+        mine[g * M + i + 1] = d[j][1];
+        mine[(g + 8) * M + i] = d[j][2];
+        mine[(g + 8) * M + i + 1] = d[j][3];
+    }
+    __syncthreads();
+    for (int e = tid; e < 16 * M; e += T) {
+        const int r = e / M, i = e % M;
+        if (r0 + r >= n || i >= m) continue;
+        float s = red[e];
+        for (int q = 1; q < W; q++) s += red[q * 16 * M + e];
+        TO* o = out + i * os + r0 + r;
+        float v = alpha * s;
+        if (accumulate) v += to_f(*o);
+        *o = from_f<TO>(v);
+    }
+}
+
+#define GEMV_TC(M, TO, NAME)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
+                                                           int m, TO* out, long os, float alpha, int accumulate) { \
+        gemv_tc_impl<M, TO>(x, xs, w, k, n, m, out, os, alpha, accumulate);                                     \
+    }
+GEMV_TC(8, float, gemv_tc_m8_f32)
+GEMV_TC(16, float, gemv_tc_m16_f32)
+GEMV_TC(8, bf16, gemv_tc_m8_bf16)
+GEMV_TC(16, bf16, gemv_tc_m16_bf16)

@@ -311,11 +311,7 @@ __device__ __forceinline__ void conv_ldsm_x4(u32 (&r)[4], u32 addr) {
                  : "r"(addr));
 }
 __device__ __forceinline__ void conv_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
 template <typename TO, int BN>
