@@ -5,13 +5,14 @@
 # while time is left, the Tessera side of issue 27's table (cuBLASLt ceiling, attention beside
 # SDPA, Z-Image and Qwen-Image-2.1 generation at 1024²). Prints one line per part.
 #   DEADLINE: seconds after which no further part starts (default 520)
-#   PARTS=ops,mini,qfull,zfull,lfull,efull,attn,gen (default all)
+#   PARTS=ops,mini,qfull,zfull,lfull,efull,attn,gen,quant (default all; quant: Z-Image with FP8
+#     products and Qwen-Image-2.1 with Q4_K matrices, each with its peak device memory)
 # Build first: PACK=1 TESTS="cuda_ops egemma2_cuda zimage_cuda lfm2vl_cuda qwen_image_cuda" \
 #   tools/device/stage.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-ops,mini,qfull,zfull,lfull,efull,attn,gen}
+PARTS=${PARTS:-ops,mini,qfull,zfull,lfull,efull,attn,gen,quant}
 DEADLINE=${DEADLINE:-520}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 if [ -f .dev/pack/bin.tar.xz ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
@@ -47,16 +48,34 @@ if [[ $PARTS == *mini* ]] && time_left mini; then
     grep -E "f32:|bf16:" "$OUT/${t}_mini.log" | head -4 | cut -c1-200
   done
 fi
-if [[ $PARTS == *qfull* ]] && time_left qfull; then
+# The full-size random-weight folders, made once per machine.
+ensure_qfull() {
   [ -f /tmp/qfull/model_index.json ] || python3 tools/device/make_qwen_image_full.py /tmp/qfull \
     crates/models/assets/qwen-image-mini > "$OUT/make_qfull.log" 2>&1 || tail -5 "$OUT/make_qfull.log"
+}
+ensure_zfull() {
+  [ -f /tmp/zfull/model_index.json ] || python3 tools/device/make_zimage_full.py /tmp/zfull \
+    crates/models/assets/zimage-mini > "$OUT/make_zfull.log" 2>&1 || tail -5 "$OUT/make_zfull.log"
+}
+# peak_mib CMD...: run CMD while sampling the whole device's used memory (nvidia-smi, every 50 ms);
+# prints the peak in MiB after CMD's own output.
+peak_mib() {
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 > "$OUT/mem.txt" &
+  local smi=$!
+  "$@"; local r=$?
+  kill $smi; wait $smi 2>/dev/null
+  echo "peak GPU memory (whole device, nvidia-smi): $(sort -n "$OUT/mem.txt" | tail -1) MiB"
+  return $r
+}
+
+if [[ $PARTS == *qfull* ]] && time_left qfull; then
+  ensure_qfull
   TESSERA_QI_FULL=/tmp/qfull part "qwen_image_cuda (full size)" qi_full.log timeout 300 \
     .dev/bin/qwen_image_cuda --ignored --test-threads=1 --nocapture full_size
   grep -E "full size|layer|velocity" "$OUT/qi_full.log" | grep -v "^test " | head -12 | cut -c1-220
 fi
 if [[ $PARTS == *zfull* ]] && time_left zfull; then
-  [ -f /tmp/zfull/model_index.json ] || python3 tools/device/make_zimage_full.py /tmp/zfull \
-    crates/models/assets/zimage-mini > "$OUT/make_zfull.log" 2>&1 || tail -5 "$OUT/make_zfull.log"
+  ensure_zfull
   TESSERA_ZI_FULL=/tmp/zfull part "zimage_cuda (full size)" zi_full.log timeout 300 \
     .dev/bin/zimage_cuda --ignored --test-threads=1 --nocapture full_size
   grep -E "f32:|bf16:|full size" "$OUT/zi_full.log" | grep -v "^test " | head -4 | cut -c1-220
@@ -122,6 +141,7 @@ for line in open(sys.argv[1]):
 PY
 fi
 if [[ $PARTS == *gen* ]] && time_left gen; then
+  ensure_zfull
   echo "== cuBLASLt bf16 ceiling"
   $B bench gemm --device cuda > "$OUT/gemm.log" 2>&1; grep -v gemm_shape "$OUT/gemm.log" | head -3
   echo "== Z-Image 1024², 8 steps, bf16 (5 iterations)"
@@ -134,10 +154,25 @@ if [[ $PARTS == *gen* ]] && time_left gen; then
   grep -E "end to end|step|decode|rror" "$OUT/zi_gen_im2col.log" | grep -v "^{" | head -6
 fi
 if [[ $PARTS == *gen* ]] && time_left qgen; then
+  ensure_qfull
   echo "== Qwen-Image-2.1 1024², 40 steps, bf16 (2 iterations)"
-  timeout 120 $B bench generate --model /tmp/qfull --device cuda --precision bf16 --size 1024x1024 --steps 40 \
-    --iters 2 > "$OUT/qi_gen.log" 2>&1
+  peak_mib timeout 120 $B bench generate --model /tmp/qfull --device cuda --precision bf16 --size 1024x1024 \
+    --steps 40 --iters 2 > "$OUT/qi_gen.log" 2>&1
   grep -E "end to end|step|decode|rror" "$OUT/qi_gen.log" | grep -v "^{" | head -6
+fi
+if [[ $PARTS == *quant* ]] && time_left quant; then
+  ensure_zfull
+  echo "== Z-Image 1024², 8 steps, FP8 products (--quantize fp8; 5 iterations)"
+  peak_mib timeout 150 $B bench generate --model /tmp/zfull --device cuda --precision bf16 --quantize fp8 \
+    --size 1024x1024 --steps 8 --iters 5 > "$OUT/zi_gen_fp8.log" 2>&1
+  grep -E "end to end|step|decode|rror" "$OUT/zi_gen_fp8.log" | grep -v "^{" | head -6
+fi
+if [[ $PARTS == *quant* ]] && time_left qquant; then
+  ensure_qfull
+  echo "== Qwen-Image-2.1 1024², 40 steps, every matrix Q4_K (--quantize q4_k; 2 iterations)"
+  peak_mib timeout 150 $B bench generate --model /tmp/qfull --device cuda --precision bf16 --quantize q4_k \
+    --size 1024x1024 --steps 40 --iters 2 > "$OUT/qi_gen_q4k.log" 2>&1
+  grep -E "end to end|step|decode|rror" "$OUT/qi_gen_q4k.log" | grep -v "^{" | head -6
 fi
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.jsonl ./*.err 2>/dev/null && rm -f ./*.log ./*.err)
 echo "-- total $((SECONDS - t0)) s, status $status"
