@@ -108,6 +108,7 @@ fn edits_reproduce_the_reference_steps_and_image() {
         assert_eq!(steps, c.steps);
         let image = m
             .vae()
+            .unwrap()
             .decode(m.backend(), &last, plan.latent_hw, None)
             .unwrap();
         let as_unit: Vec<f32> = image

@@ -1,0 +1,161 @@
+//! Which of a pipeline's components stay on the device between uses ([`Residency`]), and the
+//! slot each component lives in ([`Slot`]): the loaded component, or the way to load it again
+//! from its (memory-mapped) files when its stage comes.
+//!
+//! A text-to-image pipeline runs its parts one after another (text encoder, transformer, VAE
+//! decoder), so holding only the part that runs lowers the peak of device memory from their
+//! sum to the largest of them with its activations, at the cost of reading each part's weights
+//! again for every request (the backend re-applies its `--quantize` as they load).
+
+use std::fmt;
+
+use tessera_backend::Backend;
+use tessera_core::{Error, Result};
+
+/// Whether a pipeline's components stay on the device between uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Residency {
+    /// Every component loads once, at load time, and stays on the device: the fastest for
+    /// repeated requests (a server, a bench).
+    #[default]
+    Resident,
+    /// Each component is loaded when its stage runs and dropped (its device memory freed)
+    /// before the next stage's component loads: the text encoder, then the transformer, then
+    /// the VAE decoder (`--offload`).
+    Sequential,
+}
+
+impl fmt::Display for Residency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Residency::Resident => "all components resident",
+            Residency::Sequential => "components loaded one at a time (--offload)",
+        })
+    }
+}
+
+/// How a slot loads its component onto the backend again.
+type LoadFn<B, T> = Box<dyn Fn(&B) -> Result<T> + Send + Sync>;
+
+/// One component of a pipeline: held while it is loaded, loaded again on demand.
+pub(crate) struct Slot<B: Backend, T> {
+    /// What the component is (`"transformer"`), for [`Slot::name`] and errors.
+    name: &'static str,
+    residency: Residency,
+    held: Option<T>,
+    /// The component's opened (memory-mapped) weights and how it is built from them; kept only
+    /// where it loads again.
+    load: Option<LoadFn<B, T>>,
+    /// Device bytes the component took at its last load, where the backend budgets memory: what
+    /// a request checked before the component loads must leave room for.
+    bytes: Option<usize>,
+}
+
+impl<B: Backend, T> Slot<B, T> {
+    /// A slot whose component `build` makes from its opened `weights` (the files are opened,
+    /// and so checked, before the slot is made): built at once when [`Residency::Resident`] (a
+    /// checkpoint that does not match fails here, as it always did, and the weights' mapping
+    /// is dropped after), else at each use, from the mapping the slot keeps.
+    pub fn new<W: Send + Sync + 'static>(
+        be: &B,
+        residency: Residency,
+        name: &'static str,
+        weights: W,
+        build: impl Fn(&B, &W) -> Result<T> + Send + Sync + 'static,
+    ) -> Result<Self> {
+        let (held, load): (_, Option<LoadFn<B, T>>) = match residency {
+            Residency::Resident => {
+                let built = build(be, &weights).map_err(|e| loading(name, residency, e))?;
+                (Some(built), None)
+            }
+            Residency::Sequential => (None, Some(Box::new(move |be| build(be, &weights)))),
+        };
+        Ok(Slot {
+            name,
+            residency,
+            held,
+            load,
+            bytes: None,
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The component, loaded first if it is not held.
+    pub fn get(&mut self, be: &B) -> Result<&mut T> {
+        if self.held.is_none() {
+            let load = self.load.as_ref().ok_or_else(|| {
+                Error::input(format!(
+                    "the {} was dropped and cannot load again",
+                    self.name
+                ))
+            })?;
+            let before = be.memory_available()?;
+            let loaded = load(be).map_err(|e| loading(self.name, self.residency, e))?;
+            if let (Some(before), Some(after)) = (before, be.memory_available()?) {
+                self.bytes = Some(before.saturating_sub(after));
+            }
+            self.held = Some(loaded);
+        }
+        self.held
+            .as_mut()
+            .ok_or_else(|| Error::input(format!("the {} did not load", self.name)))
+    }
+
+    /// The component if it is held (always, when resident).
+    pub fn held(&self) -> Option<&T> {
+        self.held.as_ref()
+    }
+
+    /// The held component, or an error saying it is loaded only for its stage.
+    pub fn resident(&self) -> Result<&T> {
+        self.held.as_ref().ok_or_else(|| {
+            Error::input(format!(
+                "the {} is not resident: the model loads its components one at a time (--offload)",
+                self.name
+            ))
+        })
+    }
+
+    /// Drop the component when it is loaded only for its stage, and hand the memory it freed
+    /// back to the device for the next stage's; a resident one stays.
+    pub fn release(&mut self, be: &B) -> Result<()> {
+        if self.residency == Residency::Sequential && self.held.take().is_some() {
+            be.release_unused_memory()?;
+        }
+        Ok(())
+    }
+
+    /// Device bytes a stage must find free for this component before it loads: none when it
+    /// is held (its memory is taken already) or where the backend does not budget memory; its
+    /// size at its last load otherwise (0 before its first).
+    pub fn bytes_to_load(&self) -> usize {
+        match self.held {
+            Some(_) => 0,
+            None => self.bytes.unwrap_or(0),
+        }
+    }
+}
+
+/// What an out-of-memory error while a component loads says, after the allocation that failed:
+/// a pipeline's own hints (a smaller size) do not apply to it.
+pub(crate) const LOADING: &str = "while loading the";
+
+/// `e`, when the device ran out of memory loading the component `name`, with what lowers the
+/// weights' memory.
+fn loading(name: &str, residency: Residency, e: Error) -> Error {
+    let hint = match residency {
+        Residency::Resident => {
+            "`tessera generate --offload` keeps one component on the device at a time, and --quantize q4_k stores the matrices in 4.5 bits a weight instead of bf16's 16"
+        }
+        Residency::Sequential => {
+            "this component alone does not fit: --quantize q4_k stores the matrices in 4.5 bits a weight instead of bf16's 16"
+        }
+    };
+    match e {
+        Error::OutOfMemory(m) => Error::OutOfMemory(format!("{m} {LOADING} {name}: {hint}")),
+        e => e,
+    }
+}
