@@ -116,8 +116,9 @@ pub struct Offload {
     /// VAE decoder (and an edit's vision tower and VAE encoder, beside the text encoder) are
     /// each read from their files when their stage runs and dropped after it, so the peak of
     /// device memory is the largest component with its activations instead of all of them
-    /// (with --quantize q4_k, Qwen-Image-2.1 fits a 12 GB card). Every image re-reads the
-    /// weights: the same time for one image from the command line, slower for repeated runs.
+    /// (with --quantize q4_k too: Qwen-Image-2.1 for cards of about 12 GB). Every image re-reads
+    /// the weights: the same time for one image from the command line, slower for repeated
+    /// runs. The image is the same.
     #[arg(long)]
     pub offload: bool,
 }

@@ -93,7 +93,14 @@ impl<B: Backend, T> Slot<B, T> {
                 ))
             })?;
             let before = be.memory_available()?;
-            let loaded = load(be).map_err(|e| loading(self.name, self.residency, e))?;
+            let loaded = match load(be) {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    // What loaded before the failure is dropped: its memory goes back too.
+                    be.release_unused_memory()?;
+                    return Err(loading(self.name, self.residency, e));
+                }
+            };
             if let (Some(before), Some(after)) = (before, be.memory_available()?) {
                 self.bytes = Some(before.saturating_sub(after));
             }
@@ -157,5 +164,112 @@ fn loading(name: &str, residency: Residency, e: Error) -> Error {
     match e {
         Error::OutOfMemory(m) => Error::OutOfMemory(format!("{m} {LOADING} {name}: {hint}")),
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tessera_backend::cpu::CpuBackend;
+
+    use super::*;
+
+    /// A component that counts how many of it are alive and how often one was built.
+    struct Part {
+        live: Arc<AtomicUsize>,
+    }
+
+    impl Drop for Part {
+        fn drop(&mut self) {
+            self.live.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn slot(residency: Residency) -> (Slot<CpuBackend, Part>, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        let (live, built) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (l, b) = (live.clone(), built.clone());
+        let be = CpuBackend::new();
+        let slot = Slot::new(&be, residency, "part", (), move |_, ()| {
+            l.fetch_add(1, Ordering::SeqCst);
+            b.fetch_add(1, Ordering::SeqCst);
+            Ok(Part { live: l.clone() })
+        })
+        .unwrap();
+        (slot, live, built)
+    }
+
+    /// Sequential: nothing is built at load, `get` builds, `release` really drops it (its memory
+    /// is gone), and the next `get` builds it again.
+    #[test]
+    fn a_sequential_slot_builds_for_each_use_and_drops_after() {
+        let be = CpuBackend::new();
+        let (mut s, live, built) = slot(Residency::Sequential);
+        assert_eq!(
+            (live.load(Ordering::SeqCst), built.load(Ordering::SeqCst)),
+            (0, 0)
+        );
+        assert!(s.held().is_none() && s.resident().is_err());
+        s.get(&be).unwrap();
+        s.get(&be).unwrap();
+        assert_eq!(
+            (live.load(Ordering::SeqCst), built.load(Ordering::SeqCst)),
+            (1, 1)
+        );
+        s.release(&be).unwrap();
+        assert_eq!(live.load(Ordering::SeqCst), 0);
+        assert!(s.held().is_none());
+        s.get(&be).unwrap();
+        assert_eq!(
+            (live.load(Ordering::SeqCst), built.load(Ordering::SeqCst)),
+            (1, 2)
+        );
+    }
+
+    /// Resident: built once at load and never dropped by `release`.
+    #[test]
+    fn a_resident_slot_builds_once_and_keeps_it() {
+        let be = CpuBackend::new();
+        let (mut s, live, built) = slot(Residency::Resident);
+        assert_eq!(live.load(Ordering::SeqCst), 1);
+        s.release(&be).unwrap();
+        s.get(&be).unwrap();
+        assert!(s.resident().is_ok());
+        assert_eq!(
+            (live.load(Ordering::SeqCst), built.load(Ordering::SeqCst)),
+            (1, 1)
+        );
+        // The CPU budgets no memory: nothing to leave room for.
+        assert_eq!(s.bytes_to_load(), 0);
+    }
+
+    /// Running out of device memory while a component loads names it and what lowers its
+    /// memory; other errors pass as they are.
+    #[test]
+    fn out_of_memory_at_load_says_what_to_do() {
+        let e = loading(
+            "transformer",
+            Residency::Resident,
+            Error::OutOfMemory("512.0 MB for a Compute buffer".into()),
+        );
+        let m = e.to_string();
+        assert!(matches!(e, Error::OutOfMemory(_)), "{m}");
+        for needle in ["transformer", "--offload", "--quantize q4_k", LOADING] {
+            assert!(m.contains(needle), "{needle:?} not in {m:?}");
+        }
+        let m = loading(
+            "VAE decoder",
+            Residency::Sequential,
+            Error::OutOfMemory("x".into()),
+        );
+        assert!(m.to_string().contains("--quantize q4_k"), "{m}");
+        assert!(!m.to_string().contains("--offload"), "{m}");
+        let e = loading(
+            "transformer",
+            Residency::Resident,
+            Error::input("bad shape"),
+        );
+        assert_eq!(e.to_string(), "bad shape");
     }
 }
