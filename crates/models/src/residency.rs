@@ -1,5 +1,5 @@
 //! Which of a pipeline's components stay on the device between uses ([`Residency`]), and the
-//! slot each component lives in ([`Slot`]): the loaded component, or the way to load it again
+//! slot each component lives in (`Slot`): the loaded component, or the way to load it again
 //! from its (memory-mapped) files when its stage comes.
 //!
 //! A text-to-image pipeline runs its parts one after another (text encoder, transformer, VAE
@@ -31,6 +31,29 @@ impl fmt::Display for Residency {
             Residency::Resident => "all components resident",
             Residency::Sequential => "components loaded one at a time (--offload)",
         })
+    }
+}
+
+impl Residency {
+    /// What a request's memory estimate counts: the buffers beside every resident weight, or
+    /// the largest stage with its component's weights.
+    pub(crate) fn need_phrase(self) -> &'static str {
+        match self {
+            Residency::Resident => "beyond the model's weights",
+            Residency::Sequential => "for its largest stage",
+        }
+    }
+
+    /// What to do when no image size fits the device.
+    pub(crate) fn no_size_fits(self) -> &'static str {
+        match self {
+            Residency::Resident => {
+                "no size fits; free device memory, keep one component on the device at a time (`tessera generate --offload`) or use --device cpu"
+            }
+            Residency::Sequential => {
+                "no size fits beside the largest component's weights; store them in 4.5 bits a weight with --quantize q4_k, free device memory or use --device cpu"
+            }
+        }
     }
 }
 

@@ -19,6 +19,11 @@
 //!
 //! The seeded latent is Tessera's own generator (SplitMix64 + Box–Muller, as for Z-Image), not
 //! torch's `randn`; to reproduce a diffusers image, pass its packed latent as `init_latent`.
+//!
+//! Each component (text encoder, transformer, VAE decoder, the editing parts) is in a
+//! `residency::Slot`: under [`Residency::Sequential`] (`--offload`) it loads when its stage
+//! starts and is dropped when the stage ends, so no two of the text encoder, the transformer
+//! and the decoder are on the device at once.
 
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -592,12 +597,9 @@ impl<B: Backend> QwenImage<B> {
         let gb = |b: usize| b as f64 / 1e9;
         let hint = match largest {
             Some((w2, h2)) => format!("the largest size of this shape that fits is {w2}x{h2}"),
-            None => "no size fits; free device memory or use --device cpu".to_string(),
+            None => self.residency.no_size_fits().to_string(),
         };
-        let beyond = match self.residency {
-            Residency::Resident => "beyond the model's weights",
-            Residency::Sequential => "for its largest stage",
-        };
+        let beyond = self.residency.need_phrase();
         Err(Error::input(format!(
             "--size {w}x{h}{} needs about {:.1} GB of device memory {beyond}, and {:.1} GB are free: {hint}",
             if req.num_images > 1 {

@@ -1,6 +1,10 @@
 //! The whole text-to-image pipeline (diffusers 0.42.1 `ZImagePipeline.__call__`): prompt →
 //! caption features → `N` Euler steps of the DiT from a seeded (or given) latent, with CFG when
 //! the guidance is positive → VAE decode → 8-bit RGB.
+//!
+//! Each component is in a `residency::Slot`: under [`Residency::Sequential`] (`--offload`)
+//! it loads when its stage starts and is dropped when the stage ends (the text encoder's
+//! output is kept in a buffer of its own for the transformer).
 
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -503,12 +507,9 @@ impl<B: Backend> ZImage<B> {
         let gb = |b: usize| b as f64 / 1e9;
         let hint = match largest {
             Some((w2, h2)) => format!("the largest size of this shape that fits is {w2}x{h2}"),
-            None => "no size fits; free device memory or use --device cpu".to_string(),
+            None => self.residency.no_size_fits().to_string(),
         };
-        let beyond = match self.residency {
-            Residency::Resident => "beyond the model's weights",
-            Residency::Sequential => "for its largest stage",
-        };
+        let beyond = self.residency.need_phrase();
         Err(Error::input(format!(
             "--size {w}x{h}{images} needs about {:.1} GB of device memory {beyond}, and {:.1} GB are free: {hint}{}",
             gb(need),
