@@ -200,9 +200,7 @@ impl CudaBackend {
         let used = pool_attribute(pool, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
         Ok(free + reserved.saturating_sub(used) as usize)
     }
-}
 
-impl CudaBackend {
     /// Return the pool's unused memory to the device. The pool keeps what is freed
     /// ([`keep_freed_memory`]) and hands it on to allocations it can place there, but memory
     /// held in the pieces of one component's weights need not fit the next component's: a
