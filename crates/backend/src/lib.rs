@@ -357,6 +357,14 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// Hand the memory that dropped buffers left in this backend's pool back to the device, so
+    /// that allocations of any size (the next component's weights, when a pipeline loads its
+    /// parts one at a time) can take it; waits for queued work first. By default there is
+    /// nothing to hand back (the CPU frees at once).
+    fn release_unused_memory(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Bytes of one element of a buffer of `role`: what sizing a buffer before allocating it
     /// (a cache that must fit the device) needs. By default `f32`, `u32`, and bf16 for
     /// [`Role::Compute`] under [`Precision::Bf16`].

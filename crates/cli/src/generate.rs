@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_backend::AnyBackend;
 use tessera_core::{Error, Result};
+use tessera_models::Residency;
 use tessera_models::imageproc::open_rgba;
 use tessera_models::qwen_image::condition::OUTPUT_RESOLUTION;
 use tessera_models::text_to_image::{Edit, Event, Image, MAX_EDIT_IMAGES, Request};
@@ -102,7 +103,34 @@ pub struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = Background::Transparent)]
     pub background: Background,
     #[command(flatten)]
+    pub offload: Offload,
+    #[command(flatten)]
     pub device: DeviceArgs,
+}
+
+/// `--offload`, shared by `tessera generate` and `tessera bench generate` (the server keeps every
+/// component resident).
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct Offload {
+    /// Keep only the running component on the device: the text encoder, the transformer and the
+    /// VAE decoder (and an edit's vision tower and VAE encoder, beside the text encoder) are
+    /// each read from their files when their stage runs and dropped after it, so the peak of
+    /// device memory is the largest component with its activations instead of all of them
+    /// (with --quantize q4_k too: Qwen-Image-2.1 for cards of about 12 GB). Every image re-reads
+    /// the weights: the same time for one image from the command line, slower for repeated
+    /// runs. The image is the same.
+    #[arg(long)]
+    pub offload: bool,
+}
+
+impl Offload {
+    pub fn residency(self) -> Residency {
+        if self.offload {
+            Residency::Sequential
+        } else {
+            Residency::Resident
+        }
+    }
 }
 
 /// What happens to an RGBA image's alpha channel.
@@ -531,7 +559,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let backend = args.device.open_for_stored(&spec, stored)?;
     let on_cpu = matches!(backend, AnyBackend::Cpu(_));
     let label = spec.label.clone();
-    let mut model = image::open(backend, &spec, args.transformer.as_deref())?;
+    let residency = args.offload.residency();
+    let mut model = image::open_as(backend, &spec, args.transformer.as_deref(), residency)?;
     let defaults = model.defaults();
     let (width, height) = output_size(model.as_ref(), args.size, edit.as_ref())?;
     let mut req = Request {
@@ -621,8 +650,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         (None, 1) => format!(", seed {seed}"),
         (None, n) => format!(", seeds {seed}..{}", seed.wrapping_add(n as u64 - 1)),
     };
+    let residency = match residency {
+        Residency::Resident => String::new(),
+        Residency::Sequential => format!("; {residency}"),
+    };
     eprintln!(
-        "wrote {} ({width}x{height}, {} steps{seeded}) in {:.1} s ({stages})",
+        "wrote {} ({width}x{height}, {} steps{seeded}) in {:.1} s ({stages}){residency}",
         shown.join(", "),
         req.steps,
         started.elapsed().as_secs_f64()

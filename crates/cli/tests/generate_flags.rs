@@ -170,3 +170,50 @@ fn an_empty_prompt_is_accepted_as_in_diffusers() {
         assert_eq!(rgb(&out).dimensions(), (32, 32));
     }
 }
+
+/// `--offload` loads each component for its stage only: the same image as with every component
+/// resident (under guidance too), and the summary line says so. The server keeps its models
+/// resident and takes no such flag.
+#[test]
+fn offload_makes_the_same_image_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    for (model, guidance) in [("bundled:zimage", "2"), ("bundled:qwen-image", "4")] {
+        let run = |name: &str, extra: &[&str]| {
+            let out = dir.path().join(name);
+            let mut args = vec![
+                "-m",
+                model,
+                "-p",
+                "a fox",
+                "--negative-prompt",
+                "blurry",
+                "--guidance",
+                guidance,
+                "--seed",
+                "9",
+                "-o",
+                out.to_str().unwrap(),
+            ];
+            args.extend_from_slice(extra);
+            let o = generate(&args);
+            let err = stderr(&o);
+            assert!(o.status.success(), "{model} {extra:?}: {err}");
+            let summary = err.lines().find(|l| l.starts_with("wrote ")).expect(&err);
+            (image::open(&out).unwrap().to_rgba8(), summary.to_string())
+        };
+        let (resident, said) = run("resident.png", &[]);
+        assert!(!said.contains("--offload"), "{said}");
+        let (offloaded, said) = run("offloaded.png", &["--offload"]);
+        assert!(said.contains("--offload"), "{said}");
+        assert!(
+            offloaded == resident,
+            "{model}: --offload changed the image"
+        );
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--help"])
+        .output()
+        .expect("tessera runs");
+    assert!(o.status.success());
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("--offload"));
+}

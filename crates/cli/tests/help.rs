@@ -124,6 +124,7 @@ fn help_names_both_image_families_and_the_familiar_flags() {
         "-o, --out",
         "-n, --num-images",
         "--cfg-scale",
+        "--offload",
     ] {
         assert!(generate.contains(flag), "generate --help lacks {flag}");
     }

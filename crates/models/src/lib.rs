@@ -8,6 +8,8 @@
 //! - [`egemma2`]: EmbeddingGemma 2 text, image and mixed embeddings;
 //! - [`imageproc`]: image decoding, the reference's resampler and patches;
 //! - [`text_to_image`]: requests, progress and images of every text-to-image family;
+//! - [`residency`]: whether a pipeline's components stay on the device or load for their stage
+//!   only (`--offload`);
 //! - [`zimage`]: Z-Image-Turbo text-to-image;
 //! - [`qwen_image`]: Qwen-Image-2.1 text-to-image with its prefix K/V cache;
 //! - [`flow_match`]: the FlowMatch Euler scheduler both text-to-image families sample with;
@@ -33,8 +35,10 @@ pub mod loader;
 pub mod noise;
 pub mod qwen3;
 pub mod qwen_image;
+pub mod residency;
 pub mod text_to_image;
 pub mod tokenize;
 pub mod zimage;
 
 pub use files::ModelFiles;
+pub use residency::Residency;

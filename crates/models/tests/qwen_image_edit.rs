@@ -108,6 +108,7 @@ fn edits_reproduce_the_reference_steps_and_image() {
         assert_eq!(steps, c.steps);
         let image = m
             .vae()
+            .unwrap()
             .decode(m.backend(), &last, plan.latent_hw, None)
             .unwrap();
         let as_unit: Vec<f32> = image
@@ -199,8 +200,9 @@ fn bad_edits_are_refused_before_any_compute() {
 }
 
 /// An edit reports its stages before the loop, in order and once per prompt branch under true
-/// CFG (text to image reports its own: no VAE encoder, no vision tower), and a `Break` at a
-/// stage cancels the request there.
+/// CFG (text to image reports its own: no VAE encoder, no vision tower; both encode every
+/// branch before the first prefill, so the text encoder is done before the transformer is
+/// needed), and a `Break` at a stage cancels the request there.
 #[test]
 fn stages_are_reported_in_order_and_a_break_at_one_cancels() {
     use std::ops::ControlFlow;
@@ -241,8 +243,8 @@ fn stages_are_reported_in_order_and_a_break_at_one_cancels() {
             "vae_encode",
             "vision",
             "text_encoder",
-            "prefill",
             "text_encoder",
+            "prefill",
             "prefill",
             "encoded"
         ]

@@ -382,6 +382,7 @@ fn the_pipeline_reproduces_the_reference_steps_and_image() {
         // The decoded image in floats, as the pipeline's postprocess gives it: x/2 + 1/2.
         let image = m
             .vae()
+            .unwrap()
             .decode(m.backend(), &last, plan.latent_hw, None)
             .unwrap();
         let as_unit: Vec<f32> = image

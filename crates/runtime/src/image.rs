@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use tessera_backend::{AnyBackend, Backend, BackendFn};
 use tessera_core::{Error, Result};
+use tessera_models::Residency;
 use tessera_models::qwen_image::{QwenImage, QwenImageFiles, condition};
 use tessera_models::text_to_image::{
     Checked, Defaults, Edit, Event, Image, LatentPreview, Request,
@@ -32,7 +33,8 @@ pub type BatchProgress<'a> = dyn FnMut(usize, Event<'_>) -> ControlFlow<()> + 'a
 
 /// A text-to-image model on its device. Front ends hold a `Box<dyn GenerateImage>`.
 pub trait GenerateImage: Send {
-    /// Device and precision, one line.
+    /// Device and precision, one line (and the residency where components load for their
+    /// stage only).
     fn describe(&self) -> String;
     /// The family's recommended steps, guidance and size.
     fn defaults(&self) -> Defaults;
@@ -105,16 +107,24 @@ pub trait GenerateImage: Send {
     }
 }
 
+/// The device's line, and the residency when it is not the default.
+fn describe_with(device: String, residency: Residency) -> String {
+    match residency {
+        Residency::Resident => device,
+        Residency::Sequential => format!("{device}; {residency}"),
+    }
+}
+
 impl<B: Backend> GenerateImage for ZImage<B> {
     fn describe(&self) -> String {
-        self.backend().describe()
+        describe_with(self.backend().describe(), self.residency())
     }
     fn defaults(&self) -> Defaults {
         zimage::DEFAULTS
     }
     fn latent_shape(&self, width: usize, height: usize) -> Vec<usize> {
         let scale = self.size_multiple() / 2;
-        let channels = self.transformer().config().in_channels;
+        let channels = self.transformer_config().in_channels;
         vec![channels, height / scale, width / scale]
     }
     fn check(&self, req: &Request) -> Result<Checked> {
@@ -154,7 +164,7 @@ impl<B: Backend> GenerateImage for ZImage<B> {
 
 impl<B: Backend> GenerateImage for QwenImage<B> {
     fn describe(&self) -> String {
-        self.backend().describe()
+        describe_with(self.backend().describe(), self.residency())
     }
     fn defaults(&self) -> Defaults {
         QwenImage::defaults(self)
@@ -194,28 +204,35 @@ pub fn load_qwen_image(
     backend: AnyBackend,
     files: &QwenImageFiles,
 ) -> Result<Box<dyn GenerateImage>> {
-    load_qwen_image_with(backend, files, None)
+    load_qwen_image_with(backend, files, None, Residency::Resident)
 }
 
 /// [`load_qwen_image`], `transformer_file` (safetensors or GGUF, diffusers names) replacing the
-/// folder's transformer weights when given.
+/// folder's transformer weights when given, the components kept on the device as `residency`
+/// says.
 pub fn load_qwen_image_with(
     backend: AnyBackend,
     files: &QwenImageFiles,
     transformer_file: Option<&Path>,
+    residency: Residency,
 ) -> Result<Box<dyn GenerateImage>> {
-    struct Load(QwenImageFiles, Option<PathBuf>);
+    struct Load(QwenImageFiles, Option<PathBuf>, Residency);
     impl BackendFn for Load {
         type Output = Result<Box<dyn GenerateImage>>;
         fn call<B: Backend + 'static>(self, backend: B) -> Self::Output {
-            Ok(Box::new(QwenImage::load_with(
+            Ok(Box::new(QwenImage::load_as(
                 backend,
                 &self.0,
                 self.1.as_deref(),
+                self.2,
             )?))
         }
     }
-    backend.run(Load(files.clone(), transformer_file.map(Path::to_path_buf)))
+    backend.run(Load(
+        files.clone(),
+        transformer_file.map(Path::to_path_buf),
+        residency,
+    ))
 }
 
 /// Load Z-Image from `files` onto whichever device `backend` is; `transformer_file` replaces
@@ -225,14 +242,33 @@ pub fn load(
     files: &ZImageFiles,
     transformer_file: Option<&Path>,
 ) -> Result<Box<dyn GenerateImage>> {
-    struct Load(ZImageFiles, Option<PathBuf>);
+    load_as(backend, files, transformer_file, Residency::Resident)
+}
+
+/// [`load`], the components kept on the device as `residency` says.
+pub fn load_as(
+    backend: AnyBackend,
+    files: &ZImageFiles,
+    transformer_file: Option<&Path>,
+    residency: Residency,
+) -> Result<Box<dyn GenerateImage>> {
+    struct Load(ZImageFiles, Option<PathBuf>, Residency);
     impl BackendFn for Load {
         type Output = Result<Box<dyn GenerateImage>>;
         fn call<B: Backend + 'static>(self, backend: B) -> Self::Output {
-            Ok(Box::new(ZImage::load(backend, &self.0, self.1.as_deref())?))
+            Ok(Box::new(ZImage::load_as(
+                backend,
+                &self.0,
+                self.1.as_deref(),
+                self.2,
+            )?))
         }
     }
-    backend.run(Load(files.clone(), transformer_file.map(Path::to_path_buf)))
+    backend.run(Load(
+        files.clone(),
+        transformer_file.map(Path::to_path_buf),
+        residency,
+    ))
 }
 
 /// Load the text-to-image model `spec` names onto `backend`; `transformer_file` replaces the
@@ -242,9 +278,22 @@ pub fn open(
     spec: &ModelSpec,
     transformer_file: Option<&Path>,
 ) -> Result<Box<dyn GenerateImage>> {
+    open_as(backend, spec, transformer_file, Residency::Resident)
+}
+
+/// [`open`], the components kept on the device as `residency` says
+/// ([`Residency::Sequential`]: each loaded for its stage only, `--offload`).
+pub fn open_as(
+    backend: AnyBackend,
+    spec: &ModelSpec,
+    transformer_file: Option<&Path>,
+    residency: Residency,
+) -> Result<Box<dyn GenerateImage>> {
     match &spec.files {
-        ModelFilesOf::ZImage(files, _) => load(backend, files, transformer_file),
-        ModelFilesOf::QwenImage(files, _) => load_qwen_image_with(backend, files, transformer_file),
+        ModelFilesOf::ZImage(files, _) => load_as(backend, files, transformer_file, residency),
+        ModelFilesOf::QwenImage(files, _) => {
+            load_qwen_image_with(backend, files, transformer_file, residency)
+        }
         _ => Err(Error::input(format!(
             "{} is a {} model, not a text-to-image model",
             spec.label,

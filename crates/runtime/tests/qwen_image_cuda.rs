@@ -44,6 +44,7 @@ impl Family for QwenImageFiles {
             .expect("generate");
         let decode = |latent: &[f32]| {
             m.vae()
+                .expect("resident VAE")
                 .decode(m.backend(), latent, plan.latent_hw, None)
                 .expect("decode")
         };

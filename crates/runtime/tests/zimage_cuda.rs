@@ -70,6 +70,7 @@ fn generate<B: Backend + 'static>(
         .expect("generate");
     let decode = |latent: &[f32]| {
         z.vae()
+            .expect("resident VAE")
             .decode(z.backend(), latent, plan.latent_hw, None)
             .expect("decode")
     };

@@ -200,6 +200,25 @@ impl CudaBackend {
         let used = pool_attribute(pool, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
         Ok(free + reserved.saturating_sub(used) as usize)
     }
+
+    /// Return the pool's unused memory to the device. The pool keeps what is freed
+    /// ([`keep_freed_memory`]) and hands it on to allocations it can place there, but memory
+    /// held in the pieces of one component's weights need not fit the next component's: a
+    /// pipeline that swaps components trims the pool between them, so the peak is the larger
+    /// component and not both.
+    pub(super) fn trim_pool(&self) -> Result<()> {
+        // Frees queued on the stream count as outstanding until the host has seen them done.
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        let Some(pool) = default_pool(&self.ctx)? else {
+            return Ok(());
+        };
+        // SAFETY: `pool` is the device's live default pool; trimming releases only memory that
+        // backs no outstanding allocation.
+        match unsafe { cudarc::driver::sys::cuMemPoolTrimTo(pool, 0) } {
+            cudarc::driver::sys::CUresult::CUDA_SUCCESS => Ok(()),
+            e => Err(Error::Device(format!("CUDA memory pool trim: {e:?}"))),
+        }
+    }
 }
 
 /// The device's default stream-ordered memory pool, where cudarc allocates (`None` where the

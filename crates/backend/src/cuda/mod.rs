@@ -167,6 +167,10 @@ impl Backend for CudaBackend {
         self.available_memory().map(Some)
     }
 
+    fn release_unused_memory(&self) -> Result<()> {
+        self.trim_pool()
+    }
+
     fn embed(
         &self,
         table: &CudaTable,

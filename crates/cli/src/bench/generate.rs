@@ -7,6 +7,9 @@
 //! ([`Stage`]; Qwen-Image-2.1: plan, VAE encoder, vision tower, text encoder and prefill per prompt
 //! branch), the rest of it (the loop's buffers) as `setup`. `plan` counts the check each run
 //! makes first, as `tessera generate` does, and the pipeline's own.
+//!
+//! With `--offload` each run loads every component again for its stage: the stages then time
+//! the loads with the work, which is the point of measuring it.
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -19,7 +22,7 @@ use tessera_runtime::family::Capability;
 use tessera_runtime::image;
 
 use crate::device::DeviceArgs;
-use crate::generate::{condition_images, encode_png, output_size, parse_size, spec_for};
+use crate::generate::{Offload, condition_images, encode_png, output_size, parse_size, spec_for};
 use crate::model;
 use crate::stdout::outln;
 
@@ -65,6 +68,8 @@ pub struct GenerateBench {
     /// Untimed runs before them (the first compiles kernels and tunes products).
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    #[command(flatten)]
+    offload: Offload,
     #[command(flatten)]
     device: DeviceArgs,
 }
@@ -125,7 +130,7 @@ pub fn run(b: GenerateBench) -> Result<()> {
         edit.as_ref(),
     )?;
     let backend = b.device.open_for(&spec)?;
-    let mut model = image::open(backend, &spec, None)?;
+    let mut model = image::open_as(backend, &spec, None, b.offload.residency())?;
     let load = started.elapsed();
     let defaults = model.defaults();
     let (width, height) = output_size(model.as_ref(), b.size, edit.as_ref())?;
@@ -229,6 +234,7 @@ pub fn run(b: GenerateBench) -> Result<()> {
         "stages": stage_json, "branches": (branches > 0).then_some(branches),
         "step_ms": step, "decode_ms": median(&runs, |r| ms(r.decode)),
         "png_ms": median(&runs, |r| ms(r.png)), "iters": runs.len(),
+        "offload": b.offload.offload,
     });
     let what = match conditions {
         0 => String::new(),

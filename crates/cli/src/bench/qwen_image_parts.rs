@@ -110,7 +110,7 @@ impl BackendFn for Parts<'_> {
         let describe = be.describe();
         let mut m = QwenImage::load(be, self.files)?;
         let cfg = m.configs().transformer.clone();
-        let scale = m.vae().config().scale();
+        let scale = m.configs().vae.scale();
         let (width, height) = b.size;
         if width % scale != 0 || height % scale != 0 {
             return Err(Error::input(format!(
@@ -146,7 +146,7 @@ impl BackendFn for Parts<'_> {
             be.write_f32(&mut buf, &feats)?;
             let layout = Layout::text_to_image(rows, (h, w))?;
             let text = View::new(&buf, rows, cfg.context_in_dim);
-            let tr = m.transformer();
+            let tr = m.transformer()?;
             let no_kv = || Error::input("the prefill kept no K/V for layer 0");
             let prefill = median_ms(b.iters, || {
                 let p = tr.prefill(be, &layout, text, &[])?;
@@ -164,7 +164,7 @@ impl BackendFn for Parts<'_> {
 
         let z = ramp(h * w * cfg.in_channels, 11);
         let vae = median_ms(b.iters, || {
-            m.vae().decode(m.backend(), &z, (h, w), None).map(drop)
+            m.vae()?.decode(m.backend(), &z, (h, w), None).map(drop)
         })?;
         emit(format!("vae_decode_{width}x{height}_ms"), vae)?;
         Ok(())

@@ -20,7 +20,7 @@
 
 use tessera_backend::op::{AttentionOp, MaskKind};
 use tessera_backend::{Backend, Op};
-use tessera_core::{Error, Result};
+use tessera_core::{Error, Result, Weights};
 
 use super::QwenImageFiles;
 use super::condition::Condition;
@@ -61,24 +61,25 @@ pub fn vision_config(files: &QwenImageFiles) -> Result<VisionConfig> {
     VisionConfig::parse(&f.path("config.json"), &f.read("config.json")?)
 }
 
-/// What editing adds to a loaded model: the image processor, the vision tower and the VAE
-/// encoder.
+/// The device parts editing adds to a loaded model: the vision tower and the VAE encoder (the
+/// image processor's settings stay with the pipeline, which plans edits without them).
 pub struct Editor<B: Backend> {
-    pub processor: ImageProcessorConfig,
     pub tower: VisionTower<B>,
     pub encoder: VaeEncoder<B>,
 }
 
 impl<B: Backend> Editor<B> {
-    pub fn load(be: &B, files: &QwenImageFiles, vae: &VaeConfig) -> Result<Self> {
-        let processor = ImageProcessorConfig::load(&files.processor)?;
-        let vc = vision_config(files)?;
-        let tower = VisionTower::load(be, &vc, &files.text_encoder.weights("model")?)?;
-        let encoder = VaeEncoder::load(be, vae, &files.vae.weights("diffusion_pytorch_model")?)?;
+    /// The tower from the text encoder's checkpoint, the encoder from the VAE's.
+    pub fn load(
+        be: &B,
+        vision: &VisionConfig,
+        vae: &VaeConfig,
+        text_encoder: &Weights,
+        vae_weights: &Weights,
+    ) -> Result<Self> {
         Ok(Editor {
-            processor,
-            tower,
-            encoder,
+            tower: VisionTower::load(be, vision, text_encoder)?,
+            encoder: VaeEncoder::load(be, vae, vae_weights)?,
         })
     }
 }

@@ -19,6 +19,11 @@
 //!
 //! The seeded latent is Tessera's own generator (SplitMix64 + Box–Muller, as for Z-Image), not
 //! torch's `randn`; to reproduce a diffusers image, pass its packed latent as `init_latent`.
+//!
+//! Each component (text encoder, transformer, VAE decoder, the editing parts) is in a
+//! `residency::Slot`: under [`Residency::Sequential`] (`--offload`) it loads when its stage
+//! starts and is dropped when the stage ends, so no two of the text encoder, the transformer
+//! and the decoder are on the device at once.
 
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -35,9 +40,11 @@ use super::scheduler::{self, SchedulerConfig};
 use super::text::{PromptIds, TextEncoder, prompt_ids};
 use super::transformer::{Prefix, QwenImageTransformer};
 use super::vae::{VaeConfig, VaeDecoder, to_rgba8};
+use super::vision::ImageProcessorConfig;
 use crate::flow_match::{Schedule, euler_step};
 use crate::noise;
 use crate::qwen3::{BpeTokenizer, Qwen3Config};
+use crate::residency::{self, Residency, Slot};
 use crate::text_to_image::{Checked, Defaults, Edit, Event, Image, MAX_IMAGES, Request, Stage};
 
 /// Progress of one request, as [`QwenImage::generate_images_until`] takes it.
@@ -141,12 +148,20 @@ impl Plan {
 pub struct QwenImage<B: Backend> {
     backend: B,
     tokenizer: BpeTokenizer,
-    text_encoder: TextEncoder<B>,
-    transformer: QwenImageTransformer<B>,
-    vae: VaeDecoder<B>,
-    /// The vision tower and VAE encoder, or why this model cannot edit on this device.
-    editor: std::result::Result<Editor<B>, String>,
+    residency: Residency,
+    text_encoder: Slot<B, TextEncoder<B>>,
+    transformer: Slot<B, QwenImageTransformer<B>>,
+    vae: Slot<B, VaeDecoder<B>>,
+    /// What editing needs, or why this model cannot edit on this device.
+    editor: std::result::Result<Editing<B>, String>,
     configs: QwenImageConfigs,
+}
+
+/// What editing adds: the image processor's settings (planning an edit needs no device) and the
+/// vision tower with the VAE encoder.
+struct Editing<B: Backend> {
+    processor: ImageProcessorConfig,
+    parts: Slot<B, Editor<B>>,
 }
 
 /// The editing parts when the device runs their ops and the folder has them, else why not.
@@ -154,7 +169,8 @@ fn load_editor<B: Backend>(
     be: &B,
     files: &QwenImageFiles,
     configs: &QwenImageConfigs,
-) -> std::result::Result<Editor<B>, String> {
+    residency: Residency,
+) -> std::result::Result<Editing<B>, String> {
     let vision = edit::vision_config(files)
         .map_err(|e| format!("its text encoder has no usable vision tower ({e})"))?;
     for op in edit::ops(configs, &vision) {
@@ -165,7 +181,25 @@ fn load_editor<B: Backend>(
             )
         })?;
     }
-    Editor::load(be, files, &configs.vae).map_err(|e| format!("loading its editing parts: {e}"))
+    let loading = |e: Error| format!("loading its editing parts: {e}");
+    let processor = ImageProcessorConfig::load(&files.processor).map_err(loading)?;
+    let weights = (
+        files.text_encoder.weights("model").map_err(loading)?,
+        files
+            .vae
+            .weights("diffusion_pytorch_model")
+            .map_err(loading)?,
+    );
+    let vae = configs.vae.clone();
+    let parts = Slot::new(
+        be,
+        residency,
+        "vision tower and VAE encoder",
+        weights,
+        move |be, (te, vw)| Editor::load(be, &vision, &vae, te, vw),
+    )
+    .map_err(loading)?;
+    Ok(Editing { processor, parts })
 }
 
 /// A single transformer file (safetensors or GGUF) seen with the diffusers names: ComfyUI's files
@@ -202,6 +236,19 @@ impl<B: Backend> QwenImage<B> {
         files: &QwenImageFiles,
         transformer_file: Option<&Path>,
     ) -> Result<Self> {
+        Self::load_as(backend, files, transformer_file, Residency::Resident)
+    }
+
+    /// [`load_with`](Self::load_with), keeping the components on the device as `residency`
+    /// says. Every check runs here either way (configs, vocabulary, the ops, the editor's
+    /// availability, the weight files opened); [`Residency::Sequential`] loads each component's
+    /// weights from its mapped files only when its stage runs.
+    pub fn load_as(
+        backend: B,
+        files: &QwenImageFiles,
+        transformer_file: Option<&Path>,
+        residency: Residency,
+    ) -> Result<Self> {
         let be = &backend;
         let configs = QwenImageConfigs::read(files)?;
         let tokenizer = BpeTokenizer::load(&files.processor)?;
@@ -216,25 +263,35 @@ impl<B: Backend> QwenImage<B> {
                 ),
             ));
         }
-        let text_encoder = TextEncoder::load(
+        let cfg = configs.text_encoder.clone();
+        let text_encoder = Slot::new(
             be,
-            &configs.text_encoder,
-            &files.text_encoder.weights("model")?,
+            residency,
+            "text encoder",
+            files.text_encoder.weights("model")?,
+            move |be, w| TextEncoder::load(be, &cfg, w),
         )?;
         let tr_weights = match transformer_file {
             Some(p) => comfy_transformer_weights(p)?,
             None => files.transformer.weights("diffusion_pytorch_model")?,
         };
-        let transformer = QwenImageTransformer::load(be, &configs.transformer, &tr_weights)?;
-        let vae = VaeDecoder::load(
+        let cfg = configs.transformer.clone();
+        let transformer = Slot::new(be, residency, "transformer", tr_weights, move |be, w| {
+            QwenImageTransformer::load(be, &cfg, w)
+        })?;
+        let cfg = configs.vae.clone();
+        let vae = Slot::new(
             be,
-            &configs.vae,
-            &files.vae.weights("diffusion_pytorch_model")?,
+            residency,
+            "VAE decoder",
+            files.vae.weights("diffusion_pytorch_model")?,
+            move |be, w| VaeDecoder::load(be, &cfg, w),
         )?;
-        let editor = load_editor(be, files, &configs);
+        let editor = load_editor(be, files, &configs, residency);
         Ok(QwenImage {
             backend,
             tokenizer,
+            residency,
             text_encoder,
             transformer,
             vae,
@@ -246,14 +303,52 @@ impl<B: Backend> QwenImage<B> {
     pub fn backend(&self) -> &B {
         &self.backend
     }
-    pub fn transformer(&self) -> &QwenImageTransformer<B> {
-        &self.transformer
+    /// The transformer, while it is on the device (always, when resident).
+    pub fn transformer(&self) -> Result<&QwenImageTransformer<B>> {
+        self.transformer.resident()
     }
-    pub fn vae(&self) -> &VaeDecoder<B> {
-        &self.vae
+    /// The VAE decoder, while it is on the device (always, when resident).
+    pub fn vae(&self) -> Result<&VaeDecoder<B>> {
+        self.vae.resident()
     }
     pub fn configs(&self) -> &QwenImageConfigs {
         &self.configs
+    }
+    pub fn residency(&self) -> Residency {
+        self.residency
+    }
+
+    /// The components on the device now, by name: all of them when resident; none between
+    /// requests when sequential.
+    pub fn resident_components(&self) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        if self.text_encoder.held().is_some() {
+            names.push(self.text_encoder.name());
+        }
+        if self.transformer.held().is_some() {
+            names.push(self.transformer.name());
+        }
+        if self.vae.held().is_some() {
+            names.push(self.vae.name());
+        }
+        if let Ok(e) = &self.editor
+            && e.parts.held().is_some()
+        {
+            names.push(e.parts.name());
+        }
+        names
+    }
+
+    /// Drop every component that is loaded for its stage only (all of them, when sequential).
+    fn release_all(&mut self) -> Result<()> {
+        let be = &self.backend;
+        self.text_encoder.release(be)?;
+        self.transformer.release(be)?;
+        self.vae.release(be)?;
+        if let Ok(e) = &mut self.editor {
+            e.parts.release(be)?;
+        }
+        Ok(())
     }
 
     /// `Ok` if this model edits images on its device, else why not (one line).
@@ -270,7 +365,7 @@ impl<B: Backend> QwenImage<B> {
             .ok_or_else(|| Error::input("an edit needs at least one condition image"))
     }
 
-    fn editor_or_refusal(&self) -> Result<&Editor<B>> {
+    fn editor_or_refusal(&self) -> Result<&Editing<B>> {
         self.editor
             .as_ref()
             .map_err(|why| Error::input(format!("this Qwen-Image-2.1 cannot edit images: {why}")))
@@ -292,12 +387,12 @@ impl<B: Backend> QwenImage<B> {
 
     /// Image sides must be multiples of this: the VAE's factor times the 2×2 latent groups.
     pub fn size_multiple(&self) -> usize {
-        2 * self.vae.config().scale()
+        2 * self.configs.vae.scale()
     }
 
     /// The initial latent's length for a `width × height` image: packed `[tokens, channels]`.
     pub fn latent_len(&self, width: usize, height: usize) -> usize {
-        let s = self.vae.config().scale();
+        let s = self.configs.vae.scale();
         (width / s) * (height / s) * self.configs.transformer.in_channels
     }
 
@@ -333,7 +428,7 @@ impl<B: Backend> QwenImage<B> {
                 "Qwen-Image-2.1 shifts its schedule by the image size; a fixed shift does not apply",
             ));
         }
-        let scale = self.vae.config().scale();
+        let scale = self.configs.vae.scale();
         let latent_hw = (h / scale, w / scale);
         let tokens = latent_hw.0 * latent_hw.1;
         let mut warnings = Vec::new();
@@ -440,36 +535,46 @@ impl<B: Backend> QwenImage<B> {
         }
     }
 
-    /// Device memory a request takes beyond the weights, in bytes.
+    /// Device memory a request takes beyond the weights that stay loaded, in bytes: its largest
+    /// stage's buffers, with that stage's weights when they load for it
+    /// ([`Residency::Sequential`]; known from their last load, none before the first).
     fn request_bytes(&self, req: &Request, plan: &Plan, (w, h): (usize, usize)) -> usize {
         let compute = match self.backend.precision() {
             Precision::Bf16 => 2,
             Precision::F32 => 4,
         };
-        let scale = self.vae.config().scale();
+        let c = &self.configs;
+        let scale = c.vae.scale();
         let hw = (h / scale, w / scale);
         let rows = plan.prefix_rows();
         let items: Vec<usize> = (0..req.num_images)
             .flat_map(|_| rows.iter().copied())
             .collect();
-        let tr = &self.transformer;
+        let tr = &c.transformer;
         let prefixes: usize = rows.iter().map(|&r| tr.prefix_bytes(r, compute)).sum();
         let steps = tr.step_bytes(&items, hw, plan.schedule.steps(), compute) + prefixes;
-        let decode = self.vae.activation_bytes(hw, compute);
-        // An edit encodes its condition images one at a time before the prefixes exist.
-        let encode = match (&plan.edit, &self.editor) {
-            (Some(e), Ok(ed)) => e
-                .conditions
-                .iter()
-                .map(|c| {
-                    ed.encoder
-                        .activation_bytes((c.height(), c.width()), compute)
-                })
-                .max()
-                .unwrap_or(0),
-            _ => 0,
+        let decode = c.vae.decode_bytes(hw, compute);
+        // An edit encodes its condition images one at a time before the prefixes exist, with
+        // the text encoder and the editing parts loaded.
+        let (encode, editor) = match (&plan.edit, &self.editor) {
+            (Some(e), Ok(ed)) => (
+                e.conditions
+                    .iter()
+                    .map(|c| {
+                        self.configs
+                            .vae
+                            .encode_bytes((c.height(), c.width()), compute)
+                    })
+                    .max()
+                    .unwrap_or(0),
+                ed.parts.bytes_to_load(),
+            ),
+            _ => (0, 0),
         };
-        steps.max(decode).max(encode) + FIXED_DEVICE_BYTES
+        let encoding = self.text_encoder.bytes_to_load() + editor + encode;
+        let denoising = self.transformer.bytes_to_load() + steps;
+        let decoding = self.vae.bytes_to_load() + decode;
+        encoding.max(denoising).max(decoding) + FIXED_DEVICE_BYTES
     }
 
     /// Refuse, before any compute, a request whose buffers would not fit in the device memory
@@ -492,10 +597,11 @@ impl<B: Backend> QwenImage<B> {
         let gb = |b: usize| b as f64 / 1e9;
         let hint = match largest {
             Some((w2, h2)) => format!("the largest size of this shape that fits is {w2}x{h2}"),
-            None => "no size fits; free device memory or use --device cpu".to_string(),
+            None => self.residency.no_size_fits().to_string(),
         };
+        let beyond = self.residency.need_phrase();
         Err(Error::input(format!(
-            "--size {w}x{h}{} needs about {:.1} GB of device memory beyond the model's weights, and {:.1} GB are free: {hint}",
+            "--size {w}x{h}{} needs about {:.1} GB of device memory {beyond}, and {:.1} GB are free: {hint}",
             if req.num_images > 1 {
                 format!(" × {} images", req.num_images)
             } else {
@@ -511,9 +617,13 @@ impl<B: Backend> QwenImage<B> {
         self.encode(&plan.prompts)
     }
 
-    /// The text encoder's features of `prompts`, `[rows, hidden]` each.
+    /// The text encoder's features of `prompts`, `[rows, hidden]` each (the text encoder is
+    /// dropped after, unless resident).
     pub fn encode(&mut self, prompts: &[PromptIds]) -> Result<Vec<Vec<f32>>> {
-        self.text_encoder.features(&self.backend, prompts)
+        let be = &self.backend;
+        let features = self.text_encoder.get(be)?.features(be, prompts)?;
+        self.text_encoder.release(be)?;
+        Ok(features)
     }
 
     /// Run a planned request: `req.num_images` images, seeds `seed, seed + 1, …`, every step one
@@ -538,8 +648,12 @@ impl<B: Backend> QwenImage<B> {
         plan: &Plan,
         on: impl FnMut(Event<'_>) -> ControlFlow<()>,
     ) -> Result<Vec<Image>> {
-        self.run(req, plan, on).map_err(|e| match e {
-            Error::OutOfMemory(m) => Error::OutOfMemory(format!(
+        let made = self.run(req, plan, on);
+        // A stage that failed leaves its component loaded: the next request starts bare.
+        let released = self.release_all();
+        let made = made.and_then(|images| released.map(|()| images));
+        made.map_err(|e| match e {
+            Error::OutOfMemory(m) if !m.contains(residency::LOADING) => Error::OutOfMemory(format!(
                 "{m} while making {} image(s) of {}x{}: try a smaller --size or fewer --num-images",
                 req.num_images, req.width, req.height
             )),
@@ -549,9 +663,11 @@ impl<B: Backend> QwenImage<B> {
 
     /// Text-to-image: each branch's prompt features, prefilled.
     fn text_prefixes(&mut self, plan: &Plan, on: &mut Report<'_>) -> Result<Vec<Prefix<B>>> {
-        let feats = self.prompt_features(plan)?;
-        report(on, Stage::TextEncoder)?;
         let be = &self.backend;
+        let feats = self.text_encoder.get(be)?.features(be, &plan.prompts)?;
+        report(on, Stage::TextEncoder)?;
+        self.text_encoder.release(be)?;
+        let transformer = self.transformer.get(be)?;
         let ctx = self.configs.transformer.context_in_dim;
         let mut prefixes = Vec::with_capacity(feats.len());
         for (f, p) in feats.iter().zip(&plan.prompts) {
@@ -559,9 +675,7 @@ impl<B: Backend> QwenImage<B> {
             let layout = Layout::text_to_image(p.rows(), plan.latent_hw)?;
             let mut buf = be.alloc(f.len(), tessera_backend::Role::Stream)?;
             be.write_f32(&mut buf, f)?;
-            let prefix =
-                self.transformer
-                    .prefill(be, &layout, View::new(&buf, p.rows(), ctx), &[])?;
+            let prefix = transformer.prefill(be, &layout, View::new(&buf, p.rows(), ctx), &[])?;
             prefix.wait(be)?;
             report(on, Stage::Prefill)?;
             prefixes.push(prefix);
@@ -569,14 +683,17 @@ impl<B: Backend> QwenImage<B> {
         Ok(prefixes)
     }
 
-    /// An edit: the condition images' latents (once), the tower's rows (once), then each
-    /// branch's features with the images, its text rows and the latents prefilled as its
-    /// sequence. Each stage is reported as the device finishes it.
+    /// An edit: the condition images' latents (once), the tower's rows (once), each branch's
+    /// features with the images, then each branch's text rows and the latents prefilled as its
+    /// sequence. Each stage is reported as the device finishes it. The features of every
+    /// branch come before the first prefill, so the text encoder and the editing parts are done
+    /// before the transformer is needed.
     fn edit_prefixes(&mut self, e: &EditPlan, on: &mut Report<'_>) -> Result<Vec<Prefix<B>>> {
         let be = &self.backend;
-        let editor = self.editor.as_mut().map_err(|why| {
+        let editing = self.editor.as_mut().map_err(|why| {
             Error::input(format!("this Qwen-Image-2.1 cannot edit images: {why}"))
         })?;
+        let editor = editing.parts.get(be)?;
         let mut latents = Vec::new();
         for (i, c) in e.conditions.iter().enumerate() {
             let (tokens, _) =
@@ -587,7 +704,7 @@ impl<B: Backend> QwenImage<B> {
             latents.extend_from_slice(&tokens);
         }
         report(on, Stage::VaeEncode)?;
-        let map = editor.processor.pixel_map();
+        let map = editing.processor.pixel_map();
         let vision = editor.tower.forward(be, &e.vision, &map)?;
         // Read one row back: the tower has run before its stage is reported.
         be.read_f32(vision.merged.rows(0, 1))?;
@@ -596,18 +713,24 @@ impl<B: Backend> QwenImage<B> {
             self.configs.transformer.context_in_dim,
             self.configs.text_encoder.hidden_size,
         );
-        let mut prefixes = Vec::with_capacity(e.prompts.len());
-        for (p, layout) in e.prompts.iter().zip(&e.layouts) {
-            let f = self.text_encoder.features_with_images(be, p, &vision)?;
+        let text_encoder = self.text_encoder.get(be)?;
+        let mut texts = Vec::with_capacity(e.prompts.len());
+        for p in &e.prompts {
+            let f = text_encoder.features_with_images(be, p, &vision)?;
             check_finite("text encoder features", &f)?;
             report(on, Stage::TextEncoder)?;
-            let text = edit::text_rows(p, &f, hidden);
+            texts.push(edit::text_rows(p, &f, hidden));
+        }
+        drop(vision);
+        self.text_encoder.release(be)?;
+        editing.parts.release(be)?;
+        let transformer = self.transformer.get(be)?;
+        let mut prefixes = Vec::with_capacity(e.prompts.len());
+        for (text, layout) in texts.iter().zip(&e.layouts) {
             let rows = layout.text_rows();
             let mut buf = be.alloc(text.len().max(1), tessera_backend::Role::Stream)?;
-            be.write_f32(&mut buf, &text)?;
-            let prefix =
-                self.transformer
-                    .prefill(be, layout, View::new(&buf, rows, ctx), &latents)?;
+            be.write_f32(&mut buf, text)?;
+            let prefix = transformer.prefill(be, layout, View::new(&buf, rows, ctx), &latents)?;
             prefix.wait(be)?;
             report(on, Stage::Prefill)?;
             prefixes.push(prefix);
@@ -626,19 +749,18 @@ impl<B: Backend> QwenImage<B> {
             Some(e) => self.edit_prefixes(e, &mut on)?,
             None => self.text_prefixes(plan, &mut on)?,
         };
+        let len = self.latent_len(req.width, req.height);
         let be = &self.backend;
+        let transformer = self.transformer.get(be)?;
         let per = prefixes.len();
         let n = req.num_images;
         let items: Vec<usize> = (0..n).flat_map(|_| 0..per).collect();
         let refs: Vec<&Prefix<B>> = prefixes.iter().collect();
         let schedule = &plan.schedule;
-        let mut steps = self
-            .transformer
-            .prepare_steps(be, &refs, &items, &schedule.t_model)?;
+        let mut steps = transformer.prepare_steps(be, &refs, &items, &schedule.t_model)?;
         if on(Event::Encoded).is_break() {
             return Err(Error::Cancelled("before the first step".into()));
         }
-        let len = self.latent_len(req.width, req.height);
         let mut latents: Vec<Vec<f32>> = match &req.init_latent {
             Some(l) => vec![l.clone()],
             None => (0..n as u64)
@@ -647,9 +769,7 @@ impl<B: Backend> QwenImage<B> {
         };
         for step in 0..schedule.steps() {
             let of_items: Vec<&[f32]> = (0..n * per).map(|i| latents[i / per].as_slice()).collect();
-            let v = self
-                .transformer
-                .step(be, &mut steps, &refs, &of_items, step)?;
+            let v = transformer.step(be, &mut steps, &refs, &of_items, step)?;
             let at = format!("denoising step {} of {}", step + 1, schedule.steps());
             for (i, latent) in latents.iter_mut().enumerate() {
                 let mut pred = v[i * per].clone();
@@ -679,14 +799,17 @@ impl<B: Backend> QwenImage<B> {
         }
         // The loop's buffers go before the decoder's are made: the pool reuses their memory.
         drop(steps);
+        drop(refs);
         drop(prefixes);
+        self.transformer.release(be)?;
         if on(Event::Decoding).is_break() {
             return Err(Error::Cancelled("before decoding".into()));
         }
+        let vae = self.vae.get(be)?;
         latents
             .iter()
             .map(|latent| {
-                let image = self.vae.decode(be, latent, plan.latent_hw, None)?;
+                let image = vae.decode(be, latent, plan.latent_hw, None)?;
                 check_finite("VAE decoder output", &image)?;
                 Ok(Image {
                     width: req.width,

@@ -554,30 +554,20 @@ impl<B: Backend> QwenImageTransformer<B> {
         be.read_f32(View::new(&out, n, co))
     }
 
-    /// Bytes of device memory [`prepare_steps`](Self::prepare_steps) allocates for `items`
-    /// items over prefixes of `prefix_rows` rows each and an `(h, w)` target, `compute`-byte
-    /// compute elements.
+    /// [`TransformerConfig::step_bytes`] of this transformer's config.
     pub fn step_bytes(
         &self,
         prefix_rows: &[usize],
-        (h, w): (usize, usize),
+        hw: (usize, usize),
         steps: usize,
         compute: usize,
     ) -> usize {
-        let (d, n) = (self.cfg.dim(), h * w);
-        let items = prefix_rows.len();
-        let joint: usize = prefix_rows.iter().map(|p| p + n).sum();
-        let dims = self.dims();
-        let scratch = joint * (2 * dims.width + dims.qkv + dims.attn + 3 * dims.mlp) * compute;
-        let stream = items * n * (d + 2 * self.cfg.in_channels) * 4;
-        let rope = items * n * self.cfg.head_dim * 4;
-        let mods = steps * 5 * d * 4;
-        scratch + stream + rope + mods
+        self.cfg.step_bytes(prefix_rows, hw, steps, compute)
     }
 
-    /// Bytes of one prefix's cache: K and V of every layer.
+    /// [`TransformerConfig::prefix_bytes`] of this transformer's config.
     pub fn prefix_bytes(&self, rows: usize, compute: usize) -> usize {
-        2 * self.blocks.len() * rows * self.cfg.dim() * compute
+        self.cfg.prefix_bytes(rows, compute)
     }
 
     /// Prepare the steps of a generation: item `i` denoises a latent over `prefixes[items[i]]`,
@@ -798,6 +788,36 @@ impl<B: Backend> QwenImageTransformer<B> {
 }
 
 /// Every block's heads: multi-head attention over the model width.
+/// The device memory a generation takes, from the config alone: a pipeline that loads the
+/// transformer only for its stage (`Residency::Sequential`) checks a request before it loads.
+impl TransformerConfig {
+    /// Bytes of device memory [`QwenImageTransformer::prepare_steps`] allocates for items over
+    /// prefixes of `prefix_rows` rows each and an `(h, w)` target, `compute`-byte compute
+    /// elements.
+    pub fn step_bytes(
+        &self,
+        prefix_rows: &[usize],
+        (h, w): (usize, usize),
+        steps: usize,
+        compute: usize,
+    ) -> usize {
+        let (d, n) = (self.dim(), h * w);
+        let items = prefix_rows.len();
+        let joint: usize = prefix_rows.iter().map(|p| p + n).sum();
+        let dims = ScratchDims::new(self.dim(), block_layout(self), self.ffn_dim());
+        let scratch = joint * (2 * dims.width + dims.qkv + dims.attn + 3 * dims.mlp) * compute;
+        let stream = items * n * (d + 2 * self.in_channels) * 4;
+        let rope = items * n * self.head_dim * 4;
+        let mods = steps * 5 * d * 4;
+        scratch + stream + rope + mods
+    }
+
+    /// Bytes of one prefix's cache: K and V of every layer.
+    pub fn prefix_bytes(&self, rows: usize, compute: usize) -> usize {
+        2 * self.num_layers * rows * self.dim() * compute
+    }
+}
+
 fn block_layout(cfg: &TransformerConfig) -> QkvLayout {
     QkvLayout {
         heads_q: cfg.heads,

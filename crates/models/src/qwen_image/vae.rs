@@ -375,6 +375,55 @@ impl VaeConfig {
     }
 }
 
+/// The device memory the VAE's passes take, from the config alone (the decoder's and the
+/// encoder's blocks are all sized by it): a pipeline that loads them only for their stage
+/// (`Residency::Sequential`) checks a request before they load.
+impl VaeConfig {
+    /// Bytes of device memory [`VaeDecoder::decode`] allocates for one `(h, w)` latent,
+    /// compute-type elements being `compute` bytes.
+    pub fn decode_bytes(&self, hw: (usize, usize), compute: usize) -> usize {
+        self.decode_elems(hw) * (3 * 4 + 2 * compute)
+    }
+
+    /// The largest activation any stage of a decode holds for an `h × w` latent, in elements
+    /// (the attention's q|k|v included): each up block's resnets go from `cin` to `cout`, its
+    /// upsampler keeps `cout`.
+    pub(super) fn decode_elems(&self, (h, w): (usize, usize)) -> usize {
+        let top = self.mid_channels();
+        let mut px = h * w;
+        let mut most = px * top.max(self.z_dim).max(3 * top);
+        for b in self.up_blocks() {
+            most = most.max(px * b.cin.max(b.cout));
+            if b.frames.is_some() {
+                px *= 4;
+                most = most.max(px * b.cout);
+            }
+        }
+        most.max(px * self.out_channels)
+    }
+
+    /// Bytes of device memory [`VaeEncoder::encode`](super::vae_encoder::VaeEncoder::encode)
+    /// allocates for an `H × W` image, compute-type elements being `compute` bytes.
+    pub fn encode_bytes(&self, hw: (usize, usize), compute: usize) -> usize {
+        self.encode_elems(hw) * (3 * 4 + 2 * compute)
+    }
+
+    /// The largest activation any stage of an encode holds for an `H × W` image, in elements
+    /// (the image, the attention's q|k|v and the moments included).
+    pub(super) fn encode_elems(&self, (h, w): (usize, usize)) -> usize {
+        let mut px = h * w;
+        let mut most = px * self.in_channels.max(self.base_dim);
+        for b in self.down_blocks() {
+            most = most.max(px * b.cin.max(b.cout));
+            if b.down {
+                px /= 4;
+            }
+        }
+        let top = self.encoder_mid_channels();
+        most.max(px * (3 * top).max(2 * self.z_dim))
+    }
+}
+
 /// One encoder down block's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DownBlockShape {
@@ -715,28 +764,9 @@ impl<B: Backend> VaeDecoder<B> {
         &self.cfg
     }
 
-    /// Bytes of device memory [`decode`](Self::decode) allocates for one `(h, w)` latent,
-    /// compute-type elements being `compute` bytes.
+    /// [`VaeConfig::decode_bytes`] of this decoder's config.
     pub fn activation_bytes(&self, hw: (usize, usize), compute: usize) -> usize {
-        self.max_elems(hw) * (3 * 4 + 2 * compute)
-    }
-
-    /// The largest activation any stage holds for an `h × w` latent, in elements (the
-    /// attention's q|k|v included).
-    fn max_elems(&self, (h, w): (usize, usize)) -> usize {
-        let top = self.attention.c;
-        let mut px = h * w;
-        let mut most = px * top.max(self.cfg.z_dim).max(3 * top);
-        for b in &self.up {
-            for r in &b.resnets {
-                most = most.max(px * r.cin.max(r.cout));
-            }
-            if let Some((conv, _)) = &b.upsample {
-                px *= 4;
-                most = most.max(px * conv.cout);
-            }
-        }
-        most.max(px * self.cfg.out_channels)
+        self.cfg.decode_bytes(hw, compute)
     }
 
     /// Decode the DiT's latent tokens `[h·w, z_dim]` (row `y·w + x`, channels last) into the
@@ -761,7 +791,7 @@ impl<B: Backend> VaeDecoder<B> {
             .chunks_exact(zc)
             .flat_map(|t| t.iter().zip(std).zip(mean).map(|((&v, &s), &m)| v * s + m))
             .collect();
-        let n = self.max_elems((h, w));
+        let n = self.cfg.decode_elems((h, w));
         let (stream, compute) = (|| be.alloc(n, Role::Stream), || be.alloc(n, Role::Compute));
         let mut b = Bufs {
             x: stream()?,

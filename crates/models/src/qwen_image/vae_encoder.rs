@@ -189,24 +189,9 @@ impl<B: Backend> VaeEncoder<B> {
         &self.cfg
     }
 
-    /// Bytes of device memory [`encode`](Self::encode) allocates for an `H × W` image,
-    /// compute-type elements being `compute` bytes.
+    /// [`VaeConfig::encode_bytes`] of this encoder's config.
     pub fn activation_bytes(&self, hw: (usize, usize), compute: usize) -> usize {
-        self.max_elems(hw) * (3 * 4 + 2 * compute)
-    }
-
-    /// The largest activation any stage holds for an `H × W` image, in elements (the image, the
-    /// attention's q|k|v and the moments included).
-    fn max_elems(&self, (h, w): (usize, usize)) -> usize {
-        let mut px = h * w;
-        let mut most = px * self.cfg.in_channels.max(self.conv_in.cout);
-        for b in &self.down {
-            most = most.max(px * b.cin.max(b.cout));
-            if b.downsampler.is_some() {
-                px /= 4;
-            }
-        }
-        most.max(px * (3 * self.top).max(2 * self.cfg.z_dim))
+        self.cfg.encode_bytes(hw, compute)
     }
 
     /// Whether an `H × W` image can be encoded: non-empty, both sides multiples of the VAE's
@@ -241,7 +226,7 @@ impl<B: Backend> VaeEncoder<B> {
                 image.len()
             )));
         }
-        let n = self.max_elems((ih, iw));
+        let n = self.cfg.encode_elems((ih, iw));
         let (stream, compute) = (|| be.alloc(n, Role::Stream), || be.alloc(n, Role::Compute));
         let mut b: Bufs<B> = Bufs {
             x: stream()?,

@@ -219,6 +219,43 @@ pub struct VaeConfig {
     pub mid_attention: bool,
 }
 
+/// The device memory a decode takes, from the config alone (the decoder's blocks are all
+/// sized by it): a pipeline that loads the decoder only for its stage
+/// (`Residency::Sequential`) checks a request before it loads.
+impl VaeConfig {
+    /// Bytes of device memory [`VaeDecoder::decode`](super::vae::VaeDecoder::decode) allocates
+    /// for one `(h, w)` latent, compute-type elements being `compute` bytes.
+    pub fn decode_bytes(&self, (h, w): (usize, usize), compute: usize) -> usize {
+        let top = self.block_out_channels.last().copied().unwrap_or(0);
+        let attention = if self.mid_attention {
+            4 * h * w * top * compute
+        } else {
+            0
+        };
+        self.decode_elems((h, w)) * (3 * 4 + 2 * compute) + attention
+    }
+
+    /// The largest activation any stage of a decode holds for an `h × w` latent, in elements:
+    /// up block `i` has the widths reversed, its first resnet going from the previous width,
+    /// and all but the last upsample 2×.
+    pub(super) fn decode_elems(&self, (h, w): (usize, usize)) -> usize {
+        let top = self.block_out_channels.last().copied().unwrap_or(0);
+        let mut px = h * w;
+        let mut most = px * top.max(self.latent_channels);
+        let widths: Vec<usize> = self.block_out_channels.iter().rev().copied().collect();
+        let mut prev = top;
+        for (i, &c) in widths.iter().enumerate() {
+            most = most.max(px * prev.max(c));
+            if i + 1 < widths.len() {
+                px *= 4;
+                most = most.max(px * c);
+            }
+            prev = c;
+        }
+        most.max(px * self.out_channels)
+    }
+}
+
 impl VaeConfig {
     pub fn parse(path: &Path, json: &str) -> Result<Self> {
         let raw: RawVae = tessera_core::config::parse_json(path, json)?;

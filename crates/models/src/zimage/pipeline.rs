@@ -1,12 +1,16 @@
 //! The whole text-to-image pipeline (diffusers 0.42.1 `ZImagePipeline.__call__`): prompt →
 //! caption features → `N` Euler steps of the DiT from a seeded (or given) latent, with CFG when
 //! the guidance is positive → VAE decode → 8-bit RGB.
+//!
+//! Each component is in a `residency::Slot`: under [`Residency::Sequential`] (`--offload`)
+//! it loads when its stage starts and is dropped when the stage ends (the text encoder's
+//! output is kept in a buffer of its own for the transformer).
 
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
-use tessera_backend::{Backend, Precision, View};
+use tessera_backend::{Backend, Precision, Role, View};
 use tessera_core::{Error, Result, Weights, check_finite};
 
 use super::ZImageFiles;
@@ -17,6 +21,7 @@ use super::transformer::ZImageTransformer;
 use super::vae::{VaeDecoder, to_rgb8};
 use crate::noise;
 use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
+use crate::residency::{self, Residency, Slot};
 use crate::text_to_image::{
     Checked, Defaults, Event, Image, LatentLayout, LatentPreview, MAX_IMAGES, Request, fit_affine,
 };
@@ -139,9 +144,10 @@ pub struct Planner {
 pub struct ZImage<B: Backend> {
     backend: B,
     planner: Arc<Planner>,
-    text_encoder: Qwen3TextModel<B>,
-    transformer: ZImageTransformer<B>,
-    vae: VaeDecoder<B>,
+    residency: Residency,
+    text_encoder: Slot<B, Qwen3TextModel<B>>,
+    transformer: Slot<B, ZImageTransformer<B>>,
+    vae: Slot<B, VaeDecoder<B>>,
     /// The latent preview map, fitted on first use ([`ZImage::preview`]).
     preview: Option<LatentPreview>,
 }
@@ -283,6 +289,19 @@ impl<B: Backend> ZImage<B> {
     /// safetensors or GGUF file (diffusers or ComfyUI names; GGUF's block formats and FP8
     /// matrices stay quantized); its shapes must match `transformer/config.json`.
     pub fn load(backend: B, files: &ZImageFiles, transformer_file: Option<&Path>) -> Result<Self> {
+        Self::load_as(backend, files, transformer_file, Residency::Resident)
+    }
+
+    /// [`load`](Self::load), keeping the components on the device as `residency` says. Every
+    /// check runs here either way (configs, vocabulary, template, the weight files opened);
+    /// [`Residency::Sequential`] loads each component's weights from its mapped files only when
+    /// its stage runs.
+    pub fn load_as(
+        backend: B,
+        files: &ZImageFiles,
+        transformer_file: Option<&Path>,
+        residency: Residency,
+    ) -> Result<Self> {
         let be = &backend;
         let cfg = ZImageConfigs::read(files)?;
         let tokenizer = BpeTokenizer::load(&files.tokenizer)?;
@@ -300,16 +319,29 @@ impl<B: Backend> ZImage<B> {
         let template = PromptTemplate::load(&files.tokenizer)?;
         // hidden_states[-2]: the residual stream after all layers but the last.
         let te_weights = text_encoder_root(&files.text_encoder.weights("model")?);
-        let te = &cfg.text_encoder;
-        let text_encoder = Qwen3TextModel::load(be, te, &te_weights, te.num_layers - 1)?;
+        let te = cfg.text_encoder.clone();
+        let text_encoder = Slot::new(be, residency, "text encoder", te_weights, move |be, w| {
+            Qwen3TextModel::load(be, &te, w, te.num_layers - 1)
+        })?;
         let tr_weights = match transformer_file {
             Some(p) => Weights::open_any(p)?,
             None => files.transformer.weights("diffusion_pytorch_model")?,
         };
-        let transformer = ZImageTransformer::load(be, &cfg.transformer, &tr_weights)?;
-        let vae = VaeDecoder::load(be, &cfg.vae, &files.vae.weights("diffusion_pytorch_model")?)?;
+        let tr = cfg.transformer.clone();
+        let transformer = Slot::new(be, residency, "transformer", tr_weights, move |be, w| {
+            ZImageTransformer::load(be, &tr, w)
+        })?;
+        let vae = cfg.vae.clone();
+        let vae = Slot::new(
+            be,
+            residency,
+            "VAE decoder",
+            files.vae.weights("diffusion_pytorch_model")?,
+            move |be, w| VaeDecoder::load(be, &vae, w),
+        )?;
         Ok(ZImage {
             backend,
+            residency,
             planner: Arc::new(Planner {
                 tokenizer,
                 template,
@@ -327,11 +359,44 @@ impl<B: Backend> ZImage<B> {
     pub fn backend(&self) -> &B {
         &self.backend
     }
-    pub fn transformer(&self) -> &ZImageTransformer<B> {
-        &self.transformer
+    /// The transformer, while it is on the device (always, when resident).
+    pub fn transformer(&self) -> Result<&ZImageTransformer<B>> {
+        self.transformer.resident()
     }
-    pub fn vae(&self) -> &VaeDecoder<B> {
-        &self.vae
+    /// The VAE decoder, while it is on the device (always, when resident).
+    pub fn vae(&self) -> Result<&VaeDecoder<B>> {
+        self.vae.resident()
+    }
+    pub fn residency(&self) -> Residency {
+        self.residency
+    }
+    /// The transformer's config (loaded or not).
+    pub fn transformer_config(&self) -> &TransformerConfig {
+        &self.planner.transformer
+    }
+
+    /// The components on the device now, by name: all of them when resident; none between
+    /// requests when sequential.
+    pub fn resident_components(&self) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        if self.text_encoder.held().is_some() {
+            names.push(self.text_encoder.name());
+        }
+        if self.transformer.held().is_some() {
+            names.push(self.transformer.name());
+        }
+        if self.vae.held().is_some() {
+            names.push(self.vae.name());
+        }
+        names
+    }
+
+    /// Drop every component that is loaded for its stage only (all of them, when sequential).
+    fn release_all(&mut self) -> Result<()> {
+        let be = &self.backend;
+        self.text_encoder.release(be)?;
+        self.transformer.release(be)?;
+        self.vae.release(be)
     }
     pub fn scheduler(&self) -> &FlowMatchEuler {
         &self.planner.scheduler
@@ -366,10 +431,12 @@ impl<B: Backend> ZImage<B> {
     pub fn summary(&self, req: &Request, plan: &Plan) -> Checked {
         self.planner.summary(req, plan)
     }
-    /// Device memory a request takes beyond the weights, in bytes: the larger of the denoising
-    /// loop's buffers (every item of the batch) and one image's decoding, plus the fixed
-    /// workspaces and the text encoder's passes. The decoder runs after the loop's buffers are
-    /// freed, and the backend's pool hands their memory on.
+    /// Device memory a request takes beyond the weights that stay loaded, in bytes: the largest
+    /// of its stages — the denoising loop's buffers (every item of the batch), one image's
+    /// decoding — each with its component's weights when they load for it
+    /// ([`Residency::Sequential`]; known from their last load, none before the first), plus
+    /// the fixed workspaces and the text encoder's passes. The decoder runs after the loop's
+    /// buffers are freed, and the backend's pool hands their memory on.
     fn request_bytes(
         &self,
         (w, h): (usize, usize),
@@ -381,14 +448,29 @@ impl<B: Backend> ZImage<B> {
             Precision::Bf16 => 2,
             Precision::F32 => 4,
         };
-        let scale = self.vae.config().scale();
+        let scale = self.planner.vae.scale();
         let latent_hw = (h / scale, w / scale);
         let items: Vec<usize> = (0..n).flat_map(|_| caps.iter().copied()).collect();
-        let denoise = self
+        self.stages_bytes(latent_hw, &items, steps, compute)
+    }
+
+    /// [`request_bytes`](Self::request_bytes) of a batch's `items` (caption lengths).
+    fn stages_bytes(
+        &self,
+        latent_hw: (usize, usize),
+        items: &[usize],
+        steps: usize,
+        compute: usize,
+    ) -> Result<usize> {
+        let p = &self.planner;
+        let denoise = p
             .transformer
-            .activation_bytes(latent_hw, &items, steps, compute)?;
-        let decode = self.vae.activation_bytes(latent_hw, compute);
-        Ok(denoise.max(decode) + FIXED_DEVICE_BYTES)
+            .activation_bytes(latent_hw, items, steps, compute)?;
+        let decode = p.vae.decode_bytes(latent_hw, compute);
+        let encoding = self.text_encoder.bytes_to_load();
+        let denoising = self.transformer.bytes_to_load() + denoise;
+        let decoding = self.vae.bytes_to_load() + decode;
+        Ok(encoding.max(denoising).max(decoding) + FIXED_DEVICE_BYTES)
     }
 
     /// Refuse, before any compute, a request whose buffers would not fit in the device memory
@@ -425,10 +507,11 @@ impl<B: Backend> ZImage<B> {
         let gb = |b: usize| b as f64 / 1e9;
         let hint = match largest {
             Some((w2, h2)) => format!("the largest size of this shape that fits is {w2}x{h2}"),
-            None => "no size fits; free device memory or use --device cpu".to_string(),
+            None => self.residency.no_size_fits().to_string(),
         };
+        let beyond = self.residency.need_phrase();
         Err(Error::input(format!(
-            "--size {w}x{h}{images} needs about {:.1} GB of device memory beyond the model's weights, and {:.1} GB are free: {hint}{}",
+            "--size {w}x{h}{images} needs about {:.1} GB of device memory {beyond}, and {:.1} GB are free: {hint}{}",
             gb(need),
             gb(available),
             if n > 1 {
@@ -442,13 +525,15 @@ impl<B: Backend> ZImage<B> {
     /// Caption features of each prompt's ids (`[L, hidden]` each, `hidden_states[-2]`).
     pub fn caption_features(&mut self, prompts: &[PromptIds]) -> Result<Vec<Vec<f32>>> {
         let seqs: Vec<&[u32]> = prompts.iter().map(|p| p.ids.as_slice()).collect();
-        let hidden = self.text_encoder.forward(&self.backend, &seqs)?;
+        let be = &self.backend;
+        let hidden = self.text_encoder.get(be)?.forward(be, &seqs)?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut off = 0;
         for s in &seqs {
-            out.push(self.backend.read_f32(hidden.rows(off, s.len()))?);
+            out.push(be.read_f32(hidden.rows(off, s.len()))?);
             off += s.len();
         }
+        self.text_encoder.release(be)?;
         Ok(out)
     }
 
@@ -580,14 +665,8 @@ impl<B: Backend> ZImage<B> {
                 (0..req.num_images).flat_map(|_| plan.prompts.iter().map(|p| p.ids.len()))
             })
             .collect();
-        let denoise = self.transformer.activation_bytes(
-            lead.latent_hw,
-            &items,
-            lead.schedule.steps(),
-            compute,
-        );
-        let decode = self.vae.activation_bytes(lead.latent_hw, compute);
-        denoise.is_ok_and(|d| d.max(decode) + FIXED_DEVICE_BYTES <= available)
+        self.stages_bytes(lead.latent_hw, &items, lead.schedule.steps(), compute)
+            .is_ok_and(|need| need <= available)
     }
 
     /// The preview map of this model's latents ([`LatentPreview`]): fitted on first use by least
@@ -599,11 +678,14 @@ impl<B: Backend> ZImage<B> {
         if let Some(p) = &self.preview {
             return Ok(p.clone());
         }
-        let cfg = self.vae.config();
+        let cfg = &self.planner.vae;
         let (c, outs, scale) = (cfg.latent_channels, cfg.out_channels, cfg.scale());
         let side = PREVIEW_FIT_SIDE;
         let z = noise::gaussian(PREVIEW_FIT_SEED, c * side * side);
-        let image = self.vae.decode(&self.backend, &z, (side, side), None)?;
+        let be = &self.backend;
+        let image = self.vae.get(be)?.decode(be, &z, (side, side), None);
+        self.vae.release(be)?;
+        let image = image?;
         check_finite("VAE decoder output (fitting the preview map)", &image)?;
         let width = side * scale;
         let samples = side * side;
@@ -647,7 +729,11 @@ impl<B: Backend> ZImage<B> {
         on: &mut dyn FnMut(usize, Event<'_>) -> ControlFlow<()>,
     ) -> Vec<Result<Vec<Image>>> {
         let mut results: Vec<Option<Result<Vec<Image>>>> = (0..batch.len()).map(|_| None).collect();
-        if let Err(e) = self.denoise_and_decode(batch, on, &mut results) {
+        // A stage that failed leaves its component loaded: the next run starts bare.
+        let ran = self
+            .denoise_and_decode(batch, on, &mut results)
+            .and_then(|()| self.release_all());
+        if let Err(e) = ran {
             for r in results.iter_mut().filter(|r| r.is_none()) {
                 *r = Some(Err(share(&e)));
             }
@@ -677,7 +763,22 @@ impl<B: Backend> ZImage<B> {
             .iter()
             .flat_map(|(_, plan)| plan.prompts.iter().map(|p| p.ids.as_slice()))
             .collect();
-        let hidden = self.text_encoder.forward(be, &seqs)?;
+        let encoded = self.text_encoder.get(be)?.forward(be, &seqs)?;
+        // Loaded for this stage only, the text encoder goes before the transformer comes: its
+        // output (its workspace's) is kept in a buffer of its own, the same f32 values.
+        let kept;
+        let hidden = match self.residency {
+            Residency::Resident => encoded,
+            Residency::Sequential => {
+                let (rows, cols) = (encoded.rows, encoded.cols);
+                let values = be.read_f32(encoded)?;
+                let mut buf = be.alloc(values.len(), Role::Stream)?;
+                be.write_f32(&mut buf, &values)?;
+                kept = buf;
+                self.text_encoder.release(be)?;
+                View::new(&kept, rows, cols)
+            }
+        };
         let mut caps: Vec<Vec<View<'_, B>>> = Vec::with_capacity(batch.len());
         let mut off = 0;
         for (r, (_, plan)) in batch.iter().enumerate() {
@@ -701,7 +802,7 @@ impl<B: Backend> ZImage<B> {
             }
         }
         let (lh, lw) = latent_hw;
-        let len = self.transformer.config().in_channels * lh * lw;
+        let len = self.planner.transformer.in_channels * lh * lw;
         // Each request's latents, one per image.
         let mut latents: Vec<Vec<Vec<f32>>> = batch
             .iter()
@@ -724,7 +825,8 @@ impl<B: Backend> ZImage<B> {
         if live.is_empty() {
             return Ok(());
         }
-        let mut prep = self.transformer.prepare(
+        let transformer = self.transformer.get(be)?;
+        let mut prep = transformer.prepare(
             be,
             &items_of(&live, &caps, &counts),
             latent_hw,
@@ -741,9 +843,7 @@ impl<B: Backend> ZImage<B> {
                         .flat_map(move |l| std::iter::repeat_n(l.as_slice(), per))
                 })
                 .collect();
-            let v = self
-                .transformer
-                .forward(be, &mut prep, &of_items, step, None)?;
+            let v = transformer.forward(be, &mut prep, &of_items, step, None)?;
             let at = format!("denoising step {} of {steps}", step + 1);
             let mut first = 0;
             let mut ended = false;
@@ -792,7 +892,7 @@ impl<B: Backend> ZImage<B> {
                     // The remaining items, prepared again (the caption path is per item, so
                     // each keeps its values).
                     drop(prep);
-                    prep = self.transformer.prepare(
+                    prep = transformer.prepare(
                         be,
                         &items_of(&live, &caps, &counts),
                         latent_hw,
@@ -804,6 +904,9 @@ impl<B: Backend> ZImage<B> {
         }
         // The loop's buffers go before the decoder's are made: the pool reuses their memory.
         drop(prep);
+        drop(caps);
+        self.transformer.release(be)?;
+        let vae = self.vae.get(be)?;
         for &r in &live {
             if on(r, Event::Decoding).is_break() {
                 results[r] = Some(Err(Error::Cancelled("before decoding".into())));
@@ -813,7 +916,7 @@ impl<B: Backend> ZImage<B> {
             let decoded: Result<Vec<Image>> = latents[r]
                 .iter()
                 .map(|latent| {
-                    let image = self.vae.decode(be, latent, latent_hw, None)?;
+                    let image = vae.decode(be, latent, latent_hw, None)?;
                     check_finite("VAE decoder output", &image)?;
                     Ok(Image {
                         channels: 3,
@@ -845,10 +948,12 @@ fn items_of<'v, B: Backend>(
 fn out_of_memory_hint(e: Error, reqs: &[&Request]) -> Error {
     match (e, reqs.first()) {
         // The plan's estimate let it start; something else took the memory meanwhile.
-        (Error::OutOfMemory(m), Some(req)) => Error::OutOfMemory(format!(
-            "{m} while making {} image(s) of {}x{}: try a smaller --size or fewer --num-images",
-            req.num_images, req.width, req.height
-        )),
+        (Error::OutOfMemory(m), Some(req)) if !m.contains(residency::LOADING) => {
+            Error::OutOfMemory(format!(
+                "{m} while making {} image(s) of {}x{}: try a smaller --size or fewer --num-images",
+                req.num_images, req.width, req.height
+            ))
+        }
         (e, _) => e,
     }
 }

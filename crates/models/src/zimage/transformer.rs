@@ -175,6 +175,40 @@ impl<B: Backend> Block<B> {
 }
 
 /// Every block's heads: multi-head attention over the model width.
+/// The device memory a generation takes, from the config alone: a pipeline that loads the
+/// transformer only for its stage (`Residency::Sequential`) checks a request before it loads.
+impl TransformerConfig {
+    /// Bytes of device memory [`ZImageTransformer::prepare`] allocates for items of `cap_lens`
+    /// caption tokens over a `latent_hw` latent and `steps` steps, compute-type elements being
+    /// `compute` bytes: the per-request working set of the denoising loop.
+    pub fn activation_bytes(
+        &self,
+        latent_hw: (usize, usize),
+        cap_lens: &[usize],
+        steps: usize,
+        compute: usize,
+    ) -> Result<usize> {
+        let c = self;
+        let d = c.dim;
+        let items = cap_lens
+            .iter()
+            .map(|&l| ItemLayout::new(c, latent_hw, l))
+            .collect::<Result<Vec<_>>>()?;
+        let img_rows: usize = items.iter().map(|i| i.n_img_p).sum();
+        let cap_rows: usize = items.iter().map(|i| i.cap_p).sum();
+        let seq = img_rows + cap_rows;
+        let n_img = items.first().map_or(0, |i| i.n_img);
+        let dims = ScratchDims::new(d, block_layout(c), c.ffn_dim());
+        let scratch = seq * (2 * dims.width + dims.qkv + dims.attn + 3 * dims.mlp) * compute;
+        let stream = (cap_rows + img_rows + seq) * d * 4 + seq * c.patch_dim() * 4;
+        let patches = items.len() * n_img * c.patch_dim() * compute;
+        let blocks = c.n_refiner_layers + c.n_layers;
+        let modulations = (blocks * 4 + 1) * steps * d * 4;
+        let rope = 2 * seq * c.head_dim() / 2 * 4;
+        Ok(stream + scratch + patches + modulations + rope)
+    }
+}
+
 fn block_layout(cfg: &TransformerConfig) -> QkvLayout {
     QkvLayout {
         heads_q: cfg.n_heads,
@@ -272,9 +306,7 @@ impl<B: Backend> ZImageTransformer<B> {
         })
     }
 
-    /// Bytes of device memory [`prepare`](Self::prepare) allocates for items of `cap_lens`
-    /// caption tokens over a `latent_hw` latent and `steps` steps, compute-type elements being
-    /// `compute` bytes: the per-request working set of the denoising loop.
+    /// [`TransformerConfig::activation_bytes`] of this transformer's config.
     pub fn activation_bytes(
         &self,
         latent_hw: (usize, usize),
@@ -282,24 +314,8 @@ impl<B: Backend> ZImageTransformer<B> {
         steps: usize,
         compute: usize,
     ) -> Result<usize> {
-        let c = &self.cfg;
-        let d = c.dim;
-        let items = cap_lens
-            .iter()
-            .map(|&l| ItemLayout::new(c, latent_hw, l))
-            .collect::<Result<Vec<_>>>()?;
-        let img_rows: usize = items.iter().map(|i| i.n_img_p).sum();
-        let cap_rows: usize = items.iter().map(|i| i.cap_p).sum();
-        let seq = img_rows + cap_rows;
-        let n_img = items.first().map_or(0, |i| i.n_img);
-        let dims = ScratchDims::new(d, block_layout(c), c.ffn_dim());
-        let scratch = seq * (2 * dims.width + dims.qkv + dims.attn + 3 * dims.mlp) * compute;
-        let stream = (cap_rows + img_rows + seq) * d * 4 + seq * c.patch_dim() * 4;
-        let patches = items.len() * n_img * c.patch_dim() * compute;
-        let blocks = self.noise_refiner.len() + self.layers.len();
-        let modulations = (blocks * 4 + 1) * steps * d * 4;
-        let rope = 2 * seq * c.head_dim() / 2 * 4;
-        Ok(stream + scratch + patches + modulations + rope)
+        self.cfg
+            .activation_bytes(latent_hw, cap_lens, steps, compute)
     }
 
     pub fn config(&self) -> &TransformerConfig {

@@ -170,36 +170,13 @@ impl<B: Backend> VaeDecoder<B> {
         })
     }
 
-    /// Bytes of device memory [`decode`](Self::decode) allocates for one `(h, w)` latent,
-    /// compute-type elements being `compute` bytes.
-    pub fn activation_bytes(&self, (h, w): (usize, usize), compute: usize) -> usize {
-        let n = self.max_elems((h, w));
-        let attention = self
-            .mid_attention
-            .as_ref()
-            .map_or(0, |a| 4 * h * w * a.c * compute);
-        n * (3 * 4 + 2 * compute) + attention
+    /// [`VaeConfig::decode_bytes`] of this decoder's config.
+    pub fn activation_bytes(&self, hw: (usize, usize), compute: usize) -> usize {
+        self.cfg.decode_bytes(hw, compute)
     }
 
     pub fn config(&self) -> &VaeConfig {
         &self.cfg
-    }
-
-    /// The largest activation any stage holds for an `h × w` latent, in elements.
-    fn max_elems(&self, (h, w): (usize, usize)) -> usize {
-        let top = self.cfg.block_out_channels.last().copied().unwrap_or(0);
-        let mut px = h * w;
-        let mut most = px * top.max(self.cfg.latent_channels);
-        for b in &self.up {
-            for r in &b.resnets {
-                most = most.max(px * r.cin.max(r.cout));
-            }
-            if b.upsample.is_some() {
-                px *= 4;
-                most = most.max(px * b.resnets.last().map_or(0, |r| r.cout));
-            }
-        }
-        most.max(px * self.cfg.out_channels)
     }
 
     /// Decode a sampler latent `[latent_channels, h, w]`: applies `z / scaling_factor +
@@ -227,7 +204,7 @@ impl<B: Backend> VaeDecoder<B> {
                 z[p * lc + ch] = latent[ch * h * w + p] / sf + shift;
             }
         }
-        let n = self.max_elems((h, w));
+        let n = self.cfg.decode_elems((h, w));
         let (stream, compute) = (|| be.alloc(n, Role::Stream), || be.alloc(n, Role::Compute));
         let mut bufs = Bufs {
             x: stream()?,
