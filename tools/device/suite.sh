@@ -5,14 +5,16 @@
 # while time is left, the Tessera side of issue 27's table (cuBLASLt ceiling, attention beside
 # SDPA, Z-Image and Qwen-Image-2.1 generation at 1024²). Prints one line per part.
 #   DEADLINE: seconds after which no further part starts (default 520)
-#   PARTS=ops,mini,qfull,zfull,lfull,efull,attn,gen,quant (default all; quant: Z-Image with FP8
-#     products and Qwen-Image-2.1 with Q4_K matrices, each with its peak device memory)
+#   PARTS=ops,gemv,mini,qfull,zfull,lfull,efull,attn,gen,quant,offload (default all; gemv: the
+#     tensor-core GEMV's products and decode A/B; quant: Z-Image with FP8 products and
+#     Qwen-Image-2.1 with Q4_K matrices; offload: both with --offload; each generation part with
+#     its peak device memory)
 # Build first: PACK=1 TESTS="cuda_ops egemma2_cuda zimage_cuda lfm2vl_cuda qwen_image_cuda" \
 #   tools/device/stage.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-ops,mini,qfull,zfull,lfull,efull,attn,gen,quant}
+PARTS=${PARTS:-ops,gemv,mini,qfull,zfull,lfull,efull,attn,gen,quant,offload}
 DEADLINE=${DEADLINE:-520}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 if [ -f .dev/pack/bin.tar.xz ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
@@ -39,6 +41,15 @@ part() {
 if [[ $PARTS == *ops* ]] && time_left ops; then
   part "cuda_ops (op table)" cuda_ops.log timeout 240 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture
   grep -E "^total|declined" "$OUT/cuda_ops.log" | tail -3
+fi
+if [[ $PARTS == *gemv* ]] && time_left gemv; then
+  # The tensor-core GEMV (TESSERA_GEMV=tc): its products against the CPU and its batch
+  # invariance, then LFM2-VL decoding against the CUDA-core kernel (A B B A).
+  TESSERA_GEMV=tc TESSERA_OP_CASE=matmul part "cuda_ops matmul, TESSERA_GEMV=tc" cuda_ops_tc.log \
+    timeout 150 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture ops_match_cpu decoding_rows
+  grep -E "^== matmul" "$OUT/cuda_ops_tc.log"
+  OUT=$OUT/gemv_ab VAR=TESSERA_GEMV A=1 B=tc BATCH=${GEMV_BATCH:-1,8,16} ITERS=2 \
+    timeout 200 tools/device/lfm2vl_decode_ab.sh | tail -5
 fi
 if [[ $PARTS == *mini* ]] && time_left mini; then
   part "egemma2_cuda (fixtures)" eg2_mini.log .dev/bin/egemma2_cuda --ignored --test-threads=1 --nocapture \
@@ -173,6 +184,18 @@ if [[ $PARTS == *quant* ]] && time_left qquant; then
   peak_mib timeout 150 $B bench generate --model /tmp/qfull --device cuda --precision bf16 --quantize q4_k \
     --size 1024x1024 --steps 40 --iters 2 > "$OUT/qi_gen_q4k.log" 2>&1
   grep -E "end to end|step|decode|rror" "$OUT/qi_gen_q4k.log" | grep -v "^{" | head -6
+fi
+if [[ $PARTS == *offload* ]] && time_left offload; then
+  # --offload: one component on the device at a time (text encoder, transformer, VAE decoder);
+  # the peak against the resident gen/quant parts' above.
+  ensure_zfull
+  echo "== Z-Image 1024², 8 steps, bf16, --offload (one image)"
+  peak_mib timeout 120 $B generate --model /tmp/zfull --device cuda --precision bf16 --offload --size 1024x1024 \
+    --steps 8 --prompt "a red fox in the snow" --seed 1 --out "$OUT/zi_offload.png" 2>&1 | tail -2
+  ensure_qfull
+  echo "== Qwen-Image-2.1 1024², 40 steps, --offload --quantize q4_k (one image; quantizing at load included)"
+  peak_mib timeout 300 $B generate --model /tmp/qfull --device cuda --precision bf16 --offload --quantize q4_k \
+    --size 1024x1024 --steps 40 --prompt "a red fox in the snow" --seed 1 --out "$OUT/qi_offload_q4k.png" 2>&1 | tail -2
 fi
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.jsonl ./*.err 2>/dev/null && rm -f ./*.log ./*.err)
 echo "-- total $((SECONDS - t0)) s, status $status"
