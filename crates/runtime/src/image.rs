@@ -216,23 +216,11 @@ pub fn load_qwen_image_with(
     transformer_file: Option<&Path>,
     residency: Residency,
 ) -> Result<Box<dyn GenerateImage>> {
-    struct Load(QwenImageFiles, Option<PathBuf>, Residency);
-    impl BackendFn for Load {
-        type Output = Result<Box<dyn GenerateImage>>;
-        fn call<B: Backend + 'static>(self, backend: B) -> Self::Output {
-            Ok(Box::new(QwenImage::load_as(
-                backend,
-                &self.0,
-                self.1.as_deref(),
-                self.2,
-            )?))
-        }
-    }
-    backend.run(Load(
-        files.clone(),
-        transformer_file.map(Path::to_path_buf),
+    backend.run(Load {
+        files: FamilyFiles::QwenImage(files.clone()),
+        transformer_file: transformer_file.map(Path::to_path_buf),
         residency,
-    ))
+    })
 }
 
 /// Load Z-Image from `files` onto whichever device `backend` is; `transformer_file` replaces
@@ -252,23 +240,37 @@ pub fn load_as(
     transformer_file: Option<&Path>,
     residency: Residency,
 ) -> Result<Box<dyn GenerateImage>> {
-    struct Load(ZImageFiles, Option<PathBuf>, Residency);
-    impl BackendFn for Load {
-        type Output = Result<Box<dyn GenerateImage>>;
-        fn call<B: Backend + 'static>(self, backend: B) -> Self::Output {
-            Ok(Box::new(ZImage::load_as(
-                backend,
-                &self.0,
-                self.1.as_deref(),
-                self.2,
-            )?))
-        }
-    }
-    backend.run(Load(
-        files.clone(),
-        transformer_file.map(Path::to_path_buf),
+    backend.run(Load {
+        files: FamilyFiles::ZImage(files.clone()),
+        transformer_file: transformer_file.map(Path::to_path_buf),
         residency,
-    ))
+    })
+}
+
+/// A text-to-image family's files.
+enum FamilyFiles {
+    ZImage(ZImageFiles),
+    QwenImage(QwenImageFiles),
+}
+
+/// Loading one text-to-image model on whichever device the backend is.
+struct Load {
+    files: FamilyFiles,
+    transformer_file: Option<PathBuf>,
+    residency: Residency,
+}
+
+impl BackendFn for Load {
+    type Output = Result<Box<dyn GenerateImage>>;
+    fn call<B: Backend + 'static>(self, backend: B) -> Self::Output {
+        let file = self.transformer_file.as_deref();
+        Ok(match &self.files {
+            FamilyFiles::ZImage(f) => Box::new(ZImage::load_as(backend, f, file, self.residency)?),
+            FamilyFiles::QwenImage(f) => {
+                Box::new(QwenImage::load_as(backend, f, file, self.residency)?)
+            }
+        })
+    }
 }
 
 /// Load the text-to-image model `spec` names onto `backend`; `transformer_file` replaces the
