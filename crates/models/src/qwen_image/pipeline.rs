@@ -252,17 +252,7 @@ impl<B: Backend> QwenImage<B> {
         let be = &backend;
         let configs = QwenImageConfigs::read(files)?;
         let tokenizer = BpeTokenizer::load(&files.processor)?;
-        if tokenizer.vocab_size() > configs.text_encoder.vocab_size {
-            return Err(Error::config(
-                files.processor.path("tokenizer.json"),
-                "vocab",
-                format!(
-                    "{} tokens, more than the text encoder's vocab_size {}",
-                    tokenizer.vocab_size(),
-                    configs.text_encoder.vocab_size
-                ),
-            ));
-        }
+        tokenizer.check_fits(configs.text_encoder.vocab_size)?;
         let cfg = configs.text_encoder.clone();
         let text_encoder = Slot::new(
             be,

@@ -305,17 +305,7 @@ impl<B: Backend> ZImage<B> {
         let be = &backend;
         let cfg = ZImageConfigs::read(files)?;
         let tokenizer = BpeTokenizer::load(&files.tokenizer)?;
-        if tokenizer.vocab_size() > cfg.text_encoder.vocab_size {
-            return Err(Error::config(
-                files.tokenizer.path("tokenizer.json"),
-                "vocab",
-                format!(
-                    "{} tokens, more than the text encoder's vocab_size {}",
-                    tokenizer.vocab_size(),
-                    cfg.text_encoder.vocab_size
-                ),
-            ));
-        }
+        tokenizer.check_fits(cfg.text_encoder.vocab_size)?;
         let template = PromptTemplate::load(&files.tokenizer)?;
         // hidden_states[-2]: the residual stream after all layers but the last.
         let te_weights = text_encoder_root(&files.text_encoder.weights("model")?);
