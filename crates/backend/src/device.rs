@@ -161,6 +161,15 @@ impl AnyBackend {
         }
     }
 
+    /// Which kernels run decoding's products of a few rows (the chat models'), for `tessera info`.
+    pub fn decode_route(&self) -> String {
+        match self {
+            AnyBackend::Cpu(_) => "the CPU's products, as for longer inputs".to_string(),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.decode_route(),
+        }
+    }
+
     /// `Ok` if this backend runs every op of `ops`, else the first refusal, naming the device.
     pub fn supports_all(&self, ops: &[Op]) -> Result<()> {
         let check = |op: &Op| match self {

@@ -6,7 +6,7 @@ use tessera_core::{DType, Result, Weights};
 use tessera_models::egemma2::{self, config::LayerType};
 use tessera_models::lfm2vl::LayerKind;
 use tessera_models::zimage::text::PromptTemplate;
-use tessera_runtime::{Family, ModelFilesOf, ModelSpec};
+use tessera_runtime::{Capability, Family, ModelFilesOf, ModelSpec};
 
 use crate::device::{DeviceArgs, Quantize};
 use crate::model;
@@ -207,6 +207,9 @@ pub fn run(args: InfoArgs) -> Result<()> {
         .any(|op| matches!(op, tessera_backend::Op::Conv2d { .. }))
     {
         outln!("convolutions: {}", backend.conv_route())?;
+    }
+    if spec.family.capability() == Capability::Chat {
+        outln!("decoding:    {}", backend.decode_route())?;
     }
     model::note_if_bundled(&spec, args.model.as_deref());
     Ok(())

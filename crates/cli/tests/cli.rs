@@ -685,6 +685,10 @@ fn info_names_the_family_its_capability_and_what_each_device_runs() {
             zimage_mini(),
             "family:      Z-Image — text to image (`tessera generate`)",
         ),
+        (
+            root().join("crates/models/assets/lfm2vl-mini"),
+            "family:      LFM2-VL",
+        ),
     ] {
         let out = tessera(&["info", "--model", model.to_str().unwrap()]);
         let s = String::from_utf8(out.stdout).unwrap();
@@ -699,6 +703,9 @@ fn info_names_the_family_its_capability_and_what_each_device_runs() {
         // A model with convolutions (the VAE) names the kernels that run them; one without none.
         let has_convs = model == zimage_mini();
         assert_eq!(s.contains("convolutions: "), has_convs, "{s}");
+        // A chat model names the kernels that decode; the others do not decode.
+        let chats = family.starts_with("family:      LFM2-VL");
+        assert_eq!(s.contains("decoding:    "), chats, "{s}");
     }
 }
 

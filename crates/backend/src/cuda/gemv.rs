@@ -73,6 +73,26 @@ impl Mode {
     }
 }
 
+impl CudaBackend {
+    /// Which kernels run decoding's products of a few rows (`tessera info` says it).
+    pub fn decode_route(&self) -> String {
+        let rows = format!("products of up to {MAX_ROWS} bf16 rows");
+        match (self.compute_elem(), self.gemm.gemv) {
+            (Elem::F32, _) => "cuBLASLt (f32: the exact path)".to_string(),
+            (_, Mode::Off) => format!("{rows} on cuBLASLt (TESSERA_GEMV=0)"),
+            (_, Mode::CudaCores) => format!(
+                "{rows} on the GEMV kernel (CUDA cores); block-format weights on their decode \
+                 kernels"
+            ),
+            (_, Mode::TensorCores) => format!(
+                "{rows} on the tensor-core GEMV where the inner width is a multiple of 32 \
+                 (TESSERA_GEMV=tc), else the CUDA-core one; block-format weights on their \
+                 decode kernels"
+            ),
+        }
+    }
+}
+
 /// Weight rows per CTA of the tensor-core kernels (one MMA's 16).
 const TC_CTA_ROWS: usize = 16;
 
