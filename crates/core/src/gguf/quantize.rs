@@ -302,6 +302,7 @@ fn q6_k(x: &[f32], b: &mut [u8]) {
 /// signed scale: the scales quantized to int8 against the super-block's f16 `d` (the largest in
 /// magnitude to −128), the 6-bit levels recomputed against the rounded scales, and the block
 /// packed.
+#[inline(always)]
 fn q6_k_finish(x: &[f32], l: &mut [u8; Q6_K_BLOCK], scales: &[f32; 16], b: &mut [u8]) {
     let (mut max_scale, mut max_abs) = (0f32, 0f32);
     for &scale in scales {
@@ -454,20 +455,19 @@ mod tests {
             .collect()
     }
 
-    /// The lane-parallel Q4_K and Q6_K searches (as `quantize` dispatches them, and the
-    /// portable build of them) write the one-sub-block-at-a-time reference's bytes on every
-    /// row, non-finite values included.
+    /// The lane-parallel Q4_K and Q6_K searches (as `quantize` dispatches them, and every
+    /// build of them this CPU runs: portable, AVX2, AVX-512) write the one-sub-block-at-a-time
+    /// reference's bytes on every row, non-finite values included.
     #[test]
     fn lane_searches_equal_the_scalar_reference() {
-        type Each = fn(&[f32], &mut [u8]);
-        let cases: [(GgmlType, Each, Each); 2] = [
-            (GgmlType::Q4_K, q4_k, lanes::q4_k_blocks),
-            (GgmlType::Q6_K, q6_k, lanes::q6_k_blocks),
-        ];
+        let variants = lanes::variants();
         for seed in 1..=40u64 {
             let non_finite = seed % 4 == 0;
             for (r, x) in random_rows(seed, 50, non_finite).iter().enumerate() {
-                for (t, reference, portable) in cases {
+                for (t, reference) in [
+                    (GgmlType::Q4_K, q4_k as fn(&[f32], &mut [u8])),
+                    (GgmlType::Q6_K, q6_k),
+                ] {
                     let mut want = vec![0u8; t.bytes_for(x.len()).unwrap()];
                     for (xb, b) in x
                         .chunks_exact(256)
@@ -478,9 +478,11 @@ mod tests {
                     let mut got = vec![0u8; want.len()];
                     quantize(t, x, &mut got).unwrap();
                     assert!(got == want, "{t}: seed {seed} row {r}: {x:?}");
-                    got.fill(0);
-                    portable(x, &mut got);
-                    assert!(got == want, "{t} (portable): seed {seed} row {r}: {x:?}");
+                    for &(name, q4, q6) in &variants {
+                        got.fill(0);
+                        (if t == GgmlType::Q4_K { q4 } else { q6 })(x, &mut got);
+                        assert!(got == want, "{t} ({name}): seed {seed} row {r}: {x:?}");
+                    }
                 }
             }
         }
