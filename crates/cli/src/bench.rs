@@ -546,13 +546,45 @@ fn peak(b: PeakBench) -> Result<()> {
 }
 
 /// The CPU's products on quantized weights beside the f32 product at the same shapes (random
-/// weights quantized at load, median of 5 or more): GFLOP/s counted as 2·m·n·k.
+/// weights quantized at load, median of 5 or more): GFLOP/s counted as 2·m·n·k. First, how
+/// fast `--quantize` makes each format of a random --size² matrix at load, on one thread and
+/// on all.
 fn quant(b: QuantBench) -> Result<()> {
+    use tessera_backend::Backend;
     use tessera_backend::Quantization;
     use tessera_backend::cpu::{CpuBackend, int8};
     use tessera_core::DType;
     let threads = rayon::current_num_threads();
     let n = b.size;
+    let mut rng = XorShift::new(0x2545_F491_4F6C_DD1D);
+    let w: Vec<f32> = (0..n * n)
+        .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.05)
+        .collect();
+    // Made once: only the backend's reading and quantizing of the rows is timed, as at load.
+    let w = tessera_core::Tensor::from_f32("random matrix", vec![n, n], &w)?;
+    for pool_threads in [1, threads] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(pool_threads)
+            .build()
+            .map_err(|e| {
+                Error::backend("bench", format!("a pool of {pool_threads} threads: {e}"))
+            })?;
+        for q in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+            let be = CpuBackend::new().quantizing(Quantization {
+                at_load: Some(q),
+                stored: None,
+                int8: false,
+            });
+            let t =
+                pool.install(|| time_ms(5, 1, || be.matrix(std::slice::from_ref(&w)).map(drop)))?;
+            emit(with(
+                serde_json::json!({"name": "cpu_quantize_at_load", "weights": q.to_string(),
+                "n": n, "k": n, "threads": pool_threads,
+                "mweights_per_s": (n * n) as f64 / t.median() / 1e3}),
+                t.json(),
+            ))?;
+        }
+    }
     for &m in &b.rows {
         let shape = (m, n, n);
         let f32_rate = product_rate(&CpuBackend::new(), shape, 1.0)?;

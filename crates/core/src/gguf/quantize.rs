@@ -9,6 +9,8 @@
 
 use half::f16;
 
+mod lanes;
+
 use super::GgmlType;
 use super::k_quants::{Q4_K_BLOCK, Q6_K_BLOCK, scale_min};
 
@@ -30,8 +32,8 @@ pub fn quantize(t: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), String> {
     match t {
         GgmlType::Q8_0 => blocks.for_each(|(x, b)| q8_0(x, b)),
         GgmlType::Q4_0 => blocks.for_each(|(x, b)| q4_0(x, b)),
-        GgmlType::Q4_K => blocks.for_each(|(x, b)| q4_k(x, b)),
-        GgmlType::Q6_K => blocks.for_each(|(x, b)| q6_k(x, b)),
+        GgmlType::Q4_K => lanes::q4_k(x, out),
+        GgmlType::Q6_K => lanes::q6_k(x, out),
         _ => {
             return Err(format!(
                 "no quantizer for {t}: Tessera quantizes to Q8_0, Q4_0, Q4_K and Q6_K"
@@ -81,6 +83,7 @@ fn q4_0(x: &[f32], b: &mut [u8]) {
 /// Round to nearest, ties to even, as ggml's `nearest_int` does it: adding 1.5·2²³ leaves the
 /// rounded integer in the low mantissa bits (exact for |v| ≤ 2²² − 1, which the callers' ratios
 /// are for finite input).
+#[inline(always)]
 fn nearest_int(v: f32) -> i32 {
     let bits = (v + 12_582_912.0).to_bits() as i32;
     (bits & 0x007f_ffff) - 0x0040_0000
@@ -89,6 +92,7 @@ fn nearest_int(v: f32) -> i32 {
 /// The reference's `make_qkx2_quants` for Q4_K: levels `0..=nmax` with a scale and a min (an
 /// offset ≤ 0) for the sub-block `x`, searching 21 trial scales for the least `weights`-weighted
 /// squared error. Writes the levels to `l`; returns `(scale, −min)`.
+#[cfg(test)]
 fn scale_and_min(x: &[f32], weights: &[f32], l: &mut [u8], nmax: i32) -> (f32, f32) {
     const RMIN: f32 = -1.0;
     const RDELTA: f32 = 0.1;
@@ -159,19 +163,34 @@ fn scale_and_min(x: &[f32], weights: &[f32], l: &mut [u8], nmax: i32) -> (f32, f
     (scale, -min)
 }
 
-/// Q4_K: per sub-block of 32 a scale and a min by [`scale_and_min`] (weighted by the
-/// sub-block's RMS plus each |x|), both then quantized to 6 bits against the super-block's f16
-/// `d` and `dmin`, and the levels recomputed against the rounded scales.
+/// Q4_K, one sub-block at a time: per sub-block of 32 a scale and a min by [`scale_and_min`]
+/// (weighted by the sub-block's RMS plus each |x|), then [`q4_k_finish`]. The reference the
+/// lane-parallel search ([`lanes::q4_k`]) is checked against.
+#[cfg(test)]
 fn q4_k(x: &[f32], b: &mut [u8]) {
     let mut l = [0u8; Q4_K_BLOCK];
     let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
-    let (mut max_scale, mut max_min) = (0f32, 0f32);
     for (j, (xs, ls)) in x.chunks_exact(32).zip(l.chunks_exact_mut(32)).enumerate() {
         let sum_x2 = xs.iter().fold(0f32, |s, &v| s + v * v);
         let av_x = (sum_x2 / 32.0).sqrt();
         let weights: [f32; 32] = std::array::from_fn(|i| av_x + xs[i].abs());
-        let (scale, min) = scale_and_min(xs, &weights, ls, 15);
-        (scales[j], mins[j]) = (scale, min);
+        (scales[j], mins[j]) = scale_and_min(xs, &weights, ls, 15);
+    }
+    q4_k_finish(x, &mut l, &scales, &mins, b);
+}
+
+/// Q4_K's second half for one super-block, given each sub-block's searched levels `l`, scale
+/// and (negated) min: both quantized to 6 bits against the super-block's f16 `d` and `dmin`,
+/// the levels recomputed against the rounded scales, and the block packed.
+fn q4_k_finish(
+    x: &[f32],
+    l: &mut [u8; Q4_K_BLOCK],
+    scales: &[f32; 8],
+    mins: &[f32; 8],
+    b: &mut [u8],
+) {
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for (&scale, &min) in scales.iter().zip(mins) {
         if scale > max_scale {
             max_scale = scale;
         }
@@ -225,6 +244,7 @@ fn q4_k(x: &[f32], b: &mut [u8]) {
 /// The reference's `make_qx_quants` for Q6_K (squared-value weights, no importance matrix):
 /// the scale of the signed levels `−nmax..nmax` (stored `+ nmax` in `l`) for sub-block `x`,
 /// the best of 19 trial scales by weighted least squares.
+#[cfg(test)]
 fn signed_scale(x: &[f32], l: &mut [u8], nmax: i32) -> f32 {
     let (mut max, mut amax) = (0f32, 0f32);
     for &v in x {
@@ -266,18 +286,29 @@ fn signed_scale(x: &[f32], l: &mut [u8], nmax: i32) -> f32 {
     scale
 }
 
-/// Q6_K: per sub-block of 16 a signed scale by [`signed_scale`], the scales quantized to int8
-/// against the super-block's f16 `d` (the largest in magnitude to −128), and the 6-bit levels
-/// recomputed against the rounded scales.
+/// Q6_K, one sub-block at a time: per sub-block of 16 a signed scale by [`signed_scale`], then
+/// [`q6_k_finish`]. The reference the lane-parallel search ([`lanes::q6_k`]) is checked against.
+#[cfg(test)]
 fn q6_k(x: &[f32], b: &mut [u8]) {
     let mut l = [0u8; Q6_K_BLOCK];
     let mut scales = [0f32; 16];
-    let (mut max_scale, mut max_abs) = (0f32, 0f32);
     for (ib, (xs, ls)) in x.chunks_exact(16).zip(l.chunks_exact_mut(16)).enumerate() {
         scales[ib] = signed_scale(xs, ls, 32);
-        if scales[ib].abs() > max_abs {
-            max_abs = scales[ib].abs();
-            max_scale = scales[ib];
+    }
+    q6_k_finish(x, &mut l, &scales, b);
+}
+
+/// Q6_K's second half for one super-block, given each sub-block's searched levels `l` and
+/// signed scale: the scales quantized to int8 against the super-block's f16 `d` (the largest in
+/// magnitude to −128), the 6-bit levels recomputed against the rounded scales, and the block
+/// packed.
+#[inline(always)]
+fn q6_k_finish(x: &[f32], l: &mut [u8; Q6_K_BLOCK], scales: &[f32; 16], b: &mut [u8]) {
+    let (mut max_scale, mut max_abs) = (0f32, 0f32);
+    for &scale in scales {
+        if scale.abs() > max_abs {
+            max_abs = scale.abs();
+            max_scale = scale;
         }
     }
     b.fill(0);
@@ -290,7 +321,7 @@ fn q6_k(x: &[f32], b: &mut [u8]) {
     let (qh, rest) = rest.split_at_mut(64);
     let (sc, db) = rest.split_at_mut(16);
     db.copy_from_slice(&d.to_le_bytes());
-    for (s, &scale) in sc.iter_mut().zip(&scales) {
+    for (s, &scale) in sc.iter_mut().zip(scales) {
         *s = nearest_int(iscale * scale).min(127) as i8 as u8;
     }
     for (j, (xs, ls)) in x.chunks_exact(16).zip(l.chunks_exact_mut(16)).enumerate() {
@@ -321,6 +352,7 @@ fn q6_k(x: &[f32], b: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gguf::k_quants::{Q4_K_BYTES, Q6_K_BYTES};
 
     /// Quantizing what a block decodes to gives the block back (the values are on its grid).
     #[test]
@@ -339,6 +371,191 @@ mod tests {
         }
         assert!(quantize(GgmlType::Q8_0, &[0.0; 33], &mut [0; 34]).is_err());
         assert!(quantize(GgmlType::F16, &[0.0; 2], &mut [0; 4]).is_err());
+    }
+
+    /// xorshift64*: a seeded stream, so a failure names a reproducible case.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        /// Uniform in [-1, 1).
+        fn unit(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// 16 values of one of many kinds: uniform and bell-shaped at magnitudes from subnormal to
+    /// near `f32::MAX`, one-signed, coarse grids full of rounding ties, constants (zero among
+    /// them), sparse spikes, raw subnormals, and (with `non_finite`) NaN and infinities.
+    fn run(rng: &mut Rng, non_finite: bool, out: &mut Vec<f32>) {
+        const SCALES: [f32; 9] = [1e-40, 1e-30, 1e-8, 1e-3, 1.0, 7.5, 1e4, 1e20, 3e37];
+        let scale = SCALES[rng.below(SCALES.len() as u64) as usize];
+        let kind = rng.below(if non_finite { 10 } else { 9 });
+        let c = rng.unit() * scale;
+        for _ in 0..16 {
+            let v = match kind {
+                0 => rng.unit() * scale,
+                1 => (rng.unit() + rng.unit() + rng.unit()) * scale,
+                2 => rng.unit().abs() * scale,
+                3 => -rng.unit().abs() * scale,
+                4 => (rng.unit() * 8.0).round() * 0.5 * scale,
+                5 => c,
+                6 => 0.0,
+                7 => {
+                    if rng.below(8) == 0 {
+                        rng.unit() * scale
+                    } else {
+                        0.0
+                    }
+                }
+                8 => f32::from_bits(rng.next() as u32 & 0x807f_ffff),
+                _ => [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1.0][rng.below(4) as usize],
+            };
+            out.push(v);
+        }
+    }
+
+    /// Rows of 1 to 5 super-blocks, each sub-block of 16 its own kind of values ([`run`]) or a
+    /// whole super-block of one kind, so the lanes of one search meet different cases at once.
+    fn random_rows(seed: u64, rows: usize, non_finite: bool) -> Vec<Vec<f32>> {
+        let mut rng = Rng(seed);
+        (0..rows)
+            .map(|_| {
+                let blocks = 1 + rng.below(5) as usize;
+                let mut x = Vec::with_capacity(blocks * 256);
+                for _ in 0..blocks {
+                    if rng.below(4) == 0 {
+                        let mut one = Vec::new();
+                        run(&mut rng, non_finite, &mut one);
+                        let state = rng.0;
+                        for _ in 0..16 {
+                            rng.0 = state;
+                            one.clear();
+                            run(&mut rng, non_finite, &mut one);
+                            x.extend_from_slice(&one);
+                        }
+                    } else {
+                        for _ in 0..16 {
+                            run(&mut rng, non_finite, &mut x);
+                        }
+                    }
+                }
+                x
+            })
+            .collect()
+    }
+
+    /// The lane-parallel Q4_K and Q6_K searches (as `quantize` dispatches them, and every
+    /// build of them this CPU runs: portable, AVX2, AVX-512) write the one-sub-block-at-a-time
+    /// reference's bytes on every row, non-finite values included.
+    #[test]
+    fn lane_searches_equal_the_scalar_reference() {
+        let variants = lanes::variants();
+        for seed in 1..=40u64 {
+            let non_finite = seed % 4 == 0;
+            for (r, x) in random_rows(seed, 50, non_finite).iter().enumerate() {
+                for (t, reference) in [
+                    (GgmlType::Q4_K, q4_k as fn(&[f32], &mut [u8])),
+                    (GgmlType::Q6_K, q6_k),
+                ] {
+                    let mut want = vec![0u8; t.bytes_for(x.len()).unwrap()];
+                    for (xb, b) in x
+                        .chunks_exact(256)
+                        .zip(want.chunks_exact_mut(t.block_bytes()))
+                    {
+                        reference(xb, b);
+                    }
+                    let mut got = vec![0u8; want.len()];
+                    quantize(t, x, &mut got).unwrap();
+                    assert!(got == want, "{t}: seed {seed} row {r}: {x:?}");
+                    for &(name, q4, q6) in &variants {
+                        got.fill(0);
+                        (if t == GgmlType::Q4_K { q4 } else { q6 })(x, &mut got);
+                        assert!(got == want, "{t} ({name}): seed {seed} row {r}: {x:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Quantization rates of a random 4096×4096 matrix (uniform, normal-ish rows), the lane
+    /// searches against the scalar reference alternately, on one thread and on all: run with
+    /// `cargo test --release -p tessera-core --lib quantize_rates -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a benchmark: prints weights/s"]
+    fn quantize_rates() {
+        const ROWS: usize = 4096;
+        const COLS: usize = 4096;
+        let mut rng = Rng(7);
+        let x: Vec<f32> = (0..ROWS * COLS)
+            .map(|_| (rng.unit() + rng.unit() + rng.unit()) * 0.02)
+            .collect();
+        type Each = fn(&[f32], &mut [u8]);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cases: [(GgmlType, &str, Each); 5] = [
+            (GgmlType::Q4_K, "scalar", |x, b| {
+                x.chunks_exact(256)
+                    .zip(b.chunks_exact_mut(Q4_K_BYTES))
+                    .for_each(|(x, b)| q4_k(x, b))
+            }),
+            (GgmlType::Q4_K, "lanes", |x, b| {
+                quantize(GgmlType::Q4_K, x, b).unwrap()
+            }),
+            (GgmlType::Q6_K, "scalar", |x, b| {
+                x.chunks_exact(256)
+                    .zip(b.chunks_exact_mut(Q6_K_BYTES))
+                    .for_each(|(x, b)| q6_k(x, b))
+            }),
+            (GgmlType::Q6_K, "lanes", |x, b| {
+                quantize(GgmlType::Q6_K, x, b).unwrap()
+            }),
+            (GgmlType::Q8_0, "-", |x, b| {
+                quantize(GgmlType::Q8_0, x, b).unwrap()
+            }),
+        ];
+        for n in [1, threads] {
+            let mut times = vec![Vec::new(); cases.len()];
+            for _ in 0..5 {
+                for ((t, _, f), times) in cases.iter().zip(&mut times) {
+                    let row_bytes = t.bytes_for(COLS).unwrap();
+                    let mut out = vec![0u8; ROWS * row_bytes];
+                    let per = ROWS.div_ceil(n);
+                    let start = std::time::Instant::now();
+                    std::thread::scope(|s| {
+                        for (x, o) in x.chunks(per * COLS).zip(out.chunks_mut(per * row_bytes)) {
+                            s.spawn(move || {
+                                for (x, o) in
+                                    x.chunks_exact(COLS).zip(o.chunks_exact_mut(row_bytes))
+                                {
+                                    f(x, o);
+                                }
+                            });
+                        }
+                    });
+                    times.push(start.elapsed().as_secs_f64());
+                }
+            }
+            for ((t, which, _), times) in cases.iter().zip(&mut times) {
+                times.sort_by(f64::total_cmp);
+                let median = times[times.len() / 2];
+                println!(
+                    "{t} {which:6} {n} thread(s): {:7.1} M weights/s (median {:.3} s of {})",
+                    (ROWS * COLS) as f64 / median / 1e6,
+                    median,
+                    times.len()
+                );
+            }
+        }
     }
 
     #[test]
