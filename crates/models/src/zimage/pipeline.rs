@@ -516,15 +516,21 @@ impl<B: Backend> ZImage<B> {
     pub fn caption_features(&mut self, prompts: &[PromptIds]) -> Result<Vec<Vec<f32>>> {
         let seqs: Vec<&[u32]> = prompts.iter().map(|p| p.ids.as_slice()).collect();
         let be = &self.backend;
-        let hidden = self.text_encoder.get(be)?.forward(be, &seqs)?;
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut off = 0;
-        for s in &seqs {
-            out.push(be.read_f32(hidden.rows(off, s.len()))?);
-            off += s.len();
-        }
-        self.text_encoder.release(be)?;
-        Ok(out)
+        let features = (|| {
+            let hidden = self.text_encoder.get(be)?.forward(be, &seqs)?;
+            let mut out = Vec::with_capacity(seqs.len());
+            let mut off = 0;
+            for s in &seqs {
+                out.push(be.read_f32(hidden.rows(off, s.len()))?);
+                off += s.len();
+            }
+            Ok(out)
+        })();
+        // Released whether or not the pass worked: a failed one must not leave it loaded.
+        let released = self.text_encoder.release(be);
+        let features = features?;
+        released?;
+        Ok(features)
     }
 
     /// Run a planned request of one image.
@@ -719,11 +725,11 @@ impl<B: Backend> ZImage<B> {
         on: &mut dyn FnMut(usize, Event<'_>) -> ControlFlow<()>,
     ) -> Vec<Result<Vec<Image>>> {
         let mut results: Vec<Option<Result<Vec<Image>>>> = (0..batch.len()).map(|_| None).collect();
-        // A stage that failed leaves its component loaded: the next run starts bare.
-        let ran = self
-            .denoise_and_decode(batch, on, &mut results)
-            .and_then(|()| self.release_all());
-        if let Err(e) = ran {
+        // A stage that failed leaves its component loaded: release them whatever happened, so
+        // the next run starts bare.
+        let ran = self.denoise_and_decode(batch, on, &mut results);
+        let released = self.release_all();
+        if let Err(e) = ran.and(released) {
             for r in results.iter_mut().filter(|r| r.is_none()) {
                 *r = Some(Err(share(&e)));
             }
