@@ -659,10 +659,9 @@ impl<B: Backend> QwenImage<B> {
 
     /// Text-to-image: each branch's prompt features, prefilled.
     fn text_prefixes(&mut self, plan: &Plan, on: &mut Report<'_>) -> Result<Vec<Prefix<B>>> {
-        let be = &self.backend;
-        let feats = self.text_encoder.get(be)?.features(be, &plan.prompts)?;
+        let feats = self.prompt_features(plan)?;
         report(on, Stage::TextEncoder)?;
-        self.text_encoder.release(be)?;
+        let be = &self.backend;
         let transformer = self.transformer.get(be)?;
         let ctx = self.configs.transformer.context_in_dim;
         let mut prefixes = Vec::with_capacity(feats.len());
