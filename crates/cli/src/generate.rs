@@ -650,10 +650,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         (None, 1) => format!(", seed {seed}"),
         (None, n) => format!(", seeds {seed}..{}", seed.wrapping_add(n as u64 - 1)),
     };
-    let residency = match residency {
-        Residency::Resident => String::new(),
-        Residency::Sequential => format!("; {residency}"),
-    };
+    let residency = residency.suffix();
     eprintln!(
         "wrote {} ({width}x{height}, {} steps{seeded}) in {:.1} s ({stages}){residency}",
         shown.join(", "),

@@ -35,6 +35,15 @@ impl fmt::Display for Residency {
 }
 
 impl Residency {
+    /// What a line about a run or a model adds for it: nothing when resident (the default),
+    /// `"; components loaded one at a time (--offload)"` when sequential.
+    pub fn suffix(self) -> String {
+        match self {
+            Residency::Resident => String::new(),
+            Residency::Sequential => format!("; {self}"),
+        }
+    }
+
     /// What a request's memory estimate counts: the buffers beside every resident weight, or
     /// the largest stage with its component's weights.
     pub(crate) fn need_phrase(self) -> &'static str {

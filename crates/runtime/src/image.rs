@@ -107,17 +107,9 @@ pub trait GenerateImage: Send {
     }
 }
 
-/// The device's line, and the residency when it is not the default.
-fn describe_with(device: String, residency: Residency) -> String {
-    match residency {
-        Residency::Resident => device,
-        Residency::Sequential => format!("{device}; {residency}"),
-    }
-}
-
 impl<B: Backend> GenerateImage for ZImage<B> {
     fn describe(&self) -> String {
-        describe_with(self.backend().describe(), self.residency())
+        format!("{}{}", self.backend().describe(), self.residency().suffix())
     }
     fn defaults(&self) -> Defaults {
         zimage::DEFAULTS
@@ -164,7 +156,7 @@ impl<B: Backend> GenerateImage for ZImage<B> {
 
 impl<B: Backend> GenerateImage for QwenImage<B> {
     fn describe(&self) -> String {
-        describe_with(self.backend().describe(), self.residency())
+        format!("{}{}", self.backend().describe(), self.residency().suffix())
     }
     fn defaults(&self) -> Defaults {
         QwenImage::defaults(self)
