@@ -164,23 +164,19 @@ pub(super) fn gemv(
     accumulate: bool,
 ) -> Result<()> {
     let k = w.inner;
-    let tc = tensor_cores(be.gemm.gemv, k);
     let kernels = &be.kernels.gemv;
-    let (table, built_for, cta_rows, block) = match (tc, into.elem) {
-        (false, Elem::Bf16) => (&kernels.to_bf16, width(rows), CTA_ROWS, threads(k)),
-        (false, _) => (&kernels.to_f32, width(rows), CTA_ROWS, threads(k)),
-        (true, Elem::Bf16) => (
-            &kernels.tc_to_bf16,
-            tc_width(rows),
-            TC_CTA_ROWS,
-            tc_threads(k),
-        ),
-        (true, _) => (
-            &kernels.tc_to_f32,
-            tc_width(rows),
-            TC_CTA_ROWS,
-            tc_threads(k),
-        ),
+    // The family (its tables by output type, row widths, CTA rows and threads), then the output.
+    let ((to_f32, to_bf16), built_for, cta_rows, block) = if tensor_cores(be.gemm.gemv, k) {
+        let tables = (&kernels.tc_to_f32, &kernels.tc_to_bf16);
+        (tables, tc_width(rows), TC_CTA_ROWS, tc_threads(k))
+    } else {
+        let tables = (&kernels.to_f32, &kernels.to_bf16);
+        (tables, width(rows), CTA_ROWS, threads(k))
+    };
+    let table = if into.elem == Elem::Bf16 {
+        to_bf16
+    } else {
+        to_f32
     };
     let Some(kernel) = built_for.and_then(|m| table.get(m)) else {
         return Err(tessera_core::Error::backend(

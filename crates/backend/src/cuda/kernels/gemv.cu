@@ -139,7 +139,7 @@ GEMV(16, bf16, gemv_m16_bf16)
 // the second on 4..7. That hands k positions to the MMA's k index in a permuted order — the same
 // for the weight (A) and the input (B) fragment, whose lane layouts hold the same k indices — so
 // the sums are the product's and every lane reads whole 16-byte chunks. Input rows past m are
-// zeros. Each warp's 16 × M sums go to shared memory and 16·M threads add the warps' in warp order.
+// zeros. Each warp's 16 × M sums go to shared memory and gemv_add_warps adds the warps' in warp order.
 //
 // Sum order: a row's result depends on k alone (W and each warp's steps come from k; one column of
 // an MMA does not depend on the others), never on m: a batch of decode rows gives each row what it
@@ -211,16 +211,7 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ x, long xs
         mine[(g + 8) * M + i + 1] = d[j][3];
     }
     __syncthreads();
-    for (int e = tid; e < 16 * M; e += T) {
-        const int r = e / M, i = e % M;
-        if (r0 + r >= n || i >= m) continue;
-        float s = red[e];
-        for (int q = 1; q < W; q++) s += red[q * 16 * M + e];
-        TO* o = out + i * os + r0 + r;
-        float v = alpha * s;
-        if (accumulate) v += to_f(*o);
-        *o = from_f<TO>(v);
-    }
+    gemv_add_warps<16 * M, M>(red, tid, T, r0, n, m, out, os, alpha, accumulate);
 }
 
 #define GEMV_TC(M, TO, NAME)                                                                                     \

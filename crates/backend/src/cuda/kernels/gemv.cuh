@@ -33,6 +33,26 @@ template <int HELD, int O> __device__ __forceinline__ void warp_reduce_scatter(f
     }
 }
 
+// The CTA's N = R·M sums from its T / 32 warps' totals in `red` (N floats a warp, sum j for weight
+// row j / M and x row j % M), added in warp order by N threads and stored as
+// out[i, r0 + r] = α · sum (+ what it holds where `accumulate`), skipping rows past `n` weight
+// rows and `m` x rows. The caller has synchronised the CTA after writing `red`.
+template <int N, int M, typename TO>
+__device__ __forceinline__ void gemv_add_warps(const float* red, int tid, int T, int r0, int n, int m, TO* out,
+                                               long os, float alpha, int accumulate) {
+    const int warps = T >> 5;
+    for (int j = tid; j < N; j += T) {
+        const int r = j / M, i = j % M;
+        if (r0 + r >= n || i >= m) continue;
+        float s = red[j];
+        for (int q = 1; q < warps; q++) s += red[q * N + j];
+        TO* o = out + i * os + r0 + r;
+        float v = alpha * s;
+        if (accumulate) v += to_f(*o);
+        *o = from_f<TO>(v);
+    }
+}
+
 // The end of a GEMV kernel whose CTA computes N = R·M sums (R weight rows from r0, M x rows):
 // each thread's `acc` reduced over its warp, then over the CTA's T / 32 warps through `red`
 // (N floats a warp, in shared memory) in warp order, and stored as out[i, r0 + r] = α · sum
@@ -49,15 +69,5 @@ __device__ __forceinline__ void gemv_store(float* acc, float* red, int lane, int
         if ((lane & (32 / N - 1)) == 0) red[warp * N + first] = acc[0];
     }
     __syncthreads();
-    const int warps = T >> 5;
-    for (int j = tid; j < N; j += T) {
-        const int r = j / M, i = j % M;
-        if (r0 + r >= n || i >= m) continue;
-        float s = red[j];
-        for (int q = 1; q < warps; q++) s += red[q * N + j];
-        TO* o = out + i * os + r0 + r;
-        float v = alpha * s;
-        if (accumulate) v += to_f(*o);
-        *o = from_f<TO>(v);
-    }
+    gemv_add_warps<N, M>(red, tid, T, r0, n, m, out, os, alpha, accumulate);
 }
