@@ -557,9 +557,7 @@ fn quant(b: QuantBench) -> Result<()> {
     let threads = rayon::current_num_threads();
     let n = b.size;
     let mut rng = XorShift::new(0x2545_F491_4F6C_DD1D);
-    let w: Vec<f32> = (0..n * n)
-        .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.05)
-        .collect();
+    let w: Vec<f32> = (0..n * n).map(|_| (rng.next_unit() - 0.5) * 0.05).collect();
     // Made once: only the backend's reading and quantizing of the rows is timed, as at load.
     let w = tessera_core::Tensor::from_f32("random matrix", vec![n, n], &w)?;
     for pool_threads in [1, threads] {
@@ -638,11 +636,7 @@ fn product_rate(
 ) -> Result<f64> {
     use tessera_backend::{Backend, Epilogue, Role, View, ViewMut};
     let mut rng = XorShift::new(0x9E37_79B9_7F4A_7C15);
-    let mut random = |len: usize| -> Vec<f32> {
-        (0..len)
-            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-            .collect()
-    };
+    let mut random = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.next_unit() - 0.5).collect() };
     let w = be.matrix_f32(&[(&random(n * k), n)], k)?;
     let mut x = be.alloc(m * k, Role::Compute)?;
     let activations: Vec<f32> = random(m * k).into_iter().map(|v| v * scale).collect();

@@ -17,4 +17,9 @@ impl XorShift {
         self.0 ^= self.0 << 17;
         self.0
     }
+
+    /// Uniform in [0, 1): the top 24 bits of the next draw, exact in an `f32`.
+    pub fn next_unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
 }

@@ -125,7 +125,7 @@ fn alternate(iters: usize, mut run: impl FnMut(bool) -> Result<()>) -> Result<(f
 
 /// Uniform in `[lo, hi)`.
 fn uniform(rng: &mut XorShift, lo: f32, hi: f32) -> f32 {
-    lo + (hi - lo) * ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
+    lo + (hi - lo) * rng.next_unit()
 }
 
 fn buffer(be: &CpuBackend, values: &[f32]) -> Result<CpuBuf> {
