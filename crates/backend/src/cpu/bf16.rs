@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::panels::{Element, Lhs, MR, NR, Operand, Panels, Tile, tile_plain};
+use super::panels::{Element, Lhs, MR, NR, Operand, Out, PanelView, Panels, Tile, tile_plain};
 
 /// Whether this CPU multiplies bf16 in hardware (AVX512_BF16's `vdpbf16ps`).
 pub fn native() -> bool {
@@ -233,6 +233,19 @@ impl Element for u32 {
         }
         // SAFETY: as this function's.
         unsafe { tile_plain(t) }
+    }
+
+    /// On AMX tiles where the process uses them (`amx::enabled`): every bf16 product, so a
+    /// row's result never depends on how many rows came with it.
+    unsafe fn product(a: &Lhs<'_, u32>, b: PanelView<'_, u32>, c: Out, par: bool) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if super::amx::enabled() {
+            // SAFETY: as this function's; AMX is enabled.
+            unsafe { super::amx::gemm(a, b, c, par) };
+            return true;
+        }
+        let _ = (a, b, c, par);
+        false
     }
 }
 

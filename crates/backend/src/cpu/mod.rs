@@ -11,6 +11,8 @@
 //! included, takes bf16 inputs with f32 accumulation (`bf16.rs`: `vdpbf16ps` where the CPU has
 //! AVX512_BF16); everything else stays as in f32.
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 mod attention;
 mod avg_down;
 pub mod bf16;

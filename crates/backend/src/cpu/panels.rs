@@ -27,7 +27,7 @@ const CHUNK_ROWS: usize = 16 * MR;
 /// of block sums: summed over all of `k` in one lane, its rounding error grows as `k` does
 /// (2.2e-6 RMS relative at k = 12288, 7× the blocked sum's: enough to fail the CUDA-vs-CPU
 /// f32 parity bounds of Qwen-Image's DiT); in blocks it stays near f32's rounding. The order still depends only on `k`, never on the tile.
-const DEPTH_BLOCK: usize = 256;
+pub(super) const DEPTH_BLOCK: usize = 256;
 
 /// Bytes of panels per parallel task: what stays in L2 while the task's row tiles pass.
 const BLOCK_BYTES: usize = 256 << 10;
@@ -45,6 +45,15 @@ pub trait Element: Copy + Default + Send + Sync + 'static {
     /// # Safety
     /// As [`Tile`] says of its fields.
     unsafe fn tile(t: Tile<'_, Self>);
+
+    /// Runs a whole product on a kernel of its own instead of the tiles (bf16 on AMX), where
+    /// this CPU has one; `false` leaves it to the tiles.
+    ///
+    /// # Safety
+    /// As [`gemm`]'s.
+    unsafe fn product(_a: &Lhs<'_, Self>, _b: PanelView<'_, Self>, _c: Out, _par: bool) -> bool {
+        false
+    }
 }
 
 /// One tile: `c[r][j] = alpha · Σ_q a[r·lda + q] ∘ b[q·NR + j]` (or `+=` when `accumulate`)
@@ -228,13 +237,14 @@ impl<E: Element> Panels<E> {
 /// Part of a [`Panels`]: the right-hand side of one product.
 #[derive(Clone, Copy)]
 pub struct PanelView<'a, E> {
-    data: &'a [E],
+    pub(super) data: &'a [E],
     /// Elements from one panel to the next.
-    stride: usize,
-    first: usize,
-    depth: usize,
+    pub(super) stride: usize,
+    /// The first depth step.
+    pub(super) first: usize,
+    pub(super) depth: usize,
     /// Rows of `B` (output columns).
-    n: usize,
+    pub(super) n: usize,
 }
 
 /// `A`: `rows` rows of depth steps at `stride`.
@@ -273,6 +283,24 @@ unsafe impl Sync for Out {}
 /// `c.ptr` addresses `a.rows` rows of at least `b`'s row count of columns at `c.stride`, valid
 /// for writes (and reads when accumulating), not aliased for the duration.
 pub unsafe fn gemm<E: Element>(a: &Lhs<'_, E>, b: PanelView<'_, E>, c: Out, par: bool) {
+    // SAFETY: as this function's.
+    if unsafe { E::product(a, b, c, par) } {
+        return;
+    }
+    // SAFETY: as this function's.
+    unsafe { gemm_tiles(a, b, c, par) }
+}
+
+/// [`gemm`] on the [`Element::tile`] kernels, whatever [`Element::product`] would pick.
+///
+/// # Safety
+/// As [`gemm`]'s.
+pub(super) unsafe fn gemm_tiles<E: Element>(
+    a: &Lhs<'_, E>,
+    b: PanelView<'_, E>,
+    c: Out,
+    par: bool,
+) {
     let (m, n) = (a.rows, b.n);
     if m == 0 || n == 0 {
         return;

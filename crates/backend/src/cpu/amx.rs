@@ -1,0 +1,491 @@
+//! AMX-BF16 (`tdpbf16ps`, Intel Xeon since Sapphire Rapids) for the bf16 panel products: tiles
+//! of 16 rows × 16 bf16 pairs of `A` against 16 pairs × 16 columns of a panel, summed into 16 × 16
+//! f32 tiles — eight times the multiplies of a `vdpbf16ps` per instruction.
+//!
+//! The arithmetic is the bf16 rule's (bf16 inputs, each product exact, f32 sums, depth blocks of
+//! [`DEPTH_BLOCK`] pairs added in order), and every row runs the same instructions whatever rows
+//! come with it, so a row's result does not depend on its batch. Where AMX is used, it is used for
+//! every bf16 product (one row or thousands): the choice is made once per process, never per
+//! call, since `vdpbf16ps` and the tiles may round a pair's sum differently.
+//!
+//! Rust has no stable AMX intrinsics: the tile instructions are inline assembly. The tile
+//! registers are invisible to the compiler, which never uses them, so their state carries from
+//! one `asm!` block to the next within a task; each task configures the tiles first and releases
+//! them last.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::panels::{DEPTH_BLOCK, Lhs, NR, Out, PanelView};
+
+/// Rows of a tile (the hardware's maximum) and bf16 pairs in a tile row (64 bytes).
+const TILE: usize = 16;
+
+/// Rows of `A` per kernel step: two `A` tiles against two panel tiles, four sums.
+const STEP_ROWS: usize = 2 * TILE;
+
+/// Rows of `A` per parallel task (as the panel kernels': its `A` stays in L2 while panels pass).
+const CHUNK_ROWS: usize = 6 * STEP_ROWS;
+
+/// Bytes of panels per parallel task.
+const BLOCK_BYTES: usize = 256 << 10;
+
+/// Whether bf16 products run on AMX tiles in this process: the CPU has AMX-BF16 (and AVX-512F,
+/// for the stores), Linux granted the tile state, and `TESSERA_AMX=0` did not turn it off.
+pub fn enabled() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("TESSERA_AMX").as_deref() != Ok("0") && available())
+}
+
+/// Whether this CPU and kernel can run AMX-BF16 (ignoring `TESSERA_AMX`).
+pub fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            cpu_has_amx_bf16()
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && request_tile_state()
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        {
+            false
+        }
+    })
+}
+
+/// CPUID leaf 7: AMX-BF16 is EDX bit 22, AMX-TILE bit 24.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn cpu_has_amx_bf16() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // Leaf 7 is read only where leaf 0 says it exists.
+    if __cpuid(0).eax < 7 {
+        return false;
+    }
+    let leaf7 = __cpuid_count(7, 0);
+    leaf7.edx & (1 << 22) != 0 && leaf7.edx & (1 << 24) != 0
+}
+
+/// Linux hands a process the tile registers' state (8 KiB per thread) only on request:
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, once, for every thread of the process.
+/// Without it the first tile instruction is killed with SIGILL.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn request_tile_state() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with this request only changes which state the kernel lets the process
+    // use; it reads and writes no memory of ours.
+    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+}
+
+/// `C = alpha · A · Bᵀ` (or `+=`) on AMX tiles, over threads when `par`: what
+/// [`panels::gemm`](super::panels::gemm) runs for bf16 where [`enabled`].
+///
+/// # Safety
+/// As `panels::gemm`'s, and [`enabled`] is true.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn gemm(a: &Lhs<'_, u32>, b: PanelView<'_, u32>, c: Out, par: bool) {
+    let (m, n, depth) = (a.rows, b.n, b.depth);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        (m == 1 || depth <= a.stride) && (m - 1) * a.stride + depth <= a.data.len(),
+        "amx gemm: A too short for its rows"
+    );
+    // `A` copied with its rows padded to whole tiles and its depth to whole tile rows (zeros):
+    // the tiles then never read past it, and the zeros add nothing to any sum. One row or a few
+    // run on tiles of that many rows instead.
+    let tile_rows = m.min(TILE);
+    let rows = if m < TILE { m } else { m.next_multiple_of(TILE) };
+    let stride = depth.next_multiple_of(TILE);
+    let run = |padded: &mut Vec<u32>| {
+        padded.clear();
+        padded.resize(rows * stride, 0);
+        let copy = |(r, dst): (usize, &mut [u32])| {
+            if r < m {
+                dst[..depth].copy_from_slice(&a.data[r * a.stride..r * a.stride + depth]);
+            }
+        };
+        if par && m * depth >= 1 << 16 {
+            padded.par_chunks_mut(stride).enumerate().for_each(copy);
+        } else {
+            padded.chunks_mut(stride).enumerate().for_each(copy);
+        }
+        let padded = Padded {
+            data: padded,
+            stride,
+            rows: m,
+            tile_rows,
+        };
+        // SAFETY: as this function's; `padded` holds `rows` rows of `stride` pairs.
+        unsafe { run_tasks(&padded, b, c, par) };
+    };
+    thread_local! {
+        static PADDED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    // A product reached again on this thread while the buffer is in use (a rayon worker that
+    // picked up other work while it waited) takes a buffer of its own.
+    PADDED.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => run(&mut buf),
+        Err(_) => run(&mut Vec::new()),
+    });
+}
+
+/// `A` padded for the tiles: `rows` real rows at `stride` pairs (a multiple of [`TILE`]), zero
+/// rows after them up to a whole tile, and `tile_rows` rows per tile (fewer than 16 only when
+/// `A` has fewer).
+struct Padded<'a> {
+    data: &'a [u32],
+    stride: usize,
+    rows: usize,
+    tile_rows: usize,
+}
+
+/// The product's tasks: row chunks × blocks of panels, as the panel kernels split it.
+///
+/// # Safety
+/// As [`gemm`]'s.
+#[cfg(target_arch = "x86_64")]
+unsafe fn run_tasks(a: &Padded<'_>, b: PanelView<'_, u32>, c: Out, par: bool) {
+    let (m, n) = (a.rows, b.n);
+    let panels = n.div_ceil(NR);
+    let bytes = b.depth * NR * 4;
+    let per_block = (BLOCK_BYTES / bytes.max(1)).clamp(1, 16);
+    let blocks = panels.div_ceil(per_block);
+    let chunks = m.div_ceil(CHUNK_ROWS);
+    let task = |t: usize| {
+        let (bi, ci) = (t % blocks, t / blocks);
+        let rows = ci * CHUNK_ROWS..((ci + 1) * CHUNK_ROWS).min(m);
+        let panels = bi * per_block..((bi + 1) * per_block).min(panels);
+        // SAFETY: the CPU has AMX-BF16 and AVX-512F and the process holds the tile state
+        // (`enabled`, the caller's promise); the task's rows and panels are inside the extents
+        // `gemm`'s caller guarantees, and tasks own disjoint tiles of C.
+        unsafe { task_tiles(a, b, c, rows, panels) };
+    };
+    let tasks = blocks * chunks;
+    if par && tasks > 1 && m * n * b.depth >= 1 << 18 {
+        (0..tasks).into_par_iter().for_each(task);
+    } else {
+        (0..tasks).for_each(task);
+    }
+}
+
+/// The tile configuration (`ldtilecfg`'s 64 bytes): palette 1; tiles 0–3 the sums (`rows` × 16
+/// f32), 4–5 `A` (`rows` × 16 pairs), 6–7 the panel (16 pairs × 16 columns).
+#[repr(C, align(64))]
+struct Config {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+impl Config {
+    fn new(rows: usize) -> Self {
+        let mut cfg = Config {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for t in 0..8 {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = if t < 6 { rows as u8 } else { TILE as u8 };
+        }
+        cfg
+    }
+}
+
+/// One task: for each panel, for each step of up to 32 rows, the depth in blocks of
+/// [`DEPTH_BLOCK`] pairs summed in tiles and added to `C` in order.
+///
+/// # Safety
+/// The CPU has AMX-BF16 and AVX-512F and the process holds the tile state; `rows` and `panels`
+/// are inside the product and the caller owns that part of `C`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn task_tiles(
+    a: &Padded<'_>,
+    b: PanelView<'_, u32>,
+    c: Out,
+    rows: std::ops::Range<usize>,
+    panels: std::ops::Range<usize>,
+) {
+    use std::arch::asm;
+    let cfg = Config::new(a.tile_rows);
+    // SAFETY: `cfg` is a valid palette-1 configuration, 64 bytes, aligned.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly)) };
+    let depth = b.depth;
+    let full = depth / TILE * TILE;
+    // The panel's last, partial tile of pairs, padded with zero pairs.
+    let mut tail = [0u32; TILE * NR];
+    // One sum tile on its way to `C`.
+    let mut sums = [0f32; TILE * TILE];
+    let a_bytes = a.stride * 4;
+    let b_bytes = NR * 4;
+    for p in panels {
+        let cols = (b.n - p * NR).min(NR);
+        let panel = &b.data[p * b.stride + b.first * NR..];
+        if full < depth {
+            tail.fill(0);
+            tail[..(depth - full) * NR].copy_from_slice(&panel[full * NR..depth * NR]);
+        }
+        let mut r = rows.start;
+        while r < rows.end {
+            let h = (rows.end - r).min(STEP_ROWS);
+            let two = h > TILE;
+            for q0 in (0..depth).step_by(DEPTH_BLOCK) {
+                let q1 = (q0 + DEPTH_BLOCK).min(depth);
+                // SAFETY: zeroing tile registers touches no memory.
+                unsafe {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        options(nomem, nostack)
+                    )
+                };
+                for q in (q0..q1).step_by(TILE) {
+                    let bp = match q < full {
+                        true => panel[q * NR..].as_ptr(),
+                        false => tail.as_ptr(),
+                    };
+                    let ap = a.data[r * a.stride + q..].as_ptr();
+                    // SAFETY: the panel tiles read 16 pair rows of 32 columns from `bp` (inside the
+                    // panel for q < full, else the padded tail); the `A` tiles read `tile_rows`
+                    // rows of 16 pairs from row r (and r + 16) of the padded `A`, whose rows
+                    // reach a whole tile and whose stride is whole tile rows.
+                    unsafe {
+                        asm!(
+                            "tileloadd tmm6, [{b} + {bs}]",
+                            "tileloadd tmm7, [{b} + {bs} + 64]",
+                            "tileloadd tmm4, [{a} + {as_}]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            b = in(reg) bp,
+                            bs = in(reg) b_bytes,
+                            a = in(reg) ap,
+                            as_ = in(reg) a_bytes,
+                            options(nostack, readonly)
+                        );
+                        if two {
+                            asm!(
+                                "tileloadd tmm5, [{a} + {as_}]",
+                                "tdpbf16ps tmm2, tmm5, tmm6",
+                                "tdpbf16ps tmm3, tmm5, tmm7",
+                                a = in(reg) ap.add(TILE * a.stride),
+                                as_ = in(reg) a_bytes,
+                                options(nostack, readonly)
+                            );
+                        }
+                    }
+                }
+                let accumulate = c.accumulate || q0 > 0;
+                for t in 0..if two { 4 } else { 2 } {
+                    let (r0, c0) = (r + (t / 2) * TILE, (t % 2) * TILE);
+                    let (th, tc) = ((rows.end.min(r + h) - r0).min(TILE), cols.saturating_sub(c0));
+                    if tc == 0 {
+                        continue;
+                    }
+                    // SAFETY: `sums` holds 16 rows of 64 bytes; tile t is one of tmm0..3.
+                    unsafe { store_sums(t, &mut sums) };
+                    // SAFETY: rows r0..r0+th and columns p·NR+c0..+tc are this task's part of C.
+                    unsafe {
+                        add_to_c(&sums, c, r0, p * NR + c0, th, tc.min(TILE), accumulate)
+                    };
+                }
+            }
+            r += h;
+        }
+    }
+    // SAFETY: releasing the tiles touches no memory and returns them to their init state.
+    unsafe { asm!("tilerelease", options(nomem, nostack)) };
+}
+
+/// Sum tile `t` (tmm0–3) into `out`, 64 bytes a row.
+///
+/// # Safety
+/// The tiles are configured (by this thread's task) and `out` holds 16 rows of 16 f32.
+#[cfg(target_arch = "x86_64")]
+unsafe fn store_sums(t: usize, out: &mut [f32; TILE * TILE]) {
+    use std::arch::asm;
+    let (p, s) = (out.as_mut_ptr(), TILE * 4);
+    // SAFETY: as this function's; the tile has at most 16 rows of 64 bytes.
+    unsafe {
+        match t {
+            0 => asm!("tilestored [{p} + {s}], tmm0", p = in(reg) p, s = in(reg) s, options(nostack)),
+            1 => asm!("tilestored [{p} + {s}], tmm1", p = in(reg) p, s = in(reg) s, options(nostack)),
+            2 => asm!("tilestored [{p} + {s}], tmm2", p = in(reg) p, s = in(reg) s, options(nostack)),
+            _ => asm!("tilestored [{p} + {s}], tmm3", p = in(reg) p, s = in(reg) s, options(nostack)),
+        }
+    }
+}
+
+/// `C[r0 + i][col + j] = alpha · sums[i][j]` (added to what is there when `accumulate`) for
+/// `i < rows`, `j < cols ≤ 16`.
+///
+/// # Safety
+/// Those elements of `C` are the caller's to write (and read), and the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_to_c(
+    sums: &[f32; TILE * TILE],
+    c: Out,
+    r0: usize,
+    col: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    let mask: __mmask16 = if cols >= 16 { 0xffff } else { (1u16 << cols) - 1 };
+    let scale = _mm512_set1_ps(c.alpha);
+    for i in 0..rows {
+        // SAFETY: row i of `sums` is 16 f32; the masked columns of C's row are the caller's.
+        unsafe {
+            let dst = c.at(r0 + i, col);
+            let mut y = _mm512_mul_ps(_mm512_loadu_ps(sums.as_ptr().add(i * TILE)), scale);
+            if accumulate {
+                y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, dst));
+            }
+            _mm512_mask_storeu_ps(dst, mask, y);
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::cpu::bf16;
+    use crate::cpu::panels::{Panels, gemm_tiles};
+    use crate::cpu::testutil::Rng;
+
+    /// The tiles' product against the `vdpbf16ps`/portable tiles' at odd sizes (partial row
+    /// tiles, partial pair tiles, partial panels, depth past one block, views), both against f64
+    /// of the rounded inputs; one row alone equals the same row in a batch, bit for bit.
+    #[test]
+    fn amx_products_match_the_panel_tiles_and_are_batch_invariant() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU (or kernel) has no AMX-BF16; the AMX kernel was not run");
+            return;
+        }
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (3, 30, 5),
+            (7, 17, 33),
+            (16, 64, 32),
+            (17, 512, 2048),
+            (33, 4099, 65),
+            (200, 64, 97),
+            (31, 1030, 40),
+        ] {
+            let mut rng = Rng::new((m * 7919 + k * 31 + n) as u64);
+            let (a, bm) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
+            let panels = Panels::from_f32_rows(&bm, k, n, k);
+            let mut packed = Vec::new();
+            let stride = bf16::round_rows(&a, k, m, k, &mut packed, false);
+            let lhs = Lhs {
+                data: &packed,
+                stride,
+                rows: m,
+            };
+            let ldc = n + 3;
+            let out = |c: &mut Vec<f32>| Out {
+                ptr: c.as_mut_ptr(),
+                stride: ldc,
+                alpha: 0.5,
+                accumulate: true,
+            };
+            let start: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32 * 0.25).collect();
+            let (mut amx, mut tiles) = (start.clone(), start.clone());
+            // SAFETY: both buffers hold m rows of ldc ≥ n; AMX is available.
+            unsafe {
+                gemm(&lhs, panels.all(), out(&mut amx), true);
+                gemm_tiles(&lhs, panels.all(), out(&mut tiles), true);
+            }
+            let rounded = |x: f32| half::bf16::from_f32(x).to_f64();
+            for i in 0..m {
+                for j in 0..n {
+                    let w: f64 = start[i * ldc + j] as f64
+                        + 0.5
+                            * (0..k)
+                                .map(|t| rounded(a[i * k + t]) * rounded(bm[j * k + t]))
+                                .sum::<f64>();
+                    let tol = 1e-6 * (k as f64).sqrt() * 4.0 + 1e-6;
+                    for (name, got) in [("amx", amx[i * ldc + j]), ("tiles", tiles[i * ldc + j])] {
+                        assert!(
+                            (got as f64 - w).abs() <= tol * w.abs().max(1.0),
+                            "{name} {m}×{k}×{n} [{i},{j}]: {got} vs {w}"
+                        );
+                    }
+                }
+                assert_eq!(
+                    amx[i * ldc + n..(i + 1) * ldc],
+                    start[i * ldc + n..(i + 1) * ldc],
+                    "wrote past column {n}"
+                );
+            }
+            // Each row alone gives the bits it had in the batch.
+            for i in [0, m / 2, m - 1] {
+                let lone = Lhs {
+                    data: &packed[i * stride..],
+                    stride,
+                    rows: 1,
+                };
+                let mut row = start[i * ldc..(i + 1) * ldc].to_vec();
+                // SAFETY: `row` holds one row of ldc ≥ n.
+                unsafe { gemm(&lone, panels.all(), out(&mut row), false) };
+                assert_eq!(
+                    row.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    amx[i * ldc..(i + 1) * ldc].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "{m}×{k}×{n}: row {i} alone differs from the batch"
+                );
+            }
+        }
+    }
+
+    /// A view of later panels and later pairs on the tiles equals the panel tiles' result on it.
+    #[test]
+    fn amx_views_select_rows_and_pairs() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU (or kernel) has no AMX-BF16; the AMX kernel was not run");
+            return;
+        }
+        let (m, k, n) = (40, 600, 100);
+        let mut rng = Rng::new(3);
+        let (a, bm) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
+        let panels = Panels::from_f32_rows(&bm, k, n, k);
+        let mut packed = Vec::new();
+        let stride = bf16::round_rows(&a, k, m, k, &mut packed, false);
+        let lhs = Lhs {
+            data: &packed[5..],
+            stride,
+            rows: m,
+        };
+        let (mut x, mut y) = (vec![0f32; m * 68], vec![0f32; m * 68]);
+        for (buf, amx) in [(&mut x, true), (&mut y, false)] {
+            let out = Out {
+                ptr: buf.as_mut_ptr(),
+                stride: 68,
+                alpha: 1.0,
+                accumulate: false,
+            };
+            let view = panels.view(32..100, 5..290);
+            // SAFETY: each buffer holds m rows of 68; AMX is available.
+            unsafe {
+                match amx {
+                    true => gemm(&lhs, view, out, false),
+                    false => gemm_tiles(&lhs, view, out, false),
+                }
+            }
+        }
+        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+            assert!((p - q).abs() <= 1e-4 * q.abs().max(1.0), "[{i}]: {p} vs {q}");
+        }
+    }
+}
