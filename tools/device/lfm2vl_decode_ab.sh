@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev/pack): LFM2-VL-450M decoding with an
 # environment switch off and on, interleaved A B B A in one call so that drift cancels — e.g. the
-# GEMV kernel (TESSERA_GEMV=0 / 1, the default) — then a table of tokens/s per batch size.
-#   VAR (TESSERA_GEMV), A (0), B (1): the switch and its two values
+# GEMV kernels (TESSERA_GEMV=0 / cuda / tc, the default) — then a table of tokens/s per batch size.
+#   VAR (TESSERA_GEMV), A (0), B (tc): the switch and its two values
 #   BATCH (1,8,32), NEW (128), ITERS (3): `tessera bench chat`'s --batch, --new-tokens, --iters
 #   EXTRA: more `bench chat` flags for both sides, e.g. "--temperature 0.1 --min-p 0.15
 #     --repetition-penalty 1.05" (sampled on the host) or "--quantize q4_k" (block-format weights)
@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/decode_ab"
-VAR=${VAR:-TESSERA_GEMV} A=${A:-0} B=${B:-1}
+VAR=${VAR:-TESSERA_GEMV} A=${A:-0} B=${B:-tc}
 BATCH=${BATCH:-1,8,32} NEW=${NEW:-128} ITERS=${ITERS:-3} EXTRA=${EXTRA:-}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 if [ -f .dev/pack/bin.tar.xz ] && [ ! -x .dev/bin/tessera ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi

@@ -6,7 +6,7 @@
 # SDPA, Z-Image and Qwen-Image-2.1 generation at 1024²). Prints one line per part.
 #   DEADLINE: seconds after which no further part starts (default 520)
 #   PARTS=ops,gemv,mini,qfull,zfull,lfull,efull,attn,gen,quant,offload (default all; gemv: the
-#     tensor-core GEMV's products and decode A/B; quant: Z-Image with FP8 products and
+#     CUDA-core GEMV's products and decode A/B against the tensor-core default; quant: Z-Image with FP8 products and
 #     Qwen-Image-2.1 with Q4_K matrices; offload: both with --offload; each generation part with
 #     its peak device memory)
 # Build first: PACK=1 TESTS="cuda_ops egemma2_cuda zimage_cuda lfm2vl_cuda qwen_image_cuda" \
@@ -43,12 +43,12 @@ if [[ $PARTS == *ops* ]] && time_left ops; then
   grep -E "^total|declined" "$OUT/cuda_ops.log" | tail -3
 fi
 if [[ $PARTS == *gemv* ]] && time_left gemv; then
-  # The tensor-core GEMV (TESSERA_GEMV=tc): its products against the CPU and its batch
-  # invariance, then LFM2-VL decoding against the CUDA-core kernel (A B B A).
-  TESSERA_GEMV=tc TESSERA_OP_CASE=matmul part "cuda_ops matmul, TESSERA_GEMV=tc" cuda_ops_tc.log \
+  # The CUDA-core GEMV (TESSERA_GEMV=cuda; the default is the tensor-core one): its products
+  # against the CPU and its batch invariance, then LFM2-VL decoding on both (A B B A).
+  TESSERA_GEMV=cuda TESSERA_OP_CASE=matmul part "cuda_ops matmul, TESSERA_GEMV=cuda" cuda_ops_cc.log \
     timeout 150 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture ops_match_cpu decoding_rows
-  grep -E "^== matmul" "$OUT/cuda_ops_tc.log"
-  OUT=$OUT/gemv_ab VAR=TESSERA_GEMV A=1 B=tc BATCH=${GEMV_BATCH:-1,8,16} ITERS=2 \
+  grep -E "^== matmul" "$OUT/cuda_ops_cc.log"
+  OUT=$OUT/gemv_ab VAR=TESSERA_GEMV A=cuda B=tc BATCH=${GEMV_BATCH:-1,8,16} ITERS=2 \
     timeout 200 tools/device/lfm2vl_decode_ab.sh | tail -5
 fi
 if [[ $PARTS == *mini* ]] && time_left mini; then

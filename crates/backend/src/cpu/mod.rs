@@ -385,11 +385,16 @@ fn whole_blocks(t: &Tensor<'_>, n: usize) -> Result<()> {
     ))
 }
 
-/// How bf16 products run on this machine and whether that beats f32, for `describe`: with
-/// `vdpbf16ps` at its measured rate against the f32 FMA ([`peak::bf16_dot_vs_fma`]), or
-/// converted to f32 in a portable loop. Either way the numbers are the same (`bf16.rs`), and
-/// the weights take half the memory of f32's.
+/// How bf16 products run on this machine and whether that beats f32, for `describe`: on AMX
+/// tiles where the CPU has them (`amx.rs`), else with `vdpbf16ps` at its measured rate against the
+/// f32 FMA ([`peak::bf16_dot_vs_fma`]), or converted to f32 in a portable loop. Every route keeps
+/// the bf16 rule (bf16 inputs, exact products, f32 sums), and the weights take half the memory of
+/// f32's.
 fn bf16_products() -> String {
+    #[cfg(target_arch = "x86_64")]
+    if amx::enabled() {
+        return "bf16 products on AMX tiles (tdpbf16ps), attention's included".to_string();
+    }
     match peak::bf16_dot_vs_fma() {
         Some(r) if r >= peak::BF16_PAYS => {
             format!("bf16 products with AVX512_BF16, vdpbf16ps at {r:.1}× the f32 FMA's rate here")
