@@ -76,7 +76,13 @@ fn request_tile_state() -> bool {
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: arch_prctl with this request only changes which state the kernel lets the process
     // use; it reads and writes no memory of ours.
-    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
 }
 
 /// `C = alpha · A · Bᵀ` (or `+=`) on AMX tiles, over threads when `par`: what
@@ -94,32 +100,42 @@ pub unsafe fn gemm(a: &Lhs<'_, u32>, b: PanelView<'_, u32>, c: Out, par: bool) {
         (m == 1 || depth <= a.stride) && (m - 1) * a.stride + depth <= a.data.len(),
         "amx gemm: A too short for its rows"
     );
-    // `A` copied with its rows padded to whole tiles and its depth to whole tile rows (zeros):
-    // the tiles then never read past it, and the zeros add nothing to any sum. One row or a few
-    // run on tiles of that many rows instead.
+    // `A` copied tile by tile (each tile's rows of 16 pairs contiguous, a row of tiles after
+    // another along the depth), its rows padded to whole tiles and its depth to whole tile rows
+    // with zeros: the tiles then load 1 KiB runs that the prefetchers follow, never read past
+    // `A`, and the zeros add nothing to any sum. One row or a few run on tiles of that many rows.
     let tile_rows = m.min(TILE);
-    let rows = if m < TILE { m } else { m.next_multiple_of(TILE) };
-    let stride = depth.next_multiple_of(TILE);
+    let steps = depth.div_ceil(TILE);
+    let tile_len = tile_rows * TILE;
     let run = |padded: &mut Vec<u32>| {
         padded.clear();
-        padded.resize(rows * stride, 0);
-        let copy = |(r, dst): (usize, &mut [u32])| {
-            if r < m {
-                dst[..depth].copy_from_slice(&a.data[r * a.stride..r * a.stride + depth]);
+        padded.resize(m.div_ceil(TILE) * steps * tile_len, 0);
+        let copy = |(rt, dst): (usize, &mut [u32])| {
+            for i in 0..tile_rows.min(m - rt * TILE) {
+                let row = &a.data[(rt * TILE + i) * a.stride..][..depth];
+                for (s, pairs) in row.chunks(TILE).enumerate() {
+                    dst[s * tile_len + i * TILE..][..pairs.len()].copy_from_slice(pairs);
+                }
             }
         };
         if par && m * depth >= 1 << 16 {
-            padded.par_chunks_mut(stride).enumerate().for_each(copy);
+            padded
+                .par_chunks_mut(steps * tile_len)
+                .enumerate()
+                .for_each(copy);
         } else {
-            padded.chunks_mut(stride).enumerate().for_each(copy);
+            padded
+                .chunks_mut(steps * tile_len)
+                .enumerate()
+                .for_each(copy);
         }
         let padded = Padded {
             data: padded,
-            stride,
+            steps,
             rows: m,
             tile_rows,
         };
-        // SAFETY: as this function's; `padded` holds `rows` rows of `stride` pairs.
+        // SAFETY: as this function's; `padded` holds every tile of `A`.
         unsafe { run_tasks(&padded, b, c, par) };
     };
     thread_local! {
@@ -133,14 +149,20 @@ pub unsafe fn gemm(a: &Lhs<'_, u32>, b: PanelView<'_, u32>, c: Out, par: bool) {
     });
 }
 
-/// `A` padded for the tiles: `rows` real rows at `stride` pairs (a multiple of [`TILE`]), zero
-/// rows after them up to a whole tile, and `tile_rows` rows per tile (fewer than 16 only when
-/// `A` has fewer).
+/// `A` as tiles: `tile_rows` rows (fewer than 16 only when `A` has fewer) of 16 pairs each, `steps`
+/// tiles along the depth for each 16 rows; `rows` real rows, zeros after them and past the depth.
 struct Padded<'a> {
     data: &'a [u32],
-    stride: usize,
+    steps: usize,
     rows: usize,
     tile_rows: usize,
+}
+
+impl Padded<'_> {
+    /// The tile of rows `r..r + 16` (r a multiple of 16) and pairs `q..q + 16` (q likewise).
+    fn tile(&self, r: usize, q: usize) -> *const u32 {
+        self.data[((r / TILE) * self.steps + q / TILE) * self.tile_rows * TILE..].as_ptr()
+    }
 }
 
 /// The product's tasks: row chunks × blocks of panels, as the panel kernels split it.
@@ -225,7 +247,7 @@ unsafe fn task_tiles(
     let mut tail = [0u32; TILE * NR];
     // One sum tile on its way to `C`.
     let mut sums = [0f32; TILE * TILE];
-    let a_bytes = a.stride * 4;
+    let a_bytes = TILE * 4;
     let b_bytes = NR * 4;
     for p in panels {
         let cols = (b.n - p * NR).min(NR);
@@ -234,12 +256,13 @@ unsafe fn task_tiles(
             tail.fill(0);
             tail[..(depth - full) * NR].copy_from_slice(&panel[full * NR..depth * NR]);
         }
-        let mut r = rows.start;
-        while r < rows.end {
-            let h = (rows.end - r).min(STEP_ROWS);
-            let two = h > TILE;
-            for q0 in (0..depth).step_by(DEPTH_BLOCK) {
-                let q1 = (q0 + DEPTH_BLOCK).min(depth);
+        // Each block of the panel's depth (32 KiB) stays in L1 while the row steps pass.
+        for q0 in (0..depth).step_by(DEPTH_BLOCK) {
+            let q1 = (q0 + DEPTH_BLOCK).min(depth);
+            let mut r = rows.start;
+            while r < rows.end {
+                let h = (rows.end - r).min(STEP_ROWS);
+                let two = h > TILE;
                 // SAFETY: zeroing tile registers touches no memory.
                 unsafe {
                     asm!(
@@ -255,11 +278,10 @@ unsafe fn task_tiles(
                         true => panel[q * NR..].as_ptr(),
                         false => tail.as_ptr(),
                     };
-                    let ap = a.data[r * a.stride + q..].as_ptr();
+                    let ap = a.tile(r, q);
                     // SAFETY: the panel tiles read 16 pair rows of 32 columns from `bp` (inside the
                     // panel for q < full, else the padded tail); the `A` tiles read `tile_rows`
-                    // rows of 16 pairs from row r (and r + 16) of the padded `A`, whose rows
-                    // reach a whole tile and whose stride is whole tile rows.
+                    // rows of 16 pairs, the tiles of rows r (and r + 16) and pairs q.
                     unsafe {
                         asm!(
                             "tileloadd tmm6, [{b} + {bs}]",
@@ -278,7 +300,7 @@ unsafe fn task_tiles(
                                 "tileloadd tmm5, [{a} + {as_}]",
                                 "tdpbf16ps tmm2, tmm5, tmm6",
                                 "tdpbf16ps tmm3, tmm5, tmm7",
-                                a = in(reg) ap.add(TILE * a.stride),
+                                a = in(reg) a.tile(r + TILE, q),
                                 as_ = in(reg) a_bytes,
                                 options(nostack, readonly)
                             );
@@ -288,19 +310,20 @@ unsafe fn task_tiles(
                 let accumulate = c.accumulate || q0 > 0;
                 for t in 0..if two { 4 } else { 2 } {
                     let (r0, c0) = (r + (t / 2) * TILE, (t % 2) * TILE);
-                    let (th, tc) = ((rows.end.min(r + h) - r0).min(TILE), cols.saturating_sub(c0));
+                    let (th, tc) = (
+                        (rows.end.min(r + h) - r0).min(TILE),
+                        cols.saturating_sub(c0),
+                    );
                     if tc == 0 {
                         continue;
                     }
                     // SAFETY: `sums` holds 16 rows of 64 bytes; tile t is one of tmm0..3.
                     unsafe { store_sums(t, &mut sums) };
                     // SAFETY: rows r0..r0+th and columns p·NR+c0..+tc are this task's part of C.
-                    unsafe {
-                        add_to_c(&sums, c, r0, p * NR + c0, th, tc.min(TILE), accumulate)
-                    };
+                    unsafe { add_to_c(&sums, c, r0, p * NR + c0, th, tc.min(TILE), accumulate) };
                 }
+                r += h;
             }
-            r += h;
         }
     }
     // SAFETY: releasing the tiles touches no memory and returns them to their init state.
@@ -318,10 +341,18 @@ unsafe fn store_sums(t: usize, out: &mut [f32; TILE * TILE]) {
     // SAFETY: as this function's; the tile has at most 16 rows of 64 bytes.
     unsafe {
         match t {
-            0 => asm!("tilestored [{p} + {s}], tmm0", p = in(reg) p, s = in(reg) s, options(nostack)),
-            1 => asm!("tilestored [{p} + {s}], tmm1", p = in(reg) p, s = in(reg) s, options(nostack)),
-            2 => asm!("tilestored [{p} + {s}], tmm2", p = in(reg) p, s = in(reg) s, options(nostack)),
-            _ => asm!("tilestored [{p} + {s}], tmm3", p = in(reg) p, s = in(reg) s, options(nostack)),
+            0 => {
+                asm!("tilestored [{p} + {s}], tmm0", p = in(reg) p, s = in(reg) s, options(nostack))
+            }
+            1 => {
+                asm!("tilestored [{p} + {s}], tmm1", p = in(reg) p, s = in(reg) s, options(nostack))
+            }
+            2 => {
+                asm!("tilestored [{p} + {s}], tmm2", p = in(reg) p, s = in(reg) s, options(nostack))
+            }
+            _ => {
+                asm!("tilestored [{p} + {s}], tmm3", p = in(reg) p, s = in(reg) s, options(nostack))
+            }
         }
     }
 }
@@ -343,7 +374,11 @@ unsafe fn add_to_c(
     accumulate: bool,
 ) {
     use std::arch::x86_64::*;
-    let mask: __mmask16 = if cols >= 16 { 0xffff } else { (1u16 << cols) - 1 };
+    let mask: __mmask16 = if cols >= 16 {
+        0xffff
+    } else {
+        (1u16 << cols) - 1
+    };
     let scale = _mm512_set1_ps(c.alpha);
     for i in 0..rows {
         // SAFETY: row i of `sums` is 16 f32; the masked columns of C's row are the caller's.
@@ -442,7 +477,10 @@ mod tests {
                 unsafe { gemm(&lone, panels.all(), out(&mut row), false) };
                 assert_eq!(
                     row.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    amx[i * ldc..(i + 1) * ldc].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    amx[i * ldc..(i + 1) * ldc]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
                     "{m}×{k}×{n}: row {i} alone differs from the batch"
                 );
             }
@@ -485,7 +523,74 @@ mod tests {
             }
         }
         for (i, (p, q)) in x.iter().zip(&y).enumerate() {
-            assert!((p - q).abs() <= 1e-4 * q.abs().max(1.0), "[{i}]: {p} vs {q}");
+            assert!(
+                (p - q).abs() <= 1e-4 * q.abs().max(1.0),
+                "[{i}]: {p} vs {q}"
+            );
+        }
+    }
+}
+
+/// `cargo test --release -p tessera-backend --lib amx_rate -- --ignored --nocapture`: the tiles'
+/// rate on EmbeddingGemma 2's document products (2,208 rows) against the `vdpbf16ps` tiles'.
+#[cfg(all(test, target_arch = "x86_64"))]
+mod rate {
+    use super::*;
+    use crate::cpu::bf16;
+    use crate::cpu::panels::{Panels, gemm_tiles};
+    use crate::cpu::testutil::Rng;
+    use std::time::Instant;
+
+    #[test]
+    #[ignore = "a measurement: run on a quiet machine"]
+    fn amx_rate() {
+        if !available() {
+            eprintln!("SKIPPED: no AMX-BF16 here");
+            return;
+        }
+        for &(m, k, n) in &[
+            (2208, 768, 768),
+            (2208, 768, 6144),
+            (2208, 3072, 768),
+            (64, 768, 6144),
+        ] {
+            let mut rng = Rng::new(1);
+            let (a, bm) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
+            let panels = Panels::from_f32_rows(&bm, k, n, k);
+            let mut packed = Vec::new();
+            let stride = bf16::round_rows(&a, k, m, k, &mut packed, true);
+            let lhs = Lhs {
+                data: &packed,
+                stride,
+                rows: m,
+            };
+            let mut c = vec![0f32; m * n];
+            let out = Out {
+                ptr: c.as_mut_ptr(),
+                stride: n,
+                alpha: 1.0,
+                accumulate: false,
+            };
+            let time = |amx: bool| {
+                let mut best = f64::MAX;
+                for _ in 0..5 {
+                    let t = Instant::now();
+                    // SAFETY: `c` holds m rows of n.
+                    unsafe {
+                        match amx {
+                            true => gemm(&lhs, panels.all(), out, true),
+                            false => gemm_tiles(&lhs, panels.all(), out, true),
+                        }
+                    }
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                2.0 * (m * n * k) as f64 / best / 1e9
+            };
+            let (x, y) = (time(true), time(false));
+            eprintln!(
+                "{m}×{k}×{n}: AMX {x:.0} GFLOP/s, vdpbf16ps {y:.0} GFLOP/s ({:.1}×)",
+                x / y
+            );
         }
     }
 }
