@@ -236,6 +236,11 @@ pub trait Backend: Send + Sync {
     /// backend converts to what it computes with, never through a host copy of the whole model
     /// in `f32`).
     fn matrix(&self, parts: &[Tensor<'_>]) -> Result<Self::Mat>;
+    /// [`matrix`](Backend::matrix), but never quantized at load (`--quantize`): the VAEs'
+    /// convolutions, small beside the transformers (ComfyUI and stable-diffusion.cpp keep them
+    /// unquantized too), whose products on CUDA want dense weights (the implicit GEMM; FP8 ones
+    /// would also round the VAE's activations to e4m3). Weights stored quantized stay so.
+    fn matrix_unquantized(&self, parts: &[Tensor<'_>]) -> Result<Self::Mat>;
     /// A parameter vector from a 1-D tensor, kept in `f32`.
     fn vector(&self, t: &Tensor<'_>) -> Result<Self::Vector>;
     /// The embedding table `name` of a checkpoint, `shape` checked against it and read as rows of

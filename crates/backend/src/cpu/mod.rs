@@ -418,6 +418,56 @@ fn int8_isa() -> &'static str {
     }
 }
 
+impl CpuBackend {
+    /// [`Backend::matrix`], quantizing at load (`--quantize`) only when `quantize`.
+    fn load_matrix(&self, parts: &[Tensor<'_>], quantize: bool) -> Result<CpuMat> {
+        let (out, inner) = crate::stacked_shape(parts)?;
+        let at_load = self
+            .quant
+            .at_load
+            .filter(|q| quantize && inner.is_multiple_of(q.block_size()) && out > 0);
+        if let Some(q) = at_load
+            && parts.iter().all(|t| !t.dtype.is_quantized())
+        {
+            let m = quant::quantize_stack(parts, q, (out, inner))?;
+            return Ok(CpuMat {
+                store: MatStore::Quant(
+                    m.with_int8(self.quant.int8)
+                        .with_e4m3_activations(self.e4m3_activations),
+                ),
+                out,
+                inner,
+            });
+        }
+        if parts.iter().any(|t| t.dtype.is_quantized()) {
+            if parts.iter().any(|t| t.dtype != parts[0].dtype) {
+                let runs = parts
+                    .chunk_by(|a, b| a.dtype == b.dtype)
+                    .map(|run| self.load_matrix(run, quantize))
+                    .collect::<Result<_>>()?;
+                return Ok(CpuMat {
+                    store: MatStore::Stacked(runs),
+                    out,
+                    inner,
+                });
+            }
+            let (q, out, inner) = quant::QuantMat::stack(parts)?;
+            return Ok(CpuMat {
+                store: MatStore::Quant(
+                    q.with_int8(self.quant.int8)
+                        .with_e4m3_activations(self.e4m3_activations),
+                ),
+                out,
+                inner,
+            });
+        }
+        match self.precision {
+            Precision::F32 => stack_f32(parts),
+            Precision::Bf16 => stack_bf16(parts),
+        }
+    }
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Mat = CpuMat;
@@ -519,50 +569,11 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CpuMat> {
-        let (out, inner) = crate::stacked_shape(parts)?;
-        let at_load = self
-            .quant
-            .at_load
-            .filter(|q| inner.is_multiple_of(q.block_size()) && out > 0);
-        if let Some(q) = at_load
-            && parts.iter().all(|t| !t.dtype.is_quantized())
-        {
-            let m = quant::quantize_stack(parts, q, (out, inner))?;
-            return Ok(CpuMat {
-                store: MatStore::Quant(
-                    m.with_int8(self.quant.int8)
-                        .with_e4m3_activations(self.e4m3_activations),
-                ),
-                out,
-                inner,
-            });
-        }
-        if parts.iter().any(|t| t.dtype.is_quantized()) {
-            if parts.iter().any(|t| t.dtype != parts[0].dtype) {
-                let runs = parts
-                    .chunk_by(|a, b| a.dtype == b.dtype)
-                    .map(|run| self.matrix(run))
-                    .collect::<Result<_>>()?;
-                return Ok(CpuMat {
-                    store: MatStore::Stacked(runs),
-                    out,
-                    inner,
-                });
-            }
-            let (q, out, inner) = quant::QuantMat::stack(parts)?;
-            return Ok(CpuMat {
-                store: MatStore::Quant(
-                    q.with_int8(self.quant.int8)
-                        .with_e4m3_activations(self.e4m3_activations),
-                ),
-                out,
-                inner,
-            });
-        }
-        match self.precision {
-            Precision::F32 => stack_f32(parts),
-            Precision::Bf16 => stack_bf16(parts),
-        }
+        self.load_matrix(parts, true)
+    }
+
+    fn matrix_unquantized(&self, parts: &[Tensor<'_>]) -> Result<CpuMat> {
+        self.load_matrix(parts, false)
     }
 
     fn vector(&self, t: &Tensor<'_>) -> Result<Vec<f32>> {

@@ -324,10 +324,10 @@ impl CudaBackend {
     /// parts under `--quantize fp8`, go up as FP8 codes ([`super::fp8::upload`]); GGUF
     /// block-format parts as their blocks ([`super::blocks::upload`]), as do float matrices
     /// whose rows are whole blocks under `--quantize` to a block format, quantized here as the
-    /// CPU quantizes them.
-    pub(super) fn upload_matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
+    /// CPU quantizes them; unless `at_load` is false (`Backend::matrix_unquantized`).
+    pub(super) fn upload_matrix(&self, parts: &[Tensor<'_>], at_load: bool) -> Result<CudaMat> {
         let (out, inner) = crate::stacked_shape(parts)?;
-        let float = out > 0 && parts.iter().all(|t| !t.dtype.is_quantized());
+        let float = at_load && out > 0 && parts.iter().all(|t| !t.dtype.is_quantized());
         let quantize = self.fp8_at_load && float;
         if quantize || parts.iter().any(|t| t.dtype == DType::F8_E4M3) {
             return super::fp8::upload(self, parts, quantize);

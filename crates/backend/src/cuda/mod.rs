@@ -140,7 +140,11 @@ impl Backend for CudaBackend {
     }
 
     fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
-        self.upload_matrix(parts)
+        self.upload_matrix(parts, true)
+    }
+
+    fn matrix_unquantized(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
+        self.upload_matrix(parts, false)
     }
 
     fn vector(&self, t: &Tensor<'_>) -> Result<CudaBuf> {

@@ -29,7 +29,7 @@ impl<B: Backend> Conv<B> {
             .permuted(&[0, 2, 3, 1])?;
         t.shape = vec![cout, kernel * kernel * cin];
         Ok(Conv {
-            w: l.backend().matrix(&[t])?,
+            w: l.backend().matrix_unquantized(&[t])?,
             b: l.vector(&format!("{name}.bias"), cout)?,
             kernel,
             cout,
