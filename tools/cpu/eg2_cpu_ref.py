@@ -22,7 +22,10 @@ torch.set_num_threads(a.threads)
 from transformers.models.embedding_gemma2 import EmbeddingGemma2Model
 
 t0 = time.perf_counter()
-model = EmbeddingGemma2Model.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+# SDPA for the towers timed; the audio tower (not timed) has no SDPA path in transformers 5.25, and
+# a plain "sdpa" for the whole model fails on it.
+attn = {"text_config": "sdpa", "vision_config": "sdpa", "audio_config": "eager"}
+model = EmbeddingGemma2Model.from_pretrained(a.model, dtype=torch.float32, attn_implementation=attn).eval()
 load_s = time.perf_counter() - t0
 cfg = model.config
 lm = model.language_model

@@ -92,42 +92,96 @@ fn request_tile_state() -> bool {
 /// As `panels::gemm`'s, and [`enabled`] is true.
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn gemm(a: &Lhs<'_, u32>, b: PanelView<'_, u32>, c: Out, par: bool) {
-    let (m, n, depth) = (a.rows, b.n, b.depth);
-    if m == 0 || n == 0 {
+    let (m, depth) = (a.rows, b.depth);
+    if m == 0 || b.n == 0 {
         return;
     }
     assert!(
         (m == 1 || depth <= a.stride) && (m - 1) * a.stride + depth <= a.data.len(),
         "amx gemm: A too short for its rows"
     );
-    // `A` copied tile by tile (each tile's rows of 16 pairs contiguous, a row of tiles after
-    // another along the depth), its rows padded to whole tiles and its depth to whole tile rows
-    // with zeros: the tiles then load 1 KiB runs that the prefetchers follow, never read past
-    // `A`, and the zeros add nothing to any sum. One row or a few run on tiles of that many rows.
+    let fill = |r: usize, dst: &mut [u32], step: usize| {
+        let row = &a.data[r * a.stride..][..depth];
+        for (s, pairs) in row.chunks(TILE).enumerate() {
+            dst[s * step..][..pairs.len()].copy_from_slice(pairs);
+        }
+    };
+    // SAFETY: as this function's; `fill` writes row r's `depth` pairs.
+    unsafe { with_tiles(m, fill, b, c, par) }
+}
+
+/// [`gemm`] with `A` given as `m` rows of `k` f32 values at `stride`, rounded to bf16 as they are
+/// laid out in tiles (one pass over `A` instead of rounding it into rows and then copying those).
+///
+/// # Safety
+/// As [`gemm`]'s, with `x` holding `m` rows of `k` at `stride` and `b` of `k.div_ceil(2)` pairs.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn gemm_f32(
+    x: &[f32],
+    stride: usize,
+    m: usize,
+    k: usize,
+    b: PanelView<'_, u32>,
+    c: Out,
+    par: bool,
+) {
+    if m == 0 || b.n == 0 {
+        return;
+    }
+    assert!(
+        b.depth == k.div_ceil(2) && (m - 1) * stride + k <= x.len(),
+        "amx gemm: A too short for its rows"
+    );
+    let fill = |r: usize, dst: &mut [u32], step: usize| {
+        let row = &x[r * stride..][..k];
+        for (s, vals) in row.chunks(2 * TILE).enumerate() {
+            super::bf16::round_row(vals, &mut dst[s * step..][..vals.len().div_ceil(2)]);
+        }
+    };
+    // SAFETY: as this function's; `fill` writes row r's pairs.
+    unsafe { with_tiles(m, fill, b, c, par) }
+}
+
+/// Lays `A` out as tiles, `fill(r, dst, step)` writing row `r`'s pairs with pairs `16s..16s + 16`
+/// at `dst[s·step..]`, then runs the product's tasks.
+///
+/// `A` is laid out tile by tile (each tile's rows of 16 pairs contiguous, a row of tiles after
+/// another along the depth), its rows padded to whole tiles and its depth to whole tile rows with
+/// zeros: the tiles then load 1 KiB runs that the prefetchers follow, never read past `A`, and
+/// the zeros add nothing to any sum. One row or a few run on tiles of that many rows.
+///
+/// # Safety
+/// As [`gemm`]'s, for an `A` of `m` rows and `b.depth` pairs.
+#[cfg(target_arch = "x86_64")]
+unsafe fn with_tiles(
+    m: usize,
+    fill: impl Fn(usize, &mut [u32], usize) + Sync,
+    b: PanelView<'_, u32>,
+    c: Out,
+    par: bool,
+) {
+    let depth = b.depth;
     let tile_rows = m.min(TILE);
     let steps = depth.div_ceil(TILE);
     let tile_len = tile_rows * TILE;
     let run = |padded: &mut Vec<u32>| {
         padded.clear();
         padded.resize(m.div_ceil(TILE) * steps * tile_len, 0);
-        let copy = |(rt, dst): (usize, &mut [u32])| {
+        let lay_out = |(rt, dst): (usize, &mut [u32])| {
             for i in 0..tile_rows.min(m - rt * TILE) {
-                let row = &a.data[(rt * TILE + i) * a.stride..][..depth];
-                for (s, pairs) in row.chunks(TILE).enumerate() {
-                    dst[s * tile_len + i * TILE..][..pairs.len()].copy_from_slice(pairs);
-                }
+                fill(rt * TILE + i, &mut dst[i * TILE..], tile_len);
             }
         };
         if par && m * depth >= 1 << 16 {
             padded
                 .par_chunks_mut(steps * tile_len)
                 .enumerate()
-                .for_each(copy);
+                .for_each(lay_out);
         } else {
             padded
                 .chunks_mut(steps * tile_len)
                 .enumerate()
-                .for_each(copy);
+                .for_each(lay_out);
         }
         let padded = Padded {
             data: padded,
@@ -484,6 +538,45 @@ mod tests {
                     "{m}×{k}×{n}: row {i} alone differs from the batch"
                 );
             }
+        }
+    }
+
+    /// Rounding f32 rows straight into the tiles gives the bits of rounding them into rows first.
+    #[test]
+    fn amx_products_of_f32_rows_equal_those_of_rounded_rows() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU (or kernel) has no AMX-BF16; the AMX kernel was not run");
+            return;
+        }
+        for &(m, k, n) in &[(1, 1, 1), (5, 33, 40), (17, 64, 32), (40, 1001, 70)] {
+            let mut rng = Rng::new((m * 31 + k) as u64);
+            let (a, bm) = (rng.vec(m * (k + 3), 2.0), rng.vec(n * k, 1.0));
+            let panels = Panels::from_f32_rows(&bm, k, n, k);
+            let mut packed = Vec::new();
+            let stride = bf16::round_rows(&a, k + 3, m, k, &mut packed, false);
+            let lhs = Lhs {
+                data: &packed,
+                stride,
+                rows: m,
+            };
+            let (mut x, mut y) = (vec![0f32; m * n], vec![0f32; m * n]);
+            for (buf, f32_rows) in [(&mut x, true), (&mut y, false)] {
+                let out = Out {
+                    ptr: buf.as_mut_ptr(),
+                    stride: n,
+                    alpha: 1.0,
+                    accumulate: false,
+                };
+                // SAFETY: each buffer holds m rows of n; `a` m rows of k at k + 3; AMX is there.
+                unsafe {
+                    match f32_rows {
+                        true => gemm_f32(&a, k + 3, m, k, panels.all(), out, true),
+                        false => gemm(&lhs, panels.all(), out, true),
+                    }
+                }
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&x), bits(&y), "{m}×{k}×{n}");
         }
     }
 

@@ -44,13 +44,18 @@ pub(super) fn gated(
     up: View<'_, CpuBackend>,
     out: ViewMut<'_, CpuBackend>,
     act: Activation,
+    f32_math: bool,
 ) -> Result<()> {
     same_shape("gated", (gate.rows, gate.cols), (up.rows, up.cols))?;
     same_shape("gated", (gate.rows, gate.cols), (out.rows, out.cols))?;
+    let gated = match f32_math {
+        true => vmath::gated_f32,
+        false => vmath::gated,
+    };
     rows_mut(out)
         .zip(rows(gate))
         .zip(rows(up))
-        .for_each(|((o, g), u)| vmath::gated(g, u, o, act));
+        .for_each(|((o, g), u)| gated(g, u, o, act));
     Ok(())
 }
 

@@ -158,6 +158,12 @@ pub(super) fn product_rows(
             return;
         }
         MatStore::Bf16(w) => {
+            #[cfg(target_arch = "x86_64")]
+            if super::amx::enabled() {
+                // SAFETY: as above; `x` holds `m` rows of `k` at `xs`, the matrix `k` columns.
+                unsafe { super::amx::gemm_f32(x, xs, m, k, w.all(), out, par) };
+                return;
+            }
             let run = |a: &mut Vec<u32>| {
                 let stride = bf16::round_rows(x, xs, m, k, a, par);
                 let lhs = Lhs {

@@ -679,7 +679,8 @@ impl Backend for CpuBackend {
         act: Activation,
     ) -> Result<()> {
         self.enter(Op::Gated(act))?;
-        elementwise::gated(gate, up, out, act)
+        // bf16 mode computes the activation in f32: its product rounds it to bf16 next.
+        elementwise::gated(gate, up, out, act, self.precision == Precision::Bf16)
     }
 
     fn segment_mean(
@@ -798,7 +799,12 @@ mod tests {
     fn bf16_describe_says_how_products_run_and_whether_they_beat_f32() {
         let d = CpuBackend::with_precision(Precision::Bf16).describe();
         eprintln!("{d}");
+        #[cfg(target_arch = "x86_64")]
+        let amx = amx::enabled();
+        #[cfg(not(target_arch = "x86_64"))]
+        let amx = false;
         match peak::bf16_dot_vs_fma() {
+            _ if amx => assert!(d.contains("AMX tiles"), "{d}"),
             Some(r) => {
                 assert!(
                     d.contains("AVX512_BF16") && d.contains(&format!("{r:.1}×")),
