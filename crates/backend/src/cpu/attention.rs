@@ -410,17 +410,28 @@ fn attention_panels<E: panels::Operand>(
                     alpha: spec.scale,
                     accumulate: false,
                 };
-                let lhs = E::lhs(&qs[i0 * q.stride + h * hd..], q.stride, nq, hd, qa);
-                // SAFETY: `scores` is nq × nk, exclusively ours; `lhs` holds nq rows of hd.
-                unsafe { panels::gemm(&lhs, keys.view(lo..hi, 0..E::depth(hd)), sc, false) };
+                let (qrows, key_view) = (
+                    &qs[i0 * q.stride + h * hd..],
+                    keys.view(lo..hi, 0..E::depth(hd)),
+                );
+                // SAFETY: `scores` is nq × nk, exclusively ours; `qrows` holds nq rows of hd.
+                unsafe { E::gemm_rows(qrows, q.stride, (nq, hd), key_view, sc, qa) };
                 t.exp_rows(visible, scores, lo, nk, inv);
                 // out = P · v (P unnormalised, in the operand type), then each row divided by
                 // its sum; `lo` is even, so its keys start a bf16 pair.
-                let lhs = E::lhs(scores, nk, nq, nk, pa);
                 let steps = E::depth(lo)..E::depth(lo) + E::depth(nk);
                 // SAFETY: rows i0..i1, columns h·hd..h·hd+hd of the output are inside it (checked
-                // by `plan`) and written by this task alone.
-                unsafe { panels::gemm(&lhs, values.view(0..hd, steps), out_head, false) };
+                // by `plan`) and written by this task alone; `scores` holds nq rows of nk.
+                unsafe {
+                    E::gemm_rows(
+                        scores,
+                        nk,
+                        (nq, nk),
+                        values.view(0..hd, steps),
+                        out_head,
+                        pa,
+                    )
+                };
                 for (r, &s) in inv.iter().enumerate() {
                     // SAFETY: as above.
                     let row = unsafe {

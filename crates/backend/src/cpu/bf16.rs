@@ -11,7 +11,9 @@ use std::sync::OnceLock;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::panels::{Element, Lhs, MR, NR, Operand, Out, PanelView, Panels, Tile, tile_plain};
+use super::panels::{
+    Element, Lhs, MR, NR, Operand, Out, PanelView, Panels, Tile, gemm_converted, tile_plain,
+};
 
 /// Whether this CPU multiplies bf16 in hardware (AVX512_BF16's `vdpbf16ps`).
 pub fn native() -> bool {
@@ -208,6 +210,25 @@ impl Operand for u32 {
             stride,
             rows: m,
         }
+    }
+
+    /// On AMX, the rows are rounded straight into the tiles.
+    unsafe fn gemm_rows(
+        src: &[f32],
+        stride: usize,
+        (m, k): (usize, usize),
+        b: PanelView<'_, u32>,
+        c: Out,
+        scratch: &mut Vec<u32>,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if super::amx::enabled() {
+            // SAFETY: as this function's; AMX is enabled.
+            unsafe { super::amx::gemm_f32(src, stride, m, k, b, c, false) };
+            return;
+        }
+        // SAFETY: as this function's.
+        unsafe { gemm_converted(src, stride, (m, k), b, c, scratch) }
     }
 }
 

@@ -111,6 +111,41 @@ pub trait Operand: Element {
         k: usize,
         scratch: &'a mut Vec<u32>,
     ) -> Lhs<'a, Self>;
+
+    /// `C = alpha · A · Bᵀ` (or `+=`) on this thread, `A` being `m` rows of `k` of `src` (at
+    /// `stride`): [`gemm`] on what [`lhs`](Operand::lhs) makes of them, or a kernel that converts
+    /// the rows as it lays them out (bf16 on AMX).
+    ///
+    /// # Safety
+    /// As [`gemm`]'s, for that `A`.
+    unsafe fn gemm_rows(
+        src: &[f32],
+        stride: usize,
+        (m, k): (usize, usize),
+        b: PanelView<'_, Self>,
+        c: Out,
+        scratch: &mut Vec<u32>,
+    ) {
+        // SAFETY: as this function's.
+        unsafe { gemm_converted(src, stride, (m, k), b, c, scratch) }
+    }
+}
+
+/// [`Operand::gemm_rows`] through [`Operand::lhs`] and [`gemm`].
+///
+/// # Safety
+/// As [`gemm`]'s, for `m` rows of `k` of `src` at `stride` as `A`.
+pub(super) unsafe fn gemm_converted<E: Operand>(
+    src: &[f32],
+    stride: usize,
+    (m, k): (usize, usize),
+    b: PanelView<'_, E>,
+    c: Out,
+    scratch: &mut Vec<u32>,
+) {
+    let lhs = E::lhs(src, stride, m, k, scratch);
+    // SAFETY: as this function's.
+    unsafe { gemm(&lhs, b, c, false) }
 }
 
 impl Operand for f32 {
