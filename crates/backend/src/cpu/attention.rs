@@ -140,14 +140,15 @@ fn plan<'a>(
 impl Task {
     /// Mask and exponentiate `scores`, this task's rows against keys `lo..lo + nk` of its
     /// segment: keys a row does not see get 0, the others `e^(s − max)` of the row. Each row's
-    /// `1 / Σ` goes into `inv` (0 for a row that sees no key, rather than 0/0).
+    /// `1 / Σ` goes into `inv` (0 for a row that sees no key, rather than 0/0); the sums in f32
+    /// lanes when `f32_sums` (bf16 mode), else in f64.
     fn exp_rows(
         &self,
         visible: Visible<'_>,
         scores: &mut [f32],
-        lo: usize,
-        nk: usize,
+        (lo, nk): (usize, usize),
         inv: &mut Vec<f32>,
+        f32_sums: bool,
     ) {
         let (i0, _) = self.rows;
         inv.clear();
@@ -158,7 +159,11 @@ impl Task {
             row[..a].fill(0.0);
             row[b..].fill(0.0);
             let seen = &mut row[a..b];
-            let sum = vmath::exp_shifted(seen, vmath::max(seen));
+            let exp = match f32_sums {
+                true => vmath::exp_shifted_f32,
+                false => vmath::exp_shifted,
+            };
+            let sum = exp(seen, vmath::max(seen));
             inv.push(if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 });
         }
     }
@@ -276,7 +281,7 @@ fn attention_gemm(
                     );
                 }
                 // Probabilities, normalised before `P · V`.
-                t.exp_rows(visible, scores, lo, nk, inv);
+                t.exp_rows(visible, scores, (lo, nk), inv, false);
                 for (row, &s) in scores.chunks_mut(nk).zip(inv.iter()) {
                     vmath::scale(row, s);
                 }
@@ -416,7 +421,7 @@ fn attention_panels<E: panels::Operand>(
                 );
                 // SAFETY: `scores` is nq × nk, exclusively ours; `qrows` holds nq rows of hd.
                 unsafe { E::gemm_rows(qrows, q.stride, (nq, hd), key_view, sc, qa) };
-                t.exp_rows(visible, scores, lo, nk, inv);
+                t.exp_rows(visible, scores, (lo, nk), inv, E::F32_SOFTMAX_SUMS);
                 // out = P · v (P unnormalised, in the operand type), then each row divided by
                 // its sum; `lo` is even, so its keys start a bf16 pair.
                 let steps = E::depth(lo)..E::depth(lo) + E::depth(nk);

@@ -189,6 +189,8 @@ unsafe fn interleave_avx512(even: &[f32], odd: &[f32], out: &mut [u32]) {
 }
 
 impl Operand for u32 {
+    const F32_SOFTMAX_SUMS: bool = true;
+
     fn pack_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Panels<u32> {
         Panels::from_f32_rows(src, stride, n, k)
     }

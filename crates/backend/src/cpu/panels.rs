@@ -98,6 +98,10 @@ pub(super) unsafe fn tile_plain<E: Element>(t: Tile<'_, E>) {
 /// An [`Element`] attention can take its operands in: keys, values and queries arrive as f32
 /// activations and are packed (and, for bf16, rounded) per call.
 pub trait Operand: Element {
+    /// Whether attention's softmax may sum its probabilities in f32 lanes: where the product
+    /// rounds them to bf16 next, far coarser than those sums' rounding.
+    const F32_SOFTMAX_SUMS: bool = false;
+
     /// `n` rows of `k` of `src` (at `stride`) as `B`: attention's keys.
     fn pack_rows(src: &[f32], stride: usize, n: usize, k: usize) -> Panels<Self>;
     /// The transpose of `k` rows of `n` of `src` (at `stride`) as `B`: attention's values.

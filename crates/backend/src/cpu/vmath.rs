@@ -266,6 +266,28 @@ multiversioned! {
 }
 
 multiversioned! {
+    /// [`exp_shifted`] summing in f32 lanes (sixteen to a register, where the f64 sums split each
+    /// register of exponentials in two): for bf16 mode, whose product rounds the probabilities
+    /// to bf16 next (2⁻⁹), far coarser than these sums' rounding.
+    pub(super) fn exp_shifted_f32(xs: &mut [f32], max: f32) -> f64 {
+        let mut acc = [0f32; LANES];
+        let mut chunks = xs.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (a, x) in acc.iter_mut().zip(c.iter_mut()) {
+                *x = exp32(*x - max);
+                *a += *x;
+            }
+        }
+        let mut sum: f64 = acc.iter().map(|&a| a as f64).sum();
+        for x in chunks.into_remainder() {
+            *x = exp32(*x - max);
+            sum += *x as f64;
+        }
+        sum
+    }
+}
+
+multiversioned! {
     /// `xs[j] *= k`.
     pub(super) fn scale(xs: &mut [f32], k: f32) {
         for x in xs {
@@ -489,6 +511,17 @@ mod tests {
             assert!(
                 (sum - want_sum).abs() <= 1e-12 * want_sum.max(1.0),
                 "sum {sum} vs {want_sum}"
+            );
+            // The f32-summing variant: the same exponentials, the sum within f32 rounding.
+            let mut fast = finite.clone();
+            let fast_sum = exp_shifted_f32(&mut fast, m);
+            assert_eq!(
+                fast, got,
+                "exponentials of the f32-summing variant, n = {n}"
+            );
+            assert!(
+                (fast_sum - want_sum).abs() <= 1e-6 * want_sum.max(1.0),
+                "f32 sum {fast_sum} vs {want_sum}"
             );
             let mut nan = vec![1.0, f32::NAN, 2.0];
             exp_shifted(&mut nan, 2.0);
