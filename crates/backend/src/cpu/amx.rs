@@ -447,6 +447,16 @@ unsafe fn add_to_c(
     }
 }
 
+/// Whether this machine cannot run the AMX tests, said on stderr so that CI's log shows it.
+#[cfg(all(test, target_arch = "x86_64"))]
+fn skip_without_amx() -> bool {
+    let skip = !available();
+    if skip {
+        eprintln!("SKIPPED: this CPU (or kernel) has no AMX-BF16; the AMX kernel was not run");
+    }
+    skip
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
@@ -459,8 +469,7 @@ mod tests {
     /// of the rounded inputs; one row alone equals the same row in a batch, bit for bit.
     #[test]
     fn amx_products_match_the_panel_tiles_and_are_batch_invariant() {
-        if !available() {
-            eprintln!("SKIPPED: this CPU (or kernel) has no AMX-BF16; the AMX kernel was not run");
+        if skip_without_amx() {
             return;
         }
         for &(m, k, n) in &[
@@ -544,8 +553,7 @@ mod tests {
     /// Rounding f32 rows straight into the tiles gives the bits of rounding them into rows first.
     #[test]
     fn amx_products_of_f32_rows_equal_those_of_rounded_rows() {
-        if !available() {
-            eprintln!("SKIPPED: this CPU (or kernel) has no AMX-BF16; the AMX kernel was not run");
+        if skip_without_amx() {
             return;
         }
         for &(m, k, n) in &[(1, 1, 1), (5, 33, 40), (17, 64, 32), (40, 1001, 70)] {
@@ -583,8 +591,7 @@ mod tests {
     /// A view of later panels and later pairs on the tiles equals the panel tiles' result on it.
     #[test]
     fn amx_views_select_rows_and_pairs() {
-        if !available() {
-            eprintln!("SKIPPED: this CPU (or kernel) has no AMX-BF16; the AMX kernel was not run");
+        if skip_without_amx() {
             return;
         }
         let (m, k, n) = (40, 600, 100);
@@ -637,8 +644,7 @@ mod rate {
     #[test]
     #[ignore = "a measurement: run on a quiet machine"]
     fn amx_rate() {
-        if !available() {
-            eprintln!("SKIPPED: no AMX-BF16 here");
+        if skip_without_amx() {
             return;
         }
         for &(m, k, n) in &[

@@ -419,6 +419,18 @@ fn int8_isa() -> &'static str {
 }
 
 impl CpuBackend {
+    /// A block-format or FP8 matrix with this backend's product settings.
+    fn quant_mat(&self, q: quant::QuantMat, out: usize, inner: usize) -> CpuMat {
+        CpuMat {
+            store: MatStore::Quant(
+                q.with_int8(self.quant.int8)
+                    .with_e4m3_activations(self.e4m3_activations),
+            ),
+            out,
+            inner,
+        }
+    }
+
     /// [`Backend::matrix`], quantizing at load (`--quantize`) only when `quantize`.
     fn load_matrix(&self, parts: &[Tensor<'_>], quantize: bool) -> Result<CpuMat> {
         let (out, inner) = crate::stacked_shape(parts)?;
@@ -429,15 +441,7 @@ impl CpuBackend {
         if let Some(q) = at_load
             && parts.iter().all(|t| !t.dtype.is_quantized())
         {
-            let m = quant::quantize_stack(parts, q, (out, inner))?;
-            return Ok(CpuMat {
-                store: MatStore::Quant(
-                    m.with_int8(self.quant.int8)
-                        .with_e4m3_activations(self.e4m3_activations),
-                ),
-                out,
-                inner,
-            });
+            return Ok(self.quant_mat(quant::quantize_stack(parts, q, (out, inner))?, out, inner));
         }
         if parts.iter().any(|t| t.dtype.is_quantized()) {
             if parts.iter().any(|t| t.dtype != parts[0].dtype) {
@@ -452,14 +456,7 @@ impl CpuBackend {
                 });
             }
             let (q, out, inner) = quant::QuantMat::stack(parts)?;
-            return Ok(CpuMat {
-                store: MatStore::Quant(
-                    q.with_int8(self.quant.int8)
-                        .with_e4m3_activations(self.e4m3_activations),
-                ),
-                out,
-                inner,
-            });
+            return Ok(self.quant_mat(q, out, inner));
         }
         match self.precision {
             Precision::F32 => stack_f32(parts),
