@@ -17,7 +17,9 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::panels::{DEPTH_BLOCK, Lhs, NR, Out, PanelView};
+use super::panels::{
+    CHUNK_ROWS, DEPTH_BLOCK, Lhs, NR, Out, PanelView, for_each_task, lanes, store_lanes,
+};
 
 /// Rows of a tile (the hardware's maximum) and bf16 pairs in a tile row (64 bytes).
 const TILE: usize = 16;
@@ -25,11 +27,8 @@ const TILE: usize = 16;
 /// Rows of `A` per kernel step: two `A` tiles against two panel tiles, four sums.
 const STEP_ROWS: usize = 2 * TILE;
 
-/// Rows of `A` per parallel task (as the panel kernels': its `A` stays in L2 while panels pass).
-const CHUNK_ROWS: usize = 6 * STEP_ROWS;
-
-/// Bytes of panels per parallel task.
-const BLOCK_BYTES: usize = 256 << 10;
+// The tasks' row chunks (the panel kernels' split) start on whole steps.
+const _: () = assert!(CHUNK_ROWS.is_multiple_of(STEP_ROWS));
 
 /// Whether bf16 products run on AMX tiles in this process: the CPU has AMX-BF16 (and AVX-512F,
 /// for the stores), Linux granted the tile state, and `TESSERA_AMX=0` did not turn it off.
@@ -96,10 +95,7 @@ pub unsafe fn gemm(a: &Lhs<'_, u32>, b: PanelView<'_, u32>, c: Out, par: bool) {
     if m == 0 || b.n == 0 {
         return;
     }
-    assert!(
-        (m == 1 || depth <= a.stride) && (m - 1) * a.stride + depth <= a.data.len(),
-        "amx gemm: A too short for its rows"
-    );
+    a.assert_holds(depth);
     let fill = |r: usize, dst: &mut [u32], step: usize| {
         let row = &a.data[r * a.stride..][..depth];
         for (s, pairs) in row.chunks(TILE).enumerate() {
@@ -219,33 +215,19 @@ impl Padded<'_> {
     }
 }
 
-/// The product's tasks: row chunks × blocks of panels, as the panel kernels split it.
+/// The product's tasks, split as the panel kernels split theirs.
 ///
 /// # Safety
 /// As [`gemm`]'s.
 #[cfg(target_arch = "x86_64")]
 unsafe fn run_tasks(a: &Padded<'_>, b: PanelView<'_, u32>, c: Out, par: bool) {
-    let (m, n) = (a.rows, b.n);
-    let panels = n.div_ceil(NR);
     let bytes = b.depth * NR * 4;
-    let per_block = (BLOCK_BYTES / bytes.max(1)).clamp(1, 16);
-    let blocks = panels.div_ceil(per_block);
-    let chunks = m.div_ceil(CHUNK_ROWS);
-    let task = |t: usize| {
-        let (bi, ci) = (t % blocks, t / blocks);
-        let rows = ci * CHUNK_ROWS..((ci + 1) * CHUNK_ROWS).min(m);
-        let panels = bi * per_block..((bi + 1) * per_block).min(panels);
+    for_each_task(a.rows, b.n, b.depth, bytes, par, |rows, panels| {
         // SAFETY: the CPU has AMX-BF16 and AVX-512F and the process holds the tile state
         // (`enabled`, the caller's promise); the task's rows and panels are inside the extents
         // `gemm`'s caller guarantees, and tasks own disjoint tiles of C.
         unsafe { task_tiles(a, b, c, rows, panels) };
-    };
-    let tasks = blocks * chunks;
-    if par && tasks > 1 && m * n * b.depth >= 1 << 18 {
-        (0..tasks).into_par_iter().for_each(task);
-    } else {
-        (0..tasks).for_each(task);
-    }
+    });
 }
 
 /// The tile configuration (`ldtilecfg`'s 64 bytes): palette 1; tiles 0–3 the sums (`rows` × 16
@@ -364,10 +346,7 @@ unsafe fn task_tiles(
                 let accumulate = c.accumulate || q0 > 0;
                 for t in 0..if two { 4 } else { 2 } {
                     let (r0, c0) = (r + (t / 2) * TILE, (t % 2) * TILE);
-                    let (th, tc) = (
-                        (rows.end.min(r + h) - r0).min(TILE),
-                        cols.saturating_sub(c0),
-                    );
+                    let (th, tc) = ((r + h - r0).min(TILE), cols.saturating_sub(c0));
                     if tc == 0 {
                         continue;
                     }
@@ -427,22 +406,12 @@ unsafe fn add_to_c(
     cols: usize,
     accumulate: bool,
 ) {
-    use std::arch::x86_64::*;
-    let mask: __mmask16 = if cols >= 16 {
-        0xffff
-    } else {
-        (1u16 << cols) - 1
-    };
-    let scale = _mm512_set1_ps(c.alpha);
+    let (mask, scale) = (lanes(cols), std::arch::x86_64::_mm512_set1_ps(c.alpha));
     for i in 0..rows {
         // SAFETY: row i of `sums` is 16 f32; the masked columns of C's row are the caller's.
         unsafe {
-            let dst = c.at(r0 + i, col);
-            let mut y = _mm512_mul_ps(_mm512_loadu_ps(sums.as_ptr().add(i * TILE)), scale);
-            if accumulate {
-                y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, dst));
-            }
-            _mm512_mask_storeu_ps(dst, mask, y);
+            let v = std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr().add(i * TILE));
+            store_lanes(v, c.at(r0 + i, col), mask, scale, accumulate);
         }
     }
 }

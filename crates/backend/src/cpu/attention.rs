@@ -420,7 +420,7 @@ fn attention_panels<E: panels::Operand>(
                     keys.view(lo..hi, 0..E::depth(hd)),
                 );
                 // SAFETY: `scores` is nq × nk, exclusively ours; `qrows` holds nq rows of hd.
-                unsafe { E::gemm_rows(qrows, q.stride, (nq, hd), key_view, sc, qa) };
+                unsafe { E::gemm_rows(qrows, q.stride, (nq, hd), key_view, sc, qa, false) };
                 t.exp_rows(visible, scores, (lo, nk), inv, E::F32_SOFTMAX_SUMS);
                 // out = P · v (P unnormalised, in the operand type), then each row divided by
                 // its sum; `lo` is even, so its keys start a bf16 pair.
@@ -435,6 +435,7 @@ fn attention_panels<E: panels::Operand>(
                         values.view(0..hd, steps),
                         out_head,
                         pa,
+                        false,
                     )
                 };
                 for (r, &s) in inv.iter().enumerate() {

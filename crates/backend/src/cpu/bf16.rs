@@ -202,11 +202,11 @@ impl Operand for u32 {
     fn lhs<'a>(
         src: &'a [f32],
         stride: usize,
-        m: usize,
-        k: usize,
+        (m, k): (usize, usize),
         scratch: &'a mut Vec<u32>,
+        par: bool,
     ) -> Lhs<'a, u32> {
-        let stride = round_rows(src, stride, m, k, scratch, false);
+        let stride = round_rows(src, stride, m, k, scratch, par);
         Lhs {
             data: scratch,
             stride,
@@ -222,15 +222,16 @@ impl Operand for u32 {
         b: PanelView<'_, u32>,
         c: Out,
         scratch: &mut Vec<u32>,
+        par: bool,
     ) {
         #[cfg(target_arch = "x86_64")]
         if super::amx::enabled() {
             // SAFETY: as this function's; AMX is enabled.
-            unsafe { super::amx::gemm_f32(src, stride, m, k, b, c, false) };
+            unsafe { super::amx::gemm_f32(src, stride, m, k, b, c, par) };
             return;
         }
         // SAFETY: as this function's.
-        unsafe { gemm_converted(src, stride, (m, k), b, c, scratch) }
+        unsafe { gemm_converted(src, stride, (m, k), b, c, scratch, par) }
     }
 }
 

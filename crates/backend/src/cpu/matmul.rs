@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
 use super::panels::{self, Lhs, Out};
-use super::{CpuBackend, CpuBuf, CpuMat, MatStore, bf16, int8, quant, rows_mut, slice, vmath};
+use super::{CpuBackend, CpuBuf, CpuMat, MatStore, int8, quant, rows_mut, slice, vmath};
 use crate::op::check_product;
 use crate::{Epilogue, View, ViewMut};
 
@@ -158,21 +158,9 @@ pub(super) fn product_rows(
             return;
         }
         MatStore::Bf16(w) => {
-            #[cfg(target_arch = "x86_64")]
-            if super::amx::enabled() {
-                // SAFETY: as above; `x` holds `m` rows of `k` at `xs`, the matrix `k` columns.
-                unsafe { super::amx::gemm_f32(x, xs, m, k, w.all(), out, par) };
-                return;
-            }
-            let run = |a: &mut Vec<u32>| {
-                let stride = bf16::round_rows(x, xs, m, k, a, par);
-                let lhs = Lhs {
-                    data: a,
-                    stride,
-                    rows: m,
-                };
-                // SAFETY: as above; `lhs` holds `m` rows of the matrix's pair count.
-                unsafe { panels::gemm(&lhs, w.all(), out, par) };
+            // SAFETY: as above; `x` holds `m` rows of `k` at `xs`, the matrix `k` columns.
+            let run = |a: &mut Vec<u32>| unsafe {
+                <u32 as panels::Operand>::gemm_rows(x, xs, (m, k), w.all(), out, a, par)
             };
             // A product reached again on this thread while the buffer is in use (a rayon
             // worker that picked up other work while it waited) takes a buffer of its own.

@@ -21,7 +21,9 @@ pub const NR: usize = 32;
 pub const MR: usize = 12;
 
 /// Rows of `A` per parallel task: a task's `A` rows stay in L2 while its panels stream past.
-const CHUNK_ROWS: usize = 16 * MR;
+/// (A multiple of the AMX kernel's 32-row steps too: `amx.rs` splits its products by
+/// [`for_each_task`] as well.)
+pub(super) const CHUNK_ROWS: usize = 16 * MR;
 
 /// Depth steps one tile sums in registers before adding its sums to `C`. Each output is a sum
 /// of block sums: summed over all of `k` in one lane, its rounding error grows as `k` does
@@ -107,18 +109,19 @@ pub trait Operand: Element {
     /// The transpose of `k` rows of `n` of `src` (at `stride`) as `B`: attention's values.
     fn pack_cols(src: &[f32], stride: usize, k: usize, n: usize) -> Panels<Self>;
     /// `m` rows of `k` of `src` (at `stride`) as `A`: as they are, or converted into `scratch`
-    /// (bf16 pairs).
+    /// (bf16 pairs; in parallel when `par`).
     fn lhs<'a>(
         src: &'a [f32],
         stride: usize,
-        m: usize,
-        k: usize,
+        shape: (usize, usize),
         scratch: &'a mut Vec<u32>,
+        par: bool,
     ) -> Lhs<'a, Self>;
 
-    /// `C = alpha · A · Bᵀ` (or `+=`) on this thread, `A` being `m` rows of `k` of `src` (at
-    /// `stride`): [`gemm`] on what [`lhs`](Operand::lhs) makes of them, or a kernel that converts
-    /// the rows as it lays them out (bf16 on AMX).
+    /// `C = alpha · A · Bᵀ` (or `+=`), over threads when `par`, `A` being `m` rows of `k` of
+    /// `src` (at `stride`): [`gemm`] on what [`lhs`](Operand::lhs) makes of them, or a kernel
+    /// that converts the rows as it lays them out (bf16 on AMX). Attention's products and the
+    /// bf16 weight products both come through here.
     ///
     /// # Safety
     /// As [`gemm`]'s, for that `A`.
@@ -129,9 +132,10 @@ pub trait Operand: Element {
         b: PanelView<'_, Self>,
         c: Out,
         scratch: &mut Vec<u32>,
+        par: bool,
     ) {
         // SAFETY: as this function's.
-        unsafe { gemm_converted(src, stride, (m, k), b, c, scratch) }
+        unsafe { gemm_converted(src, stride, (m, k), b, c, scratch, par) }
     }
 }
 
@@ -146,10 +150,11 @@ pub(super) unsafe fn gemm_converted<E: Operand>(
     b: PanelView<'_, E>,
     c: Out,
     scratch: &mut Vec<u32>,
+    par: bool,
 ) {
-    let lhs = E::lhs(src, stride, m, k, scratch);
+    let lhs = E::lhs(src, stride, (m, k), scratch, par);
     // SAFETY: as this function's.
-    unsafe { gemm(&lhs, b, c, false) }
+    unsafe { gemm(&lhs, b, c, par) }
 }
 
 impl Operand for f32 {
@@ -168,9 +173,9 @@ impl Operand for f32 {
     fn lhs<'a>(
         src: &'a [f32],
         stride: usize,
-        m: usize,
-        _k: usize,
+        (m, _k): (usize, usize),
         _scratch: &'a mut Vec<u32>,
+        _par: bool,
     ) -> Lhs<'a, f32> {
         Lhs {
             data: src,
@@ -293,6 +298,19 @@ pub struct Lhs<'a, E> {
     pub rows: usize,
 }
 
+impl<E> Lhs<'_, E> {
+    /// Panics unless the rows hold `depth` steps each (the last one may end the data).
+    pub(super) fn assert_holds(&self, depth: usize) {
+        let m = self.rows;
+        assert!(
+            m == 0
+                || (m == 1 || depth <= self.stride)
+                    && (m - 1) * self.stride + depth <= self.data.len(),
+            "panel gemm: A too short for its rows"
+        );
+    }
+}
+
 /// Where one product writes: `C` rows at `stride` from `ptr`, `alpha · A·Bᵀ` added to them
 /// (`accumulate`) or stored.
 #[derive(Clone, Copy)]
@@ -344,19 +362,10 @@ pub(super) unsafe fn gemm_tiles<E: Element>(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        (m == 1 || b.depth <= a.stride) && (m - 1) * a.stride + b.depth <= a.data.len(),
-        "panel gemm: A too short for its rows"
-    );
-    let panels = n.div_ceil(NR);
+    a.assert_holds(b.depth);
     let bytes = b.depth * NR * std::mem::size_of::<E>();
-    let per_block = (BLOCK_BYTES / bytes.max(1)).clamp(1, 16);
-    let blocks = panels.div_ceil(per_block);
-    let chunks = m.div_ceil(CHUNK_ROWS);
-    let task = |t: usize| {
-        let (bi, ci) = (t % blocks, t / blocks);
-        let rows = ci * CHUNK_ROWS..((ci + 1) * CHUNK_ROWS).min(m);
-        for p in bi * per_block..((bi + 1) * per_block).min(panels) {
+    for_each_task(m, n, b.depth, bytes, par, |rows, panels| {
+        for p in panels {
             let cols = (n - p * NR).min(NR);
             let panel = &b.data[p * b.stride + b.first * NR..];
             let mut r = rows.start;
@@ -384,12 +393,36 @@ pub(super) unsafe fn gemm_tiles<E: Element>(
                 r += h;
             }
         }
+    });
+}
+
+/// A product of `m` rows of `A` against the `⌈n / NR⌉` panels of `B` (`depth` steps, `bytes`
+/// each) split into tasks: row chunks of [`CHUNK_ROWS`] × blocks of panels that stay in L2,
+/// `task(rows, panels)` for each, over threads when `par` and the product is large enough.
+pub(super) fn for_each_task(
+    m: usize,
+    n: usize,
+    depth: usize,
+    bytes: usize,
+    par: bool,
+    task: impl Fn(Range<usize>, Range<usize>) + Sync,
+) {
+    let panels = n.div_ceil(NR);
+    let per_block = (BLOCK_BYTES / bytes.max(1)).clamp(1, 16);
+    let blocks = panels.div_ceil(per_block);
+    let chunks = m.div_ceil(CHUNK_ROWS);
+    let one = |t: usize| {
+        let (bi, ci) = (t % blocks, t / blocks);
+        task(
+            ci * CHUNK_ROWS..((ci + 1) * CHUNK_ROWS).min(m),
+            bi * per_block..((bi + 1) * per_block).min(panels),
+        );
     };
     let tasks = blocks * chunks;
-    if par && tasks > 1 && m * n * b.depth >= 1 << 18 {
-        (0..tasks).into_par_iter().for_each(task);
+    if par && tasks > 1 && m * n * depth >= 1 << 18 {
+        (0..tasks).into_par_iter().for_each(one);
     } else {
-        (0..tasks).for_each(task);
+        (0..tasks).for_each(one);
     }
 }
 
@@ -425,7 +458,6 @@ pub(super) unsafe fn store_tile<const H: usize, E>(
     use std::arch::x86_64::*;
     let (c, ldc, cols, accumulate) = (t.c, t.ldc, t.cols, t.accumulate);
     let scale = _mm512_set1_ps(t.alpha);
-    let lanes = |n: usize| -> __mmask16 { if n >= 16 { 0xffff } else { (1u16 << n) - 1 } };
     let masks = [lanes(cols), lanes(cols.saturating_sub(16))];
     for (r, acc) in acc.iter().enumerate() {
         for (half, (&v, &mask)) in acc.iter().zip(&masks).enumerate() {
@@ -433,15 +465,39 @@ pub(super) unsafe fn store_tile<const H: usize, E>(
                 continue;
             }
             // SAFETY: row r < H and the masked columns (< cols) are inside the caller's C.
-            unsafe {
-                let dst = c.add(r * ldc + 16 * half);
-                let mut y = _mm512_mul_ps(v, scale);
-                if accumulate {
-                    y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, dst));
-                }
-                _mm512_mask_storeu_ps(dst, mask, y);
-            }
+            unsafe { store_lanes(v, c.add(r * ldc + 16 * half), mask, scale, accumulate) };
         }
+    }
+}
+
+/// The mask of the first `n` of 16 lanes.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn lanes(n: usize) -> std::arch::x86_64::__mmask16 {
+    if n >= 16 { 0xffff } else { (1u16 << n) - 1 }
+}
+
+/// `dst[j] = scale · v[j]` (added to `dst[j]` when `accumulate`) for the lanes in `mask`.
+///
+/// # Safety
+/// The masked lanes of `dst` are the caller's to write (and read), and the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) unsafe fn store_lanes(
+    v: std::arch::x86_64::__m512,
+    dst: *mut f32,
+    mask: std::arch::x86_64::__mmask16,
+    scale: std::arch::x86_64::__m512,
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: as this function's.
+    unsafe {
+        let mut y = _mm512_mul_ps(v, scale);
+        if accumulate {
+            y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, dst));
+        }
+        _mm512_mask_storeu_ps(dst, mask, y);
     }
 }
 

@@ -327,14 +327,15 @@ impl CudaBackend {
     /// CPU quantizes them; unless `at_load` is false (`Backend::matrix_unquantized`).
     pub(super) fn upload_matrix(&self, parts: &[Tensor<'_>], at_load: bool) -> Result<CudaMat> {
         let (out, inner) = crate::stacked_shape(parts)?;
-        let float = at_load && out > 0 && parts.iter().all(|t| !t.dtype.is_quantized());
-        let quantize = self.fp8_at_load && float;
+        // Float parts that `--quantize` may quantize here.
+        let quantizable = at_load && out > 0 && parts.iter().all(|t| !t.dtype.is_quantized());
+        let quantize = self.fp8_at_load && quantizable;
         if quantize || parts.iter().any(|t| t.dtype == DType::F8_E4M3) {
             return super::fp8::upload(self, parts, quantize);
         }
         if let Some(q) = self
             .blocks_at_load
-            .filter(|q| float && q.bytes_for(inner).is_some())
+            .filter(|q| quantizable && q.bytes_for(inner).is_some())
         {
             let mat = crate::cpu::quant::quantize_stack(parts, q, (out, inner))?;
             let t = Tensor {
