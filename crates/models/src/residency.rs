@@ -143,6 +143,17 @@ impl<B: Backend, T> Slot<B, T> {
             .ok_or_else(|| Error::input(format!("the {} did not load", self.name)))
     }
 
+    /// `pass` on the component (loaded first if need be), then the component released for the
+    /// next stage whether or not the pass worked: a failed one must not leave it loaded. The
+    /// pass's error comes first.
+    pub fn with<R>(&mut self, be: &B, pass: impl FnOnce(&mut T) -> Result<R>) -> Result<R> {
+        let out = self.get(be).and_then(pass);
+        let released = self.release(be);
+        let out = out?;
+        released?;
+        Ok(out)
+    }
+
     /// The component if it is held (always, when resident).
     pub fn held(&self) -> Option<&T> {
         self.held.as_ref()

@@ -611,15 +611,7 @@ impl<B: Backend> QwenImage<B> {
     /// dropped after, unless resident).
     pub fn encode(&mut self, prompts: &[PromptIds]) -> Result<Vec<Vec<f32>>> {
         let be = &self.backend;
-        let features = self
-            .text_encoder
-            .get(be)
-            .and_then(|te| te.features(be, prompts));
-        // Released whether or not the pass worked: a failed one must not leave it loaded.
-        let released = self.text_encoder.release(be);
-        let features = features?;
-        released?;
-        Ok(features)
+        self.text_encoder.with(be, |te| te.features(be, prompts))
     }
 
     /// Run a planned request: `req.num_images` images, seeds `seed, seed + 1, …`, every step one

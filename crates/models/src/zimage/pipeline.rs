@@ -516,8 +516,8 @@ impl<B: Backend> ZImage<B> {
     pub fn caption_features(&mut self, prompts: &[PromptIds]) -> Result<Vec<Vec<f32>>> {
         let seqs: Vec<&[u32]> = prompts.iter().map(|p| p.ids.as_slice()).collect();
         let be = &self.backend;
-        let features = (|| {
-            let hidden = self.text_encoder.get(be)?.forward(be, &seqs)?;
+        self.text_encoder.with(be, |te| {
+            let hidden = te.forward(be, &seqs)?;
             let mut out = Vec::with_capacity(seqs.len());
             let mut off = 0;
             for s in &seqs {
@@ -525,12 +525,7 @@ impl<B: Backend> ZImage<B> {
                 off += s.len();
             }
             Ok(out)
-        })();
-        // Released whether or not the pass worked: a failed one must not leave it loaded.
-        let released = self.text_encoder.release(be);
-        let features = features?;
-        released?;
-        Ok(features)
+        })
     }
 
     /// Run a planned request of one image.
