@@ -4,6 +4,9 @@
 # GEMV kernels (TESSERA_GEMV=0 / cuda / tc, the default) — then a table of tokens/s per batch size.
 #   VAR (TESSERA_GEMV), A (0), B (tc): the switch and its two values
 #   BATCH (1,8,32), NEW (128), ITERS (3): `tessera bench chat`'s --batch, --new-tokens, --iters
+#   BIN_A, BIN_B (.dev/bin/tessera): the binary each side runs — a baseline build against this one
+#     (stage.sh's BASELINE puts it at .dev/bin/tessera-base), e.g. VAR=X A=base B=head
+#     BIN_A=.dev/bin/tessera-base
 #   EXTRA: more `bench chat` flags for both sides, e.g. "--temperature 0.1 --min-p 0.15
 #     --repetition-penalty 1.05" (sampled on the host) or "--quantize q4_k" (block-format weights)
 # Uses the full-size random-weight folder make_lfm2vl_full.py makes (made here when absent).
@@ -26,10 +29,12 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/decode_ab/gpu.txt"
 status=0
 n=0
-for v in $A $B $B $A; do
+BIN_A=${BIN_A:-.dev/bin/tessera} BIN_B=${BIN_B:-.dev/bin/tessera}
+for side in A B B A; do
   n=$((n + 1))
+  v=${!side}; bin=BIN_$side
   # shellcheck disable=SC2086
-  env "$VAR=$v" timeout 120 .dev/bin/tessera bench chat --model $F --device cuda --precision bf16 \
+  env "$VAR=$v" timeout 120 "${!bin}" bench chat --model $F --device cuda --precision bf16 \
     --images 512x512 --prefill 64 --batch "$BATCH" --new-tokens "$NEW" --iters "$ITERS" $EXTRA \
     > "$OUT/decode_ab/run${n}_$v.jsonl" 2> "$OUT/decode_ab/run${n}_$v.err" || status=1
 done
