@@ -600,6 +600,15 @@ __device__ __forceinline__ void load_row_vec(const T* row, int cols, float (&v)[
     }
 }
 
+template <typename T>
+__device__ __forceinline__ void store_row_vec(T* row, int cols, const float (&v)[RN_CHUNKS][4]) {
+#pragma unroll
+    for (int i = 0; i < RN_CHUNKS; i++) {
+        const int c = 4 * (threadIdx.x + i * blockDim.x);
+        if (c < cols) store4(row + c, v[i]);
+    }
+}
+
 template <typename TI, typename TO>
 __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind, const float* w, const float* b,
                                                   const float* s, float eps, TO* out, long os, int cols) {
@@ -608,16 +617,29 @@ __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind
     float v[RN_CHUNKS][4];
     load_row_vec(x + r * xs, cols, v);
     const float2 st = row_stats_vec(v, cols, kind, eps, sh);
+    // The weights' loads all before the first store (see residual_any_vec_impl).
 #pragma unroll
     for (int i = 0; i < RN_CHUNKS; i++) {
         const int c = 4 * (threadIdx.x + i * blockDim.x);
-        if (c < cols) {
-            norm_affine4(v[i], st, c, w, b, s);
-            store4(out + r * os + c, v[i]);
-        }
+        if (c < cols) norm_affine4(v[i], st, c, w, b, s);
+    }
+    store_row_vec(out + r * os, cols, v);
+}
+
+// Asks L2 for the lines of a per-column vector this thread will read after a reduction, so that
+// read costs an L2 hit rather than a DRAM round trip (decoding's one-row launches are latency-bound).
+__device__ __forceinline__ void prefetch_vec_l2(const float* p, int cols) {
+    if (!p) return;
+#pragma unroll
+    for (int i = 0; i < RN_CHUNKS; i++) {
+        const int c = 4 * (threadIdx.x + i * blockDim.x);
+        if (c < cols) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + c));
     }
 }
 
+// Every read of a pass is issued before its first store: a store between two loads keeps the
+// compiler from moving the second above it (they might alias), and with one load per chunk behind
+// each store a one-row launch — decoding's residual + norm — waited on one DRAM round trip per chunk.
 template <typename TY, typename TO>
 __device__ __forceinline__ void residual_any_vec_impl(float* h, long hs, const TY* y, long ys, int post_kind,
                                                       const float* pw, const float* pb, const float* ps, float peps,
@@ -627,37 +649,51 @@ __device__ __forceinline__ void residual_any_vec_impl(float* h, long hs, const T
     __shared__ float sh[32];
     const long r = blockIdx.x;
     float* hr = h + r * hs;
-    float v[RN_CHUNKS][4];
+    if (mode == 1) {
+        prefetch_vec_l2(nw, cols);
+        prefetch_vec_l2(nb, cols);
+        prefetch_vec_l2(ns, cols);
+    }
+    float v[RN_CHUNKS][4], hv[RN_CHUNKS][4];
     load_row_vec(y + r * ys, cols, v);
+    load_row_vec(hr, cols, hv);
     float2 st = make_float2(0.f, 1.f);
-    if (post_kind >= 0) st = row_stats_vec(v, cols, post_kind, peps, sh);
+    if (post_kind >= 0) {
+        st = row_stats_vec(v, cols, post_kind, peps, sh);
+#pragma unroll
+        for (int i = 0; i < RN_CHUNKS; i++) {
+            const int c = 4 * (threadIdx.x + i * blockDim.x);
+            if (c < cols) norm_affine4(v[i], st, c, pw, pb, ps);
+        }
+    }
 #pragma unroll
     for (int i = 0; i < RN_CHUNKS; i++) {
         const int c = 4 * (threadIdx.x + i * blockDim.x);
         if (c < cols) {
-            if (post_kind >= 0) norm_affine4(v[i], st, c, pw, pb, ps);
-            float hv[4], gv[4];
-            load4(hr + c, hv);
+            float gv[4];
             if (g) load4(g + c, gv);
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const float bv = g ? v[i][j] * tanhf(gv[j]) : v[i][j];
-                v[i][j] = (hv[j] + bv) * scale;
+                v[i][j] = (hv[i][j] + bv) * scale;
             }
-            store4(hr + c, v[i]);
         }
     }
-    if (mode == 0) return;
-    TO* orow = out + r * os;
-    if (mode == 1) st = row_stats_vec(v, cols, next_kind, neps, sh);
 #pragma unroll
     for (int i = 0; i < RN_CHUNKS; i++) {
         const int c = 4 * (threadIdx.x + i * blockDim.x);
-        if (c < cols) {
-            if (mode == 1) norm_affine4(v[i], st, c, nw, nb, ns);
-            store4(orow + c, v[i]);
+        if (c < cols) store4(hr + c, v[i]);
+    }
+    if (mode == 0) return;
+    if (mode == 1) {
+        st = row_stats_vec(v, cols, next_kind, neps, sh);
+#pragma unroll
+        for (int i = 0; i < RN_CHUNKS; i++) {
+            const int c = 4 * (threadIdx.x + i * blockDim.x);
+            if (c < cols) norm_affine4(v[i], st, c, nw, nb, ns);
         }
     }
+    store_row_vec(out + r * os, cols, v);
 }
 
 ROW_NORM(row_norm_vec_impl, float, float, row_norm_vec_f32_f32)
