@@ -210,3 +210,52 @@ fn every_kernel_takes_its_args_struct() {
     }
     eprintln!("{checked} kernels checked");
 }
+
+/// The first instruction of `body` that reads or writes global (or generic) memory, if any:
+/// loads, stores, atomics, reductions and asynchronous copies outside the parameter, shared,
+/// local and constant spaces. Prefetches are hints and do not count.
+fn first_global_access(body: &str) -> Option<(usize, &str)> {
+    const OPS: [&str; 6] = ["ld.", "st.", "atom.", "red.", "cp.", "tex."];
+    const LOCAL: [&str; 4] = [".param", ".shared", ".local", ".const"];
+    body.lines().enumerate().find_map(|(i, line)| {
+        let op = line.split_whitespace().find(|t| !t.starts_with('@'))?;
+        let memory = OPS.iter().any(|p| op.starts_with(p)) && !LOCAL.iter().any(|s| op.contains(s));
+        memory.then_some((i, line.trim()))
+    })
+}
+
+/// Kernels are launched with programmatic dependent launch on Hopper (`launch_overlapped`), so
+/// each may start while the kernel before it still runs: every kernel must wait for it
+/// (`griddepcontrol.wait`, from `pdl_enter`) before its first access to global memory, or it
+/// would race with it. Checked on each kernel's PTX for `sm_90a`.
+#[test]
+fn every_kernel_waits_for_its_predecessor_before_touching_memory() {
+    require_nvrtc();
+    let mut checked = 0;
+    for src in nvrtc::SOURCES {
+        let ptx = nvrtc::compile_ptx(src, "compute_90a").unwrap_or_else(|e| panic!("{e}"));
+        for chunk in ptx.split(".entry ").skip(1) {
+            let name = chunk.split('(').next().unwrap_or_default().trim();
+            let body = chunk.split_once('{').map_or("", |(_, b)| b);
+            let wait = body
+                .lines()
+                .position(|l| l.trim_start().starts_with("griddepcontrol.wait"))
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{}: {name} never waits for its predecessor (pdl_enter)",
+                        src.name
+                    )
+                });
+            if let Some((line, text)) = first_global_access(body) {
+                assert!(
+                    wait < line,
+                    "{}: {name} touches memory before waiting for its predecessor: {text}",
+                    src.name
+                );
+            }
+            checked += 1;
+        }
+    }
+    eprintln!("{checked} kernels wait for their predecessor before touching memory");
+    assert!(checked > 0, "no kernel found in the PTX");
+}

@@ -111,6 +111,7 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         name,
         arch,
         sm_count,
+        overlap_launches: major >= 9 && std::env::var("TESSERA_PDL").as_deref() != Ok("0"),
     })
 }
 

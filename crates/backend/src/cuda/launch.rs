@@ -13,6 +13,7 @@
 //! (`tests/nvrtc_compile.rs`: the cubin's names, the C parameter types, the PTX parameter
 //! sizes), so neither can drift.
 
+use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -62,6 +63,9 @@ pub unsafe trait KernelArgs {
     /// Append the C parameter types, in order (checked in CI against the kernel's C types and PTX).
     fn params(out: &mut Vec<Param>);
     fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>);
+    /// Append a pointer to each parameter's value, in order: the driver's `kernelParams` array
+    /// (for launches made without cudarc's builder, [`CudaBackend::launch`]'s overlapped ones).
+    fn param_ptrs(&self, out: &mut Vec<*mut c_void>);
 }
 
 macro_rules! scalar_args {
@@ -73,6 +77,9 @@ macro_rules! scalar_args {
             }
             fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
                 launch.arg(self);
+            }
+            fn param_ptrs(&self, out: &mut Vec<*mut c_void>) {
+                out.push((self as *const $ty).cast_mut().cast());
             }
         }
     )*};
@@ -114,6 +121,9 @@ macro_rules! kernel_args {
             }
             fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
                 $($crate::cuda::launch::KernelArgs::push(&self.$field, launch);)*
+            }
+            fn param_ptrs(&self, out: &mut Vec<*mut std::ffi::c_void>) {
+                $($crate::cuda::launch::KernelArgs::param_ptrs(&self.$field, out);)*
             }
         }
     };
@@ -407,6 +417,9 @@ impl CudaBackend {
             return self.timed(class, None, || Ok(()));
         }
         self.timed(class, Some(kernel.name()), || {
+            if self.overlap_launches {
+                return self.launch_overlapped(kernel, &config, args);
+            }
             let mut b = self.stream.launch_builder(kernel.func());
             args.push(&mut b);
             // SAFETY: a `Kernel<A>` is resolved only under a name of a table field declared
@@ -417,6 +430,59 @@ impl CudaBackend {
             unsafe { b.launch(config) }.map_err(drv(kernel.name()))?;
             Ok(())
         })
+    }
+
+    /// Launch `kernel` with programmatic stream serialization (Hopper's programmatic dependent
+    /// launch): the driver may start it while the kernel before it is still running, and its
+    /// blocks wait at their start (`pdl_enter`, kernels/common.cuh) until that kernel has finished
+    /// and its writes are visible. The launch latency and the blocks' start-up — and a GEMV's
+    /// weight prefetch — then overlap the previous kernel instead of following it: decoding runs
+    /// ~160 small kernels a token. Stream captures keep the overlap as programmatic graph edges.
+    fn launch_overlapped<A: KernelArgs>(
+        &self,
+        kernel: &Kernel<A>,
+        config: &LaunchConfig,
+        args: &A,
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        let mut params = Vec::with_capacity(24);
+        args.param_ptrs(&mut params);
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let launch = sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.ctx.bind_to_thread().map_err(drv(kernel.name()))?;
+        // SAFETY: as in `launch`: `params` holds one pointer per C parameter of the kernel, each to
+        // a live value of that parameter's type and size (`param_ptrs` follows `params`, which CI
+        // checks against the kernel), and `args` outlives the call, which copies them; `launch`
+        // and `attr` are valid for the call; the stream and function belong to this context. Every
+        // kernel waits for its predecessor before touching global memory (`pdl_enter`, checked in
+        // CI on the PTX), which is what the attribute requires.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &launch,
+                kernel.func().cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(drv(kernel.name()))
     }
 
     /// Run `op` under the profiler's class `class` (and the name of the kernel it launches, if

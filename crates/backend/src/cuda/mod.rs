@@ -95,6 +95,9 @@ pub struct CudaBackend {
     name: String,
     arch: String,
     sm_count: u32,
+    /// Launch kernels with programmatic dependent launch (compute capability 9.0 and newer,
+    /// unless `TESSERA_PDL=0`): see `launch_overlapped`.
+    overlap_launches: bool,
 }
 
 impl Backend for CudaBackend {

@@ -253,6 +253,7 @@ FLASH(1152)
 // weighted by 2^(its log2-sum-exp − the largest); a row no chunk saw stays 0, as in one pass.
 extern "C" __global__ void flash_combine(const float* __restrict__ part, bf16* __restrict__ o, long os, int rows,
                                          int heads, int D, int kv_splits) {
+    pdl_enter();
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (gw >= (long)rows * heads) return;
@@ -355,6 +356,7 @@ __device__ __forceinline__ void attn_rows_impl(const T* q, long qs, const T* k, 
     extern "C" __global__ void NAME(const T* q, long qs, const T* k, long ks, const T* v, long vs, T* o, long os, \
                                     const u32* offsets, int nseg, int rows, int hq, int group, int D, float scale, \
                                     int window, int causal, const u32* limits) {                            \
+        pdl_enter();                                                                                        \
         attn_rows_impl<T>(q, qs, k, ks, v, vs, o, os, offsets, nseg, rows, hq, group, D, scale, window, causal, \
                           limits);                                                                          \
     }
@@ -607,6 +609,7 @@ __device__ __forceinline__ void attn_cached_combine_impl(const float* __restrict
         const T* q, long qs, const T* k, long ks, const T* v, long vs, T* o, long os, const u32* offsets,     \
         int nseg, const u32* ranges, const u32* limits, int hq, int group, float scale_log2, int window,     \
         int causal, float* part) {                                                                        \
+        pdl_enter();                                                                                      \
         attn_cached_impl<D, T>(q, qs, k, ks, v, vs, o, os, offsets, nseg, ranges, limits, hq, group, scale_log2, \
                                window, causal, part);                                                     \
     }
@@ -626,6 +629,7 @@ ATTN_CACHED_DIMS(bf16, bf16)
 
 #define ATTN_CACHED_COMBINE(T, NAME)                                                                      \
     extern "C" __global__ void NAME(const float* part, T* o, long os, int rows, int heads, int D, int splits) { \
+        pdl_enter();                                                                                            \
         attn_cached_combine_impl<T>(part, o, os, rows, heads, D, splits);                                 \
     }
 ATTN_CACHED_COMBINE(float, attn_cached_combine_f32)

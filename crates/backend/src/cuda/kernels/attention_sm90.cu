@@ -473,6 +473,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
                       const u32* tiles, int group, float scale_log2, int window, int causal, const u32* limits, \
                       float* part, int rows, int kv_splits, const __grid_constant__ TmaDesc tk,              \
                       const __grid_constant__ TmaDesc tv) {                                                 \
+        pdl_enter();                                                                                        \
         flash_ws_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, limits, part,   \
                          rows, kv_splits, &tk, &tv);                                                         \
     }

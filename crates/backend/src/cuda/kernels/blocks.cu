@@ -250,6 +250,8 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ w, long rb, 
     extern "C" __global__ void __launch_bounds__(256, 1)                                                     \
         NAME(const TX* x, long xs, const u8* w, long rb, int k, int n, int m, TO* out, long os, float alpha, \
              int accumulate) {                                                                               \
+        prefetch_rows_l2(w, rb, blockIdx.x * GEMV_ROWS, GEMV_ROWS, n);                                       \
+        pdl_enter();                                                                                         \
         qgemv_impl<F, M, TX, TO>(x, xs, w, rb, k, n, m, out, os, alpha, accumulate);                         \
     }
 #define QGEMV_PAIRS(F, M, fmt)                                     \
@@ -264,9 +266,11 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ w, long rb, 
     QGEMV_PAIRS(F, 8, fmt)    \
     QGEMV_PAIRS(F, 16, fmt)   \
     extern "C" __global__ void dequant_##fmt##_f32(const u8* w, long rb, int k, int rows, float* out) { \
+        pdl_enter();                                                                                    \
         dequant_impl<F, float>(w, rb, k, rows, out);                                                    \
     }                                                                                                   \
     extern "C" __global__ void dequant_##fmt##_bf16(const u8* w, long rb, int k, int rows, bf16* out) { \
+        pdl_enter();                                                                                    \
         dequant_impl<F, bf16>(w, rb, k, rows, out);                                                     \
     }
 QGEMV_FORMAT(Q8_0, q8_0)

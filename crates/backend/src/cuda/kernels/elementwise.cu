@@ -47,6 +47,7 @@ __device__ __forceinline__ void segment_mean_impl(const T* x, long xs, const u32
 
 #define EMBED(TT, TO, NAME)                                                                               \
     extern "C" __global__ void NAME(const TT* table, int dim, const u32* ids, float scale, TO* out, long os) { \
+        pdl_enter();                                                                                           \
         embed_impl<TT, TO>(table, dim, ids, scale, out, os);                                              \
     }
 EMBED(float, float, embed_f32_f32)
@@ -54,6 +55,7 @@ EMBED(bf16, float, embed_bf16_f32)
 
 #define CAST(TI, TO, NAME)                                                                                \
     extern "C" __global__ void NAME(const TI* x, long xs, TO* y, long ys, int cols) {                     \
+        pdl_enter();                                                                                      \
         cast_impl<TI, TO>(x, xs, y, ys, cols);                                                            \
     }
 CAST(float, float, cast_f32_f32)
@@ -64,6 +66,7 @@ CAST(bf16, bf16, cast_bf16_bf16)
 #define GATED(TG, TU, TO, ACT, NAME)                                                                      \
     extern "C" __global__ void NAME(const TG* g, long gs, const TU* u, long us, TO* o, long os, long rows,  \
                                     int cols) {                                                           \
+        pdl_enter();                                                                                      \
         gated_impl<TG, TU, TO, ACT>(g, gs, u, us, o, os, rows, cols);                                     \
     }
 GATED(float, float, float, 0, gated_gelu_f32)
@@ -73,6 +76,7 @@ GATED(bf16, bf16, bf16, 1, gated_silu_bf16)
 
 #define SEGMENT_MEAN(T, NAME)                                                                             \
     extern "C" __global__ void NAME(const T* x, long xs, const u32* offsets, float* out, long os, int cols) { \
+        pdl_enter();                                                                                          \
         segment_mean_impl<T>(x, xs, offsets, out, os, cols);                                              \
     }
 SEGMENT_MEAN(float, segment_mean_f32)
@@ -106,6 +110,7 @@ __device__ __forceinline__ void gated_vec_impl(const T* g, long gs, const T* u, 
 
 #define GATED_VEC(T, ACT, NAME)                                                                           \
     extern "C" __global__ void NAME(const T* g, long gs, const T* u, long us, T* o, long os, long rows, int cols) { \
+        pdl_enter();                                                                                                \
         gated_vec_impl<T, ACT>(g, gs, u, us, o, os, rows, cols);                                          \
     }
 GATED_VEC(float, 0, gated_vec_gelu_f32)
@@ -143,6 +148,7 @@ __device__ __forceinline__ void epilogue_impl(const TY* y, long ys, TO* o, long 
 #define EPILOGUE(TY, TO, NAME)                                                                            \
     extern "C" __global__ void NAME(const TY* y, long ys, TO* o, long os, long rows, int cols, const float* bias, \
                                     int act, const float* g, long gs, int tanh_g, int accumulate) {        \
+        pdl_enter();                                                                                       \
         epilogue_impl<TY, TO>(y, ys, o, os, rows, cols, nullptr, bias, act, g, gs, tanh_g, accumulate);    \
     }
 EPILOGUE(float, float, epilogue_f32_f32)
@@ -155,6 +161,7 @@ EPILOGUE(bf16, bf16, epilogue_bf16_bf16)
     extern "C" __global__ void NAME(const TY* y, long ys, TO* o, long os, long rows, int cols, const float* cs, \
                                     const float* bias, int act, const float* g, long gs, int tanh_g,       \
                                     int accumulate) {                                                      \
+        pdl_enter();                                                                                       \
         epilogue_impl<TY, TO>(y, ys, o, os, rows, cols, cs, bias, act, g, gs, tanh_g, accumulate);         \
     }
 EPILOGUE_SCALED(float, float, epilogue_scaled_f32_f32)

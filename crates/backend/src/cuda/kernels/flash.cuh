@@ -208,6 +208,7 @@ __device__ __forceinline__ void flash_store(float (&oacc)[NO][4], RowStats st, i
         NAME(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os,    \
              const u32* tiles, int group, float scale_log2, int window, int causal, const u32* limits,       \
              float* part, int rows, int kv_splits) {                                                       \
+        pdl_enter();                                                                                       \
         IMPL(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, limits, part, rows,        \
              kv_splits);                                                                                 \
     }

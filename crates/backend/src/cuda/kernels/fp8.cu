@@ -7,6 +7,7 @@
 // Largest |x| over each block's share of rows × cols (row stride xs) into part[blockIdx.x]. NaN
 // is skipped (fmaxf), as the CPU's amax of finite rows would never see one.
 extern "C" __global__ void fp8_amax_bf16(const bf16* x, long xs, long rows, int cols, float* part) {
+    pdl_enter();
     float m = 0.f;
     const long n = rows * cols;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
@@ -33,6 +34,7 @@ extern "C" __global__ void fp8_amax_bf16(const bf16* x, long xs, long rows, int 
 // default -prec-div=true), so the codes are those the host computes from the same s.
 extern "C" __global__ void fp8_quantize_bf16(const bf16* x, long xs, long rows, int cols, const float* part,
                                              int parts, unsigned short* q, float* scale) {
+    pdl_enter();
     __shared__ float s_shared;
     if (threadIdx.x < 32) {
         float m = 0.f;

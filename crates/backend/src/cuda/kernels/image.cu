@@ -169,12 +169,14 @@ __device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int 
 
 extern "C" __global__ void im2col8_bf16_bf16(const bf16* x, long xs, int h, int w, int c, int k, int up, int down, int act,
                                              long p0, long n, bf16* cols) {
+    pdl_enter();
     im2col8_impl(x, xs, h, w, c, k, up, down, act, p0, n, cols);
 }
 
 #define IM2COL(TI, TO, V, NAME)                                                                           \
     extern "C" __global__ void NAME(const TI* x, long xs, int h, int w, int c, int k, int up, int down, int act, long p0, \
                                     long n, TO* cols) {                                                   \
+        pdl_enter();                                                                                      \
         im2col_impl<TI, TO, V>(x, xs, h, w, c, k, up, down, act, p0, n, cols);                                  \
     }
 IM2COL(float, float, 1, im2col_f32_f32)
@@ -189,6 +191,7 @@ IM2COL(bf16, bf16, 4, im2col4_bf16_bf16)
 #define GROUP_STATS(T, NAME)                                                                              \
     extern "C" __global__ void NAME(const T* x, long xs, long pixels, int c, int groups, int bdx,            \
                                     double* partial) {                                                    \
+        pdl_enter();                                                                                      \
         group_stats_impl<T>(x, xs, pixels, c, groups, bdx, partial);                                      \
     }
 GROUP_STATS(float, group_stats_f32)
@@ -196,12 +199,14 @@ GROUP_STATS(bf16, group_stats_bf16)
 
 extern "C" __global__ void group_finish(const double* partial, int blocks, int groups, long count, float eps,
                                         float* stats) {
+    pdl_enter();
     group_finish_impl(partial, blocks, groups, count, eps, stats);
 }
 
 #define GROUP_APPLY(TI, TO, NAME)                                                                         \
     extern "C" __global__ void NAME(const TI* x, long xs, long pixels, int c, int groups, const float* stats,  \
                                     const float* w, const float* b, int act, TO* out, long os) {          \
+        pdl_enter();                                                                                      \
         group_apply_impl<TI, TO>(x, xs, pixels, c, groups, stats, w, b, act, out, os);                    \
     }
 GROUP_APPLY(float, float, group_apply_f32_f32)
@@ -230,6 +235,7 @@ __device__ __forceinline__ void dup_up_impl(const TI* x, long xs, int w, int cou
 #define DUP_UP(TI, TO, NAME)                                                                              \
     extern "C" __global__ void NAME(const TI* x, long xs, int w, int cout, int frames, int repeats, long n,   \
                                     TO* out, long os) {                                                   \
+        pdl_enter();                                                                                      \
         dup_up_impl<TI, TO>(x, xs, w, cout, frames, repeats, n, out, os);                                 \
     }
 DUP_UP(float, float, dup_up_f32_f32)
@@ -268,6 +274,7 @@ __device__ __forceinline__ void avg_down_impl(const TI* x, long xs, int w, int s
 #define AVG_DOWN(TI, TO, NAME)                                                                            \
     extern "C" __global__ void NAME(const TI* x, long xs, int w, int space, int frames, int cout, int g,    \
                                     long n, TO* out, long os) {                                           \
+        pdl_enter();                                                                                      \
         avg_down_impl<TI, TO>(x, xs, w, space, frames, cout, g, n, out, os);                              \
     }
 AVG_DOWN(float, float, avg_down_f32_f32)
@@ -444,6 +451,7 @@ __device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, l
     extern "C" __global__ void __launch_bounds__(CONV_THREADS)                                                  \
         NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt, \
              int cout, const float* bias, long pixels, TO* out, long os) {                                      \
+        pdl_enter();                                                                                            \
         conv_implicit_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os);       \
     }
 CONV_IMPLICIT(float, 128, conv_implicit_f32)

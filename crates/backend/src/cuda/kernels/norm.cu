@@ -362,6 +362,7 @@ __device__ __forceinline__ void qkv_norm_rope_axial64_impl(T* qkv, long stride, 
 #define RMS_NORM(TI, TO, NAME)                                                                           \
     extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, int cols,      \
                                     float eps) {                                                          \
+        pdl_enter();                                                                                      \
         rms_norm_impl<TI, TO>(x, xs, w, out, os, cols, eps);                                               \
     }
 RMS_NORM(float, float, rms_norm_f32_f32)
@@ -372,6 +373,7 @@ RMS_NORM(bf16, bf16, rms_norm_bf16_bf16)
 #define RESIDUAL_NORM(TY, TO, NAME)                                                                      \
     extern "C" __global__ void NAME(float* h, long hs, const TY* y, long ys, const float* post, float scale, \
                                     int mode, const float* next, TO* out, long os, int cols, float eps) {   \
+        pdl_enter();                                                                                        \
         residual_norm_impl<TY, TO>(h, hs, y, ys, post, scale, mode, next, out, os, cols, eps);           \
     }
 RESIDUAL_NORM(float, float, residual_norm_f32_f32)
@@ -384,6 +386,7 @@ RESIDUAL_NORM(bf16, bf16, residual_norm_bf16_bf16)
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
                                     const float* kw, int v_norm, int qk_norm, float eps, const float* rope, int rope_len, \
                                     int tbl_half, const u32* pos) {                                       \
+        pdl_enter();                                                                                      \
         qkv_norm_rope_impl<T, STYLE>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, qk_norm, eps, rope, rope_len,   \
                                      tbl_half, pos);                                                      \
     }
@@ -397,6 +400,7 @@ QKV_NORM_ROPE(bf16, 2, qkv_norm_rope_pairs_bf16)
 #define RMS_NORM_WARP(TI, TO, NAME)                                                                      \
     extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, long rows,     \
                                     int cols, float eps) {                                                \
+        pdl_enter();                                                                                      \
         rms_norm_warp_impl<TI, TO>(x, xs, w, out, os, rows, cols, eps);                                    \
     }
 RMS_NORM_WARP(float, float, rms_norm_warp_f32_f32)
@@ -408,6 +412,7 @@ RMS_NORM_WARP(bf16, bf16, rms_norm_warp_bf16_bf16)
     extern "C" __global__ void NAME(float* h, long hs, const TY* y, long ys, const float* post, float scale, \
                                     int mode, const float* next, TO* out, long os, long rows, int cols,     \
                                     float eps) {                                                          \
+        pdl_enter();                                                                                      \
         residual_norm_warp_impl<TY, TO>(h, hs, y, ys, post, scale, mode, next, out, os, rows, cols, eps);  \
     }
 RESIDUAL_NORM_WARP(float, float, residual_norm_warp_f32_f32)
@@ -420,6 +425,7 @@ RESIDUAL_NORM_WARP(bf16, bf16, residual_norm_warp_bf16_bf16)
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
                                     const float* kw, int v_norm, int qk_norm, float eps, const float* rope, int rope_len, \
                                     int tbl_half, const u32* pos) {                                       \
+        pdl_enter();                                                                                      \
         IMPL<T>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, qk_norm, eps, rope, rope_len, tbl_half, pos);      \
     }
 QKV_NORM_ROPE_VEC(qkv_norm_rope_vec_impl, float, qkv_norm_rope_vec_f32)
@@ -429,6 +435,7 @@ QKV_NORM_ROPE_VEC(qkv_norm_rope_vec_impl, bf16, qkv_norm_rope_vec_bf16)
     extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
                                     const float* kw, int v_norm, int qk_norm, float eps, const float* rope, int rope_len, \
                                     int tbl_half, const u32* pos) {                                       \
+        pdl_enter();                                                                                      \
         qkv_norm_rope_axial64_impl<T>(qkv, stride, rows, hq, hkv, qw, kw, v_norm, qk_norm, eps, rope, rope_len,     \
                                       tbl_half, pos);                                                     \
     }
@@ -515,6 +522,7 @@ __device__ __forceinline__ void residual_any_impl(float* h, long hs, const TY* y
 #define ROW_NORM(IMPL, TI, TO, NAME)                                                                     \
     extern "C" __global__ void NAME(const TI* x, long xs, int kind, const float* w, const float* b,         \
                                     const float* s, float eps, TO* out, long os, int cols) {              \
+        pdl_enter();                                                                                      \
         IMPL<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols);                                           \
     }
 ROW_NORM(row_norm_impl, float, float, row_norm_f32_f32)
@@ -527,6 +535,7 @@ ROW_NORM(row_norm_impl, bf16, bf16, row_norm_bf16_bf16)
                                     const float* pb, const float* ps, float peps, const float* g, float scale, \
                                     int mode, int next_kind, const float* nw, const float* nb,              \
                                     const float* ns, float neps, TO* out, long os, int cols) {            \
+        pdl_enter();                                                                                      \
         IMPL<TY, TO>(h, hs, y, ys, post_kind, pw, pb, ps, peps, g, scale, mode, next_kind, nw, nb, ns, neps,  \
                      out, os, cols);                                                                      \
     }

@@ -97,6 +97,7 @@ __device__ __forceinline__ void argmax_rows_impl(const T* x, long xs, int cols, 
 
 #define ADD_POS(TT, TX, NAME)                                                                             \
     extern "C" __global__ void NAME(const TT* table, int dim, int axis_rows, const u32* pos, TX* x, long xs) { \
+        pdl_enter();                                                                                           \
         add_positions_2d_impl<TT, TX>(table, dim, axis_rows, pos, x, xs);                                 \
     }
 ADD_POS(float, float, add_positions_2d_f32_f32)
@@ -107,6 +108,7 @@ ADD_POS(bf16, bf16, add_positions_2d_bf16_bf16)
 #define AVG_POOL(TI, TO, NAME)                                                                            \
     extern "C" __global__ void NAME(const TI* x, long xs, const u32* grids, int images, int k, float scale, TO* out, \
                                     long os, int cols) {                                                  \
+        pdl_enter();                                                                                      \
         avg_pool2d_impl<TI, TO>(x, xs, grids, images, k, scale, out, os, cols);                           \
     }
 AVG_POOL(float, float, avg_pool2d_f32_f32)
@@ -116,6 +118,7 @@ AVG_POOL(bf16, bf16, avg_pool2d_bf16_bf16)
 
 #define SCATTER(TI, TO, NAME)                                                                             \
     extern "C" __global__ void NAME(const TI* src, long ss, const u32* at, TO* dst, long ds, int cols) {   \
+        pdl_enter();                                                                                       \
         scatter_rows_impl<TI, TO>(src, ss, at, dst, ds, cols);                                            \
     }
 SCATTER(float, float, scatter_rows_f32_f32)
@@ -125,6 +128,7 @@ SCATTER(bf16, bf16, scatter_rows_bf16_bf16)
 
 #define ARGMAX(T, NAME)                                                             \
     extern "C" __global__ void NAME(const T* x, long xs, int cols, u32* out) {      \
+        pdl_enter();                                                                \
         argmax_rows_impl<T>(x, xs, cols, out);                                      \
     }
 ARGMAX(float, argmax_rows_f32)

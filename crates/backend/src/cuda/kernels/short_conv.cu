@@ -90,6 +90,7 @@ __device__ __forceinline__ void short_conv_state_impl(const TI* bcx, long xs, co
     extern "C" __global__ void NAME(const TI* bcx, long xs, const u32* offsets, int nseg, const u32* seqs,    \
                                     const float* state, int slots, const float* weight, const float* bias,  \
                                     int channels, int kernel, TO* out, long os) {                          \
+        pdl_enter();                                                                                       \
         short_conv_impl<TI, TO>(bcx, xs, offsets, nseg, seqs, state, slots, weight, bias, channels, kernel, out, \
                                 os);                                                                      \
     }
@@ -101,6 +102,7 @@ SHORT_CONV(bf16, bf16, short_conv_bf16_bf16)
 #define SHORT_CONV_STATE(TI, NAME)                                                                        \
     extern "C" __global__ void NAME(const TI* bcx, long xs, const u32* offsets, const u32* seqs, float* state, \
                                     int slots, int channels, int kernel) {                                \
+        pdl_enter();                                                                                      \
         short_conv_state_impl<TI>(bcx, xs, offsets, seqs, state, slots, channels, kernel);                \
     }
 SHORT_CONV_STATE(float, short_conv_state_f32)
