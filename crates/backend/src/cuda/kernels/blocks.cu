@@ -250,7 +250,6 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ w, long rb, 
     extern "C" __global__ void __launch_bounds__(256, 1)                                                     \
         NAME(const TX* x, long xs, const u8* w, long rb, int k, int n, int m, TO* out, long os, float alpha, \
              int accumulate) {                                                                               \
-        prefetch_rows_l2(w, rb, blockIdx.x * GEMV_ROWS, GEMV_ROWS, n);                                       \
         pdl_enter();                                                                                         \
         qgemv_impl<F, M, TX, TO>(x, xs, w, rb, k, n, m, out, os, alpha, accumulate);                         \
     }

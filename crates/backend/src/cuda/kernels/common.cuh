@@ -121,25 +121,13 @@ __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + ex2(
 // the kernel before it in the stream is still running (launch.rs), so every kernel begins with
 // pdl_enter: it lets its own successor launch, then waits until its predecessor has finished and
 // that one's writes are visible. No kernel reads or writes global memory before the wait (CI checks
-// the PTX: tests/nvrtc_compile.rs); only L2 prefetches of weights, which no kernel writes while
-// a model runs, may come first. A no-op before sm_90 and for launches without the attribute.
+// the PTX: tests/nvrtc_compile.rs). A no-op before sm_90 and for launches without the attribute.
+// (GEMVs that also asked L2 for their weight tile before the wait decoded one stream slower: run g8.)
 __device__ __forceinline__ void pdl_enter() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-
-// Ask L2 for rows [r0, min(r0 + rows, n)) of a row-major matrix of `row_bytes`-long rows: a
-// GEMV's CTA calls it for its weight tile before pdl_enter, so the tile streams in while the
-// kernels before it finish (decoding's small kernels leave the memory idle otherwise). A hint only.
-__device__ __forceinline__ void prefetch_rows_l2(const void* base, long row_bytes, int r0, int rows, int n) {
-    const int end = min(r0 + rows, n);
-    if (end <= r0) return;
-    const unsigned long long first = (unsigned long long)base + (unsigned long long)r0 * row_bytes;
-    const unsigned long long last = (unsigned long long)base + (unsigned long long)end * row_bytes;
-    for (unsigned long long a = (first & ~127ull) + 128ull * threadIdx.x; a < last; a += 128ull * blockDim.x)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
 
 // *p += v on a shared-memory double (sm_60+), without the CUDA headers' atomicAdd.

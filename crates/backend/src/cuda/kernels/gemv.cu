@@ -113,7 +113,6 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, long xs, c
 #define GEMV(M, TO, NAME)                                                                                        \
     extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
                                                            int m, TO* out, long os, float alpha, int accumulate) { \
-        prefetch_rows_l2(w, 2l * k, blockIdx.x * GEMV_ROWS, GEMV_ROWS, n);                                         \
         pdl_enter();                                                                                               \
         gemv_impl<M, TO>(x, xs, w, k, n, m, out, os, alpha, accumulate);                                        \
     }
@@ -219,7 +218,6 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ x, long xs
 #define GEMV_TC(M, TO, NAME)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
                                                            int m, TO* out, long os, float alpha, int accumulate) { \
-        prefetch_rows_l2(w, 2l * k, blockIdx.x * 16, 16, n);                                                       \
         pdl_enter();                                                                                               \
         gemv_tc_impl<M, TO>(x, xs, w, k, n, m, out, os, alpha, accumulate);                                     \
     }
