@@ -436,7 +436,8 @@ impl CudaBackend {
     /// launch): the driver may start it while the kernel before it is still running, and its
     /// blocks wait at their start (`pdl_enter`, kernels/common.cuh) until that kernel has finished
     /// and its writes are visible. The launch latency and the blocks' start-up then overlap the
-    /// previous kernel instead of following it: decoding runs ~160 small kernels a token. Stream captures keep the overlap as programmatic graph edges.
+    /// previous kernel instead of following it: decoding runs ~160 small kernels a token. Stream
+    /// captures keep the overlap as programmatic graph edges.
     fn launch_overlapped<A: KernelArgs>(
         &self,
         kernel: &Kernel<A>,
