@@ -5,8 +5,9 @@
 # while time is left, the Tessera side of issue 27's table (cuBLASLt ceiling, attention beside
 # SDPA, Z-Image and Qwen-Image-2.1 generation at 1024²). Prints one line per part.
 #   DEADLINE: seconds after which no further part starts (default 520)
-#   PARTS=ops,gemv,mini,qfull,zfull,lfull,efull,attn,gen,quant,offload (default all; gemv: the
-#     CUDA-core GEMV's products and decode A/B against the tensor-core default; quant: Z-Image with FP8 products and
+#   PARTS=ops,gemv,pdl,mini,qfull,zfull,lfull,efull,attn,gen,quant,offload (default all; gemv: the
+#     CUDA-core GEMV's products and decode A/B against the tensor-core default; pdl: decode A/B
+#     without programmatic dependent launch (TESSERA_PDL=0) against the default; quant: Z-Image with FP8 products and
 #     Qwen-Image-2.1 with Q4_K matrices; offload: both with --offload; each generation part with
 #     its peak device memory)
 # Build first: PACK=1 TESTS="cuda_ops egemma2_cuda zimage_cuda lfm2vl_cuda qwen_image_cuda" \
@@ -14,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${PARTS:-ops,gemv,mini,qfull,zfull,lfull,efull,attn,gen,quant,offload}
+PARTS=${PARTS:-ops,gemv,pdl,mini,qfull,zfull,lfull,efull,attn,gen,quant,offload}
 DEADLINE=${DEADLINE:-520}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 if [ -f .dev/pack/bin.tar.xz ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
@@ -49,6 +50,12 @@ if [[ $PARTS == *gemv* ]] && time_left gemv; then
     timeout 150 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture ops_match_cpu decoding_rows
   grep -E "^== matmul" "$OUT/cuda_ops_cc.log"
   OUT=$OUT/gemv_ab VAR=TESSERA_GEMV A=cuda B=tc BATCH=${GEMV_BATCH:-1,8,16} ITERS=2 \
+    timeout 200 tools/device/lfm2vl_decode_ab.sh | tail -5
+fi
+if [[ $PARTS == *pdl* ]] && time_left pdl; then
+  # Every kernel launched as before (TESSERA_PDL=0) against programmatic dependent launch, the
+  # default on Hopper: LFM2-VL decoding A B B A, where ~160 small kernels a token feel launch gaps.
+  OUT=$OUT/pdl_ab VAR=TESSERA_PDL A=0 B=1 BATCH=${PDL_BATCH:-1,8,16} ITERS=2 \
     timeout 200 tools/device/lfm2vl_decode_ab.sh | tail -5
 fi
 if [[ $PARTS == *mini* ]] && time_left mini; then

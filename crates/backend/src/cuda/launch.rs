@@ -534,6 +534,49 @@ mod tests {
         struct NoArgs { x: DevPtr }
     }
 
+    kernel_args! {
+        /// Every parameter type, and a nested struct, as the overlapped launch passes them.
+        struct Mixed { first: NoArgs, n: i64, k: i32, scale: f32, map: TensorMap, last: DevPtr }
+    }
+
+    /// The overlapped launch hands the driver `param_ptrs`: one pointer per C parameter, in the
+    /// order `params` declares (the one CI checks against the kernel), each at its own value.
+    #[test]
+    fn param_ptrs_point_at_each_parameter_in_order() {
+        let args = Mixed {
+            first: NoArgs { x: DevPtr(7) },
+            n: -3,
+            k: 11,
+            scale: 0.5,
+            map: TensorMap(cudarc::driver::sys::CUtensorMap { opaque: [9; 16] }),
+            last: DevPtr(13),
+        };
+        let mut ptrs = Vec::new();
+        args.param_ptrs(&mut ptrs);
+        assert_eq!(ptrs.len(), params_of::<Mixed>().len());
+        let at = |p: &dyn std::any::Any| p as *const dyn std::any::Any as *const c_void;
+        let fields = [
+            at(&args.first.x),
+            at(&args.n),
+            at(&args.k),
+            at(&args.scale),
+            at(&args.map),
+            at(&args.last),
+        ];
+        assert_eq!(
+            ptrs.iter().map(|&p| p as *const c_void).collect::<Vec<_>>(),
+            fields
+        );
+        // SAFETY: each pointer addresses the field of `args` checked above.
+        unsafe {
+            assert_eq!(*(ptrs[0] as *const u64), 7);
+            assert_eq!(*(ptrs[1] as *const i64), -3);
+            assert_eq!(*(ptrs[2] as *const i32), 11);
+            assert_eq!(*(ptrs[3] as *const f32), 0.5);
+            assert_eq!(*(ptrs[5] as *const u64), 13);
+        }
+    }
+
     #[test]
     fn names_fill_every_pattern_once() {
         assert_eq!(fill("cast_{}_{}", &["f32", "bf16"]), "cast_f32_bf16");
