@@ -134,29 +134,38 @@ fn pow2(n: f64) -> f64 {
     f64::from_bits(bits.wrapping_add(1023) << 52)
 }
 
+/// `ln 2` in two parts for the Cody–Waite reduction: the high part's few bits make `n · LN2_HI`
+/// exact.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Cephes' degree-6 polynomial for `e^r`, `|r| ≤ ln2/2`: its leading coefficient, then the rest
+/// in Horner order (the constant and linear terms are added apart, `p·r² + r + 1`).
+const EXP_P0: f32 = 1.987_569_1e-4;
+const EXP_P: [f32; 5] = [
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
+/// `n = ⌊x·log₂e + ½⌋` for an `x` already clamped to the range its caller handles.
+#[inline(always)]
+fn exp_exponent(xc: f32) -> f32 {
+    (xc * std::f32::consts::LOG2_E + 0.5).floor()
+}
+
 /// `e^x` in f32 without branches, for the softmax: Cody–Waite reduction with `ln2` split in two,
 /// Cephes' degree-6 polynomial for `e^r` (within 2 f32 ulps of the exact value), `2^n` built in
 /// the exponent bits in two halves. NaN stays NaN; above the f32 range it is `∞`, and below
 /// [`EXP_MIN`] exactly `0`, never a denormal (see [`EXP_MIN`]).
 #[inline(always)]
 fn exp32(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
     // Computed at EXP_MIN for anything below, so no step makes a denormal, then replaced by 0.
     let xc = x.clamp(EXP_MIN, 89.0);
-    let n = (xc * LOG2E + 0.5).floor();
+    let n = exp_exponent(xc);
     let r = (xc - n * LN2_HI) - n * LN2_LO;
-    let mut p = 1.987_569_1e-4;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
-        p = p * r + c;
-    }
+    let p = EXP_P.iter().fold(EXP_P0, |p, &c| p * r + c);
     let y = p * r * r + r + 1.0;
     let half = (n * 0.5).floor();
     let e = y * pow2f(half) * pow2f(n - half);
@@ -170,22 +179,10 @@ fn exp32(x: f32) -> f32 {
 /// Positive `x` is clamped to 0 (gives 1); NaN stays NaN; below [`EXP_MIN`] exactly `0`.
 #[inline(always)]
 fn exp32_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
     let xc = x.clamp(EXP_MIN, 0.0);
-    let n = (xc * LOG2E + 0.5).floor();
+    let n = exp_exponent(xc);
     let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, xc));
-    let mut p = 1.987_569_1e-4f32;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
-        p = p.mul_add(r, c);
-    }
+    let p = EXP_P.iter().fold(EXP_P0, |p, &c| p.mul_add(r, c));
     let y = (p * r).mul_add(r, r + 1.0);
     let e = y * pow2f(n);
     if x < EXP_MIN { 0.0 } else { e }
@@ -554,34 +551,31 @@ mod tests {
                 .map(|v| if v.is_finite() { *v } else { -3.0 })
                 .collect();
             let m = max(&finite);
+            // Each exponential within 2 f32 ulps of e^(x − max); the exact sum of them, in f64.
+            let check = |exps: &[f32], what: &str| -> f64 {
+                let mut sum = 0f64;
+                for (g, &v) in exps.iter().zip(&finite) {
+                    let w = ((v - m) as f64).exp();
+                    assert!(
+                        (*g as f64 - w).abs() <= 2.0 * f32::EPSILON as f64 * w,
+                        "{what} e^(x − max), n = {n}: {g} vs {w}"
+                    );
+                    sum += *g as f64;
+                }
+                sum
+            };
             let mut got = finite.clone();
             let sum = exp_shifted(&mut got, m);
-            let mut want_sum = 0f64;
-            for (g, &v) in got.iter().zip(&finite) {
-                let w = ((v - m) as f64).exp();
-                assert!(
-                    (*g as f64 - w).abs() <= 2.0 * f32::EPSILON as f64 * w,
-                    "e^(x − max), n = {n}: {g} vs {w}"
-                );
-                want_sum += *g as f64;
-            }
+            let want_sum = check(&got, "f64-summing");
             assert!(
                 (sum - want_sum).abs() <= 1e-12 * want_sum.max(1.0),
                 "sum {sum} vs {want_sum}"
             );
-            // The bf16 mode's variant: its own exponentials (FMA steps) within 2 ulps as well,
-            // the sum of them within f32 rounding.
+            // The bf16 mode's variant: its own exponentials (FMA steps), their sum within f32
+            // rounding.
             let mut fast = finite.clone();
             let fast_sum = exp_shifted_f32(&mut fast, m);
-            let mut fast_want = 0f64;
-            for (g, &v) in fast.iter().zip(&finite) {
-                let w = ((v - m) as f64).exp();
-                assert!(
-                    (*g as f64 - w).abs() <= 2.0 * f32::EPSILON as f64 * w,
-                    "f32-summing e^(x − max), n = {n}: {g} vs {w}"
-                );
-                fast_want += *g as f64;
-            }
+            let fast_want = check(&fast, "f32-summing");
             assert!(
                 (fast_sum - fast_want).abs() <= 1e-6 * fast_want.max(1.0),
                 "f32 sum {fast_sum} vs {fast_want}"
