@@ -618,6 +618,17 @@ __device__ __forceinline__ void store_row_vec(T* row, int cols, const float (&v)
     }
 }
 
+// norm_affine4 on every held chunk of the row; no store in between, so the weights' loads are
+// all in flight together.
+__device__ __forceinline__ void norm_affine_row_vec(float (&v)[RN_CHUNKS][4], float2 st, int cols, const float* w,
+                                                    const float* b, const float* s) {
+#pragma unroll
+    for (int i = 0; i < RN_CHUNKS; i++) {
+        const int c = 4 * (threadIdx.x + i * blockDim.x);
+        if (c < cols) norm_affine4(v[i], st, c, w, b, s);
+    }
+}
+
 template <typename TI, typename TO>
 __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind, const float* w, const float* b,
                                                   const float* s, float eps, TO* out, long os, int cols) {
@@ -627,11 +638,7 @@ __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind
     load_row_vec(x + r * xs, cols, v);
     const float2 st = row_stats_vec(v, cols, kind, eps, sh);
     // The weights' loads all before the first store (see residual_any_vec_impl).
-#pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
-        const int c = 4 * (threadIdx.x + i * blockDim.x);
-        if (c < cols) norm_affine4(v[i], st, c, w, b, s);
-    }
+    norm_affine_row_vec(v, st, cols, w, b, s);
     store_row_vec(out + r * os, cols, v);
 }
 
@@ -666,15 +673,7 @@ __device__ __forceinline__ void residual_any_vec_impl(float* h, long hs, const T
     float v[RN_CHUNKS][4], hv[RN_CHUNKS][4];
     load_row_vec(y + r * ys, cols, v);
     load_row_vec(hr, cols, hv);
-    float2 st = make_float2(0.f, 1.f);
-    if (post_kind >= 0) {
-        st = row_stats_vec(v, cols, post_kind, peps, sh);
-#pragma unroll
-        for (int i = 0; i < RN_CHUNKS; i++) {
-            const int c = 4 * (threadIdx.x + i * blockDim.x);
-            if (c < cols) norm_affine4(v[i], st, c, pw, pb, ps);
-        }
-    }
+    if (post_kind >= 0) norm_affine_row_vec(v, row_stats_vec(v, cols, post_kind, peps, sh), cols, pw, pb, ps);
 #pragma unroll
     for (int i = 0; i < RN_CHUNKS; i++) {
         const int c = 4 * (threadIdx.x + i * blockDim.x);
@@ -688,20 +687,9 @@ __device__ __forceinline__ void residual_any_vec_impl(float* h, long hs, const T
             }
         }
     }
-#pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
-        const int c = 4 * (threadIdx.x + i * blockDim.x);
-        if (c < cols) store4(hr + c, v[i]);
-    }
+    store_row_vec(hr, cols, v);
     if (mode == 0) return;
-    if (mode == 1) {
-        st = row_stats_vec(v, cols, next_kind, neps, sh);
-#pragma unroll
-        for (int i = 0; i < RN_CHUNKS; i++) {
-            const int c = 4 * (threadIdx.x + i * blockDim.x);
-            if (c < cols) norm_affine4(v[i], st, c, nw, nb, ns);
-        }
-    }
+    if (mode == 1) norm_affine_row_vec(v, row_stats_vec(v, cols, next_kind, neps, sh), cols, nw, nb, ns);
     store_row_vec(out + r * os, cols, v);
 }
 
