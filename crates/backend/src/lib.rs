@@ -19,9 +19,9 @@ mod view;
 
 pub use device::{AnyBackend, BackendFn, DeviceRequest};
 pub use op::{
-    Activation, After, AttnSpec, AvgDown, Conv2d, ConvSeq, DupUp, Epilogue, Gate, Grids, GroupNorm,
-    KvRanges, Mask, NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual, RopeStyle, RopeTable,
-    RowNorm, Run, Segments, ShortConv, block_causal_limits, offsets_of,
+    Activation, After, AttnSpec, AvgDown, CacheWrite, Conv2d, ConvSeq, DupUp, Epilogue, Gate,
+    Grids, GroupNorm, KvRanges, Mask, NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual,
+    RopeStyle, RopeTable, RowNorm, Run, Segments, ShortConv, block_causal_limits, offsets_of,
 };
 pub use tessera_core::{Error, Result, Tensor};
 pub use view::{View, ViewMut};
@@ -451,6 +451,26 @@ pub trait Backend: Send + Sync {
     where
         Self: Sized;
 
+    /// [`qkv_norm_rope`](Backend::qkv_norm_rope), then every row's k and v heads into a cache
+    /// (see [`CacheWrite`]) as [`scatter_rows`](Backend::scatter_rows) writes them. A backend may
+    /// do both in one pass (CUDA: one launch instead of three).
+    fn qkv_norm_rope_cached(
+        &self,
+        mut qkv: ViewMut<'_, Self>,
+        norm: &QkvNorm<'_, Self>,
+        rope: Option<(&RopeTable<Self>, &Self::Buf)>,
+        cache: CacheWrite<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        self.qkv_norm_rope(qkv.reborrow(), norm, rope)?;
+        let (qc, kc) = (norm.layout.q_cols(), norm.layout.kv_cols());
+        let done = qkv.as_view();
+        self.scatter_rows(done.cols(qc, kc), cache.rows, cache.k)?;
+        self.scatter_rows(done.cols(qc + kc, kc), cache.rows, cache.v)
+    }
+
     /// Attention of the packed query segments `segs` (see [`AttnSpec`] for keys and masks):
     /// `out = softmax(scale · q kᵀ + mask) v` per head.
     fn attention(
@@ -475,6 +495,28 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>
     where
         Self: Sized;
+
+    /// A gated MLP's down product, `out = ep((act(gate) ⊙ up) · wᵀ)`: [`gated`](Backend::gated)
+    /// into the scratch rows `g` (the shape of `gate`), then [`matmul`](Backend::matmul) of them.
+    /// A backend may instead gate the input as its product reads it, with the same values and
+    /// `g` left as it was (CUDA, for decoding's few rows: one launch instead of two).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_matmul(
+        &self,
+        gate: View<'_, Self>,
+        up: View<'_, Self>,
+        act: Activation,
+        mut g: ViewMut<'_, Self>,
+        w: &Self::Mat,
+        out: ViewMut<'_, Self>,
+        ep: &Epilogue<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        self.gated(gate, up, g.reborrow(), act)?;
+        self.matmul(g.as_view(), w, out, ep)
+    }
 
     /// `out[s] = mean of x's rows in segment s`.
     fn segment_mean(

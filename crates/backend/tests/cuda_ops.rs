@@ -549,6 +549,7 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(short_conv(&[(2, 0), (1, 2)], 130, 4)); // rows fewer than the taps
     t.add(short_conv(&[(3, 0), (0, 4), (0, 0), (1, 2)], 64, 3)); // empty segments: kept, zeroed
     t.add(short_conv(&[(1, 40); 8], 2048, 3)); // LFM2-1.2B: a batch of 8 decode steps
+    t.add(short_conv(&[(1, 0), (1, 2), (1, 5)], 40, 4).bias()); // one-row segments, one from zeros
 
     // ---- argmax_rows: greedy decoding's tokens. Rows cycle through ties, all −∞, a NaN, +∞,
     // drawn values and −∞ but the last; exact indices (a NaN row as the flag).
@@ -925,5 +926,228 @@ fn replayed_graph_gives_the_direct_result() {
             }),
             "graph round {r}: {d:?}"
         );
+    }
+}
+
+/// Whether products of a few bf16 rows take the tensor-core GEMV in this process (the default;
+/// `TESSERA_GEMV=0` or `cuda` choose others), where the fused decode ops apply.
+fn tensor_core_gemv() -> bool {
+    std::env::var("TESSERA_GEMV").map_or(true, |v| v != "0" && v != "cuda")
+}
+
+fn same_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let differ = got
+        .iter()
+        .zip(want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(differ, 0, "{what}: {differ} of {} values differ", got.len());
+}
+
+/// A gated MLP's down product on a few rows is one launch (the gating done as the GEMV reads its
+/// input) that gives the bits of the gated kernel then the product and leaves the scratch rows
+/// untouched; shapes the fused GEMV does not take run the two ops.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fused_gated_product_gives_the_two_ops_bits() {
+    let g = cuda::open(0, Precision::Bf16).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+    let mut rng = ops::Rng::new(11);
+    // (rows, inner, out, activation, fused under the tensor-core GEMV)
+    let shapes = [
+        (1, 4608, 1024, Silu, true), // LFM2-VL-450M decoding, one stream
+        (3, 4608, 1024, Silu, true),
+        (16, 4608, 1024, Silu, true),
+        (8, 96, 40, GeluTanh, true),
+        (17, 4608, 1024, Silu, false), // past the GEMV's rows: cuBLASLt
+        (4, 40, 24, Silu, false),      // k not a multiple of 32: the CUDA-core GEMV
+        (2, 64, 16, Gelu, false),      // erf GELU: no fused kernel (and no gated one)
+    ];
+    for (rows, inner, n, act, fused) in shapes {
+        let fused = fused && tensor_core_gemv();
+        for (out_role, ep) in [
+            (Compute, Epilogue::default()),
+            (Stream, Epilogue::default()),
+            (
+                Stream,
+                Epilogue {
+                    alpha: 0.75,
+                    accumulate: true,
+                    ..Epilogue::default()
+                },
+            ),
+        ] {
+            let what = format!(
+                "{rows}×{inner} → {n}, {act:?}, {out_role:?}, α {}",
+                ep.alpha
+            );
+            let mat = g
+                .matrix_f32(&[(&rng.vec(n * inner, 0.05), n)], inner)
+                .unwrap();
+            let mut gu = g.alloc(rows * 2 * inner, Compute).unwrap();
+            g.write_f32(&mut gu, &rng.vec(rows * 2 * inner, 3.0))
+                .unwrap();
+            let start = rng.vec(rows * n, 1.0);
+            let mut scratch = g.alloc(rows * inner, Compute).unwrap();
+            let (mut two, mut one) = (
+                g.alloc(rows * n, out_role).unwrap(),
+                g.alloc(rows * n, out_role).unwrap(),
+            );
+            g.write_f32(&mut two, &start).unwrap();
+            g.write_f32(&mut one, &start).unwrap();
+            let both = View::new(&gu, rows, 2 * inner);
+            let (gate, up) = (both.cols(0, inner), both.cols(inner, inner));
+            let two_ops = g
+                .gated(gate, up, ViewMut::new(&mut scratch, rows, inner), act)
+                .and_then(|()| {
+                    g.matmul(
+                        View::new(&scratch, rows, inner),
+                        &mat,
+                        ViewMut::new(&mut two, rows, n),
+                        &ep,
+                    )
+                });
+            if act == Gelu {
+                // No CUDA kernel gates with erf GELU; the compound op declines as the gated op does.
+                assert!(two_ops.is_err(), "{what}: {two_ops:?}");
+                let r = g.gated_matmul(
+                    gate,
+                    up,
+                    act,
+                    ViewMut::new(&mut scratch, rows, inner),
+                    &mat,
+                    ViewMut::new(&mut one, rows, n),
+                    &ep,
+                );
+                assert!(r.is_err(), "{what}: the fused op ran");
+                continue;
+            }
+            two_ops.unwrap();
+            g.write_f32(&mut scratch, &vec![f32::NAN; rows * inner])
+                .unwrap();
+            let before = g.kernel_launches();
+            g.gated_matmul(
+                gate,
+                up,
+                act,
+                ViewMut::new(&mut scratch, rows, inner),
+                &mat,
+                ViewMut::new(&mut one, rows, n),
+                &ep,
+            )
+            .unwrap();
+            let launches = g.kernel_launches() - before;
+            let want = g.read_f32(View::new(&two, rows, n)).unwrap();
+            let got = g.read_f32(View::new(&one, rows, n)).unwrap();
+            same_bits(&what, &got, &want);
+            let scratch = g.read_f32(View::new(&scratch, rows, inner)).unwrap();
+            let untouched = scratch.iter().all(|v| v.is_nan());
+            println!("{what}: {launches} launch(es), scratch untouched: {untouched}");
+            assert_eq!(untouched, fused, "{what}: fused path taken?");
+            if fused {
+                assert_eq!(launches, 1, "{what}");
+            }
+        }
+    }
+}
+
+/// LFM2's q/k/v norm and RoPE with the new keys and values written to their cache rows: one
+/// launch, with the bits of `qkv_norm_rope` then two `scatter_rows`, in the q|k|v rows and in
+/// every cache row (the others untouched).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cached_qkv_norm_rope_gives_the_three_ops_bits() {
+    use tessera_backend::{CacheWrite, QkvLayout, QkvNorm, RopeStyle, RopeTable};
+    for precision in [Precision::Bf16, Precision::F32] {
+        let g = cuda::open(0, precision).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+        let mut rng = ops::Rng::new(12);
+        let lay = QkvLayout {
+            heads_q: 16,
+            heads_kv: 8,
+            head_dim: 64,
+        };
+        let (width, qc, kc) = (lay.width(), lay.q_cols(), lay.kv_cols());
+        let hd = lay.head_dim;
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 1e6f32.powf(-2.0 * i as f32 / hd as f32))
+            .collect();
+        let table = RopeTable::new(&g, &inv, 64, RopeStyle::SplitHalf).unwrap();
+        let qn = g.vector_f32(&rng.vec(hd, 1.0)).unwrap();
+        let kn = g.vector_f32(&rng.vec(hd, 1.0)).unwrap();
+        let norm = QkvNorm {
+            layout: lay,
+            qk_norm: true,
+            q_weight: Some(&qn),
+            k_weight: Some(&kn),
+            v_norm: false,
+            eps: 1e-5,
+        };
+        let cache_len = 40;
+        for (rows, at) in [(1, vec![17u32]), (5, vec![3, 17, 0, 39, 20])] {
+            let what = format!("{precision}, {rows} rows");
+            let x = rng.vec(rows * width, 2.0);
+            let pos: Vec<u32> = at.iter().map(|&r| r % 32 + 5).collect();
+            let mut posb = g.alloc(rows, tessera_backend::Role::Index).unwrap();
+            g.write_u32(&mut posb, &pos).unwrap();
+            let mut atb = g.alloc(rows, tessera_backend::Role::Index).unwrap();
+            g.write_u32(&mut atb, &at).unwrap();
+            let old = rng.vec(cache_len * kc, 1.0);
+            let run = |fused: bool| {
+                let mut qkv = g.alloc(rows * width, Compute).unwrap();
+                g.write_f32(&mut qkv, &x).unwrap();
+                let (mut k, mut v) = (
+                    g.alloc(cache_len * kc, Compute).unwrap(),
+                    g.alloc(cache_len * kc, Compute).unwrap(),
+                );
+                g.write_f32(&mut k, &old).unwrap();
+                g.write_f32(&mut v, &old).unwrap();
+                let before = g.kernel_launches();
+                if fused {
+                    g.qkv_norm_rope_cached(
+                        ViewMut::new(&mut qkv, rows, width),
+                        &norm,
+                        Some((&table, &posb)),
+                        CacheWrite {
+                            rows: &atb,
+                            k: ViewMut::new(&mut k, cache_len, kc),
+                            v: ViewMut::new(&mut v, cache_len, kc),
+                        },
+                    )
+                    .unwrap();
+                } else {
+                    g.qkv_norm_rope(
+                        ViewMut::new(&mut qkv, rows, width),
+                        &norm,
+                        Some((&table, &posb)),
+                    )
+                    .unwrap();
+                    let done = View::new(&qkv, rows, width);
+                    g.scatter_rows(done.cols(qc, kc), &atb, ViewMut::new(&mut k, cache_len, kc))
+                        .unwrap();
+                    g.scatter_rows(
+                        done.cols(qc + kc, kc),
+                        &atb,
+                        ViewMut::new(&mut v, cache_len, kc),
+                    )
+                    .unwrap();
+                }
+                let launches = g.kernel_launches() - before;
+                let read = |b: &_, r, c| g.read_f32(View::new(b, r, c)).unwrap();
+                (
+                    launches,
+                    read(&qkv, rows, width),
+                    read(&k, cache_len, kc),
+                    read(&v, cache_len, kc),
+                )
+            };
+            let (three, q3, k3, v3) = run(false);
+            let (one, q1, k1, v1) = run(true);
+            assert_eq!((three, one), (3, 1), "{what}: launches");
+            same_bits(&format!("{what}: q|k|v"), &q1, &q3);
+            same_bits(&format!("{what}: keys"), &k1, &k3);
+            same_bits(&format!("{what}: values"), &v1, &v3);
+            assert!(k1 != old && v1 != old, "{what}: nothing written");
+            println!("{what}: one launch, the three ops' bits");
+        }
     }
 }

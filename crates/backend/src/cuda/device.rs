@@ -100,6 +100,7 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         kernels,
         gemm,
         graphs: Mutex::new(Graphs::default()),
+        launches: Default::default(),
         flash_part: Mutex::new(None),
         workspaces: Mutex::new(Default::default()),
         staging: Mutex::new(Vec::new()),

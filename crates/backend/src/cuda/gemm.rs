@@ -475,6 +475,48 @@ pub(super) fn epilogue(
     be.launch("elementwise", kernel, be.grid_stride(rows * cols), &args)
 }
 
+/// A gated MLP's down product `out = ep((act(gate) ⊙ up) · wᵀ)` in one launch where the fused
+/// GEMV applies (a few bf16 rows, a dense weight, a bare or accumulating product; see
+/// [`gemv::gated_product`]): `Ok(true)` once enqueued, `Ok(false)` (nothing enqueued) for the
+/// gated kernel then [`matmul`].
+pub(super) fn gated_matmul(
+    be: &CudaBackend,
+    gate: View<'_, CudaBackend>,
+    up: View<'_, CudaBackend>,
+    act: Activation,
+    w: &CudaMat,
+    out: &ViewMut<'_, CudaBackend>,
+    ep: &Epilogue<'_, CudaBackend>,
+) -> Result<bool> {
+    if !matches!(w.format, MatFormat::Dense(_)) || !be.gemm.gemv.on() {
+        return Ok(false);
+    }
+    check_product(&gate, (w.out, w.inner), out)?;
+    if (up.rows, up.cols) != (gate.rows, gate.cols) {
+        return Err(Error::backend(
+            "gated matmul",
+            format!(
+                "gate {}×{} but up {}×{}",
+                gate.rows, gate.cols, up.rows, up.cols
+            ),
+        ));
+    }
+    if !Post::of(ep, out.rows, out.cols)?.is_none() || gate.rows == 0 || w.out == 0 {
+        return Ok(false);
+    }
+    gemv::gated_product(
+        be,
+        Rows::of(&gate)?,
+        Rows::of(&up)?,
+        gate.rows,
+        act,
+        w,
+        Rows::of_mut(out)?,
+        ep.alpha,
+        ep.accumulate,
+    )
+}
+
 /// The `matmul` op: `out = ep(x · wᵀ)`.
 ///
 /// A bare product, or one adding to `out`, is one cuBLASLt call (`β = 1` to accumulate). Bias,

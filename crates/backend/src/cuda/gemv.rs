@@ -22,6 +22,7 @@ use tessera_core::Result;
 use super::gemm::Rows;
 use super::launch::{ByDim, DevPtr, cfg, kernel_args, kernel_table};
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
+use crate::Activation;
 
 kernel_args! {
     /// `gemv_m{M}_{out}`: `out[m, n] (= or +=) α · x[m, k] · w[n, k]ᵀ` for `m ≤ M`; a CTA per
@@ -29,6 +30,15 @@ kernel_args! {
     pub(super) struct GemvArgs {
         x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32, out: DevPtr, os: i64, alpha: f32,
         accumulate: i32,
+    }
+}
+
+kernel_args! {
+    /// `gemv_tc_{act}_m{M}_{out}`: a gated MLP's down product, `out (= or +=) α · (act(g) ⊙ u) · wᵀ`,
+    /// the gating done as the input is read; a CTA per sixteen weight rows.
+    pub(super) struct GemvGatedArgs {
+        g: DevPtr, gs: i64, u: DevPtr, us: i64, w: DevPtr, k: i32, n: i32, m: i32, out: DevPtr,
+        os: i64, alpha: f32, accumulate: i32,
     }
 }
 
@@ -46,6 +56,10 @@ kernel_table! {
         to_bf16: ByDim<GemvArgs> = ("gemv_m{}_bf16", WIDTHS),
         tc_to_f32: ByDim<GemvArgs> = ("gemv_tc_m{}_f32", TC_WIDTHS),
         tc_to_bf16: ByDim<GemvArgs> = ("gemv_tc_m{}_bf16", TC_WIDTHS),
+        tc_gelu_to_f32: ByDim<GemvGatedArgs> = ("gemv_tc_gelu_m{}_f32", TC_WIDTHS),
+        tc_gelu_to_bf16: ByDim<GemvGatedArgs> = ("gemv_tc_gelu_m{}_bf16", TC_WIDTHS),
+        tc_silu_to_f32: ByDim<GemvGatedArgs> = ("gemv_tc_silu_m{}_f32", TC_WIDTHS),
+        tc_silu_to_bf16: ByDim<GemvGatedArgs> = ("gemv_tc_silu_m{}_bf16", TC_WIDTHS),
     }
 }
 
@@ -200,6 +214,61 @@ pub(super) fn gemv(
     };
     let blocks = w.out.div_ceil(cta_rows) as u32;
     be.launch("gemm", kernel, cfg((blocks, 1), block, 0), &args)
+}
+
+/// Enqueue a gated MLP's down product with the gating fused into the product's input,
+/// `into[0..rows] (= or +=) α · (act(gate) ⊙ up) · wᵀ` (`gate`, `up`: `rows` rows of `w.inner`),
+/// where the product of the gated rows would run on the tensor-core kernel: the fused kernel
+/// rounds the gated values as the gated kernels do and sums as that kernel does, so it gives the
+/// same bits in one launch instead of two. `Ok(false)`, with nothing enqueued, where it would not.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gated_product(
+    be: &CudaBackend,
+    gate: Rows,
+    up: Rows,
+    rows: usize,
+    act: Activation,
+    w: &CudaMat,
+    into: Rows,
+    alpha: f32,
+    accumulate: bool,
+) -> Result<bool> {
+    let k = w.inner;
+    let up_ok = up.elem == Elem::Bf16 && up.stride.is_multiple_of(8) && up.ptr.0.is_multiple_of(16);
+    if !(tensor_cores(be.gemm.gemv, k) && up_ok && applies(gate, gate.ptr, rows, w, into)) {
+        return Ok(false);
+    }
+    let g = &be.kernels.gemv;
+    let (to_f32, to_bf16) = match act {
+        Activation::GeluTanh => (&g.tc_gelu_to_f32, &g.tc_gelu_to_bf16),
+        Activation::Silu => (&g.tc_silu_to_f32, &g.tc_silu_to_bf16),
+        Activation::Gelu => return Ok(false),
+    };
+    let table = if into.elem == Elem::Bf16 {
+        to_bf16
+    } else {
+        to_f32
+    };
+    let Some(kernel) = tc_width(rows).and_then(|m| table.get(m)) else {
+        return Ok(false);
+    };
+    let args = GemvGatedArgs {
+        g: gate.ptr,
+        gs: gate.stride as i64,
+        u: up.ptr,
+        us: up.stride as i64,
+        w: w.buf.ptr,
+        k: k as i32,
+        n: w.out as i32,
+        m: rows as i32,
+        out: into.ptr,
+        os: into.stride as i64,
+        alpha,
+        accumulate: accumulate as i32,
+    };
+    let blocks = w.out.div_ceil(TC_CTA_ROWS) as u32;
+    be.launch("gemm", kernel, cfg((blocks, 1), tc_threads(k), 0), &args)?;
+    Ok(true)
 }
 
 /// The tensor-core kernel width for `rows` rows.

@@ -51,11 +51,12 @@ mod tma;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaStream};
-use tessera_core::{Result, Tensor, Weights};
+use tessera_core::{Error, Result, Tensor, Weights};
 
 use crate::{
-    Activation, After, AttnSpec, AvgDown, Backend, Conv2d, DupUp, Epilogue, Grids, GroupNorm, Op,
-    Precision, QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
+    Activation, After, AttnSpec, AvgDown, Backend, CacheWrite, Conv2d, DupUp, Epilogue, Grids,
+    GroupNorm, Op, Precision, QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv,
+    View, ViewMut,
 };
 pub use attention::{FlashChoice, FlashKernel};
 pub use device::{check_libraries, open};
@@ -98,6 +99,9 @@ pub struct CudaBackend {
     /// Launch kernels with programmatic dependent launch (compute capability 9.0 and newer,
     /// unless `TESSERA_PDL=0`): see `launch_overlapped`.
     overlap_launches: bool,
+    /// Kernels this backend has launched itself (not cuBLASLt's, not graph replays): what a
+    /// fused op saves, checked by the tests ([`CudaBackend::kernel_launches`]).
+    launches: std::sync::atomic::AtomicU64,
 }
 
 impl Backend for CudaBackend {
@@ -235,6 +239,22 @@ impl Backend for CudaBackend {
         norm::qkv_norm_rope(self, qkv, n, rope)
     }
 
+    fn qkv_norm_rope_cached(
+        &self,
+        qkv: ViewMut<'_, Self>,
+        n: &QkvNorm<'_, Self>,
+        rope: Option<(&RopeTable<Self>, &CudaBuf)>,
+        cache: CacheWrite<'_, Self>,
+    ) -> Result<()> {
+        self.enter(&Op::QkvNormRope {
+            head_dim: n.layout.head_dim,
+            rope: rope.map(|r| r.0.style),
+            qk_norm: n.qk_norm,
+        })?;
+        self.enter(&Op::ScatterRows)?;
+        norm::qkv_norm_rope_cached(self, qkv, n, rope, cache)
+    }
+
     fn attention(
         &self,
         q: View<'_, Self>,
@@ -257,6 +277,34 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.enter(&Op::Gated(act))?;
         elementwise::gated(self, gate, up, out, act)
+    }
+
+    fn gated_matmul(
+        &self,
+        gate: View<'_, Self>,
+        up: View<'_, Self>,
+        act: Activation,
+        mut g: ViewMut<'_, Self>,
+        w: &CudaMat,
+        out: ViewMut<'_, Self>,
+        ep: &Epilogue<'_, Self>,
+    ) -> Result<()> {
+        self.enter(&Op::Gated(act))?;
+        self.enter(&ep.op())?;
+        if (g.rows, g.cols) != (gate.rows, gate.cols) {
+            return Err(Error::backend(
+                "gated matmul",
+                format!(
+                    "scratch {}×{} for gated rows {}×{}",
+                    g.rows, g.cols, gate.rows, gate.cols
+                ),
+            ));
+        }
+        if gemm::gated_matmul(self, gate, up, act, w, &out, ep)? {
+            return Ok(());
+        }
+        elementwise::gated(self, gate, up, g.reborrow(), act)?;
+        gemm::matmul(self, g.as_view(), w, out, ep)
     }
 
     fn segment_mean(

@@ -8,7 +8,9 @@ use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_
 use super::memory::{ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, Elem};
 use crate::view::same_shape;
-use crate::{After, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, View, ViewMut};
+use crate::{
+    After, CacheWrite, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, View, ViewMut,
+};
 
 kernel_args! {
     /// What both RMSNorm kernels take first: input rows, weight (null = none), output rows.
@@ -56,6 +58,14 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `qkv_norm_rope_cached_{t}`: the split-half kernel's arguments, then the cache rows `at` and
+    /// the key and value caches with their row strides.
+    pub(super) struct QkvNormRopeCachedArgs {
+        base: QkvNormRopeArgs, at: DevPtr, kc: DevPtr, ks: i64, vc: DevPtr, vs: i64,
+    }
+}
+
+kernel_args! {
     /// One norm's parameters in the general kernels: `kind` 0 RMS, 1 layer (−1: no norm);
     /// weight, bias and modulation row (null = none).
     pub(super) struct NormParams { kind: i32, w: DevPtr, b: DevPtr, s: DevPtr, eps: f32 }
@@ -86,6 +96,8 @@ kernel_table! {
         residual_norm_warp: ByPair<ResidualNormWarpArgs> = "residual_norm_warp_{}_{}",
         /// Split-half RoPE, any even head width.
         qkv_norm_rope: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_{}",
+        /// The same, also writing the keys and values to a cache.
+        qkv_norm_rope_cached: ByElem<QkvNormRopeCachedArgs> = "qkv_norm_rope_cached_{}",
         /// Axial 2-D RoPE, any head width.
         qkv_norm_rope_axial: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_axial_{}",
         /// Split-half RoPE on aligned heads of 256 or 512, 4-wide.
@@ -500,12 +512,74 @@ fn residual_norm(
     }
 }
 
+/// One `qkv_norm_rope*` launch: the kernel chosen for the call, its arguments and grid.
+struct QkvLaunch<'k> {
+    kernel: &'k ByElem<QkvNormRopeArgs>,
+    /// Whether it is the scalar split-half kernel, which has a cache-writing twin.
+    split_half: bool,
+    elem: Elem,
+    args: QkvNormRopeArgs,
+    grid: LaunchConfig,
+}
+
+impl QkvLaunch<'_> {
+    fn run(&self, be: &CudaBackend) -> Result<()> {
+        be.launch("norm", self.kernel.get(self.elem)?, self.grid, &self.args)
+    }
+}
+
 pub(super) fn qkv_norm_rope(
     be: &CudaBackend,
     qkv: ViewMut<'_, CudaBackend>,
     norm: &QkvNorm<'_, CudaBackend>,
     rope: Option<(&RopeTable<CudaBackend>, &CudaBuf)>,
 ) -> Result<()> {
+    qkv_launch(be, &qkv, norm, rope)?.run(be)
+}
+
+/// `qkv_norm_rope`, then the new keys and values into their cache rows: one launch on the
+/// split-half kernel when the caches hold the compute type, else the norm's launch and two
+/// `scatter_rows`.
+pub(super) fn qkv_norm_rope_cached(
+    be: &CudaBackend,
+    qkv: ViewMut<'_, CudaBackend>,
+    norm: &QkvNorm<'_, CudaBackend>,
+    rope: Option<(&RopeTable<CudaBackend>, &CudaBuf)>,
+    cache: CacheWrite<'_, CudaBackend>,
+) -> Result<()> {
+    let launch = qkv_launch(be, &qkv, norm, rope)?;
+    let (qc, kc) = (norm.layout.q_cols(), norm.layout.kv_cols());
+    let fits = |c: &ViewMut<'_, CudaBackend>| c.cols == kc && c.buf.elem == launch.elem;
+    let rows_ok = cache.rows.elem == Elem::U32 && cache.rows.len >= qkv.rows;
+    if !(launch.split_half && rows_ok && fits(&cache.k) && fits(&cache.v)) {
+        launch.run(be)?;
+        let done = qkv.as_view();
+        super::rows::scatter_rows(be, done.cols(qc, kc), cache.rows, cache.k)?;
+        return super::rows::scatter_rows(be, done.cols(qc + kc, kc), cache.rows, cache.v);
+    }
+    let args = QkvNormRopeCachedArgs {
+        base: launch.args,
+        at: cache.rows.ptr,
+        kc: ptr_of_mut(&cache.k)?,
+        ks: cache.k.stride as i64,
+        vc: ptr_of_mut(&cache.v)?,
+        vs: cache.v.stride as i64,
+    };
+    be.launch(
+        "norm",
+        be.kernels.norm.qkv_norm_rope_cached.get(launch.elem)?,
+        launch.grid,
+        &args,
+    )
+}
+
+/// The checks, kernel choice and arguments of a `qkv_norm_rope` call.
+fn qkv_launch<'k>(
+    be: &'k CudaBackend,
+    qkv: &ViewMut<'_, CudaBackend>,
+    norm: &QkvNorm<'_, CudaBackend>,
+    rope: Option<(&RopeTable<CudaBackend>, &CudaBuf)>,
+) -> Result<QkvLaunch<'k>> {
     let QkvNorm {
         layout,
         qk_norm,
@@ -541,7 +615,7 @@ pub(super) fn qkv_norm_rope(
         None => (DevPtr::NULL, 0, 0, false, DevPtr::NULL),
     };
     let e = qkv.buf.elem;
-    let qkv_ptr = ptr_of_mut(&qkv)?;
+    let qkv_ptr = ptr_of_mut(qkv)?;
     let (qw, kw) = (
         q_w.map_or(DevPtr::NULL, |w| w.ptr),
         k_w.map_or(DevPtr::NULL, |w| w.ptr),
@@ -593,10 +667,11 @@ pub(super) fn qkv_norm_rope(
         tbl_half: thalf as i32,
         pos,
     };
-    be.launch(
-        "norm",
-        kernel.get(e)?,
-        cfg((warps.div_ceil(8), 1), 256, 0),
-        &args,
-    )
+    Ok(QkvLaunch {
+        kernel,
+        split_half: std::ptr::eq(kernel, &k.qkv_norm_rope),
+        elem: e,
+        args,
+        grid: cfg((warps.div_ceil(8), 1), 256, 0),
+    })
 }

@@ -1,6 +1,7 @@
 //! LFM2's short convolution (kernels/short_conv.cu): the outputs of every (row, channel) from the
 //! old state, then each segment's state slot refreshed in place — two launches, so that no thread
-//! overwrites a state value another still reads.
+//! overwrites a state value another still reads; one where every segment is a single row (a
+//! decode step), whose thread per (segment, channel) is the only reader of what it overwrites.
 
 use tessera_core::{Error, Result};
 
@@ -10,7 +11,8 @@ use super::{CudaBackend, CudaBuf, Elem};
 use crate::{Segments, ShortConv, View, ViewMut};
 
 kernel_args! {
-    /// `short_conv_{bcx}_{out}`: a thread per (row, channel), grid (rows, channel blocks).
+    /// `short_conv_{bcx}_{out}`: a thread per (row, channel), grid (rows, channel blocks); also
+    /// `short_conv_step_{bcx}_{out}`'s (a thread per (one-row segment, channel), `nseg` unused).
     pub(super) struct ShortConvArgs {
         bcx: DevPtr, xs: i64, offsets: DevPtr, nseg: i32, seqs: DevPtr, state: DevPtr, slots: i32,
         weight: DevPtr, bias: DevPtr, channels: i32, kernel: i32, out: DevPtr, os: i64,
@@ -29,6 +31,7 @@ kernel_table! {
     /// The kernels of short_conv.cu.
     pub(super) struct ShortConvKernels from "short_conv.cu" {
         conv: ByPair<ShortConvArgs> = "short_conv_{}_{}",
+        step: ByPair<ShortConvArgs> = "short_conv_step_{}_{}",
         state: ByElem<ShortConvStateArgs> = "short_conv_state_{}",
     }
 }
@@ -95,6 +98,15 @@ pub(super) fn short_conv(
         out: ptr_of_mut(&out)?,
         os: out.stride as i64,
     };
+    // A decode step: outputs and state in one launch (grid: segments).
+    if segs.offsets.windows(2).all(|w| w[1] == w[0] + 1) {
+        return be.launch(
+            "conv",
+            be.kernels.short_conv.step.get(bcx.buf.elem, out.buf.elem)?,
+            cfg((segs.count() as u32, blocks), BLOCK, 0),
+            &args,
+        );
+    }
     // Every output first, from the old state (a launch with no rows launches nothing).
     be.launch(
         "conv",

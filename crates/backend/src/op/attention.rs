@@ -53,6 +53,16 @@ impl<B: Backend> Clone for QkvNorm<'_, B> {
 }
 impl<B: Backend> Copy for QkvNorm<'_, B> {}
 
+/// Where [`Backend::qkv_norm_rope_cached`] puts a call's new keys and values: packed row `i`'s k
+/// heads become row `rows[i]` of `k` and its v heads row `rows[i]` of `v` (`[cache rows, kv
+/// cols]` each), converted to the cache's element type. Like
+/// [`scatter_rows`](Backend::scatter_rows), the device trusts `rows` (the model builds them).
+pub struct CacheWrite<'a, B: Backend> {
+    pub rows: &'a B::Buf,
+    pub k: ViewMut<'a, B>,
+    pub v: ViewMut<'a, B>,
+}
+
 /// Which keys of its segment a query sees (positions: module docs).
 pub enum Mask<'a, B: Backend> {
     /// Every key.

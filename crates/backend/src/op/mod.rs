@@ -14,8 +14,8 @@ mod rope;
 mod short_conv;
 
 pub use attention::{
-    AttnSpec, KvRanges, Mask, MaskKind, QkvLayout, QkvNorm, Run, Segments, block_causal_limits,
-    offsets_of,
+    AttnSpec, CacheWrite, KvRanges, Mask, MaskKind, QkvLayout, QkvNorm, Run, Segments,
+    block_causal_limits, offsets_of,
 };
 pub(crate) use gemm::check_product;
 pub use gemm::{Activation, Epilogue, Gate};

@@ -50,14 +50,11 @@ impl<B: Backend> MlpWeights<B> {
             &Epilogue::default(),
         )?;
         let both = View::new(&s.gu, rows, 2 * im);
-        be.gated(
+        be.gated_matmul(
             both.cols(0, im),
             both.cols(im, im),
-            ViewMut::new(&mut s.g, rows, im),
             act,
-        )?;
-        be.matmul(
-            View::new(&s.g, rows, im),
+            ViewMut::new(&mut s.g, rows, im),
             &self.down,
             ViewMut::new(&mut s.y, rows, d),
             &Epilogue::default(),

@@ -18,8 +18,8 @@
 use std::collections::HashMap;
 
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, ConvSeq, Epilogue, KvRanges, Mask, QkvLayout, QkvNorm,
-    Residual, Role, RopeStyle, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
+    Activation, After, AttnSpec, Backend, CacheWrite, ConvSeq, Epilogue, KvRanges, Mask, QkvLayout,
+    QkvNorm, Residual, Role, RopeStyle, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
@@ -979,7 +979,8 @@ fn attn_mixer<B: Backend>(
         ViewMut::new(&mut s.qkv, n, width),
         &Epilogue::default(),
     )?;
-    be.qkv_norm_rope(
+    let cache_len = at.rows;
+    be.qkv_norm_rope_cached(
         ViewMut::new(&mut s.qkv, n, width),
         &QkvNorm {
             layout: lay,
@@ -990,19 +991,13 @@ fn attn_mixer<B: Backend>(
             eps: c.eps,
         },
         Some((rope, rows.pos)),
+        CacheWrite {
+            rows: rows.cache,
+            k: ViewMut::new(&mut at.k, cache_len, kc),
+            v: ViewMut::new(&mut at.v, cache_len, kc),
+        },
     )?;
     let qkv = View::new(&s.qkv, n, width);
-    let cache_len = at.rows;
-    be.scatter_rows(
-        qkv.cols(qc, kc),
-        rows.cache,
-        ViewMut::new(&mut at.k, cache_len, kc),
-    )?;
-    be.scatter_rows(
-        qkv.cols(qc + kc, kc),
-        rows.cache,
-        ViewMut::new(&mut at.v, cache_len, kc),
-    )?;
     let (k, v) = match spec.kv {
         Some(_) => (
             View::new(&at.k, cache_len, kc),

@@ -148,9 +148,45 @@ GEMV(16, bf16, gemv_m16_bf16)
 //
 // The launcher guarantees: k a multiple of 32, x, x's row stride and w 16-byte aligned, 1 ≤ m ≤ M.
 // Weight rows past n (the last CTA's) are read as row n − 1 and not written.
-template <int M, typename TO>
-__device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ x, long xs, const bf16* __restrict__ w, int k,
-                                             int n, int m, TO* out, long os, float alpha, int accumulate) {
+// The input rows of a tensor-core GEMV, as the kernel reads them: start(j, row, col) points slot j
+// (j < 2) at input row `row` from column `col`; load(j, off) gives the 8 bf16 at `off` past it.
+// PlainInput reads x as it is; GatedInput<ACT> computes act(gate) ⊙ up from a gated MLP's two
+// halves as it reads them, rounded to bf16 (nearest even) as the gated kernels (elementwise.cu) round it, so the
+// fused down product gives the bits of gated-then-product.
+struct PlainInput {
+    const bf16* x;
+    long xs;
+    const bf16* p[2];
+    __device__ __forceinline__ void start(int j, int row, int col) { p[j] = x + (long)row * xs + col; }
+    __device__ __forceinline__ uint4 load(int j, long off) const { return load_cached(p[j] + off); }
+};
+
+template <int ACT>
+struct GatedInput {
+    const bf16* g;
+    long gs;
+    const bf16* u;
+    long us;
+    const bf16* pg[2];
+    const bf16* pu[2];
+    __device__ __forceinline__ void start(int j, int row, int col) {
+        pg[j] = g + (long)row * gs + col;
+        pu[j] = u + (long)row * us + col;
+    }
+    __device__ __forceinline__ uint4 load(int j, long off) const {
+        float gf[8], uf[8], o[8];
+        unpack8(load_cached(pg[j] + off), gf);
+        unpack8(load_cached(pu[j] + off), uf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) o[e] = (ACT == 0 ? gelu_tanh(gf[e]) : silu(gf[e])) * uf[e];
+        return make_uint4(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]), pack_bf16x2(o[4], o[5]),
+                          pack_bf16x2(o[6], o[7]));
+    }
+};
+
+template <int M, typename TO, typename In>
+__device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, int k, int n, int m, TO* out, long os,
+                                             float alpha, int accumulate) {
     constexpr int NT = M / 8, U = 4;
     __shared__ float red[GEMV_MAX_WARPS * 16 * M];  // red[warp][weight row][input row]
     const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5, W = T >> 5;
@@ -159,12 +195,11 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ x, long xs
     const int steps = k >> 5;
     const bf16* wa = w + (long)min(r0 + g, n - 1) * k + 8 * t;
     const bf16* wb = w + (long)min(r0 + g + 8, n - 1) * k + 8 * t;
-    const bf16* xr[NT];
     bool xv[NT];
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         xv[j] = g + 8 * j < m;
-        xr[j] = x + (long)(g + 8 * j) * xs + 8 * t;
+        in.start(j, g + 8 * j, 8 * t);
     }
 
     float d[NT][4];
@@ -186,7 +221,7 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ x, long xs
                 hi[u] = load_stream(wb + off);
 #pragma unroll
                 for (int j = 0; j < NT; j++)
-                    if (xv[j]) xin[u][j] = load_cached(xr[j] + off);
+                    if (xv[j]) xin[u][j] = in.load(j, off);
             }
         }
 #pragma unroll
@@ -219,9 +254,28 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ x, long xs
     extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
                                                            int m, TO* out, long os, float alpha, int accumulate) { \
         pdl_enter();                                                                                               \
-        gemv_tc_impl<M, TO>(x, xs, w, k, n, m, out, os, alpha, accumulate);                                     \
+        gemv_tc_impl<M, TO>(PlainInput{x, xs, {}}, w, k, n, m, out, os, alpha, accumulate);                      \
     }
 GEMV_TC(8, float, gemv_tc_m8_f32)
 GEMV_TC(16, float, gemv_tc_m16_f32)
 GEMV_TC(8, bf16, gemv_tc_m8_bf16)
 GEMV_TC(16, bf16, gemv_tc_m16_bf16)
+
+// gemv_tc_{act}_m{M}_{out}: a gated MLP's down product, out = α · (act(gate) ⊙ up) · wᵀ (+ out),
+// with the gating done as the input is read (GatedInput): one launch instead of the gated kernel's
+// and the product's, the same bits. act: gelu (tanh) or silu.
+#define GEMV_TC_GATED(M, TO, ACT, NAME)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* g, long gs, const bf16* u, long us,         \
+                                                           const bf16* w, int k, int n, int m, TO* out, long os,   \
+                                                           float alpha, int accumulate) {                          \
+        pdl_enter();                                                                                               \
+        gemv_tc_impl<M, TO>(GatedInput<ACT>{g, gs, u, us, {}, {}}, w, k, n, m, out, os, alpha, accumulate);      \
+    }
+GEMV_TC_GATED(8, float, 0, gemv_tc_gelu_m8_f32)
+GEMV_TC_GATED(16, float, 0, gemv_tc_gelu_m16_f32)
+GEMV_TC_GATED(8, bf16, 0, gemv_tc_gelu_m8_bf16)
+GEMV_TC_GATED(16, bf16, 0, gemv_tc_gelu_m16_bf16)
+GEMV_TC_GATED(8, float, 1, gemv_tc_silu_m8_f32)
+GEMV_TC_GATED(16, float, 1, gemv_tc_silu_m16_f32)
+GEMV_TC_GATED(8, bf16, 1, gemv_tc_silu_m8_bf16)
+GEMV_TC_GATED(16, bf16, 1, gemv_tc_silu_m16_bf16)

@@ -159,11 +159,15 @@ __device__ __forceinline__ void residual_norm_warp_impl(float* h, long hs, const
 // axial = 1: 2-D, channels [0, hd/2) rotate by x = pos[2r], [hd/2, hd) by y = pos[2r+1]; within
 // each half, pair j ↔ j + hd/4 (tbl_half = hd/4).
 // STYLE 2: interleaved (complex pairs), pair j joins channels 2j and 2j + 1 at position pos[r].
-template <typename T, int STYLE>
+// CACHE: each k and v head also goes to row at[r] of its cache (kc, row stride ks; vc, vs), the
+// same values as written back (as scatter_rows copies them), so keys and values need no launch of
+// their own; a v head that is not normed is copied as it is.
+template <typename T, int STYLE, bool CACHE = false>
 __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
                                                    const float* qw, const float* kw, int v_norm, int qk_norm, float eps,
                                                    const float* rope, int rope_len, int tbl_half,
-                                                   const u32* pos) {
+                                                   const u32* pos, const u32* at = nullptr, T* kc = nullptr,
+                                                   long ks = 0, T* vc = nullptr, long vs = 0) {
     constexpr bool axial = STYLE == 1, pairs2 = STYLE == 2;
     const int heads = hq + 2 * hkv;
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -174,11 +178,20 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
     const long r = (unsigned)gw / (unsigned)heads;
     const int hh = (int)((unsigned)gw % (unsigned)heads);
     const bool is_v = hh >= hq + hkv;
-    if (is_v && !v_norm) return;
+    T* x = qkv + r * stride + (long)hh * hd;
+    T* cached = nullptr;  // this head's place in a cache (CACHE: k and v heads)
+    if (CACHE && hh >= hq) {
+        const long cr = at[r];
+        cached = is_v ? vc + cr * vs + (long)(hh - hq - hkv) * hd : kc + cr * ks + (long)(hh - hq) * hd;
+    }
+    if (is_v && !v_norm) {
+        if (CACHE)
+            for (int c = lane; c < hd; c += 32) cached[c] = x[c];
+        return;
+    }
     // qk_norm 0: q and k heads are only rotated (normed as usual when nothing rotates, as on the CPU).
     const bool normed = is_v || qk_norm || rope == nullptr;
     const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
-    T* x = qkv + r * stride + (long)hh * hd;
     const int pairs = hd >> 1, quarter = hd >> 2;
     // Pair j (of hd/2) joins channels c1 and c1 + span.
     float a[8], b[8];
@@ -223,6 +236,10 @@ __device__ __forceinline__ void qkv_norm_rope_impl(T* qkv, long stride, int rows
             }
             x[c1] = from_f<T>(x1);
             x[c1 + span] = from_f<T>(x2);
+            if (CACHE && cached) {
+                cached[c1] = from_f<T>(x1);
+                cached[c1 + span] = from_f<T>(x2);
+            }
         }
     }
 }
@@ -396,6 +413,18 @@ QKV_NORM_ROPE(float, 1, qkv_norm_rope_axial_f32)
 QKV_NORM_ROPE(bf16, 1, qkv_norm_rope_axial_bf16)
 QKV_NORM_ROPE(float, 2, qkv_norm_rope_pairs_f32)
 QKV_NORM_ROPE(bf16, 2, qkv_norm_rope_pairs_bf16)
+
+// Split-half q/k/v norm + RoPE with the keys and values written to a cache as well (CACHE above).
+#define QKV_NORM_ROPE_CACHED(T, NAME)                                                                    \
+    extern "C" __global__ void NAME(T* qkv, long stride, int rows, int hq, int hkv, int hd, const float* qw, \
+                                    const float* kw, int v_norm, int qk_norm, float eps, const float* rope, int rope_len, \
+                                    int tbl_half, const u32* pos, const u32* at, T* kc, long ks, T* vc, long vs) { \
+        pdl_enter();                                                                                      \
+        qkv_norm_rope_impl<T, 0, true>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, qk_norm, eps, rope,       \
+                                       rope_len, tbl_half, pos, at, kc, ks, vc, vs);                       \
+    }
+QKV_NORM_ROPE_CACHED(float, qkv_norm_rope_cached_f32)
+QKV_NORM_ROPE_CACHED(bf16, qkv_norm_rope_cached_bf16)
 
 #define RMS_NORM_WARP(TI, TO, NAME)                                                                      \
     extern "C" __global__ void NAME(const TI* x, long xs, const float* w, TO* out, long os, long rows,     \

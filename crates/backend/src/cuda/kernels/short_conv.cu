@@ -14,6 +14,7 @@
 //   last kernel − 1 inputs of [old state ‖ the segment's u], in place: new row j is input
 //   n − (kernel − 1) + j (n the segment's rows), which reads old row n + j ≥ j, not yet written
 //   when rows are written in ascending order.
+// Where every segment is one row (decoding), short_conv_step_{in}_{out} does both in one launch.
 
 // The segment holding packed row r: the last s with offsets[s] <= r (empty segments skipped).
 __device__ __forceinline__ int segment_of(const u32* offsets, int nseg, long r) {
@@ -44,6 +45,35 @@ __device__ __forceinline__ float* conv_slot(float* state, int slots, const u32* 
     return state + (long)slot * (kernel - 1) * channels;
 }
 
+// Output row a + t of a segment starting at packed row a (slot `st`): c ⊙ (bias + Σ_j w_j ·
+// u(t − kernel + 1 + j)), the taps summed in f64 in the CPU's order.
+template <typename TI, typename TO>
+__device__ __forceinline__ void conv_output(const TI* bcx, long xs, long a, int t, const float* st,
+                                            const float* weight, const float* bias, int channels, int kernel, int ch,
+                                            TO* out, long os) {
+    const float* w = weight + (long)ch * kernel;
+    double acc = bias ? (double)bias[ch] : 0.0;
+    for (int j = 0; j < kernel; j++) {
+        const float u = conv_input(bcx, xs, a, t - kernel + 1 + j, st, channels, kernel, ch);
+        acc += (double)w[j] * (double)u;
+    }
+    const long r = a + t;
+    const float c = to_f(bcx[r * xs + channels + ch]);
+    out[r * os + ch] = from_f<TO>(c * (float)acc);
+}
+
+// Slot `dst` refreshed in place with the last kernel − 1 inputs of [old state `st` ‖ the n rows of
+// the segment at a]: new row j is input n − (kernel − 1) + j, which reads old row n + j ≥ j, not
+// yet written when rows are written in ascending order.
+template <typename TI>
+__device__ __forceinline__ void conv_refresh(const TI* bcx, long xs, long a, int n, const float* st, float* dst,
+                                             int channels, int kernel, int ch) {
+    for (int j = 0; j < kernel - 1; j++) {
+        const float u = conv_input(bcx, xs, a, n - (kernel - 1) + j, st, channels, kernel, ch);
+        dst[(long)j * channels + ch] = u;
+    }
+}
+
 // Grid (rows, channel blocks of blockDim.x).
 template <typename TI, typename TO>
 __device__ __forceinline__ void short_conv_impl(const TI* bcx, long xs, const u32* offsets, int nseg, const u32* seqs,
@@ -54,16 +84,8 @@ __device__ __forceinline__ void short_conv_impl(const TI* bcx, long xs, const u3
     if (ch >= channels) return;
     const int s = segment_of(offsets, nseg, r);
     const long a = offsets[s];
-    const int t = (int)(r - a);
     const float* st = conv_slot(const_cast<float*>(state), slots, seqs, s, channels, kernel);
-    const float* w = weight + (long)ch * kernel;
-    double acc = bias ? (double)bias[ch] : 0.0;
-    for (int j = 0; j < kernel; j++) {
-        const float u = conv_input(bcx, xs, a, t - kernel + 1 + j, st, channels, kernel, ch);
-        acc += (double)w[j] * (double)u;
-    }
-    const float c = to_f(bcx[r * xs + channels + ch]);
-    out[r * os + ch] = from_f<TO>(c * (float)acc);
+    conv_output<TI, TO>(bcx, xs, a, (int)(r - a), st, weight, bias, channels, kernel, ch, out, os);
 }
 
 // Grid (segments, channel blocks of blockDim.x).
@@ -78,12 +100,25 @@ __device__ __forceinline__ void short_conv_state_impl(const TI* bcx, long xs, co
     float* dst = state + (long)slot * (kernel - 1) * channels;
     const float* st = conv_slot(state, slots, seqs, s, channels, kernel);
     const long a = offsets[s];
-    const int n = (int)(offsets[s + 1] - a);
-    for (int j = 0; j < kernel - 1; j++) {
-        // Reads old row n + j (when t < 0) before row j is written; rows below j are done.
-        const float u = conv_input(bcx, xs, a, n - (kernel - 1) + j, st, channels, kernel, ch);
-        dst[(long)j * channels + ch] = u;
-    }
+    conv_refresh<TI>(bcx, xs, a, (int)(offsets[s + 1] - a), st, dst, channels, kernel, ch);
+}
+
+// Segments of one row each (a decode step): a thread per (segment, channel) does both of the
+// above — its output from the old state, then its channel of the slot — in one launch, since no
+// other thread reads what it overwrites. Grid (segments, channel blocks of blockDim.x); nseg unused.
+template <typename TI, typename TO>
+__device__ __forceinline__ void short_conv_step_impl(const TI* bcx, long xs, const u32* offsets, const u32* seqs,
+                                                     float* state, int slots, const float* weight, const float* bias,
+                                                     int channels, int kernel, TO* out, long os) {
+    const int s = blockIdx.x;
+    const int ch = blockIdx.y * blockDim.x + threadIdx.x;
+    if (ch >= channels) return;
+    const long a = offsets[s];
+    const float* st = conv_slot(state, slots, seqs, s, channels, kernel);
+    conv_output<TI, TO>(bcx, xs, a, 0, st, weight, bias, channels, kernel, ch, out, os);
+    const u32 slot = seqs[2 * s];
+    if (slot >= (u32)slots) return;
+    conv_refresh<TI>(bcx, xs, a, 1, st, state + (long)slot * (kernel - 1) * channels, channels, kernel, ch);
 }
 
 #define SHORT_CONV(TI, TO, NAME)                                                                          \
@@ -107,3 +142,15 @@ SHORT_CONV(bf16, bf16, short_conv_bf16_bf16)
     }
 SHORT_CONV_STATE(float, short_conv_state_f32)
 SHORT_CONV_STATE(bf16, short_conv_state_bf16)
+
+#define SHORT_CONV_STEP(TI, TO, NAME)                                                                     \
+    extern "C" __global__ void NAME(const TI* bcx, long xs, const u32* offsets, int nseg, const u32* seqs,    \
+                                    float* state, int slots, const float* weight, const float* bias,        \
+                                    int channels, int kernel, TO* out, long os) {                          \
+        pdl_enter();                                                                                       \
+        short_conv_step_impl<TI, TO>(bcx, xs, offsets, seqs, state, slots, weight, bias, channels, kernel, out, os); \
+    }
+SHORT_CONV_STEP(float, float, short_conv_step_f32_f32)
+SHORT_CONV_STEP(float, bf16, short_conv_step_f32_bf16)
+SHORT_CONV_STEP(bf16, float, short_conv_step_bf16_f32)
+SHORT_CONV_STEP(bf16, bf16, short_conv_step_bf16_bf16)
