@@ -7,6 +7,8 @@
 #   BIN_A, BIN_B (.dev/bin/tessera): the binary each side runs — a baseline build against this one
 #     (stage.sh's BASELINE puts it at .dev/bin/tessera-base), e.g. VAR=X A=base B=head
 #     BIN_A=.dev/bin/tessera-base
+#   PROF=1: then one stream of each side under TESSERA_PROFILE=kernels (16 new tokens, a sync per
+#     kernel), its last decode step's profile line into $OUT/prof_b1_{A,B}.txt and printed
 #   EXTRA: more `bench chat` flags for both sides, e.g. "--temperature 0.1 --min-p 0.15
 #     --repetition-penalty 1.05" (sampled on the host) or "--quantize q4_k" (block-format weights)
 # Uses the full-size random-weight folder make_lfm2vl_full.py makes (made here when absent).
@@ -60,4 +62,20 @@ for batch in sorted(set(runs[a]) | set(runs[b])):
     ratio = f"{statistics.median(xb) / statistics.median(xa):.2f}" if xa and xb else "—"
     print(f"{batch:>5} {fa:>24} {fb:>24} {ratio:>6}")
 PY
+if [ "${PROF:-0}" = 1 ]; then
+  for side in A B; do
+    v=${!side}; bin=BIN_$side
+    # shellcheck disable=SC2086
+    env "$VAR=$v" TESSERA_PROFILE=kernels timeout 60 "${!bin}" bench chat --model $F --device cuda \
+      --precision bf16 --images 512x512 --prefill 64 --batch 1 --new-tokens 16 --iters 1 $EXTRA \
+      > "$OUT/prof_b1_$v.txt" 2>&1 || status=1
+    echo "-- one-stream profile, $VAR=$v (last decode step):"
+    grep "^profile:" "$OUT/prof_b1_$v.txt" | tail -1 | python3 -c '
+import re, sys
+line = sys.stdin.read().strip()
+parts = [p.strip() for p in line.split("|")]
+print("\n".join(parts))
+print("kernels a step:", sum(int(n) for n in re.findall(r"\((\d+) ops", line)))'
+  done
+fi
 exit $status
