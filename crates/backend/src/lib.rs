@@ -21,7 +21,8 @@ pub use device::{AnyBackend, BackendFn, DeviceRequest};
 pub use op::{
     Activation, After, AttnSpec, AvgDown, CacheWrite, Conv2d, ConvSeq, DupUp, Epilogue, Gate,
     Grids, GroupNorm, KvRanges, Mask, NormKind, Op, OpKind, QkvLayout, QkvNorm, Residual,
-    RopeStyle, RopeTable, RowNorm, Run, Segments, ShortConv, block_causal_limits, offsets_of,
+    RopeStyle, RopeTable, RowNorm, Run, Segments, ShortConv, ThenResidual, block_causal_limits,
+    offsets_of,
 };
 pub use tessera_core::{Error, Result, Tensor};
 pub use view::{View, ViewMut};
@@ -497,9 +498,11 @@ pub trait Backend: Send + Sync {
         Self: Sized;
 
     /// A gated MLP's down product, `out = ep((act(gate) ⊙ up) · wᵀ)`: [`gated`](Backend::gated)
-    /// into the scratch rows `g` (the shape of `gate`), then [`matmul`](Backend::matmul) of them.
-    /// A backend may instead gate the input as its product reads it, with the same values and
-    /// `g` left as it was (CUDA, for decoding's few rows: one launch instead of two).
+    /// into the scratch rows `g` (the shape of `gate`), then [`matmul`](Backend::matmul) of them,
+    /// then the residual step `then` of `out` if given. A backend may instead gate the input as
+    /// its product reads it and end with the residual step, with the same values (`g`, and `out`
+    /// where a residual step follows, then left as they were; CUDA, for decoding's few rows: one
+    /// launch instead of three).
     #[allow(clippy::too_many_arguments)]
     fn gated_matmul(
         &self,
@@ -508,14 +511,37 @@ pub trait Backend: Send + Sync {
         act: Activation,
         mut g: ViewMut<'_, Self>,
         w: &Self::Mat,
-        out: ViewMut<'_, Self>,
+        mut out: ViewMut<'_, Self>,
         ep: &Epilogue<'_, Self>,
+        then: Option<ThenResidual<'_, Self>>,
     ) -> Result<()>
     where
         Self: Sized,
     {
         self.gated(gate, up, g.reborrow(), act)?;
-        self.matmul(g.as_view(), w, out, ep)
+        self.matmul(g.as_view(), w, out.reborrow(), ep)?;
+        match then {
+            Some(t) => self.residual(t.h, out.as_view(), &t.res, t.after),
+            None => Ok(()),
+        }
+    }
+
+    /// [`matmul`](Backend::matmul) into `y`, then the residual step `then` of it. A backend may
+    /// end the product with the residual step, with the same values (`y` then left as it was;
+    /// CUDA, for decoding's few rows: one launch instead of two).
+    fn matmul_residual(
+        &self,
+        x: View<'_, Self>,
+        w: &Self::Mat,
+        mut y: ViewMut<'_, Self>,
+        ep: &Epilogue<'_, Self>,
+        then: ThenResidual<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        self.matmul(x, w, y.reborrow(), ep)?;
+        self.residual(then.h, y.as_view(), &then.res, then.after)
     }
 
     /// `out[s] = mean of x's rows in segment s`.

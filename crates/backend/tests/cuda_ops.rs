@@ -929,10 +929,12 @@ fn replayed_graph_gives_the_direct_result() {
     }
 }
 
-/// Whether products of a few bf16 rows take the tensor-core GEMV in this process (the default;
-/// `TESSERA_GEMV=0` or `cuda` choose others), where the fused decode ops apply.
+/// Whether products of a few bf16 rows take the tensor-core GEMV and every fused decode op is on
+/// in this process (the defaults; `TESSERA_GEMV=0` or `cuda` and `TESSERA_FUSE` choose others),
+/// where the fused ops apply.
 fn tensor_core_gemv() -> bool {
     std::env::var("TESSERA_GEMV").map_or(true, |v| v != "0" && v != "cuda")
+        && std::env::var_os("TESSERA_FUSE").is_none()
 }
 
 fn same_bits(what: &str, got: &[f32], want: &[f32]) {
@@ -1018,6 +1020,7 @@ fn fused_gated_product_gives_the_two_ops_bits() {
                     &mat,
                     ViewMut::new(&mut one, rows, n),
                     &ep,
+                    None,
                 );
                 assert!(r.is_err(), "{what}: the fused op ran");
                 continue;
@@ -1034,6 +1037,7 @@ fn fused_gated_product_gives_the_two_ops_bits() {
                 &mat,
                 ViewMut::new(&mut one, rows, n),
                 &ep,
+                None,
             )
             .unwrap();
             let launches = g.kernel_launches() - before;
@@ -1142,12 +1146,156 @@ fn cached_qkv_norm_rope_gives_the_three_ops_bits() {
             };
             let (three, q3, k3, v3) = run(false);
             let (one, q1, k1, v1) = run(true);
-            assert_eq!((three, one), (3, 1), "{what}: launches");
+            assert_eq!(three, 3, "{what}: launches");
+            if tensor_core_gemv() {
+                assert_eq!(one, 1, "{what}: launches");
+            }
             same_bits(&format!("{what}: q|k|v"), &q1, &q3);
             same_bits(&format!("{what}: keys"), &k1, &k3);
             same_bits(&format!("{what}: values"), &v1, &v3);
             assert!(k1 != old && v1 != old, "{what}: nothing written");
             println!("{what}: one launch, the three ops' bits");
+        }
+    }
+}
+
+/// A product of a few rows ended by the residual step of a pre-norm block (`h += y`, then the
+/// next RMS norm into bf16 `a`) is one launch — its last CTA takes the norm — with the bits of the
+/// product into `y` then the residual op, for a plain and a gated (MLP down) product, in `h` and
+/// in `a`; shapes the fused kernel does not take (17 rows, a post-norm) run the parts.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn products_ended_by_their_residual_step_give_the_parts_bits() {
+    use tessera_backend::{After, Residual, RowNorm, ThenResidual};
+    let g = cuda::open(0, Precision::Bf16).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+    let mut rng = ops::Rng::new(13);
+    // (rows, inner, width, gated, post-norm, fused)
+    let shapes = [
+        (1, 1024, 1024, false, false, true), // LFM2-VL-450M's out projection, one stream
+        (1, 4608, 1024, true, false, true),  // its MLP down product
+        (8, 1024, 1024, false, false, true),
+        (16, 4608, 1024, true, false, true),
+        (5, 2048, 2048, false, false, true), // LFM2-1.2B's width: two warps a row
+        (17, 1024, 1024, false, false, false),
+        (3, 1024, 1024, false, true, false),
+    ];
+    for (rows, inner, d, gated, post, fused) in shapes {
+        let fused = fused && tensor_core_gemv();
+        let what = format!("{rows}×{inner} → {d}, gated {gated}, post-norm {post}");
+        let mat = g
+            .matrix_f32(&[(&rng.vec(d * inner, 0.05), d)], inner)
+            .unwrap();
+        let norm_w = g.vector_f32(&rng.vec(d, 1.0)).unwrap();
+        let post_w = g.vector_f32(&rng.vec(d, 1.0)).unwrap();
+        let width = if gated { 2 * inner } else { inner };
+        let x = rng.vec(rows * width, 2.0);
+        let h0 = rng.vec(rows * d, 4.0);
+        let run = |one: bool| {
+            let mut xb = g.alloc(rows * width, Compute).unwrap();
+            g.write_f32(&mut xb, &x).unwrap();
+            let mut h = g.alloc(rows * d, Stream).unwrap();
+            g.write_f32(&mut h, &h0).unwrap();
+            let mut a = g.alloc(rows * d, Compute).unwrap();
+            let mut y = g.alloc(rows * d, Compute).unwrap();
+            let mut scratch = g.alloc(rows * inner, Compute).unwrap();
+            let res = Residual {
+                post: post.then(|| RowNorm::rms(&post_w, 1e-5)),
+                ..Residual::plain()
+            };
+            fn then<'a>(
+                h: ViewMut<'a, cuda::CudaBackend>,
+                a: ViewMut<'a, cuda::CudaBackend>,
+                res: Residual<'a, cuda::CudaBackend>,
+                w: &'a cuda::CudaBuf,
+            ) -> ThenResidual<'a, cuda::CudaBackend> {
+                ThenResidual {
+                    h,
+                    res,
+                    after: After::Norm(RowNorm::rms(w, 1e-5), a),
+                }
+            }
+            let xv = View::new(&xb, rows, width);
+            let before = g.kernel_launches();
+            match (gated, one) {
+                (true, true) => g
+                    .gated_matmul(
+                        xv.cols(0, inner),
+                        xv.cols(inner, inner),
+                        Silu,
+                        ViewMut::new(&mut scratch, rows, inner),
+                        &mat,
+                        ViewMut::new(&mut y, rows, d),
+                        &Epilogue::default(),
+                        Some(then(
+                            ViewMut::new(&mut h, rows, d),
+                            ViewMut::new(&mut a, rows, d),
+                            res,
+                            &norm_w,
+                        )),
+                    )
+                    .unwrap(),
+                (true, false) => {
+                    g.gated(
+                        xv.cols(0, inner),
+                        xv.cols(inner, inner),
+                        ViewMut::new(&mut scratch, rows, inner),
+                        Silu,
+                    )
+                    .unwrap();
+                    g.matmul(
+                        View::new(&scratch, rows, inner),
+                        &mat,
+                        ViewMut::new(&mut y, rows, d),
+                        &Epilogue::default(),
+                    )
+                    .unwrap();
+                }
+                (false, true) => g
+                    .matmul_residual(
+                        xv,
+                        &mat,
+                        ViewMut::new(&mut y, rows, d),
+                        &Epilogue::default(),
+                        then(
+                            ViewMut::new(&mut h, rows, d),
+                            ViewMut::new(&mut a, rows, d),
+                            res,
+                            &norm_w,
+                        ),
+                    )
+                    .unwrap(),
+                (false, false) => g
+                    .matmul(
+                        xv,
+                        &mat,
+                        ViewMut::new(&mut y, rows, d),
+                        &Epilogue::default(),
+                    )
+                    .unwrap(),
+            }
+            if !one {
+                let t = then(
+                    ViewMut::new(&mut h, rows, d),
+                    ViewMut::new(&mut a, rows, d),
+                    res,
+                    &norm_w,
+                );
+                g.residual(t.h, View::new(&y, rows, d), &t.res, t.after)
+                    .unwrap();
+            }
+            let launches = g.kernel_launches() - before;
+            let read = |b: &_| g.read_f32(View::new(b, rows, d)).unwrap();
+            (launches, read(&h), read(&a))
+        };
+        let (parts, h_parts, a_parts) = run(false);
+        let (one, h_one, a_one) = run(true);
+        same_bits(&format!("{what}: h"), &h_one, &h_parts);
+        same_bits(&format!("{what}: a"), &a_one, &a_parts);
+        println!("{what}: {one} launch(es), the parts took {parts}");
+        if fused {
+            assert_eq!(one, 1, "{what}: fused path taken?");
+        } else {
+            assert!(one > 1 || rows > 16, "{what}: {one} launch(es)");
         }
     }
 }

@@ -101,6 +101,7 @@ fn open_checked(ordinal: usize, precision: Precision) -> Result<CudaBackend> {
         gemm,
         graphs: Mutex::new(Graphs::default()),
         launches: Default::default(),
+        fuse: super::fusion::Fusions::from_env(),
         flash_part: Mutex::new(None),
         workspaces: Mutex::new(Default::default()),
         staging: Mutex::new(Vec::new()),

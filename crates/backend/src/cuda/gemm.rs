@@ -24,12 +24,12 @@ use tessera_core::{Error, Result};
 
 use super::cublaslt::{Alignments, Handle, Layouts, WORKSPACE_BYTES, check};
 use super::elementwise::EpilogueArgs;
-use super::gemv;
 use super::launch::DevPtr;
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
+use super::{gemv, norm};
 use crate::op::check_product;
-use crate::{Activation, Epilogue, View, ViewMut};
+use crate::{Activation, Epilogue, ThenResidual, View, ViewMut};
 
 /// Algorithms a tuned plan times.
 pub const CANDIDATES: usize = 8;
@@ -475,10 +475,21 @@ pub(super) fn epilogue(
     be.launch("elementwise", kernel, be.grid_stride(rows * cols), &args)
 }
 
-/// A gated MLP's down product `out = ep((act(gate) ⊙ up) · wᵀ)` in one launch where the fused
-/// GEMV applies (a few bf16 rows, a dense weight, a bare or accumulating product; see
-/// [`gemv::gated_product`]): `Ok(true)` once enqueued, `Ok(false)` (nothing enqueued) for the
-/// gated kernel then [`matmul`].
+/// How much of a compound product its fused kernel did.
+pub(super) enum Fused {
+    /// Nothing enqueued: the caller runs the parts.
+    Nothing,
+    /// The product, into its output; a residual step that follows is still to run.
+    Product,
+    /// The product and the residual step after it, in one launch (the product's output unwritten).
+    ProductAndResidual,
+}
+
+/// A gated MLP's down product `out = ep((act(gate) ⊙ up) · wᵀ)`, and the residual step `then`
+/// after it when `residual` (`TESSERA_FUSE`), in one launch where the fused GEMV applies (a few
+/// bf16 rows, a dense weight, a bare or accumulating product; see [`gemv::gated_product`] and
+/// [`gemv::product_then_residual`]).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn gated_matmul(
     be: &CudaBackend,
     gate: View<'_, CudaBackend>,
@@ -487,9 +498,11 @@ pub(super) fn gated_matmul(
     w: &CudaMat,
     out: &ViewMut<'_, CudaBackend>,
     ep: &Epilogue<'_, CudaBackend>,
-) -> Result<bool> {
+    then: Option<&ThenResidual<'_, CudaBackend>>,
+    residual: bool,
+) -> Result<Fused> {
     if !matches!(w.format, MatFormat::Dense(_)) || !be.gemm.gemv.on() {
-        return Ok(false);
+        return Ok(Fused::Nothing);
     }
     check_product(&gate, (w.out, w.inner), out)?;
     if (up.rows, up.cols) != (gate.rows, gate.cols) {
@@ -502,19 +515,49 @@ pub(super) fn gated_matmul(
         ));
     }
     if !Post::of(ep, out.rows, out.cols)?.is_none() || gate.rows == 0 || w.out == 0 {
+        return Ok(Fused::Nothing);
+    }
+    let (g, u, o) = (Rows::of(&gate)?, Rows::of(&up)?, Rows::of_mut(out)?);
+    if let Some(t) = then.filter(|_| residual && !ep.accumulate)
+        && let Some(tail) = norm::residual_tail(be, t, out, gemv::tc_threads(w.inner))?
+    {
+        let input = gemv::Input::Gated {
+            gate: g,
+            up: u,
+            act,
+        };
+        if gemv::product_then_residual(be, &input, gate.rows, w, o, ep.alpha, tail)? {
+            return Ok(Fused::ProductAndResidual);
+        }
+    }
+    let done = gemv::gated_product(be, g, u, gate.rows, act, w, o, ep.alpha, ep.accumulate)?;
+    Ok(if done { Fused::Product } else { Fused::Nothing })
+}
+
+/// `y = ep(x · wᵀ)` ended by the residual step `then` in one launch where the tensor-core GEMV
+/// takes the product (a few bf16 rows, a dense weight, a bare product) and the residual kernel
+/// would be the vector one ([`norm::residual_tail`]): `Ok(true)` once enqueued, `Ok(false)`
+/// (nothing enqueued) for [`matmul`] then the residual op.
+pub(super) fn matmul_residual(
+    be: &CudaBackend,
+    x: View<'_, CudaBackend>,
+    w: &CudaMat,
+    y: &ViewMut<'_, CudaBackend>,
+    ep: &Epilogue<'_, CudaBackend>,
+    then: &ThenResidual<'_, CudaBackend>,
+) -> Result<bool> {
+    if !matches!(w.format, MatFormat::Dense(_)) || !be.gemm.gemv.on() {
         return Ok(false);
     }
-    gemv::gated_product(
-        be,
-        Rows::of(&gate)?,
-        Rows::of(&up)?,
-        gate.rows,
-        act,
-        w,
-        Rows::of_mut(out)?,
-        ep.alpha,
-        ep.accumulate,
-    )
+    check_product(&x, (w.out, w.inner), y)?;
+    if !Post::of(ep, y.rows, y.cols)?.is_none() || ep.accumulate || x.rows == 0 || w.out == 0 {
+        return Ok(false);
+    }
+    let Some(tail) = norm::residual_tail(be, then, y, gemv::tc_threads(w.inner))? else {
+        return Ok(false);
+    };
+    let input = gemv::Input::Rows(Rows::of(&x)?);
+    gemv::product_then_residual(be, &input, x.rows, w, Rows::of_mut(y)?, ep.alpha, tail)
 }
 
 /// The `matmul` op: `out = ep(x · wᵀ)`.

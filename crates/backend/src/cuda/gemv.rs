@@ -21,6 +21,7 @@ use tessera_core::Result;
 
 use super::gemm::Rows;
 use super::launch::{ByDim, DevPtr, cfg, kernel_args, kernel_table};
+use super::norm::ResidualTail;
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
 use crate::Activation;
 
@@ -42,6 +43,22 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `gemv_tc_res_m{M}`: `y = α · x · wᵀ` (bf16, never written) ended by the residual step
+    /// `tail` (gemv.cu's `ResidualOut`).
+    pub(super) struct GemvResArgs {
+        x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32, alpha: f32, tail: ResidualTail,
+    }
+}
+
+kernel_args! {
+    /// `gemv_tc_{act}_res_m{M}`: the gated down product ended by the residual step `tail`.
+    pub(super) struct GemvGatedResArgs {
+        g: DevPtr, gs: i64, u: DevPtr, us: i64, w: DevPtr, k: i32, n: i32, m: i32, alpha: f32,
+        tail: ResidualTail,
+    }
+}
+
 /// The row counts the kernels (and blocks.rs's decode kernels) are built for; a product takes
 /// the smallest that holds its rows ([`width`]).
 pub(super) const WIDTHS: &[usize] = &[1, 2, 4, 8, 16];
@@ -60,6 +77,9 @@ kernel_table! {
         tc_gelu_to_bf16: ByDim<GemvGatedArgs> = ("gemv_tc_gelu_m{}_bf16", TC_WIDTHS),
         tc_silu_to_f32: ByDim<GemvGatedArgs> = ("gemv_tc_silu_m{}_f32", TC_WIDTHS),
         tc_silu_to_bf16: ByDim<GemvGatedArgs> = ("gemv_tc_silu_m{}_bf16", TC_WIDTHS),
+        tc_res: ByDim<GemvResArgs> = ("gemv_tc_res_m{}", TC_WIDTHS),
+        tc_gelu_res: ByDim<GemvGatedResArgs> = ("gemv_tc_gelu_res_m{}", TC_WIDTHS),
+        tc_silu_res: ByDim<GemvGatedResArgs> = ("gemv_tc_silu_res_m{}", TC_WIDTHS),
     }
 }
 
@@ -120,7 +140,7 @@ fn tensor_cores(mode: Mode, k: usize) -> bool {
 
 /// Threads per CTA of the tensor-core kernels for inner width `k`: a warp per four 32-wide steps,
 /// one to eight warps. A function of `k` alone (the sum order depends on it).
-fn tc_threads(k: usize) -> u32 {
+pub(super) fn tc_threads(k: usize) -> u32 {
     (32 * (k / 32 / 4).clamp(1, 8)) as u32
 }
 
@@ -268,6 +288,94 @@ pub(super) fn gated_product(
     };
     let blocks = w.out.div_ceil(TC_CTA_ROWS) as u32;
     be.launch("gemm", kernel, cfg((blocks, 1), tc_threads(k), 0), &args)?;
+    Ok(true)
+}
+
+/// What a product ended by a residual step reads: its input rows, or a gated MLP's two halves.
+pub(super) enum Input {
+    Rows(Rows),
+    Gated {
+        gate: Rows,
+        up: Rows,
+        act: Activation,
+    },
+}
+
+/// Enqueue `y = α · input · wᵀ` (bf16 rows `y`, never written) ended by the residual step `tail`
+/// in the same kernel, where the product would take the tensor-core kernel (for a gated input,
+/// [`gated_product`]'s): the same bits as the product into `y` then the residual kernel, in one
+/// launch. `Ok(false)`, with nothing enqueued, where it would not.
+pub(super) fn product_then_residual(
+    be: &CudaBackend,
+    input: &Input,
+    rows: usize,
+    w: &CudaMat,
+    y: Rows,
+    alpha: f32,
+    tail: ResidualTail,
+) -> Result<bool> {
+    let k = w.inner;
+    let first = match input {
+        Input::Rows(x) | Input::Gated { gate: x, .. } => *x,
+    };
+    let up_ok = match input {
+        Input::Gated { up, .. } => {
+            up.elem == Elem::Bf16 && up.stride.is_multiple_of(8) && up.ptr.0.is_multiple_of(16)
+        }
+        Input::Rows(_) => true,
+    };
+    if y.elem != Elem::Bf16
+        || !(tensor_cores(be.gemm.gemv, k) && up_ok && applies(first, first.ptr, rows, w, y))
+    {
+        return Ok(false);
+    }
+    let g = &be.kernels.gemv;
+    let Some(m) = tc_width(rows) else {
+        return Ok(false);
+    };
+    let launch = cfg((w.out.div_ceil(TC_CTA_ROWS) as u32, 1), tc_threads(k), 0);
+    let (k, n, mi) = (k as i32, w.out as i32, rows as i32);
+    match *input {
+        Input::Rows(x) => {
+            let args = GemvResArgs {
+                x: x.ptr,
+                xs: x.stride as i64,
+                w: w.buf.ptr,
+                k,
+                n,
+                m: mi,
+                alpha,
+                tail,
+            };
+            let Some(kernel) = g.tc_res.get(m) else {
+                return Ok(false);
+            };
+            be.launch("gemm", kernel, launch, &args)?;
+        }
+        Input::Gated { gate, up, act } => {
+            let table = match act {
+                Activation::GeluTanh => &g.tc_gelu_res,
+                Activation::Silu => &g.tc_silu_res,
+                Activation::Gelu => return Ok(false),
+            };
+            let args = GemvGatedResArgs {
+                g: gate.ptr,
+                gs: gate.stride as i64,
+                u: up.ptr,
+                us: up.stride as i64,
+                w: w.buf.ptr,
+                k,
+                n,
+                m: mi,
+                alpha,
+                tail,
+            };
+            let Some(kernel) = table.get(m) else {
+                return Ok(false);
+            };
+            be.launch("gemm", kernel, launch, &args)?;
+        }
+    }
     Ok(true)
 }
 

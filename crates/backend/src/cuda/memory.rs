@@ -473,6 +473,9 @@ pub(super) enum Workspace {
     Columns,
     /// GroupNorm's per-block partial sums (f64 pairs) and per-group statistics, 1 MiB.
     Stats,
+    /// The grid-wide count of a product whose last CTA ends with a residual step (gemv.cu's
+    /// `ResidualOut`): zero between launches (each launch's last CTA wraps it back), 256 bytes.
+    Counts,
 }
 
 impl Workspace {
@@ -480,6 +483,7 @@ impl Workspace {
         match self {
             Workspace::Columns => Role::Compute,
             Workspace::Product | Workspace::Dequant | Workspace::Stats => Role::Stream,
+            Workspace::Counts => Role::Index,
         }
     }
     pub(super) const fn bytes(self) -> usize {
@@ -487,6 +491,7 @@ impl Workspace {
             Workspace::Product | Workspace::Dequant => 64 << 20,
             Workspace::Columns => 256 << 20,
             Workspace::Stats => 1 << 20,
+            Workspace::Counts => 256,
         }
     }
 }

@@ -33,6 +33,7 @@ mod device;
 mod elementwise;
 mod errors;
 mod fp8;
+mod fusion;
 mod gemm;
 mod gemv;
 mod graph;
@@ -56,7 +57,7 @@ use tessera_core::{Error, Result, Tensor, Weights};
 use crate::{
     Activation, After, AttnSpec, AvgDown, Backend, CacheWrite, Conv2d, DupUp, Epilogue, Grids,
     GroupNorm, Op, Precision, QkvNorm, Residual, Role, RopeTable, RowNorm, Segments, ShortConv,
-    View, ViewMut,
+    ThenResidual, View, ViewMut,
 };
 pub use attention::{FlashChoice, FlashKernel};
 pub use device::{check_libraries, open};
@@ -102,6 +103,8 @@ pub struct CudaBackend {
     /// Kernels this backend has launched itself (not cuBLASLt's, not graph replays): what a
     /// fused op saves, checked by the tests ([`CudaBackend::kernel_launches`]).
     launches: std::sync::atomic::AtomicU64,
+    /// The fused decode ops it takes (`TESSERA_FUSE`).
+    fuse: fusion::Fusions,
 }
 
 impl Backend for CudaBackend {
@@ -286,11 +289,15 @@ impl Backend for CudaBackend {
         act: Activation,
         mut g: ViewMut<'_, Self>,
         w: &CudaMat,
-        out: ViewMut<'_, Self>,
+        mut out: ViewMut<'_, Self>,
         ep: &Epilogue<'_, Self>,
+        then: Option<ThenResidual<'_, Self>>,
     ) -> Result<()> {
         self.enter(&Op::Gated(act))?;
         self.enter(&ep.op())?;
+        if let Some(t) = &then {
+            self.enter(&t.res.op(&t.after))?;
+        }
         if (g.rows, g.cols) != (gate.rows, gate.cols) {
             return Err(Error::backend(
                 "gated matmul",
@@ -300,11 +307,41 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        if gemm::gated_matmul(self, gate, up, act, w, &out, ep)? {
+        let fused = if self.fuse.gated {
+            let r = self.fuse.residual;
+            gemm::gated_matmul(self, gate, up, act, w, &out, ep, then.as_ref(), r)?
+        } else {
+            gemm::Fused::Nothing
+        };
+        match fused {
+            gemm::Fused::ProductAndResidual => return Ok(()),
+            gemm::Fused::Product => {}
+            gemm::Fused::Nothing => {
+                elementwise::gated(self, gate, up, g.reborrow(), act)?;
+                gemm::matmul(self, g.as_view(), w, out.reborrow(), ep)?;
+            }
+        }
+        match then {
+            Some(t) => norm::residual(self, t.h, out.as_view(), &t.res, t.after),
+            None => Ok(()),
+        }
+    }
+
+    fn matmul_residual(
+        &self,
+        x: View<'_, Self>,
+        w: &CudaMat,
+        mut y: ViewMut<'_, Self>,
+        ep: &Epilogue<'_, Self>,
+        then: ThenResidual<'_, Self>,
+    ) -> Result<()> {
+        self.enter(&ep.op())?;
+        self.enter(&then.res.op(&then.after))?;
+        if self.fuse.residual && gemm::matmul_residual(self, x, w, &y, ep, &then)? {
             return Ok(());
         }
-        elementwise::gated(self, gate, up, g.reborrow(), act)?;
-        gemm::matmul(self, g.as_view(), w, out, ep)
+        gemm::matmul(self, x, w, y.reborrow(), ep)?;
+        norm::residual(self, then.h, y.as_view(), &then.res, then.after)
     }
 
     fn segment_mean(

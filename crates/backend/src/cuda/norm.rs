@@ -5,11 +5,12 @@ use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};
 
 use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
-use super::memory::{ptr_of, ptr_of_mut};
+use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, Elem};
 use crate::view::same_shape;
 use crate::{
-    After, CacheWrite, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, View, ViewMut,
+    After, CacheWrite, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, ThenResidual,
+    View, ViewMut,
 };
 
 kernel_args! {
@@ -69,6 +70,16 @@ kernel_args! {
     /// One norm's parameters in the general kernels: `kind` 0 RMS, 1 layer (−1: no norm);
     /// weight, bias and modulation row (null = none).
     pub(super) struct NormParams { kind: i32, w: DevPtr, b: DevPtr, s: DevPtr, eps: f32 }
+}
+
+kernel_args! {
+    /// The residual step a product's kernel ends with (`ResidualOut` in gemv.cu): the stream
+    /// `h`, the scale, what follows (`mode` 0 nothing, 1 the next norm, 2 a copy) into bf16
+    /// `out`, the threads of a row and the grid-wide count ([`Workspace::Counts`]).
+    pub(super) struct ResidualTail {
+        h: DevPtr, hs: i64, scale: f32, mode: i32, next: NormParams, out: DevPtr, os: i64,
+        cols: i32, row_threads: i32, counter: DevPtr,
+    }
 }
 
 kernel_args! {
@@ -301,6 +312,60 @@ pub(super) fn residual(
     } else {
         residual_any(be, h, y, res, after)
     }
+}
+
+/// The residual step `then` after a product of `cta_threads` threads a CTA into bf16 rows `y`
+/// (which the fused kernel never writes), as that kernel's tail: `Some` where [`residual`] would
+/// run it on the vector kernel (no post-norm, no gate, an f32 stream, a bf16 second output) with a
+/// row's threads dividing the CTA into at most 8 groups, so that the tail gives its bits.
+pub(super) fn residual_tail(
+    be: &CudaBackend,
+    then: &ThenResidual<'_, CudaBackend>,
+    y: &ViewMut<'_, CudaBackend>,
+    cta_threads: u32,
+) -> Result<Option<ResidualTail>> {
+    const OP: &str = "residual";
+    let (h, res) = (&then.h, &then.res);
+    same_shape(OP, (h.rows, h.cols), (y.rows, y.cols))?;
+    if res.post.is_some() || res.tanh_gate.is_some() || h.buf.elem != Elem::F32 {
+        return Ok(None);
+    }
+    let cols = h.cols;
+    let (mode, next, out) = match &then.after {
+        After::Nothing => (0, NormParams::NONE, None),
+        After::Norm(n, o) => (1, NormParams::of(OP, n, cols)?, Some(o)),
+        After::Copy(o) => (2, NormParams::NONE, Some(o)),
+    };
+    let (optr, os, oe) = second_output(OP, h, out)?;
+    if y.buf.elem != Elem::Bf16 || (out.is_some() && oe != Elem::Bf16) {
+        return Ok(None);
+    }
+    let hp = ptr_of_mut(h)?;
+    let rows = [
+        (hp, h.stride, 4),
+        (ptr_of_mut(y)?, y.stride, 2),
+        (optr, os, oe.size()),
+    ];
+    let vectors = [next.w, next.b, next.s];
+    let Some(row_threads) = vec_threads(cols, &rows, &vectors) else {
+        return Ok(None);
+    };
+    if !cta_threads.is_multiple_of(row_threads) || cta_threads / row_threads > 8 {
+        return Ok(None);
+    }
+    let (counter, _) = be.workspace(Workspace::Counts)?;
+    Ok(Some(ResidualTail {
+        h: hp,
+        hs: h.stride as i64,
+        scale: res.scale,
+        mode,
+        next,
+        out: optr,
+        os: os as i64,
+        cols: cols as i32,
+        row_threads: row_threads as i32,
+        counter,
+    }))
 }
 
 fn residual_any(
@@ -551,7 +616,7 @@ pub(super) fn qkv_norm_rope_cached(
     let (qc, kc) = (norm.layout.q_cols(), norm.layout.kv_cols());
     let fits = |c: &ViewMut<'_, CudaBackend>| c.cols == kc && c.buf.elem == launch.elem;
     let rows_ok = cache.rows.elem == Elem::U32 && cache.rows.len >= qkv.rows;
-    if !(launch.split_half && rows_ok && fits(&cache.k) && fits(&cache.v)) {
+    if !(be.fuse.kv && launch.split_half && rows_ok && fits(&cache.k) && fits(&cache.v)) {
         launch.run(be)?;
         let done = qkv.as_view();
         super::rows::scatter_rows(be, done.cols(qc, kc), cache.rows, cache.k)?;

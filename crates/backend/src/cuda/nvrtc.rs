@@ -31,13 +31,14 @@ impl Source {
 const COMMON: &str = include_str!("kernels/common.cuh");
 const FLASH: (&str, &str) = ("flash.cuh", include_str!("kernels/flash.cuh"));
 const GEMV: (&str, &str) = ("gemv.cuh", include_str!("kernels/gemv.cuh"));
+const ROWVEC: (&str, &str) = ("rowvec.cuh", include_str!("kernels/rowvec.cuh"));
 
 /// Every kernel source Tessera ships, in the order they are loaded.
 pub const SOURCES: &[Source] = &[
     Source {
         name: "norm.cu",
         text: include_str!("kernels/norm.cu"),
-        headers: &[],
+        headers: &[ROWVEC],
         sm90a_only: false,
     },
     Source {
@@ -67,7 +68,7 @@ pub const SOURCES: &[Source] = &[
     Source {
         name: "gemv.cu",
         text: include_str!("kernels/gemv.cu"),
-        headers: &[GEMV],
+        headers: &[GEMV, ROWVEC],
         sm90a_only: false,
     },
     Source {

@@ -99,7 +99,7 @@ pub(super) fn short_conv(
         os: out.stride as i64,
     };
     // A decode step: outputs and state in one launch (grid: segments).
-    if segs.offsets.windows(2).all(|w| w[1] == w[0] + 1) {
+    if be.fuse.conv && segs.offsets.windows(2).all(|w| w[1] == w[0] + 1) {
         return be.launch(
             "conv",
             be.kernels.short_conv.step.get(bcx.buf.elem, out.buf.elem)?,

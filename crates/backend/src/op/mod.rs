@@ -20,7 +20,7 @@ pub use attention::{
 pub(crate) use gemm::check_product;
 pub use gemm::{Activation, Epilogue, Gate};
 pub use image::{AvgDown, Conv2d, DupUp, Grids, GroupNorm};
-pub use norm::{After, NormKind, Residual, RowNorm};
+pub use norm::{After, NormKind, Residual, RowNorm, ThenResidual};
 pub use rope::{RopeStyle, RopeTable};
 pub use short_conv::{ConvSeq, ShortConv};
 

@@ -1,6 +1,8 @@
 //! The gated MLP: `y = (act(x · W_gateᵀ) ⊙ (x · W_upᵀ)) · W_downᵀ`.
 
-use tessera_backend::{Activation, Backend, Epilogue, View, ViewMut};
+use tessera_backend::{
+    Activation, After, Backend, Epilogue, Residual, RowNorm, ThenResidual, View, ViewMut,
+};
 use tessera_core::Result;
 
 use super::Scratch;
@@ -42,13 +44,8 @@ impl<B: Backend> MlpWeights<B> {
 
     /// `y = mlp(a)` for `rows` rows (`s.a` in, `s.y` out).
     pub fn forward(&self, be: &B, act: Activation, rows: usize, s: &mut Scratch<B>) -> Result<()> {
+        self.gate_up(be, rows, s)?;
         let (d, im) = (self.width, self.inner);
-        be.matmul(
-            View::new(&s.a, rows, d),
-            &self.gate_up,
-            ViewMut::new(&mut s.gu, rows, 2 * im),
-            &Epilogue::default(),
-        )?;
         let both = View::new(&s.gu, rows, 2 * im);
         be.gated_matmul(
             both.cols(0, im),
@@ -57,6 +54,50 @@ impl<B: Backend> MlpWeights<B> {
             ViewMut::new(&mut s.g, rows, im),
             &self.down,
             ViewMut::new(&mut s.y, rows, d),
+            &Epilogue::default(),
+            None,
+        )
+    }
+
+    /// The pre-norm block's MLP half for `rows` rows: `h = h + mlp(s.a)` (`res`), then
+    /// `s.a = next(h)` — the down product and the residual step handed to the backend together
+    /// ([`Backend::gated_matmul`]; `s.y` is scratch).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_residual(
+        &self,
+        be: &B,
+        act: Activation,
+        rows: usize,
+        s: &mut Scratch<B>,
+        h: ViewMut<'_, B>,
+        res: Residual<'_, B>,
+        next: RowNorm<'_, B>,
+    ) -> Result<()> {
+        self.gate_up(be, rows, s)?;
+        let (d, im) = (self.width, self.inner);
+        let both = View::new(&s.gu, rows, 2 * im);
+        be.gated_matmul(
+            both.cols(0, im),
+            both.cols(im, im),
+            act,
+            ViewMut::new(&mut s.g, rows, im),
+            &self.down,
+            ViewMut::new(&mut s.y, rows, d),
+            &Epilogue::default(),
+            Some(ThenResidual {
+                h,
+                res,
+                after: After::Norm(next, ViewMut::new(&mut s.a, rows, d)),
+            }),
+        )
+    }
+
+    /// `s.gu = [gate | up](s.a)`.
+    fn gate_up(&self, be: &B, rows: usize, s: &mut Scratch<B>) -> Result<()> {
+        be.matmul(
+            View::new(&s.a, rows, self.width),
+            &self.gate_up,
+            ViewMut::new(&mut s.gu, rows, 2 * self.inner),
             &Epilogue::default(),
         )
     }

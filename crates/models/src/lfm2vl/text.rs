@@ -19,7 +19,8 @@ use std::collections::HashMap;
 
 use tessera_backend::{
     Activation, After, AttnSpec, Backend, CacheWrite, ConvSeq, Epilogue, KvRanges, Mask, QkvLayout,
-    QkvNorm, Residual, Role, RopeStyle, RopeTable, RowNorm, Segments, ShortConv, View, ViewMut,
+    QkvNorm, Residual, Role, RopeStyle, RopeTable, RowNorm, Segments, ShortConv, ThenResidual,
+    View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
@@ -807,9 +808,11 @@ impl<B: Backend> Body<'_, B> {
             let (layer, rest) = self.layers[i..]
                 .split_first_mut()
                 .ok_or_else(|| Error::backend("lfm2", "layer"))?;
+            // Each half ends in `h += y; a = next norm(h)`, handed to its last product.
+            let ffn = RowNorm::rms(&layer.ffn_norm, eps);
             match &mut layer.mixer {
                 Mixer::Conv(cv) => {
-                    conv_mixer(be, cv, c, n, ws)?;
+                    conv_mixer(be, cv, c, n, ws, ffn)?;
                     keep_states(be, cv, c, pass.keep, ws)?;
                 }
                 Mixer::Attn(at) => {
@@ -819,6 +822,7 @@ impl<B: Backend> Body<'_, B> {
                         cache_rows,
                         seg,
                         kv,
+                        h,
                         ..
                     } = &mut *ws;
                     let spec = if pass.fresh { causal } else { causal.over(kv) };
@@ -828,29 +832,23 @@ impl<B: Backend> Body<'_, B> {
                         cache: cache_rows,
                         seg,
                     };
-                    attn_mixer(be, at, c, self.rope, &spec, &rows, scratch)?
+                    let h = ViewMut::new(h, n, d);
+                    attn_mixer(be, at, c, self.rope, &spec, &rows, scratch, h, ffn)?
                 }
             }
-            let (h, s) = (&mut ws.h, &mut ws.scratch);
-            be.residual(
-                ViewMut::new(h, n, d),
-                View::new(&s.y, n, d),
-                &Residual::plain(),
-                After::Norm(
-                    RowNorm::rms(&layer.ffn_norm, eps),
-                    ViewMut::new(&mut s.a, n, d),
-                ),
-            )?;
-            layer.mlp.forward(be, Activation::Silu, n, s)?;
             let next = match rest.first() {
                 Some(nx) => RowNorm::rms(&nx.op_norm, eps),
                 None => RowNorm::rms(self.final_norm, eps),
             };
-            be.residual(
+            let (h, s) = (&mut ws.h, &mut ws.scratch);
+            layer.mlp.forward_residual(
+                be,
+                Activation::Silu,
+                n,
+                s,
                 ViewMut::new(h, n, d),
-                View::new(&s.y, n, d),
-                &Residual::plain(),
-                After::Norm(next, ViewMut::new(&mut s.a, n, d)),
+                Residual::plain(),
+                next,
             )?;
         }
         // Logits of every row, or of each segment's last row.
@@ -879,13 +877,14 @@ impl<B: Backend> Body<'_, B> {
     }
 }
 
-/// `s.y = conv mixer(s.a)`, each segment continuing from its slot's state.
+/// `h += conv mixer(s.a)`, each segment continuing from its slot's state, then `s.a = ffn(h)`.
 fn conv_mixer<B: Backend>(
     be: &B,
     cv: &mut Conv<B>,
     c: &TextConfig,
     n: usize,
     ws: &mut Workspace<B>,
+    ffn: RowNorm<'_, B>,
 ) -> Result<()> {
     let d = c.hidden;
     fn ep<B: Backend>(b: &Option<B::Vector>) -> Epilogue<'_, B> {
@@ -914,11 +913,17 @@ fn conv_mixer<B: Backend>(
         &mut cv.state,
         ViewMut::new(&mut ws.cy, n, d),
     )?;
-    be.matmul(
+    let s = &mut ws.scratch;
+    be.matmul_residual(
         View::new(&ws.cy, n, d),
         &cv.out_proj,
-        ViewMut::new(&mut ws.scratch.y, n, d),
+        ViewMut::new(&mut s.y, n, d),
         &ep(&cv.out_bias),
+        ThenResidual {
+            h: ViewMut::new(&mut ws.h, n, d),
+            res: Residual::plain(),
+            after: After::Norm(ffn, ViewMut::new(&mut s.a, n, d)),
+        },
     )
 }
 
@@ -958,8 +963,9 @@ fn keep_states<B: Backend>(
     Ok(())
 }
 
-/// `s.y = attention mixer(s.a)`: q|k|v, per-head norms and RoPE, the new keys and values into
-/// the cache, attention over each segment's cached range, the output projection.
+/// `h += attention mixer(s.a)`: q|k|v, per-head norms and RoPE, the new keys and values into
+/// the cache, attention over each segment's cached range, the output projection; then
+/// `s.a = ffn(h)`.
 #[allow(clippy::too_many_arguments)]
 fn attn_mixer<B: Backend>(
     be: &B,
@@ -969,6 +975,8 @@ fn attn_mixer<B: Backend>(
     spec: &AttnSpec<'_, B>,
     rows: &Rows<'_, B>,
     s: &mut Scratch<B>,
+    h: ViewMut<'_, B>,
+    ffn: RowNorm<'_, B>,
 ) -> Result<()> {
     let lay = at.w.layout;
     let n = rows.n;
@@ -1013,10 +1021,15 @@ fn attn_mixer<B: Backend>(
         spec,
         rows.seg,
     )?;
-    be.matmul(
+    be.matmul_residual(
         View::new(&s.attn, n, qc),
         &at.w.o,
         ViewMut::new(&mut s.y, n, d),
         &Epilogue::default(),
+        ThenResidual {
+            h,
+            res: Residual::plain(),
+            after: After::Norm(ffn, ViewMut::new(&mut s.a, n, d)),
+        },
     )
 }

@@ -149,20 +149,28 @@ GEMV(16, bf16, gemv_m16_bf16)
 // The launcher guarantees: k a multiple of 32, x, x's row stride and w 16-byte aligned, 1 ≤ m ≤ M.
 // Weight rows past n (the last CTA's) are read as row n − 1 and not written.
 // The input rows of a tensor-core GEMV, as the kernel reads them: start(j, row, col) points slot j
-// (j < 2) at input row `row` from column `col`; load(j, off) gives the 8 bf16 at `off` past it.
-// PlainInput reads x as it is; GatedInput<ACT> computes act(gate) ⊙ up from a gated MLP's two
-// halves as it reads them, rounded to bf16 (nearest even) as the gated kernels (elementwise.cu) round it, so the
-// fused down product gives the bits of gated-then-product.
+// (j < 2) at input row `row` from column `col`; load(j, off) issues the loads of the 8 bf16 at `off`
+// past it (a Raw), and operand(raw) makes the MMA's operand of them once they have arrived — split
+// so that every load of an unrolled batch is in flight before the first one is waited on (the loads
+// are volatile asm, which the compiler keeps in order). PlainInput reads x as it is; GatedInput<ACT>
+// computes act(gate) ⊙ up from a gated MLP's two halves, rounded to bf16 (nearest even) as the gated
+// kernels (elementwise.cu) round it, so the fused down product gives the bits of gated-then-product.
 struct PlainInput {
+    typedef uint4 Raw;
     const bf16* x;
     long xs;
     const bf16* p[2];
     __device__ __forceinline__ void start(int j, int row, int col) { p[j] = x + (long)row * xs + col; }
-    __device__ __forceinline__ uint4 load(int j, long off) const { return load_cached(p[j] + off); }
+    __device__ __forceinline__ Raw load(int j, long off) const { return load_cached(p[j] + off); }
+    static __device__ __forceinline__ Raw zero() { return make_uint4(0u, 0u, 0u, 0u); }
+    static __device__ __forceinline__ uint4 operand(Raw r) { return r; }
 };
 
 template <int ACT>
 struct GatedInput {
+    struct Raw {
+        uint4 g, u;
+    };
     const bf16* g;
     long gs;
     const bf16* u;
@@ -173,10 +181,15 @@ struct GatedInput {
         pg[j] = g + (long)row * gs + col;
         pu[j] = u + (long)row * us + col;
     }
-    __device__ __forceinline__ uint4 load(int j, long off) const {
+    __device__ __forceinline__ Raw load(int j, long off) const {
+        return Raw{load_cached(pg[j] + off), load_cached(pu[j] + off)};
+    }
+    static __device__ __forceinline__ Raw zero() { return Raw{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}; }
+    // Zero gates give zero products (act(0) = 0), so the zero Raw of a row past m stays zero.
+    static __device__ __forceinline__ uint4 operand(Raw r) {
         float gf[8], uf[8], o[8];
-        unpack8(load_cached(pg[j] + off), gf);
-        unpack8(load_cached(pu[j] + off), uf);
+        unpack8(r.g, gf);
+        unpack8(r.u, uf);
 #pragma unroll
         for (int e = 0; e < 8; e++) o[e] = (ACT == 0 ? gelu_tanh(gf[e]) : silu(gf[e])) * uf[e];
         return make_uint4(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]), pack_bf16x2(o[4], o[5]),
@@ -184,9 +197,94 @@ struct GatedInput {
     }
 };
 
-template <int M, typename TO, typename In>
-__device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, int k, int n, int m, TO* out, long os,
-                                             float alpha, int accumulate) {
+// Where a tensor-core GEMV's sums go: store<M>(red, tid, T, r0, n, m, α) once `red` holds every
+// warp's 16 × M sums and the CTA is synchronised. PlainOut: out[i, r0 + r] = α · sum (+ out).
+template <typename TO>
+struct PlainOut {
+    TO* out;
+    long os;
+    int accumulate;
+    template <int M>
+    __device__ __forceinline__ void store(const float* red, int tid, int T, int r0, int n, int m, float alpha) const {
+        gemv_add_warps<16 * M, M>(red, tid, T, r0, n, m, out, os, alpha, accumulate);
+    }
+};
+
+// ResidualOut: the residual step after the product, in the product's kernel (one launch instead of
+// two). Each CTA rounds its columns of y = α · sum to bf16, as the product's bf16 output would be,
+// and adds them into the residual stream, h = (h + y) · scale, for the columns it owns. The last CTA
+// to finish — a grid-wide count (atom.inc, which wraps to 0 for the next launch) after a fence —
+// then writes each row's next norm (mode 1) or copy (mode 2) of the finished h to `out`, with the
+// row threads of residual_any_vec (rowvec.cuh: the same chunks, sums and order), so every value has
+// the bits of the product into y followed by residual_any_vec. mode 0: h alone. Rows are taken by
+// groups of `row_threads` threads (a multiple of 32 dividing the CTA, at most 8 groups), each group
+// with its own barrier.
+struct ResidualOut {
+    float* h;
+    long hs;
+    float scale;
+    int mode;
+    int next_kind;
+    const float* nw;
+    const float* nb;
+    const float* ns;
+    float neps;
+    bf16* out;
+    long os;
+    int cols;
+    int row_threads;
+    u32* counter;
+
+    template <int M>
+    __device__ __forceinline__ void store(const float* red, int tid, int T, int r0, int n, int m, float alpha) const {
+        constexpr int N = 16 * M;
+        const int warps = T >> 5;
+        for (int j = tid; j < N; j += T) {
+            const int r = j / M, i = j % M;
+            if (r0 + r >= n || i >= m) continue;
+            float s = red[j];
+            for (int q = 1; q < warps; q++) s += red[q * N + j];
+            const float y = to_f(from_f<bf16>(alpha * s));
+            float* hp = h + i * hs + r0 + r;
+            *hp = (*hp + y) * scale;
+        }
+        if (mode == 0) return;
+        __shared__ u32 ticket;
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's h before its count
+        __syncthreads();
+        if (tid == 0) {
+            asm volatile("atom.global.inc.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(counter), "r"(gridDim.x - 1) : "memory");
+        }
+        __syncthreads();
+        if (ticket != gridDim.x - 1) return;
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // every CTA's h before the reads below
+        __shared__ float sh[GEMV_MAX_WARPS][32];
+        const int groups = T / row_threads, gi = tid / row_threads;
+        if (gi >= groups) return;
+        const RowThreads rt{tid % row_threads, row_threads, sh[gi], 1 + gi};
+        for (int i = gi; i < m; i += groups) {
+            float v[RN_CHUNKS][4];
+            // From L2: this CTA's L1 may hold lines of h from before the other CTAs wrote them.
+#pragma unroll
+            for (int c4 = 0; c4 < RN_CHUNKS; c4++) {
+                const int c = 4 * (rt.t + c4 * rt.T);
+                if (c < cols) {
+                    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+                                 : "=f"(v[c4][0]), "=f"(v[c4][1]), "=f"(v[c4][2]), "=f"(v[c4][3])
+                                 : "l"(h + i * hs + c));
+                } else {
+                    v[c4][0] = v[c4][1] = v[c4][2] = v[c4][3] = 0.f;
+                }
+            }
+            if (mode == 1) norm_affine_row_vec(v, row_stats_vec(v, cols, next_kind, neps, rt), cols, nw, nb, ns, rt);
+            store_row_vec(out + i * os, cols, v, rt);
+        }
+    }
+};
+
+template <int M, typename In, typename Out>
+__device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, int k, int n, int m, Out o,
+                                             float alpha) {
     constexpr int NT = M / 8, U = 4;
     __shared__ float red[GEMV_MAX_WARPS * 16 * M];  // red[warp][weight row][input row]
     const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5, W = T >> 5;
@@ -207,14 +305,15 @@ __device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, 
     for (int j = 0; j < NT; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
 
     for (int s0 = warp; s0 < steps; s0 += W * U) {
-        uint4 lo[U], hi[U], xin[U][NT];  // weight rows g and g + 8, inputs
+        uint4 lo[U], hi[U];  // weight rows g and g + 8
+        typename In::Raw xin[U][NT];  // inputs, as loaded
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int s = s0 + u * W;
             const uint4 zero = {0u, 0u, 0u, 0u};
             lo[u] = hi[u] = zero;
 #pragma unroll
-            for (int j = 0; j < NT; j++) xin[u][j] = zero;
+            for (int j = 0; j < NT; j++) xin[u][j] = In::zero();
             if (s < steps) {
                 const long off = (long)s * 32;
                 lo[u] = load_stream(wa + off);
@@ -229,8 +328,9 @@ __device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, 
             if (s0 + u * W < steps) {  // the same for the whole warp, as mma.sync needs
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
-                    mma_bf16(d[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xin[u][j].x, xin[u][j].y);
-                    mma_bf16(d[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xin[u][j].z, xin[u][j].w);
+                    const uint4 b = In::operand(xin[u][j]);
+                    mma_bf16(d[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b.x, b.y);
+                    mma_bf16(d[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b.z, b.w);
                 }
             }
         }
@@ -247,14 +347,14 @@ __device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, 
         mine[(g + 8) * M + i + 1] = d[j][3];
     }
     __syncthreads();
-    gemv_add_warps<16 * M, M>(red, tid, T, r0, n, m, out, os, alpha, accumulate);
+    o.template store<M>(red, tid, T, r0, n, m, alpha);
 }
 
 #define GEMV_TC(M, TO, NAME)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
                                                            int m, TO* out, long os, float alpha, int accumulate) { \
         pdl_enter();                                                                                               \
-        gemv_tc_impl<M, TO>(PlainInput{x, xs, {}}, w, k, n, m, out, os, alpha, accumulate);                      \
+        gemv_tc_impl<M>(PlainInput{x, xs, {}}, w, k, n, m, PlainOut<TO>{out, os, accumulate}, alpha);            \
     }
 GEMV_TC(8, float, gemv_tc_m8_f32)
 GEMV_TC(16, float, gemv_tc_m16_f32)
@@ -269,7 +369,8 @@ GEMV_TC(16, bf16, gemv_tc_m16_bf16)
                                                            const bf16* w, int k, int n, int m, TO* out, long os,   \
                                                            float alpha, int accumulate) {                          \
         pdl_enter();                                                                                               \
-        gemv_tc_impl<M, TO>(GatedInput<ACT>{g, gs, u, us, {}, {}}, w, k, n, m, out, os, alpha, accumulate);      \
+        gemv_tc_impl<M>(GatedInput<ACT>{g, gs, u, us, {}, {}}, w, k, n, m, PlainOut<TO>{out, os, accumulate},   \
+                        alpha);                                                                                    \
     }
 GEMV_TC_GATED(8, float, 0, gemv_tc_gelu_m8_f32)
 GEMV_TC_GATED(16, float, 0, gemv_tc_gelu_m16_f32)
@@ -279,3 +380,30 @@ GEMV_TC_GATED(8, float, 1, gemv_tc_silu_m8_f32)
 GEMV_TC_GATED(16, float, 1, gemv_tc_silu_m16_f32)
 GEMV_TC_GATED(8, bf16, 1, gemv_tc_silu_m8_bf16)
 GEMV_TC_GATED(16, bf16, 1, gemv_tc_silu_m16_bf16)
+
+// gemv_tc_res_m{M} and gemv_tc_{act}_res_m{M}: the same products (bf16 y) with the residual step
+// that follows them in a pre-norm block, h = (h + y) · scale, then the next norm or copy of h into
+// bf16 `out` (ResidualOut); y itself is not written.
+#define RESIDUAL_PARAMS                                                                                           \
+    float *h, long hs, float scale, int mode, int next_kind, const float *nw, const float *nb, const float *ns,  \
+        float neps, bf16 *out, long os, int cols, int row_threads, u32 *counter
+#define RESIDUAL_OUT ResidualOut{h, hs, scale, mode, next_kind, nw, nb, ns, neps, out, os, cols, row_threads, counter}
+#define GEMV_TC_RES(M, NAME)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
+                                                           int m, float alpha, RESIDUAL_PARAMS) {                 \
+        pdl_enter();                                                                                               \
+        gemv_tc_impl<M>(PlainInput{x, xs, {}}, w, k, n, m, RESIDUAL_OUT, alpha);                                  \
+    }
+GEMV_TC_RES(8, gemv_tc_res_m8)
+GEMV_TC_RES(16, gemv_tc_res_m16)
+#define GEMV_TC_GATED_RES(M, ACT, NAME)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const bf16* g, long gs, const bf16* u, long us,         \
+                                                           const bf16* w, int k, int n, int m, float alpha,        \
+                                                           RESIDUAL_PARAMS) {                                      \
+        pdl_enter();                                                                                               \
+        gemv_tc_impl<M>(GatedInput<ACT>{g, gs, u, us, {}, {}}, w, k, n, m, RESIDUAL_OUT, alpha);                  \
+    }
+GEMV_TC_GATED_RES(8, 0, gemv_tc_gelu_res_m8)
+GEMV_TC_GATED_RES(16, 0, gemv_tc_gelu_res_m16)
+GEMV_TC_GATED_RES(8, 1, gemv_tc_silu_res_m8)
+GEMV_TC_GATED_RES(16, 1, gemv_tc_silu_res_m16)

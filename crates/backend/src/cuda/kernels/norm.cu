@@ -573,102 +573,21 @@ RESIDUAL_ANY(residual_any_impl, float, bf16, residual_any_f32_bf16)
 RESIDUAL_ANY(residual_any_impl, bf16, float, residual_any_bf16_f32)
 RESIDUAL_ANY(residual_any_impl, bf16, bf16, residual_any_bf16_bf16)
 
-// ---- Vector variants of the general row norm and residual for rows of 4·m columns whose rows and
-// vectors are aligned for 4-wide accesses: thread t holds columns 4(t + i·blockDim) … + 3 for
-// i < RN_CHUNKS in registers, so every load of a row is in flight at once (the loops above wait on
-// one load per iteration, which left them at ~400 GB/s on Z-Image's 3840-wide rows). The host
-// launches ⌈cols / (4·RN_CHUNKS)⌉ threads rounded up to a warp. Same arithmetic as above.
-#define RN_CHUNKS 8
-
-// (mean, 1/sqrt(var + eps)) of the held values (columns at or past `cols` hold 0 and are skipped).
-__device__ __forceinline__ float2 row_stats_vec(const float (&v)[RN_CHUNKS][4], int cols, int kind, float eps,
-                                                float* sh) {
-    float mean = 0.f;
-    if (kind == 1) {
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < RN_CHUNKS; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) s += v[i][j];
-        mean = block_sum(s, sh) / cols;
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
-        if (4 * (threadIdx.x + i * blockDim.x) < cols) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const float d = v[i][j] - mean;
-                ss += d * d;
-            }
-        }
-    }
-    ss = block_sum(ss, sh);
-    return make_float2(mean, 1.f / sqrtf(ss / cols + eps));
-}
-
-// norm_affine on four columns from c.
-__device__ __forceinline__ void norm_affine4(float (&v)[4], float2 st, int c, const float* w, const float* b,
-                                             const float* s) {
-    float wv[4], bv[4], sv[4];
-    if (w) load4(w + c, wv);
-    if (b) load4(b + c, bv);
-    if (s) load4(s + c, sv);
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        float y = (v[j] - st.x) * st.y;
-        if (w) y *= wv[j];
-        if (b) y += bv[j];
-        if (s) y *= 1.f + sv[j];
-        v[j] = y;
-    }
-}
-
-template <typename T>
-__device__ __forceinline__ void load_row_vec(const T* row, int cols, float (&v)[RN_CHUNKS][4]) {
-#pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
-        const int c = 4 * (threadIdx.x + i * blockDim.x);
-        if (c < cols) {
-            load4(row + c, v[i]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; j++) v[i][j] = 0.f;
-        }
-    }
-}
-
-template <typename T>
-__device__ __forceinline__ void store_row_vec(T* row, int cols, const float (&v)[RN_CHUNKS][4]) {
-#pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
-        const int c = 4 * (threadIdx.x + i * blockDim.x);
-        if (c < cols) store4(row + c, v[i]);
-    }
-}
-
-// norm_affine4 on every held chunk of the row; no store in between, so the weights' loads are
-// all in flight together.
-__device__ __forceinline__ void norm_affine_row_vec(float (&v)[RN_CHUNKS][4], float2 st, int cols, const float* w,
-                                                    const float* b, const float* s) {
-#pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
-        const int c = 4 * (threadIdx.x + i * blockDim.x);
-        if (c < cols) norm_affine4(v[i], st, c, w, b, s);
-    }
-}
+// ---- Vector variants of the general row norm and residual: rows held in registers 4-wide, the
+// helpers in rowvec.cuh (shared with gemv.cu's products that end in a residual step).
 
 template <typename TI, typename TO>
 __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind, const float* w, const float* b,
                                                   const float* s, float eps, TO* out, long os, int cols) {
     __shared__ float sh[32];
+    const RowThreads rt = block_row_threads(sh);
     const long r = blockIdx.x;
     float v[RN_CHUNKS][4];
-    load_row_vec(x + r * xs, cols, v);
-    const float2 st = row_stats_vec(v, cols, kind, eps, sh);
+    load_row_vec(x + r * xs, cols, v, rt);
+    const float2 st = row_stats_vec(v, cols, kind, eps, rt);
     // The weights' loads all before the first store (see residual_any_vec_impl).
-    norm_affine_row_vec(v, st, cols, w, b, s);
-    store_row_vec(out + r * os, cols, v);
+    norm_affine_row_vec(v, st, cols, w, b, s, rt);
+    store_row_vec(out + r * os, cols, v, rt);
 }
 
 // Asks L2 for the lines of a per-column vector this thread will read after a reduction, so that
@@ -692,6 +611,7 @@ __device__ __forceinline__ void residual_any_vec_impl(float* h, long hs, const T
                                                       const float* nw, const float* nb, const float* ns, float neps,
                                                       TO* out, long os, int cols) {
     __shared__ float sh[32];
+    const RowThreads rt = block_row_threads(sh);
     const long r = blockIdx.x;
     float* hr = h + r * hs;
     if (mode == 1) {
@@ -700,9 +620,9 @@ __device__ __forceinline__ void residual_any_vec_impl(float* h, long hs, const T
         prefetch_vec_l2(ns, cols);
     }
     float v[RN_CHUNKS][4], hv[RN_CHUNKS][4];
-    load_row_vec(y + r * ys, cols, v);
-    load_row_vec(hr, cols, hv);
-    if (post_kind >= 0) norm_affine_row_vec(v, row_stats_vec(v, cols, post_kind, peps, sh), cols, pw, pb, ps);
+    load_row_vec(y + r * ys, cols, v, rt);
+    load_row_vec(hr, cols, hv, rt);
+    if (post_kind >= 0) norm_affine_row_vec(v, row_stats_vec(v, cols, post_kind, peps, rt), cols, pw, pb, ps, rt);
 #pragma unroll
     for (int i = 0; i < RN_CHUNKS; i++) {
         const int c = 4 * (threadIdx.x + i * blockDim.x);
@@ -716,10 +636,10 @@ __device__ __forceinline__ void residual_any_vec_impl(float* h, long hs, const T
             }
         }
     }
-    store_row_vec(hr, cols, v);
+    store_row_vec(hr, cols, v, rt);
     if (mode == 0) return;
-    if (mode == 1) norm_affine_row_vec(v, row_stats_vec(v, cols, next_kind, neps, sh), cols, nw, nb, ns);
-    store_row_vec(out + r * os, cols, v);
+    if (mode == 1) norm_affine_row_vec(v, row_stats_vec(v, cols, next_kind, neps, rt), cols, nw, nb, ns, rt);
+    store_row_vec(out + r * os, cols, v, rt);
 }
 
 ROW_NORM(row_norm_vec_impl, float, float, row_norm_vec_f32_f32)

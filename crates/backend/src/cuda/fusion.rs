@@ -1,0 +1,60 @@
+//! Which fused decode ops the backend takes (`TESSERA_FUSE`): each gives the bits of the ops it
+//! replaces in fewer launches, so the switch changes speed alone — for A/B measurement of one
+//! fusion against the same binary without it.
+
+/// `TESSERA_FUSE` unset or `1`: every fusion; `0`: none; else a comma list of the ones to take
+/// (`gated`, `kv`, `conv`, `residual`; unknown names are ignored).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Fusions {
+    /// A gated MLP's down product gates its input as the GEMV reads it (`gemv_tc_{act}_m*`).
+    pub gated: bool,
+    /// The q/k/v norm + RoPE writes the new keys and values to the cache.
+    pub kv: bool,
+    /// A short convolution over one-row segments is one launch (`short_conv_step_*`).
+    pub conv: bool,
+    /// A product's residual step (and the next norm) runs in the product's last CTA.
+    pub residual: bool,
+}
+
+impl Fusions {
+    pub const ALL: Fusions = Fusions {
+        gated: true,
+        kv: true,
+        conv: true,
+        residual: true,
+    };
+
+    pub fn from_env() -> Self {
+        Self::parse(std::env::var("TESSERA_FUSE").ok().as_deref())
+    }
+
+    fn parse(v: Option<&str>) -> Self {
+        match v.map(str::trim) {
+            None | Some("") | Some("1") => Self::ALL,
+            Some(list) => {
+                let on = |name: &str| list.split(',').any(|s| s.trim() == name);
+                Fusions {
+                    gated: on("gated"),
+                    kv: on("kv"),
+                    conv: on("conv"),
+                    residual: on("residual"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_switch_reads_all_none_or_a_list() {
+        assert_eq!(Fusions::parse(None), Fusions::ALL);
+        assert_eq!(Fusions::parse(Some("1")), Fusions::ALL);
+        let none = Fusions::parse(Some("0"));
+        assert!(!(none.gated || none.kv || none.conv || none.residual));
+        let some = Fusions::parse(Some("kv, conv"));
+        assert!(some.kv && some.conv && !some.gated && !some.residual);
+    }
+}
