@@ -497,33 +497,25 @@ pub trait Backend: Send + Sync {
     where
         Self: Sized;
 
-    /// A gated MLP's down product, `out = ep((act(gate) ⊙ up) · wᵀ)`: [`gated`](Backend::gated)
-    /// into the scratch rows `g` (the shape of `gate`), then [`matmul`](Backend::matmul) of them,
-    /// then the residual step `then` of `out` if given. A backend may instead gate the input as
-    /// its product reads it and end with the residual step, with the same values (`g`, and `out`
-    /// where a residual step follows, then left as they were; CUDA, for decoding's few rows: one
-    /// launch instead of three).
-    #[allow(clippy::too_many_arguments)]
-    fn gated_matmul(
+    /// A gated MLP's first half, `out = act(x · W_gateᵀ) ⊙ (x · W_upᵀ)` for `w` = [gate; up]
+    /// stacked (`[2·inner, cols]`): [`matmul`](Backend::matmul) into the scratch rows `gu`
+    /// (`[rows, 2·inner]`), then [`gated`](Backend::gated) of its halves into `out`. A backend
+    /// may gate the product's columns as it stores them, with the same values (`gu` then left as
+    /// it was; CUDA, for decoding's few rows: one launch instead of two).
+    fn matmul_gated(
         &self,
-        gate: View<'_, Self>,
-        up: View<'_, Self>,
-        act: Activation,
-        mut g: ViewMut<'_, Self>,
+        x: View<'_, Self>,
         w: &Self::Mat,
-        mut out: ViewMut<'_, Self>,
-        ep: &Epilogue<'_, Self>,
-        then: Option<ThenResidual<'_, Self>>,
+        mut gu: ViewMut<'_, Self>,
+        act: Activation,
+        out: ViewMut<'_, Self>,
     ) -> Result<()>
     where
         Self: Sized,
     {
-        self.gated(gate, up, g.reborrow(), act)?;
-        self.matmul(g.as_view(), w, out.reborrow(), ep)?;
-        match then {
-            Some(t) => self.residual(t.h, out.as_view(), &t.res, t.after),
-            None => Ok(()),
-        }
+        self.matmul(x, w, gu.reborrow(), &Epilogue::default())?;
+        let (half, both) = (gu.cols / 2, gu.as_view());
+        self.gated(both.cols(0, half), both.cols(half, half), out, act)
     }
 
     /// [`matmul`](Backend::matmul) into `y`, then the residual step `then` of it. A backend may

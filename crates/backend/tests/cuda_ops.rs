@@ -947,110 +947,87 @@ fn same_bits(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(differ, 0, "{what}: {differ} of {} values differ", got.len());
 }
 
-/// A gated MLP's down product on a few rows is one launch (the gating done as the GEMV reads its
-/// input) that gives the bits of the gated kernel then the product and leaves the scratch rows
-/// untouched; shapes the fused GEMV does not take run the two ops.
+/// A gated MLP's gate|up product on a few rows is one launch (the gating done as the GEMV stores
+/// its columns) that gives the bits of the product then the gated kernel and leaves the scratch
+/// rows untouched; shapes the fused GEMV does not take run the two ops.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fused_gated_product_gives_the_two_ops_bits() {
     let g = cuda::open(0, Precision::Bf16).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
     let mut rng = ops::Rng::new(11);
-    // (rows, inner, out, activation, fused under the tensor-core GEMV)
+    // (rows, width, inner, activation, fused under the tensor-core GEMV)
     let shapes = [
-        (1, 4608, 1024, Silu, true), // LFM2-VL-450M decoding, one stream
-        (3, 4608, 1024, Silu, true),
-        (16, 4608, 1024, Silu, true),
-        (8, 96, 40, GeluTanh, true),
-        (17, 4608, 1024, Silu, false), // past the GEMV's rows: cuBLASLt
-        (4, 40, 24, Silu, false),      // k not a multiple of 32: the CUDA-core GEMV
-        (2, 64, 16, Gelu, false),      // erf GELU: no fused kernel (and no gated one)
+        (1, 1024, 4608, Silu, true), // LFM2-VL-450M decoding, one stream
+        (3, 1024, 4608, Silu, true),
+        (16, 1024, 4608, Silu, true),
+        (8, 96, 44, GeluTanh, true), // a last CTA with fewer than eight columns
+        (17, 1024, 4608, Silu, false), // past the GEMV's rows: cuBLASLt
+        (4, 40, 24, Silu, false),    // k not a multiple of 32: the CUDA-core GEMV
+        (2, 64, 16, Gelu, false),    // erf GELU: no fused kernel (and no gated one)
     ];
-    for (rows, inner, n, act, fused) in shapes {
+    for (rows, width, inner, act, fused) in shapes {
         let fused = fused && tensor_core_gemv();
-        for (out_role, ep) in [
-            (Compute, Epilogue::default()),
-            (Stream, Epilogue::default()),
-            (
-                Stream,
-                Epilogue {
-                    alpha: 0.75,
-                    accumulate: true,
-                    ..Epilogue::default()
-                },
-            ),
-        ] {
-            let what = format!(
-                "{rows}×{inner} → {n}, {act:?}, {out_role:?}, α {}",
-                ep.alpha
-            );
-            let mat = g
-                .matrix_f32(&[(&rng.vec(n * inner, 0.05), n)], inner)
-                .unwrap();
-            let mut gu = g.alloc(rows * 2 * inner, Compute).unwrap();
-            g.write_f32(&mut gu, &rng.vec(rows * 2 * inner, 3.0))
-                .unwrap();
-            let start = rng.vec(rows * n, 1.0);
-            let mut scratch = g.alloc(rows * inner, Compute).unwrap();
-            let (mut two, mut one) = (
-                g.alloc(rows * n, out_role).unwrap(),
-                g.alloc(rows * n, out_role).unwrap(),
-            );
-            g.write_f32(&mut two, &start).unwrap();
-            g.write_f32(&mut one, &start).unwrap();
-            let both = View::new(&gu, rows, 2 * inner);
-            let (gate, up) = (both.cols(0, inner), both.cols(inner, inner));
-            let two_ops = g
-                .gated(gate, up, ViewMut::new(&mut scratch, rows, inner), act)
-                .and_then(|()| {
-                    g.matmul(
-                        View::new(&scratch, rows, inner),
-                        &mat,
-                        ViewMut::new(&mut two, rows, n),
-                        &ep,
-                    )
-                });
-            if act == Gelu {
-                // No CUDA kernel gates with erf GELU; the compound op declines as the gated op does.
-                assert!(two_ops.is_err(), "{what}: {two_ops:?}");
-                let r = g.gated_matmul(
-                    gate,
-                    up,
-                    act,
-                    ViewMut::new(&mut scratch, rows, inner),
-                    &mat,
-                    ViewMut::new(&mut one, rows, n),
-                    &ep,
-                    None,
-                );
-                assert!(r.is_err(), "{what}: the fused op ran");
-                continue;
-            }
-            two_ops.unwrap();
-            g.write_f32(&mut scratch, &vec![f32::NAN; rows * inner])
-                .unwrap();
-            let before = g.kernel_launches();
-            g.gated_matmul(
-                gate,
-                up,
-                act,
-                ViewMut::new(&mut scratch, rows, inner),
-                &mat,
-                ViewMut::new(&mut one, rows, n),
-                &ep,
-                None,
+        let what = format!("{rows}×{width} → 2×{inner}, {act:?}");
+        let mat = g
+            .matrix_f32(
+                &[
+                    (&rng.vec(inner * width, 0.05), inner),
+                    (&rng.vec(inner * width, 0.05), inner),
+                ],
+                width,
             )
             .unwrap();
-            let launches = g.kernel_launches() - before;
-            let want = g.read_f32(View::new(&two, rows, n)).unwrap();
-            let got = g.read_f32(View::new(&one, rows, n)).unwrap();
-            same_bits(&what, &got, &want);
-            let scratch = g.read_f32(View::new(&scratch, rows, inner)).unwrap();
-            let untouched = scratch.iter().all(|v| v.is_nan());
-            println!("{what}: {launches} launch(es), scratch untouched: {untouched}");
-            assert_eq!(untouched, fused, "{what}: fused path taken?");
-            if fused {
-                assert_eq!(launches, 1, "{what}");
-            }
+        let mut x = g.alloc(rows * width, Compute).unwrap();
+        g.write_f32(&mut x, &rng.vec(rows * width, 2.0)).unwrap();
+        let x = View::new(&x, rows, width);
+        let mut gu = g.alloc(rows * 2 * inner, Compute).unwrap();
+        let (mut two, mut one) = (
+            g.alloc(rows * inner, Compute).unwrap(),
+            g.alloc(rows * inner, Compute).unwrap(),
+        );
+        let two_ops = g
+            .matmul(
+                x,
+                &mat,
+                ViewMut::new(&mut gu, rows, 2 * inner),
+                &Epilogue::default(),
+            )
+            .and_then(|()| {
+                let both = View::new(&gu, rows, 2 * inner);
+                g.gated(
+                    both.cols(0, inner),
+                    both.cols(inner, inner),
+                    ViewMut::new(&mut two, rows, inner),
+                    act,
+                )
+            });
+        let nan = vec![f32::NAN; rows * 2 * inner];
+        g.write_f32(&mut gu, &nan).unwrap();
+        let before = g.kernel_launches();
+        let fused_op = g.matmul_gated(
+            x,
+            &mat,
+            ViewMut::new(&mut gu, rows, 2 * inner),
+            act,
+            ViewMut::new(&mut one, rows, inner),
+        );
+        let launches = g.kernel_launches() - before;
+        if act == Gelu {
+            // No CUDA kernel gates with erf GELU; the compound op declines as the gated op does.
+            assert!(two_ops.is_err() && fused_op.is_err(), "{what}");
+            continue;
+        }
+        two_ops.unwrap();
+        fused_op.unwrap();
+        let want = g.read_f32(View::new(&two, rows, inner)).unwrap();
+        let got = g.read_f32(View::new(&one, rows, inner)).unwrap();
+        same_bits(&what, &got, &want);
+        let gu = g.read_f32(View::new(&gu, rows, 2 * inner)).unwrap();
+        let untouched = gu.iter().all(|v| v.is_nan());
+        println!("{what}: {launches} launch(es), scratch untouched: {untouched}");
+        assert_eq!(untouched, fused, "{what}: fused path taken?");
+        if fused {
+            assert_eq!(launches, 1, "{what}");
         }
     }
 }
@@ -1161,119 +1138,82 @@ fn cached_qkv_norm_rope_gives_the_three_ops_bits() {
 
 /// A product of a few rows ended by the residual step of a pre-norm block (`h += y`, then the
 /// next RMS norm into bf16 `a`) is one launch — its last CTA takes the norm — with the bits of the
-/// product into `y` then the residual op, for a plain and a gated (MLP down) product, in `h` and
-/// in `a`; shapes the fused kernel does not take (17 rows, a post-norm) run the parts.
+/// product into `y` then the residual op, in `h` and in `a`; shapes the fused kernel does not take
+/// (17 rows, a post-norm) run the parts.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn products_ended_by_their_residual_step_give_the_parts_bits() {
     use tessera_backend::{After, Residual, RowNorm, ThenResidual};
+    fn then<'a>(
+        h: ViewMut<'a, cuda::CudaBackend>,
+        a: ViewMut<'a, cuda::CudaBackend>,
+        res: Residual<'a, cuda::CudaBackend>,
+        w: &'a cuda::CudaBuf,
+    ) -> ThenResidual<'a, cuda::CudaBackend> {
+        ThenResidual {
+            h,
+            res,
+            after: After::Norm(RowNorm::rms(w, 1e-5), a),
+        }
+    }
     let g = cuda::open(0, Precision::Bf16).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
     let mut rng = ops::Rng::new(13);
-    // (rows, inner, width, gated, post-norm, fused)
+    // (rows, inner, width, post-norm, fused)
     let shapes = [
-        (1, 1024, 1024, false, false, true), // LFM2-VL-450M's out projection, one stream
-        (1, 4608, 1024, true, false, true),  // its MLP down product
-        (8, 1024, 1024, false, false, true),
-        (16, 4608, 1024, true, false, true),
-        (5, 2048, 2048, false, false, true), // LFM2-1.2B's width: two warps a row
-        (17, 1024, 1024, false, false, false),
-        (3, 1024, 1024, false, true, false),
+        (1, 1024, 1024, false, true), // LFM2-VL-450M's out projection, one stream
+        (1, 4608, 1024, false, true), // its MLP down product
+        (8, 1024, 1024, false, true),
+        (16, 4608, 1024, false, true),
+        (5, 2048, 2048, false, true), // LFM2-1.2B's width: two warps a row
+        (17, 1024, 1024, false, false),
+        (3, 1024, 1024, true, false),
     ];
-    for (rows, inner, d, gated, post, fused) in shapes {
+    for (rows, inner, d, post, fused) in shapes {
         let fused = fused && tensor_core_gemv();
-        let what = format!("{rows}×{inner} → {d}, gated {gated}, post-norm {post}");
+        let what = format!("{rows}×{inner} → {d}, post-norm {post}");
         let mat = g
             .matrix_f32(&[(&rng.vec(d * inner, 0.05), d)], inner)
             .unwrap();
         let norm_w = g.vector_f32(&rng.vec(d, 1.0)).unwrap();
         let post_w = g.vector_f32(&rng.vec(d, 1.0)).unwrap();
-        let width = if gated { 2 * inner } else { inner };
-        let x = rng.vec(rows * width, 2.0);
+        let x = rng.vec(rows * inner, 2.0);
         let h0 = rng.vec(rows * d, 4.0);
         let run = |one: bool| {
-            let mut xb = g.alloc(rows * width, Compute).unwrap();
+            let mut xb = g.alloc(rows * inner, Compute).unwrap();
             g.write_f32(&mut xb, &x).unwrap();
             let mut h = g.alloc(rows * d, Stream).unwrap();
             g.write_f32(&mut h, &h0).unwrap();
             let mut a = g.alloc(rows * d, Compute).unwrap();
             let mut y = g.alloc(rows * d, Compute).unwrap();
-            let mut scratch = g.alloc(rows * inner, Compute).unwrap();
             let res = Residual {
                 post: post.then(|| RowNorm::rms(&post_w, 1e-5)),
                 ..Residual::plain()
             };
-            fn then<'a>(
-                h: ViewMut<'a, cuda::CudaBackend>,
-                a: ViewMut<'a, cuda::CudaBackend>,
-                res: Residual<'a, cuda::CudaBackend>,
-                w: &'a cuda::CudaBuf,
-            ) -> ThenResidual<'a, cuda::CudaBackend> {
-                ThenResidual {
-                    h,
-                    res,
-                    after: After::Norm(RowNorm::rms(w, 1e-5), a),
-                }
-            }
-            let xv = View::new(&xb, rows, width);
+            let xv = View::new(&xb, rows, inner);
             let before = g.kernel_launches();
-            match (gated, one) {
-                (true, true) => g
-                    .gated_matmul(
-                        xv.cols(0, inner),
-                        xv.cols(inner, inner),
-                        Silu,
-                        ViewMut::new(&mut scratch, rows, inner),
-                        &mat,
-                        ViewMut::new(&mut y, rows, d),
-                        &Epilogue::default(),
-                        Some(then(
-                            ViewMut::new(&mut h, rows, d),
-                            ViewMut::new(&mut a, rows, d),
-                            res,
-                            &norm_w,
-                        )),
-                    )
-                    .unwrap(),
-                (true, false) => {
-                    g.gated(
-                        xv.cols(0, inner),
-                        xv.cols(inner, inner),
-                        ViewMut::new(&mut scratch, rows, inner),
-                        Silu,
-                    )
-                    .unwrap();
-                    g.matmul(
-                        View::new(&scratch, rows, inner),
-                        &mat,
-                        ViewMut::new(&mut y, rows, d),
-                        &Epilogue::default(),
-                    )
-                    .unwrap();
-                }
-                (false, true) => g
-                    .matmul_residual(
-                        xv,
-                        &mat,
-                        ViewMut::new(&mut y, rows, d),
-                        &Epilogue::default(),
-                        then(
-                            ViewMut::new(&mut h, rows, d),
-                            ViewMut::new(&mut a, rows, d),
-                            res,
-                            &norm_w,
-                        ),
-                    )
-                    .unwrap(),
-                (false, false) => g
-                    .matmul(
-                        xv,
-                        &mat,
-                        ViewMut::new(&mut y, rows, d),
-                        &Epilogue::default(),
-                    )
-                    .unwrap(),
-            }
-            if !one {
+            if one {
+                let t = then(
+                    ViewMut::new(&mut h, rows, d),
+                    ViewMut::new(&mut a, rows, d),
+                    res,
+                    &norm_w,
+                );
+                g.matmul_residual(
+                    xv,
+                    &mat,
+                    ViewMut::new(&mut y, rows, d),
+                    &Epilogue::default(),
+                    t,
+                )
+                .unwrap();
+            } else {
+                g.matmul(
+                    xv,
+                    &mat,
+                    ViewMut::new(&mut y, rows, d),
+                    &Epilogue::default(),
+                )
+                .unwrap();
                 let t = then(
                     ViewMut::new(&mut h, rows, d),
                     ViewMut::new(&mut a, rows, d),

@@ -6,7 +6,7 @@
 /// (`gated`, `kv`, `conv`, `residual`; unknown names are ignored).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Fusions {
-    /// A gated MLP's down product gates its input as the GEMV reads it (`gemv_tc_{act}_m*`).
+    /// A gated MLP's gate|up product gates its columns as it stores them (`gemv_tc_{act}_glu_m*`).
     pub gated: bool,
     /// The q/k/v norm + RoPE writes the new keys and values to the cache.
     pub kv: bool,

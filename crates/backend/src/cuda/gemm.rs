@@ -475,63 +475,36 @@ pub(super) fn epilogue(
     be.launch("elementwise", kernel, be.grid_stride(rows * cols), &args)
 }
 
-/// How much of a compound product its fused kernel did.
-pub(super) enum Fused {
-    /// Nothing enqueued: the caller runs the parts.
-    Nothing,
-    /// The product, into its output; a residual step that follows is still to run.
-    Product,
-    /// The product and the residual step after it, in one launch (the product's output unwritten).
-    ProductAndResidual,
-}
-
-/// A gated MLP's down product `out = ep((act(gate) ⊙ up) · wᵀ)`, and the residual step `then`
-/// after it when `residual` (`TESSERA_FUSE`), in one launch where the fused GEMV applies (a few
-/// bf16 rows, a dense weight, a bare or accumulating product; see [`gemv::gated_product`] and
-/// [`gemv::product_then_residual`]).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn gated_matmul(
+/// A gated MLP's gate|up product gated as it is stored, `out = act(x · W_gateᵀ) ⊙ (x · W_upᵀ)`,
+/// in one launch where the fused GEMV applies (a few bf16 rows, a dense weight; see
+/// [`gemv::glu_product`]): `Ok(true)` once enqueued, `Ok(false)` (nothing enqueued) for
+/// [`matmul`] into `gu` then the gated kernel.
+pub(super) fn matmul_gated(
     be: &CudaBackend,
-    gate: View<'_, CudaBackend>,
-    up: View<'_, CudaBackend>,
-    act: Activation,
+    x: View<'_, CudaBackend>,
     w: &CudaMat,
+    gu: &ViewMut<'_, CudaBackend>,
+    act: Activation,
     out: &ViewMut<'_, CudaBackend>,
-    ep: &Epilogue<'_, CudaBackend>,
-    then: Option<&ThenResidual<'_, CudaBackend>>,
-    residual: bool,
-) -> Result<Fused> {
+) -> Result<bool> {
     if !matches!(w.format, MatFormat::Dense(_)) || !be.gemm.gemv.on() {
-        return Ok(Fused::Nothing);
+        return Ok(false);
     }
-    check_product(&gate, (w.out, w.inner), out)?;
-    if (up.rows, up.cols) != (gate.rows, gate.cols) {
+    check_product(&x, (w.out, w.inner), gu)?;
+    if (out.rows, 2 * out.cols) != (gu.rows, gu.cols) {
         return Err(Error::backend(
             "gated matmul",
             format!(
-                "gate {}×{} but up {}×{}",
-                gate.rows, gate.cols, up.rows, up.cols
+                "{}×{} gated rows from {}×{} products",
+                out.rows, out.cols, gu.rows, gu.cols
             ),
         ));
     }
-    if !Post::of(ep, out.rows, out.cols)?.is_none() || gate.rows == 0 || w.out == 0 {
-        return Ok(Fused::Nothing);
+    if x.rows == 0 || w.out == 0 {
+        return Ok(false);
     }
-    let (g, u, o) = (Rows::of(&gate)?, Rows::of(&up)?, Rows::of_mut(out)?);
-    if let Some(t) = then.filter(|_| residual && !ep.accumulate)
-        && let Some(tail) = norm::residual_tail(be, t, out, gemv::tc_threads(w.inner))?
-    {
-        let input = gemv::Input::Gated {
-            gate: g,
-            up: u,
-            act,
-        };
-        if gemv::product_then_residual(be, &input, gate.rows, w, o, ep.alpha, tail)? {
-            return Ok(Fused::ProductAndResidual);
-        }
-    }
-    let done = gemv::gated_product(be, g, u, gate.rows, act, w, o, ep.alpha, ep.accumulate)?;
-    Ok(if done { Fused::Product } else { Fused::Nothing })
+    let (xr, gr, or) = (Rows::of(&x)?, Rows::of_mut(gu)?, Rows::of_mut(out)?);
+    gemv::glu_product(be, xr, x.rows, act, w, gr, or, 1.0)
 }
 
 /// `y = ep(x · wᵀ)` ended by the residual step `then` in one launch where the tensor-core GEMV
@@ -556,8 +529,15 @@ pub(super) fn matmul_residual(
     let Some(tail) = norm::residual_tail(be, then, y, gemv::tc_threads(w.inner))? else {
         return Ok(false);
     };
-    let input = gemv::Input::Rows(Rows::of(&x)?);
-    gemv::product_then_residual(be, &input, x.rows, w, Rows::of_mut(y)?, ep.alpha, tail)
+    gemv::product_then_residual(
+        be,
+        Rows::of(&x)?,
+        x.rows,
+        w,
+        Rows::of_mut(y)?,
+        ep.alpha,
+        tail,
+    )
 }
 
 /// The `matmul` op: `out = ep(x · wᵀ)`.

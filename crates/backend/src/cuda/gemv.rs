@@ -35,11 +35,10 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `gemv_tc_{act}_m{M}_{out}`: a gated MLP's down product, `out (= or +=) α · (act(g) ⊙ u) · wᵀ`,
-    /// the gating done as the input is read; a CTA per sixteen weight rows.
-    pub(super) struct GemvGatedArgs {
-        g: DevPtr, gs: i64, u: DevPtr, us: i64, w: DevPtr, k: i32, n: i32, m: i32, out: DevPtr,
-        os: i64, alpha: f32, accumulate: i32,
+    /// `gemv_tc_{act}_glu_m{M}`: a gated MLP's gate|up product `w = [gate; up]` (`n` rows) with
+    /// the gating in its store, `out = act(x · W_gateᵀ) ⊙ (x · W_upᵀ)` in bf16.
+    pub(super) struct GemvGluArgs {
+        x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32, out: DevPtr, os: i64, alpha: f32,
     }
 }
 
@@ -48,14 +47,6 @@ kernel_args! {
     /// `tail` (gemv.cu's `ResidualOut`).
     pub(super) struct GemvResArgs {
         x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32, alpha: f32, tail: ResidualTail,
-    }
-}
-
-kernel_args! {
-    /// `gemv_tc_{act}_res_m{M}`: the gated down product ended by the residual step `tail`.
-    pub(super) struct GemvGatedResArgs {
-        g: DevPtr, gs: i64, u: DevPtr, us: i64, w: DevPtr, k: i32, n: i32, m: i32, alpha: f32,
-        tail: ResidualTail,
     }
 }
 
@@ -73,13 +64,9 @@ kernel_table! {
         to_bf16: ByDim<GemvArgs> = ("gemv_m{}_bf16", WIDTHS),
         tc_to_f32: ByDim<GemvArgs> = ("gemv_tc_m{}_f32", TC_WIDTHS),
         tc_to_bf16: ByDim<GemvArgs> = ("gemv_tc_m{}_bf16", TC_WIDTHS),
-        tc_gelu_to_f32: ByDim<GemvGatedArgs> = ("gemv_tc_gelu_m{}_f32", TC_WIDTHS),
-        tc_gelu_to_bf16: ByDim<GemvGatedArgs> = ("gemv_tc_gelu_m{}_bf16", TC_WIDTHS),
-        tc_silu_to_f32: ByDim<GemvGatedArgs> = ("gemv_tc_silu_m{}_f32", TC_WIDTHS),
-        tc_silu_to_bf16: ByDim<GemvGatedArgs> = ("gemv_tc_silu_m{}_bf16", TC_WIDTHS),
+        tc_gelu_glu: ByDim<GemvGluArgs> = ("gemv_tc_gelu_glu_m{}", TC_WIDTHS),
+        tc_silu_glu: ByDim<GemvGluArgs> = ("gemv_tc_silu_glu_m{}", TC_WIDTHS),
         tc_res: ByDim<GemvResArgs> = ("gemv_tc_res_m{}", TC_WIDTHS),
-        tc_gelu_res: ByDim<GemvGatedResArgs> = ("gemv_tc_gelu_res_m{}", TC_WIDTHS),
-        tc_silu_res: ByDim<GemvGatedResArgs> = ("gemv_tc_silu_res_m{}", TC_WIDTHS),
     }
 }
 
@@ -236,78 +223,59 @@ pub(super) fn gemv(
     be.launch("gemm", kernel, cfg((blocks, 1), block, 0), &args)
 }
 
-/// Enqueue a gated MLP's down product with the gating fused into the product's input,
-/// `into[0..rows] (= or +=) α · (act(gate) ⊙ up) · wᵀ` (`gate`, `up`: `rows` rows of `w.inner`),
-/// where the product of the gated rows would run on the tensor-core kernel: the fused kernel
-/// rounds the gated values as the gated kernels do and sums as that kernel does, so it gives the
+/// Enqueue a gated MLP's gate|up product with the gating in its store, `out[0..rows] =
+/// act(x · W_gateᵀ) ⊙ (x · W_upᵀ)` for `w = [gate; up]`, where the product into the bf16 rows `gu`
+/// (`[rows, 2·inner]`, never written) would run on the tensor-core kernel: the fused kernel sums
+/// and rounds each half as that kernel does and gates as the gated kernels do, so it gives the
 /// same bits in one launch instead of two. `Ok(false)`, with nothing enqueued, where it would not.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn gated_product(
+pub(super) fn glu_product(
     be: &CudaBackend,
-    gate: Rows,
-    up: Rows,
+    x: Rows,
     rows: usize,
     act: Activation,
     w: &CudaMat,
-    into: Rows,
+    gu: Rows,
+    out: Rows,
     alpha: f32,
-    accumulate: bool,
 ) -> Result<bool> {
     let k = w.inner;
-    let up_ok = up.elem == Elem::Bf16 && up.stride.is_multiple_of(8) && up.ptr.0.is_multiple_of(16);
-    if !(tensor_cores(be.gemm.gemv, k) && up_ok && applies(gate, gate.ptr, rows, w, into)) {
+    let fits = gu.elem == Elem::Bf16 && out.elem == Elem::Bf16 && w.out.is_multiple_of(2);
+    if !(fits && tensor_cores(be.gemm.gemv, k) && applies(x, x.ptr, rows, w, gu)) {
         return Ok(false);
     }
-    let g = &be.kernels.gemv;
-    let (to_f32, to_bf16) = match act {
-        Activation::GeluTanh => (&g.tc_gelu_to_f32, &g.tc_gelu_to_bf16),
-        Activation::Silu => (&g.tc_silu_to_f32, &g.tc_silu_to_bf16),
+    let table = match act {
+        Activation::GeluTanh => &be.kernels.gemv.tc_gelu_glu,
+        Activation::Silu => &be.kernels.gemv.tc_silu_glu,
         Activation::Gelu => return Ok(false),
-    };
-    let table = if into.elem == Elem::Bf16 {
-        to_bf16
-    } else {
-        to_f32
     };
     let Some(kernel) = tc_width(rows).and_then(|m| table.get(m)) else {
         return Ok(false);
     };
-    let args = GemvGatedArgs {
-        g: gate.ptr,
-        gs: gate.stride as i64,
-        u: up.ptr,
-        us: up.stride as i64,
+    let args = GemvGluArgs {
+        x: x.ptr,
+        xs: x.stride as i64,
         w: w.buf.ptr,
         k: k as i32,
         n: w.out as i32,
         m: rows as i32,
-        out: into.ptr,
-        os: into.stride as i64,
+        out: out.ptr,
+        os: out.stride as i64,
         alpha,
-        accumulate: accumulate as i32,
     };
-    let blocks = w.out.div_ceil(TC_CTA_ROWS) as u32;
+    // Eight gate rows and their eight up rows a CTA.
+    let blocks = (w.out / 2).div_ceil(TC_CTA_ROWS / 2) as u32;
     be.launch("gemm", kernel, cfg((blocks, 1), tc_threads(k), 0), &args)?;
     Ok(true)
 }
 
-/// What a product ended by a residual step reads: its input rows, or a gated MLP's two halves.
-pub(super) enum Input {
-    Rows(Rows),
-    Gated {
-        gate: Rows,
-        up: Rows,
-        act: Activation,
-    },
-}
-
-/// Enqueue `y = α · input · wᵀ` (bf16 rows `y`, never written) ended by the residual step `tail`
-/// in the same kernel, where the product would take the tensor-core kernel (for a gated input,
-/// [`gated_product`]'s): the same bits as the product into `y` then the residual kernel, in one
-/// launch. `Ok(false)`, with nothing enqueued, where it would not.
+/// Enqueue `y = α · x · wᵀ` (bf16 rows `y`, never written) ended by the residual step `tail` in
+/// the same kernel, where the product would take the tensor-core kernel: the same bits as the
+/// product into `y` then the residual kernel, in one launch. `Ok(false)`, with nothing enqueued,
+/// where it would not.
 pub(super) fn product_then_residual(
     be: &CudaBackend,
-    input: &Input,
+    x: Rows,
     rows: usize,
     w: &CudaMat,
     y: Rows,
@@ -315,67 +283,24 @@ pub(super) fn product_then_residual(
     tail: ResidualTail,
 ) -> Result<bool> {
     let k = w.inner;
-    let first = match input {
-        Input::Rows(x) | Input::Gated { gate: x, .. } => *x,
-    };
-    let up_ok = match input {
-        Input::Gated { up, .. } => {
-            up.elem == Elem::Bf16 && up.stride.is_multiple_of(8) && up.ptr.0.is_multiple_of(16)
-        }
-        Input::Rows(_) => true,
-    };
-    if y.elem != Elem::Bf16
-        || !(tensor_cores(be.gemm.gemv, k) && up_ok && applies(first, first.ptr, rows, w, y))
-    {
+    if y.elem != Elem::Bf16 || !(tensor_cores(be.gemm.gemv, k) && applies(x, x.ptr, rows, w, y)) {
         return Ok(false);
     }
-    let g = &be.kernels.gemv;
-    let Some(m) = tc_width(rows) else {
+    let Some(kernel) = tc_width(rows).and_then(|m| be.kernels.gemv.tc_res.get(m)) else {
         return Ok(false);
     };
-    let launch = cfg((w.out.div_ceil(TC_CTA_ROWS) as u32, 1), tc_threads(k), 0);
-    let (k, n, mi) = (k as i32, w.out as i32, rows as i32);
-    match *input {
-        Input::Rows(x) => {
-            let args = GemvResArgs {
-                x: x.ptr,
-                xs: x.stride as i64,
-                w: w.buf.ptr,
-                k,
-                n,
-                m: mi,
-                alpha,
-                tail,
-            };
-            let Some(kernel) = g.tc_res.get(m) else {
-                return Ok(false);
-            };
-            be.launch("gemm", kernel, launch, &args)?;
-        }
-        Input::Gated { gate, up, act } => {
-            let table = match act {
-                Activation::GeluTanh => &g.tc_gelu_res,
-                Activation::Silu => &g.tc_silu_res,
-                Activation::Gelu => return Ok(false),
-            };
-            let args = GemvGatedResArgs {
-                g: gate.ptr,
-                gs: gate.stride as i64,
-                u: up.ptr,
-                us: up.stride as i64,
-                w: w.buf.ptr,
-                k,
-                n,
-                m: mi,
-                alpha,
-                tail,
-            };
-            let Some(kernel) = table.get(m) else {
-                return Ok(false);
-            };
-            be.launch("gemm", kernel, launch, &args)?;
-        }
-    }
+    let args = GemvResArgs {
+        x: x.ptr,
+        xs: x.stride as i64,
+        w: w.buf.ptr,
+        k: k as i32,
+        n: w.out as i32,
+        m: rows as i32,
+        alpha,
+        tail,
+    };
+    let blocks = w.out.div_ceil(TC_CTA_ROWS) as u32;
+    be.launch("gemm", kernel, cfg((blocks, 1), tc_threads(k), 0), &args)?;
     Ok(true)
 }
 

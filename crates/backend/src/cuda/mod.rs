@@ -52,7 +52,7 @@ mod tma;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaStream};
-use tessera_core::{Error, Result, Tensor, Weights};
+use tessera_core::{Result, Tensor, Weights};
 
 use crate::{
     Activation, After, AttnSpec, AvgDown, Backend, CacheWrite, Conv2d, DupUp, Epilogue, Grids,
@@ -282,49 +282,23 @@ impl Backend for CudaBackend {
         elementwise::gated(self, gate, up, out, act)
     }
 
-    fn gated_matmul(
+    fn matmul_gated(
         &self,
-        gate: View<'_, Self>,
-        up: View<'_, Self>,
-        act: Activation,
-        mut g: ViewMut<'_, Self>,
+        x: View<'_, Self>,
         w: &CudaMat,
-        mut out: ViewMut<'_, Self>,
-        ep: &Epilogue<'_, Self>,
-        then: Option<ThenResidual<'_, Self>>,
+        mut gu: ViewMut<'_, Self>,
+        act: Activation,
+        out: ViewMut<'_, Self>,
     ) -> Result<()> {
+        let bare = Epilogue::default();
+        self.enter(&bare.op())?;
         self.enter(&Op::Gated(act))?;
-        self.enter(&ep.op())?;
-        if let Some(t) = &then {
-            self.enter(&t.res.op(&t.after))?;
+        if self.fuse.gated && gemm::matmul_gated(self, x, w, &gu, act, &out)? {
+            return Ok(());
         }
-        if (g.rows, g.cols) != (gate.rows, gate.cols) {
-            return Err(Error::backend(
-                "gated matmul",
-                format!(
-                    "scratch {}×{} for gated rows {}×{}",
-                    g.rows, g.cols, gate.rows, gate.cols
-                ),
-            ));
-        }
-        let fused = if self.fuse.gated {
-            let r = self.fuse.residual;
-            gemm::gated_matmul(self, gate, up, act, w, &out, ep, then.as_ref(), r)?
-        } else {
-            gemm::Fused::Nothing
-        };
-        match fused {
-            gemm::Fused::ProductAndResidual => return Ok(()),
-            gemm::Fused::Product => {}
-            gemm::Fused::Nothing => {
-                elementwise::gated(self, gate, up, g.reborrow(), act)?;
-                gemm::matmul(self, g.as_view(), w, out.reborrow(), ep)?;
-            }
-        }
-        match then {
-            Some(t) => norm::residual(self, t.h, out.as_view(), &t.res, t.after),
-            None => Ok(()),
-        }
+        gemm::matmul(self, x, w, gu.reborrow(), &bare)?;
+        let (half, both) = (gu.cols / 2, gu.as_view());
+        elementwise::gated(self, both.cols(0, half), both.cols(half, half), out, act)
     }
 
     fn matmul_residual(

@@ -44,24 +44,18 @@ impl<B: Backend> MlpWeights<B> {
 
     /// `y = mlp(a)` for `rows` rows (`s.a` in, `s.y` out).
     pub fn forward(&self, be: &B, act: Activation, rows: usize, s: &mut Scratch<B>) -> Result<()> {
-        self.gate_up(be, rows, s)?;
-        let (d, im) = (self.width, self.inner);
-        let both = View::new(&s.gu, rows, 2 * im);
-        be.gated_matmul(
-            both.cols(0, im),
-            both.cols(im, im),
-            act,
-            ViewMut::new(&mut s.g, rows, im),
+        self.gated(be, act, rows, s)?;
+        be.matmul(
+            View::new(&s.g, rows, self.inner),
             &self.down,
-            ViewMut::new(&mut s.y, rows, d),
+            ViewMut::new(&mut s.y, rows, self.width),
             &Epilogue::default(),
-            None,
         )
     }
 
     /// The pre-norm block's MLP half for `rows` rows: `h = h + mlp(s.a)` (`res`), then
     /// `s.a = next(h)` — the down product and the residual step handed to the backend together
-    /// ([`Backend::gated_matmul`]; `s.y` is scratch).
+    /// ([`Backend::matmul_residual`]; `s.y` is scratch).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_residual(
         &self,
@@ -73,32 +67,29 @@ impl<B: Backend> MlpWeights<B> {
         res: Residual<'_, B>,
         next: RowNorm<'_, B>,
     ) -> Result<()> {
-        self.gate_up(be, rows, s)?;
-        let (d, im) = (self.width, self.inner);
-        let both = View::new(&s.gu, rows, 2 * im);
-        be.gated_matmul(
-            both.cols(0, im),
-            both.cols(im, im),
-            act,
-            ViewMut::new(&mut s.g, rows, im),
+        self.gated(be, act, rows, s)?;
+        let d = self.width;
+        be.matmul_residual(
+            View::new(&s.g, rows, self.inner),
             &self.down,
             ViewMut::new(&mut s.y, rows, d),
             &Epilogue::default(),
-            Some(ThenResidual {
+            ThenResidual {
                 h,
                 res,
                 after: After::Norm(next, ViewMut::new(&mut s.a, rows, d)),
-            }),
+            },
         )
     }
 
-    /// `s.gu = [gate | up](s.a)`.
-    fn gate_up(&self, be: &B, rows: usize, s: &mut Scratch<B>) -> Result<()> {
-        be.matmul(
+    /// `s.g = act(s.a · W_gateᵀ) ⊙ (s.a · W_upᵀ)` (`s.gu` scratch).
+    fn gated(&self, be: &B, act: Activation, rows: usize, s: &mut Scratch<B>) -> Result<()> {
+        be.matmul_gated(
             View::new(&s.a, rows, self.width),
             &self.gate_up,
             ViewMut::new(&mut s.gu, rows, 2 * self.inner),
-            &Epilogue::default(),
+            act,
+            ViewMut::new(&mut s.g, rows, self.inner),
         )
     }
 }

@@ -147,79 +147,70 @@ GEMV(16, bf16, gemv_m16_bf16)
 // gives alone. It differs from gemv_m{M}'s, so the two are not mixed: TESSERA_GEMV picks one.
 //
 // The launcher guarantees: k a multiple of 32, x, x's row stride and w 16-byte aligned, 1 ≤ m ≤ M.
-// Weight rows past n (the last CTA's) are read as row n − 1 and not written.
-// The input rows of a tensor-core GEMV, as the kernel reads them: start(j, row, col) points slot j
-// (j < 2) at input row `row` from column `col`; load(j, off) issues the loads of the 8 bf16 at `off`
-// past it (a Raw), and operand(raw) makes the MMA's operand of them once they have arrived — split
-// so that every load of an unrolled batch is in flight before the first one is waited on (the loads
-// are volatile asm, which the compiler keeps in order). PlainInput reads x as it is; GatedInput<ACT>
-// computes act(gate) ⊙ up from a gated MLP's two halves, rounded to bf16 (nearest even) as the gated
-// kernels (elementwise.cu) round it, so the fused down product gives the bits of gated-then-product.
-struct PlainInput {
-    typedef uint4 Raw;
-    const bf16* x;
-    long xs;
-    const bf16* p[2];
-    __device__ __forceinline__ void start(int j, int row, int col) { p[j] = x + (long)row * xs + col; }
-    __device__ __forceinline__ Raw load(int j, long off) const { return load_cached(p[j] + off); }
-    static __device__ __forceinline__ Raw zero() { return make_uint4(0u, 0u, 0u, 0u); }
-    static __device__ __forceinline__ uint4 operand(Raw r) { return r; }
-};
+// Which weight rows a CTA reads, and where its sums go, is the Out type's (below): 16 consecutive
+// rows for a plain product, rows past n read as row n − 1 and not written.
 
-template <int ACT>
-struct GatedInput {
-    struct Raw {
-        uint4 g, u;
-    };
-    const bf16* g;
-    long gs;
-    const bf16* u;
-    long us;
-    const bf16* pg[2];
-    const bf16* pu[2];
-    __device__ __forceinline__ void start(int j, int row, int col) {
-        pg[j] = g + (long)row * gs + col;
-        pu[j] = u + (long)row * us + col;
-    }
-    __device__ __forceinline__ Raw load(int j, long off) const {
-        return Raw{load_cached(pg[j] + off), load_cached(pu[j] + off)};
-    }
-    static __device__ __forceinline__ Raw zero() { return Raw{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}; }
-    // Zero gates give zero products (act(0) = 0), so the zero Raw of a row past m stays zero.
-    static __device__ __forceinline__ uint4 operand(Raw r) {
-        float gf[8], uf[8], o[8];
-        unpack8(r.g, gf);
-        unpack8(r.u, uf);
-#pragma unroll
-        for (int e = 0; e < 8; e++) o[e] = (ACT == 0 ? gelu_tanh(gf[e]) : silu(gf[e])) * uf[e];
-        return make_uint4(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]), pack_bf16x2(o[4], o[5]),
-                          pack_bf16x2(o[6], o[7]));
-    }
-};
-
-// Where a tensor-core GEMV's sums go: store<M>(red, tid, T, r0, n, m, α) once `red` holds every
-// warp's 16 × M sums and the CTA is synchronised. PlainOut: out[i, r0 + r] = α · sum (+ out).
+// Where a tensor-core GEMV's sums go. row(j): the weight row the CTA reads as its row j (j < 16);
+// store<M>(red, tid, T, m, α) once `red` holds every warp's 16 × M sums and the CTA is synchronised.
+// PlainOut: rows 16b … 16b + 15 of CTA b, out[i, row] = α · sum (+ out).
 template <typename TO>
 struct PlainOut {
     TO* out;
     long os;
     int accumulate;
+    int n;
+    __device__ __forceinline__ int row(int j) const { return min((int)blockIdx.x * 16 + j, n - 1); }
     template <int M>
-    __device__ __forceinline__ void store(const float* red, int tid, int T, int r0, int n, int m, float alpha) const {
-        gemv_add_warps<16 * M, M>(red, tid, T, r0, n, m, out, os, alpha, accumulate);
+    __device__ __forceinline__ void store(const float* red, int tid, int T, int m, float alpha) const {
+        gemv_add_warps<16 * M, M>(red, tid, T, (int)blockIdx.x * 16, n, m, out, os, alpha, accumulate);
+    }
+};
+
+// GluOut: a gated MLP's gate|up product (w stacked [gate; up], n = 2·half rows) with the gating in
+// its store, out[i, c] = act(gate_c) ⊙ up_c for c < half. CTA b reads gate rows 8b … 8b + 7 as its
+// rows 0 … 7 and the matching up rows half + 8b … as 8 … 15, so both sums of an output are its own;
+// each is summed over the warps in gemv_add_warps' order and rounded to bf16 as the product's bf16
+// output would be, and the gating is the gated kernels' (elementwise.cu) — the bits of the product
+// into [gate | up] followed by the gated kernel, in one launch. Rows past half read as half − 1.
+template <int ACT>
+struct GluOut {
+    bf16* out;
+    long os;
+    int half;
+    __device__ __forceinline__ int row(int j) const {
+        const int c = min((int)blockIdx.x * 8 + (j & 7), half - 1);
+        return j < 8 ? c : half + c;
+    }
+    template <int M>
+    __device__ __forceinline__ void store(const float* red, int tid, int T, int m, float alpha) const {
+        constexpr int N = 16 * M;
+        const int warps = T >> 5, c0 = (int)blockIdx.x * 8;
+        for (int j = tid; j < 8 * M; j += T) {
+            const int c = j / M, i = j % M;
+            if (c0 + c >= half || i >= m) continue;
+            const int jg = c * M + i, ju = (c + 8) * M + i;
+            float sg = red[jg], su = red[ju];
+            for (int q = 1; q < warps; q++) {
+                sg += red[q * N + jg];
+                su += red[q * N + ju];
+            }
+            const float gate = to_f(from_f<bf16>(alpha * sg)), up = to_f(from_f<bf16>(alpha * su));
+            out[i * os + c0 + c] = from_f<bf16>((ACT == 0 ? gelu_tanh(gate) : silu(gate)) * up);
+        }
     }
 };
 
 // ResidualOut: the residual step after the product, in the product's kernel (one launch instead of
-// two). Each CTA rounds its columns of y = α · sum to bf16, as the product's bf16 output would be,
-// and adds them into the residual stream, h = (h + y) · scale, for the columns it owns. The last CTA
-// to finish — a grid-wide count (atom.inc, which wraps to 0 for the next launch) after a fence —
-// then writes each row's next norm (mode 1) or copy (mode 2) of the finished h to `out`, with the
-// row threads of residual_any_vec (rowvec.cuh: the same chunks, sums and order), so every value has
-// the bits of the product into y followed by residual_any_vec. mode 0: h alone. Rows are taken by
-// groups of `row_threads` threads (a multiple of 32 dividing the CTA, at most 8 groups), each group
-// with its own barrier.
+// two). Each CTA (rows as PlainOut's) rounds its columns of y = α · sum to bf16, as the product's
+// bf16 output would be, and adds them into the residual stream, h = (h + y) · scale, for the columns
+// it owns. The last CTA to finish — a grid-wide count (atom.inc, which wraps to 0 for the next
+// launch) after a fence — then writes each row's next norm (mode 1) or copy (mode 2) of the finished
+// h to `out`, with the row threads of residual_any_vec (rowvec.cuh: the same chunks, sums and order),
+// so every value has the bits of the product into y followed by residual_any_vec. mode 0: h alone.
+// Rows are taken by groups of `row_threads` threads (a multiple of 32 dividing the CTA, at most 8
+// groups), each group with its own barrier.
 struct ResidualOut {
+    int n;
     float* h;
     long hs;
     float scale;
@@ -235,10 +226,12 @@ struct ResidualOut {
     int row_threads;
     u32* counter;
 
+    __device__ __forceinline__ int row(int j) const { return min((int)blockIdx.x * 16 + j, n - 1); }
+
     template <int M>
-    __device__ __forceinline__ void store(const float* red, int tid, int T, int r0, int n, int m, float alpha) const {
+    __device__ __forceinline__ void store(const float* red, int tid, int T, int m, float alpha) const {
         constexpr int N = 16 * M;
-        const int warps = T >> 5;
+        const int warps = T >> 5, r0 = (int)blockIdx.x * 16;
         for (int j = tid; j < N; j += T) {
             const int r = j / M, i = j % M;
             if (r0 + r >= n || i >= m) continue;
@@ -282,22 +275,22 @@ struct ResidualOut {
     }
 };
 
-template <int M, typename In, typename Out>
-__device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, int k, int n, int m, Out o,
-                                             float alpha) {
+template <int M, typename Out>
+__device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ x, long xs, const bf16* __restrict__ w, int k,
+                                             int m, const Out o, float alpha) {
     constexpr int NT = M / 8, U = 4;
     __shared__ float red[GEMV_MAX_WARPS * 16 * M];  // red[warp][weight row][input row]
     const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5, W = T >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.x * 16;
     const int steps = k >> 5;
-    const bf16* wa = w + (long)min(r0 + g, n - 1) * k + 8 * t;
-    const bf16* wb = w + (long)min(r0 + g + 8, n - 1) * k + 8 * t;
+    const bf16* wa = w + (long)o.row(g) * k + 8 * t;
+    const bf16* wb = w + (long)o.row(g + 8) * k + 8 * t;
+    const bf16* xr[NT];
     bool xv[NT];
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         xv[j] = g + 8 * j < m;
-        in.start(j, g + 8 * j, 8 * t);
+        xr[j] = x + (long)(g + 8 * j) * xs + 8 * t;
     }
 
     float d[NT][4];
@@ -305,22 +298,21 @@ __device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, 
     for (int j = 0; j < NT; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
 
     for (int s0 = warp; s0 < steps; s0 += W * U) {
-        uint4 lo[U], hi[U];  // weight rows g and g + 8
-        typename In::Raw xin[U][NT];  // inputs, as loaded
+        uint4 lo[U], hi[U], xin[U][NT];  // weight rows g and g + 8, inputs
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int s = s0 + u * W;
             const uint4 zero = {0u, 0u, 0u, 0u};
             lo[u] = hi[u] = zero;
 #pragma unroll
-            for (int j = 0; j < NT; j++) xin[u][j] = In::zero();
+            for (int j = 0; j < NT; j++) xin[u][j] = zero;
             if (s < steps) {
                 const long off = (long)s * 32;
                 lo[u] = load_stream(wa + off);
                 hi[u] = load_stream(wb + off);
 #pragma unroll
                 for (int j = 0; j < NT; j++)
-                    if (xv[j]) xin[u][j] = in.load(j, off);
+                    if (xv[j]) xin[u][j] = load_cached(xr[j] + off);
             }
         }
 #pragma unroll
@@ -328,9 +320,8 @@ __device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, 
             if (s0 + u * W < steps) {  // the same for the whole warp, as mma.sync needs
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
-                    const uint4 b = In::operand(xin[u][j]);
-                    mma_bf16(d[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b.x, b.y);
-                    mma_bf16(d[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b.z, b.w);
+                    mma_bf16(d[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xin[u][j].x, xin[u][j].y);
+                    mma_bf16(d[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xin[u][j].z, xin[u][j].w);
                 }
             }
         }
@@ -347,63 +338,49 @@ __device__ __forceinline__ void gemv_tc_impl(In in, const bf16* __restrict__ w, 
         mine[(g + 8) * M + i + 1] = d[j][3];
     }
     __syncthreads();
-    o.template store<M>(red, tid, T, r0, n, m, alpha);
+    o.template store<M>(red, tid, T, m, alpha);
 }
 
 #define GEMV_TC(M, TO, NAME)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
                                                            int m, TO* out, long os, float alpha, int accumulate) { \
         pdl_enter();                                                                                               \
-        gemv_tc_impl<M>(PlainInput{x, xs, {}}, w, k, n, m, PlainOut<TO>{out, os, accumulate}, alpha);            \
+        gemv_tc_impl<M>(x, xs, w, k, m, PlainOut<TO>{out, os, accumulate, n}, alpha);                            \
     }
 GEMV_TC(8, float, gemv_tc_m8_f32)
 GEMV_TC(16, float, gemv_tc_m16_f32)
 GEMV_TC(8, bf16, gemv_tc_m8_bf16)
 GEMV_TC(16, bf16, gemv_tc_m16_bf16)
 
-// gemv_tc_{act}_m{M}_{out}: a gated MLP's down product, out = α · (act(gate) ⊙ up) · wᵀ (+ out),
-// with the gating done as the input is read (GatedInput): one launch instead of the gated kernel's
-// and the product's, the same bits. act: gelu (tanh) or silu.
-#define GEMV_TC_GATED(M, TO, ACT, NAME)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* g, long gs, const bf16* u, long us,         \
-                                                           const bf16* w, int k, int n, int m, TO* out, long os,   \
-                                                           float alpha, int accumulate) {                          \
+// gemv_tc_{act}_glu_m{M}: a gated MLP's gate|up product with the gating in its store (GluOut),
+// out = act(x · W_gateᵀ) ⊙ (x · W_upᵀ) in bf16, for w = [gate; up] of n = 2·half rows; act: gelu
+// (tanh) or silu.
+#define GEMV_TC_GLU(M, ACT, NAME)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
+                                                           int m, bf16* out, long os, float alpha) {              \
         pdl_enter();                                                                                               \
-        gemv_tc_impl<M>(GatedInput<ACT>{g, gs, u, us, {}, {}}, w, k, n, m, PlainOut<TO>{out, os, accumulate},   \
-                        alpha);                                                                                    \
+        gemv_tc_impl<M>(x, xs, w, k, m, GluOut<ACT>{out, os, n / 2}, alpha);                                     \
     }
-GEMV_TC_GATED(8, float, 0, gemv_tc_gelu_m8_f32)
-GEMV_TC_GATED(16, float, 0, gemv_tc_gelu_m16_f32)
-GEMV_TC_GATED(8, bf16, 0, gemv_tc_gelu_m8_bf16)
-GEMV_TC_GATED(16, bf16, 0, gemv_tc_gelu_m16_bf16)
-GEMV_TC_GATED(8, float, 1, gemv_tc_silu_m8_f32)
-GEMV_TC_GATED(16, float, 1, gemv_tc_silu_m16_f32)
-GEMV_TC_GATED(8, bf16, 1, gemv_tc_silu_m8_bf16)
-GEMV_TC_GATED(16, bf16, 1, gemv_tc_silu_m16_bf16)
+GEMV_TC_GLU(8, 0, gemv_tc_gelu_glu_m8)
+GEMV_TC_GLU(16, 0, gemv_tc_gelu_glu_m16)
+GEMV_TC_GLU(8, 1, gemv_tc_silu_glu_m8)
+GEMV_TC_GLU(16, 1, gemv_tc_silu_glu_m16)
 
-// gemv_tc_res_m{M} and gemv_tc_{act}_res_m{M}: the same products (bf16 y) with the residual step
-// that follows them in a pre-norm block, h = (h + y) · scale, then the next norm or copy of h into
-// bf16 `out` (ResidualOut); y itself is not written.
-#define RESIDUAL_PARAMS                                                                                           \
-    float *h, long hs, float scale, int mode, int next_kind, const float *nw, const float *nb, const float *ns,  \
-        float neps, bf16 *out, long os, int cols, int row_threads, u32 *counter
-#define RESIDUAL_OUT ResidualOut{h, hs, scale, mode, next_kind, nw, nb, ns, neps, out, os, cols, row_threads, counter}
+// gemv_tc_res_m{M}: the product (bf16 y, never written) with the residual step that follows it in a
+// pre-norm block, h = (h + y) · scale, then the next norm or copy of h into bf16 `out` (ResidualOut).
+// (256, 1): the tail's row registers on top of the product's fit without spilling.
 #define GEMV_TC_RES(M, NAME)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const bf16* x, long xs, const bf16* w, int k, int n,   \
-                                                           int m, float alpha, RESIDUAL_PARAMS) {                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const bf16* x, long xs, const bf16* w, int k,       \
+                                                              int n, int m, float alpha, float* h, long hs,       \
+                                                              float scale, int mode, int next_kind,               \
+                                                              const float* nw, const float* nb, const float* ns,  \
+                                                              float neps, bf16* out, long os, int cols,           \
+                                                              int row_threads, u32* counter) {                    \
         pdl_enter();                                                                                               \
-        gemv_tc_impl<M>(PlainInput{x, xs, {}}, w, k, n, m, RESIDUAL_OUT, alpha);                                  \
+        gemv_tc_impl<M>(x, xs, w, k, m,                                                                            \
+                        ResidualOut{n, h, hs, scale, mode, next_kind, nw, nb, ns, neps, out, os, cols, row_threads, \
+                                    counter},                                                                      \
+                        alpha);                                                                                    \
     }
 GEMV_TC_RES(8, gemv_tc_res_m8)
 GEMV_TC_RES(16, gemv_tc_res_m16)
-#define GEMV_TC_GATED_RES(M, ACT, NAME)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const bf16* g, long gs, const bf16* u, long us,         \
-                                                           const bf16* w, int k, int n, int m, float alpha,        \
-                                                           RESIDUAL_PARAMS) {                                      \
-        pdl_enter();                                                                                               \
-        gemv_tc_impl<M>(GatedInput<ACT>{g, gs, u, us, {}, {}}, w, k, n, m, RESIDUAL_OUT, alpha);                  \
-    }
-GEMV_TC_GATED_RES(8, 0, gemv_tc_gelu_res_m8)
-GEMV_TC_GATED_RES(16, 0, gemv_tc_gelu_res_m16)
-GEMV_TC_GATED_RES(8, 1, gemv_tc_silu_res_m8)
-GEMV_TC_GATED_RES(16, 1, gemv_tc_silu_res_m16)
