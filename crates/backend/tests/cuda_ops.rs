@@ -1156,7 +1156,9 @@ fn products_ended_by_their_residual_step_give_the_parts_bits() {
             after: After::Norm(RowNorm::rms(w, 1e-5), a),
         }
     }
-    let g = cuda::open(0, Precision::Bf16).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+    let mut g = cuda::open(0, Precision::Bf16).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+    g.fuse_residual_steps(true); // off by default (slower where launches overlap)
+    let g = g;
     let mut rng = ops::Rng::new(13);
     // (rows, inner, width, post-norm, fused)
     let shapes = [

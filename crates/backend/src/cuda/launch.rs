@@ -434,6 +434,12 @@ impl CudaBackend {
         })
     }
 
+    /// Turn the fused residual step (`TESSERA_FUSE`'s `residual`, off by default) on or off, for
+    /// the tests that check it and for measurements within one process.
+    pub fn fuse_residual_steps(&mut self, on: bool) {
+        self.fuse.residual = on;
+    }
+
     /// How many kernels this backend has launched itself (not cuBLASLt's products, not graph
     /// replays): a fused op's tests check that it took one launch.
     pub fn kernel_launches(&self) -> u64 {
