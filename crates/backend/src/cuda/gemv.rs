@@ -26,28 +26,42 @@ use super::{CudaBackend, CudaMat, Elem, MatFormat};
 use crate::Activation;
 
 kernel_args! {
+    /// The operands every GEMV kernel takes first: `x[m, k]` (row stride `xs`) and `w[n, k]`.
+    pub(super) struct GemvOperands { x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32 }
+}
+
+impl GemvOperands {
+    /// `rows` rows of `x` times `w`.
+    fn of(x: Rows, rows: usize, w: &CudaMat) -> Self {
+        GemvOperands {
+            x: x.ptr,
+            xs: x.stride as i64,
+            w: w.buf.ptr,
+            k: w.inner as i32,
+            n: w.out as i32,
+            m: rows as i32,
+        }
+    }
+}
+
+kernel_args! {
     /// `gemv_m{M}_{out}`: `out[m, n] (= or +=) α · x[m, k] · w[n, k]ᵀ` for `m ≤ M`; a CTA per
     /// four weight rows.
     pub(super) struct GemvArgs {
-        x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32, out: DevPtr, os: i64, alpha: f32,
-        accumulate: i32,
+        ops: GemvOperands, out: DevPtr, os: i64, alpha: f32, accumulate: i32,
     }
 }
 
 kernel_args! {
     /// `gemv_tc_{act}_glu_m{M}`: a gated MLP's gate|up product `w = [gate; up]` (`n` rows) with
     /// the gating in its store, `out = act(x · W_gateᵀ) ⊙ (x · W_upᵀ)` in bf16.
-    pub(super) struct GemvGluArgs {
-        x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32, out: DevPtr, os: i64, alpha: f32,
-    }
+    pub(super) struct GemvGluArgs { ops: GemvOperands, out: DevPtr, os: i64, alpha: f32 }
 }
 
 kernel_args! {
     /// `gemv_tc_res_m{M}`: `y = α · x · wᵀ` (bf16, never written) ended by the residual step
     /// `tail` (gemv.cu's `ResidualOut`).
-    pub(super) struct GemvResArgs {
-        x: DevPtr, xs: i64, w: DevPtr, k: i32, n: i32, m: i32, alpha: f32, tail: ResidualTail,
-    }
+    pub(super) struct GemvResArgs { ops: GemvOperands, alpha: f32, tail: ResidualTail }
 }
 
 /// The row counts the kernels (and blocks.rs's decode kernels) are built for; a product takes
@@ -207,13 +221,9 @@ pub(super) fn gemv(
             format!("no kernel for {rows} rows"),
         ));
     };
+    let from_r0 = Rows { ptr: x.at(r0), ..x };
     let args = GemvArgs {
-        x: x.at(r0),
-        xs: x.stride as i64,
-        w: w.buf.ptr,
-        k: w.inner as i32,
-        n: w.out as i32,
-        m: rows as i32,
+        ops: GemvOperands::of(from_r0, rows, w),
         out: into.ptr,
         os: into.stride as i64,
         alpha,
@@ -253,12 +263,7 @@ pub(super) fn glu_product(
         return Ok(false);
     };
     let args = GemvGluArgs {
-        x: x.ptr,
-        xs: x.stride as i64,
-        w: w.buf.ptr,
-        k: k as i32,
-        n: w.out as i32,
-        m: rows as i32,
+        ops: GemvOperands::of(x, rows, w),
         out: out.ptr,
         os: out.stride as i64,
         alpha,
@@ -290,12 +295,7 @@ pub(super) fn product_then_residual(
         return Ok(false);
     };
     let args = GemvResArgs {
-        x: x.ptr,
-        xs: x.stride as i64,
-        w: w.buf.ptr,
-        k: k as i32,
-        n: w.out as i32,
-        m: rows as i32,
+        ops: GemvOperands::of(x, rows, w),
         alpha,
         tail,
     };

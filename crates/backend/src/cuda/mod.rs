@@ -107,6 +107,15 @@ pub struct CudaBackend {
     fuse: fusion::Fusions,
 }
 
+/// The op a `qkv_norm_rope` call enters.
+fn qkv_op(n: &QkvNorm<'_, CudaBackend>, rope: Option<(&RopeTable<CudaBackend>, &CudaBuf)>) -> Op {
+    Op::QkvNormRope {
+        head_dim: n.layout.head_dim,
+        rope: rope.map(|r| r.0.style),
+        qk_norm: n.qk_norm,
+    }
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Mat = CudaMat;
@@ -234,11 +243,7 @@ impl Backend for CudaBackend {
         n: &QkvNorm<'_, Self>,
         rope: Option<(&RopeTable<Self>, &CudaBuf)>,
     ) -> Result<()> {
-        self.enter(&Op::QkvNormRope {
-            head_dim: n.layout.head_dim,
-            rope: rope.map(|r| r.0.style),
-            qk_norm: n.qk_norm,
-        })?;
+        self.enter(&qkv_op(n, rope))?;
         norm::qkv_norm_rope(self, qkv, n, rope)
     }
 
@@ -249,11 +254,7 @@ impl Backend for CudaBackend {
         rope: Option<(&RopeTable<Self>, &CudaBuf)>,
         cache: CacheWrite<'_, Self>,
     ) -> Result<()> {
-        self.enter(&Op::QkvNormRope {
-            head_dim: n.layout.head_dim,
-            rope: rope.map(|r| r.0.style),
-            qk_norm: n.qk_norm,
-        })?;
+        self.enter(&qkv_op(n, rope))?;
         self.enter(&Op::ScatterRows)?;
         norm::qkv_norm_rope_cached(self, qkv, n, rope, cache)
     }
