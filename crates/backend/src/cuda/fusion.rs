@@ -31,6 +31,26 @@ impl Fusions {
         Self::parse(std::env::var("TESSERA_FUSE").ok().as_deref())
     }
 
+    /// What `tessera info` says of them.
+    pub fn describe(&self) -> String {
+        let names = [
+            (self.gated, "gate|up with its gating"),
+            (self.kv, "q/k/v norm with the cache write"),
+            (self.conv, "one-launch convolution"),
+            (self.residual, "products ending in their residual step"),
+        ];
+        let on: Vec<&str> = names
+            .iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, n)| *n)
+            .collect();
+        if on.is_empty() {
+            "no fused decode ops (TESSERA_FUSE)".to_string()
+        } else {
+            format!("fused: {} (TESSERA_FUSE)", on.join(", "))
+        }
+    }
+
     fn parse(v: Option<&str>) -> Self {
         match v.map(str::trim) {
             None | Some("") | Some("1") => Self::DEFAULT,
@@ -61,5 +81,10 @@ mod tests {
         assert!(!(none.gated || none.kv || none.conv || none.residual));
         let some = Fusions::parse(Some("kv, conv"));
         assert!(some.kv && some.conv && !some.gated && !some.residual);
+        assert_eq!(
+            some.describe(),
+            "fused: q/k/v norm with the cache write, one-launch convolution (TESSERA_FUSE)"
+        );
+        assert_eq!(none.describe(), "no fused decode ops (TESSERA_FUSE)");
     }
 }

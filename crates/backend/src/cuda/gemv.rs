@@ -124,7 +124,8 @@ impl CudaBackend {
             ),
             (_, Mode::TensorCores) => format!(
                 "{rows} on the tensor-core GEMV where the inner width is a multiple of 32, \
-                 else the CUDA-core one; block-format weights on their decode kernels"
+                 else the CUDA-core one; block-format weights on their decode kernels; {}",
+                self.fuse.describe()
             ),
         }
     }

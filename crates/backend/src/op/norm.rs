@@ -134,7 +134,7 @@ impl<'a, B: Backend> Residual<'a, B> {
 }
 
 /// The residual step that directly follows a product in a pre-norm block, handed to the product
-/// ([`Backend::matmul_residual`], [`Backend::gated_matmul`]): `h = (h + g ⊙ post(y)) · scale` on
+/// ([`Backend::matmul_residual`]): `h = (h + g ⊙ post(y)) · scale` on
 /// the product's rows `y`, then `after` (see [`Backend::residual`]).
 pub struct ThenResidual<'a, B: Backend> {
     pub h: ViewMut<'a, B>,
