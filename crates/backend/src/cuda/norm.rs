@@ -285,6 +285,20 @@ fn second_output(
     }
 }
 
+/// What the general residual kernels do after the step: `mode` (0 nothing, 1 the next norm, 2 a
+/// copy), the next norm's parameters (checked against rows of `cols`) and the second output.
+fn after_params<'v, 'a>(
+    op: &str,
+    after: &'v After<'a, CudaBackend>,
+    cols: usize,
+) -> Result<(i32, NormParams, Option<&'v ViewMut<'a, CudaBackend>>)> {
+    Ok(match after {
+        After::Nothing => (0, NormParams::NONE, None),
+        After::Norm(n, o) => (1, NormParams::of(op, n, cols)?, Some(o)),
+        After::Copy(o) => (2, NormParams::NONE, Some(o)),
+    })
+}
+
 /// A plain weighted-or-not RMS norm, the only kind the RMS kernels compute.
 fn plain_rms(n: &RowNorm<'_, CudaBackend>) -> bool {
     n.kind == NormKind::Rms && n.bias.is_none() && n.scale.is_none()
@@ -331,11 +345,7 @@ pub(super) fn residual_tail(
         return Ok(None);
     }
     let cols = h.cols;
-    let (mode, next, out) = match &then.after {
-        After::Nothing => (0, NormParams::NONE, None),
-        After::Norm(n, o) => (1, NormParams::of(OP, n, cols)?, Some(o)),
-        After::Copy(o) => (2, NormParams::NONE, Some(o)),
-    };
+    let (mode, next, out) = after_params(OP, &then.after, cols)?;
     let (optr, os, oe) = second_output(OP, h, out)?;
     if y.buf.elem != Elem::Bf16 || (out.is_some() && oe != Elem::Bf16) {
         return Ok(None);
@@ -392,11 +402,7 @@ fn residual_any(
         Some(g) => f32_row(OP, "gate", g, cols)?,
         None => DevPtr::NULL,
     };
-    let (mode, next, out) = match &after {
-        After::Nothing => (0, NormParams::NONE, None),
-        After::Norm(n, o) => (1, NormParams::of(OP, n, cols)?, Some(o)),
-        After::Copy(o) => (2, NormParams::NONE, Some(o)),
-    };
+    let (mode, next, out) = after_params(OP, &after, cols)?;
     let (optr, os, oe) = second_output(OP, &h, out)?;
     let args = ResidualAnyArgs {
         h: ptr_of_mut(&h)?,
