@@ -928,7 +928,10 @@ fn conv(b: ConvBench) -> Result<()> {
         }
         let (oh, ow) = spec.out_size();
         let flops = 2.0 * (oh * ow * cout * k * k * cin) as f64;
-        for path in [ConvPath::Implicit, ConvPath::Im2col] {
+        for path in [ConvPath::Wgmma, ConvPath::Implicit, ConvPath::Im2col] {
+            if be.conv_path_available(path).is_err() {
+                continue;
+            }
             let ms = be.bench_conv(&spec, (cin, cout), b.iters, path)?;
             emit(
                 serde_json::json!({"name": "conv", "shape": name, "side": side, "cin": cin,

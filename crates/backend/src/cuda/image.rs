@@ -1,12 +1,13 @@
-//! The VAE decoders' image ops (kernels/image.cu) over channels-last images: a convolution as an
-//! implicit GEMM on the tensor cores (`conv_implicit`, bf16 with input channels a multiple of 8:
-//! each CTA gathers its pixels' taps straight from the image, the input activation and the bias
-//! fused) or else as blocks of im2col rows times the weight (cuBLASLt; the activation applied as
-//! the columns are gathered), GroupNorm in three passes (partial sums per block of pixels,
+//! The VAE decoders' image ops (kernels/image.cu, kernels/conv_sm90.cu) over channels-last images:
+//! a convolution as an implicit GEMM on the tensor cores (bf16 with input channels a multiple of
+//! 8: each CTA gathers its pixels' taps straight from the image, the input activation and the bias
+//! fused; `conv_wgmma` on Hopper, `conv_implicit` on mma.sync elsewhere) or else as blocks of
+//! im2col rows times the weight (cuBLASLt; the activation applied as the columns are gathered), GroupNorm in three passes (partial sums per block of pixels,
 //! per-group statistics, the normalisation with its activation), and the DupUp channel-to-space
 //! shortcut and its encoder mirror AvgDown added into their outputs (one thread an output
 //! element). The encoder's stride-2 convolution is either path with a stride.
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use tessera_core::{Error, Result};
 
 use super::gemm::{Post, Rows, act_code, epilogue, product};
@@ -94,51 +95,106 @@ kernel_table! {
     }
 }
 
+kernel_table! {
+    /// The kernels of conv_sm90.cu (sm_90a alone): the implicit GEMM on wgmma, 128 output
+    /// channels a CTA (64 for at most 64 output channels), by output type.
+    pub(super) struct Sm90ConvKernels from "conv_sm90.cu" {
+        conv_wgmma: ByElem<ConvArgs> = "conv_wgmma_{}",
+        conv_wgmma64: ByElem<ConvArgs> = "conv_wgmma64_{}",
+    }
+}
+
+/// Dynamic shared memory of `conv_wgmma{BN}` (`CwCfg::SMEM` in conv_sm90.cu): three stages of a
+/// 128-pixel tile and a `BN`-channel weight tile, 128 bytes a row, and 1 KB to align them.
+const fn conv_wgmma_smem(bn: usize) -> usize {
+    3 * (128 * 128 + bn * 128) + 1024
+}
+
+/// Let the wgmma convolutions use the shared memory their stages take (more than the 48 KB a
+/// launch gets without asking).
+pub(super) fn reserve_shared_memory(hopper: Option<&Sm90ConvKernels>) -> Result<()> {
+    let Some(t) = hopper else { return Ok(()) };
+    let wide = t.conv_wgmma.all().map(|k| (k, conv_wgmma_smem(128)));
+    for (k, smem) in wide.chain(t.conv_wgmma64.all().map(|k| (k, conv_wgmma_smem(64)))) {
+        k.func()
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| Error::backend(format!("{}: {smem} B of shared memory", k.name()), e))?;
+    }
+    Ok(())
+}
+
 /// Which convolution kernel runs (tests and `tessera bench conv` force one; the op picks by
 /// [`ConvPath::Auto`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ConvPath {
-    /// The implicit GEMM where it applies and is the faster ([`IMPLICIT_MAX_COUT`]; and
-    /// `TESSERA_CONV` is not `im2col`), else im2col.
+    /// As [`ConvRoute::from_env`] says: on Hopper the wgmma implicit GEMM wherever it applies;
+    /// elsewhere the mma.sync one where it is the faster ([`IMPLICIT_MAX_COUT`]); else im2col.
     #[default]
     Auto,
-    /// The tensor-core implicit GEMM (`conv_implicit`); an error where it does not apply.
+    /// The wgmma implicit GEMM (`conv_wgmma`, Hopper); an error where it does not apply.
+    Wgmma,
+    /// The mma.sync implicit GEMM (`conv_implicit`); an error where it does not apply.
     Implicit,
     /// Blocks of im2col columns times the weight on cuBLASLt (any type, any shape).
     Im2col,
 }
 
-/// The most output channels the op sends to the implicit GEMM. Measured on an H100 (run g6,
-/// `tessera bench conv`): the kernel runs at 100–180 TFLOP/s on every decoder shape, where
-/// im2col + cuBLASLt reaches 350–500 once the product is wide (e.g. 1152 → 1152 at 256²: 11.6 ms
-/// against 3.2) but wastes its tiles on narrow outputs and pays for its columns at 1024² (128 →
-/// 128: 1.9 ms against 2.8; the 3- and 4-channel `conv_out`: 1.2 and 2.1 ms against 3.5 and 3.4).
-/// At 144 and 256 outputs im2col already wins, so up to 128 it is.
+/// The most output channels [`ConvPath::Auto`] sends to the mma.sync implicit GEMM. Measured on
+/// an H100 (run g6, `tessera bench conv`): the kernel runs at 100–180 TFLOP/s on every decoder
+/// shape, where im2col + cuBLASLt reaches 350–500 once the product is wide (e.g. 1152 → 1152 at
+/// 256²: 11.6 ms against 3.2) but wastes its tiles on narrow outputs and pays for its columns at
+/// 1024² (128 → 128: 1.9 ms against 2.8; the 3- and 4-channel `conv_out`: 1.2 and 2.1 ms against
+/// 3.5 and 3.4). At 144 and 256 outputs im2col already wins, so up to 128 it is.
 const IMPLICIT_MAX_COUT: usize = 128;
 
-/// Whether the op may take the implicit GEMM: `TESSERA_CONV=im2col` keeps every convolution on
-/// im2col, for A/B measurement. Read once.
-fn implicit_by_env() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_CONV").map_or(true, |v| v != "im2col"))
+/// The kernels [`ConvPath::Auto`] may take, from `TESSERA_CONV` (read once): unset or `auto` all
+/// of them, `mma` not the wgmma one, `im2col` only im2col — for A/B measurement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ConvRoute {
+    Auto,
+    Mma,
+    Im2col,
+}
+
+impl ConvRoute {
+    fn from_env() -> ConvRoute {
+        static ROUTE: std::sync::OnceLock<ConvRoute> = std::sync::OnceLock::new();
+        *ROUTE.get_or_init(|| match std::env::var("TESSERA_CONV").as_deref() {
+            Ok("im2col") => ConvRoute::Im2col,
+            Ok("mma") => ConvRoute::Mma,
+            _ => ConvRoute::Auto,
+        })
+    }
 }
 
 impl CudaBackend {
     /// Which kernels run this backend's convolutions (`tessera info` says it).
     pub fn conv_route(&self) -> String {
-        match (self.compute_elem(), implicit_by_env()) {
-            (Elem::Bf16, true) => format!(
-                "the tensor-core implicit GEMM (conv_implicit) for at most {IMPLICIT_MAX_COUT} \
+        let hopper = self.kernels.conv_sm90.is_some();
+        match (self.compute_elem(), ConvRoute::from_env()) {
+            (Elem::Bf16, ConvRoute::Auto) if hopper => {
+                "the wgmma implicit GEMM (conv_wgmma) from a multiple of 8 input channels, else \
+                 im2col columns on cuBLASLt"
+                    .to_string()
+            }
+            (Elem::Bf16, ConvRoute::Auto | ConvRoute::Mma) => format!(
+                "the mma.sync implicit GEMM (conv_implicit) for at most {IMPLICIT_MAX_COUT} \
                  output channels from a multiple of 8 input channels, else im2col columns on \
-                 cuBLASLt"
+                 cuBLASLt{}",
+                if hopper { " (TESSERA_CONV=mma)" } else { "" }
             ),
-            (Elem::Bf16, false) => "im2col columns on cuBLASLt (TESSERA_CONV=im2col)".to_string(),
+            (Elem::Bf16, ConvRoute::Im2col) => {
+                "im2col columns on cuBLASLt (TESSERA_CONV=im2col)".to_string()
+            }
             _ => "im2col columns on cuBLASLt (f32: the exact path)".to_string(),
         }
     }
 }
 
-/// Whether `conv_implicit` takes this convolution: bf16 compute, a bf16 image and dense bf16
+/// Whether the implicit GEMMs (`conv_implicit`, `conv_wgmma`) take this convolution: bf16 compute, a bf16 image and dense bf16
 /// weight, an f32 or bf16 output, input channels a multiple of 8 (16-byte copies), the image,
 /// its row stride and the weight 16-byte aligned, and every size an `int`.
 fn implicit_applies(
@@ -195,18 +251,35 @@ pub(super) fn conv2d(
     let xr = Rows::of(&x)?;
     let xp = xr.ptr;
     let implicit = implicit_applies(be, &x, xp, w, to.elem);
+    let hopper = be.kernels.conv_sm90.as_ref();
+    let declined = |why: &str| {
+        Err(Error::backend(
+            "conv2d",
+            format!(
+                "the implicit GEMM does not take {cin} {:?} input channels into {:?} under {} \
+                 precision{why}",
+                x.buf.elem, to.elem, be.precision
+            ),
+        ))
+    };
+    let gemm = ImplicitGemm {
+        x: &x,
+        xp,
+        w,
+        bias,
+        spec,
+        to,
+        pixels,
+    };
     match path {
-        ConvPath::Implicit if !implicit => {
-            return Err(Error::backend(
-                "conv2d",
-                format!(
-                    "the implicit GEMM does not take {cin} {:?} input channels into {:?} under {} \
-                     precision (or unaligned rows)",
-                    x.buf.elem, to.elem, be.precision
-                ),
-            ));
+        ConvPath::Implicit | ConvPath::Wgmma if !implicit => {
+            return declined(" (or unaligned rows)");
         }
-        ConvPath::Implicit => return conv_implicit(be, x, xp, w, bias, spec, to, pixels),
+        ConvPath::Implicit => return gemm.on_mma(be),
+        ConvPath::Wgmma => match hopper {
+            Some(t) => return gemm.on_wgmma(be, t),
+            None => return declined(" on a GPU without wgmma"),
+        },
         ConvPath::Im2col => {}
         ConvPath::Auto => {
             // A 1×1 convolution of an image already in the weight's type is the product itself.
@@ -219,8 +292,14 @@ pub(super) fn conv2d(
                 product(be, xr, 0, pixels, w, to, 1.0, 0.0)?;
                 return epilogue(be, &post, to, to, 0, pixels, cout, false);
             }
-            if implicit && implicit_by_env() && cout <= IMPLICIT_MAX_COUT {
-                return conv_implicit(be, x, xp, w, bias, spec, to, pixels);
+            match (implicit, ConvRoute::from_env(), hopper) {
+                (true, ConvRoute::Auto, Some(t)) if gemm.wgmma_fits() => {
+                    return gemm.on_wgmma(be, t);
+                }
+                (true, ConvRoute::Auto | ConvRoute::Mma, _) if cout <= IMPLICIT_MAX_COUT => {
+                    return gemm.on_mma(be);
+                }
+                _ => {}
             }
         }
     }
@@ -277,51 +356,102 @@ pub(super) fn conv2d(
     epilogue(be, &post, to, to, 0, pixels, cout, false)
 }
 
-/// The convolution on `conv_implicit` (kernels/image.cu): one CTA per 128 output pixels × 128
-/// output channels (64 where there are at most 64), the bias added in its epilogue.
-#[allow(clippy::too_many_arguments)]
-fn conv_implicit(
-    be: &CudaBackend,
-    x: View<'_, CudaBackend>,
+/// One convolution for the implicit GEMMs, checked by [`implicit_applies`].
+struct ImplicitGemm<'a> {
+    x: &'a View<'a, CudaBackend>,
     xp: DevPtr,
-    w: &CudaMat,
-    bias: &CudaBuf,
-    spec: &Conv2d,
+    w: &'a CudaMat,
+    bias: &'a CudaBuf,
+    spec: &'a Conv2d,
     to: Rows,
     pixels: usize,
-) -> Result<()> {
-    let (cout, table) = (w.out, &be.kernels.image);
-    let (kernel, bn) = if cout <= 64 {
-        (table.conv_implicit64.get(to.elem)?, 64)
-    } else {
-        (table.conv_implicit.get(to.elem)?, 128)
-    };
-    let tiles = pixels.div_ceil(128);
-    let grid = (
-        u32::try_from(tiles).map_err(|_| Error::backend("conv2d", "too many output pixels"))?,
-        cout.div_ceil(bn) as u32,
-    );
-    let args = ConvArgs {
-        x: xp,
-        xs: x.stride as i64,
-        h: spec.height as i32,
-        w: spec.width as i32,
-        cin: x.cols as i32,
-        k: spec.kernel as i32,
-        up: if spec.upsample { 2 } else { 1 },
-        down: if spec.downsample { 2 } else { 1 },
-        act: spec.act.map_or(-1, act_code),
-        wt: w.buf.ptr,
-        cout: cout as i32,
-        bias: bias.ptr,
-        pixels: pixels as i64,
-        out: to.ptr,
-        os: to.stride as i64,
-    };
-    be.launch("conv", kernel, cfg(grid, 256, 0), &args)
+}
+
+impl ImplicitGemm<'_> {
+    fn args(&self) -> ConvArgs {
+        let spec = self.spec;
+        ConvArgs {
+            x: self.xp,
+            xs: self.x.stride as i64,
+            h: spec.height as i32,
+            w: spec.width as i32,
+            cin: self.x.cols as i32,
+            k: spec.kernel as i32,
+            up: if spec.upsample { 2 } else { 1 },
+            down: if spec.downsample { 2 } else { 1 },
+            act: spec.act.map_or(-1, act_code),
+            wt: self.w.buf.ptr,
+            cout: self.w.out as i32,
+            bias: self.bias.ptr,
+            pixels: self.pixels as i64,
+            out: self.to.ptr,
+            os: self.to.stride as i64,
+        }
+    }
+
+    /// On `conv_implicit` (kernels/image.cu): one CTA per 128 output pixels × 128 output
+    /// channels (64 where there are at most 64), the bias added in its epilogue.
+    fn on_mma(&self, be: &CudaBackend) -> Result<()> {
+        let (cout, table) = (self.w.out, &be.kernels.image);
+        let (kernel, bn) = if cout <= 64 {
+            (table.conv_implicit64.get(self.to.elem)?, 64)
+        } else {
+            (table.conv_implicit.get(self.to.elem)?, 128)
+        };
+        let grid = (
+            u32::try_from(self.pixels.div_ceil(128))
+                .map_err(|_| Error::backend("conv2d", "too many output pixels"))?,
+            cout.div_ceil(bn) as u32,
+        );
+        be.launch("conv", kernel, cfg(grid, 256, 0), &self.args())
+    }
+
+    /// Whether `conv_wgmma` takes the image's sides: each below 2^15 once upsampled (the
+    /// kernel packs a pixel's two coordinates into one register).
+    fn wgmma_fits(&self) -> bool {
+        let up = if self.spec.upsample { 2 } else { 1 };
+        self.spec.height * up < 1 << 15 && self.spec.width * up < 1 << 15
+    }
+
+    /// On `conv_wgmma` (kernels/conv_sm90.cu): one CTA per 128 output pixels × 128 output
+    /// channels (64 where there are at most 64), numbered channel tile fastest.
+    fn on_wgmma(&self, be: &CudaBackend, table: &Sm90ConvKernels) -> Result<()> {
+        if !self.wgmma_fits() {
+            return Err(Error::backend(
+                "conv2d",
+                "the wgmma convolution takes image sides below 32768",
+            ));
+        }
+        let cout = self.w.out;
+        let (kernel, bn) = if cout <= 64 {
+            (table.conv_wgmma64.get(self.to.elem)?, 64)
+        } else {
+            (table.conv_wgmma.get(self.to.elem)?, 128)
+        };
+        let ctas = u32::try_from(self.pixels.div_ceil(128) * cout.div_ceil(bn))
+            .ok()
+            .filter(|&n| n < i32::MAX as u32)
+            .ok_or_else(|| Error::backend("conv2d", "too many output tiles"))?;
+        let smem = conv_wgmma_smem(bn) as u32;
+        be.launch("conv", kernel, cfg((ctas, 1), 256, smem), &self.args())
+    }
 }
 
 impl CudaBackend {
+    /// Whether this GPU has the kernels of a forced convolution path (the wgmma one needs
+    /// Hopper; every path needs bf16 precision but im2col).
+    pub fn conv_path_available(&self, path: ConvPath) -> Result<()> {
+        let why = match path {
+            ConvPath::Auto | ConvPath::Im2col => return Ok(()),
+            _ if self.compute_elem() != Elem::Bf16 => "the implicit GEMMs run under bf16 only",
+            ConvPath::Wgmma if self.kernels.conv_sm90.is_none() => {
+                "the wgmma convolution needs a Hopper GPU (sm_90a)"
+            }
+            _ => return Ok(()),
+        };
+        Err(Error::Device(why.to_string()))
+    }
+
     /// The convolution op on a forced kernel path, for tests and `tessera bench conv`
     /// ([`ConvPath::Implicit`] fails where that kernel does not apply).
     pub fn conv2d_with(

@@ -212,6 +212,11 @@ impl<A> ByElem<A> {
             .map(|i| &self.kernels[i])
             .ok_or_else(|| no_variant(self.pattern, &[e]))
     }
+
+    /// Every variant, in element-type order.
+    pub fn all(&self) -> impl Iterator<Item = &Kernel<A>> {
+        self.kernels.iter()
+    }
 }
 
 impl<A: KernelArgs> Variants for ByElem<A> {

@@ -32,6 +32,7 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 const FLASH: (&str, &str) = ("flash.cuh", include_str!("kernels/flash.cuh"));
 const GEMV: (&str, &str) = ("gemv.cuh", include_str!("kernels/gemv.cuh"));
 const ROWVEC: (&str, &str) = ("rowvec.cuh", include_str!("kernels/rowvec.cuh"));
+const WGMMA: (&str, &str) = ("wgmma.cuh", include_str!("kernels/wgmma.cuh"));
 
 /// Every kernel source Tessera ships, in the order they are loaded.
 pub const SOURCES: &[Source] = &[
@@ -60,6 +61,12 @@ pub const SOURCES: &[Source] = &[
         sm90a_only: false,
     },
     Source {
+        name: "conv_sm90.cu",
+        text: include_str!("kernels/conv_sm90.cu"),
+        headers: &[WGMMA],
+        sm90a_only: true,
+    },
+    Source {
         name: "short_conv.cu",
         text: include_str!("kernels/short_conv.cu"),
         headers: &[],
@@ -80,7 +87,7 @@ pub const SOURCES: &[Source] = &[
     Source {
         name: "attention_sm90.cu",
         text: include_str!("kernels/attention_sm90.cu"),
-        headers: &[FLASH],
+        headers: &[FLASH, WGMMA],
         sm90a_only: true,
     },
     Source {

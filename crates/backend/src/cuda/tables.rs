@@ -13,7 +13,7 @@ use super::blocks::BlockKernels;
 use super::elementwise::ElementwiseKernels;
 use super::fp8::Fp8Kernels;
 use super::gemv::GemvKernels;
-use super::image::ImageKernels;
+use super::image::{self, ImageKernels, Sm90ConvKernels};
 use super::launch::{KernelTable, Signature};
 use super::norm::NormKernels;
 use super::nvrtc::{self, SOURCES};
@@ -26,6 +26,8 @@ pub struct Kernels {
     pub elementwise: ElementwiseKernels,
     pub rows: RowsKernels,
     pub image: ImageKernels,
+    /// conv_sm90.cu (the wgmma implicit-GEMM convolution), built for sm_90a alone.
+    pub conv_sm90: Option<Sm90ConvKernels>,
     pub short_conv: ShortConvKernels,
     pub gemv: GemvKernels,
     pub attention: AttentionKernels,
@@ -45,6 +47,7 @@ impl Kernels {
             elementwise: required(ctx, arch)?,
             rows: required(ctx, arch)?,
             image: required(ctx, arch)?,
+            conv_sm90: table(ctx, arch)?,
             short_conv: required(ctx, arch)?,
             gemv: required(ctx, arch)?,
             attention: required(ctx, arch)?,
@@ -53,6 +56,7 @@ impl Kernels {
             blocks: required(ctx, arch)?,
         };
         attention::reserve_shared_memory(&kernels.attention, kernels.sm90.as_ref())?;
+        image::reserve_shared_memory(kernels.conv_sm90.as_ref())?;
         Ok(kernels)
     }
 }
@@ -91,6 +95,7 @@ pub fn kernel_tables() -> Vec<(&'static str, Vec<Signature>)> {
         of::<ElementwiseKernels>(),
         of::<RowsKernels>(),
         of::<ImageKernels>(),
+        of::<Sm90ConvKernels>(),
         of::<ShortConvKernels>(),
         of::<GemvKernels>(),
         of::<AttentionKernels>(),

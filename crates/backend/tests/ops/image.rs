@@ -59,7 +59,8 @@ impl ConvCase {
     }
 
     /// This case as the op runs it, then (bf16 only) forced through im2col and, where the
-    /// implicit GEMM takes it (a bf16 input, input channels a multiple of 8), through that.
+    /// implicit GEMMs take it (a bf16 input, input channels a multiple of 8), through each
+    /// (the wgmma one where the GPU has it).
     pub fn on_every_path(self) -> Vec<ConvCase> {
         let with = |path| ConvCase {
             path: Some(path),
@@ -68,6 +69,7 @@ impl ConvCase {
         let mut all = vec![self.clone(), with(ConvPath::Im2col)];
         if self.input == Role::Compute && self.cin.is_multiple_of(8) {
             all.push(with(ConvPath::Implicit));
+            all.push(with(ConvPath::Wgmma));
         }
         all
     }
@@ -119,6 +121,11 @@ impl OpCase for ConvCase {
 
     fn op(&self) -> Op {
         self.spec.op()
+    }
+
+    fn supported<B: Device>(&self, be: &B) -> tessera_backend::Result<()> {
+        be.supports(&self.op())?;
+        self.path.map_or(Ok(()), |p| be.conv_supported(p))
     }
 
     fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {

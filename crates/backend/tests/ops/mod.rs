@@ -379,6 +379,9 @@ pub trait Device: Backend + Sized {
     /// every mask of a sequence's own rows, per-row key limits included).
     fn flash_supported(&self, flash: FlashChoice, head_dim: usize) -> tessera_backend::Result<()>;
 
+    /// Whether this device has the forced convolution kernel `path` (the wgmma one: Hopper).
+    fn conv_supported(&self, path: ConvPath) -> tessera_backend::Result<()>;
+
     /// The attention op, or with `flash` the forced path, checked to have split the keys into
     /// as many chunks as asked.
     fn attend(&self, a: Attend<'_, Self>, flash: Option<FlashChoice>) -> Res<()>;
@@ -397,6 +400,10 @@ pub trait Device: Backend + Sized {
 
 impl Device for CpuBackend {
     fn flash_supported(&self, _: FlashChoice, _: usize) -> tessera_backend::Result<()> {
+        Ok(())
+    }
+
+    fn conv_supported(&self, _: ConvPath) -> tessera_backend::Result<()> {
         Ok(())
     }
 
@@ -451,6 +458,10 @@ impl Device for CudaBackend {
             .into()),
             _ => Ok(()),
         }
+    }
+
+    fn conv_supported(&self, path: ConvPath) -> tessera_backend::Result<()> {
+        self.conv_path_available(path)
     }
 
     fn convolve(

@@ -106,6 +106,14 @@ __device__ __forceinline__ void store4(bf16* p, const float* v) {
     t.y = pack_bf16x2(v[2], v[3]);
     *reinterpret_cast<uint2*>(p) = t;
 }
+// Two adjacent values in one 8- (f32) or 4-byte (bf16) store; `p` aligned to it.
+__device__ __forceinline__ void store2(float* p, float a, float b) {
+    uint2 t;
+    t.x = __float_as_uint(a);
+    t.y = __float_as_uint(b);
+    *reinterpret_cast<uint2*>(p) = t;
+}
+__device__ __forceinline__ void store2(bf16* p, float a, float b) { *reinterpret_cast<u32*>(p) = pack_bf16x2(a, b); }
 
 // gelu_tanh(x) = ½x(1 + tanh u) = x·σ(2u), u = √(2/π)(x + 0.044715x³): one special-function op
 // and a fast division instead of tanhf's longer sequence, within a few f32 ulps of it. The gated
@@ -133,4 +141,22 @@ __device__ __forceinline__ void pdl_enter() {
 // *p += v on a shared-memory double (sm_60+), without the CUDA headers' atomicAdd.
 __device__ __forceinline__ void shared_add_f64(double* p, double v) {
     asm volatile("red.shared.add.f64 [%0], %1;" ::"r"(smem_addr(p)), "d"(v) : "memory");
+}
+
+// cp.async: one 16-byte copy global → shared (`valid` false: 0 bytes read, the 16 destination
+// bytes zero-filled), its group commit and waits.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// The activation codes of `act_code` (cuda/gemm.rs): −1 none, 0 GELU (tanh), 1 SiLU. The erf
+// GELU (2) is declined before any image kernel runs.
+__device__ __forceinline__ float image_act(int act, float v) {
+    if (act == 0) return gelu_tanh(v);
+    if (act == 1) return silu(v);
+    return v;
 }

@@ -3,13 +3,6 @@
 // accumulator layout: a warp owns 16 query rows, a thread rows g = lane / 4 and g + 8 ("lo" and
 // "hi") and, in each 8-column n-tile, columns 2·(lane % 4) and the one after.
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
-
 // Per-row key limits (`limits`, null when none; block-causal masks): packed query row i sees the
 // first limits[i] keys of its segment [s0, s1), i.e. keys j < s0 + limits[i] (op/attention.rs,
 // `Mask::Limits`). The end of the keys row i sees: s1 without limits, and for rows past q1 (the

@@ -5,14 +5,6 @@
 // crates/backend/src/cpu/conv.rs, crates/backend/src/cpu/group_norm.rs, crates/backend/src/cpu/dup_up.rs
 // and crates/backend/src/cpu/avg_down.rs.
 
-// The activation codes of `act_code` (cuda/gemm.rs): −1 none, 0 GELU (tanh), 1 SiLU. The erf
-// GELU (2) is declined before any image kernel runs.
-__device__ __forceinline__ float image_act(int act, float v) {
-    if (act == 0) return gelu_tanh(v);
-    if (act == 1) return silu(v);
-    return v;
-}
-
 // Column rows of output pixels p0 … p0 + n − 1 of a "same" k × k convolution: row i, column
 // (ky·k + kx)·c + ch holds the input at (oy + ky − k/2, ox + kx − k/2) of the image upsampled
 // `up`× by nearest neighbour (up 1: as it is), passed through activation `act`, 0 outside (the
@@ -308,10 +300,6 @@ AVG_DOWN(bf16, bf16, avg_down_bf16_bf16)
 #define CONV_PITCH 40
 #define CONV_THREADS 256
 
-__device__ __forceinline__ void conv_cp16(u32 dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;  // 0 bytes read: the 16 destination bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
 __device__ __forceinline__ void conv_ldsm_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -363,16 +351,16 @@ __device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, l
             const int uy = oy[i] + ky, ux = ox[i] + kx;
             const bool ok = cv && uy >= 0 && uy < vh && ux >= 0 && ux < vw;
             const bf16* src = ok ? x + ((long)(uy / up) * w + ux / up) * xs + c0 : x;
-            conv_cp16(smem_addr(&sa[s][(lr + 64 * i) * CONV_PITCH + lc]), src, ok);
+            cp_async16(smem_addr(&sa[s][(lr + 64 * i) * CONV_PITCH + lc]), src, ok);
         }
 #pragma unroll
         for (int i = 0; i < BROWS; i++) {
             const int n = n0 + lr + 64 * i;
             const bool ok = cv && n < cout;
             const bf16* src = ok ? wt + (long)n * kk + (long)tap * cin + c0 : wt;
-            conv_cp16(smem_addr(&sb[s][(lr + 64 * i) * CONV_PITCH + lc]), src, ok);
+            cp_async16(smem_addr(&sb[s][(lr + 64 * i) * CONV_PITCH + lc]), src, ok);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_commit();
     };
 
     float acc[2][NI][4];
@@ -387,8 +375,8 @@ __device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, l
     for (int step = 0; step < steps; step++) {
         const int s = step & 1;
         if (step + 1 < steps) load(s ^ 1, step + 1);
-        else asm volatile("cp.async.commit_group;\n" ::);  // an empty group keeps the count
-        asm volatile("cp.async.wait_group 1;\n" ::);      // this step's copies have landed
+        else cp_commit();  // an empty group keeps the count
+        cp_wait1();  // this step's copies have landed
         if (act >= 0) {
 #pragma unroll
             for (int i = 0; i < 2; i++) {
@@ -425,7 +413,7 @@ __device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, l
         }
         __syncthreads();  // every warp is done with stage s before step + 2 refills it
     }
-    asm volatile("cp.async.wait_all;\n" ::);
+    cp_wait_all();
 
     // Accumulator layout: rows lane / 4 and + 8 of each m-tile, columns 2·(lane % 4) and + 1.
 #pragma unroll

@@ -1,0 +1,174 @@
+// Convolution as an implicit GEMM on Hopper's warpgroup MMA (wgmma, sm_90a): conv_wgmma{BN}_{out}.
+// Same arguments and result as conv_implicit in image.cu (which serves every other GPU), CPU
+// reference crates/backend/src/cpu/conv.rs:
+//
+// out[p, n] = bias[n] + Σ_{ky, kx, c} act(x)[src(p, ky, kx), c] · wt[n, (ky·k + kx)·cin + c]
+//
+// over one channels-last image, bf16 in, f32 accumulation, one rounding to the output type.
+//
+// A CTA computes 128 output pixels × BN (128 or 64) output channels with two warpgroups, each
+// 64 pixels × BN by wgmma m64n{BN}k16 with both operands in shared memory (wgmma.cuh's 128-byte
+// swizzle). The reduction walks taps (ky, kx) and, within each, chunks of 64 input channels — one
+// 128-byte row per pixel and per output channel. Every thread gathers: a chunk is one 16-byte
+// cp.async per pixel row and per weight row, zero-filled for taps on the padding, pixels past the
+// image, channels past cin and output channels past cout. Three stages: while step s multiplies,
+// steps s + 1 and s + 2 load; the stage step s + 2 refills is the one step s − 1 read, which every
+// warpgroup waited for before the barrier of step s. At ~97 KB of shared memory two CTAs share a
+// multiprocessor, so one's barrier and epilogue overlap the other's products (the mma.sync
+// kernel in image.cu reached 100–180 TFLOP/s on the decoders' shapes: run g6).
+//
+// The pixel → source map is conv_implicit's: nearest 2× upsampling reads (uy / 2, ux / 2);
+// stride 2 reads (2·oy + ky, 2·ox + kx) padded only after. The input activation (act ≥ 0) is
+// applied in shared memory by the thread that copied each chunk, after its copies land and
+// before the fence that hands the stage to the tensor cores (bf16(act(x)), im2col8's rounding;
+// act(0) = 0 keeps the padding zero).
+//
+// CTAs are numbered channel tile fastest, so the CTAs of one pixel tile run together and read
+// its pixels once from memory. Needs cin a multiple of 8, x, its row stride and the weight's rows
+// 16-byte aligned, and the (upsampled) image's sides below 2^15 (the host checks).
+#define CW_BM 128
+#define CW_STAGES 3
+#define CW_THREADS 256
+
+// Shared-memory bytes of one stage (the pixel tile, then the weight tile) and of the launch
+// (`conv_wgmma_smem` in cuda/image.rs mirrors it; 1 KB of slack to align the stages to the
+// swizzle's period).
+template <int BN> struct CwCfg {
+    static constexpr unsigned A_BYTES = CW_BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
+    static constexpr unsigned SMEM = CW_STAGES * STAGE + 1024;
+};
+
+template <typename TO, int BN>
+__device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long xs, int h, int w, int cin, int k,
+                                                int up, int down, int act, const bf16* __restrict__ wt, int cout,
+                                                const float* __restrict__ bias, long pixels, TO* __restrict__ out,
+                                                long os) {
+    typedef CwCfg<BN> C;
+    constexpr int BROWS = BN / 32;  // weight rows each thread copies per step
+    extern __shared__ unsigned char cw_smem[];
+    const u32 base = (smem_addr(cw_smem) + 1023u) & ~1023u;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wq = (tid >> 5) & 3;
+    const int ntiles = (cout + BN - 1) / BN;
+    const long p0 = (long)(blockIdx.x / ntiles) * CW_BM;
+    const int n0 = (int)(blockIdx.x % ntiles) * BN;
+    const int vh = h * up, vw = w * up, ow = vw / down, pad = down == 2 ? 0 : k / 2;
+    const long kk = (long)k * k * cin;
+    const int cc = (cin + 63) / 64, steps = k * k * cc;
+
+    // Each thread copies 16-byte chunk lc of rows lr + 32·i (pixels; weight rows).
+    const int lr = tid >> 3, lc = tid & 7;
+    // The pixel's top-left tap in the (upsampled) image, y in the high and x in the low 16 bits
+    // (sides below 2^15, the host checks); y far negative past the last pixel.
+    int yx[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const long p = p0 + lr + 32 * i;
+        int oy = -(1 << 14), ox = 0;
+        if (p < pixels) {
+            const int py = (int)(p / ow), px = (int)(p - (long)py * ow);
+            oy = py * down - pad;
+            ox = px * down - pad;
+        }
+        yx[i] = (oy << 16) | (ox & 0xffff);
+    }
+    // Row r's chunk lc sits at chunk lc ^ (r % 8); r % 8 = lr % 8 for every i.
+    const u32 at = (u32)lr * 128 + (u32)((lc ^ (lr & 7)) << 4);
+
+    auto load = [&](int slot, int step) {
+        const int tap = step / cc, c0 = (step - tap * cc) * 64 + lc * 8;
+        const int ky = tap / k, kx = tap - ky * k;
+        const bool cv = c0 < cin;
+        const u32 sa = base + slot * C::STAGE + at, sb = sa + C::A_BYTES;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int uy = (yx[i] >> 16) + ky, ux = (int)(short)(yx[i] & 0xffff) + kx;
+            const bool ok = cv && uy >= 0 && uy < vh && ux >= 0 && ux < vw;
+            const bf16* src = ok ? x + ((long)(uy / up) * w + ux / up) * xs + c0 : x;
+            cp_async16(sa + i * 32 * 128, src, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < BROWS; i++) {
+            const int n = n0 + lr + 32 * i;
+            const bool ok = cv && n < cout;
+            const bf16* src = ok ? wt + (long)n * kk + (long)tap * cin + c0 : wt;
+            cp_async16(sb + i * 32 * 128, src, ok);
+        }
+        cp_commit();
+    };
+
+    float acc[BN / 8][4];
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
+
+    load(0, 0);
+    if (steps > 1) load(1, 1);
+    else cp_commit();  // an empty group keeps the count
+    for (int step = 0; step < steps; step++) {
+        const int slot = step % CW_STAGES;
+        cp_wait1();  // this step's copies have landed (the next step's may still be in flight)
+        if (act >= 0) {
+#pragma unroll 1
+            for (int i = 0; i < 4; i++) {  // a chunk at a time: unrolled, the activations spill
+                uint4* chunk = reinterpret_cast<uint4*>(cw_smem + (base - smem_addr(cw_smem)) + slot * C::STAGE + at +
+                                                        i * 32 * 128);
+                uint4 v = *chunk;
+                bf16* e = reinterpret_cast<bf16*>(&v);
+#pragma unroll
+                for (int j = 0; j < 8; j++) e[j] = from_f<bf16>(image_act(act, to_f(e[j])));
+                *chunk = v;
+            }
+        }
+        fence_async_smem();  // this thread's copies (and rewrites) → the tensor cores' view
+        __syncthreads();
+        const u32 sa = base + slot * C::STAGE + wg * 64 * 128, sb = base + slot * C::STAGE + C::A_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) wgmma_ss(acc, sw128_desc(sa + ks * 32, 16), sw128_desc(sb + ks * 32, 16), 1);
+        wg_commit();
+        // The stage step + 2 fills was read by step − 1, finished by every warpgroup before the barrier.
+        if (step + 2 < steps) load((step + 2) % CW_STAGES, step + 2);
+        else cp_commit();
+        wg_wait<0>();
+    }
+    wg_keep(acc);
+    cp_wait_all();
+
+    // Accumulator layout (m64nN): warp wq of the warpgroup owns rows 16·wq + lane / 4 and + 8; in
+    // each 8-column block j, columns 2·(lane % 4) and the one after.
+    const bool pairs = ((os | cout) & 1) == 0 && ((unsigned long long)out & (2 * sizeof(TO) - 1)) == 0;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const long p = p0 + wg * 64 + wq * 16 + (lane >> 2) + 8 * half;
+        if (p >= pixels) continue;
+        TO* row = out + p * os;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            const int n = n0 + j * 8 + 2 * (lane & 3);
+            if (n >= cout) continue;
+            const float v0 = acc[j][2 * half] + (bias ? bias[n] : 0.f);
+            if (n + 1 < cout) {
+                const float v1 = acc[j][2 * half + 1] + (bias ? bias[n + 1] : 0.f);
+                if (pairs) {
+                    store2(row + n, v0, v1);
+                    continue;
+                }
+                row[n + 1] = from_f<TO>(v1);
+            }
+            row[n] = from_f<TO>(v0);
+        }
+    }
+}
+
+#define CONV_WGMMA(TO, BN, NAME)                                                                                \
+    extern "C" __global__ void __launch_bounds__(CW_THREADS, 2)                                                 \
+        NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt, \
+             int cout, const float* bias, long pixels, TO* out, long os) {                                      \
+        pdl_enter();                                                                                            \
+        conv_wgmma_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os);          \
+    }
+CONV_WGMMA(float, 128, conv_wgmma_f32)
+CONV_WGMMA(bf16, 128, conv_wgmma_bf16)
+CONV_WGMMA(float, 64, conv_wgmma64_f32)
+CONV_WGMMA(bf16, 64, conv_wgmma64_bf16)

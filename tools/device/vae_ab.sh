@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# On the GPU machine (via the `device` tool): the VAE decoders' convolution routes side by side
+# (issue 27) in one call — `bench conv` on every kernel path at the decoders' shapes, then Z-Image
+# and Qwen-Image-2.1 at 1024² with the default route against TESSERA_CONV=$B_ROUTE (A B B A for
+# Z-Image), then one Z-Image generation under TESSERA_PROFILE=kernels for where the decode goes.
+#   OUT (default /tmp/out), ZITERS (3), QSTEPS (40), QITERS (2), B_ROUTE (mma), PARTS=conv,zimage,qwen,prof
+# Needs .dev/bin/tessera and the full-size folders (/tmp/zfull, /tmp/qfull: suite.sh makes them,
+# with the reference's packages from pysite.sh).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PARTS=${PARTS:-conv,zimage,qwen,prof}
+B_ROUTE=${B_ROUTE:-mma}
+export TESSERA_CACHE_DIR=${TESSERA_CACHE_DIR:-/tmp/tessera-cache} TESSERA_ROOT=$PWD
+BIN=.dev/bin/tessera
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+
+if [[ $PARTS == *conv* ]]; then
+  echo "== bench conv (median of 20, µs and TFLOP/s per kernel path)"
+  timeout 240 $BIN bench conv --device cuda --precision bf16 --iters 20 > "$OUT/conv.jsonl" 2> "$OUT/conv.err"
+  python3 - "$OUT/conv.jsonl" <<'PY'
+import json, sys
+rows = {}
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    rows.setdefault(r["shape"], {})[r["path"]] = (r["median_us"], r["tflops"])
+paths = ["wgmma", "implicit", "im2col"]
+print(f"{'shape':<32}" + "".join(f"{p:>20}" for p in paths))
+for shape, by in rows.items():
+    cells = "".join(f"{by[p][0]:9.1f} us {by[p][1]:5.0f}T" if p in by else f"{'-':>20}" for p in paths)
+    print(f"{shape:<32}{cells}")
+tot = {p: sum(by[p][0] for by in rows.values() if p in by) for p in paths}
+print("sum of medians (µs): " + ", ".join(f"{p} {v:.0f}" for p, v in tot.items()))
+PY
+  tail -3 "$OUT/conv.err"
+fi
+
+# gen NAME ROUTE MODEL ARGS...: one `bench generate` process with TESSERA_CONV=ROUTE ("" = default).
+gen() {
+  local name=$1 route=$2 model=$3; shift 3
+  TESSERA_CONV=$route timeout 200 $BIN bench generate --model "$model" --device cuda --precision bf16 \
+    --size 1024x1024 "$@" > "$OUT/$name.log" 2>&1
+  printf '%-22s %-8s %s\n' "$name" "${route:-default}" \
+    "$(grep -E 'end to end|step|decode' "$OUT/$name.log" | grep -v '^{' | tr -s ' ' | tr '\n' ' ' | cut -c1-200)"
+  grep -E 'rror' "$OUT/$name.log" | head -3
+}
+
+if [[ $PARTS == *zimage* ]] && [ -f /tmp/zfull/model_index.json ]; then
+  echo "== Z-Image-Turbo 1024², 8 steps, bf16: default against TESSERA_CONV=$B_ROUTE, A B B A"
+  gen zi_a1 "" /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
+  gen zi_b1 "$B_ROUTE" /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
+  gen zi_b2 "$B_ROUTE" /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
+  gen zi_a2 "" /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
+fi
+if [[ $PARTS == *qwen* ]] && [ -f /tmp/qfull/model_index.json ]; then
+  echo "== Qwen-Image-2.1 1024², ${QSTEPS:-40} steps, bf16: default, then TESSERA_CONV=$B_ROUTE"
+  gen qi_a "" /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
+  gen qi_b "$B_ROUTE" /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
+fi
+if [[ $PARTS == *prof* ]] && [ -f /tmp/zfull/model_index.json ]; then
+  echo "== Z-Image decode profile (TESSERA_PROFILE=kernels, a sync per kernel; the last forward is the decoder)"
+  TESSERA_PROFILE=kernels timeout 200 $BIN generate --model /tmp/zfull --device cuda --precision bf16 \
+    --size 1024x1024 --steps 2 --output "$OUT/zi_prof.png" > "$OUT/zi_prof.log" 2>&1
+  tail -40 "$OUT/zi_prof.log" | cut -c1-160
+fi
