@@ -96,26 +96,46 @@ kernel_table! {
 }
 
 kernel_table! {
-    /// The kernels of conv_sm90.cu (sm_90a alone): the implicit GEMM on wgmma, 128 output
-    /// channels a CTA (64 for at most 64 output channels), by output type.
+    /// The kernels of conv_sm90.cu (sm_90a alone): the implicit GEMM on wgmma, by output type, for
+    /// tiles of 128, 256 and 64 output channels ([`wgmma_tile`]).
     pub(super) struct Sm90ConvKernels from "conv_sm90.cu" {
         conv_wgmma: ByElem<ConvArgs> = "conv_wgmma_{}",
+        conv_wgmma256: ByElem<ConvArgs> = "conv_wgmma256_{}",
         conv_wgmma64: ByElem<ConvArgs> = "conv_wgmma64_{}",
     }
 }
 
-/// Dynamic shared memory of `conv_wgmma{BN}` (`CwCfg::SMEM` in conv_sm90.cu): three stages of a
-/// 128-pixel tile and a `BN`-channel weight tile, 128 bytes a row, and 1 KB to align them.
+/// Dynamic shared memory of `conv_wgmma{BN}` (`CwCfg::SMEM` in conv_sm90.cu): its stages (three
+/// for 128-channel tiles, else four) of a 128-pixel tile and a `BN`-channel weight tile, 128
+/// bytes a row, and 1 KB to align them.
 const fn conv_wgmma_smem(bn: usize) -> usize {
-    3 * (128 * 128 + bn * 128) + 1024
+    let stages = if bn == 128 { 3 } else { 4 };
+    stages * (128 * 128 + bn * 128) + 1024
+}
+
+/// The output-channel tile of `conv_wgmma` for `cout` channels: 64 up to 64, else whichever of
+/// 128 and 256 pads `cout` the least (256 on a tie: half the pixel gathers per product).
+fn wgmma_tile(cout: usize) -> usize {
+    match cout {
+        0..=64 => 64,
+        _ if cout.next_multiple_of(256) <= cout.next_multiple_of(128) => 256,
+        _ => 128,
+    }
 }
 
 /// Let the wgmma convolutions use the shared memory their stages take (more than the 48 KB a
 /// launch gets without asking).
 pub(super) fn reserve_shared_memory(hopper: Option<&Sm90ConvKernels>) -> Result<()> {
     let Some(t) = hopper else { return Ok(()) };
-    let wide = t.conv_wgmma.all().map(|k| (k, conv_wgmma_smem(128)));
-    for (k, smem) in wide.chain(t.conv_wgmma64.all().map(|k| (k, conv_wgmma_smem(64)))) {
+    let tiles = [
+        (&t.conv_wgmma, 128),
+        (&t.conv_wgmma256, 256),
+        (&t.conv_wgmma64, 64),
+    ];
+    let kernels = tiles
+        .into_iter()
+        .flat_map(|(by, bn)| by.all().map(move |k| (k, conv_wgmma_smem(bn))));
+    for (k, smem) in kernels {
         k.func()
             .set_attribute(
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -130,8 +150,9 @@ pub(super) fn reserve_shared_memory(hopper: Option<&Sm90ConvKernels>) -> Result<
 /// [`ConvPath::Auto`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ConvPath {
-    /// As [`ConvRoute::from_env`] says: on Hopper the wgmma implicit GEMM wherever it applies;
-    /// elsewhere the mma.sync one where it is the faster ([`IMPLICIT_MAX_COUT`]); else im2col.
+    /// As [`ConvRoute::from_env`] says: on Hopper the wgmma implicit GEMM where it applies and
+    /// is the faster ([`wgmma_pays`]); elsewhere the mma.sync one where it is the faster
+    /// ([`IMPLICIT_MAX_COUT`]); else im2col.
     #[default]
     Auto,
     /// The wgmma implicit GEMM (`conv_wgmma`, Hopper); an error where it does not apply.
@@ -149,6 +170,18 @@ pub enum ConvPath {
 /// 1024² (128 → 128: 1.9 ms against 2.8; the 3- and 4-channel `conv_out`: 1.2 and 2.1 ms against
 /// 3.5 and 3.4). At 144 and 256 outputs im2col already wins, so up to 128 it is.
 const IMPLICIT_MAX_COUT: usize = 128;
+
+/// Whether [`ConvPath::Auto`] sends a convolution to `conv_wgmma` rather than im2col. Measured
+/// on an H100 (run g10, `tessera bench conv`): the kernel (~250–300 TFLOP/s) beats im2col +
+/// cuBLASLt wherever the output has at most 256 channels (Z-Image's 256- and 128-channel layers
+/// at 512² and 1024²: 2.1 against 2.6 ms, 2.4 against 5.0, 1.3 against 2.8), but not on 512- and
+/// 1152-wide products, where cuBLASLt's columns run at 350–490. An input activation costs it a
+/// SiLU per gathered value, nine times each input (Qwen-Image's 144-channel layers at 1024²: 4.5
+/// against 3.6 ms), so activated inputs take it only into at most 64 channels (`conv_out`: 2.3
+/// against 3.4 ms).
+fn wgmma_pays(cout: usize, spec: &Conv2d) -> bool {
+    cout <= 256 && (spec.act.is_none() || cout <= 64)
+}
 
 /// The kernels [`ConvPath::Auto`] may take, from `TESSERA_CONV` (read once): unset or `auto` all
 /// of them, `mma` not the wgmma one, `im2col` only im2col — for A/B measurement.
@@ -176,8 +209,9 @@ impl CudaBackend {
         let hopper = self.kernels.conv_sm90.is_some();
         match (self.compute_elem(), ConvRoute::from_env()) {
             (Elem::Bf16, ConvRoute::Auto) if hopper => {
-                "the wgmma implicit GEMM (conv_wgmma) from a multiple of 8 input channels, else \
-                 im2col columns on cuBLASLt"
+                "the wgmma implicit GEMM (conv_wgmma) into at most 256 output channels (64 from \
+                 an activated input) from a multiple of 8 input channels, else im2col columns on \
+                 cuBLASLt"
                     .to_string()
             }
             (Elem::Bf16, ConvRoute::Auto | ConvRoute::Mma) => format!(
@@ -293,7 +327,7 @@ pub(super) fn conv2d(
                 return epilogue(be, &post, to, to, 0, pixels, cout, false);
             }
             match (implicit, ConvRoute::from_env(), hopper) {
-                (true, ConvRoute::Auto, Some(t)) if gemm.wgmma_fits() => {
+                (true, ConvRoute::Auto, Some(t)) if gemm.wgmma_fits() && wgmma_pays(cout, spec) => {
                     return gemm.on_wgmma(be, t);
                 }
                 (true, ConvRoute::Auto | ConvRoute::Mma, _) if cout <= IMPLICIT_MAX_COUT => {
@@ -413,8 +447,8 @@ impl ImplicitGemm<'_> {
         self.spec.height * up < 1 << 15 && self.spec.width * up < 1 << 15
     }
 
-    /// On `conv_wgmma` (kernels/conv_sm90.cu): one CTA per 128 output pixels × 128 output
-    /// channels (64 where there are at most 64), numbered channel tile fastest.
+    /// On `conv_wgmma` (kernels/conv_sm90.cu): one CTA per 128 output pixels × [`wgmma_tile`]
+    /// output channels, numbered channel tile fastest.
     fn on_wgmma(&self, be: &CudaBackend, table: &Sm90ConvKernels) -> Result<()> {
         if !self.wgmma_fits() {
             return Err(Error::backend(
@@ -423,11 +457,13 @@ impl ImplicitGemm<'_> {
             ));
         }
         let cout = self.w.out;
-        let (kernel, bn) = if cout <= 64 {
-            (table.conv_wgmma64.get(self.to.elem)?, 64)
-        } else {
-            (table.conv_wgmma.get(self.to.elem)?, 128)
-        };
+        let bn = wgmma_tile(cout);
+        let kernel = match bn {
+            64 => &table.conv_wgmma64,
+            256 => &table.conv_wgmma256,
+            _ => &table.conv_wgmma,
+        }
+        .get(self.to.elem)?;
         let ctas = u32::try_from(self.pixels.div_ceil(128) * cout.div_ceil(bn))
             .ok()
             .filter(|&n| n < i32::MAX as u32)
@@ -608,4 +644,41 @@ pub(super) fn avg_down(
         os: out.stride as i64,
     };
     be.launch("conv", kernel, be.grid_stride(n), &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tile pads the output channels the least: the decoders' 3, 128, 144, 256, 288, 512,
+    /// 576 and 1152.
+    #[test]
+    fn wgmma_tiles_pad_the_output_channels_least() {
+        let cases = [
+            (3, 64),
+            (64, 64),
+            (65, 128),
+            (128, 128),
+            (144, 256),
+            (192, 256),
+            (256, 256),
+            (288, 128),
+            (384, 128),
+            (512, 256),
+            (576, 128),
+            (768, 256),
+            (1152, 128),
+        ];
+        for (cout, tile) in cases {
+            assert_eq!(wgmma_tile(cout), tile, "{cout} output channels");
+        }
+    }
+
+    #[test]
+    fn wgmma_shared_memory_fits_its_multiprocessor_share() {
+        // 227 KB a multiprocessor on Hopper; 64- and 128-channel tiles run two CTAs on one.
+        assert!(2 * conv_wgmma_smem(64) <= 227 << 10);
+        assert!(2 * conv_wgmma_smem(128) <= 227 << 10);
+        assert!(conv_wgmma_smem(256) <= 227 << 10);
+    }
 }

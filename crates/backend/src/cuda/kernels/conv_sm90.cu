@@ -6,16 +6,18 @@
 //
 // over one channels-last image, bf16 in, f32 accumulation, one rounding to the output type.
 //
-// A CTA computes 128 output pixels × BN (128 or 64) output channels with two warpgroups, each
-// 64 pixels × BN by wgmma m64n{BN}k16 with both operands in shared memory (wgmma.cuh's 128-byte
-// swizzle). The reduction walks taps (ky, kx) and, within each, chunks of 64 input channels — one
-// 128-byte row per pixel and per output channel. Every thread gathers: a chunk is one 16-byte
-// cp.async per pixel row and per weight row, zero-filled for taps on the padding, pixels past the
-// image, channels past cin and output channels past cout. Three stages: while step s multiplies,
-// steps s + 1 and s + 2 load; the stage step s + 2 refills is the one step s − 1 read, which every
-// warpgroup waited for before the barrier of step s. At ~97 KB of shared memory two CTAs share a
-// multiprocessor, so one's barrier and epilogue overlap the other's products (the mma.sync
-// kernel in image.cu reached 100–180 TFLOP/s on the decoders' shapes: run g6).
+// A CTA computes 128 output pixels × BN (64, 128 or 256) output channels with two warpgroups,
+// each 64 pixels × BN by wgmma m64n{BN}k16 with both operands in shared memory (wgmma.cuh's
+// 128-byte swizzle). The reduction walks taps (ky, kx) and, within each, chunks of 64 input
+// channels — one 128-byte row per pixel and per output channel. Every thread gathers: a chunk is
+// one 16-byte cp.async per pixel row and per weight row, zero-filled for taps on the padding,
+// pixels past the image, channels past cin and output channels past cout. AHEAD = STAGES − 1 −
+// KEEP steps load while one multiplies, and each warpgroup keeps KEEP steps' products in flight
+// past its wait (CwCfg): the stage that step s + AHEAD fills was last read by step s − 1 − KEEP,
+// which every warpgroup waited for before the barrier of step s. Where that leaves the kernel
+// (run g10, H100): 250–300 TFLOP/s, bound by reading both tiles from L2 for every step (no
+// multicast between CTAs, and each tap gathers its pixels again); the mma.sync kernel in image.cu
+// ran at 100–180.
 //
 // The pixel → source map is conv_implicit's: nearest 2× upsampling reads (uy / 2, ux / 2);
 // stride 2 reads (2·oy + ky, 2·ox + kx) padded only after. The input activation (act ≥ 0) is
@@ -27,16 +29,24 @@
 // its pixels once from memory. Needs cin a multiple of 8, x, its row stride and the weight's rows
 // 16-byte aligned, and the (upsampled) image's sides below 2^15 (the host checks).
 #define CW_BM 128
-#define CW_STAGES 3
 #define CW_THREADS 256
 
-// Shared-memory bytes of one stage (the pixel tile, then the weight tile) and of the launch
-// (`conv_wgmma_smem` in cuda/image.rs mirrors it; 1 KB of slack to align the stages to the
+// Per tile width: stages, the wgmma groups a warpgroup keeps in flight while the next step loads
+// (KEEP), and the CTAs a multiprocessor holds. Measured on an H100 (run g10, `bench conv`): 128-
+// channel tiles run best three stages deep with two CTAs a multiprocessor, each waiting for every
+// step's products (255–260 TFLOP/s at 1024²; five stages, one CTA and KEEP 1 gave 180–190), and
+// 256-channel tiles four stages deep with KEEP 1 (285–300; their 193 KB allow one CTA).
+// `conv_wgmma_smem` in cuda/image.rs mirrors SMEM (1 KB of slack aligns the stages to the
 // swizzle's period).
 template <int BN> struct CwCfg {
+    static constexpr int STAGES = BN == 128 ? 3 : 4, KEEP = BN == 128 ? 0 : 1, MIN_CTAS = BN == 256 ? 1 : 2;
     static constexpr unsigned A_BYTES = CW_BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
-    static constexpr unsigned SMEM = CW_STAGES * STAGE + 1024;
+    static constexpr unsigned SMEM = STAGES * STAGE + 1024;
 };
+
+// Wait until at most N of this thread's cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 template <typename TO, int BN>
 __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long xs, int h, int w, int cin, int k,
@@ -102,12 +112,15 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
 
-    load(0, 0);
-    if (steps > 1) load(1, 1);
-    else cp_commit();  // an empty group keeps the count
+    constexpr int AHEAD = C::STAGES - 1 - C::KEEP;  // steps loading while one multiplies
+#pragma unroll
+    for (int i = 0; i < AHEAD; i++) {
+        if (i < steps) load(i, i);
+        else cp_commit();  // empty groups keep the count
+    }
     for (int step = 0; step < steps; step++) {
-        const int slot = step % CW_STAGES;
-        cp_wait1();  // this step's copies have landed (the next step's may still be in flight)
+        const int slot = step % C::STAGES;
+        cp_wait<AHEAD - 1>();  // this step's copies have landed (the next ones may be in flight)
         if (act >= 0) {
 #pragma unroll 1
             for (int i = 0; i < 4; i++) {  // a chunk at a time: unrolled, the activations spill
@@ -127,11 +140,13 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) wgmma_ss(acc, sw128_desc(sa + ks * 32, 16), sw128_desc(sb + ks * 32, 16), 1);
         wg_commit();
-        // The stage step + 2 fills was read by step − 1, finished by every warpgroup before the barrier.
-        if (step + 2 < steps) load((step + 2) % CW_STAGES, step + 2);
+        // The stage this load fills was read by step − 1 − KEEP, done in every warpgroup before the
+        // barrier; the copies go out while this step's products run.
+        if (step + AHEAD < steps) load((step + AHEAD) % C::STAGES, step + AHEAD);
         else cp_commit();
-        wg_wait<0>();
+        wg_wait<C::KEEP>();  // step − KEEP's products are done
     }
+    wg_wait<0>();
     wg_keep(acc);
     cp_wait_all();
 
@@ -162,12 +177,14 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
 }
 
 #define CONV_WGMMA(TO, BN, NAME)                                                                                \
-    extern "C" __global__ void __launch_bounds__(CW_THREADS, 2)                                                 \
+    extern "C" __global__ void __launch_bounds__(CW_THREADS, CwCfg<BN>::MIN_CTAS)                               \
         NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt, \
              int cout, const float* bias, long pixels, TO* out, long os) {                                      \
         pdl_enter();                                                                                            \
         conv_wgmma_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os);          \
     }
+CONV_WGMMA(float, 256, conv_wgmma256_f32)
+CONV_WGMMA(bf16, 256, conv_wgmma256_bf16)
 CONV_WGMMA(float, 128, conv_wgmma_f32)
 CONV_WGMMA(bf16, 128, conv_wgmma_bf16)
 CONV_WGMMA(float, 64, conv_wgmma64_f32)
