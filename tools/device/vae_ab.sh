@@ -64,5 +64,16 @@ if [[ $PARTS == *prof* ]] && [ -f /tmp/zfull/model_index.json ]; then
   echo "== Z-Image decode profile (TESSERA_PROFILE=kernels, a sync per kernel; the last forward is the decoder)"
   TESSERA_PROFILE=kernels timeout 200 $BIN generate --model /tmp/zfull --device cuda --precision bf16 \
     --size 1024x1024 --steps 2 --output "$OUT/zi_prof.png" > "$OUT/zi_prof.log" 2>&1
-  tail -40 "$OUT/zi_prof.log" | cut -c1-160
+  python3 - "$OUT/zi_prof.log" <<'PY'
+import re, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith("profile:")]
+if lines:
+    parts = lines[-1][len("profile:"):].split("|")
+    rows = [(float(m.group(2)), m.group(1), m.group(3)) for p in parts
+            if (m := re.match(r"\s*(\S+) ([0-9.]+) ms \((\d+) ops", p))]
+    print(f"decoder GPU time {sum(r[0] for r in rows):.2f} ms in {len(rows)} kernels (by time):")
+    for ms, name, n in sorted(rows, reverse=True)[:30]:
+        print(f"  {ms:8.3f} ms {n:>4} ops  {name}")
+PY
+  grep -iE 'rror' "$OUT/zi_prof.log" | head -3
 fi

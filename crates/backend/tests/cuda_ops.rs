@@ -540,6 +540,8 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(group_norm(20, 512, 32)); // the mid block's attention norm
     t.add(group_norm(13, 96, 3).then(GeluTanh));
     t.add(group_norm(1, 7, 7)); // one value a group: the output is the bias
+    t.add(group_norm(63, 128, 32).then(Silu).from(Stream)); // a resnet's first norm reads the f32 stream
+    t.add(group_norm(33, 64, 16).unaligned()); // four channels a group, rows off the quads
 
     // ---- short_conv (LFM2): a prefill from zeros, decode steps continuing their state, and a
     // mixed batch; a segment shorter than the kernel keeps part of its old state.

@@ -90,6 +90,8 @@ kernel_table! {
         group_stats: ByElem<GroupStatsArgs> = "group_stats_{}",
         group_finish: Kernel<GroupFinishArgs> = "group_finish",
         group_apply: ByPair<GroupApplyArgs> = "group_apply_{}_{}",
+        /// Four channels of one group a thread (aligned rows, 4 | channels per group).
+        group_apply4: ByPair<GroupApplyArgs> = "group_apply4_{}_{}",
         dup_up: ByPair<DupUpArgs> = "dup_up_{}_{}",
         avg_down: ByPair<AvgDownArgs> = "avg_down_{}_{}",
     }
@@ -573,10 +575,23 @@ pub(super) fn group_norm(
             stats,
         },
     )?;
+    let op = ptr_of_mut(&out)?;
+    // Four channels a thread where they share a group, every row is aligned to them and the
+    // quads fit a 32-bit index.
+    let quads = (c / groups).is_multiple_of(4)
+        && [x.stride, out.stride].iter().all(|s| s.is_multiple_of(4))
+        && xp.0.is_multiple_of(4 * x.buf.elem.size() as u64)
+        && op.0.is_multiple_of(4 * out.buf.elem.size() as u64)
+        && u32::try_from(pixels * c / 4).is_ok();
+    let (apply, per_thread) = if quads {
+        (&k.group_apply4, 4)
+    } else {
+        (&k.group_apply, 1)
+    };
     be.launch(
         "norm",
-        k.group_apply.get(x.buf.elem, out.buf.elem)?,
-        be.grid_stride(pixels * c),
+        apply.get(x.buf.elem, out.buf.elem)?,
+        be.grid_stride(pixels * c / per_thread),
         &GroupApplyArgs {
             x: xp,
             xs: x.stride as i64,
@@ -587,7 +602,7 @@ pub(super) fn group_norm(
             w: weight.ptr,
             b: bias.ptr,
             act: spec.act.map_or(-1, act_code),
-            out: ptr_of_mut(&out)?,
+            out: op,
             os: out.stride as i64,
         },
     )

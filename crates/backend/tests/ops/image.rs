@@ -155,6 +155,10 @@ pub struct GroupNormCase {
     pixels: usize,
     channels: usize,
     spec: GroupNorm,
+    /// The input buffer's role (the VAE's first norm of a block reads the f32 stream).
+    input: Role,
+    /// Rows padded and offset (aligned to four channels) or tightly packed from an odd offset.
+    aligned: bool,
 }
 
 /// No activation after, eps 1e-6 (the VAE's).
@@ -167,10 +171,25 @@ pub fn group_norm(pixels: usize, channels: usize, groups: usize) -> GroupNormCas
             eps: 1e-6,
             act: None,
         },
+        input: Role::Compute,
+        aligned: true,
     }
 }
 
 impl GroupNormCase {
+    /// Reading its input from a buffer of this role.
+    pub fn from(self, input: Role) -> Self {
+        GroupNormCase { input, ..self }
+    }
+
+    /// Rows one value past a 4-channel boundary (the one-channel-a-thread kernel).
+    pub fn unaligned(self) -> Self {
+        GroupNormCase {
+            aligned: false,
+            ..self
+        }
+    }
+
     pub fn then(self, act: Activation) -> Self {
         GroupNormCase {
             spec: GroupNorm {
@@ -185,14 +204,24 @@ impl GroupNormCase {
 impl OpCase for GroupNormCase {
     fn name(&self) -> String {
         let GroupNormCase {
-            pixels, channels, ..
+            pixels,
+            channels,
+            input,
+            aligned,
+            ..
         } = *self;
         let act = self
             .spec
             .act
             .map_or(String::new(), |a| format!(" then {a:?}"));
+        let from = if input == Role::Compute {
+            String::new()
+        } else {
+            format!(" from {input:?}")
+        };
+        let rows = if aligned { "" } else { ", rows off by one" };
         format!(
-            "group_norm {pixels}×{channels} in {} groups{act}",
+            "group_norm {pixels}×{channels} in {} groups{act}{from}{rows}",
             self.spec.groups
         )
     }
@@ -203,12 +232,20 @@ impl OpCase for GroupNormCase {
 
     fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
         let GroupNormCase {
-            pixels, channels, ..
+            pixels,
+            channels,
+            input,
+            aligned,
+            ..
         } = *self;
         // Off-centre values, so the mean matters.
         let x = rng.around(pixels * channels, 1.0, 3.0);
-        let at = Layout::padded(pixels, channels, 8, 8);
-        let x = Guarded::new(be, Role::Compute, at, Some(&x))?;
+        let at = if aligned {
+            Layout::padded(pixels, channels, 8, 8)
+        } else {
+            Layout::padded(pixels, channels, 1, 1)
+        };
+        let x = Guarded::new(be, input, at, Some(&x))?;
         let weight = be.vector_f32(&rng.around(channels, 1.0, 0.3))?;
         let bias = be.vector_f32(&rng.vec(channels, 0.5))?;
         let mut out = Guarded::empty(be, Role::Compute, at)?;
