@@ -61,9 +61,10 @@ if [[ $PARTS == *qwen* ]] && [ -f /tmp/qfull/model_index.json ]; then
   gen qi_b "$B_ROUTE" /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
 fi
 if [[ $PARTS == *prof* ]] && [ -f /tmp/zfull/model_index.json ]; then
-  echo "== Z-Image decode profile (TESSERA_PROFILE=kernels, a sync per kernel; the last forward is the decoder)"
-  TESSERA_PROFILE=kernels timeout 200 $BIN generate --model /tmp/zfull --device cuda --precision bf16 \
-    --size 1024x1024 --steps 2 --output "$OUT/zi_prof.png" > "$OUT/zi_prof.log" 2>&1
+  echo "== Z-Image decode profile (TESSERA_PROFILE=kernels, a sync per kernel; the last forward of a warm run is the decoder)"
+  # bench generate's second iteration: the first run of a process is cold (allocations, heuristics).
+  TESSERA_PROFILE=kernels timeout 200 $BIN bench generate --model /tmp/zfull --device cuda --precision bf16 \
+    --size 1024x1024 --steps 2 --iters 2 > "$OUT/zi_prof.log" 2>&1
   python3 - "$OUT/zi_prof.log" <<'PY'
 import re, sys
 lines = [l for l in open(sys.argv[1]) if l.startswith("profile:")]

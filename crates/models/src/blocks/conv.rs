@@ -1,7 +1,7 @@
 //! The VAEs' convolution: an `nn.Conv2d`'s weight reordered for the backend's
 //! channels-last `conv2d` (see [`tessera_backend::op::Conv2d`]).
 
-use tessera_backend::{Activation, Backend, Conv2d, View, ViewMut};
+use tessera_backend::{Activation, Backend, Conv2d, Precision, View, ViewMut};
 use tessera_core::Result;
 
 use crate::loader::Loader;
@@ -61,6 +61,28 @@ impl<B: Backend> Conv<B> {
             &spec,
             ViewMut::new(out, oh * ow, self.cout),
         )
+    }
+
+    /// `out = conv(x)` of an image held in the f32 stream (the residual stream the upsamplers and
+    /// shortcuts read). Under bf16 it is first rounded into `scratch` (a compute buffer of at
+    /// least its size): the values every bf16 product takes anyway, now in the bf16 image the
+    /// implicit-GEMM convolutions gather (on CUDA they take bf16 images only; run g10 found the
+    /// upsamplers on f32 im2col columns, 9 ms of a Z-Image decode).
+    pub fn run_from_stream(
+        &self,
+        be: &B,
+        x: View<'_, B>,
+        hw: (usize, usize),
+        upsample: bool,
+        scratch: &mut B::Buf,
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        if be.precision() != Precision::Bf16 {
+            return self.run(be, x, hw, upsample, None, out);
+        }
+        let (rows, cols) = (x.rows, x.cols);
+        be.cast(x, ViewMut::new(scratch, rows, cols))?;
+        self.run(be, View::new(scratch, rows, cols), hw, upsample, None, out)
     }
 
     /// `out = conv(x)` at stride 2 over the `hw` image padded by one zero row and column at the

@@ -582,7 +582,7 @@ impl<B: Backend> Resnet<B> {
                 let spare = spare.ok_or_else(|| {
                     Error::backend("vae", "a channel-changing resnet without a spare buffer")
                 })?;
-                sc.run(be, View::new(x, px, r.cin), hw, false, None, spare)?;
+                sc.run_from_stream(be, View::new(x, px, r.cin), hw, false, c, spare)?;
                 spare
             }
             None => x,
@@ -838,7 +838,14 @@ impl<B: Backend> VaeDecoder<B> {
             let mut ch = first.cout;
             if let Some((conv, frames)) = &block.upsample {
                 let (ih, iw) = hw;
-                conv.run(be, View::new(&b.x, ih * iw, ch), hw, true, None, &mut b.s)?;
+                conv.run_from_stream(
+                    be,
+                    View::new(&b.x, ih * iw, ch),
+                    hw,
+                    true,
+                    &mut b.c,
+                    &mut b.s,
+                )?;
                 hw = (2 * ih, 2 * iw);
                 let spec = DupUp {
                     height: ih,

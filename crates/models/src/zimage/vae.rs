@@ -248,12 +248,12 @@ impl<B: Backend> VaeDecoder<B> {
             }
             let ch = b.resnets.last().map_or(top, |r| r.cout);
             if let Some(conv) = &b.upsample {
-                conv.run(
+                conv.run_from_stream(
                     be,
                     View::new(&bufs.x, hw.0 * hw.1, ch),
                     hw,
                     true,
-                    None,
+                    &mut bufs.c,
                     &mut bufs.y,
                 )?;
                 std::mem::swap(&mut bufs.x, &mut bufs.y);
@@ -317,7 +317,14 @@ impl<B: Backend> VaeDecoder<B> {
         r.conv2
             .run(be, View::new(&b.c, px, r.cout), hw, false, None, &mut b.y)?;
         if let Some(sc) = &r.shortcut {
-            sc.run(be, View::new(&b.x, px, r.cin), hw, false, None, &mut b.n)?;
+            sc.run_from_stream(
+                be,
+                View::new(&b.x, px, r.cin),
+                hw,
+                false,
+                &mut b.c,
+                &mut b.n,
+            )?;
             std::mem::swap(&mut b.x, &mut b.n);
         }
         be.residual(
