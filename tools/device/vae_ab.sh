@@ -2,8 +2,10 @@
 # On the GPU machine (via the `device` tool): the VAE decoders' convolution routes side by side
 # (issue 27) in one call — `bench conv` on every kernel path at the decoders' shapes, then Z-Image
 # and Qwen-Image-2.1 at 1024² with the default route against TESSERA_CONV=$B_ROUTE (A B B A for
-# Z-Image), then one Z-Image generation under TESSERA_PROFILE=kernels for where the decode goes.
-#   OUT (default /tmp/out), ZITERS (3), QSTEPS (40), QITERS (2), B_ROUTE (mma), PARTS=conv,zimage,qwen,prof
+# Z-Image) or, with BASE_BIN, a baseline binary (A) against this one (B), both on the default
+# route; then a warm Z-Image generation under TESSERA_PROFILE=kernels for where the decode goes.
+#   OUT (default /tmp/out), ZITERS (3), QSTEPS (40), QITERS (2), B_ROUTE (mma), BASE_BIN,
+#   PARTS=conv,zimage,qwen,prof
 # Needs .dev/bin/tessera and the full-size folders (/tmp/zfull, /tmp/qfull: suite.sh makes them,
 # with the reference's packages from pysite.sh).
 set -uo pipefail
@@ -38,27 +40,36 @@ PY
   tail -3 "$OUT/conv.err"
 fi
 
-# gen NAME ROUTE MODEL ARGS...: one `bench generate` process with TESSERA_CONV=ROUTE ("" = default).
+# gen NAME SIDE MODEL ARGS...: one `bench generate` process for side A or B: with BASE_BIN, A is
+# that binary and B this one; else both this binary, B with TESSERA_CONV=$B_ROUTE.
 gen() {
-  local name=$1 route=$2 model=$3; shift 3
-  TESSERA_CONV=$route timeout 200 $BIN bench generate --model "$model" --device cuda --precision bf16 \
+  local name=$1 side=$2 model=$3 bin=$BIN route="" label; shift 3
+  if [ -n "${BASE_BIN:-}" ]; then
+    [ "$side" = A ] && bin=$BASE_BIN
+    label=$(basename "$bin")
+  else
+    [ "$side" = B ] && route=$B_ROUTE
+    label=${route:-default}
+  fi
+  TESSERA_CONV=$route timeout 200 $bin bench generate --model "$model" --device cuda --precision bf16 \
     --size 1024x1024 "$@" > "$OUT/$name.log" 2>&1
-  printf '%-22s %-8s %s\n' "$name" "${route:-default}" \
-    "$(grep -E 'end to end|step|decode' "$OUT/$name.log" | grep -v '^{' | tr -s ' ' | tr '\n' ' ' | cut -c1-200)"
+  printf '%-8s %-14s %s\n' "$name" "$label" \
+    "$(grep -E 'end to end|step|decode' "$OUT/$name.log" | grep -v '^{' | sed 's/.*: end to end/end to end/' | tr '\n' ' ' | cut -c1-110)"
   grep -E 'rror' "$OUT/$name.log" | head -3
 }
+what() { if [ -n "${BASE_BIN:-}" ]; then echo "$BASE_BIN (A) against $BIN (B)"; else echo "default (A) against TESSERA_CONV=$B_ROUTE (B)"; fi; }
 
 if [[ $PARTS == *zimage* ]] && [ -f /tmp/zfull/model_index.json ]; then
-  echo "== Z-Image-Turbo 1024², 8 steps, bf16: default against TESSERA_CONV=$B_ROUTE, A B B A"
-  gen zi_a1 "" /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
-  gen zi_b1 "$B_ROUTE" /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
-  gen zi_b2 "$B_ROUTE" /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
-  gen zi_a2 "" /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
+  echo "== Z-Image-Turbo 1024², 8 steps, bf16: $(what), A B B A"
+  gen zi_a1 A /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
+  gen zi_b1 B /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
+  gen zi_b2 B /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
+  gen zi_a2 A /tmp/zfull --steps 8 --iters "${ZITERS:-3}"
 fi
 if [[ $PARTS == *qwen* ]] && [ -f /tmp/qfull/model_index.json ]; then
-  echo "== Qwen-Image-2.1 1024², ${QSTEPS:-40} steps, bf16: default, then TESSERA_CONV=$B_ROUTE"
-  gen qi_a "" /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
-  gen qi_b "$B_ROUTE" /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
+  echo "== Qwen-Image-2.1 1024², ${QSTEPS:-40} steps, bf16: $(what), A B"
+  gen qi_a A /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
+  gen qi_b B /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
 fi
 if [[ $PARTS == *prof* ]] && [ -f /tmp/zfull/model_index.json ]; then
   echo "== Z-Image decode profile (TESSERA_PROFILE=kernels, a sync per kernel; the last forward of a warm run is the decoder)"
