@@ -87,5 +87,6 @@ if lines:
     for ms, name, n in sorted(rows, reverse=True)[:30]:
         print(f"  {ms:8.3f} ms {n:>4} ops  {name}")
 PY
+  grep '^profile gaps:' "$OUT/zi_prof.log" | tail -1 | tr '|' '\n' | cut -c1-200
   grep -iE 'rror' "$OUT/zi_prof.log" | head -3
 fi

@@ -4,6 +4,9 @@
 //!
 //! Every op is bracketed by two timing events; at the next host read (the end of a forward) the
 //! elapsed times are summed per class. Graph replay is off while profiling, so every kernel is seen.
+//! A second line gives the time the stream spent between ops (waiting for the host, or on work no
+//! op brackets: allocations' zero fills, copies) and the largest such gaps with the ops around
+//! them — where a forward's wall time exceeds its kernels'.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -88,6 +91,27 @@ impl Profiler {
             })
             .collect();
         eprintln!("profile: {} | total {total:.3} ms", parts.join(" | "));
+        // The stream between the end of each op and the start of the next.
+        let mut gaps = Vec::with_capacity(spans.len());
+        for pair in spans.windows(2) {
+            let (before, _, end) = &pair[0];
+            let (after, start, _) = &pair[1];
+            gaps.push((end.elapsed_ms(start).map_err(err)? as f64, before, after));
+        }
+        let between: f64 = gaps.iter().map(|g| g.0).sum();
+        let (first, last) = (&spans[0].1, &spans[spans.len() - 1].2);
+        let span = first.elapsed_ms(last).map_err(err)? as f64;
+        gaps.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let largest: Vec<String> = gaps
+            .iter()
+            .take(6)
+            .map(|(ms, before, after)| format!("{ms:.3} ms after {before} before {after}"))
+            .collect();
+        eprintln!(
+            "profile gaps: {between:.3} ms between {} ops in a span of {span:.3} ms; largest: {}",
+            spans.len(),
+            largest.join(" | ")
+        );
         Ok(())
     }
 }
