@@ -79,7 +79,7 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
             oy = py * down - pad;
             ox = px * down - pad;
         }
-        yx[i] = (oy << 16) | (ox & 0xffff);
+        yx[i] = (int)(((u32)oy << 16) | ((u32)ox & 0xffffu));
     }
     // Row r's chunk lc sits at chunk lc ^ (r % 8); r % 8 = lr % 8 for every i.
     const u32 at = (u32)lr * 128 + (u32)((lc ^ (lr & 7)) << 4);
