@@ -2,10 +2,11 @@
 //! a convolution as an implicit GEMM on the tensor cores (bf16 with input channels a multiple of
 //! 8: each CTA gathers its pixels' taps straight from the image, the input activation and the bias
 //! fused; `conv_wgmma` on Hopper, `conv_implicit` on mma.sync elsewhere) or else as blocks of
-//! im2col rows times the weight (cuBLASLt; the activation applied as the columns are gathered), GroupNorm in three passes (partial sums per block of pixels,
-//! per-group statistics, the normalisation with its activation), and the DupUp channel-to-space
-//! shortcut and its encoder mirror AvgDown added into their outputs (one thread an output
-//! element). The encoder's stride-2 convolution is either path with a stride.
+//! im2col rows times the weight (cuBLASLt; the activation applied as the columns are gathered),
+//! GroupNorm in three passes (partial sums per block of pixels, per-group statistics, the
+//! normalisation with its activation, four channels a thread where rows allow), and the DupUp
+//! channel-to-space shortcut and its encoder mirror AvgDown added into their outputs (one thread
+//! an output element). The encoder's stride-2 convolution is either path with a stride.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use tessera_core::{Error, Result};
@@ -230,9 +231,10 @@ impl CudaBackend {
     }
 }
 
-/// Whether the implicit GEMMs (`conv_implicit`, `conv_wgmma`) take this convolution: bf16 compute, a bf16 image and dense bf16
-/// weight, an f32 or bf16 output, input channels a multiple of 8 (16-byte copies), the image,
-/// its row stride and the weight 16-byte aligned, and every size an `int`.
+/// Whether the implicit GEMMs (`conv_implicit`, `conv_wgmma`) take this convolution: bf16
+/// compute, a bf16 image and dense bf16 weight, an f32 or bf16 output, input channels a multiple
+/// of 8 (16-byte copies), the image, its row stride and the weight 16-byte aligned, and every
+/// size an `int`.
 fn implicit_applies(
     be: &CudaBackend,
     x: &View<'_, CudaBackend>,

@@ -3,10 +3,10 @@
 //! see which kernel of a class holds the time.
 //!
 //! Every op is bracketed by two timing events; at the next host read (the end of a forward) the
-//! elapsed times are summed per class. Graph replay is off while profiling, so every kernel is seen.
-//! A second line gives the time the stream spent between ops (waiting for the host, or on work no
-//! op brackets: allocations' zero fills, copies) and the largest such gaps with the ops around
-//! them — where a forward's wall time exceeds its kernels'.
+//! elapsed times are summed per class. Graph replay is off while profiling, so every kernel is
+//! seen. A second line gives the time the stream spent between ops (waiting for the host, or on
+//! work no op brackets: allocations' zero fills, copies) and the largest such gaps with the ops
+//! around them — where a forward's wall time exceeds its kernels'.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
