@@ -12,7 +12,6 @@ mod cached;
 mod flash;
 
 use cudarc::driver::LaunchConfig;
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use tessera_core::{Error, Result};
 
 pub use flash::{
@@ -118,21 +117,17 @@ pub(super) fn reserve_shared_memory(
     let mma = portable
         .flash
         .iter()
-        .map(|(d, k)| (k.func(), k.name(), flash_config(d).smem));
+        .map(|(d, k)| (k, flash_config(d).smem));
     let wgmma = hopper
         .into_iter()
         .flat_map(|t| t.flash_wgmma.iter())
-        .map(|(d, k)| (k.func(), k.name(), wgmma_config(d).smem));
-    let ws = hopper
-        .into_iter()
-        .flat_map(|t| t.flash_ws.iter())
-        .map(|(d, k)| (k.func(), k.name(), ws_config(d).smem));
-    for (func, name, smem) in mma.chain(wgmma).chain(ws) {
-        func.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| Error::backend(format!("{name}: {smem} B of shared memory"), e))?;
+        .map(|(d, k)| (k, wgmma_config(d).smem));
+    for (k, smem) in mma.chain(wgmma) {
+        k.allow_shared_memory(smem as usize)?;
+    }
+    // Another argument type, so a loop of its own.
+    for (d, k) in hopper.into_iter().flat_map(|t| t.flash_ws.iter()) {
+        k.allow_shared_memory(ws_config(d).smem as usize)?;
     }
     Ok(())
 }

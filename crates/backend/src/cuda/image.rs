@@ -8,7 +8,6 @@
 //! channel-to-space shortcut and its encoder mirror AvgDown added into their outputs (one thread
 //! an output element). The encoder's stride-2 convolution is either path with a stride.
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use tessera_core::{Error, Result};
 
 use super::gemm::{Post, Rows, act_code, epilogue, product};
@@ -139,12 +138,7 @@ pub(super) fn reserve_shared_memory(hopper: Option<&Sm90ConvKernels>) -> Result<
         .into_iter()
         .flat_map(|(by, bn)| by.all().map(move |k| (k, conv_wgmma_smem(bn))));
     for (k, smem) in kernels {
-        k.func()
-            .set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(|e| Error::backend(format!("{}: {smem} B of shared memory", k.name()), e))?;
+        k.allow_shared_memory(smem)?;
     }
     Ok(())
 }

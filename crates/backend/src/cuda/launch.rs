@@ -17,6 +17,7 @@ use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaFunction, CudaModule, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
@@ -155,6 +156,17 @@ impl<A> Kernel<A> {
 
     pub fn func(&self) -> &CudaFunction {
         &self.func
+    }
+
+    /// Let launches of this kernel take `bytes` of dynamic shared memory (more than the 48 KB a
+    /// launch gets without asking).
+    pub fn allow_shared_memory(&self, bytes: usize) -> Result<()> {
+        self.func
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| Error::backend(format!("{}: {bytes} B of shared memory", self.name), e))
     }
 }
 

@@ -153,7 +153,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
     for (int r = threadIdx.x; r < BM; r += NT) sEnd[r] = row_key_end(limits, q0 + r, q1, s0, s1);
 
     for (int kb0 = k_lo; kb0 < k_hi; kb0 += BN) {
-        cp_wait1();  // all but the newest group (this block's V) have landed: Q and K are ready
+        cp_wait<1>();  // all but the newest group (this block's V) have landed: Q and K are ready
         __syncthreads();
         float s[NS][4];
         zero(s);
@@ -208,7 +208,7 @@ __device__ __forceinline__ void flash_impl(const bf16* __restrict__ q, long qs, 
         pack_p(s, pa);
         rescale(oacc, alpha_lo, alpha_hi);
 
-        cp_wait1();  // all but the newest group (the next K): V is ready
+        cp_wait<1>();  // all but the newest group (the next K): V is ready
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {

@@ -114,7 +114,7 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
     u32 pa[BN / 16][4];
 
     for (int kb0 = k_lo; kb0 < k_hi; kb0 += BN) {
-        cp_wait1();  // all but the newest group (this block's V) have landed: Q and K are ready
+        cp_wait<1>();  // all but the newest group (this block's V) have landed: Q and K are ready
         fence_async_smem();
         __syncthreads();
         float s[NS][4];
@@ -141,7 +141,7 @@ __device__ __forceinline__ void flash_wg_impl(const bf16* __restrict__ q, long q
         pack_p(s, pa);
         rescale(oacc, alpha_lo, alpha_hi);
 
-        cp_wait1();  // all but the newest group (the next K): V is ready
+        cp_wait<1>();  // all but the newest group (the next K): V is ready
         fence_async_smem();
         __syncthreads();
         wg_fence();
@@ -213,7 +213,6 @@ template <int N>
 __device__ __forceinline__ void set_max_regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void set_max_regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 // Arrive on `bar` and add `bytes` to the transaction count its phase waits for (the TMA copies
 // that complete it).
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
@@ -298,7 +297,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
                 for (int b = 0; b < D / 64; b++) tma_load_3d(sV + st * TILE + b * (BN * 128), tv, 64 * b, row, g, v_full + 8 * st);
             }
         }
-        cp_wait0();
+        cp_wait<0>();
         return;
     }
 

@@ -150,7 +150,9 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+// Wait until at most N of this thread's cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 // The activation codes of `act_code` (cuda/gemm.rs): −1 none, 0 GELU (tanh), 1 SiLU. The erf
@@ -159,4 +161,11 @@ __device__ __forceinline__ float image_act(int act, float v) {
     if (act == 0) return gelu_tanh(v);
     if (act == 1) return silu(v);
     return v;
+}
+// A 16-byte chunk of eight bf16 values (in registers) → bf16(act(x)) each: the convolutions'
+// fused input activation (act(0) = 0 keeps zero padding zero).
+__device__ __forceinline__ void image_act8(int act, uint4& chunk) {
+    bf16* e = reinterpret_cast<bf16*>(&chunk);
+#pragma unroll
+    for (int j = 0; j < 8; j++) e[j] = from_f<bf16>(image_act(act, to_f(e[j])));
 }

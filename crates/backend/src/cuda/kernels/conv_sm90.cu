@@ -44,10 +44,6 @@ template <int BN> struct CwCfg {
     static constexpr unsigned SMEM = STAGES * STAGE + 1024;
 };
 
-// Wait until at most N of this thread's cp.async groups are pending.
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 template <typename TO, int BN>
 __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long xs, int h, int w, int cin, int k,
                                                 int up, int down, int act, const bf16* __restrict__ wt, int cout,
@@ -126,10 +122,8 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
             for (int i = 0; i < 4; i++) {  // a chunk at a time: unrolled, the activations spill
                 uint4* chunk = reinterpret_cast<uint4*>(cw_smem + (base - smem_addr(cw_smem)) + slot * C::STAGE + at +
                                                         i * 32 * 128);
-                uint4 v = *chunk;
-                bf16* e = reinterpret_cast<bf16*>(&v);
-#pragma unroll
-                for (int j = 0; j < 8; j++) e[j] = from_f<bf16>(image_act(act, to_f(e[j])));
+                uint4 v = *chunk;  // one 16-byte load and store
+                image_act8(act, v);
                 *chunk = v;
             }
         }

@@ -165,11 +165,7 @@ __device__ __forceinline__ void im2col8_impl(const bf16* x, long xs, int h, int 
         uint4 v = make_uint4(0, 0, 0, 0);
         if (at.src >= 0) {
             v = *reinterpret_cast<const uint4*>(x + at.src * xs + at.ch);
-            if (act >= 0) {
-                bf16* e = reinterpret_cast<bf16*>(&v);
-#pragma unroll
-                for (int j = 0; j < 8; j++) e[j] = from_f<bf16>(image_act(act, to_f(e[j])));
-            }
+            if (act >= 0) image_act8(act, v);
         }
         *reinterpret_cast<uint4*>(cols + (long)at.pi * row + (long)at.tap * c + at.ch) = v;
     }
@@ -396,15 +392,13 @@ __device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, l
         const int s = step & 1;
         if (step + 1 < steps) load(s ^ 1, step + 1);
         else cp_commit();  // an empty group keeps the count
-        cp_wait1();  // this step's copies have landed
+        cp_wait<1>();  // this step's copies have landed
         if (act >= 0) {
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 uint4* chunk = reinterpret_cast<uint4*>(&sa[s][(lr + 64 * i) * CONV_PITCH + lc]);
-                uint4 v = *chunk;
-                bf16* e = reinterpret_cast<bf16*>(&v);
-#pragma unroll
-                for (int j = 0; j < 8; j++) e[j] = from_f<bf16>(image_act(act, to_f(e[j])));
+                uint4 v = *chunk;  // one 16-byte load and store
+                image_act8(act, v);
                 *chunk = v;
             }
         }
