@@ -100,7 +100,10 @@ pub enum Error {
 /// Fail with [`Error::NonFinite`] naming `stage` if any of `values` is NaN or infinite, so that a
 /// broken model gives an error instead of `null` embeddings or a black image.
 pub fn check_finite(stage: &str, values: &[f32]) -> Result<()> {
-    if values.iter().all(|v| v.is_finite()) {
+    // Whole chunks without an early exit vectorise (a 1024² image's 3 M values in ~1 ms, where
+    // `all` checked one value at a time).
+    let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
+    if values.chunks(4096).all(finite) {
         return Ok(());
     }
     let mut bad = values.iter().enumerate().filter(|(_, v)| !v.is_finite());
@@ -160,5 +163,10 @@ mod tests {
             e.starts_with("VAE output: 2 of 4 values are not finite") && e.contains("index 1"),
             "{e}"
         );
+        // Past the first chunk, and in a chunk's last value.
+        let mut long = vec![0.5f32; 10_000];
+        long[8191] = f32::NEG_INFINITY;
+        let e = check_finite("latent", &long).unwrap_err().to_string();
+        assert!(e.contains("1 of 10000") && e.contains("index 8191"), "{e}");
     }
 }

@@ -3,6 +3,7 @@
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use half::slice::HalfFloatSliceExt;
 use tessera_core::dtype::{to_bf16_bits, widen_into};
 use tessera_core::{DType, Error, Result, Tensor, Weights};
 
@@ -286,34 +287,52 @@ impl CudaBackend {
         ptr_of(&src)?; // bounds check
         let size = src.buf.elem.size();
         let (a, b) = (src.offset * size, src.end() * size);
-        let mut host = vec![0u8; b - a];
-        if b > a {
-            self.stream
-                .memcpy_dtoh(&src.buf.mem.slice(a..b), &mut host)
-                .map_err(drv("read"))?;
-        }
-        self.synchronize()?;
-        if let Some(p) = &self.profiler {
-            p.report()?;
-        }
-        let mut out = Vec::with_capacity(src.rows * src.cols);
-        for r in 0..src.rows {
-            let row = &host[r * src.stride * size..(r * src.stride + src.cols) * size];
-            match src.buf.elem {
-                Elem::F32 => out.extend(
-                    row.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                ),
-                Elem::Bf16 => out.extend(
-                    row.chunks_exact(2)
-                        .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
-                ),
-                Elem::U32 => out.extend(
-                    row.chunks_exact(4)
-                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32),
-                ),
+        let span = (b - a) / size;
+        // Copied into a vector of the buffer's element type, converted (and its rows packed)
+        // in place where that is f32: a 1024² image's 12.6 MB cost ~18 ms of host time as
+        // bytes decoded one value at a time.
+        let read = |dst: &mut [u8]| -> Result<()> {
+            if b > a {
+                self.stream
+                    .memcpy_dtoh(&src.buf.mem.slice(a..b), dst)
+                    .map_err(drv("read"))?;
             }
-        }
+            self.synchronize()?;
+            if let Some(p) = &self.profiler {
+                p.report()?;
+            }
+            Ok(())
+        };
+        let (rows, cols, stride) = (src.rows, src.cols, src.stride);
+        let out = match src.buf.elem {
+            Elem::F32 => {
+                let mut v = vec![0f32; span];
+                read(bytemuck::cast_slice_mut(&mut v))?;
+                if stride != cols {
+                    for r in 1..rows {
+                        v.copy_within(r * stride..r * stride + cols, r * cols);
+                    }
+                    v.truncate(rows * cols);
+                }
+                v
+            }
+            Elem::Bf16 => {
+                let mut v = vec![half::bf16::ZERO; span];
+                read(bytemuck::cast_slice_mut(&mut v))?;
+                let mut out = vec![0f32; rows * cols];
+                for (r, dst) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+                    v[r * stride..r * stride + cols].convert_to_f32_slice(dst);
+                }
+                out
+            }
+            Elem::U32 => {
+                let mut v = vec![0u32; span];
+                read(bytemuck::cast_slice_mut(&mut v))?;
+                (0..rows)
+                    .flat_map(|r| v[r * stride..r * stride + cols].iter().map(|&x| x as f32))
+                    .collect()
+            }
+        };
         Ok(out)
     }
 
