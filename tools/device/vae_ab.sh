@@ -5,7 +5,7 @@
 # Z-Image) or, with BASE_BIN, a baseline binary (A) against this one (B), both on the default
 # route; then a warm Z-Image generation under TESSERA_PROFILE=kernels for where the decode goes.
 #   OUT (default /tmp/out), ZITERS (3), QSTEPS (40), QITERS (2), B_ROUTE (mma), BASE_BIN,
-#   PARTS=conv,zimage,qwen,prof
+#   PARTS=conv,zimage,qwen,prof,qprof (prof: Z-Image's decode profile; qprof: Qwen-Image-2.1's)
 # Needs .dev/bin/tessera and the full-size folders (/tmp/zfull, /tmp/qfull: suite.sh makes them,
 # with the reference's packages from pysite.sh).
 set -uo pipefail
@@ -71,12 +71,16 @@ if [[ $PARTS == *qwen* ]] && [ -f /tmp/qfull/model_index.json ]; then
   gen qi_a A /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
   gen qi_b B /tmp/qfull --steps "${QSTEPS:-40}" --iters "${QITERS:-2}"
 fi
-if [[ $PARTS == *prof* ]] && [ -f /tmp/zfull/model_index.json ]; then
-  echo "== Z-Image decode profile (TESSERA_PROFILE=kernels, a sync per kernel; the last forward of a warm run is the decoder)"
-  # bench generate's second iteration: the first run of a process is cold (allocations, heuristics).
-  TESSERA_PROFILE=kernels timeout 200 $BIN bench generate --model /tmp/zfull --device cuda --precision bf16 \
-    --size 1024x1024 --steps 2 --iters 2 > "$OUT/zi_prof.log" 2>&1
-  python3 - "$OUT/zi_prof.log" <<'PY'
+# prof_decode NAME MODEL: a warm generation under TESSERA_PROFILE=kernels (the first run of a
+# process is cold: allocations, heuristics), then the decoder's kernels by time and the stream's
+# gaps (the last forward of the run is the decoder).
+prof_decode() {
+  local name=$1 model=$2
+  echo "== $name decode profile (TESSERA_PROFILE=kernels; the last forward of a warm run is the decoder)"
+  TESSERA_PROFILE=kernels timeout 200 $BIN bench generate --model "$model" --device cuda --precision bf16 \
+    --size 1024x1024 --steps 2 --iters 2 > "$OUT/${name}_prof.log" 2>&1
+  grep -E 'end to end' "$OUT/${name}_prof.log" | head -1
+  python3 - "$OUT/${name}_prof.log" <<'PY'
 import re, sys
 lines = [l for l in open(sys.argv[1]) if l.startswith("profile:")]
 if lines:
@@ -87,6 +91,8 @@ if lines:
     for ms, name, n in sorted(rows, reverse=True)[:30]:
         print(f"  {ms:8.3f} ms {n:>4} ops  {name}")
 PY
-  grep '^profile gaps:' "$OUT/zi_prof.log" | tail -1 | tr '|' '\n' | cut -c1-200
-  grep -iE 'rror' "$OUT/zi_prof.log" | head -3
-fi
+  grep '^profile gaps:' "$OUT/${name}_prof.log" | tail -1 | tr '|' '\n' | cut -c1-200
+  grep -iE 'rror' "$OUT/${name}_prof.log" | head -3
+}
+if [[ ",$PARTS," == *,prof,* ]] && [ -f /tmp/zfull/model_index.json ]; then prof_decode zi /tmp/zfull; fi
+if [[ ",$PARTS," == *,qprof,* ]] && [ -f /tmp/qfull/model_index.json ]; then prof_decode qi /tmp/qfull; fi
