@@ -518,6 +518,26 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add_all(conv2d(4, 5, 64, 64, 3).upsampled().of(Silu).on_every_path());
     t.add_all(conv2d(11, 12, 128, 256, 1).of(Silu).on_every_path()); // 1×1 implicit
     t.add_all(conv2d(1, 1, 8, 8, 3).on_every_path()); // one pixel, 8 channels
+    // A resnet's second convolution added into the f32 stream (its residual add fused), on each
+    // kernel: 128 channels (wgmma 128-tile), 512 (im2col + cuBLASLt with β = 1), a short channel
+    // tile, upsampled, a 1×1 (the bare product), and into a bf16 output.
+    t.add_all(conv2d(13, 11, 128, 128, 3).added_to(Stream).on_every_path());
+    t.add_all(conv2d(6, 5, 512, 512, 3).added_to(Stream).on_every_path());
+    t.add_all(conv2d(12, 11, 128, 40, 3).added_to(Stream).on_every_path());
+    t.add_all(conv2d(9, 7, 256, 256, 3).added_to(Stream).on_every_path());
+    t.add_all(
+        conv2d(5, 6, 64, 96, 3)
+            .upsampled()
+            .added_to(Stream)
+            .on_every_path(),
+    );
+    t.add_all(conv2d(7, 9, 512, 256, 1).added_to(Stream).on_every_path());
+    t.add_all(
+        conv2d(6, 5, 96, 96, 3)
+            .of(Silu)
+            .added_to(Compute)
+            .on_every_path(),
+    );
 
     // ---- dup_up (Qwen-Image-2.1's / Wan 2.2's residual up blocks), added into the f32 stream.
     t.add(dup_up(6, 5, 64, 64, 2)); // in = out: a nearest 2× upsampling

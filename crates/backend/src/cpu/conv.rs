@@ -52,45 +52,63 @@ pub(super) fn conv2d(
     let dst = &mut out.buf.f32_mut()[off..end];
     dst.par_chunks_mut(block * ostride)
         .enumerate()
-        .for_each_init(Vec::new, |col, (bi, chunk)| {
-            let p0 = bi * block;
-            // Rows in this block: the slice's last row ends after `cout` columns, not at the stride.
-            let n = (chunk.len() + ostride - cout) / ostride;
-            col.clear();
-            col.resize(n * kk, 0.0);
-            for (r, crow) in col.chunks_mut(kk).enumerate() {
-                let p = p0 + r;
-                let (oy, ox) = ((p / ow) as isize, (p % ow) as isize);
-                let (oy, ox) = (oy * stride, ox * stride);
-                for ky in 0..k {
-                    let uy = oy + ky as isize - pad;
-                    if uy < 0 || uy >= vh {
-                        continue;
-                    }
-                    let iy = uy as usize / up;
-                    for kx in 0..k {
-                        let ux = ox + kx as isize - pad;
-                        if ux < 0 || ux >= vw {
+        .for_each_init(
+            Default::default,
+            |(col, sums): &mut (Vec<f32>, Vec<f32>), (bi, chunk)| {
+                let p0 = bi * block;
+                // Rows in this block: the slice's last row ends after `cout` columns, not at the stride.
+                let n = (chunk.len() + ostride - cout) / ostride;
+                col.clear();
+                col.resize(n * kk, 0.0);
+                for (r, crow) in col.chunks_mut(kk).enumerate() {
+                    let p = p0 + r;
+                    let (oy, ox) = ((p / ow) as isize, (p % ow) as isize);
+                    let (oy, ox) = (oy * stride, ox * stride);
+                    for ky in 0..k {
+                        let uy = oy + ky as isize - pad;
+                        if uy < 0 || uy >= vh {
                             continue;
                         }
-                        let ix = ux as usize / up;
-                        debug_assert!(iy < ih && ix < iw);
-                        let src = (iy * iw + ix) * xstride;
-                        let at = (ky * k + kx) * cin;
-                        let dst = &mut crow[at..at + cin];
-                        dst.copy_from_slice(&xs[src..src + cin]);
-                        if let Some(act) = spec.act {
-                            vmath::activate(dst, act);
+                        let iy = uy as usize / up;
+                        for kx in 0..k {
+                            let ux = ox + kx as isize - pad;
+                            if ux < 0 || ux >= vw {
+                                continue;
+                            }
+                            let ix = ux as usize / up;
+                            debug_assert!(iy < ih && ix < iw);
+                            let src = (iy * iw + ix) * xstride;
+                            let at = (ky * k + kx) * cin;
+                            let dst = &mut crow[at..at + cin];
+                            dst.copy_from_slice(&xs[src..src + cin]);
+                            if let Some(act) = spec.act {
+                                vmath::activate(dst, act);
+                            }
                         }
                     }
                 }
-            }
-            for r in 0..n {
-                chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
-            }
-            // The product is added to the bias rows in place.
-            super::matmul::product_rows(col, kk, n, w, chunk, ostride, 1.0, true, false);
-        });
+                if !spec.accumulate {
+                    for r in 0..n {
+                        chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
+                    }
+                    // The product is added to the bias rows in place.
+                    super::matmul::product_rows(col, kk, n, w, chunk, ostride, 1.0, true, false);
+                    return;
+                }
+                // `out += conv + bias`: the convolution's rows first, then added, as an unfused
+                // residual would round them.
+                sums.clear();
+                for _ in 0..n {
+                    sums.extend_from_slice(bias);
+                }
+                super::matmul::product_rows(col, kk, n, w, sums, cout, 1.0, true, false);
+                for (r, s) in sums.chunks_exact(cout).enumerate() {
+                    for (o, &v) in chunk[r * ostride..r * ostride + cout].iter_mut().zip(s) {
+                        *o += v;
+                    }
+                }
+            },
+        );
     Ok(())
 }
 
@@ -240,6 +258,64 @@ mod tests {
                 for c in 0..cout {
                     let what = format!("conv2d {precision}");
                     assert_close(all[p * stride + 1 + c], want[p * cout + c], 1e-5, &what);
+                }
+            }
+        }
+    }
+
+    /// `accumulate` gives the bits of the convolution stored alone and then added to the output,
+    /// the unfused residual it replaces, and leaves the columns outside the view alone.
+    #[test]
+    fn an_accumulated_conv_equals_the_conv_added_after() {
+        for precision in [Precision::F32, Precision::Bf16] {
+            let be = CpuBackend::with_precision(precision);
+            for &(h, w, cin, cout, k, up) in &[(5, 7, 3, 4, 3, false), (9, 13, 19, 33, 3, true)] {
+                let mut rng = Rng::new((h * w * cin * cout) as u64);
+                let x = buf(&be, &rng.vec(h * w * cin, 2.0));
+                let mat = be
+                    .matrix_f32(&[(&rng.vec(cout * k * k * cin, 1.0), cout)], k * k * cin)
+                    .unwrap();
+                let bias = be.vector_f32(&rng.vec(cout, 1.0)).unwrap();
+                let mut spec = Conv2d::same(h, w, k);
+                if up {
+                    spec = spec.upsampled();
+                }
+                let (oh, ow) = spec.out_size();
+                let (px, stride) = (oh * ow, cout + 2);
+                let start = rng.vec(px * stride, 3.0);
+                let mut alone = buf(&be, &vec![0.0; px * cout]);
+                let mut added = buf(&be, &start);
+                be.conv2d(
+                    View::new(&x, h * w, cin),
+                    &mat,
+                    &bias,
+                    &spec,
+                    ViewMut::new(&mut alone, px, cout),
+                )
+                .unwrap();
+                be.conv2d(
+                    View::new(&x, h * w, cin),
+                    &mat,
+                    &bias,
+                    &spec.added_to_output(),
+                    ViewMut::new(&mut added, px, stride).cols(1, cout),
+                )
+                .unwrap();
+                let alone = be.read_f32(View::new(&alone, px, cout)).unwrap();
+                let added = be.read_f32(View::new(&added, px, stride)).unwrap();
+                for p in 0..px {
+                    for c in 0..stride {
+                        let want = match c {
+                            0 => start[p * stride],
+                            c if c > cout => start[p * stride + c],
+                            c => start[p * stride + c] + alone[p * cout + c - 1],
+                        };
+                        assert_eq!(
+                            added[p * stride + c].to_bits(),
+                            want.to_bits(),
+                            "{precision} {h}×{w} pixel {p} column {c}"
+                        );
+                    }
                 }
             }
         }

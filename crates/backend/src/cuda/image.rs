@@ -29,10 +29,11 @@ kernel_args! {
 
 kernel_args! {
     /// `conv_implicit[64]_{out}`: the convolution as an implicit GEMM, one CTA per 128 output
-    /// pixels × 128 (64) output channels; `act` −1 none, else the input activation's code.
+    /// pixels × 128 (64) output channels; `act` −1 none, else the input activation's code; `add`
+    /// 1 adds to the output ([`Conv2d::accumulate`]).
     pub(super) struct ConvArgs {
         x: DevPtr, xs: i64, h: i32, w: i32, cin: i32, k: i32, up: i32, down: i32, act: i32,
-        wt: DevPtr, cout: i32, bias: DevPtr, pixels: i64, out: DevPtr, os: i64,
+        wt: DevPtr, cout: i32, bias: DevPtr, pixels: i64, out: DevPtr, os: i64, add: i32,
     }
 }
 
@@ -280,6 +281,9 @@ pub(super) fn conv2d(
     };
     let to = Rows::of_mut(&out)?;
     let post = Post::bias(bias.ptr);
+    // The products through cuBLASLt add to the output with β = 1 (`accumulate`), the bias after:
+    // (out + conv) + bias, where the implicit GEMMs sum out + (conv + bias).
+    let beta = if spec.accumulate { 1.0 } else { 0.0 };
     let xr = Rows::of(&x)?;
     let xp = xr.ptr;
     let implicit = implicit_applies(be, &x, xp, w, to.elem);
@@ -321,7 +325,7 @@ pub(super) fn conv2d(
                 && spec.act.is_none()
                 && x.buf.elem == ab
             {
-                product(be, xr, 0, pixels, w, to, 1.0, 0.0)?;
+                product(be, xr, 0, pixels, w, to, 1.0, beta)?;
                 return epilogue(be, &post, to, to, 0, pixels, cout, false);
             }
             match (implicit, ConvRoute::from_env(), hopper) {
@@ -383,7 +387,7 @@ pub(super) fn conv2d(
             ptr: to.at(p0),
             ..to
         };
-        product(be, columns, 0, n, w, into, 1.0, 0.0)?;
+        product(be, columns, 0, n, w, into, 1.0, beta)?;
     }
     epilogue(be, &post, to, to, 0, pixels, cout, false)
 }
@@ -418,6 +422,7 @@ impl ImplicitGemm<'_> {
             pixels: self.pixels as i64,
             out: self.to.ptr,
             os: self.to.stride as i64,
+            add: spec.accumulate as i32,
         }
     }
 

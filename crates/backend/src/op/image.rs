@@ -90,6 +90,11 @@ pub struct Conv2d {
     /// of VAEs whose norms have no activation of their own (`RMS_norm → SiLU → conv` in Wan-style
     /// decoders). `None`: the input as it is.
     pub act: Option<Activation>,
+    /// Add the convolution to what `out` holds, `out += conv(act(x)) + bias`: a VAE resnet's
+    /// residual add fused into its second convolution, so the sum is stored once instead of the
+    /// convolution's output being stored, read back and added. The sum is `out + (conv + bias)`,
+    /// the unfused residual's rounding.
+    pub accumulate: bool,
 }
 
 impl Conv2d {
@@ -102,6 +107,7 @@ impl Conv2d {
             upsample: false,
             downsample: false,
             act: None,
+            accumulate: false,
         }
     }
 
@@ -125,6 +131,14 @@ impl Conv2d {
     pub fn of_activated(self, act: Activation) -> Self {
         Conv2d {
             act: Some(act),
+            ..self
+        }
+    }
+
+    /// The same convolution added to what `out` holds (see `accumulate`).
+    pub fn added_to_output(self) -> Self {
+        Conv2d {
+            accumulate: true,
             ..self
         }
     }

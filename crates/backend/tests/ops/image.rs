@@ -16,6 +16,9 @@ pub struct ConvCase {
     input: Role,
     /// A forced kernel path (CUDA, bf16); `None`: as the op chooses.
     path: Option<ConvPath>,
+    /// Added to an output of this role holding values already (`Conv2d::accumulate`: the VAE
+    /// resnets' residual add into the f32 stream); `None`: written to a compute-type output.
+    added_to: Option<Role>,
 }
 
 pub fn conv2d(height: usize, width: usize, cin: usize, cout: usize, kernel: usize) -> ConvCase {
@@ -25,6 +28,7 @@ pub fn conv2d(height: usize, width: usize, cin: usize, cout: usize, kernel: usiz
         cout,
         input: Role::Compute,
         path: None,
+        added_to: None,
     }
 }
 
@@ -46,6 +50,15 @@ impl ConvCase {
     pub fn downsampled(self) -> Self {
         ConvCase {
             spec: self.spec.downsampled(),
+            ..self
+        }
+    }
+
+    /// Added to an output of `role` that holds values already (`out += conv + bias`).
+    pub fn added_to(self, role: Role) -> Self {
+        ConvCase {
+            spec: self.spec.added_to_output(),
+            added_to: Some(role),
             ..self
         }
     }
@@ -83,6 +96,7 @@ impl ConvCase {
             upsample,
             downsample,
             act,
+            accumulate: _,
         } = self.spec;
         let up = if upsample {
             " upsampled 2×"
@@ -92,8 +106,11 @@ impl ConvCase {
             ""
         };
         let act = act.map_or(String::new(), |a| format!(" of {a:?}(x)"));
+        let added = self
+            .added_to
+            .map_or(String::new(), |r| format!(", added to a {r:?} output"));
         format!(
-            "conv2d {kernel}×{kernel} {}→{}{act} over a {height}×{width} image{up} from {:?}",
+            "conv2d {kernel}×{kernel} {}→{}{act} over a {height}×{width} image{up} from {:?}{added}",
             self.cin, self.cout, self.input
         )
     }
@@ -135,6 +152,7 @@ impl OpCase for ConvCase {
             cout,
             input,
             path,
+            added_to,
         } = *self;
         let (pixels, (oh, ow)) = (spec.height * spec.width, spec.out_size());
         let inner = spec.kernel * spec.kernel * cin;
@@ -143,7 +161,10 @@ impl OpCase for ConvCase {
         let w = be.matrix_f32(&[(&w, cout)], inner)?;
         let bias = be.vector_f32(&rng.vec(cout, 0.5))?;
         let at = Layout::padded(oh * ow, cout, 8, 8);
-        let mut out = Guarded::empty(be, Role::Compute, at)?;
+        let mut out = match added_to {
+            Some(role) => Guarded::drawn(be, role, at, rng, 2.0)?,
+            None => Guarded::empty(be, Role::Compute, at)?,
+        };
         be.convolve(x.view(), &w, &bias, &spec, out.view_mut(), path)?;
         Ok(vec![out.read(be, "out")?])
     }

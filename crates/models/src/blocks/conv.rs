@@ -53,12 +53,33 @@ impl<B: Backend> Conv<B> {
         if let Some(a) = act {
             spec = spec.of_activated(a);
         }
+        self.apply(be, x, &spec, out)
+    }
+
+    /// `out += conv(act(x))` (its bias included), over an `hw` image: a resnet's second
+    /// convolution and its residual add in one op, the sum stored once.
+    pub fn add_to(
+        &self,
+        be: &B,
+        x: View<'_, B>,
+        hw: (usize, usize),
+        act: Option<Activation>,
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel).added_to_output();
+        if let Some(a) = act {
+            spec = spec.of_activated(a);
+        }
+        self.apply(be, x, &spec, out)
+    }
+
+    fn apply(&self, be: &B, x: View<'_, B>, spec: &Conv2d, out: &mut B::Buf) -> Result<()> {
         let (oh, ow) = spec.out_size();
         be.conv2d(
             x,
             &self.w,
             &self.b,
-            &spec,
+            spec,
             ViewMut::new(out, oh * ow, self.cout),
         )
     }
@@ -95,13 +116,6 @@ impl<B: Backend> Conv<B> {
         out: &mut B::Buf,
     ) -> Result<()> {
         let spec = Conv2d::same(hw.0, hw.1, self.kernel).downsampled();
-        let (oh, ow) = spec.out_size();
-        be.conv2d(
-            x,
-            &self.w,
-            &self.b,
-            &spec,
-            ViewMut::new(out, oh * ow, self.cout),
-        )
+        self.apply(be, x, &spec, out)
     }
 }

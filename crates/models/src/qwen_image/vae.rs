@@ -47,10 +47,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::Deserialize;
-use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
+use tessera_backend::op::{AttentionOp, MaskKind, MatmulOp, NormOp};
 use tessera_backend::{
-    Activation, After, AttnSpec, AvgDown, Backend, DupUp, Mask, Op, QkvLayout, Residual, Role,
-    RowNorm, View, ViewMut,
+    Activation, AttnSpec, AvgDown, Backend, DupUp, Mask, Op, QkvLayout, Role, RowNorm, View,
+    ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
@@ -473,11 +473,6 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
         conv(3, false, None),                   // conv_in
         conv(3, false, Some(Activation::Silu)), // resnets, conv_out
         Op::Norm(NormOp::RMS),
-        Op::Residual(ResidualOp {
-            post: None,
-            gate: false,
-            after: AfterOp::Nothing,
-        }),
         Op::Matmul(bias),
         Op::Matmul(MatmulOp {
             accumulate: true,
@@ -492,6 +487,10 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
     let blocks = cfg.up_blocks();
     if blocks.iter().any(|b| b.frames.is_some()) {
         ops.extend([conv(3, true, None), Op::DupUp]);
+    }
+    // A block's first resnet keeping its channels copies its input into the sum first.
+    if blocks.iter().any(|b| b.cin == b.cout) {
+        ops.push(Op::Cast);
     }
     // The 1×1 shortcuts of channel-changing resnets are `post_quant_conv`'s op.
     ops
@@ -547,51 +546,92 @@ impl<B: Backend> Resnet<B> {
         })
     }
 
-    /// `out = conv2(φ(conv1(φ(x)))) + shortcut(x)`, φ = SiLU ∘ RMS_norm, leaving `x` as it was;
-    /// a shortcut convolution writes `spare` first.
-    #[allow(clippy::too_many_arguments)]
+    /// `out = conv2(φ(conv1(φ(x)))) + shortcut(x)`, φ = SiLU ∘ RMS_norm, leaving `x` as it was
+    /// (an up or down block's first resnet, whose input feeds the block's shortcut too): the
+    /// shortcut (or a copy of `x`) is written to `out` first and conv2 adds itself to it. The sum
+    /// is `skip + conv2(…)`, the unfused add's bits (f32 addition commutes).
     pub(super) fn forward(
         &self,
         be: &B,
         x: &B::Buf,
         out: &mut B::Buf,
-        spare: Option<&mut B::Buf>,
         (c, h): (&mut B::Buf, &mut B::Buf),
         hw: (usize, usize),
     ) -> Result<()> {
-        let r = self;
         let px = hw.0 * hw.1;
-        let silu = Some(Activation::Silu);
+        self.first_conv(be, x, (c, h), hw)?;
+        match &self.shortcut {
+            // conv1 has read `c`: it takes the stream's bf16 copy now.
+            Some(sc) => sc.run_from_stream(be, View::new(x, px, self.cin), hw, false, c, out)?,
+            None => be.cast(View::new(x, px, self.cin), ViewMut::new(out, px, self.cout))?,
+        }
+        self.second_conv_added(be, (c, h), hw, out)
+    }
+
+    /// `x ← x + conv2(φ(conv1(φ(x))))` in place, for the resnets that keep their channel count:
+    /// the residual add fused into conv2, the stream read and written once more instead of
+    /// conv2's output being stored, read back and added.
+    pub(super) fn forward_in_place(
+        &self,
+        be: &B,
+        x: &mut B::Buf,
+        (c, h): (&mut B::Buf, &mut B::Buf),
+        hw: (usize, usize),
+    ) -> Result<()> {
+        if self.shortcut.is_some() {
+            return Err(Error::backend(
+                "vae",
+                "a channel-changing resnet cannot run in place",
+            ));
+        }
+        self.first_conv(be, x, (c, h), hw)?;
+        self.second_conv_added(be, (c, h), hw, x)
+    }
+
+    /// `h = conv1(φ(x))` (`c` holds φ's input to it).
+    fn first_conv(
+        &self,
+        be: &B,
+        x: &B::Buf,
+        (c, h): (&mut B::Buf, &mut B::Buf),
+        hw: (usize, usize),
+    ) -> Result<()> {
+        let px = hw.0 * hw.1;
         be.norm(
-            View::new(x, px, r.cin),
-            &r.norm1.row_norm(),
-            ViewMut::new(c, px, r.cin),
+            View::new(x, px, self.cin),
+            &self.norm1.row_norm(),
+            ViewMut::new(c, px, self.cin),
         )?;
-        r.conv1
-            .run(be, View::new(c, px, r.cin), hw, false, silu, h)?;
+        self.conv1.run(
+            be,
+            View::new(c, px, self.cin),
+            hw,
+            false,
+            Some(Activation::Silu),
+            h,
+        )
+    }
+
+    /// `out += conv2(φ(h))`.
+    fn second_conv_added(
+        &self,
+        be: &B,
+        (c, h): (&mut B::Buf, &mut B::Buf),
+        hw: (usize, usize),
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        let px = hw.0 * hw.1;
         be.norm(
-            View::new(h, px, r.cout),
-            &r.norm2.row_norm(),
-            ViewMut::new(c, px, r.cout),
+            View::new(h, px, self.cout),
+            &self.norm2.row_norm(),
+            ViewMut::new(c, px, self.cout),
         )?;
-        r.conv2
-            .run(be, View::new(c, px, r.cout), hw, false, silu, out)?;
-        // `conv2(…) + x` is `x + conv2(…)` bit for bit; the sum lands in `out`.
-        let skip: &B::Buf = match &r.shortcut {
-            Some(sc) => {
-                let spare = spare.ok_or_else(|| {
-                    Error::backend("vae", "a channel-changing resnet without a spare buffer")
-                })?;
-                sc.run_from_stream(be, View::new(x, px, r.cin), hw, false, c, spare)?;
-                spare
-            }
-            None => x,
-        };
-        be.residual(
-            ViewMut::new(out, px, r.cout),
-            View::new(skip, px, r.cout),
-            &Residual::plain(),
-            After::Nothing,
+        self.conv2.add_to(
+            be,
+            View::new(c, px, self.cout),
+            hw,
+            Some(Activation::Silu),
+            out,
         )
     }
 }
@@ -831,7 +871,7 @@ impl<B: Backend> VaeDecoder<B> {
                 .resnets
                 .split_first()
                 .ok_or_else(|| Error::backend("vae", "an up block without resnets"))?;
-            first.forward(be, &b.k, &mut b.x, Some(&mut b.s), (&mut b.c, &mut b.h), hw)?;
+            first.forward(be, &b.k, &mut b.x, (&mut b.c, &mut b.h), hw)?;
             for r in rest {
                 self.resnet_in_place(be, r, &mut b, hw)?;
             }
@@ -885,8 +925,8 @@ impl<B: Backend> VaeDecoder<B> {
         Ok(image)
     }
 
-    /// [`Resnet::forward`] on the stream, `x ← resnet(x)` through `s`, for the resnets that
-    /// keep their channel count (all but an up block's first): `k` is left alone.
+    /// [`Resnet::forward_in_place`] on the stream `x`, for the resnets that keep their channel
+    /// count (all but an up block's first): `k` is left alone.
     fn resnet_in_place(
         &self,
         be: &B,
@@ -894,9 +934,7 @@ impl<B: Backend> VaeDecoder<B> {
         b: &mut Bufs<B>,
         hw: (usize, usize),
     ) -> Result<()> {
-        r.forward(be, &b.x, &mut b.s, None, (&mut b.c, &mut b.h), hw)?;
-        std::mem::swap(&mut b.x, &mut b.s);
-        Ok(())
+        r.forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)
     }
 }
 

@@ -34,7 +34,7 @@
 
 use std::collections::BTreeMap;
 
-use tessera_backend::op::{AfterOp, AttentionOp, MaskKind, MatmulOp, NormOp, ResidualOp};
+use tessera_backend::op::{AttentionOp, MaskKind, MatmulOp, NormOp};
 use tessera_backend::{Activation, Backend, Op, Role, View, ViewMut};
 use tessera_core::{Error, Result, Weights};
 
@@ -60,11 +60,6 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
         conv(1, None, false),                   // quant_conv
         conv(3, Some(Activation::Silu), false), // resnets, conv_out
         Op::Norm(NormOp::RMS),
-        Op::Residual(ResidualOp {
-            post: None,
-            gate: false,
-            after: AfterOp::Nothing,
-        }),
         Op::Matmul(bias),
         Op::Matmul(MatmulOp {
             accumulate: true,
@@ -79,6 +74,10 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
     ];
     if blocks.iter().any(|b| b.down) {
         ops.push(conv(3, None, true));
+    }
+    // A block's first resnet keeping its channels copies its input into the sum first.
+    if blocks.iter().any(|b| b.cin == b.cout) {
+        ops.push(Op::Cast);
     }
     // The 1×1 shortcuts of channel-changing resnets are `quant_conv`'s op.
     ops
@@ -256,10 +255,9 @@ impl<B: Backend> VaeEncoder<B> {
                 .resnets
                 .split_first()
                 .ok_or_else(|| Error::backend("vae", "a down block without resnets"))?;
-            first.forward(be, &b.k, &mut b.x, Some(&mut b.s), (&mut b.c, &mut b.h), hw)?;
+            first.forward(be, &b.k, &mut b.x, (&mut b.c, &mut b.h), hw)?;
             for r in rest {
-                r.forward(be, &b.x, &mut b.s, None, (&mut b.c, &mut b.h), hw)?;
-                std::mem::swap(&mut b.x, &mut b.s);
+                r.forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
             }
             let shape = super::vae::DownBlockShape {
                 cin: block.cin,
@@ -283,12 +281,10 @@ impl<B: Backend> VaeEncoder<B> {
         }
 
         let (px, top) = (hw.0 * hw.1, self.top);
-        self.mid[0].forward(be, &b.x, &mut b.s, None, (&mut b.c, &mut b.h), hw)?;
-        std::mem::swap(&mut b.x, &mut b.s);
+        self.mid[0].forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
         self.attention
             .forward(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
-        self.mid[1].forward(be, &b.x, &mut b.s, None, (&mut b.c, &mut b.h), hw)?;
-        std::mem::swap(&mut b.x, &mut b.s);
+        self.mid[1].forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
         record("mid", &b.x, px, top)?;
 
         let z2 = 2 * self.cfg.z_dim;

@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 
 use tessera_backend::{
-    Activation, After, AttnSpec, Backend, GroupNorm, Mask, QkvLayout, Residual, Role, View, ViewMut,
+    Activation, AttnSpec, Backend, GroupNorm, Mask, QkvLayout, Role, View, ViewMut,
 };
 use tessera_core::{Error, Result, Weights};
 
@@ -295,7 +295,7 @@ impl<B: Backend> VaeDecoder<B> {
         be.group_norm(x, &n.w, &n.b, &spec, out)
     }
 
-    /// `x ← x' + conv2(SiLU(GN₂(conv1(SiLU(GN₁(x))))))`.
+    /// `x ← x' + conv2(SiLU(GN₂(conv1(SiLU(GN₁(x))))))`, the add fused into conv2.
     fn resnet(&self, be: &B, r: &Resnet<B>, b: &mut Bufs<B>, hw: (usize, usize)) -> Result<()> {
         let px = hw.0 * hw.1;
         self.group_norm(
@@ -314,25 +314,21 @@ impl<B: Backend> VaeDecoder<B> {
             true,
             ViewMut::new(&mut b.c, px, r.cout),
         )?;
-        r.conv2
-            .run(be, View::new(&b.c, px, r.cout), hw, false, None, &mut b.y)?;
         if let Some(sc) = &r.shortcut {
+            // conv1's output (`h`) is spent: it holds the stream's bf16 copy.
             sc.run_from_stream(
                 be,
                 View::new(&b.x, px, r.cin),
                 hw,
                 false,
-                &mut b.c,
+                &mut b.h,
                 &mut b.n,
             )?;
             std::mem::swap(&mut b.x, &mut b.n);
         }
-        be.residual(
-            ViewMut::new(&mut b.x, px, r.cout),
-            View::new(&b.y, px, r.cout),
-            &Residual::plain(),
-            After::Nothing,
-        )
+        // The residual add in the convolution: x' += conv2(…), stored once.
+        r.conv2
+            .add_to(be, View::new(&b.c, px, r.cout), hw, None, &mut b.x)
     }
 
     /// `x ← x + to_out(softmax(q kᵀ/√C) v)` over the pixels, q, k, v from `GN(x)`; `qkv`

@@ -3,6 +3,7 @@
 // reference crates/backend/src/cpu/conv.rs:
 //
 // out[p, n] = bias[n] + Σ_{ky, kx, c} act(x)[src(p, ky, kx), c] · wt[n, (ky·k + kx)·cin + c]
+// (or out[p, n] += that, with `add`)
 //
 // over one channels-last image, bf16 in, f32 accumulation, one rounding to the output type.
 //
@@ -48,7 +49,7 @@ template <typename TO, int BN>
 __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long xs, int h, int w, int cin, int k,
                                                 int up, int down, int act, const bf16* __restrict__ wt, int cout,
                                                 const float* __restrict__ bias, long pixels, TO* __restrict__ out,
-                                                long os) {
+                                                long os, int add) {
     typedef CwCfg<BN> C;
     constexpr int BROWS = BN / 32;  // weight rows each thread copies per step
     extern __shared__ unsigned char cw_smem[];
@@ -156,9 +157,11 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
         for (int j = 0; j < BN / 8; j++) {
             const int n = n0 + j * 8 + 2 * (lane & 3);
             if (n >= cout) continue;
-            const float v0 = acc[j][2 * half] + (bias ? bias[n] : 0.f);
+            // add: out += conv + bias (a resnet's residual add), summed in that order.
+            const float v0 = (add ? to_f(row[n]) : 0.f) + (acc[j][2 * half] + (bias ? bias[n] : 0.f));
             if (n + 1 < cout) {
-                const float v1 = acc[j][2 * half + 1] + (bias ? bias[n + 1] : 0.f);
+                const float v1 =
+                    (add ? to_f(row[n + 1]) : 0.f) + (acc[j][2 * half + 1] + (bias ? bias[n + 1] : 0.f));
                 if (pairs) {
                     store2(row + n, v0, v1);
                     continue;
@@ -173,9 +176,9 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
 #define CONV_WGMMA(TO, BN, NAME)                                                                                \
     extern "C" __global__ void __launch_bounds__(CW_THREADS, CwCfg<BN>::MIN_CTAS)                               \
         NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt, \
-             int cout, const float* bias, long pixels, TO* out, long os) {                                      \
+             int cout, const float* bias, long pixels, TO* out, long os, int add) {                             \
         pdl_enter();                                                                                            \
-        conv_wgmma_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os);          \
+        conv_wgmma_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os, add);     \
     }
 CONV_WGMMA(float, 256, conv_wgmma256_f32)
 CONV_WGMMA(bf16, 256, conv_wgmma256_bf16)

@@ -292,7 +292,8 @@ AVG_DOWN(bf16, bf16, avg_down_bf16_bf16)
 
 // ---- Convolution as an implicit GEMM on the tensor cores (bf16 in, f32 accumulation).
 //
-// out[p, n] = bias[n] + Σ_{ky, kx, c} act(x)[src(p, ky, kx), c] · wt[n, (ky·k + kx)·cin + c], the
+// out[p, n] = bias[n] + Σ_{ky, kx, c} act(x)[src(p, ky, kx), c] · wt[n, (ky·k + kx)·cin + c]
+// (or out[p, n] += that, with `add`), the
 // im2col product above without its column matrix: each CTA gathers its output pixels' input
 // taps straight from the image into shared memory. A CTA computes BM = 128 output pixels × BN
 // (128 or 64) output channels with 8 warps (4 along the pixels × 2 along the channels, each
@@ -308,8 +309,9 @@ AVG_DOWN(bf16, bf16, avg_down_bf16_bf16)
 // rewrites the 16-byte chunks it copied as bf16(act(x)) (im2col8's rounding; act(0) = 0, so the
 // zero padding stays zero), before the block barrier that publishes the stage.
 //
-// The epilogue adds the bias in f32 and writes the output type once (one rounding; the im2col
-// path rounds the product to the output type before its bias epilogue). Needs cin a multiple of
+// The epilogue adds the bias in f32 (and, with `add`, the output's value: out += conv + bias,
+// a resnet's residual add fused) and writes the output type once (one rounding; the im2col path
+// rounds the product to the output type before its bias epilogue). Needs cin a multiple of
 // 8, x, its row stride and the weight's rows 16-byte aligned (the host checks).
 #define CONV_BM 128
 #define CONV_BK 32
@@ -329,7 +331,7 @@ template <typename TO, int BN>
 __device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, long xs, int h, int w, int cin, int k,
                                                    int up, int down, int act, const bf16* __restrict__ wt, int cout,
                                                    const float* __restrict__ bias, long pixels, TO* __restrict__ out,
-                                                   long os) {
+                                                   long os, int add) {
     constexpr int NI = BN / 16;  // 8-wide n-tiles per warp (a warp spans BN / 2 channels)
     constexpr int BROWS = BN / 64;  // weight rows each thread copies per chunk
     __shared__ __align__(128) bf16 sa[2][CONV_BM * CONV_PITCH];
@@ -442,7 +444,10 @@ __device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, l
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     const int n = n0 + wn * (BN / 2) + ni * 8 + 2 * (lane & 3) + j;
-                    if (n < cout) row[n] = from_f<TO>(acc[mi][ni][2 * half + j] + (bias ? bias[n] : 0.f));
+                    // add: out += conv + bias (a resnet's residual add), summed in that order.
+                    if (n < cout)
+                        row[n] = from_f<TO>((add ? to_f(row[n]) : 0.f) +
+                                            (acc[mi][ni][2 * half + j] + (bias ? bias[n] : 0.f)));
                 }
             }
         }
@@ -452,9 +457,9 @@ __device__ __forceinline__ void conv_implicit_impl(const bf16* __restrict__ x, l
 #define CONV_IMPLICIT(TO, BN, NAME)                                                                             \
     extern "C" __global__ void __launch_bounds__(CONV_THREADS)                                                  \
         NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt, \
-             int cout, const float* bias, long pixels, TO* out, long os) {                                      \
+             int cout, const float* bias, long pixels, TO* out, long os, int add) {                             \
         pdl_enter();                                                                                            \
-        conv_implicit_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os);       \
+        conv_implicit_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os, add);  \
     }
 CONV_IMPLICIT(float, 128, conv_implicit_f32)
 CONV_IMPLICIT(bf16, 128, conv_implicit_bf16)
