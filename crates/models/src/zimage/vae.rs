@@ -394,6 +394,7 @@ pub fn to_rgb8(image: &[f32]) -> Vec<u8> {
     let mut out = vec![0u8; image.len()];
     for (o, &x) in out.iter_mut().zip(image) {
         // `max`/`min` send NaN to 0 where `clamp` would keep it.
+        #[allow(clippy::manual_clamp)]
         let v = (x * 0.5 + 0.5).max(0.0).min(1.0);
         *o = ((v * 255.0 + ROUND).to_bits() & 0xff) as u8;
     }
