@@ -87,24 +87,24 @@ pub(super) fn conv2d(
                         }
                     }
                 }
-                if !spec.accumulate {
-                    for r in 0..n {
-                        chunk[r * ostride..r * ostride + cout].copy_from_slice(bias);
-                    }
-                    // The product is added to the bias rows in place.
-                    super::matmul::product_rows(col, kk, n, w, chunk, ostride, 1.0, true, false);
-                    return;
+                // The convolution's rows: in the output, or (`accumulate`: out += conv + bias)
+                // in `sums` first and then added, as an unfused residual would round them.
+                let (rows, ld) = if spec.accumulate {
+                    sums.resize(n * cout, 0.0);
+                    (&mut sums[..], cout)
+                } else {
+                    (&mut chunk[..], ostride)
+                };
+                for r in 0..n {
+                    rows[r * ld..r * ld + cout].copy_from_slice(bias);
                 }
-                // `out += conv + bias`: the convolution's rows first, then added, as an unfused
-                // residual would round them.
-                sums.clear();
-                for _ in 0..n {
-                    sums.extend_from_slice(bias);
-                }
-                super::matmul::product_rows(col, kk, n, w, sums, cout, 1.0, true, false);
-                for (r, s) in sums.chunks_exact(cout).enumerate() {
-                    for (o, &v) in chunk[r * ostride..r * ostride + cout].iter_mut().zip(s) {
-                        *o += v;
+                // The product is added to the bias rows in place.
+                super::matmul::product_rows(col, kk, n, w, rows, ld, 1.0, true, false);
+                if spec.accumulate {
+                    for (r, s) in sums.chunks_exact(cout).enumerate() {
+                        for (o, &v) in chunk[r * ostride..r * ostride + cout].iter_mut().zip(s) {
+                            *o += v;
+                        }
                     }
                 }
             },

@@ -46,14 +46,7 @@ impl<B: Backend> Conv<B> {
         act: Option<Activation>,
         out: &mut B::Buf,
     ) -> Result<()> {
-        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel);
-        if upsample {
-            spec = spec.upsampled();
-        }
-        if let Some(a) = act {
-            spec = spec.of_activated(a);
-        }
-        self.apply(be, x, &spec, out)
+        self.apply(be, x, &self.spec(hw, upsample, act), out)
     }
 
     /// `out += conv(act(x))` (its bias included), over an `hw` image: a resnet's second
@@ -66,11 +59,20 @@ impl<B: Backend> Conv<B> {
         act: Option<Activation>,
         out: &mut B::Buf,
     ) -> Result<()> {
-        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel).added_to_output();
+        let spec = self.spec(hw, false, act).added_to_output();
+        self.apply(be, x, &spec, out)
+    }
+
+    /// This convolution over an `hw` image, upsampled 2× first when `upsample`, of `act(x)`.
+    fn spec(&self, hw: (usize, usize), upsample: bool, act: Option<Activation>) -> Conv2d {
+        let mut spec = Conv2d::same(hw.0, hw.1, self.kernel);
+        if upsample {
+            spec = spec.upsampled();
+        }
         if let Some(a) = act {
             spec = spec.of_activated(a);
         }
-        self.apply(be, x, &spec, out)
+        spec
     }
 
     fn apply(&self, be: &B, x: View<'_, B>, spec: &Conv2d, out: &mut B::Buf) -> Result<()> {

@@ -833,7 +833,7 @@ impl<B: Backend> VaeDecoder<B> {
             .collect();
         let n = self.cfg.decode_elems((h, w));
         let (stream, compute) = (|| be.alloc(n, Role::Stream), || be.alloc(n, Role::Compute));
-        let mut b = Bufs {
+        let mut b: Bufs<B> = Bufs {
             x: stream()?,
             s: stream()?,
             k: stream()?,
@@ -858,10 +858,10 @@ impl<B: Backend> VaeDecoder<B> {
             .run(be, View::new(&b.s, px, zc), hw, false, None, &mut b.x)?;
         record("conv_in", &b.x, px, top)?;
 
-        self.resnet_in_place(be, &self.mid[0], &mut b, hw)?;
+        self.mid[0].forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
         self.attention
             .forward(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
-        self.resnet_in_place(be, &self.mid[1], &mut b, hw)?;
+        self.mid[1].forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
         record("mid", &b.x, px, top)?;
 
         for (i, block) in self.up.iter().enumerate() {
@@ -873,7 +873,7 @@ impl<B: Backend> VaeDecoder<B> {
                 .ok_or_else(|| Error::backend("vae", "an up block without resnets"))?;
             first.forward(be, &b.k, &mut b.x, (&mut b.c, &mut b.h), hw)?;
             for r in rest {
-                self.resnet_in_place(be, r, &mut b, hw)?;
+                r.forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
             }
             let mut ch = first.cout;
             if let Some((conv, frames)) = &block.upsample {
@@ -923,18 +923,6 @@ impl<B: Backend> VaeDecoder<B> {
             *v = v.clamp(-1.0, 1.0);
         }
         Ok(image)
-    }
-
-    /// [`Resnet::forward_in_place`] on the stream `x`, for the resnets that keep their channel
-    /// count (all but an up block's first): `k` is left alone.
-    fn resnet_in_place(
-        &self,
-        be: &B,
-        r: &Resnet<B>,
-        b: &mut Bufs<B>,
-        hw: (usize, usize),
-    ) -> Result<()> {
-        r.forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)
     }
 }
 
