@@ -17,6 +17,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::aligned::Aligned;
 use super::panels::{
     CHUNK_ROWS, DEPTH_BLOCK, Lhs, NR, Out, PanelView, for_each_task, lanes, store_lanes,
 };
@@ -163,8 +164,8 @@ unsafe fn with_tiles(
     // Pairs of a row's last tile past the depth, zeroed after `fill` (the whole buffer zeroed
     // first took 3% of an image's attention).
     let tail = steps * TILE - depth;
-    let run = |padded: &mut Vec<u32>| {
-        padded.resize(m.div_ceil(TILE) * steps * tile_len, 0);
+    let run = |padded: &mut Aligned<u32>| {
+        padded.resize(m.div_ceil(TILE) * steps * tile_len);
         let lay_out = |(rt, dst): (usize, &mut [u32])| {
             let real = tile_rows.min(m - rt * TILE);
             for i in 0..real {
@@ -201,13 +202,14 @@ unsafe fn with_tiles(
         unsafe { run_tasks(&padded, b, c, par) };
     };
     thread_local! {
-        static PADDED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+        static PADDED: std::cell::RefCell<Aligned<u32>> =
+            std::cell::RefCell::new(Aligned::zeroed(0));
     }
     // A product reached again on this thread while the buffer is in use (a rayon worker that
     // picked up other work while it waited) takes a buffer of its own.
     PADDED.with(|cell| match cell.try_borrow_mut() {
         Ok(mut buf) => run(&mut buf),
-        Err(_) => run(&mut Vec::new()),
+        Err(_) => run(&mut Aligned::zeroed(0)),
     });
 }
 
@@ -241,6 +243,11 @@ unsafe fn run_tasks(a: &Padded<'_>, b: PanelView<'_, u32>, c: Out, par: bool) {
         unsafe { task_tiles(a, b, c, rows, panels) };
     });
 }
+
+/// A tile's worth of memory on a cache line: tile rows that straddle two lines load and store
+/// several times slower (`aligned.rs`).
+#[repr(C, align(64))]
+struct Lines<T>(T);
 
 /// The tile configuration (`ldtilecfg`'s 64 bytes): palette 1; tiles 0–3 the sums (`rows` × 16
 /// f32), 4–5 `A` (`rows` × 16 pairs), 6–7 the panel (16 pairs × 16 columns).
@@ -292,9 +299,11 @@ unsafe fn task_tiles(
     let depth = b.depth;
     let full = depth / TILE * TILE;
     // The panel's last, partial tile of pairs, padded with zero pairs.
-    let mut tail = [0u32; TILE * NR];
+    let mut tail = Lines([0u32; TILE * NR]);
+    let tail = &mut tail.0;
     // One sum tile on its way to `C`.
-    let mut sums = [0f32; TILE * TILE];
+    let mut sums = Lines([0f32; TILE * TILE]);
+    let sums = &mut sums.0;
     let a_bytes = TILE * 4;
     let b_bytes = NR * 4;
     for p in panels {
@@ -363,9 +372,9 @@ unsafe fn task_tiles(
                         continue;
                     }
                     // SAFETY: `sums` holds 16 rows of 64 bytes; tile t is one of tmm0..3.
-                    unsafe { store_sums(t, &mut sums) };
+                    unsafe { store_sums(t, sums) };
                     // SAFETY: rows r0..r0+th and columns p·NR+c0..+tc are this task's part of C.
-                    unsafe { add_to_c(&sums, c, r0, p * NR + c0, th, tc.min(TILE), accumulate) };
+                    unsafe { add_to_c(sums, c, r0, p * NR + c0, th, tc.min(TILE), accumulate) };
                 }
                 r += h;
             }
@@ -670,6 +679,131 @@ mod rate {
             eprintln!(
                 "{m}×{k}×{n}: AMX {x:.0} GFLOP/s, vdpbf16ps {y:.0} GFLOP/s ({:.1}×)",
                 x / y
+            );
+        }
+    }
+}
+
+/// `cargo test --release -p tessera-backend --lib amx_alignment -- --ignored --nocapture`: one
+/// task of the tile kernel on operands that start on a cache line against the same operands 16
+/// bytes off it, alternating, beside a loop of nothing but `tdpbf16ps` (the unit's rate at that
+/// moment: on the build VMs it wanders by 2× from minute to minute).
+#[cfg(all(test, target_arch = "x86_64"))]
+mod alignment {
+    use super::*;
+    use crate::cpu::aligned::LINE;
+    use crate::cpu::bf16;
+    use crate::cpu::panels::Panels;
+    use crate::cpu::testutil::Rng;
+    use std::arch::asm;
+    use std::time::Instant;
+
+    /// `iters` rounds of four `tdpbf16ps` on tiles already loaded: the unit's peak.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn peak(iters: usize) {
+        let cfg = Config::new(TILE);
+        let buf = Aligned::<u32>::zeroed(TILE * TILE);
+        // SAFETY: a valid configuration; the loads read 16 rows of 64 bytes from `buf`; the
+        // products touch no memory; the tiles are released at the end.
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly));
+            asm!(
+                "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
+                "tileloadd tmm4, [{a} + {s}]", "tileloadd tmm5, [{a} + {s}]",
+                "tileloadd tmm6, [{a} + {s}]", "tileloadd tmm7, [{a} + {s}]",
+                a = in(reg) buf.as_ptr(), s = in(reg) 64usize, options(nostack, readonly)
+            );
+            for _ in 0..iters {
+                asm!(
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    options(nomem, nostack)
+                );
+            }
+            asm!("tilerelease", options(nomem, nostack));
+        }
+    }
+
+    #[test]
+    #[ignore = "a measurement: run on a quiet machine"]
+    fn amx_alignment() {
+        if skip_without_amx() {
+            return;
+        }
+        let (m, k, n) = (192, 768, 160);
+        let mut rng = Rng::new(1);
+        let (a, bm) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
+        let panels = Panels::from_f32_rows(&bm, k, n, k);
+        let mut packed = Vec::new();
+        let stride = bf16::round_rows(&a, k, m, k, &mut packed, true);
+        let mut c = vec![0f32; m * n];
+        let out = Out {
+            ptr: c.as_mut_ptr(),
+            stride: n,
+            alpha: 1.0,
+            accumulate: false,
+        };
+        let view = panels.all();
+        let steps = view.depth.div_ceil(TILE);
+        let len = m.div_ceil(TILE) * steps * TILE * TILE;
+        let mut tiles = Aligned::<u32>::zeroed(len);
+        for r in 0..m {
+            for q in 0..view.depth {
+                tiles[((r / TILE) * steps + q / TILE) * TILE * TILE
+                    + (r % TILE) * TILE
+                    + q % TILE] = packed[r * stride + q];
+            }
+        }
+        // The same operands 16 bytes past a line, as a `Vec` from the allocator may be.
+        let mut off_a = vec![0u32; len + 20];
+        let shift = (16 - (off_a.as_ptr() as usize % LINE) / 4) % 16 + 4;
+        off_a[shift..shift + len].copy_from_slice(&tiles);
+        let mut off_b = vec![0u32; view.data.len() + 20];
+        let shift_b = (16 - (off_b.as_ptr() as usize % LINE) / 4) % 16 + 4;
+        off_b[shift_b..shift_b + view.data.len()].copy_from_slice(view.data);
+        let cases = [
+            (&tiles[..], view),
+            (
+                &off_a[shift..shift + len],
+                PanelView {
+                    data: &off_b[shift_b..],
+                    ..view
+                },
+            ),
+        ];
+        let mut rates = [Vec::new(), Vec::new(), Vec::new()];
+        let (reps, flop) = (100, 2.0 * (m * n * k) as f64);
+        for _ in 0..7 {
+            for (v, &(data, b)) in cases.iter().enumerate() {
+                let a = Padded {
+                    data,
+                    steps,
+                    rows: m,
+                    tile_rows: TILE,
+                };
+                let t = Instant::now();
+                for _ in 0..reps {
+                    // SAFETY: `c` holds m rows of n; the CPU has AMX (checked above).
+                    unsafe { task_tiles(&a, b, out, 0..m, 0..n.div_ceil(NR)) };
+                }
+                rates[v].push(reps as f64 * flop / t.elapsed().as_secs_f64() / 1e9);
+            }
+            let tdps = reps * (m / TILE) * (n / TILE) * steps;
+            let t = Instant::now();
+            // SAFETY: the CPU has AMX (checked above).
+            unsafe { peak(tdps / 4) };
+            rates[2].push(tdps as f64 * 16384.0 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        for (name, r) in ["on a line", "16 bytes off", "tdpbf16ps alone"]
+            .iter()
+            .zip(&mut rates)
+        {
+            r.sort_by(f64::total_cmp);
+            eprintln!(
+                "{m}×{k}×{n}, {name}: {:.0} GFLOP/s ({:.0}–{:.0})",
+                r[3], r[0], r[6]
             );
         }
     }

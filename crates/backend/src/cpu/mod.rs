@@ -12,6 +12,7 @@
 //! AVX512_BF16); everything else stays as in f32.
 
 #[cfg(target_arch = "x86_64")]
+pub mod aligned;
 pub mod amx;
 mod attention;
 mod avg_down;

@@ -13,6 +13,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::aligned::Aligned;
+
 /// Output columns per panel: two 16-lane f32 registers.
 pub const NR: usize = 32;
 
@@ -189,7 +191,8 @@ impl Operand for f32 {
 /// depth step in order, its rows' elements, one per row. `n` is padded to whole panels (and a
 /// bf16 `k` to even) with zeros.
 pub struct Panels<E> {
-    pub(super) data: Vec<E>,
+    /// On a cache line, so that panel rows (128 bytes) never straddle two ([`Aligned`]).
+    pub(super) data: Aligned<E>,
     pub(super) n: usize,
     pub(super) k: usize,
 }
@@ -210,7 +213,7 @@ impl<E: Element> Panels<E> {
     /// panels in parallel.
     pub fn from_rows(n: usize, k: usize, row: impl Fn(usize, &mut [E]) + Sync) -> Self {
         let depth = E::depth(k);
-        let mut data = vec![E::default(); n.div_ceil(NR) * depth * NR];
+        let mut data = Aligned::zeroed(n.div_ceil(NR) * depth * NR);
         if depth > 0 {
             data.par_chunks_mut(depth * NR).enumerate().for_each_init(
                 Vec::new,
@@ -236,7 +239,7 @@ impl<E: Element> Panels<E> {
         mut step: impl FnMut(usize, Range<usize>, &mut [E]),
     ) -> Self {
         let depth = E::depth(k);
-        let mut data = vec![E::default(); n.div_ceil(NR) * depth * NR];
+        let mut data = Aligned::zeroed(n.div_ceil(NR) * depth * NR);
         for q in 0..depth {
             for (p, first) in (0..n).step_by(NR).enumerate() {
                 let cols = first..(first + NR).min(n);
