@@ -2,9 +2,13 @@
 //! of 16 rows × 16 bf16 pairs of `A` against 16 pairs × 16 columns of a panel, summed into 16 × 16
 //! f32 tiles — eight times the multiplies of a `vdpbf16ps` per instruction.
 //!
-//! The arithmetic is the bf16 rule's (bf16 inputs, each product exact, f32 sums, depth blocks of
-//! [`DEPTH_BLOCK`] pairs added in order), and every row runs the same instructions whatever rows
-//! come with it, so a row's result does not depend on its batch. Where AMX is used, it is used for
+//! The arithmetic is the bf16 rule's (bf16 inputs, each product exact, f32 sums), with each
+//! output's whole depth summed in its tile in the hardware's order and added to `C` once. The
+//! panel kernels' depth blocks (`panels::DEPTH_BLOCK`) are not kept here: they hold an f32
+//! product's rounding near f32's at long depths (2.2e-6 relative at k = 12288 without them),
+//! which is far below the 2⁻⁹ that rounding the inputs to bf16 already costs, while storing and
+//! adding the tiles after every block cost these products 5–14%. Every row runs the same
+//! instructions whatever rows come with it, so a row's result does not depend on its batch. Where AMX is used, it is used for
 //! every bf16 product (one row or thousands): the choice is made once per process, never per
 //! call, since `vdpbf16ps` and the tiles may round a pair's sum differently.
 //!
@@ -18,9 +22,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::aligned::Aligned;
-use super::panels::{
-    CHUNK_ROWS, DEPTH_BLOCK, Lhs, NR, Out, PanelView, for_each_task, lanes, store_lanes,
-};
+use super::panels::{CHUNK_ROWS, Lhs, NR, Out, PanelView, for_each_task, lanes, store_lanes};
 
 /// Rows of a tile (the hardware's maximum) and bf16 pairs in a tile row (64 bytes).
 const TILE: usize = 16;
@@ -277,8 +279,13 @@ impl Config {
     }
 }
 
-/// One task: for each panel, for each step of up to 32 rows, the depth in blocks of
-/// [`DEPTH_BLOCK`] pairs summed in tiles and added to `C` in order.
+/// One task: for each panel, for each step of up to 32 rows, the whole depth summed in four
+/// tiles and added to `C` once.
+///
+/// Each step's loads are ordered by when their tile is free again (no tile is renamed: a load
+/// waits for the products still reading its register): the first `A` tile's last reader was
+/// the previous step's second product, the panel's first tile's its third, so they load first
+/// and their product starts while the other two load.
 ///
 /// # Safety
 /// The CPU has AMX-BF16 and AVX-512F and the process holds the tile state; `rows` and `panels`
@@ -313,71 +320,74 @@ unsafe fn task_tiles(
             tail.fill(0);
             tail[..(depth - full) * NR].copy_from_slice(&panel[full * NR..depth * NR]);
         }
-        // Each block of the panel's depth (32 KiB) stays in L1 while the row steps pass.
-        for q0 in (0..depth).step_by(DEPTH_BLOCK) {
-            let q1 = (q0 + DEPTH_BLOCK).min(depth);
-            let mut r = rows.start;
-            while r < rows.end {
-                let h = (rows.end - r).min(STEP_ROWS);
-                let two = h > TILE;
-                // SAFETY: zeroing tile registers touches no memory.
-                unsafe {
-                    asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tilezero tmm2",
-                        "tilezero tmm3",
-                        options(nomem, nostack)
-                    )
+        let mut r = rows.start;
+        while r < rows.end {
+            let h = (rows.end - r).min(STEP_ROWS);
+            let two = h > TILE;
+            // SAFETY: zeroing tile registers touches no memory.
+            unsafe {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nomem, nostack)
+                )
+            };
+            for q in (0..depth).step_by(TILE) {
+                let bp = match q < full {
+                    true => panel[q * NR..].as_ptr(),
+                    false => tail.as_ptr(),
                 };
-                for q in (q0..q1).step_by(TILE) {
-                    let bp = match q < full {
-                        true => panel[q * NR..].as_ptr(),
-                        false => tail.as_ptr(),
-                    };
-                    let ap = a.tile(r, q);
-                    // SAFETY: the panel tiles read 16 pair rows of 32 columns from `bp` (inside the
-                    // panel for q < full, else the padded tail); the `A` tiles read `tile_rows`
-                    // rows of 16 pairs, the tiles of rows r (and r + 16) and pairs q.
-                    unsafe {
+                // SAFETY: the panel tiles read 16 pair rows of 32 columns from `bp` (inside the
+                // panel for q < full, else the padded tail); the `A` tiles read `tile_rows` rows
+                // of 16 pairs, the tiles of rows r (and r + 16) and pairs q.
+                unsafe {
+                    if two {
                         asm!(
-                            "tileloadd tmm6, [{b} + {bs}]",
-                            "tileloadd tmm7, [{b} + {bs} + 64]",
                             "tileloadd tmm4, [{a} + {as_}]",
+                            "tileloadd tmm6, [{b} + {bs}]",
                             "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tileloadd tmm7, [{b} + {bs} + 64]",
                             "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tileloadd tmm5, [{a2} + {as_}]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a = in(reg) a.tile(r, q),
+                            a2 = in(reg) a.tile(r + TILE, q),
+                            as_ = in(reg) a_bytes,
                             b = in(reg) bp,
                             bs = in(reg) b_bytes,
-                            a = in(reg) ap,
-                            as_ = in(reg) a_bytes,
                             options(nostack, readonly)
                         );
-                        if two {
-                            asm!(
-                                "tileloadd tmm5, [{a} + {as_}]",
-                                "tdpbf16ps tmm2, tmm5, tmm6",
-                                "tdpbf16ps tmm3, tmm5, tmm7",
-                                a = in(reg) a.tile(r + TILE, q),
-                                as_ = in(reg) a_bytes,
-                                options(nostack, readonly)
-                            );
-                        }
+                    } else {
+                        asm!(
+                            "tileloadd tmm4, [{a} + {as_}]",
+                            "tileloadd tmm6, [{b} + {bs}]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tileloadd tmm7, [{b} + {bs} + 64]",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            a = in(reg) a.tile(r, q),
+                            as_ = in(reg) a_bytes,
+                            b = in(reg) bp,
+                            bs = in(reg) b_bytes,
+                            options(nostack, readonly)
+                        );
                     }
                 }
-                let accumulate = c.accumulate || q0 > 0;
-                for t in 0..if two { 4 } else { 2 } {
-                    let (r0, c0) = (r + (t / 2) * TILE, (t % 2) * TILE);
-                    let (th, tc) = ((r + h - r0).min(TILE), cols.saturating_sub(c0));
-                    if tc == 0 {
-                        continue;
-                    }
-                    // SAFETY: `sums` holds 16 rows of 64 bytes; tile t is one of tmm0..3.
-                    unsafe { store_sums(t, sums) };
-                    // SAFETY: rows r0..r0+th and columns p·NR+c0..+tc are this task's part of C.
-                    unsafe { add_to_c(sums, c, r0, p * NR + c0, th, tc.min(TILE), accumulate) };
-                }
-                r += h;
             }
+            for t in 0..if two { 4 } else { 2 } {
+                let (r0, c0) = (r + (t / 2) * TILE, (t % 2) * TILE);
+                let (th, tc) = ((r + h - r0).min(TILE), cols.saturating_sub(c0));
+                if tc == 0 {
+                    continue;
+                }
+                // SAFETY: `sums` holds 16 rows of 64 bytes; tile t is one of tmm0..3.
+                unsafe { store_sums(t, sums) };
+                // SAFETY: rows r0..r0+th and columns p·NR+c0..+tc are this task's part of C.
+                unsafe { add_to_c(sums, c, r0, p * NR + c0, th, tc.min(TILE), c.accumulate) };
+            }
+            r += h;
         }
     }
     // SAFETY: releasing the tiles touches no memory and returns them to their init state.
