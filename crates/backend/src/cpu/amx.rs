@@ -313,6 +313,8 @@ unsafe fn task_tiles(
     let sums = &mut sums.0;
     let a_bytes = TILE * 4;
     let b_bytes = NR * 4;
+    // `C = A · Bᵀ` as the sums are: whole tiles go to `C` straight from the tile registers.
+    let plain = c.alpha == 1.0 && !c.accumulate;
     for p in panels {
         let cols = (b.n - p * NR).min(NR);
         let panel = &b.data[p * b.stride + b.first * NR..];
@@ -382,6 +384,11 @@ unsafe fn task_tiles(
                 if tc == 0 {
                     continue;
                 }
+                if plain && th == TILE && tc >= TILE {
+                    // SAFETY: the tile's 16 rows of 16 columns are this task's part of C.
+                    unsafe { store_tile(t, c.at(r0, p * NR + c0), c.stride * 4) };
+                    continue;
+                }
                 // SAFETY: `sums` holds 16 rows of 64 bytes; tile t is one of tmm0..3.
                 unsafe { store_sums(t, sums) };
                 // SAFETY: rows r0..r0+th and columns p·NR+c0..+tc are this task's part of C.
@@ -392,6 +399,34 @@ unsafe fn task_tiles(
     }
     // SAFETY: releasing the tiles touches no memory and returns them to their init state.
     unsafe { asm!("tilerelease", options(nomem, nostack)) };
+}
+
+/// Sum tile `t` (tmm0–3) into 16 rows of 16 f32 at `dst`, `stride` bytes apart.
+///
+/// # Safety
+/// The tiles are configured (by this thread's task) and those 16 × 16 values are the caller's
+/// to write.
+#[cfg(target_arch = "x86_64")]
+unsafe fn store_tile(t: usize, dst: *mut f32, stride: usize) {
+    use std::arch::asm;
+    let (p, s) = (dst, stride);
+    // SAFETY: as this function's; the tile has 16 rows of 64 bytes.
+    unsafe {
+        match t {
+            0 => {
+                asm!("tilestored [{p} + {s}], tmm0", p = in(reg) p, s = in(reg) s, options(nostack))
+            }
+            1 => {
+                asm!("tilestored [{p} + {s}], tmm1", p = in(reg) p, s = in(reg) s, options(nostack))
+            }
+            2 => {
+                asm!("tilestored [{p} + {s}], tmm2", p = in(reg) p, s = in(reg) s, options(nostack))
+            }
+            _ => {
+                asm!("tilestored [{p} + {s}], tmm3", p = in(reg) p, s = in(reg) s, options(nostack))
+            }
+        }
+    }
 }
 
 /// Sum tile `t` (tmm0–3) into `out`, 64 bytes a row.
@@ -482,70 +517,79 @@ mod tests {
             (200, 64, 97),
             (31, 1030, 40),
         ] {
-            let mut rng = Rng::new((m * 7919 + k * 31 + n) as u64);
-            let (a, bm) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
-            let panels = Panels::from_f32_rows(&bm, k, n, k);
-            let mut packed = Vec::new();
-            let stride = bf16::round_rows(&a, k, m, k, &mut packed, false);
-            let lhs = Lhs {
-                data: &packed,
-                stride,
-                rows: m,
-            };
-            let ldc = n + 3;
-            let out = |c: &mut Vec<f32>| Out {
-                ptr: c.as_mut_ptr(),
-                stride: ldc,
-                alpha: 0.5,
-                accumulate: true,
-            };
-            let start: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32 * 0.25).collect();
-            let (mut amx, mut tiles) = (start.clone(), start.clone());
-            // SAFETY: both buffers hold m rows of ldc ≥ n; AMX is available.
-            unsafe {
-                gemm(&lhs, panels.all(), out(&mut amx), true);
-                gemm_tiles(&lhs, panels.all(), out(&mut tiles), true);
-            }
-            let rounded = |x: f32| half::bf16::from_f32(x).to_f64();
-            for i in 0..m {
-                for j in 0..n {
-                    let w: f64 = start[i * ldc + j] as f64
-                        + 0.5
+            // Scaled and added to C (through the sum tile), or stored as summed (whole tiles
+            // straight from the tile registers).
+            for (alpha, accumulate) in [(0.5f32, true), (1.0, false)] {
+                let mut rng = Rng::new((m * 7919 + k * 31 + n) as u64);
+                let (a, bm) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
+                let panels = Panels::from_f32_rows(&bm, k, n, k);
+                let mut packed = Vec::new();
+                let stride = bf16::round_rows(&a, k, m, k, &mut packed, false);
+                let lhs = Lhs {
+                    data: &packed,
+                    stride,
+                    rows: m,
+                };
+                let ldc = n + 3;
+                let out = |c: &mut Vec<f32>| Out {
+                    ptr: c.as_mut_ptr(),
+                    stride: ldc,
+                    alpha,
+                    accumulate,
+                };
+                let start: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32 * 0.25).collect();
+                let (mut amx, mut tiles) = (start.clone(), start.clone());
+                // SAFETY: both buffers hold m rows of ldc ≥ n; AMX is available.
+                unsafe {
+                    gemm(&lhs, panels.all(), out(&mut amx), true);
+                    gemm_tiles(&lhs, panels.all(), out(&mut tiles), true);
+                }
+                let rounded = |x: f32| half::bf16::from_f32(x).to_f64();
+                for i in 0..m {
+                    for j in 0..n {
+                        let w: f64 = if accumulate {
+                            start[i * ldc + j] as f64
+                        } else {
+                            0.0
+                        } + alpha as f64
                             * (0..k)
                                 .map(|t| rounded(a[i * k + t]) * rounded(bm[j * k + t]))
                                 .sum::<f64>();
-                    let tol = 1e-6 * (k as f64).sqrt() * 4.0 + 1e-6;
-                    for (name, got) in [("amx", amx[i * ldc + j]), ("tiles", tiles[i * ldc + j])] {
-                        assert!(
-                            (got as f64 - w).abs() <= tol * w.abs().max(1.0),
-                            "{name} {m}×{k}×{n} [{i},{j}]: {got} vs {w}"
-                        );
+                        let tol = 1e-6 * (k as f64).sqrt() * 4.0 + 1e-6;
+                        for (name, got) in
+                            [("amx", amx[i * ldc + j]), ("tiles", tiles[i * ldc + j])]
+                        {
+                            assert!(
+                                (got as f64 - w).abs() <= tol * w.abs().max(1.0),
+                                "{name} {m}×{k}×{n} [{i},{j}]: {got} vs {w}"
+                            );
+                        }
                     }
+                    assert_eq!(
+                        amx[i * ldc + n..(i + 1) * ldc],
+                        start[i * ldc + n..(i + 1) * ldc],
+                        "wrote past column {n}"
+                    );
                 }
-                assert_eq!(
-                    amx[i * ldc + n..(i + 1) * ldc],
-                    start[i * ldc + n..(i + 1) * ldc],
-                    "wrote past column {n}"
-                );
-            }
-            // Each row alone gives the bits it had in the batch.
-            for i in [0, m / 2, m - 1] {
-                let lone = Lhs {
-                    data: &packed[i * stride..],
-                    stride,
-                    rows: 1,
-                };
-                let mut row = start[i * ldc..(i + 1) * ldc].to_vec();
-                // SAFETY: `row` holds one row of ldc ≥ n.
-                unsafe { gemm(&lone, panels.all(), out(&mut row), false) };
-                assert_eq!(
-                    row.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    amx[i * ldc..(i + 1) * ldc]
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect::<Vec<_>>(),
-                    "{m}×{k}×{n}: row {i} alone differs from the batch"
-                );
+                // Each row alone gives the bits it had in the batch.
+                for i in [0, m / 2, m - 1] {
+                    let lone = Lhs {
+                        data: &packed[i * stride..],
+                        stride,
+                        rows: 1,
+                    };
+                    let mut row = start[i * ldc..(i + 1) * ldc].to_vec();
+                    // SAFETY: `row` holds one row of ldc ≥ n.
+                    unsafe { gemm(&lone, panels.all(), out(&mut row), false) };
+                    assert_eq!(
+                        row.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        amx[i * ldc..(i + 1) * ldc]
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect::<Vec<_>>(),
+                        "{m}×{k}×{n}: row {i} alone differs from the batch"
+                    );
+                }
             }
         }
     }
@@ -647,12 +691,23 @@ mod rate {
         if skip_without_amx() {
             return;
         }
-        for &(m, k, n) in &[
-            (2208, 768, 768),
-            (2208, 768, 6144),
-            (2208, 3072, 768),
-            (64, 768, 6144),
-        ] {
+        // `SHAPES=2208x768x768,64x768x6144` measures other shapes.
+        let shapes: Vec<(usize, usize, usize)> = match std::env::var("SHAPES") {
+            Ok(v) => v
+                .split(',')
+                .map(|t| {
+                    let x: Vec<usize> = t.split('x').map(|u| u.parse().expect("m×k×n")).collect();
+                    (x[0], x[1], x[2])
+                })
+                .collect(),
+            Err(_) => vec![
+                (2208, 768, 768),
+                (2208, 768, 6144),
+                (2208, 3072, 768),
+                (64, 768, 6144),
+            ],
+        };
+        for &(m, k, n) in &shapes {
             let mut rng = Rng::new(1);
             let (a, bm) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
             let panels = Panels::from_f32_rows(&bm, k, n, k);
