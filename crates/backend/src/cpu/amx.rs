@@ -132,10 +132,7 @@ pub unsafe fn gemm_f32(
         "amx gemm: A too short for its rows"
     );
     let fill = |r: usize, dst: &mut [u32], step: usize| {
-        let row = &x[r * stride..][..k];
-        for (s, vals) in row.chunks(2 * TILE).enumerate() {
-            super::bf16::round_row(vals, &mut dst[s * step..][..vals.len().div_ceil(2)]);
-        }
+        super::bf16::round_row_in_steps(&x[r * stride..][..k], dst, step);
     };
     // SAFETY: as this function's; `fill` writes row r's pairs.
     unsafe { with_tiles(m, fill, b, c, par) }

@@ -108,13 +108,31 @@ pub fn round_rows(
 
 /// One row of f32 values to bf16 pairs (`out` is `⌈x.len()/2⌉` long).
 pub fn round_row(x: &[f32], out: &mut [u32]) {
+    round_row_in_steps(x, out, 16);
+}
+
+/// One row of f32 values to bf16 pairs, 16 pairs (32 values) at a time, the `s`-th 16 written
+/// at `out[s·step..]`: a row laid out straight into AMX tiles (`step` = a tile's length), or
+/// into a plain row (`step` = 16). The last group has `⌈rest/2⌉` pairs; nothing else of `out`
+/// is written.
+pub fn round_row_in_steps(x: &[f32], out: &mut [u32], step: usize) {
+    let groups = x.len().div_ceil(32);
+    assert!(
+        step >= 16
+            && (groups == 0
+                || (groups - 1) * step + (x.len() - 32 * (groups - 1)).div_ceil(2) <= out.len()),
+        "round_row_in_steps: out too short"
+    );
     #[cfg(target_arch = "x86_64")]
     if native() {
-        // SAFETY: AVX-512F and AVX512_BF16 are present (`native`); the lengths are as documented.
-        unsafe { round_row_avx512(x, out) };
+        // SAFETY: AVX-512F and AVX512_BF16 are present (`native`); `out` holds every group
+        // (asserted).
+        unsafe { round_row_avx512(x, out, step) };
         return;
     }
-    round_row_plain(x, out);
+    for (s, vals) in x.chunks(32).enumerate() {
+        round_row_plain(vals, &mut out[s * step..][..vals.len().div_ceil(2)]);
+    }
 }
 
 fn round_row_plain(x: &[f32], out: &mut [u32]) {
@@ -125,26 +143,30 @@ fn round_row_plain(x: &[f32], out: &mut [u32]) {
 }
 
 /// # Safety
-/// The CPU has AVX-512F and AVX512_BF16; `out.len() == x.len().div_ceil(2)`.
+/// The CPU has AVX-512F and AVX512_BF16; `out` holds group `s` at `s·step` for every group of
+/// 32 values of `x`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn round_row_avx512(x: &[f32], out: &mut [u32]) {
+unsafe fn round_row_avx512(x: &[f32], out: &mut [u32], step: usize) {
     use std::arch::x86_64::*;
     let full = x.len() / 32;
     for i in 0..full {
-        // SAFETY: elements 32i..32i+32 of `x` and 16i..16i+16 of `out` are in bounds.
+        // SAFETY: elements 32i..32i+32 of `x` and step·i..step·i+16 of `out` are in bounds.
         unsafe {
             let lo = _mm512_loadu_ps(x.as_ptr().add(32 * i));
             let hi = _mm512_loadu_ps(x.as_ptr().add(32 * i + 16));
             // Rounds to nearest even and keeps NaN a NaN, as `round` does.
             let b = _mm512_cvtne2ps_pbh(hi, lo);
             _mm512_storeu_si512(
-                out.as_mut_ptr().add(16 * i).cast(),
+                out.as_mut_ptr().add(step * i).cast(),
                 std::mem::transmute::<__m512bh, __m512i>(b),
             );
         }
     }
-    round_row_plain(&x[32 * full..], &mut out[16 * full..]);
+    let rest = &x[32 * full..];
+    if !rest.is_empty() {
+        round_row_plain(rest, &mut out[step * full..][..rest.len().div_ceil(2)]);
+    }
 }
 
 /// `out[j] = (even[j], odd[j])` rounded to bf16, as a pair.
@@ -444,6 +466,27 @@ mod tests {
                 (g as f64 - 1.0 - w).abs() <= 1e-5 * w.abs().max(1.0),
                 "[{i}]: {g} vs 1 + {w}"
             );
+        }
+    }
+
+    /// Rows laid out in groups of 16 pairs `step` apart hold the plain row's pairs, group by
+    /// group, and leave everything between the groups as it was.
+    #[test]
+    fn rounding_in_steps_places_each_group_of_pairs() {
+        for n in [1usize, 31, 32, 33, 64, 95, 1001] {
+            let x = Rng::new(n as u64).vec(n, 3.0);
+            let mut plain = vec![0u32; n.div_ceil(2)];
+            round_row(&x, &mut plain);
+            for step in [16, 40, 256] {
+                let groups = n.div_ceil(32);
+                let mut out = vec![u32::MAX; groups * step];
+                round_row_in_steps(&x, &mut out, step);
+                for (i, &v) in out.iter().enumerate() {
+                    let (g, j) = (i / step, i % step);
+                    let want = plain.get(g * 16 + j).filter(|_| j < 16).copied();
+                    assert_eq!(v, want.unwrap_or(u32::MAX), "n {n} step {step} [{i}]");
+                }
+            }
         }
     }
 

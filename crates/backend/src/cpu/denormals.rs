@@ -7,7 +7,7 @@
 //! flush-to-zero (results) and denormals-are-zero (inputs) bits remove the cliff. They change
 //! a result only where a value is below 2⁻¹²⁶ ≈ 1.2e-38, far below the f32 path's tolerances,
 //! and they govern the SSE, AVX and AVX-512 units alike (f64 lanes included). The softmax's
-//! exponential makes no denormals in the first place (`vmath::exp32`), so attention's
+//! exponential makes no denormals in the first place (`vmath::exp_shifted`), so attention's
 //! probabilities are the same on every machine; the bits cover everything else (products on
 //! tiny activations, norms of tiny rows).
 //!

@@ -172,15 +172,17 @@ fn exp32(x: f32) -> f32 {
     if x < EXP_MIN { 0.0 } else { e }
 }
 
-/// [`exp32`] for `x ≤ 0` (a softmax's `s − max`) with fused multiply-adds: the reduction and the
-/// polynomial as FMAs, one `2^n` (n ≥ −126 here, so no overflow to split around). About half of
-/// [`exp32`]'s vector operations, within 2 f32 ulps as well; for bf16 mode only, where the
-/// probabilities are rounded to bf16 (2⁻⁹) next, so the f32 reference keeps [`exp32`]'s bits.
+/// [`exp32`] for `x ≤ 0` (a softmax's `s − max`) with fused multiply-adds: `n` the nearest whole
+/// number to `x·log₂e` (ties to even), the reduction and the polynomial as FMAs, one `2^n` (n ≥
+/// −126 here, and every result at or above [`EXP_MIN`] is a normal number, so `y · 2^n` is
+/// exact and equals AVX-512's `vscalefps`). About half of [`exp32`]'s vector operations, within
+/// 2 f32 ulps as well; the softmax's exponential in both modes ([`exp_shifted`],
+/// [`exp_shifted_f32`]), computed to the same bits by the portable loops and the AVX-512 kernel.
 /// Positive `x` is clamped to 0 (gives 1); NaN stays NaN; below [`EXP_MIN`] exactly `0`.
 #[inline(always)]
 fn exp32_nonpositive(x: f32) -> f32 {
     let xc = x.clamp(EXP_MIN, 0.0);
-    let n = exp_exponent(xc);
+    let n = (xc * std::f32::consts::LOG2_E).round_ties_even();
     let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, xc));
     let p = EXP_P.iter().fold(EXP_P0, |p, &c| p.mul_add(r, c));
     let y = (p * r).mul_add(r, r + 1.0);
@@ -269,21 +271,43 @@ multiversioned! {
     }
 }
 
+/// `xs[j] = e^(xs[j] − max)` in f32 ([`exp32_nonpositive`]), returning their sum in f64 (16 lanes
+/// of partial sums, added in lane order, then the tail): the body of a softmax.
+pub(super) fn exp_shifted(xs: &mut [f32], max: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: `isa()` found AVX-512F/DQ/VL on this CPU.
+        return unsafe { exp_shifted_avx512::<true>(xs, max) };
+    }
+    exp_shifted_lanes(xs, max)
+}
+
+/// [`exp_shifted`] summing in 16 f32 lanes instead, for bf16 mode, whose product rounds the
+/// probabilities to bf16 next (2⁻⁹), far coarser than these sums' rounding.
+pub(super) fn exp_shifted_f32(xs: &mut [f32], max: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: `isa()` found AVX-512F/DQ/VL on this CPU.
+        return unsafe { exp_shifted_avx512::<false>(xs, max) };
+    }
+    exp_shifted_f32_lanes(xs, max)
+}
+
 multiversioned! {
-    /// `xs[j] = e^(xs[j] − max)` in f32 ([`exp32`]), returning their sum in f64: the body of a
-    /// softmax.
-    pub(super) fn exp_shifted(xs: &mut [f32], max: f32) -> f64 {
+    /// [`exp_shifted`] as portable loops (AVX2 and the baseline; LLVM split the f64 sums' lanes
+    /// into 8-wide halves and the whole loop with them, so AVX-512 has its own kernel).
+    fn exp_shifted_lanes(xs: &mut [f32], max: f32) -> f64 {
         let mut acc = [0f64; LANES];
         let mut chunks = xs.chunks_exact_mut(LANES);
         for c in &mut chunks {
             for (a, x) in acc.iter_mut().zip(c.iter_mut()) {
-                *x = exp32(*x - max);
+                *x = exp32_nonpositive(*x - max);
                 *a += *x as f64;
             }
         }
         let mut sum: f64 = acc.iter().sum();
         for x in chunks.into_remainder() {
-            *x = exp32(*x - max);
+            *x = exp32_nonpositive(*x - max);
             sum += *x as f64;
         }
         sum
@@ -291,11 +315,8 @@ multiversioned! {
 }
 
 multiversioned! {
-    /// [`exp_shifted`] summing in f32 lanes (sixteen to a register, where the f64 sums split each
-    /// register of exponentials in two) with [`exp32_nonpositive`]: for bf16 mode, whose product
-    /// rounds the probabilities to bf16 next (2⁻⁹), far coarser than these sums' rounding or the
-    /// exponential's.
-    pub(super) fn exp_shifted_f32(xs: &mut [f32], max: f32) -> f64 {
+    /// [`exp_shifted_f32`] as portable loops.
+    fn exp_shifted_f32_lanes(xs: &mut [f32], max: f32) -> f64 {
         let mut acc = [0f32; LANES];
         let mut chunks = xs.chunks_exact_mut(LANES);
         for c in &mut chunks {
@@ -311,6 +332,82 @@ multiversioned! {
         }
         sum
     }
+}
+
+/// [`exp_shifted`] (`F64_SUMS`) or [`exp_shifted_f32`] on AVX-512: the same operations in the
+/// same order as the portable loops (so the same bits), sixteen values a register, `2^n` applied
+/// by `vscalefps`, and the f64 partial sums in two registers of eight lanes.
+///
+/// # Safety
+/// The CPU has AVX-512F, DQ and VL.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl")]
+unsafe fn exp_shifted_avx512<const F64_SUMS: bool>(xs: &mut [f32], max: f32) -> f64 {
+    use std::arch::x86_64::*;
+    const _: () = assert!(LANES == 16);
+    let (m, lo, hi) = (
+        _mm512_set1_ps(max),
+        _mm512_set1_ps(EXP_MIN),
+        _mm512_setzero_ps(),
+    );
+    let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+    let (ln2_hi, ln2_lo) = (_mm512_set1_ps(LN2_HI), _mm512_set1_ps(LN2_LO));
+    let (p0, one) = (_mm512_set1_ps(EXP_P0), _mm512_set1_ps(1.0));
+    let coef = EXP_P.map(|c| _mm512_set1_ps(c));
+    let (mut acc_lo, mut acc_hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+    let mut acc32 = _mm512_setzero_ps();
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        // SAFETY: `c` holds 16 values.
+        let v = unsafe { _mm512_loadu_ps(c.as_ptr()) };
+        let x = _mm512_sub_ps(v, m);
+        // clamp(EXP_MIN, 0) keeping NaN: vmaxps/vminps return their second operand when either
+        // is NaN.
+        let xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(xc, log2e),
+        );
+        let r = _mm512_fnmadd_ps(n, ln2_lo, _mm512_fnmadd_ps(n, ln2_hi, xc));
+        let mut p = p0;
+        for &k in &coef {
+            p = _mm512_fmadd_ps(p, r, k);
+        }
+        let y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, one));
+        let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, lo);
+        let e = _mm512_maskz_scalef_ps(!below, y, n);
+        // SAFETY: as the load.
+        unsafe { _mm512_storeu_ps(c.as_mut_ptr(), e) };
+        if F64_SUMS {
+            acc_lo = _mm512_add_pd(acc_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            acc_hi = _mm512_add_pd(
+                acc_hi,
+                _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                    _mm512_castps_pd(e),
+                ))),
+            );
+        } else {
+            acc32 = _mm512_add_ps(acc32, e);
+        }
+    }
+    let mut lanes = [0f64; LANES];
+    if F64_SUMS {
+        // SAFETY: `lanes` holds 16 f64.
+        unsafe {
+            _mm512_storeu_pd(lanes.as_mut_ptr(), acc_lo);
+            _mm512_storeu_pd(lanes.as_mut_ptr().add(8), acc_hi);
+        }
+    } else {
+        let mut l32 = [0f32; LANES];
+        // SAFETY: `l32` holds 16 f32.
+        unsafe { _mm512_storeu_ps(l32.as_mut_ptr(), acc32) };
+        lanes = l32.map(f64::from);
+    }
+    let mut sum: f64 = lanes.iter().sum();
+    for x in chunks.into_remainder() {
+        *x = exp32_nonpositive(*x - max);
+        sum += *x as f64;
+    }
+    sum
 }
 
 multiversioned! {
@@ -583,6 +680,53 @@ mod tests {
             let mut nan = vec![1.0, f32::NAN, 2.0];
             exp_shifted(&mut nan, 2.0);
             assert!(nan[1].is_nan() && nan[0] > 0.0);
+        }
+    }
+
+    /// The AVX-512 softmax kernel gives the portable loops' bits: every exponential and both
+    /// kinds of sum, at sizes with and without a tail, through NaN, −∞, the underflow edge and
+    /// values above the max.
+    #[test]
+    fn the_avx512_softmax_exponential_equals_the_portable_loops() {
+        if isa() != Isa::Avx512 {
+            eprintln!("SKIPPED: this CPU has no AVX-512; only the portable loops ran");
+            return;
+        }
+        let mut rng = crate::cpu::testutil::Rng::new(17);
+        for n in [0usize, 1, 15, 16, 17, 33, 100, 2430] {
+            let mut x = rng.vec(n, 60.0);
+            for (i, v) in x.iter_mut().enumerate() {
+                match i % 13 {
+                    2 => *v = f32::NAN,
+                    4 => *v = f32::NEG_INFINITY,
+                    6 => *v = 2.0 + EXP_MIN,
+                    8 => *v = 2.0 + EXP_MIN - 1e-5,
+                    10 => *v = 2.5,
+                    _ => {}
+                }
+            }
+            for f64_sums in [true, false] {
+                let (mut fast, mut portable) = (x.clone(), x.clone());
+                // SAFETY: AVX-512F/DQ/VL are present (checked above).
+                let (a, b) = unsafe {
+                    match f64_sums {
+                        true => (
+                            exp_shifted_avx512::<true>(&mut fast, 2.0),
+                            exp_shifted_lanes(&mut portable, 2.0),
+                        ),
+                        false => (
+                            exp_shifted_avx512::<false>(&mut fast, 2.0),
+                            exp_shifted_f32_lanes(&mut portable, 2.0),
+                        ),
+                    }
+                };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&fast), bits(&portable), "n {n}, f64 sums {f64_sums}");
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "sum, n {n}: {a} vs {b}"
+                );
+            }
         }
     }
 
