@@ -429,28 +429,11 @@ unsafe fn store_tile(t: usize, dst: *mut f32, stride: usize) {
 /// Sum tile `t` (tmm0–3) into `out`, 64 bytes a row.
 ///
 /// # Safety
-/// The tiles are configured (by this thread's task) and `out` holds 16 rows of 16 f32.
+/// The tiles are configured (by this thread's task).
 #[cfg(target_arch = "x86_64")]
 unsafe fn store_sums(t: usize, out: &mut [f32; TILE * TILE]) {
-    use std::arch::asm;
-    let (p, s) = (out.as_mut_ptr(), TILE * 4);
-    // SAFETY: as this function's; the tile has at most 16 rows of 64 bytes.
-    unsafe {
-        match t {
-            0 => {
-                asm!("tilestored [{p} + {s}], tmm0", p = in(reg) p, s = in(reg) s, options(nostack))
-            }
-            1 => {
-                asm!("tilestored [{p} + {s}], tmm1", p = in(reg) p, s = in(reg) s, options(nostack))
-            }
-            2 => {
-                asm!("tilestored [{p} + {s}], tmm2", p = in(reg) p, s = in(reg) s, options(nostack))
-            }
-            _ => {
-                asm!("tilestored [{p} + {s}], tmm3", p = in(reg) p, s = in(reg) s, options(nostack))
-            }
-        }
-    }
+    // SAFETY: as this function's; `out` holds 16 rows of 16 f32, 64 bytes apart.
+    unsafe { store_tile(t, out.as_mut_ptr(), TILE * 4) }
 }
 
 /// `C[r0 + i][col + j] = alpha · sums[i][j]` (added to what is there when `accumulate`) for
