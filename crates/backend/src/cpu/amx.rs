@@ -8,9 +8,13 @@
 //! product's rounding near f32's at long depths (2.2e-6 relative at k = 12288 without them),
 //! which is far below the 2⁻⁹ that rounding the inputs to bf16 already costs, while storing and
 //! adding the tiles after every block cost these products 5–14%. Every row runs the same
-//! instructions whatever rows come with it, so a row's result does not depend on its batch. Where AMX is used, it is used for
-//! every bf16 product (one row or thousands): the choice is made once per process, never per
-//! call, since `vdpbf16ps` and the tiles may round a pair's sum differently.
+//! instructions whatever rows come with it, so a row's result does not depend on its batch.
+//! Where AMX is used, it is used for every bf16 product (one row or thousands): the choice is
+//! made once per process, never per call, since `vdpbf16ps` and the tiles may round a pair's
+//! sum differently.
+//!
+//! Every buffer the tiles load from starts on a cache line (`aligned.rs`): a tile row split
+//! across two lines made each `tileloadd` ~6× slower, and the loads the products' limit.
 //!
 //! Rust has no stable AMX intrinsics: the tile instructions are inline assembly. The tile
 //! registers are invisible to the compiler, which never uses them, so their state carries from
