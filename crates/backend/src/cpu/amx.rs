@@ -142,13 +142,7 @@ pub unsafe fn gemm_f32(
     unsafe { with_tiles(m, fill, b, c, par) }
 }
 
-/// Lays `A` out as tiles, `fill(r, dst, step)` writing row `r`'s pairs with pairs `16s..16s + 16`
-/// at `dst[s·step..]`, then runs the product's tasks.
-///
-/// `A` is laid out tile by tile (each tile's rows of 16 pairs contiguous, a row of tiles after
-/// another along the depth), its rows padded to whole tiles and its depth to whole tile rows with
-/// zeros: the tiles then load 1 KiB runs that the prefetchers follow, never read past `A`, and
-/// the zeros add nothing to any sum. One row or a few run on tiles of that many rows.
+/// Lays `A` out as tiles ([`Padded::lay_out`]), then runs the product's tasks.
 ///
 /// # Safety
 /// As [`gemm`]'s, for an `A` of `m` rows and `b.depth` pairs.
@@ -160,47 +154,8 @@ unsafe fn with_tiles(
     c: Out,
     par: bool,
 ) {
-    let depth = b.depth;
-    let tile_rows = m.min(TILE);
-    let steps = depth.div_ceil(TILE);
-    let tile_len = tile_rows * TILE;
-    // Pairs of a row's last tile past the depth, zeroed after `fill` (the whole buffer zeroed
-    // first took 3% of an image's attention).
-    let tail = steps * TILE - depth;
-    let run = |padded: &mut Aligned<u32>| {
-        padded.resize(m.div_ceil(TILE) * steps * tile_len);
-        let lay_out = |(rt, dst): (usize, &mut [u32])| {
-            let real = tile_rows.min(m - rt * TILE);
-            for i in 0..real {
-                fill(rt * TILE + i, &mut dst[i * TILE..], tile_len);
-                if tail > 0 {
-                    dst[(steps - 1) * tile_len + i * TILE..][TILE - tail..TILE].fill(0);
-                }
-            }
-            // The last row tile's rows past `A`.
-            for i in real..tile_rows {
-                for s in 0..steps {
-                    dst[s * tile_len + i * TILE..][..TILE].fill(0);
-                }
-            }
-        };
-        if par && m * depth >= 1 << 16 {
-            padded
-                .par_chunks_mut(steps * tile_len)
-                .enumerate()
-                .for_each(lay_out);
-        } else {
-            padded
-                .chunks_mut(steps * tile_len)
-                .enumerate()
-                .for_each(lay_out);
-        }
-        let padded = Padded {
-            data: padded,
-            steps,
-            rows: m,
-            tile_rows,
-        };
+    let run = |buf: &mut Aligned<u32>| {
+        let padded = Padded::lay_out(m, b.depth, &fill, par, buf);
         // SAFETY: as this function's; `padded` holds every tile of `A`.
         unsafe { run_tasks(&padded, b, c, par) };
     };
@@ -225,7 +180,60 @@ struct Padded<'a> {
     tile_rows: usize,
 }
 
-impl Padded<'_> {
+impl<'a> Padded<'a> {
+    /// Lays `m` rows of `A` (`depth` pairs each) out in `buf` as tiles, `fill(r, dst, step)`
+    /// writing row `r`'s pairs with pairs `16s..16s + 16` at `dst[s·step..]`.
+    ///
+    /// `A` is laid out tile by tile (each tile's rows of 16 pairs contiguous, a row of tiles after
+    /// another along the depth), its rows padded to whole tiles and its depth to whole tile rows
+    /// with zeros: the tiles then load 1 KiB runs that the prefetchers follow, never read past
+    /// `A`, and the zeros add nothing to any sum. One row or a few run on tiles of that many rows.
+    fn lay_out(
+        m: usize,
+        depth: usize,
+        fill: &(impl Fn(usize, &mut [u32], usize) + Sync),
+        par: bool,
+        buf: &'a mut Aligned<u32>,
+    ) -> Self {
+        let tile_rows = m.min(TILE);
+        let steps = depth.div_ceil(TILE);
+        let tile_len = tile_rows * TILE;
+        // Pairs of a row's last tile past the depth, zeroed after `fill` (the whole buffer zeroed
+        // first took 3% of an image's attention).
+        let tail = steps * TILE - depth;
+        buf.resize(m.div_ceil(TILE) * steps * tile_len);
+        let lay_out = |(rt, dst): (usize, &mut [u32])| {
+            let real = tile_rows.min(m - rt * TILE);
+            for i in 0..real {
+                fill(rt * TILE + i, &mut dst[i * TILE..], tile_len);
+                if tail > 0 {
+                    dst[(steps - 1) * tile_len + i * TILE..][TILE - tail..TILE].fill(0);
+                }
+            }
+            // The last row tile's rows past `A`.
+            for i in real..tile_rows {
+                for s in 0..steps {
+                    dst[s * tile_len + i * TILE..][..TILE].fill(0);
+                }
+            }
+        };
+        if par && m * depth >= 1 << 16 {
+            buf.par_chunks_mut(steps * tile_len)
+                .enumerate()
+                .for_each(lay_out);
+        } else {
+            buf.chunks_mut(steps * tile_len)
+                .enumerate()
+                .for_each(lay_out);
+        }
+        Padded {
+            data: buf,
+            steps,
+            rows: m,
+            tile_rows,
+        }
+    }
+
     /// The tile of rows `r..r + 16` (r a multiple of 16) and pairs `q..q + 16` (q likewise).
     fn tile(&self, r: usize, q: usize) -> *const u32 {
         self.data[((r / TILE) * self.steps + q / TILE) * self.tile_rows * TILE..].as_ptr()
@@ -501,34 +509,34 @@ mod tests {
             (200, 64, 97),
             (31, 1030, 40),
         ] {
+            let mut rng = Rng::new((m * 7919 + k * 31 + n) as u64);
+            let (a, bm) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
+            let panels = Panels::from_f32_rows(&bm, k, n, k);
+            let mut packed = Vec::new();
+            let stride = bf16::round_rows(&a, k, m, k, &mut packed, false);
+            let lhs = Lhs {
+                data: &packed,
+                stride,
+                rows: m,
+            };
+            let ldc = n + 3;
+            let start: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32 * 0.25).collect();
+            let rounded = |x: f32| half::bf16::from_f32(x).to_f64();
             // Scaled and added to C (through the sum tile), or stored as summed (whole tiles
             // straight from the tile registers).
             for (alpha, accumulate) in [(0.5f32, true), (1.0, false)] {
-                let mut rng = Rng::new((m * 7919 + k * 31 + n) as u64);
-                let (a, bm) = (rng.vec(m * k, 2.0), rng.vec(n * k, 1.0));
-                let panels = Panels::from_f32_rows(&bm, k, n, k);
-                let mut packed = Vec::new();
-                let stride = bf16::round_rows(&a, k, m, k, &mut packed, false);
-                let lhs = Lhs {
-                    data: &packed,
-                    stride,
-                    rows: m,
-                };
-                let ldc = n + 3;
                 let out = |c: &mut Vec<f32>| Out {
                     ptr: c.as_mut_ptr(),
                     stride: ldc,
                     alpha,
                     accumulate,
                 };
-                let start: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32 * 0.25).collect();
                 let (mut amx, mut tiles) = (start.clone(), start.clone());
                 // SAFETY: both buffers hold m rows of ldc ≥ n; AMX is available.
                 unsafe {
                     gemm(&lhs, panels.all(), out(&mut amx), true);
                     gemm_tiles(&lhs, panels.all(), out(&mut tiles), true);
                 }
-                let rounded = |x: f32| half::bf16::from_f32(x).to_f64();
                 for i in 0..m {
                     for j in 0..n {
                         let w: f64 = if accumulate {
@@ -785,8 +793,6 @@ mod alignment {
         let mut rng = Rng::new(1);
         let (a, bm) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
         let panels = Panels::from_f32_rows(&bm, k, n, k);
-        let mut packed = Vec::new();
-        let stride = bf16::round_rows(&a, k, m, k, &mut packed, true);
         let mut c = vec![0f32; m * n];
         let out = Out {
             ptr: c.as_mut_ptr(),
@@ -795,29 +801,26 @@ mod alignment {
             accumulate: false,
         };
         let view = panels.all();
-        let steps = view.depth.div_ceil(TILE);
-        let len = m.div_ceil(TILE) * steps * TILE * TILE;
-        let mut tiles = Aligned::<u32>::zeroed(len);
-        for r in 0..m {
-            for q in 0..view.depth {
-                tiles[((r / TILE) * steps + q / TILE) * TILE * TILE
-                    + (r % TILE) * TILE
-                    + q % TILE] = packed[r * stride + q];
-            }
-        }
-        // The same operands 16 bytes past a line, as a `Vec` from the allocator may be.
-        let mut off_a = vec![0u32; len + 20];
-        let shift = (16 - (off_a.as_ptr() as usize % LINE) / 4) % 16 + 4;
-        off_a[shift..shift + len].copy_from_slice(&tiles);
-        let mut off_b = vec![0u32; view.data.len() + 20];
-        let shift_b = (16 - (off_b.as_ptr() as usize % LINE) / 4) % 16 + 4;
-        off_b[shift_b..shift_b + view.data.len()].copy_from_slice(view.data);
+        let mut buf = Aligned::zeroed(0);
+        let round = |r: usize, dst: &mut [u32], step: usize| {
+            bf16::round_row_in_steps(&a[r * k..][..k], dst, step)
+        };
+        let tiles = Padded::lay_out(m, view.depth, &round, false, &mut buf);
+        // The same operands 16 bytes past a line, as a `Vec` from the allocator may be: the
+        // copy, and where in it they start.
+        let off_line = |src: &[u32]| {
+            let mut v = vec![0u32; src.len() + 20];
+            let at = (16 - (v.as_ptr() as usize % LINE) / 4) % 16 + 4;
+            v[at..at + src.len()].copy_from_slice(src);
+            (v, at)
+        };
+        let ((off_a, at_a), (off_b, at_b)) = (off_line(tiles.data), off_line(view.data));
         let cases = [
-            (&tiles[..], view),
+            (tiles.data, view),
             (
-                &off_a[shift..shift + len],
+                &off_a[at_a..at_a + tiles.data.len()],
                 PanelView {
-                    data: &off_b[shift_b..],
+                    data: &off_b[at_b..],
                     ..view
                 },
             ),
@@ -826,12 +829,7 @@ mod alignment {
         let (reps, flop) = (100, 2.0 * (m * n * k) as f64);
         for _ in 0..7 {
             for (v, &(data, b)) in cases.iter().enumerate() {
-                let a = Padded {
-                    data,
-                    steps,
-                    rows: m,
-                    tile_rows: TILE,
-                };
+                let a = Padded { data, ..tiles };
                 let t = Instant::now();
                 for _ in 0..reps {
                     // SAFETY: `c` holds m rows of n; the CPU has AMX (checked above).
@@ -839,7 +837,7 @@ mod alignment {
                 }
                 rates[v].push(reps as f64 * flop / t.elapsed().as_secs_f64() / 1e9);
             }
-            let tdps = reps * (m / TILE) * (n / TILE) * steps;
+            let tdps = reps * (m / TILE) * (n / TILE) * tiles.steps;
             let t = Instant::now();
             // SAFETY: the CPU has AMX (checked above).
             unsafe { peak(tdps / 4) };
