@@ -278,7 +278,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         // the addressing and the swizzle; it only ever waits for a stage to be free. A block may
         // take rows past k_hi from the next segment: the scores mask those keys (p = 0), so
         // their values add nothing.
-        set_max_regs_dec<40>();
+        set_max_regs_dec<24>();
         const bf16* qb = q + (long)h * D;
         load_sw128<D, 64, 128>(sQ, qb, qs, q0, q0, q1);
         load_sw128<D, 64, 128>(sQ + QH, qb, qs, q0 + 64, q0, q1);
@@ -304,15 +304,20 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     // A consumer: 64 query rows of the tile. Two overlaps keep the tensor cores busy while a
     // consumer computes its softmax:
     //  - inside a warpgroup, block j's scores are issued together with block j - 1's P·V, and the
-    //    softmax of block j runs while that P·V is still in flight (only the outputs' rescale waits
-    //    for it);
+    //    softmax of block j runs while that P·V is still in flight. The wait for that P·V, the
+    //    outputs' rescale and the packing of block j's probabilities into its operand come at the
+    //    top of the next turn, after the spin on the stage barriers: ptxas hoists a wgmma wait to
+    //    the start of its basic block, so placed right after the softmax it ran before the
+    //    exponentials and only the row maximum overlapped the P·V;
     //  - between the two warpgroups, "ping-pong": each issues its products only in its turn (named
     //    barrier PP + c, handed over with bar.arrive right after the issue), so one warpgroup's
     //    softmax falls on the other's products instead of both computing softmax at once.
     // The issues of one consumer come in nb + 1 turns: block 0's scores; block j's scores with
     // block j - 1's P·V; the last P·V. Consumer 1 hands consumer 0 its first turn and takes no
-    // turn back after its last, so every arrive meets a sync.
-    set_max_regs_inc<232>();
+    // turn back after its last, so every arrive meets a sync. K and V land through the
+    // tensor-memory accelerator (the async proxy wgmma reads through): only Q, copied with
+    // cp.async, needs the proxy fence, once.
+    set_max_regs_inc<240>();
     const int c = (threadIdx.x >> 7) - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int qa = min(q1, q0 + 64 * c), qz = min(q1, qa + 64);
     const int row_lo = qa + 16 * warp + (lane >> 2);
@@ -324,13 +329,22 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     RowStats stats;
     float alpha_lo, alpha_hi;
     u32 pa[BN / 16][4];
+    float s[NS][4];
+    // Block j - 1's probabilities (in `s`) into the P·V operand and the outputs rescaled for them,
+    // once block j - 2's P·V (which reads the operand) has finished; then its V stage is free.
+    auto settle = [&](int j) {
+        wg_wait<0>();
+        wg_keep(oacc);
+        if (j >= 2) mbar_arrive(v_free + 8 * ((j - 2) % S));
+        pack_p(s, pa);
+        rescale(oacc, alpha_lo, alpha_hi);
+    };
     if (nb > 0) {
-        float s[NS][4];
         zero(s);
         mbar_wait(q_full, 0);
         if (c == 1) pp_arrive(PP_BAR);
         mbar_wait(k_full, 0);
-        fence_async_smem();  // the copies landed through the generic proxy; wgmma reads through the async one
+        fence_async_smem();  // Q landed through the generic proxy; wgmma reads through the async one
         pp_sync(PP_BAR + c);
         wg_fence();
         issue_qk<D / 16>(s, sQc, sK, 0);
@@ -341,12 +355,11 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         mbar_arrive(k_free);
         softmax_block<NS>(s, stats, alpha_lo, alpha_hi, k_lo, k_hi, qa, qz, row_lo, window, causal, end_lo, end_hi,
                           scale_log2);
-        pack_p(s, pa);
         for (int j = 1; j < nb; j++) {
             const int st = j % S, pst = (j - 1) % S;
             mbar_wait(k_full + 8 * st, (j / S) & 1);
             mbar_wait(v_full + 8 * pst, ((j - 1) / S) & 1);
-            fence_async_smem();
+            settle(j);
             pp_sync(PP_BAR + c);
             wg_fence();
             issue_qk<D / 16>(s, sQc, sK + st * TILE, 0);
@@ -359,15 +372,10 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
             mbar_arrive(k_free + 8 * st);
             softmax_block<NS>(s, stats, alpha_lo, alpha_hi, k_lo + j * BN, k_hi, qa, qz, row_lo, window, causal,
                               end_lo, end_hi, scale_log2);
-            wg_wait<0>();
-            wg_keep(oacc);
-            mbar_arrive(v_free + 8 * pst);
-            rescale(oacc, alpha_lo, alpha_hi);
-            pack_p(s, pa);
         }
         const int lst = (nb - 1) % S;
         mbar_wait(v_full + 8 * lst, ((nb - 1) / S) & 1);
-        fence_async_smem();
+        settle(nb);
         pp_sync(PP_BAR + c);
         wg_fence();
         issue_pv<BN>(oacc, pa, sV + lst * TILE, 0);

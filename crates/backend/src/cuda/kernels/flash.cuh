@@ -67,6 +67,24 @@ __device__ __forceinline__ void zero(float (&s)[N][4]) {
     for (int i = 0; i < N; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 }
 
+// The keys query row i sees, as the interval [lo, hi) less `col0`: those before k_hi and its
+// per-row end, within the window (inclusive radius) and, when causal, up to i; none for rows
+// past q1 (zero-filled queries whose output is never written).
+__device__ __forceinline__ void key_span(int& lo, int& hi, int i, int end, int k_hi, int q1, int window, int causal,
+                                         int col0) {
+    lo = -(1 << 30);
+    hi = min(k_hi, end);
+    if (window >= 0) {
+        const int w = min(window, 1 << 28);  // keys and rows are far below 2^28: no overflow
+        lo = i - w;
+        hi = min(hi, i + w + 1);
+    }
+    if (causal) hi = min(hi, i + 1);
+    if (i >= q1) hi = lo;
+    lo = max(lo, -(1 << 29)) - col0;
+    hi -= col0;
+}
+
 // Online-softmax state of a thread's two rows, in base 2.
 struct RowStats {
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
@@ -82,26 +100,32 @@ template <int NS>
 __device__ __forceinline__ void softmax_block(float (&s)[NS][4], RowStats& st, float& alpha_lo, float& alpha_hi,
                                               int kb0, int k_hi, int q0, int q1, int row_lo, int window, int causal,
                                               int end_lo, int end_hi, float scale_log2) {
-    const int row_hi = row_lo + 8, col_in = 2 * (threadIdx.x & 3);
+    const int row_hi = row_lo + 8;
     const int kb1 = kb0 + 8 * NS - 1;
     const bool masked = kb1 >= k_hi || kb1 >= min(end_lo, end_hi) ||
                         (window >= 0 && (kb1 - q0 > window || q1 - 1 - kb0 > window)) || (causal && kb1 > q0);
     // The maximum is taken over the unscaled scores (the scale is positive); each exponent is
     // then one FMA, s·scale − base.
     float mx_lo = NEG_INF, mx_hi = NEG_INF;
+    if (masked) {
+        // Each row sees one interval of keys, [lo, hi), here relative to the thread's first column
+        // kb0 + 2·(lane % 4), so that each score's test is two comparisons with a constant.
+        const int col0 = kb0 + 2 * (int)(threadIdx.x & 3);
+        int lo_lo, hi_lo, lo_hi, hi_hi;
+        key_span(lo_lo, hi_lo, row_lo, end_lo, k_hi, q1, window, causal, col0);
+        key_span(lo_hi, hi_hi, row_hi, end_hi, k_hi, q1, window, causal, col0);
 #pragma unroll
-    for (int nt = 0; nt < NS; nt++) {
+        for (int nt = 0; nt < NS; nt++) {
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            if (masked) {
-                const int i = e < 2 ? row_lo : row_hi;
-                const int j = kb0 + nt * 8 + col_in + (e & 1);
-                bool ok = j < k_hi && i < q1 && j < (e < 2 ? end_lo : end_hi);
-                if (window >= 0) ok = ok && abs(i - j) <= window;
-                if (causal) ok = ok && j <= i;
+            for (int e = 0; e < 4; e++) {
+                const int j = nt * 8 + (e & 1);
+                const bool ok = e < 2 ? (j >= lo_lo && j < hi_lo) : (j >= lo_hi && j < hi_hi);
                 if (!ok) s[nt][e] = NEG_INF;
             }
         }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NS; nt++) {
         mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
         mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
     }
