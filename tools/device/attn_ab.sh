@@ -82,9 +82,7 @@ if [[ $PARTS == *ncu* ]]; then
         ncu --import "$OUT/ncu_${k}_$side.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_src.csv" 2>&1
         first=0
       fi
-      ncu --import "$OUT/ncu_${k}_$side.ncu-rep" --page raw --csv \
-        --metrics smsp__pcsamp_warps_issue_stalled_.*,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active \
-        > "$OUT/ncu_${k}_${side}_raw.csv" 2>&1
+      ncu --import "$OUT/ncu_${k}_$side.ncu-rep" --page raw --csv > "$OUT/ncu_${k}_${side}_raw.csv" 2>&1
     done
   done
   python3 - "$OUT" $NCU_KERNELS <<'PY'
@@ -101,14 +99,16 @@ for k in sys.argv[2:]:
             print(k, side, "no raw metrics:", " ".join(" ".join(r) for r in rows[:3])[:200]); continue
         vals = rows[rows.index(hdr) + 2] if len(rows) > rows.index(hdr) + 2 else []
         d = dict(zip(hdr, vals))
-        tc = d.get("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
-        xu = d.get("sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active")
+        def first(prefix):
+            return next((f"{h.split('.')[0].replace('sm__', '')}={v}" for h, v in d.items() if h.startswith(prefix)), "?")
+        tc = first("sm__pipe_tensor_op_hmma_cycles_active")
+        xu = first("sm__inst_executed_pipe_xu")
         st = {h.replace("smsp__pcsamp_warps_issue_stalled_", ""): v for h, v in d.items() if h.startswith("smsp__pcsamp_warps_issue_stalled_") and not h.endswith("not_issued")}
         def num(v):
             try: return float(v.replace(",", ""))
             except ValueError: return 0.0
         top = sorted(st.items(), key=lambda kv: -num(kv[1]))[:8]
-        print(f"{k} {side}: tensor pipe {tc}% active, XU (MUFU) {xu}%; stall samples: " + ", ".join(f"{n} {v}" for n, v in top))
+        print(f"{k} {side}: {tc}, {xu}; stall samples: " + ", ".join(f"{n} {v}" for n, v in top))
 PY
 fi
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.jsonl ./*.txt ./*.csv 2>/dev/null && rm -f ./*.log ./*.txt ./*_raw.csv)
