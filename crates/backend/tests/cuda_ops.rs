@@ -239,6 +239,13 @@ fn cases() -> Vec<Box<dyn Case>> {
     // Z-Image: the final LayerNorm without affine × (1 + scale); a modulated RMS pre-norm.
     t.add(norm(17, 3840, plain(NormKind::Layer).modulated()).from(Stream));
     t.add(norm(5, 3840, rms().eps(1e-5).modulated()).from(Stream));
+    // Qwen-Image-2.1's VAE: SiLU ∘ RMS norm (eps 1e-24 / C) from the f32 stream, at a 144-wide
+    // (vector kernel) and a 130-wide (block kernel) row and the decoder's 1,152-wide middle; GELU
+    // (tanh) on a layer norm.
+    t.add(norm(65, 144, rms().eps(1e-24 / 144.0).activated(Silu)).from(Stream));
+    t.add(norm(9, 1152, rms().eps(1e-24 / 1152.0).activated(Silu)).from(Stream));
+    t.add(norm(33, 130, rms().activated(Silu)));
+    t.add(norm(7, 130, layer().activated(GeluTanh)));
 
     // ---- residual: Gemma's sandwich step h = (h + rms(y) · w) · 0.8, then nothing, the next
     // pre-norm or a copy, on the norms' shapes (warp and block kernels).

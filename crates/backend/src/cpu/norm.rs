@@ -6,7 +6,7 @@ use tessera_core::{Error, Result};
 
 use super::{CpuBackend, rows, rows_mut, slice, vmath};
 use crate::view::same_shape;
-use crate::{After, NormKind, Residual, RowNorm, View, ViewMut};
+use crate::{Activation, After, NormKind, Residual, RowNorm, View, ViewMut};
 
 /// A [`RowNorm`] resolved to host slices, with `1 + s` precomputed once per call.
 struct Norm<'a> {
@@ -15,6 +15,7 @@ struct Norm<'a> {
     bias: Option<&'a [f32]>,
     eps: f32,
     one_plus_scale: Option<Vec<f32>>,
+    act: Option<Activation>,
 }
 
 /// Check one broadcast row (`[1, cols]`) and borrow it.
@@ -62,11 +63,25 @@ impl<'a> Norm<'a> {
             bias: n.bias.map(Vec::as_slice),
             eps: n.eps,
             one_plus_scale,
+            act: n.act,
         })
     }
 
-    /// `out = (N(x) · w + b) · (1 + s)`: statistics in `f64`, the normalised value rounded once,
-    /// then weight, bias and modulation applied in `f32` in the reference's order.
+    /// A residual step's norm: as [`Norm::resolve`], without an activation.
+    fn resolve_for_residual(op: &str, n: &RowNorm<'a, CpuBackend>, cols: usize) -> Result<Self> {
+        if let Some(a) = n.act {
+            return Err(Error::backend(
+                op,
+                format!("a residual step's norm takes no activation ({a:?})"),
+            ));
+        }
+        Self::resolve(op, n, cols)
+    }
+
+    /// `out = act((N(x) · w + b) · (1 + s))`: statistics in `f64`, the normalised value rounded
+    /// once, then weight, bias and modulation applied in `f32` in the reference's order, then the
+    /// activation as the convolutions apply an input activation (the same bits as activating on
+    /// read).
     fn apply(&self, x: &[f32], out: &mut [f32]) {
         let n = x.len() as f64;
         let mean = match self.kind {
@@ -77,6 +92,9 @@ impl<'a> Norm<'a> {
         let inv = 1.0 / (var + self.eps as f64).sqrt();
         let scale = self.one_plus_scale.as_deref();
         vmath::normalize(x, mean, inv, self.weight, self.bias, scale, out);
+        if let Some(act) = self.act {
+            vmath::activate(out, act);
+        }
     }
 }
 
@@ -104,7 +122,7 @@ pub(super) fn residual(
         Some(p) if p.scale.is_some() => {
             return Err(Error::backend(OP, "the post-norm cannot be modulated"));
         }
-        Some(p) => Some(Norm::resolve(OP, p, cols)?),
+        Some(p) => Some(Norm::resolve_for_residual(OP, p, cols)?),
         None => None,
     };
     let gate: Option<Vec<f32>> = match &res.tanh_gate {
@@ -146,7 +164,7 @@ pub(super) fn residual(
                 .for_each_init(Vec::new, |tmp, (hr, yr)| step(hr, yr, tmp));
             return Ok(());
         }
-        After::Norm(n, out) => (Some(Norm::resolve(OP, &n, cols)?), out),
+        After::Norm(n, out) => (Some(Norm::resolve_for_residual(OP, &n, cols)?), out),
         After::Copy(out) => (None, out),
     };
     same_shape(OP, (h.rows, h.cols), (out.rows, out.cols))?;
@@ -166,7 +184,7 @@ pub(super) fn residual(
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use crate::{After, Backend, NormKind, Residual, RowNorm, View, ViewMut};
+    use crate::{Activation, After, Backend, NormKind, Residual, RowNorm, View, ViewMut};
 
     /// The definition in f64: `(N(x) · w + b) · (1 + s)`.
     fn naive(
@@ -251,6 +269,54 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// An activated norm stores the same bits as the norm followed by the activation (what a
+    /// convolution with that input activation computed), and a residual step's norms refuse one.
+    #[test]
+    fn an_activated_norm_is_the_norm_then_the_activation() {
+        let be = cpu();
+        let (rows, cols) = (5, 144);
+        let mut rng = Rng::new(11);
+        let x = rng.vec(rows * cols, 3.0);
+        let w = be.vector_f32(&rng.vec(cols, 1.0)).unwrap();
+        let xb = buf(&be, &x);
+        for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu] {
+            let n = RowNorm::rms(&w, 1e-24 / cols as f32);
+            let mut plain = buf(&be, &vec![0.0; rows * cols]);
+            be.norm(
+                View::new(&xb, rows, cols),
+                &n,
+                ViewMut::new(&mut plain, rows, cols),
+            )
+            .unwrap();
+            let mut want = be.read_f32(View::new(&plain, rows, cols)).unwrap();
+            super::vmath::activate(&mut want, act);
+            let mut o = buf(&be, &vec![0.0; rows * cols]);
+            be.norm(
+                View::new(&xb, rows, cols),
+                &n.activated(act),
+                ViewMut::new(&mut o, rows, cols),
+            )
+            .unwrap();
+            let got = be.read_f32(View::new(&o, rows, cols)).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{act:?}"
+            );
+        }
+        let (mut h, y) = (buf(&be, &x), buf(&be, &x));
+        let err = be
+            .residual(
+                ViewMut::new(&mut h, rows, cols),
+                View::new(&y, rows, cols),
+                &Residual::post_norm(RowNorm::rms(&w, 1e-6).activated(Activation::Silu)),
+                After::Nothing,
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("no activation"), "{err}");
     }
 
     #[test]

@@ -4,13 +4,14 @@
 use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};
 
+use super::gemm::act_code;
 use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, Elem};
 use crate::view::same_shape;
 use crate::{
-    After, CacheWrite, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, ThenResidual,
-    View, ViewMut,
+    Activation, After, CacheWrite, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm,
+    ThenResidual, View, ViewMut,
 };
 
 kernel_args! {
@@ -83,9 +84,10 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `row_norm_{x}_{out}`: any [`RowNorm`], one block per row.
+    /// `row_norm_{x}_{out}`: any [`RowNorm`], one block per row; `act` −1 none, else the
+    /// activation's code (`image_act`).
     pub(super) struct RowNormArgs {
-        x: DevPtr, xs: i64, norm: NormParams, out: DevPtr, os: i64, cols: i32,
+        x: DevPtr, xs: i64, norm: NormParams, out: DevPtr, os: i64, cols: i32, act: i32,
     }
 }
 
@@ -163,8 +165,15 @@ impl NormParams {
     };
 
     /// The general kernels' view of `n` over rows of `cols`, its vectors and modulation row
-    /// checked.
+    /// checked. Only [`norm`] passes an activation on (as its own argument): a residual step's
+    /// norms refuse one.
     fn of(op: &str, n: &RowNorm<'_, CudaBackend>, cols: usize) -> Result<Self> {
+        if let Some(a) = n.act {
+            return Err(Error::backend(
+                op,
+                format!("a residual step's norm takes no activation ({a:?})"),
+            ));
+        }
         let vector = |v: Option<&CudaBuf>, what: &str| match v {
             Some(v) if v.len != cols => Err(Error::backend(
                 op,
@@ -242,13 +251,24 @@ pub(super) fn norm(
         return rms_norm(be, x, n.weight, n.eps, out);
     }
     same_shape("norm", (x.rows, x.cols), (out.rows, out.cols))?;
+    let act = match n.act {
+        None => -1,
+        Some(Activation::Gelu) => {
+            return Err(Error::backend(
+                "norm",
+                "the erf GELU after a norm is not implemented on CUDA",
+            ));
+        }
+        Some(a) => act_code(a),
+    };
     let args = RowNormArgs {
         x: ptr_of(&x)?,
         xs: x.stride as i64,
-        norm: NormParams::of("norm", n, x.cols)?,
+        norm: NormParams::of("norm", &RowNorm { act: None, ..*n }, x.cols)?,
         out: ptr_of_mut(&out)?,
         os: out.stride as i64,
         cols: x.cols as i32,
+        act,
     };
     let (xe, oe) = (x.buf.elem, out.buf.elem);
     let rows = [
@@ -301,7 +321,7 @@ fn after_params<'v, 'a>(
 
 /// A plain weighted-or-not RMS norm, the only kind the RMS kernels compute.
 fn plain_rms(n: &RowNorm<'_, CudaBackend>) -> bool {
-    n.kind == NormKind::Rms && n.bias.is_none() && n.scale.is_none()
+    n.kind == NormKind::Rms && n.bias.is_none() && n.scale.is_none() && n.act.is_none()
 }
 
 /// The residual step: the RMS kernels for Gemma's sandwich step (an RMS post-norm, no gate, a

@@ -12,7 +12,7 @@ use tessera_core::{Error, Result};
 
 use super::CudaBackend;
 use super::attention::{CACHED_HEAD_DIMS, FLASH_HEAD_DIMS, ROWS_MAX_HEAD_DIM, self_kernel};
-use crate::op::{AttentionOp, MaskKind, MatmulOp};
+use crate::op::{AttentionOp, MaskKind, MatmulOp, NormOp};
 use crate::{Activation, Backend, Op, Precision};
 
 /// Why an op is declined (`what` names the missing feature; the caller names the op and the
@@ -52,7 +52,6 @@ impl CudaBackend {
             Op::Embed
             | Op::Cast
             | Op::Matmul(_)
-            | Op::Norm(_)
             | Op::Residual(_)
             | Op::SegmentMean
             | Op::AddPositions2d
@@ -64,6 +63,10 @@ impl CudaBackend {
             | Op::ArgmaxRows => Ok(()),
             // The erf GELU is only a product epilogue so far (LFM2-VL's projector).
             Op::Gated(Activation::Gelu)
+            | Op::Norm(NormOp {
+                act: Some(Activation::Gelu),
+                ..
+            })
             | Op::GroupNorm {
                 act: Some(Activation::Gelu),
             }
@@ -71,7 +74,7 @@ impl CudaBackend {
                 act: Some(Activation::Gelu),
                 ..
             } => Err(not_yet("the erf GELU outside a product epilogue is")),
-            Op::Gated(_) | Op::GroupNorm { .. } | Op::Conv2d { .. } => Ok(()),
+            Op::Gated(_) | Op::Norm(_) | Op::GroupNorm { .. } | Op::Conv2d { .. } => Ok(()),
             Op::QkvNormRope { head_dim, .. } => {
                 if *head_dim == 0 || !head_dim.is_multiple_of(2) || *head_dim > 512 {
                     return Err(Error::Device(

@@ -111,6 +111,8 @@ pub struct NormOp {
     pub weight: bool,
     pub bias: bool,
     pub modulated: bool,
+    /// The activation applied to its output ([`RowNorm::act`]).
+    pub act: Option<Activation>,
 }
 
 impl NormOp {
@@ -120,6 +122,7 @@ impl NormOp {
         weight: true,
         bias: false,
         modulated: false,
+        act: None,
     };
 }
 
@@ -236,6 +239,9 @@ impl std::fmt::Display for Op {
                     s.push_str(what);
                 }
             }
+            if let Some(a) = n.act {
+                s.push_str(&format!(", then {a:?}"));
+            }
             s
         };
         match self {
@@ -340,6 +346,7 @@ impl<B: Backend> RowNorm<'_, B> {
             weight: self.weight.is_some(),
             bias: self.bias.is_some(),
             modulated: self.scale.is_some(),
+            act: self.act,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Row normalisations and the residual step that folds a sub-block's output back into the
 //! residual stream (with the next sub-block's pre-norm fused after it).
 
-use crate::{Backend, View, ViewMut};
+use crate::{Activation, Backend, View, ViewMut};
 
 /// Which statistic a [`RowNorm`] removes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -12,8 +12,9 @@ pub enum NormKind {
     Layer,
 }
 
-/// A per-row normalisation with an optional affine weight and bias and an optional adaLN
-/// modulation: `(N(x) · w + b) · (1 + s)`. Statistics are accumulated in at least `f32`.
+/// A per-row normalisation with an optional affine weight and bias, an optional adaLN
+/// modulation and an optional activation: `act((N(x) · w + b) · (1 + s))`. Statistics are
+/// accumulated in at least `f32`.
 pub struct RowNorm<'a, B: Backend> {
     pub kind: NormKind,
     /// Per-column weight `[cols]` (`None`: no affine weight).
@@ -24,6 +25,10 @@ pub struct RowNorm<'a, B: Backend> {
     /// One row `[1, cols]` of raw adaLN scales `s`, broadcast over all rows and applied as
     /// `(1 + s)`: the form of DiTs without shift terms. `None`: no modulation.
     pub scale: Option<View<'a, B>>,
+    /// Applied to the normalised value before it is stored, where a norm's only reader applies it
+    /// anyway (the VAE resnets' `SiLU ∘ norm`): stored once instead of activated on every read.
+    /// Only [`Backend::norm`](crate::Backend::norm) takes it; a residual step's norms refuse it.
+    pub act: Option<Activation>,
 }
 
 impl<B: Backend> Clone for RowNorm<'_, B> {
@@ -42,6 +47,7 @@ impl<'a, B: Backend> RowNorm<'a, B> {
             bias: None,
             eps,
             scale: None,
+            act: None,
         }
     }
 
@@ -53,6 +59,7 @@ impl<'a, B: Backend> RowNorm<'a, B> {
             bias: None,
             eps,
             scale: None,
+            act: None,
         }
     }
 
@@ -64,6 +71,7 @@ impl<'a, B: Backend> RowNorm<'a, B> {
             bias: Some(bias),
             eps,
             scale: None,
+            act: None,
         }
     }
 
@@ -78,6 +86,14 @@ impl<'a, B: Backend> RowNorm<'a, B> {
     /// The same norm, modulated when `scale` is given.
     pub fn modulated_by(self, scale: Option<View<'a, B>>) -> Self {
         RowNorm { scale, ..self }
+    }
+
+    /// The same norm with `act` applied to its output.
+    pub fn activated(self, act: Activation) -> Self {
+        RowNorm {
+            act: Some(act),
+            ..self
+        }
     }
 }
 

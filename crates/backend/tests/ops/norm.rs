@@ -2,7 +2,7 @@
 //! residual step with the next sub-block's norm after it.
 
 use tessera_backend::op::{AfterOp, NormOp, ResidualOp};
-use tessera_backend::{After, Backend, NormKind, Op, Residual, Role, RowNorm};
+use tessera_backend::{Activation, After, Backend, NormKind, Op, Residual, Role, RowNorm};
 
 use super::{Device, Guarded, Layout, OpCase, Output, Res, Rng, stream_rows};
 
@@ -13,6 +13,7 @@ pub struct NormSpec {
     weight: bool,
     bias: bool,
     modulated: bool,
+    act: Option<Activation>,
     eps: f32,
 }
 
@@ -40,6 +41,7 @@ pub fn plain(kind: NormKind) -> NormSpec {
         weight: false,
         bias: false,
         modulated: false,
+        act: None,
         eps: 1e-6,
     }
 }
@@ -55,12 +57,20 @@ impl NormSpec {
             ..self
         }
     }
+    /// Followed by `act` (only a plain norm takes it, not a residual step's).
+    pub fn activated(self, act: Activation) -> Self {
+        NormSpec {
+            act: Some(act),
+            ..self
+        }
+    }
     fn op(&self) -> NormOp {
         NormOp {
             kind: self.kind,
             weight: self.weight,
             bias: self.bias,
             modulated: self.modulated,
+            act: self.act,
         }
     }
 }
@@ -102,6 +112,7 @@ impl<B: Backend> NormParams<B> {
             bias: self.bias.as_ref(),
             eps: self.spec.eps,
             scale: self.scale.as_ref().map(Guarded::view),
+            act: self.spec.act,
         }
     }
 }

@@ -11,6 +11,7 @@ pub fn ops(c: &Lfm2VlConfig) -> Vec<Op> {
         weight: true,
         bias: true,
         modulated: false,
+        act: None,
     };
     let bias = MatmulOp {
         bias: true,

@@ -22,6 +22,7 @@ pub fn ops(cfg: &QwenImageConfigs) -> Vec<Op> {
         weight: false,
         bias: false,
         modulated: true,
+        act: None,
     };
     let plain = MatmulOp::default();
     let mut ops = vec![

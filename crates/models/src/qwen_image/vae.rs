@@ -22,8 +22,11 @@
 //!   `rms(x) ≫ 10⁻¹²/√C`, and both give 0 for an all-zero pixel (eps 0 would give NaN). None of
 //!   this model's norms has a bias.
 //! - resnet: `conv2(φ(conv1(φ(x)))) + shortcut(x)`, `φ = SiLU ∘ RMS_norm`, 3×3 same-padding
-//!   convolutions, a 1×1 `conv_shortcut` where the channel count changes. The SiLU is fused into
-//!   the following convolution's input ([`Conv2d::of_activated`]).
+//!   convolutions, a 1×1 `conv_shortcut` where the channel count changes. The norm applies the
+//!   SiLU as it stores its output ([`RowNorm::activated`]), which only the next convolution reads:
+//!   each value is activated once, not once per tap (nine times) in the convolution's loader, and
+//!   the convolution reads an activation-free input (on Hopper, the warpgroup-MMA kernel's fast
+//!   case). The same bits on the CPU as activating on read.
 //! - mid attention: `x + proj(softmax(q kᵀ/√C) v)`, `q|k|v = to_qkv(RMS_norm(x))`, one head of
 //!   width C, all pixels (1×1 convolutions are products over the pixel rows).
 //! - `DupUp3D` on the first chunk keeps the **last** temporal slot (checked in the reference:
@@ -469,10 +472,13 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
         ..MatmulOp::default()
     };
     let mut ops = vec![
-        conv(1, false, None),                   // post_quant_conv, resnet shortcuts
-        conv(3, false, None),                   // conv_in
-        conv(3, false, Some(Activation::Silu)), // resnets, conv_out
+        conv(1, false, None), // post_quant_conv, resnet shortcuts
+        conv(3, false, None), // conv_in, resnets, conv_out (their norms apply the SiLU)
         Op::Norm(NormOp::RMS),
+        Op::Norm(NormOp {
+            act: Some(Activation::Silu),
+            ..NormOp::RMS
+        }),
         Op::Matmul(bias),
         Op::Matmul(MatmulOp {
             accumulate: true,
@@ -599,17 +605,11 @@ impl<B: Backend> Resnet<B> {
         let px = hw.0 * hw.1;
         be.norm(
             View::new(x, px, self.cin),
-            &self.norm1.row_norm(),
+            &self.norm1.row_norm().activated(Activation::Silu),
             ViewMut::new(c, px, self.cin),
         )?;
-        self.conv1.run(
-            be,
-            View::new(c, px, self.cin),
-            hw,
-            false,
-            Some(Activation::Silu),
-            h,
-        )
+        self.conv1
+            .run(be, View::new(c, px, self.cin), hw, false, None, h)
     }
 
     /// `out += conv2(φ(h))`.
@@ -623,16 +623,11 @@ impl<B: Backend> Resnet<B> {
         let px = hw.0 * hw.1;
         be.norm(
             View::new(h, px, self.cout),
-            &self.norm2.row_norm(),
+            &self.norm2.row_norm().activated(Activation::Silu),
             ViewMut::new(c, px, self.cout),
         )?;
-        self.conv2.add_to(
-            be,
-            View::new(c, px, self.cout),
-            hw,
-            Some(Activation::Silu),
-            out,
-        )
+        self.conv2
+            .add_to(be, View::new(c, px, self.cout), hw, None, out)
     }
 }
 
@@ -907,17 +902,11 @@ impl<B: Backend> VaeDecoder<B> {
         let c0 = self.head;
         be.norm(
             View::new(&b.x, px, c0),
-            &self.norm_out.row_norm(),
+            &self.norm_out.row_norm().activated(Activation::Silu),
             ViewMut::new(&mut b.c, px, c0),
         )?;
-        self.conv_out.run(
-            be,
-            View::new(&b.c, px, c0),
-            hw,
-            false,
-            Some(Activation::Silu),
-            &mut b.s,
-        )?;
+        self.conv_out
+            .run(be, View::new(&b.c, px, c0), hw, false, None, &mut b.s)?;
         let mut image = be.read_f32(View::new(&b.s, px, self.cfg.out_channels))?;
         for v in &mut image {
             *v = v.clamp(-1.0, 1.0);

@@ -56,10 +56,13 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
     };
     let blocks = cfg.down_blocks();
     let mut ops = vec![
-        conv(3, None, false),                   // conv_in
-        conv(1, None, false),                   // quant_conv
-        conv(3, Some(Activation::Silu), false), // resnets, conv_out
+        conv(3, None, false), // conv_in, resnets, conv_out (their norms apply the SiLU)
+        conv(1, None, false), // quant_conv
         Op::Norm(NormOp::RMS),
+        Op::Norm(NormOp {
+            act: Some(Activation::Silu),
+            ..NormOp::RMS
+        }),
         Op::Matmul(bias),
         Op::Matmul(MatmulOp {
             accumulate: true,
@@ -290,17 +293,11 @@ impl<B: Backend> VaeEncoder<B> {
         let z2 = 2 * self.cfg.z_dim;
         be.norm(
             View::new(&b.x, px, top),
-            &self.norm_out.row_norm(),
+            &self.norm_out.row_norm().activated(Activation::Silu),
             ViewMut::new(&mut b.c, px, top),
         )?;
-        self.conv_out.run(
-            be,
-            View::new(&b.c, px, top),
-            hw,
-            false,
-            Some(Activation::Silu),
-            &mut b.s,
-        )?;
+        self.conv_out
+            .run(be, View::new(&b.c, px, top), hw, false, None, &mut b.s)?;
         record("head", &b.s, px, z2)?;
         self.quant
             .run(be, View::new(&b.s, px, z2), hw, false, None, &mut b.x)?;

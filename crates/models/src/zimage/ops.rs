@@ -53,6 +53,7 @@ pub fn ops(cfg: &ZImageConfigs) -> Vec<Op> {
             weight: false,
             bias: false,
             modulated: true,
+            act: None,
         }),
         Op::QkvNormRope {
             head_dim: tr.head_dim(),

@@ -504,15 +504,18 @@ __device__ __forceinline__ float norm_affine(float v, float2 st, int c, const fl
     return y;
 }
 
+// `act` (image_act's codes, −1 none) is applied to the normalised value before it is stored: the
+// VAE resnets' SiLU ∘ norm, whose only reader is a convolution.
 template <typename TI, typename TO>
 __device__ __forceinline__ void row_norm_impl(const TI* x, long xs, int kind, const float* w, const float* b,
-                                              const float* s, float eps, TO* out, long os, int cols) {
+                                              const float* s, float eps, TO* out, long os, int cols, int act) {
     extern __shared__ float row[];
     __shared__ float sh[32];
     const long r = blockIdx.x;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) row[c] = to_f(x[r * xs + c]);
     const float2 st = row_stats(row, cols, kind, eps, sh);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[r * os + c] = from_f<TO>(norm_affine(row[c], st, c, w, b, s));
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        out[r * os + c] = from_f<TO>(image_act(act, norm_affine(row[c], st, c, w, b, s)));
 }
 
 // h = (h + tanh(g) ⊙ N_post(y)) · scale (post_kind −1: no post-norm; g null: no gate), then
@@ -550,9 +553,9 @@ __device__ __forceinline__ void residual_any_impl(float* h, long hs, const TY* y
 // Both general kernels, and their vector variants below, by implementation (IMPL).
 #define ROW_NORM(IMPL, TI, TO, NAME)                                                                     \
     extern "C" __global__ void NAME(const TI* x, long xs, int kind, const float* w, const float* b,         \
-                                    const float* s, float eps, TO* out, long os, int cols) {              \
+                                    const float* s, float eps, TO* out, long os, int cols, int act) {     \
         pdl_enter();                                                                                      \
-        IMPL<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols);                                           \
+        IMPL<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols, act);                                      \
     }
 ROW_NORM(row_norm_impl, float, float, row_norm_f32_f32)
 ROW_NORM(row_norm_impl, float, bf16, row_norm_f32_bf16)
@@ -578,7 +581,7 @@ RESIDUAL_ANY(residual_any_impl, bf16, bf16, residual_any_bf16_bf16)
 
 template <typename TI, typename TO>
 __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind, const float* w, const float* b,
-                                                  const float* s, float eps, TO* out, long os, int cols) {
+                                                  const float* s, float eps, TO* out, long os, int cols, int act) {
     __shared__ float sh[32];
     const RowThreads rt = block_row_threads(sh);
     const long r = blockIdx.x;
@@ -587,6 +590,12 @@ __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind
     const float2 st = row_stats_vec(v, cols, kind, eps, rt);
     // The weights' loads all before the first store (see residual_any_vec_impl).
     norm_affine_row_vec(v, st, cols, w, b, s, rt);
+    if (act >= 0) {
+#pragma unroll
+        for (int i = 0; i < RN_CHUNKS; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[i][j] = image_act(act, v[i][j]);
+    }
     store_row_vec(out + r * os, cols, v, rt);
 }
 

@@ -13,6 +13,7 @@ pub fn ops(cfg: &VisionConfig) -> Vec<Op> {
         weight: true,
         bias: true,
         modulated: false,
+        act: None,
     };
     let bias = MatmulOp {
         bias: true,
