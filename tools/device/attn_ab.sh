@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (via the `device` tool, carrying .dev/pack): an attention kernel change against
 # a baseline binary (issue 27), in one call —
-#   ops:  the op table's attention cases (cuda_ops, every flash kernel forced, against the CPU);
+#   ops:  the op table's attention cases (cuda_ops, every flash kernel forced, against the CPU;
+#         OPS_CASE picks other cases, empty for the whole table);
 #   attn: `tessera bench attention` of this binary (B) and of BASE_BIN (A), alternating A B A B,
 #         then PyTorch SDPA on the same shapes (tools/device/sdpa_ref.py);
 #   ncu:  Nsight Compute on one launch of each of NCU_KERNELS in both binaries (speed of light,
@@ -37,11 +38,11 @@ PY
 }
 
 if [[ $PARTS == *ops* ]]; then
-  echo "== op table, attention cases (cuda vs cpu, every kernel forced)"
-  TESSERA_OP_CASE=attention timeout 300 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture ops_match_cpu \
+  echo "== op table (cuda vs cpu, every kernel forced), cases: ${OPS_CASE-attention}"
+  TESSERA_OP_CASE=${OPS_CASE-attention} timeout 300 .dev/bin/cuda_ops --ignored --test-threads=1 --nocapture ops_match_cpu \
     > "$OUT/cuda_ops_attn.log" 2>&1; r=$?; status=$((status | r))
-  echo "cuda_ops attention: rc=$r"
-  grep -E "^total|test result|panicked|FAIL" "$OUT/cuda_ops_attn.log" | head -12
+  echo "cuda_ops: rc=$r"
+  grep -E "^total|declined|test result|panicked|FAIL" "$OUT/cuda_ops_attn.log" | head -12
 fi
 if [[ $PARTS == *attn* ]]; then
   echo "== bench attention (median of 20 launches), A = $BASE_BIN, B = this binary, A B A B"
