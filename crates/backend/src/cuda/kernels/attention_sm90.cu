@@ -53,14 +53,17 @@ template <> struct WgCfg<512> { static constexpr int WGS = 2, BN = 64, MIN_CTAS 
 
 // Issue S (+)= Q·Kᵀ over head columns [16·c0, 16·(c0 + STEPS)): 64-column block c / 4, 32 bytes
 // into its rows per step. No commit.
+// Each step's descriptors are the tiles' first ones plus the step's offset (sw128_desc_at), so the
+// loop adds constants instead of re-encoding every address.
 template <int STEPS, int NS>
 __device__ __forceinline__ void issue_qk(float (&s)[NS][4], u32 sQ, u32 sK, int c0) {
     constexpr int BN = NS * 8;
+    const u64 dq = sw128_desc(sQ, 16), dk = sw128_desc(sK, 16);
 #pragma unroll
     for (int kk = 0; kk < STEPS; kk++) {
         const int c = c0 + kk;
         const u32 col = (c & 3) * 32;
-        wgmma_ss(s, sw128_desc(sQ + (c >> 2) * (64 * 128) + col, 16), sw128_desc(sK + (c >> 2) * (BN * 128) + col, 16),
+        wgmma_ss(s, sw128_desc_at(dq, (c >> 2) * (64 * 128) + col), sw128_desc_at(dk, (c >> 2) * (BN * 128) + col),
                  kk > 0);
     }
 }
@@ -69,8 +72,9 @@ __device__ __forceinline__ void issue_qk(float (&s)[NS][4], u32 sQ, u32 sK, int 
 // block of V (from block b0 on), 2 KB apart per step. No commit.
 template <int BN, int NO>
 __device__ __forceinline__ void issue_pv(float (&o)[NO][4], const u32 (&pa)[BN / 16][4], u32 sV, int b0) {
+    const u64 dv = sw128_desc(sV, BN * 128);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; kk++) wgmma_rs(o, pa[kk], sw128_desc(sV + b0 * (BN * 128) + kk * 2048, BN * 128));
+    for (int kk = 0; kk < BN / 16; kk++) wgmma_rs(o, pa[kk], sw128_desc_at(dv, b0 * (BN * 128) + kk * 2048));
 }
 
 template <int D>

@@ -97,3 +97,7 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes) {
     return (u64)((addr >> 4) & 0x3FFF) | ((u64)((lbo_bytes >> 4) & 0x3FFF) << 16) | ((u64)(1024 >> 4) << 32) |
            (1ull << 62);
 }
+// The descriptor of `desc`'s tile `bytes` further on (a multiple of 16): only the start-address
+// field moves, and it cannot carry into the next field, since shared memory (≤ 228 KB) is below
+// the field's 2^18 bytes.
+__device__ __forceinline__ u64 sw128_desc_at(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
