@@ -22,20 +22,6 @@ B=.dev/bin/tessera
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 
-# table FILE LABEL: one line per shape and kernel of a `bench attention` JSON-lines file.
-table() {
-  python3 - "$1" "$2" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    if r.get("kv_splits") == 1 or r.get("chosen"):
-        print(f"{sys.argv[2]:<5} {r['shape']:<20} {str(r.get('kernel')):<6} chunks={r['kv_splits']} "
-              f"chosen={r['chosen']!s:<5} {r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
-PY
-}
 
 if [[ $PARTS == *ops* ]]; then
   echo "== op table (cuda vs cpu, every kernel forced), cases: ${OPS_CASE-attention}"
@@ -50,21 +36,13 @@ if [[ $PARTS == *attn* ]]; then
     for side in A B; do
       bin=$B; [ $side = A ] && bin=$BASE_BIN
       timeout 150 $bin bench attention --device cuda > "$OUT/attn_${side}${round}.jsonl" 2>&1 || status=1
-      table "$OUT/attn_${side}${round}.jsonl" "$side$round" | grep -E "dit|4096x16x64|image" | grep -E "ws|chosen=True"
+      python3 tools/device/attn_table.py "$OUT/attn_${side}${round}.jsonl" "$side$round" --chosen \
+        --shapes dit,4096x16x64,image | grep -E "ws|chosen=True"
     done
   done
   echo "== PyTorch SDPA, same shapes, same call"
   timeout 150 python3 tools/device/sdpa_ref.py > "$OUT/sdpa_ref.jsonl" 2>&1 || status=1
-  python3 - "$OUT/sdpa_ref.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    if "error" not in r:
-        print(f"sdpa  {r['shape']:<20} {r['backend']:<20} {r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
-PY
+  python3 tools/device/attn_table.py "$OUT/sdpa_ref.jsonl"
 fi
 if [[ $PARTS == *ncu* ]]; then
   first=1

@@ -14,29 +14,7 @@ echo "cuda_ops attention: rc=$?"
 grep -E "test result|panicked|FAIL|^total" -A2 "$OUT/cuda_ops_attn.log" | head -30
 timeout 200 .dev/bin/tessera bench attention --device cuda > "$OUT/bench_attention.jsonl" 2>&1
 echo "bench attention: rc=$?"
-python3 - "$OUT/bench_attention.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        print(line.rstrip())
-        continue
-    print(f"{r['shape']:<20} {str(r.get('kernel')):<6} chunks={r['kv_splits']} chosen={r['chosen']!s:<5} "
-          f"{r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
-PY
+python3 tools/device/attn_table.py "$OUT/bench_attention.jsonl"
 echo "== PyTorch SDPA, same shapes, same call"
 timeout 120 python3 tools/device/sdpa_ref.py > "$OUT/sdpa_ref.jsonl" 2>&1
-python3 - "$OUT/sdpa_ref.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        print(line.rstrip())
-        continue
-    if "error" in r:
-        print(f"{r['shape']:<20} {r['backend']:<20} {r['error'][:80]}")
-    else:
-        print(f"{r['shape']:<20} {r['backend']:<20} {r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
-PY
+python3 tools/device/attn_table.py "$OUT/sdpa_ref.jsonl"

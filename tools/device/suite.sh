@@ -122,41 +122,14 @@ echo "-- suite: status $status after $((SECONDS - t0)) s"
 if [[ $PARTS == *attn* ]] && time_left attn; then
   echo "== attention (median of 20; TFLOP/s), then PyTorch SDPA in this call"
   timeout 120 $B bench attention --device cuda > "$OUT/bench_attention.jsonl" 2>&1
-  python3 - "$OUT/bench_attention.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    print(f"{r['shape']:<20} {str(r.get('kernel')):<6} chunks={r['kv_splits']} chosen={r['chosen']!s:<5} "
-          f"{r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
-PY
+  python3 tools/device/attn_table.py "$OUT/bench_attention.jsonl"
   if [ -x .dev/bin/tessera-base ]; then
     echo "-- the baseline binary (.dev/bin/tessera-base), same call"
     timeout 120 .dev/bin/tessera-base bench attention --device cuda > "$OUT/bench_attention_base.jsonl" 2>&1
-    python3 - "$OUT/bench_attention_base.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    print(f"base {r['shape']:<20} {str(r.get('kernel')):<6} chunks={r['kv_splits']} chosen={r['chosen']!s:<5} "
-          f"{r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
-PY
+    python3 tools/device/attn_table.py "$OUT/bench_attention_base.jsonl" base
   fi
   timeout 120 python3 tools/device/sdpa_ref.py > "$OUT/sdpa_ref.jsonl" 2>&1
-  python3 - "$OUT/sdpa_ref.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    try:
-        r = json.loads(line)
-    except ValueError:
-        continue
-    if "error" not in r:
-        print(f"{r['shape']:<20} sdpa {r['backend']:<8} {r['median_ms'] * 1e3:8.1f} us {r['tflops']:6.1f} TFLOP/s")
-PY
+  python3 tools/device/attn_table.py "$OUT/sdpa_ref.jsonl"
 fi
 if [[ $PARTS == *gen* ]] && time_left gen; then
   ensure_zfull
