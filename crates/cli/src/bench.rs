@@ -851,9 +851,9 @@ type ConvShape = (&'static str, usize, usize, usize, usize, bool, bool);
 
 /// The VAE decoders' convolutions at a 1024² output. Z-Image (Flux-style, 16 latent channels,
 /// 8×): conv_in, the 512-wide mid and up blocks at 128² and 256², 256 at 512², 128 at 1024²,
-/// the upsamplers, conv_out. Qwen-Image-2.1 (16×, 64 latent channels, SiLU fused before every
-/// resnet convolution): 1152 wide at 64²–256², 576 at 256², 288 at 512², 144 at 1024², conv_out
-/// into RGBA.
+/// the upsamplers, conv_out. Qwen-Image-2.1 (16×, 64 latent channels; its norms apply the SiLU
+/// before every resnet convolution, so they read activation-free inputs): 1152 wide at
+/// 64²–256², 576 at 256², 288 at 512², 144 at 1024², conv_out into RGBA.
 #[cfg(feature = "cuda")]
 const CONV_SHAPES: &[ConvShape] = &[
     ("zimage conv_in", 128, 16, 512, 3, false, false),
@@ -892,16 +892,16 @@ const CONV_SHAPES: &[ConvShape] = &[
     ("zimage up 128@1024", 1024, 128, 128, 3, false, false),
     ("zimage conv_out", 1024, 128, 3, 3, false, false),
     ("qwen conv_in", 64, 64, 1152, 3, false, false),
-    ("qwen 1152@64 silu", 64, 1152, 1152, 3, false, true),
-    ("qwen 1152@128 silu", 128, 1152, 1152, 3, false, true),
-    ("qwen 1152@256 silu", 256, 1152, 1152, 3, false, true),
-    ("qwen 1152->576@256 silu", 256, 1152, 576, 3, false, true),
-    ("qwen 576@256 silu", 256, 576, 576, 3, false, true),
-    ("qwen 576->288@512 silu", 512, 576, 288, 3, false, true),
-    ("qwen 288@512 silu", 512, 288, 288, 3, false, true),
-    ("qwen 288->144@1024 silu", 1024, 288, 144, 3, false, true),
-    ("qwen 144@1024 silu", 1024, 144, 144, 3, false, true),
-    ("qwen conv_out silu", 1024, 144, 4, 3, false, true),
+    ("qwen 1152@64", 64, 1152, 1152, 3, false, false),
+    ("qwen 1152@128", 128, 1152, 1152, 3, false, false),
+    ("qwen 1152@256", 256, 1152, 1152, 3, false, false),
+    ("qwen 1152->576@256", 256, 1152, 576, 3, false, false),
+    ("qwen 576@256", 256, 576, 576, 3, false, false),
+    ("qwen 576->288@512", 512, 576, 288, 3, false, false),
+    ("qwen 288@512", 512, 288, 288, 3, false, false),
+    ("qwen 288->144@1024", 1024, 288, 144, 3, false, false),
+    ("qwen 144@1024", 1024, 144, 144, 3, false, false),
+    ("qwen conv_out", 1024, 144, 4, 3, false, false),
 ];
 
 #[cfg(feature = "cuda")]
