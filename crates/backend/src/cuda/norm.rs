@@ -10,8 +10,8 @@ use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, Elem};
 use crate::view::same_shape;
 use crate::{
-    Activation, After, CacheWrite, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm,
-    ThenResidual, View, ViewMut,
+    After, CacheWrite, NormKind, QkvNorm, Residual, RopeStyle, RopeTable, RowNorm, ThenResidual,
+    View, ViewMut,
 };
 
 kernel_args! {
@@ -251,16 +251,8 @@ pub(super) fn norm(
         return rms_norm(be, x, n.weight, n.eps, out);
     }
     same_shape("norm", (x.rows, x.cols), (out.rows, out.cols))?;
-    let act = match n.act {
-        None => -1,
-        Some(Activation::Gelu) => {
-            return Err(Error::backend(
-                "norm",
-                "the erf GELU after a norm is not implemented on CUDA",
-            ));
-        }
-        Some(a) => act_code(a),
-    };
+    // The erf GELU, which `image_act` lacks, is declined on entry (`supports`).
+    let act = n.act.map_or(-1, act_code);
     let args = RowNormArgs {
         x: ptr_of(&x)?,
         xs: x.stride as i64,
