@@ -72,16 +72,17 @@ __device__ __forceinline__ void zero(float (&s)[N][4]) {
 // past q1 (zero-filled queries whose output is never written).
 __device__ __forceinline__ void key_span(int& lo, int& hi, int i, int end, int k_hi, int q1, int window, int causal,
                                          int col0) {
-    lo = -(1 << 30);
+    // Keys and rows are far below 2^28, so nothing here overflows.
+    lo = -(1 << 29);
     hi = min(k_hi, end);
     if (window >= 0) {
-        const int w = min(window, 1 << 28);  // keys and rows are far below 2^28: no overflow
+        const int w = min(window, 1 << 28);
         lo = i - w;
         hi = min(hi, i + w + 1);
     }
     if (causal) hi = min(hi, i + 1);
     if (i >= q1) hi = lo;
-    lo = max(lo, -(1 << 29)) - col0;
+    lo -= col0;
     hi -= col0;
 }
 
