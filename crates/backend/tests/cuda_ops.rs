@@ -246,6 +246,11 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(norm(9, 1152, rms().eps(1e-24 / 1152.0).activated(Silu)).from(Stream));
     t.add(norm(33, 130, rms().activated(Silu)));
     t.add(norm(7, 130, layer().activated(GeluTanh)));
+    // Rows one warp holds go eight to a block (`row_norm_warps`): a row count off the eight,
+    // bf16 in, a layer norm with bias, and a full warp's 1,024 columns.
+    t.add(norm(1001, 288, rms().eps(1e-24 / 288.0).activated(Silu)));
+    t.add(norm(13, 576, layer()).from(Stream));
+    t.add(norm(11, 1024, rms()));
 
     // ---- residual: Gemma's sandwich step h = (h + rms(y) · w) · 0.8, then nothing, the next
     // pre-norm or a copy, on the norms' shapes (warp and block kernels).
@@ -525,6 +530,14 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add_all(conv2d(4, 5, 64, 64, 3).upsampled().of(Silu).on_every_path());
     t.add_all(conv2d(11, 12, 128, 256, 1).of(Silu).on_every_path()); // 1×1 implicit
     t.add_all(conv2d(1, 1, 8, 8, 3).on_every_path()); // one pixel, 8 channels
+    // The 144-channel tile (Qwen-Image-2.1's decoder at full resolution) and a reduction that
+    // runs over (ky, kx, c) flattened, so a 64-wide step spans taps: 144 and 288 input channels
+    // (2¼ and 4½ steps a tap), 24 (a step holds 2⅔ taps), two 144-wide tiles, a short one.
+    t.add_all(conv2d(13, 11, 144, 144, 3).on_every_path()); // 143 pixels, the 144 tile
+    t.add_all(conv2d(9, 10, 288, 144, 3).upsampled().on_every_path());
+    t.add_all(conv2d(7, 6, 144, 288, 3).on_every_path()); // two 144-channel tiles
+    t.add_all(conv2d(10, 9, 24, 136, 3).on_every_path()); // 136 of a 144-channel tile
+    t.add_all(conv2d(6, 7, 144, 144, 3).added_to(Stream).on_every_path());
     // A resnet's second convolution added into the f32 stream (its residual add fused), on each
     // kernel: 128 channels (wgmma 128-tile), 512 (im2col + cuBLASLt with β = 1), a short channel
     // tile, upsampled, a 1×1 (the bare product), and into a bf16 output.

@@ -100,30 +100,34 @@ kernel_table! {
 
 kernel_table! {
     /// The kernels of conv_sm90.cu (sm_90a alone): the implicit GEMM on wgmma, by output type, for
-    /// tiles of 128, 256 and 64 output channels ([`wgmma_tile`]).
+    /// tiles of 128, 144, 256 and 64 output channels ([`wgmma_tile`]).
     pub(super) struct Sm90ConvKernels from "conv_sm90.cu" {
         conv_wgmma: ByElem<ConvArgs> = "conv_wgmma_{}",
+        conv_wgmma144: ByElem<ConvArgs> = "conv_wgmma144_{}",
         conv_wgmma256: ByElem<ConvArgs> = "conv_wgmma256_{}",
         conv_wgmma64: ByElem<ConvArgs> = "conv_wgmma64_{}",
     }
 }
 
 /// Dynamic shared memory of `conv_wgmma{BN}` (`CwCfg::SMEM` in conv_sm90.cu): its stages (three
-/// for 128-channel tiles, else four) of a 128-pixel tile and a `BN`-channel weight tile, 128
-/// bytes a row, and 1 KB to align them.
+/// for 128- and 144-channel tiles, else four) of a 128-pixel tile and a `BN`-channel weight
+/// tile, 128 bytes a row, and 1 KB to align them.
 const fn conv_wgmma_smem(bn: usize) -> usize {
-    let stages = if bn == 128 { 3 } else { 4 };
+    let stages = if bn == 128 || bn == 144 { 3 } else { 4 };
     stages * (128 * 128 + bn * 128) + 1024
 }
 
 /// The output-channel tile of `conv_wgmma` for `cout` channels: 64 up to 64, else whichever of
-/// 128 and 256 pads `cout` the least (256 on a tie: half the pixel gathers per product).
+/// 128, 144 and 256 pads `cout` the least (the wider on a tie: fewer pixel gathers per product).
+/// 144 is Qwen-Image-2.1's decoder at full resolution, which 256-wide tiles ran 44% empty.
 fn wgmma_tile(cout: usize) -> usize {
-    match cout {
-        0..=64 => 64,
-        _ if cout.next_multiple_of(256) <= cout.next_multiple_of(128) => 256,
-        _ => 128,
+    if cout <= 64 {
+        return 64;
     }
+    [256, 144, 128]
+        .into_iter()
+        .min_by_key(|&bn| cout.next_multiple_of(bn))
+        .unwrap_or(128)
 }
 
 /// Let the wgmma convolutions use the shared memory their stages take (more than the 48 KB a
@@ -132,6 +136,7 @@ pub(super) fn reserve_shared_memory(hopper: Option<&Sm90ConvKernels>) -> Result<
     let Some(t) = hopper else { return Ok(()) };
     let tiles = [
         (&t.conv_wgmma, 128),
+        (&t.conv_wgmma144, 144),
         (&t.conv_wgmma256, 256),
         (&t.conv_wgmma64, 64),
     ];
@@ -463,6 +468,7 @@ impl ImplicitGemm<'_> {
         let bn = wgmma_tile(cout);
         let kernel = match bn {
             64 => &table.conv_wgmma64,
+            144 => &table.conv_wgmma144,
             256 => &table.conv_wgmma256,
             _ => &table.conv_wgmma,
         }
@@ -675,15 +681,16 @@ mod tests {
             (64, 64),
             (65, 128),
             (128, 128),
-            (144, 256),
+            (136, 144),
+            (144, 144),
             (192, 256),
             (256, 256),
-            (288, 128),
+            (288, 144),
             (384, 128),
             (512, 256),
-            (576, 128),
+            (576, 144),
             (768, 256),
-            (1152, 128),
+            (1152, 144),
         ];
         for (cout, tile) in cases {
             assert_eq!(wgmma_tile(cout), tile, "{cout} output channels");
@@ -692,9 +699,10 @@ mod tests {
 
     #[test]
     fn wgmma_shared_memory_fits_its_multiprocessor_share() {
-        // 227 KB a multiprocessor on Hopper; 64- and 128-channel tiles run two CTAs on one.
+        // 227 KB a multiprocessor on Hopper; 64-, 128- and 144-channel tiles run two CTAs on one.
         assert!(2 * conv_wgmma_smem(64) <= 227 << 10);
         assert!(2 * conv_wgmma_smem(128) <= 227 << 10);
+        assert!(2 * conv_wgmma_smem(144) <= 227 << 10);
         assert!(conv_wgmma_smem(256) <= 227 << 10);
     }
 }

@@ -92,6 +92,11 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `row_norm_warps_{x}_{out}`: [`RowNormArgs`] over `rows` rows, one warp each.
+    pub(super) struct RowNormWarpsArgs { base: RowNormArgs, rows: i64 }
+}
+
+kernel_args! {
     /// `residual_any_{y}_{out}`: `h = (h + tanh(g) ⊙ N_post(y)) · scale`, then by `mode` 0
     /// nothing, 1 `out = N_next(h)`, 2 `out = h`; one block per row.
     pub(super) struct ResidualAnyArgs {
@@ -123,6 +128,8 @@ kernel_table! {
         residual_any: ByPair<ResidualAnyArgs> = "residual_any_{}_{}",
         /// The same two, rows held in registers 4-wide ([`vec_threads`]).
         row_norm_vec: ByPair<RowNormArgs> = "row_norm_vec_{}_{}",
+        /// The vector row norm for rows one warp holds, a warp per row and several per block.
+        row_norm_warps: ByPair<RowNormWarpsArgs> = "row_norm_warps_{}_{}",
         residual_any_vec: ByPair<ResidualAnyArgs> = "residual_any_vec_{}_{}",
         /// Interleaved RoPE on aligned heads of 128·m (m ≤ 4), 4-wide.
         qkv_norm_rope_pairs_vec: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_pairs_vec_{}",
@@ -221,6 +228,10 @@ pub(super) fn f32_row(
 /// Column chunks of 4 each thread of the vector kernels holds (`RN_CHUNKS` in norm.cu).
 const RN_CHUNKS: usize = 8;
 
+/// Rows a block of `row_norm_warps` takes, one a warp: 256 threads, so a multiprocessor fills up
+/// before its limit of blocks does.
+const WARP_ROWS: usize = 8;
+
 /// Threads per row of the vector row-norm kernels for rows of `cols`, when those kernels take
 /// them (4·m columns, at most 32,768) and every row and vector is aligned for 4-wide accesses.
 fn vec_threads(cols: usize, rows: &[(DevPtr, usize, usize)], vectors: &[DevPtr]) -> Option<u32> {
@@ -269,6 +280,16 @@ pub(super) fn norm(
     ];
     let k = &be.kernels.norm;
     match vec_threads(x.cols, &rows, &[args.norm.w, args.norm.b, args.norm.s]) {
+        Some(32) => {
+            let blocks = u32::try_from(x.rows.div_ceil(WARP_ROWS))
+                .map_err(|_| Error::backend("norm", format!("{} rows", x.rows)))?;
+            let launch = cfg((blocks, 1), 32 * WARP_ROWS as u32, 0);
+            let args = RowNormWarpsArgs {
+                base: args,
+                rows: x.rows as i64,
+            };
+            be.launch("norm", k.row_norm_warps.get(xe, oe)?, launch, &args)
+        }
         Some(threads) => {
             let launch = cfg((x.rows as u32, 1), threads, 0);
             be.launch("norm", k.row_norm_vec.get(xe, oe)?, launch, &args)

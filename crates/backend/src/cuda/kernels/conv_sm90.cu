@@ -7,12 +7,15 @@
 //
 // over one channels-last image, bf16 in, f32 accumulation, one rounding to the output type.
 //
-// A CTA computes 128 output pixels × BN (64, 128 or 256) output channels with two warpgroups,
-// each 64 pixels × BN by wgmma m64n{BN}k16 with both operands in shared memory (wgmma.cuh's
-// 128-byte swizzle). The reduction walks taps (ky, kx) and, within each, chunks of 64 input
-// channels — one 128-byte row per pixel and per output channel. Every thread gathers: a chunk is
-// one 16-byte cp.async per pixel row and per weight row, zero-filled for taps on the padding,
-// pixels past the image, channels past cin and output channels past cout. AHEAD = STAGES − 1 −
+// A CTA computes 128 output pixels × BN (64, 128, 144 or 256) output channels with two
+// warpgroups, each 64 pixels × BN by wgmma m64n{BN}k16 with both operands in shared memory
+// (wgmma.cuh's 128-byte swizzle). The reduction runs over the weight's row as stored, (ky, kx, c)
+// flattened, in steps of 64 — one 128-byte row per pixel and per output channel. A step may span
+// taps: each 16-byte piece (8 channels; cin is a multiple of 8) lies in one tap, so a 144-channel
+// input takes 20¼ steps of the 9 × 144 products rather than 27 of 64-channel chunks per tap (one
+// in four of them a quarter full). Every thread gathers: a step is one 16-byte cp.async per pixel
+// row and per weight row, zero-filled for taps on the padding, pixels past the image, the
+// reduction's end and output channels past cout. AHEAD = STAGES − 1 −
 // KEEP steps load while one multiplies, and each warpgroup keeps KEEP steps' products in flight
 // past its wait (CwCfg): the stage that step s + AHEAD fills was last read by step s − 1 − KEEP,
 // which every warpgroup waited for before the barrier of step s. Where that leaves the kernel
@@ -36,11 +39,13 @@
 // (KEEP), and the CTAs a multiprocessor holds. Measured on an H100 (run g10, `bench conv`): 128-
 // channel tiles run best three stages deep with two CTAs a multiprocessor, each waiting for every
 // step's products (255–260 TFLOP/s at 1024²; five stages, one CTA and KEEP 1 gave 180–190), and
-// 256-channel tiles four stages deep with KEEP 1 (285–300; their 193 KB allow one CTA).
+// 256-channel tiles four stages deep with KEEP 1 (285–300; their 193 KB allow one CTA). 144-
+// channel tiles take the 128-channel configuration (two CTAs of 103 KB fit a multiprocessor).
 // `conv_wgmma_smem` in cuda/image.rs mirrors SMEM (1 KB of slack aligns the stages to the
 // swizzle's period).
 template <int BN> struct CwCfg {
-    static constexpr int STAGES = BN == 128 ? 3 : 4, KEEP = BN == 128 ? 0 : 1, MIN_CTAS = BN == 256 ? 1 : 2;
+    static constexpr bool NARROW = BN == 128 || BN == 144;  // the three-stage, two-CTA configuration
+    static constexpr int STAGES = NARROW ? 3 : 4, KEEP = NARROW ? 0 : 1, MIN_CTAS = BN == 256 ? 1 : 2;
     static constexpr unsigned A_BYTES = CW_BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
     static constexpr unsigned SMEM = STAGES * STAGE + 1024;
 };
@@ -51,7 +56,7 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
                                                 const float* __restrict__ bias, long pixels, TO* __restrict__ out,
                                                 long os, int add) {
     typedef CwCfg<BN> C;
-    constexpr int BROWS = BN / 32;  // weight rows each thread copies per step
+    constexpr int BROWS = (BN + 31) / 32;  // weight rows each thread copies per step (the last may be short)
     extern __shared__ unsigned char cw_smem[];
     const u32 base = (smem_addr(cw_smem) + 1023u) & ~1023u;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wq = (tid >> 5) & 3;
@@ -59,8 +64,8 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
     const long p0 = (long)(blockIdx.x / ntiles) * CW_BM;
     const int n0 = (int)(blockIdx.x % ntiles) * BN;
     const int vh = h * up, vw = w * up, ow = vw / down, pad = down == 2 ? 0 : k / 2;
-    const long kk = (long)k * k * cin;
-    const int cc = (cin + 63) / 64, steps = k * k * cc;
+    const int kk = k * k * cin;  // the reduction's length (an `int`: the host checks)
+    const int steps = (kk + 63) / 64;
 
     // Each thread copies 16-byte chunk lc of rows lr + 32·i (pixels; weight rows).
     const int lr = tid >> 3, lc = tid & 7;
@@ -82,22 +87,25 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
     const u32 at = (u32)lr * 128 + (u32)((lc ^ (lr & 7)) << 4);
 
     auto load = [&](int slot, int step) {
-        const int tap = step / cc, c0 = (step - tap * cc) * 64 + lc * 8;
+        // This thread's piece: reduction index kf = (ky·k + kx)·cin + c0, 8 channels of one tap.
+        const int kf = step * 64 + lc * 8;
+        const bool kv = kf < kk;
+        const int tap = kf / cin, c0 = kf - tap * cin;
         const int ky = tap / k, kx = tap - ky * k;
-        const bool cv = c0 < cin;
         const u32 sa = base + slot * C::STAGE + at, sb = sa + C::A_BYTES;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int uy = (yx[i] >> 16) + ky, ux = (int)(short)(yx[i] & 0xffff) + kx;
-            const bool ok = cv && uy >= 0 && uy < vh && ux >= 0 && ux < vw;
+            const bool ok = kv && uy >= 0 && uy < vh && ux >= 0 && ux < vw;
             const bf16* src = ok ? x + ((long)(uy / up) * w + ux / up) * xs + c0 : x;
             cp_async16(sa + i * 32 * 128, src, ok);
         }
 #pragma unroll
         for (int i = 0; i < BROWS; i++) {
+            if (lr + 32 * i >= BN) break;  // a 144-channel tile's fifth row group: half the threads
             const int n = n0 + lr + 32 * i;
-            const bool ok = cv && n < cout;
-            const bf16* src = ok ? wt + (long)n * kk + (long)tap * cin + c0 : wt;
+            const bool ok = kv && n < cout;
+            const bf16* src = ok ? wt + (long)n * kk + kf : wt;
             cp_async16(sb + i * 32 * 128, src, ok);
         }
         cp_commit();
@@ -180,6 +188,8 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
         pdl_enter();                                                                                            \
         conv_wgmma_impl<TO, BN>(x, xs, h, w, cin, k, up, down, act, wt, cout, bias, pixels, out, os, add);     \
     }
+CONV_WGMMA(float, 144, conv_wgmma144_f32)
+CONV_WGMMA(bf16, 144, conv_wgmma144_bf16)
 CONV_WGMMA(float, 256, conv_wgmma256_f32)
 CONV_WGMMA(bf16, 256, conv_wgmma256_bf16)
 CONV_WGMMA(float, 128, conv_wgmma_f32)

@@ -579,12 +579,11 @@ RESIDUAL_ANY(residual_any_impl, bf16, bf16, residual_any_bf16_bf16)
 // ---- Vector variants of the general row norm and residual: rows held in registers 4-wide, the
 // helpers in rowvec.cuh (shared with gemv.cu's products that end in a residual step).
 
+// Row r by the threads `rt`.
 template <typename TI, typename TO>
-__device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind, const float* w, const float* b,
-                                                  const float* s, float eps, TO* out, long os, int cols, int act) {
-    __shared__ float sh[32];
-    const RowThreads rt = block_row_threads(sh);
-    const long r = blockIdx.x;
+__device__ __forceinline__ void row_norm_vec_row(const TI* x, long xs, int kind, const float* w, const float* b,
+                                                 const float* s, float eps, TO* out, long os, int cols, int act,
+                                                 long r, const RowThreads& rt) {
     float v[RN_CHUNKS][4];
     load_row_vec(x + r * xs, cols, v, rt);
     const float2 st = row_stats_vec(v, cols, kind, eps, rt);
@@ -597,6 +596,29 @@ __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind
             for (int j = 0; j < 4; j++) v[i][j] = image_act(act, v[i][j]);
     }
     store_row_vec(out + r * os, cols, v, rt);
+}
+
+// One row per block, its threads the whole block.
+template <typename TI, typename TO>
+__device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind, const float* w, const float* b,
+                                                  const float* s, float eps, TO* out, long os, int cols, int act) {
+    __shared__ float sh[32];
+    row_norm_vec_row(x, xs, kind, w, b, s, eps, out, os, cols, act, (long)blockIdx.x, block_row_threads(sh));
+}
+
+// Rows of at most 4·32·RN_CHUNKS columns: one warp per row, as many rows as the block has warps.
+// A block of one such row (row_norm_vec) holds 32 threads, so a multiprocessor, at most 32
+// blocks, ran half full on the VAE decoders' narrow rows (Qwen-Image-2.1's 144 channels at 1024²:
+// a million rows). Same sums, bit for bit: a one-warp row_sum is the block sum of one warp.
+template <typename TI, typename TO>
+__device__ __forceinline__ void row_norm_warps_impl(const TI* x, long xs, int kind, const float* w, const float* b,
+                                                    const float* s, float eps, TO* out, long os, int cols, int act,
+                                                    long rows) {
+    const long r = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // whole warps: nothing below waits on another warp
+    // One warp: row_sum needs no shared memory and no barrier (bar 1 is never reached).
+    const RowThreads rt{(int)(threadIdx.x & 31), 32, nullptr, 1};
+    row_norm_vec_row(x, xs, kind, w, b, s, eps, out, os, cols, act, r, rt);
 }
 
 // Asks L2 for the lines of a per-column vector this thread will read after a reduction, so that
@@ -655,6 +677,18 @@ ROW_NORM(row_norm_vec_impl, float, float, row_norm_vec_f32_f32)
 ROW_NORM(row_norm_vec_impl, float, bf16, row_norm_vec_f32_bf16)
 ROW_NORM(row_norm_vec_impl, bf16, float, row_norm_vec_bf16_f32)
 ROW_NORM(row_norm_vec_impl, bf16, bf16, row_norm_vec_bf16_bf16)
+
+#define ROW_NORM_WARPS(TI, TO, NAME)                                                                      \
+    extern "C" __global__ void NAME(const TI* x, long xs, int kind, const float* w, const float* b,         \
+                                    const float* s, float eps, TO* out, long os, int cols, int act,       \
+                                    long rows) {                                                          \
+        pdl_enter();                                                                                      \
+        row_norm_warps_impl<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols, act, rows);                 \
+    }
+ROW_NORM_WARPS(float, float, row_norm_warps_f32_f32)
+ROW_NORM_WARPS(float, bf16, row_norm_warps_f32_bf16)
+ROW_NORM_WARPS(bf16, float, row_norm_warps_bf16_f32)
+ROW_NORM_WARPS(bf16, bf16, row_norm_warps_bf16_bf16)
 RESIDUAL_ANY(residual_any_vec_impl, float, float, residual_any_vec_f32_f32)
 RESIDUAL_ANY(residual_any_vec_impl, float, bf16, residual_any_vec_f32_bf16)
 RESIDUAL_ANY(residual_any_vec_impl, bf16, float, residual_any_vec_bf16_f32)
