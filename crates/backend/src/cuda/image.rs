@@ -45,7 +45,7 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `group_finish`: per-group mean and inverse deviation, a thread per group.
+    /// `group_finish`: per-group mean and inverse deviation, a warp per group.
     pub(super) struct GroupFinishArgs {
         partial: DevPtr, blocks: i32, groups: i32, count: i64, eps: f32, stats: DevPtr,
     }
@@ -572,7 +572,7 @@ pub(super) fn group_norm(
     be.launch(
         "norm",
         &k.group_finish,
-        cfg((groups.div_ceil(128) as u32, 1), 128, 0),
+        cfg((groups.div_ceil(8) as u32, 1), 256, 0), // a warp per group
         &GroupFinishArgs {
             partial: ws,
             blocks: blocks as i32,
