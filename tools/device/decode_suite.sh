@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU machine (via the `device` tool, carrying .dev/pack and .dev/tools): one call for a
+# change to the VAE decoders' kernels (issue 27) — the op table while the full-size folders are
+# made, `bench conv` on every kernel path, Z-Image and Qwen-Image-2.1 at 1024² against a baseline
+# binary (BASE_BIN, default .dev/bin/tessera-base), then the two families' miniature and full-size
+# CUDA tests, then Qwen-Image-2.1's decode profile. Each phase leaves an archive in $OUT
+# (r1.tgz … r4.tgz: the device tool returns eight files, and a call cut short keeps what it made).
+# Build first: BASELINE=path/to/old/tessera PACK=1 TESTS="cuda_ops zimage_cuda qwen_image_cuda" \
+#   tools/device/stage.sh
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+O=/tmp/decode_suite; mkdir -p $O
+tar -C .dev -xJf .dev/pack/bin.tar.xz
+. tools/device/pysite.sh
+pysite || { echo "reference packages: install failed"; exit 1; }
+export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
+snap() { tar czf "$OUT/$1.tgz" -C $O . 2>/dev/null; }
+# The folders are built on the GPU; nothing timed runs beside them.
+(
+  [ -f /tmp/zfull/model_index.json ] || python3 tools/device/make_zimage_full.py /tmp/zfull \
+    crates/models/assets/zimage-mini > $O/make_z.log 2>&1
+  echo "zfull made: $?"
+  [ -f /tmp/qfull/model_index.json ] || python3 tools/device/make_qwen_image_full.py /tmp/qfull \
+    crates/models/assets/qwen-image-mini > $O/make_q.log 2>&1
+  echo "qfull made: $?"
+) &
+OUT=$O/s PARTS=ops tools/device/suite.sh
+wait
+OUT=$O/c PARTS=conv tools/device/vae_ab.sh
+snap r1
+OUT=$O/v BASE_BIN=${BASE_BIN:-.dev/bin/tessera-base} PARTS=zimage,qwen QSTEPS=${QSTEPS:-40} tools/device/vae_ab.sh
+snap r2
+OUT=$O/p PARTS=mini,zfull,qfull DEADLINE=${DEADLINE:-200} tools/device/suite.sh
+snap r3
+OUT=$O/q PARTS=qprof,prof tools/device/vae_ab.sh
+snap r4
