@@ -23,7 +23,7 @@
 //!   this model's norms has a bias.
 //! - resnet: `conv2(φ(conv1(φ(x)))) + shortcut(x)`, `φ = SiLU ∘ RMS_norm`, 3×3 same-padding
 //!   convolutions, a 1×1 `conv_shortcut` where the channel count changes. The norm applies the
-//!   SiLU as it stores its output ([`RowNorm::activated`]), which only the next convolution reads:
+//!   SiLU as it stores its output ([`tessera_backend::RowNorm::activated`]), which only the next convolution reads:
 //!   each value is activated once, not once per tap (nine times) in the convolution's loader, and
 //!   the convolution reads an activation-free input (on Hopper, the warpgroup-MMA kernel's fast
 //!   case). The same bits on the CPU as activating on read.
@@ -43,25 +43,21 @@
 //! DiT slot is 2×2 tokens); the decoder itself takes any `h × w`.
 //!
 //! Only `post_quant_conv.*` and `decoder.*` are read here; the encoder is
-//! [`super::vae_encoder`], and the unused `time_conv` weights are ignored. The blocks (`Norm`,
-//! `Resnet`, `Attention`) are shared with the encoder.
+//! [`super::vae_encoder`], and the unused `time_conv` weights are ignored. The blocks (norm, resnet,
+//! mid attention) are [`crate::blocks::vae`]'s, shared with the encoder and Z-Image; this file
+//! holds their layout and order.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::Deserialize;
 use tessera_backend::op::{AttentionOp, MaskKind, MatmulOp, NormOp};
-use tessera_backend::{
-    Activation, AttnSpec, AvgDown, Backend, DupUp, Mask, Op, QkvLayout, Role, RowNorm, View,
-    ViewMut,
-};
+use tessera_backend::{Activation, AvgDown, Backend, DupUp, Op, View, ViewMut};
 use tessera_core::{Error, Result, Weights};
 
-use crate::blocks::conv::Conv;
+use crate::blocks::vae::{Conv, MidAttention, VaeBufs, VaeRmsNorm};
 use crate::loader::{Linear, Loader};
 
-/// The reference's floor on the L2 norm of a pixel's channels (`F.normalize`'s eps).
-const NORM_FLOOR: f64 = 1e-12;
+pub use crate::blocks::vae::VaeTaps;
 
 fn default_base_dim() -> usize {
     96
@@ -502,221 +498,39 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
     ops
 }
 
-/// An `RMS_norm`'s γ (`[C, 1, 1, 1]` or, in the attention, `[C, 1, 1]`) as a norm weight.
-pub(super) struct Norm<B: Backend> {
-    gamma: B::Vector,
-    eps: f32,
+/// The shared VAE blocks over Wan's `RMS_norm`, as the decoder and the encoder load them.
+pub(super) type Norm<B> = VaeRmsNorm<B>;
+pub(super) type Resnet<B> = crate::blocks::vae::Resnet<B, Norm<B>>;
+pub(super) type Attention<B> = MidAttention<B, Norm<B>>;
+
+/// A resnet's norms are `RMS_norm`s with γ `[C, 1, 1, 1]`.
+pub(super) fn resnet<B: Backend>(l: &Loader<'_, B>, cin: usize, cout: usize) -> Result<Resnet<B>> {
+    Resnet::load(l, cin, cout, |l, name, c| Norm::load(l, name, c, false))
 }
 
-impl<B: Backend> Norm<B> {
-    pub(super) fn load(l: &Loader<'_, B>, name: &str, c: usize, image: bool) -> Result<Self> {
-        let shape: &[usize] = if image { &[c, 1, 1] } else { &[c, 1, 1, 1] };
-        let mut t = l.tensor(&format!("{name}.gamma"), shape)?;
-        t.shape = vec![c];
-        Ok(Norm {
-            gamma: l.backend().vector(&t)?,
-            eps: (NORM_FLOOR * NORM_FLOOR / c as f64) as f32,
+/// The mid block's single-head self-attention: its norm's γ is `[C, 1, 1]`, `to_qkv` and `proj`
+/// are 1×1 convolutions (`[out, C, 1, 1]`), run as products over the pixel rows.
+pub(super) fn attention<B: Backend>(l: &Loader<'_, B>, c: usize) -> Result<Attention<B>> {
+    let linear = |name: &str, out: usize| -> Result<Linear<B>> {
+        let mut t = l.tensor(&format!("{name}.weight"), &[out, c, 1, 1])?;
+        t.shape = vec![out, c];
+        Ok(Linear {
+            w: l.backend().matrix(&[t])?,
+            b: l.vector(&format!("{name}.bias"), out)?,
         })
-    }
-
-    pub(super) fn row_norm(&self) -> RowNorm<'_, B> {
-        RowNorm::rms(&self.gamma, self.eps)
-    }
-}
-
-/// A residual block: `conv2(φ(conv1(φ(x)))) + shortcut(x)`, shared by the encoder and decoder.
-pub(super) struct Resnet<B: Backend> {
-    pub(super) cin: usize,
-    pub(super) cout: usize,
-    norm1: Norm<B>,
-    conv1: Conv<B>,
-    norm2: Norm<B>,
-    conv2: Conv<B>,
-    shortcut: Option<Conv<B>>,
-}
-
-impl<B: Backend> Resnet<B> {
-    pub(super) fn load(l: &Loader<'_, B>, cin: usize, cout: usize) -> Result<Self> {
-        Ok(Resnet {
-            cin,
-            cout,
-            norm1: Norm::load(l, "norm1", cin, false)?,
-            conv1: Conv::load(l, "conv1", cin, cout, 3)?,
-            norm2: Norm::load(l, "norm2", cout, false)?,
-            conv2: Conv::load(l, "conv2", cout, cout, 3)?,
-            shortcut: if cin != cout {
-                Some(Conv::load(l, "conv_shortcut", cin, cout, 1)?)
-            } else {
-                None
-            },
-        })
-    }
-
-    /// `out = conv2(φ(conv1(φ(x)))) + shortcut(x)`, φ = SiLU ∘ RMS_norm, leaving `x` as it was
-    /// (an up or down block's first resnet, whose input feeds the block's shortcut too): the
-    /// shortcut (or a copy of `x`) is written to `out` first and conv2 adds itself to it. The sum
-    /// is `skip + conv2(…)`, the unfused add's bits (f32 addition commutes).
-    pub(super) fn forward(
-        &self,
-        be: &B,
-        x: &B::Buf,
-        out: &mut B::Buf,
-        (c, h): (&mut B::Buf, &mut B::Buf),
-        hw: (usize, usize),
-    ) -> Result<()> {
-        let px = hw.0 * hw.1;
-        self.first_conv(be, x, (c, h), hw)?;
-        match &self.shortcut {
-            // conv1 has read `c`: it takes the stream's bf16 copy now.
-            Some(sc) => sc.run_from_stream(be, View::new(x, px, self.cin), hw, false, c, out)?,
-            None => be.cast(View::new(x, px, self.cin), ViewMut::new(out, px, self.cout))?,
-        }
-        self.second_conv_added(be, (c, h), hw, out)
-    }
-
-    /// `x ← x + conv2(φ(conv1(φ(x))))` in place, for the resnets that keep their channel count:
-    /// the residual add fused into conv2, the stream read and written once more instead of
-    /// conv2's output being stored, read back and added.
-    pub(super) fn forward_in_place(
-        &self,
-        be: &B,
-        x: &mut B::Buf,
-        (c, h): (&mut B::Buf, &mut B::Buf),
-        hw: (usize, usize),
-    ) -> Result<()> {
-        if self.shortcut.is_some() {
-            return Err(Error::backend(
-                "vae",
-                "a channel-changing resnet cannot run in place",
-            ));
-        }
-        self.first_conv(be, x, (c, h), hw)?;
-        self.second_conv_added(be, (c, h), hw, x)
-    }
-
-    /// `h = conv1(φ(x))` (`c` holds φ's input to it).
-    fn first_conv(
-        &self,
-        be: &B,
-        x: &B::Buf,
-        (c, h): (&mut B::Buf, &mut B::Buf),
-        hw: (usize, usize),
-    ) -> Result<()> {
-        let px = hw.0 * hw.1;
-        be.norm(
-            View::new(x, px, self.cin),
-            &self.norm1.row_norm().activated(Activation::Silu),
-            ViewMut::new(c, px, self.cin),
-        )?;
-        self.conv1
-            .run(be, View::new(c, px, self.cin), hw, false, None, h)
-    }
-
-    /// `out += conv2(φ(h))`.
-    fn second_conv_added(
-        &self,
-        be: &B,
-        (c, h): (&mut B::Buf, &mut B::Buf),
-        hw: (usize, usize),
-        out: &mut B::Buf,
-    ) -> Result<()> {
-        let px = hw.0 * hw.1;
-        be.norm(
-            View::new(h, px, self.cout),
-            &self.norm2.row_norm().activated(Activation::Silu),
-            ViewMut::new(c, px, self.cout),
-        )?;
-        self.conv2
-            .add_to(be, View::new(c, px, self.cout), hw, None, out)
-    }
-}
-
-/// The mid block's single-head self-attention.
-pub(super) struct Attention<B: Backend> {
-    pub(super) c: usize,
-    norm: Norm<B>,
-    /// `to_qkv` (a 1×1 convolution `[3C, C, 1, 1]`) as a product.
-    qkv: Linear<B>,
-    proj: Linear<B>,
-}
-
-impl<B: Backend> Attention<B> {
-    pub(super) fn load(l: &Loader<'_, B>, c: usize) -> Result<Self> {
-        let linear = |name: &str, out: usize| -> Result<Linear<B>> {
-            let mut t = l.tensor(&format!("{name}.weight"), &[out, c, 1, 1])?;
-            t.shape = vec![out, c];
-            Ok(Linear {
-                w: l.backend().matrix(&[t])?,
-                b: l.vector(&format!("{name}.bias"), out)?,
-            })
-        };
-        Ok(Attention {
-            c,
-            norm: Norm::load(l, "norm", c, true)?,
-            qkv: linear("to_qkv", 3 * c)?,
-            proj: linear("proj", c)?,
-        })
-    }
-
-    /// `x ← x + proj(softmax(q kᵀ/√C) v)` over the pixels, `q|k|v = to_qkv(RMS_norm(x))`.
-    /// `x` is the f32 stream; `c` and `h` are compute-type scratch of `3C` columns.
-    pub(super) fn forward(
-        &self,
-        be: &B,
-        x: &mut B::Buf,
-        (c_buf, h_buf): (&mut B::Buf, &mut B::Buf),
-        hw: (usize, usize),
-    ) -> Result<()> {
-        let a = self;
-        let (px, c) = (hw.0 * hw.1, a.c);
-        be.norm(
-            View::new(&*x, px, c),
-            &a.norm.row_norm(),
-            ViewMut::new(c_buf, px, c),
-        )?;
-        be.matmul(
-            View::new(&*c_buf, px, c),
-            &a.qkv.w,
-            ViewMut::new(h_buf, px, 3 * c),
-            &a.qkv.epilogue(),
-        )?;
-        let layout = QkvLayout {
-            heads_q: 1,
-            heads_kv: 1,
-            head_dim: c,
-        };
-        let spec = AttnSpec::new(layout, (c as f32).powf(-0.5), Mask::Full);
-        let segs = be.segments(&[px])?;
-        let qkv = View::new(&*h_buf, px, 3 * c);
-        be.attention(
-            qkv.cols(0, c),
-            qkv.cols(c, c),
-            qkv.cols(2 * c, c),
-            ViewMut::new(c_buf, px, c),
-            &spec,
-            &segs,
-        )?;
-        // x += proj(a) + bias, folded into the product.
-        be.matmul(
-            View::new(&*c_buf, px, c),
-            &a.proj.w,
-            ViewMut::new(x, px, c),
-            &a.proj.epilogue().accumulate(),
-        )
-    }
+    };
+    Ok(MidAttention {
+        c,
+        norm: Norm::load(l, "norm", c, true)?,
+        qkv: linear("to_qkv", 3 * c)?,
+        out: linear("proj", c)?,
+    })
 }
 
 struct UpBlock<B: Backend> {
     resnets: Vec<Resnet<B>>,
     /// The upsampler's convolution and the DupUp shortcut's temporal factor.
     upsample: Option<(Conv<B>, usize)>,
-}
-
-/// Intermediate images recorded for parity tests, channels-last `[pixels, channels]`:
-/// `post_quant`, `conv_in`, `mid`, `up0` … (after each up block, shortcut included).
-#[derive(Default, Debug)]
-pub struct VaeTaps {
-    pub values: BTreeMap<String, Vec<f32>>,
 }
 
 pub struct VaeDecoder<B: Backend> {
@@ -730,19 +544,6 @@ pub struct VaeDecoder<B: Backend> {
     conv_out: Conv<B>,
     /// Channels into the head (the last up block's).
     head: usize,
-}
-
-/// The decoder's activations, each sized for the largest stage. `x` is the residual stream;
-/// `s` takes a resnet's or the upsampler's output before it is swapped into `x`; `k` keeps an up
-/// block's input for its DupUp shortcut (and takes a shortcut convolution's output). `c` (norm
-/// outputs, the attention's operands) and `h` (a resnet's first convolution, q|k|v) are only
-/// read by products and convolutions, so they are in the compute type.
-struct Bufs<B: Backend> {
-    x: B::Buf,
-    s: B::Buf,
-    k: B::Buf,
-    c: B::Buf,
-    h: B::Buf,
 }
 
 impl<B: Backend> VaeDecoder<B> {
@@ -761,7 +562,7 @@ impl<B: Backend> VaeDecoder<B> {
                 let resnets = (0..cfg.num_res_blocks + 1)
                     .map(|j| {
                         let cin = if j == 0 { b.cin } else { b.cout };
-                        Resnet::load(&block.pp(format_args!("resnets.{j}")), cin, b.cout)
+                        resnet(&block.pp(format_args!("resnets.{j}")), cin, b.cout)
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let upsample = match b.frames {
@@ -783,10 +584,10 @@ impl<B: Backend> VaeDecoder<B> {
             post_quant: Conv::load(&root, "post_quant_conv", cfg.z_dim, cfg.z_dim, 1)?,
             conv_in: Conv::load(&l, "conv_in", cfg.z_dim, top, 3)?,
             mid: [
-                Resnet::load(&mid.pp("resnets.0"), top, top)?,
-                Resnet::load(&mid.pp("resnets.1"), top, top)?,
+                resnet(&mid.pp("resnets.0"), top, top)?,
+                resnet(&mid.pp("resnets.1"), top, top)?,
             ],
-            attention: Attention::load(&mid.pp("attentions.0"), top)?,
+            attention: attention(&mid.pp("attentions.0"), top)?,
             up,
             norm_out: Norm::load(&l, "norm_out", c0, false)?,
             conv_out: Conv::load(&l, "conv_out", c0, cfg.out_channels, 3)?,
@@ -806,7 +607,8 @@ impl<B: Backend> VaeDecoder<B> {
 
     /// Decode the DiT's latent tokens `[h·w, z_dim]` (row `y·w + x`, channels last) into the
     /// image `[H·W, out_channels]`, channels last, clamped to [−1, 1], `H = h · scale`: the
-    /// pipeline's de-normalisation `z · std + mean`, then the decoder.
+    /// pipeline's de-normalisation `z · std + mean`, then the decoder. Taps: `post_quant`,
+    /// `conv_in`, `mid`, `up0` … (after each up block, shortcut included).
     pub fn decode(
         &self,
         be: &B,
@@ -826,21 +628,10 @@ impl<B: Backend> VaeDecoder<B> {
             .chunks_exact(zc)
             .flat_map(|t| t.iter().zip(std).zip(mean).map(|((&v, &s), &m)| v * s + m))
             .collect();
-        let n = self.cfg.decode_elems((h, w));
-        let (stream, compute) = (|| be.alloc(n, Role::Stream), || be.alloc(n, Role::Compute));
-        let mut b: Bufs<B> = Bufs {
-            x: stream()?,
-            s: stream()?,
-            k: stream()?,
-            c: compute()?,
-            h: compute()?,
-        };
-        let mut record = |name: &str, buf: &B::Buf, px: usize, ch: usize| -> Result<()> {
-            if let Some(t) = taps.as_deref_mut() {
-                t.values
-                    .insert(name.to_string(), be.read_f32(View::new(buf, px, ch))?);
-            }
-            Ok(())
+        let mut b = VaeBufs::alloc(be, self.cfg.decode_elems((h, w)))?;
+        let mut record = |name: &str, buf: &B::Buf, px: usize, ch: usize| {
+            taps.as_deref_mut()
+                .map_or(Ok(()), |t| t.record(be, name, View::new(buf, px, ch)))
         };
         let mut hw = (h, w);
         let px = h * w;
@@ -853,10 +644,10 @@ impl<B: Backend> VaeDecoder<B> {
             .run(be, View::new(&b.s, px, zc), hw, false, None, &mut b.x)?;
         record("conv_in", &b.x, px, top)?;
 
-        self.mid[0].forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
+        self.mid[0].forward(be, &mut b, hw)?;
         self.attention
             .forward(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
-        self.mid[1].forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
+        self.mid[1].forward(be, &mut b, hw)?;
         record("mid", &b.x, px, top)?;
 
         for (i, block) in self.up.iter().enumerate() {
@@ -866,9 +657,9 @@ impl<B: Backend> VaeDecoder<B> {
                 .resnets
                 .split_first()
                 .ok_or_else(|| Error::backend("vae", "an up block without resnets"))?;
-            first.forward(be, &b.k, &mut b.x, (&mut b.c, &mut b.h), hw)?;
+            first.forward_kept(be, &mut b, hw)?;
             for r in rest {
-                r.forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
+                r.forward(be, &mut b, hw)?;
             }
             let mut ch = first.cout;
             if let Some((conv, frames)) = &block.upsample {
@@ -899,14 +690,7 @@ impl<B: Backend> VaeDecoder<B> {
         }
 
         let px = hw.0 * hw.1;
-        let c0 = self.head;
-        be.norm(
-            View::new(&b.x, px, c0),
-            &self.norm_out.row_norm().activated(Activation::Silu),
-            ViewMut::new(&mut b.c, px, c0),
-        )?;
-        self.conv_out
-            .run(be, View::new(&b.c, px, c0), hw, false, None, &mut b.s)?;
+        b.head(be, &self.norm_out, &self.conv_out, hw, self.head)?;
         let mut image = be.read_f32(View::new(&b.s, px, self.cfg.out_channels))?;
         for v in &mut image {
             *v = v.clamp(-1.0, 1.0);
@@ -916,10 +700,9 @@ impl<B: Backend> VaeDecoder<B> {
 }
 
 /// The decoder's image `[pixels, channels]` in [−1, 1] as 8-bit values, exactly as the
-/// pipeline's `VaeImageProcessor.postprocess` + `numpy_to_pil` make them in `f32`:
-/// `clamp(x·0.5 + 0.5, 0, 1)`, then `round(v·255)` with ties to even. Four channels stay a
-/// straight (not premultiplied) RGBA image. The conversion is elementwise and shared with
-/// Z-Image ([`crate::zimage::vae::to_rgb8`]).
+/// pipeline's `VaeImageProcessor.postprocess` + `numpy_to_pil` make them: Z-Image's conversion
+/// ([`crate::blocks::vae::to_rgb8`], elementwise); four channels stay a straight (not premultiplied) RGBA
+/// image.
 pub fn to_rgba8(image: &[f32]) -> Vec<u8> {
-    crate::zimage::vae::to_rgb8(image)
+    crate::blocks::vae::to_rgb8(image)
 }

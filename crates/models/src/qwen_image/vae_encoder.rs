@@ -9,7 +9,7 @@
 //! 1. `conv_in` (3×3, → `base_dim`);
 //! 2. `len(dim_mult)` down blocks, block `i` from `dims[i]` to `dims[i+1]` channels
 //!    (`dims = base_dim · [1] + base_dim · dim_mult`): `num_res_blocks` resnets (the decoder's
-//!    blocks, [`super::vae`]), then — all but the last block — the downsampler (zero pad one
+//!    blocks, [`crate::blocks::vae`]), then — all but the last block — the downsampler (zero pad one
 //!    row and column at the bottom and right, 3×3 convolution at stride 2: the backend's
 //!    downsampling `conv2d`), plus the `AvgDown3D` shortcut of the block's input
 //!    ([`tessera_backend::AvgDown`], temporal factor 2 where `temperal_downsample[i]`: the image
@@ -32,15 +32,18 @@
 //!
 //! Only `encoder.*` and `quant_conv.*` are read.
 
-use std::collections::BTreeMap;
-
 use tessera_backend::op::{AttentionOp, MaskKind, MatmulOp, NormOp};
-use tessera_backend::{Activation, Backend, Op, Role, View, ViewMut};
+use tessera_backend::{Activation, Backend, Op, View, ViewMut};
 use tessera_core::{Error, Result, Weights};
 
-use super::vae::{Attention, Norm, Resnet, VaeConfig};
-use crate::blocks::conv::Conv;
+use super::vae::{Attention, Norm, Resnet, VaeConfig, attention, resnet};
+use crate::blocks::vae::{Conv, VaeBufs};
 use crate::loader::Loader;
+
+/// Intermediate images recorded for parity tests: `conv_in`, `down0` … (after each down block,
+/// shortcut included), `mid`, `head` (`conv_out`: mean ‖ log-variance), `moments`
+/// (`quant_conv`), `mean` (the posterior's mode).
+pub use crate::blocks::vae::VaeTaps as EncoderTaps;
 
 /// The ops an encode with `cfg` calls, so a backend can decline before the encoder loads.
 pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
@@ -86,14 +89,6 @@ pub fn ops(cfg: &VaeConfig) -> Vec<Op> {
     ops
 }
 
-/// Intermediate images recorded for parity tests, channels-last `[pixels, channels]`:
-/// `conv_in`, `down0` … (after each down block, shortcut included), `mid`, `head`
-/// (`conv_out`: mean ‖ log-variance), `moments` (`quant_conv`), `mean` (the posterior's mode).
-#[derive(Default, Debug)]
-pub struct EncoderTaps {
-    pub values: BTreeMap<String, Vec<f32>>,
-}
-
 struct DownBlock<B: Backend> {
     resnets: Vec<Resnet<B>>,
     /// The downsampler's stride-2 convolution (all blocks but the last).
@@ -117,18 +112,6 @@ pub struct VaeEncoder<B: Backend> {
     top: usize,
 }
 
-/// The encoder's activations, each sized for the largest stage: `x` the residual stream, `s` a
-/// resnet's or the downsampler's output before it is swapped into `x`, `k` a down block's input
-/// for its shortcut (and a resnet shortcut's output), `c` and `h` compute-type scratch read only
-/// by products and convolutions (norm outputs, q|k|v).
-struct Bufs<B: Backend> {
-    x: B::Buf,
-    s: B::Buf,
-    k: B::Buf,
-    c: B::Buf,
-    h: B::Buf,
-}
-
 impl<B: Backend> VaeEncoder<B> {
     /// Load `encoder.*` and `quant_conv.*` from the VAE checkpoint, checking every shape against
     /// `cfg`.
@@ -145,7 +128,7 @@ impl<B: Backend> VaeEncoder<B> {
                 let resnets = (0..cfg.num_res_blocks)
                     .map(|j| {
                         let cin = if j == 0 { b.cin } else { b.cout };
-                        Resnet::load(&block.pp(format_args!("resnets.{j}")), cin, b.cout)
+                        resnet(&block.pp(format_args!("resnets.{j}")), cin, b.cout)
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let downsampler = if b.down {
@@ -175,10 +158,10 @@ impl<B: Backend> VaeEncoder<B> {
             conv_in: Conv::load(&l, "conv_in", cfg.in_channels, base, 3)?,
             down,
             mid: [
-                Resnet::load(&mid.pp("resnets.0"), top, top)?,
-                Resnet::load(&mid.pp("resnets.1"), top, top)?,
+                resnet(&mid.pp("resnets.0"), top, top)?,
+                resnet(&mid.pp("resnets.1"), top, top)?,
             ],
-            attention: Attention::load(&mid.pp("attentions.0"), top)?,
+            attention: attention(&mid.pp("attentions.0"), top)?,
             norm_out: Norm::load(&l, "norm_out", top, false)?,
             conv_out: Conv::load(&l, "conv_out", top, z2, 3)?,
             quant: Conv::load(&root, "quant_conv", z2, z2, 1)?,
@@ -228,21 +211,10 @@ impl<B: Backend> VaeEncoder<B> {
                 image.len()
             )));
         }
-        let n = self.cfg.encode_elems((ih, iw));
-        let (stream, compute) = (|| be.alloc(n, Role::Stream), || be.alloc(n, Role::Compute));
-        let mut b: Bufs<B> = Bufs {
-            x: stream()?,
-            s: stream()?,
-            k: stream()?,
-            c: compute()?,
-            h: compute()?,
-        };
-        let mut record = |name: &str, buf: &B::Buf, px: usize, ch: usize| -> Result<()> {
-            if let Some(t) = taps.as_deref_mut() {
-                t.values
-                    .insert(name.to_string(), be.read_f32(View::new(buf, px, ch))?);
-            }
-            Ok(())
+        let mut b = VaeBufs::alloc(be, self.cfg.encode_elems((ih, iw)))?;
+        let mut record = |name: &str, buf: &B::Buf, px: usize, ch: usize| {
+            taps.as_deref_mut()
+                .map_or(Ok(()), |t| t.record(be, name, View::new(buf, px, ch)))
         };
         let mut hw = (ih, iw);
         be.write_f32(&mut b.k, image)?;
@@ -258,9 +230,9 @@ impl<B: Backend> VaeEncoder<B> {
                 .resnets
                 .split_first()
                 .ok_or_else(|| Error::backend("vae", "a down block without resnets"))?;
-            first.forward(be, &b.k, &mut b.x, (&mut b.c, &mut b.h), hw)?;
+            first.forward_kept(be, &mut b, hw)?;
             for r in rest {
-                r.forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
+                r.forward(be, &mut b, hw)?;
             }
             let shape = super::vae::DownBlockShape {
                 cin: block.cin,
@@ -284,20 +256,14 @@ impl<B: Backend> VaeEncoder<B> {
         }
 
         let (px, top) = (hw.0 * hw.1, self.top);
-        self.mid[0].forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
+        self.mid[0].forward(be, &mut b, hw)?;
         self.attention
             .forward(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
-        self.mid[1].forward_in_place(be, &mut b.x, (&mut b.c, &mut b.h), hw)?;
+        self.mid[1].forward(be, &mut b, hw)?;
         record("mid", &b.x, px, top)?;
 
         let z2 = 2 * self.cfg.z_dim;
-        be.norm(
-            View::new(&b.x, px, top),
-            &self.norm_out.row_norm().activated(Activation::Silu),
-            ViewMut::new(&mut b.c, px, top),
-        )?;
-        self.conv_out
-            .run(be, View::new(&b.c, px, top), hw, false, None, &mut b.s)?;
+        b.head(be, &self.norm_out, &self.conv_out, hw, top)?;
         record("head", &b.s, px, z2)?;
         self.quant
             .run(be, View::new(&b.s, px, z2), hw, false, None, &mut b.x)?;
