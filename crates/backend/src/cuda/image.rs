@@ -175,15 +175,17 @@ pub enum ConvPath {
 const IMPLICIT_MAX_COUT: usize = 128;
 
 /// Whether [`ConvPath::Auto`] sends a convolution to `conv_wgmma` rather than im2col. Measured
-/// on an H100 (run g10, `tessera bench conv`): the kernel (~250–300 TFLOP/s) beats im2col +
-/// cuBLASLt wherever the output has at most 256 channels (Z-Image's 256- and 128-channel layers
-/// at 512² and 1024²: 2.1 against 2.6 ms, 2.4 against 5.0, 1.3 against 2.8), but not on 512- and
-/// 1152-wide products, where cuBLASLt's columns run at 350–490. An input activation costs it a
-/// SiLU per gathered value, nine times each input (Qwen-Image's 144-channel layers at 1024²: 4.5
-/// against 3.6 ms), so activated inputs take it only into at most 64 channels (`conv_out`: 2.3
-/// against 3.4 ms).
+/// on an H100 (`tessera bench conv`): the kernel (~250–300 TFLOP/s) beats im2col + cuBLASLt
+/// wherever the output has at most 288 channels (run g10, Z-Image's 256- and 128-channel layers
+/// at 512² and 1024²: 2.1 against 2.6 ms, 2.4 against 5.0, 1.3 against 2.8; run g14, Qwen-Image-
+/// 2.1's 288- and 144-channel layers on 144-wide tiles: 576 → 288 at 512² 2.68 against 3.16 ms,
+/// 288 → 288 1.44 against 1.70, 144 → 144 at 1024² 1.56 against 3.23), but not on 512-, 576- and
+/// 1152-wide products, where cuBLASLt's columns run at 360–530 (576 → 576 at 256²: 1.40 against
+/// 1.02 ms). An input activation costs it a SiLU per gathered value, nine times each input
+/// (Qwen-Image's 144-channel layers at 1024², run g10: 4.5 against 3.6 ms), so activated inputs
+/// take it only into at most 64 channels (`conv_out`: 2.3 against 3.4 ms).
 fn wgmma_pays(cout: usize, spec: &Conv2d) -> bool {
-    cout <= 256 && (spec.act.is_none() || cout <= 64)
+    cout <= 288 && (spec.act.is_none() || cout <= 64)
 }
 
 /// The kernels [`ConvPath::Auto`] may take, from `TESSERA_CONV` (read once): unset or `auto` all
@@ -212,7 +214,7 @@ impl CudaBackend {
         let hopper = self.kernels.conv_sm90.is_some();
         match (self.compute_elem(), ConvRoute::from_env()) {
             (Elem::Bf16, ConvRoute::Auto) if hopper => {
-                "the wgmma implicit GEMM (conv_wgmma) into at most 256 output channels (64 from \
+                "the wgmma implicit GEMM (conv_wgmma) into at most 288 output channels (64 from \
                  an activated input) from a multiple of 8 input channels, else im2col columns on \
                  cuBLASLt"
                     .to_string()
