@@ -259,3 +259,134 @@ fn every_kernel_waits_for_its_predecessor_before_touching_memory() {
     eprintln!("{checked} kernels wait for their predecessor before touching memory");
     assert!(checked > 0, "no kernel found in the PTX");
 }
+
+/// The SASS of one function of a cubin (`nvdisasm` from the `nvidia-cuda-nvdisasm` wheel that
+/// `tools/test` installs): (address, instruction) pairs, branch targets as addresses.
+fn sass(cubin: &[u8], function: &str) -> Vec<(u64, String)> {
+    let dir = std::env::temp_dir().join(format!("tessera-sass-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("unit.cubin");
+    std::fs::write(&path, cubin).unwrap();
+    let out = std::process::Command::new("nvdisasm")
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "nvdisasm: {e}\n(run ./tools/test, which installs the nvidia-cuda-nvdisasm wheel)"
+            )
+        });
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(
+        out.status.success(),
+        "nvdisasm failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let section = format!(".text.{function}:");
+    let body = text
+        .split_once(&section)
+        .unwrap_or_else(|| panic!("{function} is not in the cubin"))
+        .1;
+    let body = body.split("\n\t.section").next().unwrap_or(body);
+    // Labels (`.L_x_12:`) name the address of the instruction after them.
+    let mut labels = BTreeMap::new();
+    let mut pending = Vec::new();
+    let mut code = Vec::new();
+    for line in body.lines() {
+        let line = line.trim();
+        if let Some(label) = line.strip_suffix(':').filter(|l| l.starts_with(".L")) {
+            pending.push(label.to_string());
+        } else if let Some(rest) = line.strip_prefix("/*") {
+            let Some((addr, ins)) = rest.split_once("*/") else {
+                continue;
+            };
+            let Ok(addr) = u64::from_str_radix(addr, 16) else {
+                continue;
+            };
+            for l in pending.drain(..) {
+                labels.insert(l, addr);
+            }
+            code.push((addr, ins.trim().trim_end_matches(';').trim().to_string()));
+        }
+    }
+    code.into_iter()
+        .map(|(a, ins)| match ins.split_once("`(") {
+            // A label past the last instruction (the function's end) stays a name.
+            Some((head, label)) => match labels.get(label.trim_end_matches(')').trim()) {
+                Some(target) => (a, format!("{head}{target:#x}")),
+                None => (a, ins),
+            },
+            None => (a, ins),
+        })
+        .collect()
+}
+
+/// `flash_ws_d{64,128}`'s consumer loop runs its softmax while the previous block's P·V is in
+/// flight (BENCHMARKS.md, run g13: 426 → 578 TFLOP/s at head 128). ptxas hoists a wgmma wait to
+/// the start of its basic block, so a code change can silently put the wait for the P·V
+/// (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) back in front of the exponentials: in the innermost loop
+/// that holds the softmax, every `MUFU.EX2` must follow the wait for the scores alone
+/// (`DEPBAR.LE gsb0, 0x1`), with no full wait between it and the loop's back edge.
+#[test]
+fn flash_ws_softmax_overlaps_the_previous_pv() {
+    require_nvrtc();
+    let src = nvrtc::SOURCES
+        .iter()
+        .find(|s| s.name == "attention_sm90.cu")
+        .expect("attention_sm90.cu");
+    let out = nvrtc::compile(src, "sm_90a", false).unwrap_or_else(|e| panic!("{e}"));
+    for function in ["flash_ws_d128", "flash_ws_d64"] {
+        let code = sass(&out.cubin, function);
+        // The innermost loop (a backward branch) with at least one block's exponentials.
+        let body = code
+            .iter()
+            .filter_map(|(addr, ins)| {
+                let target = ins.contains("BRA ").then(|| ins.rsplit(' ').next())??;
+                let target = u64::from_str_radix(target.trim_start_matches("0x"), 16).ok()?;
+                (target < *addr).then_some((target, *addr))
+            })
+            .map(|(from, to)| {
+                code.iter()
+                    .filter(|(a, _)| (from..=to).contains(a))
+                    .map(|(_, i)| i.as_str())
+                    .collect::<Vec<_>>()
+            })
+            .filter(|b| b.iter().filter(|i| i.starts_with("MUFU.EX2")).count() >= 32)
+            .min_by_key(|b| b.len())
+            .unwrap_or_else(|| panic!("{function}: no loop holds the softmax's exponentials"));
+        let waits: Vec<(usize, &str)> = body
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i.contains("DEPBAR.LE gsb0"))
+            .map(|(n, i)| (n, *i))
+            .collect();
+        let scores = waits
+            .iter()
+            .find(|(_, i)| i.ends_with("0x1"))
+            .unwrap_or_else(|| {
+                panic!("{function}: the loop never waits for the scores alone: {waits:?}")
+            })
+            .0;
+        let first_exp = body
+            .iter()
+            .position(|i| i.starts_with("MUFU.EX2"))
+            .unwrap_or(0);
+        assert!(
+            first_exp > scores,
+            "{function}: an exponential comes before the wait for the scores"
+        );
+        let full_after = waits
+            .iter()
+            .find(|(n, i)| *n > scores && i.ends_with("0x0"));
+        assert!(
+            full_after.is_none(),
+            "{function}: the wait for the P·V ({full_after:?}) is back between the scores and \
+             the exponentials' loop end: the softmax no longer overlaps the P·V"
+        );
+        let exps = body.iter().filter(|i| i.starts_with("MUFU.EX2")).count();
+        eprintln!(
+            "{function}: {exps} exponentials after DEPBAR.LE gsb0, 0x1 in a {}-instruction loop",
+            body.len()
+        );
+    }
+}
