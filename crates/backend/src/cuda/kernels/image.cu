@@ -103,13 +103,6 @@ __device__ __forceinline__ void group_stats_impl(const T* x, long xs, long pixel
     for (int i = threadIdx.x; i < 2 * groups; i += blockDim.x) partial[(long)blockIdx.x * 2 * groups + i] = sums[i];
 }
 
-// The sum over a warp in f64; every lane gets it.
-__device__ __forceinline__ double warp_sum_f64(double v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // Pass 2: stats[g] = (mean, 1/sqrt(var + eps)) from the `blocks` partial sums. One warp per group,
 // its lanes striding over the blocks: a thread per group waited on ~500 dependent loads (30 µs a
 // GroupNorm in Z-Image's decoder, run g13).
@@ -122,8 +115,8 @@ __device__ __forceinline__ void group_finish_impl(const double* partial, int blo
         s += partial[((long)b * groups + g) * 2];
         ss += partial[((long)b * groups + g) * 2 + 1];
     }
-    s = warp_sum_f64(s);
-    ss = warp_sum_f64(ss);
+    s = warp_sum(s);
+    ss = warp_sum(ss);
     if (lane != 0) return;
     const double mean = s / (double)count;
     const double var = fmax(ss / (double)count - mean * mean, 0.0);

@@ -90,10 +90,10 @@ impl<B: Backend> VaeNorm<B> for VaeRmsNorm<B> {
         act: Option<Activation>,
         out: ViewMut<'_, B>,
     ) -> Result<()> {
-        let norm = RowNorm::rms(&self.gamma, self.eps);
-        match act {
-            Some(a) => be.norm(x, &norm.activated(a), out),
-            None => be.norm(x, &norm, out),
-        }
+        let norm = RowNorm {
+            act,
+            ..RowNorm::rms(&self.gamma, self.eps)
+        };
+        be.norm(x, &norm, out)
     }
 }
