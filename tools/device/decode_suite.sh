@@ -5,8 +5,9 @@
 # binary (BASE_BIN, default .dev/bin/tessera-base), then the two families' miniature and full-size
 # CUDA tests, then Qwen-Image-2.1's decode profile. Each phase leaves an archive in $OUT
 # (r1.tgz … r4.tgz: the device tool returns eight files, and a call cut short keeps what it made).
-# Build first: BASELINE=path/to/old/tessera PACK=1 TESTS="cuda_ops zimage_cuda qwen_image_cuda" \
-#   tools/device/stage.sh
+# Build first: [BASELINE=path/to/old/tessera] PACK=1 TESTS="cuda_ops zimage_cuda qwen_image_cuda" \
+#   tools/device/stage.sh (without a baseline, the A/B is the default route against
+#   TESSERA_CONV=$B_ROUTE, default ws; PROF_CONV sets the profiles' route)
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,9 +30,12 @@ OUT=$O/s PARTS=ops tools/device/suite.sh
 wait
 OUT=$O/c PARTS=conv tools/device/vae_ab.sh
 snap r1
-OUT=$O/v BASE_BIN=${BASE_BIN:-.dev/bin/tessera-base} PARTS=zimage,qwen QSTEPS=${QSTEPS:-40} tools/device/vae_ab.sh
+# Against the baseline binary where one was staged, else the default route against
+# TESSERA_CONV=$B_ROUTE (default ws) in this binary.
+if [ -z "${BASE_BIN:-}" ] && [ -f .dev/bin/tessera-base ]; then BASE_BIN=.dev/bin/tessera-base; fi
+OUT=$O/v BASE_BIN=${BASE_BIN:-} B_ROUTE=${B_ROUTE:-ws} PARTS=zimage,qwen QSTEPS=${QSTEPS:-40} tools/device/vae_ab.sh
 snap r2
 OUT=$O/p PARTS=mini,zfull,qfull DEADLINE=${DEADLINE:-200} tools/device/suite.sh
 snap r3
-OUT=$O/q PARTS=qprof,prof tools/device/vae_ab.sh
+OUT=$O/q PARTS=qprof,prof PROF_CONV=${PROF_CONV:-} tools/device/vae_ab.sh
 snap r4

@@ -5,6 +5,7 @@
 # Z-Image) or, with BASE_BIN, a baseline binary (A) against this one (B), both on the default
 # route; then a warm Z-Image generation under TESSERA_PROFILE=kernels for where the decode goes.
 #   OUT (default /tmp/out), ZITERS (3), QSTEPS (40), QITERS (2), B_ROUTE (mma), BASE_BIN,
+#   PROF_CONV (the profiles' TESSERA_CONV, default unset),
 #   PARTS=conv,zimage,qwen,prof,qprof (prof: Z-Image's decode profile; qprof: Qwen-Image-2.1's)
 # Needs .dev/bin/tessera and the full-size folders (/tmp/zfull, /tmp/qfull: suite.sh makes them,
 # with the reference's packages from pysite.sh).
@@ -29,7 +30,7 @@ for line in open(sys.argv[1]):
     except ValueError:
         continue
     rows.setdefault(r["shape"], {})[r["path"]] = (r["median_us"], r["tflops"])
-paths = ["wgmma", "implicit", "im2col"]
+paths = ["ws", "wgmma", "implicit", "im2col"]
 print(f"{'shape':<32}" + "".join(f"{p:>20}" for p in paths))
 for shape, by in rows.items():
     cells = "".join(f"{by[p][0]:9.1f} us {by[p][1]:5.0f}T" if p in by else f"{'-':>20}" for p in paths)
@@ -76,8 +77,8 @@ fi
 # gaps (the last forward of the run is the decoder).
 prof_decode() {
   local name=$1 model=$2
-  echo "== $name decode profile (TESSERA_PROFILE=kernels; the last forward of a warm run is the decoder)"
-  TESSERA_PROFILE=kernels timeout 200 $BIN bench generate --model "$model" --device cuda --precision bf16 \
+  echo "== $name decode profile (TESSERA_PROFILE=kernels, TESSERA_CONV=${PROF_CONV:-}; the last forward of a warm run is the decoder)"
+  TESSERA_CONV=${PROF_CONV:-} TESSERA_PROFILE=kernels timeout 200 $BIN bench generate --model "$model" --device cuda --precision bf16 \
     --size 1024x1024 --steps 2 --iters 2 > "$OUT/${name}_prof.log" 2>&1
   grep -E 'end to end' "$OUT/${name}_prof.log" | head -1
   python3 - "$OUT/${name}_prof.log" <<'PY'

@@ -538,6 +538,15 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add_all(conv2d(7, 6, 144, 288, 3).on_every_path()); // two 144-channel tiles
     t.add_all(conv2d(10, 9, 24, 136, 3).on_every_path()); // 136 of a 144-channel tile
     t.add_all(conv2d(6, 7, 144, 144, 3).added_to(Stream).on_every_path());
+    // The warp-specialized kernel's tiles (256 pixels × 128 or 144 channels, 128 × 256): several
+    // pixel tiles, the last short; reductions that wrap its four stages many times; the weight's
+    // columns and rows past its end from the tensor map's zero fill.
+    t.add_all(conv2d(23, 25, 144, 144, 3).on_every_path()); // 575 pixels: three tiles
+    t.add_all(conv2d(11, 14, 576, 288, 3).on_every_path()); // 81 steps, two channel tiles
+    t.add_all(conv2d(9, 12, 1152, 576, 3).on_every_path()); // Qwen-Image-2.1's widest, 162 steps
+    t.add_all(conv2d(17, 9, 256, 512, 3).upsampled().on_every_path()); // 306 pixels on 128-pixel tiles
+    t.add_all(conv2d(19, 21, 96, 200, 3).added_to(Stream).on_every_path()); // 200 of 256 channels
+    t.add_all(conv2d(18, 16, 128, 128, 3).downsampled().on_every_path());
     // A resnet's second convolution added into the f32 stream (its residual add fused), on each
     // kernel: 128 channels (wgmma 128-tile), 512 (im2col + cuBLASLt with β = 1), a short channel
     // tile, upsampled, a 1×1 (the bare product), and into a bf16 output.

@@ -928,8 +928,15 @@ fn conv(b: ConvBench) -> Result<()> {
         }
         let (oh, ow) = spec.out_size();
         let flops = 2.0 * (oh * ow * cout * k * k * cin) as f64;
-        for path in [ConvPath::Wgmma, ConvPath::Implicit, ConvPath::Im2col] {
-            if be.conv_path_available(path).is_err() {
+        for path in [
+            ConvPath::Ws,
+            ConvPath::Wgmma,
+            ConvPath::Implicit,
+            ConvPath::Im2col,
+        ] {
+            // The warp-specialized kernel takes neither an input activation nor ≤ 64 channels.
+            let ws_declines = path == ConvPath::Ws && (silu || cout <= 64);
+            if ws_declines || be.conv_path_available(path).is_err() {
                 continue;
             }
             let ms = be.bench_conv(&spec, (cin, cout), b.iters, path)?;

@@ -11,8 +11,9 @@
 use tessera_core::{Error, Result};
 
 use super::gemm::{Post, Rows, act_code, epilogue, product};
-use super::launch::{ByElem, ByPair, DevPtr, Kernel, cfg, kernel_args, kernel_table};
+use super::launch::{ByElem, ByPair, DevPtr, Kernel, TensorMap, cfg, kernel_args, kernel_table};
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
+use super::tma;
 use super::{CudaBackend, CudaBuf, CudaMat, Elem, MatFormat};
 use crate::view::same_shape;
 use crate::{AvgDown, Conv2d, DupUp, GroupNorm, View, ViewMut};
@@ -34,6 +35,14 @@ kernel_args! {
     pub(super) struct ConvArgs {
         x: DevPtr, xs: i64, h: i32, w: i32, cin: i32, k: i32, up: i32, down: i32, act: i32,
         wt: DevPtr, cout: i32, bias: DevPtr, pixels: i64, out: DevPtr, os: i64, add: i32,
+    }
+}
+
+kernel_args! {
+    /// `conv_ws{BN}_{out}`: `conv_implicit`'s arguments (no input activation), then the weight's
+    /// tensor map ([`tma::matrix_bf16`], boxes of `BN` rows), which its producer loads through.
+    pub(super) struct ConvWsArgs {
+        conv: ConvArgs, wmap: TensorMap,
     }
 }
 
@@ -106,6 +115,9 @@ kernel_table! {
         conv_wgmma144: ByElem<ConvArgs> = "conv_wgmma144_{}",
         conv_wgmma256: ByElem<ConvArgs> = "conv_wgmma256_{}",
         conv_wgmma64: ByElem<ConvArgs> = "conv_wgmma64_{}",
+        conv_ws128: ByElem<ConvWsArgs> = "conv_ws128_{}",
+        conv_ws144: ByElem<ConvWsArgs> = "conv_ws144_{}",
+        conv_ws256: ByElem<ConvWsArgs> = "conv_ws256_{}",
     }
 }
 
@@ -115,6 +127,14 @@ kernel_table! {
 const fn conv_wgmma_smem(bn: usize) -> usize {
     let stages = if bn == 128 || bn == 144 { 3 } else { 4 };
     stages * (128 * 128 + bn * 128) + 1024
+}
+
+/// Dynamic shared memory of `conv_ws{BN}` (`WsConvCfg::SMEM` in conv_sm90.cu): four stages of a
+/// pixel tile (256 pixels for 128- and 144-channel tiles, 128 for 256) and a `BN`-channel weight
+/// tile, 128 bytes a row, their two mbarriers each, and 1 KB to align them.
+const fn conv_ws_smem(bn: usize) -> usize {
+    let pixels = if bn == 256 { 128 } else { 256 };
+    4 * (pixels * 128 + bn * 128) + 16 * 4 + 1024
 }
 
 /// The output-channel tile of `conv_wgmma` for `cout` channels: 64 up to 64, else whichever of
@@ -146,6 +166,16 @@ pub(super) fn reserve_shared_memory(hopper: Option<&Sm90ConvKernels>) -> Result<
     for (k, smem) in kernels {
         k.allow_shared_memory(smem)?;
     }
+    let ws = [
+        (&t.conv_ws128, 128),
+        (&t.conv_ws144, 144),
+        (&t.conv_ws256, 256),
+    ]
+    .into_iter()
+    .flat_map(|(by, bn)| by.all().map(move |k| (k, conv_ws_smem(bn))));
+    for (k, smem) in ws {
+        k.allow_shared_memory(smem)?;
+    }
     Ok(())
 }
 
@@ -160,6 +190,10 @@ pub enum ConvPath {
     Auto,
     /// The wgmma implicit GEMM (`conv_wgmma`, Hopper); an error where it does not apply.
     Wgmma,
+    /// The warp-specialized wgmma implicit GEMM (`conv_ws`, Hopper: weight tiles by the
+    /// tensor-memory accelerator, more than 64 output channels, no input activation); an error
+    /// where it does not apply.
+    Ws,
     /// The mma.sync implicit GEMM (`conv_implicit`); an error where it does not apply.
     Implicit,
     /// Blocks of im2col columns times the weight on cuBLASLt (any type, any shape).
@@ -189,10 +223,12 @@ fn wgmma_pays(cout: usize, spec: &Conv2d) -> bool {
 }
 
 /// The kernels [`ConvPath::Auto`] may take, from `TESSERA_CONV` (read once): unset or `auto` all
-/// of them, `mma` not the wgmma one, `im2col` only im2col — for A/B measurement.
+/// of them, `ws` the warp-specialized one wherever it applies (else as `auto`), `mma` not the
+/// wgmma ones, `im2col` only im2col — for A/B measurement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ConvRoute {
     Auto,
+    Ws,
     Mma,
     Im2col,
 }
@@ -203,6 +239,7 @@ impl ConvRoute {
         *ROUTE.get_or_init(|| match std::env::var("TESSERA_CONV").as_deref() {
             Ok("im2col") => ConvRoute::Im2col,
             Ok("mma") => ConvRoute::Mma,
+            Ok("ws") => ConvRoute::Ws,
             _ => ConvRoute::Auto,
         })
     }
@@ -219,7 +256,12 @@ impl CudaBackend {
                  cuBLASLt"
                     .to_string()
             }
-            (Elem::Bf16, ConvRoute::Auto | ConvRoute::Mma) => format!(
+            (Elem::Bf16, ConvRoute::Ws) if hopper => {
+                "the warp-specialized wgmma implicit GEMM (conv_ws) into more than 64 output \
+                 channels from an input without activation (TESSERA_CONV=ws), else as by default"
+                    .to_string()
+            }
+            (Elem::Bf16, ConvRoute::Auto | ConvRoute::Ws | ConvRoute::Mma) => format!(
                 "the mma.sync implicit GEMM (conv_implicit) for at most {IMPLICIT_MAX_COUT} \
                  output channels from a multiple of 8 input channels, else im2col columns on \
                  cuBLASLt{}",
@@ -315,14 +357,20 @@ pub(super) fn conv2d(
         pixels,
     };
     match path {
-        ConvPath::Implicit | ConvPath::Wgmma if !implicit => {
+        ConvPath::Implicit | ConvPath::Wgmma | ConvPath::Ws if !implicit => {
             return declined(" (or unaligned rows)");
         }
         ConvPath::Implicit => return gemm.on_mma(be),
-        ConvPath::Wgmma => match hopper {
-            Some(t) => return gemm.on_wgmma(be, t),
-            None => return declined(" on a GPU without wgmma"),
-        },
+        ConvPath::Wgmma | ConvPath::Ws if hopper.is_none() => {
+            return declined(" on a GPU without wgmma");
+        }
+        ConvPath::Wgmma => return gemm.on_wgmma(be, hopper.expect("checked above")),
+        ConvPath::Ws if !gemm.ws_applies() => {
+            return declined(
+                " (the warp-specialized kernel takes more than 64 output channels of an input without activation)",
+            );
+        }
+        ConvPath::Ws => return gemm.on_ws(be, hopper.expect("checked above")),
         ConvPath::Im2col => {}
         ConvPath::Auto => {
             // A 1×1 convolution of an image already in the weight's type is the product itself.
@@ -336,7 +384,10 @@ pub(super) fn conv2d(
                 return epilogue(be, &post, to, to, 0, pixels, cout, false);
             }
             match (implicit, ConvRoute::from_env(), hopper) {
-                (true, ConvRoute::Auto, Some(t)) if gemm.wgmma_fits() && wgmma_pays(cout, spec) => {
+                (true, ConvRoute::Ws, Some(t)) if gemm.ws_applies() => return gemm.on_ws(be, t),
+                (true, ConvRoute::Auto | ConvRoute::Ws, Some(t))
+                    if gemm.wgmma_fits() && wgmma_pays(cout, spec) =>
+                {
                     return gemm.on_wgmma(be, t);
                 }
                 (true, ConvRoute::Auto | ConvRoute::Mma, _) if cout <= IMPLICIT_MAX_COUT => {
@@ -482,6 +533,38 @@ impl ImplicitGemm<'_> {
         let smem = conv_wgmma_smem(bn) as u32;
         be.launch("conv", kernel, cfg((ctas, 1), 256, smem), &self.args())
     }
+
+    /// Whether `conv_ws` takes this convolution: besides `conv_wgmma`'s conditions, no input
+    /// activation (its producer only copies) and more than 64 output channels (its tiles are
+    /// 128, 144 or 256 wide).
+    fn ws_applies(&self) -> bool {
+        self.wgmma_fits() && self.spec.act.is_none() && self.w.out > 64
+    }
+
+    /// On `conv_ws` (kernels/conv_sm90.cu): one CTA of three warpgroups per 256 output pixels ×
+    /// 128 or 144 output channels, or 128 pixels × 256 ([`wgmma_tile`]), numbered channel tile
+    /// fastest; the weight read through a tensor map.
+    fn on_ws(&self, be: &CudaBackend, table: &Sm90ConvKernels) -> Result<()> {
+        let cout = self.w.out;
+        let bn = wgmma_tile(cout);
+        let (kernel, pixels) = match bn {
+            144 => (&table.conv_ws144, 256),
+            256 => (&table.conv_ws256, 128),
+            _ => (&table.conv_ws128, 256),
+        };
+        let kernel = kernel.get(self.to.elem)?;
+        let ctas = u32::try_from(self.pixels.div_ceil(pixels) * cout.div_ceil(bn))
+            .ok()
+            .filter(|&n| n < i32::MAX as u32)
+            .ok_or_else(|| Error::backend("conv2d", "too many output tiles"))?;
+        let wmap = tma::matrix_bf16(self.w.buf.ptr, cout, self.w.inner, bn as u32)?;
+        let args = ConvWsArgs {
+            conv: self.args(),
+            wmap,
+        };
+        let smem = conv_ws_smem(bn) as u32;
+        be.launch("conv", kernel, cfg((ctas, 1), 384, smem), &args)
+    }
 }
 
 impl CudaBackend {
@@ -491,8 +574,8 @@ impl CudaBackend {
         let why = match path {
             ConvPath::Auto | ConvPath::Im2col => return Ok(()),
             _ if self.compute_elem() != Elem::Bf16 => "the implicit GEMMs run under bf16 only",
-            ConvPath::Wgmma if self.kernels.conv_sm90.is_none() => {
-                "the wgmma convolution needs a Hopper GPU (sm_90a)"
+            ConvPath::Wgmma | ConvPath::Ws if self.kernels.conv_sm90.is_none() => {
+                "the wgmma convolutions need a Hopper GPU (sm_90a)"
             }
             _ => return Ok(()),
         };
@@ -706,5 +789,8 @@ mod tests {
         assert!(2 * conv_wgmma_smem(128) <= 227 << 10);
         assert!(2 * conv_wgmma_smem(144) <= 227 << 10);
         assert!(conv_wgmma_smem(256) <= 227 << 10);
+        for bn in [128, 144, 256] {
+            assert!(conv_ws_smem(bn) <= 227 << 10, "conv_ws{bn}");
+        }
     }
 }

@@ -67,3 +67,46 @@ pub fn head_rows_bf16(
     // SAFETY: the driver returned success, so it wrote the whole map.
     Ok(TensorMap(unsafe { map.assume_init() }))
 }
+
+/// The map of a dense bf16 matrix of `rows` rows × `cols` columns (row-major, rows `cols`
+/// elements apart) read in boxes of [`BOX_COLS`] columns × `box_rows` rows, swizzled by 128 bytes:
+/// the convolution weight's tiles as `conv_ws` loads them. Columns and rows past the matrix arrive
+/// as zeros.
+pub fn matrix_bf16(base: DevPtr, rows: usize, cols: usize, box_rows: u32) -> Result<TensorMap> {
+    const ELEM: u64 = 2;
+    let bad = |why: &str| Err(Error::backend("tensor map", why.to_string()));
+    if !base.0.is_multiple_of(16) || !(cols as u64 * ELEM).is_multiple_of(16) {
+        return bad("the matrix's base and row stride must be 16-byte aligned");
+    }
+    if box_rows == 0 || box_rows > 256 || rows == 0 || cols == 0 {
+        return bad("boxes of 1 to 256 rows over a non-empty matrix");
+    }
+    let dims = [cols as u64, rows as u64];
+    let strides = [cols as u64 * ELEM];
+    let boxes = [BOX_COLS, box_rows];
+    let steps = [1u32; 2];
+    let mut map = MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: as in `head_rows_bf16`, for rank 2: the dimension, stride, box and step arrays hold
+    // the 2, 1, 2 and 2 entries the driver reads; `base` is only recorded, and the kernel reads
+    // through the map within the matrix the caller owns.
+    let res = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            base.0 as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    res.result()
+        .map_err(|e| Error::backend("cuTensorMapEncodeTiled", e))?;
+    // SAFETY: the driver returned success, so it wrote the whole map.
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}

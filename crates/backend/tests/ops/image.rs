@@ -73,7 +73,8 @@ impl ConvCase {
 
     /// This case as the op runs it, then (bf16 only) forced through im2col and, where the
     /// implicit GEMMs take it (a bf16 input, input channels a multiple of 8), through each
-    /// (the wgmma one where the GPU has it).
+    /// (the wgmma ones where the GPU has them; the warp-specialized one for more than 64 output
+    /// channels of an input without activation).
     pub fn on_every_path(self) -> Vec<ConvCase> {
         let with = |path| ConvCase {
             path: Some(path),
@@ -83,6 +84,9 @@ impl ConvCase {
         if self.input == Role::Compute && self.cin.is_multiple_of(8) {
             all.push(with(ConvPath::Implicit));
             all.push(with(ConvPath::Wgmma));
+            if self.spec.act.is_none() && self.cout > 64 {
+                all.push(with(ConvPath::Ws));
+            }
         }
         all
     }

@@ -190,49 +190,6 @@ FLASH_WG(512)
 template <int D> struct WsCfg { static constexpr int BN = 128, STAGES = 4; };
 template <> struct WsCfg<128> { static constexpr int BN = 128, STAGES = 3; };
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-// Wait until the barrier's phase of parity `parity` has completed (the phase before the current
-// one counts as completed, so a producer's first wait on a free stage returns at once).
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    }
-}
-// Arrive on `bar` once all of this thread's earlier cp.async copies have landed (the barrier's
-// count includes this arrival: .noinc).
-__device__ __forceinline__ void cp_arrive_on(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void set_max_regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-__device__ __forceinline__ void set_max_regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-// Arrive on `bar` and add `bytes` to the transaction count its phase waits for (the TMA copies
-// that complete it).
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// One TMA box of `map` — 64 columns × the box's rows of one head, starting at (col, row, head) —
-// into shared memory at `dst` with the map's 128-byte swizzle; its bytes complete `bar`'s
-// transaction. Rows past the tensor's end land as zeros.
-__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaDesc* map, int col, int row, int head, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-        "[%5];\n" ::"r"(dst),
-        "l"(reinterpret_cast<u64>(map)), "r"(col), "r"(row), "r"(head), "r"(bar)
-        : "memory");
-}
-
 // The consumers' ping-pong turns: named barriers PP_BAR (consumer 0's turn) and PP_BAR + 1
 // (consumer 1's), each met by one warpgroup's sync and the other's arrive (256 threads).
 constexpr int PP_BAR = 8;

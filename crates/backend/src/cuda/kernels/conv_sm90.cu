@@ -35,6 +35,18 @@
 #define CW_BM 128
 #define CW_THREADS 256
 
+// The source of one gathered 16-byte piece: tap (ky, kx) of the pixel whose top-left tap is packed
+// in `yx` (y high, x low 16 bits, in the upsampled image), channels c0..c0 + 7; `ok` false (and
+// `x` returned) on the padding, past the last pixel or past the reduction (`kv`). Upsampling is a
+// shift (`ush` 1 for 2×): a division by the runtime factor cost ~30 instructions a piece, which
+// the gathering warps issue 12–16 times a step.
+__device__ __forceinline__ const bf16* gather_src(const bf16* x, long xs, int w, int vh, int vw, int ush, int yx,
+                                                  int ky, int kx, int c0, bool kv, bool& ok) {
+    const int uy = (yx >> 16) + ky, ux = (int)(short)(yx & 0xffff) + kx;
+    ok = kv && (unsigned)uy < (unsigned)vh && (unsigned)ux < (unsigned)vw;
+    return ok ? x + (long)((uy >> ush) * w + (ux >> ush)) * xs + c0 : x;
+}
+
 // Per tile width: stages, the wgmma groups a warpgroup keeps in flight while the next step loads
 // (KEEP), and the CTAs a multiprocessor holds. Measured on an H100 (run g10, `bench conv`): 128-
 // channel tiles run best three stages deep with two CTAs a multiprocessor, each waiting for every
@@ -63,7 +75,7 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
     const int ntiles = (cout + BN - 1) / BN;
     const long p0 = (long)(blockIdx.x / ntiles) * CW_BM;
     const int n0 = (int)(blockIdx.x % ntiles) * BN;
-    const int vh = h * up, vw = w * up, ow = vw / down, pad = down == 2 ? 0 : k / 2;
+    const int vh = h * up, vw = w * up, ow = vw / down, pad = down == 2 ? 0 : k / 2, ush = up == 2;
     const int kk = k * k * cin;  // the reduction's length (an `int`: the host checks)
     const int steps = (kk + 63) / 64;
 
@@ -95,9 +107,8 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
         const u32 sa = base + slot * C::STAGE + at, sb = sa + C::A_BYTES;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int uy = (yx[i] >> 16) + ky, ux = (int)(short)(yx[i] & 0xffff) + kx;
-            const bool ok = kv && uy >= 0 && uy < vh && ux >= 0 && ux < vw;
-            const bf16* src = ok ? x + ((long)(uy / up) * w + ux / up) * xs + c0 : x;
+            bool ok;
+            const bf16* src = gather_src(x, xs, w, vh, vw, ush, yx[i], ky, kx, c0, kv, ok);
             cp_async16(sa + i * 32 * 128, src, ok);
         }
 #pragma unroll
@@ -196,3 +207,170 @@ CONV_WGMMA(float, 128, conv_wgmma_f32)
 CONV_WGMMA(bf16, 128, conv_wgmma_bf16)
 CONV_WGMMA(float, 64, conv_wgmma64_f32)
 CONV_WGMMA(bf16, 64, conv_wgmma64_bf16)
+
+// ---- conv_ws{BN}_{out}: warp-specialized, the weight tiles by the tensor-memory accelerator ----
+//
+// The same convolution, for inputs without an activation (the host sends activated ones to
+// conv_wgmma), as a CTA of three warpgroups over WsConvCfg::BM output pixels × BN channels:
+//   warpgroup 0, the producer: for each step of 64 along the reduction it waits for a free stage,
+//     one thread hands the weight tile (BN rows × 64 columns of the weight as a [cout, kk] matrix,
+//     zeros past either end) to the tensor-memory accelerator, and every thread gathers its pieces
+//     of the pixel tile with cp.async as conv_wgmma does (same zero-fill, same 128-byte swizzle),
+//     its copies arriving on the stage's mbarrier as they land — it never waits for a load;
+//   warpgroups 1 and 2, the consumers: MT blocks of 64 pixels each × BN, issuing a step's products
+//     as soon as its stage is full, keeping one step in flight, and freeing a stage once its
+//     products are done.
+// conv_wgmma's CTA instead loads and multiplies in lockstep (a barrier per step, the loads' address
+// arithmetic on the warps that issue the products, both tiles through L2 for every 128 pixels),
+// which left it at 250–300 TFLOP/s (runs g10, g14). Here 144- and 128-channel tiles take 256
+// pixels (a consumer's two 64-row blocks share each weight read: 94 products per byte loaded
+// against 69 at 128 pixels), 256-channel ones 128 (their accumulators fill a consumer's registers).
+// Mirrored by `conv_ws_smem` in cuda/image.rs.
+template <int BN> struct WsConvCfg {
+    static constexpr int MT = BN == 256 ? 1 : 2;  // 64-pixel blocks per consumer
+    static constexpr int BM = 128 * MT, STAGES = 4;
+    static constexpr unsigned A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
+    // The stages, their full and free mbarriers, and 1 KB of slack that aligns the stages to the
+    // swizzle's period.
+    static constexpr unsigned SMEM = STAGES * STAGE + 16 * STAGES + 1024;
+};
+
+template <typename TO, int BN>
+__device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs, int h, int w, int cin, int k,
+                                             int up, int down, int cout, const float* __restrict__ bias, long pixels,
+                                             TO* __restrict__ out, long os, int add, const TmaDesc* wmap) {
+    typedef WsConvCfg<BN> C;
+    constexpr int MT = C::MT, S = C::STAGES, ROWS = C::BM / 16;  // pixel rows a producer thread gathers
+    extern __shared__ unsigned char cw_smem[];
+    const u32 base = (smem_addr(cw_smem) + 1023u) & ~1023u;
+    const u32 full = base + S * C::STAGE, empty = full + 8 * S;
+    const int tid = threadIdx.x;
+    const int ntiles = (cout + BN - 1) / BN;
+    const long p0 = (long)(blockIdx.x / ntiles) * C::BM;
+    const int n0 = (int)(blockIdx.x % ntiles) * BN;
+    const int kk = k * k * cin, steps = (kk + 63) / 64;
+
+    if (tid == 0) {
+        for (int i = 0; i < S; i++) {
+            mbar_init(full + 8 * i, 128 + 1);  // every producer thread's copies and the weight's bytes
+            mbar_init(empty + 8 * i, 256);     // every consumer thread
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (tid < 128) {
+        set_max_regs_dec<56>();
+        const int vh = h * up, vw = w * up, ow = vw / down, pad = down == 2 ? 0 : k / 2, ush = up == 2;
+        // Thread (lr, lc) copies 16-byte chunk lc of pixel rows lr + 16·i: eight threads read one
+        // pixel's 128 bytes, as in conv_wgmma.
+        const int lr = tid >> 3, lc = tid & 7;
+        int yx[ROWS];
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) {
+            const long p = p0 + lr + 16 * i;
+            int oy = -(1 << 14), ox = 0;
+            if (p < pixels) {
+                const int py = (int)(p / ow), px = (int)(p - (long)py * ow);
+                oy = py * down - pad;
+                ox = px * down - pad;
+            }
+            yx[i] = (int)(((u32)oy << 16) | ((u32)ox & 0xffffu));
+        }
+        const u32 at = (u32)lr * 128 + (u32)((lc ^ (lr & 7)) << 4);
+        for (int step = 0; step < steps; step++) {
+            const int slot = step % S;
+            mbar_wait(empty + 8 * slot, ((step / S) & 1) ^ 1);
+            const u32 sa = base + slot * C::STAGE;
+            if (tid == 0) {
+                mbar_expect_tx(full + 8 * slot, C::B_BYTES);
+                tma_load_2d(sa + C::A_BYTES, wmap, step * 64, n0, full + 8 * slot);
+            }
+            const int kf = step * 64 + lc * 8;
+            const bool kv = kf < kk;
+            const int tap = kf / cin, c0 = kf - tap * cin;
+            const int ky = tap / k, kx = tap - ky * k;
+#pragma unroll
+            for (int i = 0; i < ROWS; i++) {
+                bool ok;
+                const bf16* src = gather_src(x, xs, w, vh, vw, ush, yx[i], ky, kx, c0, kv, ok);
+                cp_async16(sa + at + i * 16 * 128, src, ok);
+            }
+            cp_arrive_on(full + 8 * slot);
+        }
+        cp_wait_all();
+        return;
+    }
+
+    set_max_regs_inc<224>();  // 128 · 56 + 256 · 224 registers: the 64K a multiprocessor has
+    const int c = (tid >> 7) - 1, lane = tid & 31, wq = (tid >> 5) & 3;
+    float acc[MT][BN / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[m][j][e] = 0.f;
+    for (int step = 0; step < steps; step++) {
+        const int slot = step % S;
+        mbar_wait(full + 8 * slot, (step / S) & 1);
+        // The pixels came through cp.async, each thread's copies landed before its arrival; the
+        // tensor cores read through the async proxy, which the barrier's completion orders.
+        const u32 sa = base + slot * C::STAGE + c * MT * 64 * 128, sb = base + slot * C::STAGE + C::A_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+            for (int m = 0; m < MT; m++)
+                wgmma_ss(acc[m], sw128_desc(sa + m * 64 * 128 + ks * 32, 16), sw128_desc(sb + ks * 32, 16), 1);
+        wg_commit();
+        wg_wait<1>();  // the previous step's products are done: its stage is free
+        if (step > 0) mbar_arrive(empty + 8 * ((step - 1) % S));
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int m = 0; m < MT; m++) wg_keep(acc[m]);
+
+    const bool pairs = ((os | cout) & 1) == 0 && ((unsigned long long)out & (2 * sizeof(TO) - 1)) == 0;
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const long p = p0 + (c * MT + m) * 64 + wq * 16 + (lane >> 2) + 8 * half;
+            if (p >= pixels) continue;
+            TO* row = out + p * os;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                const int n = n0 + j * 8 + 2 * (lane & 3);
+                if (n >= cout) continue;
+                const float v0 = (add ? to_f(row[n]) : 0.f) + (acc[m][j][2 * half] + (bias ? bias[n] : 0.f));
+                if (n + 1 < cout) {
+                    const float v1 =
+                        (add ? to_f(row[n + 1]) : 0.f) + (acc[m][j][2 * half + 1] + (bias ? bias[n + 1] : 0.f));
+                    if (pairs) {
+                        store2(row + n, v0, v1);
+                        continue;
+                    }
+                    row[n + 1] = from_f<TO>(v1);
+                }
+                row[n] = from_f<TO>(v0);
+            }
+        }
+}
+
+// conv_wgmma's arguments (`act` must be −1 and `wt` is read through `wmap` instead), then the
+// weight's tensor map (tma::rows_bf16: boxes of 64 columns × BN rows).
+#define CONV_WS(TO, BN, NAME)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                          \
+        NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt,    \
+             int cout, const float* bias, long pixels, TO* out, long os, int add,                                 \
+             const __grid_constant__ TmaDesc wmap) {                                                               \
+        pdl_enter();                                                                                               \
+        conv_ws_impl<TO, BN>(x, xs, h, w, cin, k, up, down, cout, bias, pixels, out, os, add, &wmap);             \
+    }
+CONV_WS(float, 128, conv_ws128_f32)
+CONV_WS(bf16, 128, conv_ws128_bf16)
+CONV_WS(float, 144, conv_ws144_f32)
+CONV_WS(bf16, 144, conv_ws144_bf16)
+CONV_WS(float, 256, conv_ws256_f32)
+CONV_WS(bf16, 256, conv_ws256_bf16)
