@@ -118,6 +118,10 @@ kernel_table! {
         conv_ws128: ByElem<ConvWsArgs> = "conv_ws128_{}",
         conv_ws144: ByElem<ConvWsArgs> = "conv_ws144_{}",
         conv_ws256: ByElem<ConvWsArgs> = "conv_ws256_{}",
+        conv_ws128m1: ByElem<ConvWsArgs> = "conv_ws128m1_{}",
+        conv_ws144m1: ByElem<ConvWsArgs> = "conv_ws144m1_{}",
+        conv_ws128p2: ByElem<ConvWsArgs> = "conv_ws128p2_{}",
+        conv_ws144p2: ByElem<ConvWsArgs> = "conv_ws144p2_{}",
     }
 }
 
@@ -129,12 +133,63 @@ const fn conv_wgmma_smem(bn: usize) -> usize {
     stages * (128 * 128 + bn * 128) + 1024
 }
 
-/// Dynamic shared memory of `conv_ws{BN}` (`WsConvCfg::SMEM` in conv_sm90.cu): four stages of a
-/// pixel tile (256 pixels for 128- and 144-channel tiles, 128 for 256) and a `BN`-channel weight
-/// tile, 128 bytes a row, their two mbarriers each, and 1 KB to align them.
-const fn conv_ws_smem(bn: usize) -> usize {
-    let pixels = if bn == 256 { 128 } else { 256 };
-    4 * (pixels * 128 + bn * 128) + 16 * 4 + 1024
+/// One shape of `conv_ws` (`WsConvCfg` in conv_sm90.cu): `bn` output channels × 64·`mt` pixels
+/// per consumer warpgroup, gathered by `pwg` producer warpgroups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct WsShape {
+    bn: usize,
+    mt: usize,
+    pwg: usize,
+}
+
+impl WsShape {
+    /// The pixels of one CTA's tile.
+    const fn pixels(self) -> usize {
+        128 * self.mt
+    }
+
+    const fn threads(self) -> usize {
+        128 * (self.pwg + 2)
+    }
+
+    /// Dynamic shared memory (`WsConvCfg::SMEM`): as many stages of a pixel tile and a weight
+    /// tile (128 bytes a row) as 227 KB hold, at most eight, their two mbarriers each, and 1 KB
+    /// to align them.
+    const fn smem(self) -> usize {
+        let stage = (self.pixels() + self.bn) * 128;
+        let fit = (232448 - 1024 - 128) / stage;
+        let stages = if fit > 8 { 8 } else { fit };
+        stages * stage + 16 * stages + 1024
+    }
+}
+
+/// Every `conv_ws` kernel of the table with its shape.
+fn ws_kernels(t: &Sm90ConvKernels) -> [(&ByElem<ConvWsArgs>, WsShape); 7] {
+    let shape = |bn, mt, pwg| WsShape { bn, mt, pwg };
+    [
+        (&t.conv_ws256, shape(256, 1, 1)),
+        (&t.conv_ws144, shape(144, 2, 1)),
+        (&t.conv_ws128, shape(128, 2, 1)),
+        (&t.conv_ws144m1, shape(144, 1, 1)),
+        (&t.conv_ws128m1, shape(128, 1, 1)),
+        (&t.conv_ws144p2, shape(144, 2, 2)),
+        (&t.conv_ws128p2, shape(128, 2, 2)),
+    ]
+}
+
+/// The `conv_ws` variant for 128- and 144-channel tiles, from `TESSERA_CONV_WS` (read once): unset
+/// 256 pixels a CTA, `m1` 128, `p2` 256 gathered by two producer warpgroups — for measurement.
+fn ws_shape(bn: usize) -> WsShape {
+    static VARIANT: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    let (mt, pwg) = *VARIANT.get_or_init(|| match std::env::var("TESSERA_CONV_WS").as_deref() {
+        Ok("m1") => (1, 1),
+        Ok("p2") => (2, 2),
+        _ => (2, 1),
+    });
+    match bn {
+        256 => WsShape { bn, mt: 1, pwg: 1 },
+        _ => WsShape { bn, mt, pwg },
+    }
 }
 
 /// The output-channel tile of `conv_wgmma` for `cout` channels: 64 up to 64, else whichever of
@@ -166,15 +221,10 @@ pub(super) fn reserve_shared_memory(hopper: Option<&Sm90ConvKernels>) -> Result<
     for (k, smem) in kernels {
         k.allow_shared_memory(smem)?;
     }
-    let ws = [
-        (&t.conv_ws128, 128),
-        (&t.conv_ws144, 144),
-        (&t.conv_ws256, 256),
-    ]
-    .into_iter()
-    .flat_map(|(by, bn)| by.all().map(move |k| (k, conv_ws_smem(bn))));
-    for (k, smem) in ws {
-        k.allow_shared_memory(smem)?;
+    for (by, shape) in ws_kernels(t) {
+        for k in by.all() {
+            k.allow_shared_memory(shape.smem())?;
+        }
     }
     Ok(())
 }
@@ -209,17 +259,27 @@ pub enum ConvPath {
 const IMPLICIT_MAX_COUT: usize = 128;
 
 /// Whether [`ConvPath::Auto`] sends a convolution to `conv_wgmma` rather than im2col. Measured
-/// on an H100 (`tessera bench conv`): the kernel (~250–300 TFLOP/s) beats im2col + cuBLASLt
-/// wherever the output has at most 288 channels (run g10, Z-Image's 256- and 128-channel layers
-/// at 512² and 1024²: 2.1 against 2.6 ms, 2.4 against 5.0, 1.3 against 2.8; run g14, Qwen-Image-
-/// 2.1's 288- and 144-channel layers on 144-wide tiles: 576 → 288 at 512² 2.68 against 3.16 ms,
-/// 288 → 288 1.44 against 1.70, 144 → 144 at 1024² 1.56 against 3.23), but not on 512-, 576- and
-/// 1152-wide products, where cuBLASLt's columns run at 360–530 (576 → 576 at 256²: 1.40 against
-/// 1.02 ms). An input activation costs it a SiLU per gathered value, nine times each input
-/// (Qwen-Image's 144-channel layers at 1024², run g10: 4.5 against 3.6 ms), so activated inputs
-/// take it only into at most 64 channels (`conv_out`: 2.3 against 3.4 ms).
+/// on an H100 (`tessera bench conv`, run g15, gathers by shift): the kernel (330–430 TFLOP/s)
+/// beats im2col + cuBLASLt wherever the output has at most 576 channels (Qwen-Image-2.1's 144-,
+/// 288- and 576-channel layers: 144 → 144 at 1024² 1.17 against 3.20 ms, 576 → 288 at 512² 1.87
+/// against 3.12, 576 → 576 at 256² 0.95 against 1.02, 1152 → 576 1.81 against 1.94), but not on
+/// 1152-wide products, where cuBLASLt's columns run at 510–530 (1152 → 1152 at 256²: 3.62 against
+/// 3.04 ms). An input activation costs it a SiLU per gathered value, nine times each input
+/// (run g10: 4.5 against 3.6 ms at 144 → 144), so activated inputs take it only into at most 64
+/// channels (`conv_out`: 0.6–0.7 against 3.0–3.5 ms). 256-channel tiles go to `conv_ws` first
+/// ([`ws_pays`]).
 fn wgmma_pays(cout: usize, spec: &Conv2d) -> bool {
-    cout <= 288 && (spec.act.is_none() || cout <= 64)
+    cout <= 576 && (spec.act.is_none() || cout <= 64)
+}
+
+/// Whether [`ConvPath::Auto`] sends a convolution to `conv_ws`: activation-free inputs into 256-
+/// channel tiles ([`wgmma_tile`]). Measured on an H100 (run g15, `bench conv`): 450–540 TFLOP/s
+/// on Z-Image's 256- and 512-channel layers against 340–380 for `conv_wgmma` and 210–370 for
+/// im2col (512 → 512 at 512² upsampled: 2.38 against 3.26 and 3.31 ms; 512 → 256 at 512²: 1.15
+/// against 1.62 and 2.61). On 128- and 144-channel tiles its 256-pixel CTAs ran at 250–380,
+/// below `conv_wgmma`'s 330–430.
+fn ws_pays(cout: usize, spec: &Conv2d) -> bool {
+    spec.act.is_none() && cout > 64 && wgmma_tile(cout) == 256
 }
 
 /// The kernels [`ConvPath::Auto`] may take, from `TESSERA_CONV` (read once): unset or `auto` all
@@ -251,9 +311,10 @@ impl CudaBackend {
         let hopper = self.kernels.conv_sm90.is_some();
         match (self.compute_elem(), ConvRoute::from_env()) {
             (Elem::Bf16, ConvRoute::Auto) if hopper => {
-                "the wgmma implicit GEMM (conv_wgmma) into at most 288 output channels (64 from \
-                 an activated input) from a multiple of 8 input channels, else im2col columns on \
-                 cuBLASLt"
+                "from a multiple of 8 input channels, the warp-specialized wgmma implicit GEMM \
+                 (conv_ws) into 256-channel tiles of an input without activation, the wgmma one \
+                 (conv_wgmma) into other tiles up to 576 output channels (64 from an activated \
+                 input), else im2col columns on cuBLASLt"
                     .to_string()
             }
             (Elem::Bf16, ConvRoute::Ws) if hopper => {
@@ -385,6 +446,9 @@ pub(super) fn conv2d(
             }
             match (implicit, ConvRoute::from_env(), hopper) {
                 (true, ConvRoute::Ws, Some(t)) if gemm.ws_applies() => return gemm.on_ws(be, t),
+                (true, ConvRoute::Auto, Some(t)) if gemm.ws_applies() && ws_pays(cout, spec) => {
+                    return gemm.on_ws(be, t);
+                }
                 (true, ConvRoute::Auto | ConvRoute::Ws, Some(t))
                     if gemm.wgmma_fits() && wgmma_pays(cout, spec) =>
                 {
@@ -542,28 +606,27 @@ impl ImplicitGemm<'_> {
     }
 
     /// On `conv_ws` (kernels/conv_sm90.cu): one CTA of three warpgroups per 256 output pixels ×
-    /// 128 or 144 output channels, or 128 pixels × 256 ([`wgmma_tile`]), numbered channel tile
-    /// fastest; the weight read through a tensor map.
+    /// 128 or 144 output channels, or 128 pixels × 256 ([`wgmma_tile`], [`ws_shape`]), numbered
+    /// channel tile fastest; the weight read through a tensor map.
     fn on_ws(&self, be: &CudaBackend, table: &Sm90ConvKernels) -> Result<()> {
         let cout = self.w.out;
-        let bn = wgmma_tile(cout);
-        let (kernel, pixels) = match bn {
-            144 => (&table.conv_ws144, 256),
-            256 => (&table.conv_ws256, 128),
-            _ => (&table.conv_ws128, 256),
-        };
+        let shape = ws_shape(wgmma_tile(cout));
+        let (kernel, _) = ws_kernels(table)
+            .into_iter()
+            .find(|&(_, s)| s == shape)
+            .ok_or_else(|| Error::backend("conv2d", format!("no conv_ws kernel of {shape:?}")))?;
         let kernel = kernel.get(self.to.elem)?;
-        let ctas = u32::try_from(self.pixels.div_ceil(pixels) * cout.div_ceil(bn))
+        let ctas = u32::try_from(self.pixels.div_ceil(shape.pixels()) * cout.div_ceil(shape.bn))
             .ok()
             .filter(|&n| n < i32::MAX as u32)
             .ok_or_else(|| Error::backend("conv2d", "too many output tiles"))?;
-        let wmap = tma::matrix_bf16(self.w.buf.ptr, cout, self.w.inner, bn as u32)?;
+        let wmap = tma::matrix_bf16(self.w.buf.ptr, cout, self.w.inner, shape.bn as u32)?;
         let args = ConvWsArgs {
             conv: self.args(),
             wmap,
         };
-        let smem = conv_ws_smem(bn) as u32;
-        be.launch("conv", kernel, cfg((ctas, 1), 384, smem), &args)
+        let (threads, smem) = (shape.threads() as u32, shape.smem() as u32);
+        be.launch("conv", kernel, cfg((ctas, 1), threads, smem), &args)
     }
 }
 
@@ -789,8 +852,18 @@ mod tests {
         assert!(2 * conv_wgmma_smem(128) <= 227 << 10);
         assert!(2 * conv_wgmma_smem(144) <= 227 << 10);
         assert!(conv_wgmma_smem(256) <= 227 << 10);
-        for bn in [128, 144, 256] {
-            assert!(conv_ws_smem(bn) <= 227 << 10, "conv_ws{bn}");
+        let shapes = [
+            (256, 1, 1),
+            (144, 2, 1),
+            (128, 2, 1),
+            (144, 1, 1),
+            (128, 1, 1),
+        ];
+        for (bn, mt, pwg) in shapes.into_iter().chain([(144, 2, 2), (128, 2, 2)]) {
+            let shape = WsShape { bn, mt, pwg };
+            assert!(shape.smem() <= 227 << 10, "{shape:?}");
+            // At least four stages: the producer stays three steps ahead.
+            assert!(shape.smem() >= 4 * (shape.pixels() + bn) * 128, "{shape:?}");
         }
     }
 }

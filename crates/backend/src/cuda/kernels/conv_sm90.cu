@@ -226,21 +226,26 @@ CONV_WGMMA(bf16, 64, conv_wgmma64_bf16)
 // pixels (a consumer's two 64-row blocks share each weight read: 94 products per byte loaded
 // against 69 at 128 pixels), 256-channel ones 128 (their accumulators fill a consumer's registers).
 // Mirrored by `conv_ws_smem` in cuda/image.rs.
-template <int BN> struct WsConvCfg {
-    static constexpr int MT = BN == 256 ? 1 : 2;  // 64-pixel blocks per consumer
-    static constexpr int BM = 128 * MT, STAGES = 4;
+template <int BN, int MT_, int PWG_> struct WsConvCfg {
+    static constexpr int MT = MT_;    // 64-pixel blocks per consumer
+    static constexpr int PWG = PWG_;  // producer warpgroups
+    static constexpr int BM = 128 * MT, THREADS = 128 * (PWG + 2);
     static constexpr unsigned A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
-    // The stages, their full and free mbarriers, and 1 KB of slack that aligns the stages to the
-    // swizzle's period.
+    // As many stages as the 227 KB a CTA may take hold (at most 8), with their full and free
+    // mbarriers and 1 KB of slack that aligns the stages to the swizzle's period.
+    static constexpr int STAGES = (232448 - 1024 - 128) / STAGE > 8 ? 8 : (232448 - 1024 - 128) / STAGE;
     static constexpr unsigned SMEM = STAGES * STAGE + 16 * STAGES + 1024;
+    // Registers after setmaxnreg: the producers give theirs to the consumers (64K a multiprocessor).
+    static constexpr int P_REGS = PWG == 1 ? 56 : 40, C_REGS = PWG == 1 ? 224 : 216;
 };
 
-template <typename TO, int BN>
+template <typename TO, int BN, int MT_, int PWG_>
 __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs, int h, int w, int cin, int k,
                                              int up, int down, int cout, const float* __restrict__ bias, long pixels,
                                              TO* __restrict__ out, long os, int add, const TmaDesc* wmap) {
-    typedef WsConvCfg<BN> C;
-    constexpr int MT = C::MT, S = C::STAGES, ROWS = C::BM / 16;  // pixel rows a producer thread gathers
+    typedef WsConvCfg<BN, MT_, PWG_> C;
+    constexpr int MT = C::MT, S = C::STAGES, PWG = C::PWG, PT = 128 * PWG;
+    constexpr int ROWS = C::BM / (16 * PWG);  // pixel rows a producer thread gathers
     extern __shared__ unsigned char cw_smem[];
     const u32 base = (smem_addr(cw_smem) + 1023u) & ~1023u;
     const u32 full = base + S * C::STAGE, empty = full + 8 * S;
@@ -252,23 +257,23 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
 
     if (tid == 0) {
         for (int i = 0; i < S; i++) {
-            mbar_init(full + 8 * i, 128 + 1);  // every producer thread's copies and the weight's bytes
+            mbar_init(full + 8 * i, PT + 1);  // every producer thread's copies and the weight's bytes
             mbar_init(empty + 8 * i, 256);     // every consumer thread
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
-    if (tid < 128) {
-        set_max_regs_dec<56>();
+    if (tid < PT) {
+        set_max_regs_dec<C::P_REGS>();
         const int vh = h * up, vw = w * up, ow = vw / down, pad = down == 2 ? 0 : k / 2, ush = up == 2;
-        // Thread (lr, lc) copies 16-byte chunk lc of pixel rows lr + 16·i: eight threads read one
-        // pixel's 128 bytes, as in conv_wgmma.
+        // Thread (lr, lc) copies 16-byte chunk lc of pixel rows lr + PT/8·i: eight threads read
+        // one pixel's 128 bytes, as in conv_wgmma.
         const int lr = tid >> 3, lc = tid & 7;
         int yx[ROWS];
 #pragma unroll
         for (int i = 0; i < ROWS; i++) {
-            const long p = p0 + lr + 16 * i;
+            const long p = p0 + lr + PT / 8 * i;
             int oy = -(1 << 14), ox = 0;
             if (p < pixels) {
                 const int py = (int)(p / ow), px = (int)(p - (long)py * ow);
@@ -294,7 +299,7 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
             for (int i = 0; i < ROWS; i++) {
                 bool ok;
                 const bf16* src = gather_src(x, xs, w, vh, vw, ush, yx[i], ky, kx, c0, kv, ok);
-                cp_async16(sa + at + i * 16 * 128, src, ok);
+                cp_async16(sa + at + i * (PT / 8) * 128, src, ok);
             }
             cp_arrive_on(full + 8 * slot);
         }
@@ -302,8 +307,8 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
         return;
     }
 
-    set_max_regs_inc<224>();  // 128 · 56 + 256 · 224 registers: the 64K a multiprocessor has
-    const int c = (tid >> 7) - 1, lane = tid & 31, wq = (tid >> 5) & 3;
+    set_max_regs_inc<C::C_REGS>();
+    const int c = (tid >> 7) - PWG, lane = tid & 31, wq = (tid >> 5) & 3;
     float acc[MT][BN / 8][4];
 #pragma unroll
     for (int m = 0; m < MT; m++)
@@ -360,17 +365,27 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
 
 // conv_wgmma's arguments (`act` must be −1 and `wt` is read through `wmap` instead), then the
 // weight's tensor map (tma::rows_bf16: boxes of 64 columns × BN rows).
-#define CONV_WS(TO, BN, NAME)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(384, 1)                                                          \
+#define CONV_WS(TO, BN, MT, PWG, NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(WsConvCfg<BN, MT, PWG>::THREADS, 1)                              \
         NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt,    \
              int cout, const float* bias, long pixels, TO* out, long os, int add,                                 \
              const __grid_constant__ TmaDesc wmap) {                                                               \
         pdl_enter();                                                                                               \
-        conv_ws_impl<TO, BN>(x, xs, h, w, cin, k, up, down, cout, bias, pixels, out, os, add, &wmap);             \
+        conv_ws_impl<TO, BN, MT, PWG>(x, xs, h, w, cin, k, up, down, cout, bias, pixels, out, os, add, &wmap);    \
     }
-CONV_WS(float, 128, conv_ws128_f32)
-CONV_WS(bf16, 128, conv_ws128_bf16)
-CONV_WS(float, 144, conv_ws144_f32)
-CONV_WS(bf16, 144, conv_ws144_bf16)
-CONV_WS(float, 256, conv_ws256_f32)
-CONV_WS(bf16, 256, conv_ws256_bf16)
+// 256-channel tiles: 128 pixels. 128 and 144: 256 pixels (two blocks a consumer), or 128 (m1), or
+// 256 gathered by two producer warpgroups (p2) — variants under measurement (TESSERA_CONV_WS).
+CONV_WS(float, 256, 1, 1, conv_ws256_f32)
+CONV_WS(bf16, 256, 1, 1, conv_ws256_bf16)
+CONV_WS(float, 144, 2, 1, conv_ws144_f32)
+CONV_WS(bf16, 144, 2, 1, conv_ws144_bf16)
+CONV_WS(float, 128, 2, 1, conv_ws128_f32)
+CONV_WS(bf16, 128, 2, 1, conv_ws128_bf16)
+CONV_WS(float, 144, 1, 1, conv_ws144m1_f32)
+CONV_WS(bf16, 144, 1, 1, conv_ws144m1_bf16)
+CONV_WS(float, 128, 1, 1, conv_ws128m1_f32)
+CONV_WS(bf16, 128, 1, 1, conv_ws128m1_bf16)
+CONV_WS(float, 144, 2, 2, conv_ws144p2_f32)
+CONV_WS(bf16, 144, 2, 2, conv_ws144p2_bf16)
+CONV_WS(float, 128, 2, 2, conv_ws128p2_f32)
+CONV_WS(bf16, 128, 2, 2, conv_ws128p2_bf16)
