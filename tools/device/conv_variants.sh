@@ -4,7 +4,8 @@
 # while the full-size folders are made, `bench conv` under each, Z-Image and Qwen-Image-2.1 at 1024²
 # against the baseline binary (.dev/bin/tessera-base) with this binary's default routes, then both
 # families' miniature CUDA tests. Archives the logs as $OUT/cv.tgz.
-#   VARIANTS (default " m1 p2": unset, then each TESSERA_CONV_WS value)
+#   VARIANTS (default " m1 p2": unset, then each TESSERA_CONV_WS value); SKIP_GEN=1 leaves out the
+#   full-size folders and the generations (a short call: op table and `bench conv` alone)
 # Build first: BASELINE=path/to/old/tessera PACK=1 TESTS="cuda_ops zimage_cuda qwen_image_cuda" \
 #   tools/device/stage.sh
 set -u
@@ -18,7 +19,7 @@ export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 VARIANTS=${VARIANTS:-" m1 p2"}
 IFS=' ' read -r -a VS <<< "${VARIANTS# }"
 VS=("" "${VS[@]}")
-(
+[ "${SKIP_GEN:-0}" = 1 ] || (
   [ -f /tmp/zfull/model_index.json ] || python3 tools/device/make_zimage_full.py /tmp/zfull \
     crates/models/assets/zimage-mini > $O/make_z.log 2>&1
   [ -f /tmp/qfull/model_index.json ] || python3 tools/device/make_qwen_image_full.py /tmp/qfull \
@@ -58,7 +59,7 @@ for shape, by in rows.items():
     print(f"{shape:<30}" + "".join(f"{by[p][0]:8.1f}us {by[p][1]:4.0f}T" if p in by else f"{'-':>18}" for p in cols))
 print("sum of medians (us): " + ", ".join(f"{p} {sum(b[p][0] for b in rows.values() if p in b):.0f}" for p in cols))
 PY
-OUT=$O/v BASE_BIN=.dev/bin/tessera-base PARTS=zimage,qwen QSTEPS=${QSTEPS:-40} tools/device/vae_ab.sh
+[ "${SKIP_GEN:-0}" = 1 ] || OUT=$O/v BASE_BIN=.dev/bin/tessera-base PARTS=zimage,qwen QSTEPS=${QSTEPS:-40} tools/device/vae_ab.sh
 for t in zimage_cuda qwen_image_cuda; do
   timeout 100 .dev/bin/$t --ignored --test-threads=1 --nocapture --skip full_size > "$O/${t}_mini.log" 2>&1
   echo "$t (miniature): rc=$? $(grep -E '^test result' "$O/${t}_mini.log" | tail -1)"
