@@ -16,6 +16,53 @@ use super::launch::{DevPtr, TensorMap};
 /// Columns of one box: 64 bf16 are the 128 bytes the 128-byte swizzle spans.
 pub const BOX_COLS: u32 = 64;
 
+/// Encode the map of a bf16 tensor of `dims` (innermost first) with the byte `strides` of every
+/// dimension but the innermost, read in boxes of `boxes` elements, swizzled by 128 bytes (the
+/// layout the wgmma descriptors read); elements past the tensor arrive as zeros.
+fn encode_bf16<const R: usize>(
+    base: DevPtr,
+    dims: [u64; R],
+    strides: &[u64],
+    boxes: [u32; R],
+) -> Result<TensorMap> {
+    if strides.len() + 1 != R {
+        return Err(Error::backend(
+            "tensor map",
+            format!(
+                "a rank-{R} map takes {} strides, not {}",
+                R - 1,
+                strides.len()
+            ),
+        ));
+    }
+    let steps = [1u32; R];
+    let mut map = MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: `map` is a writable, suitably aligned CUtensorMap; the dimension, box and step
+    // arrays hold the rank's R entries the driver reads and the strides its R − 1; the driver only
+    // records `base` (it dereferences nothing on the host), and the kernels read through the map
+    // only within the tensor its caller checked against the operand's buffer.
+    let res = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            R as u32,
+            base.0 as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    res.result()
+        .map_err(|e| Error::backend("cuTensorMapEncodeTiled", e))?;
+    // SAFETY: the driver returned success, so it wrote the whole map.
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}
+
 /// The map of a bf16 attention operand as the kernels walk it: `heads` heads of `head_dim`
 /// columns side by side in rows `row_stride` elements apart, `rows` rows from `base` — a 3-D
 /// tensor (head column, row, head) read in boxes of [`BOX_COLS`] columns × `box_rows` rows of one
@@ -39,33 +86,7 @@ pub fn head_rows_bf16(
     }
     let dims = [head_dim as u64, rows.max(1) as u64, heads.max(1) as u64];
     let strides = [row_stride as u64 * ELEM, head_dim as u64 * ELEM];
-    let boxes = [BOX_COLS, box_rows, 1];
-    let steps = [1u32; 3];
-    let mut map = MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: `map` is a writable, suitably aligned CUtensorMap; the dimension, stride, box and
-    // step arrays hold the rank's 3, 2, 3 and 3 entries the driver reads; the driver only records
-    // `base` (it dereferences nothing on the host), and the kernels read through the map only
-    // within the rows and heads the attention op checked against the operand's buffer.
-    let res = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            3,
-            base.0 as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    res.result()
-        .map_err(|e| Error::backend("cuTensorMapEncodeTiled", e))?;
-    // SAFETY: the driver returned success, so it wrote the whole map.
-    Ok(TensorMap(unsafe { map.assume_init() }))
+    encode_bf16(base, dims, &strides, [BOX_COLS, box_rows, 1])
 }
 
 /// The map of a dense bf16 matrix of `rows` rows × `cols` columns (row-major, rows `cols`
@@ -82,31 +103,5 @@ pub fn matrix_bf16(base: DevPtr, rows: usize, cols: usize, box_rows: u32) -> Res
         return bad("boxes of 1 to 256 rows over a non-empty matrix");
     }
     let dims = [cols as u64, rows as u64];
-    let strides = [cols as u64 * ELEM];
-    let boxes = [BOX_COLS, box_rows];
-    let steps = [1u32; 2];
-    let mut map = MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: as in `head_rows_bf16`, for rank 2: the dimension, stride, box and step arrays hold
-    // the 2, 1, 2 and 2 entries the driver reads; `base` is only recorded, and the kernel reads
-    // through the map within the matrix the caller owns.
-    let res = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
-            base.0 as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    res.result()
-        .map_err(|e| Error::backend("cuTensorMapEncodeTiled", e))?;
-    // SAFETY: the driver returned success, so it wrote the whole map.
-    Ok(TensorMap(unsafe { map.assume_init() }))
+    encode_bf16(base, dims, &[cols as u64 * ELEM], [BOX_COLS, box_rows])
 }

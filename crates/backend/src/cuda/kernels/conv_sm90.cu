@@ -47,6 +47,62 @@ __device__ __forceinline__ const bf16* gather_src(const bf16* x, long xs, int w,
     return ok ? x + (long)((uy >> ush) * w + (ux >> ush)) * xs + c0 : x;
 }
 
+// Output pixel p's top-left tap in the (upsampled) image, y in the high and x in the low 16 bits
+// (sides below 2^15, the host checks); y far negative past the last pixel, so every tap of it
+// falls outside the image.
+__device__ __forceinline__ int pixel_corner(long p, long pixels, int ow, int down, int pad) {
+    int oy = -(1 << 14), ox = 0;
+    if (p < pixels) {
+        const int py = (int)(p / ow), px = (int)(p - (long)py * ow);
+        oy = py * down - pad;
+        ox = px * down - pad;
+    }
+    return (int)(((u32)oy << 16) | ((u32)ox & 0xffffu));
+}
+
+// Where reduction index kf = (ky·k + kx)·cin + c0 lies: its tap and first channel (eight
+// channels of one tap, cin a multiple of 8); `kv` false past the reduction's end kk.
+struct ConvPiece {
+    int ky, kx, c0;
+    bool kv;
+};
+__device__ __forceinline__ ConvPiece conv_piece(int kf, int kk, int cin, int k) {
+    const int tap = kf / cin, ky = tap / k;
+    return ConvPiece{ky, tap - ky * k, kf - tap * cin, kf < kk};
+}
+
+// One 64-pixel block of a wgmma accumulator (m64nBN) into the output: warp wq of the warpgroup
+// owns rows 16·wq + lane / 4 and + 8 from `p_block`, in each 8-column block j columns 2·(lane % 4)
+// and the one after; out[p, n] = conv + bias, or with `add` out += conv + bias (a resnet's
+// residual add, summed in that order).
+template <typename TO, int BN>
+__device__ __forceinline__ void conv_store(const float (&acc)[BN / 8][4], long p_block, long pixels, int n0, int cout,
+                                           const float* __restrict__ bias, TO* __restrict__ out, long os, int add) {
+    const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const bool pairs = ((os | cout) & 1) == 0 && ((unsigned long long)out & (2 * sizeof(TO) - 1)) == 0;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const long p = p_block + wq * 16 + (lane >> 2) + 8 * half;
+        if (p >= pixels) continue;
+        TO* row = out + p * os;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            const int n = n0 + j * 8 + 2 * (lane & 3);
+            if (n >= cout) continue;
+            const float v0 = (add ? to_f(row[n]) : 0.f) + (acc[j][2 * half] + (bias ? bias[n] : 0.f));
+            if (n + 1 < cout) {
+                const float v1 = (add ? to_f(row[n + 1]) : 0.f) + (acc[j][2 * half + 1] + (bias ? bias[n + 1] : 0.f));
+                if (pairs) {
+                    store2(row + n, v0, v1);
+                    continue;
+                }
+                row[n + 1] = from_f<TO>(v1);
+            }
+            row[n] = from_f<TO>(v0);
+        }
+    }
+}
+
 // Per tile width: stages, the wgmma groups a warpgroup keeps in flight while the next step loads
 // (KEEP), and the CTAs a multiprocessor holds. Measured on an H100 (run g10, `bench conv`): 128-
 // channel tiles run best three stages deep with two CTAs a multiprocessor, each waiting for every
@@ -71,7 +127,7 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
     constexpr int BROWS = (BN + 31) / 32;  // weight rows each thread copies per step (the last may be short)
     extern __shared__ unsigned char cw_smem[];
     const u32 base = (smem_addr(cw_smem) + 1023u) & ~1023u;
-    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wq = (tid >> 5) & 3;
+    const int tid = threadIdx.x, wg = tid >> 7;
     const int ntiles = (cout + BN - 1) / BN;
     const long p0 = (long)(blockIdx.x / ntiles) * CW_BM;
     const int n0 = (int)(blockIdx.x % ntiles) * BN;
@@ -81,41 +137,28 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
 
     // Each thread copies 16-byte chunk lc of rows lr + 32·i (pixels; weight rows).
     const int lr = tid >> 3, lc = tid & 7;
-    // The pixel's top-left tap in the (upsampled) image, y in the high and x in the low 16 bits
-    // (sides below 2^15, the host checks); y far negative past the last pixel.
     int yx[4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const long p = p0 + lr + 32 * i;
-        int oy = -(1 << 14), ox = 0;
-        if (p < pixels) {
-            const int py = (int)(p / ow), px = (int)(p - (long)py * ow);
-            oy = py * down - pad;
-            ox = px * down - pad;
-        }
-        yx[i] = (int)(((u32)oy << 16) | ((u32)ox & 0xffffu));
-    }
+    for (int i = 0; i < 4; i++) yx[i] = pixel_corner(p0 + lr + 32 * i, pixels, ow, down, pad);
     // Row r's chunk lc sits at chunk lc ^ (r % 8); r % 8 = lr % 8 for every i.
     const u32 at = (u32)lr * 128 + (u32)((lc ^ (lr & 7)) << 4);
 
     auto load = [&](int slot, int step) {
-        // This thread's piece: reduction index kf = (ky·k + kx)·cin + c0, 8 channels of one tap.
+        // This thread's piece of the reduction: 8 channels of one tap.
         const int kf = step * 64 + lc * 8;
-        const bool kv = kf < kk;
-        const int tap = kf / cin, c0 = kf - tap * cin;
-        const int ky = tap / k, kx = tap - ky * k;
+        const ConvPiece pc = conv_piece(kf, kk, cin, k);
         const u32 sa = base + slot * C::STAGE + at, sb = sa + C::A_BYTES;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             bool ok;
-            const bf16* src = gather_src(x, xs, w, vh, vw, ush, yx[i], ky, kx, c0, kv, ok);
+            const bf16* src = gather_src(x, xs, w, vh, vw, ush, yx[i], pc.ky, pc.kx, pc.c0, pc.kv, ok);
             cp_async16(sa + i * 32 * 128, src, ok);
         }
 #pragma unroll
         for (int i = 0; i < BROWS; i++) {
             if (lr + 32 * i >= BN) break;  // a 144-channel tile's fifth row group: half the threads
             const int n = n0 + lr + 32 * i;
-            const bool ok = kv && n < cout;
+            const bool ok = pc.kv && n < cout;
             const bf16* src = ok ? wt + (long)n * kk + kf : wt;
             cp_async16(sb + i * 32 * 128, src, ok);
         }
@@ -164,32 +207,7 @@ __device__ __forceinline__ void conv_wgmma_impl(const bf16* __restrict__ x, long
     wg_keep(acc);
     cp_wait_all();
 
-    // Accumulator layout (m64nN): warp wq of the warpgroup owns rows 16·wq + lane / 4 and + 8; in
-    // each 8-column block j, columns 2·(lane % 4) and the one after.
-    const bool pairs = ((os | cout) & 1) == 0 && ((unsigned long long)out & (2 * sizeof(TO) - 1)) == 0;
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const long p = p0 + wg * 64 + wq * 16 + (lane >> 2) + 8 * half;
-        if (p >= pixels) continue;
-        TO* row = out + p * os;
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const int n = n0 + j * 8 + 2 * (lane & 3);
-            if (n >= cout) continue;
-            // add: out += conv + bias (a resnet's residual add), summed in that order.
-            const float v0 = (add ? to_f(row[n]) : 0.f) + (acc[j][2 * half] + (bias ? bias[n] : 0.f));
-            if (n + 1 < cout) {
-                const float v1 =
-                    (add ? to_f(row[n + 1]) : 0.f) + (acc[j][2 * half + 1] + (bias ? bias[n + 1] : 0.f));
-                if (pairs) {
-                    store2(row + n, v0, v1);
-                    continue;
-                }
-                row[n + 1] = from_f<TO>(v1);
-            }
-            row[n] = from_f<TO>(v0);
-        }
-    }
+    conv_store<TO, BN>(acc, p0 + wg * 64, pixels, n0, cout, bias, out, os, add);
 }
 
 #define CONV_WGMMA(TO, BN, NAME)                                                                                \
@@ -272,16 +290,7 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
         const int lr = tid >> 3, lc = tid & 7;
         int yx[ROWS];
 #pragma unroll
-        for (int i = 0; i < ROWS; i++) {
-            const long p = p0 + lr + PT / 8 * i;
-            int oy = -(1 << 14), ox = 0;
-            if (p < pixels) {
-                const int py = (int)(p / ow), px = (int)(p - (long)py * ow);
-                oy = py * down - pad;
-                ox = px * down - pad;
-            }
-            yx[i] = (int)(((u32)oy << 16) | ((u32)ox & 0xffffu));
-        }
+        for (int i = 0; i < ROWS; i++) yx[i] = pixel_corner(p0 + lr + PT / 8 * i, pixels, ow, down, pad);
         const u32 at = (u32)lr * 128 + (u32)((lc ^ (lr & 7)) << 4);
         for (int step = 0; step < steps; step++) {
             const int slot = step % S;
@@ -291,14 +300,11 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
                 mbar_expect_tx(full + 8 * slot, C::B_BYTES);
                 tma_load_2d(sa + C::A_BYTES, wmap, step * 64, n0, full + 8 * slot);
             }
-            const int kf = step * 64 + lc * 8;
-            const bool kv = kf < kk;
-            const int tap = kf / cin, c0 = kf - tap * cin;
-            const int ky = tap / k, kx = tap - ky * k;
+            const ConvPiece pc = conv_piece(step * 64 + lc * 8, kk, cin, k);
 #pragma unroll
             for (int i = 0; i < ROWS; i++) {
                 bool ok;
-                const bf16* src = gather_src(x, xs, w, vh, vw, ush, yx[i], ky, kx, c0, kv, ok);
+                const bf16* src = gather_src(x, xs, w, vh, vw, ush, yx[i], pc.ky, pc.kx, pc.c0, pc.kv, ok);
                 cp_async16(sa + at + i * (PT / 8) * 128, src, ok);
             }
             cp_arrive_on(full + 8 * slot);
@@ -308,7 +314,7 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
     }
 
     set_max_regs_inc<C::C_REGS>();
-    const int c = (tid >> 7) - PWG, lane = tid & 31, wq = (tid >> 5) & 3;
+    const int c = (tid >> 7) - PWG;
     float acc[MT][BN / 8][4];
 #pragma unroll
     for (int m = 0; m < MT; m++)
@@ -336,31 +342,8 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
 #pragma unroll
     for (int m = 0; m < MT; m++) wg_keep(acc[m]);
 
-    const bool pairs = ((os | cout) & 1) == 0 && ((unsigned long long)out & (2 * sizeof(TO) - 1)) == 0;
 #pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const long p = p0 + (c * MT + m) * 64 + wq * 16 + (lane >> 2) + 8 * half;
-            if (p >= pixels) continue;
-            TO* row = out + p * os;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                const int n = n0 + j * 8 + 2 * (lane & 3);
-                if (n >= cout) continue;
-                const float v0 = (add ? to_f(row[n]) : 0.f) + (acc[m][j][2 * half] + (bias ? bias[n] : 0.f));
-                if (n + 1 < cout) {
-                    const float v1 =
-                        (add ? to_f(row[n + 1]) : 0.f) + (acc[m][j][2 * half + 1] + (bias ? bias[n + 1] : 0.f));
-                    if (pairs) {
-                        store2(row + n, v0, v1);
-                        continue;
-                    }
-                    row[n + 1] = from_f<TO>(v1);
-                }
-                row[n] = from_f<TO>(v0);
-            }
-        }
+    for (int m = 0; m < MT; m++) conv_store<TO, BN>(acc[m], p0 + (c * MT + m) * 64, pixels, n0, cout, bias, out, os, add);
 }
 
 // conv_wgmma's arguments (`act` must be −1 and `wt` is read through `wmap` instead), then the
