@@ -422,16 +422,21 @@ pub(super) fn conv2d(
             return declined(" (or unaligned rows)");
         }
         ConvPath::Implicit => return gemm.on_mma(be),
-        ConvPath::Wgmma | ConvPath::Ws if hopper.is_none() => {
-            return declined(" on a GPU without wgmma");
+        ConvPath::Wgmma | ConvPath::Ws => {
+            let Some(t) = hopper else {
+                return declined(" on a GPU without wgmma");
+            };
+            if path == ConvPath::Wgmma {
+                return gemm.on_wgmma(be, t);
+            }
+            if !gemm.ws_applies() {
+                return declined(
+                    " (the warp-specialized kernel takes more than 64 output channels of an \
+                     input without activation)",
+                );
+            }
+            return gemm.on_ws(be, t);
         }
-        ConvPath::Wgmma => return gemm.on_wgmma(be, hopper.expect("checked above")),
-        ConvPath::Ws if !gemm.ws_applies() => {
-            return declined(
-                " (the warp-specialized kernel takes more than 64 output channels of an input without activation)",
-            );
-        }
-        ConvPath::Ws => return gemm.on_ws(be, hopper.expect("checked above")),
         ConvPath::Im2col => {}
         ConvPath::Auto => {
             // A 1×1 convolution of an image already in the weight's type is the product itself.
