@@ -934,8 +934,7 @@ fn conv(b: ConvBench) -> Result<()> {
             ConvPath::Implicit,
             ConvPath::Im2col,
         ] {
-            // The warp-specialized kernel takes neither an input activation nor ≤ 64 channels.
-            let ws_declines = path == ConvPath::Ws && (silu || cout <= 64);
+            let ws_declines = path == ConvPath::Ws && !ConvPath::ws_takes(&spec, cout);
             if ws_declines || be.conv_path_available(path).is_err() {
                 continue;
             }

@@ -250,6 +250,16 @@ pub enum ConvPath {
     Im2col,
 }
 
+impl ConvPath {
+    /// Whether [`ConvPath::Ws`] takes a convolution of this spec into `cout` channels (besides
+    /// the implicit GEMMs' conditions on types and alignment): no input activation, since its
+    /// producer only copies, and more than 64 output channels, since its tiles are 128, 144 or
+    /// 256 wide. The op table and `tessera bench conv` ask it before forcing the kernel.
+    pub fn ws_takes(spec: &Conv2d, cout: usize) -> bool {
+        spec.act.is_none() && cout > 64
+    }
+}
+
 /// The most output channels [`ConvPath::Auto`] sends to the mma.sync implicit GEMM. Measured on
 /// an H100 (run g6, `tessera bench conv`): the kernel runs at 100–180 TFLOP/s on every decoder
 /// shape, where im2col + cuBLASLt reaches 350–500 once the product is wide (e.g. 1152 → 1152 at
@@ -272,14 +282,14 @@ fn wgmma_pays(cout: usize, spec: &Conv2d) -> bool {
     cout <= 576 && (spec.act.is_none() || cout <= 64)
 }
 
-/// Whether [`ConvPath::Auto`] sends a convolution to `conv_ws`: activation-free inputs into 256-
-/// channel tiles ([`wgmma_tile`]). Measured on an H100 (run g15, `bench conv`): 450–540 TFLOP/s
+/// Whether [`ConvPath::Auto`] sends a convolution `conv_ws` takes ([`ConvPath::ws_takes`]) to it:
+/// where its output channels make 256-channel tiles ([`wgmma_tile`]). Measured on an H100 (run g15, `bench conv`): 450–540 TFLOP/s
 /// on Z-Image's 256- and 512-channel layers against 340–380 for `conv_wgmma` and 210–370 for
 /// im2col (512 → 512 at 512² upsampled: 2.38 against 3.26 and 3.31 ms; 512 → 256 at 512²: 1.15
 /// against 1.62 and 2.61). On 128- and 144-channel tiles its 256-pixel CTAs ran at 250–380,
 /// below `conv_wgmma`'s 330–430.
-fn ws_pays(cout: usize, spec: &Conv2d) -> bool {
-    spec.act.is_none() && cout > 64 && wgmma_tile(cout) == 256
+fn ws_pays(cout: usize) -> bool {
+    wgmma_tile(cout) == 256
 }
 
 /// The kernels [`ConvPath::Auto`] may take, from `TESSERA_CONV` (read once): unset or `auto` all
@@ -451,7 +461,7 @@ pub(super) fn conv2d(
             }
             match (implicit, ConvRoute::from_env(), hopper) {
                 (true, ConvRoute::Ws, Some(t)) if gemm.ws_applies() => return gemm.on_ws(be, t),
-                (true, ConvRoute::Auto, Some(t)) if gemm.ws_applies() && ws_pays(cout, spec) => {
+                (true, ConvRoute::Auto, Some(t)) if gemm.ws_applies() && ws_pays(cout) => {
                     return gemm.on_ws(be, t);
                 }
                 (true, ConvRoute::Auto | ConvRoute::Ws, Some(t))
@@ -607,7 +617,7 @@ impl ImplicitGemm<'_> {
     /// activation (its producer only copies) and more than 64 output channels (its tiles are
     /// 128, 144 or 256 wide).
     fn ws_applies(&self) -> bool {
-        self.wgmma_fits() && self.spec.act.is_none() && self.w.out > 64
+        self.wgmma_fits() && ConvPath::ws_takes(self.spec, self.w.out)
     }
 
     /// On `conv_ws` (kernels/conv_sm90.cu): one CTA of three warpgroups per 256 output pixels ×

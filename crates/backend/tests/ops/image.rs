@@ -84,7 +84,7 @@ impl ConvCase {
         if self.input == Role::Compute && self.cin.is_multiple_of(8) {
             all.push(with(ConvPath::Implicit));
             all.push(with(ConvPath::Wgmma));
-            if self.spec.act.is_none() && self.cout > 64 {
+            if ConvPath::ws_takes(&self.spec, self.cout) {
                 all.push(with(ConvPath::Ws));
             }
         }

@@ -19,11 +19,10 @@
 // KEEP steps load while one multiplies, and each warpgroup keeps KEEP steps' products in flight
 // past its wait (CwCfg): the stage that step s + AHEAD fills was last read by step s − 1 − KEEP,
 // which every warpgroup waited for before the barrier of step s. Where that leaves the kernel
-// (run g10, H100): 250–300 TFLOP/s, bound by reading both tiles from L2 for every step (no
-// multicast between CTAs, and each tap gathers its pixels again); the mma.sync kernel in image.cu
-// ran at 100–180.
+// (run g15, H100): 334–432 TFLOP/s (250–300 in g10, when every gathered piece divided by the
+// upsampling factor; see gather_src); the mma.sync kernel in image.cu ran at 100–180.
 //
-// The pixel → source map is conv_implicit's: nearest 2× upsampling reads (uy / 2, ux / 2);
+// The pixel → source map is conv_implicit's: nearest 2× upsampling reads (uy >> 1, ux >> 1);
 // stride 2 reads (2·oy + ky, 2·ox + kx) padded only after. The input activation (act ≥ 0) is
 // applied in shared memory by the thread that copied each chunk, after its copies land and
 // before the fence that hands the stage to the tensor cores (bf16(act(x)), im2col8's rounding;
@@ -243,7 +242,9 @@ CONV_WGMMA(bf16, 64, conv_wgmma64_bf16)
 // which left it at 250–300 TFLOP/s (runs g10, g14). Here 144- and 128-channel tiles take 256
 // pixels (a consumer's two 64-row blocks share each weight read: 94 products per byte loaded
 // against 69 at 128 pixels), 256-channel ones 128 (their accumulators fill a consumer's registers).
-// Mirrored by `conv_ws_smem` in cuda/image.rs.
+// Run g15 (H100): 457–538 TFLOP/s on 256-channel tiles; the 256-pixel 128/144-channel tiles ran at
+// 250–380, below conv_wgmma, hence the m1/p2 variants below. Mirrored by `WsShape` in
+// cuda/image.rs.
 template <int BN, int MT_, int PWG_> struct WsConvCfg {
     static constexpr int MT = MT_;    // 64-pixel blocks per consumer
     static constexpr int PWG = PWG_;  // producer warpgroups
@@ -347,7 +348,7 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
 }
 
 // conv_wgmma's arguments (`act` must be −1 and `wt` is read through `wmap` instead), then the
-// weight's tensor map (tma::rows_bf16: boxes of 64 columns × BN rows).
+// weight's tensor map (tma::matrix_bf16: boxes of 64 columns × BN rows).
 #define CONV_WS(TO, BN, MT, PWG, NAME)                                                                             \
     extern "C" __global__ void __launch_bounds__(WsConvCfg<BN, MT, PWG>::THREADS, 1)                              \
         NAME(const bf16* x, long xs, int h, int w, int cin, int k, int up, int down, int act, const bf16* wt,    \
