@@ -16,8 +16,8 @@ use tessera_core::{Error, Result};
 
 pub use flash::{
     FLASH_HEAD_DIMS, FlashChoice, FlashConfig, FlashKernel, QUERY_TILE, WGMMA_BN, WGMMA_HEAD_DIMS,
-    WIDE_TILE, WS_BN, WS_HEAD_DIMS, WS_MIN_LEN, flash_config, wgmma_applies, wgmma_config,
-    ws_applies, ws_config,
+    WIDE_TILE, WS_HEAD_DIMS, WS_MIN_LEN, flash_config, wgmma_applies, wgmma_config, ws_applies,
+    ws_bn, ws_config,
 };
 use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
 
@@ -58,7 +58,7 @@ kernel_args! {
 
 kernel_args! {
     /// `flash_ws_d{D}`: the flash kernels' arguments, then the tensor maps its producer loads K
-    /// and V blocks through ([`tma::head_rows_bf16`], boxes of [`WS_BN`] rows).
+    /// and V blocks through ([`tma::head_rows_bf16`], boxes of [`ws_bn`] rows).
     pub(super) struct FlashWsArgs {
         flash: FlashArgs, tk: TensorMap, tv: TensorMap,
     }
@@ -450,7 +450,7 @@ pub(super) fn flash(
         Picked::Flash(kernel) => be.launch("attention", kernel, config, &args)?,
         Picked::Ws(kernel) => {
             let map = |ptr, view: &View<'_, CudaBackend>| {
-                tma::head_rows_bf16(ptr, view.stride, total, spec.heads_kv, hd, WS_BN as u32)
+                tma::head_rows_bf16(ptr, view.stride, total, spec.heads_kv, hd, ws_bn(hd) as u32)
             };
             let args = FlashWsArgs {
                 tk: map(args.ops.k, &k)?,

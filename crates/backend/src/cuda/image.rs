@@ -118,10 +118,6 @@ kernel_table! {
         conv_ws128: ByElem<ConvWsArgs> = "conv_ws128_{}",
         conv_ws144: ByElem<ConvWsArgs> = "conv_ws144_{}",
         conv_ws256: ByElem<ConvWsArgs> = "conv_ws256_{}",
-        conv_ws128m1: ByElem<ConvWsArgs> = "conv_ws128m1_{}",
-        conv_ws144m1: ByElem<ConvWsArgs> = "conv_ws144m1_{}",
-        conv_ws128p2: ByElem<ConvWsArgs> = "conv_ws128p2_{}",
-        conv_ws144p2: ByElem<ConvWsArgs> = "conv_ws144p2_{}",
     }
 }
 
@@ -164,31 +160,21 @@ impl WsShape {
 }
 
 /// Every `conv_ws` kernel of the table with its shape.
-fn ws_kernels(t: &Sm90ConvKernels) -> [(&ByElem<ConvWsArgs>, WsShape); 7] {
-    let shape = |bn, mt, pwg| WsShape { bn, mt, pwg };
+fn ws_kernels(t: &Sm90ConvKernels) -> [(&ByElem<ConvWsArgs>, WsShape); 3] {
     [
-        (&t.conv_ws256, shape(256, 1, 1)),
-        (&t.conv_ws144, shape(144, 2, 1)),
-        (&t.conv_ws128, shape(128, 2, 1)),
-        (&t.conv_ws144m1, shape(144, 1, 1)),
-        (&t.conv_ws128m1, shape(128, 1, 1)),
-        (&t.conv_ws144p2, shape(144, 2, 2)),
-        (&t.conv_ws128p2, shape(128, 2, 2)),
+        (&t.conv_ws256, ws_shape(256)),
+        (&t.conv_ws144, ws_shape(144)),
+        (&t.conv_ws128, ws_shape(128)),
     ]
 }
 
-/// The `conv_ws` variant for 128- and 144-channel tiles, from `TESSERA_CONV_WS` (read once): unset
-/// 256 pixels a CTA, `m1` 128, `p2` 256 gathered by two producer warpgroups — for measurement.
-fn ws_shape(bn: usize) -> WsShape {
-    static VARIANT: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
-    let (mt, pwg) = *VARIANT.get_or_init(|| match std::env::var("TESSERA_CONV_WS").as_deref() {
-        Ok("m1") => (1, 1),
-        Ok("p2") => (2, 2),
-        _ => (2, 1),
-    });
+/// The shape of `conv_ws` for `bn`-channel tiles: 256-channel tiles take 128 pixels a CTA and one
+/// producer warpgroup; 128- and 144-channel tiles 256 pixels, gathered by two (run g17: one
+/// producer warpgroup, or 128 pixels, ran them 10–30% slower).
+const fn ws_shape(bn: usize) -> WsShape {
     match bn {
         256 => WsShape { bn, mt: 1, pwg: 1 },
-        _ => WsShape { bn, mt, pwg },
+        _ => WsShape { bn, mt: 2, pwg: 2 },
     }
 }
 
@@ -276,20 +262,25 @@ const IMPLICIT_MAX_COUT: usize = 128;
 /// 1152-wide products, where cuBLASLt's columns run at 510–530 (1152 → 1152 at 256²: 3.62 against
 /// 3.04 ms). An input activation costs it a SiLU per gathered value, nine times each input
 /// (run g10: 4.5 against 3.6 ms at 144 → 144), so activated inputs take it only into at most 64
-/// channels (`conv_out`: 0.6–0.7 against 3.0–3.5 ms). 256-channel tiles go to `conv_ws` first
+/// channels (`conv_out`: 0.6–0.7 against 3.0–3.5 ms). What `conv_ws` runs faster goes to it first
 /// ([`ws_pays`]).
 fn wgmma_pays(cout: usize, spec: &Conv2d) -> bool {
     cout <= 576 && (spec.act.is_none() || cout <= 64)
 }
 
-/// Whether [`ConvPath::Auto`] sends a convolution `conv_ws` takes ([`ConvPath::ws_takes`]) to it:
-/// where its output channels make 256-channel tiles ([`wgmma_tile`]). Measured on an H100 (run g15, `bench conv`): 450–540 TFLOP/s
-/// on Z-Image's 256- and 512-channel layers against 340–380 for `conv_wgmma` and 210–370 for
-/// im2col (512 → 512 at 512² upsampled: 2.38 against 3.26 and 3.31 ms; 512 → 256 at 512²: 1.15
-/// against 1.62 and 2.61). On 128- and 144-channel tiles its 256-pixel CTAs ran at 250–380,
-/// below `conv_wgmma`'s 330–430.
-fn ws_pays(cout: usize) -> bool {
-    wgmma_tile(cout) == 256
+/// Whether [`ConvPath::Auto`] sends a convolution `conv_ws` takes ([`ConvPath::ws_takes`]) from
+/// `cin` into `cout` channels to it. Measured on an H100 (`bench conv`, run g17, both `conv_ws`
+/// shapes [`ws_shape`]): on 256-channel tiles ([`wgmma_tile`]) 460–550 TFLOP/s against 350–390
+/// for `conv_wgmma` and 210–370 for im2col (Z-Image's 256- and 512-channel layers: 512 → 512 at
+/// 512² upsampled 2.35 against 3.23 and 3.25 ms, 512 → 256 at 512² 1.14 against 1.59 and 2.62);
+/// on 144-channel tiles with a long reduction, 576 or more input channels into at most 576, 440–490
+/// against 415–430 (Qwen-Image-2.1: 1152 → 576 at 256² 1.61 against 1.81 and 1.92 ms, 576 → 576
+/// 0.89 against 0.94, 576 → 288 at 512² 1.75 against 1.87). Level with `conv_wgmma` from 256 or
+/// 288 channels (288 → 144 at 1024²: 1.98 against 1.99; 256 → 128: 1.59 against 1.62), slower
+/// from 128 or 144 (144 → 144: 1.28 against 1.18), and into 1,152 channels behind im2col
+/// (1152 → 1152 at 256²: 3.20 against 2.97).
+fn ws_pays(cin: usize, cout: usize) -> bool {
+    wgmma_tile(cout) == 256 || (cin >= 512 && cout <= 576)
 }
 
 /// The kernels [`ConvPath::Auto`] may take, from `TESSERA_CONV` (read once): unset or `auto` all
@@ -322,9 +313,10 @@ impl CudaBackend {
         match (self.compute_elem(), ConvRoute::from_env()) {
             (Elem::Bf16, ConvRoute::Auto) if hopper => {
                 "from a multiple of 8 input channels, the warp-specialized wgmma implicit GEMM \
-                 (conv_ws) into 256-channel tiles of an input without activation, the wgmma one \
-                 (conv_wgmma) into other tiles up to 576 output channels (64 from an activated \
-                 input), else im2col columns on cuBLASLt"
+                 (conv_ws) into 256-channel tiles, and from 512 or more channels into at most \
+                 576, of an input without activation, the wgmma one (conv_wgmma) into other \
+                 tiles up to 576 output channels (64 from an activated input), else im2col \
+                 columns on cuBLASLt"
                     .to_string()
             }
             (Elem::Bf16, ConvRoute::Ws) if hopper => {
@@ -461,7 +453,7 @@ pub(super) fn conv2d(
             }
             match (implicit, ConvRoute::from_env(), hopper) {
                 (true, ConvRoute::Ws, Some(t)) if gemm.ws_applies() => return gemm.on_ws(be, t),
-                (true, ConvRoute::Auto, Some(t)) if gemm.ws_applies() && ws_pays(cout) => {
+                (true, ConvRoute::Auto, Some(t)) if gemm.ws_applies() && ws_pays(cin, cout) => {
                     return gemm.on_ws(be, t);
                 }
                 (true, ConvRoute::Auto | ConvRoute::Ws, Some(t))
@@ -620,9 +612,9 @@ impl ImplicitGemm<'_> {
         self.wgmma_fits() && ConvPath::ws_takes(self.spec, self.w.out)
     }
 
-    /// On `conv_ws` (kernels/conv_sm90.cu): one CTA of three warpgroups per 256 output pixels ×
-    /// 128 or 144 output channels, or 128 pixels × 256 ([`wgmma_tile`], [`ws_shape`]), numbered
-    /// channel tile fastest; the weight read through a tensor map.
+    /// On `conv_ws` (kernels/conv_sm90.cu): one CTA per 256 output pixels × 128 or 144 output
+    /// channels (four warpgroups), or 128 pixels × 256 (three) ([`wgmma_tile`], [`ws_shape`]),
+    /// numbered channel tile fastest; the weight read through a tensor map.
     fn on_ws(&self, be: &CudaBackend, table: &Sm90ConvKernels) -> Result<()> {
         let cout = self.w.out;
         let shape = ws_shape(wgmma_tile(cout));

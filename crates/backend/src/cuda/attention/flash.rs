@@ -81,8 +81,12 @@ pub const WS_HEAD_DIMS: [usize; 2] = [64, 128];
 /// block. The host lists these wide tiles after the 64-row ones; they never cross a segment.
 pub const WIDE_TILE: usize = 128;
 
-/// Keys per block of `flash_ws_d{D}` (`WsCfg::BN`).
-pub const WS_BN: usize = 128;
+/// Keys per block of `flash_ws_d{D}` (`WsCfg::BN`): 192 for 64-wide heads, whose per-block
+/// work is half a 128-wide head's, so that each consumer turn (and its barriers) carries more
+/// products; 128 otherwise.
+pub fn ws_bn(d: usize) -> usize {
+    if d == 64 { 192 } else { 128 }
+}
 
 /// Stages of `flash_ws_d{D}`'s K/V ring (`WsCfg::STAGES`): as many as fit 227 KB.
 fn ws_stages(d: usize) -> usize {
@@ -100,15 +104,15 @@ pub const WS_MIN_LEN: usize = 256;
 
 /// Launch shape of `flash_ws_d{D}`, mirroring `WsCfg` in attention_sm90.cu: a producer and two
 /// consumer warpgroups; shared memory for the 128-row Q tile, [`ws_stages`] K and V tiles of
-/// `WS_BN` keys, their mbarriers, and 1 KB to align the tiles to the swizzle's period.
+/// [`ws_bn`] keys, their mbarriers, and 1 KB to align the tiles to the swizzle's period.
 pub fn ws_config(d: usize) -> FlashConfig {
-    let stages = ws_stages(d);
+    let (stages, bn) = (ws_stages(d), ws_bn(d));
     let barriers = 8 * (1 + 4 * stages);
     FlashConfig {
-        smem: (1024 + (WIDE_TILE + 2 * stages * WS_BN) * d * 2 + barriers) as u32,
+        smem: (1024 + (WIDE_TILE + 2 * stages * bn) * d * 2 + barriers) as u32,
         threads: 384,
         splits: 1,
-        bn: WS_BN,
+        bn,
     }
 }
 
@@ -224,6 +228,20 @@ mod tests {
         assert_eq!((c.smem, c.threads, c.splits, c.bn), (33_792, 128, 1, 64));
         assert_eq!(flash_config(64).smem, (64 + 128) * 72 * 2);
         assert!(4 * c.smem <= 227 * 1024);
+    }
+
+    #[test]
+    fn the_warp_specialized_kernel_fits_hoppers_shared_memory() {
+        // 64: four stages of 192-key K and V tiles (24 KB each) beside the 16 KB Q tile; 128:
+        // three stages of 128-key tiles (32 KB each) beside 32 KB of Q. Both under the 227 KB a
+        // CTA may take on sm_90.
+        let c = ws_config(64);
+        assert_eq!((c.smem, c.threads, c.bn), (214_152, 384, 192));
+        let c = ws_config(128);
+        assert_eq!((c.smem, c.threads, c.bn), (230_504, 384, 128));
+        for d in WS_HEAD_DIMS {
+            assert!(ws_config(d).smem <= 227 * 1024, "head {d}");
+        }
     }
 
     #[test]

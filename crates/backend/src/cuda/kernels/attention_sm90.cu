@@ -171,11 +171,10 @@ FLASH_WG(512)
 //
 // One CTA is one 128-row query tile (the host's wide tiles: 128 rows that never cross a segment)
 // of one head, in three warpgroups:
-//   warpgroup 0, the producer: loads Q once, then K and V blocks of 128 keys into a ring of STAGES
-//     with cp.async (swizzled as above); each thread's copies arrive on the tile's mbarrier as they
-//     land (cp.async.mbarrier.arrive.noinc), so the producer never waits for a load, only for a free
-//     stage;
-//   warpgroups 1 and 2, the consumers: 64 query rows each, S = Q·Kᵀ (m64n128k16, both from shared
+//   warpgroup 0, the producer: loads Q once with cp.async, then K and V blocks of BN keys (WsCfg)
+//     into a ring of STAGES through the tensor-memory accelerator, one thread issuing; it never
+//     waits for a load, only for a free stage;
+//   warpgroups 1 and 2, the consumers: 64 query rows each, S = Q·Kᵀ (m64n{BN}k16, both from shared
 //     memory), the online softmax, O += P·V (P from registers), as in flash_wgmma_d{D}; each frees
 //     a stage's K as soon as its scores are in registers and its V after the product.
 // So a block's K/V is loaded once for 128 rows (flash_wgmma_d{D}: once per 64), loads run a block
@@ -185,9 +184,12 @@ FLASH_WG(512)
 // outputs and P take ~170 of them at D = 128).
 // v2 (run a2), with neither overlap, was level with flash_wgmma_d{D}: the time went to the
 // consumers' softmax with the tensor cores idle, not to loads.
-// Mirrored by `ws_config` in attention/flash.rs. Three stages of 64 KB at D = 128 fill the 227 KB a
-// CTA may take; four of 32 KB at D = 64.
-template <int D> struct WsCfg { static constexpr int BN = 128, STAGES = 4; };
+// Mirrored by `ws_config` and `ws_bn` in attention/flash.rs. Three stages of 64 KB at D = 128 fill
+// the 227 KB a CTA may take; four of 48 KB at D = 64, whose blocks are 192 keys: a 64-wide head's
+// block is half the products of a 128-wide one for the same turn barriers, stage waits and row
+// statistics, so a longer block spreads them over more work (the consumer's scores, P operand
+// and outputs take 96 + 48 + 32 registers).
+template <int D> struct WsCfg { static constexpr int BN = 192, STAGES = 4; };
 template <> struct WsCfg<128> { static constexpr int BN = 128, STAGES = 3; };
 
 // The consumers' ping-pong turns: named barriers PP_BAR (consumer 0's turn) and PP_BAR + 1

@@ -239,12 +239,14 @@ CONV_WGMMA(bf16, 64, conv_wgmma64_bf16)
 //     products are done.
 // conv_wgmma's CTA instead loads and multiplies in lockstep (a barrier per step, the loads' address
 // arithmetic on the warps that issue the products, both tiles through L2 for every 128 pixels),
-// which left it at 250–300 TFLOP/s (runs g10, g14). Here 144- and 128-channel tiles take 256
-// pixels (a consumer's two 64-row blocks share each weight read: 94 products per byte loaded
-// against 69 at 128 pixels), 256-channel ones 128 (their accumulators fill a consumer's registers).
-// Run g15 (H100): 457–538 TFLOP/s on 256-channel tiles; the 256-pixel 128/144-channel tiles ran at
-// 250–380, below conv_wgmma, hence the m1/p2 variants below. Mirrored by `WsShape` in
-// cuda/image.rs.
+// which left it at 250–300 TFLOP/s (runs g10, g14). Two shapes (mirrored by `WsShape` in
+// cuda/image.rs): 256-channel tiles take 128 pixels (their accumulators fill a consumer's
+// registers); 144- and 128-channel tiles take 256 pixels (a consumer's two 64-row blocks share each
+// weight read: 94 products per byte loaded against 69 at 128 pixels), gathered by two producer
+// warpgroups, since one could not keep two consumers of 256 pixels fed. Run g17 (H100, bench conv):
+// 256-channel tiles 460–550 TFLOP/s; 144-channel tiles 440–490 with 576 or more input channels,
+// level with conv_wgmma below that; one producer warpgroup had run them at 250–390 and 128-pixel
+// CTAs (one 64-row block a consumer) at 240–390.
 template <int BN, int MT_, int PWG_> struct WsConvCfg {
     static constexpr int MT = MT_;    // 64-pixel blocks per consumer
     static constexpr int PWG = PWG_;  // producer warpgroups
@@ -357,19 +359,10 @@ __device__ __forceinline__ void conv_ws_impl(const bf16* __restrict__ x, long xs
         pdl_enter();                                                                                               \
         conv_ws_impl<TO, BN, MT, PWG>(x, xs, h, w, cin, k, up, down, cout, bias, pixels, out, os, add, &wmap);    \
     }
-// 256-channel tiles: 128 pixels. 128 and 144: 256 pixels (two blocks a consumer), or 128 (m1), or
-// 256 gathered by two producer warpgroups (p2) — variants under measurement (TESSERA_CONV_WS).
+// 256-channel tiles: 128 pixels and one producer warpgroup. 128 and 144: 256 pixels and two.
 CONV_WS(float, 256, 1, 1, conv_ws256_f32)
 CONV_WS(bf16, 256, 1, 1, conv_ws256_bf16)
-CONV_WS(float, 144, 2, 1, conv_ws144_f32)
-CONV_WS(bf16, 144, 2, 1, conv_ws144_bf16)
-CONV_WS(float, 128, 2, 1, conv_ws128_f32)
-CONV_WS(bf16, 128, 2, 1, conv_ws128_bf16)
-CONV_WS(float, 144, 1, 1, conv_ws144m1_f32)
-CONV_WS(bf16, 144, 1, 1, conv_ws144m1_bf16)
-CONV_WS(float, 128, 1, 1, conv_ws128m1_f32)
-CONV_WS(bf16, 128, 1, 1, conv_ws128m1_bf16)
-CONV_WS(float, 144, 2, 2, conv_ws144p2_f32)
-CONV_WS(bf16, 144, 2, 2, conv_ws144p2_bf16)
-CONV_WS(float, 128, 2, 2, conv_ws128p2_f32)
-CONV_WS(bf16, 128, 2, 2, conv_ws128p2_bf16)
+CONV_WS(float, 144, 2, 2, conv_ws144_f32)
+CONV_WS(bf16, 144, 2, 2, conv_ws144_bf16)
+CONV_WS(float, 128, 2, 2, conv_ws128_f32)
+CONV_WS(bf16, 128, 2, 2, conv_ws128_bf16)
