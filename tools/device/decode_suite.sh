@@ -3,7 +3,8 @@
 # change to the VAE decoders' kernels (issue 27) — the op table while the full-size folders are
 # made, `bench conv` on every kernel path, Z-Image and Qwen-Image-2.1 at 1024² against a baseline
 # binary (BASE_BIN, default .dev/bin/tessera-base), then the two families' miniature and full-size
-# CUDA tests, then Qwen-Image-2.1's decode profile. Each phase leaves an archive in $OUT
+# CUDA tests, then Qwen-Image-2.1's decode profile (ATTN=1: the attention A/B of attn_ab.sh too,
+# before the convolutions). Each phase leaves an archive in $OUT
 # (r1.tgz … r4.tgz: the device tool returns eight files, and a call cut short keeps what it made).
 # Build first: [BASELINE=path/to/old/tessera] PACK=1 TESTS="cuda_ops zimage_cuda qwen_image_cuda" \
 #   tools/device/stage.sh (without a baseline, the A/B is the default route against
@@ -28,6 +29,8 @@ snap() { tar czf "$OUT/$1.tgz" -C $O . 2>/dev/null; }
 ) &
 OUT=$O/s PARTS=ops tools/device/suite.sh
 wait
+# ATTN=1: an attention change too — `bench attention` of both binaries (A B A B) and PyTorch SDPA.
+if [ "${ATTN:-0}" = 1 ]; then OUT=$O/a PARTS=attn tools/device/attn_ab.sh; fi
 OUT=$O/c PARTS=conv tools/device/vae_ab.sh
 snap r1
 # Against the baseline binary where one was staged, else the default route against
