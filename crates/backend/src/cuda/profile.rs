@@ -6,7 +6,10 @@
 //! elapsed times are summed per class. Graph replay is off while profiling, so every kernel is
 //! seen. A second line gives the time the stream spent between ops (waiting for the host, or on
 //! work no op brackets: allocations' zero fills, copies) and the largest such gaps with the ops
-//! around them — where a forward's wall time exceeds its kernels'.
+//! around them — where a forward's wall time exceeds its kernels'. A third line splits the stream's
+//! time from the previous read's end to this read's end into the part before the first op (the
+//! host's work between forwards, zero fills and uploads), the ops' span, the part after the last op
+//! and the read itself (a VAE decode's wall time is all four).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -22,6 +25,16 @@ pub(super) struct Profiler {
     spans: Mutex<Vec<Span>>,
     /// Label spans by kernel name too (`TESSERA_PROFILE=kernels`).
     by_kernel: bool,
+    /// Events around the copy of the read being reported ([`Profiler::read_begins`],
+    /// [`Profiler::read_ends`]), and the previous read's end.
+    reads: Mutex<Reads>,
+}
+
+#[derive(Default)]
+struct Reads {
+    begin: Option<CudaEvent>,
+    end: Option<CudaEvent>,
+    previous_end: Option<CudaEvent>,
 }
 
 fn err(e: impl std::fmt::Display) -> Error {
@@ -37,6 +50,7 @@ impl Profiler {
             ctx: ctx.clone(),
             spans: Mutex::new(Vec::new()),
             by_kernel: mode == "kernels",
+            reads: Mutex::new(Reads::default()),
         }))
     }
 
@@ -67,14 +81,56 @@ impl Profiler {
         Ok(())
     }
 
+    fn event(&self, stream: &CudaStream) -> Result<CudaEvent> {
+        let e = self
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(err)?;
+        e.record(stream).map_err(err)?;
+        Ok(e)
+    }
+
+    /// Mark the start of a host read's copy on the stream.
+    pub fn read_begins(&self, stream: &CudaStream) -> Result<()> {
+        let e = self.event(stream)?;
+        self.reads.lock().map_err(err)?.begin = Some(e);
+        Ok(())
+    }
+
+    /// Mark the end of a host read's copy on the stream.
+    pub fn read_ends(&self, stream: &CudaStream) -> Result<()> {
+        let e = self.event(stream)?;
+        self.reads.lock().map_err(err)?.end = Some(e);
+        Ok(())
+    }
+
     /// Print and clear the spans recorded since the last report (the stream has been synchronised).
     pub fn report(&self) -> Result<()> {
         let spans = std::mem::take(&mut *self.spans.lock().map_err(err)?);
+        let mut reads = self.reads.lock().map_err(err)?;
+        let (begin, end) = (reads.begin.take(), reads.end.take());
+        let previous_end = reads.previous_end.take();
+        let printed = self.print(
+            &spans,
+            begin.as_ref().zip(end.as_ref()),
+            previous_end.as_ref(),
+        );
+        reads.previous_end = end;
+        printed
+    }
+
+    /// The three lines of one report: per class, the gaps, and (after a read) the wall time.
+    fn print(
+        &self,
+        spans: &[Span],
+        read: Option<(&CudaEvent, &CudaEvent)>,
+        previous_end: Option<&CudaEvent>,
+    ) -> Result<()> {
         if spans.is_empty() {
             return Ok(());
         }
         let mut by_class: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
-        for (label, s, e) in &spans {
+        for (label, s, e) in spans {
             let ms = s.elapsed_ms(e).map_err(err)? as f64;
             let entry = by_class.entry(label).or_default();
             entry.0 += ms;
@@ -112,6 +168,22 @@ impl Profiler {
             spans.len(),
             largest.join(" | ")
         );
+        if let Some((begin, end)) = read {
+            let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map(f64::from).map_err(err);
+            let before = match previous_end {
+                Some(p) => format!(
+                    "{:.3} ms before the first op (since the previous read), ",
+                    ms(p, first)?
+                ),
+                None => String::new(),
+            };
+            eprintln!(
+                "profile wall: {before}{span:.3} ms of ops, {:.3} ms after the last op, {:.3} ms \
+                 reading back",
+                ms(last, begin)?,
+                ms(begin, end)?
+            );
+        }
         Ok(())
     }
 }
