@@ -226,6 +226,20 @@ pub trait Backend: Send + Sync {
     fn read_f32(&self, src: View<'_, Self>) -> Result<Vec<f32>>
     where
         Self: Sized;
+    /// Read a view of a VAE's output back as 8-bit values, rows packed
+    /// ([`tessera_core::pixels::to_rgb8`]), failing as [`tessera_core::check_finite`] does under
+    /// `stage` where a value is not finite; waits for queued work. By default the `f32` read, the
+    /// check and the conversion on the host; the CUDA backend converts and checks on the device
+    /// and copies back a quarter of the bytes (a 1024² image's read-back, check and conversion
+    /// took several milliseconds of host time after its decode).
+    fn read_rgb8(&self, src: View<'_, Self>, stage: &str) -> Result<Vec<u8>>
+    where
+        Self: Sized,
+    {
+        let values = self.read_f32(src)?;
+        tessera_core::check_finite(stage, &values)?;
+        Ok(tessera_core::pixels::to_rgb8(&values))
+    }
     /// Read the first `len` values of an index buffer ([`Role::Index`]); waits for queued work.
     /// (`read_f32` of an index buffer rounds values above 2^24.)
     fn read_u32(&self, src: &Self::Buf, len: usize) -> Result<Vec<u32>>;

@@ -1292,3 +1292,68 @@ fn products_ended_by_their_residual_step_give_the_parts_bits() {
         }
     }
 }
+
+/// A VAE's image read back as 8-bit values on the device (`read_rgb8`) gives the host
+/// conversion's bytes (`tessera_core::pixels::to_rgb8` of the values `read_f32` returns), from
+/// f32 and bf16 buffers and a view of some of their columns (rows packed on the way back), and
+/// fails as `check_finite` does — the same count and first index — where a value is not finite.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn rgb8_read_back_gives_the_hosts_bytes() {
+    use tessera_core::Error;
+    // Every kind of value: the image's range on a fine grid (ties of v·255 among them), values
+    // past either end, signed zeros, subnormals and huge values.
+    let mut values: Vec<f32> = (0..=300_000).map(|i| -1.2 + i as f32 * 8e-6).collect();
+    values.extend(
+        (0..=u32::MAX)
+            .step_by(1 << 20)
+            .map(f32::from_bits)
+            .filter(|v| v.is_finite()),
+    );
+    values.extend([-0.0, 0.0, 1.0, -1.0, f32::MIN_POSITIVE, -f32::MAX, f32::MAX]);
+    let (cols, width) = (3, 4); // RGB of RGBA-wide rows: the view skips a column of each row
+    values.resize(values.len().next_multiple_of(cols), 0.5);
+    let rows = values.len() / cols;
+    for p in [Precision::F32, Precision::Bf16] {
+        let g = cuda::open(0, p).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+        let padded: Vec<f32> = values
+            .chunks(cols)
+            .flat_map(|r| r.iter().copied().chain([f32::NAN]))
+            .collect();
+        let mut buf = g.alloc(rows * width, Compute).unwrap();
+        g.write_f32(&mut buf, &padded).unwrap();
+        let view = View::new(&buf, rows, width).cols(0, cols);
+        let stored = g.read_f32(view).unwrap();
+        let want = tessera_core::pixels::to_rgb8(&stored);
+        let got = g.read_rgb8(view, "test image").unwrap();
+        assert_eq!(got.len(), want.len(), "{p:?}: lengths");
+        let differ: Vec<usize> = (0..want.len()).filter(|&i| got[i] != want[i]).collect();
+        assert!(
+            differ.is_empty(),
+            "{p:?}: {} of {} bytes differ, first at {} ({:e}: {} against {})",
+            differ.len(),
+            want.len(),
+            differ[0],
+            stored[differ[0]],
+            got[differ[0]],
+            want[differ[0]]
+        );
+        // The guard column is NaN: the whole rows fail, counted as the host counts them.
+        let whole = View::new(&buf, rows, width);
+        let host = tessera_core::check_finite("test image", &g.read_f32(whole).unwrap());
+        match (g.read_rgb8(whole, "test image"), host) {
+            (
+                Err(Error::NonFinite {
+                    count, len, first, ..
+                }),
+                Err(Error::NonFinite {
+                    count: c,
+                    len: l,
+                    first: f,
+                    ..
+                }),
+            ) => assert_eq!((count, len, first), (c, l, f), "{p:?}"),
+            (got, host) => panic!("{p:?}: expected two NonFinite errors, got {got:?} and {host:?}"),
+        }
+    }
+}

@@ -9,6 +9,7 @@
 //! - [`fp8`]: FP8 e4m3fn codes to and from `f32`, as torch's `float8_e4m3fn` casts;
 //! - [`config`]: reading JSON configs with errors that name the file and field;
 //! - [`model_dir`]: turning `--model` (a folder or a Hugging Face repo id) into a folder;
+//! - [`pixels`]: a VAE's output in [−1, 1] as 8-bit pixel values;
 //! - [`hub`]: downloading the files a model needs from the Hugging Face hub into its cache.
 
 pub mod config;
@@ -19,6 +20,7 @@ pub mod gguf;
 pub mod hub;
 mod mapped;
 pub mod model_dir;
+pub mod pixels;
 pub mod weights;
 
 pub use dtype::DType;

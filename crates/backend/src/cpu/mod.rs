@@ -791,6 +791,32 @@ pub(crate) mod testutil;
 mod tests {
     use super::*;
 
+    /// `read_rgb8` (the trait's host default) packs a view's rows into bytes as `to_rgb8` does,
+    /// and names the stage, count and first index of non-finite values as `check_finite` does.
+    #[test]
+    fn rgb8_read_back_packs_rows_and_fails_on_non_finite_values() {
+        let be = CpuBackend::new();
+        let mut buf = be.alloc(8, Role::Stream).unwrap();
+        be.write_f32(
+            &mut buf,
+            &[-1.0, 0.0, 1.0, f32::NAN, 0.5, 2.0, -3.0, f32::INFINITY],
+        )
+        .unwrap();
+        let rgb = be
+            .read_rgb8(View::new(&buf, 2, 4).cols(0, 3), "image")
+            .unwrap();
+        assert_eq!(rgb, [0, 128, 255, 191, 255, 0]);
+        match be.read_rgb8(View::new(&buf, 2, 4), "image") {
+            Err(Error::NonFinite {
+                stage,
+                count,
+                len,
+                first,
+            }) => assert_eq!((stage.as_str(), count, len, first), ("image", 2, 8, 3)),
+            other => panic!("expected NonFinite, got {other:?}"),
+        }
+    }
+
     /// Hardware-dependent: `describe` under bf16 names the way this CPU multiplies bf16 and
     /// says where that is no faster than f32 (the output says which branch ran).
     #[test]

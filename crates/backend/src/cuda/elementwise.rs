@@ -54,6 +54,14 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `rgb8_{x}`: a grid-stride loop over the view's values, packed into bytes at `out`, the
+    /// count and least index of those not finite into `bad[0..2]`.
+    pub(super) struct Rgb8Args {
+        x: DevPtr, xs: i64, rows: i64, cols: i32, out: DevPtr, bad: DevPtr,
+    }
+}
+
 kernel_table! {
     /// The kernels of elementwise.cu.
     pub(super) struct ElementwiseKernels from "elementwise.cu" {
@@ -68,6 +76,7 @@ kernel_table! {
         epilogue: ByPair<EpilogueArgs> = "epilogue_{}_{}",
         /// The same after a product on FP8 weights with a scale per row.
         epilogue_scaled: ByPair<ScaledEpilogueArgs> = "epilogue_scaled_{}_{}",
+        rgb8: ByElem<Rgb8Args> = "rgb8_{}",
     }
 }
 
@@ -125,6 +134,31 @@ pub(super) fn cast(
         "elementwise",
         be.kernels.elementwise.cast.get(x.buf.elem, out.buf.elem)?,
         row_blocks(x.rows, x.cols, 0),
+        &args,
+    )
+}
+
+/// A VAE's output `x` as 8-bit values at `out` (rows packed), with the count and least packed
+/// index of the values that are not finite at `bad` (which must hold 0 and `u32::MAX`).
+pub(super) fn rgb8(
+    be: &CudaBackend,
+    x: &View<'_, CudaBackend>,
+    out: DevPtr,
+    bad: DevPtr,
+) -> Result<()> {
+    let args = Rgb8Args {
+        x: ptr_of(x)?,
+        xs: x.stride as i64,
+        rows: x.rows as i64,
+        cols: x.cols as i32,
+        out,
+        bad,
+    };
+    let kernel = be.kernels.elementwise.rgb8.get(x.buf.elem)?;
+    be.launch(
+        "elementwise",
+        kernel,
+        be.grid_stride(x.rows * x.cols),
         &args,
     )
 }

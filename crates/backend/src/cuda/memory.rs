@@ -288,6 +288,34 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// [`crate::Backend::read_rgb8`] on the device: `rgb8_{x}` converts the view into a byte
+    /// buffer whose last two words count the values that are not finite and keep the first one's
+    /// index, then one copy brings back a quarter of the bytes `read_view` would.
+    pub(super) fn read_rgb8_view(&self, src: View<'_, Self>, stage: &str) -> Result<Vec<u8>> {
+        let n = src.rows * src.cols;
+        if u32::try_from(n).is_err() || i32::try_from(src.cols).is_err() {
+            return Err(Error::backend(
+                "read_rgb8",
+                format!("{} × {} values", src.rows, src.cols),
+            ));
+        }
+        let words = n.div_ceil(4);
+        let mut buf = self.alloc_buf(words + 2, Role::Index)?; // zeroed: no bad value counted
+        self.write_bytes_at(&mut buf, (words + 1) * 4, &u32::MAX.to_le_bytes())?;
+        super::elementwise::rgb8(self, &src, buf.ptr, addr(&buf, words))?;
+        let back = self.read_indices(&buf, words + 2)?;
+        let (count, first) = (back[words] as usize, back[words + 1] as usize);
+        if count > 0 {
+            return Err(Error::NonFinite {
+                stage: stage.to_string(),
+                count,
+                len: n,
+                first,
+            });
+        }
+        Ok(bytemuck::cast_slice::<u32, u8>(&back[..words])[..n].to_vec())
+    }
+
     /// Read a view back as `f32` after all queued work, then print the profile of that work.
     pub(super) fn read_view(&self, src: View<'_, Self>) -> Result<Vec<f32>> {
         ptr_of(&src)?; // bounds check

@@ -158,6 +158,10 @@ impl Backend for CudaBackend {
         self.read_indices(src, len)
     }
 
+    fn read_rgb8(&self, src: View<'_, Self>, stage: &str) -> Result<Vec<u8>> {
+        self.read_rgb8_view(src, stage)
+    }
+
     fn matrix(&self, parts: &[Tensor<'_>]) -> Result<CudaMat> {
         self.upload_matrix(parts, true)
     }

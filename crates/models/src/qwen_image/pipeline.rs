@@ -39,7 +39,7 @@ use super::layout::Layout;
 use super::scheduler::{self, SchedulerConfig};
 use super::text::{PromptIds, TextEncoder, prompt_ids};
 use super::transformer::{Prefix, QwenImageTransformer};
-use super::vae::{VaeConfig, VaeDecoder, to_rgba8};
+use super::vae::{VaeConfig, VaeDecoder};
 use super::vision::ImageProcessorConfig;
 use crate::flow_match::{Schedule, euler_step};
 use crate::noise;
@@ -796,13 +796,11 @@ impl<B: Backend> QwenImage<B> {
         latents
             .iter()
             .map(|latent| {
-                let image = vae.decode(be, latent, plan.latent_hw, None)?;
-                check_finite("VAE decoder output", &image)?;
                 Ok(Image {
                     width: req.width,
                     height: req.height,
                     channels: 4,
-                    pixels: to_rgba8(&image),
+                    pixels: vae.decode_rgba8(be, latent, plan.latent_hw)?,
                 })
             })
             .collect()

@@ -613,9 +613,37 @@ impl<B: Backend> VaeDecoder<B> {
         &self,
         be: &B,
         latent: &[f32],
+        hw: (usize, usize),
+        taps: Option<&mut VaeTaps>,
+    ) -> Result<Vec<f32>> {
+        let (b, px) = self.run(be, latent, hw, taps)?;
+        let mut image = be.read_f32(View::new(&b.s, px, self.cfg.out_channels))?;
+        for v in &mut image {
+            *v = v.clamp(-1.0, 1.0);
+        }
+        Ok(image)
+    }
+
+    /// [`decode`](Self::decode) as the pipeline's 8-bit RGBA pixels ([`to_rgba8`]; its clamp
+    /// to [−1, 1] is the conversion's own), converted and checked for non-finite values where
+    /// the image is (on the GPU, a quarter of the bytes comes back). An infinite value fails the
+    /// check here where `decode` would clamp it.
+    pub fn decode_rgba8(&self, be: &B, latent: &[f32], hw: (usize, usize)) -> Result<Vec<u8>> {
+        let (b, px) = self.run(be, latent, hw, None)?;
+        be.read_rgb8(
+            View::new(&b.s, px, self.cfg.out_channels),
+            "VAE decoder output",
+        )
+    }
+
+    /// The decoder's passes, leaving the image in `s` of the returned buffers; with its pixels.
+    fn run(
+        &self,
+        be: &B,
+        latent: &[f32],
         (h, w): (usize, usize),
         mut taps: Option<&mut VaeTaps>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<(VaeBufs<B>, usize)> {
         let zc = self.cfg.z_dim;
         if latent.len() != zc * h * w || h == 0 || w == 0 {
             return Err(Error::input(format!(
@@ -691,11 +719,7 @@ impl<B: Backend> VaeDecoder<B> {
 
         let px = hw.0 * hw.1;
         b.head(be, &self.norm_out, &self.conv_out, hw, self.head)?;
-        let mut image = be.read_f32(View::new(&b.s, px, self.cfg.out_channels))?;
-        for v in &mut image {
-            *v = v.clamp(-1.0, 1.0);
-        }
-        Ok(image)
+        Ok((b, px))
     }
 }
 

@@ -18,7 +18,7 @@ use super::config::{SchedulerConfig, TransformerConfig, VaeConfig, check_model_i
 use super::scheduler::{FlowMatchEuler, Schedule, euler_step, guide};
 use super::text::{MAX_PROMPT_TOKENS, PromptIds, PromptTemplate, prompt_ids};
 use super::transformer::ZImageTransformer;
-use super::vae::{VaeDecoder, to_rgb8};
+use super::vae::VaeDecoder;
 use crate::noise;
 use crate::qwen3::{BpeTokenizer, Qwen3Config, Qwen3TextModel};
 use crate::residency::{self, Residency, Slot};
@@ -907,13 +907,11 @@ impl<B: Backend> ZImage<B> {
             let decoded: Result<Vec<Image>> = latents[r]
                 .iter()
                 .map(|latent| {
-                    let image = vae.decode(be, latent, latent_hw, None)?;
-                    check_finite("VAE decoder output", &image)?;
                     Ok(Image {
                         channels: 3,
                         width: req.width,
                         height: req.height,
-                        pixels: to_rgb8(&image),
+                        pixels: vae.decode_rgb8(be, latent, latent_hw)?,
                     })
                 })
                 .collect();

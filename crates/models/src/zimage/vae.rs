@@ -134,9 +134,32 @@ impl<B: Backend> VaeDecoder<B> {
         &self,
         be: &B,
         latent: &[f32],
+        hw: (usize, usize),
+        taps: Option<&mut VaeTaps>,
+    ) -> Result<Vec<f32>> {
+        let (bufs, px) = self.run(be, latent, hw, taps)?;
+        be.read_f32(View::new(&bufs.s, px, self.cfg.out_channels))
+    }
+
+    /// [`decode`](Self::decode) as the pipeline's 8-bit pixels ([`to_rgb8`]), converted and
+    /// checked for non-finite values where the image is (on the GPU, a quarter of the bytes
+    /// comes back).
+    pub fn decode_rgb8(&self, be: &B, latent: &[f32], hw: (usize, usize)) -> Result<Vec<u8>> {
+        let (bufs, px) = self.run(be, latent, hw, None)?;
+        be.read_rgb8(
+            View::new(&bufs.s, px, self.cfg.out_channels),
+            "VAE decoder output",
+        )
+    }
+
+    /// The decoder's passes, leaving the image in `s` of the returned buffers; with its pixels.
+    fn run(
+        &self,
+        be: &B,
+        latent: &[f32],
         (h, w): (usize, usize),
         mut taps: Option<&mut VaeTaps>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<(VaeBufs<B>, usize)> {
         let c = &self.cfg;
         let lc = c.latent_channels;
         if latent.len() != lc * h * w || h == 0 || w == 0 {
@@ -201,6 +224,6 @@ impl<B: Backend> VaeDecoder<B> {
         let px = hw.0 * hw.1;
         let c0 = c.block_out_channels[0];
         bufs.head(be, &self.norm_out, &self.conv_out, hw, c0)?;
-        be.read_f32(View::new(&bufs.s, px, c.out_channels))
+        Ok((bufs, px))
     }
 }

@@ -168,3 +168,31 @@ EPILOGUE_SCALED(float, float, epilogue_scaled_f32_f32)
 EPILOGUE_SCALED(float, bf16, epilogue_scaled_f32_bf16)
 EPILOGUE_SCALED(bf16, float, epilogue_scaled_bf16_f32)
 EPILOGUE_SCALED(bf16, bf16, epilogue_scaled_bf16_bf16)
+
+// A VAE's output as 8-bit values, rows packed: tessera_core::pixels::to_rgb8 byte for byte,
+// clamp(x·½ + ½, 0, 1)·255 rounded to even by adding 2²³ and keeping the low byte of the sum's
+// bits, each operation rounded on its own (a fused multiply-add rounds once and could land on the
+// other side of a tie). Grid-stride over the packed index i < 2³²: values that are not finite
+// count in bad[0], and bad[1] (set to 2³² − 1 first) keeps the least such i.
+template <typename T>
+__device__ __forceinline__ void rgb8_impl(const T* x, long xs, long rows, int cols, unsigned char* out, u32* bad) {
+    const long n = rows * cols;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long r = i / cols;
+        const float v = to_f(x[r * xs + (i - r * cols)]);
+        if (!isfinite(v)) {
+            atomicAdd(&bad[0], 1u);
+            atomicMin(&bad[1], (u32)i);
+        }
+        const float y = fminf(fmaxf(__fadd_rn(__fmul_rn(v, 0.5f), 0.5f), 0.f), 1.f);
+        out[i] = (unsigned char)(__float_as_uint(__fadd_rn(__fmul_rn(y, 255.f), 8388608.f)) & 0xffu);
+    }
+}
+
+#define RGB8(T, NAME)                                                                                     \
+    extern "C" __global__ void NAME(const T* x, long xs, long rows, int cols, unsigned char* out, u32* bad) { \
+        pdl_enter();                                                                                      \
+        rgb8_impl<T>(x, xs, rows, cols, out, bad);                                                        \
+    }
+RGB8(float, rgb8_f32)
+RGB8(bf16, rgb8_bf16)

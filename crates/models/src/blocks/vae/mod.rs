@@ -9,7 +9,6 @@ pub mod attention;
 pub mod conv;
 pub mod norm;
 pub mod resnet;
-pub mod rgb8;
 
 use std::collections::BTreeMap;
 
@@ -20,7 +19,7 @@ pub use attention::MidAttention;
 pub use conv::Conv;
 pub use norm::{VaeGroupNorm, VaeNorm, VaeRmsNorm};
 pub use resnet::Resnet;
-pub use rgb8::to_rgb8;
+pub use tessera_core::pixels::to_rgb8;
 
 /// A VAE pass's activations, each of the same number of elements (the family's largest stage).
 /// `x` is the residual stream; `s` takes an output (a shortcut's, an upsampler's, the head's)

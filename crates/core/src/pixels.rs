@@ -1,4 +1,5 @@
-//! VAE output to 8-bit pixels, as diffusers' image processor makes them.
+//! VAE output to 8-bit pixels, as diffusers' image processor makes them: the host's conversion,
+//! and what the CUDA backend's device conversion (`Backend::read_rgb8`) must equal byte for byte.
 
 /// A VAE's output `[pixels, channels]` in ≈[−1, 1] as 8-bit values (RGB, or straight RGBA),
 /// exactly as diffusers' `VaeImageProcessor.postprocess` + `numpy_to_pil` do in `f32`:
