@@ -1,5 +1,5 @@
-// Row gathers, conversions, gated activations and per-segment means. CPU references:
-// crates/backend/src/cpu/elementwise.rs and CpuBackend::cast.
+// Row gathers, conversions, gated activations, per-segment means, and a VAE output's 8-bit pixels. CPU
+// references: crates/backend/src/cpu/elementwise.rs, CpuBackend::cast and tessera_core::pixels.
 
 // out[r] = table[ids[r]] · scale. One block per row.
 template <typename TT, typename TO>
