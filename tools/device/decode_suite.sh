@@ -31,7 +31,8 @@ OUT=$O/s PARTS=ops tools/device/suite.sh
 wait
 # ATTN=1: an attention change too — `bench attention` of both binaries (A B A B) and PyTorch SDPA.
 if [ "${ATTN:-0}" = 1 ]; then OUT=$O/a PARTS=attn tools/device/attn_ab.sh; fi
-OUT=$O/c PARTS=conv tools/device/vae_ab.sh
+# CONV=0 leaves out `bench conv` (a short call when the kernels' own rates are known).
+if [ "${CONV:-1}" = 1 ]; then OUT=$O/c PARTS=conv tools/device/vae_ab.sh; fi
 snap r1
 # Against the baseline binary where one was staged, else the default route against
 # TESSERA_CONV=$B_ROUTE (default ws) in this binary.
