@@ -617,23 +617,19 @@ impl<B: Backend> VaeDecoder<B> {
         taps: Option<&mut VaeTaps>,
     ) -> Result<Vec<f32>> {
         let (b, px) = self.run(be, latent, hw, taps)?;
-        let mut image = be.read_f32(View::new(&b.s, px, self.cfg.out_channels))?;
+        let mut image = b.image(be, px, self.cfg.out_channels)?;
         for v in &mut image {
             *v = v.clamp(-1.0, 1.0);
         }
         Ok(image)
     }
 
-    /// [`decode`](Self::decode) as the pipeline's 8-bit RGBA pixels ([`to_rgba8`]; its clamp
-    /// to [−1, 1] is the conversion's own), converted and checked for non-finite values where
-    /// the image is (on the GPU, a quarter of the bytes comes back). An infinite value fails the
+    /// [`decode`](Self::decode) as the pipeline's 8-bit RGBA pixels ([`VaeBufs::image_rgb8`];
+    /// [`to_rgba8`]'s clamp to [−1, 1] is the conversion's own). An infinite value fails its
     /// check here where `decode` would clamp it.
     pub fn decode_rgba8(&self, be: &B, latent: &[f32], hw: (usize, usize)) -> Result<Vec<u8>> {
         let (b, px) = self.run(be, latent, hw, None)?;
-        be.read_rgb8(
-            View::new(&b.s, px, self.cfg.out_channels),
-            "VAE decoder output",
-        )
+        b.image_rgb8(be, px, self.cfg.out_channels)
     }
 
     /// The decoder's passes, leaving the image in `s` of the returned buffers; with its pixels.

@@ -138,18 +138,13 @@ impl<B: Backend> VaeDecoder<B> {
         taps: Option<&mut VaeTaps>,
     ) -> Result<Vec<f32>> {
         let (bufs, px) = self.run(be, latent, hw, taps)?;
-        be.read_f32(View::new(&bufs.s, px, self.cfg.out_channels))
+        bufs.image(be, px, self.cfg.out_channels)
     }
 
-    /// [`decode`](Self::decode) as the pipeline's 8-bit pixels ([`to_rgb8`]), converted and
-    /// checked for non-finite values where the image is (on the GPU, a quarter of the bytes
-    /// comes back).
+    /// [`decode`](Self::decode) as the pipeline's 8-bit pixels ([`VaeBufs::image_rgb8`]).
     pub fn decode_rgb8(&self, be: &B, latent: &[f32], hw: (usize, usize)) -> Result<Vec<u8>> {
         let (bufs, px) = self.run(be, latent, hw, None)?;
-        be.read_rgb8(
-            View::new(&bufs.s, px, self.cfg.out_channels),
-            "VAE decoder output",
-        )
+        bufs.image_rgb8(be, px, self.cfg.out_channels)
     }
 
     /// The decoder's passes, leaving the image in `s` of the returned buffers; with its pixels.

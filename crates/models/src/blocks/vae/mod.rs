@@ -51,6 +51,18 @@ impl<B: Backend> VaeBufs<B> {
         })
     }
 
+    /// The decoded image the head left in `s` (`px` pixels of `ch` channels), as floats.
+    pub fn image(&self, be: &B, px: usize, ch: usize) -> Result<Vec<f32>> {
+        be.read_f32(View::new(&self.s, px, ch))
+    }
+
+    /// The same as the pipelines' 8-bit pixels ([`to_rgb8`]), converted and checked for
+    /// non-finite values where the image is ([`Backend::read_rgb8`]: on the GPU, a quarter of the
+    /// bytes comes back).
+    pub fn image_rgb8(&self, be: &B, px: usize, ch: usize) -> Result<Vec<u8>> {
+        be.read_rgb8(View::new(&self.s, px, ch), "VAE decoder output")
+    }
+
     /// `s = conv(SiLU(norm(x)))` of `ch` channels in: a VAE's `norm_out` → SiLU → `conv_out`.
     pub fn head<N: VaeNorm<B>>(
         &mut self,
