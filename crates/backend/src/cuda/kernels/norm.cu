@@ -698,62 +698,96 @@ RESIDUAL_ANY(residual_any_vec_impl, bf16, bf16, residual_any_vec_bf16_bf16)
 // owns channels 128t + 4l … + 3, i.e. pairs 64t + 2l and + 1, so every access to the row, the
 // weights and the RoPE table is a vector (the scalar kernel moves 2-byte values). Same arguments
 // and arithmetic order as qkv_norm_rope_impl<T, 2>; the host picks it for aligned rows and tables.
-template <typename T>
+// Heads of 128 (HPW = 4, K = 1) go four to a warp, whose loads are all issued before its first
+// sum: one head a warp had a single 256-byte load in flight per warp between its sums, and ran the
+// DiT steps' q/k at ~1.2 TB/s (runs g15, g17: ~103 µs a launch for 2 × 3,840 columns of 4,128
+// rows). Wider heads (HPW = 1, K = 4) keep one a warp; both keep 16 values a lane.
+template <typename T, int K, int HPW>
 __device__ __forceinline__ void qkv_norm_rope_pairs_vec_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
                                                              const float* qw, const float* kw, int v_norm, int qk_norm,
                                                              float eps, const float* rope, int rope_len,
                                                              int tbl_half, const u32* pos) {
     const int heads = hq + 2 * hkv;
-    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const long total = (long)rows * heads;
+    const long g0 = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * HPW;
     const int lane = threadIdx.x & 31;
-    if (gw >= (long)rows * heads) return;
-    const long r = (unsigned)gw / (unsigned)heads;
-    const int hh = (int)((unsigned)gw % (unsigned)heads);
-    const bool is_v = hh >= hq + hkv;
-    if (is_v && !v_norm) return;
-    // qk_norm 0: q and k heads are only rotated (normed as usual when nothing rotates, as on the CPU).
-    const bool normed = is_v || qk_norm || rope == nullptr;
-    const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
-    T* x = qkv + r * stride + (long)hh * hd;
     const int k = hd >> 7;
-    float v[4][4];
-    float ss = 0.f;
+    float v[HPW][K][4];
+    // Whether each head is this warp's to do (warp-uniform): in range, and not a value head
+    // unless values are normed.
+    bool mine[HPW];
 #pragma unroll
-    for (int t = 0; t < 4; t++) {
-        if (t < k) {
-            load4(x + 128 * t + 4 * lane, v[t]);
+    for (int i = 0; i < HPW; i++) {
+        const long gw = g0 + i;
+        mine[i] = gw < total && (v_norm || (int)((unsigned long long)gw % (unsigned)heads) < hq + hkv);
+        if (!mine[i]) continue;
+        const long r = (unsigned long long)gw / (unsigned)heads;
+        const int hh = (int)((unsigned long long)gw % (unsigned)heads);
+        const T* x = qkv + r * stride + (long)hh * hd;
 #pragma unroll
-            for (int j = 0; j < 4; j++) ss += v[t][j] * v[t][j];
-        }
+        for (int t = 0; t < K; t++)
+            if (t < k) load4(x + 128 * t + 4 * lane, v[i][t]);
     }
-    ss = warp_sum(ss);
-    const float inv = normed ? 1.f / sqrtf(ss / hd + eps) : 1.f;
-    const bool rotate = !is_v && rope != nullptr;
-    const long p = rotate ? (long)pos[r] : 0;
 #pragma unroll
-    for (int t = 0; t < 4; t++) {
-        if (t < k) {
-            const int c = 128 * t + 4 * lane;
-            float wv[4];
-            if (w) load4(w + c, wv);
+    for (int i = 0; i < HPW; i++) {
+        if (!mine[i]) continue;
+        const long gw = g0 + i;
+        const long r = (unsigned long long)gw / (unsigned)heads;
+        const int hh = (int)((unsigned long long)gw % (unsigned)heads);
+        const bool is_v = hh >= hq + hkv;
+        // qk_norm 0: q and k heads are only rotated (normed as usual when nothing rotates, as on the CPU).
+        const bool normed = is_v || qk_norm || rope == nullptr;
+        const float* w = hh < hq ? qw : (hh < hq + hkv ? kw : nullptr);
+        T* x = qkv + r * stride + (long)hh * hd;
+        float ss = 0.f;
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                v[t][j] *= inv;
-                if (w) v[t][j] *= wv[j];
+        for (int t = 0; t < K; t++) {
+            if (t < k) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) ss += v[i][t][j] * v[i][t][j];
             }
-            if (rotate) {
-                const float2 cs = *reinterpret_cast<const float2*>(rope + p * tbl_half + c / 2);
-                const float2 sn = *reinterpret_cast<const float2*>(rope + ((long)rope_len + p) * tbl_half + c / 2);
-                const float a0 = v[t][0], b0 = v[t][1], a1 = v[t][2], b1 = v[t][3];
-                v[t][0] = a0 * cs.x - b0 * sn.x;
-                v[t][1] = a0 * sn.x + b0 * cs.x;
-                v[t][2] = a1 * cs.y - b1 * sn.y;
-                v[t][3] = a1 * sn.y + b1 * cs.y;
+        }
+        ss = warp_sum(ss);
+        const float inv = normed ? 1.f / sqrtf(ss / hd + eps) : 1.f;
+        const bool rotate = !is_v && rope != nullptr;
+        const long p = rotate ? (long)pos[r] : 0;
+#pragma unroll
+        for (int t = 0; t < K; t++) {
+            if (t < k) {
+                const int c = 128 * t + 4 * lane;
+                float wv[4];
+                if (w) load4(w + c, wv);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    v[i][t][j] *= inv;
+                    if (w) v[i][t][j] *= wv[j];
+                }
+                if (rotate) {
+                    const float2 cs = *reinterpret_cast<const float2*>(rope + p * tbl_half + c / 2);
+                    const float2 sn = *reinterpret_cast<const float2*>(rope + ((long)rope_len + p) * tbl_half + c / 2);
+                    const float a0 = v[i][t][0], b0 = v[i][t][1], a1 = v[i][t][2], b1 = v[i][t][3];
+                    v[i][t][0] = a0 * cs.x - b0 * sn.x;
+                    v[i][t][1] = a0 * sn.x + b0 * cs.x;
+                    v[i][t][2] = a1 * cs.y - b1 * sn.y;
+                    v[i][t][3] = a1 * sn.y + b1 * cs.y;
+                }
+                store4(x + c, v[i][t]);
             }
-            store4(x + c, v[t]);
         }
     }
 }
 
-QKV_NORM_ROPE_VEC(qkv_norm_rope_pairs_vec_impl, float, qkv_norm_rope_pairs_vec_f32)
-QKV_NORM_ROPE_VEC(qkv_norm_rope_pairs_vec_impl, bf16, qkv_norm_rope_pairs_vec_bf16)
+template <typename T>
+__device__ __forceinline__ void qkv_norm_rope_pairs_any_impl(T* qkv, long stride, int rows, int hq, int hkv, int hd,
+                                                             const float* qw, const float* kw, int v_norm, int qk_norm,
+                                                             float eps, const float* rope, int rope_len,
+                                                             int tbl_half, const u32* pos) {
+    if (hd == 128)
+        qkv_norm_rope_pairs_vec_impl<T, 1, 4>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, qk_norm, eps, rope,
+                                              rope_len, tbl_half, pos);
+    else
+        qkv_norm_rope_pairs_vec_impl<T, 4, 1>(qkv, stride, rows, hq, hkv, hd, qw, kw, v_norm, qk_norm, eps, rope,
+                                              rope_len, tbl_half, pos);
+}
+QKV_NORM_ROPE_VEC(qkv_norm_rope_pairs_any_impl, float, qkv_norm_rope_pairs_vec_f32)
+QKV_NORM_ROPE_VEC(qkv_norm_rope_pairs_any_impl, bf16, qkv_norm_rope_pairs_vec_bf16)
