@@ -754,7 +754,11 @@ fn qkv_launch<'k>(
     }
     // A warp per head, or per four heads in the 8-lane kernel and in the interleaved 4-wide one
     // at 128 columns a head (its loads all issued before its first sum).
-    let per_warp = if axial64 || (pairs_vec && hd == 128) { 4 } else { 1 };
+    let per_warp = if axial64 || (pairs_vec && hd == 128) {
+        4
+    } else {
+        1
+    };
     let warps = (qkv.rows * heads).div_ceil(per_warp) as u32;
     let args = QkvNormRopeArgs {
         qkv: qkv_ptr,
