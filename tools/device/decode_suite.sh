@@ -47,7 +47,8 @@ snap r1
 if [ -z "${BASE_BIN:-}" ] && [ -f .dev/bin/tessera-base ]; then BASE_BIN=.dev/bin/tessera-base; fi
 OUT=$O/v BASE_BIN=${BASE_BIN:-} B_ROUTE=${B_ROUTE:-ws} PARTS=zimage,qwen QSTEPS=${QSTEPS:-40} tools/device/vae_ab.sh
 snap r2
-OUT=$O/p PARTS=mini,zfull,qfull DEADLINE=${DEADLINE:-200} tools/device/suite.sh
+# SUITE_PARTS=mini: the miniatures alone (a short call; the full-size parity runs take ~2 minutes).
+OUT=$O/p PARTS=${SUITE_PARTS:-mini,zfull,qfull} DEADLINE=${DEADLINE:-200} tools/device/suite.sh
 snap r3
 OUT=$O/q PARTS=qprof,prof PROF_CONV=${PROF_CONV:-} tools/device/vae_ab.sh
 snap r4
