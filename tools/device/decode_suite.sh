@@ -5,10 +5,13 @@
 # binary (BASE_BIN, default .dev/bin/tessera-base), then the two families' miniature and full-size
 # CUDA tests, then Qwen-Image-2.1's decode profile (ATTN=1: the attention A/B of attn_ab.sh too,
 # before the convolutions). Each phase leaves an archive in $OUT
-# (r1.tgz … r4.tgz: the device tool returns eight files, and a call cut short keeps what it made).
+# (r0.tgz … r4.tgz: the device tool returns eight files, and a call cut short keeps what it made).
 # Build first: [BASELINE=path/to/old/tessera] PACK=1 TESTS="cuda_ops zimage_cuda qwen_image_cuda" \
 #   tools/device/stage.sh (without a baseline, the A/B is the default route against
 #   TESSERA_CONV=$B_ROUTE, default ws; PROF_CONV sets the profiles' route)
+# Call it without `| tail`: the device tool keeps the last 12,000 characters itself, and a pipe
+# cut by the time limit prints nothing (run g18 returned neither output nor an archive: r0.tgz,
+# the op table's, now comes first).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,6 +31,7 @@ snap() { tar czf "$OUT/$1.tgz" -C $O . 2>/dev/null; }
   echo "qfull made: $?"
 ) &
 OUT=$O/s PARTS=ops tools/device/suite.sh
+snap r0
 # WS3=1: the op table's attention cases again with flash_ws3_d64 in place of flash_ws_d64.
 if [ "${WS3:-0}" = 1 ]; then
   TESSERA_FLASH_WS3=1 TESSERA_OP_CASE=attention timeout 200 .dev/bin/cuda_ops --ignored --test-threads=1 \
