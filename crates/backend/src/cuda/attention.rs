@@ -378,6 +378,8 @@ pub(super) fn flash(
         None if hopper => FlashKernel::Wgmma,
         None => FlashKernel::Mma,
     };
+    // The warp-specialized kernel with three consumers, where asked for (`ws3_on`).
+    let three = choice == FlashKernel::Ws && ws3_on() && WS3_HEAD_DIMS.contains(&hd);
     // The kernel tables hold a kernel for exactly the head widths it is built for.
     let found = match choice {
         FlashKernel::Mma => be
@@ -392,7 +394,7 @@ pub(super) fn flash(
             .as_ref()
             .and_then(|t| t.flash_wgmma.get(hd))
             .map(|k| (Picked::Flash(k), wgmma_config(hd))),
-        FlashKernel::Ws if ws3_on() && WS3_HEAD_DIMS.contains(&hd) => be
+        FlashKernel::Ws if three => be
             .kernels
             .sm90
             .as_ref()
@@ -408,9 +410,7 @@ pub(super) fn flash(
     // The warp-specialized kernels walk the wide tiles listed after the 64-row ones (the
     // three-consumer one its 192-row tiles after those).
     let (tiles, tile_list) = match choice {
-        FlashKernel::Ws if ws3_on() && WS3_HEAD_DIMS.contains(&hd) => {
-            (segs.wide3_tiles, addr(&segs.dev, wide3_tiles_at(segs)))
-        }
+        FlashKernel::Ws if three => (segs.wide3_tiles, addr(&segs.dev, wide3_tiles_at(segs))),
         FlashKernel::Ws => (segs.wide_tiles, addr(&segs.dev, wide_tiles_at(segs))),
         _ => (segs.tiles, addr(&segs.dev, segs.max_segs + 1)),
     };
@@ -637,10 +637,6 @@ pub(super) fn set_segments(
     Ok(())
 }
 
-/// Whether the op picks `flash_ws_d{D}` by itself where it applies: yes, since it was measured
-/// on an H200 (BENCHMARKS.md, run g1: 450 TFLOP/s against flash_wgmma's 290 at the DiT's shape,
-/// a Z-Image step 99 ms instead of 110, the op table and both DiT miniatures within their
-/// bounds). `TESSERA_FLASH_WS=0` keeps flash_wgmma, for A/B measurement.
 /// Whether the warp-specialized kernel runs 64-wide heads as `flash_ws3_d64` (three consumer
 /// warpgroups over 192-row tiles, 128-key blocks) instead of `flash_ws_d64` (two over 128 rows,
 /// 192-key blocks): `TESSERA_FLASH_WS3=1`, for measurement (FlashAttention-3 takes 192-row tiles
@@ -650,6 +646,10 @@ fn ws3_on() -> bool {
     *ON.get_or_init(|| std::env::var("TESSERA_FLASH_WS3").is_ok_and(|v| v == "1"))
 }
 
+/// Whether the op picks `flash_ws_d{D}` by itself where it applies: yes, since it was measured
+/// on an H200 (BENCHMARKS.md, run g1: 450 TFLOP/s against flash_wgmma's 290 at the DiT's shape,
+/// a Z-Image step 99 ms instead of 110, the op table and both DiT miniatures within their
+/// bounds). `TESSERA_FLASH_WS=0` keeps flash_wgmma, for A/B measurement.
 fn ws_default() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("TESSERA_FLASH_WS").map_or(true, |v| v != "0"))

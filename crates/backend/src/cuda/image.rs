@@ -159,13 +159,16 @@ impl WsShape {
     }
 }
 
-/// Every `conv_ws` kernel of the table with its shape.
-fn ws_kernels(t: &Sm90ConvKernels) -> [(&ByElem<ConvWsArgs>, WsShape); 3] {
-    [
-        (&t.conv_ws256, ws_shape(256)),
-        (&t.conv_ws144, ws_shape(144)),
-        (&t.conv_ws128, ws_shape(128)),
-    ]
+/// The tile widths `conv_ws` is built for (more than 64 output channels: [`wgmma_tile`]'s others).
+const WS_TILES: [usize; 3] = [256, 144, 128];
+
+/// The `conv_ws` kernels of `bn`-channel tiles (launched in [`ws_shape`]).
+fn ws_kernel(t: &Sm90ConvKernels, bn: usize) -> &ByElem<ConvWsArgs> {
+    match bn {
+        256 => &t.conv_ws256,
+        144 => &t.conv_ws144,
+        _ => &t.conv_ws128,
+    }
 }
 
 /// The shape of `conv_ws` for `bn`-channel tiles: 256-channel tiles take 128 pixels a CTA and one
@@ -207,9 +210,9 @@ pub(super) fn reserve_shared_memory(hopper: Option<&Sm90ConvKernels>) -> Result<
     for (k, smem) in kernels {
         k.allow_shared_memory(smem)?;
     }
-    for (by, shape) in ws_kernels(t) {
-        for k in by.all() {
-            k.allow_shared_memory(shape.smem())?;
+    for bn in WS_TILES {
+        for k in ws_kernel(t, bn).all() {
+            k.allow_shared_memory(ws_shape(bn).smem())?;
         }
     }
     Ok(())
@@ -617,12 +620,9 @@ impl ImplicitGemm<'_> {
     /// numbered channel tile fastest; the weight read through a tensor map.
     fn on_ws(&self, be: &CudaBackend, table: &Sm90ConvKernels) -> Result<()> {
         let cout = self.w.out;
-        let shape = ws_shape(wgmma_tile(cout));
-        let (kernel, _) = ws_kernels(table)
-            .into_iter()
-            .find(|&(_, s)| s == shape)
-            .ok_or_else(|| Error::backend("conv2d", format!("no conv_ws kernel of {shape:?}")))?;
-        let kernel = kernel.get(self.to.elem)?;
+        let bn = wgmma_tile(cout);
+        let shape = ws_shape(bn);
+        let kernel = ws_kernel(table, bn).get(self.to.elem)?;
         let ctas = u32::try_from(self.pixels.div_ceil(shape.pixels()) * cout.div_ceil(shape.bn))
             .ok()
             .filter(|&n| n < i32::MAX as u32)

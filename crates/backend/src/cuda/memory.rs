@@ -1,6 +1,8 @@
 //! Device memory: typed buffers, weight uploads, host writes and reads, and the checked device
 //! addresses of views that every launch passes.
 
+use std::ops::Range;
+
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::slice::HalfFloatSliceExt;
@@ -267,15 +269,19 @@ impl CudaBackend {
             ));
         }
         let mut out = vec![0u32; len];
+        self.read_bytes(&src.mem, 0..len * 4, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
+    }
+
+    /// Copy bytes `range` of `mem` into `dst` after all queued work, then print the profile of
+    /// that work (the copy marked as its read back).
+    fn read_bytes(&self, mem: &CudaSlice<u8>, range: Range<usize>, dst: &mut [u8]) -> Result<()> {
         if let Some(p) = &self.profiler {
             p.read_begins(&self.stream)?;
         }
-        if len > 0 {
+        if !range.is_empty() {
             self.stream
-                .memcpy_dtoh(
-                    &src.mem.slice(..len * 4),
-                    bytemuck::cast_slice_mut::<u32, u8>(&mut out),
-                )
+                .memcpy_dtoh(&mem.slice(range), dst)
                 .map_err(drv("read"))?;
         }
         if let Some(p) = &self.profiler {
@@ -285,7 +291,7 @@ impl CudaBackend {
         if let Some(p) = &self.profiler {
             p.report()?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// [`crate::Backend::read_rgb8`] on the device: `rgb8_{x}` converts the view into a byte
@@ -325,24 +331,7 @@ impl CudaBackend {
         // Copied into a vector of the buffer's element type, converted (and its rows packed)
         // in place where that is f32: a 1024² image's 12.6 MB cost ~18 ms of host time as
         // bytes decoded one value at a time.
-        let read = |dst: &mut [u8]| -> Result<()> {
-            if let Some(p) = &self.profiler {
-                p.read_begins(&self.stream)?;
-            }
-            if b > a {
-                self.stream
-                    .memcpy_dtoh(&src.buf.mem.slice(a..b), dst)
-                    .map_err(drv("read"))?;
-            }
-            if let Some(p) = &self.profiler {
-                p.read_ends(&self.stream)?;
-            }
-            self.synchronize()?;
-            if let Some(p) = &self.profiler {
-                p.report()?;
-            }
-            Ok(())
-        };
+        let read = |dst: &mut [u8]| self.read_bytes(&src.buf.mem, a..b, dst);
         let (rows, cols, stride) = (src.rows, src.cols, src.stride);
         let out = match src.buf.elem {
             Elem::F32 => {

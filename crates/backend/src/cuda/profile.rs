@@ -62,17 +62,9 @@ impl Profiler {
         kernel: Option<&str>,
         op: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
-        let start = self
-            .ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(err)?;
-        let end = self
-            .ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(err)?;
-        start.record(stream).map_err(err)?;
+        let start = self.event(stream)?;
         op()?;
-        end.record(stream).map_err(err)?;
+        let end = self.event(stream)?;
         let label = match kernel.filter(|_| self.by_kernel) {
             Some(kernel) => format!("{class}/{kernel}"),
             None => class.to_string(),
@@ -81,6 +73,7 @@ impl Profiler {
         Ok(())
     }
 
+    /// A timing event recorded on `stream` now.
     fn event(&self, stream: &CudaStream) -> Result<CudaEvent> {
         let e = self
             .ctx
