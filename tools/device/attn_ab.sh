@@ -7,8 +7,7 @@
 #         then PyTorch SDPA on the same shapes (tools/device/sdpa_ref.py);
 #   ncu:  Nsight Compute on one launch of each of NCU_KERNELS in both binaries (speed of light,
 #         pipe use, warp stalls), plus the source view of B's first kernel as CSV (ncu_src.csv).
-#   PARTS=ops,attn,ncu (default all), BASE_BIN (default .dev/bin/tessera-base), WS3=1 (the
-#   attention cases and `bench attention` of B once more under TESSERA_FLASH_WS3=1),
+#   PARTS=ops,attn,ncu (default all), BASE_BIN (default .dev/bin/tessera-base),
 #   NCU_KERNELS (default "flash_ws_d128 flash_ws_d64"). Build first, with the baseline:
 #   BASELINE=path/to/old/tessera PACK=1 TESTS=cuda_ops tools/device/stage.sh
 set -uo pipefail
@@ -30,12 +29,6 @@ if [[ $PARTS == *ops* ]]; then
     > "$OUT/cuda_ops_attn.log" 2>&1; r=$?; status=$((status | r))
   echo "cuda_ops: rc=$r"
   grep -E "^total|declined|test result|panicked|FAIL" "$OUT/cuda_ops_attn.log" | head -12
-  if [ "${WS3:-0}" = 1 ]; then
-    TESSERA_FLASH_WS3=1 TESSERA_OP_CASE=attention timeout 300 .dev/bin/cuda_ops --ignored --test-threads=1 \
-      --nocapture ops_match_cpu > "$OUT/cuda_ops_attn_ws3.log" 2>&1; r=$?; status=$((status | r))
-    echo "cuda_ops attention, TESSERA_FLASH_WS3=1: rc=$r"
-    grep -E "^total|declined|test result|panicked|FAIL" "$OUT/cuda_ops_attn_ws3.log" | head -12
-  fi
 fi
 if [[ $PARTS == *attn* ]]; then
   echo "== bench attention (median of 20 launches), A = $BASE_BIN, B = this binary, A B A B"
@@ -47,14 +40,6 @@ if [[ $PARTS == *attn* ]]; then
         --shapes dit,4096x16x64,image | grep -E "ws|chosen=True"
     done
   done
-  if [ "${WS3:-0}" = 1 ]; then
-    echo "== B with TESSERA_FLASH_WS3=1 (flash_ws3_d64: three consumers, 192-row tiles), twice"
-    for round in 1 2; do
-      TESSERA_FLASH_WS3=1 timeout 150 $B bench attention --device cuda > "$OUT/attn_W${round}.jsonl" 2>&1 || status=1
-      python3 tools/device/attn_table.py "$OUT/attn_W${round}.jsonl" "W$round" --chosen \
-        --shapes dit,4096x16x64,image | grep -E "ws|chosen=True"
-    done
-  fi
   echo "== PyTorch SDPA, same shapes, same call"
   timeout 150 python3 tools/device/sdpa_ref.py > "$OUT/sdpa_ref.jsonl" 2>&1 || status=1
   python3 tools/device/attn_table.py "$OUT/sdpa_ref.jsonl"

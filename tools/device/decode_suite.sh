@@ -32,17 +32,9 @@ snap() { tar czf "$OUT/$1.tgz" -C $O . 2>/dev/null; }
 ) &
 OUT=$O/s PARTS=ops tools/device/suite.sh
 snap r0
-# WS3=1: the op table's attention cases again with flash_ws3_d64 in place of flash_ws_d64.
-if [ "${WS3:-0}" = 1 ]; then
-  TESSERA_FLASH_WS3=1 TESSERA_OP_CASE=attention timeout 200 .dev/bin/cuda_ops --ignored --test-threads=1 \
-    --nocapture ops_match_cpu > $O/s/cuda_ops_attn_ws3.log 2>&1
-  echo "cuda_ops attention, TESSERA_FLASH_WS3=1: rc=$? $(grep -E '^total' $O/s/cuda_ops_attn_ws3.log | tail -1)"
-  grep -E "FAILED|failed:|panicked" $O/s/cuda_ops_attn_ws3.log | head -5
-fi
 wait
-# ATTN=1: an attention change too — `bench attention` of both binaries (A B A B) and PyTorch SDPA
-# (with WS3=1, of this binary under TESSERA_FLASH_WS3=1 as well).
-if [ "${ATTN:-0}" = 1 ]; then OUT=$O/a PARTS=attn WS3=${WS3:-0} tools/device/attn_ab.sh; fi
+# ATTN=1: an attention change too — `bench attention` of both binaries (A B A B) and PyTorch SDPA.
+if [ "${ATTN:-0}" = 1 ]; then OUT=$O/a PARTS=attn tools/device/attn_ab.sh; fi
 # CONV=0 leaves out `bench conv` (a short call when the kernels' own rates are known).
 if [ "${CONV:-1}" = 1 ]; then OUT=$O/c PARTS=conv tools/device/vae_ab.sh; fi
 snap r1

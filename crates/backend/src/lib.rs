@@ -297,7 +297,6 @@ pub trait Backend: Send + Sync {
             max_segs,
             tiles: 0,
             wide_tiles: 0,
-            wide3_tiles: 0,
         })
     }
 

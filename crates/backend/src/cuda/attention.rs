@@ -16,8 +16,8 @@ use tessera_core::{Error, Result};
 
 pub use flash::{
     FLASH_HEAD_DIMS, FlashChoice, FlashConfig, FlashKernel, QUERY_TILE, WGMMA_BN, WGMMA_HEAD_DIMS,
-    WIDE_TILE, WIDE3_TILE, WS_HEAD_DIMS, WS_MIN_LEN, WS3_HEAD_DIMS, flash_config, wgmma_applies,
-    wgmma_config, ws_applies, ws_bn, ws_config, ws3_config,
+    WIDE_TILE, WS_HEAD_DIMS, WS_MIN_LEN, flash_config, wgmma_applies, wgmma_config, ws_applies,
+    ws_bn, ws_config,
 };
 use flash::{MAX_KV_SPLITS, PART_ELEMS, kv_splits, part_elems};
 
@@ -105,7 +105,6 @@ kernel_table! {
     pub(super) struct Sm90Kernels from "attention_sm90.cu" {
         flash_wgmma: ByDim<FlashArgs> = ("flash_wgmma_d{}", &WGMMA_HEAD_DIMS),
         flash_ws: ByDim<FlashWsArgs> = ("flash_ws_d{}", &WS_HEAD_DIMS),
-        flash_ws3: ByDim<FlashWsArgs> = ("flash_ws3_d{}", &WS3_HEAD_DIMS),
     }
 }
 
@@ -129,9 +128,6 @@ pub(super) fn reserve_shared_memory(
     // Another argument type, so a loop of its own.
     for (d, k) in hopper.into_iter().flat_map(|t| t.flash_ws.iter()) {
         k.allow_shared_memory(ws_config(d).smem as usize)?;
-    }
-    for (d, k) in hopper.into_iter().flat_map(|t| t.flash_ws3.iter()) {
-        k.allow_shared_memory(ws3_config(d).smem as usize)?;
     }
     Ok(())
 }
@@ -378,8 +374,6 @@ pub(super) fn flash(
         None if hopper => FlashKernel::Wgmma,
         None => FlashKernel::Mma,
     };
-    // The warp-specialized kernel with three consumers, where asked for (`ws3_on`).
-    let three = choice == FlashKernel::Ws && ws3_on() && WS3_HEAD_DIMS.contains(&hd);
     // The kernel tables hold a kernel for exactly the head widths it is built for.
     let found = match choice {
         FlashKernel::Mma => be
@@ -394,12 +388,6 @@ pub(super) fn flash(
             .as_ref()
             .and_then(|t| t.flash_wgmma.get(hd))
             .map(|k| (Picked::Flash(k), wgmma_config(hd))),
-        FlashKernel::Ws if three => be
-            .kernels
-            .sm90
-            .as_ref()
-            .and_then(|t| t.flash_ws3.get(hd))
-            .map(|k| (Picked::Ws(k), ws3_config(hd))),
         FlashKernel::Ws => be
             .kernels
             .sm90
@@ -407,10 +395,8 @@ pub(super) fn flash(
             .and_then(|t| t.flash_ws.get(hd))
             .map(|k| (Picked::Ws(k), ws_config(hd))),
     };
-    // The warp-specialized kernels walk the wide tiles listed after the 64-row ones (the
-    // three-consumer one its 192-row tiles after those).
+    // The warp-specialized kernel walks the wide tiles listed after the 64-row ones.
     let (tiles, tile_list) = match choice {
-        FlashKernel::Ws if three => (segs.wide3_tiles, addr(&segs.dev, wide3_tiles_at(segs))),
         FlashKernel::Ws => (segs.wide_tiles, addr(&segs.dev, wide_tiles_at(segs))),
         _ => (segs.tiles, addr(&segs.dev, segs.max_segs + 1)),
     };
@@ -464,7 +450,7 @@ pub(super) fn flash(
         Picked::Flash(kernel) => be.launch("attention", kernel, config, &args)?,
         Picked::Ws(kernel) => {
             let map = |ptr, view: &View<'_, CudaBackend>| {
-                tma::head_rows_bf16(ptr, view.stride, total, spec.heads_kv, hd, fc.bn as u32)
+                tma::head_rows_bf16(ptr, view.stride, total, spec.heads_kv, hd, ws_bn(hd) as u32)
             };
             let args = FlashWsArgs {
                 tk: map(args.ops.k, &k)?,
@@ -562,20 +548,14 @@ fn wide_tiles_at(segs: &Segments<CudaBackend>) -> usize {
     segs.max_segs + 1 + 4 * max_tiles(segs.max_rows, segs.max_segs, QUERY_TILE)
 }
 
-/// Where the 192-row tiles of `flash_ws3_d{D}` start: after the wide tiles.
-fn wide3_tiles_at(segs: &Segments<CudaBackend>) -> usize {
-    wide_tiles_at(segs) + 4 * max_tiles(segs.max_rows, segs.max_segs, WIDE_TILE)
-}
-
 /// Segment storage with room for the query tiles the flash kernels walk.
 pub(super) fn alloc_segments(
     be: &CudaBackend,
     max_rows: usize,
     max_segs: usize,
 ) -> Result<Segments<CudaBackend>> {
-    let tiles = max_tiles(max_rows, max_segs, QUERY_TILE)
-        + max_tiles(max_rows, max_segs, WIDE_TILE)
-        + max_tiles(max_rows, max_segs, WIDE3_TILE);
+    let tiles =
+        max_tiles(max_rows, max_segs, QUERY_TILE) + max_tiles(max_rows, max_segs, WIDE_TILE);
     Ok(Segments {
         offsets: vec![0],
         dev: be.alloc(max_segs + 1 + 4 * tiles, Role::Index)?,
@@ -583,7 +563,6 @@ pub(super) fn alloc_segments(
         max_segs,
         tiles: 0,
         wide_tiles: 0,
-        wide3_tiles: 0,
     })
 }
 
@@ -616,34 +595,17 @@ pub(super) fn set_segments(
     let tiles = push_tiles(&mut data, &offsets, QUERY_TILE);
     // Only a GPU with `flash_ws_d{D}` walks wide tiles: elsewhere the upload stays as short as
     // the 64-row tiles (this runs every pass, every decode step included).
-    let (wide_tiles, wide3_tiles) = if be.kernels.sm90.is_some() {
+    let wide_tiles = if be.kernels.sm90.is_some() {
         data.resize(wide_tiles_at(segs), 0);
-        let wide = push_tiles(&mut data, &offsets, WIDE_TILE);
-        let wide3 = if ws3_on() {
-            data.resize(wide3_tiles_at(segs), 0);
-            push_tiles(&mut data, &offsets, WIDE3_TILE)
-        } else {
-            0
-        };
-        (wide, wide3)
+        push_tiles(&mut data, &offsets, WIDE_TILE)
     } else {
-        (0, 0)
+        0
     };
     be.write_u32(&mut segs.dev, &data)?;
     segs.offsets = offsets;
     segs.tiles = tiles;
     segs.wide_tiles = wide_tiles;
-    segs.wide3_tiles = wide3_tiles;
     Ok(())
-}
-
-/// Whether the warp-specialized kernel runs 64-wide heads as `flash_ws3_d64` (three consumer
-/// warpgroups over 192-row tiles, 128-key blocks) instead of `flash_ws_d64` (two over 128 rows,
-/// 192-key blocks): `TESSERA_FLASH_WS3=1`, for measurement (FlashAttention-3 takes 192-row tiles
-/// for 64-wide heads).
-fn ws3_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_FLASH_WS3").is_ok_and(|v| v == "1"))
 }
 
 /// Whether the op picks `flash_ws_d{D}` by itself where it applies: yes, since it was measured

@@ -224,8 +224,6 @@ pub struct Segments<B: Backend> {
     pub tiles: usize,
     /// Number of a second kind of work items (CUDA: the 128-row query tiles).
     pub wide_tiles: usize,
-    /// Number of a third kind (CUDA: the 192-row query tiles of a three-consumer kernel).
-    pub wide3_tiles: usize,
 }
 
 impl<B: Backend> Segments<B> {

@@ -81,12 +81,6 @@ pub const WS_HEAD_DIMS: [usize; 2] = [64, 128];
 /// block. The host lists these wide tiles after the 64-row ones; they never cross a segment.
 pub const WIDE_TILE: usize = 128;
 
-/// Query rows per tile of `flash_ws3_d64`: three consumer warpgroups. Listed after the wide tiles.
-pub const WIDE3_TILE: usize = 192;
-
-/// Head dims `flash_ws3_d{D}` (three consumer warpgroups, 128-key blocks) is instantiated for.
-pub const WS3_HEAD_DIMS: [usize; 1] = [64];
-
 /// Keys per block of `flash_ws_d{D}` (`WsCfg::BN`): 192 for 64-wide heads, whose per-block
 /// work is half a 128-wide head's, so that each consumer turn (and its barriers) carries more
 /// products; 128 otherwise.
@@ -112,20 +106,11 @@ pub const WS_MIN_LEN: usize = 256;
 /// consumer warpgroups; shared memory for the 128-row Q tile, [`ws_stages`] K and V tiles of
 /// [`ws_bn`] keys, their mbarriers, and 1 KB to align the tiles to the swizzle's period.
 pub fn ws_config(d: usize) -> FlashConfig {
-    ws_shape(d, WIDE_TILE, ws_stages(d), ws_bn(d))
-}
-
-/// Launch shape of `flash_ws3_d{D}` (`WsCfg<D, 3>`): a producer and three consumer warpgroups
-/// over a 192-row Q tile, four stages of 128-key K and V tiles.
-pub fn ws3_config(d: usize) -> FlashConfig {
-    ws_shape(d, WIDE3_TILE, 4, 128)
-}
-
-fn ws_shape(d: usize, rows: usize, stages: usize, bn: usize) -> FlashConfig {
+    let (stages, bn) = (ws_stages(d), ws_bn(d));
     let barriers = 8 * (1 + 4 * stages);
     FlashConfig {
-        smem: (1024 + (rows + 2 * stages * bn) * d * 2 + barriers) as u32,
-        threads: 128 * (rows / 64 + 1) as u32,
+        smem: (1024 + (WIDE_TILE + 2 * stages * bn) * d * 2 + barriers) as u32,
+        threads: 384,
         splits: 1,
         bn,
     }
@@ -254,9 +239,6 @@ mod tests {
         assert_eq!((c.smem, c.threads, c.bn), (214_152, 384, 192));
         let c = ws_config(128);
         assert_eq!((c.smem, c.threads, c.bn), (230_504, 384, 128));
-        // Three consumers: a 24 KB Q tile and four stages of 128-key tiles (16 KB each).
-        let c = ws3_config(64);
-        assert_eq!((c.smem, c.threads, c.bn), (156_808, 512, 128));
         for d in WS_HEAD_DIMS {
             assert!(ws_config(d).smem <= 227 * 1024, "head {d}");
         }

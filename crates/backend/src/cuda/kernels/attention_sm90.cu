@@ -167,20 +167,20 @@ FLASH_WG(128)
 FLASH_WG(256)
 FLASH_WG(512)
 
-// ---- flash_ws_d{D}: warp-specialized, consumer warpgroups sharing each key block ---------------
+// ---- flash_ws_d{D}: warp-specialized, two consumer warpgroups sharing each key block ------------
 //
-// One CTA is one 128-row query tile (the host's wide tiles: 128 rows that never cross a segment;
-// 192 rows for flash_ws3_d64) of one head, in NC + 1 warpgroups:
+// One CTA is one 128-row query tile (the host's wide tiles: 128 rows that never cross a segment)
+// of one head, in three warpgroups:
 //   warpgroup 0, the producer: loads Q once with cp.async, then K and V blocks of BN keys (WsCfg)
 //     into a ring of STAGES through the tensor-memory accelerator, one thread issuing; it never
 //     waits for a load, only for a free stage;
-//   warpgroups 1 … NC, the consumers: 64 query rows each, S = Q·Kᵀ (m64n{BN}k16, both from shared
+//   warpgroups 1 and 2, the consumers: 64 query rows each, S = Q·Kᵀ (m64n{BN}k16, both from shared
 //     memory), the online softmax, O += P·V (P from registers), as in flash_wgmma_d{D}; each frees
 //     a stage's K as soon as its scores are in registers and its V after the product.
-// So a block's K/V is loaded once for 64·NC rows (flash_wgmma_d{D}: once per 64), loads run a block
+// So a block's K/V is loaded once for 128 rows (flash_wgmma_d{D}: once per 64), loads run a block
 // ahead of the products without any __syncthreads, and the consumers take turns on the tensor
-// cores (in a ring: ping-pong for two) while each overlaps its own softmax with its previous
-// block's P·V (see the consumer below). setmaxnreg gives the consumers the producer's registers (the scores, the
+// cores (ping-pong) while each overlaps its own softmax with its previous block's P·V (see the
+// consumer below). setmaxnreg gives the consumers the producer's registers (the scores, the
 // outputs and P take ~170 of them at D = 128).
 // v2 (run a2), with neither overlap, was level with flash_wgmma_d{D}: the time went to the
 // consumers' softmax with the tensor cores idle, not to loads.
@@ -189,36 +189,28 @@ FLASH_WG(512)
 // block is half the products of a 128-wide one for the same turn barriers, stage waits and row
 // statistics, so a longer block spreads them over more work (the consumer's scores, P operand
 // and outputs take 96 + 48 + 32 registers).
-// NC consumer warpgroups share each K/V block (64 query rows each): two, or three for 64-wide
-// heads in flash_ws3_d64 (192-row tiles, 128-key blocks: its consumers' 160 registers after
-// setmaxnreg hold 128-key scores, not 192), for measurement against flash_ws_d64.
-template <int D, int NC = 2> struct WsCfg {
-    static constexpr int BN = NC == 3 ? 128 : 192, STAGES = 4;
-    static constexpr int C_REGS = NC == 3 ? 160 : 240;
-};
-template <> struct WsCfg<128, 2> {
-    static constexpr int BN = 128, STAGES = 3, C_REGS = 240;
-};
+template <int D> struct WsCfg { static constexpr int BN = 192, STAGES = 4; };
+template <> struct WsCfg<128> { static constexpr int BN = 128, STAGES = 3; };
 
-// The consumers' turns: named barrier PP_BAR + c is consumer c's, met by its sync and the arrive of
-// the consumer before it in the ring (256 threads).
+// The consumers' ping-pong turns: named barriers PP_BAR (consumer 0's turn) and PP_BAR + 1
+// (consumer 1's), each met by one warpgroup's sync and the other's arrive (256 threads).
 constexpr int PP_BAR = 8;
 __device__ __forceinline__ void pp_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void pp_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 
-template <int D, int NC>
+template <int D>
 __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long qs, const bf16* __restrict__ k,
                                               long ks, const bf16* __restrict__ v, long vs, bf16* __restrict__ o,
                                               long os, const u32* __restrict__ tiles, int group, float scale_log2,
                                               int window, int causal, const u32* __restrict__ limits,
                                               float* __restrict__ part, int rows, int kv_splits, const TmaDesc* tk,
                                               const TmaDesc* tv) {
-    using C = WsCfg<D, NC>;
+    using C = WsCfg<D>;
     constexpr int BN = C::BN, S = C::STAGES, NS = BN / 8, NO = D / 8;
     constexpr u32 QH = 64 * D * 2, TILE = BN * D * 2;  // bytes of a 64-row Q half, of a K or V tile
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 sQ = (smem_addr(smem) + 1023) & ~1023u;  // the host adds 1 KB of slack
-    const u32 sK = sQ + NC * QH, sV = sK + S * TILE;
+    const u32 sK = sQ + 2 * QH, sV = sK + S * TILE;
     // mbarriers: Q landed; per stage K landed, V landed, K free, V free.
     const u32 bar = sV + S * TILE, q_full = bar, k_full = bar + 8, v_full = k_full + 8 * S, k_free = v_full + 8 * S,
               v_free = k_free + 8 * S;
@@ -236,8 +228,8 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         for (int i = 0; i < S; i++) {
             mbar_init(k_full + 8 * i, 1);  // the producer thread's expect_tx; the TMA bytes complete it
             mbar_init(v_full + 8 * i, 1);
-            mbar_init(k_free + 8 * i, 128 * NC);
-            mbar_init(v_free + 8 * i, 128 * NC);
+            mbar_init(k_free + 8 * i, 256);
+            mbar_init(v_free + 8 * i, 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -251,8 +243,8 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         // their values add nothing.
         set_max_regs_dec<24>();
         const bf16* qb = q + (long)h * D;
-#pragma unroll
-        for (int c = 0; c < NC; c++) load_sw128<D, 64, 128>(sQ + c * QH, qb, qs, q0 + 64 * c, q0, q1);
+        load_sw128<D, 64, 128>(sQ, qb, qs, q0, q0, q1);
+        load_sw128<D, 64, 128>(sQ + QH, qb, qs, q0 + 64, q0, q1);
         cp_arrive_on(q_full);
         if (threadIdx.x == 0) {
             for (int j = 0; j < nb; j++) {
@@ -280,18 +272,16 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     //    top of the next turn, after the spin on the stage barriers: ptxas hoists a wgmma wait to
     //    the start of its basic block, so placed right after the softmax it ran before the
     //    exponentials and only the row maximum overlapped the P·V;
-    //  - between the warpgroups, a ring ("ping-pong" for two): each issues its products only in its
-    //    turn (named barrier PP + c, handed to the next with bar.arrive right after the issue), so
-    //    one warpgroup's softmax falls on the others' products instead of all computing at once.
+    //  - between the two warpgroups, "ping-pong": each issues its products only in its turn (named
+    //    barrier PP + c, handed over with bar.arrive right after the issue), so one warpgroup's
+    //    softmax falls on the other's products instead of both computing softmax at once.
     // The issues of one consumer come in nb + 1 turns: block 0's scores; block j's scores with
-    // block j - 1's P·V; the last P·V. The last consumer hands consumer 0 its first turn and takes
-    // no turn back after its last, so every arrive meets a sync (and no consumer can arrive twice
-    // on a barrier before its owner syncs: its next turn waits for the whole ring). K and V land through the
+    // block j - 1's P·V; the last P·V. Consumer 1 hands consumer 0 its first turn and takes no
+    // turn back after its last, so every arrive meets a sync. K and V land through the
     // tensor-memory accelerator (the async proxy wgmma reads through): only Q, copied with
     // cp.async, needs the proxy fence, once.
-    set_max_regs_inc<C::C_REGS>();
+    set_max_regs_inc<240>();
     const int c = (threadIdx.x >> 7) - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const int next = c + 1 < NC ? c + 1 : 0;  // whose turn follows this consumer's
     const int qa = min(q1, q0 + 64 * c), qz = min(q1, qa + 64);
     const int row_lo = qa + 16 * warp + (lane >> 2);
     const int end_lo = row_key_end(limits, row_lo, qz, s0, s1), end_hi = row_key_end(limits, row_lo + 8, qz, s0, s1);
@@ -315,14 +305,14 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
     if (nb > 0) {
         zero(s);
         mbar_wait(q_full, 0);
-        if (c == NC - 1) pp_arrive(PP_BAR);
+        if (c == 1) pp_arrive(PP_BAR);
         mbar_wait(k_full, 0);
         fence_async_smem();  // Q landed through the generic proxy; wgmma reads through the async one
         pp_sync(PP_BAR + c);
         wg_fence();
         issue_qk<D / 16>(s, sQc, sK, 0);
         wg_commit();
-        pp_arrive(PP_BAR + next);
+        pp_arrive(PP_BAR + 1 - c);
         wg_wait<0>();
         wg_keep(s);
         mbar_arrive(k_free);
@@ -339,7 +329,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
             wg_commit();
             issue_pv<BN>(oacc, pa, sV + pst * TILE, 0);
             wg_commit();
-            pp_arrive(PP_BAR + next);
+            pp_arrive(PP_BAR + 1 - c);
             wg_wait<1>();  // the scores; block j - 1's P·V may still run
             wg_keep(s);
             mbar_arrive(k_free + 8 * st);
@@ -353,7 +343,7 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
         wg_fence();
         issue_pv<BN>(oacc, pa, sV + lst * TILE, 0);
         wg_commit();
-        if (c != NC - 1) pp_arrive(PP_BAR + next);
+        if (c == 0) pp_arrive(PP_BAR + 1);
         wg_wait<0>();
         wg_keep(oacc);
         mbar_arrive(v_free + 8 * lst);
@@ -363,16 +353,15 @@ __device__ __forceinline__ void flash_ws_impl(const bf16* __restrict__ q, long q
 
 // flash_ws_d{D} takes the flash kernels' parameters and then the tensor maps of K and V (3-D:
 // head columns, rows, kv heads; boxes of 64 columns × BN rows; `FlashWsArgs` in cuda/attention.rs).
-#define FLASH_WS(D, NC, NAME)                                                                              \
-    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                                       \
-        NAME(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
+#define FLASH_WS(D)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                  \
+        flash_ws_d##D(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, bf16* o, long os, \
                       const u32* tiles, int group, float scale_log2, int window, int causal, const u32* limits, \
                       float* part, int rows, int kv_splits, const __grid_constant__ TmaDesc tk,              \
                       const __grid_constant__ TmaDesc tv) {                                                 \
         pdl_enter();                                                                                        \
-        flash_ws_impl<D, NC>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, limits, part, \
+        flash_ws_impl<D>(q, qs, k, ks, v, vs, o, os, tiles, group, scale_log2, window, causal, limits, part,   \
                          rows, kv_splits, &tk, &tv);                                                         \
     }
-FLASH_WS(64, 2, flash_ws_d64)
-FLASH_WS(128, 2, flash_ws_d128)
-FLASH_WS(64, 3, flash_ws3_d64)
+FLASH_WS(64)
+FLASH_WS(128)
