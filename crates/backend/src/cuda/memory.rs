@@ -289,7 +289,7 @@ impl CudaBackend {
         }
         self.synchronize()?;
         if let Some(p) = &self.profiler {
-            p.report()?;
+            p.report(&self.stream)?;
         }
         Ok(())
     }
