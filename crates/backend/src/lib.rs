@@ -204,6 +204,13 @@ pub trait Backend: Send + Sync {
 
     // ---- memory -------------------------------------------------------------------------
     fn alloc(&self, len: usize, role: Role) -> Result<Self::Buf>;
+    /// A buffer whose values are undefined until written, for activations that every op writes
+    /// before anything reads them: a VAE pass's 2-3 GB of stages, whose zero fill took ~1 ms of
+    /// GPU time a decode (run g20). The CPU fills it with NaN in debug builds (the tests'), so a
+    /// read before a write shows there as a non-finite value; by default it is [`Backend::alloc`].
+    fn alloc_scratch(&self, len: usize, role: Role) -> Result<Self::Buf> {
+        self.alloc(len, role)
+    }
     /// Copy `src` into the start of `dst` (converted to `dst`'s element type).
     fn write_f32(&self, dst: &mut Self::Buf, src: &[f32]) -> Result<()>;
     fn write_u32(&self, dst: &mut Self::Buf, src: &[u32]) -> Result<()>;

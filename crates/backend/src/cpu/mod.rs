@@ -529,6 +529,15 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn alloc_scratch(&self, len: usize, role: Role) -> Result<CpuBuf> {
+        // Zeros in release builds (pages the OS hands out zeroed, untouched until written);
+        // NaN where the tests run, so no op can depend on values the GPU would not have.
+        if cfg!(debug_assertions) && role != Role::Index {
+            return Ok(CpuBuf::F32(vec![f32::NAN; len]));
+        }
+        self.alloc(len, role)
+    }
+
     fn write_f32(&self, dst: &mut CpuBuf, src: &[f32]) -> Result<()> {
         let d = dst.f32_mut();
         if src.len() > d.len() {

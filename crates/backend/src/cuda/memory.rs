@@ -148,13 +148,30 @@ impl CudaBackend {
     }
 
     pub(super) fn alloc_buf(&self, len: usize, role: Role) -> Result<CudaBuf> {
+        self.alloc_role(len, role, true)
+    }
+
+    /// [`CudaBackend::alloc_buf`] without the zero fill (`Backend::alloc_scratch`).
+    pub(super) fn alloc_buf_unfilled(&self, len: usize, role: Role) -> Result<CudaBuf> {
+        self.alloc_role(len, role, false)
+    }
+
+    fn alloc_role(&self, len: usize, role: Role, zeroed: bool) -> Result<CudaBuf> {
         let elem = match role {
             Role::Stream => Elem::F32,
             Role::Compute => self.compute_elem(),
             Role::Index => Elem::U32,
         };
         let bytes = (len * elem.size()).max(1);
-        let mem = self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
+        let mem = if zeroed {
+            self.stream.alloc_zeros::<u8>(bytes)
+        } else {
+            // SAFETY: the bytes are device memory that the host never sees but through a copy,
+            // and every bit pattern is a valid u8; the callers write what they read
+            // (`Backend::alloc_scratch`).
+            unsafe { self.stream.alloc::<u8>(bytes) }
+        };
+        let mem = mem.map_err(|e| {
             if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                 Error::OutOfMemory(format!(
                     "{:.1} MB for a {role:?} buffer",

@@ -138,6 +138,10 @@ impl Backend for CudaBackend {
         self.alloc_buf(len, role)
     }
 
+    fn alloc_scratch(&self, len: usize, role: Role) -> Result<CudaBuf> {
+        self.alloc_buf_unfilled(len, role)
+    }
+
     fn write_f32(&self, dst: &mut CudaBuf, src: &[f32]) -> Result<()> {
         self.write_f32_to(dst, src)
     }

@@ -36,11 +36,13 @@ pub struct VaeBufs<B: Backend> {
 }
 
 impl<B: Backend> VaeBufs<B> {
-    /// Three f32-stream and two compute buffers of `elems` elements each.
+    /// Three f32-stream and two compute buffers of `elems` elements each, not zero-filled: every
+    /// block writes a buffer before it reads it ([`Backend::alloc_scratch`]; the CPU tests fill
+    /// them with NaN to show it).
     pub fn alloc(be: &B, elems: usize) -> Result<Self> {
         let (stream, compute) = (
-            || be.alloc(elems, Role::Stream),
-            || be.alloc(elems, Role::Compute),
+            || be.alloc_scratch(elems, Role::Stream),
+            || be.alloc_scratch(elems, Role::Compute),
         );
         Ok(VaeBufs {
             x: stream()?,
