@@ -63,6 +63,12 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(cast(1, 1, Stream, Compute));
     t.add(cast(33, 130, Compute, Compute));
     t.add(cast(130, 33, Stream, Stream));
+    // Four values a thread where 4-vectors tile aligned rows (the cases above with 200 and 512
+    // columns), past one pass of the grid here; one value a thread where an output row starts
+    // off a vector.
+    t.add(cast(2304, 1024, Stream, Compute));
+    t.add(cast(96, 256, Stream, Compute).shifted(2));
+    t.add(cast(64, 128, Compute, Stream).shifted(6));
 
     // ---- matmul: bare products, α = 0.75, into both output types.
     t.add(matmul(1, 512, 2048).alpha(0.75)); // EmbeddingGemma 2, W1 query: q|k|v, sliding layer
@@ -251,6 +257,12 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(norm(1001, 288, rms().eps(1e-24 / 288.0).activated(Silu)));
     t.add(norm(13, 576, layer()).from(Stream));
     t.add(norm(11, 1024, rms()));
+    // Narrower rows go several to a warp (`row_norm_warps{2,4,8}`): eight of up to 128 columns,
+    // four of up to 256, two of up to 512, a last warp part-filled in each.
+    t.add(norm(77, 96, layer()).from(Stream));
+    t.add(norm(203, 128, rms().activated(Silu)));
+    t.add(norm(1003, 256, layer()));
+    t.add(norm(35, 512, layer().activated(Silu)).from(Stream));
 
     // ---- residual: Gemma's sandwich step h = (h + rms(y) · w) · 0.8, then nothing, the next
     // pre-norm or a copy, on the norms' shapes (warp and block kernels).
@@ -1313,7 +1325,15 @@ fn rgb8_read_back_gives_the_hosts_bytes() {
             .map(f32::from_bits)
             .filter(|v| v.abs() <= BF16_FINITE),
     );
-    values.extend([-0.0, 0.0, 1.0, -1.0, f32::MIN_POSITIVE, -BF16_FINITE, BF16_FINITE]);
+    values.extend([
+        -0.0,
+        0.0,
+        1.0,
+        -1.0,
+        f32::MIN_POSITIVE,
+        -BF16_FINITE,
+        BF16_FINITE,
+    ]);
     let (cols, width) = (3, 4); // RGB of RGBA-wide rows: the view skips a column of each row
     values.resize(values.len().next_multiple_of(cols), 0.5);
     let rows = values.len() / cols;

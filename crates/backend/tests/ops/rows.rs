@@ -75,6 +75,8 @@ pub struct CastCase {
     cols: usize,
     from: Role,
     to: Role,
+    /// Elements before each output row (8: the output's rows start where 4-vectors align).
+    left: usize,
 }
 
 pub fn cast(rows: usize, cols: usize, from: Role, to: Role) -> CastCase {
@@ -83,13 +85,26 @@ pub fn cast(rows: usize, cols: usize, from: Role, to: Role) -> CastCase {
         cols,
         from,
         to,
+        left: 8,
+    }
+}
+
+impl CastCase {
+    /// The output's rows `left` elements into each padded row (2: no 4-vector starts a row).
+    pub fn shifted(self, left: usize) -> Self {
+        CastCase { left, ..self }
     }
 }
 
 impl OpCase for CastCase {
     fn name(&self) -> String {
         let CastCase { rows, cols, .. } = *self;
-        format!("cast {rows}×{cols} {:?} → {:?}", self.from, self.to)
+        let shift = if self.left == 8 {
+            String::new()
+        } else {
+            format!(", output rows {} in", self.left)
+        };
+        format!("cast {rows}×{cols} {:?} → {:?}{shift}", self.from, self.to)
     }
 
     fn op(&self) -> Op {
@@ -99,7 +114,7 @@ impl OpCase for CastCase {
     fn run<B: Device>(&self, be: &B, rng: &mut Rng) -> Res<Vec<Output>> {
         let CastCase { rows, cols, .. } = *self;
         let x = Guarded::drawn(be, self.from, Layout::padded(rows, cols, 0, 8), rng, 4.0)?;
-        let mut out = Guarded::empty(be, self.to, Layout::padded(rows, cols, 8, 0))?;
+        let mut out = Guarded::empty(be, self.to, Layout::padded(rows, cols, self.left, 0))?;
         be.cast(x.view(), out.view_mut())?;
         Ok(vec![out.read(be, "out")?])
     }
