@@ -130,6 +130,10 @@ kernel_table! {
         row_norm_vec: ByPair<RowNormArgs> = "row_norm_vec_{}_{}",
         /// The vector row norm for rows one warp holds, a warp per row and several per block.
         row_norm_warps: ByPair<RowNormWarpsArgs> = "row_norm_warps_{}_{}",
+        /// The same for rows of at most 512, 256 and 128 columns, two, four and eight a warp.
+        row_norm_warps2: ByPair<RowNormWarpsArgs> = "row_norm_warps2_{}_{}",
+        row_norm_warps4: ByPair<RowNormWarpsArgs> = "row_norm_warps4_{}_{}",
+        row_norm_warps8: ByPair<RowNormWarpsArgs> = "row_norm_warps8_{}_{}",
         residual_any_vec: ByPair<ResidualAnyArgs> = "residual_any_vec_{}_{}",
         /// Interleaved RoPE on aligned heads of 128·m (m ≤ 4), 4-wide.
         qkv_norm_rope_pairs_vec: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_pairs_vec_{}",
@@ -232,6 +236,14 @@ const RN_CHUNKS: usize = 8;
 /// before its limit of blocks does.
 const WARP_ROWS: usize = 8;
 
+/// Rows a warp of `row_norm_warps{R}` takes for rows of `cols` (at most 4·32·`RN_CHUNKS`): as
+/// many as keep its 32 registers of values full (8 rows of 128 columns, 4 of 256, 2 of 512), so
+/// a narrow row's loads are not alone in flight.
+fn warp_rows_per_warp(cols: usize) -> usize {
+    let chunks = cols.div_ceil(4 * 32).next_power_of_two();
+    (RN_CHUNKS / chunks).max(1)
+}
+
 /// Threads per row of the vector row-norm kernels for rows of `cols`, when those kernels take
 /// them (4·m columns, at most 32,768) and every row and vector is aligned for 4-wide accesses.
 fn vec_threads(cols: usize, rows: &[(DevPtr, usize, usize)], vectors: &[DevPtr]) -> Option<u32> {
@@ -281,14 +293,21 @@ pub(super) fn norm(
     let k = &be.kernels.norm;
     match vec_threads(x.cols, &rows, &[args.norm.w, args.norm.b, args.norm.s]) {
         Some(32) => {
-            let blocks = u32::try_from(x.rows.div_ceil(WARP_ROWS))
+            let per_warp = warp_rows_per_warp(x.cols);
+            let table = match per_warp {
+                8 => &k.row_norm_warps8,
+                4 => &k.row_norm_warps4,
+                2 => &k.row_norm_warps2,
+                _ => &k.row_norm_warps,
+            };
+            let blocks = u32::try_from(x.rows.div_ceil(WARP_ROWS * per_warp))
                 .map_err(|_| Error::backend("norm", format!("{} rows", x.rows)))?;
             let launch = cfg((blocks, 1), 32 * WARP_ROWS as u32, 0);
             let args = RowNormWarpsArgs {
                 base: args,
                 rows: x.rows as i64,
             };
-            be.launch("norm", k.row_norm_warps.get(xe, oe)?, launch, &args)
+            be.launch("norm", table.get(xe, oe)?, launch, &args)
         }
         Some(threads) => {
             let launch = cfg((x.rows as u32, 1), threads, 0);
@@ -784,4 +803,29 @@ fn qkv_launch<'k>(
         args,
         grid: cfg((warps.div_ceil(8), 1), 256, 0),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A warp's rows fill its 8 chunks of 4 values a lane: 8 rows up to 128 columns, 4 up to
+    /// 256, 2 up to 512, 1 up to 1,024 (the kernels the table names).
+    #[test]
+    fn narrow_rows_go_several_to_a_warp() {
+        for (cols, rows) in [
+            (4, 8),
+            (128, 8),
+            (129, 4),
+            (144, 4),
+            (256, 4),
+            (288, 2),
+            (512, 2),
+        ] {
+            assert_eq!(warp_rows_per_warp(cols), rows, "{cols} columns");
+        }
+        for cols in [513, 576, 1024] {
+            assert_eq!(warp_rows_per_warp(cols), 1, "{cols} columns");
+        }
+    }
 }

@@ -606,19 +606,47 @@ __device__ __forceinline__ void row_norm_vec_impl(const TI* x, long xs, int kind
     row_norm_vec_row(x, xs, kind, w, b, s, eps, out, os, cols, act, (long)blockIdx.x, block_row_threads(sh));
 }
 
-// Rows of at most 4·32·RN_CHUNKS columns: one warp per row, as many rows as the block has warps.
-// A block of one such row (row_norm_vec) holds 32 threads, so a multiprocessor, at most 32
-// blocks, ran half full on the VAE decoders' narrow rows (Qwen-Image-2.1's 144 channels at 1024²:
-// a million rows). Same sums, bit for bit: a one-warp row_sum is the block sum of one warp.
-template <typename TI, typename TO>
+// Rows of at most 4·32·C columns, R of them a warp (C·R = 8: the 32 registers of values
+// row_norm_vec holds for one row), as many warps as the block has. A block of one such row
+// (row_norm_vec) holds 32 threads, so a multiprocessor, at most 32 blocks, ran half full on the VAE
+// decoders' narrow rows (Qwen-Image-2.1's 144 channels at 1024²: a million rows); with one row a
+// warp, a 144-wide bf16 row kept 288 bytes a warp in flight and the decoder's narrow norms ran at
+// 0.9-1.6 TB/s (run g20). So every load of the warp's R rows is issued before the first sum.
+// Same sums, bit for bit: a one-warp row_sum is the block sum of one warp, and chunks past the row
+// hold zeros (rowvec.cuh).
+template <typename TI, typename TO, int C, int R>
 __device__ __forceinline__ void row_norm_warps_impl(const TI* x, long xs, int kind, const float* w, const float* b,
                                                     const float* s, float eps, TO* out, long os, int cols, int act,
                                                     long rows) {
-    const long r = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= rows) return;  // whole warps: nothing below waits on another warp
+    const long r0 = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+    if (r0 >= rows) return;  // whole warps: nothing below waits on another warp
     // One warp: row_sum needs no shared memory and no barrier (bar 1 is never reached).
     const RowThreads rt{(int)(threadIdx.x & 31), 32, nullptr, 1};
-    row_norm_vec_row(x, xs, kind, w, b, s, eps, out, os, cols, act, r, rt);
+    if constexpr (R == 1) {
+        row_norm_vec_row(x, xs, kind, w, b, s, eps, out, os, cols, act, r0, rt);
+        return;
+    }
+    const int n = (int)min((long)R, rows - r0);
+    float v[R][C][4];
+#pragma unroll
+    for (int k = 0; k < R; k++)
+        if (k < n) load_row_vec(x + (r0 + k) * xs, cols, v[k], rt);
+#pragma unroll
+    for (int k = 0; k < R; k++) {
+        if (k < n) {
+            const float2 st = row_stats_vec(v[k], cols, kind, eps, rt);
+            norm_affine_row_vec(v[k], st, cols, w, b, s, rt);
+            if (act >= 0) {
+#pragma unroll
+                for (int i = 0; i < C; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) v[k][i][j] = image_act(act, v[k][i][j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < R; k++)
+        if (k < n) store_row_vec(out + (r0 + k) * os, cols, v[k], rt);
 }
 
 // Asks L2 for the lines of a per-column vector this thread will read after a reduction, so that
@@ -678,17 +706,22 @@ ROW_NORM(row_norm_vec_impl, float, bf16, row_norm_vec_f32_bf16)
 ROW_NORM(row_norm_vec_impl, bf16, float, row_norm_vec_bf16_f32)
 ROW_NORM(row_norm_vec_impl, bf16, bf16, row_norm_vec_bf16_bf16)
 
-#define ROW_NORM_WARPS(TI, TO, NAME)                                                                      \
+#define ROW_NORM_WARPS(TI, TO, C, R, NAME)                                                                \
     extern "C" __global__ void NAME(const TI* x, long xs, int kind, const float* w, const float* b,         \
                                     const float* s, float eps, TO* out, long os, int cols, int act,       \
                                     long rows) {                                                          \
         pdl_enter();                                                                                      \
-        row_norm_warps_impl<TI, TO>(x, xs, kind, w, b, s, eps, out, os, cols, act, rows);                 \
+        row_norm_warps_impl<TI, TO, C, R>(x, xs, kind, w, b, s, eps, out, os, cols, act, rows);           \
     }
-ROW_NORM_WARPS(float, float, row_norm_warps_f32_f32)
-ROW_NORM_WARPS(float, bf16, row_norm_warps_f32_bf16)
-ROW_NORM_WARPS(bf16, float, row_norm_warps_bf16_f32)
-ROW_NORM_WARPS(bf16, bf16, row_norm_warps_bf16_bf16)
+#define ROW_NORM_WARPS_ALL(TI, TO, SUFFIX)                                                                \
+    ROW_NORM_WARPS(TI, TO, RN_CHUNKS, 1, row_norm_warps_##SUFFIX)                                        \
+    ROW_NORM_WARPS(TI, TO, 4, 2, row_norm_warps2_##SUFFIX)                                                \
+    ROW_NORM_WARPS(TI, TO, 2, 4, row_norm_warps4_##SUFFIX)                                                \
+    ROW_NORM_WARPS(TI, TO, 1, 8, row_norm_warps8_##SUFFIX)
+ROW_NORM_WARPS_ALL(float, float, f32_f32)
+ROW_NORM_WARPS_ALL(float, bf16, f32_bf16)
+ROW_NORM_WARPS_ALL(bf16, float, bf16_f32)
+ROW_NORM_WARPS_ALL(bf16, bf16, bf16_bf16)
 RESIDUAL_ANY(residual_any_vec_impl, float, float, residual_any_vec_f32_f32)
 RESIDUAL_ANY(residual_any_vec_impl, float, bf16, residual_any_vec_f32_bf16)
 RESIDUAL_ANY(residual_any_vec_impl, bf16, float, residual_any_vec_bf16_f32)

@@ -37,20 +37,23 @@ __device__ __forceinline__ float row_sum(float v, const RowThreads& rt) {
 }
 
 // (mean, 1/sqrt(var + eps)) of the held values (columns at or past `cols` hold 0 and are skipped).
-__device__ __forceinline__ float2 row_stats_vec(const float (&v)[RN_CHUNKS][4], int cols, int kind, float eps,
+// Every helper below takes N chunks a thread (RN_CHUNKS, or fewer where N·4·T covers the row: the
+// chunks past the row hold zeros and are skipped, so the sums have the same bits either way).
+template <int N>
+__device__ __forceinline__ float2 row_stats_vec(const float (&v)[N][4], int cols, int kind, float eps,
                                                 const RowThreads& rt) {
     float mean = 0.f;
     if (kind == 1) {
         float s = 0.f;
 #pragma unroll
-        for (int i = 0; i < RN_CHUNKS; i++)
+        for (int i = 0; i < N; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++) s += v[i][j];
         mean = row_sum(s, rt) / cols;
     }
     float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
+    for (int i = 0; i < N; i++) {
         if (4 * (rt.t + i * rt.T) < cols) {
 #pragma unroll
             for (int j = 0; j < 4; j++) {
@@ -80,10 +83,10 @@ __device__ __forceinline__ void norm_affine4(float (&v)[4], float2 st, int c, co
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void load_row_vec(const T* row, int cols, float (&v)[RN_CHUNKS][4], const RowThreads& rt) {
+template <typename T, int N>
+__device__ __forceinline__ void load_row_vec(const T* row, int cols, float (&v)[N][4], const RowThreads& rt) {
 #pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
+    for (int i = 0; i < N; i++) {
         const int c = 4 * (rt.t + i * rt.T);
         if (c < cols) {
             load4(row + c, v[i]);
@@ -94,10 +97,10 @@ __device__ __forceinline__ void load_row_vec(const T* row, int cols, float (&v)[
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void store_row_vec(T* row, int cols, const float (&v)[RN_CHUNKS][4], const RowThreads& rt) {
+template <typename T, int N>
+__device__ __forceinline__ void store_row_vec(T* row, int cols, const float (&v)[N][4], const RowThreads& rt) {
 #pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
+    for (int i = 0; i < N; i++) {
         const int c = 4 * (rt.t + i * rt.T);
         if (c < cols) store4(row + c, v[i]);
     }
@@ -105,10 +108,11 @@ __device__ __forceinline__ void store_row_vec(T* row, int cols, const float (&v)
 
 // norm_affine4 on every held chunk of the row; no store in between, so the weights' loads are
 // all in flight together.
-__device__ __forceinline__ void norm_affine_row_vec(float (&v)[RN_CHUNKS][4], float2 st, int cols, const float* w,
+template <int N>
+__device__ __forceinline__ void norm_affine_row_vec(float (&v)[N][4], float2 st, int cols, const float* w,
                                                     const float* b, const float* s, const RowThreads& rt) {
 #pragma unroll
-    for (int i = 0; i < RN_CHUNKS; i++) {
+    for (int i = 0; i < N; i++) {
         const int c = 4 * (rt.t + i * rt.T);
         if (c < cols) norm_affine4(v[i], st, c, w, b, s);
     }
