@@ -587,6 +587,9 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(dup_up(3, 4, 40, 10, 2)); // in = 4·out
     t.add(dup_up(1, 1, 3, 6, 1)); // more output than input channels, one pixel
     t.add(dup_up(5, 7, 96, 48, 2).from(Compute)); // from the compute type
+    // Four output channels a thread (cout a multiple of 4, as above but for 10 and 6), here past
+    // one pass of the grid.
+    t.add(dup_up(128, 96, 96, 48, 2));
 
     // ---- avg_down (Qwen-Image-2.1's residual VAE encoder down blocks), added into the stream.
     t.add(avg_down(6, 10, 48, 48, 1, 2)); // 96→96: a 2×2 mean per channel

@@ -69,7 +69,8 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `dup_up_{x}_{out}`: `out += DupUp(x)`, one thread an output element, grid-stride.
+    /// `dup_up[_vec]_{x}_{out}`: `out += DupUp(x)`, one thread an output element (`_vec`: four
+    /// consecutive channels of one, `n` counting those vectors), grid-stride.
     pub(super) struct DupUpArgs {
         x: DevPtr, xs: i64, w: i32, cout: i32, frames: i32, repeats: i32, n: i64, out: DevPtr,
         os: i64,
@@ -103,6 +104,7 @@ kernel_table! {
         /// Four channels of one group a thread (aligned rows, 4 | channels per group).
         group_apply4: ByPair<GroupApplyArgs> = "group_apply4_{}_{}",
         dup_up: ByPair<DupUpArgs> = "dup_up_{}_{}",
+        dup_up_vec: ByPair<DupUpArgs> = "dup_up_vec_{}_{}",
         avg_down: ByPair<AvgDownArgs> = "avg_down_{}_{}",
     }
 }
@@ -781,7 +783,15 @@ pub(super) fn dup_up(
     if n == 0 {
         return Ok(());
     }
-    let kernel = be.kernels.image.dup_up.get(x.buf.elem, out.buf.elem)?;
+    // Four channels a thread where 4-vectors tile the output's aligned rows.
+    let vec = [out.cols, out.stride, out.offset]
+        .iter()
+        .all(|v| v.is_multiple_of(4));
+    let (table, items) = if vec {
+        (&be.kernels.image.dup_up_vec, n / 4)
+    } else {
+        (&be.kernels.image.dup_up, n)
+    };
     let args = DupUpArgs {
         x: ptr_of(&x)?,
         xs: x.stride as i64,
@@ -789,11 +799,12 @@ pub(super) fn dup_up(
         cout: out.cols as i32,
         frames: spec.frames as i32,
         repeats: repeats as i32,
-        n: n as i64,
+        n: items as i64,
         out: ptr_of_mut(&out)?,
         os: out.stride as i64,
     };
-    be.launch("conv", kernel, be.grid_stride(n), &args)
+    let kernel = table.get(x.buf.elem, out.buf.elem)?;
+    be.launch("conv", kernel, be.grid_stride(items), &args)
 }
 
 pub(super) fn avg_down(

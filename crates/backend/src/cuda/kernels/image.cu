@@ -245,6 +245,32 @@ __device__ __forceinline__ void dup_up_impl(const TI* x, long xs, int w, int cou
     }
 }
 
+// The same, four output channels a thread (the sum read and written 16 bytes at a time for f32),
+// where cout, the output's stride and offset are multiples of 4: `n4` = h·w·cout output vectors.
+// The output is two thirds of the traffic; one value a thread ran Qwen-Image-2.1's shortcuts
+// (6.6 GB a decode) at ~1.9 TB/s (run g20).
+template <typename TI, typename TO>
+__device__ __forceinline__ void dup_up_vec_impl(const TI* x, long xs, int w, int cout, int frames, int repeats,
+                                                long n4, TO* out, long os) {
+    const long ow = 2L * w;
+    const int groups = cout / 4;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long)gridDim.x * blockDim.x) {
+        const long p = i / groups;
+        const int o0 = (int)(i - p * groups) * 4;
+        const long oy = p / ow, ox = p - oy * ow;
+        const int s = (int)(oy & 1) * 2 + (int)(ox & 1);
+        const TI* xp = x + ((oy >> 1) * w + (ox >> 1)) * xs;
+        float v[4], a[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) a[j] = to_f(xp[(((o0 + j) * frames + frames - 1) * 4 + s) / repeats]);
+        TO* dst = out + p * os + o0;
+        load4(dst, v);
+#pragma unroll
+        for (int j = 0; j < 4; j++) v[j] += a[j];
+        store4(dst, v);
+    }
+}
+
 #define DUP_UP(TI, TO, NAME)                                                                              \
     extern "C" __global__ void NAME(const TI* x, long xs, int w, int cout, int frames, int repeats, long n,   \
                                     TO* out, long os) {                                                   \
@@ -255,6 +281,17 @@ DUP_UP(float, float, dup_up_f32_f32)
 DUP_UP(float, bf16, dup_up_f32_bf16)
 DUP_UP(bf16, float, dup_up_bf16_f32)
 DUP_UP(bf16, bf16, dup_up_bf16_bf16)
+
+#define DUP_UP_VEC(TI, TO, NAME)                                                                          \
+    extern "C" __global__ void NAME(const TI* x, long xs, int w, int cout, int frames, int repeats, long n,   \
+                                    TO* out, long os) {                                                   \
+        pdl_enter();                                                                                      \
+        dup_up_vec_impl<TI, TO>(x, xs, w, cout, frames, repeats, n, out, os);                             \
+    }
+DUP_UP_VEC(float, float, dup_up_vec_f32_f32)
+DUP_UP_VEC(float, bf16, dup_up_vec_f32_bf16)
+DUP_UP_VEC(bf16, float, dup_up_vec_bf16_f32)
+DUP_UP_VEC(bf16, bf16, dup_up_vec_bf16_bf16)
 
 // AvgDown (diffusers' AvgDown3D on one frame), added: out[y·ow + x, o] += (1/g) · Σ over the
 // expanded channels e = o·g … o·g + g − 1 of x[(s·y + sy)·w + s·x + sx, c], where e = c·f + r
