@@ -311,6 +311,10 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(qkv(2, 2, 64).axial(100.0, GRIDS).rope_only());
     t.add(qkv(2, 1, 128).interleaved(256.0).rope_only());
     t.add(qkv(4, 4, 128).interleaved(256.0)); // complex-pair RoPE
+    // Four 128-wide heads a warp, counted on from the warp's first: 5 and 7 heads a row, so a
+    // warp's heads cross rows (value heads skipped across them in the second).
+    t.add(qkv(3, 1, 128).interleaved(256.0));
+    t.add(qkv(5, 1, 128).interleaved(1e4).no_v_norm());
     t.add(qkv(2, 1, 6).interleaved(1e4).no_v_norm());
     t.add(qkv(4, 4, 128).multi_axis(256.0, [32, 48, 48], 7, (6, 4))); // Z-Image's 3-axis RoPE
 

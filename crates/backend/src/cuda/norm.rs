@@ -765,10 +765,12 @@ fn qkv_launch<'k>(
         &k.qkv_norm_rope
     };
     let heads = layout.heads_q + 2 * layout.heads_kv;
-    if qkv.rows * heads > u32::MAX as usize {
+    // The kernels count heads in 32 bits (the interleaved 4-wide one in signed ints, a warp's
+    // four heads past the last included).
+    if qkv.rows * heads > (i32::MAX - 4) as usize {
         return Err(Error::backend(
             "qkv_norm_rope",
-            format!("{} rows × {heads} heads exceed 2^32 per launch", qkv.rows),
+            format!("{} rows × {heads} heads exceed 2^31 per launch", qkv.rows),
         ));
     }
     // A warp per head, or per four heads in the 8-lane kernel and in the interleaved 4-wide one
