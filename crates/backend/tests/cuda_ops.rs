@@ -96,6 +96,14 @@ fn cases() -> Vec<Box<dyn Case>> {
     t.add(matmul(7, 33, 130).row_gate());
     t.add(matmul(130, 64, 33).row_tanh_gate().to(Compute));
     t.add(matmul(7, 33, 130).accumulate());
+    // The epilogue four columns a thread where the output's columns are a multiple of 4 (most of
+    // the above), else one a thread: the same posts on both sides of that line, and one past a
+    // pass of the grid.
+    t.add(matmul(33, 132, 7).bias());
+    t.add(matmul(17, 98, 33).gate());
+    t.add(matmul(130, 66, 33).row_tanh_gate().to(Compute));
+    t.add(matmul(7, 68, 130).act(GeluTanh).to(Compute));
+    t.add(matmul(4096, 1152, 64).bias());
     t.add(
         matmul(9, 130, 33)
             .alpha(0.5)

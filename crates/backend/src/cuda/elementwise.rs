@@ -45,7 +45,8 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `epilogue_{y}_{o}`: `o (= or +=) g ⊙ act(y + bias)` after a product, grid-stride.
+    /// `epilogue[_vec]_{y}_{o}`: `o (= or +=) g ⊙ act(y + bias)` after a product, grid-stride
+    /// (`_vec`: four columns a thread).
     pub(super) struct EpilogueArgs {
         y: DevPtr, ys: i64, o: DevPtr, os: i64, rows: i64, cols: i32, bias: DevPtr, act: i32,
         g: DevPtr, gs: i64, tanh: i32, accumulate: i32,
@@ -83,6 +84,7 @@ kernel_table! {
         /// A product's bias, activation, gate and accumulation (`y` may be `o`: in place).
         epilogue: ByPair<EpilogueArgs> = "epilogue_{}_{}",
         /// The same after a product on FP8 weights with a scale per row.
+        epilogue_vec: ByPair<EpilogueArgs> = "epilogue_vec_{}_{}",
         epilogue_scaled: ByPair<ScaledEpilogueArgs> = "epilogue_scaled_{}_{}",
         rgb8: ByElem<Rgb8Args> = "rgb8_{}",
     }

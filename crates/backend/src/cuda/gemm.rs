@@ -471,8 +471,30 @@ pub(super) fn epilogue(
         tanh: post.tanh,
         accumulate: accumulate as i32,
     };
-    let kernel = be.kernels.elementwise.epilogue.get(y.elem, out.elem)?;
-    be.launch("elementwise", kernel, be.grid_stride(rows * cols), &args)
+    // Four columns a thread where 4-vectors tile every row at aligned starts (the bias and gate
+    // rows' too), in 32-bit vector indices.
+    let rows_aligned =
+        |r: &Rows| r.stride.is_multiple_of(4) && r.ptr.0.is_multiple_of(4 * r.elem.size() as u64);
+    let f32_aligned = |p: DevPtr| p.0.is_multiple_of(16);
+    let vec = cols.is_multiple_of(4)
+        && rows * cols / 4 <= u32::MAX as usize
+        && rows_aligned(&y)
+        && rows_aligned(&out)
+        && f32_aligned(args.bias)
+        && f32_aligned(args.g)
+        && post.gate_stride.is_multiple_of(4);
+    let k = &be.kernels.elementwise;
+    let (table, items) = if vec {
+        (&k.epilogue_vec, rows * cols / 4)
+    } else {
+        (&k.epilogue, rows * cols)
+    };
+    be.launch(
+        "elementwise",
+        table.get(y.elem, out.elem)?,
+        be.grid_stride(items),
+        &args,
+    )
 }
 
 /// A gated MLP's gate|up product gated as it is stored, `out = act(x · W_gateᵀ) ⊙ (x · W_upᵀ)`,
