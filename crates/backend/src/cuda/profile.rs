@@ -11,10 +11,12 @@
 //! (the host's work between forwards, zero fills and uploads), the ops' span, the part after the
 //! last op and the read itself (a VAE decode's wall time is all four). It counts from the previous
 //! report's end, not its read's: the report itself (an elapsed-time query and two event releases an
-//! op, ~5 ms after a DiT step's thousand ops, run g20) is the profiler's time, not the model's.
+//! op, ~5 ms after a DiT step's thousand ops, run g20) is the profiler's time, not the model's. The
+//! host's own share of the wait before the first op (when it issued that op) is printed beside it.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -38,6 +40,10 @@ struct Reads {
     end: Option<CudaEvent>,
     /// Recorded when the previous report had finished, its events released.
     resumed: Option<CudaEvent>,
+    /// The host's clock then, and when it issued the first op after it: how much of the stream's
+    /// wait before that op was the host's own work (the rest: copies and fills on the stream).
+    resumed_at: Option<Instant>,
+    first_issued_at: Option<Instant>,
 }
 
 fn err(e: impl std::fmt::Display) -> Error {
@@ -65,6 +71,10 @@ impl Profiler {
         kernel: Option<&str>,
         op: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        if self.spans.lock().map_err(err)?.is_empty() {
+            let mut reads = self.reads.lock().map_err(err)?;
+            reads.first_issued_at.get_or_insert_with(Instant::now);
+        }
         let start = self.event(stream)?;
         op()?;
         let end = self.event(stream)?;
@@ -107,9 +117,19 @@ impl Profiler {
         let mut reads = self.reads.lock().map_err(err)?;
         let (begin, end) = (reads.begin.take(), reads.end.take());
         let resumed = reads.resumed.take();
-        let printed = self.print(&spans, begin.as_ref().zip(end.as_ref()), resumed.as_ref());
+        let host = reads
+            .resumed_at
+            .take()
+            .zip(reads.first_issued_at.take())
+            .map(|(a, b)| b.saturating_duration_since(a));
+        let printed = self.print(
+            &spans,
+            begin.as_ref().zip(end.as_ref()),
+            resumed.as_ref().map(|r| (r, host)),
+        );
         drop((spans, begin, end, resumed));
         reads.resumed = Some(self.event(stream)?);
+        reads.resumed_at = Some(Instant::now());
         printed
     }
 
@@ -118,7 +138,7 @@ impl Profiler {
         &self,
         spans: &[Span],
         read: Option<(&CudaEvent, &CudaEvent)>,
-        resumed: Option<&CudaEvent>,
+        resumed: Option<(&CudaEvent, Option<Duration>)>,
     ) -> Result<()> {
         if spans.is_empty() {
             return Ok(());
@@ -165,9 +185,11 @@ impl Profiler {
         if let Some((begin, end)) = read {
             let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map(f64::from).map_err(err);
             let before = match resumed {
-                Some(p) => format!(
-                    "{:.3} ms before the first op (since the previous report), ",
-                    ms(p, first)?
+                Some((p, host)) => format!(
+                    "{:.3} ms before the first op (since the previous report; the host issued it \
+                     after {}), ",
+                    ms(p, first)?,
+                    host.map_or("?".into(), |d| format!("{:.3} ms", d.as_secs_f64() * 1e3))
                 ),
                 None => String::new(),
             };
