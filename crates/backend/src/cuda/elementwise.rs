@@ -17,15 +17,8 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `cast_{x}_{y}`: one block per row.
+    /// `cast_{x}_{y}`: one block per row; `cast_vec_{x}_{y}`: four values a thread, grid-stride.
     pub(super) struct CastArgs {
-        x: DevPtr, xs: i64, y: DevPtr, ys: i64, cols: i32,
-    }
-}
-
-kernel_args! {
-    /// `cast_vec_{x}_{y}`: four values a thread, grid-stride.
-    pub(super) struct CastVecArgs {
         x: DevPtr, xs: i64, y: DevPtr, ys: i64, rows: i64, cols: i32,
     }
 }
@@ -75,7 +68,7 @@ kernel_table! {
     pub(super) struct ElementwiseKernels from "elementwise.cu" {
         embed: ByElem<EmbedArgs> = "embed_{}_f32",
         cast: ByPair<CastArgs> = "cast_{}_{}",
-        cast_vec: ByPair<CastVecArgs> = "cast_vec_{}_{}",
+        cast_vec: ByPair<CastArgs> = "cast_vec_{}_{}",
         gated_gelu: ByElem<GatedArgs> = "gated_gelu_{}",
         gated_silu: ByElem<GatedArgs> = "gated_silu_{}",
         gated_vec_gelu: ByElem<GatedArgs> = "gated_vec_gelu_{}",
@@ -137,44 +130,30 @@ pub(super) fn cast(
         return Ok(());
     }
     // Four values a thread where whole 4-vectors tile every row at aligned starts (allocations
-    // are 256-byte aligned), in 32-bit vector indices.
+    // are 256-byte aligned), in 32-bit vector indices; else a block a row.
     let four = |offset: usize, stride: usize| offset.is_multiple_of(4) && stride.is_multiple_of(4);
-    if x.cols.is_multiple_of(4)
+    let vec = x.cols.is_multiple_of(4)
         && x.rows * x.cols / 4 <= u32::MAX as usize
         && four(x.offset, x.stride)
-        && four(out.offset, out.stride)
-    {
-        let args = CastVecArgs {
-            x: ptr_of(&x)?,
-            xs: x.stride as i64,
-            y: ptr_of_mut(&out)?,
-            ys: out.stride as i64,
-            rows: x.rows as i64,
-            cols: x.cols as i32,
-        };
-        let kernel = be
-            .kernels
-            .elementwise
-            .cast_vec
-            .get(x.buf.elem, out.buf.elem)?;
-        return be.launch(
-            "elementwise",
-            kernel,
-            be.grid_stride(x.rows * x.cols / 4),
-            &args,
-        );
-    }
+        && four(out.offset, out.stride);
     let args = CastArgs {
         x: ptr_of(&x)?,
         xs: x.stride as i64,
         y: ptr_of_mut(&out)?,
         ys: out.stride as i64,
+        rows: x.rows as i64,
         cols: x.cols as i32,
+    };
+    let k = &be.kernels.elementwise;
+    let (table, launch) = if vec {
+        (&k.cast_vec, be.grid_stride(x.rows * x.cols / 4))
+    } else {
+        (&k.cast, row_blocks(x.rows, x.cols, 0))
     };
     be.launch(
         "elementwise",
-        be.kernels.elementwise.cast.get(x.buf.elem, out.buf.elem)?,
-        row_blocks(x.rows, x.cols, 0),
+        table.get(x.buf.elem, out.buf.elem)?,
+        launch,
         &args,
     )
 }

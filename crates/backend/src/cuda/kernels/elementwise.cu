@@ -11,9 +11,9 @@ __device__ __forceinline__ void embed_impl(const TT* table, int dim, const u32* 
     for (int c = threadIdx.x; c < dim; c += blockDim.x) dst[c] = from_f<TO>(to_f(src[c]) * scale);
 }
 
-// y = x, converted. One block per row.
+// y = x, converted. One block per row (`rows`, the grid's, unused).
 template <typename TI, typename TO>
-__device__ __forceinline__ void cast_impl(const TI* x, long xs, TO* y, long ys, int cols) {
+__device__ __forceinline__ void cast_impl(const TI* x, long xs, TO* y, long ys, long, int cols) {
     const long r = blockIdx.x;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) y[r * ys + c] = from_f<TO>(to_f(x[r * xs + c]));
 }
@@ -70,25 +70,19 @@ __device__ __forceinline__ void segment_mean_impl(const T* x, long xs, const u32
 EMBED(float, float, embed_f32_f32)
 EMBED(bf16, float, embed_bf16_f32)
 
-#define CAST(TI, TO, NAME)                                                                                \
-    extern "C" __global__ void NAME(const TI* x, long xs, TO* y, long ys, int cols) {                     \
-        pdl_enter();                                                                                      \
-        cast_impl<TI, TO>(x, xs, y, ys, cols);                                                            \
-    }
-CAST(float, float, cast_f32_f32)
-CAST(float, bf16, cast_f32_bf16)
-CAST(bf16, float, cast_bf16_f32)
-CAST(bf16, bf16, cast_bf16_bf16)
-
-#define CAST_VEC(TI, TO, NAME)                                                                            \
+#define CAST(IMPL, TI, TO, NAME)                                                                          \
     extern "C" __global__ void NAME(const TI* x, long xs, TO* y, long ys, long rows, int cols) {          \
         pdl_enter();                                                                                      \
-        cast_vec_impl<TI, TO>(x, xs, y, ys, rows, cols);                                                  \
+        IMPL<TI, TO>(x, xs, y, ys, rows, cols);                                                           \
     }
-CAST_VEC(float, float, cast_vec_f32_f32)
-CAST_VEC(float, bf16, cast_vec_f32_bf16)
-CAST_VEC(bf16, float, cast_vec_bf16_f32)
-CAST_VEC(bf16, bf16, cast_vec_bf16_bf16)
+CAST(cast_impl, float, float, cast_f32_f32)
+CAST(cast_impl, float, bf16, cast_f32_bf16)
+CAST(cast_impl, bf16, float, cast_bf16_f32)
+CAST(cast_impl, bf16, bf16, cast_bf16_bf16)
+CAST(cast_vec_impl, float, float, cast_vec_f32_f32)
+CAST(cast_vec_impl, float, bf16, cast_vec_f32_bf16)
+CAST(cast_vec_impl, bf16, float, cast_vec_bf16_f32)
+CAST(cast_vec_impl, bf16, bf16, cast_vec_bf16_bf16)
 
 #define GATED(TG, TU, TO, ACT, NAME)                                                                      \
     extern "C" __global__ void NAME(const TG* g, long gs, const TU* u, long us, TO* o, long os, long rows,  \
@@ -179,21 +173,23 @@ __device__ __forceinline__ void epilogue_impl(const TY* y, long ys, TO* o, long 
 // ~1 TB/s (1.8 ms of a decode, run g22).
 template <typename TY, typename TO>
 __device__ __forceinline__ void epilogue_vec_impl(const TY* y, long ys, TO* o, long os, long rows, int cols,
-                                                  const float* bias, int act, const float* g, long gs, int tanh_g,
-                                                  int accumulate) {
+                                                  const float* cs, const float* bias, int act, const float* g,
+                                                  long gs, int tanh_g, int accumulate) {
     const int groups = cols / 4;
     const long n = rows * groups;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const long r = (unsigned)i / (unsigned)groups;
         const int c = (int)(i - r * groups) * 4;
-        float v[4], bv[4], gv[4], ov[4];
+        float v[4], sv[4], bv[4], gv[4], ov[4];
         load4(y + r * ys + c, v);
+        if (cs) load4(cs + c, sv);
         if (bias) load4(bias + c, bv);
         if (g) load4(g + r * gs + c, gv);
         if (accumulate) load4(o + r * os + c, ov);
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             float x = v[j];
+            if (cs) x *= sv[j];
             if (bias) x += bv[j];
             if (act == 0) x = gelu_tanh(x);
             else if (act == 1) x = silu(x);
@@ -206,27 +202,20 @@ __device__ __forceinline__ void epilogue_vec_impl(const TY* y, long ys, TO* o, l
     }
 }
 
-#define EPILOGUE(TY, TO, NAME)                                                                            \
+#define EPILOGUE(IMPL, TY, TO, NAME)                                                                      \
     extern "C" __global__ void NAME(const TY* y, long ys, TO* o, long os, long rows, int cols, const float* bias, \
                                     int act, const float* g, long gs, int tanh_g, int accumulate) {        \
         pdl_enter();                                                                                       \
-        epilogue_impl<TY, TO>(y, ys, o, os, rows, cols, nullptr, bias, act, g, gs, tanh_g, accumulate);    \
+        IMPL<TY, TO>(y, ys, o, os, rows, cols, nullptr, bias, act, g, gs, tanh_g, accumulate);             \
     }
-EPILOGUE(float, float, epilogue_f32_f32)
-EPILOGUE(float, bf16, epilogue_f32_bf16)
-EPILOGUE(bf16, float, epilogue_bf16_f32)
-EPILOGUE(bf16, bf16, epilogue_bf16_bf16)
-
-#define EPILOGUE_VEC(TY, TO, NAME)                                                                        \
-    extern "C" __global__ void NAME(const TY* y, long ys, TO* o, long os, long rows, int cols, const float* bias, \
-                                    int act, const float* g, long gs, int tanh_g, int accumulate) {        \
-        pdl_enter();                                                                                       \
-        epilogue_vec_impl<TY, TO>(y, ys, o, os, rows, cols, bias, act, g, gs, tanh_g, accumulate);         \
-    }
-EPILOGUE_VEC(float, float, epilogue_vec_f32_f32)
-EPILOGUE_VEC(float, bf16, epilogue_vec_f32_bf16)
-EPILOGUE_VEC(bf16, float, epilogue_vec_bf16_f32)
-EPILOGUE_VEC(bf16, bf16, epilogue_vec_bf16_bf16)
+EPILOGUE(epilogue_impl, float, float, epilogue_f32_f32)
+EPILOGUE(epilogue_impl, float, bf16, epilogue_f32_bf16)
+EPILOGUE(epilogue_impl, bf16, float, epilogue_bf16_f32)
+EPILOGUE(epilogue_impl, bf16, bf16, epilogue_bf16_bf16)
+EPILOGUE(epilogue_vec_impl, float, float, epilogue_vec_f32_f32)
+EPILOGUE(epilogue_vec_impl, float, bf16, epilogue_vec_f32_bf16)
+EPILOGUE(epilogue_vec_impl, bf16, float, epilogue_vec_bf16_f32)
+EPILOGUE(epilogue_vec_impl, bf16, bf16, epilogue_vec_bf16_bf16)
 
 // The epilogue with a column scale first (FP8 products on weights with a scale per row).
 #define EPILOGUE_SCALED(TY, TO, NAME)                                                                     \

@@ -271,27 +271,20 @@ __device__ __forceinline__ void dup_up_vec_impl(const TI* x, long xs, int w, int
     }
 }
 
-#define DUP_UP(TI, TO, NAME)                                                                              \
+#define DUP_UP(IMPL, TI, TO, NAME)                                                                        \
     extern "C" __global__ void NAME(const TI* x, long xs, int w, int cout, int frames, int repeats, long n,   \
                                     TO* out, long os) {                                                   \
         pdl_enter();                                                                                      \
-        dup_up_impl<TI, TO>(x, xs, w, cout, frames, repeats, n, out, os);                                 \
+        IMPL<TI, TO>(x, xs, w, cout, frames, repeats, n, out, os);                                        \
     }
-DUP_UP(float, float, dup_up_f32_f32)
-DUP_UP(float, bf16, dup_up_f32_bf16)
-DUP_UP(bf16, float, dup_up_bf16_f32)
-DUP_UP(bf16, bf16, dup_up_bf16_bf16)
-
-#define DUP_UP_VEC(TI, TO, NAME)                                                                          \
-    extern "C" __global__ void NAME(const TI* x, long xs, int w, int cout, int frames, int repeats, long n,   \
-                                    TO* out, long os) {                                                   \
-        pdl_enter();                                                                                      \
-        dup_up_vec_impl<TI, TO>(x, xs, w, cout, frames, repeats, n, out, os);                             \
-    }
-DUP_UP_VEC(float, float, dup_up_vec_f32_f32)
-DUP_UP_VEC(float, bf16, dup_up_vec_f32_bf16)
-DUP_UP_VEC(bf16, float, dup_up_vec_bf16_f32)
-DUP_UP_VEC(bf16, bf16, dup_up_vec_bf16_bf16)
+DUP_UP(dup_up_impl, float, float, dup_up_f32_f32)
+DUP_UP(dup_up_impl, float, bf16, dup_up_f32_bf16)
+DUP_UP(dup_up_impl, bf16, float, dup_up_bf16_f32)
+DUP_UP(dup_up_impl, bf16, bf16, dup_up_bf16_bf16)
+DUP_UP(dup_up_vec_impl, float, float, dup_up_vec_f32_f32)
+DUP_UP(dup_up_vec_impl, float, bf16, dup_up_vec_f32_bf16)
+DUP_UP(dup_up_vec_impl, bf16, float, dup_up_vec_bf16_f32)
+DUP_UP(dup_up_vec_impl, bf16, bf16, dup_up_vec_bf16_bf16)
 
 // AvgDown (diffusers' AvgDown3D on one frame), added: out[y·ow + x, o] += (1/g) · Σ over the
 // expanded channels e = o·g … o·g + g − 1 of x[(s·y + sy)·w + s·x + sx, c], where e = c·f + r
