@@ -763,6 +763,41 @@ async fn half_sent(addr: std::net::SocketAddr, from: [u8; 4]) -> TcpStream {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_body_refused_for_too_many_uploads_is_still_answered() {
+    let mut cfg = config();
+    cfg.limits.max_request_bytes = 16 << 20;
+    let per_client = cfg.limits.max_uploads_per_client;
+    let s = Server::start(cfg).await;
+    // The client's upload places, all held by half-sent bodies.
+    let mut quiet = Vec::new();
+    for _ in 0..per_client {
+        quiet.push(half_sent(s.addr, [127, 0, 0, 3]).await);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // One more request of the same client, its 8 MB body sent whole: refused before the body is
+    // read, it is answered with the 429 all the same. A server that answers and closes with the
+    // body unread resets the connection under the client (its write or its read fails here).
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(([127, 0, 0, 3], 0).into()).unwrap();
+    let mut stream = socket.connect(s.addr).await.unwrap();
+    let body = format!("{{\"input\": \"{}\"}}", "x".repeat(8 << 20));
+    let head = format!(
+        "POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream
+        .write_all(body.as_bytes())
+        .await
+        .expect("the whole body is read");
+    let (status, answer) = read_response(stream).await;
+    assert_eq!(status, 429, "{answer}");
+    assert_openai_error(&answer, "too_many_uploads", "one upload too many");
+    drop(quiet);
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn half_sent_bodies_do_not_keep_other_clients_out() {
     let mut cfg = config();
     cfg.limits.body_timeout = Duration::from_secs(2);

@@ -173,7 +173,16 @@ async fn receive_body(app: &AppState, req: Request) -> Result<Bytes, ApiError> {
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip());
-    let _place = app.uploads.enter(client)?;
+    let _place = match app.uploads.enter(client) {
+        Ok(place) => place,
+        Err(e) => {
+            // Refused before reading, as an over-limit body is: read what the client is still
+            // sending (holding no upload place), so it gets the 429 and not a connection reset
+            // mid-upload — one image request of a 32-request burst saw the reset (CI, 2026-12-07).
+            drain(req, limit).await;
+            return Err(e);
+        }
+    };
     let read = axum::body::to_bytes(req.into_body(), limit);
     match tokio::time::timeout(limits.body_timeout, read).await {
         Err(_) => Err(ApiError::BodyTimeout(limits.body_timeout)),
