@@ -3,7 +3,9 @@
 
 use tessera_core::{Error, Result};
 
-use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
+use super::launch::{
+    ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks, vec4_aligned,
+};
 use super::memory::{ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, CudaTable, Elem};
 use crate::view::same_shape;
@@ -76,8 +78,9 @@ kernel_table! {
         segment_mean: ByElem<SegmentMeanArgs> = "segment_mean_{}",
         /// A product's bias, activation, gate and accumulation (`y` may be `o`: in place).
         epilogue: ByPair<EpilogueArgs> = "epilogue_{}_{}",
-        /// The same after a product on FP8 weights with a scale per row.
+        /// The same four columns a thread (aligned rows and vectors, 4 | columns).
         epilogue_vec: ByPair<EpilogueArgs> = "epilogue_vec_{}_{}",
+        /// The same after a product on FP8 weights with a scale per row.
         epilogue_scaled: ByPair<ScaledEpilogueArgs> = "epilogue_scaled_{}_{}",
         rgb8: ByElem<Rgb8Args> = "rgb8_{}",
     }
@@ -129,13 +132,6 @@ pub(super) fn cast(
     if x.rows == 0 || x.cols == 0 {
         return Ok(());
     }
-    // Four values a thread where whole 4-vectors tile every row at aligned starts (allocations
-    // are 256-byte aligned), in 32-bit vector indices; else a block a row.
-    let four = |offset: usize, stride: usize| offset.is_multiple_of(4) && stride.is_multiple_of(4);
-    let vec = x.cols.is_multiple_of(4)
-        && x.rows * x.cols / 4 <= u32::MAX as usize
-        && four(x.offset, x.stride)
-        && four(out.offset, out.stride);
     let args = CastArgs {
         x: ptr_of(&x)?,
         xs: x.stride as i64,
@@ -144,6 +140,15 @@ pub(super) fn cast(
         rows: x.rows as i64,
         cols: x.cols as i32,
     };
+    // Four values a thread where whole 4-vectors tile every row at aligned starts, in 32-bit
+    // vector indices; else a block a row.
+    let rows = [
+        (args.x, x.stride, x.buf.elem.size()),
+        (args.y, out.stride, out.buf.elem.size()),
+    ];
+    let vec = x.cols.is_multiple_of(4)
+        && x.rows * x.cols / 4 <= u32::MAX as usize
+        && vec4_aligned(&rows, &[]);
     let k = &be.kernels.elementwise;
     let (table, launch) = if vec {
         (&k.cast_vec, be.grid_stride(x.rows * x.cols / 4))

@@ -24,7 +24,7 @@ use tessera_core::{Error, Result};
 
 use super::cublaslt::{Alignments, Handle, Layouts, WORKSPACE_BYTES, check};
 use super::elementwise::EpilogueArgs;
-use super::launch::DevPtr;
+use super::launch::{DevPtr, vec4_aligned};
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaMat, Elem, MatFormat};
 use super::{gemv, norm};
@@ -471,18 +471,16 @@ pub(super) fn epilogue(
         tanh: post.tanh,
         accumulate: accumulate as i32,
     };
-    // Four columns a thread where 4-vectors tile every row at aligned starts (the bias and gate
-    // rows' too), in 32-bit vector indices.
-    let rows_aligned =
-        |r: &Rows| r.stride.is_multiple_of(4) && r.ptr.0.is_multiple_of(4 * r.elem.size() as u64);
-    let f32_aligned = |p: DevPtr| p.0.is_multiple_of(16);
+    // Four columns a thread where 4-vectors tile every row at aligned starts (the gate rows' and
+    // the bias's too), in 32-bit vector indices.
+    let rows_of = [
+        (y.ptr, y.stride, y.elem.size()),
+        (out.ptr, out.stride, out.elem.size()),
+        (args.g, post.gate_stride, 4),
+    ];
     let vec = cols.is_multiple_of(4)
         && rows * cols / 4 <= u32::MAX as usize
-        && rows_aligned(&y)
-        && rows_aligned(&out)
-        && f32_aligned(args.bias)
-        && f32_aligned(args.g)
-        && post.gate_stride.is_multiple_of(4);
+        && vec4_aligned(&rows_of, &[args.bias]);
     let k = &be.kernels.elementwise;
     let (table, items) = if vec {
         (&k.epilogue_vec, rows * cols / 4)

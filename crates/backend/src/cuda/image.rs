@@ -11,7 +11,9 @@
 use tessera_core::{Error, Result};
 
 use super::gemm::{Post, Rows, act_code, epilogue, product};
-use super::launch::{ByElem, ByPair, DevPtr, Kernel, TensorMap, cfg, kernel_args, kernel_table};
+use super::launch::{
+    ByElem, ByPair, DevPtr, Kernel, TensorMap, cfg, kernel_args, kernel_table, vec4_aligned,
+};
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::tma;
 use super::{CudaBackend, CudaBuf, CudaMat, Elem, MatFormat};
@@ -783,10 +785,10 @@ pub(super) fn dup_up(
     if n == 0 {
         return Ok(());
     }
+    let out_ptr = ptr_of_mut(&out)?;
     // Four channels a thread where 4-vectors tile the output's aligned rows.
-    let vec = [out.cols, out.stride, out.offset]
-        .iter()
-        .all(|v| v.is_multiple_of(4));
+    let vec = out.cols.is_multiple_of(4)
+        && vec4_aligned(&[(out_ptr, out.stride, out.buf.elem.size())], &[]);
     let (table, items) = if vec {
         (&be.kernels.image.dup_up_vec, n / 4)
     } else {
@@ -800,7 +802,7 @@ pub(super) fn dup_up(
         frames: spec.frames as i32,
         repeats: repeats as i32,
         n: items as i64,
-        out: ptr_of_mut(&out)?,
+        out: out_ptr,
         os: out.stride as i64,
     };
     let kernel = table.get(x.buf.elem, out.buf.elem)?;

@@ -549,6 +549,16 @@ impl CudaBackend {
     }
 }
 
+/// Every row start of each `(pointer, stride, element size)` is aligned for 4-element accesses,
+/// and each f32 vector (null = none) for 16-byte ones: what the 4-wide kernels (row norms, casts,
+/// epilogues, DupUp) need.
+pub fn vec4_aligned(rows: &[(DevPtr, usize, usize)], vectors: &[DevPtr]) -> bool {
+    rows.iter().all(|&(ptr, stride, size)| {
+        let align = 4 * size as u64;
+        ptr.0.is_multiple_of(align) && ((stride * size) as u64).is_multiple_of(align)
+    }) && vectors.iter().all(|v| v.0.is_multiple_of(16))
+}
+
 /// Launch shape of the block-per-row kernels: a block of 128 threads per row of up to 1,024
 /// columns, else of 256.
 pub fn row_blocks(rows: usize, cols: usize, smem: u32) -> LaunchConfig {

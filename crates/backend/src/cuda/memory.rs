@@ -148,15 +148,11 @@ impl CudaBackend {
     }
 
     pub(super) fn alloc_buf(&self, len: usize, role: Role) -> Result<CudaBuf> {
-        self.alloc_role(len, role, true)
+        self.alloc_with(len, role, true)
     }
 
-    /// [`CudaBackend::alloc_buf`] without the zero fill (`Backend::alloc_scratch`).
-    pub(super) fn alloc_buf_unfilled(&self, len: usize, role: Role) -> Result<CudaBuf> {
-        self.alloc_role(len, role, false)
-    }
-
-    fn alloc_role(&self, len: usize, role: Role, zeroed: bool) -> Result<CudaBuf> {
+    /// A buffer of `len` elements of `role`, zero-filled or not (`Backend::alloc_scratch`).
+    pub(super) fn alloc_with(&self, len: usize, role: Role, zeroed: bool) -> Result<CudaBuf> {
         let elem = match role {
             Role::Stream => Elem::F32,
             Role::Compute => self.compute_elem(),

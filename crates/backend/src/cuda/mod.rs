@@ -139,7 +139,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_scratch(&self, len: usize, role: Role) -> Result<CudaBuf> {
-        self.alloc_buf_unfilled(len, role)
+        self.alloc_with(len, role, false)
     }
 
     fn write_f32(&self, dst: &mut CudaBuf, src: &[f32]) -> Result<()> {

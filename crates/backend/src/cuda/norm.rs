@@ -5,7 +5,9 @@ use cudarc::driver::LaunchConfig;
 use tessera_core::{Error, Result};
 
 use super::gemm::act_code;
-use super::launch::{ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks};
+use super::launch::{
+    ByElem, ByPair, DevPtr, cfg, kernel_args, kernel_table, row_blocks, vec4_aligned,
+};
 use super::memory::{Workspace, ptr_of, ptr_of_mut};
 use super::{CudaBackend, CudaBuf, Elem};
 use crate::view::same_shape;
@@ -140,15 +142,6 @@ kernel_table! {
         /// Axial 2-D RoPE on aligned heads of 64, 8 lanes a head.
         qkv_norm_rope_axial64: ByElem<QkvNormRopeArgs> = "qkv_norm_rope_axial64_{}",
     }
-}
-
-/// Every row start of each `(pointer, stride, element size)` is aligned for 4-element accesses,
-/// and each f32 vector (null = none) for 16-byte ones: what the 4-wide norm kernels need.
-fn vec4_aligned(rows: &[(DevPtr, usize, usize)], vectors: &[DevPtr]) -> bool {
-    rows.iter().all(|&(ptr, stride, size)| {
-        let align = 4 * size as u64;
-        ptr.0.is_multiple_of(align) && ((stride * size) as u64).is_multiple_of(align)
-    }) && vectors.iter().all(|v| v.0.is_multiple_of(16))
 }
 
 /// Rows of `cols` fit the warp-per-row norm kernels (`*_norm_warp_*`): 128·k columns with k ≤ 8,

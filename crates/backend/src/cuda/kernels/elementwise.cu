@@ -139,6 +139,14 @@ GATED_VEC(bf16, 0, gated_vec_gelu_bf16)
 GATED_VEC(float, 1, gated_vec_silu_f32)
 GATED_VEC(bf16, 1, gated_vec_silu_bf16)
 
+// An epilogue's activation by code: −1 none, 0 GELU (tanh), 1 SiLU, 2 GELU (erf).
+__device__ __forceinline__ float epilogue_act(int act, float v) {
+    if (act == 0) return gelu_tanh(v);
+    if (act == 1) return silu(v);
+    if (act == 2) return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+    return v;
+}
+
 // After a product: o = [o +] g ⊙ act(y · cs + bias) over rows × cols, grid-stride. cs null: no
 // column scale (else an FP8 weight's per-row scales, one per output column); act −1 none, 0 GELU
 // (tanh), 1 SiLU, 2 GELU (erf); g null: no gate, gs 0: one broadcast gate row, tanh: multiply by tanh(g). `y` may
@@ -154,9 +162,7 @@ __device__ __forceinline__ void epilogue_impl(const TY* y, long ys, TO* o, long 
         float v = to_f(y[r * ys + c]);
         if (cs) v *= cs[c];
         if (bias) v += bias[c];
-        if (act == 0) v = gelu_tanh(v);
-        else if (act == 1) v = silu(v);
-        else if (act == 2) v = 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+        v = epilogue_act(act, v);
         if (g) {
             const float gv = g[r * gs + c];
             v *= tanh_g ? tanhf(gv) : gv;
@@ -191,9 +197,7 @@ __device__ __forceinline__ void epilogue_vec_impl(const TY* y, long ys, TO* o, l
             float x = v[j];
             if (cs) x *= sv[j];
             if (bias) x += bv[j];
-            if (act == 0) x = gelu_tanh(x);
-            else if (act == 1) x = silu(x);
-            else if (act == 2) x = 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
+            x = epilogue_act(act, x);
             if (g) x *= tanh_g ? tanhf(gv[j]) : gv[j];
             if (accumulate) x += ov[j];
             v[j] = x;

@@ -579,6 +579,21 @@ RESIDUAL_ANY(residual_any_impl, bf16, bf16, residual_any_bf16_bf16)
 // ---- Vector variants of the general row norm and residual: rows held in registers 4-wide, the
 // helpers in rowvec.cuh (shared with gemv.cu's products that end in a residual step).
 
+// The held row normed, affine-mapped and activated in registers.
+template <int N>
+__device__ __forceinline__ void norm_act_row_vec(float (&v)[N][4], int kind, const float* w, const float* b,
+                                                 const float* s, float eps, int cols, int act, const RowThreads& rt) {
+    const float2 st = row_stats_vec(v, cols, kind, eps, rt);
+    // The weights' loads all before the first store (see residual_any_vec_impl).
+    norm_affine_row_vec(v, st, cols, w, b, s, rt);
+    if (act >= 0) {
+#pragma unroll
+        for (int i = 0; i < N; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[i][j] = image_act(act, v[i][j]);
+    }
+}
+
 // Row r by the threads `rt`.
 template <typename TI, typename TO>
 __device__ __forceinline__ void row_norm_vec_row(const TI* x, long xs, int kind, const float* w, const float* b,
@@ -586,15 +601,7 @@ __device__ __forceinline__ void row_norm_vec_row(const TI* x, long xs, int kind,
                                                  long r, const RowThreads& rt) {
     float v[RN_CHUNKS][4];
     load_row_vec(x + r * xs, cols, v, rt);
-    const float2 st = row_stats_vec(v, cols, kind, eps, rt);
-    // The weights' loads all before the first store (see residual_any_vec_impl).
-    norm_affine_row_vec(v, st, cols, w, b, s, rt);
-    if (act >= 0) {
-#pragma unroll
-        for (int i = 0; i < RN_CHUNKS; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) v[i][j] = image_act(act, v[i][j]);
-    }
+    norm_act_row_vec(v, kind, w, b, s, eps, cols, act, rt);
     store_row_vec(out + r * os, cols, v, rt);
 }
 
@@ -632,18 +639,8 @@ __device__ __forceinline__ void row_norm_warps_impl(const TI* x, long xs, int ki
     for (int k = 0; k < R; k++)
         if (k < n) load_row_vec(x + (r0 + k) * xs, cols, v[k], rt);
 #pragma unroll
-    for (int k = 0; k < R; k++) {
-        if (k < n) {
-            const float2 st = row_stats_vec(v[k], cols, kind, eps, rt);
-            norm_affine_row_vec(v[k], st, cols, w, b, s, rt);
-            if (act >= 0) {
-#pragma unroll
-                for (int i = 0; i < C; i++)
-#pragma unroll
-                    for (int j = 0; j < 4; j++) v[k][i][j] = image_act(act, v[k][i][j]);
-            }
-        }
-    }
+    for (int k = 0; k < R; k++)
+        if (k < n) norm_act_row_vec(v[k], kind, w, b, s, eps, cols, act, rt);
 #pragma unroll
     for (int k = 0; k < R; k++)
         if (k < n) store_row_vec(out + (r0 + k) * os, cols, v[k], rt);
