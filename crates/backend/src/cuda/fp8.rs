@@ -11,6 +11,11 @@
 //!   `amax / 448` (kernels/fp8.cu: a block-max pass, then scale-and-convert), which cuBLASLt
 //!   applies as B's scale. A product larger than the activation buffer ([`ACT_BYTES`]) takes a
 //!   scale per block of rows.
+//! - Per-row weight scales go to cuBLASLt as an outer-vector A scale where it takes one (CUDA
+//!   12.9+; probed once, [`Fp8Gemm::outer`]): each output column times its row's scale inside the
+//!   product, B's scale then a vector of `m` copies of the activation scale (outer-vector scaling
+//!   is both operands' or neither's), so a product with nothing after it writes bf16 straight
+//!   into its output instead of f32 into the workspace and back through the epilogue.
 //! - One cuBLASLt matmul, "TN" as FP8 requires (the weight is the transposed operand, both
 //!   operands' `k` contiguous, `k` a multiple of 16), f32 compute with fast accumulation off so
 //!   every partial sum is f32, into the output (a per-tensor scale, no epilogue, aligned output)
@@ -34,7 +39,7 @@ use super::cublaslt::{
 };
 use super::elementwise::ScaledEpilogueArgs;
 use super::gemm::{Post, Rows};
-use super::launch::{DevPtr, Kernel, cfg, kernel_args, kernel_table};
+use super::launch::{DevPtr, Kernel, cfg, kernel_args, kernel_table, vec4_aligned};
 use super::memory::Workspace;
 use super::{CudaBackend, CudaBuf, CudaMat, Elem, MatFormat};
 use crate::cpu::quant::{QuantMat, quantize_stack};
@@ -42,17 +47,17 @@ use crate::op::check_product;
 use crate::{Epilogue, Precision, Role, View, ViewMut};
 
 kernel_args! {
-    /// `fp8_amax_bf16`: each block's largest |x| into `part[block]`.
+    /// `fp8_amax_bf16`: each block's largest |x| into `part[block]` (`v4`: four values a load).
     pub(super) struct AmaxArgs {
-        x: DevPtr, xs: i64, rows: i64, cols: i32, part: DevPtr,
+        x: DevPtr, xs: i64, rows: i64, cols: i32, v4: i32, part: DevPtr,
     }
 }
 
 kernel_args! {
-    /// `fp8_quantize_bf16`: `s = max(part) / 448`, `q = e4m3(x / s)` packed, `*scale = s`.
+    /// `fp8_quantize_bf16`: `s = max(part) / 448`, `q = e4m3(x / s)` packed, `scale[..nscale] = s`.
     pub(super) struct QuantizeArgs {
-        x: DevPtr, xs: i64, rows: i64, cols: i32, part: DevPtr, parts: i32, q: DevPtr,
-        scale: DevPtr,
+        x: DevPtr, xs: i64, rows: i64, cols: i32, v4: i32, part: DevPtr, parts: i32, q: DevPtr,
+        scale: DevPtr, nscale: i32,
     }
 }
 
@@ -73,6 +78,9 @@ const PARTS: usize = 1024;
 
 /// FP8 operands need 16-byte rows and 16-byte-aligned addresses.
 const ALIGN: usize = 16;
+
+/// Rows of one outer-vector product at most: the length of its B scale vector (256 KiB).
+const OUTER_ROWS: usize = 1 << 16;
 
 /// Runs of rows with one scale each at most this many are multiplied run by run, each with its
 /// scale as A's: stacked per-tensor parts (q|k|v, gate|up) need no epilogue then.
@@ -106,6 +114,8 @@ struct Fp8PlanKey {
     ldd: i64,
     d: Elem,
     accumulate: bool,
+    /// Outer-vector scales: A's one per weight row (`n`), B's one per activation row (`m`).
+    outer: bool,
     /// The operands' address alignments: the weight rows' own; the codes and the workspace are
     /// allocations; a direct run's output columns are 16-byte aligned (checked before that path).
     align: Alignments,
@@ -127,9 +137,14 @@ pub(super) struct Fp8Gemm {
     /// The amax pass's block maxima, [`PARTS`] f32.
     _parts: CudaSlice<u8>,
     parts: u64,
-    /// The activation scale (one f32), B's scale pointer in every plan.
+    /// The activation scale (one f32), B's scale pointer in every scalar-scaled plan.
     _scale: CudaSlice<u8>,
     scale: u64,
+    /// The activation scale once per row ([`OUTER_ROWS`] f32), B's in every outer-vector plan.
+    _row_scales: CudaSlice<u8>,
+    row_scales: u64,
+    /// Whether this cuBLASLt multiplies with outer-vector scales (asked once, in [`Fp8Gemm::new`]).
+    outer: bool,
     /// Each shape's plan, or why cuBLASLt has none (kept, so a shape is asked about once).
     plans: Mutex<HashMap<Fp8PlanKey, std::result::Result<Plan, String>>>,
 }
@@ -156,7 +171,8 @@ impl Fp8Gemm {
         let (_act, act) = device_bytes(stream, ACT_BYTES)?;
         let (_parts, parts) = device_bytes(stream, PARTS * 4)?;
         let (_scale, scale) = device_bytes(stream, 4)?;
-        Ok(Fp8Gemm {
+        let (_row_scales, row_scales) = device_bytes(stream, OUTER_ROWS * 4)?;
+        let mut g = Fp8Gemm {
             lt,
             _act,
             act,
@@ -164,8 +180,34 @@ impl Fp8Gemm {
             parts,
             _scale,
             scale,
+            _row_scales,
+            row_scales,
+            outer: false,
             plans: Mutex::new(HashMap::new()),
-        })
+        };
+        g.outer = g.takes_outer_vectors(stream);
+        Ok(g)
+    }
+
+    /// Whether cuBLASLt runs an outer-vector-scaled FP8 product here: an algorithm for a 16³
+    /// product, and its launch accepted (cuBLASLt can offer one and still refuse the scale mode
+    /// when called). The probe multiplies whatever the activation buffer holds into the amax
+    /// pass's partial maxima, scratch that every quantization writes before it reads.
+    fn takes_outer_vectors(&self, stream: &CudaStream) -> bool {
+        let key = Fp8PlanKey {
+            m: 16,
+            n: 16,
+            k: 16,
+            ldd: 16,
+            d: Elem::Bf16,
+            accumulate: false,
+            outer: true,
+            align: Alignments::of(0, 0, 0),
+        };
+        self.has_plan(key)
+            && self
+                .run(stream, key, self.act, self.row_scales, self.parts, 1.0)
+                .is_ok()
     }
 
     fn plan(&self, key: Fp8PlanKey) -> Result<Plan> {
@@ -181,17 +223,17 @@ impl Fp8Gemm {
         )?;
         // Every partial sum in f32 (Hopper's fast FP8 accumulation keeps fewer bits).
         set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &0i8)?;
-        // A's is set per launch (each weight's own); B's is always the activation scale.
-        set_attr(
-            lay.desc,
-            A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-            &self.scale,
-        )?;
-        set_attr(
-            lay.desc,
-            A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-            &self.scale,
-        )?;
+        let b_scale = if key.outer {
+            let mode = lt::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+            set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
+            set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode)?;
+            self.row_scales
+        } else {
+            self.scale
+        };
+        // A's is set per launch (each weight's own); B's is always the activation scale(s).
+        set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scale)?;
+        set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale)?;
         let algo = lay.algorithms(&self.lt, 1, key.align, &key)?[0];
         Ok(Plan { lay, algo })
     }
@@ -399,9 +441,23 @@ fn decoded(be: &CudaBackend, q: &QuantMat, out: usize, inner: usize) -> Result<C
     })
 }
 
-/// Round `rows` rows of `x` (bf16, `cols` even) to e4m3 codes in the activation buffer, with the
-/// scale `amax / 448` left in the activation scale.
-fn quantize(be: &CudaBackend, g: &Fp8Gemm, x: Rows, rows: usize, cols: usize) -> Result<()> {
+/// Where [`quantize`] leaves the activation scale: B's scalar, or B's outer vector (one per row).
+#[derive(Clone, Copy)]
+enum XScale {
+    Scalar,
+    PerRow,
+}
+
+/// Round `rows` rows of `x` (bf16, `cols` a multiple of 16) to e4m3 codes in the activation
+/// buffer, with the scale `amax / 448` left where `to` says.
+fn quantize(
+    be: &CudaBackend,
+    g: &Fp8Gemm,
+    x: Rows,
+    rows: usize,
+    cols: usize,
+    to: XScale,
+) -> Result<()> {
     let k = be
         .kernels
         .fp8
@@ -416,6 +472,11 @@ fn quantize(be: &CudaBackend, g: &Fp8Gemm, x: Rows, rows: usize, cols: usize) ->
     let n = rows * cols;
     let parts = n.div_ceil(256).clamp(1, PARTS);
     let (xs, rows_i, cols_i) = (x.stride as i64, rows as i64, cols as i32);
+    let v4 = vec4_aligned(&[(x.ptr, x.stride, 2)], &[]);
+    let (scale, nscale) = match to {
+        XScale::Scalar => (g.scale, 1),
+        XScale::PerRow => (g.row_scales, rows),
+    };
     be.launch(
         "fp8",
         &k.amax,
@@ -425,30 +486,34 @@ fn quantize(be: &CudaBackend, g: &Fp8Gemm, x: Rows, rows: usize, cols: usize) ->
             xs,
             rows: rows_i,
             cols: cols_i,
+            v4: v4 as i32,
             part: DevPtr(g.parts),
         },
     )?;
     be.launch(
         "fp8",
         &k.quantize,
-        be.grid_stride(n / 2),
+        be.grid_stride(if v4 { n / 4 } else { n / 2 }.max(nscale)),
         &QuantizeArgs {
             x: x.ptr,
             xs,
             rows: rows_i,
             cols: cols_i,
+            v4: v4 as i32,
             part: DevPtr(g.parts),
             parts: parts as i32,
             q: DevPtr(g.act),
-            scale: DevPtr(g.scale),
+            scale: DevPtr(scale),
+            nscale: nscale as i32,
         },
     )
 }
 
 /// `into[0..m] (= or +=) post(α · x[0..m] · wᵀ)` on an FP8 matrix: a block of rows at a time,
 /// each rounded to e4m3 with its own scale (one block unless `m · k` exceeds [`ACT_BYTES`]),
-/// multiplied straight into `into` run by run when nothing follows the product, else in one
-/// product into the f32 product workspace and through the scaled epilogue.
+/// multiplied straight into `into` when nothing follows the product (run by run for per-tensor
+/// scales; in one product with outer-vector scales for per-row ones, where cuBLASLt takes them),
+/// else in one product into the f32 product workspace and through the scaled epilogue.
 #[allow(clippy::too_many_arguments)]
 fn run(
     be: &CudaBackend,
@@ -469,12 +534,13 @@ fn run(
     }
     let g = be.fp8_gemm()?;
     let size = into.elem.size();
+    let into_aligned =
+        into.ptr.0.is_multiple_of(ALIGN as u64) && (into.stride * size).is_multiple_of(ALIGN);
     // Straight into the output, run by run, when nothing follows the product and every run's
     // rows and output columns keep cuBLASLt's 16-byte alignment.
     let direct = post.is_none()
         && !f.runs.is_empty()
-        && into.ptr.0.is_multiple_of(ALIGN as u64)
-        && (into.stride * size).is_multiple_of(ALIGN)
+        && into_aligned
         && f.runs
             .iter()
             .all(|r| r.len.is_multiple_of(ALIGN) && (r.start * size).is_multiple_of(ALIGN));
@@ -496,12 +562,49 @@ fn run(
             ldd: ldd as i64,
             d,
             accumulate,
+            outer: false,
             align: Alignments {
                 d: out_align,
                 ..Alignments::of(w_at, 0, 0)
             },
         }
     };
+    // Per-row scales as outer vectors: every row of the weight in one product straight into the
+    // output, blocks of at most OUTER_ROWS rows (B's scale vector).
+    if let Some(row_scales) = f
+        .rows
+        .as_ref()
+        .filter(|_| g.outer && post.is_none() && into_aligned)
+    {
+        let block = act_rows.min(OUTER_ROWS);
+        let outer_key = |rows: usize| Fp8PlanKey {
+            outer: true,
+            ..plan_key(
+                rows,
+                n,
+                into.stride,
+                into.elem,
+                accumulate,
+                w.buf.ptr.0,
+                ALIGN as u32,
+            )
+        };
+        let blocks = [block.min(m), m % block];
+        if blocks
+            .iter()
+            .all(|&rows| rows == 0 || g.has_plan(outer_key(rows)))
+        {
+            for r0 in (0..m).step_by(block) {
+                let rows = block.min(m - r0);
+                quantize(be, &g, x_at(x, r0), rows, k, XScale::PerRow)?;
+                let (key, d_at) = (outer_key(rows), into.at(r0).0);
+                be.timed("gemm", shape.as_deref(), || {
+                    g.run(&be.stream, key, w.buf.ptr.0, row_scales.ptr.0, d_at, alpha)
+                })?;
+            }
+            return Ok(());
+        }
+    }
     let run_w = |run: &Run| w.buf.ptr.0 + (run.start * k) as u64;
     // A run's product straight into the output: its columns there are 16-byte aligned.
     let direct_key = |rows: usize, run: &Run| {
@@ -527,7 +630,7 @@ fn run(
     if direct {
         for r0 in (0..m).step_by(act_rows) {
             let rows = act_rows.min(m - r0);
-            quantize(be, &g, x_at(x, r0), rows, k)?;
+            quantize(be, &g, x_at(x, r0), rows, k, XScale::Scalar)?;
             for run in &f.runs {
                 let (w_at, key) = (run_w(run), direct_key(rows, run));
                 let d_at = into.at(r0).0 + (run.start * size) as u64;
@@ -547,7 +650,7 @@ fn run(
         .get(Elem::F32, into.elem)?;
     for r0 in (0..m).step_by(block) {
         let rows = block.min(m - r0);
-        quantize(be, &g, x_at(x, r0), rows, k)?;
+        quantize(be, &g, x_at(x, r0), rows, k, XScale::Scalar)?;
         let key = plan_key(rows, f.padded, f.padded, Elem::F32, false, w.buf.ptr.0, 256);
         be.timed("gemm", shape.as_deref(), || {
             g.run(&be.stream, key, w.buf.ptr.0, f.whole.ptr.0, ws.0, alpha)

@@ -4,16 +4,27 @@
 // `fp8::from_f32` round. `cvt.rn.satfinite.e4m3x2.f32` needs sm_89; this source is built for
 // sm_90a alone.
 
+// Indices are 32-bit: a block of rows holds at most ACT_BYTES (64 MiB) of codes (fp8.rs), so
+// rows × cols < 2³¹, and a 64-bit division per element would cost more than the element's load.
+// `v4`: every row start is 8-byte aligned (x and xs), so four values are one load (cols, a
+// multiple of 16, splits into whole quads); else one value at a time.
+
 // Largest |x| over each block's share of rows × cols (row stride xs) into part[blockIdx.x]. NaN
 // is skipped (fmaxf), as the CPU's amax of finite rows would never see one.
-extern "C" __global__ void fp8_amax_bf16(const bf16* x, long xs, long rows, int cols, float* part) {
+extern "C" __global__ void fp8_amax_bf16(const bf16* x, long xs, long rows, int cols, int v4, float* part) {
     pdl_enter();
     float m = 0.f;
-    const long n = rows * cols;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const long r = i / cols;
-        const int c = (int)(i - r * cols);
-        m = fmaxf(m, fabsf(to_f(x[r * xs + c])));
+    const unsigned w = v4 ? (unsigned)cols >> 2 : (unsigned)cols;
+    const unsigned n = (unsigned)rows * w;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const unsigned r = i / w, c = i - r * w;
+        if (v4) {
+            float v[4];
+            load4(x + (long)r * xs + 4 * c, v);
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+        } else {
+            m = fmaxf(m, fabsf(to_f(x[(long)r * xs + c])));
+        }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -28,12 +39,20 @@ extern "C" __global__ void fp8_amax_bf16(const bf16* x, long xs, long rows, int 
     }
 }
 
+// Two values as the e4m3 pair cuBLASLt reads: the first source goes to the upper byte.
+__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
+    unsigned short v;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(v) : "f"(hi), "f"(lo));
+    return v;
+}
+
 // s = amax / 448 over the `parts` block maxima (1 when every value is 0, as fp8::row_scale), then
-// q[r, c] = e4m3(x[r, c] / s) packed rows × cols (cols even), two codes per store; block 0 writes
-// s to *scale, the activation scale cuBLASLt reads as B's scale. The division is IEEE (NVRTC's
-// default -prec-div=true), so the codes are those the host computes from the same s.
-extern "C" __global__ void fp8_quantize_bf16(const bf16* x, long xs, long rows, int cols, const float* part,
-                                             int parts, unsigned short* q, float* scale) {
+// q[r, c] = e4m3(x[r, c] / s) packed rows × cols, two codes a store (four with v4); s goes to
+// scale[0..nscale]: one activation scale (cuBLASLt's scalar B scale) or one per row (its outer-vector
+// B scale, every entry s). The division is IEEE (NVRTC's default -prec-div=true), so the codes are
+// those the host computes from the same s.
+extern "C" __global__ void fp8_quantize_bf16(const bf16* x, long xs, long rows, int cols, int v4, const float* part,
+                                             int parts, unsigned* q, float* scale, int nscale) {
     pdl_enter();
     __shared__ float s_shared;
     if (threadIdx.x < 32) {
@@ -41,24 +60,27 @@ extern "C" __global__ void fp8_quantize_bf16(const bf16* x, long xs, long rows, 
         for (int i = threadIdx.x; i < parts; i += 32) m = fmaxf(m, part[i]);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (threadIdx.x == 0) {
-            const float s = m > 0.f ? m / 448.f : 1.f;
-            s_shared = s;
-            if (blockIdx.x == 0) *scale = s;
-        }
+        if (threadIdx.x == 0) s_shared = m > 0.f ? m / 448.f : 1.f;
     }
     __syncthreads();
     const float s = s_shared;
-    const int half = cols >> 1;
-    const long n = rows * half;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const long r = i / half;
-        const int c = (int)(i - r * half) * 2;
-        const float lo = to_f(x[r * xs + c]) / s;
-        const float hi = to_f(x[r * xs + c + 1]) / s;
-        unsigned short v;
-        // The first source goes to the upper byte: element c + 1.
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(v) : "f"(hi), "f"(lo));
-        q[i] = v;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < (unsigned)nscale; i += gridDim.x * blockDim.x)
+        scale[i] = s;
+    if (v4) {
+        const unsigned w = (unsigned)cols >> 2, n = (unsigned)rows * w;
+        for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+            const unsigned r = i / w, c = i - r * w;
+            float v[4];
+            load4(x + (long)r * xs + 4 * c, v);
+            q[i] = e4m3x2(v[0] / s, v[1] / s) | (unsigned)e4m3x2(v[2] / s, v[3] / s) << 16;
+        }
+    } else {
+        unsigned short* q2 = reinterpret_cast<unsigned short*>(q);
+        const unsigned w = (unsigned)cols >> 1, n = (unsigned)rows * w;
+        for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+            const unsigned r = i / w, c = (i - r * w) * 2;
+            const bf16* p = x + (long)r * xs + c;
+            q2[i] = e4m3x2(to_f(p[0]) / s, to_f(p[1]) / s);
+        }
     }
 }
