@@ -124,7 +124,7 @@ fn cases() -> Vec<Box<dyn Case>> {
     }
     t.add(matmul(7, 512, 256).fp8(Fp8::Tensor).accumulate());
     t.add(matmul(300, 1024, 1000).fp8(Fp8::Rows).accumulate());
-    // Rows of x not 8-byte aligned (the quantization's one-pair-a-thread path), and more rows
+    // Rows of x not 16-byte aligned (the quantization's one-pair-a-thread path), and more rows
     // than one outer-vector product takes (65,536: two products, each with its scale vector).
     t.add(matmul(300, 1024, 1000).fp8(Fp8::Rows).x_pad(1, 2));
     t.add(matmul(300, 512, 256).fp8(Fp8::Tensor).x_pad(3, 0));

@@ -39,7 +39,7 @@ use super::cublaslt::{
 };
 use super::elementwise::ScaledEpilogueArgs;
 use super::gemm::{Post, Rows};
-use super::launch::{DevPtr, Kernel, cfg, kernel_args, kernel_table, vec4_aligned};
+use super::launch::{DevPtr, Kernel, cfg, kernel_args, kernel_table};
 use super::memory::Workspace;
 use super::{CudaBackend, CudaBuf, CudaMat, Elem, MatFormat};
 use crate::cpu::quant::{QuantMat, quantize_stack};
@@ -47,16 +47,16 @@ use crate::op::check_product;
 use crate::{Epilogue, Precision, Role, View, ViewMut};
 
 kernel_args! {
-    /// `fp8_amax_bf16`: each block's largest |x| into `part[block]` (`v4`: four values a load).
+    /// `fp8_amax_bf16`: each block's largest |x| into `part[block]` (`v8`: eight values a load).
     pub(super) struct AmaxArgs {
-        x: DevPtr, xs: i64, rows: i64, cols: i32, v4: i32, part: DevPtr,
+        x: DevPtr, xs: i64, rows: i64, cols: i32, v8: i32, part: DevPtr,
     }
 }
 
 kernel_args! {
     /// `fp8_quantize_bf16`: `s = max(part) / 448`, `q = e4m3(x / s)` packed, `scale[..nscale] = s`.
     pub(super) struct QuantizeArgs {
-        x: DevPtr, xs: i64, rows: i64, cols: i32, v4: i32, part: DevPtr, parts: i32, q: DevPtr,
+        x: DevPtr, xs: i64, rows: i64, cols: i32, v8: i32, part: DevPtr, parts: i32, q: DevPtr,
         scale: DevPtr, nscale: i32,
     }
 }
@@ -472,7 +472,8 @@ fn quantize(
     let n = rows * cols;
     let parts = n.div_ceil(256).clamp(1, PARTS);
     let (xs, rows_i, cols_i) = (x.stride as i64, rows as i64, cols as i32);
-    let v4 = vec4_aligned(&[(x.ptr, x.stride, 2)], &[]);
+    // Eight bf16 a load where every row starts on 16 bytes.
+    let v8 = x.ptr.0.is_multiple_of(16) && (x.stride * 2).is_multiple_of(16);
     let (scale, nscale) = match to {
         XScale::Scalar => (g.scale, 1),
         XScale::PerRow => (g.row_scales, rows),
@@ -486,20 +487,20 @@ fn quantize(
             xs,
             rows: rows_i,
             cols: cols_i,
-            v4: v4 as i32,
+            v8: v8 as i32,
             part: DevPtr(g.parts),
         },
     )?;
     be.launch(
         "fp8",
         &k.quantize,
-        be.grid_stride(if v4 { n / 4 } else { n / 2 }.max(nscale)),
+        be.grid_stride(if v8 { n / 8 } else { n / 2 }.max(nscale)),
         &QuantizeArgs {
             x: x.ptr,
             xs,
             rows: rows_i,
             cols: cols_i,
-            v4: v4 as i32,
+            v8: v8 as i32,
             part: DevPtr(g.parts),
             parts: parts as i32,
             q: DevPtr(g.act),

@@ -6,22 +6,34 @@
 
 // Indices are 32-bit: a block of rows holds at most ACT_BYTES (64 MiB) of codes (fp8.rs), so
 // rows × cols < 2³¹, and a 64-bit division per element would cost more than the element's load.
-// `v4`: every row start is 8-byte aligned (x and xs), so four values are one load (cols, a
-// multiple of 16, splits into whole quads); else one value at a time.
+// `v8`: every row start is 16-byte aligned (x and xs), so eight values are one load (cols, a
+// multiple of 16, splits into whole octets); else one value at a time.
+
+// Eight bf16 from a 16-byte-aligned address, as floats.
+__device__ __forceinline__ void load8(const bf16* p, float* v) {
+    const uint4 t = *reinterpret_cast<const uint4*>(p);
+    const unsigned u[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[2 * j] = __uint_as_float(u[j] << 16);
+        v[2 * j + 1] = __uint_as_float(u[j] & 0xffff0000u);
+    }
+}
 
 // Largest |x| over each block's share of rows × cols (row stride xs) into part[blockIdx.x]. NaN
 // is skipped (fmaxf), as the CPU's amax of finite rows would never see one.
-extern "C" __global__ void fp8_amax_bf16(const bf16* x, long xs, long rows, int cols, int v4, float* part) {
+extern "C" __global__ void fp8_amax_bf16(const bf16* x, long xs, long rows, int cols, int v8, float* part) {
     pdl_enter();
     float m = 0.f;
-    const unsigned w = v4 ? (unsigned)cols >> 2 : (unsigned)cols;
+    const unsigned w = v8 ? (unsigned)cols >> 3 : (unsigned)cols;
     const unsigned n = (unsigned)rows * w;
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const unsigned r = i / w, c = i - r * w;
-        if (v4) {
-            float v[4];
-            load4(x + (long)r * xs + 4 * c, v);
-            m = fmaxf(m, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+        if (v8) {
+            float v[8];
+            load8(x + (long)r * xs + 8 * c, v);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
         } else {
             m = fmaxf(m, fabsf(to_f(x[(long)r * xs + c])));
         }
@@ -47,11 +59,11 @@ __device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
 }
 
 // s = amax / 448 over the `parts` block maxima (1 when every value is 0, as fp8::row_scale), then
-// q[r, c] = e4m3(x[r, c] / s) packed rows × cols, two codes a store (four with v4); s goes to
+// q[r, c] = e4m3(x[r, c] / s) packed rows × cols, two codes a store (eight with v8); s goes to
 // scale[0..nscale]: one activation scale (cuBLASLt's scalar B scale) or one per row (its outer-vector
 // B scale, every entry s). The division is IEEE (NVRTC's default -prec-div=true), so the codes are
 // those the host computes from the same s.
-extern "C" __global__ void fp8_quantize_bf16(const bf16* x, long xs, long rows, int cols, int v4, const float* part,
+extern "C" __global__ void fp8_quantize_bf16(const bf16* x, long xs, long rows, int cols, int v8, const float* part,
                                              int parts, unsigned* q, float* scale, int nscale) {
     pdl_enter();
     __shared__ float s_shared;
@@ -66,13 +78,16 @@ extern "C" __global__ void fp8_quantize_bf16(const bf16* x, long xs, long rows, 
     const float s = s_shared;
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < (unsigned)nscale; i += gridDim.x * blockDim.x)
         scale[i] = s;
-    if (v4) {
-        const unsigned w = (unsigned)cols >> 2, n = (unsigned)rows * w;
+    if (v8) {
+        const unsigned w = (unsigned)cols >> 3, n = (unsigned)rows * w;
         for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
             const unsigned r = i / w, c = i - r * w;
-            float v[4];
-            load4(x + (long)r * xs + 4 * c, v);
-            q[i] = e4m3x2(v[0] / s, v[1] / s) | (unsigned)e4m3x2(v[2] / s, v[3] / s) << 16;
+            float v[8];
+            load8(x + (long)r * xs + 8 * c, v);
+            uint2 out;
+            out.x = e4m3x2(v[0] / s, v[1] / s) | (unsigned)e4m3x2(v[2] / s, v[3] / s) << 16;
+            out.y = e4m3x2(v[4] / s, v[5] / s) | (unsigned)e4m3x2(v[6] / s, v[7] / s) << 16;
+            reinterpret_cast<uint2*>(q)[i] = out;
         }
     } else {
         unsigned short* q2 = reinterpret_cast<unsigned short*>(q);
