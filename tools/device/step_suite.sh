@@ -4,10 +4,12 @@
 # full-size folder is made, the Z-Image miniature CUDA tests (FP8 included), then at 1024²:
 # `--quantize fp8` generation of a baseline binary (A, .dev/bin/tessera-base) against this one
 # (B), A B B A; this binary in bf16; the FP8 step's kernel profile; and diffusers' DiT step eager
-# and with `compile_repeated_blocks` (../shared/tools/zimage_compile.py), in the same call.
+# and with `compile_repeated_blocks` (../shared/tools/zimage_compile.py), in the same call; with
+# `qwen` in PARTS, Qwen-Image-2.1 at 1024² (bf16, 40 steps, two processes) and diffusers' regional
+# compile of its DiT (refbench_qi21_lfm2vl.sh's `qi21c`) too.
 # Each phase leaves an archive in $OUT (r0.tgz …), so a call cut short keeps what it made.
 # Build first: BASELINE=path/to/old/tessera PACK=1 TESTS="cuda_ops zimage_cuda" tools/device/stage.sh
-#   PARTS=ops,mini,fp8,bf16,prof,compile (default all); ZITERS (3)
+#   PARTS=ops,mini,fp8,bf16,prof,compile,qwen (default all but qwen); ZITERS (3)
 # Call it without `| tail`: the device tool keeps the last 12,000 characters itself.
 set -u
 cd "$(dirname "$0")/../.."
@@ -25,6 +27,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
   [ -f /tmp/zfull/model_index.json ] || python3 tools/device/make_zimage_full.py /tmp/zfull \
     crates/models/assets/zimage-mini > $O/make_z.log 2>&1
   echo "zfull made: $?"
+  if [[ $PARTS == *qwen* ]]; then
+    [ -f /tmp/qfull/model_index.json ] || python3 tools/device/make_qwen_image_full.py /tmp/qfull \
+      crates/models/assets/qwen-image-mini > $O/make_q.log 2>&1
+    echo "qfull made: $?"
+  fi
 ) &
 if [[ $PARTS == *ops* ]]; then OUT=$O/s PARTS=ops tools/device/suite.sh; fi
 snap r0
@@ -80,3 +87,16 @@ if [[ $PARTS == *compile* ]]; then
   echo "rc=$?"; grep -E "step|warm-up|rror" $O/compile.log | tail -4
 fi
 snap r4
+if [[ $PARTS == *qwen* ]]; then
+  echo "== Qwen-Image-2.1 1024², 40 steps, bf16, this binary (two processes, median of 2 each)"
+  for i in 1 2; do
+    timeout 200 $BIN bench generate --model /tmp/qfull --device cuda --precision bf16 --size 1024x1024 \
+      --steps 40 --iters 2 > $O/qi_$i.log 2>&1
+    echo "qi_$i $(grep -E 'end to end' $O/qi_$i.log | grep -v '^{' | sed 's/.*: end to end/end to end/' | head -1 | cut -c1-110)"
+  done
+  snap r5
+  echo "== diffusers 0.42.1 Qwen-Image-2.1 DiT, regional compile, same call"
+  OUT=$O/ref PARTS="qi21c" DEADLINE=${REF_DEADLINE:-230} bash .dev/tools/refbench_qi21_lfm2vl.sh > $O/refbench.log 2>&1
+  sed -n '/=== SUMMARY/,$p' $O/refbench.log | cut -c1-260
+  snap r6
+fi
