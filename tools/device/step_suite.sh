@@ -9,7 +9,8 @@
 # compile of its DiT (refbench_qi21_lfm2vl.sh's `qi21c`) too.
 # Each phase leaves an archive in $OUT (r0.tgz …), so a call cut short keeps what it made.
 # Build first: BASELINE=path/to/old/tessera PACK=1 TESTS="cuda_ops zimage_cuda" tools/device/stage.sh
-#   PARTS=ops,mini,fp8,bf16,prof,compile,qwen (default all but qwen); ZITERS (3)
+#   PARTS=ops,mini,fp8,bf16,prof,compile,qwen,qfp8 (default all but qwen and qfp8; qfp8:
+#   Qwen-Image-2.1 under --quantize fp8 too); ZITERS (3)
 # Call it without `| tail`: the device tool keeps the last 12,000 characters itself.
 set -u
 cd "$(dirname "$0")/../.."
@@ -27,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
   [ -f /tmp/zfull/model_index.json ] || python3 tools/device/make_zimage_full.py /tmp/zfull \
     crates/models/assets/zimage-mini > $O/make_z.log 2>&1
   echo "zfull made: $?"
-  if [[ $PARTS == *qwen* ]]; then
+  if [[ $PARTS == *qwen* || $PARTS == *qfp8* ]]; then
     [ -f /tmp/qfull/model_index.json ] || python3 tools/device/make_qwen_image_full.py /tmp/qfull \
       crates/models/assets/qwen-image-mini > $O/make_q.log 2>&1
     echo "qfull made: $?"
@@ -99,4 +100,12 @@ if [[ $PARTS == *qwen* ]]; then
   OUT=$O/ref PARTS="qi21c" DEADLINE=${REF_DEADLINE:-230} bash .dev/tools/refbench_qi21_lfm2vl.sh > $O/refbench.log 2>&1
   sed -n '/=== SUMMARY/,$p' $O/refbench.log | cut -c1-260
   snap r6
+fi
+if [[ $PARTS == *qfp8* ]]; then
+  echo "== Qwen-Image-2.1 1024², 40 steps, --quantize fp8, this binary (one process, median of 2)"
+  timeout 200 $BIN bench generate --model /tmp/qfull --device cuda --precision bf16 --quantize fp8 \
+    --size 1024x1024 --steps 40 --iters 2 > $O/qi_fp8.log 2>&1
+  echo "qi_fp8 $(grep -E 'end to end' $O/qi_fp8.log | grep -v '^{' | sed 's/.*: end to end/end to end/' | head -1 | cut -c1-110)"
+  grep -iE 'rror' $O/qi_fp8.log | head -3
+  snap r7
 fi
