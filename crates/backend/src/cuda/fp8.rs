@@ -6,16 +6,17 @@
 //!   tensor, which cuBLASLt applies as A's scale; one per stacked part of a per-tensor file
 //!   (q|k|v, gate|up), each part then its own product with its scale as A's; or one per row
 //!   (per-channel files, `--quantize fp8`), applied to the output columns by the epilogue kernel
-//!   (`epilogue_scaled_*`) with A's scale 1.
+//!   (`epilogue_scaled_*`) with A's scale 1 — both unless outer-vector scales take them (below).
 //! - Activations (bf16) are rounded to e4m3 on the device with one scale per product,
 //!   `amax / 448` (kernels/fp8.cu: a block-max pass, then scale-and-convert), which cuBLASLt
 //!   applies as B's scale. A product larger than the activation buffer ([`ACT_BYTES`]) takes a
 //!   scale per block of rows.
-//! - Per-row weight scales go to cuBLASLt as an outer-vector A scale where it takes one (CUDA
-//!   12.9+; probed once, [`Fp8Gemm::outer`]): each output column times its row's scale inside the
-//!   product, B's scale then a vector of `m` copies of the activation scale (outer-vector scaling
-//!   is both operands' or neither's), so a product with nothing after it writes bf16 straight
-//!   into its output instead of f32 into the workspace and back through the epilogue.
+//! - Scales that differ by row (per-row ones, or stacked parts') go to cuBLASLt as an outer-vector
+//!   A scale where it takes one (CUDA 12.9+; probed once, [`Fp8Gemm::outer`]): each output column
+//!   times its row's scale inside one product, B's scale then a vector of `m` copies of the
+//!   activation scale (outer-vector scaling is both operands' or neither's), so a product with
+//!   nothing after it writes bf16 straight into its output instead of a product per part, or f32
+//!   into the workspace and back through the epilogue.
 //! - One cuBLASLt matmul, "TN" as FP8 requires (the weight is the transposed operand, both
 //!   operands' `k` contiguous, `k` a multiple of 16), f32 compute with fast accumulation off so
 //!   every partial sum is f32, into the output (a per-tensor scale, no epilogue, aligned output)
@@ -100,7 +101,8 @@ pub struct Fp8Scales {
     runs: Vec<Run>,
     /// A's scale when one product covers every row: the single run's scale, else 1 (with `rows`).
     whole: CudaBuf,
-    /// One scale per row (output column) when they differ, applied by the epilogue.
+    /// One scale per row (output column) when they differ: cuBLASLt's outer-vector A scale, or
+    /// the epilogue's column scales.
     rows: Option<CudaBuf>,
     /// Rows in the code buffer: `out` rounded up to a multiple of 16 (zero codes after `out`).
     padded: usize,
@@ -223,7 +225,7 @@ impl Fp8Gemm {
         )?;
         // Every partial sum in f32 (Hopper's fast FP8 accumulation keeps fewer bits).
         set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &0i8)?;
-        let b_scale = if key.outer {
+        let x_scale = if key.outer {
             let mode = lt::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
             set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
             set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode)?;
@@ -231,9 +233,10 @@ impl Fp8Gemm {
         } else {
             self.scale
         };
-        // A's is set per launch (each weight's own); B's is always the activation scale(s).
-        set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scale)?;
-        set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale)?;
+        // B's is always the activation scale(s); A's is set per launch (each weight's own), this
+        // only a placeholder until then.
+        set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &x_scale)?;
+        set_attr(lay.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale)?;
         let algo = lay.algorithms(&self.lt, 1, key.align, &key)?[0];
         Ok(Plan { lay, algo })
     }
@@ -494,7 +497,7 @@ fn quantize(
     be.launch(
         "fp8",
         &k.quantize,
-        be.grid_stride(if v8 { n / 8 } else { n / 2 }.max(nscale)),
+        be.grid_stride(n / if v8 { 8 } else { 2 }),
         &QuantizeArgs {
             x: x.ptr,
             xs,
@@ -512,9 +515,9 @@ fn quantize(
 
 /// `into[0..m] (= or +=) post(α · x[0..m] · wᵀ)` on an FP8 matrix: a block of rows at a time,
 /// each rounded to e4m3 with its own scale (one block unless `m · k` exceeds [`ACT_BYTES`]),
-/// multiplied straight into `into` when nothing follows the product (run by run for per-tensor
-/// scales; in one product with outer-vector scales for per-row ones, where cuBLASLt takes them),
-/// else in one product into the f32 product workspace and through the scaled epilogue.
+/// multiplied straight into `into` when nothing follows the product (in one product with
+/// outer-vector scales where they differ by row and cuBLASLt takes them, else run by run), else
+/// in one product into the f32 product workspace and through the scaled epilogue.
 #[allow(clippy::too_many_arguments)]
 fn run(
     be: &CudaBackend,
@@ -570,8 +573,8 @@ fn run(
             },
         }
     };
-    // Per-row scales as outer vectors: every row of the weight in one product straight into the
-    // output, blocks of at most OUTER_ROWS rows (B's scale vector).
+    // Scales differing by row as outer vectors: every row of the weight in one product straight
+    // into the output, blocks of at most OUTER_ROWS rows (B's scale vector).
     if let Some(row_scales) = f
         .rows
         .as_ref()
@@ -590,11 +593,7 @@ fn run(
                 ALIGN as u32,
             )
         };
-        let blocks = [block.min(m), m % block];
-        if blocks
-            .iter()
-            .all(|&rows| rows == 0 || g.has_plan(outer_key(rows)))
-        {
+        if block_shapes(m, block).all(|rows| g.has_plan(outer_key(rows))) {
             for r0 in (0..m).step_by(block) {
                 let rows = block.min(m - r0);
                 quantize(be, &g, x_at(x, r0), rows, k, XScale::PerRow)?;
@@ -621,13 +620,9 @@ fn run(
     };
     // Every shape the direct path takes (a full block of rows and the last one) must have an
     // algorithm; where cuBLASLt has none, the workspace path runs instead.
-    let direct = direct && {
-        let blocks = [act_rows.min(m), m % act_rows];
-        blocks
-            .iter()
-            .filter(|&&rows| rows > 0)
-            .all(|&rows| f.runs.iter().all(|run| g.has_plan(direct_key(rows, run))))
-    };
+    let direct = direct
+        && block_shapes(m, act_rows)
+            .all(|rows| f.runs.iter().all(|run| g.has_plan(direct_key(rows, run))));
     if direct {
         for r0 in (0..m).step_by(act_rows) {
             let rows = act_rows.min(m - r0);
@@ -674,6 +669,14 @@ fn run(
         be.launch("elementwise", kernel, be.grid_stride(rows * n), &args)?;
     }
     Ok(())
+}
+
+/// The row counts of `m` rows taken `block` at a time: a full block's and the last one's (each
+/// needs its cuBLASLt plan before a path is chosen).
+fn block_shapes(m: usize, block: usize) -> impl Iterator<Item = usize> {
+    [block.min(m), m % block]
+        .into_iter()
+        .filter(|&rows| rows > 0)
 }
 
 /// Rows of `x` from row `r0`.
