@@ -6,6 +6,7 @@
 //! (`tokenizer_config.json`'s `bos_token`/`eos_token` looked up in the vocabulary, else the model
 //! config's ids), never from constants.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use serde::Deserialize;
@@ -126,6 +127,24 @@ impl TextTokenizer {
 
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// Added tokens cut out of any text whole, by content: matched on the raw text before it is
+    /// normalised or split, with no whitespace or word-boundary rule (and special ones not
+    /// turned back into text by `encode_special_tokens`), so that a string of them tokenises
+    /// to their ids one for one — unless one is the concatenation of others, which a caller
+    /// building ids this way checks against [`Self::encode_plain`] once.
+    pub fn whole_added_tokens(&self) -> HashMap<String, u32> {
+        let split_special = !self.inner.get_encode_special_tokens();
+        self.inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| {
+                !(t.single_word || t.lstrip || t.rstrip || t.normalized)
+                    && (split_special || !t.special)
+            })
+            .map(|(id, t)| (t.content, id))
+            .collect()
     }
 
     /// The file this tokenizer came from, for messages.
