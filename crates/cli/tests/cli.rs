@@ -814,6 +814,59 @@ fn bench_denormals_times_both_workloads_and_fails_past_its_bound() {
 }
 
 #[test]
+fn bench_chat_times_the_image_prompt_its_encoder_alone_prefill_and_decoding() {
+    let out = tessera(&[
+        "bench",
+        "chat",
+        "--images",
+        "64x48",
+        "--prefill",
+        "8",
+        "--batch",
+        "1,2",
+        "--new-tokens",
+        "2",
+        "--iters",
+        "2",
+    ]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{s}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = s
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let what: Vec<&str> = lines.iter().map(|l| l["what"].as_str().unwrap()).collect();
+    assert_eq!(
+        what,
+        [
+            "load",
+            "image prompt",
+            "image encoder",
+            "prefill",
+            "decode",
+            "decode"
+        ],
+        "{s}"
+    );
+    let prompt = &lines[1];
+    assert!(prompt["prompt_tokens"].as_u64().unwrap() > 8, "{prompt}");
+    assert!(prompt["preprocess_ms"].as_f64().unwrap() > 0.0, "{prompt}");
+    // The encoder alone is part of the prompt's prefill, and its spread brackets its median.
+    let enc = &lines[2];
+    let (lo, mid, hi) = (
+        enc["min_ms"].as_f64().unwrap(),
+        enc["ms"].as_f64().unwrap(),
+        enc["max_ms"].as_f64().unwrap(),
+    );
+    assert!(0.0 < lo && lo <= mid && mid <= hi, "{enc}");
+    assert_eq!(enc["image"], "64x48");
+}
+
+#[test]
 fn bench_qwen_image_parts_times_every_component_of_the_bundled_model() {
     let out = tessera(&[
         "bench",

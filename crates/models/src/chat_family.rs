@@ -156,6 +156,16 @@ pub trait ChatFamily: Send {
     /// a place kept there. A prefix another slot holds — running or kept for its conversation —
     /// is reused without recomputing it and without taking that slot.
     fn copy_prefix(&mut self, from: usize, to: usize, n: usize) -> Result<()>;
+    /// Run `media` through the family's encoder (for LFM2-VL the vision tower and projector)
+    /// and wait for the device, keeping nothing: what `tessera bench chat` times as the
+    /// encoder alone. A family without one says so.
+    fn encode_media(&mut self, media: &[Media]) -> Result<()> {
+        let _ = media;
+        Err(Error::input(format!(
+            "{} encodes no media alone",
+            self.describe()
+        )))
+    }
 }
 
 /// Greedy decoding's token: the first of the largest logits (the first `i` whose logit is above

@@ -134,6 +134,9 @@ pub trait Chat: Send {
     /// End a conversation: its slot is free (with the prefix cache, what it holds stays there
     /// for other requests until the slot is needed).
     fn end(&mut self, conv: ConversationId);
+    /// Run `prompt`'s media through the family's encoder alone and wait for it (benchmarks:
+    /// the vision tower timed by itself); nothing is kept.
+    fn encode_media(&mut self, prompt: &ChatPrompt) -> Result<()>;
 
     /// The most characters of text a conversation can hold: longer text is refused before it
     /// is tokenised, and front ends reading text can stop reading there.

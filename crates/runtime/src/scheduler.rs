@@ -716,6 +716,10 @@ impl<F: ChatFamily> Chat for Scheduler<F> {
             }
         }
     }
+
+    fn encode_media(&mut self, prompt: &ChatPrompt) -> Result<()> {
+        self.family.encode_media(&prompt.media)
+    }
 }
 
 #[cfg(test)]

@@ -464,6 +464,9 @@ mod tests {
         fn end(&mut self, conv: ConversationId) {
             self.cancel(conv);
         }
+        fn encode_media(&mut self, _: &ChatPrompt) -> Result<()> {
+            unreachable!("the step loop encodes no media alone")
+        }
     }
 
     fn running_gauge(metrics: &Metrics) -> String {

@@ -1,5 +1,6 @@
 //! `tessera bench chat`: LFM2-VL on one loaded model — an image's prompt (preprocessing, then the
-//! tower, projector and prefill of its tokens), a text prefill of N tokens, and decoding at batch
+//! tower, projector and prefill of its tokens; then the tower and projector alone), a text
+//! prefill of N tokens, and decoding at batch
 //! sizes B (B conversations stepping together, as the server's continuous batching runs them).
 //! Each timing is the median of `--iters` runs after a warm-up, the device synchronised by the
 //! logits read back every step. One JSON line per measurement on stdout.
@@ -62,6 +63,14 @@ fn ms(d: Duration) -> f64 {
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// The fastest and slowest of `v`.
+fn spread(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        })
 }
 
 /// A smooth synthetic image with some noise (a photo-like spread of values).
@@ -189,6 +198,23 @@ pub fn run(b: ChatBench) -> Result<()> {
             "{}",
             serde_json::json!({"bench": "chat", "what": "image prompt", "image": format!("{w}x{h}"), "prompt_tokens": tokens,
                 "preprocess_ms": median(prep), "prefill_ms": median(prefill), "device": device})
+        )?;
+        // The encoder (tower and projector) alone, waited for: the part of the prefill the
+        // image's tokens cost before the language model sees them.
+        let p = m.prompt(&msgs, std::slice::from_ref(&img))?;
+        let mut enc = Vec::new();
+        for it in 0..=b.iters {
+            let t = Instant::now();
+            m.encode_media(&p)?;
+            if it > 0 {
+                enc.push(ms(t.elapsed()));
+            }
+        }
+        let (lo, hi) = spread(&enc);
+        outln!(
+            "{}",
+            serde_json::json!({"bench": "chat", "what": "image encoder", "image": format!("{w}x{h}"),
+                "ms": median(enc), "min_ms": lo, "max_ms": hi, "device": device})
         )?;
     }
     for &n in &b.prefill {

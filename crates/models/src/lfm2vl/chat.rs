@@ -225,6 +225,21 @@ impl<B: Backend> ChatFamily for Lfm2VlChat<B> {
     fn copy_prefix(&mut self, from: usize, to: usize, n: usize) -> Result<()> {
         self.model.text.copy_prefix(&self.be, from, to, n)
     }
+
+    fn encode_media(&mut self, media: &[Media]) -> Result<()> {
+        let tiles = media
+            .iter()
+            .map(|m| {
+                m.input
+                    .downcast_ref::<ProcessedImage>()
+                    .ok_or_else(|| Error::backend("lfm2vl", "media that is not an image"))
+            })
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .flat_map(ProcessedImage::patches)
+            .collect::<Vec<_>>();
+        self.model.encode_images(&self.be, &tiles)
+    }
 }
 
 #[cfg(test)]

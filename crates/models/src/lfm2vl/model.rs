@@ -55,6 +55,16 @@ impl<B: Backend> Lfm2Vl<B> {
         &self.pixels
     }
 
+    /// Encode `tiles` through the tower and projector alone and wait for the device (the tower
+    /// timed by itself; nothing is kept).
+    pub fn encode_images(&mut self, be: &B, tiles: &[TilePatches<'_>]) -> Result<()> {
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let feats = self.encoder.forward(be, tiles, &self.pixels)?;
+        be.read_f32(feats.rows(feats.rows - 1, 1)).map(drop)
+    }
+
     /// Extend each turn's sequence (see [`Lfm2Text::extend`]), the images of every turn encoded
     /// together first. Returns the logits of each turn's last row, or with `all_rows` of every
     /// row.
