@@ -128,6 +128,60 @@ fn image_features<B: Backend>(be: &B, c: &Cases, model: &str, name: &str) -> Vec
         .unwrap()
 }
 
+/// The tower's pass is a replayable region keyed by its tiles' grids: captured the second time
+/// a shape comes, replayed after. Two images of one shape, each encoded directly, then while
+/// captured, then replayed (new pixels in the same buffers), give the same bits every time.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn replayed_tower_gives_the_direct_features() {
+    use tessera_models::imageproc::Image;
+    let c = cases();
+    let model = &c.prompts[0].model;
+    let (f, cfg) = files(&c, model);
+    let prompter = Prompter::load(&f, &cfg).unwrap();
+    let processed: Vec<_> = [3usize, 7]
+        .iter()
+        .map(|&k| {
+            let rgb = (0..96 * 80 * 3).map(|i| ((i * k) % 253) as u8).collect();
+            let img = Image::from_rgb8(96, 80, rgb).unwrap();
+            prompter.processor().process(&img).unwrap()
+        })
+        .collect();
+    let tiles: Vec<Vec<TilePatches<'_>>> =
+        processed.iter().map(|p| p.patches().collect()).collect();
+    assert_eq!(
+        tiles[0]
+            .iter()
+            .map(|t| (t.grid_w, t.grid_h))
+            .collect::<Vec<_>>(),
+        tiles[1]
+            .iter()
+            .map(|t| (t.grid_w, t.grid_h))
+            .collect::<Vec<_>>(),
+        "one shape"
+    );
+    for p in [Precision::F32, Precision::Bf16] {
+        let be = gpu(p);
+        let mut m = Lfm2Vl::load(&be, &f, &cfg, CacheShape { slots: 1, ctx: 16 }).unwrap();
+        let map = *m.pixel_map();
+        let mut encode = |i: usize| {
+            be.read_f32(m.encoder.forward(&be, &tiles[i], &map).unwrap())
+                .unwrap()
+        };
+        // Direct (first sight), captured (second), then replayed twice.
+        let runs: Vec<Vec<f32>> = [0, 1, 0, 1].into_iter().map(&mut encode).collect();
+        assert_ne!(runs[0], runs[1], "{p:?}: the two images differ");
+        for (a, b) in [(0, 2), (1, 3)] {
+            let same = runs[a]
+                .iter()
+                .zip(&runs[b])
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            println!("{p:?}: run {b} against run {a}: the same bits: {same}");
+            assert!(same, "{p:?}: replayed run {b} differs from run {a}");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn f32_matches_the_cpu_and_decodes_the_reference_tokens() {

@@ -57,6 +57,10 @@ struct EncoderLayer<B: Backend> {
 /// Activations for up to `rows` patches, reused while they fit.
 struct Workspace<B: Backend> {
     rows: usize,
+    /// Part of the key of the replayed pass over these buffers ([`Backend::run_graph`]).
+    generation: u64,
+    /// Each tile's patch rows, an attention segment (at most one a 2×2 block).
+    segs: Segments<B>,
     /// Patch pixels `[N, 3·p²]`.
     px: B::Buf,
     /// Residual stream `[N, C]`.
@@ -90,6 +94,8 @@ pub struct ImageEncoder<B: Backend> {
     layers: Vec<EncoderLayer<B>>,
     /// Position rows `[patches, C]` of each grid shape `(gw, gh)` seen, on the device.
     grids: HashMap<(usize, usize), B::Buf>,
+    /// Bumped whenever `grids` is emptied: a replayed pass read the rows of buffers then freed.
+    grids_epoch: u64,
     post_ln: (B::Vector, B::Vector),
     proj_ln: Option<(B::Vector, B::Vector)>,
     proj1: Linear<B>,
@@ -188,6 +194,7 @@ impl<B: Backend> ImageEncoder<B> {
             positions,
             layers,
             grids: HashMap::new(),
+            grids_epoch: 0,
             post_ln: layer_norm(&tower, "post_layernorm", c)?,
             proj_ln,
             proj1: linear_maybe_bias(&proj, "linear_1", p, c4, bias)?,
@@ -207,6 +214,8 @@ impl<B: Backend> ImageEncoder<B> {
         let t = rows / 4;
         self.ws = Some(Workspace {
             rows,
+            generation: crate::blocks::scratch::workspace_generation(),
+            segs: be.alloc_segments(rows, (rows / 4).max(1))?,
             px: be.alloc(rows * v.channels * v.patch * v.patch, e)?,
             h: be.alloc(rows * c, s)?,
             a: be.alloc(rows * c, e)?,
@@ -247,6 +256,11 @@ impl<B: Backend> ImageEncoder<B> {
     /// Encode `tiles` in one pass, pixel byte `v` entering as `pixels[v]` (the processor's
     /// rescale and normalisation): their image tokens `[Σ tokens, text hidden]`
     /// (`Role::Stream`), tiles in order, each tile's tokens in raster order of its 2×2 blocks.
+    ///
+    /// The inputs are uploaded into the workspace first; the device pass itself is one
+    /// replayable region keyed by the tiles' grids ([`Backend::run_graph`]): a 512² tile's
+    /// ~140 launches were issued slower than the GPU ran them (the host took ~1.8 ms for
+    /// ~1.6 ms of kernels, run g27).
     pub fn forward(
         &mut self,
         be: &B,
@@ -256,9 +270,7 @@ impl<B: Backend> ImageEncoder<B> {
         self.check(tiles)?;
         let lens: Vec<usize> = tiles.iter().map(TilePatches::patches).collect();
         let n: usize = lens.iter().sum();
-        let t = n / 4;
         self.ensure(be, n)?;
-        let segs = be.segments(&lens)?;
         // Each grid shape's position rows are computed once and kept on the device (a tiled
         // image's tiles share one shape).
         for tile in tiles {
@@ -266,6 +278,7 @@ impl<B: Backend> ImageEncoder<B> {
             if !self.grids.contains_key(&key) {
                 if self.grids.len() >= MAX_GRIDS {
                     self.grids.clear();
+                    self.grids_epoch += 1;
                 }
                 let rows = resized_positions(
                     &self.positions,
@@ -280,30 +293,89 @@ impl<B: Backend> ImageEncoder<B> {
             }
         }
         let perm = unshuffle_rows(tiles);
-        let v = self.cfg.clone();
-        let (c, f, eps) = (v.hidden, v.intermediate, v.eps);
-        let pin = v.channels * v.patch * v.patch;
-        let (p, th) = (self.projector_hidden, self.text_hidden);
         let ws = self
             .ws
             .as_mut()
             .ok_or_else(|| Error::backend("image encoder", "workspace missing after allocation"))?;
+        be.set_segments(&mut ws.segs, &lens)?;
         let bytes: Vec<&[u8]> = tiles.iter().map(|t| t.bytes).collect();
         be.write_u8_mapped(&mut ws.px, &bytes, pixels)?;
+        be.write_u32(&mut ws.perm, &perm)?;
+        let grids: Vec<(usize, usize)> = tiles.iter().map(|t| (t.grid_w, t.grid_h)).collect();
+        let key = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            ("lfm2 tower", ws.generation, self.grids_epoch, &grids).hash(&mut h);
+            h.finish()
+        };
+        let tower = Tower {
+            cfg: &self.cfg,
+            patch: &self.patch,
+            layers: &self.layers,
+            grids: &self.grids,
+            post_ln: &self.post_ln,
+            proj_ln: self.proj_ln.as_ref(),
+            proj1: &self.proj1,
+            proj2: &self.proj2,
+            projector_hidden: self.projector_hidden,
+            text_hidden: self.text_hidden,
+        };
+        be.run_graph(key, &mut || tower.run(be, ws, &grids, n))?;
+        Ok(View::new(&ws.out, n / 4, self.text_hidden))
+    }
+
+    /// The post-LayerNorm tower output of the last [`forward`](Self::forward), `[N, C]` (tests).
+    pub fn last_hidden(&self, rows: usize) -> Option<View<'_, B>> {
+        self.ws
+            .as_ref()
+            .map(|w| View::new(&w.a, rows, self.cfg.hidden))
+    }
+
+    /// The unshuffled rows of the last [`forward`](Self::forward), `[N/4, 4C]` (tests).
+    pub fn last_unshuffled(&self, tokens: usize) -> Option<View<'_, B>> {
+        self.ws
+            .as_ref()
+            .map(|w| View::new(&w.un, tokens, 4 * self.cfg.hidden))
+    }
+}
+
+/// One pre-LayerNorm encoder layer but its final residual: `ws.a` holds `LN1(h)` on entry;
+/// The tower's and projector's weights, borrowed for one device pass.
+struct Tower<'a, B: Backend> {
+    cfg: &'a VisionConfig,
+    patch: &'a Linear<B>,
+    layers: &'a [EncoderLayer<B>],
+    grids: &'a HashMap<(usize, usize), B::Buf>,
+    post_ln: &'a (B::Vector, B::Vector),
+    proj_ln: Option<&'a (B::Vector, B::Vector)>,
+    proj1: &'a Linear<B>,
+    proj2: &'a Linear<B>,
+    projector_hidden: usize,
+    text_hidden: usize,
+}
+
+impl<B: Backend> Tower<'_, B> {
+    /// Every device op of a pass over `n` patch rows already in `ws` (pixels, permutation,
+    /// segments), tiles of the patch grids `grids` in order: device work only, at fixed
+    /// addresses (a replayable region).
+    fn run(&self, be: &B, ws: &mut Workspace<B>, grids: &[(usize, usize)], n: usize) -> Result<()> {
+        let v = self.cfg;
+        let (c, f, eps) = (v.hidden, v.intermediate, v.eps);
+        let pin = v.channels * v.patch * v.patch;
+        let (p, th, t) = (self.projector_hidden, self.text_hidden, n / 4);
         let mut at = 0;
-        for tile in tiles {
+        for &(gw, gh) in grids {
             let table = self
                 .grids
-                .get(&(tile.grid_w, tile.grid_h))
+                .get(&(gw, gh))
                 .ok_or_else(|| Error::backend("image encoder", "position rows missing"))?;
-            let n_t = tile.patches();
+            let n_t = gw * gh;
             be.cast(
                 View::new(table, n_t, c),
                 ViewMut::new(&mut ws.h, n, c).rows(at, n_t),
             )?;
             at += n_t;
         }
-        be.write_u32(&mut ws.perm, &perm)?;
         // h = positions + patches · Wᵀ + b
         be.matmul(
             View::new(&ws.px, n, pin),
@@ -325,7 +397,7 @@ impl<B: Backend> ImageEncoder<B> {
         };
         let spec = AttnSpec::new(layout, (v.head_dim as f32).powf(-0.5), Mask::Full);
         for (i, l) in self.layers.iter().enumerate() {
-            encoder_layer(be, l, &spec, &segs, (n, c, f), eps, ws)?;
+            encoder_layer(be, l, &spec, (n, c, f), eps, ws)?;
             let (w, b) = match self.layers.get(i + 1) {
                 Some(next) => (&next.ln1.0, &next.ln1.1),
                 None => (&self.post_ln.0, &self.post_ln.1),
@@ -350,7 +422,7 @@ impl<B: Backend> ImageEncoder<B> {
             &ws.perm,
             ViewMut::new(&mut ws.un, n, c),
         )?;
-        let un = match &self.proj_ln {
+        let un = match self.proj_ln {
             Some((w, b)) => {
                 be.norm(
                     View::new(&ws.un, t, 4 * c),
@@ -372,32 +444,15 @@ impl<B: Backend> ImageEncoder<B> {
             &self.proj2.w,
             ViewMut::new(&mut ws.out, t, th),
             &self.proj2.epilogue(),
-        )?;
-        Ok(View::new(&ws.out, t, th))
-    }
-
-    /// The post-LayerNorm tower output of the last [`forward`](Self::forward), `[N, C]` (tests).
-    pub fn last_hidden(&self, rows: usize) -> Option<View<'_, B>> {
-        self.ws
-            .as_ref()
-            .map(|w| View::new(&w.a, rows, self.cfg.hidden))
-    }
-
-    /// The unshuffled rows of the last [`forward`](Self::forward), `[N/4, 4C]` (tests).
-    pub fn last_unshuffled(&self, tokens: usize) -> Option<View<'_, B>> {
-        self.ws
-            .as_ref()
-            .map(|w| View::new(&w.un, tokens, 4 * self.cfg.hidden))
+        )
     }
 }
 
-/// One pre-LayerNorm encoder layer but its final residual: `ws.a` holds `LN1(h)` on entry;
 /// `h += attn`, then `ws.y = mlp(LN2(h))`.
 fn encoder_layer<B: Backend>(
     be: &B,
     l: &EncoderLayer<B>,
     spec: &AttnSpec<'_, B>,
-    segs: &Segments<B>,
     (n, c, f): (usize, usize, usize),
     eps: f32,
     ws: &mut Workspace<B>,
@@ -415,7 +470,7 @@ fn encoder_layer<B: Backend>(
         qkv.cols(2 * c, c),
         ViewMut::new(&mut ws.attn, n, c),
         spec,
-        segs,
+        &ws.segs,
     )?;
     be.matmul(
         View::new(&ws.attn, n, c),
