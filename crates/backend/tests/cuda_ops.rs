@@ -1400,3 +1400,40 @@ fn rgb8_read_back_gives_the_hosts_bytes() {
         }
     }
 }
+
+/// Pixels uploaded as bytes and mapped through a table on the device (`write_u8_mapped`) hold
+/// what uploading the mapped values gives — the same storage rounding — for f32 and bf16 buffers,
+/// parts of odd lengths back to back, and leave the rest of the buffer as it was; a source longer
+/// than the buffer is refused.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn byte_uploads_take_the_tables_values() {
+    // Values that round differently to bf16, of both signs and several magnitudes.
+    let map: [f32; 256] =
+        std::array::from_fn(|b| (b as f32 - 127.3) * 0.013_71 + (b % 7) as f32 * 1e-4);
+    let parts: Vec<Vec<u8>> = [1usize, 1001, 3, 70_000]
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| (0..n).map(|i| ((i * 37 + k * 11) % 256) as u8).collect())
+        .collect();
+    let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+    let total: usize = parts.iter().map(Vec::len).sum();
+    let spare = 5;
+    for p in [Precision::F32, Precision::Bf16] {
+        let g = cuda::open(0, p).unwrap_or_else(|e| panic!("CUDA device 0: {e}"));
+        let mut got = g.alloc(total + spare, Compute).unwrap();
+        g.write_f32(&mut got, &vec![7.5; total + spare]).unwrap();
+        g.write_u8_mapped(&mut got, &refs, &map).unwrap();
+        let mut want = g.alloc(total + spare, Compute).unwrap();
+        let mut values: Vec<f32> = refs.concat().iter().map(|&b| map[b as usize]).collect();
+        values.extend(std::iter::repeat_n(7.5, spare));
+        g.write_f32(&mut want, &values).unwrap();
+        let (got, want) = (
+            g.read_f32(View::new(&got, 1, total + spare)).unwrap(),
+            g.read_f32(View::new(&want, 1, total + spare)).unwrap(),
+        );
+        same_bits(&format!("{p:?} byte upload"), &got, &want);
+        let mut small = g.alloc(total - 1, Compute).unwrap();
+        assert!(g.write_u8_mapped(&mut small, &refs, &map).is_err(), "{p:?}");
+    }
+}

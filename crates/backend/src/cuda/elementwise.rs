@@ -65,6 +65,13 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `map_bytes_{t}`: a grid-stride loop over `n` bytes, each written as `table[byte]`.
+    pub(super) struct MapBytesArgs {
+        src: DevPtr, table: DevPtr, dst: DevPtr, n: i64,
+    }
+}
+
 kernel_table! {
     /// The kernels of elementwise.cu.
     pub(super) struct ElementwiseKernels from "elementwise.cu" {
@@ -83,6 +90,7 @@ kernel_table! {
         /// The same after a product on FP8 weights with a scale per row.
         epilogue_scaled: ByPair<ScaledEpilogueArgs> = "epilogue_scaled_{}_{}",
         rgb8: ByElem<Rgb8Args> = "rgb8_{}",
+        map_bytes: ByElem<MapBytesArgs> = "map_bytes_{}",
     }
 }
 
@@ -272,6 +280,30 @@ pub(super) fn segment_mean(
         "pool",
         be.kernels.elementwise.segment_mean.get(x.buf.elem)?,
         cfg(grid, 128, 0),
+        &args,
+    )
+}
+
+/// `dst[i] = table[src[i]]` for `n` bytes at `src`, rounded to `elem` (`dst`'s element type).
+pub(super) fn map_bytes(
+    be: &CudaBackend,
+    src: DevPtr,
+    table: DevPtr,
+    dst: DevPtr,
+    elem: Elem,
+    n: usize,
+) -> Result<()> {
+    let args = MapBytesArgs {
+        src,
+        table,
+        dst,
+        n: n as i64,
+    };
+    let k = &be.kernels.elementwise;
+    be.launch(
+        "elementwise",
+        k.map_bytes.get(elem)?,
+        be.grid_stride(n),
         &args,
     )
 }

@@ -81,7 +81,7 @@ pub struct CudaBackend {
     flash_part: Mutex<Option<CudaBuf>>,
     /// Fixed workspaces of the ops that need one, made on first use ([`memory::Workspace`]).
     workspaces: Mutex<std::collections::HashMap<memory::Workspace, CudaBuf>>,
-    /// Host staging for converted uploads (`write_u8_mapped`), 4-byte words, reused.
+    /// Host staging for byte uploads (`write_u8_mapped`: its table and bytes), 4-byte words, reused.
     staging: Mutex<Vec<u32>>,
     profiler: Option<Profiler>,
     /// `--quantize fp8`: float matrices go up as FP8 codes with a scale per row.

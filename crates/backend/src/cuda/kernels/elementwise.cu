@@ -261,3 +261,20 @@ __device__ __forceinline__ void rgb8_impl(const T* x, long xs, long rows, int co
     }
 RGB8(float, rgb8_f32)
 RGB8(bf16, rgb8_bf16)
+
+// Bytes through a 256-entry table into T: an image's pixels go up as bytes (a quarter of their
+// f32 size, half of bf16) and take their values here, each rounded to T once as the host's table
+// lookup did. Grid-stride over i < n.
+template <typename T>
+__device__ __forceinline__ void map_bytes_impl(const unsigned char* src, const float* table, T* dst, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        dst[i] = from_f<T>(table[src[i]]);
+}
+
+#define MAP_BYTES(T, NAME)                                                                                \
+    extern "C" __global__ void NAME(const unsigned char* src, const float* table, T* dst, long n) {       \
+        pdl_enter();                                                                                      \
+        map_bytes_impl<T>(src, table, dst, n);                                                            \
+    }
+MAP_BYTES(float, map_bytes_f32)
+MAP_BYTES(bf16, map_bytes_bf16)
