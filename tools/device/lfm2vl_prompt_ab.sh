@@ -4,7 +4,9 @@
 # encoder alone — two binaries interleaved A B B A in one call, then one kernel profile of B's.
 #   BIN_A (.dev/bin/tessera-base), BIN_B (.dev/bin/tessera)
 #   IMAGES (512x512,1024x768), ITERS (10): `tessera bench chat`'s --images and --iters
-# Uses the full-size random-weight folder make_lfm2vl_full.py makes (made here when absent).
+#   MODEL (/tmp/lfm2full): the folder; the default, the 450M full-size random-weight folder
+#     make_lfm2vl_full.py makes, is made here when absent (another, e.g. the 1.6B's from
+#     `make_lfm2vl_full.py --variant 1.6b`, must exist)
 # Writes JSON lines under $OUT/prompt_ab/, the table into $OUT/prompt_ab.txt and B's kernel
 # profile of one 512² image prompt (a sync per kernel) into $OUT/prof_prompt.txt.
 # Build first: PACK=1 TESTS=lfm2vl_cuda BASELINE=… tools/device/stage.sh
@@ -15,8 +17,8 @@ IMAGES=${IMAGES:-512x512,1024x768} ITERS=${ITERS:-10}
 BIN_A=${BIN_A:-.dev/bin/tessera-base} BIN_B=${BIN_B:-.dev/bin/tessera}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 if [ -f .dev/pack/bin.tar.xz ] && [ ! -x .dev/bin/tessera ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
-F=/tmp/lfm2full
-if [ ! -f $F/config.json ]; then
+F=${MODEL:-/tmp/lfm2full}
+if [ ! -f $F/config.json ] && [ "$F" = /tmp/lfm2full ]; then
   . tools/device/pysite.sh
   pysite || { echo "reference packages: install failed"; exit 1; }
   python3 tools/device/make_lfm2vl_full.py $F > "$OUT/prompt_ab/make_full.log" 2>&1 \
@@ -49,7 +51,7 @@ for path in sorted(glob.glob(os.path.join(d, "run*.jsonl"))):
                 rows.setdefault((r["image"], k), {}).setdefault(side, []).append(r[k])
         elif r.get("what") == "image encoder":
             rows.setdefault((r["image"], "encoder_ms"), {}).setdefault(side, []).append(r["ms"])
-print("LFM2-VL-450M image prompt, bf16, A B B A (each run the median of its iterations): ms")
+print(f"LFM2-VL image prompt ({os.environ.get('MODEL', '/tmp/lfm2full')}), bf16, A B B A (each run the median of its iterations): ms")
 print(f"{'image':>10} {'what':>14} {'A':>22} {'B':>22} {'B/A':>6}")
 fmt = lambda x: f"{statistics.median(x):.3f} ({min(x):.3f}–{max(x):.3f})" if x else "—"
 for (image, k), sides in sorted(rows.items()):
