@@ -773,19 +773,26 @@ fn listing_is_empty(dir: &Path) -> bool {
     std::fs::read_dir(dir).unwrap().next().is_none()
 }
 
-#[test]
-fn bench_denormals_times_both_workloads_and_fails_past_its_bound() {
-    let out = tessera(&["bench", "denormals", "--rows", "40", "--iters", "1"]);
-    let s = String::from_utf8_lossy(&out.stdout);
+/// Run `tessera args`, which must succeed, and parse each line it prints as JSON: its stdout
+/// and the lines.
+fn json_lines(args: &[&str]) -> (String, Vec<serde_json::Value>) {
+    let out = tessera(args);
+    let s = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{s}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let lines: Vec<serde_json::Value> = s
+    let lines = s
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
+    (s, lines)
+}
+
+#[test]
+fn bench_denormals_times_both_workloads_and_fails_past_its_bound() {
+    let (s, lines) = json_lines(&["bench", "denormals", "--rows", "40", "--iters", "1"]);
     let workloads: Vec<&str> = lines
         .iter()
         .map(|l| l["workload"].as_str().unwrap_or_default())
@@ -815,7 +822,7 @@ fn bench_denormals_times_both_workloads_and_fails_past_its_bound() {
 
 #[test]
 fn bench_chat_times_the_image_prompt_its_encoder_alone_prefill_and_decoding() {
-    let out = tessera(&[
+    let (s, lines) = json_lines(&[
         "bench",
         "chat",
         "--images",
@@ -829,16 +836,6 @@ fn bench_chat_times_the_image_prompt_its_encoder_alone_prefill_and_decoding() {
         "--iters",
         "2",
     ]);
-    let s = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{s}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = s
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
     let what: Vec<&str> = lines.iter().map(|l| l["what"].as_str().unwrap()).collect();
     assert_eq!(
         what,
