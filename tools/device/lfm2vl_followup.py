@@ -21,8 +21,8 @@ import sys
 import time
 
 
-def request(port, method, path, body=None):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+def request(port, method, path, body=None, timeout=120):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     headers = {"content-type": "application/json"} if body is not None else {}
     c.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
     r = c.getresponse()
@@ -58,23 +58,27 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--port", type=int, default=18431)
     ap.add_argument("--n", type=int, default=8, help="conversations (the first is a warm-up)")
+    ap.add_argument("--ready-s", type=float, default=150, help="seconds to wait for the server")
     ap.add_argument("--history", type=int, default=2000,
                     help="prompt tokens of the first turn (words scaled after the warm-up to reach it)")
     args = ap.parse_args()
     cmd = [args.bin, "serve", "--model", args.model, "--device", args.device, "--port", str(args.port)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
+        # Ready once /health answers 200 (the first start on a machine compiles the kernels).
+        started = time.perf_counter()
+        while True:
             try:
-                if request(args.port, "GET", "/health")[0] == 200:
+                if request(args.port, "GET", "/health", timeout=2)[0] == 200:
                     break
             except OSError:
                 pass
             if server.poll() is not None:
                 sys.exit("server exited: " + server.stderr.read()[-2000:])
+            if time.perf_counter() - started > args.ready_s:
+                sys.exit(f"server not ready in {args.ready_s} s")
             time.sleep(0.1)
-        else:
-            sys.exit("server not ready in 60 s")
+        print(f"server ready after {time.perf_counter() - started:.1f} s", flush=True)
         model = json.loads(request(args.port, "GET", "/v1/models")[1])["data"][0]["id"]
         words = "the quick brown fox jumps over a lazy dog while seven cats watch".split()
         first, follow = [], []
