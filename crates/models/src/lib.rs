@@ -38,6 +38,7 @@ pub mod qwen_image;
 pub mod residency;
 pub mod text_to_image;
 pub mod tokenize;
+pub mod tokenize_pieces;
 pub mod zimage;
 
 pub use files::ModelFiles;

@@ -147,6 +147,11 @@ impl TextTokenizer {
             .collect()
     }
 
+    /// Added tokens in all, [`Self::whole_added_tokens`] or not.
+    pub fn added_token_count(&self) -> usize {
+        self.inner.get_added_tokens_decoder().len()
+    }
+
     /// The file this tokenizer came from, for messages.
     pub fn path(&self) -> &std::path::Path {
         &self.path

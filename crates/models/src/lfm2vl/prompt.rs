@@ -20,6 +20,7 @@ use crate::chat_template::{ChatTemplate, Message};
 use crate::generation::SamplingDefaults;
 use crate::imageproc::Image;
 use crate::tokenize::TextTokenizer;
+use crate::tokenize_pieces::PieceTokenizer;
 
 /// The placeholder an image content item renders as.
 const IMAGE: &str = "<image>";
@@ -66,6 +67,9 @@ pub struct Prompter {
     /// without tokenising its text (~1 µs a token: 0.26 ms of a 512² image's prompt, 1.1 ms
     /// of a tiled 1024×768 one). `None`: tokenise the text.
     markers: Option<HashMap<String, u32>>,
+    /// The rendered conversation's text tokenised between its added tokens, the pieces kept:
+    /// a follow-up turn tokenises only its new messages.
+    pieces: PieceTokenizer,
     defaults: SamplingDefaults,
 }
 
@@ -147,6 +151,7 @@ impl Prompter {
             .filter(|m| m.get(IMAGE) == Some(&image_token))
             .filter(|m| markers_tokenise_whole(&tokenizer, m));
         Ok(Prompter {
+            pieces: PieceTokenizer::new(&tokenizer),
             tokenizer,
             template,
             processor: ImageProcessor::load(files)?,
@@ -239,7 +244,7 @@ impl Prompter {
         let mut ids = Vec::new();
         let mut spans = Vec::with_capacity(images.len());
         for (i, piece) in pieces.iter().enumerate() {
-            ids.extend(self.tokenizer.encode_plain(piece)?);
+            ids.extend(self.pieces.encode(&self.tokenizer, piece)?);
             if let Some(im) = processed.get(i) {
                 let start = ids.len();
                 ids.extend(self.placeholder_ids(im)?);
