@@ -42,56 +42,36 @@ impl PieceTokenizer {
     /// added tokens and plain text between them tokenises the same both ways.
     pub fn new(tok: &TextTokenizer) -> Self {
         let whole = tok.whole_added_tokens();
-        let cut = (!whole.is_empty() && whole.len() == tok.added_token_count())
+        let all_whole = !whole.is_empty() && whole.len() == tok.added_token_count();
+        let (texts, ids): (Vec<String>, Vec<u32>) = whole.into_iter().unzip();
+        let cut = all_whole
             .then(|| {
-                let (texts, ids): (Vec<String>, Vec<u32>) = whole.into_iter().unzip();
                 AhoCorasick::builder()
                     .match_kind(MatchKind::LeftmostLongest)
                     .build(&texts)
                     .ok()
-                    .map(|ac| (ac, ids, texts))
             })
-            .flatten();
+            .flatten()
+            .map(|ac| (ac, ids));
         let p = PieceTokenizer {
-            cut: cut.map(|(ac, ids, _)| (ac, ids)),
+            cut,
             kept: Mutex::default(),
         };
-        let probe = p.probe_text(tok);
-        let agrees = match (p.encode(tok, &probe), tok.encode_plain(&probe)) {
-            (Ok(a), Ok(b)) => a == b,
-            _ => false,
-        };
-        if agrees {
-            p.kept.lock().map(|mut k| *k = Kept::default()).ok();
-            p
-        } else {
-            PieceTokenizer {
+        // The probe's plain pieces are all shorter than MIN_KEPT_BYTES: nothing is kept.
+        let probe = probe_text(&texts);
+        match (p.encode(tok, &probe), tok.encode_plain(&probe)) {
+            (Ok(a), Ok(b)) if a == b => p,
+            _ => PieceTokenizer {
                 cut: None,
                 kept: Mutex::default(),
-            }
+            },
         }
     }
 
     /// Whether texts are cut at added tokens (else tokenised whole).
-    pub fn cuts(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn cuts(&self) -> bool {
         self.cut.is_some()
-    }
-
-    /// A text holding each added token (up to 64 of them) between bits of plain text, with
-    /// whitespace on both sides of some.
-    fn probe_text(&self, tok: &TextTokenizer) -> String {
-        let mut s = String::from("Hello there ");
-        let Some((_, ids)) = &self.cut else {
-            return s;
-        };
-        for (i, &id) in ids.iter().take(64).enumerate() {
-            if let Some(t) = tok.id_to_token(id) {
-                s.push_str(&t);
-                s.push_str(["\n", " word ", "x", "\n\n  ", ""][i % 5]);
-            }
-        }
-        s.push_str(" the end.");
-        s
     }
 
     /// The ids of `text` as `tok.encode_plain(text)` gives them.
@@ -142,13 +122,26 @@ impl PieceTokenizer {
         Ok(())
     }
 
-    /// Pieces kept and their bytes (tests).
-    pub fn kept(&self) -> (usize, usize) {
+    /// Pieces kept and their bytes.
+    #[cfg(test)]
+    fn kept(&self) -> (usize, usize) {
         self.kept
             .lock()
             .map(|k| (k.ids.len(), k.bytes))
             .unwrap_or_default()
     }
+}
+
+/// A text holding each added token of `tokens` (up to 64 of them) between bits of plain text,
+/// with whitespace on both sides of some.
+fn probe_text(tokens: &[String]) -> String {
+    let mut s = String::from("Hello there ");
+    for (i, t) in tokens.iter().take(64).enumerate() {
+        s.push_str(t);
+        s.push_str(["\n", " word ", "x", "\n\n  ", ""][i % 5]);
+    }
+    s.push_str(" the end.");
+    s
 }
 
 #[cfg(test)]

@@ -129,20 +129,20 @@ impl<B: Backend> Lfm2VlChat<B> {
 
 /// Each chunk's image tiles, as the vision tower takes them.
 fn tiles_of<'a>(chunks: &[Chunk<'a>]) -> Result<Vec<Vec<TilePatches<'a>>>> {
-    chunks
+    chunks.iter().map(|c| media_tiles(c.media)).collect()
+}
+
+/// The tiles of `media`'s images, in order, as the vision tower takes them.
+fn media_tiles(media: &[Media]) -> Result<Vec<TilePatches<'_>>> {
+    media
         .iter()
-        .map(|c| {
-            c.media
-                .iter()
-                .map(|m| {
-                    m.input
-                        .downcast_ref::<ProcessedImage>()
-                        .ok_or_else(|| Error::backend("lfm2vl", "media that is not an image"))
-                })
-                .collect::<Result<Vec<_>>>()
-                .map(|ims| ims.into_iter().flat_map(ProcessedImage::patches).collect())
+        .map(|m| {
+            m.input
+                .downcast_ref::<ProcessedImage>()
+                .ok_or_else(|| Error::backend("lfm2vl", "media that is not an image"))
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()
+        .map(|ims| ims.into_iter().flat_map(ProcessedImage::patches).collect())
 }
 
 /// The model's turns of `chunks`, with their `tiles`.
@@ -221,17 +221,7 @@ impl<B: Backend> ChatFamily for Lfm2VlChat<B> {
     }
 
     fn encode_media(&mut self, media: &[Media]) -> Result<()> {
-        let tiles = media
-            .iter()
-            .map(|m| {
-                m.input
-                    .downcast_ref::<ProcessedImage>()
-                    .ok_or_else(|| Error::backend("lfm2vl", "media that is not an image"))
-            })
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .flat_map(ProcessedImage::patches)
-            .collect::<Vec<_>>();
+        let tiles = media_tiles(media)?;
         self.model.encode_images(&self.be, &tiles)
     }
 }

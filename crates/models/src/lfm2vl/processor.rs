@@ -39,6 +39,7 @@
 //! - torchvision resizes uint8 bilinear natively only on AVX2/AVX-512/arm64 CPUs (elsewhere via
 //!   float32, which differs in places); the fixtures come from the native path.
 
+use std::fmt::Write as _;
 use std::path::Path;
 
 use serde::Deserialize;
@@ -353,39 +354,14 @@ impl Layout {
 
     /// The text that replaces one `<image>` in the prompt.
     pub fn placeholder_text(&self, use_image_special_tokens: bool) -> String {
-        placeholder_text(&placeholder(
+        placeholder(
             self.grid,
             self.thumbnail,
             self.tile_tokens,
             self.image_tokens,
             use_image_special_tokens,
-        ))
+        )
     }
-}
-
-/// One run of an image's placeholder: a marker token's text, or `n` `<image>` tokens.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PlaceholderPiece {
-    Marker(String),
-    Images(usize),
-}
-
-impl PlaceholderPiece {
-    fn push_text(&self, s: &mut String) {
-        match self {
-            PlaceholderPiece::Marker(m) => s.push_str(m),
-            PlaceholderPiece::Images(n) => s.push_str(&IMAGE_TOKEN.repeat(*n)),
-        }
-    }
-}
-
-/// The pieces' text, as the reference writes the placeholder.
-fn placeholder_text(pieces: &[PlaceholderPiece]) -> String {
-    let mut s = String::new();
-    for p in pieces {
-        p.push_text(&mut s);
-    }
-    s
 }
 
 /// `Lfm2VlProcessor._build_image_tokens`: markers only when asked, row/column markers only for
@@ -396,32 +372,34 @@ fn placeholder(
     tile_tokens: usize,
     image_tokens: usize,
     markers: bool,
-) -> Vec<PlaceholderPiece> {
-    use PlaceholderPiece::{Images, Marker};
-    let mut out = Vec::new();
-    let marker = |out: &mut Vec<_>, m: String| {
-        if markers {
-            out.push(Marker(m));
-        }
-    };
-    marker(&mut out, IMAGE_START.into());
+) -> String {
+    let mut s = String::new();
+    if markers {
+        s.push_str(IMAGE_START);
+    }
     match grid {
         Some((rows, cols)) if rows > 1 || cols > 1 => {
             for r in 1..=rows {
                 for c in 1..=cols {
-                    marker(&mut out, format!("<|img_row_{r}_col_{c}|>"));
-                    out.push(Images(tile_tokens));
+                    if markers {
+                        let _ = write!(s, "<|img_row_{r}_col_{c}|>");
+                    }
+                    s.push_str(&IMAGE_TOKEN.repeat(tile_tokens));
                 }
             }
             if thumbnail {
-                marker(&mut out, IMAGE_THUMBNAIL.into());
-                out.push(Images(image_tokens));
+                if markers {
+                    s.push_str(IMAGE_THUMBNAIL);
+                }
+                s.push_str(&IMAGE_TOKEN.repeat(image_tokens));
             }
         }
-        _ => out.push(Images(image_tokens)),
+        _ => s.push_str(&IMAGE_TOKEN.repeat(image_tokens)),
     }
-    marker(&mut out, IMAGE_END.into());
-    out
+    if markers {
+        s.push_str(IMAGE_END);
+    }
+    s
 }
 
 /// One tile (or the thumbnail, or the whole resized image) as the tower's input.
@@ -476,11 +454,6 @@ impl ProcessedImage {
 
     /// The text that replaces one `<image>`, markers as the caller's `use_image_special_tokens`.
     pub fn placeholder_text_with(&self, use_image_special_tokens: bool) -> String {
-        placeholder_text(&self.placeholder_pieces(use_image_special_tokens))
-    }
-
-    /// The placeholder as runs of markers and image tokens (its text in [`Self::placeholder_text`]).
-    pub fn placeholder_pieces(&self, use_image_special_tokens: bool) -> Vec<PlaceholderPiece> {
         let first = self.tiles.first().map_or(0, |t| t.tokens);
         let last = self.tiles.last().map_or(0, |t| t.tokens);
         placeholder(

@@ -5,15 +5,11 @@
 //! tokenised without special tokens added (the template
 //! writes BOS itself).
 
-use std::collections::HashMap;
-
 use rayon::prelude::*;
 use tessera_core::{Error, Result};
 
 use super::config::Lfm2VlConfig;
-use super::processor::{
-    IMAGE_END, IMAGE_START, IMAGE_THUMBNAIL, ImageProcessor, PlaceholderPiece, ProcessedImage,
-};
+use super::processor::{ImageProcessor, ProcessedImage};
 use super::vision::TilePatches;
 use crate::ModelFiles;
 use crate::chat_template::{ChatTemplate, Message};
@@ -62,65 +58,12 @@ pub struct Prompter {
     template: ChatTemplate,
     processor: ImageProcessor,
     image_token: u32,
-    /// The ids of the added tokens an image's placeholder is made of, when the tokenizer gives
-    /// them one for one ([`markers_tokenise_whole`]): the placeholder's ids are then built
-    /// without tokenising its text (~1 µs a token: 0.26 ms of a 512² image's prompt, 1.1 ms
-    /// of a tiled 1024×768 one). `None`: tokenise the text.
-    markers: Option<HashMap<String, u32>>,
-    /// The rendered conversation's text tokenised between its added tokens, the pieces kept:
-    /// a follow-up turn tokenises only its new messages.
+    /// The rendered conversation's text and each image's placeholder tokenised between their
+    /// added tokens, the pieces kept: a follow-up turn tokenises only its new messages, and a
+    /// placeholder (markers and `<image>` tokens only) takes no tokenising at all (~1 µs a
+    /// token: 0.26 ms of a 512² image's prompt, 1.1 ms of a tiled 1024×768 one).
     pieces: PieceTokenizer,
     defaults: SamplingDefaults,
-}
-
-/// The ids of `pieces` from `markers` (`<image>` among them), or `None` if one is missing.
-fn placeholder_ids(
-    pieces: &[PlaceholderPiece],
-    markers: &HashMap<String, u32>,
-) -> Option<Vec<u32>> {
-    let image = *markers.get(IMAGE)?;
-    let mut ids = Vec::new();
-    for p in pieces {
-        match p {
-            PlaceholderPiece::Marker(m) => ids.push(*markers.get(m)?),
-            PlaceholderPiece::Images(n) => ids.extend(std::iter::repeat_n(image, *n)),
-        }
-    }
-    Some(ids)
-}
-
-/// Whether a placeholder built from `markers` gives the tokenizer's ids for its text: checked
-/// once on a placeholder holding every kind of piece next to each other (a tokenizer with an
-/// added token that joins two markers, or one that splits them otherwise, fails it).
-fn markers_tokenise_whole(tokenizer: &TextTokenizer, markers: &HashMap<String, u32>) -> bool {
-    use PlaceholderPiece::{Images, Marker};
-    let probe: Vec<PlaceholderPiece> = [
-        Marker(IMAGE_START.into()),
-        Marker("<|img_row_1_col_1|>".into()),
-        Images(2),
-        Marker("<|img_row_1_col_2|>".into()),
-        Images(1),
-        Marker(IMAGE_THUMBNAIL.into()),
-        Images(3),
-        Marker(IMAGE_END.into()),
-    ]
-    .into_iter()
-    .filter(|p| matches!(p, Images(_)) || matches!(p, Marker(m) if markers.contains_key(m)))
-    .collect();
-    let text: String = probe
-        .iter()
-        .map(|p| match p {
-            Marker(m) => m.clone(),
-            Images(n) => IMAGE.repeat(*n),
-        })
-        .collect();
-    match (
-        placeholder_ids(&probe, markers),
-        tokenizer.encode_plain(&text),
-    ) {
-        (Some(fast), Ok(slow)) => fast == slow,
-        _ => false,
-    }
 }
 
 impl Prompter {
@@ -147,16 +90,12 @@ impl Prompter {
                 ),
             });
         }
-        let markers = Some(tokenizer.whole_added_tokens())
-            .filter(|m| m.get(IMAGE) == Some(&image_token))
-            .filter(|m| markers_tokenise_whole(&tokenizer, m));
         Ok(Prompter {
             pieces: PieceTokenizer::new(&tokenizer),
             tokenizer,
             template,
             processor: ImageProcessor::load(files)?,
             image_token,
-            markers,
             defaults: SamplingDefaults::load(files)?,
         })
     }
@@ -193,18 +132,6 @@ impl Prompter {
     /// The most characters of text that can fit `context` tokens.
     pub fn max_text_chars(&self, context: usize) -> usize {
         self.tokenizer.max_chars_for(context)
-    }
-
-    /// The ids of `im`'s placeholder, as tokenising its text gives them.
-    fn placeholder_ids(&self, im: &ProcessedImage) -> Result<Vec<u32>> {
-        let fast = self
-            .markers
-            .as_ref()
-            .and_then(|m| placeholder_ids(&im.placeholder_pieces(true), m));
-        match fast {
-            Some(ids) => Ok(ids),
-            None => self.tokenizer.encode_plain(&im.placeholder_text()),
-        }
     }
 
     /// The prompt for `messages`, whose image parts are `images` in order.
@@ -247,7 +174,10 @@ impl Prompter {
             ids.extend(self.pieces.encode(&self.tokenizer, piece)?);
             if let Some(im) = processed.get(i) {
                 let start = ids.len();
-                ids.extend(self.placeholder_ids(im)?);
+                ids.extend(
+                    self.pieces
+                        .encode(&self.tokenizer, &im.placeholder_text())?,
+                );
                 spans.push((start, ids.len()));
             }
         }
@@ -277,15 +207,11 @@ mod tests {
     use super::*;
     use crate::lfm2vl::BUNDLED;
 
-    fn prompter() -> Prompter {
-        Prompter::load(&BUNDLED, &Lfm2VlConfig::read(&BUNDLED).unwrap()).unwrap()
-    }
-
     #[test]
-    fn placeholders_built_from_marker_ids_are_the_tokenizers_ids() {
-        let p = prompter();
+    fn placeholders_cut_at_their_markers_are_the_tokenizers_ids() {
+        let p = Prompter::load(&BUNDLED, &Lfm2VlConfig::read(&BUNDLED).unwrap()).unwrap();
         assert!(
-            p.markers.is_some(),
+            p.pieces.cuts(),
             "the bundled tokenizer's markers are whole added tokens"
         );
         // One image, a grid with its thumbnail, a wide grid: every kind of piece.
@@ -297,32 +223,18 @@ mod tests {
                 .process(&Image::from_rgb8(w, h, rgb).unwrap())
                 .unwrap();
             grids += usize::from(im.grid.is_some_and(|(r, c)| r * c > 1));
-            let slow = p.tokenizer().encode_plain(&im.placeholder_text()).unwrap();
-            assert_eq!(p.placeholder_ids(&im).unwrap(), slow, "{w}×{h}");
+            let text = im.placeholder_text();
+            let slow = p.tokenizer().encode_plain(&text).unwrap();
+            assert_eq!(
+                p.pieces.encode(&p.tokenizer, &text).unwrap(),
+                slow,
+                "{w}×{h}"
+            );
             assert_eq!(
                 slow.iter().filter(|&&t| t == p.image_token).count(),
                 im.tokens()
             );
         }
         assert!(grids >= 2, "the sizes cover tiled images");
-    }
-
-    #[test]
-    fn markers_that_do_not_tokenise_one_for_one_are_not_used() {
-        let p = prompter();
-        let mut wrong = p.markers.clone().unwrap();
-        assert!(markers_tokenise_whole(&p.tokenizer, &wrong));
-        // A marker whose id is not what the tokenizer gives for its text.
-        *wrong.get_mut(IMAGE_END).unwrap() += 1;
-        assert!(!markers_tokenise_whole(&p.tokenizer, &wrong));
-        // A row marker given the id of another token.
-        let mut row = p.markers.clone().unwrap();
-        let image = row[IMAGE];
-        row.insert("<|img_row_1_col_1|>".into(), image);
-        assert!(!markers_tokenise_whole(&p.tokenizer, &row));
-        // Without `<image>` among them, nothing is built from markers.
-        let mut none = p.markers.clone().unwrap();
-        none.remove(IMAGE);
-        assert_eq!(placeholder_ids(&[PlaceholderPiece::Images(1)], &none), None);
     }
 }

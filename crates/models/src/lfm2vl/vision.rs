@@ -339,7 +339,6 @@ impl<B: Backend> ImageEncoder<B> {
     }
 }
 
-/// One pre-LayerNorm encoder layer but its final residual: `ws.a` holds `LN1(h)` on entry;
 /// The tower's and projector's weights, borrowed for one device pass.
 struct Tower<'a, B: Backend> {
     cfg: &'a VisionConfig,
@@ -448,6 +447,7 @@ impl<B: Backend> Tower<'_, B> {
     }
 }
 
+/// One pre-LayerNorm encoder layer but its final residual: `ws.a` holds `LN1(h)` on entry;
 /// `h += attn`, then `ws.y = mlp(LN2(h))`.
 fn encoder_layer<B: Backend>(
     be: &B,
