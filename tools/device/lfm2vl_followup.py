@@ -51,6 +51,25 @@ def metric(port, name):
     return float("nan")
 
 
+# The server's own clocks (seconds summed over requests; the chat lane's queue wait).
+SERVER = {
+    "ttft": "tessera_chat_time_to_first_token_seconds_sum",
+    "queue": 'tessera_queue_duration_seconds_sum{lane="chat"}',
+    "step": "tessera_chat_step_duration_seconds_sum",
+}
+
+
+def server_clocks(port):
+    """The server's summed clocks now, so that one request's share is a difference."""
+    _, data = request(port, "GET", "/metrics")
+    out = dict.fromkeys(SERVER, float("nan"))
+    for line in data.decode().splitlines():
+        for key, name in SERVER.items():
+            if line.startswith(name + " "):
+                out[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=".dev/bin/tessera")
@@ -81,7 +100,7 @@ def main():
         print(f"server ready after {time.perf_counter() - started:.1f} s", flush=True)
         model = json.loads(request(args.port, "GET", "/v1/models")[1])["data"][0]["id"]
         words = "the quick brown fox jumps over a lazy dog while seven cats watch".split()
-        first, follow = [], []
+        first, follow, inside = [], [], []
         n_words = args.history // 2
         for i in range(args.n):
             history = f"Notes {i}: " + " ".join(words[(i + k) % len(words)] for k in range(n_words))
@@ -91,7 +110,10 @@ def main():
                 {"role": "assistant", "content": reply},
                 {"role": "user", "content": "Summarise the notes above in one short sentence, please, for the report."},
             ]
+            before = server_clocks(args.port)
             ms2, _, p2, c2 = chat(args.port, model, m2)
+            after = server_clocks(args.port)
+            inside.append({k: (after[k] - before[k]) * 1e3 for k in SERVER})
             if i > 0:  # the first conversation warms up the server
                 first.append((ms1, p1, c1))
                 follow.append((ms2, p2, c2))
@@ -115,6 +137,11 @@ def main():
     row("first turn (cold)", first)
     row("follow-up (+ ~20 tokens)", follow)
     print(f"/metrics: {hit:.0f} of {total:.0f} prompt tokens from the prefix cache")
+    # Where a follow-up's round trip goes, by the server's clocks: from the handler's start to
+    # the first text (ttft), of which waiting in the queue and the device steps (the prefill).
+    parts = "  ".join(
+        f"{k} {statistics.median(d[k] for d in inside[1:]):.3f} ms" for k in SERVER)
+    print(f"follow-up by the server's clocks (medians): {parts}")
 
 
 if __name__ == "__main__":
