@@ -306,7 +306,10 @@ unsafe fn tile_avx512<const H: usize>(t: Tile<'_, u32>) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; H];
     let (ap, bp, lda) = (t.a.as_ptr(), t.b.as_ptr(), t.lda);
+    let ahead = super::prefetch::distance();
     for q in 0..t.depth {
+        // A panel step is two lines, read once per tile: the panel streams (see `prefetch`).
+        super::prefetch::lines::<2>(bp.wrapping_add(q * NR).cast(), ahead);
         // SAFETY: pair q of the panel (32 u32s at q·NR) and of rows 0..H of A are in bounds (see
         // `Tile`); `__m512bh` is 32 bf16 bits, the same 64 bytes as the integer vector.
         unsafe {

@@ -20,7 +20,8 @@
 //! - elsewhere a portable loop.
 //!
 //! `TESSERA_INT8_KERNEL=avx2` (or `=portable`) runs a slower kernel than the CPU allows, for A/B
-//! measurement; `tessera describe` and `bench quant` name the kernel in use.
+//! measurement; `tessera describe` and `bench quant` name the kernel in use. The x86 kernels
+//! ask for the weights a page ahead of their reads ([`super::prefetch`]).
 //!
 //! Its only roundings besides the f32 sums are the activations' int8 rounding and the weights'
 //! own quantization, so it is judged like bf16 against that floor. The integer block sums are
@@ -230,10 +231,14 @@ unsafe fn dot_avx2<const R: usize>(
     let low = _mm_set1_epi8(0x0f);
     let eight = _mm256_set1_epi8(8);
     let q8 = dtype == DType::Q8_0;
+    let ahead = super::prefetch::distance();
     // SAFETY (whole body): block i's bytes are row[i·bb..][..bb], its activations
     // q[r][32·i..][..32] and scale d[r][i], all in bounds for i < nb by the caller's promise.
     let block = |i: usize, acc: &mut [__m256; R]| unsafe {
         let b = row.as_ptr().add(i * bb);
+        // Q8_0's 34-byte blocks cross a line every other block, Q4_0's 18 every fourth: one
+        // line a block keeps ahead of both.
+        super::prefetch::lines::<1>(b, ahead);
         let dw = f16_bits(u16::from_le_bytes([*b, *b.add(1)]));
         let w = if q8 {
             _mm256_loadu_si256(b.add(2).cast())
@@ -389,7 +394,9 @@ unsafe fn dot_q4_k_avx2<const R: usize>(
     let mut mins = [0f32; R];
     let ones = _mm256_set1_epi16(1);
     let low = _mm256_set1_epi8(0x0f);
+    let ahead = super::prefetch::distance();
     for (k, b) in row.chunks_exact(bb).enumerate() {
+        super::prefetch::lines::<3>(b.as_ptr(), ahead);
         let (dd, dmin) = (
             f16_bits(u16::from_le_bytes([b[0], b[1]])),
             f16_bits(u16::from_le_bytes([b[2], b[3]])),
@@ -446,7 +453,9 @@ unsafe fn dot_q6_k_avx2<const R: usize>(row: &[u8], q: [&[i8]; R], d: [&[f32]; R
     let low = _mm256_set1_epi8(0x0f);
     let top = _mm256_set1_epi8(0x30);
     let offset = _mm256_set1_epi8(32);
+    let ahead = super::prefetch::distance();
     for (kb, b) in row.chunks_exact(DType::Q6_K.block_bytes()).enumerate() {
+        super::prefetch::lines::<4>(b.as_ptr(), ahead);
         let dw = f16_bits(u16::from_le_bytes([b[208], b[209]]));
         let sc = |j: usize| _mm_set1_epi16(i16::from(b[192 + j] as i8));
         for h in 0..2 {
@@ -716,7 +725,9 @@ unsafe fn dot_vnni<const R: usize>(
             _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
         ];
         let mut mins = [_mm256_setzero_ps(); R];
+        let ahead = super::prefetch::distance();
         for (kb, b) in row.chunks_exact(DType::Q4_K.block_bytes()).enumerate() {
+            super::prefetch::lines::<3>(b.as_ptr(), ahead);
             let dd = f16_bits(u16::from_le_bytes([b[0], b[1]]));
             let dmin = f16_bits(u16::from_le_bytes([b[2], b[3]]));
             let mut packed = [0u8; 12];
@@ -793,7 +804,15 @@ unsafe fn dot_vnni<const R: usize>(
     };
     let nb = row.len() / bb;
     let whole = nb / GROUP;
+    let ahead = super::prefetch::distance();
     for g in 0..whole {
+        let p = row.as_ptr().wrapping_add(g * GROUP * bb);
+        // Four blocks: 136 bytes of Q8_0, 72 of Q4_0.
+        if q8 {
+            super::prefetch::lines::<3>(p, ahead);
+        } else {
+            super::prefetch::lines::<2>(p, ahead);
+        }
         // SAFETY: blocks 4g..4g+4 of `row`.
         let (wa, wb, dw) = unpack(unsafe { row.as_ptr().add(g * GROUP * bb) });
         step(g, wa, wb, dw, &mut acc);
@@ -826,7 +845,9 @@ unsafe fn dot_vnni<const R: usize>(
 unsafe fn dot_q6_k_vnni<const R: usize>(row: &[u8], records: &[Record]) -> [f32; R] {
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); R];
+    let ahead = super::prefetch::distance();
     for (kb, b) in row.chunks_exact(DType::Q6_K.block_bytes()).enumerate() {
+        super::prefetch::lines::<4>(b.as_ptr(), ahead);
         let dw = _mm512_set1_ps(f16_bits(u16::from_le_bytes([b[208], b[209]])));
         for h in 0..2 {
             // SAFETY: `b` is a whole Q6_K block; `records` as the caller promises.
@@ -972,7 +993,9 @@ unsafe fn q4_k_unpack(row: &[u8], out: &mut Vec<Q4kBlock>) {
         _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
     ];
     out.clear();
+    let ahead = super::prefetch::distance();
     for b in row.chunks_exact(DType::Q4_K.block_bytes()) {
+        super::prefetch::lines::<3>(b.as_ptr(), ahead);
         let mut u = Q4kBlock {
             w: [[0; 64]; 4],
             dw: [[0.0; 16]; 2],
@@ -1076,7 +1099,9 @@ struct Q6kBlock {
 unsafe fn q6_k_unpack(row: &[u8], out: &mut Vec<Q6kBlock>) {
     use std::arch::x86_64::*;
     out.clear();
+    let ahead = super::prefetch::distance();
     for b in row.chunks_exact(DType::Q6_K.block_bytes()) {
+        super::prefetch::lines::<4>(b.as_ptr(), ahead);
         let mut u = Q6kBlock {
             w: [[0; 64]; 4],
             sc: [[0; 16]; 4],

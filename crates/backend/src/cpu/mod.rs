@@ -27,6 +27,7 @@ mod matmul;
 mod norm;
 pub mod panels;
 pub mod peak;
+mod prefetch;
 pub mod quant;
 mod rope;
 mod rows;

@@ -559,7 +559,10 @@ unsafe fn tile_f32_avx512<const H: usize>(t: Tile<'_, f32>) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; H];
     let (ap, bp, lda) = (t.a.as_ptr(), t.b.as_ptr(), t.lda);
+    let ahead = super::prefetch::distance();
     for q in 0..t.depth {
+        // A panel step is two lines, read once per tile: the panel streams (see `prefetch`).
+        super::prefetch::lines::<2>(bp.wrapping_add(q * NR).cast(), ahead);
         // SAFETY: step q of the panel (32 values at q·NR) and of rows 0..H of A are in bounds.
         unsafe {
             let b0 = _mm512_loadu_ps(bp.add(q * NR));
