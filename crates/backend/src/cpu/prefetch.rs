@@ -47,7 +47,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn prefetching_past_the_end_of_a_buffer_is_harmless() {
-        let v = vec![1u8; 100];
+        let v = [1u8; 100];
         super::lines::<4>(v.as_ptr(), 1 << 40);
         super::lines::<4>(v.as_ptr(), 4096);
         assert_eq!(v.iter().map(|&b| u32::from(b)).sum::<u32>(), 100);
