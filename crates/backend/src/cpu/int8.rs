@@ -38,8 +38,8 @@ const BLOCK: usize = 32;
 
 /// Weight rows per task: their blocks (at most 64 × 34 bytes per 2048 inputs, 35 KB in all)
 /// stay in L1, or L2 for long rows, while each tile of activation rows passes them all. VNNI
-/// prefill's unpacked K-quant rows ([`Q4kBlock`], [`Q6kBlock`]) take 56 and 72 KB per 2048
-/// inputs: L2.
+/// prefill's unpacked rows ([`Q4kBlock`], [`Q6kBlock`], [`GroupBlock`]) take 56, 72 and 48 KB per
+/// 2048 inputs: L2.
 const ROWS_PER_TASK: usize = 16;
 
 /// Whether the int8 path runs products on `dtype` weights (the others run exactly).
@@ -691,25 +691,8 @@ unsafe fn dot_vnni<const R: usize>(
     // Q4_K's seeds are zero: no offset to take back.
     let seeded = dtype != DType::Q4_K;
     let step = |g: usize, wa: __m512i, wb: __m512i, dw: __m512, acc: &mut [__m512; R]| {
-        for (r, acc) in acc.iter_mut().enumerate() {
-            // SAFETY: `records` holds R records per group, group by group (the caller's
-            // promise), and g is one of its groups.
-            let rec = unsafe { records.get_unchecked(g * R + r) };
-            let mut dot = if seeded {
-                // SAFETY: 16 lanes of seeds.
-                unsafe { _mm512_loadu_si512(rec.seed.as_ptr().cast()) }
-            } else {
-                _mm512_setzero_si512()
-            };
-            // SAFETY: 128 values and 16 scales.
-            unsafe {
-                let x = rec.q.as_ptr();
-                dot = _mm512_dpbusd_epi32(dot, wa, _mm512_loadu_si512(x.cast()));
-                dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
-                let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
-            }
-        }
+        // SAFETY: as the caller promises of `records`; g is one of its groups.
+        unsafe { vnni_step(records, g, (wa, wb, dw), seeded, acc) }
     };
     if dtype == DType::Q6_K {
         // SAFETY: as the caller promises.
@@ -755,6 +738,33 @@ unsafe fn dot_vnni<const R: usize>(
         }
         return std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]));
     }
+    // SAFETY: as the caller promises (`row` whole blocks of `dtype`, the CPU's features).
+    unsafe { for_each_group(dtype, row, |g, wa, wb, dw| step(g, wa, wb, dw, &mut acc)) };
+    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
+}
+
+/// Every group of four Q8_0 or Q4_0 blocks of `row` unpacked as [`dot_vnni`] takes them (the
+/// two weight registers and the lanes' scales), in order, to `f` with its index; where the
+/// row's blocks are not a multiple of four, its last blocks beside zero blocks (scale 0, against
+/// zero activations). The weights are prefetched a page ahead ([`super::prefetch`]).
+///
+/// # Safety
+/// The CPU has AVX2, F16C, AVX512F and AVX512BW; `row` holds whole blocks of `dtype`, which is
+/// Q8_0 or Q4_0.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn for_each_group(
+    dtype: DType,
+    row: &[u8],
+    mut f: impl FnMut(
+        usize,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512,
+    ),
+) {
+    use std::arch::x86_64::*;
+    let low = _mm512_set1_epi8(0x0f);
     let bb = dtype.block_bytes();
     let q8 = dtype == DType::Q8_0;
     // Each block's scale word, four times: Q8_0's at every 17th word of two 64-byte loads,
@@ -815,7 +825,7 @@ unsafe fn dot_vnni<const R: usize>(
         }
         // SAFETY: blocks 4g..4g+4 of `row`.
         let (wa, wb, dw) = unpack(unsafe { row.as_ptr().add(g * GROUP * bb) });
-        step(g, wa, wb, dw, &mut acc);
+        f(g, wa, wb, dw);
     }
     let tail = nb - whole * GROUP;
     if tail > 0 {
@@ -823,7 +833,111 @@ unsafe fn dot_vnni<const R: usize>(
         let mut four = [0u8; GROUP * 34];
         four[..tail * bb].copy_from_slice(&row[whole * GROUP * bb..]);
         let (wa, wb, dw) = unpack(four.as_ptr());
-        step(whole, wa, wb, dw, &mut acc);
+        f(whole, wa, wb, dw);
+    }
+}
+
+/// One group of four blocks of 32 (`wa`, `wb`: every block's first 16 values, then its second
+/// 16; `dw` the lanes' weight scales) against `R` activation rows' records of group `g`: two
+/// `vpdpbusd` leave each block's integer sum in four lanes, seeded (where `seeded`) with
+/// `−offset / 4 · Σ q_x` so the four lanes sum exactly to `Σ q_w q_x` ([`vnni_offset`]); one
+/// conversion and one FMA by the lanes' `d_w · d_x` per row into its accumulator.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512_VNNI; `records` holds `R` records per group, group by group,
+/// and `g` is one of its groups.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn vnni_step<const R: usize>(
+    records: &[Record],
+    g: usize,
+    (wa, wb, dw): (
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512,
+    ),
+    seeded: bool,
+    acc: &mut [std::arch::x86_64::__m512; R],
+) {
+    use std::arch::x86_64::*;
+    for (r, acc) in acc.iter_mut().enumerate() {
+        // SAFETY: `records` holds R records per group and g is one of its groups (the caller's
+        // promise); each record 128 values, 16 scales and 16 seeds.
+        unsafe {
+            let rec = records.get_unchecked(g * R + r);
+            let mut dot = if seeded {
+                _mm512_loadu_si512(rec.seed.as_ptr().cast())
+            } else {
+                _mm512_setzero_si512()
+            };
+            let x = rec.q.as_ptr();
+            dot = _mm512_dpbusd_epi32(dot, wa, _mm512_loadu_si512(x.cast()));
+            dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
+            let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+        }
+    }
+}
+
+/// A group of four Q8_0 or Q4_0 blocks unpacked as [`for_each_group`] gives it: the two weight
+/// registers and the lanes' scales. 192 bytes for Q4_0's 72 (Q8_0's 136), so made once per
+/// task for prefill ([`group_unpack`]), where every tile of rows would otherwise unpack the
+/// same weights again.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct GroupBlock {
+    w: [[u8; 64]; 2],
+    dw: [f32; 16],
+}
+
+/// Unpack a Q8_0 or Q4_0 row's groups into `out` (emptied first), as [`dot_vnni`] unpacks them.
+///
+/// # Safety
+/// As [`for_each_group`]'s.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+unsafe fn group_unpack(dtype: DType, row: &[u8], out: &mut Vec<GroupBlock>) {
+    use std::arch::x86_64::*;
+    out.clear();
+    // SAFETY: as the caller promises; each store fills one of the block's arrays.
+    unsafe {
+        for_each_group(dtype, row, |_, wa, wb, dw| {
+            let mut u = GroupBlock {
+                w: [[0; 64]; 2],
+                dw: [0.0; 16],
+            };
+            _mm512_storeu_si512(u.w[0].as_mut_ptr().cast(), wa);
+            _mm512_storeu_si512(u.w[1].as_mut_ptr().cast(), wb);
+            _mm512_storeu_ps(u.dw.as_mut_ptr(), dw);
+            out.push(u);
+        })
+    };
+}
+
+/// [`dot_vnni`] on one Q8_0 or Q4_0 row unpacked by [`group_unpack`]: the same operations in the
+/// same order, so the same results, without unpacking.
+///
+/// # Safety
+/// As [`dot_vnni`]'s, `row` one Q8_0 or Q4_0 row's unpacked groups.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_groups_vnni_unpacked<const R: usize>(
+    row: &[GroupBlock],
+    records: &[Record],
+) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for (g, u) in row.iter().enumerate() {
+        // SAFETY: `u` holds the group's registers; `records` R records per group (the
+        // caller's promise).
+        unsafe {
+            let wa = _mm512_loadu_si512(u.w[0].as_ptr().cast());
+            let wb = _mm512_loadu_si512(u.w[1].as_ptr().cast());
+            let dw = _mm512_loadu_ps(u.dw.as_ptr());
+            vnni_step(records, g, (wa, wb, dw), true, &mut acc);
+        }
     }
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
 }
@@ -1053,18 +1167,7 @@ unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
                 let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
                 let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
                 let dw = _mm512_loadu_ps(u.dw[h].as_ptr());
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let rec = records.get_unchecked(g * R + r);
-                    let x = rec.q.as_ptr();
-                    let dot = _mm512_dpbusd_epi32(
-                        _mm512_setzero_si512(),
-                        wa,
-                        _mm512_loadu_si512(x.cast()),
-                    );
-                    let dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
-                    let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
-                }
+                vnni_step(records, g, (wa, wb, dw), false, &mut acc);
             }
         }
         // SAFETY: 8 mins; one `d · Σ q_x` per sub-block, 8 per Q4_K block (the caller's promise).
@@ -1157,12 +1260,11 @@ unsafe fn dot_q6_k_vnni_unpacked<const R: usize>(row: &[Q6kBlock], records: &[Re
 unsafe fn unpack_rows<T>(
     w: &QuantMat,
     js: std::ops::Range<usize>,
-    unpack: unsafe fn(&[u8], &mut Vec<T>),
+    unpack: impl Fn(&[u8], &mut Vec<T>),
 ) -> Vec<Vec<T>> {
     js.map(|j| {
         let mut u = Vec::new();
-        // SAFETY: as the caller promises.
-        unsafe { unpack(w.row(j), &mut u) };
+        unpack(w.row(j), &mut u);
         u
     })
     .collect()
@@ -1240,15 +1342,21 @@ fn product_on(
             (Kernel::Vnni, Some(p)) => {
                 // K-quant prefill: the task's weight rows unpacked once for all its tiles.
                 let prefill = m >= 2 * ROW_TILE;
-                // SAFETY (both): the CPU has the features (`kernel` is one it runs); `w`'s rows
+                // SAFETY (all three): the CPU has the features (`kernel` is one it runs); `w`'s rows
                 // hold whole blocks of `dtype`.
-                let q4k = if prefill && dtype == DType::Q4_K {
-                    unsafe { unpack_rows(w, js.clone(), q4_k_unpack) }
+                let unpacked = |format| prefill && dtype == format;
+                let q4k = if unpacked(DType::Q4_K) {
+                    unsafe { unpack_rows(w, js.clone(), |r, u| q4_k_unpack(r, u)) }
                 } else {
                     Vec::new()
                 };
-                let q6k = if prefill && dtype == DType::Q6_K {
-                    unsafe { unpack_rows(w, js.clone(), q6_k_unpack) }
+                let q6k = if unpacked(DType::Q6_K) {
+                    unsafe { unpack_rows(w, js.clone(), |r, u| q6_k_unpack(r, u)) }
+                } else {
+                    Vec::new()
+                };
+                let groups = if unpacked(DType::Q8_0) || unpacked(DType::Q4_0) {
+                    unsafe { unpack_rows(w, js.clone(), |r, u| group_unpack(dtype, r, u)) }
                 } else {
                     Vec::new()
                 };
@@ -1263,9 +1371,10 @@ fn product_on(
                         // `q4k`/`q6k` those blocks unpacked).
                         let s = unsafe {
                             let t = j - js.start;
-                            match (q4k.get(t), q6k.get(t)) {
-                                (Some(u), _) => dot_q4_k_vnni_unpacked::<ROW_TILE>(u, recs, dxs),
-                                (_, Some(u)) => dot_q6_k_vnni_unpacked::<ROW_TILE>(u, recs),
+                            match (q4k.get(t), q6k.get(t), groups.get(t)) {
+                                (Some(u), _, _) => dot_q4_k_vnni_unpacked::<ROW_TILE>(u, recs, dxs),
+                                (_, Some(u), _) => dot_q6_k_vnni_unpacked::<ROW_TILE>(u, recs),
+                                (_, _, Some(u)) => dot_groups_vnni_unpacked::<ROW_TILE>(u, recs),
                                 _ => dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs),
                             }
                         };
