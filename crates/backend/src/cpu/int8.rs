@@ -1552,7 +1552,7 @@ mod tests {
                 o
             };
             let all = run(0, 17);
-            for (first, m) in [(5, 1), (4, 4), (3, 6), (16, 1)] {
+            for (first, m) in [(5, 1), (4, 4), (3, 6), (16, 1), (2, 13)] {
                 let alone = run(first, m);
                 assert!(
                     alone[..] == all[first * n..(first + m) * n],
