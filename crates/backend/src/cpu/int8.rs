@@ -816,15 +816,15 @@ unsafe fn for_each_group(
     let whole = nb / GROUP;
     let ahead = super::prefetch::distance();
     for g in 0..whole {
-        let p = row.as_ptr().wrapping_add(g * GROUP * bb);
+        // SAFETY: blocks 4g..4g+4 of `row`.
+        let p = unsafe { row.as_ptr().add(g * GROUP * bb) };
         // Four blocks: 136 bytes of Q8_0, 72 of Q4_0.
         if q8 {
             super::prefetch::lines::<3>(p, ahead);
         } else {
             super::prefetch::lines::<2>(p, ahead);
         }
-        // SAFETY: blocks 4g..4g+4 of `row`.
-        let (wa, wb, dw) = unpack(unsafe { row.as_ptr().add(g * GROUP * bb) });
+        let (wa, wb, dw) = unpack(p);
         f(g, wa, wb, dw);
     }
     let tail = nb - whole * GROUP;
@@ -1340,7 +1340,7 @@ fn product_on(
         #[cfg(target_arch = "x86_64")]
         match (kernel, &packed) {
             (Kernel::Vnni, Some(p)) => {
-                // K-quant prefill: the task's weight rows unpacked once for all its tiles.
+                // Prefill: the task's weight rows unpacked once for all its tiles.
                 let prefill = m >= 2 * ROW_TILE;
                 // SAFETY (all three): the CPU has the features (`kernel` is one it runs); `w`'s rows
                 // hold whole blocks of `dtype`.
@@ -1368,7 +1368,7 @@ fn product_on(
                     for j in js.clone() {
                         // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
                         // were packed from `k` values, `w.row(j)` holds `k` values' blocks (and
-                        // `q4k`/`q6k` those blocks unpacked).
+                        // `q4k`/`q6k`/`groups` those blocks unpacked).
                         let s = unsafe {
                             let t = j - js.start;
                             match (q4k.get(t), q6k.get(t), groups.get(t)) {
