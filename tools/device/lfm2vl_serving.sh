@@ -21,8 +21,11 @@ time_left() { [ $((SECONDS - t0)) -lt "$DEADLINE" ] || { echo "-- deadline: $1 s
 ensure() { # ensure DIR [make_lfm2vl_full.py flags]: a full-size random-weight folder
   local dir=$1; shift
   [ -f "$dir/config.json" ] && return 0
+  # The staged reference packages where carried, else the machine's own transformers.
   . tools/device/pysite.sh
-  pysite || { echo "reference packages: install failed"; return 1; }
+  if [ -f .dev/pack/site.tar.xz ] || ls .dev/whl/*.whl >/dev/null 2>&1; then
+    pysite || { echo "reference packages: install failed"; return 1; }
+  fi
   python3 tools/device/make_lfm2vl_full.py "$dir" "$@" > "$D/make_$(basename "$dir").log" 2>&1 \
     || { tail -5 "$D/make_$(basename "$dir").log"; return 1; }
 }
