@@ -1182,6 +1182,186 @@ unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]))
 }
 
+/// Weight rows per call of the prefill's [`dot_vnni_4x4`]: with [`ROW_TILE`] activation rows,
+/// sixteen outputs whose horizontal sums ([`reduce_4x4`]) take a quarter of the instructions of
+/// sixteen separate ones. A 4 × 1 call over a 1,024-wide Q4_K row spent ~30% of its time on its
+/// sums, its setup and the call.
+const WEIGHT_TILE: usize = 4;
+
+/// A weight row's block as prefill unpacks it ([`GroupBlock`], [`Q4kBlock`]), for
+/// [`dot_vnni_4x4`]: its groups of four blocks of 32 in [`vnni_step`]'s operands.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+trait Unpacked {
+    /// Groups of [`GROUP`] blocks of 32 in one.
+    const GROUPS: usize;
+    /// Whether the sums start from the records' seeds ([`vnni_step`]'s `seeded`).
+    const SEEDED: bool;
+    /// Group `h`'s two weight registers and its lanes' scales.
+    fn group(&self, h: usize) -> (&[u8; 64], &[u8; 64], &[f32; 16]);
+    /// Q4_K's eight sub-blocks' `dmin · m`, taken off against the rows' `d · Σ q_x`.
+    fn mins(&self) -> Option<&[f32; 8]> {
+        None
+    }
+}
+
+impl Unpacked for GroupBlock {
+    const GROUPS: usize = 1;
+    const SEEDED: bool = true;
+    fn group(&self, _: usize) -> (&[u8; 64], &[u8; 64], &[f32; 16]) {
+        (&self.w[0], &self.w[1], &self.dw)
+    }
+}
+
+impl Unpacked for Q4kBlock {
+    const GROUPS: usize = 2;
+    const SEEDED: bool = false;
+    fn group(&self, h: usize) -> (&[u8; 64], &[u8; 64], &[f32; 16]) {
+        (&self.w[2 * h], &self.w[2 * h + 1], &self.dw[h])
+    }
+    fn mins(&self) -> Option<&[f32; 8]> {
+        Some(&self.dm)
+    }
+}
+
+/// [`dot_groups_vnni_unpacked`] or [`dot_q4_k_vnni_unpacked`] for [`WEIGHT_TILE`] weight rows
+/// at once against [`ROW_TILE`] activation rows: `out[r][w]` is, bit for bit, the `r`-th result
+/// of that function on `rows[w]` — each output's accumulators take the same operations in the
+/// same order, and [`reduce_4x4`] sums lanes in `_mm512_reduce_add_ps`'s and [`hsum`]'s order.
+///
+/// # Safety
+/// As those functions', for each row of `rows`, all of one length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_vnni_4x4<B: Unpacked>(
+    rows: [&[B]; WEIGHT_TILE],
+    records: &[Record],
+    dxs: [&[f32]; ROW_TILE],
+) -> [[f32; WEIGHT_TILE]; ROW_TILE] {
+    use std::arch::x86_64::*;
+    let blocks = rows[0].len();
+    debug_assert!(rows.iter().all(|r| r.len() == blocks));
+    let mut acc = [[_mm512_setzero_ps(); ROW_TILE]; WEIGHT_TILE];
+    for kb in 0..blocks {
+        for h in 0..B::GROUPS {
+            let g = B::GROUPS * kb + h;
+            for r in 0..ROW_TILE {
+                // SAFETY: `records` holds ROW_TILE records per group and g is one of its groups;
+                // every row of `rows` holds `blocks` blocks (the caller's promise).
+                unsafe {
+                    let rec = records.get_unchecked(g * ROW_TILE + r);
+                    let x = rec.q.as_ptr();
+                    let (xa, xb) = (
+                        _mm512_loadu_si512(x.cast()),
+                        _mm512_loadu_si512(x.add(64).cast()),
+                    );
+                    let dx = _mm512_loadu_ps(rec.dx.as_ptr());
+                    let seed = if B::SEEDED {
+                        _mm512_loadu_si512(rec.seed.as_ptr().cast())
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    for (w, acc) in acc.iter_mut().enumerate() {
+                        let (wa, wb, dw) = rows[w].get_unchecked(kb).group(h);
+                        let dot =
+                            _mm512_dpbusd_epi32(seed, _mm512_loadu_si512(wa.as_ptr().cast()), xa);
+                        let dot =
+                            _mm512_dpbusd_epi32(dot, _mm512_loadu_si512(wb.as_ptr().cast()), xb);
+                        let scale = _mm512_mul_ps(_mm512_loadu_ps(dw.as_ptr()), dx);
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                    }
+                }
+            }
+        }
+    }
+    let sums = reduce_4x4(std::array::from_fn(|o| acc[o / 4][o % 4]));
+    let sums = if rows[0].first().and_then(Unpacked::mins).is_some() {
+        let mut mins = [[_mm256_setzero_ps(); ROW_TILE]; WEIGHT_TILE];
+        for kb in 0..blocks {
+            for (w, mins) in mins.iter_mut().enumerate() {
+                // SAFETY: every block of this format has mins; one `d · Σ q_x` per sub-block, 8
+                // per block (the caller's promise).
+                unsafe {
+                    let dm = rows[w].get_unchecked(kb).mins().unwrap_unchecked();
+                    let dm = _mm256_loadu_ps(dm.as_ptr());
+                    for (r, mins) in mins.iter_mut().enumerate() {
+                        let dx = _mm256_loadu_ps(dxs[r].as_ptr().add(8 * kb));
+                        *mins = _mm256_fmadd_ps(dm, dx, *mins);
+                    }
+                }
+            }
+        }
+        // Outputs 2k and 2k + 1 as one register's halves, as `reduce_halves` takes them.
+        let pairs = std::array::from_fn(|k| {
+            let (a, b) = (
+                mins[2 * k / 4][2 * k % 4],
+                mins[(2 * k + 1) / 4][(2 * k + 1) % 4],
+            );
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                _mm512_castpd256_pd512(_mm256_castps_pd(a)),
+                _mm256_castps_pd(b),
+            ))
+        });
+        _mm512_sub_ps(sums, reduce_halves(pairs))
+    } else {
+        sums
+    };
+    let mut out = [0f32; ROW_TILE * WEIGHT_TILE];
+    // SAFETY: `out` holds 16 values.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sums) };
+    std::array::from_fn(|r| std::array::from_fn(|w| out[4 * r + w]))
+}
+
+/// Sixteen registers' lane sums in one: lane `4r + w` holds the sum of `v[4w + r]`'s sixteen
+/// lanes, added pairwise in `_mm512_reduce_add_ps`'s order (lane `i` with `i + 8`, then `i + 4`,
+/// `i + 2`, `i + 1`), so each equals that intrinsic's result for its register bit for bit. A
+/// butterfly: each level adds two registers' halves into one, 15 additions for the 16 sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn reduce_4x4(v: [std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // Lanes i and i + 8: registers 2k and 2k + 1 into the halves of one.
+    let halves = std::array::from_fn(|k| {
+        let (a, b) = (v[2 * k], v[2 * k + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        )
+    });
+    reduce_halves(halves)
+}
+
+/// [`reduce_4x4`] from its second level: eight registers, each two outputs' eight partial sums
+/// (output `2k` in register `k`'s low half, `2k + 1` in its high half); lanes `i` and `i + 4`,
+/// then `i + 2`, `i + 1` — [`hsum`]'s order for an eight-lane register, so the Q4_K mins take it
+/// too.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn reduce_halves(c: [std::arch::x86_64::__m512; 8]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // Lanes i and i + 4: each 128-bit lane one output's four partial sums.
+    let quarters: [__m512; 4] = std::array::from_fn(|k| {
+        let (a, b) = (c[2 * k], c[2 * k + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    });
+    // Lanes i and i + 2 within each 128-bit lane: two outputs' two partial sums a lane.
+    let pairs: [__m512; 2] = std::array::from_fn(|k| {
+        let (a, b) = (quarters[2 * k], quarters[2 * k + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+        )
+    });
+    // Lanes i and i + 1.
+    let (a, b) = (pairs[0], pairs[1]);
+    _mm512_add_ps(
+        _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+        _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+    )
+}
+
 /// A Q6_K block unpacked as [`dot_q6_k_vnni`] uses it: per half (one group) the two weight
 /// registers and the two sub-block scale registers, and `d`. For prefill, as [`Q4kBlock`].
 #[derive(Clone, Copy)]
@@ -1365,7 +1545,28 @@ fn product_on(
                         p.records(i, ROW_TILE),
                         std::array::from_fn(|r| p.dxs(i + r)),
                     );
-                    for j in js.clone() {
+                    // Unpacked weight rows four at a time (Q6_K's one by one), then the rest.
+                    let quads = if q4k.is_empty() && groups.is_empty() {
+                        0
+                    } else {
+                        js.len() / WEIGHT_TILE
+                    };
+                    for t in (0..quads).map(|q| q * WEIGHT_TILE) {
+                        // SAFETY: as below; rows t..t+4 of the task, each `k` values' blocks.
+                        let s = unsafe {
+                            if q4k.is_empty() {
+                                dot_vnni_4x4(std::array::from_fn(|w| &groups[t + w][..]), recs, dxs)
+                            } else {
+                                dot_vnni_4x4(std::array::from_fn(|w| &q4k[t + w][..]), recs, dxs)
+                            }
+                        };
+                        for (r, s) in s.into_iter().enumerate() {
+                            for (w, s) in s.into_iter().enumerate() {
+                                store(i + r, js.start + t + w, s);
+                            }
+                        }
+                    }
+                    for j in js.start + quads * WEIGHT_TILE..js.end {
                         // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
                         // were packed from `k` values, `w.row(j)` holds `k` values' blocks (and
                         // `q4k`/`q6k`/`groups` those blocks unpacked).
@@ -1521,11 +1722,14 @@ mod tests {
     #[test]
     fn int8_products_do_not_depend_on_the_row_count() {
         // Also a part group of blocks (Q8_0, Q4_0: 224 = 7 blocks) and a last task of 11
-        // weight rows.
+        // weight rows (prefill's quads of weight rows, then three alone).
         for (kernel, dtype, (k, n)) in Kernel::available().into_iter().flat_map(|kr| {
             FORMATS.into_iter().flat_map(move |d| {
                 let part = (d.block_size() == 32).then_some((224, 43));
-                [(256, 40)].into_iter().chain(part).map(move |s| (kr, d, s))
+                [(256, 40), (256, 43)]
+                    .into_iter()
+                    .chain(part)
+                    .map(move |s| (kr, d, s))
             })
         }) {
             let w = QuantMat::from_blocks(
