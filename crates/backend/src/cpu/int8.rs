@@ -892,7 +892,7 @@ struct GroupBlock {
     dw: [f32; 16],
 }
 
-/// Unpack a Q8_0 or Q4_0 row's groups into `out` (emptied first), as [`dot_vnni`] unpacks them.
+/// Unpack a Q8_0 or Q4_0 row's groups onto the end of `out`, as [`dot_vnni`] unpacks them.
 ///
 /// # Safety
 /// As [`for_each_group`]'s.
@@ -900,7 +900,6 @@ struct GroupBlock {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
 unsafe fn group_unpack(dtype: DType, row: &[u8], out: &mut Vec<GroupBlock>) {
     use std::arch::x86_64::*;
-    out.clear();
     // SAFETY: as the caller promises; each store fills one of the block's arrays.
     unsafe {
         for_each_group(dtype, row, |_, wa, wb, dw| {
@@ -1091,7 +1090,7 @@ struct Q4kBlock {
     dm: [f32; 8],
 }
 
-/// Unpack a Q4_K row's blocks into `out` (emptied first), as [`dot_vnni`] unpacks them.
+/// Unpack a Q4_K row's blocks onto the end of `out`, as [`dot_vnni`] unpacks them.
 ///
 /// # Safety
 /// The CPU has AVX2, F16C and AVX512F; `row` holds whole Q4_K blocks.
@@ -1106,7 +1105,6 @@ unsafe fn q4_k_unpack(row: &[u8], out: &mut Vec<Q4kBlock>) {
         _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
         _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
     ];
-    out.clear();
     let ahead = super::prefetch::distance();
     for b in row.chunks_exact(DType::Q4_K.block_bytes()) {
         super::prefetch::lines::<3>(b.as_ptr(), ahead);
@@ -1311,6 +1309,71 @@ unsafe fn dot_vnni_4x4<B: Unpacked>(
     std::array::from_fn(|r| std::array::from_fn(|w| out[4 * r + w]))
 }
 
+/// [`dot_q6_k_vnni_unpacked`] for [`WEIGHT_TILE`] weight rows at once against [`ROW_TILE`]
+/// activation rows, as [`dot_vnni_4x4`] is for the other formats: `out[r][w]` is, bit for bit,
+/// the `r`-th result of [`dot_q6_k_vnni_unpacked`] on `rows[w]`.
+///
+/// # Safety
+/// As [`dot_q6_k_vnni_unpacked`]'s, for each row of `rows`, all of one length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_q6_k_vnni_4x4(
+    rows: [&[Q6kBlock]; WEIGHT_TILE],
+    records: &[Record],
+) -> [[f32; WEIGHT_TILE]; ROW_TILE] {
+    use std::arch::x86_64::*;
+    let blocks = rows[0].len();
+    debug_assert!(rows.iter().all(|r| r.len() == blocks));
+    let mut acc = [[_mm512_setzero_ps(); ROW_TILE]; WEIGHT_TILE];
+    for kb in 0..blocks {
+        for h in 0..2 {
+            let g = 2 * kb + h;
+            // Each weight row's sub-block scales times `d`, as `q6_k_vnni_step` makes them.
+            // SAFETY (this block and the next): every row of `rows` holds `blocks` blocks;
+            // `records` ROW_TILE records per group, g one of its groups (the caller's promise).
+            let f: [(__m512, __m512); WEIGHT_TILE] = std::array::from_fn(|w| unsafe {
+                let u = rows[w].get_unchecked(kb);
+                let dw = _mm512_set1_ps(u.d);
+                let sa = _mm512_loadu_si512(u.sc[2 * h].as_ptr().cast());
+                let sb = _mm512_loadu_si512(u.sc[2 * h + 1].as_ptr().cast());
+                (
+                    _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sa)),
+                    _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sb)),
+                )
+            });
+            for r in 0..ROW_TILE {
+                unsafe {
+                    let rec = records.get_unchecked(g * ROW_TILE + r);
+                    let (x, seed) = (rec.q.as_ptr(), rec.seed.as_ptr());
+                    let (xa, xb) = (
+                        _mm512_loadu_si512(x.cast()),
+                        _mm512_loadu_si512(x.add(64).cast()),
+                    );
+                    let sa = _mm512_maskz_loadu_epi32(0x1111, seed.cast());
+                    let sb = _mm512_maskz_loadu_epi32(0x2222, seed.cast());
+                    let dx = _mm512_loadu_ps(rec.dx.as_ptr());
+                    for (w, acc) in acc.iter_mut().enumerate() {
+                        let u = rows[w].get_unchecked(kb);
+                        let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
+                        let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
+                        let da = _mm512_dpbusd_epi32(sa, wa, xa);
+                        let db = _mm512_dpbusd_epi32(sb, wb, xb);
+                        let (fa, fb) = f[w];
+                        let a =
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(fa, dx), acc[r]);
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(fb, dx), a);
+                    }
+                }
+            }
+        }
+    }
+    let mut out = [0f32; ROW_TILE * WEIGHT_TILE];
+    let sums = reduce_4x4(std::array::from_fn(|o| acc[o / 4][o % 4]));
+    // SAFETY: `out` holds 16 values.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sums) };
+    std::array::from_fn(|r| std::array::from_fn(|w| out[4 * r + w]))
+}
+
 /// Sixteen registers' lane sums in one: lane `4r + w` holds the sum of `v[4w + r]`'s sixteen
 /// lanes, added pairwise in `_mm512_reduce_add_ps`'s order (lane `i` with `i + 8`, then `i + 4`,
 /// `i + 2`, `i + 1`), so each equals that intrinsic's result for its register bit for bit. A
@@ -1373,7 +1436,7 @@ struct Q6kBlock {
     d: f32,
 }
 
-/// Unpack a Q6_K row's blocks into `out` (emptied first), as [`dot_q6_k_vnni`] unpacks them.
+/// Unpack a Q6_K row's blocks onto the end of `out`, as [`dot_q6_k_vnni`] unpacks them.
 ///
 /// # Safety
 /// The CPU has AVX2, F16C, AVX512F and AVX512BW; `row` holds whole Q6_K blocks.
@@ -1381,7 +1444,6 @@ struct Q6kBlock {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
 unsafe fn q6_k_unpack(row: &[u8], out: &mut Vec<Q6kBlock>) {
     use std::arch::x86_64::*;
-    out.clear();
     let ahead = super::prefetch::distance();
     for b in row.chunks_exact(DType::Q6_K.block_bytes()) {
         super::prefetch::lines::<4>(b.as_ptr(), ahead);
@@ -1432,7 +1494,42 @@ unsafe fn dot_q6_k_vnni_unpacked<const R: usize>(row: &[Q6kBlock], records: &[Re
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
 }
 
-/// Weight rows `js` of `w` unpacked by `unpack` ([`q4_k_unpack`], [`q6_k_unpack`]).
+/// A task's weight rows unpacked for prefill, one after another in one allocation (a vector
+/// per row cost ~5% of a Q4_K prefill in the allocator: thousands of 64-byte-aligned vectors a
+/// product).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct UnpackedRows<T> {
+    blocks: Vec<T>,
+    rows: usize,
+}
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+impl<T> UnpackedRows<T> {
+    fn none() -> Self {
+        UnpackedRows {
+            blocks: Vec::new(),
+            rows: 0,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    /// Row `t` of the task's rows, if unpacked.
+    fn get(&self, t: usize) -> Option<&[T]> {
+        let per = self.blocks.len() / self.rows.max(1);
+        (t < self.rows).then(|| &self.blocks[t * per..(t + 1) * per])
+    }
+
+    /// Rows `t..t + 4`, all unpacked (the caller's promise).
+    fn quad(&self, t: usize) -> [&[T]; WEIGHT_TILE] {
+        std::array::from_fn(|w| self.get(t + w).expect("a quad of unpacked rows"))
+    }
+}
+
+/// Weight rows `js` of `w` unpacked by `unpack` ([`q4_k_unpack`], [`q6_k_unpack`],
+/// [`group_unpack`]), `per_row` unpacked blocks each.
 ///
 /// # Safety
 /// As `unpack`'s: the CPU has its features and `w` is in its format.
@@ -1440,14 +1537,16 @@ unsafe fn dot_q6_k_vnni_unpacked<const R: usize>(row: &[Q6kBlock], records: &[Re
 unsafe fn unpack_rows<T>(
     w: &QuantMat,
     js: std::ops::Range<usize>,
+    per_row: usize,
     unpack: impl Fn(&[u8], &mut Vec<T>),
-) -> Vec<Vec<T>> {
-    js.map(|j| {
-        let mut u = Vec::new();
-        unpack(w.row(j), &mut u);
-        u
-    })
-    .collect()
+) -> UnpackedRows<T> {
+    let rows = js.len();
+    let mut blocks = Vec::with_capacity(rows * per_row);
+    for j in js {
+        unpack(w.row(j), &mut blocks);
+    }
+    debug_assert_eq!(blocks.len(), rows * per_row);
+    UnpackedRows { blocks, rows }
 }
 
 /// Activation rows per AVX2 or VNNI call: each weight block is unpacked once for this many rows.
@@ -1526,27 +1625,31 @@ fn product_on(
                 // hold whole blocks of `dtype`.
                 let unpacked = |format| prefill && dtype == format;
                 let q4k = if unpacked(DType::Q4_K) {
-                    unsafe { unpack_rows(w, js.clone(), |r, u| q4_k_unpack(r, u)) }
+                    unsafe { unpack_rows(w, js.clone(), blocks / 8, |r, u| q4_k_unpack(r, u)) }
                 } else {
-                    Vec::new()
+                    UnpackedRows::none()
                 };
                 let q6k = if unpacked(DType::Q6_K) {
-                    unsafe { unpack_rows(w, js.clone(), |r, u| q6_k_unpack(r, u)) }
+                    unsafe { unpack_rows(w, js.clone(), blocks / 8, |r, u| q6_k_unpack(r, u)) }
                 } else {
-                    Vec::new()
+                    UnpackedRows::none()
                 };
                 let groups = if unpacked(DType::Q8_0) || unpacked(DType::Q4_0) {
-                    unsafe { unpack_rows(w, js.clone(), |r, u| group_unpack(dtype, r, u)) }
+                    unsafe {
+                        unpack_rows(w, js.clone(), blocks.div_ceil(GROUP), |r, u| {
+                            group_unpack(dtype, r, u)
+                        })
+                    }
                 } else {
-                    Vec::new()
+                    UnpackedRows::none()
                 };
                 while i + ROW_TILE <= m {
                     let (recs, dxs) = (
                         p.records(i, ROW_TILE),
                         std::array::from_fn(|r| p.dxs(i + r)),
                     );
-                    // Unpacked weight rows four at a time (Q6_K's one by one), then the rest.
-                    let quads = if q4k.is_empty() && groups.is_empty() {
+                    // Unpacked weight rows four at a time, then the rest one by one.
+                    let quads = if q4k.is_empty() && q6k.is_empty() && groups.is_empty() {
                         0
                     } else {
                         js.len() / WEIGHT_TILE
@@ -1554,10 +1657,12 @@ fn product_on(
                     for t in (0..quads).map(|q| q * WEIGHT_TILE) {
                         // SAFETY: as below; rows t..t+4 of the task, each `k` values' blocks.
                         let s = unsafe {
-                            if q4k.is_empty() {
-                                dot_vnni_4x4(std::array::from_fn(|w| &groups[t + w][..]), recs, dxs)
+                            if !q4k.is_empty() {
+                                dot_vnni_4x4(q4k.quad(t), recs, dxs)
+                            } else if !q6k.is_empty() {
+                                dot_q6_k_vnni_4x4(q6k.quad(t), recs)
                             } else {
-                                dot_vnni_4x4(std::array::from_fn(|w| &q4k[t + w][..]), recs, dxs)
+                                dot_vnni_4x4(groups.quad(t), recs, dxs)
                             }
                         };
                         for (r, s) in s.into_iter().enumerate() {
