@@ -123,7 +123,9 @@ pub fn round_rows(x: &[f32], xs: usize, m: usize, k: usize) -> Rows {
     let mut q = vec![0i8; m * k];
     let mut d = vec![0f32; m * blocks];
     let mut sums = vec![0i32; m * blocks];
-    let row = |(i, ((qr, dr), sr)): (usize, ((&mut [i8], &mut [f32]), &mut [i32]))| {
+    // One row: its index, then its values, scales and sums to fill.
+    type RowOut<'a> = (usize, ((&'a mut [i8], &'a mut [f32]), &'a mut [i32]));
+    let row = |(i, ((qr, dr), sr)): RowOut<'_>| {
         round_row(&x[i * xs..i * xs + k], qr, dr);
         for (s, qb) in sr.iter_mut().zip(qr.chunks_exact(BLOCK)) {
             *s = qb.iter().map(|&v| i32::from(v)).sum();
