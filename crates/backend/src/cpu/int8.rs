@@ -586,8 +586,9 @@ struct Record {
 
 /// Rounded activation rows laid out for [`dot_vnni`]: their [`Record`]s, zero-padded to whole
 /// groups, those of each tile of [`ROW_TILE`] rows interleaved (group by group, the tile's rows
-/// in turn: one pointer walks a tile), then the rows left over one by one; for Q4_K,
-/// `d · Σ q_x` per row and block (what the sub-blocks' mins multiply).
+/// in turn: one pointer walks a tile), then the rows left over one by one; for Q4_K, the values
+/// in its own lane layout ([`Packed::q4_k_pairs`]) and `d · Σ q_x` per row and block (what the
+/// sub-blocks' mins multiply).
 struct Packed {
     records: Vec<Record>,
     dxs: Vec<f32>,
@@ -617,6 +618,10 @@ impl Packed {
             tiled: m - m % ROW_TILE,
         };
         for i in 0..m {
+            if q4_k {
+                p.q4_k_pairs(r, i, k);
+                continue;
+            }
             for b in 0..blocks {
                 let (g, j) = (b / GROUP, b % GROUP);
                 let at = p.at(i, g);
@@ -633,12 +638,33 @@ impl Packed {
                 } else {
                     rec.seed[4 * j..][..4].fill(-offset / 4 * s);
                 }
-                if q4_k {
-                    p.dxs[i * blocks + b] = d * s as f32;
-                }
             }
         }
         p
+    }
+
+    /// Row `i` for Q4_K weights, in the layout of [`Q4kLanes`]: each Q4_K block's 256 values in
+    /// the records of two groups (`2kb`, `2kb + 1`), register `t` (the first record's two
+    /// halves, then the second's) holding in lane `2j + e` sub-block `j`'s values
+    /// `16e + 4t .. 16e + 4t + 4`; the lane's `d_x` in the first record; no seeds (Q4_K's
+    /// nibbles need no offset). And `d · Σ q_x` per sub-block for the mins.
+    fn q4_k_pairs(&mut self, r: &Rows, i: usize, k: usize) {
+        let blocks = self.blocks;
+        for b in 0..blocks {
+            let (kb, j) = (b / 8, b % 8);
+            let src = &r.q[i * k + b * BLOCK..][..BLOCK];
+            for e in 0..2 {
+                for t in 0..4 {
+                    let at = self.at(i, 2 * kb + t / 2);
+                    let lane = 2 * j + e;
+                    self.records[at].q[64 * (t % 2) + 4 * lane..][..4]
+                        .copy_from_slice(&src[16 * e + 4 * t..][..4]);
+                }
+                let at = self.at(i, 2 * kb);
+                self.records[at].dx[2 * j + e] = r.d[i * blocks + b];
+            }
+            self.dxs[i * blocks + b] = r.d[i * blocks + b] * r.s[i * blocks + b] as f32;
+        }
     }
 
     /// Where row `i`'s record of group `g` is.
@@ -684,8 +710,9 @@ fn q4_k_scales_mins(s: &[u8; 12]) -> (u64, u64) {
 /// two `vpdpbusd` leave each block's integer sum in four lanes of one register, seeded with
 /// `−offset / 4 · Σ q_x` so the four lanes sum exactly to `Σ q_w q_x` ([`vnni_offset`]). One
 /// conversion and one FMA by the lanes' `d_w · d_x` per step and row; one accumulator per row,
-/// summed in the same order for every `R`. Q4_K's sub-block scales and mins decode eight at a
-/// time; its mins (`dm · d_x · Σ q_x`) accumulate in an eight-lane vector per row.
+/// summed in the same order for every `R`. Q4_K takes a layout of its own ([`Q4kLanes`]: a
+/// block's eight sub-blocks in two lanes each, one conversion and FMA per block and row); its
+/// mins (`dm · d_x · Σ q_x`) accumulate in an eight-lane vector per row.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C, AVX512F, AVX512BW and AVX512_VNNI; `row` holds whole blocks of
@@ -701,53 +728,25 @@ unsafe fn dot_vnni<const R: usize>(
 ) -> [f32; R] {
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); R];
-    let low = _mm512_set1_epi8(0x0f);
-    // Q4_K's seeds are zero: no offset to take back.
-    let seeded = dtype != DType::Q4_K;
     let step = |g: usize, wa: __m512i, wb: __m512i, dw: __m512, acc: &mut [__m512; R]| {
         // SAFETY: as the caller promises of `records`; g is one of its groups.
-        unsafe { vnni_step(records, g, (wa, wb, dw), seeded, acc) }
+        unsafe { vnni_step(records, g, (wa, wb, dw), acc) }
     };
     if dtype == DType::Q6_K {
         // SAFETY: as the caller promises.
         return unsafe { dot_q6_k_vnni(row, records) };
     }
     if dtype == DType::Q4_K {
-        // Qwords of the low and high nibbles (sub-blocks 4h, 4h+2 and 4h+1, 4h+3 of a run pair)
-        // into every sub-block's values 0..16, then 16..32, in sub-block order.
-        let firsts = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
-        let seconds = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-        let spread = [
-            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-            _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
-        ];
+        let lanes = Q4kLanes::new();
         let mut mins = [_mm256_setzero_ps(); R];
         let ahead = super::prefetch::distance();
         for (kb, b) in row.chunks_exact(DType::Q4_K.block_bytes()).enumerate() {
             super::prefetch::lines::<3>(b.as_ptr(), ahead);
-            let dd = f16_bits(u16::from_le_bytes([b[0], b[1]]));
-            let dmin = f16_bits(u16::from_le_bytes([b[2], b[3]]));
-            let mut packed = [0u8; 12];
-            packed.copy_from_slice(&b[4..16]);
-            let (sc, mn) = q4_k_scales_mins(&packed);
-            let bytes =
-                |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
-            let ds = _mm256_mul_ps(_mm256_set1_ps(dd), bytes(sc));
-            let dm = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes(mn));
-            for (h, spread) in spread.iter().enumerate() {
-                // SAFETY: a Q4_K block is 144 bytes, its runs of nibbles at 16..144.
-                let t = unsafe { _mm512_loadu_si512(b.as_ptr().add(16 + 64 * h).cast()) };
-                let lo = _mm512_and_si512(t, low);
-                let hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
-                let wa = _mm512_permutex2var_epi64(lo, firsts, hi);
-                let wb = _mm512_permutex2var_epi64(lo, seconds, hi);
-                let dw = _mm512_permutexvar_ps(*spread, _mm512_castps256_ps512(ds));
-                step(2 * kb + h, wa, wb, dw, &mut acc);
-            }
-            for r in 0..R {
-                // SAFETY: one `d · Σ q_x` per sub-block, 8 per Q4_K block (the caller's promise).
-                let dxs = unsafe { _mm256_loadu_ps(dxs[r].as_ptr().add(8 * kb)) };
-                mins[r] = _mm256_fmadd_ps(dm, dxs, mins[r]);
+            // SAFETY: `b` is one whole Q4_K block; `records` and `dxs` as the caller promises.
+            unsafe {
+                let (w, dw, dm) = lanes.unpack(b);
+                q4_k_step(records, kb, &w, dw, &mut acc);
+                q4_k_mins(dm, dxs, kb, &mut mins);
             }
         }
         return std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]));
@@ -853,7 +852,7 @@ unsafe fn for_each_group(
 
 /// One group of four blocks of 32 (`wa`, `wb`: every block's first 16 values, then its second
 /// 16; `dw` the lanes' weight scales) against `R` activation rows' records of group `g`: two
-/// `vpdpbusd` leave each block's integer sum in four lanes, seeded (where `seeded`) with
+/// `vpdpbusd` leave each block's integer sum in four lanes, seeded with
 /// `−offset / 4 · Σ q_x` so the four lanes sum exactly to `Σ q_w q_x` ([`vnni_offset`]); one
 /// conversion and one FMA by the lanes' `d_w · d_x` per row into its accumulator.
 ///
@@ -871,7 +870,6 @@ unsafe fn vnni_step<const R: usize>(
         std::arch::x86_64::__m512i,
         std::arch::x86_64::__m512,
     ),
-    seeded: bool,
     acc: &mut [std::arch::x86_64::__m512; R],
 ) {
     use std::arch::x86_64::*;
@@ -880,11 +878,7 @@ unsafe fn vnni_step<const R: usize>(
         // promise); each record 128 values, 16 scales and 16 seeds.
         unsafe {
             let rec = records.get_unchecked(g * R + r);
-            let mut dot = if seeded {
-                _mm512_loadu_si512(rec.seed.as_ptr().cast())
-            } else {
-                _mm512_setzero_si512()
-            };
+            let mut dot = _mm512_loadu_si512(rec.seed.as_ptr().cast());
             let x = rec.q.as_ptr();
             dot = _mm512_dpbusd_epi32(dot, wa, _mm512_loadu_si512(x.cast()));
             dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
@@ -949,7 +943,7 @@ unsafe fn dot_groups_vnni_unpacked<const R: usize>(
             let wa = _mm512_loadu_si512(u.w[0].as_ptr().cast());
             let wb = _mm512_loadu_si512(u.w[1].as_ptr().cast());
             let dw = _mm512_loadu_ps(u.dw.as_ptr());
-            vnni_step(records, g, (wa, wb, dw), true, &mut acc);
+            vnni_step(records, g, (wa, wb, dw), &mut acc);
         }
     }
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
@@ -1091,8 +1085,143 @@ unsafe fn q6_k_vnni_step<const R: usize>(
     }
 }
 
-/// A Q4_K block unpacked as [`dot_vnni`] uses it: its two groups' weight registers (`wa`, `wb`
-/// each) and lane scales `d · sc`, and its eight sub-blocks' `dmin · m`. Three times the packed
+/// Q4_K for [`dot_vnni`]: one block (256 values, eight sub-blocks of 32) in four registers
+/// whose lane `2j + e` holds, in register `t`, sub-block `j`'s values `16e + 4t .. 16e + 4t + 4`
+/// — so four `vpdpbusd` leave each sub-block's sum in two lanes (its halves), and one
+/// conversion, one scale product and one FMA per block and row take the whole block, where
+/// four blocks of 32 a register took two of each per four sub-blocks. The index and shift
+/// registers that make that layout from the stored nibbles, made once per call.
+#[cfg(target_arch = "x86_64")]
+struct Q4kLanes {
+    /// Per register `t`: lane `L = 4i + 2h + e` takes dword `8i + 4e + t` of the 128 bytes of
+    /// nibbles (the 32 bytes of sub-blocks `2i`, `2i + 1`: low nibbles `2i`, high `2i + 1`).
+    idx: [std::arch::x86_64::__m512i; 4],
+    /// Lane `L`'s nibble: `4h` bits down.
+    shift: std::arch::x86_64::__m512i,
+    /// Sub-block `j`'s scale into lanes `2j`, `2j + 1`.
+    spread: std::arch::x86_64::__m512i,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Q4kLanes {
+    #[target_feature(enable = "avx512f")]
+    fn new() -> Self {
+        use std::arch::x86_64::*;
+        let reg = |f: &dyn Fn(i32) -> i32| {
+            let v: [i32; 16] = std::array::from_fn(|l| f(l as i32));
+            // SAFETY: 16 values.
+            unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+        };
+        Q4kLanes {
+            idx: std::array::from_fn(|t| reg(&|l| 8 * (l / 4) + 4 * (l % 2) + t as i32)),
+            shift: reg(&|l| 4 * ((l / 2) % 2)),
+            spread: reg(&|l| l / 2),
+        }
+    }
+
+    /// Block `b` (144 bytes) as its four registers, its lanes' `d · sc` and its eight
+    /// sub-blocks' `dmin · m`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, F16C, AVX512F; `b` holds one whole Q4_K block.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+    #[inline]
+    unsafe fn unpack(
+        &self,
+        b: &[u8],
+    ) -> (
+        [std::arch::x86_64::__m512i; 4],
+        std::arch::x86_64::__m512,
+        std::arch::x86_64::__m256,
+    ) {
+        use std::arch::x86_64::*;
+        let low = _mm512_set1_epi8(0x0f);
+        let dd = f16_bits(u16::from_le_bytes([b[0], b[1]]));
+        let dmin = f16_bits(u16::from_le_bytes([b[2], b[3]]));
+        let mut packed = [0u8; 12];
+        packed.copy_from_slice(&b[4..16]);
+        let (sc, mn) = q4_k_scales_mins(&packed);
+        let bytes = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+        let ds = _mm256_mul_ps(_mm256_set1_ps(dd), bytes(sc));
+        let dm = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes(mn));
+        // SAFETY: a Q4_K block is 144 bytes, its nibbles at 16..144.
+        let (q0, q1) = unsafe {
+            (
+                _mm512_loadu_si512(b.as_ptr().add(16).cast()),
+                _mm512_loadu_si512(b.as_ptr().add(80).cast()),
+            )
+        };
+        let w = self.idx.map(|idx| {
+            let v = _mm512_permutex2var_epi32(q0, idx, q1);
+            _mm512_and_si512(_mm512_srlv_epi32(v, self.shift), low)
+        });
+        let dw = _mm512_permutexvar_ps(self.spread, _mm512_castps256_ps512(ds));
+        (w, dw, dm)
+    }
+}
+
+/// One Q4_K block (`w`, `dw` from [`Q4kLanes::unpack`]) against `R` activation rows' records
+/// of groups `2kb`, `2kb + 1` ([`Packed::q4_k_pairs`]): four `vpdpbusd` from zero, then the
+/// conversion and one FMA by the lanes' `d_w · d_x` into each row's accumulator.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512_VNNI; `records` holds `R` records per group, group by group,
+/// for at least `2kb + 2` groups.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn q4_k_step<const R: usize>(
+    records: &[Record],
+    kb: usize,
+    w: &[std::arch::x86_64::__m512i; 4],
+    dw: std::arch::x86_64::__m512,
+    acc: &mut [std::arch::x86_64::__m512; R],
+) {
+    use std::arch::x86_64::*;
+    for (r, acc) in acc.iter_mut().enumerate() {
+        // SAFETY: as the caller promises of `records`.
+        unsafe {
+            let (a, b) = (
+                records.get_unchecked(2 * kb * R + r),
+                records.get_unchecked((2 * kb + 1) * R + r),
+            );
+            let x = |rec: &Record, half: usize| {
+                _mm512_loadu_si512(rec.q.as_ptr().add(64 * half).cast())
+            };
+            let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x(a, 0));
+            let dot = _mm512_dpbusd_epi32(dot, w[1], x(a, 1));
+            let dot = _mm512_dpbusd_epi32(dot, w[2], x(b, 0));
+            let dot = _mm512_dpbusd_epi32(dot, w[3], x(b, 1));
+            let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a.dx.as_ptr()));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+        }
+    }
+}
+
+/// Q4_K block `kb`'s mins for `R` rows: `dm · (d · Σ q_x)` per sub-block into each row's
+/// eight lanes.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; each `dxs[r]` holds at least `8kb + 8` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q4_k_mins<const R: usize>(
+    dm: std::arch::x86_64::__m256,
+    dxs: [&[f32]; R],
+    kb: usize,
+    mins: &mut [std::arch::x86_64::__m256; R],
+) {
+    use std::arch::x86_64::*;
+    for r in 0..R {
+        // SAFETY: as the caller promises.
+        let d = unsafe { _mm256_loadu_ps(dxs[r].as_ptr().add(8 * kb)) };
+        mins[r] = _mm256_fmadd_ps(dm, d, mins[r]);
+    }
+}
+
+/// A Q4_K block unpacked as [`dot_vnni`] uses it ([`Q4kLanes::unpack`]): its four weight
+/// registers, lane scales `d · sc` and eight sub-blocks' `dmin · m`. 2.7 times the packed
 /// block's bytes, so made once per task for prefill ([`q4_k_unpack`]), where every tile of rows
 /// would otherwise unpack the same weights again.
 #[derive(Clone, Copy)]
@@ -1100,7 +1229,7 @@ unsafe fn q6_k_vnni_step<const R: usize>(
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Q4kBlock {
     w: [[u8; 64]; 4],
-    dw: [[f32; 16]; 2],
+    dw: [f32; 16],
     dm: [f32; 8],
 }
 
@@ -1112,44 +1241,23 @@ struct Q4kBlock {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
 unsafe fn q4_k_unpack(row: &[u8], out: &mut Vec<Q4kBlock>) {
     use std::arch::x86_64::*;
-    let low = _mm512_set1_epi8(0x0f);
-    let firsts = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
-    let seconds = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-    let spread = [
-        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
-    ];
+    let lanes = Q4kLanes::new();
     let ahead = super::prefetch::distance();
     for b in row.chunks_exact(DType::Q4_K.block_bytes()) {
         super::prefetch::lines::<3>(b.as_ptr(), ahead);
         let mut u = Q4kBlock {
             w: [[0; 64]; 4],
-            dw: [[0.0; 16]; 2],
+            dw: [0.0; 16],
             dm: [0.0; 8],
         };
-        let dd = f16_bits(u16::from_le_bytes([b[0], b[1]]));
-        let dmin = f16_bits(u16::from_le_bytes([b[2], b[3]]));
-        let mut packed = [0u8; 12];
-        packed.copy_from_slice(&b[4..16]);
-        let (sc, mn) = q4_k_scales_mins(&packed);
-        let bytes = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
-        let ds = _mm256_mul_ps(_mm256_set1_ps(dd), bytes(sc));
-        let dm = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes(mn));
-        // SAFETY: `u`'s arrays hold what is stored; a Q4_K block is 144 bytes, its runs of
-        // nibbles at 16..144.
+        // SAFETY: `b` is one whole Q4_K block; `u`'s arrays hold what is stored.
         unsafe {
-            _mm256_storeu_ps(u.dm.as_mut_ptr(), dm);
-            for (h, spread) in spread.iter().enumerate() {
-                let t = _mm512_loadu_si512(b.as_ptr().add(16 + 64 * h).cast());
-                let lo = _mm512_and_si512(t, low);
-                let hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
-                let wa = _mm512_permutex2var_epi64(lo, firsts, hi);
-                let wb = _mm512_permutex2var_epi64(lo, seconds, hi);
-                _mm512_storeu_si512(u.w[2 * h].as_mut_ptr().cast(), wa);
-                _mm512_storeu_si512(u.w[2 * h + 1].as_mut_ptr().cast(), wb);
-                let dw = _mm512_permutexvar_ps(*spread, _mm512_castps256_ps512(ds));
-                _mm512_storeu_ps(u.dw[h].as_mut_ptr(), dw);
+            let (w, dw, dm) = lanes.unpack(b);
+            for (dst, w) in u.w.iter_mut().zip(w) {
+                _mm512_storeu_si512(dst.as_mut_ptr().cast(), w);
             }
+            _mm512_storeu_ps(u.dw.as_mut_ptr(), dw);
+            _mm256_storeu_ps(u.dm.as_mut_ptr(), dm);
         }
         out.push(u);
     }
@@ -1171,24 +1279,11 @@ unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
     let mut acc = [_mm512_setzero_ps(); R];
     let mut mins = [_mm256_setzero_ps(); R];
     for (kb, u) in row.iter().enumerate() {
-        for h in 0..2 {
-            let g = 2 * kb + h;
-            // SAFETY: `u` holds both groups; `records` R records per group (the caller's
-            // promise), each 128 values and 16 scales.
-            unsafe {
-                let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
-                let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
-                let dw = _mm512_loadu_ps(u.dw[h].as_ptr());
-                vnni_step(records, g, (wa, wb, dw), false, &mut acc);
-            }
-        }
-        // SAFETY: 8 mins; one `d · Σ q_x` per sub-block, 8 per Q4_K block (the caller's promise).
+        // SAFETY: `u` holds the block's registers; `records` and `dxs` as the caller promises.
         unsafe {
-            let dm = _mm256_loadu_ps(u.dm.as_ptr());
-            for r in 0..R {
-                let dxs = _mm256_loadu_ps(dxs[r].as_ptr().add(8 * kb));
-                mins[r] = _mm256_fmadd_ps(dm, dxs, mins[r]);
-            }
+            let w = std::array::from_fn(|t| _mm512_loadu_si512(u.w[t].as_ptr().cast()));
+            q4_k_step(records, kb, &w, _mm512_loadu_ps(u.dw.as_ptr()), &mut acc);
+            q4_k_mins(_mm256_loadu_ps(u.dm.as_ptr()), dxs, kb, &mut mins);
         }
     }
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]))
@@ -1201,15 +1296,16 @@ unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
 const WEIGHT_TILE: usize = 4;
 
 /// A weight row's block as prefill unpacks it ([`GroupBlock`], [`Q4kBlock`]), for
-/// [`dot_vnni_4x4`]: its groups of four blocks of 32 in [`vnni_step`]'s operands.
+/// [`dot_vnni_4x4`]: its weight registers as [`vnni_step`] or [`q4_k_step`] take them.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 trait Unpacked {
-    /// Groups of [`GROUP`] blocks of 32 in one.
-    const GROUPS: usize;
-    /// Whether the sums start from the records' seeds ([`vnni_step`]'s `seeded`).
+    /// Weight registers of one block, each against half a [`Record`]'s values: two (a group of
+    /// four blocks of 32) or four (a Q4_K block, against two records).
+    const REGS: usize;
+    /// Whether the sums start from the records' seeds (as [`vnni_step`]'s do).
     const SEEDED: bool;
-    /// Group `h`'s two weight registers and its lanes' scales.
-    fn group(&self, h: usize) -> (&[u8; 64], &[u8; 64], &[f32; 16]);
+    /// The block's weight registers and its lanes' scales.
+    fn registers(&self) -> (&[[u8; 64]], &[f32; 16]);
     /// Q4_K's eight sub-blocks' `dmin · m`, taken off against the rows' `d · Σ q_x`.
     fn mins(&self) -> Option<&[f32; 8]> {
         None
@@ -1217,18 +1313,18 @@ trait Unpacked {
 }
 
 impl Unpacked for GroupBlock {
-    const GROUPS: usize = 1;
+    const REGS: usize = 2;
     const SEEDED: bool = true;
-    fn group(&self, _: usize) -> (&[u8; 64], &[u8; 64], &[f32; 16]) {
-        (&self.w[0], &self.w[1], &self.dw)
+    fn registers(&self) -> (&[[u8; 64]], &[f32; 16]) {
+        (&self.w, &self.dw)
     }
 }
 
 impl Unpacked for Q4kBlock {
-    const GROUPS: usize = 2;
+    const REGS: usize = 4;
     const SEEDED: bool = false;
-    fn group(&self, h: usize) -> (&[u8; 64], &[u8; 64], &[f32; 16]) {
-        (&self.w[2 * h], &self.w[2 * h + 1], &self.dw[h])
+    fn registers(&self) -> (&[[u8; 64]], &[f32; 16]) {
+        (&self.w, &self.dw)
     }
     fn mins(&self) -> Option<&[f32; 8]> {
         Some(&self.dm)
@@ -1253,34 +1349,37 @@ unsafe fn dot_vnni_4x4<B: Unpacked>(
     let blocks = rows[0].len();
     debug_assert!(rows.iter().all(|r| r.len() == blocks));
     let mut acc = [[_mm512_setzero_ps(); ROW_TILE]; WEIGHT_TILE];
+    // A block's registers pair with the values of REGS / 2 records, from group `base`.
+    let per = B::REGS / 2;
     for kb in 0..blocks {
-        for h in 0..B::GROUPS {
-            let g = B::GROUPS * kb + h;
-            for r in 0..ROW_TILE {
-                // SAFETY: `records` holds ROW_TILE records per group and g is one of its groups;
-                // every row of `rows` holds `blocks` blocks (the caller's promise).
-                unsafe {
-                    let rec = records.get_unchecked(g * ROW_TILE + r);
-                    let x = rec.q.as_ptr();
-                    let (xa, xb) = (
-                        _mm512_loadu_si512(x.cast()),
-                        _mm512_loadu_si512(x.add(64).cast()),
-                    );
-                    let dx = _mm512_loadu_ps(rec.dx.as_ptr());
-                    let seed = if B::SEEDED {
-                        _mm512_loadu_si512(rec.seed.as_ptr().cast())
+        let base = kb * per;
+        for r in 0..ROW_TILE {
+            // SAFETY: `records` holds ROW_TILE records per group, group by group, for every
+            // block's groups; every row of `rows` holds `blocks` blocks (the caller's promise).
+            unsafe {
+                let rec = |t: usize| records.get_unchecked((base + t / 2) * ROW_TILE + r);
+                let x: [__m512i; 4] = std::array::from_fn(|t| {
+                    if t < B::REGS {
+                        _mm512_loadu_si512(rec(t).q.as_ptr().add(64 * (t % 2)).cast())
                     } else {
                         _mm512_setzero_si512()
-                    };
-                    for (w, acc) in acc.iter_mut().enumerate() {
-                        let (wa, wb, dw) = rows[w].get_unchecked(kb).group(h);
-                        let dot =
-                            _mm512_dpbusd_epi32(seed, _mm512_loadu_si512(wa.as_ptr().cast()), xa);
-                        let dot =
-                            _mm512_dpbusd_epi32(dot, _mm512_loadu_si512(wb.as_ptr().cast()), xb);
-                        let scale = _mm512_mul_ps(_mm512_loadu_ps(dw.as_ptr()), dx);
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
                     }
+                });
+                let dx = _mm512_loadu_ps(rec(0).dx.as_ptr());
+                let seed = if B::SEEDED {
+                    _mm512_loadu_si512(rec(0).seed.as_ptr().cast())
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for (w, acc) in acc.iter_mut().enumerate() {
+                    let (regs, dw) = rows[w].get_unchecked(kb).registers();
+                    let mut dot = seed;
+                    for (t, x) in x.iter().enumerate().take(B::REGS) {
+                        let wt = _mm512_loadu_si512(regs.get_unchecked(t).as_ptr().cast());
+                        dot = _mm512_dpbusd_epi32(dot, wt, *x);
+                    }
+                    let scale = _mm512_mul_ps(_mm512_loadu_ps(dw.as_ptr()), dx);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
                 }
             }
         }
