@@ -558,7 +558,7 @@ const GROUP: usize = 4;
 /// bytes flip their sign bit (`w + 128`), Q4_0's nibbles are `w + 8` as stored, Q6_K's six bits
 /// are `w + 32` as stored; Q4_K's nibbles are unsigned already. A multiple of 4, so the
 /// correction `offset · Σ q_x` spreads over a block's four lanes in integers (Q6_K's, per
-/// sub-block of 16, sits in one lane: [`Record`]).
+/// sub-block of 16, sits in one lane: [`Packed::pairs`]).
 fn vnni_offset(dtype: DType) -> i32 {
     match dtype {
         DType::Q8_0 => 128,
@@ -571,10 +571,8 @@ fn vnni_offset(dtype: DType) -> i32 {
 /// One activation row's group of four blocks as [`dot_vnni`] reads it, in one aligned record of
 /// four cache lines: the 128 values as the weights unpack — the four blocks' first 16 values,
 /// then their second 16 — and per lane of the group's 16 sums (block `l / 4` for lane `l`) the
-/// block scale and the seed `−offset / 4 · Σ q_x` that takes the weights' offset back. Q6_K's
-/// two sub-blocks of 16 have their own scales, so their sums stay apart: a block's four seeds
-/// are `[−32 · Σ_a q_x, −32 · Σ_b q_x, 0, 0]` (first and second 16 values), each sub-block's
-/// sum seeded with its lane alone.
+/// block scale and the seed `−offset / 4 · Σ q_x` that takes the weights' offset back. Q4_K and
+/// Q6_K rows fill two records per block of 256 in a layout of their own ([`Packed::pairs`]).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -587,7 +585,7 @@ struct Record {
 /// Rounded activation rows laid out for [`dot_vnni`]: their [`Record`]s, zero-padded to whole
 /// groups, those of each tile of [`ROW_TILE`] rows interleaved (group by group, the tile's rows
 /// in turn: one pointer walks a tile), then the rows left over one by one; for Q4_K, the values
-/// in its own lane layout ([`Packed::q4_k_pairs`]) and `d · Σ q_x` per row and block (what the
+/// in its own lane layout ([`Packed::pairs`]) and `d · Σ q_x` per row and block (what the
 /// sub-blocks' mins multiply).
 struct Packed {
     records: Vec<Record>,
@@ -618,8 +616,8 @@ impl Packed {
             tiled: m - m % ROW_TILE,
         };
         for i in 0..m {
-            if q4_k {
-                p.q4_k_pairs(r, i, k);
+            if q4_k || dtype == DType::Q6_K {
+                p.pairs(r, i, k, offset);
                 continue;
             }
             for b in 0..blocks {
@@ -643,12 +641,13 @@ impl Packed {
         p
     }
 
-    /// Row `i` for Q4_K weights, in the layout of [`Q4kLanes`]: each Q4_K block's 256 values in
-    /// the records of two groups (`2kb`, `2kb + 1`), register `t` (the first record's two
+    /// Row `i` for Q4_K or Q6_K weights, in the layout of [`Q4kLanes`]: each block's 256 values
+    /// in the records of two groups (`2kb`, `2kb + 1`), register `t` (the first record's two
     /// halves, then the second's) holding in lane `2j + e` sub-block `j`'s values
-    /// `16e + 4t .. 16e + 4t + 4`; the lane's `d_x` in the first record; no seeds (Q4_K's
-    /// nibbles need no offset). And `d · Σ q_x` per sub-block for the mins.
-    fn q4_k_pairs(&mut self, r: &Rows, i: usize, k: usize) {
+    /// `16e + 4t .. 16e + 4t + 4`; the lane's `d_x` and seed `−offset · Σ q_x` over those 16
+    /// values (Q6_K's 32; Q4_K's nibbles need none) in the first record. For Q4_K, `d · Σ q_x`
+    /// per sub-block for the mins.
+    fn pairs(&mut self, r: &Rows, i: usize, k: usize, offset: i32) {
         let blocks = self.blocks;
         for b in 0..blocks {
             let (kb, j) = (b / 8, b % 8);
@@ -661,9 +660,13 @@ impl Packed {
                         .copy_from_slice(&src[16 * e + 4 * t..][..4]);
                 }
                 let at = self.at(i, 2 * kb);
+                let half: i32 = src[16 * e..][..16].iter().map(|&v| i32::from(v)).sum();
                 self.records[at].dx[2 * j + e] = r.d[i * blocks + b];
+                self.records[at].seed[2 * j + e] = -offset * half;
             }
-            self.dxs[i * blocks + b] = r.d[i * blocks + b] * r.s[i * blocks + b] as f32;
+            if let Some(d) = self.dxs.get_mut(i * blocks + b) {
+                *d = r.d[i * blocks + b] * r.s[i * blocks + b] as f32;
+            }
         }
     }
 
@@ -733,8 +736,17 @@ unsafe fn dot_vnni<const R: usize>(
         unsafe { vnni_step(records, g, (wa, wb, dw), acc) }
     };
     if dtype == DType::Q6_K {
-        // SAFETY: as the caller promises.
-        return unsafe { dot_q6_k_vnni(row, records) };
+        let lanes = Q6kLanes::new();
+        let ahead = super::prefetch::distance();
+        for (kb, b) in row.chunks_exact(DType::Q6_K.block_bytes()).enumerate() {
+            super::prefetch::lines::<4>(b.as_ptr(), ahead);
+            // SAFETY: `b` is one whole Q6_K block; `records` as the caller promises.
+            unsafe {
+                let (w, dw) = lanes.unpack(b);
+                pairs_step(records, kb, &w, dw, true, &mut acc);
+            }
+        }
+        return std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]));
     }
     if dtype == DType::Q4_K {
         let lanes = Q4kLanes::new();
@@ -745,7 +757,7 @@ unsafe fn dot_vnni<const R: usize>(
             // SAFETY: `b` is one whole Q4_K block; `records` and `dxs` as the caller promises.
             unsafe {
                 let (w, dw, dm) = lanes.unpack(b);
-                q4_k_step(records, kb, &w, dw, &mut acc);
+                pairs_step(records, kb, &w, dw, false, &mut acc);
                 q4_k_mins(dm, dxs, kb, &mut mins);
             }
         }
@@ -923,168 +935,6 @@ unsafe fn group_unpack(dtype: DType, row: &[u8], out: &mut Vec<GroupBlock>) {
     };
 }
 
-/// [`dot_vnni`] on one Q8_0 or Q4_0 row unpacked by [`group_unpack`]: the same operations in the
-/// same order, so the same results, without unpacking.
-///
-/// # Safety
-/// As [`dot_vnni`]'s, `row` one Q8_0 or Q4_0 row's unpacked groups.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_groups_vnni_unpacked<const R: usize>(
-    row: &[GroupBlock],
-    records: &[Record],
-) -> [f32; R] {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); R];
-    for (g, u) in row.iter().enumerate() {
-        // SAFETY: `u` holds the group's registers; `records` R records per group (the
-        // caller's promise).
-        unsafe {
-            let wa = _mm512_loadu_si512(u.w[0].as_ptr().cast());
-            let wb = _mm512_loadu_si512(u.w[1].as_ptr().cast());
-            let dw = _mm512_loadu_ps(u.dw.as_ptr());
-            vnni_step(records, g, (wa, wb, dw), &mut acc);
-        }
-    }
-    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
-}
-
-/// [`dot_vnni`] on Q6_K weights: each half of a block (64 bytes of `ql`, 32 of `qh`) is one
-/// group of four blocks of 32, unpacked once for the `R` rows to the six-bit `q` (unsigned, as
-/// `vpdpbusd` takes them) in [`Packed`]'s order. Its two sub-blocks of 16 per block have their
-/// own scales, so the first and second 16 values sum into separate registers, each seeded with
-/// its sub-block's `−32 · Σ q_x` ([`Record`]): every lane then holds part of one sub-block's
-/// `Σ (q − 32) q_x`, exactly, within ±32 · 127 · 16 (`−32 · Σ q_x` and `q · q_x` never reach
-/// their extremes together), so its conversion to f32 is exact too. Each register is then
-/// scaled by its sub-blocks' `d · sc` (exact in f32: 11 by 8 bits) times `d_x` with an FMA —
-/// cheaper than scaling the integers with `vpmulld` and adding them first.
-///
-/// # Safety
-/// As [`dot_vnni`]'s, `row` holding whole Q6_K blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_q6_k_vnni<const R: usize>(row: &[u8], records: &[Record]) -> [f32; R] {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); R];
-    let ahead = super::prefetch::distance();
-    for (kb, b) in row.chunks_exact(DType::Q6_K.block_bytes()).enumerate() {
-        super::prefetch::lines::<4>(b.as_ptr(), ahead);
-        let dw = _mm512_set1_ps(f16_bits(u16::from_le_bytes([b[208], b[209]])));
-        for h in 0..2 {
-            // SAFETY: `b` is a whole Q6_K block; `records` as the caller promises.
-            unsafe {
-                let w = q6_k_vnni_half(b, h);
-                q6_k_vnni_step(records, 2 * kb + h, w, dw, &mut acc);
-            }
-        }
-    }
-    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
-}
-
-/// Half `h` of Q6_K block `b` for [`dot_q6_k_vnni`]: the weight registers `wa`, `wb` (`q`
-/// unsigned, in [`Packed`]'s order) and each lane's sub-block scale for `wa`'s and `wb`'s sums.
-///
-/// # Safety
-/// The CPU has AVX512F and AVX512BW; `b` holds one whole Q6_K block (210 bytes).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,avx512f,avx512bw")]
-#[inline]
-unsafe fn q6_k_vnni_half(
-    b: &[u8],
-    h: usize,
-) -> (
-    std::arch::x86_64::__m512i,
-    std::arch::x86_64::__m512i,
-    std::arch::x86_64::__m512i,
-    std::arch::x86_64::__m512i,
-) {
-    use std::arch::x86_64::*;
-    let low = _mm512_set1_epi8(0x0f);
-    let top = _mm512_set1_epi8(0x30);
-    // `qh` (32 bytes, twice) to quarters 0 and 1's top bits: shifted left 4 and 2 (then masked to
-    // bits 4, 5); to quarters 2 and 3's: shifted right 0 and 2 (in 16-bit lanes, halves of 16).
-    let halves = |a: i16, c: i16| {
-        let v = _mm256_set1_epi16(a);
-        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_set1_epi16(c))
-    };
-    let (left, right) = (halves(4, 2), halves(0, 2));
-    // Lane `l`'s sub-block scale: block `l / 4`'s first (`2 (l / 4)`) or second, of half `h`.
-    let h = h as i32;
-    let pick = |second: i32| {
-        let s = |q: i32| 8 * h + 2 * q + second;
-        let (a, c, e, f) = (s(0), s(1), s(2), s(3));
-        _mm512_setr_epi32(a, a, a, a, c, c, c, c, e, e, e, e, f, f, f, f)
-    };
-    // SAFETY: a Q6_K block is 210 bytes: this half's 64 bytes of `ql` at 64·h, 32 of `qh` at
-    // 128 + 32·h, the 16 scales at 192..208.
-    let (ql, qh, scales) = unsafe {
-        let p = b.as_ptr();
-        (
-            _mm512_loadu_si512(p.add(64 * h as usize).cast()),
-            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h as usize).cast())),
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192).cast())),
-        )
-    };
-    // Quarters 0 | 1 (64 bytes of `ql`'s low nibbles) and 2 | 3 (its high nibbles).
-    let q01 = _mm512_or_si512(
-        _mm512_and_si512(ql, low),
-        _mm512_and_si512(_mm512_sllv_epi16(qh, left), top),
-    );
-    let q23 = _mm512_or_si512(
-        _mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
-        _mm512_and_si512(_mm512_srlv_epi16(qh, right), top),
-    );
-    (
-        _mm512_shuffle_i64x2::<0b10_00_10_00>(q01, q23),
-        _mm512_shuffle_i64x2::<0b11_01_11_01>(q01, q23),
-        _mm512_permutexvar_epi32(pick(0), scales),
-        _mm512_permutexvar_epi32(pick(1), scales),
-    )
-}
-
-/// One group of [`dot_q6_k_vnni`] for `R` rows: `(wa, wb, sa, sb)` from [`q6_k_vnni_half`],
-/// `dw` the block's `d` in every lane; the first sub-blocks' sums accumulate before the
-/// second's, in the same order for every `R`.
-///
-/// # Safety
-/// The CPU has AVX512F and AVX512_VNNI; `records` holds `R` records of group `g`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
-#[inline]
-unsafe fn q6_k_vnni_step<const R: usize>(
-    records: &[Record],
-    g: usize,
-    (wa, wb, sa, sb): (
-        std::arch::x86_64::__m512i,
-        std::arch::x86_64::__m512i,
-        std::arch::x86_64::__m512i,
-        std::arch::x86_64::__m512i,
-    ),
-    dw: std::arch::x86_64::__m512,
-    acc: &mut [std::arch::x86_64::__m512; R],
-) {
-    use std::arch::x86_64::*;
-    let (fa, fb) = (
-        _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sa)),
-        _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sb)),
-    );
-    for (r, acc) in acc.iter_mut().enumerate() {
-        // SAFETY: `records` holds R records per group, group by group (the caller's promise);
-        // each holds 128 values, 16 scales and 16 seeds.
-        unsafe {
-            let rec = records.get_unchecked(g * R + r);
-            let (x, seed) = (rec.q.as_ptr(), rec.seed.as_ptr());
-            let da = _mm512_maskz_loadu_epi32(0x1111, seed.cast());
-            let db = _mm512_maskz_loadu_epi32(0x2222, seed.cast());
-            let da = _mm512_dpbusd_epi32(da, wa, _mm512_loadu_si512(x.cast()));
-            let db = _mm512_dpbusd_epi32(db, wb, _mm512_loadu_si512(x.add(64).cast()));
-            let dx = _mm512_loadu_ps(rec.dx.as_ptr());
-            let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(fa, dx), *acc);
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(fb, dx), a);
-        }
-    }
-}
-
 /// Q4_K for [`dot_vnni`]: one block (256 values, eight sub-blocks of 32) in four registers
 /// whose lane `2j + e` holds, in register `t`, sub-block `j`'s values `16e + 4t .. 16e + 4t + 4`
 /// — so four `vpdpbusd` leave each sub-block's sum in two lanes (its halves), and one
@@ -1160,9 +1010,86 @@ impl Q4kLanes {
     }
 }
 
-/// One Q4_K block (`w`, `dw` from [`Q4kLanes::unpack`]) against `R` activation rows' records
-/// of groups `2kb`, `2kb + 1` ([`Packed::q4_k_pairs`]): four `vpdpbusd` from zero, then the
-/// conversion and one FMA by the lanes' `d_w · d_x` into each row's accumulator.
+/// Q6_K for [`dot_vnni`], in [`Q4kLanes`]'s layout: register `t`, lane `2j + e` holds
+/// sub-block `j`'s values `16e + 4t .. 16e + 4t + 4` — each lane one of Q6_K's sub-blocks of 16,
+/// so lane `L`'s scale is the block's scale `L`, and one conversion and FMA per block and row
+/// take what took two of each per half block. The six-bit `q` (`w + 32`, unsigned as
+/// `vpdpbusd` takes it) from four bits of `ql` and two of `qh`.
+#[cfg(target_arch = "x86_64")]
+struct Q6kLanes {
+    /// Per register: the `ql` dword (of 32) and the `qh` dword (of 16) of each lane.
+    low: [std::arch::x86_64::__m512i; 4],
+    high: [std::arch::x86_64::__m512i; 4],
+    /// Each lane's shift to its nibble of `ql` and its two bits of `qh`.
+    low_shift: std::arch::x86_64::__m512i,
+    high_shift: std::arch::x86_64::__m512i,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Q6kLanes {
+    #[target_feature(enable = "avx512f")]
+    fn new() -> Self {
+        use std::arch::x86_64::*;
+        let reg = |f: &dyn Fn(i32) -> i32| {
+            let v: [i32; 16] = std::array::from_fn(|l| f(l as i32));
+            // SAFETY: 16 values.
+            unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+        };
+        // Lane L: sub-block j = L / 2 (half n = j / 4 of the block, quarter q = j % 4 of it),
+        // half e = L % 2 of the sub-block. Value 16e + 4t + i of sub-block j is stored in `ql`
+        // byte 64n + 32(q % 2) + 16e + 4t + i (nibble q / 2) and `qh` byte 32n + 16e + 4t + i
+        // (bits 2q, 2q + 1).
+        let (n, q, e) = (|l: i32| l / 8, |l: i32| (l / 2) % 4, |l: i32| l % 2);
+        Q6kLanes {
+            low: std::array::from_fn(|t| {
+                reg(&|l| 16 * n(l) + 8 * (q(l) % 2) + 4 * e(l) + t as i32)
+            }),
+            high: std::array::from_fn(|t| reg(&|l| 8 * n(l) + 4 * e(l) + t as i32)),
+            low_shift: reg(&|l| 4 * (q(l) / 2)),
+            high_shift: reg(&|l| 2 * q(l)),
+        }
+    }
+
+    /// Block `b` (210 bytes) as its four registers and its lanes' `d · sc`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, F16C, AVX512F and AVX512BW; `b` holds one whole Q6_K block.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+    #[inline]
+    unsafe fn unpack(
+        &self,
+        b: &[u8],
+    ) -> ([std::arch::x86_64::__m512i; 4], std::arch::x86_64::__m512) {
+        use std::arch::x86_64::*;
+        let (nibble, two) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x03));
+        // SAFETY: a Q6_K block is 210 bytes: `ql` at 0..128, `qh` at 128..192, the 16 scales
+        // at 192..208, `d` at 208.
+        let (ql0, ql1, qh, sc) = unsafe {
+            let p = b.as_ptr();
+            (
+                _mm512_loadu_si512(p.cast()),
+                _mm512_loadu_si512(p.add(64).cast()),
+                _mm512_loadu_si512(p.add(128).cast()),
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192).cast())),
+            )
+        };
+        let w = std::array::from_fn(|t| {
+            let lo = _mm512_permutex2var_epi32(ql0, self.low[t], ql1);
+            let lo = _mm512_and_si512(_mm512_srlv_epi32(lo, self.low_shift), nibble);
+            let hi = _mm512_permutexvar_epi32(self.high[t], qh);
+            let hi = _mm512_and_si512(_mm512_srlv_epi32(hi, self.high_shift), two);
+            _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))
+        });
+        let d = f16_bits(u16::from_le_bytes([b[208], b[209]]));
+        (w, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sc)))
+    }
+}
+
+/// One Q4_K or Q6_K block (`w`, `dw` from [`Q4kLanes::unpack`], [`Q6kLanes::unpack`]) against
+/// `R` activation rows' records of groups `2kb`, `2kb + 1` ([`Packed::pairs`]): four
+/// `vpdpbusd` from the lanes' seeds (Q6_K's `−32 · Σ q_x` of each half sub-block) or from zero
+/// (Q4_K), then the conversion and one FMA by the lanes' `d_w · d_x` into each row's
+/// accumulator.
 ///
 /// # Safety
 /// The CPU has AVX512F and AVX512_VNNI; `records` holds `R` records per group, group by group,
@@ -1170,11 +1097,12 @@ impl Q4kLanes {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn q4_k_step<const R: usize>(
+unsafe fn pairs_step<const R: usize>(
     records: &[Record],
     kb: usize,
     w: &[std::arch::x86_64::__m512i; 4],
     dw: std::arch::x86_64::__m512,
+    seeded: bool,
     acc: &mut [std::arch::x86_64::__m512; R],
 ) {
     use std::arch::x86_64::*;
@@ -1185,10 +1113,15 @@ unsafe fn q4_k_step<const R: usize>(
                 records.get_unchecked(2 * kb * R + r),
                 records.get_unchecked((2 * kb + 1) * R + r),
             );
+            let seed = if seeded {
+                _mm512_loadu_si512(a.seed.as_ptr().cast())
+            } else {
+                _mm512_setzero_si512()
+            };
             let x = |rec: &Record, half: usize| {
                 _mm512_loadu_si512(rec.q.as_ptr().add(64 * half).cast())
             };
-            let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x(a, 0));
+            let dot = _mm512_dpbusd_epi32(seed, w[0], x(a, 0));
             let dot = _mm512_dpbusd_epi32(dot, w[1], x(a, 1));
             let dot = _mm512_dpbusd_epi32(dot, w[2], x(b, 0));
             let dot = _mm512_dpbusd_epi32(dot, w[3], x(b, 1));
@@ -1263,32 +1196,6 @@ unsafe fn q4_k_unpack(row: &[u8], out: &mut Vec<Q4kBlock>) {
     }
 }
 
-/// [`dot_vnni`] on one Q4_K row unpacked by [`q4_k_unpack`]: the same operations in the same
-/// order, so the same results, without unpacking.
-///
-/// # Safety
-/// As [`dot_vnni`]'s, `row` one Q4_K row's unpacked blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
-    row: &[Q4kBlock],
-    records: &[Record],
-    dxs: [&[f32]; R],
-) -> [f32; R] {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut mins = [_mm256_setzero_ps(); R];
-    for (kb, u) in row.iter().enumerate() {
-        // SAFETY: `u` holds the block's registers; `records` and `dxs` as the caller promises.
-        unsafe {
-            let w = std::array::from_fn(|t| _mm512_loadu_si512(u.w[t].as_ptr().cast()));
-            q4_k_step(records, kb, &w, _mm512_loadu_ps(u.dw.as_ptr()), &mut acc);
-            q4_k_mins(_mm256_loadu_ps(u.dm.as_ptr()), dxs, kb, &mut mins);
-        }
-    }
-    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]))
-}
-
 /// Weight rows per call of the prefill's [`dot_vnni_4x4`]: with [`ROW_TILE`] activation rows,
 /// sixteen outputs whose horizontal sums ([`reduce_4x4`]) take a quarter of the instructions of
 /// sixteen separate ones. A 4 × 1 call over a 1,024-wide Q4_K row spent ~30% of its time on its
@@ -1296,7 +1203,7 @@ unsafe fn dot_q4_k_vnni_unpacked<const R: usize>(
 const WEIGHT_TILE: usize = 4;
 
 /// A weight row's block as prefill unpacks it ([`GroupBlock`], [`Q4kBlock`]), for
-/// [`dot_vnni_4x4`]: its weight registers as [`vnni_step`] or [`q4_k_step`] take them.
+/// [`dot_vnni_4x4`]: its weight registers as [`vnni_step`] or [`pairs_step`] take them.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 trait Unpacked {
     /// Weight registers of one block, each against half a [`Record`]'s values: two (a group of
@@ -1320,6 +1227,14 @@ impl Unpacked for GroupBlock {
     }
 }
 
+impl Unpacked for Q6kBlock {
+    const REGS: usize = 4;
+    const SEEDED: bool = true;
+    fn registers(&self) -> (&[[u8; 64]], &[f32; 16]) {
+        (&self.w, &self.dw)
+    }
+}
+
 impl Unpacked for Q4kBlock {
     const REGS: usize = 4;
     const SEEDED: bool = false;
@@ -1331,13 +1246,66 @@ impl Unpacked for Q4kBlock {
     }
 }
 
-/// [`dot_groups_vnni_unpacked`] or [`dot_q4_k_vnni_unpacked`] for [`WEIGHT_TILE`] weight rows
-/// at once against [`ROW_TILE`] activation rows: `out[r][w]` is, bit for bit, the `r`-th result
-/// of that function on `rows[w]` — each output's accumulators take the same operations in the
-/// same order, and [`reduce_4x4`] sums lanes in `_mm512_reduce_add_ps`'s and [`hsum`]'s order.
+/// [`dot_vnni`] on one weight row unpacked by [`group_unpack`], [`q4_k_unpack`] or
+/// [`q6_k_unpack`]: the same operations in the same order ([`vnni_step`]'s or
+/// [`pairs_step`]'s), so the same results, without unpacking.
 ///
 /// # Safety
-/// As those functions', for each row of `rows`, all of one length.
+/// As [`dot_vnni`]'s, `row` one weight row's unpacked blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_unpacked<const R: usize, B: Unpacked>(
+    row: &[B],
+    records: &[Record],
+    dxs: [&[f32]; R],
+) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut mins = [_mm256_setzero_ps(); R];
+    for (kb, u) in row.iter().enumerate() {
+        let (regs, dw) = u.registers();
+        let base = kb * (B::REGS / 2);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: `records` holds R records per group, group by group, for every block's
+            // groups (the caller's promise); `regs` holds B::REGS registers.
+            unsafe {
+                let rec = |t: usize| records.get_unchecked((base + t / 2) * R + r);
+                let mut dot = if B::SEEDED {
+                    _mm512_loadu_si512(rec(0).seed.as_ptr().cast())
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for t in 0..B::REGS {
+                    let x = _mm512_loadu_si512(rec(t).q.as_ptr().add(64 * (t % 2)).cast());
+                    let w = _mm512_loadu_si512(regs.get_unchecked(t).as_ptr().cast());
+                    dot = _mm512_dpbusd_epi32(dot, w, x);
+                }
+                let scale = _mm512_mul_ps(
+                    _mm512_loadu_ps(dw.as_ptr()),
+                    _mm512_loadu_ps(rec(0).dx.as_ptr()),
+                );
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+            }
+        }
+        if let Some(dm) = u.mins() {
+            // SAFETY: each `dxs[r]` holds 8 values per block (the caller's promise for Q4_K).
+            unsafe { q4_k_mins(_mm256_loadu_ps(dm.as_ptr()), dxs, kb, &mut mins) };
+        }
+    }
+    let has_mins = row.first().and_then(Unpacked::mins).is_some();
+    std::array::from_fn(|r| {
+        let sum = _mm512_reduce_add_ps(acc[r]);
+        if has_mins { sum - hsum(mins[r]) } else { sum }
+    })
+}
+
+/// [`dot_unpacked`] for [`WEIGHT_TILE`] weight rows at once against [`ROW_TILE`] activation
+/// rows: `out[r][w]` is, bit for bit, the `r`-th result of that function on `rows[w]` — each
+/// output's accumulators take the same operations in the same order, and [`reduce_4x4`] sums
+/// lanes in `_mm512_reduce_add_ps`'s and [`hsum`]'s order.
+///
+/// # Safety
+/// As [`dot_unpacked`]'s, for each row of `rows`, all of one length.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
 unsafe fn dot_vnni_4x4<B: Unpacked>(
@@ -1422,71 +1390,6 @@ unsafe fn dot_vnni_4x4<B: Unpacked>(
     std::array::from_fn(|r| std::array::from_fn(|w| out[4 * r + w]))
 }
 
-/// [`dot_q6_k_vnni_unpacked`] for [`WEIGHT_TILE`] weight rows at once against [`ROW_TILE`]
-/// activation rows, as [`dot_vnni_4x4`] is for the other formats: `out[r][w]` is, bit for bit,
-/// the `r`-th result of [`dot_q6_k_vnni_unpacked`] on `rows[w]`.
-///
-/// # Safety
-/// As [`dot_q6_k_vnni_unpacked`]'s, for each row of `rows`, all of one length.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_q6_k_vnni_4x4(
-    rows: [&[Q6kBlock]; WEIGHT_TILE],
-    records: &[Record],
-) -> [[f32; WEIGHT_TILE]; ROW_TILE] {
-    use std::arch::x86_64::*;
-    let blocks = rows[0].len();
-    debug_assert!(rows.iter().all(|r| r.len() == blocks));
-    let mut acc = [[_mm512_setzero_ps(); ROW_TILE]; WEIGHT_TILE];
-    for kb in 0..blocks {
-        for h in 0..2 {
-            let g = 2 * kb + h;
-            // Each weight row's sub-block scales times `d`, as `q6_k_vnni_step` makes them.
-            // SAFETY (this block and the next): every row of `rows` holds `blocks` blocks;
-            // `records` ROW_TILE records per group, g one of its groups (the caller's promise).
-            let f: [(__m512, __m512); WEIGHT_TILE] = std::array::from_fn(|w| unsafe {
-                let u = rows[w].get_unchecked(kb);
-                let dw = _mm512_set1_ps(u.d);
-                let sa = _mm512_loadu_si512(u.sc[2 * h].as_ptr().cast());
-                let sb = _mm512_loadu_si512(u.sc[2 * h + 1].as_ptr().cast());
-                (
-                    _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sa)),
-                    _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sb)),
-                )
-            });
-            for r in 0..ROW_TILE {
-                unsafe {
-                    let rec = records.get_unchecked(g * ROW_TILE + r);
-                    let (x, seed) = (rec.q.as_ptr(), rec.seed.as_ptr());
-                    let (xa, xb) = (
-                        _mm512_loadu_si512(x.cast()),
-                        _mm512_loadu_si512(x.add(64).cast()),
-                    );
-                    let sa = _mm512_maskz_loadu_epi32(0x1111, seed.cast());
-                    let sb = _mm512_maskz_loadu_epi32(0x2222, seed.cast());
-                    let dx = _mm512_loadu_ps(rec.dx.as_ptr());
-                    for (w, acc) in acc.iter_mut().enumerate() {
-                        let u = rows[w].get_unchecked(kb);
-                        let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
-                        let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
-                        let da = _mm512_dpbusd_epi32(sa, wa, xa);
-                        let db = _mm512_dpbusd_epi32(sb, wb, xb);
-                        let (fa, fb) = f[w];
-                        let a =
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(fa, dx), acc[r]);
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(fb, dx), a);
-                    }
-                }
-            }
-        }
-    }
-    let mut out = [0f32; ROW_TILE * WEIGHT_TILE];
-    let sums = reduce_4x4(std::array::from_fn(|o| acc[o / 4][o % 4]));
-    // SAFETY: `out` holds 16 values.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sums) };
-    std::array::from_fn(|r| std::array::from_fn(|w| out[4 * r + w]))
-}
-
 /// Sixteen registers' lane sums in one: lane `4r + w` holds the sum of `v[4w + r]`'s sixteen
 /// lanes, added pairwise in `_mm512_reduce_add_ps`'s order (lane `i` with `i + 8`, then `i + 4`,
 /// `i + 2`, `i + 1`), so each equals that intrinsic's result for its register bit for bit. A
@@ -1538,18 +1441,17 @@ fn reduce_halves(c: [std::arch::x86_64::__m512; 8]) -> std::arch::x86_64::__m512
     )
 }
 
-/// A Q6_K block unpacked as [`dot_q6_k_vnni`] uses it: per half (one group) the two weight
-/// registers and the two sub-block scale registers, and `d`. For prefill, as [`Q4kBlock`].
+/// A Q6_K block unpacked as [`dot_vnni`] uses it ([`Q6kLanes::unpack`]): its four weight
+/// registers and lane scales `d · sc`. For prefill, as [`Q4kBlock`].
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Q6kBlock {
     w: [[u8; 64]; 4],
-    sc: [[i32; 16]; 4],
-    d: f32,
+    dw: [f32; 16],
 }
 
-/// Unpack a Q6_K row's blocks onto the end of `out`, as [`dot_q6_k_vnni`] unpacks them.
+/// Unpack a Q6_K row's blocks onto the end of `out`, as [`dot_vnni`] unpacks them.
 ///
 /// # Safety
 /// The CPU has AVX2, F16C, AVX512F and AVX512BW; `row` holds whole Q6_K blocks.
@@ -1557,54 +1459,24 @@ struct Q6kBlock {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
 unsafe fn q6_k_unpack(row: &[u8], out: &mut Vec<Q6kBlock>) {
     use std::arch::x86_64::*;
+    let lanes = Q6kLanes::new();
     let ahead = super::prefetch::distance();
     for b in row.chunks_exact(DType::Q6_K.block_bytes()) {
         super::prefetch::lines::<4>(b.as_ptr(), ahead);
         let mut u = Q6kBlock {
             w: [[0; 64]; 4],
-            sc: [[0; 16]; 4],
-            d: f16_bits(u16::from_le_bytes([b[208], b[209]])),
+            dw: [0.0; 16],
         };
-        for h in 0..2 {
-            // SAFETY: a Q6_K block is 210 bytes (as in `q6_k_vnni_half`); `u`'s arrays hold
-            // what is stored.
-            unsafe {
-                let (wa, wb, sa, sb) = q6_k_vnni_half(b, h);
-                _mm512_storeu_si512(u.w[2 * h].as_mut_ptr().cast(), wa);
-                _mm512_storeu_si512(u.w[2 * h + 1].as_mut_ptr().cast(), wb);
-                _mm512_storeu_si512(u.sc[2 * h].as_mut_ptr().cast(), sa);
-                _mm512_storeu_si512(u.sc[2 * h + 1].as_mut_ptr().cast(), sb);
+        // SAFETY: `b` is one whole Q6_K block; `u`'s arrays hold what is stored.
+        unsafe {
+            let (w, dw) = lanes.unpack(b);
+            for (dst, w) in u.w.iter_mut().zip(w) {
+                _mm512_storeu_si512(dst.as_mut_ptr().cast(), w);
             }
+            _mm512_storeu_ps(u.dw.as_mut_ptr(), dw);
         }
         out.push(u);
     }
-}
-
-/// [`dot_q6_k_vnni`] on one Q6_K row unpacked by [`q6_k_unpack`]: the same operations in the
-/// same order, so the same results, without unpacking.
-///
-/// # Safety
-/// As [`dot_vnni`]'s, `row` one Q6_K row's unpacked blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_q6_k_vnni_unpacked<const R: usize>(row: &[Q6kBlock], records: &[Record]) -> [f32; R] {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); R];
-    for (kb, u) in row.iter().enumerate() {
-        let dw = _mm512_set1_ps(u.d);
-        for h in 0..2 {
-            // SAFETY: `u` holds both halves; `records` R records per group (the caller's
-            // promise).
-            unsafe {
-                let wa = _mm512_loadu_si512(u.w[2 * h].as_ptr().cast());
-                let wb = _mm512_loadu_si512(u.w[2 * h + 1].as_ptr().cast());
-                let sa = _mm512_loadu_si512(u.sc[2 * h].as_ptr().cast());
-                let sb = _mm512_loadu_si512(u.sc[2 * h + 1].as_ptr().cast());
-                q6_k_vnni_step(records, 2 * kb + h, (wa, wb, sa, sb), dw, &mut acc);
-            }
-        }
-    }
-    std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
 }
 
 /// A task's weight rows unpacked for prefill, one after another in one allocation (a vector
@@ -1773,7 +1645,7 @@ fn product_on(
                             if !q4k.is_empty() {
                                 dot_vnni_4x4(q4k.quad(t), recs, dxs)
                             } else if !q6k.is_empty() {
-                                dot_q6_k_vnni_4x4(q6k.quad(t), recs)
+                                dot_vnni_4x4(q6k.quad(t), recs, dxs)
                             } else {
                                 dot_vnni_4x4(groups.quad(t), recs, dxs)
                             }
@@ -1791,9 +1663,9 @@ fn product_on(
                         let s = unsafe {
                             let t = j - js.start;
                             match (q4k.get(t), q6k.get(t), groups.get(t)) {
-                                (Some(u), _, _) => dot_q4_k_vnni_unpacked::<ROW_TILE>(u, recs, dxs),
-                                (_, Some(u), _) => dot_q6_k_vnni_unpacked::<ROW_TILE>(u, recs),
-                                (_, _, Some(u)) => dot_groups_vnni_unpacked::<ROW_TILE>(u, recs),
+                                (Some(u), _, _) => dot_unpacked::<ROW_TILE, _>(u, recs, dxs),
+                                (_, Some(u), _) => dot_unpacked::<ROW_TILE, _>(u, recs, dxs),
+                                (_, _, Some(u)) => dot_unpacked::<ROW_TILE, _>(u, recs, dxs),
                                 _ => dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs),
                             }
                         };
