@@ -935,6 +935,16 @@ unsafe fn group_unpack(dtype: DType, row: &[u8], out: &mut Vec<GroupBlock>) {
     };
 }
 
+/// A register of sixteen 32-bit lanes, lane `l` holding `f(l)`: the index and shift registers
+/// of [`Q4kLanes`] and [`Q6kLanes`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn lane_register(f: &dyn Fn(i32) -> i32) -> std::arch::x86_64::__m512i {
+    let v: [i32; 16] = std::array::from_fn(|l| f(l as i32));
+    // SAFETY: 16 values.
+    unsafe { std::arch::x86_64::_mm512_loadu_si512(v.as_ptr().cast()) }
+}
+
 /// Q4_K for [`dot_vnni`]: one block (256 values, eight sub-blocks of 32) in four registers
 /// whose lane `2j + e` holds, in register `t`, sub-block `j`'s values `16e + 4t .. 16e + 4t + 4`
 /// — so four `vpdpbusd` leave each sub-block's sum in two lanes (its halves), and one
@@ -956,16 +966,10 @@ struct Q4kLanes {
 impl Q4kLanes {
     #[target_feature(enable = "avx512f")]
     fn new() -> Self {
-        use std::arch::x86_64::*;
-        let reg = |f: &dyn Fn(i32) -> i32| {
-            let v: [i32; 16] = std::array::from_fn(|l| f(l as i32));
-            // SAFETY: 16 values.
-            unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-        };
         Q4kLanes {
-            idx: std::array::from_fn(|t| reg(&|l| 8 * (l / 4) + 4 * (l % 2) + t as i32)),
-            shift: reg(&|l| 4 * ((l / 2) % 2)),
-            spread: reg(&|l| l / 2),
+            idx: std::array::from_fn(|t| lane_register(&|l| 8 * (l / 4) + 4 * (l % 2) + t as i32)),
+            shift: lane_register(&|l| 4 * ((l / 2) % 2)),
+            spread: lane_register(&|l| l / 2),
         }
     }
 
@@ -1029,12 +1033,6 @@ struct Q6kLanes {
 impl Q6kLanes {
     #[target_feature(enable = "avx512f")]
     fn new() -> Self {
-        use std::arch::x86_64::*;
-        let reg = |f: &dyn Fn(i32) -> i32| {
-            let v: [i32; 16] = std::array::from_fn(|l| f(l as i32));
-            // SAFETY: 16 values.
-            unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-        };
         // Lane L: sub-block j = L / 2 (half n = j / 4 of the block, quarter q = j % 4 of it),
         // half e = L % 2 of the sub-block. Value 16e + 4t + i of sub-block j is stored in `ql`
         // byte 64n + 32(q % 2) + 16e + 4t + i (nibble q / 2) and `qh` byte 32n + 16e + 4t + i
@@ -1042,11 +1040,11 @@ impl Q6kLanes {
         let (n, q, e) = (|l: i32| l / 8, |l: i32| (l / 2) % 4, |l: i32| l % 2);
         Q6kLanes {
             low: std::array::from_fn(|t| {
-                reg(&|l| 16 * n(l) + 8 * (q(l) % 2) + 4 * e(l) + t as i32)
+                lane_register(&|l| 16 * n(l) + 8 * (q(l) % 2) + 4 * e(l) + t as i32)
             }),
-            high: std::array::from_fn(|t| reg(&|l| 8 * n(l) + 4 * e(l) + t as i32)),
-            low_shift: reg(&|l| 4 * (q(l) / 2)),
-            high_shift: reg(&|l| 2 * q(l)),
+            high: std::array::from_fn(|t| lane_register(&|l| 8 * n(l) + 4 * e(l) + t as i32)),
+            low_shift: lane_register(&|l| 4 * (q(l) / 2)),
+            high_shift: lane_register(&|l| 2 * q(l)),
         }
     }
 
