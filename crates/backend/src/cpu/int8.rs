@@ -713,9 +713,10 @@ fn q4_k_scales_mins(s: &[u8; 12]) -> (u64, u64) {
 /// two `vpdpbusd` leave each block's integer sum in four lanes of one register, seeded with
 /// `−offset / 4 · Σ q_x` so the four lanes sum exactly to `Σ q_w q_x` ([`vnni_offset`]). One
 /// conversion and one FMA by the lanes' `d_w · d_x` per step and row; one accumulator per row,
-/// summed in the same order for every `R`. Q4_K takes a layout of its own ([`Q4kLanes`]: a
-/// block's eight sub-blocks in two lanes each, one conversion and FMA per block and row); its
-/// mins (`dm · d_x · Σ q_x`) accumulate in an eight-lane vector per row.
+/// summed in the same order for every `R`. Q4_K and Q6_K take a layout of their own
+/// ([`Q4kLanes`], [`Q6kLanes`]: a block's eight sub-blocks of 32 in two lanes each, one
+/// conversion and FMA per block and row); Q4_K's mins (`dm · d_x · Σ q_x`) accumulate in an
+/// eight-lane vector per row. The lane tables are made per call: LLVM folds them to constants.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C, AVX512F, AVX512BW and AVX512_VNNI; `row` holds whole blocks of
