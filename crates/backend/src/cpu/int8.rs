@@ -732,10 +732,6 @@ unsafe fn dot_vnni<const R: usize>(
 ) -> [f32; R] {
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); R];
-    let step = |g: usize, wa: __m512i, wb: __m512i, dw: __m512, acc: &mut [__m512; R]| {
-        // SAFETY: as the caller promises of `records`; g is one of its groups.
-        unsafe { vnni_step(records, g, (wa, wb, dw), acc) }
-    };
     if dtype == DType::Q6_K {
         let lanes = Q6kLanes::new();
         let ahead = super::prefetch::distance();
@@ -764,8 +760,13 @@ unsafe fn dot_vnni<const R: usize>(
         }
         return std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) - hsum(mins[r]));
     }
-    // SAFETY: as the caller promises (`row` whole blocks of `dtype`, the CPU's features).
-    unsafe { for_each_group(dtype, row, |g, wa, wb, dw| step(g, wa, wb, dw, &mut acc)) };
+    // SAFETY: as the caller promises (`row` whole blocks of `dtype`, the CPU's features;
+    // `records` R records per group, g one of them).
+    unsafe {
+        for_each_group(dtype, row, |g, wa, wb, dw| {
+            vnni_step(records, g, (wa, wb, dw), &mut acc)
+        })
+    };
     std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]))
 }
 
@@ -1360,11 +1361,7 @@ unsafe fn dot_vnni_4x4<B: Unpacked>(
                 // per block (the caller's promise).
                 unsafe {
                     let dm = rows[w].get_unchecked(kb).mins().unwrap_unchecked();
-                    let dm = _mm256_loadu_ps(dm.as_ptr());
-                    for (r, mins) in mins.iter_mut().enumerate() {
-                        let dx = _mm256_loadu_ps(dxs[r].as_ptr().add(8 * kb));
-                        *mins = _mm256_fmadd_ps(dm, dx, *mins);
-                    }
+                    q4_k_mins(_mm256_loadu_ps(dm.as_ptr()), dxs, kb, mins);
                 }
             }
         }
@@ -1500,15 +1497,44 @@ impl<T> UnpackedRows<T> {
         self.rows == 0
     }
 
-    /// Row `t` of the task's rows, if unpacked.
-    fn get(&self, t: usize) -> Option<&[T]> {
+    /// Row `t` of the task's rows.
+    fn row(&self, t: usize) -> &[T] {
         let per = self.blocks.len() / self.rows.max(1);
-        (t < self.rows).then(|| &self.blocks[t * per..(t + 1) * per])
+        &self.blocks[t * per..(t + 1) * per]
     }
+}
 
-    /// Rows `t..t + 4`, all unpacked (the caller's promise).
-    fn quad(&self, t: usize) -> [&[T]; WEIGHT_TILE] {
-        std::array::from_fn(|w| self.get(t + w).expect("a quad of unpacked rows"))
+#[cfg(target_arch = "x86_64")]
+impl<B: Unpacked> UnpackedRows<B> {
+    /// One tile of [`ROW_TILE`] activation rows (`records`, `dxs`) against every row: four at
+    /// a time ([`dot_vnni_4x4`]), then the rest one by one ([`dot_unpacked`]), each result to
+    /// `store(r, t, s)` (row `r` of the tile, row `t` of the task).
+    ///
+    /// # Safety
+    /// As [`dot_unpacked`]'s for every row.
+    unsafe fn tile(
+        &self,
+        records: &[Record],
+        dxs: [&[f32]; ROW_TILE],
+        store: impl Fn(usize, usize, f32),
+    ) {
+        let quads = self.rows - self.rows % WEIGHT_TILE;
+        for t in (0..quads).step_by(WEIGHT_TILE) {
+            // SAFETY: as the caller promises, for rows t..t + 4.
+            let s = unsafe { dot_vnni_4x4(std::array::from_fn(|w| self.row(t + w)), records, dxs) };
+            for (r, s) in s.into_iter().enumerate() {
+                for (w, s) in s.into_iter().enumerate() {
+                    store(r, t + w, s);
+                }
+            }
+        }
+        for t in quads..self.rows {
+            // SAFETY: as the caller promises, for row t.
+            let s = unsafe { dot_unpacked::<ROW_TILE, B>(self.row(t), records, dxs) };
+            for (r, s) in s.into_iter().enumerate() {
+                store(r, t, s);
+            }
+        }
     }
 }
 
@@ -1632,44 +1658,24 @@ fn product_on(
                         p.records(i, ROW_TILE),
                         std::array::from_fn(|r| p.dxs(i + r)),
                     );
-                    // Unpacked weight rows four at a time, then the rest one by one.
-                    let quads = if q4k.is_empty() && q6k.is_empty() && groups.is_empty() {
-                        0
-                    } else {
-                        js.len() / WEIGHT_TILE
-                    };
-                    for t in (0..quads).map(|q| q * WEIGHT_TILE) {
-                        // SAFETY: as below; rows t..t+4 of the task, each `k` values' blocks.
-                        let s = unsafe {
-                            if !q4k.is_empty() {
-                                dot_vnni_4x4(q4k.quad(t), recs, dxs)
-                            } else if !q6k.is_empty() {
-                                dot_vnni_4x4(q6k.quad(t), recs, dxs)
-                            } else {
-                                dot_vnni_4x4(groups.quad(t), recs, dxs)
+                    let put = |r: usize, t: usize, s: f32| store(i + r, js.start + t, s);
+                    // SAFETY: the CPU has the features (`kernel` is one it runs); the rows were
+                    // packed from `k` values, `w.row(j)` holds `k` values' blocks (and
+                    // `q4k`/`q6k`/`groups` those blocks unpacked).
+                    unsafe {
+                        if !q4k.is_empty() {
+                            q4k.tile(recs, dxs, put);
+                        } else if !q6k.is_empty() {
+                            q6k.tile(recs, dxs, put);
+                        } else if !groups.is_empty() {
+                            groups.tile(recs, dxs, put);
+                        } else {
+                            for j in js.clone() {
+                                let s = dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs);
+                                for (r, s) in s.into_iter().enumerate() {
+                                    store(i + r, j, s);
+                                }
                             }
-                        };
-                        for (r, s) in s.into_iter().enumerate() {
-                            for (w, s) in s.into_iter().enumerate() {
-                                store(i + r, js.start + t + w, s);
-                            }
-                        }
-                    }
-                    for j in js.start + quads * WEIGHT_TILE..js.end {
-                        // SAFETY: the CPU has the features (`kernel` is one it runs); the rows
-                        // were packed from `k` values, `w.row(j)` holds `k` values' blocks (and
-                        // `q4k`/`q6k`/`groups` those blocks unpacked).
-                        let s = unsafe {
-                            let t = j - js.start;
-                            match (q4k.get(t), q6k.get(t), groups.get(t)) {
-                                (Some(u), _, _) => dot_unpacked::<ROW_TILE, _>(u, recs, dxs),
-                                (_, Some(u), _) => dot_unpacked::<ROW_TILE, _>(u, recs, dxs),
-                                (_, _, Some(u)) => dot_unpacked::<ROW_TILE, _>(u, recs, dxs),
-                                _ => dot_vnni::<ROW_TILE>(dtype, w.row(j), recs, dxs),
-                            }
-                        };
-                        for (r, s) in s.into_iter().enumerate() {
-                            store(i + r, j, s);
                         }
                     }
                     i += ROW_TILE;
