@@ -716,7 +716,7 @@ fn q4_k_scales_mins(s: &[u8; 12]) -> (u64, u64) {
 /// summed in the same order for every `R`. Q4_K and Q6_K take a layout of their own
 /// ([`Q4kLanes`], [`Q6kLanes`]: a block's eight sub-blocks of 32 in two lanes each, one
 /// conversion and FMA per block and row); Q4_K's mins (`dm · d_x · Σ q_x`) accumulate in an
-/// eight-lane vector per row. The lane tables are made per call: LLVM folds them to constants.
+/// eight-lane vector per row. The lane tables are constants (`lane_registers!`).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C, AVX512F, AVX512BW and AVX512_VNNI; `row` holds whole blocks of
@@ -733,7 +733,7 @@ unsafe fn dot_vnni<const R: usize>(
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); R];
     if dtype == DType::Q6_K {
-        let lanes = Q6kLanes::new();
+        let lanes = Q6kLanes::LANES;
         let ahead = super::prefetch::distance();
         for (kb, b) in row.chunks_exact(DType::Q6_K.block_bytes()).enumerate() {
             super::prefetch::lines::<4>(b.as_ptr(), ahead);
@@ -746,7 +746,7 @@ unsafe fn dot_vnni<const R: usize>(
         return std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]));
     }
     if dtype == DType::Q4_K {
-        let lanes = Q4kLanes::new();
+        let lanes = Q4kLanes::LANES;
         let mut mins = [_mm256_setzero_ps(); R];
         let ahead = super::prefetch::distance();
         for (kb, b) in row.chunks_exact(DType::Q4_K.block_bytes()).enumerate() {
@@ -864,6 +864,30 @@ unsafe fn for_each_group(
     }
 }
 
+/// One block of every VNNI kernel: `vpdpbusd` of each weight register with its activation
+/// register from `seed`, in order, then `acc + float(Σ) · (dw · dx)`. Decode, prefill's lone
+/// rows and its tiles all step through here, so a row's result is the same bits in each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+fn block_step(
+    seed: std::arch::x86_64::__m512i,
+    w: &[std::arch::x86_64::__m512i],
+    x: &[std::arch::x86_64::__m512i],
+    dw: std::arch::x86_64::__m512,
+    dx: std::arch::x86_64::__m512,
+    acc: std::arch::x86_64::__m512,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(w.len(), x.len());
+    // A `for` loop, not `fold`: LLVM left `fold`'s closure out of line here, a call per block.
+    let mut dot = seed;
+    for (w, x) in w.iter().zip(x) {
+        dot = _mm512_dpbusd_epi32(dot, *w, *x);
+    }
+    _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc)
+}
+
 /// One group of four blocks of 32 (`wa`, `wb`: every block's first 16 values, then its second
 /// 16; `dw` the lanes' weight scales) against `R` activation rows' records of group `g`: two
 /// `vpdpbusd` leave each block's integer sum in four lanes, seeded with
@@ -892,12 +916,18 @@ unsafe fn vnni_step<const R: usize>(
         // promise); each record 128 values, 16 scales and 16 seeds.
         unsafe {
             let rec = records.get_unchecked(g * R + r);
-            let mut dot = _mm512_loadu_si512(rec.seed.as_ptr().cast());
             let x = rec.q.as_ptr();
-            dot = _mm512_dpbusd_epi32(dot, wa, _mm512_loadu_si512(x.cast()));
-            dot = _mm512_dpbusd_epi32(dot, wb, _mm512_loadu_si512(x.add(64).cast()));
-            let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(rec.dx.as_ptr()));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+            *acc = block_step(
+                _mm512_loadu_si512(rec.seed.as_ptr().cast()),
+                &[wa, wb],
+                &[
+                    _mm512_loadu_si512(x.cast()),
+                    _mm512_loadu_si512(x.add(64).cast()),
+                ],
+                dw,
+                _mm512_loadu_ps(rec.dx.as_ptr()),
+                *acc,
+            );
         }
     }
 }
@@ -937,14 +967,29 @@ unsafe fn group_unpack(dtype: DType, row: &[u8], out: &mut Vec<GroupBlock>) {
     };
 }
 
-/// A register of sixteen 32-bit lanes, lane `l` holding `f(l)`: the index and shift registers
-/// of [`Q4kLanes`] and [`Q6kLanes`].
+/// Registers of sixteen 32-bit lanes made at compile time, lane `l` of register `t` holding the
+/// expression: the index and shift registers of [`Q4kLanes`] and [`Q6kLanes`]. Constants, so
+/// no kernel builds them at run time whatever LLVM decides to inline into it (tables built by
+/// closures stayed out of line, a call per weight row, once `dot_vnni` grew).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn lane_register(f: &dyn Fn(i32) -> i32) -> std::arch::x86_64::__m512i {
-    let v: [i32; 16] = std::array::from_fn(|l| f(l as i32));
-    // SAFETY: 16 values.
-    unsafe { std::arch::x86_64::_mm512_loadu_si512(v.as_ptr().cast()) }
+macro_rules! lane_registers {
+    ($n:literal, |$l:ident, $t:ident| $e:expr) => {{
+        let mut v = [[0i32; 16]; $n];
+        let mut $t = 0i32;
+        while $t < $n {
+            let mut $l = 0i32;
+            while $l < 16 {
+                v[$t as usize][$l as usize] = $e;
+                $l += 1;
+            }
+            $t += 1;
+        }
+        // SAFETY: sixteen i32 are one 512-bit register's 64 bytes; every bit pattern is valid.
+        unsafe { std::mem::transmute::<[[i32; 16]; $n], [std::arch::x86_64::__m512i; $n]>(v) }
+    }};
+    (|$l:ident| $e:expr) => {
+        lane_registers!(1, |$l, _t| $e)[0]
+    };
 }
 
 /// Q4_K for [`dot_vnni`]: one block (256 values, eight sub-blocks of 32) in four registers
@@ -952,7 +997,7 @@ fn lane_register(f: &dyn Fn(i32) -> i32) -> std::arch::x86_64::__m512i {
 /// — so four `vpdpbusd` leave each sub-block's sum in two lanes (its halves), and one
 /// conversion, one scale product and one FMA per block and row take the whole block, where
 /// four blocks of 32 a register took two of each per four sub-blocks. The index and shift
-/// registers that make that layout from the stored nibbles, made once per call.
+/// registers that make that layout from the stored nibbles, compile-time constants.
 #[cfg(target_arch = "x86_64")]
 struct Q4kLanes {
     /// Per register `t`: lane `L = 4i + 2h + e` takes dword `8i + 4e + t` of the 128 bytes of
@@ -966,14 +1011,11 @@ struct Q4kLanes {
 
 #[cfg(target_arch = "x86_64")]
 impl Q4kLanes {
-    #[target_feature(enable = "avx512f")]
-    fn new() -> Self {
-        Q4kLanes {
-            idx: std::array::from_fn(|t| lane_register(&|l| 8 * (l / 4) + 4 * (l % 2) + t as i32)),
-            shift: lane_register(&|l| 4 * ((l / 2) % 2)),
-            spread: lane_register(&|l| l / 2),
-        }
-    }
+    const LANES: Self = Q4kLanes {
+        idx: lane_registers!(4, |l, t| 8 * (l / 4) + 4 * (l % 2) + t),
+        shift: lane_registers!(|l| 4 * ((l / 2) % 2)),
+        spread: lane_registers!(|l| l / 2),
+    };
 
     /// Block `b` (144 bytes) as its four registers, its lanes' `d · sc` and its eight
     /// sub-blocks' `dmin · m`.
@@ -1033,22 +1075,27 @@ struct Q6kLanes {
 
 #[cfg(target_arch = "x86_64")]
 impl Q6kLanes {
-    #[target_feature(enable = "avx512f")]
-    fn new() -> Self {
-        // Lane L: sub-block j = L / 2 (half n = j / 4 of the block, quarter q = j % 4 of it),
-        // half e = L % 2 of the sub-block. Value 16e + 4t + i of sub-block j is stored in `ql`
-        // byte 64n + 32(q % 2) + 16e + 4t + i (nibble q / 2) and `qh` byte 32n + 16e + 4t + i
-        // (bits 2q, 2q + 1).
-        let (n, q, e) = (|l: i32| l / 8, |l: i32| (l / 2) % 4, |l: i32| l % 2);
-        Q6kLanes {
-            low: std::array::from_fn(|t| {
-                lane_register(&|l| 16 * n(l) + 8 * (q(l) % 2) + 4 * e(l) + t as i32)
-            }),
-            high: std::array::from_fn(|t| lane_register(&|l| 8 * n(l) + 4 * e(l) + t as i32)),
-            low_shift: lane_register(&|l| 4 * (q(l) / 2)),
-            high_shift: lane_register(&|l| 2 * q(l)),
+    // Lane L: sub-block j = L / 2 (half n = j / 4 of the block, quarter q = j % 4 of it), half
+    // e = L % 2 of the sub-block. Value 16e + 4t + i of sub-block j is stored in `ql` byte
+    // 64n + 32(q % 2) + 16e + 4t + i (nibble q / 2) and `qh` byte 32n + 16e + 4t + i (bits 2q,
+    // 2q + 1).
+    const LANES: Self = {
+        const fn n(l: i32) -> i32 {
+            l / 8
         }
-    }
+        const fn q(l: i32) -> i32 {
+            (l / 2) % 4
+        }
+        const fn e(l: i32) -> i32 {
+            l % 2
+        }
+        Q6kLanes {
+            low: lane_registers!(4, |l, t| 16 * n(l) + 8 * (q(l) % 2) + 4 * e(l) + t),
+            high: lane_registers!(4, |l, t| 8 * n(l) + 4 * e(l) + t),
+            low_shift: lane_registers!(|l| 4 * (q(l) / 2)),
+            high_shift: lane_registers!(|l| 2 * q(l)),
+        }
+    };
 
     /// Block `b` (210 bytes) as its four registers and its lanes' `d · sc`.
     ///
@@ -1121,12 +1168,8 @@ unsafe fn pairs_step<const R: usize>(
             let x = |rec: &Record, half: usize| {
                 _mm512_loadu_si512(rec.q.as_ptr().add(64 * half).cast())
             };
-            let dot = _mm512_dpbusd_epi32(seed, w[0], x(a, 0));
-            let dot = _mm512_dpbusd_epi32(dot, w[1], x(a, 1));
-            let dot = _mm512_dpbusd_epi32(dot, w[2], x(b, 0));
-            let dot = _mm512_dpbusd_epi32(dot, w[3], x(b, 1));
-            let scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a.dx.as_ptr()));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+            let xs = [x(a, 0), x(a, 1), x(b, 0), x(b, 1)];
+            *acc = block_step(seed, w, &xs, dw, _mm512_loadu_ps(a.dx.as_ptr()), *acc);
         }
     }
 }
@@ -1174,7 +1217,7 @@ struct Q4kBlock {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
 unsafe fn q4_k_unpack(row: &[u8], out: &mut Vec<Q4kBlock>) {
     use std::arch::x86_64::*;
-    let lanes = Q4kLanes::new();
+    let lanes = Q4kLanes::LANES;
     let ahead = super::prefetch::distance();
     for b in row.chunks_exact(DType::Q4_K.block_bytes()) {
         super::prefetch::lines::<3>(b.as_ptr(), ahead);
@@ -1270,21 +1313,21 @@ unsafe fn dot_unpacked<const R: usize, B: Unpacked>(
             // groups (the caller's promise); `regs` holds B::REGS registers.
             unsafe {
                 let rec = |t: usize| records.get_unchecked((base + t / 2) * R + r);
-                let mut dot = if B::SEEDED {
+                let seed = if B::SEEDED {
                     _mm512_loadu_si512(rec(0).seed.as_ptr().cast())
                 } else {
                     _mm512_setzero_si512()
                 };
-                for t in 0..B::REGS {
-                    let x = _mm512_loadu_si512(rec(t).q.as_ptr().add(64 * (t % 2)).cast());
-                    let w = _mm512_loadu_si512(regs.get_unchecked(t).as_ptr().cast());
-                    dot = _mm512_dpbusd_epi32(dot, w, x);
-                }
-                let scale = _mm512_mul_ps(
+                let x = activation_registers::<B>(rec);
+                let w = weight_registers::<B>(regs);
+                *acc = block_step(
+                    seed,
+                    &w[..B::REGS],
+                    &x[..B::REGS],
                     _mm512_loadu_ps(dw.as_ptr()),
                     _mm512_loadu_ps(rec(0).dx.as_ptr()),
+                    *acc,
                 );
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
             }
         }
         if let Some(dm) = u.mins() {
@@ -1296,6 +1339,47 @@ unsafe fn dot_unpacked<const R: usize, B: Unpacked>(
     std::array::from_fn(|r| {
         let sum = _mm512_reduce_add_ps(acc[r]);
         if has_mins { sum - hsum(mins[r]) } else { sum }
+    })
+}
+
+/// An unpacked block's weight registers, the first `B::REGS` of four (the rest zero).
+///
+/// # Safety
+/// The CPU has AVX512F; `regs` holds `B::REGS` registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn weight_registers<B: Unpacked>(regs: &[[u8; 64]]) -> [std::arch::x86_64::__m512i; 4] {
+    use std::arch::x86_64::*;
+    // SAFETY: register t < B::REGS is in `regs` (the caller's promise).
+    std::array::from_fn(|t| unsafe {
+        if t < B::REGS {
+            _mm512_loadu_si512(regs.get_unchecked(t).as_ptr().cast())
+        } else {
+            _mm512_setzero_si512()
+        }
+    })
+}
+
+/// The activation registers a block of `B` pairs with: register `t` is half `t % 2` of record
+/// `rec(t)` (records `t / 2` of the block's groups), the first `B::REGS` of four.
+///
+/// # Safety
+/// The CPU has AVX512F; `rec(t)` is a valid record for each `t < B::REGS`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn activation_registers<'a, B: Unpacked>(
+    rec: impl Fn(usize) -> &'a Record,
+) -> [std::arch::x86_64::__m512i; 4] {
+    use std::arch::x86_64::*;
+    // SAFETY: each record holds 128 values, so either half is one load.
+    std::array::from_fn(|t| unsafe {
+        if t < B::REGS {
+            _mm512_loadu_si512(rec(t).q.as_ptr().add(64 * (t % 2)).cast())
+        } else {
+            _mm512_setzero_si512()
+        }
     })
 }
 
@@ -1326,13 +1410,7 @@ unsafe fn dot_vnni_4x4<B: Unpacked>(
             // block's groups; every row of `rows` holds `blocks` blocks (the caller's promise).
             unsafe {
                 let rec = |t: usize| records.get_unchecked((base + t / 2) * ROW_TILE + r);
-                let x: [__m512i; 4] = std::array::from_fn(|t| {
-                    if t < B::REGS {
-                        _mm512_loadu_si512(rec(t).q.as_ptr().add(64 * (t % 2)).cast())
-                    } else {
-                        _mm512_setzero_si512()
-                    }
-                });
+                let x = activation_registers::<B>(rec);
                 let dx = _mm512_loadu_ps(rec(0).dx.as_ptr());
                 let seed = if B::SEEDED {
                     _mm512_loadu_si512(rec(0).seed.as_ptr().cast())
@@ -1341,13 +1419,9 @@ unsafe fn dot_vnni_4x4<B: Unpacked>(
                 };
                 for (w, acc) in acc.iter_mut().enumerate() {
                     let (regs, dw) = rows[w].get_unchecked(kb).registers();
-                    let mut dot = seed;
-                    for (t, x) in x.iter().enumerate().take(B::REGS) {
-                        let wt = _mm512_loadu_si512(regs.get_unchecked(t).as_ptr().cast());
-                        dot = _mm512_dpbusd_epi32(dot, wt, *x);
-                    }
-                    let scale = _mm512_mul_ps(_mm512_loadu_ps(dw.as_ptr()), dx);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                    let wt = weight_registers::<B>(regs);
+                    let dw = _mm512_loadu_ps(dw.as_ptr());
+                    acc[r] = block_step(seed, &wt[..B::REGS], &x[..B::REGS], dw, dx, acc[r]);
                 }
             }
         }
@@ -1455,7 +1529,7 @@ struct Q6kBlock {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
 unsafe fn q6_k_unpack(row: &[u8], out: &mut Vec<Q6kBlock>) {
     use std::arch::x86_64::*;
-    let lanes = Q6kLanes::new();
+    let lanes = Q6kLanes::LANES;
     let ahead = super::prefetch::distance();
     for b in row.chunks_exact(DType::Q6_K.block_bytes()) {
         super::prefetch::lines::<4>(b.as_ptr(), ahead);
