@@ -179,7 +179,7 @@ pub fn load(name: String, loader: ChatLoader, limits: &Limits) -> Load<Box<dyn C
 struct Seq {
     events: UnboundedSender<Event>,
     arrived: Instant,
-    /// When its first text was sent.
+    /// When its first text was sent (the time to the first token, unless its end comes first).
     first: Option<Instant>,
     prompt_tokens: usize,
     span: tracing::Span,
@@ -320,6 +320,11 @@ fn route(
             let Some(s) = running.remove(&conv) else {
                 return Control::Continue;
             };
+            // A reply whose tokens made no text before its end (one token that is part of a
+            // character, or an end token first) had its first token in this step.
+            if s.first.is_none() {
+                metrics.chat_first_token(s.arrived.elapsed().as_secs_f64());
+            }
             let rate = s.first.filter(|_| reply.completion_tokens > 1).map(|f| {
                 (reply.completion_tokens - 1) as f64 / f.elapsed().as_secs_f64().max(1e-9)
             });
@@ -416,6 +421,65 @@ mod tests {
         q.close();
         assert!(q.take(8, true).is_none());
         assert!(q.push(job(1).0).is_err());
+    }
+
+    /// A reply that ends before any of its text (one token, part of a character) still counts
+    /// its time to the first token, once; one that sent text counts it at that text alone.
+    #[test]
+    fn a_reply_without_text_counts_its_first_token_at_its_end() {
+        let metrics = Metrics::new();
+        let count = |m: &Metrics| {
+            let text = m.encode().unwrap();
+            text.lines()
+                .find_map(|l| l.strip_prefix("tessera_chat_time_to_first_token_seconds_count "))
+                .map(|v| v.trim().to_string())
+        };
+        let reply = || ChatReply {
+            text: String::new(),
+            tokens: vec![7],
+            prompt_tokens: 3,
+            cached_tokens: 0,
+            completion_tokens: 1,
+            finish: Finish::Length,
+        };
+        let mut running = HashMap::new();
+        let (mut ended, mut finals) = (Vec::new(), Vec::new());
+        let (tx, _rx) = unbounded_channel();
+        let seq = |events| Seq {
+            events,
+            arrived: Instant::now(),
+            first: None,
+            prompt_tokens: 3,
+            span: tracing::Span::none(),
+        };
+        running.insert(1, seq(tx.clone()));
+        route(
+            &mut running,
+            &mut ended,
+            &mut finals,
+            &metrics,
+            1,
+            ChatEvent::Done(reply()),
+        );
+        assert_eq!(count(&metrics).as_deref(), Some("1"));
+        running.insert(2, seq(tx));
+        route(
+            &mut running,
+            &mut ended,
+            &mut finals,
+            &metrics,
+            2,
+            ChatEvent::Text("a"),
+        );
+        route(
+            &mut running,
+            &mut ended,
+            &mut finals,
+            &metrics,
+            2,
+            ChatEvent::Done(reply()),
+        );
+        assert_eq!(count(&metrics).as_deref(), Some("2"));
     }
 
     /// A model whose replies never produce text nor end: only the client's going away ends them.

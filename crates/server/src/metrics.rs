@@ -236,7 +236,7 @@ impl Metrics {
         );
         r.register(
             "chat_time_to_first_token_seconds",
-            "Chat requests from arrival to the first text of the reply",
+            "Chat requests from arrival to the first token of the reply (its first text, or its end where no text came before)",
             self.chat_first_token_seconds.clone(),
         );
         r.register(
