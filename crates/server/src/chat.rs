@@ -452,34 +452,16 @@ mod tests {
             prompt_tokens: 3,
             span: tracing::Span::none(),
         };
-        running.insert(1, seq(tx.clone()));
-        route(
-            &mut running,
-            &mut ended,
-            &mut finals,
-            &metrics,
-            1,
-            ChatEvent::Done(reply()),
-        );
-        assert_eq!(count(&metrics).as_deref(), Some("1"));
-        running.insert(2, seq(tx));
-        route(
-            &mut running,
-            &mut ended,
-            &mut finals,
-            &metrics,
-            2,
-            ChatEvent::Text("a"),
-        );
-        route(
-            &mut running,
-            &mut ended,
-            &mut finals,
-            &metrics,
-            2,
-            ChatEvent::Done(reply()),
-        );
-        assert_eq!(count(&metrics).as_deref(), Some("2"));
+        for (conv, events) in [
+            (1, vec![ChatEvent::Done(reply())]),
+            (2, vec![ChatEvent::Text("a"), ChatEvent::Done(reply())]),
+        ] {
+            running.insert(conv, seq(tx.clone()));
+            for ev in events {
+                route(&mut running, &mut ended, &mut finals, &metrics, conv, ev);
+            }
+            assert_eq!(count(&metrics), Some(conv.to_string()), "reply {conv}");
+        }
     }
 
     /// A model whose replies never produce text nor end: only the client's going away ends them.
