@@ -7,8 +7,14 @@
 #   RUNS (3), NEW (128), ITERS (3): processes, `bench chat --new-tokens`, `--iters`
 #   HISTORY ("200 2000 4000"), FOLLOW_N (9): the follow-up's history sizes and conversations
 #   BIG=0: skip the 1.6B part; DEADLINE (480): seconds after which no part starts
-# Writes under $OUT/serving/ and prints one table per part.
-# Build first: PACK=1 TESTS=lfm2vl_cuda tools/device/stage.sh
+#   REF=1: then transformers' static cache + torch.compile on the same shapes, in the same call
+#     (refbench_qi21_lfm2vl.sh's lfm450s, and lfm16s with BIG=1; its own random weights), as
+#     issue 28's table asks; REF_DEADLINE (300) seconds for it
+# Writes under $OUT/serving/, prints one table per part, and leaves everything in
+# $OUT/serving.tgz too (the device tool brings back at most 8 files).
+# Build first: PACK=1 TESTS=lfm2vl_cuda tools/device/stage.sh; with REF=1 the reference's
+# packages must fit beside the tree: PACK=1 TESTS="" SITE=transformers tools/device/stage.sh,
+# then carry .dev/pack and .dev/tools (the staged reference scripts).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; D=$OUT/serving; mkdir -p "$D"
@@ -71,4 +77,14 @@ if [ "$BIG" = 1 ] && time_left "1.6B"; then
     status=1
   fi
 fi
+if [ "${REF:-0}" = 1 ] && time_left "the compiled reference"; then
+  . tools/device/pysite.sh
+  pysite || { echo "reference packages: install failed"; status=1; }
+  parts="lfm450s"; [ "$BIG" = 1 ] && parts="lfm450s lfm16s"
+  OUT=$D/ref DEADLINE=${REF_DEADLINE:-300} PARTS=$parts \
+    bash .dev/tools/refbench_qi21_lfm2vl.sh > "$D/ref.log" 2>&1 || status=1
+  echo "== transformers, static cache + torch.compile (same call)"
+  sed -n '/=== SUMMARY/,$p' "$D/ref.log" | grep -E "SUMMARY|decode|vision|FAILED|SKIP|EXIT"
+fi
+tar czf "$OUT/serving.tgz" -C "$D" .
 exit $status

@@ -11,7 +11,9 @@ cp target/release/tessera .dev/bin/
 # Test executables (release, so parity runs at speed); cargo prints their paths as JSON.
 # TESTS picks the GPU test executables (default all); the carried tree must stay under 64 MiB, so
 # a run of one family stages only its own: TESTS="cuda_ops zimage_cuda" tools/device/stage.sh
-TESTS=${TESTS:-cuda_ops egemma2_cuda zimage_cuda}
+# TESTS="" stages the `tessera` binary alone (a run that needs no test executable, e.g. a serving
+# benchmark beside the reference: lfm2vl_serving.sh REF=1).
+TESTS=${TESTS-cuda_ops egemma2_cuda zimage_cuda}
 rm -f .dev/bin/cuda_ops .dev/bin/egemma2_cuda .dev/bin/zimage_cuda .dev/bin/lfm2vl_cuda .dev/bin/qwen_image_cuda
 for t in $TESTS; do
   case $t in
@@ -52,7 +54,12 @@ if [ "${PACK:-0}" = 1 ]; then
   # The wheels unpacked, as one archive (tools/device/pysite.sh installs it): zip compresses each
   # file alone, xz the whole tree, 6 MB where the wheels take 21 MB. Carry .dev/pack alone then.
   rm -rf .dev/site && mkdir -p .dev/site
-  for w in .dev/whl/*.whl; do python3 -m zipfile -e "$w" .dev/site; done
+  # SITE=transformers leaves diffusers out (1.8 MB less packed): what LFM2-VL's and
+  # EmbeddingGemma 2's references need, when the carried tree is near its 64 MiB.
+  for w in .dev/whl/*.whl; do
+    case "${SITE:-all}:$w" in transformers:*diffusers-*) continue ;; esac
+    python3 -m zipfile -e "$w" .dev/site
+  done
   tar -C .dev/site -cf - . | xz -9 -T0 > .dev/pack/site.tar.xz && rm -rf .dev/site
 fi
 du -sh .dev
