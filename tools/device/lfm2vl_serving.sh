@@ -6,6 +6,10 @@
 # one-stream decode where time is left.
 #   RUNS (3), NEW (128), ITERS (3): processes, `bench chat --new-tokens`, `--iters`
 #   HISTORY ("200 2000 4000"), FOLLOW_N (9): the follow-up's history sizes and conversations
+#   over HTTP; FOLLOW_BENCH ("200,2000,4000"): the same turn timed inside `bench chat`
+#   (`--follow-up`: the device step alone, no HTTP), in every decode run
+#   PROFILE=1: one follow-up turn after 2,000 tokens under TESSERA_PROFILE=kernels
+#     ($D/prof_follow.txt: where the step's time goes)
 #   BIG=0: skip the 1.6B part; DEADLINE (480): seconds after which no part starts
 #   REF=1: then transformers' static cache + torch.compile on the same shapes, in the same call
 #     (refbench_qi21_lfm2vl.sh's lfm450s, and lfm16s with BIG=1; its own random weights), as
@@ -19,6 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; D=$OUT/serving; mkdir -p "$D"
 RUNS=${RUNS:-3} NEW=${NEW:-128} ITERS=${ITERS:-3} HISTORY=${HISTORY:-"200 2000 4000"}
+FOLLOW_BENCH=${FOLLOW_BENCH:-200,2000,4000}
 FOLLOW_N=${FOLLOW_N:-9} BIG=${BIG:-1} DEADLINE=${DEADLINE:-480}
 export TESSERA_CACHE_DIR=/tmp/tessera-cache TESSERA_ROOT=$PWD
 if [ -f .dev/pack/bin.tar.xz ] && [ ! -x .dev/bin/tessera ]; then tar -C .dev -xJf .dev/pack/bin.tar.xz; fi
@@ -41,8 +46,15 @@ ensure /tmp/lfm2full || exit 1
 for r in $(seq "$RUNS"); do
   timeout 120 .dev/bin/tessera bench chat --model /tmp/lfm2full --device cuda --precision bf16 \
     --images 512x512 --prefill 64 --batch 1,8,32 --new-tokens "$NEW" --iters "$ITERS" \
-    > "$D/decode_run$r.jsonl" 2> "$D/decode_run$r.err" || status=1
+    --follow-up "$FOLLOW_BENCH" > "$D/decode_run$r.jsonl" 2> "$D/decode_run$r.err" || status=1
 done
+echo "== follow-up turn inside bench chat (20 new tokens after the history; ms, one line a run)"
+grep -h '"what":"follow-up"' "$D"/decode_run*.jsonl
+if [ "${PROFILE:-0}" = 1 ]; then
+  TESSERA_PROFILE=kernels timeout 60 .dev/bin/tessera bench chat --model /tmp/lfm2full --device cuda \
+    --precision bf16 --images 64x64 --prefill 8 --batch 1 --new-tokens 2 --iters 1 --follow-up 2000 \
+    > "$D/prof_follow.txt" 2>&1 || status=1
+fi
 python3 - "$D" "$RUNS" <<'PY' | tee "$D/decode.txt"
 import json, sys
 d, runs = sys.argv[1], int(sys.argv[2])

@@ -821,7 +821,7 @@ fn bench_denormals_times_both_workloads_and_fails_past_its_bound() {
 }
 
 #[test]
-fn bench_chat_times_the_image_prompt_its_encoder_alone_prefill_and_decoding() {
+fn bench_chat_times_the_image_prompt_its_encoder_alone_prefill_follow_ups_and_decoding() {
     let (s, lines) = json_lines(&[
         "bench",
         "chat",
@@ -833,6 +833,8 @@ fn bench_chat_times_the_image_prompt_its_encoder_alone_prefill_and_decoding() {
         "1,2",
         "--new-tokens",
         "2",
+        "--follow-up",
+        "30,100",
         "--iters",
         "2",
     ]);
@@ -844,11 +846,20 @@ fn bench_chat_times_the_image_prompt_its_encoder_alone_prefill_and_decoding() {
             "image prompt",
             "image encoder",
             "prefill",
+            "follow-up",
+            "follow-up",
             "decode",
             "decode"
         ],
         "{s}"
     );
+    // A follow-up prefills only what its history lacks: the whole history came from the cache.
+    for (l, history) in lines[4..6].iter().zip([30, 100]) {
+        assert_eq!(l["history"], history, "{l}");
+        assert_eq!(l["cached_tokens"], history, "{l}");
+        assert_eq!(l["new_tokens"], 20, "{l}");
+        assert!(l["ms"].as_f64().unwrap() > 0.0, "{l}");
+    }
     let prompt = &lines[1];
     assert!(prompt["prompt_tokens"].as_u64().unwrap() > 8, "{prompt}");
     assert!(prompt["preprocess_ms"].as_f64().unwrap() > 0.0, "{prompt}");

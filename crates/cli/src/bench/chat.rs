@@ -1,6 +1,6 @@
 //! `tessera bench chat`: LFM2-VL on one loaded model — an image's prompt (preprocessing, then the
 //! tower, projector and prefill of its tokens; then the tower and projector alone), a text
-//! prefill of N tokens, and decoding at batch
+//! prefill of N tokens, a follow-up turn after a cached history (`--follow-up`), and decoding at batch
 //! sizes B (B conversations stepping together, as the server's continuous batching runs them).
 //! Each timing is the median of `--iters` runs after a warm-up, the device synchronised by the
 //! logits read back every step. One JSON line per measurement on stdout.
@@ -44,6 +44,12 @@ pub struct ChatBench {
     /// Prompt tokens of each decoding sequence.
     #[arg(long, default_value_t = 64)]
     prompt_tokens: usize,
+    /// Histories (in tokens) after which a follow-up turn is timed: the conversation's first turn
+    /// prefills HISTORY tokens and answers one token; the follow-up sends that history, the reply
+    /// and 20 new tokens, so its first step prefills the 21 the cache lacks (what a chat client
+    /// re-sending a growing conversation costs, without HTTP). None by default.
+    #[arg(long = "follow-up", value_delimiter = ',')]
+    follow_up: Vec<usize>,
     /// How the decode runs choose tokens: the model's defaults (its generation_config.json,
     /// greedy when it has none, as a server request gets them) with these flags over them.
     /// Greedy runs may pick on the device; the others draw on the host from the logits.
@@ -55,6 +61,9 @@ pub struct ChatBench {
     #[command(flatten)]
     device: DeviceArgs,
 }
+
+/// New tokens a timed follow-up turn adds after its history and the reply.
+const FOLLOW_UP_NEW: usize = 20;
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -141,6 +150,7 @@ pub fn run(b: ChatBench) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(b.prompt_tokens + b.new_tokens)
+        .max(b.follow_up.iter().copied().max().unwrap_or(0) + FOLLOW_UP_NEW + 2)
         + 8;
     let slots = b.batch.iter().copied().max().unwrap_or(1).max(1);
     // Every prompt prefilled in the first step, which is what the prefill figures time.
@@ -230,6 +240,55 @@ pub fn run(b: ChatBench) -> Result<()> {
         outln!(
             "{}",
             serde_json::json!({"bench": "chat", "what": "prefill", "tokens": n, "ms": t, "tokens_per_s": n as f64 / t * 1e3, "device": device})
+        )?;
+    }
+    for &history in &b.follow_up {
+        let (mut times, mut cached) = (Vec::new(), 0);
+        for it in 0..=b.iters {
+            let first = text_prompt(history, &mut rng);
+            let mut reply = Vec::new();
+            m.begin(0, first.clone(), &greedy(1))?;
+            while m.step(&mut |_, ev| {
+                if let ChatEvent::Done(r) = ev {
+                    reply = r.tokens;
+                }
+                Control::Continue
+            })? > 0
+            {}
+            let mut ids = first.ids;
+            ids.extend(reply);
+            ids.extend(
+                text_prompt(FOLLOW_UP_NEW + 1, &mut rng)
+                    .ids
+                    .into_iter()
+                    .skip(1),
+            );
+            let follow = ChatPrompt {
+                ids,
+                ..ChatPrompt::default()
+            };
+            m.begin(0, follow, &greedy(1))?;
+            let t = Instant::now();
+            let mut left = m.step(&mut |_, ev| {
+                if let ChatEvent::Done(r) = ev {
+                    cached = r.cached_tokens;
+                }
+                Control::Continue
+            })?;
+            let took = t.elapsed();
+            while left > 0 {
+                left = m.step(&mut |_, _| Control::Continue)?;
+            }
+            m.end(0);
+            if it > 0 {
+                times.push(ms(took));
+            }
+        }
+        let (lo, hi) = spread(&times);
+        outln!(
+            "{}",
+            serde_json::json!({"bench": "chat", "what": "follow-up", "history": history, "new_tokens": FOLLOW_UP_NEW,
+                "cached_tokens": cached, "ms": median(times), "min_ms": lo, "max_ms": hi, "device": device})
         )?;
     }
     let decoding = GenerationParams {
