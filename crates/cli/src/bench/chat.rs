@@ -13,7 +13,7 @@ use tessera_models::chat_family::CacheShape;
 use tessera_models::chat_family::ChatPrompt;
 use tessera_models::chat_template::{Message, Part};
 use tessera_models::imageproc::Image;
-use tessera_runtime::chat::{self, Chat, ChatEvent, ChatOptions, GenerationParams};
+use tessera_runtime::chat::{self, Chat, ChatEvent, ChatOptions, ChatReply, GenerationParams};
 use tessera_runtime::decode::{Control, SamplingParams};
 use tessera_runtime::family::Capability;
 
@@ -105,33 +105,43 @@ fn text_prompt(n: usize, rng: &mut XorShift) -> ChatPrompt {
     }
 }
 
-/// Begin every prompt, then step until all end; the time of the first step (the prefill) and of
-/// the rest, and tokens decoded after the first.
-fn run_all(
-    m: &mut dyn Chat,
-    prompts: Vec<ChatPrompt>,
-    params: &GenerationParams,
-) -> Result<(Duration, Duration, usize)> {
+/// What [`run_all`] timed: its first step (the prefill) and the rest, the steps after the
+/// first, and the replies as they ended.
+struct Timed {
+    first: Duration,
+    rest: Duration,
+    steps_after: usize,
+    replies: Vec<ChatReply>,
+}
+
+/// Begin every prompt, then step until all end.
+fn run_all(m: &mut dyn Chat, prompts: Vec<ChatPrompt>, params: &GenerationParams) -> Result<Timed> {
     for (i, p) in prompts.into_iter().enumerate() {
         m.begin(i as u64, p, params)?;
     }
-    let mut tokens = 0;
-    let mut count = |_, ev: ChatEvent<'_>| {
+    let mut replies = Vec::new();
+    let mut collect = |_, ev: ChatEvent<'_>| {
         if let ChatEvent::Done(r) = ev {
-            tokens += r.completion_tokens;
+            replies.push(r);
         }
         Control::Continue
     };
     let t0 = Instant::now();
-    let mut left = m.step(&mut count)?;
+    let mut left = m.step(&mut collect)?;
     let first = t0.elapsed();
     let t1 = Instant::now();
     let mut steps_after = 0;
     while left > 0 {
-        left = m.step(&mut count)?;
+        left = m.step(&mut collect)?;
         steps_after += 1;
     }
-    Ok((first, t1.elapsed(), steps_after))
+    let rest = t1.elapsed();
+    Ok(Timed {
+        first,
+        rest,
+        steps_after,
+        replies,
+    })
 }
 
 pub fn run(b: ChatBench) -> Result<()> {
@@ -197,7 +207,7 @@ pub fn run(b: ChatBench) -> Result<()> {
             let p = m.prompt(&msgs, std::slice::from_ref(&img))?;
             let pt = t.elapsed();
             tokens = p.ids.len();
-            let (first, _, _) = run_all(m.as_mut(), vec![p], &greedy(1))?;
+            let first = run_all(m.as_mut(), vec![p], &greedy(1))?.first;
             m.end(0);
             if it > 0 {
                 prep.push(ms(pt));
@@ -230,7 +240,7 @@ pub fn run(b: ChatBench) -> Result<()> {
     for &n in &b.prefill {
         let mut times = Vec::new();
         for it in 0..=b.iters {
-            let (first, _, _) = run_all(m.as_mut(), vec![text_prompt(n, &mut rng)], &greedy(1))?;
+            let first = run_all(m.as_mut(), vec![text_prompt(n, &mut rng)], &greedy(1))?.first;
             m.end(0);
             if it > 0 {
                 times.push(ms(first));
@@ -246,17 +256,9 @@ pub fn run(b: ChatBench) -> Result<()> {
         let (mut times, mut cached) = (Vec::new(), 0);
         for it in 0..=b.iters {
             let first = text_prompt(history, &mut rng);
-            let mut reply = Vec::new();
-            m.begin(0, first.clone(), &greedy(1))?;
-            while m.step(&mut |_, ev| {
-                if let ChatEvent::Done(r) = ev {
-                    reply = r.tokens;
-                }
-                Control::Continue
-            })? > 0
-            {}
+            let reply = run_all(m.as_mut(), vec![first.clone()], &greedy(1))?.replies;
             let mut ids = first.ids;
-            ids.extend(reply);
+            ids.extend(reply.into_iter().flat_map(|r| r.tokens));
             ids.extend(
                 text_prompt(FOLLOW_UP_NEW + 1, &mut rng)
                     .ids
@@ -267,18 +269,10 @@ pub fn run(b: ChatBench) -> Result<()> {
                 ids,
                 ..ChatPrompt::default()
             };
-            m.begin(0, follow, &greedy(1))?;
-            let t = Instant::now();
-            let mut left = m.step(&mut |_, ev| {
-                if let ChatEvent::Done(r) = ev {
-                    cached = r.cached_tokens;
-                }
-                Control::Continue
-            })?;
-            let took = t.elapsed();
-            while left > 0 {
-                left = m.step(&mut |_, _| Control::Continue)?;
-            }
+            // The follow-up continues conversation 0's slot, its history cached.
+            let timed = run_all(m.as_mut(), vec![follow], &greedy(1))?;
+            let took = timed.first;
+            cached = timed.replies.first().map_or(0, |r| r.cached_tokens);
             m.end(0);
             if it > 0 {
                 times.push(ms(took));
@@ -304,7 +298,12 @@ pub fn run(b: ChatBench) -> Result<()> {
             let prompts = (0..batch)
                 .map(|_| text_prompt(b.prompt_tokens, &mut rng))
                 .collect();
-            let (first, rest, steps) = run_all(m.as_mut(), prompts, &decoding)?;
+            let Timed {
+                first,
+                rest,
+                steps_after: steps,
+                ..
+            } = run_all(m.as_mut(), prompts, &decoding)?;
             for c in 0..batch as u64 {
                 m.end(c);
             }
